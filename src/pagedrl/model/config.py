@@ -1,0 +1,207 @@
+"""Model configuration: a Hugging Face `config.json` read into one typed dataclass.
+
+Every supported family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) is the same decoder
+with a few switches, so one dataclass holds them all; the switches are derived from the
+`architectures` entry and the fields that family publishes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config.json that pagedrl cannot build a model from; the message names file and field."""
+
+
+# architectures entry -> (model_type, q/k/v bias by default, q/k RMSNorm)
+ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
+    "LlamaForCausalLM": ("llama", False, False),
+    "MistralForCausalLM": ("mistral", False, False),
+    "Qwen2ForCausalLM": ("qwen2", True, False),
+    "Qwen3ForCausalLM": ("qwen3", False, True),
+}
+# Roles built on the same backbone; the suffix tells which head sits on top.
+REWARD_ARCHITECTURE_SUFFIX = "ForSequenceClassification"
+
+
+@dataclass
+class ModelConfig:
+    """What the decoder needs to know; field names are Hugging Face's."""
+
+    architecture: str = "LlamaForCausalLM"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    torch_dtype: str = "float32"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_type(self) -> str:
+        return ARCHITECTURES[self.base_architecture][0]
+
+    @property
+    def base_architecture(self) -> str:
+        """The causal-LM architecture under any head (reward models share the backbone)."""
+        if self.architecture.endswith(REWARD_ARCHITECTURE_SUFFIX):
+            return self.architecture.replace(REWARD_ARCHITECTURE_SUFFIX, "ForCausalLM")
+        return self.architecture
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence the engine serves: the context, or the sliding window if smaller."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ConfigError(f"{source}: field 'architectures' is missing or empty")
+        arch = archs[0]
+        base = arch.replace(REWARD_ARCHITECTURE_SUFFIX, "ForCausalLM")
+        if base not in ARCHITECTURES:
+            raise ConfigError(
+                f"{source}: unsupported architecture {arch!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
+            )
+        _, bias_default, qk_norm = ARCHITECTURES[base]
+
+        def need(name: str, kind: type = int) -> Any:
+            if name not in raw or raw[name] is None:
+                raise ConfigError(f"{source}: required field {name!r} is missing")
+            value = raw[name]
+            if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ConfigError(f"{source}: field {name!r} must be a positive integer, got {value!r}")
+            return value
+
+        hidden = need("hidden_size")
+        heads = need("num_attention_heads")
+        kv_heads = raw.get("num_key_value_heads") or heads
+        head_dim = raw.get("head_dim") or hidden // heads
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        scaling = None if rope_type in (None, "default") else {**rope, "rope_type": rope_type}
+        sliding = raw.get("sliding_window")
+        if base in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+            sliding = None
+        attention_bias = raw.get("attention_bias", bias_default) if base != "Qwen2ForCausalLM" else True
+        known = set(cls.__dataclass_fields__) | {
+            "architectures", "rope_parameters", "use_sliding_window", "model_type",
+        }
+        cfg = cls(
+            architecture=arch,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_hidden_layers=need("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(attention_bias),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=qk_norm,
+            sliding_window=sliding,
+            hidden_act=raw.get("hidden_act", "silu"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=raw.get("eos_token_id"),
+            pad_token_id=raw.get("pad_token_id"),
+            torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            extra={k: v for k, v in raw.items() if k not in known},
+        )
+        cfg.validate(source)
+        return cfg
+
+    def validate(self, source: str = "config.json") -> None:
+        if self.hidden_act not in ("silu", "swish"):
+            raise ConfigError(f"{source}: hidden_act {self.hidden_act!r} is not supported (only silu)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"{source}: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"{source}: head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.rope_scaling and self.rope_scaling["rope_type"] not in ("linear", "llama3"):
+            raise ConfigError(
+                f"{source}: rope type {self.rope_scaling['rope_type']!r} is not supported (linear, llama3)"
+            )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: file not found")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(raw, str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A config.json that transformers reads back as the same model."""
+        out: dict[str, Any] = dict(self.extra)
+        out.update(
+            architectures=[self.architecture],
+            model_type=self.model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})},
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            attention_bias=self.attention_bias,
+            mlp_bias=self.mlp_bias,
+            hidden_act=self.hidden_act,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            dtype=self.torch_dtype,
+        )
+        if self.sliding_window is not None:
+            out["sliding_window"] = self.sliding_window
+            if self.model_type in ("qwen2", "qwen3"):
+                out["use_sliding_window"] = True
+        elif self.model_type == "mistral":
+            out["sliding_window"] = None
+        return out
+
+

@@ -1,0 +1,50 @@
+"""Tiny random configurations of every supported family, shared by the reference tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama-gqa-untied": dict(BASE, architectures=["LlamaForCausalLM"], model_type="llama",
+                             num_key_value_heads=2, tie_word_embeddings=False),
+    "llama-mha-tied-bias": dict(BASE, architectures=["LlamaForCausalLM"], model_type="llama",
+                                num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True),
+    "llama3-rope": dict(BASE, architectures=["LlamaForCausalLM"], model_type="llama", num_key_value_heads=2,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 32}),
+    "llama-linear-rope": dict(BASE, architectures=["LlamaForCausalLM"], model_type="llama",
+                              num_key_value_heads=1,
+                              rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    "mistral": dict(BASE, architectures=["MistralForCausalLM"], model_type="mistral", num_key_value_heads=2,
+                    sliding_window=None),
+    "qwen2-bias-tied": dict(BASE, architectures=["Qwen2ForCausalLM"], model_type="qwen2", num_key_value_heads=2,
+                            tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+                                                                       "rope_theta": 1000000.0}),
+    "qwen3-qknorm": dict(BASE, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_key_value_heads=2,
+                         head_dim=24, tie_word_embeddings=False),
+    "smollm2-like": dict(BASE, architectures=["LlamaForCausalLM"], model_type="llama", num_key_value_heads=1,
+                         tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+                                                                    "rope_theta": 100000.0}),
+}
+
+
+def hf_model(raw: dict[str, Any], seed: int = 0):
+    """A transformers model with random weights (biases and norms randomised too, so they count)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "architectures"})
+    cfg.architectures = raw["architectures"]
+    cls = getattr(transformers, raw["architectures"][0])
+    model = cls(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    return model
