@@ -1,0 +1,188 @@
+"""Hugging Face checkpoint folders: read what transformers and vLLM publish, write what they read.
+
+A folder holds `config.json`, one `model.safetensors` or shards named by `model.safetensors.index.json`,
+tokenizer files and `generation_config.json`. Every failure names the file and what was wrong, because a
+stack trace from inside safetensors tells a user nothing about which of their files is broken.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from pagedrl.model.config import ConfigError, ModelConfig
+from pagedrl.model.decoder import CausalLM
+from pagedrl.model.rope import rope_inv_freq
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder or file pagedrl cannot load; the message names the file."""
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder: the index's shards, or the single file."""
+    index = folder / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index}: names shard {f.name}, which is missing from {folder}")
+        return files
+    single = folder / WEIGHTS_NAME
+    if single.is_file():
+        return [single]
+    others = sorted(folder.glob("*.safetensors"))
+    if others:
+        return others
+    raise CheckpointError(f"{folder}: no {WEIGHTS_NAME}, {INDEX_NAME} or *.safetensors file")
+
+
+def read_state_dict(folder: Path, dtype: torch.dtype = torch.float32,
+                    origins: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of a folder; `origins`, if given, receives the file each tensor came from."""
+    state: dict[str, torch.Tensor] = {}
+    for path in weight_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    state[name] = f.get_tensor(name).to(dtype)
+                    if origins is not None:
+                        origins[name] = str(path)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise CheckpointError(f"{path}: cannot read safetensors file (truncated or corrupt?): {e}") from None
+    return state
+
+
+def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
+                 origins: dict[str, str] | None = None) -> None:
+    """Copy a state dict into the model, checking names and shapes against the config first."""
+    origins = origins or {}
+    expected = model.state_dict()
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    for name, tensor in state.items():
+        if name not in expected:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            raise CheckpointError(f"{origins.get(name, source)}: unexpected tensor {name!r} (not part of this architecture)")
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{origins.get(name, source)}: tensor {name!r} has shape {tuple(tensor.shape)} but config.json implies "
+                f"{tuple(expected[name].shape)} (inconsistent config and weights)"
+            )
+    missing = [n for n in expected if n not in state and not (tied and n == "lm_head.weight")]
+    if missing:
+        raise CheckpointError(f"{source}: missing tensors: {', '.join(missing[:5])}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    model.load_state_dict(state, strict=False)
+
+
+def load_causal_lm(folder: str | Path, device: str | torch.device = "cpu",
+                   dtype: torch.dtype | None = None) -> CausalLM:
+    """Build a CausalLM from a Hugging Face folder."""
+    folder = Path(folder)
+    if not folder.exists():
+        raise CheckpointError(f"{folder}: no such folder")
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a folder (a GGUF file is loaded by file name ending in .gguf)")
+    try:
+        cfg = ModelConfig.from_file(folder / "config.json")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    dtype = dtype or default_dtype(device)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    # Built on the meta device so no time goes into random initialisation of weights we overwrite;
+    # the rope buffer is recomputed and the tie restored, since to_empty() rebuilds both.
+    model = model.to_empty(device="cpu")
+    model.model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    origins: dict[str, str] = {}
+    load_weights(model, read_state_dict(folder, origins=origins), str(folder), origins)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    """float32 on CPU (no bf16 hardware there), bfloat16 on CUDA."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def save_checkpoint(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path | None = None,
+                    generation_config: dict[str, Any] | None = None, max_shard_bytes: int | None = None,
+                    extra_config: dict[str, Any] | None = None, state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a Hugging Face folder atomically: everything goes to a temporary sibling first and is
+    renamed into place at the end, so a crash never leaves a folder that looks complete."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        cfg = model.config.to_dict()
+        cfg.update(extra_config or {})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        tensors = state if state is not None else model.state_dict()
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()
+                   if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+        write_safetensors(tensors, tmp, max_shard_bytes)
+        gen = {"bos_token_id": model.config.bos_token_id, "eos_token_id": model.config.eos_token_id}
+        gen.update(generation_config or {})
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                src = Path(tokenizer_dir) / name
+                if src.is_file():
+                    shutil.copy2(src, tmp / name)
+        replace_folder(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int | None) -> None:
+    if max_shard_bytes is None:
+        save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (folder / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                indent=2) + "\n")
+
+
+def replace_folder(tmp: Path, folder: Path) -> None:
+    """Move a finished temporary folder into place, replacing an older one of the same name."""
+    if folder.exists():
+        old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+        os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, folder)
