@@ -1,0 +1,268 @@
+"""Turn one step's logits into tokens, and keep the log-prob contract with the trainer.
+
+Processing follows vLLM: penalties (repetition on prompt + output, presence and frequency on
+output) -> banned ids -> temperature -> top-k -> top-p -> min-p. The last four live in
+`process_logits`, which both the sampler and `processed_logprobs` (what a trainer calls to
+recompute the log-prob of given tokens) go through, so the two agree to float rounding.
+
+Choices worth knowing:
+
+- Ties are kept. Top-k keeps every token whose logit equals the k-th largest; top-p keeps the
+  smallest set of most likely tokens whose mass reaches `top_p`, plus every token tied with the
+  least likely member of that set. The kept set therefore never depends on sort order.
+- Greedy rows (temperature 0) take the argmax of the penalised logits, ignore top-k/top-p/min-p,
+  and draw no randomness. Their processed log-prob is the log-softmax of the penalised logits
+  (temperature 1) at the argmax: the distribution the argmax was read from.
+- Random rows use the exponential race argmax(p / E), E ~ Exp(1) drawn from the row's own
+  generator (or one shared generator for rows without a seed), so a seeded request draws the
+  same tokens whatever else is in the batch and whichever row it sits in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pagedrl.engine.sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
+PerRow = float | int | Tensor
+
+
+# ----------------------------------------------------------------------------- penalties
+
+
+def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str) -> Tensor:
+    """How often each vocabulary id occurs in each row's token list: float32 [S, V]."""
+    lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.long)
+    flat = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.long)
+    counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.float32)
+    if flat.numel():
+        if int(flat.min()) < 0 or int(flat.max()) >= vocab_size:
+            raise ValueError(f"token_ids must lie in [0, {vocab_size}), got ids from "
+                             f"{int(flat.min())} to {int(flat.max())}")
+        rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
+        counts.index_put_((rows, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
+    return counts.to(device)
+
+
+def apply_penalties(logits: Tensor, prompt_mask: Tensor, output_counts: Tensor, presence: Tensor,
+                    frequency: Tensor, repetition: Tensor) -> Tensor:
+    """vLLM's penalties, out of place. A token seen in prompt or output has its logit divided by
+    `repetition` when positive and multiplied by it otherwise; then the output count times
+    `frequency`, and `presence` once if it occurred in the output, are subtracted."""
+    output_mask = output_counts > 0
+    seen = prompt_mask | output_mask
+    rep = torch.where(seen, repetition[:, None], torch.ones_like(logits))
+    scaled = torch.where(logits > 0, logits / rep, logits * rep)
+    return scaled - frequency[:, None] * output_counts - presence[:, None] * output_mask.to(logits.dtype)
+
+
+# ------------------------------------------------- temperature and truncation (shared path)
+
+
+def _per_row(name: str, value: PerRow, rows: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    tensor = torch.as_tensor(value, dtype=dtype, device=device)
+    if tensor.dim() == 0:
+        tensor = tensor.expand(rows)
+    if tensor.shape != (rows,):
+        raise ValueError(f"{name} must be a scalar or have shape ({rows},), got {tuple(tensor.shape)}")
+    return tensor
+
+
+def _truncation_mask(x: Tensor, k: Tensor, p: Tensor, min_p: Tensor) -> Tensor | None:
+    """True where a token falls outside top-k, top-p or min-p of the (temperature-scaled) logits
+    `x`; k == V, p == 1 and min_p == 0 are no-ops. None when nothing is truncated."""
+    vocab = x.shape[-1]
+    mask = None
+    use_k, use_p = bool((k < vocab).any()), bool((p < 1.0).any())
+    if use_k or use_p:
+        ordered = x.sort(dim=-1, descending=True).values
+        kth = ordered.gather(1, (k - 1)[:, None])
+        mask = x < kth
+        if use_p:
+            ordered = ordered.masked_fill(ordered < kth, NEG_INF)
+            mass = ordered.softmax(dim=-1).cumsum(dim=-1)
+            # First sorted position where the mass reaches p: the least likely token kept.
+            cut = (mass < p[:, None]).sum(dim=-1).clamp(max=vocab - 1)
+            cut = torch.where(p >= 1.0, vocab - 1, cut)  # rounding must not truncate p == 1 rows
+            mask |= x < ordered.gather(1, cut[:, None])
+    if bool((min_p > 0.0).any()):
+        # p_i >= min_p * p_max is a ratio of probabilities, so it holds before or after the
+        # renormalisation top-k/top-p imply (the top token always survives them).
+        ratio = torch.exp(x - x.max(dim=-1, keepdim=True).values)
+        below = ratio < min_p[:, None]
+        mask = below if mask is None else mask | below
+    return mask
+
+
+def process_logits(logits: Tensor, temperature: PerRow = 1.0, top_k: PerRow = 0, top_p: PerRow = 1.0,
+                   min_p: PerRow = 0.0) -> Tensor:
+    """Logits of the distribution a token is actually drawn from, [N, V]: divided by the row's
+    temperature, and -inf outside its top-k / top-p / min-p set. Each setting is a scalar or a
+    per-row tensor [N]. Rows with temperature 0 (greedy) come back unscaled and untruncated.
+    Differentiable w.r.t. `logits` (the truncation set itself is not)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    rows, vocab = logits.shape
+    device = logits.device
+    temperature = _per_row("temperature", temperature, rows, logits.dtype, device)
+    top_k = _per_row("top_k", top_k, rows, torch.long, device)
+    top_p = _per_row("top_p", top_p, rows, logits.dtype, device)
+    min_p = _per_row("min_p", min_p, rows, logits.dtype, device)
+    greedy = temperature == 0.0
+    x = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    k = torch.where((top_k <= 0) | (top_k >= vocab) | greedy, vocab, top_k)
+    p = torch.where(greedy, 1.0, top_p)
+    m = torch.where(greedy, 0.0, min_p)
+    with torch.no_grad():
+        mask = _truncation_mask(x.detach(), k, p, m)
+    return x if mask is None else x.masked_fill(mask, NEG_INF)
+
+
+def processed_logprobs(logits: Tensor, token_ids: Tensor, temperature: PerRow = 1.0, top_k: PerRow = 0,
+                       top_p: PerRow = 1.0, min_p: PerRow = 0.0) -> Tensor:
+    """Log-prob of `token_ids` [N] under the truncated, renormalised distribution of `logits`
+    [N, V] (same settings, same code as the sampler): what a trainer recomputes for its ratio.
+    A token outside the kept set gets -inf. Pass penalised logits to match a penalised row."""
+    if token_ids.shape != logits.shape[:1]:
+        raise ValueError(f"token_ids must have shape ({logits.shape[0]},), got {tuple(token_ids.shape)}")
+    logp = F.log_softmax(process_logits(logits, temperature, top_k, top_p, min_p), dim=-1)
+    return logp.gather(1, token_ids.long()[:, None]).squeeze(1)
+
+
+# ----------------------------------------------------------------------------------- sampler
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The per-request generator of a seeded request (any Python int is a valid seed)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return generator
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs about one sequence this step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    generator: torch.Generator | None = None  # the request's own, when it has a seed
+    banned_token_ids: Sequence[int] = ()  # e.g. `params.min_tokens_banned_ids(...)`
+
+
+@dataclass
+class SamplerOutput:
+    """Per row: the token, its processed and raw log-probs, and the requested alternatives
+    (`{token_id: logprob}` in order best first, from the distribution `logprobs_mode` names; in
+    processed mode truncated tokens show -inf), or None when `logprobs` was not asked for."""
+
+    token_ids: Tensor  # [S] long
+    logprobs: Tensor  # [S] processed: under the distribution the token was drawn from
+    raw_logprobs: Tensor  # [S] log_softmax of the unmodified logits
+    top_logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    """Samples one token per row. `generator` serves rows without their own (None: torch's global RNG)."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got shape {tuple(logits.shape)}")
+        logits = logits.float()
+        vocab, device = logits.shape[1], logits.device
+        raw = F.log_softmax(logits, dim=-1)
+        x = self._ban(self._penalise(logits, rows), rows)
+        params = [row.params for row in rows]
+        x = process_logits(
+            x,
+            torch.tensor([p.temperature for p in params], device=device),
+            torch.tensor([p.top_k for p in params], device=device),
+            torch.tensor([p.top_p for p in params], device=device),
+            torch.tensor([p.min_p for p in params], device=device),
+        )
+        logp = F.log_softmax(x, dim=-1)
+        tokens = self._choose(logp, rows)
+        return SamplerOutput(
+            token_ids=tokens,
+            logprobs=logp.gather(1, tokens[:, None]).squeeze(1),
+            raw_logprobs=raw.gather(1, tokens[:, None]).squeeze(1),
+            top_logprobs=_top_logprobs(raw, logp, params, vocab),
+        )
+
+    def _penalise(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        picked = [i for i, row in enumerate(rows) if row.params.has_penalties]
+        if not picked:
+            return logits
+        vocab, device = logits.shape[1], logits.device
+        params = [rows[i].params for i in picked]
+        prompt = token_counts([rows[i].prompt_token_ids for i in picked], vocab, device)
+        output = token_counts([rows[i].output_token_ids for i in picked], vocab, device)
+        index = torch.tensor(picked, device=device)
+        penalised = apply_penalties(
+            logits[index], prompt > 0, output,
+            torch.tensor([p.presence_penalty for p in params], device=device),
+            torch.tensor([p.frequency_penalty for p in params], device=device),
+            torch.tensor([p.repetition_penalty for p in params], device=device),
+        )
+        return logits.index_copy(0, index, penalised)
+
+    @staticmethod
+    def _ban(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        pairs = [(i, t) for i, row in enumerate(rows) for t in row.banned_token_ids]
+        if not pairs:
+            return logits
+        vocab = logits.shape[1]
+        if any(not 0 <= t < vocab for _, t in pairs):
+            raise ValueError(f"banned_token_ids must lie in [0, {vocab}), got {sorted({t for _, t in pairs})}")
+        row_index, token_index = torch.tensor(pairs, device=logits.device).T
+        banned = logits.index_put((row_index, token_index), torch.tensor(NEG_INF, device=logits.device))
+        dead = torch.isneginf(banned).all(dim=-1)
+        if bool(dead.any()):
+            raise ValueError(f"banned_token_ids leave nothing to sample in rows {dead.nonzero().flatten().tolist()}")
+        return banned
+
+    def _choose(self, logp: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        """Argmax for greedy rows; exponential race with the row's own noise for the rest."""
+        tokens = logp.argmax(dim=-1)
+        vocab, device = logp.shape[1], logp.device
+        seeded = [i for i, r in enumerate(rows) if not r.params.is_greedy and r.generator is not None]
+        shared = [i for i, r in enumerate(rows) if not r.params.is_greedy and r.generator is None]
+        if not seeded and not shared:
+            return tokens
+        noise = torch.ones_like(logp)
+        for i in seeded:
+            noise[i].exponential_(generator=rows[i].generator)
+        if shared:
+            index = torch.tensor(shared, device=device)
+            noise[index] = torch.empty(len(shared), vocab, device=device).exponential_(generator=self.generator)
+        # argmax(p / E) == argmax(log p - log E); a zero draw must not turn 0/0 into NaN.
+        race = logp - noise.clamp_min(torch.finfo(noise.dtype).tiny).log()
+        drawn = torch.tensor(seeded + shared, device=device)
+        return tokens.index_copy(0, drawn, race[drawn].argmax(dim=-1))
+
+
+def _top_logprobs(raw: Tensor, processed: Tensor, params: Sequence[SamplingParams],
+                  vocab: int) -> list[dict[int, float] | None]:
+    """The `logprobs` best alternatives of each row that asked, from raw or processed log-probs."""
+    wanted = [min(p.logprobs, vocab) if p.logprobs else 0 for p in params]
+    result: list[dict[int, float] | None] = [{} if p.logprobs == 0 else None for p in params]
+    if not any(wanted):
+        return result
+    use_processed = torch.tensor([p.logprobs_mode == "processed_logprobs" for p in params], device=raw.device)
+    source = torch.where(use_processed[:, None], processed, raw)
+    values, ids = source.topk(max(wanted), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    for i, k in enumerate(wanted):
+        if k:
+            result[i] = dict(zip(ids[i][:k], values[i][:k], strict=True))
+    return result

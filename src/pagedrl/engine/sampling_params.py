@@ -1,0 +1,173 @@
+"""Sampling parameters of one request, with vLLM's names and meanings.
+
+The dataclass is frozen so that a request's settings cannot drift while it is being
+scheduled; derive a variant with `params.clone(max_tokens=...)` (or `dataclasses.replace`),
+which runs the same validation again. Normalisation is idempotent for that reason: `stop`
+and `stop_token_ids` always end up as lists, numbers as `int` / `float`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "processed_logprobs")
+# As vLLM: a positive temperature below this is raised to it, since dividing float32 logits by
+# a vanishing temperature overflows; temperature 0 (greedy) is the way to ask for the argmax.
+MIN_TEMPERATURE = 1e-2
+
+logger = logging.getLogger(__name__)
+
+
+def _bad(name: str, value: Any, requirement: str) -> ValueError:
+    return ValueError(f"SamplingParams.{name} {requirement}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(name, value, "must be an int" + (" or None" if optional else ""))
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(name, value, "must be a number")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to draw the completion tokens of one request.
+
+    temperature 0 means greedy decoding (top_k/top_p/min_p are then ignored and no randomness
+    is consumed). top_k 0 or -1 disables top-k; top_p 1.0 and min_p 0.0 disable theirs.
+    `logprobs=k` returns the k most likely alternatives of every sampled token besides the
+    sampled one; `logprobs_mode` says whether those come from the raw model distribution
+    (vLLM's default) or from the processed one the token was drawn from. `max_tokens=None`
+    means "until the context is full".
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise through the back door, once, here
+        for name in ("n", "top_k", "min_tokens"):
+            _check_int(name, getattr(self, name))
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+            _check_int(name, getattr(self, name), optional=True)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            set_(self, name, _as_float(name, getattr(self, name)))
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "must be a bool")
+
+        if self.n < 1:
+            raise _bad("n", self.n, "must be at least 1")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise _bad("temperature", self.temperature, "must be non-negative (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise _bad("top_p", self.top_p, "must be in (0, 1]")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %s is below %s and is raised to it; use 0 for greedy",
+                           self.temperature, MIN_TEMPERATURE)
+            set_(self, "temperature", MIN_TEMPERATURE)
+        if self.top_k < -1:
+            raise _bad("top_k", self.top_k, "must be -1 or 0 (disabled) or at least 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise _bad("min_p", self.min_p, "must be in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise _bad("max_tokens", self.max_tokens, "must be at least 1 (or None: up to the context)")
+        if self.min_tokens < 0:
+            raise _bad("min_tokens", self.min_tokens, "must be non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"must not exceed max_tokens={self.max_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise _bad(name, getattr(self, name), "must be in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise _bad("repetition_penalty", self.repetition_penalty, "must be greater than 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise _bad(name, value, "must be non-negative (or None)")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise _bad("logprobs_mode", self.logprobs_mode, f"must be one of {LOGPROBS_MODES}")
+
+        set_(self, "stop", _normalise_stop(self.stop))
+        set_(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+
+    @property
+    def is_greedy(self) -> bool:
+        """Greedy rows take the argmax and never draw from a generator."""
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler needs this request's token history at all."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def min_tokens_banned_ids(self, num_output_tokens: int, eos_token_ids: Iterable[int] = ()) -> list[int]:
+        """Token ids the sampler must not draw next, so that no stop token ends the request
+        before `min_tokens` outputs exist (as vLLM: EOS unless `ignore_eos`, plus `stop_token_ids`)."""
+        if num_output_tokens >= self.min_tokens:
+            return []
+        banned = list(self.stop_token_ids)
+        if not self.ignore_eos:
+            banned.extend(i for i in eos_token_ids if i not in banned)
+        return banned
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        """A copy (with `changes` applied and validated); list fields are not shared."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["stop"] = list(self.stop)
+        fields["stop_token_ids"] = list(self.stop_token_ids)
+        fields.update(changes)
+        return SamplingParams(**fields)
+
+
+def _normalise_stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise _bad("stop", stop, "must be a str, a list of str, or None")
+    if any(s == "" for s in stop):
+        raise _bad("stop", stop, "must not contain the empty string")
+    return list(stop)
+
+
+def _normalise_stop_token_ids(ids: Any) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise _bad("stop_token_ids", ids, "must be a list of int or None")
+    if any(i < 0 for i in ids):
+        raise _bad("stop_token_ids", ids, "must hold non-negative token ids")
+    return list(ids)

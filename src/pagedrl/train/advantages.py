@@ -1,0 +1,154 @@
+"""Advantages: from rewards to the per-sequence (GRPO) or per-token (PPO) signal the loss weighs.
+
+GRPO needs no value model: the G completions of one prompt form a group and each completion's
+advantage is its reward relative to its group. PPO learns a value function and uses generalized
+advantage estimation. Both are pure functions of tensors, like `losses`.
+
+Rewards may be NaN: a reward function that returns None for a completion means "not applicable"
+(a math verifier on a code prompt), and TRL keeps it as NaN so that nan-aware sums skip it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
+
+
+def combine_rewards(rewards_per_func: Tensor, weights: Sequence[float] | Tensor | None = None) -> Tensor:
+    """Weighted sum over reward functions, [N, F] -> [N], as TRL's GRPO does it (`nansum`):
+    a function that returned NaN (None) for a completion is left out of that completion's sum.
+    A completion every function skipped is unscorable and stays NaN, so the group baseline
+    ignores it and its advantage becomes 0 (TRL 1.16's `unscorable_mask`)."""
+    if rewards_per_func.dim() != 2:
+        raise ValueError(f"rewards_per_func: expected [N, F], got shape {tuple(rewards_per_func.shape)}")
+    num_funcs = rewards_per_func.shape[1]
+    if weights is None:
+        w = torch.ones(num_funcs, dtype=rewards_per_func.dtype, device=rewards_per_func.device)
+    else:
+        w = torch.as_tensor(weights, dtype=rewards_per_func.dtype, device=rewards_per_func.device)
+        if w.shape != (num_funcs,):
+            raise ValueError(f"weights: expected {num_funcs} weights (one per reward function), got {tuple(w.shape)}")
+    combined = (rewards_per_func * w).nansum(dim=1)
+    return combined.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
+
+
+def _grouped(rewards: Tensor, num_generations: int | None) -> Tensor:
+    if rewards.dim() == 2:
+        if num_generations is not None and rewards.shape[1] != num_generations:
+            raise ValueError(f"num_generations: {num_generations} does not match rewards' group size {rewards.shape[1]}")
+        return rewards
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards: expected [num_groups * G] or [num_groups, G], got shape {tuple(rewards.shape)}")
+    if num_generations is None or num_generations < 1:
+        raise ValueError(f"num_generations: flat rewards need a positive group size, got {num_generations!r}")
+    if rewards.numel() % num_generations:
+        raise ValueError(f"num_generations: {rewards.numel()} rewards do not split into groups of {num_generations}")
+    return rewards.view(-1, num_generations)
+
+
+def _nanstd(x: Tensor, dim: int | None = None) -> Tensor:
+    """Unbiased (Bessel-corrected) standard deviation ignoring NaN, TRL's `nanstd`: NaN when fewer
+    than two values are present."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True).to(x.dtype)
+    sq = torch.nansum((x - mean) ** 2, dim=dim, keepdim=True)
+    var = torch.where(count > 1, sq / (count - 1), torch.full_like(sq, float("nan")))
+    return var.sqrt().reshape(()) if dim is None else var.sqrt().squeeze(dim)
+
+
+def zero_std_groups(rewards: Tensor, num_generations: int | None = None) -> Tensor:
+    """[num_groups] bool: groups whose scored completions all got the same reward. They carry no
+    GRPO signal; TRL logs their share as `frac_reward_zero_std`, DAPO's dynamic sampling drops them."""
+    grouped = _grouped(rewards, num_generations)
+    scored = ~torch.isnan(grouped)
+    inf = torch.tensor(float("inf"), dtype=grouped.dtype, device=grouped.device)
+    hi = torch.where(scored, grouped, -inf).amax(dim=1)
+    lo = torch.where(scored, grouped, inf).amin(dim=1)
+    return ~(hi > lo)
+
+
+@torch.no_grad()
+def group_advantages(
+    rewards: Tensor,
+    num_generations: int | None = None,
+    scale_rewards: str = "group",
+    eps: float = 1e-4,
+) -> Tensor:
+    """GRPO advantages with TRL 1.16's conventions (`multi_objective_aggregation="sum_then_normalize"`):
+
+        A = (r - nanmean(group)) / (std + eps)
+
+    with `std` the unbiased nan-aware std of the group (`"group"`, GRPO), of the whole batch
+    (`"batch"`, PPO-Lite), or no division at all (`"none"`, Dr. GRPO, which finds the group std
+    biases towards easy and hard questions). `rewards` is [num_groups * G] (groups contiguous, as
+    the rollout emits them; `num_generations` = G) or [num_groups, G]; the result has its shape.
+
+    NaN rewards (unscorable completions) are left out of means and stds and get advantage 0. A
+    group whose scored rewards all agree gets exactly 0 — TRL's formula gives 0 up to the
+    rounding of its mean, which `/ eps` can blow up to ~1e-4 in float32; here it is exact.
+    """
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards: {scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
+    if not eps > 0:
+        raise ValueError(f"eps: must be positive, got {eps}")
+    grouped = _grouped(rewards, num_generations)
+    centred = grouped - torch.nanmean(grouped, dim=1, keepdim=True)
+    if scale_rewards == "group":
+        std = _nanstd(grouped, dim=1).unsqueeze(1) if grouped.shape[1] > 1 else torch.zeros_like(grouped[:, :1])
+        centred = centred / (std + eps)
+    elif scale_rewards == "batch":
+        std = _nanstd(grouped) if grouped.numel() > 1 else torch.zeros((), dtype=grouped.dtype)
+        centred = centred / (std + eps)
+    centred = centred.masked_fill(zero_std_groups(grouped).unsqueeze(1), 0.0)
+    return torch.nan_to_num(centred, nan=0.0).reshape(rewards.shape)
+
+
+@torch.no_grad()
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016) over [B, T] completion tokens:
+
+        δ_t = r_t + γ·V_{t+1} - V_t;   A_t = δ_t + γλ·A_{t+1};   returns = A + V
+
+    as TRL's PPOTrainer runs it, with positions outside `mask` treated as past the end of the
+    episode (value 0, reward 0, no bootstrap through them). Both outputs are 0 outside the mask.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards: expected [B, T], got shape {tuple(rewards.shape)}")
+    if values.shape != rewards.shape:
+        raise ValueError(f"values: shape {tuple(values.shape)} differs from rewards' {tuple(rewards.shape)}")
+    if mask.shape != rewards.shape:
+        raise ValueError(f"mask: shape {tuple(mask.shape)} differs from rewards' {tuple(rewards.shape)}")
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gamma/lam: must lie in [0, 1], got gamma={gamma}, lam={lam}")
+    keep = (mask != 0).to(rewards.dtype)
+    rewards = torch.nan_to_num(rewards) * keep
+    values = torch.nan_to_num(values) * keep
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    next_advantage = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantages[:, t] = (delta + gamma * lam * next_advantage) * keep[:, t]
+        next_value, next_advantage = values[:, t], advantages[:, t]
+    return advantages, (advantages + values) * keep
+
+
+@torch.no_grad()
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the masked entries, with the unbiased variance, as TRL's
+    `masked_whiten` normalises PPO advantages. `shift_mean=False` keeps the original mean."""
+    keep = mask if mask.dtype == torch.bool else mask != 0
+    count = int(keep.sum())
+    if count < 2:
+        raise ValueError(f"mask: whitening needs at least 2 masked values, got {count}")
+    selected = x[keep]
+    mean = selected.mean()
+    var = ((selected - mean) ** 2).sum() / (count - 1)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened

@@ -1,0 +1,344 @@
+"""Trainer configs: typed dataclasses with TRL's field names, loaded from YAML plus `key=value` overrides.
+
+One dataclass per algorithm, all sharing `TrainConfig` (the optimizer, schedule, data and
+bookkeeping fields of transformers' TrainingArguments that one trainer loop needs). Names follow
+TRL so a TRL recipe reads the same here; defaults follow TRL except where a CPU-first trainer
+needs otherwise (noted at the field).
+
+Loading checks every value against the field's type hint before the dataclass is built, so a typo
+or a wrong type fails at start-up with the key, where it came from and what was expected — not
+as a TypeError twenty minutes into a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+REPORTERS: tuple[str, ...] = ("none", "jsonl", "tensorboard")
+
+
+class TrainConfigError(ValueError):
+    """A config value that is well-typed but unusable; `key` names the field."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise TrainConfigError(key, message)
+
+
+@dataclass
+class TrainConfig:
+    """Fields every trainer shares."""
+
+    # What to train, on what, and where to write it.
+    model: str = "smollm2-135m-instruct"  # a known model name or a directory in Hugging Face layout
+    dataset: str | None = None  # JSONL path or built-in dataset name
+    eval_dataset: str | None = None
+    output_dir: str = "trainer_output"
+
+    # Optimizer (AdamW) and schedule.
+    learning_rate: float = 5e-5
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    max_steps: int = -1  # -1: derive from num_train_epochs
+    num_train_epochs: float = 3.0
+    lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
+    warmup_steps: int = 0  # wins over warmup_ratio when > 0
+    warmup_ratio: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 disables clipping
+
+    # Data: rows longer than max_length are cut ("truncate", keeping the start as TRL's
+    # keep_start), dropped ("skip") or refused ("error").
+    max_length: int | None = 1024
+    truncation: Literal["truncate", "skip", "error"] = "truncate"
+
+    # Bookkeeping.
+    logging_steps: int = 10
+    eval_steps: int | None = None  # None: no periodic evaluation
+    save_steps: int = 500
+    save_total_limit: int | None = None
+    seed: int = 42
+    resume_from_checkpoint: str | bool | None = None  # a checkpoint directory, or true: latest in output_dir
+    report_to: list[str] = field(default_factory=lambda: ["jsonl"])
+
+    # Hardware. TRL turns gradient checkpointing on by default; on a CPU with a small model it
+    # only costs time, so it is off here.
+    gradient_checkpointing: bool = False
+    bf16: bool | None = None  # None: bf16 on CUDA only (on CPU bf16 matmuls are far slower than fp32)
+    use_cpu: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Range checks a type hint cannot express; raises TrainConfigError naming the field."""
+        _require(self.learning_rate >= 0, "learning_rate", f"must be >= 0, got {self.learning_rate}")
+        for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "save_steps"):
+            _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        _require(self.max_steps == -1 or self.max_steps >= 1, "max_steps", f"must be -1 or >= 1, got {self.max_steps}")
+        _require(self.num_train_epochs > 0, "num_train_epochs", f"must be > 0, got {self.num_train_epochs}")
+        _require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _require(0.0 <= self.warmup_ratio <= 1.0, "warmup_ratio", f"must lie in [0, 1], got {self.warmup_ratio}")
+        _require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        for key in ("adam_beta1", "adam_beta2"):
+            _require(0.0 <= getattr(self, key) < 1.0, key, f"must lie in [0, 1), got {getattr(self, key)}")
+        _require(self.adam_epsilon > 0, "adam_epsilon", f"must be > 0, got {self.adam_epsilon}")
+        _require(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0 (0 disables), got {self.max_grad_norm}")
+        for key in ("max_length", "eval_steps", "save_total_limit"):
+            value = getattr(self, key)
+            _require(value is None or value >= 1, key, f"must be null or >= 1, got {value}")
+        unknown = [r for r in self.report_to if r not in REPORTERS]
+        _require(not unknown, "report_to", f"unknown {unknown}; expected some of {', '.join(REPORTERS)}")
+
+    def use_bf16(self, device: str | Any) -> bool:
+        """Whether to compute in bfloat16 on `device` (a torch.device or its string)."""
+        if self.bf16 is not None:
+            return self.bf16
+        return str(device).split(":")[0] == "cuda"
+
+    def num_warmup_steps(self, total_steps: int) -> int:
+        """Warm-up length: `warmup_steps` if set, else ceil(`warmup_ratio` × total), as transformers."""
+        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * total_steps)
+
+
+@dataclass
+class SFTConfig(TrainConfig):
+    learning_rate: float = 2e-5
+    dataset_text_field: str = "text"  # column of plain-text (language modeling) rows
+    completion_only_loss: bool | None = None  # None: loss on the completion when rows have one
+    assistant_only_loss: bool = False  # conversational rows: loss on assistant turns only
+    packing: bool = False
+
+
+@dataclass
+class RewardConfig(TrainConfig):
+    learning_rate: float = 1e-4
+    center_rewards_coefficient: float | None = None  # Eisenstein et al. 2023 suggest 0.01
+
+    def validate(self) -> None:
+        super().validate()
+        c = self.center_rewards_coefficient
+        _require(c is None or c >= 0, "center_rewards_coefficient", f"must be null or >= 0, got {c}")
+
+
+@dataclass
+class DPOConfig(TrainConfig):
+    learning_rate: float = 1e-6
+    beta: float = 0.1
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"  # TRL allows a list; one here
+    label_smoothing: float = 0.0  # sigmoid: conservative DPO; robust: label flip probability
+    ref_model: str | None = None  # None: a frozen copy of the starting policy
+    precompute_ref_log_probs: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        _require(self.beta > 0, "beta", f"must be > 0, got {self.beta}")
+        ls = self.label_smoothing
+        if self.loss_type == "robust":
+            _require(0.0 <= ls < 0.5, "label_smoothing", f"robust DPO needs 0 <= label_smoothing < 0.5, got {ls}")
+        elif self.loss_type == "sigmoid":
+            _require(0.0 <= ls <= 0.5, "label_smoothing", f"conservative DPO needs 0 <= label_smoothing <= 0.5, got {ls}")
+        else:
+            _require(ls == 0.0, "label_smoothing", f"the {self.loss_type} loss does not use it; got {ls}, expected 0")
+
+
+@dataclass
+class GRPOConfig(TrainConfig):
+    learning_rate: float = 1e-6
+    # Generation (vLLM's sampling names; top_k 0 or -1 disables top-k).
+    num_generations: int = 8
+    max_completion_length: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    steps_per_generation: int | None = None  # None: gradient_accumulation_steps
+    # Loss.
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon; DAPO recommends 0.28
+    delta: float | None = None  # INTELLECT-2 two-sided clipping cap on the ratio
+    beta: float = 0.0  # KL coefficient; 0 skips the reference model
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    num_iterations: int = 1
+    # Rewards.
+    reward_funcs: list[str] = field(default_factory=list)
+    reward_weights: list[float] | None = None  # None: 1.0 each
+    mask_truncated_completions: bool = False
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards all agree
+    # Truncated importance sampling between engine and trainer log-probs; null disables.
+    # 3.0 is TRL's vllm_importance_sampling_clip_max.
+    tis_cap: float | None = 3.0
+    log_completions: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        _require(self.num_generations >= 2, "num_generations", f"a group needs >= 2 completions, got {self.num_generations}")
+        _require(self.max_completion_length >= 1, "max_completion_length", f"must be >= 1, got {self.max_completion_length}")
+        _require(self.temperature > 0, "temperature", f"sampling a group needs temperature > 0, got {self.temperature}")
+        _require(0.0 < self.top_p <= 1.0, "top_p", f"must lie in (0, 1], got {self.top_p}")
+        _require(self.top_k >= -1, "top_k", f"must be >= -1 (0 or -1 disable), got {self.top_k}")
+        _require(self.min_p is None or 0.0 <= self.min_p <= 1.0, "min_p", f"must lie in [0, 1], got {self.min_p}")
+        _require(self.epsilon >= 0, "epsilon", f"must be >= 0, got {self.epsilon}")
+        _require(self.epsilon_high is None or self.epsilon_high >= 0, "epsilon_high", f"must be >= 0, got {self.epsilon_high}")
+        _require(self.delta is None or self.delta > 1.0, "delta", f"must be > 1 (it caps the ratio), got {self.delta}")
+        _require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")
+        _require(self.num_iterations >= 1, "num_iterations", f"must be >= 1, got {self.num_iterations}")
+        spg = self.steps_per_generation
+        _require(spg is None or spg >= 1, "steps_per_generation", f"must be null or >= 1, got {spg}")
+        _require(self.tis_cap is None or self.tis_cap >= 1.0, "tis_cap", f"must be null or >= 1, got {self.tis_cap}")
+        if self.reward_weights is not None and self.reward_funcs:
+            _require(
+                len(self.reward_weights) == len(self.reward_funcs),
+                "reward_weights",
+                f"{len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs",
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+C = TypeVar("C", bound=TrainConfig)
+COMMAND_LINE = "command line"
+# PyYAML follows YAML 1.1, where `1e-5` (no dot) is a string; a float field takes it anyway.
+_FLOAT_TEXT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+_MISSING = object()
+
+
+def _describe(hint: Any) -> str:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is list:
+        return f"a list of {_describe(args[0])}"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    """`value` as an instance of `hint`, or _MISSING. Only lossless conversions: int to float,
+    float text to float (see _FLOAT_TEXT), a scalar to a one-element list."""
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is type(None):
+        return None if value is None else _MISSING
+    if origin in (Union, types.UnionType):
+        for arm in args:
+            out = _coerce(value, arm)
+            if out is not _MISSING:
+                return out
+        return _MISSING
+    if origin is Literal:
+        return value if any(value == a and type(value) is type(a) for a in args) else _MISSING
+    if origin is list:
+        items = value if isinstance(value, list) else [value]
+        out = [_coerce(v, args[0]) for v in items]
+        return _MISSING if any(v is _MISSING for v in out) else out
+    if hint is bool:
+        return value if isinstance(value, bool) else _MISSING
+    if hint is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _MISSING
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        return float(value) if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()) else _MISSING
+    if hint is str:
+        return value if isinstance(value, str) else _MISSING
+    raise TypeError(f"config fields of type {hint!r} are not supported by load_config")
+
+
+def _unknown_key(cls: type, key: Any, source: str, names: Sequence[str]) -> ValueError:
+    guess = difflib.get_close_matches(str(key), names, n=1)
+    hint = f"; did you mean {guess[0]!r}?" if guess else f"; see {cls.__name__} for the fields"
+    return ValueError(f"{source}: unknown key {key!r} for {cls.__name__}{hint}")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ValueError(f"yaml_path: config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path}: expected a mapping of key: value, got {type(data).__name__}")
+    return data
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ValueError(f"{COMMAND_LINE}: override {item!r} is not of the form key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # not YAML (an unbalanced bracket, say): the text itself
+    return key, raw, value
+
+
+def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: Sequence[str] = ()) -> C:
+    """Build `cls` from its defaults, then the YAML file, then `key=value` overrides (last wins).
+
+    Override values are read as YAML scalars (`beta=0.2` is a float, `bf16=null` is None,
+    `reward_funcs=[accuracy, format]` a list); a field that wants text keeps the raw text
+    (`output_dir=2024`). Unknown keys, wrong types and out-of-range values are ValueErrors that
+    name the key, where the value came from and what was expected.
+    """
+    if isinstance(overrides, str):
+        raise ValueError("overrides: expected a list of 'key=value' strings, got one string")
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+
+    def put(key: Any, value: Any, source: str, raw: str | None = None) -> None:
+        if key not in names:
+            raise _unknown_key(cls, key, source, names)
+        out = _coerce(value, hints[key])
+        if out is _MISSING and raw is not None and value is not None:
+            out = _coerce(raw, hints[key])  # e.g. a str field given `2024` or `yes`
+        if out is _MISSING:
+            raise ValueError(f"{source}: {key}: expected {_describe(hints[key])}, got {value!r}")
+        values[key], sources[key] = out, source
+
+    if yaml_path is not None:
+        path = Path(yaml_path)
+        for key, value in _read_yaml(path).items():
+            put(key, value, f"config file {path}")
+    for item in overrides:
+        key, raw, value = _parse_override(item)
+        put(key, value, COMMAND_LINE, raw)
+    try:
+        return cls(**values)
+    except TrainConfigError as e:
+        source = sources.get(e.key, "defaults")
+        raise TrainConfigError(e.key, f"{e.message} (from {source})") from None
+
+
+def config_to_dict(config: TrainConfig) -> dict[str, Any]:
+    """Plain dict of every field, for `config.yaml` beside a checkpoint; `load_config` reads it back."""
+    return dataclasses.asdict(config)

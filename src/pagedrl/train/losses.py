@@ -1,0 +1,405 @@
+"""Training losses as pure functions of tensors: no trainer state, no model, no optimizer.
+
+Every trainer (SFT, reward model, DPO, GRPO, PPO) runs the same loop; what differs is the batch it
+builds and which of these functions turns that batch into a scalar. Keeping them pure makes each one
+checkable against a float64 hand computation and against TRL's own code.
+
+Shapes: per-token tensors are [B, T] (one row per sequence, T completion positions; a packed batch
+is scattered back to rows first) with a boolean or 0/1 `mask` marking the positions that count.
+Positions outside the mask may hold anything, including NaN or inf (padding); they are filled,
+never multiplied, so they cannot leak into a sum.
+
+Micro-batching: a loss that divides by a count (tokens, sequences, pairs) takes that count as
+`normaliser`. Pass the count of the whole optimizer step (all micro-batches, all ranks) and the
+micro-batch losses add up to the full-batch loss, so the accumulated gradient does not depend on
+how the batch was split. Under DDP, which averages gradients over ranks, pass the global count
+divided by the world size (TRL does the same with `num_items_in_batch`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation: one explicit choice of how per-token losses become one number
+# ---------------------------------------------------------------------------------------------
+
+AggregationMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+AGGREGATION_MODES: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+# TRL GRPOConfig.loss_type -> aggregation. "bnpo" and "dapo" are the same sum over tokens; TRL's
+# bnpo divides by the micro-batch's tokens, dapo by the accumulated batch's. Here the caller picks
+# the count, and with the global count both are dapo.
+LOSS_TYPE_AGGREGATION: dict[str, str] = {
+    "grpo": "seq_mean_token_mean",
+    "bnpo": "token_mean",
+    "dapo": "token_mean",
+    "dr_grpo": "seq_mean_token_sum_norm",
+}
+
+
+def resolve_aggregation(mode: str) -> str:
+    """The aggregation mode behind a mode name or a TRL GRPO `loss_type` alias."""
+    if mode in AGGREGATION_MODES:
+        return mode
+    if mode in LOSS_TYPE_AGGREGATION:
+        return LOSS_TYPE_AGGREGATION[mode]
+    choices = ", ".join(AGGREGATION_MODES + tuple(LOSS_TYPE_AGGREGATION))
+    raise ValueError(f"mode: unknown aggregation {mode!r}; expected one of {choices}")
+
+
+def _bool_mask(mask: Tensor, like: Tensor, name: str = "mask") -> Tensor:
+    if mask.shape != like.shape:
+        raise ValueError(f"{name}: shape {tuple(mask.shape)} does not match the values' {tuple(like.shape)}")
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def _denominator(count: float | int | Tensor, like: Tensor, name: str) -> Tensor | float:
+    """A count to divide by. A tensor count (typically all-reduced) is clamped to 1 so that an empty
+    batch gives 0, not NaN, as TRL does; a Python number must be positive."""
+    if isinstance(count, Tensor):
+        return count.to(device=like.device, dtype=like.dtype).clamp(min=1.0)
+    if isinstance(count, bool) or not count > 0:
+        raise ValueError(f"{name}: must be a positive count, got {count!r}")
+    return float(count)
+
+
+def aggregate(
+    per_token_loss: Tensor,
+    mask: Tensor,
+    mode: str,
+    normaliser: float | int | Tensor | None = None,
+    max_completion_length: int | None = None,
+) -> Tensor:
+    """Reduce a [B, T] per-token loss over the positions in `mask` to a scalar.
+
+    Modes, and the `normaliser` that keeps each split-invariant:
+
+    - `token_mean` (TRL `bnpo`/`dapo`): sum over all tokens / number of tokens. Every token weighs
+      the same, so long sequences are not diluted. `normaliser` = tokens in the whole step;
+      default: this batch's tokens (TRL's bnpo, which does depend on the split).
+    - `seq_mean_token_mean` (TRL `grpo`): mean over each sequence's tokens, then mean over
+      sequences. Splitting by rows never cuts a sequence, so only the outer mean needs a global
+      count: `normaliser` = sequences in the whole step; default: this batch's rows.
+    - `seq_mean_token_sum_norm` (TRL `dr_grpo`, Dr. GRPO): sum over all tokens / (sequences ×
+      `max_completion_length`), a constant that carries no length bias. `normaliser` = sequences
+      in the whole step; default: this batch's rows. `max_completion_length` is required.
+    """
+    if per_token_loss.dim() != 2:
+        raise ValueError(f"per_token_loss: expected [B, T], got shape {tuple(per_token_loss.shape)}")
+    resolved = resolve_aggregation(mode)
+    keep = _bool_mask(mask, per_token_loss)
+    if per_token_loss.dtype in (torch.float16, torch.bfloat16):
+        per_token_loss = per_token_loss.float()  # bf16 has 8 mantissa bits: sums and counts round
+    masked = per_token_loss.masked_fill(~keep, 0.0)
+    num_rows = per_token_loss.shape[0]
+    if resolved == "token_mean":
+        count = keep.sum() if normaliser is None else normaliser
+        return masked.sum() / _denominator(count, masked, "normaliser")
+    if resolved == "seq_mean_token_mean":
+        lengths = keep.sum(dim=-1).clamp(min=1).to(masked.dtype)
+        count = num_rows if normaliser is None else normaliser
+        return (masked.sum(dim=-1) / lengths).sum() / _denominator(count, masked, "normaliser")
+    if max_completion_length is None or max_completion_length < 1:
+        raise ValueError(
+            f"max_completion_length: {resolved} needs a positive max_completion_length, got {max_completion_length!r}"
+        )
+    count = num_rows if normaliser is None else normaliser
+    return masked.sum() / (_denominator(count, masked, "normaliser") * max_completion_length)
+
+
+# ---------------------------------------------------------------------------------------------
+# Supervised fine-tuning
+# ---------------------------------------------------------------------------------------------
+
+
+def sft_loss(token_logps: Tensor, mask: Tensor, num_items_in_batch: float | int | Tensor | None = None) -> Tensor:
+    """Token-level cross-entropy: -sum(log p(label)) over the completion mask / number of tokens.
+
+    `num_items_in_batch` is the number of label tokens in the whole optimizer step, as in
+    transformers' `ForCausalLMLoss`; with it the micro-batch losses sum to the step's mean and the
+    gradient does not depend on the split. Default: this batch's token count.
+    """
+    return aggregate(-token_logps, mask, "token_mean", normaliser=num_items_in_batch)
+
+
+def mean_token_accuracy(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
+    """Fraction of masked positions whose arg-max prediction is the label (TRL `mean_token_accuracy`).
+
+    `logits[b, t]` must already be the prediction for `labels[b, t]` (shifted by the caller).
+    0 when the mask is empty, as TRL logs it.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits: shape {tuple(logits.shape)} does not fit labels {tuple(labels.shape)}")
+    keep = _bool_mask(mask, labels)
+    correct = (logits.argmax(dim=-1) == labels) & keep
+    total = keep.sum()
+    return (correct.sum() / total.clamp(min=1)).to(torch.float32).detach()
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Shannon entropy (nats) of softmax(logits) over the last axis. Logits set to -inf (filtered
+    out by top-k/top-p) contribute 0 instead of NaN, in value and in gradient."""
+    logp = F.log_softmax(logits, dim=-1)
+    finite = torch.isfinite(logp)
+    safe_logp = torch.where(finite, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
+    return -(safe_logp.exp() * safe_logp).masked_fill(~finite, 0.0).sum(dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward model (Bradley-Terry)
+# ---------------------------------------------------------------------------------------------
+
+
+def reward_model_loss(
+    r_chosen: Tensor,
+    r_rejected: Tensor,
+    margin: Tensor | float | None = None,
+    center_rewards_coefficient: float | None = None,
+    normaliser: float | int | Tensor | None = None,
+) -> Tensor:
+    """Bradley-Terry pairwise loss as TRL's RewardTrainer.compute_loss computes it:
+
+        mean(-logsigmoid(r+ - r- - margin)) + coef * mean((r+ + r-)^2)
+
+    The centering term (Eisenstein et al. 2023) pins the reward scale, which the pairwise term
+    leaves free. `normaliser` replaces both means' divisor by the number of pairs in the whole step.
+    """
+    if r_chosen.shape != r_rejected.shape:
+        raise ValueError(f"r_rejected: shape {tuple(r_rejected.shape)} differs from r_chosen's {tuple(r_chosen.shape)}")
+    diff = r_chosen - r_rejected
+    if margin is not None:
+        if isinstance(margin, Tensor) and margin.numel() != 1 and margin.shape != diff.shape:
+            raise ValueError(f"margin: shape {tuple(margin.shape)} does not match the rewards' {tuple(diff.shape)}")
+        diff = diff - margin
+    count = diff.numel() if normaliser is None else normaliser
+    denom = _denominator(count, diff, "normaliser")
+    loss = -F.logsigmoid(diff).sum() / denom
+    if center_rewards_coefficient is not None:
+        loss = loss + center_rewards_coefficient * ((r_chosen + r_rejected) ** 2).sum() / denom
+    return loss
+
+
+def reward_metrics(r_chosen: Tensor, r_rejected: Tensor) -> dict[str, Tensor]:
+    """TRL RewardTrainer's logged metrics: accuracy (chosen scored higher), margin, min/mean/max reward."""
+    with torch.no_grad():
+        both = torch.cat([r_chosen.reshape(-1), r_rejected.reshape(-1)])
+        return {
+            "accuracy": (r_chosen > r_rejected).float().mean(),
+            "margin": (r_chosen - r_rejected).float().mean(),
+            "min_reward": both.min(),
+            "mean_reward": both.float().mean(),
+            "max_reward": both.max(),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# DPO
+# ---------------------------------------------------------------------------------------------
+
+DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge", "robust")
+
+
+class DPOOutput(NamedTuple):
+    losses: Tensor  # [num_pairs], unreduced: the trainer averages (or sums / global pairs)
+    chosen_rewards: Tensor  # beta * (policy - reference) log-prob of the chosen answer, detached
+    rejected_rewards: Tensor
+
+
+def check_dpo_label_smoothing(loss_type: str, label_smoothing: float) -> None:
+    """Which loss types use `label_smoothing`, and in which range; shared with DPOConfig."""
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"loss_type: unknown DPO loss {loss_type!r}; expected one of {', '.join(DPO_LOSS_TYPES)}")
+    if loss_type == "robust" and not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing: the robust loss needs 0 <= label_smoothing < 0.5, got {label_smoothing}")
+    if loss_type == "sigmoid" and not 0.0 <= label_smoothing <= 0.5:
+        raise ValueError(f"label_smoothing: conservative DPO needs 0 <= label_smoothing <= 0.5, got {label_smoothing}")
+    if loss_type in ("ipo", "hinge") and label_smoothing != 0.0:
+        raise ValueError(f"label_smoothing: the {loss_type} loss does not use it; got {label_smoothing}, expected 0")
+
+
+def dpo_loss(
+    policy_chosen_logps: Tensor,
+    policy_rejected_logps: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_lengths: Tensor | None = None,
+    rejected_lengths: Tensor | None = None,
+) -> DPOOutput:
+    """Per-pair DPO losses from sequence log-probs (summed over completion tokens), following
+    `DPOTrainer._compute_loss` in TRL 1.16 (reverse-KL f-divergence, no WPO weighting), with
+    Δ = (π_c - ref_c) - (π_r - ref_r):
+
+    - `sigmoid` (Rafailov et al. 2023): -logsigmoid(βΔ). With `label_smoothing` ε > 0 it is
+      conservative DPO (cDPO, Mitchell 2023): -(1-ε)·logsigmoid(βΔ) - ε·logsigmoid(-βΔ), the form
+      TRL's sigmoid loss had before 1.0; TRL 1.16 ignores ε here, so ε = 0 matches it exactly.
+    - `ipo` (Azar et al. 2023, Eq. 17): (Δ̄ - 1/(2β))², where Δ̄ divides each side's log-ratio by
+      its completion length, as TRL does (the IPO authors' normalisation). Needs
+      `chosen_lengths` and `rejected_lengths` (completion token counts; clamped to at least 1).
+    - `hinge` (SLiC, Zhao et al. 2023): relu(1 - βΔ).
+    - `robust` (Chowdhury et al. 2024), ε = flip probability in [0, 0.5):
+      ((1-ε)·(-logsigmoid(βΔ)) - ε·(-logsigmoid(-βΔ))) / (1 - 2ε).
+
+    Rewards are β times each answer's log-ratio (TRL's `rewards/chosen`, `rewards/rejected`).
+    """
+    if not beta > 0:
+        raise ValueError(f"beta: must be positive, got {beta}")
+    check_dpo_label_smoothing(loss_type, label_smoothing)
+    shape = policy_chosen_logps.shape
+    for name, t in (("policy_rejected_logps", policy_rejected_logps), ("ref_chosen_logps", ref_chosen_logps),
+                    ("ref_rejected_logps", ref_rejected_logps)):
+        if t.shape != shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)} differs from policy_chosen_logps' {tuple(shape)}")
+    chosen_logratios = policy_chosen_logps - ref_chosen_logps
+    rejected_logratios = policy_rejected_logps - ref_rejected_logps
+    delta = chosen_logratios - rejected_logratios
+    eps = label_smoothing
+    if loss_type == "sigmoid":
+        losses = -(1.0 - eps) * F.logsigmoid(beta * delta)
+        if eps:
+            losses = losses - eps * F.logsigmoid(-beta * delta)
+    elif loss_type == "hinge":
+        losses = torch.relu(1.0 - beta * delta)
+    elif loss_type == "ipo":
+        if chosen_lengths is None or rejected_lengths is None:
+            raise ValueError("chosen_lengths: the ipo loss needs chosen_lengths and rejected_lengths (token counts)")
+        chosen_avg = chosen_logratios / chosen_lengths.to(delta.dtype).clamp(min=1.0)
+        rejected_avg = rejected_logratios / rejected_lengths.to(delta.dtype).clamp(min=1.0)
+        losses = (chosen_avg - rejected_avg - 1.0 / (2.0 * beta)) ** 2
+    else:  # robust
+        clean = -(1.0 - eps) * F.logsigmoid(beta * delta)
+        flipped = -eps * F.logsigmoid(-beta * delta)
+        losses = (clean - flipped) / (1.0 - 2.0 * eps)
+    return DPOOutput(losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach())
+
+
+def dpo_metrics(chosen_rewards: Tensor, rejected_rewards: Tensor) -> dict[str, Tensor]:
+    """TRL DPOTrainer's reward metrics, under TRL's names."""
+    with torch.no_grad():
+        return {
+            "rewards/chosen": chosen_rewards.mean(),
+            "rewards/rejected": rejected_rewards.mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy gradient (GRPO / PPO)
+# ---------------------------------------------------------------------------------------------
+
+
+class SurrogateOutput(NamedTuple):
+    loss: Tensor  # [B, T] per-token loss, 0 outside the mask
+    ratio: Tensor  # [B, T] exp(logp - old_logp), differentiable, before any `delta` cap
+    is_low_clipped: Tensor  # [B, T] bool: ratio < 1 - eps_low with a negative advantage (and in mask)
+    is_high_clipped: Tensor  # [B, T] bool: ratio > 1 + eps_high with a positive advantage
+    is_region_clipped: Tensor  # [B, T] bool: either
+
+
+def clipped_surrogate(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+) -> SurrogateOutput:
+    """PPO's clipped surrogate per token, as TRL's GRPO computes it for grpo/bnpo/dr_grpo/dapo:
+
+        r = exp(logp - old_logp);  loss = -min(min(r, delta) · A, clamp(r, 1-ε_low, 1+ε_high) · A)
+
+    `epsilon_high` defaults to `epsilon_low` (DAPO's clip-higher sets it apart); `delta` is
+    INTELLECT-2's two-sided cap on the unclipped ratio. The clip indicators are TRL's
+    `clip_ratio/low_mean`, `high_mean` and `region_mean` before averaging over the mask; like TRL
+    they test the ratio after the `delta` cap. `advantages` is [B] (one per sequence) or [B, T].
+    """
+    if logp.dim() != 2:
+        raise ValueError(f"logp: expected [B, T], got shape {tuple(logp.shape)}")
+    if old_logp.shape != logp.shape:
+        raise ValueError(f"old_logp: shape {tuple(old_logp.shape)} differs from logp's {tuple(logp.shape)}")
+    keep = _bool_mask(mask, logp)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    if advantages.shape not in ((logp.shape[0], 1), logp.shape):
+        raise ValueError(f"advantages: expected [B] or [B, T] for logp {tuple(logp.shape)}, got {tuple(advantages.shape)}")
+    eps_high = epsilon_low if epsilon_high is None else epsilon_high
+    if epsilon_low < 0 or eps_high < 0:
+        raise ValueError(f"epsilon_low/epsilon_high: must be >= 0, got {epsilon_low}, {eps_high}")
+    ratio = torch.exp(logp - old_logp)
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + eps_high)
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    loss = -torch.min(unclipped * advantages, clipped * advantages)
+    low = (unclipped < 1.0 - epsilon_low) & (advantages < 0) & keep
+    high = (unclipped > 1.0 + eps_high) & (advantages > 0) & keep
+    return SurrogateOutput(loss.masked_fill(~keep, 0.0), ratio, low.detach(), high.detach(), (low | high).detach())
+
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
+    """Per-token estimate of KL(π || π_ref) from tokens sampled from π (Schulman, "Approximating KL
+    divergence", 2020), with log r = ref_logp - logp:
+
+    - k1 = -log r: unbiased, high variance, can be negative.
+    - k2 = (log r)² / 2: biased, low variance, always >= 0.
+    - k3 = (r - 1) - log r = exp(ref - logp) - (ref - logp) - 1: unbiased, >= 0; TRL's GRPO KL.
+    """
+    if ref_logp.shape != logp.shape:
+        raise ValueError(f"ref_logp: shape {tuple(ref_logp.shape)} differs from logp's {tuple(logp.shape)}")
+    log_ratio = ref_logp - logp
+    if kind == "k1":
+        return -log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        return torch.exp(log_ratio) - log_ratio - 1.0
+    raise ValueError(f"kind: unknown KL estimator {kind!r}; expected 'k1', 'k2' or 'k3'")
+
+
+def tis_weight(old_logp_trainer: Tensor, sampling_logp_engine: Tensor, cap: float) -> Tensor:
+    """Truncated importance-sampling weight min(π_trainer / π_engine, C) per token (Yao et al. 2025;
+    TRL's `vllm_importance_sampling_mode="token_truncate"`), detached.
+
+    The engine samples with paged attention, the trainer recomputes log-probs densely; the two
+    differ by rounding (more in bf16), which makes the rollout slightly off-policy. Multiplying the
+    per-token loss by this weight corrects for it; the cap bounds the variance.
+    """
+    if sampling_logp_engine.shape != old_logp_trainer.shape:
+        raise ValueError(
+            f"sampling_logp_engine: shape {tuple(sampling_logp_engine.shape)} differs from "
+            f"old_logp_trainer's {tuple(old_logp_trainer.shape)}"
+        )
+    if not cap > 0:
+        raise ValueError(f"cap: must be positive, got {cap}")
+    return torch.exp(old_logp_trainer - sampling_logp_engine).clamp(max=cap).detach()
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None = 0.2
+) -> tuple[Tensor, Tensor]:
+    """PPO's clipped value loss per token (as TRL's PPOTrainer and OpenAI's lm-human-preferences):
+
+        0.5 · max((V - R)², (clamp(V, V_old - c, V_old + c) - R)²)
+
+    Returns the per-token loss (0 outside the mask; aggregate it like the policy loss) and the
+    positions where the clipped branch won (TRL's `val/clipfrac`). `clip=None` disables clipping.
+    """
+    for name, t in (("old_values", old_values), ("returns", returns)):
+        if t.shape != values.shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)} differs from values' {tuple(values.shape)}")
+    keep = _bool_mask(mask, values)
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        return (0.5 * unclipped).masked_fill(~keep, 0.0), torch.zeros_like(keep)
+    if clip < 0:
+        raise ValueError(f"clip: must be >= 0, got {clip}")
+    clipped_values = torch.clamp(values, old_values - clip, old_values + clip)
+    clipped = (clipped_values - returns) ** 2
+    per_token = 0.5 * torch.max(unclipped, clipped)
+    return per_token.masked_fill(~keep, 0.0), ((clipped > unclipped) & keep).detach()

@@ -1,0 +1,181 @@
+"""pagedrl's DPO and GRPO losses against TRL 1.16's own loss code on the same tensors.
+
+TRL computes these losses inside trainer methods (`DPOTrainer._compute_loss`,
+`GRPOTrainer._compute_loss`), not in free functions. We call those methods unbound on a minimal
+stand-in for the trainer whose model returns the log-probs we choose, so what runs is TRL's code,
+line for line, and what it computes must equal the composition of pagedrl's pure pieces.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from trl.trainer.dpo_trainer import DPOTrainer
+from trl.trainer.grpo_trainer import GRPOTrainer
+
+from pagedrl.train.losses import aggregate, clipped_surrogate, dpo_loss, kl_estimate
+
+# --------------------------------------------------------------------------------------------- DPO
+
+
+class _Accelerator:
+    device = torch.device("cpu")
+    num_processes = 1
+
+    @staticmethod
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    gather_for_metrics = gather
+
+    @staticmethod
+    def reduce(t: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        return t
+
+
+def _metrics() -> defaultdict:
+    return defaultdict(lambda: defaultdict(list))
+
+
+def _dpo_batch(num_pairs: int = 5, seq_len: int = 9, seed: int = 0):
+    """A [chosen; rejected] batch: prompt tokens first, then a completion of random length."""
+    g = torch.Generator().manual_seed(seed)
+    rows = 2 * num_pairs
+    completion_mask = torch.zeros(rows, seq_len, dtype=torch.long)
+    for r in range(rows):
+        start = int(torch.randint(1, 4, (1,), generator=g))
+        end = int(torch.randint(start + 1, seq_len + 1, (1,), generator=g))
+        completion_mask[r, start:end] = 1
+    shift_mask = completion_mask[:, 1:].float()
+    # per-token log-probs of the shifted labels; 0 where the label is masked, as TRL's fused head
+    token_logps = -torch.rand(rows, seq_len - 1, generator=g, dtype=torch.float64) * 3 * shift_mask
+    ref_logps = (-torch.rand(rows, seq_len - 1, generator=g, dtype=torch.float64) * 3 * shift_mask).sum(1)
+    return completion_mask, token_logps, ref_logps
+
+
+def _trl_dpo(loss_type: str, beta: float, label_smoothing: float, completion_mask, token_logps, ref_logps):
+    rows, seq_len = completion_mask.shape
+    token_logps = token_logps.clone().requires_grad_(True)
+    outputs = SimpleNamespace(
+        log_probs=token_logps,
+        entropy=torch.zeros(rows, seq_len - 1),
+        mean_logits=torch.zeros(rows, seq_len - 1),
+        is_top1=torch.zeros(rows, seq_len - 1, dtype=torch.bool),
+    )
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=True), accelerator=_Accelerator(), aux_loss_enabled=False, ld_alpha=None,
+        precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0],
+        beta=beta, label_smoothing=label_smoothing, use_weighting=False, _metrics=_metrics(),
+        _total_train_tokens=0, _tp_size=1, args=SimpleNamespace(),
+    )
+    ref_chosen, ref_rejected = ref_logps.chunk(2)
+    inputs = {
+        "input_ids": torch.zeros(rows, seq_len, dtype=torch.long),
+        "attention_mask": torch.ones(rows, seq_len, dtype=torch.long),
+        "completion_mask": completion_mask,
+        "ref_chosen_logps": ref_chosen,
+        "ref_rejected_logps": ref_rejected,
+    }
+    loss = DPOTrainer._compute_loss(trainer, lambda **kw: outputs, inputs, return_outputs=False)
+    (grad,) = torch.autograd.grad(loss, token_logps)
+    return loss.detach(), grad, trainer._metrics["train"]
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "label_smoothing"),
+    [("sigmoid", 0.0), ("ipo", 0.0), ("hinge", 0.0), ("robust", 0.0), ("robust", 0.2)],
+)
+@pytest.mark.parametrize("beta", [0.1, 0.7])
+def test_dpo_loss_equals_trl_dpo_trainer(loss_type: str, label_smoothing: float, beta: float) -> None:
+    completion_mask, token_logps, ref_logps = _dpo_batch(seed=int(beta * 10))
+    trl_loss, trl_grad, metrics = _trl_dpo(loss_type, beta, label_smoothing, completion_mask, token_logps, ref_logps)
+
+    ours_logps = token_logps.clone().requires_grad_(True)
+    policy_chosen, policy_rejected = ours_logps.sum(1).chunk(2)
+    ref_chosen, ref_rejected = ref_logps.chunk(2)
+    lengths_chosen, lengths_rejected = completion_mask.sum(1).chunk(2)
+    out = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=beta, loss_type=loss_type,
+                   label_smoothing=label_smoothing, chosen_lengths=lengths_chosen, rejected_lengths=lengths_rejected)
+    loss = out.losses.mean()
+    (grad,) = torch.autograd.grad(loss, ours_logps)
+
+    torch.testing.assert_close(loss.detach(), trl_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, trl_grad, rtol=1e-12, atol=1e-12)
+    assert metrics["rewards/chosen"][0] == pytest.approx(out.chosen_rewards.mean().item(), rel=1e-12)
+    assert metrics["rewards/rejected"][0] == pytest.approx(out.rejected_rewards.mean().item(), rel=1e-12)
+    assert metrics["rewards/margins"][0] == pytest.approx(
+        (out.chosen_rewards - out.rejected_rewards).mean().item(), rel=1e-12, abs=1e-12
+    )
+
+
+# -------------------------------------------------------------------------------------------- GRPO
+
+
+def _grpo_batch(rows: int = 6, seq_len: int = 7, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(rows, seq_len, dtype=torch.long)
+    for r in range(rows):
+        mask[r, : int(torch.randint(1, seq_len + 1, (1,), generator=g))] = 1
+    logp = -torch.rand(rows, seq_len, generator=g, dtype=torch.float64) * 2
+    old = logp + torch.randn(rows, seq_len, generator=g, dtype=torch.float64) * 0.3  # many ratios outside 1 ± eps
+    ref = logp + torch.randn(rows, seq_len, generator=g, dtype=torch.float64) * 0.2
+    sampling = old + torch.randn(rows, seq_len, generator=g, dtype=torch.float64) * 0.5
+    advantages = torch.randn(rows, generator=g, dtype=torch.float64)
+    return mask, logp, old, ref, sampling, advantages
+
+
+def _trl_grpo(loss_type, beta, eps_low, eps_high, delta, max_completion_length, mask, logp, old, ref, is_ratio, adv):
+    rows, seq_len = mask.shape
+    logp = logp.clone().requires_grad_(True)
+    trainer = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **kw: (logp, torch.zeros_like(logp), None),
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
+        beta=beta, loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high,
+        use_vllm=True, vllm_importance_sampling_correction=True, model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1, accelerator=_Accelerator(), _entropy_bonus_enabled=False,
+        aux_loss_enabled=False, _metrics=_metrics(), max_completion_length=max_completion_length,
+        args=SimpleNamespace(use_bias_correction_kl=True, delta=delta, steps_per_generation=1),
+    )
+    inputs = {
+        "prompt_ids": torch.zeros(rows, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(rows, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(rows, seq_len, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "importance_sampling_ratio": is_ratio,
+        "num_items_in_batch": mask.sum().to(torch.float64),
+    }
+    loss = GRPOTrainer._compute_loss(trainer, None, inputs)
+    (grad,) = torch.autograd.grad(loss, logp)
+    return loss.detach(), grad, trainer._metrics["train"]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize(("beta", "eps_high", "delta"), [(0.0, 0.2, None), (0.04, 0.28, 1.6)])
+def test_grpo_loss_composed_from_pieces_equals_trl_grpo_trainer(loss_type, beta, eps_high, delta) -> None:
+    eps_low, max_len = 0.2, 10
+    mask, logp, old, ref, sampling, adv = _grpo_batch(seed=3)
+    tis = torch.exp(old - sampling)  # TRL receives the ratio ready-made; we build it the same way
+    trl_loss, trl_grad, metrics = _trl_grpo(loss_type, beta, eps_low, eps_high, delta, max_len, mask, logp, old,
+                                            ref, tis, adv)
+
+    ours = logp.clone().requires_grad_(True)
+    out = clipped_surrogate(ours, old, adv, mask, epsilon_low=eps_low, epsilon_high=eps_high, delta=delta)
+    per_token = out.loss * tis
+    if beta:
+        per_token = per_token + beta * kl_estimate(ours, ref, "k3") * out.ratio  # TRL's bias-corrected KL
+    loss = aggregate(per_token, mask, loss_type, max_completion_length=max_len)
+    (grad,) = torch.autograd.grad(loss, ours)
+
+    torch.testing.assert_close(loss.detach(), trl_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad * mask, trl_grad * mask, rtol=1e-12, atol=1e-12)
+    n = mask.sum().item()
+    assert metrics["clip_ratio/low_mean"][0] == pytest.approx(out.is_low_clipped.sum().item() / n, rel=1e-6)  # TRL averages in float32
+    assert metrics["clip_ratio/high_mean"][0] == pytest.approx(out.is_high_clipped.sum().item() / n, rel=1e-6)  # TRL averages in float32
+    assert metrics["clip_ratio/region_mean"][0] == pytest.approx(out.is_region_clipped.sum().item() / n, rel=1e-6)  # TRL averages in float32
+    assert 0 < out.is_region_clipped.sum() < n  # the batch exercises both clipped and unclipped tokens

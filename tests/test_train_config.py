@@ -1,0 +1,147 @@
+"""Trainer configs: YAML + overrides, type checks, range checks, and the errors a user sees."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pagedrl.train.config import (
+    DPOConfig,
+    GRPOConfig,
+    RewardConfig,
+    SFTConfig,
+    TrainConfig,
+    TrainConfigError,
+    config_to_dict,
+    load_config,
+)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_follow_trl() -> None:
+    grpo = GRPOConfig()
+    assert (grpo.num_generations, grpo.epsilon, grpo.epsilon_high, grpo.beta) == (8, 0.2, None, 0.0)
+    assert (grpo.loss_type, grpo.scale_rewards, grpo.learning_rate) == ("dapo", "group", 1e-6)
+    dpo = DPOConfig()
+    assert (dpo.beta, dpo.loss_type, dpo.label_smoothing, dpo.learning_rate) == (0.1, "sigmoid", 0.0, 1e-6)
+    assert RewardConfig().center_rewards_coefficient is None
+    assert SFTConfig().learning_rate == 2e-5
+    assert TrainConfig().model == "smollm2-135m-instruct"
+
+
+def test_yaml_then_overrides_with_yaml_scalar_semantics(tmp_path: Path) -> None:
+    path = write(tmp_path, "beta: 0.04\noutput_dir: runs/a\nlearning_rate: 1e-5\nreward_funcs: [accuracy]\n"
+                           "num_generations: 4\n")
+    cfg = load_config(GRPOConfig, path, ["beta=0.2", "output_dir=runs/x", "bf16=true", "epsilon_high=0.28",
+                                         "reward_funcs=[accuracy, format]", "reward_weights=[1, 0.5]"])
+    assert cfg.beta == 0.2 and cfg.output_dir == "runs/x"  # overrides win over the file
+    assert cfg.num_generations == 4  # the file wins over the defaults
+    assert cfg.learning_rate == 1e-5 and isinstance(cfg.learning_rate, float)  # YAML 1.1's '1e-5' string
+    assert cfg.bf16 is True and cfg.epsilon_high == 0.28
+    assert cfg.reward_funcs == ["accuracy", "format"]
+    assert cfg.reward_weights == [1.0, 0.5] and all(isinstance(w, float) for w in cfg.reward_weights)
+
+
+def test_later_overrides_win_and_null_clears_optionals() -> None:
+    cfg = load_config(DPOConfig, None, ["beta=0.3", "beta=0.5", "max_length=null", "ref_model=runs/sft"])
+    assert cfg.beta == 0.5 and cfg.max_length is None and cfg.ref_model == "runs/sft"
+
+
+def test_text_fields_keep_the_raw_override_text() -> None:
+    cfg = load_config(SFTConfig, None, ["output_dir=2024", "dataset=yes", "report_to=tensorboard"])
+    assert cfg.output_dir == "2024" and cfg.dataset == "yes"
+    assert cfg.report_to == ["tensorboard"]  # a scalar for a list field is a one-element list
+
+
+def test_resume_from_checkpoint_takes_a_path_or_true() -> None:
+    assert load_config(TrainConfig, None, ["resume_from_checkpoint=true"]).resume_from_checkpoint is True
+    cfg = load_config(TrainConfig, None, ["resume_from_checkpoint=runs/x/checkpoint-10"])
+    assert cfg.resume_from_checkpoint == "runs/x/checkpoint-10"
+
+
+def test_unknown_key_names_the_source_and_suggests_the_field(tmp_path: Path) -> None:
+    path = write(tmp_path, "learning_rte: 1.0e-5\n")
+    with pytest.raises(ValueError, match=r"config\.yaml.*'learning_rte'.*did you mean 'learning_rate'"):
+        load_config(SFTConfig, path)
+    with pytest.raises(ValueError, match=r"command line.*'num_generation'.*did you mean 'num_generations'"):
+        load_config(GRPOConfig, None, ["num_generation=4"])
+    with pytest.raises(ValueError, match="command line.*'beta'"):
+        load_config(SFTConfig, None, ["beta=0.1"])  # a DPO field is not an SFT field
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("num_generations=4.5", "num_generations: expected int"),
+        ("num_generations=true", "num_generations: expected int"),
+        ("beta=high", "beta: expected float"),
+        ("bf16=maybe", "bf16: expected bool or null"),
+        ("reward_weights=[1, two]", "reward_weights: expected a list of float or null"),
+        ("loss_type=ppo", "loss_type: expected one of 'grpo', 'bnpo', 'dapo', 'dr_grpo'"),
+        ("scale_rewards=true", "scale_rewards: expected one of 'group', 'batch', 'none'"),
+        ("model=null", "model: expected str"),
+    ],
+)
+def test_wrong_types_name_key_source_and_expectation(override: str, expected: str) -> None:
+    with pytest.raises(ValueError, match="^command line: " + expected.replace("[", r"\[").replace("(", r"\(")):
+        load_config(GRPOConfig, None, [override])
+
+
+def test_wrong_type_in_a_file_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "per_device_train_batch_size: eight\n")
+    with pytest.raises(ValueError, match=rf"^config file {path}: per_device_train_batch_size: expected int"):
+        load_config(TrainConfig, path)
+
+
+def test_range_errors_name_the_key_and_where_it_came_from(tmp_path: Path) -> None:
+    with pytest.raises(TrainConfigError, match=r"^num_generations: .*>= 2.*\(from command line\)"):
+        load_config(GRPOConfig, None, ["num_generations=1"])
+    path = write(tmp_path, "loss_type: robust\nlabel_smoothing: 0.5\n")
+    with pytest.raises(TrainConfigError, match=rf"^label_smoothing: .*\(from config file {path}\)"):
+        load_config(DPOConfig, path)
+    with pytest.raises(TrainConfigError, match="label_smoothing"):
+        DPOConfig(loss_type="hinge", label_smoothing=0.1)
+    with pytest.raises(TrainConfigError, match="reward_weights"):
+        GRPOConfig(reward_funcs=["a", "b"], reward_weights=[1.0])
+    with pytest.raises(TrainConfigError, match="report_to"):
+        TrainConfig(report_to=["wandb"])
+    with pytest.raises(TrainConfigError, match="max_steps"):
+        TrainConfig(max_steps=0)
+
+
+def test_file_and_override_syntax_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(TrainConfig, tmp_path / "missing.yaml")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        load_config(TrainConfig, write(tmp_path, "- beta\n- 0.1\n"))
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_config(TrainConfig, write(tmp_path, "seed: [1\n"))
+    with pytest.raises(ValueError, match="key=value"):
+        load_config(TrainConfig, None, ["seed"])
+    with pytest.raises(ValueError, match="overrides"):
+        load_config(TrainConfig, None, "seed=1")
+    assert load_config(TrainConfig, write(tmp_path, "")) == TrainConfig()
+
+
+def test_config_to_dict_round_trips_through_yaml(tmp_path: Path) -> None:
+    cfg = load_config(GRPOConfig, None, ["beta=0.04", "reward_funcs=[accuracy]", "tis_cap=null", "bf16=false"])
+    data = config_to_dict(cfg)
+    assert set(data) == {f.name for f in dataclasses.fields(GRPOConfig)}
+    path = write(tmp_path, yaml.safe_dump(data))
+    assert load_config(GRPOConfig, path) == cfg
+
+
+def test_bf16_auto_is_cuda_only_and_warmup_ratio_applies_when_steps_unset() -> None:
+    cfg = TrainConfig()
+    assert cfg.use_bf16("cuda:0") and not cfg.use_bf16("cpu")
+    assert TrainConfig(bf16=False).use_bf16("cuda") is False
+    assert TrainConfig(warmup_ratio=0.1).num_warmup_steps(95) == 10
+    assert TrainConfig(warmup_ratio=0.1, warmup_steps=3).num_warmup_steps(95) == 3
