@@ -1,0 +1,111 @@
+"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from pagedrl.engine.llm_engine import EngineConfig, LLMEngine
+from pagedrl.engine.outputs import RequestOutput
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.model.decoder import CausalLM
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """An engine plus a model. `LLM()` loads the embedded default; `LLM.from_module(model, tokenizer)`
+    runs on a model that training owns (same parameter tensors, no copy)."""
+
+    def __init__(self, model: str | None = None, *, tokenizer: Any = None, device: str | None = None,
+                 dtype: torch.dtype | None = None, kv_cache_tokens: int | None = None,
+                 kv_cache_bytes: int | None = None, block_size: int = 16, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, max_model_len: int | None = None, seed: int = 0,
+                 gpu_memory_utilization: float = 0.9, _module: CausalLM | None = None,
+                 _eos_token_ids: list[int] | None = None) -> None:
+        config = EngineConfig(block_size=block_size, kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=kv_cache_bytes,
+                              gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens,
+                              enable_prefix_caching=enable_prefix_caching,
+                              enable_chunked_prefill=enable_chunked_prefill, max_model_len=max_model_len, seed=seed)
+        if _module is None:
+            from pagedrl.model.loader import load_model
+
+            loaded = load_model(model, device=device, dtype=dtype)
+            _module, tokenizer, _eos_token_ids = loaded.model, loaded.tokenizer, loaded.eos_token_ids
+        self.engine = LLMEngine(_module, tokenizer, config, eos_token_ids=_eos_token_ids)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_module(cls, model: CausalLM, tokenizer: Any = None, eos_token_ids: list[int] | None = None,
+                    **engine_args: Any) -> LLM:
+        return cls(tokenizer=tokenizer, _module=model, _eos_token_ids=eos_token_ids, **engine_args)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
+            else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(prompt, p, request_id=f"gen-{next(self._ids)}"))
+        except ValueError:
+            for rid in ids:  # a bad prompt rejects the whole call and leaves nothing queued
+                self.engine.abort_request(rid)
+            raise
+        return self.run_to_completion(ids, use_tqdm)
+
+    def run_to_completion(self, request_ids: list[str], use_tqdm: bool = True) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        bar = tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm or len(request_ids) < 2)
+        try:
+            while len(done) < len(wanted) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in wanted - done.keys():
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[rid] for rid in request_ids]
+
+    def chat(self, conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # one conversation
+        prompts = [self.tokenizer.encode(
+            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                               **(chat_template_kwargs or {})), add_special_tokens=False)
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+    def bump_weight_version(self) -> int:
+        """Call after an optimizer step changed the weights this engine reads."""
+        return self.engine.bump_weight_version()

@@ -1,0 +1,316 @@
+"""The engine: requests in, one scheduled forward pass per `step()`, tokens out.
+
+It owns the KV cache, the cache manager, the scheduler and the runner, and it can be built on a model
+that training owns (same parameter tensors, no copy): `bump_weight_version()` after an optimizer step
+makes every prefix hash computed under the old weights unreachable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedrl.engine.kv_cache import KVCache, num_blocks_for_budget
+from pagedrl.engine.kv_cache_manager import KVCacheManager
+from pagedrl.engine.model_runner import ModelRunner
+from pagedrl.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedrl.engine.sampler import Sampler, SamplingRow
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.engine.scheduler import Scheduler
+from pagedrl.engine.sequence import Request, Sequence
+from pagedrl.model.decoder import CausalLM
+from pagedrl.model.tokenizer import find_stop_string
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    kv_cache_tokens: int | None = None  # budget in tokens; or
+    kv_cache_bytes: int | None = None  # budget in bytes; default on CUDA: a share of free memory
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block "
+                             f"of block_size={self.block_size} tokens")
+
+
+class LLMEngine:
+    def __init__(self, model: CausalLM, tokenizer: Any = None, config: EngineConfig | None = None,
+                 eos_token_ids: list[int] | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.config.validate()
+        self.model = model
+        self.tokenizer = tokenizer
+        cfg = model.config
+        self.max_model_len = min(self.config.max_model_len or cfg.max_model_len, cfg.max_model_len)
+        bs = self.config.block_size
+        num_blocks = num_blocks_for_budget(
+            cfg, bs, model.device, model.dtype, tokens=self.config.kv_cache_tokens,
+            nbytes=self.config.kv_cache_bytes, gpu_memory_utilization=self.config.gpu_memory_utilization)
+        self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, bs, cfg.num_key_value_heads, cfg.head_dim,
+                                model.dtype, model.device)
+        self.kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                   self.config.enable_chunked_prefill)
+        self.runner = ModelRunner(model, self.kv_cache, self.kv, bs)
+        self.sampler = Sampler(torch.Generator(device=model.device).manual_seed(self.config.seed))
+        eos = set(eos_token_ids or []) | set(cfg.eos_token_ids)
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(eos)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.generation_tokens = 0
+        self.prompt_tokens = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request; a bad one raises ValueError and changes nothing."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.encode(prompt)
+        self.check_fits(len(ids), params)
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        now = time.monotonic()
+        req = Request(request_id, text, ids, params, now)
+        seq = Sequence(request_id, 0, ids, params, self.make_generator(params.seed, 0), now)
+        seq.detokenizer = self.new_detokenizer(params, ids)
+        req.seqs.append(seq)
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+        self.prompt_tokens += len(ids)
+        return request_id
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        vocab = self.model.config.vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab})")
+        return ids
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise ValueError(f"prompt is {num_prompt_tokens} tokens, but the model's context "
+                             f"(max_model_len) is {limit} tokens")
+        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limit:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len {limit}")
+        total = num_prompt_tokens + (params.max_tokens or limit - num_prompt_tokens)
+        if not self.kv.can_ever_fit(total):
+            raise ValueError(f"prompt + max_tokens = {total} tokens can never fit in the KV cache of "
+                             f"{self.kv.num_blocks_total * self.config.block_size} tokens; raise kv_cache_tokens")
+
+    def make_generator(self, seed: int | None, index: int) -> torch.Generator | None:
+        if seed is None:
+            return None
+        return torch.Generator(device=self.model.device).manual_seed(seed + 1_000_003 * index)
+
+    def new_detokenizer(self, params: SamplingParams, prompt_ids: list[int]) -> Any:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.detokenizer(prompt_ids, skip_special_tokens=params.skip_special_tokens)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; returns False if it was not live."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample; return the requests whose state changed."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        self.num_steps += 1
+        result = self.runner.execute(batch.seqs, batch.num_new_tokens)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for r, (seq, pos) in enumerate(result.rows):
+            if pos == seq.num_tokens - 1:
+                for child in self.fork_if_needed(seq):
+                    sample_rows.append(r)
+                    sample_seqs.append(child)
+            else:
+                self.record_prompt_logprob(seq, pos, result.logits[r])
+        touched = {seq.request_id for seq in batch.seqs}
+        if sample_seqs:
+            logits = result.logits[torch.tensor(sample_rows, device=result.logits.device)]
+            self.sample_and_append(logits, sample_seqs)
+        outputs = [self.make_output(self.requests[rid]) for rid in touched if rid in self.requests]
+        for out in outputs:
+            if out.finished:
+                del self.requests[out.request_id]
+        return outputs
+
+    def fork_if_needed(self, seq: Sequence) -> list[Sequence]:
+        """The first time a request's prompt is in, it becomes `n` sequences sharing its blocks."""
+        req = self.requests[seq.request_id]
+        if req.forked or req.params.n == 1:
+            req.forked = True
+            return [seq]
+        req.forked = True
+        for i in range(1, req.params.n):
+            child = Sequence(req.request_id, i, req.prompt_token_ids, req.params,
+                             self.make_generator(req.params.seed, i), req.arrival)
+            child.num_computed_tokens = seq.num_computed_tokens
+            child.detokenizer = self.new_detokenizer(req.params, req.prompt_token_ids)
+            child.prompt_logprobs = seq.prompt_logprobs
+            self.kv.fork(seq.seq_id, child.seq_id)
+            self.scheduler.add_running(child)
+            req.seqs.append(child)
+        return list(req.seqs)
+
+    def sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        rows = [SamplingRow(params=s.params, generator=s.generator, prompt_token_ids=s.prompt_token_ids,
+                          output_token_ids=s.output_token_ids,
+                          banned_token_ids=s.params.min_tokens_banned_ids(s.num_output_tokens, self.eos_token_ids))
+                for s in seqs]
+        out = self.sampler(logits, rows)
+        now = time.monotonic()
+        tokens, processed, raw = out.token_ids.tolist(), out.logprobs.tolist(), out.raw_logprobs.tolist()
+        for i, seq in enumerate(seqs):
+            token = tokens[i]
+            seq.append(token, processed[i], raw[i], out.top_logprobs[i])
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self.generation_tokens += 1
+            self.check_stop(seq, token)
+
+    def check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        delta = ""
+        if seq.detokenizer is not None:
+            delta = seq.detokenizer.step(token)
+            seq.text += delta
+        if not p.ignore_eos and token in self.eos_token_ids:
+            self.finish(seq, "stop")
+        elif token in p.stop_token_ids:
+            self.finish(seq, "stop", token)
+        elif p.stop and delta and (hit := find_stop_string(seq.text, p.stop, len(delta))) is not None:
+            at, stop = hit
+            seq.text = seq.text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
+            self.finish(seq, "stop", stop, flush=False)
+        elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            self.finish(seq, "length")
+        elif seq.num_tokens >= self.max_model_len:
+            self.finish(seq, "length")
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None, flush: bool = True) -> None:
+        if flush and seq.detokenizer is not None:
+            seq.text += seq.detokenizer.flush()
+        self.scheduler.finish(seq, reason, stop_reason)
+
+    def record_prompt_logprob(self, seq: Sequence, pos: int, logits: torch.Tensor) -> None:
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None] * seq.num_prompt_tokens
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        target = seq.prompt_token_ids[pos + 1]
+        k = seq.params.prompt_logprobs or 0
+        entry = {target: float(logp[target])}
+        if k:
+            vals, idx = logp.topk(k)
+            entry.update(zip(idx.tolist(), vals.tolist(), strict=True))
+        seq.prompt_logprobs[pos + 1] = entry
+
+    # ------------------------------------------------------------------ outputs
+    def make_output(self, req: Request) -> RequestOutput:
+        outs = []
+        for seq in sorted(req.seqs, key=lambda s: s.index):
+            logprobs = None
+            if seq.params.logprobs is not None:
+                logprobs = [self.logprob_entry(seq, i) for i in range(seq.num_output_tokens)]
+            outs.append(CompletionOutput(
+                index=seq.index, text=seq.text, token_ids=list(seq.output_token_ids),
+                cumulative_logprob=float(sum(seq.raw_logprobs)) if seq.raw_logprobs else 0.0,
+                logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                sampled_logprobs=list(seq.sampled_logprobs), raw_logprobs=list(seq.raw_logprobs)))
+        first = req.seqs[0]
+        prompt_lp = None
+        if req.params.prompt_logprobs is not None and first.prompt_logprobs is not None:
+            prompt_lp = [None if e is None else {t: Logprob(v) for t, v in e.items()} for e in first.prompt_logprobs]
+        ttft = (first.first_token_time - req.arrival) if first.first_token_time else None
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
+                             prompt_logprobs=prompt_lp,
+                             metrics={"arrival": req.arrival, **({"ttft": ttft} if ttft is not None else {})})
+
+    def logprob_entry(self, seq: Sequence, i: int) -> dict[int, Logprob]:
+        token = seq.output_token_ids[i]
+        processed = seq.params.logprobs_mode == "processed_logprobs"
+        chosen = seq.sampled_logprobs[i] if processed else seq.raw_logprobs[i]
+        entry = {token: Logprob(chosen, decoded_token=self.decode_one(token))}
+        if seq.top_logprobs:
+            for rank, (t, v) in enumerate(seq.top_logprobs[i].items(), start=1):
+                if t == token:
+                    entry[token].rank = rank
+                else:
+                    entry[t] = Logprob(v, rank=rank, decoded_token=self.decode_one(t))
+        return entry
+
+    def decode_one(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token], skip_special_tokens=False)
+
+    # ------------------------------------------------------------------ weights and stats
+    def bump_weight_version(self) -> int:
+        """Record a weight update: prefix KV computed under the old weights is never reused."""
+        return self.kv.bump_weight_version()
+
+    def stats(self) -> dict[str, float]:
+        """Counters readable from another thread while requests run (plain ints, no locks)."""
+        kv = self.kv
+        return {
+            "num_blocks_total": kv.num_blocks_total,
+            "num_blocks_used": kv.num_blocks_used,
+            "num_blocks_cached": kv.num_blocks_cached,
+            "kv_cache_usage_perc": kv.usage,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "generation_tokens": self.generation_tokens,
+            "weight_version": kv.weight_version,
+        }

@@ -1,0 +1,71 @@
+"""One forward pass of a scheduled batch through the paged path of the model.
+
+The runner flattens every scheduled sequence's new tokens into one row, builds the paged attention
+metadata once, runs the model and projects to the vocabulary only the rows that are sampled (and the
+prompt rows whose log-probs were asked for).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedrl.engine.attention import PagedAttention
+from pagedrl.engine.kv_cache import KVCache
+from pagedrl.engine.kv_cache_manager import KVCacheManager
+from pagedrl.engine.sequence import Sequence
+from pagedrl.model.decoder import CausalLM
+
+
+@dataclass
+class ForwardResult:
+    logits: torch.Tensor  # [rows, vocab] float32, one row per entry of `rows`
+    rows: list[tuple[Sequence, int]]  # (sequence, token position whose next-token logits the row holds)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, kv: KVCacheManager, block_size: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.kv = kv
+        self.block_size = block_size
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> ForwardResult:
+        device = self.model.device
+        copies = self.kv.take_pending_copies()
+        if copies:
+            self.kv_cache.copy_blocks(copies)
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[tuple[Sequence, int]] = []
+        row_index: list[int] = []
+        layout = []
+        for seq, n in zip(seqs, num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            base = len(ids)
+            ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            layout.append((self.kv.block_table(seq.seq_id), start, n))
+            if wants_prompt_logprobs(seq):
+                # The row at position p predicts prompt token p + 1.
+                for p in range(start, min(start + n, seq.num_prompt_tokens - 1)):
+                    rows.append((seq, p))
+                    row_index.append(base + p - start)
+            if start + n == seq.num_tokens:
+                rows.append((seq, start + n - 1))
+                row_index.append(base + n - 1)
+        meta = PagedAttention.build(self.kv_cache, self.block_size, layout, device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)[None]
+        pos = torch.tensor(positions, dtype=torch.long, device=device)[None]
+        hidden = self.model(input_ids, pos, meta)[0]
+        if not row_index:
+            return ForwardResult(hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32), [])
+        picked = hidden[torch.tensor(row_index, device=device)]
+        return ForwardResult(self.model.logits(picked), rows)
+
+
+def wants_prompt_logprobs(seq: Sequence) -> bool:
+    """Prompt log-probs are computed on the first pass over the prompt only (not after preemption)."""
+    return seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0 and seq.index == 0

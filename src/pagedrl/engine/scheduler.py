@@ -1,0 +1,129 @@
+"""Iteration-level scheduling under one token budget.
+
+There is no prefill phase and no decode phase: each step every scheduled sequence's computed-token
+count moves toward its token count, so chunked prefills and decodes share one forward pass (vLLM v1).
+Running sequences go first, oldest first; waiting ones are admitted while the budget, `max_num_seqs`
+and the KV cache allow.
+
+Preemption rule: when the cache cannot hold the next step of a running sequence, the most recently
+admitted running sequence is preempted by recompute (its blocks freed, its tokens kept, its computed
+count reset to 0, and it goes back to the front of the waiting queue). Taking the newest protects the
+oldest requests, which have the most invested and bound latency, and it guarantees progress: the
+oldest request always fits on its own, because submission rejects requests that could never fit.
+Freed blocks keep their prefix hashes, so a resumed sequence usually re-reads most of its KV from the
+cache instead of recomputing it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedrl.engine.kv_cache_manager import KVCacheManager
+from pagedrl.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A fork of a running sequence: it already owns blocks, so it runs at once."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq.seq_id)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            scheduled.add(seq.seq_id)
+            budget -= num_new
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            seq = self.waiting[0]
+            if seq.num_computed_tokens == 0:
+                seq.num_computed_tokens = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            num_new = min(remaining, budget)
+            if num_new < remaining and not self.enable_chunked_prefill:
+                break
+            if not self.kv.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new):
+                # Hand back the prefix blocks it was given, so a waiting sequence never holds memory
+                # that running ones need.
+                self.kv.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+        # Victims come from the tail of `running`, which this step has not reached yet.
+        assert seq not in batch.seqs

@@ -1,0 +1,106 @@
+"""Sequences and requests: the state the scheduler moves forward one step at a time.
+
+A request with `n` samples starts as one sequence; when its prompt has been computed the engine forks
+it into `n` sequences that share the prompt's KV blocks (copy-on-write for a shared partial block).
+Each sequence only tracks how many of its tokens have KV in the cache (`num_computed_tokens`): a step
+catches that count up toward `num_tokens`, which is how prefill, chunked prefill, decode and recompute
+after preemption are one mechanism.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedrl.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # which of the request's n samples this is
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    arrival: float
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    token_ids: list[int] = field(init=False)  # prompt + output
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Logprob contract: the processed log-prob of each sampled token (the distribution it was drawn
+    # from) and its raw log-prob (plain log-softmax of the logits).
+    sampled_logprobs: list[float] = field(default_factory=list)
+    raw_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    text: str = ""
+    detokenizer: Any = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefill_done(self) -> bool:
+        """True once this sequence has KV for all its prompt tokens at least once."""
+        return self.num_output_tokens > 0 or self.num_computed_tokens >= self.num_prompt_tokens
+
+    def append(self, token: int, processed: float, raw: float, top: dict[int, float] | None) -> None:
+        self.token_ids.append(token)
+        self.sampled_logprobs.append(processed)
+        self.raw_logprobs.append(raw)
+        if top is not None:
+            self.top_logprobs.append(top)
+
+
+@dataclass(eq=False)
+class Request:
+    """One call's worth of sequences: the first is forked into `params.n` once its prompt is in."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

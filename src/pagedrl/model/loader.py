@@ -1,0 +1,68 @@
+"""One entry point from a model name to weights and tokenizer: a Hugging Face folder, a GGUF file
+(converted once into the cache) or the embedded default's name."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedrl.model.checkpoint import CheckpointError, default_dtype, load_causal_lm
+from pagedrl.model.decoder import CausalLM
+from pagedrl.model.default import DEFAULT_MODEL, cache_dir, resolve_default_model
+from pagedrl.model.gguf import convert_gguf
+from pagedrl.model.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    tokenizer: Tokenizer | None
+    path: Path
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.generation_config.get("eos_token_id")
+        ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return sorted(set(ids) | set(self.model.config.eos_token_ids))
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """The Hugging Face folder behind a model argument; GGUF files are converted once and cached."""
+    if model is None or str(model) == DEFAULT_MODEL:
+        return resolve_default_model()
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise CheckpointError(f"{path}: GGUF file not found")
+        stat = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        out = cache_dir() / "gguf" / f"{path.stem}-{key}"
+        if not (out / "config.json").is_file():
+            convert_gguf(path, out)
+        return out
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such folder or file (expected a Hugging Face folder, a .gguf "
+                              f"file or {DEFAULT_MODEL!r})")
+    return path
+
+
+def load_model(model: str | Path | None = None, device: str | torch.device | None = None,
+               dtype: torch.dtype | None = None, load_tokenizer: bool = True) -> LoadedModel:
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    path = resolve_model_path(model)
+    net = load_causal_lm(path, device=device, dtype=dtype or default_dtype(device))
+    tokenizer = Tokenizer.from_folder(path) if load_tokenizer and (path / "tokenizer.json").is_file() else None
+    gen_path = path / "generation_config.json"
+    gen: dict[str, Any] = {}
+    if gen_path.is_file():
+        try:
+            gen = json.loads(gen_path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{gen_path}: not valid JSON ({e})") from None
+    return LoadedModel(net, tokenizer, path, gen)
