@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pagedrl.engine.kv_cache import KVCache, num_blocks_for_budget
+from pagedrl.engine.kv_cache import KVCache
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.model_runner import ModelRunner
 from pagedrl.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -38,6 +38,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None
     seed: int = 0
+    attention_impl: str = "fast"  # or "reference": the obviously-right loop, for tests
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -47,6 +48,24 @@ class EngineConfig:
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block "
                              f"of block_size={self.block_size} tokens")
+
+
+# On a CPU the cache defaults to 64k tokens (256 sequences of 256 tokens), but at most 2 GiB.
+CPU_DEFAULT_KV_TOKENS = 65536
+CPU_DEFAULT_KV_BYTES = 2 << 30
+
+
+def kv_budget(config: EngineConfig, model: CausalLM) -> dict[str, Any]:
+    """The one budget the cache is sized from: tokens, bytes, or a share of free GPU memory."""
+    if config.kv_cache_tokens is not None:
+        return {"max_tokens": config.kv_cache_tokens}
+    if config.kv_cache_bytes is not None:
+        return {"max_bytes": config.kv_cache_bytes}
+    if model.device.type == "cuda":
+        return {"memory_fraction": config.gpu_memory_utilization}
+    cfg = model.config
+    per_token = KVCache.bytes_per_block(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+    return {"max_tokens": min(CPU_DEFAULT_KV_TOKENS, CPU_DEFAULT_KV_BYTES // per_token)}
 
 
 class LLMEngine:
@@ -59,15 +78,13 @@ class LLMEngine:
         cfg = model.config
         self.max_model_len = min(self.config.max_model_len or cfg.max_model_len, cfg.max_model_len)
         bs = self.config.block_size
-        num_blocks = num_blocks_for_budget(
-            cfg, bs, model.device, model.dtype, tokens=self.config.kv_cache_tokens,
-            nbytes=self.config.kv_cache_bytes, gpu_memory_utilization=self.config.gpu_memory_utilization)
-        self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, bs, cfg.num_key_value_heads, cfg.head_dim,
-                                model.dtype, model.device)
+        self.kv_cache = KVCache.for_model(cfg, block_size=bs, dtype=model.dtype, device=model.device,
+                                          **kv_budget(self.config, model))
+        num_blocks = self.kv_cache.num_blocks
         self.kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.config.enable_chunked_prefill)
-        self.runner = ModelRunner(model, self.kv_cache, self.kv, bs)
+        self.runner = ModelRunner(model, self.kv_cache, self.kv, bs, self.config.attention_impl)
         self.sampler = Sampler(torch.Generator(device=model.device).manual_seed(self.config.seed))
         eos = set(eos_token_ids or []) | set(cfg.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:

@@ -25,8 +25,10 @@ class ForwardResult:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, kv: KVCacheManager, block_size: int) -> None:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, kv: KVCacheManager, block_size: int,
+                 attention_impl: str = "fast") -> None:
         self.model = model
+        self.attention_impl = attention_impl
         self.kv_cache = kv_cache
         self.kv = kv
         self.block_size = block_size
@@ -56,7 +58,7 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 rows.append((seq, start + n - 1))
                 row_index.append(base + n - 1)
-        meta = PagedAttention.build(self.kv_cache, self.block_size, layout, device)
+        meta = PagedAttention.build(self.kv_cache, self.block_size, layout, device, impl=self.attention_impl)
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)[None]
         pos = torch.tensor(positions, dtype=torch.long, device=device)[None]
         hidden = self.model(input_ids, pos, meta)[0]

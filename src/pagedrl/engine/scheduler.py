@@ -100,9 +100,8 @@ class Scheduler:
                 seq.num_computed_tokens = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids)
             remaining = seq.num_tokens - seq.num_computed_tokens
             num_new = min(remaining, budget)
-            if num_new < remaining and not self.enable_chunked_prefill:
-                break
-            if not self.kv.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new):
+            fits = num_new == remaining or self.enable_chunked_prefill
+            if not fits or not self.kv.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new):
                 # Hand back the prefix blocks it was given, so a waiting sequence never holds memory
                 # that running ones need.
                 self.kv.free(seq.seq_id)

@@ -1,0 +1,246 @@
+"""The KV cache manager: which blocks each sequence gets (policy over the block pool).
+
+Each sequence owns a block table, a list of physical blocks covering its tokens in order. The
+manager fills it three ways: prefix hits (cached full blocks whose chain hash matches the prompt),
+fresh blocks for new tokens, and copy-on-write when a sequence is about to write into a block it
+shares (after `fork`, the n samples of one prompt share every block, the partial last one too).
+
+Timing contract with the scheduler and the model runner: full blocks are registered in the cache
+when they are allocated, before the forward that writes them; that forward runs before any later
+step can read them. So: run `take_pending_copies()` and then the forward for every successful
+`allocate_slots` of a step, and free a sequence only between steps.
+
+A sequence's keys and values carry the weight version they were computed under. A sequence that
+started before `bump_weight_version()` keeps running on its old blocks, but nothing it computes
+is cached any more: its later blocks mix old and new weights and match no hash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pagedrl.engine.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+
+SeqId = int | str
+
+
+@dataclass
+class _SeqBlocks:
+    """A sequence's block table, the chain hashes of its leading full blocks, and its KV version."""
+
+    weight_version: int
+    blocks: list[KVBlock] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)
+
+
+class KVCacheManager:
+    """Block tables for every live sequence over one `BlockPool`."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._seqs: dict[SeqId, _SeqBlocks] = {}
+        self._weight_version = 0
+        self._pending_copies: list[tuple[int, int]] = []
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ----------------------------------------------------------------- sequences
+
+    def get_computed_blocks(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
+        """Attach the longest cached prefix of `token_ids` to a sequence that holds no blocks yet,
+        and return how many tokens it covers (a multiple of `block_size`).
+
+        The last token is never a hit: its logits are needed, so at most (len - 1) // block_size
+        blocks match. The hit blocks are held from now on; if `allocate_slots` then fails, `free`
+        the sequence to give them back."""
+        if len(token_ids) == 0:
+            raise ValueError("token_ids must not be empty")
+        seq = self._seqs.get(seq_id)
+        if seq is not None and seq.blocks:
+            raise ValueError(f"sequence {seq_id!r} already holds {len(seq.blocks)} blocks; free it first")
+        seq = self._seqs[seq_id] = _SeqBlocks(self._weight_version)
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        parent: BlockHash | None = None
+        for i in range((len(token_ids) - 1) // bs):
+            block_hash = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], self._weight_version)
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            seq.blocks.append(block)
+            seq.hashes.append(block_hash)
+            parent = block_hash
+        self.pool.touch(seq.blocks)
+        num_hit_tokens = len(seq.blocks) * bs
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += num_hit_tokens
+        return num_hit_tokens
+
+    def allocate_slots(
+        self, seq_id: SeqId, token_ids: Sequence[int], num_computed_tokens: int, num_new_tokens: int
+    ) -> bool:
+        """Make the sequence's table cover `num_computed_tokens + num_new_tokens` tokens, writable.
+
+        All or nothing: returns False, changing nothing, when the free queue (cached free blocks
+        included) cannot supply the blocks. A shared block that the new tokens will be written into
+        is replaced by a fresh one; if it already holds computed tokens a (src, dst) copy is queued
+        for `take_pending_copies`. Blocks that end up full of known tokens are then cached."""
+        if num_computed_tokens < 0:
+            raise ValueError(f"num_computed_tokens must be >= 0, got {num_computed_tokens}")
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        total = num_computed_tokens + num_new_tokens
+        if total > len(token_ids):
+            raise ValueError(
+                f"num_computed_tokens + num_new_tokens = {total} exceeds len(token_ids) = {len(token_ids)}"
+            )
+        bs = self.block_size
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            seq = self._seqs[seq_id] = _SeqBlocks(self._weight_version)
+        elif not seq.blocks:
+            seq.weight_version = self._weight_version  # no keys and values yet: all computed from now on
+        blocks = seq.blocks
+        if num_computed_tokens > len(blocks) * bs:
+            raise ValueError(
+                f"num_computed_tokens = {num_computed_tokens} but sequence {seq_id!r} holds only "
+                f"{len(blocks)} blocks ({len(blocks) * bs} tokens)"
+            )
+        if num_computed_tokens < len(seq.hashes) * bs:
+            raise ValueError(
+                f"num_computed_tokens = {num_computed_tokens} would rewrite the {len(seq.hashes)} full "
+                f"blocks of sequence {seq_id!r} that are already hashed"
+            )
+        num_required = -(-total // bs)
+        shared = []
+        if num_new_tokens > 0:
+            first_written = num_computed_tokens // bs
+            shared = [
+                i for i in range(first_written, min(num_required, len(blocks))) if blocks[i].ref_count > 1
+            ]
+        num_needed = len(shared) + max(0, num_required - len(blocks))
+        if num_needed > self.pool.num_free_blocks:
+            return False
+        fresh = self.pool.get_new_blocks(num_needed)
+        for i, new in zip(shared, fresh, strict=False):
+            old = blocks[i]
+            blocks[i] = new
+            self.pool.free_blocks([old])  # still held by its other tables
+            if i * bs < num_computed_tokens:
+                self._pending_copies.append((old.block_id, new.block_id))
+        blocks.extend(fresh[len(shared) :])
+        self._cache_full_blocks(seq, token_ids, total)
+        return True
+
+    def _cache_full_blocks(self, seq: _SeqBlocks, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Hash and register the blocks full of the first `num_tokens` tokens not yet hashed."""
+        if not self.enable_prefix_caching or seq.weight_version != self._weight_version:
+            return
+        bs = self.block_size
+        for i in range(len(seq.hashes), num_tokens // bs):
+            parent = seq.hashes[-1] if seq.hashes else None
+            block_hash = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], self._weight_version)
+            seq.hashes.append(block_hash)
+            self.pool.cache_full_block(seq.blocks[i], block_hash)
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        """Give `child_id` the parent's table; every block gains a holder. The first write into a
+        shared block copies it (see `allocate_slots`)."""
+        if child_id in self._seqs:
+            raise ValueError(f"child_id {child_id!r} is already a live sequence")
+        parent = self._get(parent_id)
+        self.pool.touch(parent.blocks)
+        self._seqs[child_id] = _SeqBlocks(parent.weight_version, list(parent.blocks), list(parent.hashes))
+
+    def free(self, seq_id: SeqId) -> None:
+        """Release a sequence's blocks. They are freed tail first, so its last blocks are evicted
+        before its prefix, which other prompts are likelier to share.
+
+        A sequence that holds nothing (never scheduled, or already freed) is left alone, so a
+        request can be aborted at any stage; its blocks are released exactly once either way."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self.pool.free_blocks(reversed(seq.blocks))
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write block copies (src, dst) queued since the last call, to run in this order
+        before the next forward."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    # ------------------------------------------------------------------ tables
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        return [block.block_id for block in self._get(seq_id).blocks]
+
+    def slot(self, seq_id: SeqId, position: int) -> int:
+        """Physical slot (block id * block_size + offset) holding token `position` of the sequence."""
+        blocks = self._get(seq_id).blocks
+        if not 0 <= position < len(blocks) * self.block_size:
+            raise ValueError(
+                f"position {position} is outside the {len(blocks) * self.block_size} slots of sequence {seq_id!r}"
+            )
+        return blocks[position // self.block_size].block_id * self.block_size + position % self.block_size
+
+    def slot_mapping(self, seq_id: SeqId, start: int, stop: int) -> list[int]:
+        """Slots of positions [start, stop)."""
+        return [self.slot(seq_id, p) for p in range(start, stop)]
+
+    def _get(self, seq_id: SeqId) -> _SeqBlocks:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise ValueError(f"unknown sequence {seq_id!r} (never allocated, or already freed)")
+        return seq
+
+    # ------------------------------------------------------------ weight version
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def bump_weight_version(self) -> int:
+        """The weights changed: no key or value computed before may be found again. Live sequences
+        keep their blocks; every cached hash is dropped and new hashes carry the new version."""
+        self._weight_version += 1
+        self.pool.drop_cached_hashes()
+        return self._weight_version
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (same weights); live sequences are untouched."""
+        self.pool.drop_cached_hashes()
+
+    # ------------------------------------------------------------------- stats
+
+    @property
+    def num_blocks_total(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_blocks_used(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
+    def num_blocks_cached(self) -> int:
+        """Free blocks whose content can still be hit under the current weights."""
+        return self.pool.num_cached_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` tokens fits in the whole cache (else it never will)."""
+        return -(-num_tokens // self.block_size) <= self.pool.num_blocks
