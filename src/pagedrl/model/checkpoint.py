@@ -131,6 +131,7 @@ def save_checkpoint(model: CausalLM, folder: str | Path, *, tokenizer_dir: str |
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would make the finished checkpoint private to this user
     try:
         cfg = model.config.to_dict()
         cfg.update(extra_config or {})

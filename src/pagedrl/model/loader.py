@@ -14,7 +14,7 @@ import torch
 from pagedrl.model.checkpoint import CheckpointError, default_dtype, load_causal_lm
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.default import DEFAULT_MODEL, cache_dir, resolve_default_model
-from pagedrl.model.gguf import convert_gguf
+from pagedrl.model.gguf import ensure_converted
 from pagedrl.model.tokenizer import Tokenizer
 
 
@@ -42,10 +42,7 @@ def resolve_model_path(model: str | Path | None) -> Path:
             raise CheckpointError(f"{path}: GGUF file not found")
         stat = path.stat()
         key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-        out = cache_dir() / "gguf" / f"{path.stem}-{key}"
-        if not (out / "config.json").is_file():
-            convert_gguf(path, out)
-        return out
+        return ensure_converted(path, cache_dir() / "gguf" / f"{path.stem}-{key}")
     if not path.exists():
         raise CheckpointError(f"{path}: no such folder or file (expected a Hugging Face folder, a .gguf "
                               f"file or {DEFAULT_MODEL!r})")

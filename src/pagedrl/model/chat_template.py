@@ -1,0 +1,164 @@
+"""Chat templates: a model's Jinja template rendered exactly as transformers renders it.
+
+A chat model only behaves if its prompt is byte-for-byte the format it was trained on, and the
+template that defines that format is written against transformers' Jinja environment: a sandbox with
+`trim_blocks` and `lstrip_blocks`, a `tojson` filter that does not escape HTML, and the globals
+`raise_exception` and `strftime_now`. The environment below reproduces that one, so a template from the
+Hub renders here to the same string it renders to there.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+ChatTemplates = str | dict[str, str]
+
+
+class ChatTemplateError(ValueError):
+    """A template that cannot be chosen, compiled or rendered; the message says which and why."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes <, >, & and ' for HTML, which would corrupt tool schemas in a prompt.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accept `{% generation %}...{% endgeneration %}` (assistant-mask markers) and render the body as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace()` that refuses underscore names, as transformers' does, so no template reaches internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # no `self`: the same signature trick as jinja2's Namespace
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set {name!r} on a namespace")
+
+
+class _DictFactory:
+    """`dict(...)` for templates without handing them the `dict` type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+@lru_cache(maxsize=32)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile once per template text; rendering is then cheap enough for every request."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _Namespace
+    env.globals["dict"] = _DictFactory()
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat_template: syntax error at line {e.lineno}: {e.message}") from None
+
+
+def select_chat_template(templates: ChatTemplates | None, name: str | None = None,
+                         tools: Sequence[Any] | None = None) -> str:
+    """The template to use: `name` (a template's name, or template text itself), else `tool_use` when
+    tools are given and one exists, else `default`."""
+    if templates is None and name is not None:
+        return name
+    if templates is None:
+        raise ChatTemplateError("chat_template: this tokenizer has no chat template (tokenizer_config.json "
+                                "'chat_template' or chat_template.jinja)")
+    if isinstance(templates, str):
+        return templates if name is None else name
+    if name is not None:
+        return templates.get(name, name)
+    if tools is not None and "tool_use" in templates:
+        return templates["tool_use"]
+    if "default" in templates:
+        return templates["default"]
+    raise ChatTemplateError(f"chat_template: several templates ({', '.join(sorted(templates))}) and none is "
+                            "named 'default'; pass the name of one")
+
+
+# Names a message's reasoning arrives under; templates read the first (Qwen3) or `thinking` (gpt-oss).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Drop None values (OpenAI clients send content=None, templates test for absent keys) and alias the
+    reasoning fields, both as transformers does before rendering."""
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ChatTemplateError(f"messages[{i}] must be a dict with 'role' and 'content', got {message!r}")
+        message = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
+                         tools: Sequence[Any] | None = None, documents: Sequence[Any] | None = None,
+                         special_tokens: Mapping[str, str] | None = None, **kwargs: Any) -> str:
+    """Render `messages` with the template text `source`.
+
+    `special_tokens` (bos_token, eos_token, ...) are visible to the template as variables, and any
+    extra keyword (e.g. `enable_thinking`) overrides them, which is the order transformers uses.
+    """
+    if not messages:
+        raise ChatTemplateError("messages: cannot apply a chat template to an empty conversation")
+    if tools is not None and not all(isinstance(t, Mapping) for t in tools):
+        raise ChatTemplateError("tools: each tool must be a JSON schema dict")
+    variables = {**(special_tokens or {}), **kwargs}
+    try:
+        return compile_chat_template(source).render(
+            messages=_normalize_messages(messages), tools=None if tools is None else list(tools),
+            documents=None if documents is None else list(documents),
+            add_generation_prompt=add_generation_prompt, **variables,
+        )
+    except jinja2.exceptions.TemplateError as e:
+        raise ChatTemplateError(f"chat_template: {e}") from None

@@ -1,0 +1,381 @@
+"""GGUF (llama.cpp) to a Hugging Face folder, so one loader serves both.
+
+A GGUF carries the same model as a Hugging Face folder, spelled differently: sizes under `llama.*`
+metadata keys, tensors under llama.cpp names, most of them quantized, the q/k projection rows
+permuted for llama.cpp's rotary layout, and the tokenizer as arrays of tokens, merges and token types
+instead of a tokenizer.json. `convert_gguf` undoes each of these and writes float32 safetensors with
+config, tokenizer and generation config beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf.quants import dequantize
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+from pagedrl.model.config import ModelConfig
+from pagedrl.model.tokenizer import Tokenizer
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; the atomic rename alone still prevents torn folders
+    fcntl = None  # type: ignore[assignment]
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+CONVERSION_MARKER = "pagedrl-conversion.json"  # written last: a folder without it is unfinished
+CONVERSION_FORMAT = 1
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# How llama.cpp's `tokenizer.ggml.pre` splits text before BPE, rebuilt as `tokenizers` pre-tokenizers.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_TOKENIZER_FAMILIES = {
+    "default": "gpt2", "gpt2": "gpt2",  # old files without the field: GPT-2's split, as transformers assumes
+    "smollm": "digits", "starcoder": "digits", "refact": "digits", "codeshell": "digits",
+    "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3", "smaug-bpe": "llama3",
+    "qwen2": "qwen2",
+}
+
+
+class GGUFError(ValueError):
+    """A GGUF file pagedrl cannot convert; the message names the file and the field or tensor."""
+
+
+def _byte_level(use_regex: bool) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=use_regex)
+
+
+def _pre_tokenizer(pre: str, source: str) -> tuple[Any, Any, bool]:
+    """(pre-tokenizer, normalizer, ignore_merges) as the model's original tokenizer.json has them."""
+    family = _PRE_TOKENIZER_FAMILIES.get(pre)
+    if family == "gpt2":
+        return _byte_level(True), None, False
+    if family == "digits":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level(True)]), None, False
+    if family in ("llama3", "qwen2"):
+        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT if family == "llama3" else _QWEN2_SPLIT), behavior="isolated")
+        seq = pre_tokenizers.Sequence([split, _byte_level(False)])
+        return seq, (normalizers.NFC() if family == "qwen2" else None), family == "llama3"
+    raise GGUFError(f"{source}: tokenizer.ggml.pre {pre!r} is not supported; "
+                    f"supported: {', '.join(sorted(_PRE_TOKENIZER_FAMILIES))}")
+
+
+class _Metadata:
+    """Typed access to a GGUF's key/value fields with errors that name the file and the key."""
+
+    def __init__(self, reader: gguf.GGUFReader, source: str) -> None:
+        self.reader, self.source = reader, source
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise GGUFError(f"{self.source}: metadata field {key!r} is missing")
+        return value
+
+
+def _as_float32_value(x: float) -> float:
+    # GGUF stores float32; its shortest repr is the value the model was published with (1e-05, not 9.99e-06).
+    return float(str(np.float32(x)))
+
+
+def _read_config(meta: _Metadata, tensors: dict[str, Any]) -> ModelConfig:
+    arch = meta.need("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"{meta.source}: architecture {arch!r} is not supported; supported: "
+                        f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    p = f"{arch}."
+    hidden, heads = int(meta.need(p + "embedding_length")), int(meta.need(p + "attention.head_count"))
+    kv_heads = meta.get(p + "attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):
+        if len(set(kv_heads)) != 1:
+            raise GGUFError(f"{meta.source}: per-layer {p}attention.head_count_kv {kv_heads} is not supported")
+        kv_heads = kv_heads[0]
+    head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
+    rot = int(meta.get(p + "rope.dimension_count", head_dim))
+    if rot != head_dim:
+        raise GGUFError(f"{meta.source}: partial rotary embeddings ({p}rope.dimension_count={rot}, "
+                        f"head_dim={head_dim}) are not supported")
+    if "rope_freqs.weight" in tensors:
+        raise GGUFError(f"{meta.source}: per-frequency rope factors (tensor rope_freqs.weight, Llama 3.1 style) "
+                        "are not supported")
+    scaling_type = meta.get(p + "rope.scaling.type", "none")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": _as_float32_value(meta.need(p + "rope.scaling.factor"))}
+    elif scaling_type == "none":
+        rope_scaling = None
+    else:
+        raise GGUFError(f"{meta.source}: {p}rope.scaling.type {scaling_type!r} is not supported (linear, none)")
+    if "token_embd.weight" not in tensors:
+        raise GGUFError(f"{meta.source}: tensor 'token_embd.weight' is missing")
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        hidden_size=hidden,
+        intermediate_size=int(meta.need(p + "feed_forward_length")),
+        num_hidden_layers=int(meta.need(p + "block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(kv_heads),
+        head_dim=head_dim,
+        rms_norm_eps=_as_float32_value(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=_as_float32_value(meta.get(p + "rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(meta.get(p + "context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        torch_dtype="float32",
+    )
+    cfg.validate(meta.source)
+    return cfg
+
+
+def _hf_name(name: str, source: str) -> str:
+    stem, _, suffix = name.rpartition(".")
+    if stem in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    m = _LAYER_NAME.fullmatch(name)
+    if m and m.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
+    raise GGUFError(f"{source}: tensor {name!r} has no Hugging Face counterpart in a llama model")
+
+
+def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (`permute` in convert_hf_to_gguf.py).
+
+    Hugging Face rotates the two halves of each head against each other; llama.cpp rotates adjacent
+    pairs, so its converter interleaves the halves. Per head this takes rows [pair, half] back to
+    [half, pair], exactly like transformers' GGUF loader.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _read_weights(tensors: dict[str, Any], cfg: ModelConfig, source: str) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for name, t in tensors.items():
+        hf = _hf_name(name, source)
+        try:
+            w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        except NotImplementedError as e:
+            raise GGUFError(f"{source}: tensor {name!r}: {e}") from None
+        w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
+        if ".attn_q." in name:
+            w = unpermute_rotary(w, cfg.num_attention_heads)
+        elif ".attn_k." in name:
+            w = unpermute_rotary(w, cfg.num_key_value_heads)
+        out[hf] = np.ascontiguousarray(w)
+    return out
+
+
+def _read_tokenizer(meta: _Metadata) -> Tokenizer:
+    model = meta.need("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise GGUFError(f"{meta.source}: tokenizer.ggml.model {model!r} is not supported; only 'gpt2' "
+                        "(byte-level BPE) tokenizers are")
+    tokens: list[str] = meta.need("tokenizer.ggml.tokens")
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [int(gguf.TokenType.NORMAL)] * len(tokens)
+    if len(types) != len(tokens):
+        raise GGUFError(f"{meta.source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    merges = [tuple(m.split(" ")) for m in meta.need("tokenizer.ggml.merges")]
+    bad = next((" ".join(m) for m in merges if len(m) != 2), None)
+    if bad is not None:
+        raise GGUFError(f"{meta.source}: tokenizer.ggml.merges entry {bad!r} is not two tokens separated by a space")
+    pre, normalizer, ignore_merges = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), meta.source)
+    backend = BackendTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                          fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges))
+    backend.normalizer = normalizer
+    backend.pre_tokenizer = pre
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>) are special; user-defined ones (<think>) are matched whole but kept
+    # in decoded text. Both must be added tokens or BPE would cut them into pieces.
+    backend.add_tokens([AddedToken(t, special=(k == gguf.TokenType.CONTROL), normalized=False)
+                        for t, k in zip(tokens, types, strict=True)
+                        if k in (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)])
+
+    def token(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    specials = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+                "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and specials["bos_token"] is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and specials["eos_token"] is not None
+    backend.post_processor = _post_processor(specials["bos_token"] if add_bos else None,
+                                             specials["eos_token"] if add_eos else None, backend)
+    templates: dict[str, str] = {}
+    for key in meta.reader.fields:
+        if key == "tokenizer.chat_template":
+            templates["default"] = meta.get(key)
+        elif key.startswith("tokenizer.chat_template."):
+            templates[key.removeprefix("tokenizer.chat_template.")] = meta.get(key)
+    chat_template = templates.get("default") if list(templates) in (["default"], []) else templates
+    config = {"add_bos_token": add_bos, "add_eos_token": add_eos, "clean_up_tokenization_spaces": False,
+              "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048))}
+    return Tokenizer(backend, special_tokens=specials, chat_template=chat_template, config=config)
+
+
+def _post_processor(bos: str | None, eos: str | None, backend: BackendTokenizer) -> Any:
+    """BOS/EOS around every encoded text when the GGUF asks for them (Llama 3 adds BOS), as in the
+    original tokenizer.json; otherwise byte-level offsets only."""
+    if bos is None and eos is None:
+        return processors.ByteLevel(trim_offsets=False)
+
+    def template(seq: str, type_id: int) -> str:
+        return " ".join(x for x in (bos and f"{bos}:{type_id}", f"${seq}:{type_id}", eos and f"{eos}:{type_id}") if x)
+
+    used = [(t, backend.token_to_id(t)) for t in dict.fromkeys(x for x in (bos, eos) if x is not None)]
+    return processors.TemplateProcessing(single=template("A", 0), pair=f"{template('A', 0)} {template('B', 1)}",
+                                         special_tokens=used)
+
+
+def _generation_config(meta: _Metadata) -> dict[str, Any]:
+    """Chat models end a turn with EOT (Llama 3's <|eot_id|>) as well as EOS; generation stops at either."""
+    eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos = list(dict.fromkeys(i for i in eos if i is not None))
+    gen: dict[str, Any] = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+                           "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)}
+    pad = meta.get("tokenizer.ggml.padding_token_id")
+    if pad is not None:
+        gen["pad_token_id"] = pad
+    return gen
+
+
+def _open(gguf_path: Path) -> gguf.GGUFReader:
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"{gguf_path}: GGUF file not found")
+    with open(gguf_path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise GGUFError(f"{gguf_path}: not a GGUF file (no 'GGUF' magic at the start)")
+    try:
+        return gguf.GGUFReader(gguf_path)
+    except (ValueError, OSError) as e:
+        raise GGUFError(f"{gguf_path}: unreadable GGUF ({e})") from None
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
+    """Write the Hugging Face folder for a llama-architecture GGUF at `out_dir` and return it.
+
+    Everything is written to a temporary sibling and renamed into place at the end, so `out_dir`
+    either does not exist or is complete, whatever happens to this process. An existing `out_dir` is
+    an error unless `overwrite`.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
+    reader = _open(gguf_path)
+    meta = _Metadata(reader, str(gguf_path))
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = _read_config(meta, tensors)
+    tokenizer = _read_tokenizer(meta)  # before the weights: a bad tokenizer fails fast
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary model folder
+    try:
+        save_file(_read_weights(tensors, cfg, str(gguf_path)), str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        _write_json(tmp / "config.json", cfg.to_dict())
+        _write_json(tmp / "generation_config.json", _generation_config(meta))
+        tokenizer.save(tmp)
+        _write_json(tmp / CONVERSION_MARKER, conversion_record(gguf_path))
+        _move_into_place(tmp, out_dir, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def conversion_record(gguf_path: Path) -> dict[str, Any]:
+    """What the marker file records: enough to tell a finished conversion of this very file."""
+    st = gguf_path.stat()
+    return {"format": CONVERSION_FORMAT, "source": gguf_path.name, "source_bytes": st.st_size,
+            "source_mtime_ns": st.st_mtime_ns}
+
+
+def is_converted(gguf_path: str | Path, out_dir: str | Path) -> bool:
+    """True when `out_dir` holds a finished conversion of this GGUF by this converter version."""
+    try:
+        marker = json.loads((Path(out_dir) / CONVERSION_MARKER).read_text(encoding="utf-8"))
+        return marker == conversion_record(Path(gguf_path))
+    except (OSError, ValueError):
+        return False
+
+
+def ensure_converted(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Convert once and reuse: return `out_dir` if it holds this GGUF's finished conversion, else
+    (re)convert it. Safe when several processes ask at once: a lock file serialises them, and the
+    folder appears by atomic rename, so none ever sees a half-written one."""
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if is_converted(gguf_path, out_dir):
+        return out_dir
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"{gguf_path}: GGUF file not found")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(out_dir.parent / f".{out_dir.name}.lock"):
+        if is_converted(gguf_path, out_dir):  # another process finished while we waited
+            return out_dir
+        return convert_gguf(gguf_path, out_dir, overwrite=True)  # replaces a stale or unfinished folder
+
+
+@contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    with open(path, "a+b") as f:
+        if fcntl is not None:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+
+
+def _move_into_place(tmp: Path, out_dir: Path, overwrite: bool) -> None:
+    if overwrite and out_dir.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.replace(out_dir, old / "previous")
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    try:
+        os.rename(tmp, out_dir)  # fails when another process finished first: theirs stays
+    except OSError:
+        if out_dir.exists():
+            raise FileExistsError(f"{out_dir}: already exists (written concurrently)") from None
+        raise

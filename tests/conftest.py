@@ -1,0 +1,41 @@
+"""Session fixtures: a private cache directory, and the real default model converted into it once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pagedrl_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every test run converts into its own cache, never into the user's ~/.cache/pagedrl."""
+    cache = tmp_path_factory.mktemp("pagedrl-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDRL_CACHE_DIR", str(cache))
+        yield cache
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(pagedrl_cache_dir: Path) -> Path:
+    """The Hugging Face folder of SmolLM2-135M-Instruct, converted from its GGUF once per run."""
+    from pagedrl.model.default import resolve_default_model
+
+    return resolve_default_model()
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_dir: Path):
+    from pagedrl.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_folder(default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_train_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random model folder with a byte-level BPE tokenizer and a ChatML chat template
+    (see tests/tiny_train.py); read-only: tests write their runs elsewhere."""
+    from tiny_train import build_model_dir
+
+    return build_model_dir(tmp_path_factory.mktemp("tiny-train-model") / "model")
