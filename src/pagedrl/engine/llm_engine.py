@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pagedrl.engine.kv_cache import KVCache
+from pagedrl.engine.kv_cache import KVCache, num_blocks_for_budget
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.model_runner import ModelRunner
 from pagedrl.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -50,24 +50,6 @@ class EngineConfig:
                              f"of block_size={self.block_size} tokens")
 
 
-# On a CPU the cache defaults to 64k tokens (256 sequences of 256 tokens), but at most 2 GiB.
-CPU_DEFAULT_KV_TOKENS = 65536
-CPU_DEFAULT_KV_BYTES = 2 << 30
-
-
-def kv_budget(config: EngineConfig, model: CausalLM) -> dict[str, Any]:
-    """The one budget the cache is sized from: tokens, bytes, or a share of free GPU memory."""
-    if config.kv_cache_tokens is not None:
-        return {"max_tokens": config.kv_cache_tokens}
-    if config.kv_cache_bytes is not None:
-        return {"max_bytes": config.kv_cache_bytes}
-    if model.device.type == "cuda":
-        return {"memory_fraction": config.gpu_memory_utilization}
-    cfg = model.config
-    per_token = KVCache.bytes_per_block(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, model.dtype)
-    return {"max_tokens": min(CPU_DEFAULT_KV_TOKENS, CPU_DEFAULT_KV_BYTES // per_token)}
-
-
 class LLMEngine:
     def __init__(self, model: CausalLM, tokenizer: Any = None, config: EngineConfig | None = None,
                  eos_token_ids: list[int] | None = None) -> None:
@@ -78,9 +60,11 @@ class LLMEngine:
         cfg = model.config
         self.max_model_len = min(self.config.max_model_len or cfg.max_model_len, cfg.max_model_len)
         bs = self.config.block_size
-        self.kv_cache = KVCache.for_model(cfg, block_size=bs, dtype=model.dtype, device=model.device,
-                                          **kv_budget(self.config, model))
-        num_blocks = self.kv_cache.num_blocks
+        num_blocks = num_blocks_for_budget(cfg, bs, model.device, model.dtype, tokens=self.config.kv_cache_tokens,
+                                           nbytes=self.config.kv_cache_bytes,
+                                           gpu_memory_utilization=self.config.gpu_memory_utilization)
+        self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, bs, cfg.num_key_value_heads, cfg.head_dim,
+                                model.dtype, model.device)
         self.kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.config.enable_chunked_prefill)

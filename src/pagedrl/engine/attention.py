@@ -1,0 +1,351 @@
+"""Paged attention: the engine's `AttentionMetadata`, reading and writing the block KV cache.
+
+Each step the engine flattens every scheduled sequence's new tokens into one row (input_ids and
+positions of shape [1, N]) and builds one `PagedAttention` for it. In every layer `attend` first
+writes the new keys and values into their cache slots, then lets each sequence's new queries attend
+causally over everything that sequence has cached, found through its block table. Query i of a
+sequence with q_len new tokens and seq_len tokens in all sits at position seq_len - q_len + i, so a
+fresh prompt, a chunk of a prompt whose prefix is cached, and a one-token decode are one case.
+
+Two implementations compute the same thing:
+- `reference`: one sequence at a time, keys gathered into a contiguous tensor, an explicit causal
+  mask, softmax, matmul. Slow and obviously right; the tests hold the fast path to it.
+- `fast`: sequences in groups, each group attended in one batched op. Decodes (one query each)
+  are memory-bound: a group's keys and values are gathered block-wise with one `index_select`
+  apiece into a reused buffer, then multiplied per KV head with `baddbmm`/`bmm`, which read the
+  gathered [S, L, Hkv, D] tensor in place (the transpose copy `scaled_dot_product_attention` would
+  need costs more than the attention itself on a CPU). Prefills (several queries each, fresh or
+  chunked) are compute-bound and go to `scaled_dot_product_attention`, queries padded to the
+  group's longest. On a CPU groups are cut small enough that what is gathered is still in cache
+  when it is read (see `plan_groups`); on a GPU there is one group per kind.
+  Every index and additive mask is built once per step in `build`, not once per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pagedrl.engine.kv_cache import KVCache
+
+IMPLEMENTATIONS = ("fast", "reference")
+# Keys one CPU group gathers (values as many again): small enough to stay in cache until read.
+CPU_GATHER_BYTES = 2 << 20
+
+
+@dataclass
+class QueryGroup:
+    """Sequences the fast path attends in one batched op, with everything that op needs precomputed.
+
+    Queries are padded to `q_pad` per sequence (1 for decodes); a padded query repeats its sequence's
+    last real query and may see key 0 only, so its softmax stays finite; its output is dropped."""
+
+    is_decode: bool
+    num_seqs: int
+    q_pad: int
+    num_blocks: int  # block-table columns read; keys per sequence = num_blocks * block_size
+    block_ids: torch.Tensor  # [num_seqs * num_blocks] long; padding columns read block 0, masked out
+    mask: torch.Tensor  # additive [num_seqs, 1, q_pad, keys]: 0 where allowed, -inf elsewhere
+    rows: torch.Tensor | None  # [num_seqs * q_pad] batch row of each padded query; None = all rows, in order
+    keep: torch.Tensor | None  # padded rows that are real queries; None = every padded row is real
+    out_rows: torch.Tensor | None  # batch row of each real query's output; None = all rows, in order
+
+
+@dataclass
+class PagedAttention:
+    """Attention metadata for one engine step over a flattened batch of S sequences, N new tokens.
+
+    slot_mapping [N]: cache slot (block * block_size + offset) where each new token's K/V goes.
+    query_start_loc [S+1]: cumulative new-token counts; sequence s owns rows qsl[s]:qsl[s+1].
+    seq_lens [S]: tokens of each sequence after this step (cached prefix + new).
+    block_tables [S, max_blocks]: physical block ids, padded with 0 past each sequence's blocks.
+    positions [N]: position of each new token (what the model's rotary embedding needs).
+    """
+
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    positions: torch.Tensor | None = None
+    impl: str = "fast"
+    scale: float | None = None
+    groups: list[QueryGroup] | None = field(default=None, repr=False)
+
+    @classmethod
+    def build(
+        cls,
+        kv_cache: KVCache,
+        block_size: int,
+        seqs: list[tuple[list[int], int, int]],
+        device: torch.device | str | None = None,
+        impl: str = "fast",
+        scale: float | None = None,
+    ) -> PagedAttention:
+        """Metadata for sequences given as (block_table, num_computed_tokens, num_new_tokens): the
+        first num_computed tokens are in the cache already, the next num_new are this step's rows.
+        The block table must cover all num_computed + num_new tokens."""
+        if block_size != kv_cache.block_size:
+            raise ValueError(f"block_size ({block_size}) differs from the cache's ({kv_cache.block_size})")
+        if impl not in IMPLEMENTATIONS:
+            raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+        if not seqs:
+            raise ValueError("seqs: the batch has no sequences")
+        device = kv_cache.device if device is None else torch.device(device)
+        q_lens, seq_lens, tables = [], [], []
+        for i, seq in enumerate(seqs):
+            table, computed, new = seq
+            if not isinstance(new, int) or new < 1:
+                raise ValueError(f"seqs[{i}]: num_new_tokens must be a positive integer, got {new!r}")
+            if not isinstance(computed, int) or computed < 0:
+                raise ValueError(f"seqs[{i}]: num_computed_tokens must be a non-negative integer, got {computed!r}")
+            need = math.ceil((computed + new) / block_size)
+            if len(table) < need:
+                raise ValueError(f"seqs[{i}]: block_table has {len(table)} blocks, {computed + new} tokens "
+                                 f"need {need}")
+            table = [int(b) for b in table[:need]]
+            if min(table) < 0 or max(table) >= kv_cache.num_blocks:
+                raise ValueError(f"seqs[{i}]: block_table holds ids outside [0, {kv_cache.num_blocks}): {table}")
+            q_lens.append(new)
+            seq_lens.append(computed + new)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        q_lens_t = torch.tensor(q_lens)
+        seq_lens_t = torch.tensor(seq_lens)
+        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.long)
+        torch.cumsum(q_lens_t, 0, out=query_start_loc[1:])
+        seq_of_row = torch.repeat_interleave(torch.arange(len(seqs)), q_lens_t)
+        num_rows = int(query_start_loc[-1])
+        positions = torch.arange(num_rows) + (seq_lens_t - q_lens_t - query_start_loc[:-1])[seq_of_row]
+        slot_mapping = block_tables[seq_of_row, positions // block_size] * block_size + positions % block_size
+        if torch.unique(slot_mapping).numel() != num_rows:
+            raise ValueError("seqs: two new tokens map to the same cache slot (a shared block written "
+                             "without copy-on-write?)")
+        groups = None
+        if impl == "fast":
+            groups = plan_groups(q_lens, seq_lens, block_tables, block_size, device, kv_cache.dtype,
+                                 chunk_tokens_for(kv_cache, device))
+        return cls(kv_cache, slot_mapping.to(device), query_start_loc.to(device), seq_lens_t.to(device),
+                   block_tables.to(device), positions.to(device), impl, scale, groups)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [1, N, Hq, D], k and v [1, N, Hkv, D] for this step's new tokens → [1, N, Hq, D]."""
+        key_cache, value_cache = self.kv_cache.key_cache[layer], self.kv_cache.value_cache[layer]
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        num_rows = self.slot_mapping.shape[0]
+        if q.dim() != 4 or q.shape[0] != 1 or q.shape[1] != num_rows:
+            raise ValueError(f"q must have shape [1, {num_rows}, Hq, D] (one flattened row), got {tuple(q.shape)}")
+        expected_kv = (1, num_rows, num_kv_heads, head_dim)
+        if tuple(k.shape) != expected_kv or tuple(v.shape) != expected_kv:
+            raise ValueError(f"k and v must have shape {expected_kv}, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if q.shape[3] != head_dim or q.shape[2] % num_kv_heads:
+            raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of the cache's kv heads "
+                             f"({num_kv_heads}) and head_dim must be {head_dim}; got {tuple(q.shape)}")
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, k[0].to(key_cache.dtype))
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, v[0].to(value_cache.dtype))
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
+        queries = q[0].to(key_cache.dtype)
+        if self.impl == "reference":
+            out = self._attend_reference(queries, key_cache, value_cache, scale)
+        elif self.impl == "fast":
+            out = self._attend_fast(queries, key_cache, value_cache, scale)
+        else:
+            raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {self.impl!r}")
+        return out.to(q.dtype)[None]
+
+    def _attend_reference(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+        """One sequence at a time, in float32, every step spelled out."""
+        block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+        groups = q.shape[1] // num_kv_heads
+        flat_keys = key_cache.reshape(-1, num_kv_heads, head_dim)
+        flat_values = value_cache.reshape(-1, num_kv_heads, head_dim)
+        starts = self.query_start_loc.tolist()
+        out = torch.empty_like(q)
+        for s, (seq_len, table) in enumerate(zip(self.seq_lens.tolist(), self.block_tables.tolist(), strict=True)):
+            first, last = starts[s], starts[s + 1]
+            q_len = last - first
+            slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(seq_len)],
+                                 device=q.device)
+            keys = flat_keys[slots].float().repeat_interleave(groups, dim=1)  # [seq_len, Hq, D]
+            values = flat_values[slots].float().repeat_interleave(groups, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[first:last].float(), keys) * scale
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+            key_pos = torch.arange(seq_len, device=q.device)[None, :]
+            scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+            out[first:last] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(out.dtype)
+        return out
+
+    def _attend_fast(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+        if self.groups is None:  # metadata built by hand rather than by `build`: plan once, keep it
+            self.groups = plan_groups(self.query_start_loc.diff().tolist(), self.seq_lens.tolist(),
+                                      self.block_tables.cpu(), key_cache.shape[1], q.device, key_cache.dtype,
+                                      chunk_tokens_for(self.kv_cache, q.device))
+        scratch = self.kv_cache.scratch(max(gathered_numel(key_cache, g) for g in self.groups))
+        out = None
+        for group in self.groups:
+            op = decode_attention if group.is_decode else prefill_attention
+            part = op(q, key_cache, value_cache, group, scale, scratch)
+            if group.out_rows is None:  # the only group, rows in order
+                return part
+            out = torch.empty_like(q) if out is None else out
+            out.index_copy_(0, group.out_rows, part)
+        assert out is not None
+        return out
+
+
+def chunk_tokens_for(kv_cache: KVCache, device: torch.device) -> int | None:
+    """Key positions one CPU group may gather (CPU_GATHER_BYTES of keys); None on other devices."""
+    if device.type != "cpu":
+        return None
+    per_token = kv_cache.num_kv_heads * kv_cache.head_dim * kv_cache.data.element_size()
+    return max(kv_cache.block_size, CPU_GATHER_BYTES // per_token)
+
+
+def plan_groups(q_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int,
+                device: torch.device, dtype: torch.dtype, chunk_tokens: int | None = None) -> list[QueryGroup]:
+    """Split the batch into decodes (one new token) and prefills (more), and precompute each group's
+    gather indices and masks. Index arithmetic happens on the CPU; masks are built on `device`.
+
+    With `chunk_tokens`, each kind is further cut, longest sequences first, into groups that gather
+    at most that many key positions and spend at most a fifth of their work on padding: on a CPU a
+    group's gathered keys then stay in cache between the gather and the matmuls that read them, and
+    a few long sequences do not pad a batch of short ones. Without it (GPUs), one group per kind."""
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    groups = []
+    for is_decode in (True, False):
+        members = [s for s, n in enumerate(q_lens) if (n == 1) == is_decode]
+        if chunk_tokens is None:
+            chunks = [members] if members else []
+        else:
+            chunks = _chunk(sorted(members, key=lambda s: -seq_lens[s]), q_lens, seq_lens, block_size,
+                            chunk_tokens)
+        groups += [_plan_group(chunk, is_decode, q_lens, seq_lens, starts, block_tables, block_size, device, dtype)
+                   for chunk in chunks]
+    return groups
+
+
+def _chunk(members: list[int], q_lens: list[int], seq_lens: list[int], block_size: int,
+           chunk_tokens: int) -> list[list[int]]:
+    """Greedy cut of `members` (longest first) under the gather budget and the padding bound."""
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    real_work = 0
+    for s in members:
+        keys = math.ceil(seq_lens[current[0] if current else s] / block_size) * block_size
+        q_pad = max([q_lens[s]] + [q_lens[m] for m in current])
+        work = q_lens[s] * seq_lens[s]
+        size = len(current) + 1
+        if current and (size * keys > chunk_tokens or 4 * size * q_pad * keys > 5 * (real_work + work)):
+            chunks.append(current)
+            current, real_work = [], 0
+        current.append(s)
+        real_work += work
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _plan_group(members: list[int], is_decode: bool, q_lens: list[int], seq_lens: list[int], starts: list[int],
+                block_tables: torch.Tensor, block_size: int, device: torch.device,
+                dtype: torch.dtype) -> QueryGroup:
+    num_seqs = len(members)
+    covers_batch = members == list(range(len(q_lens)))
+    q_pad = max(q_lens[s] for s in members)
+    num_blocks = max(math.ceil(seq_lens[s] / block_size) for s in members)
+    index = torch.tensor(members)
+    block_ids = block_tables.cpu()[index, :num_blocks].reshape(-1)
+    q_len = torch.tensor([q_lens[s] for s in members])[:, None]
+    seq_len = torch.tensor([seq_lens[s] for s in members])[:, None]
+    start = torch.tensor([starts[s] for s in members])[:, None]
+    i = torch.arange(q_pad)[None, :]
+    real = i < q_len  # [S, q_pad]
+    rows = (start + torch.minimum(i, q_len - 1)).reshape(-1)
+    query_pos = torch.where(real, seq_len - q_len + i, 0)
+    all_real = bool(real.all())
+    keep = None if all_real else real.reshape(-1).nonzero().squeeze(1)
+    out_rows = None if covers_batch else (rows if keep is None else rows[keep])
+    key_pos = torch.arange(num_blocks * block_size, device=device)
+    allowed = key_pos[None, None, :] <= query_pos.to(device)[:, :, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+
+    def to_device(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    return QueryGroup(
+        is_decode=is_decode, num_seqs=num_seqs, q_pad=q_pad, num_blocks=num_blocks,
+        block_ids=block_ids.to(device), mask=mask[:, None],
+        rows=None if covers_batch and all_real else rows.to(device),
+        keep=to_device(keep), out_rows=to_device(out_rows),
+    )
+
+
+def gather_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, group: QueryGroup,
+                  scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [num_seqs, num_blocks * block_size, Hkv, D]: each sequence's blocks, copied
+    whole with one `index_select` apiece (contiguous rows, the cheapest gather there is), into
+    `scratch` (2 * that many elements) when given."""
+    num_blocks_total, block_size, num_kv_heads, head_dim = key_cache.shape
+    shape = (group.num_seqs, group.num_blocks * block_size, num_kv_heads, head_dim)
+    out = []
+    for i, cache in enumerate((key_cache, value_cache)):
+        rows = cache.view(num_blocks_total, -1)
+        if scratch is None:
+            gathered = rows.index_select(0, group.block_ids)
+        else:
+            size = group.block_ids.numel() * rows.shape[1]
+            gathered = scratch[i * size:(i + 1) * size].view(-1, rows.shape[1])
+            torch.index_select(rows, 0, group.block_ids, out=gathered)
+        out.append(gathered.view(shape))
+    return out[0], out[1]
+
+
+def gathered_numel(key_cache: torch.Tensor, group: QueryGroup) -> int:
+    """Elements `gather_blocks` needs in its scratch buffer (keys and values)."""
+    return 2 * group.block_ids.numel() * key_cache[0].numel()
+
+
+def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: QueryGroup,
+                     scale: float, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence. Each KV head's query group ([S, G, D]) meets that head's keys as a
+    strided [S, L, D] view of the gathered blocks, so keys and values are read once, never copied
+    again, never repeated per query head. Returns [S, Hq, D]."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    num_seqs, num_heads = group.num_seqs, q.shape[1]
+    groups = num_heads // num_kv_heads
+    queries = q if group.rows is None else q.index_select(0, group.rows)
+    queries = queries.reshape(num_seqs, num_kv_heads, groups, head_dim)
+    keys, values = gather_blocks(key_cache, value_cache, group, scratch)
+    mask = group.mask.view(num_seqs, 1, -1)
+    out = q.new_empty(num_kv_heads, num_seqs, groups, head_dim)  # out[h] contiguous: bmm writes it directly
+    for h in range(num_kv_heads):
+        scores = torch.baddbmm(mask, queries[:, h], keys[:, :, h].transpose(1, 2), alpha=scale)
+        probs = scores.softmax(-1, dtype=torch.float32).to(values.dtype)
+        torch.bmm(probs, values[:, :, h], out=out[h])
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
+
+
+def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: QueryGroup,
+                      scale: float, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Several queries per sequence, padded to the group's longest; one fused attention call with
+    grouped-query heads left unexpanded. Returns [real queries, Hq, D]."""
+    num_kv_heads = key_cache.shape[2]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    queries = q if group.rows is None else q.index_select(0, group.rows)
+    queries = queries.reshape(group.num_seqs, group.q_pad, num_heads, head_dim).transpose(1, 2)
+    keys, values = (t.transpose(1, 2) for t in gather_blocks(key_cache, value_cache, group, scratch))
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scale,
+                                         enable_gqa=num_heads != num_kv_heads)
+    out = out.transpose(1, 2).reshape(group.num_seqs * group.q_pad, num_heads, head_dim)
+    return out if group.keep is None else out.index_select(0, group.keep)
