@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-COMMANDS = ("generate", "serve", "sft", "rm", "dpo", "grpo", "eval")
+COMMANDS = ("generate", "serve", "eval", "sft", "rm", "dpo", "grpo")
 
 
 def generate_main(argv: list[str]) -> int:
@@ -48,11 +48,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: pagedrl {" + ",".join(COMMANDS) + "} [args]\n\n"
-              "  generate   generate text offline with the paged engine\n")
+              "  generate   generate text offline with the paged engine\n"
+              "  serve      OpenAI-compatible HTTP server\n"
+              "  eval       held-out accuracy of a model on the built-in arithmetic task\n"
+              "  sft|rm|dpo|grpo   train: pagedrl <algorithm> [config.yaml] [key=value ...]\n")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "generate":
         return generate_main(rest)
+    if command in ("sft", "rm", "dpo", "grpo", "ppo"):
+        from pagedrl.train.cli import train_main
+
+        return train_main(command, rest)
     print(f"pagedrl: unknown command {command!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
     return 2
 

@@ -74,7 +74,9 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        """Bytes the cache holds when allocated (whether or not it is released right now)."""
+        return self.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+                                    self.dtype) * self.num_blocks
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -137,6 +139,23 @@ class KVCache:
             self._scratch = None
             self._scratch = torch.empty(numel, dtype=self.dtype, device=self.device)
         return self._scratch[:numel]
+
+    @property
+    def allocated(self) -> bool:
+        return self.data.numel() > 0
+
+    def release(self) -> None:
+        """Give the memory back (training runs between rollouts); `allocate` brings it back zeroed."""
+        self.data = self.data.new_empty(0)
+        self.key_cache, self.value_cache, self._scratch = [], [], None
+
+    def allocate(self) -> None:
+        if self.allocated:
+            return
+        self.data = torch.zeros(self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+                                self.head_dim, dtype=self.dtype, device=self.data.device)
+        self.key_cache = [self.data[i, 0] for i in range(self.num_layers)]
+        self.value_cache = [self.data[i, 1] for i in range(self.num_layers)]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy block `src` onto block `dst` in every layer, keys and values (copy-on-write of a

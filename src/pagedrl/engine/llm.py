@@ -107,6 +107,13 @@ class LLM:
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
 
+    def sleep(self) -> None:
+        """Release the KV cache memory until the next request (vLLM's sleep mode, level 1)."""
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
     def bump_weight_version(self) -> int:
         """Call after an optimizer step changed the weights this engine reads."""
         return self.engine.bump_weight_version()

@@ -79,12 +79,14 @@ class LLMEngine:
         self.generation_tokens = 0
         self.prompt_tokens = 0
         self.num_steps = 0
+        self.num_forked_blocks = 0  # prompt blocks shared by n > 1 samples instead of recomputed
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Validate and queue a request; a bad one raises ValueError and changes nothing."""
         params = params or SamplingParams()
+        self.wake_up()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text = prompt if isinstance(prompt, str) else None
@@ -201,6 +203,7 @@ class LLMEngine:
             child.detokenizer = self.new_detokenizer(req.params, req.prompt_token_ids)
             child.prompt_logprobs = seq.prompt_logprobs
             self.kv.fork(seq.seq_id, child.seq_id)
+            self.num_forked_blocks += len(self.kv.block_table(seq.seq_id))
             self.scheduler.add_running(child)
             req.seqs.append(child)
         return list(req.seqs)
@@ -295,6 +298,17 @@ class LLMEngine:
         return None if self.tokenizer is None else self.tokenizer.decode([token], skip_special_tokens=False)
 
     # ------------------------------------------------------------------ weights and stats
+    def sleep(self) -> None:
+        """Free the KV cache memory while no request runs (the optimizer needs it more); the next
+        request allocates it again. Cached prefixes are forgotten, since their KV is gone."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("sleep: requests are still running; finish or abort them first")
+        self.kv.reset_prefix_cache()
+        self.kv_cache.release()
+
+    def wake_up(self) -> None:
+        self.kv_cache.allocate()
+
     def bump_weight_version(self) -> int:
         """Record a weight update: prefix KV computed under the old weights is never reused."""
         return self.kv.bump_weight_version()
@@ -313,5 +327,6 @@ class LLMEngine:
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
             "generation_tokens": self.generation_tokens,
+            "num_forked_blocks": self.num_forked_blocks,
             "weight_version": kv.weight_version,
         }

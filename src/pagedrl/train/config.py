@@ -70,6 +70,9 @@ class TrainConfig:
     # keep_start), dropped ("skip") or refused ("error").
     max_length: int | None = 1024
     truncation: Literal["truncate", "skip", "error"] = "truncate"
+    # A malformed row (bad JSON, missing field, wrong type, empty completion) stops the run with its
+    # file and line ("error"), or is skipped and counted in the start summary ("skip").
+    on_bad_row: Literal["error", "skip"] = "error"
 
     # Bookkeeping.
     logging_steps: int = 10
@@ -78,7 +81,7 @@ class TrainConfig:
     save_total_limit: int | None = None
     seed: int = 42
     resume_from_checkpoint: str | bool | None = None  # a checkpoint directory, or true: latest in output_dir
-    report_to: list[str] = field(default_factory=lambda: ["jsonl"])
+    report_to: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
 
     # Hardware. TRL turns gradient checkpointing on by default; on a CPU with a small model it
     # only costs time, so it is off here.
@@ -163,15 +166,22 @@ class DPOConfig(TrainConfig):
 
 @dataclass
 class GRPOConfig(TrainConfig):
+    """`per_device_train_batch_size` counts completions, as in TRL: each step trains on
+    per_device × accumulation × world completions, i.e. that / num_generations prompts.
+    `dataset` is a JSONL file of {"prompt", ...columns} rows, or `arithmetic` for the built-in
+    task (its held-out set is then the evaluation set)."""
+
     learning_rate: float = 1e-6
+    dataset: str | None = "arithmetic"
     # Generation (vLLM's sampling names; top_k 0 or -1 disables top-k).
     num_generations: int = 8
+    max_prompt_length: int | None = 512  # a longer prompt is an error naming the row
     max_completion_length: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float | None = None
-    steps_per_generation: int | None = None  # None: gradient_accumulation_steps
+    kv_cache_tokens: int | None = None  # the rollout engine's KV budget (None: the engine's default)
     # Loss.
     epsilon: float = 0.2
     epsilon_high: float | None = None  # None: epsilon; DAPO recommends 0.28
@@ -181,15 +191,23 @@ class GRPOConfig(TrainConfig):
     loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "dapo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     num_iterations: int = 1
-    # Rewards.
+    # Rewards: built-in names (numeric_match, last_integer_match, exact_match, format,
+    # overlong_penalty) or "file.py:function"; empty means the task's own verifier.
     reward_funcs: list[str] = field(default_factory=list)
     reward_weights: list[float] | None = None  # None: 1.0 each
+    format_pattern: str | None = None  # for the `format` reward
+    overlong_buffer: int | None = None  # for `overlong_penalty`; None: max_completion_length // 4
     mask_truncated_completions: bool = False
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards all agree
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards all agree, refill from the next prompts
     # Truncated importance sampling between engine and trainer log-probs; null disables.
     # 3.0 is TRL's vllm_importance_sampling_clip_max.
     tis_cap: float | None = 3.0
-    log_completions: bool = False
+    # The built-in arithmetic task.
+    task_operations: list[str] = field(default_factory=lambda: ["+"])
+    task_low: int = 10
+    task_high: int = 99
+    task_num_eval: int = 256
+    eval_max_tokens: int | None = None  # greedy evaluation length; None: max_completion_length
 
     def validate(self) -> None:
         super().validate()
@@ -204,8 +222,6 @@ class GRPOConfig(TrainConfig):
         _require(self.delta is None or self.delta > 1.0, "delta", f"must be > 1 (it caps the ratio), got {self.delta}")
         _require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")
         _require(self.num_iterations >= 1, "num_iterations", f"must be >= 1, got {self.num_iterations}")
-        spg = self.steps_per_generation
-        _require(spg is None or spg >= 1, "steps_per_generation", f"must be null or >= 1, got {spg}")
         _require(self.tis_cap is None or self.tis_cap >= 1.0, "tis_cap", f"must be null or >= 1, got {self.tis_cap}")
         if self.reward_weights is not None and self.reward_funcs:
             _require(

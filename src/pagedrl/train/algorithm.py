@@ -1,0 +1,340 @@
+"""What an algorithm tells the trainer loop: its batches, its normaliser, its loss. Nothing else.
+
+The loop (`pagedrl.train.trainer`) owns the optimizer, schedule, accumulation, DDP, logging and
+checkpoints. An algorithm owns the model being trained and answers, per optimizer step:
+
+- `step_batches(step)`: this rank's micro-batches. Offline algorithms (SFT, reward model, DPO)
+  take the next examples of their dataset (`OfflineAlgorithm` does it); online ones (GRPO, PPO)
+  generate a rollout, and may hand the same rollout out for μ consecutive steps.
+- `count(batch)`: the batch's share of the loss normaliser (tokens, sequences, pairs). The loop
+  sums it over micro-batches and ranks *before* any forward pass and hands the global count to
+  `loss`, so a loss divided by it does not depend on how the step was split.
+- `loss(model, batch, global_count)`: this micro-batch's contribution to the step's loss (the
+  contributions of all micro-batches on all ranks add up to the step loss) and its metrics.
+- `step_metrics(step)`: metrics of the step as a whole (a rollout's rewards), if any.
+- `after_optimizer_step(step)`: after each update (GRPO bumps the engine's weight version here).
+- `evaluate(step)`, `state_dict()`/`load_state_dict()` (data position), `save_model(folder)`,
+  `load_model(folder)`, `summary_lines()`.
+
+Metrics carry how they combine across micro-batches, ranks and logged steps (`Metric`): a mean
+weighted by tokens where TRL weighs by tokens, a sum, a min or max, or a running total.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from pagedrl.model.checkpoint import load_weights, read_state_dict, save_checkpoint
+from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.train.data import DataReport
+from pagedrl.train.distributed import DistInfo, all_reduce_op
+
+Reduce = Literal["mean", "sum", "min", "max", "cumulative"]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric contribution. `mean`: Σtotal / Σweight over micro-batches, ranks and the logged
+    steps (weight = tokens for a token-weighted mean); `sum`: Σtotal; `min`/`max`; `cumulative`:
+    Σtotal since the run began (TRL's `num_tokens`)."""
+
+    total: float | torch.Tensor
+    weight: float | torch.Tensor = 1.0
+    reduce: Reduce = "mean"
+
+    @classmethod
+    def mean(cls, total: float | torch.Tensor, weight: float | torch.Tensor = 1.0) -> Metric:
+        return cls(total, weight, "mean")
+
+    @classmethod
+    def sum(cls, total: float | torch.Tensor) -> Metric:
+        return cls(total, 0.0, "sum")
+
+    @classmethod
+    def min(cls, value: float | torch.Tensor) -> Metric:
+        return cls(value, 0.0, "min")
+
+    @classmethod
+    def max(cls, value: float | torch.Tensor) -> Metric:
+        return cls(value, 0.0, "max")
+
+    @classmethod
+    def cumulative(cls, total: float | torch.Tensor) -> Metric:
+        return cls(total, 0.0, "cumulative")
+
+
+def as_metric(value: Metric | float | torch.Tensor) -> Metric:
+    """A bare number is a plain mean over micro-batches."""
+    return value if isinstance(value, Metric) else Metric.mean(value)
+
+
+class MetricTotals:
+    """Metrics combined under their rules: over a step's micro-batches, then across ranks, then
+    over the steps of a logging window."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, list] = {}  # name -> [reduce, total, weight]
+
+    def add(self, name: str, metric: Metric | float | torch.Tensor) -> None:
+        """Tensors stay tensors (no device sync per micro-batch) until `settle`."""
+        m = as_metric(metric)
+        total, weight = _detached(m.total), _detached(m.weight)
+        if name not in self.items:
+            self.items[name] = [m.reduce, total, weight]
+            return
+        entry = self.items[name]
+        if entry[0] != m.reduce:
+            raise ValueError(f"metric {name!r}: reduced as {entry[0]} and as {m.reduce} in one run")
+        if m.reduce in ("min", "max"):
+            pick = torch.minimum if m.reduce == "min" else torch.maximum
+            both = [torch.as_tensor(v, dtype=torch.float64) for v in (entry[1], total)]
+            if both[0].device != both[1].device:
+                both = [v.cpu() for v in both]
+            entry[1] = pick(*both)
+        else:
+            entry[1] = entry[1] + total
+            entry[2] = entry[2] + weight
+
+    def settle(self) -> MetricTotals:
+        """Turn every tensor into a float, with one transfer per device."""
+        slots = [(entry, i) for entry in self.items.values() for i in (1, 2) if isinstance(entry[i], torch.Tensor)]
+        by_device: dict[torch.device, list] = {}
+        for slot in slots:
+            by_device.setdefault(slot[0][slot[1]].device, []).append(slot)
+        for group in by_device.values():
+            stacked = torch.stack([e[i].to(torch.float64).reshape(()) for e, i in group]).cpu().tolist()
+            for (entry, i), value in zip(group, stacked, strict=True):
+                entry[i] = value
+        return self
+
+    def merge(self, other: MetricTotals) -> None:
+        for name, (reduce, total, weight) in other.settle().items.items():
+            self.add(name, Metric(total, weight, reduce))
+
+    def all_reduce(self, info: DistInfo) -> MetricTotals:
+        """The same totals over every rank (every rank must report the same metric names)."""
+        self.settle()
+        if not info.distributed:
+            return self
+        names = sorted(self.items)
+        out = MetricTotals()
+        for op in ("sum", "min", "max"):
+            chosen = [n for n in names if _op_of(self.items[n][0]) == op]
+            if not chosen:
+                continue
+            flat = [v for n in chosen for v in (self.items[n][1], self.items[n][2])]
+            reduced = all_reduce_op(flat, info, op).tolist()
+            for i, n in enumerate(chosen):
+                out.items[n] = [self.items[n][0], reduced[2 * i], reduced[2 * i + 1]]
+        return out
+
+    def values(self, running: Mapping[str, float] | None = None) -> dict[str, float]:
+        """Final numbers; a `cumulative` metric reads from `running` (totals since the start)."""
+        self.settle()
+        out = {}
+        for name, (reduce, total, weight) in self.items.items():
+            if reduce == "mean":
+                out[name] = total / weight if weight else float("nan")
+            elif reduce == "cumulative":
+                out[name] = (running or {}).get(name, total)
+            else:
+                out[name] = total
+        return out
+
+    def state_dict(self) -> dict[str, list]:
+        return {k: list(v) for k, v in self.settle().items.items()}
+
+    def load_state_dict(self, state: Mapping[str, list]) -> None:
+        self.items = {k: list(v) for k, v in state.items()}
+
+
+def _op_of(reduce: str) -> str:
+    return reduce if reduce in ("min", "max") else "sum"
+
+
+def _detached(x: float | torch.Tensor) -> float | torch.Tensor:
+    return x.detach() if isinstance(x, torch.Tensor) else float(x)
+
+
+class EpochStream:
+    """The order examples are seen in: epoch e is a permutation of all N indices drawn from
+    `seed + e`, and epochs follow each other without a gap. A step takes the next
+    `examples_per_step` indices, straddling an epoch boundary when N is not a multiple of it, so
+    every row is seen once per epoch and no batch is ever short. The whole position is one
+    integer, `consumed`, which is what a checkpoint stores."""
+
+    def __init__(self, num_examples: int, seed: int, shuffle: bool = True) -> None:
+        if num_examples < 1:
+            raise ValueError(f"num_examples: must be >= 1, got {num_examples}")
+        self.num_examples, self.seed, self.shuffle = num_examples, seed, shuffle
+        self.consumed = 0
+        self._order: tuple[int, list[int]] | None = None
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if self._order is None or self._order[0] != epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed + epoch)
+                order = torch.randperm(self.num_examples, generator=g).tolist()
+            else:
+                order = list(range(self.num_examples))
+            self._order = (epoch, order)
+        return self._order[1]
+
+    def take(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            epoch, offset = divmod(self.consumed, self.num_examples)
+            out.append(self._epoch_order(epoch)[offset])
+            self.consumed += 1
+        return out
+
+    @property
+    def epoch(self) -> float:
+        return self.consumed / self.num_examples
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed, "num_examples": self.num_examples, "seed": self.seed}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        if state["num_examples"] != self.num_examples:
+            raise ValueError(f"resume_from_checkpoint: the checkpoint saw {state['num_examples']} examples, "
+                             f"the dataset now has {self.num_examples}; resuming would not continue the same run")
+        self.consumed = int(state["consumed"])
+
+
+class Algorithm:
+    """Base with the optional hooks' defaults. Subclasses set `model` (the module the optimizer
+    trains; the loop wraps it in DDP) and implement `step_batches`, `count` and `loss`."""
+
+    name: str = "train"
+    normaliser: str = "examples"  # what `count` counts, for the start summary
+    model: nn.Module
+    tokenizer: Tokenizer | None = None
+    generation_config: dict[str, Any] | None = None  # written beside the weights (sampling defaults)
+    num_examples: int | None = None  # rows of an offline dataset; None for online algorithms
+    examples_per_step: int = 0  # global rows (or prompts) one optimizer step consumes
+    find_unused_parameters: bool = False  # for DDP: True if some trained parameters may get no gradient
+
+    def step_batches(self, step: int) -> Sequence[Any]:
+        raise NotImplementedError
+
+    def count(self, batch: Any) -> float:
+        raise NotImplementedError
+
+    def loss(self, model: Any, batch: Any, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        """`model(...)` runs the trained module's forward (through DDP: call it once per
+        micro-batch, e.g. chosen and rejected in one call); `model.logits` etc. are the module's.
+        Returns this micro-batch's share of the step loss and its metrics (`Metric` or number)."""
+        raise NotImplementedError
+
+    def step_metrics(self, step: int) -> dict[str, Any]:
+        """Metrics of the step as a whole rather than of a micro-batch (rewards of a rollout,
+        generation time), asked for after the last backward; combined across ranks like the rest."""
+        return {}
+
+    def after_optimizer_step(self, step: int) -> None:
+        """Called after every optimizer step, once the weights have changed."""
+
+    def evaluate(self, step: int) -> dict[str, float] | None:
+        """Held-out metrics (logged as `eval/<name>`), or None when there is nothing to evaluate."""
+        return None
+
+    @property
+    def epoch(self) -> float:
+        return 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+    def save_model(self, folder: Path) -> None:
+        """Write `folder` as a Hugging Face folder: weights, config, generation config, tokenizer."""
+        save_checkpoint(self.model, folder, generation_config=self.generation_config)
+        if self.tokenizer is not None:
+            self.tokenizer.save(folder)
+
+    def load_model(self, folder: Path) -> None:
+        """Load the weights `save_model` wrote back into `self.model` (for resuming)."""
+        state = read_state_dict(folder, dtype=torch.float32)
+        with torch.no_grad():
+            load_weights(self.model, state, str(folder))
+
+    def summary_lines(self) -> list[str]:
+        return []
+
+
+class OfflineAlgorithm(Algorithm):
+    """An algorithm that trains on a fixed list of examples: each step the next
+    `per_device × accumulation × world` examples of the epoch stream, this rank's contiguous
+    share of them, cut into `accumulation` micro-batches of `per_device` examples."""
+
+    def __init__(self, examples: Sequence[Any], report: DataReport | None, per_device_batch_size: int,
+                 gradient_accumulation_steps: int, dist: DistInfo, seed: int,
+                 eval_examples: Sequence[Any] | None = None) -> None:
+        self.examples = list(examples)
+        self.report = report
+        self.eval_examples = list(eval_examples) if eval_examples is not None else None
+        self.per_device, self.accumulation, self.dist = per_device_batch_size, gradient_accumulation_steps, dist
+        self.num_examples = len(self.examples)
+        self.examples_per_step = per_device_batch_size * gradient_accumulation_steps * dist.world_size
+        self.stream = EpochStream(self.num_examples, seed)
+
+    def collate(self, examples: Sequence[Any]) -> Any:
+        """Examples → one micro-batch (tensors on the model's device)."""
+        raise NotImplementedError
+
+    def step_batches(self, step: int) -> list[Any]:
+        indices = self.stream.take(self.examples_per_step)
+        share = self.per_device * self.accumulation
+        mine = indices[self.dist.rank * share:(self.dist.rank + 1) * share]
+        return [self.collate([self.examples[i] for i in mine[k * self.per_device:(k + 1) * self.per_device]])
+                for k in range(self.accumulation)]
+
+    @property
+    def epoch(self) -> float:
+        return self.stream.epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stream": self.stream.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.stream.load_state_dict(state["stream"])
+
+    def evaluate(self, step: int) -> dict[str, float] | None:
+        """`loss` and the metrics over the whole eval set, normalised as one big step."""
+        if not self.eval_examples:
+            return None
+        share = self.eval_examples[self.dist.rank::self.dist.world_size]
+        batches = [self.collate(share[i:i + self.per_device]) for i in range(0, len(share), self.per_device)]
+        local = sum(float(self.count(b)) for b in batches)
+        global_count = all_reduce_op([local], self.dist, "sum")[0]
+        count = torch.tensor(float(global_count), device=_device_of(self.model))
+        totals = MetricTotals()
+        was_training = self.model.training
+        self.model.eval()
+        loss_sum = 0.0
+        with torch.no_grad():
+            for b in batches:
+                loss, metrics = self.loss(self.model, b, count)
+                loss_sum += float(loss)
+                for name, m in metrics.items():
+                    if as_metric(m).reduce != "cumulative":
+                        totals.add(name, m)
+        self.model.train(was_training)
+        totals.add("loss", Metric.sum(loss_sum))
+        return totals.all_reduce(self.dist).values()
+
+    def summary_lines(self) -> list[str]:
+        return self.report.lines() if self.report is not None else []
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device

@@ -1,0 +1,160 @@
+"""Supervised fine-tuning: cross-entropy on completion tokens, on the one trainer loop.
+
+A micro-batch is either padded (rows of equal length, right padding, a causal mask per row) or,
+with `packing`, one row holding every example back to back with a block-diagonal causal mask and
+positions restarting per example, so no compute goes into padding. Either way the LM head runs
+only on the positions that predict a label token (`CausalLM.logits` of the selected hidden
+states), since the vocabulary projection is the largest matmul of a small model.
+
+The loss is Σ -log p(label) over the micro-batch's label tokens divided by the label tokens of
+the whole step (all micro-batches, all ranks), as transformers' `num_items_in_batch` does, so
+accumulation and DDP give the gradient of one big batch. Metrics, under TRL's names: `loss`,
+`mean_token_accuracy` (token-weighted), `num_tokens` (tokens seen since the start, prompt
+included), `entropy` (mean over label positions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pagedrl.model.attention import DenseAttention
+from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.train.algorithm import Metric, OfflineAlgorithm
+from pagedrl.train.config import SFTConfig
+from pagedrl.train.data import PromptCompletion, PromptCompletionRows, load_examples
+from pagedrl.train.distributed import DistInfo
+from pagedrl.train.losses import sft_loss
+
+
+@dataclass
+class SFTBatch:
+    input_ids: torch.Tensor  # [B, T]
+    positions: torch.Tensor  # [B, T]
+    meta: DenseAttention
+    predict_at: torch.Tensor  # [N] flat indices into [B*T] of positions whose next token is a label
+    labels: torch.Tensor  # [N]
+    num_tokens: int  # real (non-padding) tokens
+
+
+def label_mask(example: PromptCompletion, completion_only: bool) -> list[bool]:
+    """Which tokens carry a label: the completion's, or every token without completion_only."""
+    n_prompt, n = len(example.prompt_ids), len(example.input_ids)
+    return [completion_only is False or i >= n_prompt for i in range(n)]
+
+
+def collate_sft(examples: Sequence[PromptCompletion], pad_id: int, device: torch.device,
+                completion_only: bool = True, packing: bool = False) -> SFTBatch:
+    """Examples → tensors; position t predicts token t + 1 where that token carries a label."""
+    if packing:
+        ids = [i for ex in examples for i in ex.input_ids]
+        seg = [s for s, ex in enumerate(examples) for _ in ex.input_ids]
+        pos = [p for ex in examples for p in range(len(ex.input_ids))]
+        keep = [m for ex in examples for m in label_mask(ex, completion_only)]
+        # A label at flat index j is predicted from j - 1, within the same example only.
+        predict = [j - 1 for j in range(1, len(ids)) if keep[j] and seg[j] == seg[j - 1]]
+        input_ids = torch.tensor([ids], dtype=torch.long)
+        meta = DenseAttention.segments(torch.tensor([seg], device=device))
+        positions = torch.tensor([pos], dtype=torch.long)
+        labels = [ids[j + 1] for j in predict]
+    else:
+        width = max(len(ex.input_ids) for ex in examples)
+        rows, attn, predict, labels = [], [], [], []
+        for b, ex in enumerate(examples):
+            n, keep = len(ex.input_ids), label_mask(ex, completion_only)
+            rows.append(ex.input_ids + [pad_id] * (width - n))
+            attn.append([1] * n + [0] * (width - n))
+            for t in range(1, n):
+                if keep[t]:
+                    predict.append(b * width + t - 1)
+                    labels.append(ex.input_ids[t])
+        input_ids = torch.tensor(rows, dtype=torch.long)
+        mask = torch.tensor(attn, dtype=torch.long)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        padded = bool((mask == 0).any())
+        meta = DenseAttention.causal(mask.to(device)) if padded else DenseAttention(None)
+    return SFTBatch(input_ids.to(device), positions.to(device), meta,
+                    torch.tensor(predict, dtype=torch.long, device=device),
+                    torch.tensor(labels, dtype=torch.long, device=device),
+                    sum(len(ex.input_ids) for ex in examples))
+
+
+class SFT(OfflineAlgorithm):
+    name = "sft"
+    normaliser = "label (completion) tokens"
+
+    def __init__(self, config: SFTConfig, model: torch.nn.Module, tokenizer: Tokenizer, dist: DistInfo,
+                 dataset: str | Path | Sequence[Mapping[str, Any]] | None = None,
+                 eval_dataset: str | Path | Sequence[Mapping[str, Any]] | None = None,
+                 generation_config: dict[str, Any] | None = None) -> None:
+        if config.assistant_only_loss:
+            raise ValueError("assistant_only_loss: not supported; give prompt/completion rows, where the loss "
+                             "falls on the completion (the assistant's answer) only")
+        dataset = dataset if dataset is not None else config.dataset
+        if dataset is None:
+            raise ValueError("dataset: SFT needs a dataset (a JSONL path, or a list of rows through the API)")
+        convert = PromptCompletionRows(tokenizer, config.max_length, config.truncation, config.dataset_text_field)
+        on_bad_row = config.on_bad_row
+        examples, report = load_examples(dataset, convert, on_bad_row)
+        eval_source = eval_dataset if eval_dataset is not None else config.eval_dataset
+        eval_examples = load_examples(eval_source, convert, on_bad_row)[0] if eval_source is not None else None
+        super().__init__(examples, report, config.per_device_train_batch_size, config.gradient_accumulation_steps,
+                         dist, config.seed, eval_examples)
+        self.model, self.tokenizer, self.generation_config = model, tokenizer, generation_config
+        pad = tokenizer.pad_token_id
+        self.pad_id = 0 if pad is None else pad
+        self.completion_only = config.completion_only_loss is not False
+        self.packing = config.packing
+        self.device = next(model.parameters()).device
+
+    def collate(self, examples: Sequence[PromptCompletion]) -> SFTBatch:
+        return collate_sft(examples, self.pad_id, self.device, self.completion_only, self.packing)
+
+    def count(self, batch: SFTBatch) -> float:
+        return float(batch.labels.numel())
+
+    def loss(self, model: Any, batch: SFTBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        hidden = model(batch.input_ids, positions=batch.positions, meta=batch.meta)
+        selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.predict_at)
+        logps = F.log_softmax(model.logits(selected).float(), dim=-1)  # one pass serves loss and entropy
+        token_logps = logps.gather(-1, batch.labels[:, None]).squeeze(-1)
+        n = batch.labels.numel()
+        loss = sft_loss(token_logps[None], torch.ones(1, n, dtype=torch.bool, device=logps.device),
+                        num_items_in_batch=global_count)
+        with torch.no_grad():
+            correct = (logps.argmax(-1) == batch.labels).sum()
+            entropy = -(logps.exp() * logps).sum()
+        return loss, {
+            "mean_token_accuracy": Metric.mean(correct, n),
+            "entropy": Metric.mean(entropy, n),
+            "num_tokens": Metric.cumulative(batch.num_tokens),
+        }
+
+    def summary_lines(self) -> list[str]:
+        mode = "packed into one row per micro-batch" if self.packing else "padded"
+        target = "completion tokens" if self.completion_only else "every token"
+        return super().summary_lines() + [f"sft: loss on {target}; sequences {mode}"]
+
+
+def run_sft(config: SFTConfig, dataset: str | Path | Sequence[Mapping[str, Any]] | None = None,
+            eval_dataset: str | Path | Sequence[Mapping[str, Any]] | None = None,
+            progress: bool = True) -> Path:
+    """Fine-tune `config.model` on `dataset` (default: `config.dataset`); returns `output_dir/final`."""
+    from pagedrl.model.loader import load_model
+    from pagedrl.train.checkpointing import seed_everything
+    from pagedrl.train.distributed import init_distributed
+    from pagedrl.train.trainer import Trainer
+
+    dist = init_distributed(config.use_cpu)
+    seed_everything(config.seed)
+    loaded = load_model(config.model, device=dist.device, dtype=torch.float32)
+    if loaded.tokenizer is None:
+        raise ValueError(f"model: {loaded.path} has no tokenizer.json; SFT needs the model's tokenizer")
+    algorithm = SFT(config, loaded.model, loaded.tokenizer, dist, dataset, eval_dataset,
+                    loaded.generation_config or None)
+    return Trainer(config, algorithm, dist, progress=progress).train()

@@ -1,0 +1,334 @@
+"""The one trainer loop every algorithm runs on (SFT, reward model, DPO, GRPO, PPO).
+
+Per optimizer step: ask the algorithm for this rank's micro-batches, sum their normaliser counts
+and all-reduce the sum (before any forward pass), then run each micro-batch's loss — divided by
+that global count — and backward, clip, step AdamW and the schedule, log, evaluate, save.
+
+Why the gradient does not depend on the split: every micro-batch's loss is its sum divided by the
+step's global count, so the contributions of all micro-batches on all ranks add up to the loss of
+the whole step. DDP averages gradients over ranks, so each rank multiplies its loss by the world
+size before backward to turn that average back into the sum. Micro-batches before the last run
+under `no_sync()`, so gradients cross the network once per step.
+
+Each logged row holds `step`, `epoch`, `learning_rate` (the rate this step used), `loss` (mean
+over the steps since the last row), `grad_norm` (before clipping, of the last step), the
+algorithm's metrics, `wall_time` and `train_time` (seconds since the start, the latter without
+evaluations). Evaluations are rows of their own, `eval/<name>`, at step 0 and every `eval_steps`.
+
+Precision: float32 parameters and optimizer state everywhere; on CUDA the forward runs under
+bfloat16 autocast (config `bf16`). On CPU everything stays float32 (bf16 matmuls are ~50x slower).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from pagedrl.train import checkpointing as ckpt
+from pagedrl.train.algorithm import Algorithm, MetricTotals, as_metric
+from pagedrl.train.config import TrainConfig, config_to_dict
+from pagedrl.train.distributed import (
+    DistInfo,
+    all_reduce_op,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    gather_objects,
+)
+from pagedrl.train.logging import RunLogger
+
+
+class ModelHandle:
+    """What `Algorithm.loss` receives as `model`: calling it runs the (DDP-wrapped) forward, any
+    other attribute (`logits`, `config`, ...) is the plain module's. Call it once per micro-batch."""
+
+    def __init__(self, wrapped: nn.Module, module: nn.Module) -> None:
+        self._wrapped, self._module = wrapped, module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._wrapped(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+@dataclass
+class StepResult:
+    loss: float  # the step's loss: Σ of every micro-batch's contribution on every rank
+    metrics: MetricTotals  # reduced over micro-batches and ranks
+    global_count: float
+    num_micro_batches: int
+
+
+def decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: matrices and embeddings decay; biases and norm weights (1-D) do not."""
+    decay, no_decay = [], []
+    for _, p in module.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_lambda(kind: str, warmup: int, total: int):
+    """Multiplier of the peak learning rate at step s (0-based): linear warm-up over `warmup` steps,
+    then constant, linear to 0 or cosine to 0 at `total`, as transformers' schedules."""
+    if kind not in ("linear", "cosine", "constant"):
+        raise ValueError(f"lr_scheduler_type: expected linear, cosine or constant, got {kind!r}")
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        if kind == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total - warmup)
+        if kind == "linear":
+            return max(0.0, 1.0 - progress)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+    return f
+
+
+def total_steps(config: TrainConfig, algorithm: Algorithm) -> int:
+    if config.max_steps > 0:
+        return config.max_steps
+    if not algorithm.num_examples or not algorithm.examples_per_step:
+        raise ValueError("max_steps: this algorithm has no dataset size to derive steps from num_train_epochs; "
+                         "set max_steps")
+    return max(1, math.ceil(config.num_train_epochs * algorithm.num_examples / algorithm.examples_per_step))
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, algorithm: Algorithm, dist: DistInfo | None = None,
+                 progress: bool = True) -> None:
+        self.config, self.algorithm = config, algorithm
+        self.dist = dist or DistInfo(device=next(algorithm.model.parameters()).device)
+        self.module = algorithm.model
+        if any(p.dtype != torch.float32 for p in self.module.parameters()):
+            self.module.float()  # master weights and optimizer state in float32; autocast does bf16
+        self.module.train()
+        if config.gradient_checkpointing:
+            for m in self.module.modules():
+                if hasattr(m, "gradient_checkpointing"):
+                    m.gradient_checkpointing = True
+        self.wrapped: nn.Module = self.module
+        if self.dist.distributed:
+            ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
+            self.wrapped = DistributedDataParallel(self.module, device_ids=ids, broadcast_buffers=False,
+                                                   find_unused_parameters=algorithm.find_unused_parameters)
+        self.handle = ModelHandle(self.wrapped, self.module)
+        self.bf16 = config.use_bf16(self.dist.device)
+        self.total_steps = total_steps(config, algorithm)
+        self.warmup_steps = config.num_warmup_steps(self.total_steps)
+        self.optimizer = torch.optim.AdamW(
+            decay_groups(self.module, config.weight_decay), lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(config.lr_scheduler_type, self.warmup_steps, self.total_steps))
+        self.output_dir = Path(config.output_dir)
+        self.progress = progress
+        self.step = 0
+        self.weight_version = 0
+        self.window = MetricTotals()  # metrics of the steps since the last logged row
+        self.running: dict[str, float] = {}  # totals of `cumulative` metrics since the start
+        self.time_offset = 0.0  # wall seconds of the run before a resume
+        self._start = time.perf_counter()  # perf_counter at the (virtual) start of the run
+        self.eval_seconds = 0.0
+        self.logger: RunLogger | None = None
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def accumulate(self, step: int) -> StepResult:
+        """Forward and backward over this rank's micro-batches for `step`; gradients are left in
+        `.grad` (summed over ranks), the optimizer is not stepped."""
+        batches = list(self.algorithm.step_batches(step))
+        count = float(all_reduce_sum([sum(float(self.algorithm.count(b)) for b in batches)], self.dist)[0])
+        if self.dist.distributed:
+            hi, neg_lo = all_reduce_op([len(batches), -len(batches)], self.dist, "max").tolist()
+            if hi != -neg_lo:
+                raise RuntimeError(f"step {step}: ranks produced between {-neg_lo:.0f} and {hi:.0f} micro-batches; "
+                                   "DDP needs the same number on every rank")
+        global_count = torch.tensor(count, dtype=torch.float32, device=self.dist.device)
+        totals = MetricTotals()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.dist.device)
+        scale = float(self.dist.world_size)
+        for i, batch in enumerate(batches):
+            last = i == len(batches) - 1
+            sync = contextlib.nullcontext() if last or not self.dist.distributed else self.wrapped.no_sync()
+            with sync:
+                with torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                    loss, metrics = self.algorithm.loss(self.handle, batch, global_count)
+                (loss * scale).backward()
+            loss_sum += loss.detach().to(torch.float64)
+            for name, m in metrics.items():
+                totals.add(name, as_metric(m))
+        for name, m in self.algorithm.step_metrics(step).items():
+            totals.add(name, as_metric(m))
+        step_loss = float(all_reduce_sum([float(loss_sum)], self.dist)[0])
+        return StepResult(step_loss, totals.all_reduce(self.dist), count, len(batches))
+
+    def optimizer_step(self) -> float:
+        """Clip (max_grad_norm; 0 = no clipping), step AdamW and the schedule; returns the norm."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def train(self) -> Path:
+        """Run to `total_steps` (resuming if configured); returns the `final/` folder."""
+        resume = None
+        if self.dist.is_main:
+            resume = ckpt.resolve_resume(self.config.resume_from_checkpoint, self.output_dir)
+        resume = broadcast_object(None if resume is None else str(resume), self.dist)
+        if resume is not None:
+            self.load(Path(resume))
+        else:
+            ckpt.seed_everything(self.config.seed)
+        self.logger = RunLogger(self.output_dir, self.config.report_to, enabled=self.dist.is_main,
+                                total_steps=self.total_steps, initial_step=self.step,
+                                resume_step=self.step if resume is not None else None,
+                                progress=self.progress)
+        self.print_summary(resume)
+        self.logger.start_progress()
+        self._start = time.perf_counter() - self.time_offset
+        try:
+            if self.config.eval_steps and self.step == 0:
+                self.evaluate()
+            while self.step < self.total_steps:
+                self.run_step()
+            final = self.save_final()
+        finally:
+            self.logger.close(plot=self.dist.is_main)
+        return final
+
+    def run_step(self) -> None:
+        step = self.step + 1
+        result = self.accumulate(step)
+        lr = self.scheduler.get_last_lr()[0]
+        grad_norm = self.optimizer_step()
+        self.step, self.weight_version = step, self.weight_version + 1
+        self.algorithm.after_optimizer_step(step)
+        self.window.add("loss", result.loss)
+        self.window.merge(result.metrics)
+        for name, (reduce, total, _) in result.metrics.items.items():
+            if reduce == "cumulative":
+                self.running[name] = self.running.get(name, 0.0) + total
+        self.logger.advance()
+        if step % self.config.logging_steps == 0 or step == self.total_steps:
+            row = {"step": step, "epoch": self.algorithm.epoch, "learning_rate": lr}
+            values = self.window.values(self.running)
+            row["loss"] = values.pop("loss")
+            row["grad_norm"] = grad_norm
+            row.update(values)
+            self.log(row)
+            self.window = MetricTotals()
+        if self.config.eval_steps and step % self.config.eval_steps == 0:
+            self.evaluate()
+        if step % self.config.save_steps == 0:
+            self.save_checkpoint()
+
+    def log(self, row: dict[str, Any]) -> None:
+        wall = time.perf_counter() - self._start
+        row["wall_time"] = wall
+        row["train_time"] = wall - self.eval_seconds
+        self.logger.log(row)
+
+    def evaluate(self) -> None:
+        t0 = time.perf_counter()
+        with torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            metrics = self.algorithm.evaluate(self.step)
+        self.eval_seconds += time.perf_counter() - t0
+        if metrics:
+            row = {"step": self.step, "epoch": self.algorithm.epoch}
+            row.update({k if k.startswith("eval/") else f"eval/{k}": v for k, v in metrics.items()})
+            self.log(row)
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "weight_version": self.weight_version,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "algorithm": self.algorithm.state_dict(),
+            "window": self.window.state_dict(),
+            "running": dict(self.running),
+            "wall_time": time.perf_counter() - self._start,
+            "eval_seconds": self.eval_seconds,
+            "world_size": self.dist.world_size,
+        }
+
+    def save_checkpoint(self) -> Path:
+        folder = self.output_dir / f"{ckpt.CHECKPOINT_PREFIX}{self.step}"
+        rngs = gather_objects(ckpt.rng_state(), self.dist)
+        if self.dist.is_main:
+            state = self.trainer_state()
+            state["rng"] = rngs
+            summary = {"step": self.step, "epoch": self.algorithm.epoch, "weight_version": self.weight_version,
+                       "total_steps": self.total_steps, "world_size": self.dist.world_size,
+                       "examples_per_step": self.algorithm.examples_per_step, "config": config_to_dict(self.config)}
+            ckpt.write_checkpoint(folder, self.algorithm.save_model, state, summary)
+            ckpt.rotate_checkpoints(self.output_dir, self.config.save_total_limit, keep=folder)
+        barrier(self.dist)
+        return folder
+
+    def save_final(self) -> Path:
+        folder = self.output_dir / ckpt.FINAL_DIR
+        if self.dist.is_main:
+            ckpt.write_checkpoint(folder, self.algorithm.save_model)
+            self.logger.write(f"saved {folder}")
+        barrier(self.dist)
+        return folder
+
+    def load(self, folder: Path) -> None:
+        """Restore everything `save_checkpoint` wrote, so the next step is the one an
+        uninterrupted run would have taken."""
+        state = ckpt.load_trainer_state(folder)
+        self.algorithm.load_model(folder)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.algorithm.load_state_dict(state["algorithm"])
+        self.window.load_state_dict(state["window"])
+        self.running = dict(state["running"])
+        self.step, self.weight_version = int(state["step"]), int(state["weight_version"])
+        self.time_offset, self.eval_seconds = float(state["wall_time"]), float(state["eval_seconds"])
+        rngs = state["rng"]
+        ckpt.set_rng_state(rngs[self.dist.rank] if self.dist.rank < len(rngs) else rngs[0])
+
+    # -- start summary ----------------------------------------------------------------------
+
+    def print_summary(self, resume: str | None) -> None:
+        c, a, d = self.config, self.algorithm, self.dist
+        params = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        lines = [
+            f"pagedrl {a.name}: {params / 1e6:.2f}M trainable parameters on {d.device} "
+            f"({'bfloat16 autocast' if self.bf16 else 'float32'}"
+            f"{', activation checkpointing' if c.gradient_checkpointing else ''})",
+            f"  examples per step   {a.examples_per_step} = {c.per_device_train_batch_size} per micro-batch "
+            f"x {c.gradient_accumulation_steps} accumulation steps x {d.world_size} process(es)",
+            f"  total steps         {self.total_steps}"
+            + (" (max_steps)" if c.max_steps > 0 else f" ({c.num_train_epochs:g} epochs)")
+            + (f" = {self.total_steps * a.examples_per_step / a.num_examples:.2f} epochs of {a.num_examples} rows"
+               if a.num_examples else ""),
+            f"  learning rate       {c.learning_rate:g}, {c.lr_scheduler_type} after {self.warmup_steps} warm-up steps; "
+            f"max_grad_norm {c.max_grad_norm:g}",
+            f"  loss normalised by  {a.normaliser} over the whole step (all micro-batches, all processes)",
+        ]
+        if resume is not None:
+            lines.append(f"  resuming from       {resume} (step {self.step})")
+        lines += ["  " + line for line in a.summary_lines()]
+        if self.logger is not None:
+            self.logger.write("\n".join(lines))

@@ -1,0 +1,109 @@
+"""Checkpoints: Hugging Face folders transformers loads, complete only with their marker, never
+half-written under a final name, rotated by save_total_limit, with the run's outputs beside them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_train import sft_trainer
+
+from pagedrl.train import checkpointing as ckpt
+
+
+@pytest.fixture(scope="module")
+def run(tiny_train_model, tmp_path_factory):
+    """Four steps saving every step with save_total_limit=2, reporting to jsonl and TensorBoard."""
+    out = tmp_path_factory.mktemp("run")
+    trainer = sft_trainer(tiny_train_model, out, max_steps=4, save_steps=1, save_total_limit=2,
+                          report_to=["jsonl", "tensorboard"])
+    final = trainer.train()
+    return trainer, out, final
+
+
+def test_outputs_of_a_run(run) -> None:
+    trainer, out, final = run
+    assert final == out / "final" and ckpt.is_complete(final)
+    assert [step for step, _ in ckpt.list_checkpoints(out)] == [3, 4]
+    assert not (out / "checkpoint-1").exists() and not (out / "checkpoint-2").exists()
+    assert list((out / "runs").glob("events.out.tfevents.*"))
+    assert (out / "plots" / "loss.png").stat().st_size > 1000
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert {"step", "epoch", "learning_rate", "loss", "grad_norm", "mean_token_accuracy", "num_tokens",
+            "entropy", "wall_time", "train_time"} <= rows[0].keys()
+    summary = json.loads((out / "checkpoint-4" / ckpt.TRAINER_STATE_JSON).read_text())
+    assert summary["step"] == summary["weight_version"] == 4 and summary["epoch"] == 1.0
+    state = ckpt.load_trainer_state(out / "checkpoint-4")
+    assert {"optimizer", "scheduler", "rng", "algorithm", "step", "weight_version"} <= state.keys()
+    assert state["algorithm"]["stream"]["consumed"] == 16
+
+
+@pytest.mark.parametrize("folder", ["checkpoint-4", "final"])
+def test_checkpoint_loads_back_in_transformers(run, folder) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trainer, out, _ = run
+    path = out / folder
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    hf_tok = AutoTokenizer.from_pretrained(str(path))
+    text = "what is two plus three"
+    ids = torch.tensor([hf_tok(text)["input_ids"]])
+    assert ids[0].tolist() == trainer.algorithm.tokenizer.encode(text)
+    with torch.no_grad():
+        ours = trainer.module.logits(trainer.module(ids))
+        theirs = hf(input_ids=ids).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_crash_while_saving_leaves_no_complete_looking_checkpoint(tiny_train_model, tmp_path, monkeypatch) -> None:
+    trainer = sft_trainer(tiny_train_model, tmp_path, max_steps=2, save_steps=2)
+    real_save = ckpt.torch.save
+
+    def crash(obj, path, *args, **kwargs):  # weights and tokenizer are already written by now
+        assert (path.parent / "model.safetensors").is_file()
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt.torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.train()
+    monkeypatch.setattr(ckpt.torch, "save", real_save)
+    assert not (tmp_path / "checkpoint-2").exists()
+    assert ckpt.list_checkpoints(tmp_path) == [] and ckpt.latest_checkpoint(tmp_path) is None
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # staging removed
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        ckpt.resolve_resume(True, tmp_path)
+
+
+def test_folder_without_marker_is_not_a_checkpoint(run, tmp_path) -> None:
+    import shutil
+
+    _, out, _ = run
+    killed = tmp_path / "checkpoint-9"  # as if the process died between writing and the marker
+    shutil.copytree(out / "checkpoint-4", killed)
+    (killed / ckpt.COMPLETE_MARKER).unlink()
+    shutil.copytree(out / "checkpoint-3", tmp_path / "checkpoint-3")
+    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "checkpoint-3"
+    with pytest.raises(ValueError, match="incomplete"):
+        ckpt.resolve_resume(str(killed), tmp_path)
+    assert ckpt.resolve_resume(False, tmp_path) is None
+
+
+def test_a_failed_replacement_keeps_the_old_checkpoint(tmp_path) -> None:
+    def write(tag):
+        def save(folder):
+            folder.mkdir()
+            (folder / "model.safetensors").write_text(tag)
+        return save
+
+    ckpt.write_checkpoint(tmp_path / "checkpoint-5", write("old"), {"step": 5}, {"step": 5})
+
+    def broken(folder):
+        write("new")(folder)
+        raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError):
+        ckpt.write_checkpoint(tmp_path / "checkpoint-5", broken, {"step": 5}, {"step": 5})
+    assert (tmp_path / "checkpoint-5" / "model.safetensors").read_text() == "old"
+    assert ckpt.is_complete(tmp_path / "checkpoint-5")

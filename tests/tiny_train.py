@@ -1,0 +1,95 @@
+"""A tiny model folder for trainer tests: a byte-level BPE tokenizer with a ChatML template and a
+random Llama-family decoder sized to its vocabulary, saved in Hugging Face layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "the cat sat on the mat", "a dog ran in the park", "what is two plus three", "five", "hello there",
+    "the answer is seven", "user assistant system", "red green blue yellow", "one two three four five six",
+]
+
+
+def build_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|pad|>",
+              "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def build_model_dir(folder: Path, seed: int = 0, tied: bool = True) -> Path:
+    """Tokenizer + a random 2-layer decoder (HF-style init: normal(0, 0.02), norms at 1)."""
+    import torch
+
+    from pagedrl.model.checkpoint import save_checkpoint
+    from pagedrl.model.config import ModelConfig
+    from pagedrl.model.decoder import CausalLM
+    from pagedrl.model.tokenizer import Tokenizer
+
+    build_tokenizer(folder)
+    tok = Tokenizer.from_folder(folder)
+    raw = dict(architectures=["LlamaForCausalLM"], vocab_size=tok.vocab_size, hidden_size=64,
+               intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=tied,
+               bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = CausalLM(ModelConfig.from_dict(raw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    save_checkpoint(model, folder, generation_config={"eos_token_id": tok.eos_token_id})
+    tok.save(folder)
+    return folder
+
+
+def arithmetic_rows(n: int = 16) -> list[dict]:
+    """Small prompt/completion corpus: plain text and chat rows mixed (each row one kind)."""
+    rows = []
+    for i in range(n):
+        a, b = i % 4, i // 4
+        if i % 2:
+            rows.append({"prompt": f"what is {a} plus {b}", "completion": f" the answer is {a + b}"})
+        else:
+            rows.append({"prompt": [{"role": "user", "content": f"what is {a} plus {b}"}],
+                         "completion": [{"role": "assistant", "content": f"the answer is {a + b}"}]})
+    return rows
+
+
+def sft_trainer(model_dir: Path, output_dir: Path, rows: list[dict] | None = None, **fields):
+    """An SFT Trainer on the tiny model, built without run_sft so tests can reach into it."""
+    import torch
+
+    from pagedrl.model.loader import load_model
+    from pagedrl.train.checkpointing import seed_everything
+    from pagedrl.train.config import SFTConfig
+    from pagedrl.train.distributed import DistInfo
+    from pagedrl.train.sft import SFT
+    from pagedrl.train.trainer import Trainer
+
+    defaults = dict(model=str(model_dir), output_dir=str(output_dir), max_steps=6, per_device_train_batch_size=4,
+                    learning_rate=3e-3, logging_steps=1, save_steps=1000, seed=0)
+    config = SFTConfig(**{**defaults, **fields})
+    seed_everything(config.seed)
+    loaded = load_model(config.model, device="cpu", dtype=torch.float32)
+    dist = DistInfo()
+    algorithm = SFT(config, loaded.model, loaded.tokenizer, dist, rows if rows is not None else arithmetic_rows())
+    return Trainer(config, algorithm, dist, progress=False)
