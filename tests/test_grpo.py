@@ -1,0 +1,167 @@
+"""GRPO on the in-process engine: packing, the logprob contract, shared tensors, a full run, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagedrl.engine.sampler import processed_logprobs
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.model.loader import load_model
+from pagedrl.train.config import GRPOConfig
+from pagedrl.train.distributed import DistInfo
+from pagedrl.train.grpo import GRPO, run_grpo
+from pagedrl.train.grpo_batch import Unit, collate_grpo, split_units
+from pagedrl.train.rollout import Group
+
+REWARDS = (
+    "def has_three(prompts, completions, completion_ids, answer, **kw):\n"
+    "    return [1.0 if str(a) in c[-1]['content'] else 0.0 for c, a in zip(completions, answer)]\n"
+    "def token_sum(prompts, completions, completion_ids, **kw):\n"
+    "    return [(sum(ids) % 7) / 7.0 for ids in completion_ids]\n"
+    "def raises(prompts, completions, completion_ids, **kw):\n"
+    "    raise KeyError('answer')\n"
+)
+
+
+@pytest.fixture()
+def prompts_file(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": f"what is {a} plus {b}"}], "answer": a + b}
+            for a in range(4) for b in range(4)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    return path
+
+
+def grpo(model_dir, prompts_file, **fields) -> GRPO:
+    defaults = dict(model=str(model_dir), dataset=str(prompts_file), eval_dataset=str(prompts_file),
+                    output_dir=str(prompts_file.parent / "out"), num_generations=4,
+                    per_device_train_batch_size=8, gradient_accumulation_steps=2, max_completion_length=12,
+                    reward_funcs=[f"{prompts_file.parent}/rewards.py:has_three",
+                                  f"{prompts_file.parent}/rewards.py:token_sum"],
+                    learning_rate=1e-3, logging_steps=1, save_steps=100)
+    config = GRPOConfig(**{**defaults, **fields})
+    loaded = load_model(model_dir)
+    return GRPO(config, loaded.model.train(), loaded.tokenizer, DistInfo(), eos_token_ids=loaded.eos_token_ids)
+
+
+def test_packed_group_gives_the_logps_of_separate_sequences(tiny_train_model) -> None:
+    """Completions packed after one shared prompt see exactly what they would see alone."""
+    model = load_model(tiny_train_model).model
+    g = torch.Generator().manual_seed(0)
+    groups = [Group(prompt=None, columns={}, prompt_ids=torch.randint(3, 200, (p,), generator=g).tolist(),
+                    completion_ids=[torch.randint(3, 200, (n,), generator=g).tolist() for n in lens],
+                    texts=[""] * len(lens), sampling_logps=[[0.0] * n for n in lens],
+                    truncated=[False] * len(lens), advantages=torch.zeros(len(lens)))
+              for p, lens in ((7, [3, 5, 1]), (4, [6, 2]))]
+    for units in split_units(groups, 2):  # one group is cut across the two micro-batches
+        b = collate_grpo(units, torch.device("cpu"))
+        with torch.no_grad():
+            hidden = model(b.input_ids, positions=b.positions, meta=b.meta)
+            packed = torch.log_softmax(model.logits(hidden[0, b.predict_at]), -1)
+            packed = packed.gather(-1, b.targets[:, None])[:, 0]
+        expected = []
+        for unit in units:
+            for i in unit.indices:
+                ids = unit.group.prompt_ids + unit.group.completion_ids[i]
+                with torch.no_grad():
+                    lp = torch.log_softmax(model.logits(model(torch.tensor([ids])))[0], -1)
+                p = len(unit.group.prompt_ids)
+                expected += [float(lp[p - 1 + j, t]) for j, t in enumerate(unit.group.completion_ids[i])]
+        assert torch.allclose(packed, torch.tensor(expected), atol=1e-5)
+        assert b.input_ids.shape[1] == sum(len(u.group.prompt_ids) + sum(len(u.group.completion_ids[i])
+                                                                          for i in u.indices) for u in units)
+
+
+def test_first_step_ratio_is_one_and_engine_agrees_with_trainer(tiny_train_model, prompts_file) -> None:
+    algo = grpo(tiny_train_model, prompts_file, temperature=0.7, top_p=0.9, top_k=20)
+    batches = algo.step_batches(1)
+    total = torch.tensor(float(sum(algo.count(b) for b in batches)))
+    for b in batches:
+        with torch.no_grad():
+            flat, _ = algo.token_logps(algo.model, b)
+        logp = b.to_padded(flat)
+        assert (logp - b.sampling_logps).abs().masked_fill(~b.mask, 0).max() < 1e-4
+        loss, metrics = algo.loss(algo.model, b, total)
+        assert torch.isfinite(loss)
+        assert float(metrics["sampling/sampling_logp_difference/max"].total) < 1e-4
+        assert float(metrics["clip_ratio/region_mean"].total) == 0.0  # ratio exactly 1: nothing clipped
+
+
+def test_engine_runs_on_the_trainers_tensors(tiny_train_model, prompts_file) -> None:
+    algo = grpo(tiny_train_model, prompts_file)
+    engine_model = algo.llm.engine.model
+    assert engine_model is algo.model
+    prompt = algo.encode({"prompt": [{"role": "user", "content": "what is 2 plus 2 " * 6}]})
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    before = algo.llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    hits = algo.llm.stats()["prefix_cache_hits"]
+    algo.llm.generate([prompt], greedy, use_tqdm=False)
+    assert algo.llm.stats()["prefix_cache_hits"] > hits  # same weights: the prompt's blocks are reused
+    # An optimizer step changes the parameters in place; the engine sees it without any copy.
+    opt = torch.optim.SGD(algo.model.parameters(), lr=1.0)
+    g = torch.Generator().manual_seed(1)
+    for p in algo.model.parameters():
+        p.grad = torch.randn(p.shape, generator=g) * 0.1
+    opt.step()  # updates the parameters in place, as any optimizer does
+    algo.after_optimizer_step(1)
+    hits = algo.llm.stats()["prefix_cache_hits"]
+    after = algo.llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert algo.llm.stats()["prefix_cache_hits"] == hits  # old KV is never reused after the update
+    assert after != before
+    with torch.no_grad():
+        logits = algo.model.logits(algo.model(torch.tensor([prompt + after])))[0, len(prompt) - 1:-1]
+    assert logits.argmax(-1).tolist() == after  # the engine's greedy tokens are the new weights' argmax
+
+
+def test_a_short_run_logs_trl_metrics(tiny_train_model, prompts_file) -> None:
+    config = GRPOConfig(model=str(tiny_train_model), dataset=str(prompts_file), eval_dataset=str(prompts_file),
+                        output_dir=str(prompts_file.parent / "run"), num_generations=4,
+                        per_device_train_batch_size=8, gradient_accumulation_steps=2, max_completion_length=10,
+                        reward_funcs=[f"{prompts_file.parent}/rewards.py:has_three",
+                                      f"{prompts_file.parent}/rewards.py:token_sum"], beta=0.04,
+                        epsilon_high=0.28, num_iterations=2, max_steps=2, eval_steps=2, logging_steps=1,
+                        save_steps=100, learning_rate=1e-3, report_to=["jsonl"])
+    final = run_grpo(config, progress=False)
+    assert (final / "config.json").is_file()
+    rows = [json.loads(line) for line in (prompts_file.parent / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    train = [r for r in rows if "reward" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for name in ("reward", "reward_std", "rewards/has_three/mean", "rewards/token_sum/mean", "frac_reward_zero_std", "completions/mean_length",
+                 "completions/clipped_ratio", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                 "clip_ratio/region_mean", "step_time", "rollout/tokens_per_second", "rollout/prefix_blocks_shared",
+                 "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                 "wall_time", "train_time"):
+        assert name in train[0], name
+    assert train[0]["rollout/prefix_blocks_shared"] > 0
+    assert train[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update
+    assert train[1]["kl"] > 0  # μ = 2: the second step reuses the rollout after one update
+
+
+def test_bad_input_names_what_and_where(tiny_train_model, prompts_file, tmp_path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "ok", "answer": 1}) + "\n" + json.dumps({"question": "x"}) + "\n")
+    with pytest.raises(ValueError, match=rf"{bad}:2: row has no 'prompt' field"):
+        grpo(tiny_train_model, bad)
+    algo = grpo(tiny_train_model, prompts_file, max_prompt_length=5)
+    with pytest.raises(ValueError, match="exceeds max_prompt_length=5"):
+        algo.step_batches(1)
+    algo = grpo(tiny_train_model, prompts_file)
+    algo.reward_funcs = [("raises", algo.reward_funcs[0][1].__globals__["raises"])]
+    with pytest.raises(ValueError, match="reward function 'raises' raised KeyError"):
+        algo.step_batches(1)
+    with pytest.raises(ValueError, match="num_generations"):
+        grpo(tiny_train_model, prompts_file, per_device_train_batch_size=6, gradient_accumulation_steps=1)
+
+
+def test_processed_logprobs_is_what_the_engine_reports(tiny_train_model) -> None:
+    """The trainer's recompute function and the engine share one code path (the logprob contract)."""
+    logits = torch.randn(5, 50, dtype=torch.float64)
+    tokens = torch.tensor([0, 3, 7, 9, 49])
+    lp = processed_logprobs(logits, tokens, temperature=2.0)
+    assert torch.allclose(lp, torch.log_softmax(logits / 2.0, -1).gather(-1, tokens[:, None])[:, 0])
