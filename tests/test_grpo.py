@@ -13,7 +13,7 @@ from pagedrl.model.loader import load_model
 from pagedrl.train.config import GRPOConfig
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.grpo import GRPO, run_grpo
-from pagedrl.train.grpo_batch import Unit, collate_grpo, split_units
+from pagedrl.train.grpo_batch import collate_grpo, split_units
 from pagedrl.train.rollout import Group
 
 REWARDS = (

@@ -56,6 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "generate":
         return generate_main(rest)
+    if command == "serve":
+        from pagedrl.server.serve import serve_main
+
+        return serve_main(rest)
+    if command == "eval":
+        from pagedrl.train.evaluate import eval_main
+
+        return eval_main(rest)
     if command in ("sft", "rm", "dpo", "grpo", "ppo"):
         from pagedrl.train.cli import train_main
 
