@@ -1,0 +1,338 @@
+"""The engine behind a server: `LLMEngine.step()` in a background thread, results into asyncio.
+
+The engine is single-threaded by design (scheduler, block tables and sampler state are plain Python),
+so exactly one thread changes it: the engine thread. The event loop only reads it (tokenizing and
+checking a prompt against the context and cache sizes, and `stats()`); it sends commands (add,
+abort, stop) through a queue that the engine thread applies between steps, and the engine thread
+hands each step's outputs back with `loop.call_soon_threadsafe`. A forward pass
+therefore never blocks the event loop, and an abort frees the request's blocks before the next step.
+
+Outputs are cumulative (each `RequestOutput` carries the whole text and token list so far), so a
+consumer that falls behind loses nothing by seeing only the latest one: a stream keeps one pending
+output, not a queue, and slow clients cannot make memory grow.
+
+Admission is bounded: at most `max_num_seqs + max_waiting_requests` requests are in flight; beyond
+that `submit` raises `EngineOverloaded`, which the server turns into 503, instead of queueing
+work that would only time out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedrl.engine.llm_engine import LLMEngine
+from pagedrl.engine.outputs import RequestOutput
+from pagedrl.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+# Prompts longer than this (characters) are tokenized in a worker thread, not on the event loop.
+LONG_PROMPT_CHARS = 16384
+# When a step schedules nothing although requests are live, the engine thread waits this long for a
+# command before it tries again, instead of spinning on an empty schedule.
+IDLE_STEP_WAIT_S = 0.005
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full; the caller should retry later (HTTP 503)."""
+
+
+class RequestAborted(RuntimeError):
+    """The request ended without finishing: the server aborted it (shutdown or an engine error)."""
+
+
+class EngineDead(RequestAborted):
+    """The engine thread stopped (shut down or crashed); no request can be served."""
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """One engine request as seen from the event loop: the latest output and per-request timings."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    notify: asyncio.Event
+    arrival: float = field(default_factory=time.monotonic)
+    pending: RequestOutput | None = None
+    last: RequestOutput | None = None
+    done: bool = False
+    error: BaseException | None = None
+    finish_reason: str | None = None  # of the first sample; "abort" when it did not finish
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+    num_generation_tokens: int = 0
+
+    def put(self, out: RequestOutput, now: float) -> None:
+        num = sum(len(c.token_ids) for c in out.outputs)
+        if num > self.num_generation_tokens:
+            if self.first_token_time is None:
+                self.first_token_time = now
+            else:
+                self.inter_token_latencies.append(now - self.last_token_time)
+            self.last_token_time = now
+            self.num_generation_tokens = num
+        self.pending = self.last = out
+        if out.finished:
+            self.end(out.outputs[0].finish_reason, now)
+        self.notify.set()
+
+    def end(self, finish_reason: str | None, now: float, error: BaseException | None = None) -> None:
+        self.done = True
+        self.finish_reason = finish_reason
+        self.finish_time = now
+        self.error = error
+        self.notify.set()
+
+    @property
+    def finished(self) -> bool:
+        """Ended with a final output (not aborted, not failed)."""
+        return self.last is not None and self.last.finished
+
+
+class RequestGroup:
+    """The engine requests of one API call (one per prompt), iterated together.
+
+    `async for updates in group` yields lists of `(prompt_index, latest RequestOutput)`; iteration
+    ends when every request has finished, and raises `RequestAborted` if one ended otherwise.
+    """
+
+    def __init__(self, engine: AsyncEngine, streams: list[RequestStream], notify: asyncio.Event) -> None:
+        self.engine = engine
+        self.streams = streams
+        self.notify = notify
+
+    def __aiter__(self) -> RequestGroup:
+        return self
+
+    async def __anext__(self) -> list[tuple[int, RequestOutput]]:
+        while True:
+            ready = []
+            for i, s in enumerate(self.streams):
+                if s.pending is not None:
+                    ready.append((i, s.pending))
+                    s.pending = None
+            if ready:
+                return ready
+            for s in self.streams:
+                if s.done and not s.finished:
+                    raise s.error or RequestAborted(f"request {s.request_id} was aborted")
+            if all(s.done for s in self.streams):
+                raise StopAsyncIteration
+            self.notify.clear()
+            await self.notify.wait()
+
+    async def final_outputs(self) -> list[RequestOutput]:
+        """Wait for every request to finish and return the final outputs, in prompt order."""
+        async for _ in self:
+            pass
+        return [s.last for s in self.streams]
+
+    def abort(self) -> None:
+        """Abort every request of the group that has not ended (idempotent)."""
+        for s in self.streams:
+            if not s.done:
+                self.engine.abort(s.request_id)
+
+
+class AsyncEngine:
+    """`LLMEngine` driven by a background thread, fed and drained from an asyncio event loop."""
+
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 1024) -> None:
+        if not isinstance(max_waiting_requests, int) or max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be a non-negative int, got {max_waiting_requests!r}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.capacity = engine.config.max_num_seqs + max_waiting_requests
+        self.streams: dict[str, RequestStream] = {}
+        self.listeners: list[Callable[[RequestStream], None]] = []
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume the outputs."""
+        if self._thread is not None:
+            raise RuntimeError("the engine thread is already running")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pagedrl-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort what is still in flight, stop the engine thread and wait for it."""
+        for s in list(self.streams.values()):
+            self._end_stream(s, "abort", RequestAborted("the server is shutting down"))
+        self._commands.put(("stop", None))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+        if self._dead is None:
+            self._dead = EngineDead("the engine has been shut down")
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.streams)
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+    # ------------------------------------------------------------------ requests (event loop side)
+    async def submit(self, prompts: Sequence[Prompt], params: SamplingParams,
+                     request_id: str | None = None) -> RequestGroup:
+        """Validate and queue one request per prompt, all or none.
+
+        Raises ValueError for a bad prompt or one that cannot fit, EngineOverloaded when the waiting
+        queue is full and EngineDead when the engine has stopped.
+        """
+        if not self.is_healthy:
+            raise self._dead or EngineDead("the engine is not running")
+        if not prompts:
+            raise ValueError("prompt is empty (no prompts given)")
+        if len(self.streams) + len(prompts) > self.capacity:
+            raise EngineOverloaded(f"the server is overloaded: {len(self.streams)} requests in flight, "
+                                   f"at most {self.capacity} are accepted; retry later")
+        long = sum(len(p) for p in prompts if isinstance(p, str)) > LONG_PROMPT_CHARS
+        ids = await asyncio.to_thread(self._validate, prompts, params) if long else self._validate(prompts, params)
+        if len(self.streams) + len(prompts) > self.capacity:  # re-check: others may have come in meanwhile
+            raise EngineOverloaded(f"the server is overloaded: at most {self.capacity} requests are accepted")
+        base = request_id or uuid.uuid4().hex
+        notify = asyncio.Event()
+        streams = [RequestStream(f"{base}-{i}", prompt_ids, notify) for i, prompt_ids in enumerate(ids)]
+        for s in streams:
+            if s.request_id in self.streams:
+                raise ValueError(f"request_id {s.request_id!r} is already in use")
+        for s in streams:
+            self.streams[s.request_id] = s
+            self._commands.put(("add", (s.request_id, s.prompt_token_ids, params)))
+        return RequestGroup(self, streams, notify)
+
+    def _validate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[int]]:
+        """Tokenize and check every prompt without touching engine state (safe off the engine thread)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        out = []
+        for p in prompts:
+            ids = self.engine.encode(p)
+            self.engine.check_fits(len(ids), params)
+            out.append(ids)
+        return out
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request: the engine frees its blocks before its next step."""
+        stream = self.streams.get(request_id)
+        if stream is not None:
+            self._end_stream(stream, "abort", None)
+
+    def _end_stream(self, stream: RequestStream, reason: str, error: BaseException | None) -> None:
+        self.streams.pop(stream.request_id, None)
+        stream.end(reason, time.monotonic(), error)
+        self._commands.put(("abort", stream.request_id))
+        self._notify_listeners(stream)
+
+    def _notify_listeners(self, stream: RequestStream) -> None:
+        for listener in self.listeners:
+            try:
+                listener(stream)
+            except Exception:  # a broken metric must not break serving
+                logger.exception("request listener failed")
+
+    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
+        """On the event loop: hand one step's outputs to their streams."""
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:  # aborted while the step ran
+                continue
+            stream.put(out, now)
+            if out.finished:
+                del self.streams[out.request_id]
+                self._notify_listeners(stream)
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        for rid in request_ids:
+            stream = self.streams.get(rid)
+            if stream is not None:
+                self._end_stream(stream, "abort", error)
+
+    def _mark_dead(self, error: BaseException) -> None:
+        self._dead = EngineDead(f"the engine stopped after an error: {error!r}")
+        self._fail(list(self.streams), self._dead)
+
+    # ------------------------------------------------------------------ the engine thread
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _take_commands(self, block: bool, timeout: float | None = None) -> list[tuple[str, Any]]:
+        commands = []
+        if block:
+            try:
+                commands.append(self._commands.get(timeout=timeout))
+            except queue.Empty:
+                return commands
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _run(self) -> None:
+        engine = self.engine
+        idle_step = False  # the last step scheduled nothing: wait a little for a command, do not spin
+        try:
+            while True:
+                busy = engine.has_unfinished_requests()
+                for kind, arg in self._take_commands(block=not busy or idle_step,
+                                                     timeout=IDLE_STEP_WAIT_S if busy else None):
+                    if kind == "stop":
+                        for rid in list(engine.requests):
+                            engine.abort_request(rid)
+                        return
+                    if kind == "abort":
+                        engine.abort_request(arg)
+                    else:
+                        self._add(*arg)
+                idle_step = False
+                if not engine.has_unfinished_requests():
+                    continue
+                try:
+                    outputs = engine.step()
+                except Exception as e:
+                    self._recover(e)
+                    continue
+                idle_step = not outputs
+                if outputs:
+                    self._post(self._dispatch, outputs, time.monotonic())
+        except BaseException as e:  # the thread itself failed: nothing will step again
+            logger.exception("the engine thread stopped")
+            self._post(self._mark_dead, e)
+
+    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        try:
+            self.engine.add_request(prompt_ids, params, request_id=request_id)
+        except ValueError as e:  # validated already; only a race with a changed engine gets here
+            self._post(self._fail, [request_id], RequestAborted(f"the engine refused the request: {e}"))
+
+    def _recover(self, error: Exception) -> None:
+        """A step failed: fail every live request (so none waits forever) and carry on empty."""
+        logger.exception("engine step failed; aborting %d requests", len(self.engine.requests))
+        live = list(self.engine.requests)
+        for rid in live:
+            self.engine.abort_request(rid)
+        self._post(self._fail, live, RequestAborted(f"the engine failed while running this request: {error!r}"))

@@ -1,0 +1,222 @@
+"""The OpenAI-compatible HTTP app over an `AsyncEngine`: `build_app(engine, served_model_name=...)`.
+
+Handlers only translate: body -> prompts and SamplingParams (inputs.py), engine outputs -> response
+bodies or server-sent events (responses.py). Every request that leaves early, whether the client
+went away, the server shut down or an error was raised, aborts its engine requests on the way
+out, so its KV blocks are free before the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedrl.engine.async_engine import (
+    AsyncEngine,
+    EngineDead,
+    EngineOverloaded,
+    RequestAborted,
+    RequestGroup,
+)
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.server.errors import ApiError, bad_request, from_value_error, read_json
+from pagedrl.server.inputs import chat_inputs, chat_prompt_ids, completion_inputs
+from pagedrl.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedrl.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagedrl.server.responses import chat_response, chat_stream, completion_response, completion_stream
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events whose generator is closed however the response ends (finished, client gone,
+    task cancelled), so its `finally` (which aborts the engine requests) runs at once, not at GC."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                self.on_close()  # also when the generator never started (client gone before the first byte)
+
+
+def json_response(model: Any, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def final_outputs_unless_disconnected(request: Request, group: RequestGroup) -> list:
+    """The final outputs; if the client goes away first, the requests are aborted instead."""
+    collect = asyncio.ensure_future(group.final_outputs())
+    gone = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if collect in done:
+            return collect.result()
+        raise ApiError(499, "the client closed the request", code="client_closed_request")
+    except RequestAborted as e:
+        raise ApiError(503, str(e), "server_error", code="request_aborted") from None
+    finally:
+        gone.cancel()
+        collect.cancel()
+        group.abort()
+
+
+def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | None = None,
+              api_key: str | None = None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+    """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it."""
+    metrics = ServerMetrics(engine, served_model_name)
+    tokenizer = engine.engine.tokenizer
+    max_model_len = engine.engine.max_model_len
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="pagedrl", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, e: ApiError) -> Response:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, e: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return ApiError(e.status_code, str(e.detail), kind, headers=getattr(e, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, e: Exception) -> Response:
+        return ApiError(500, f"internal error: {e!r}", "server_error").response()
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise ApiError(404, f"the model '{name}' does not exist; this server serves '{served_model_name}'",
+                           param="model", code="model_not_found")
+
+    async def submit(prompts: list, params: SamplingParams, renames: dict[str, str] | None = None) -> RequestGroup:
+        try:
+            return await engine.submit(prompts, params)
+        except ValueError as e:
+            raise from_value_error(e, renames) from None
+        except EngineOverloaded as e:
+            raise ApiError(503, str(e), "server_error", code="server_overloaded", headers={"Retry-After": "1"}) from None
+        except EngineDead as e:
+            raise ApiError(503, str(e), "server_error", code="engine_unavailable") from None
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.get("/models")
+    async def models() -> Response:
+        return json_response(ModelList(data=[ModelCard(id=served_model_name, root=model_root,
+                                                       max_model_len=max_model_len)]))
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        req = await read_json(request, CompletionRequest, max_request_body_bytes)
+        check_model(req.model)
+        prompts, params = completion_inputs(req)
+        group = await submit(prompts, params)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        model = req.model or served_model_name
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return EventStreamResponse(completion_stream(group, request_id, model, params, include_usage),
+                                       group.abort)
+        outputs = await final_outputs_unless_disconnected(request, group)
+        return json_response(completion_response(request_id, model, outputs, params))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await read_json(request, ChatCompletionRequest, max_request_body_bytes)
+        check_model(req.model)
+        prompt_ids, params = chat_inputs(req, tokenizer)
+        group = await submit([prompt_ids], params, renames={"logprobs": "top_logprobs"})
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        model = req.model or served_model_name
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return EventStreamResponse(chat_stream(group, request_id, model, params, include_usage), group.abort)
+        outputs = await final_outputs_unless_disconnected(request, group)
+        return json_response(chat_response(request_id, model, outputs[0], params))
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_healthy:
+            raise ApiError(503, "the engine is not running", "server_error", code="engine_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = await read_json(request, TokenizeRequest, max_request_body_bytes)
+        check_model(req.model)
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer")
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            ids = chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt)
+        else:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return json_response(TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = await read_json(request, DetokenizeRequest, max_request_body_bytes)
+        check_model(req.model)
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer")
+        vocab = engine.engine.model.config.vocab_size
+        for i, t in enumerate(req.tokens):
+            if not 0 <= t < vocab:
+                raise bad_request(f"token {i} is {t}, outside the vocabulary [0, {vocab})", param=f"tokens.{i}")
+        return json_response(DetokenizeResponse(prompt=tokenizer.decode(req.tokens)))
+
+    return app

@@ -1,0 +1,105 @@
+"""From an OpenAI request body to what the engine takes: prompts (text or token ids) and SamplingParams.
+
+Fields the engine does not implement but that would change the answer (`echo`, `suffix`,
+`logit_bias`, `best_of`, tools) are refused with a 400 naming them, rather than silently ignored.
+Unset sampling fields keep SamplingParams' defaults, which are OpenAI's (temperature 1, top_p 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.server.errors import bad_request, from_value_error
+from pagedrl.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
+
+# OpenAI allows 20 alternatives per token (5 on the legacy completions API; vLLM allows 20 on both).
+MAX_LOGPROBS = 20
+OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                    renames: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams for a request; a bad value is a 400 naming the request field."""
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        name = (renames or {}).get("logprobs", "logprobs")
+        raise bad_request(f"{name} must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param=name)
+    kwargs: dict[str, Any] = dict(
+        n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+        min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs)
+    for name in OPTIONAL_FLOATS:
+        if getattr(req, name) is not None:
+            kwargs[name] = getattr(req, name)
+    if req.top_k is not None:
+        kwargs["top_k"] = req.top_k
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise from_value_error(e, renames) from None
+
+
+def completion_inputs(req: CompletionRequest) -> tuple[list[str | list[int]], SamplingParams]:
+    """The prompts (one engine request each) and the sampling parameters of a completion request."""
+    if req.echo:
+        raise bad_request("echo is not supported", param="echo")
+    if req.suffix is not None:
+        raise bad_request("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request(f"best_of ({req.best_of}) different from n ({req.n}) is not supported", param="best_of")
+    prompt = req.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise bad_request("prompt must not be empty", param="prompt")
+    return prompts, sampling_params(req, req.max_tokens, req.logprobs)
+
+
+def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template expects it: text parts joined, other parts refused."""
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"content part of type {part.type!r} is not supported (text only)",
+                                  param=f"messages.{i}.content.{j}")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    out: dict[str, Any] = {"role": m.role, "content": content}
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def chat_inputs(req: ChatCompletionRequest, tokenizer: Any) -> tuple[list[int], SamplingParams]:
+    """The chat template applied to the messages (as token ids) and the sampling parameters."""
+    if req.tools:
+        raise bad_request("tools are not supported", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("response_format other than text is not supported", param="response_format")
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise bad_request("give max_completion_tokens or max_tokens, not both", param="max_tokens")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens, logprobs, renames={"logprobs": "top_logprobs"})
+    return chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt), params
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+    if not messages:
+        raise bad_request("messages must not be empty", param="messages")
+    dicts = [message_dict(i, m) for i, m in enumerate(messages)]
+    try:
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+    except ValueError as e:
+        raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,100 @@
+"""`pagedrl serve [MODEL]`: load a model, start the engine thread and serve the OpenAI API with uvicorn.
+
+On SIGTERM (or Ctrl+C) uvicorn stops accepting connections and lets in-flight responses finish for
+up to `--shutdown-timeout` seconds; what is still running then is cancelled, which aborts its
+engine requests, and the app's shutdown stops the engine thread. The process then exits with 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from pagedrl.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
+
+logger = logging.getLogger("pagedrl.server")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedrl serve", description="Serve a model over an OpenAI-compatible API.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="Hugging Face folder, .gguf file or 'smollm2-135m-instruct' (default)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PAGEDRL_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDRL_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: MODEL)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per engine step at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step at most")
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="requests that may wait beyond --max-num-seqs; more are answered 503")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    return p
+
+
+def build_server(args: argparse.Namespace) -> Any:
+    """The uvicorn server for parsed arguments (model loaded, app built, engine thread not yet started)."""
+    import torch
+    import uvicorn
+
+    from pagedrl.engine.async_engine import AsyncEngine
+    from pagedrl.engine.llm_engine import EngineConfig, LLMEngine
+    from pagedrl.model.default import DEFAULT_MODEL
+    from pagedrl.model.loader import load_model
+    from pagedrl.server.app import build_app
+
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    loaded = load_model(args.model, device=args.device, dtype=dtype)
+    config = EngineConfig(block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_model_len=args.max_model_len, seed=args.seed)
+    engine = LLMEngine(loaded.model, loaded.tokenizer, config, eos_token_ids=loaded.eos_token_ids)
+    name = args.served_model_name or args.model or DEFAULT_MODEL
+    app = build_app(AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests), served_model_name=name,
+                    model_root=str(loaded.path), api_key=args.api_key,
+                    max_request_body_bytes=args.max_request_body_bytes)
+    logger.info("serving %s (%s, %s on %s): %d KV blocks of %d tokens, max_model_len %d", name, loaded.path,
+                loaded.model.dtype, loaded.model.device, engine.kv_cache.num_blocks, args.block_size,
+                engine.max_model_len)
+    uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                        access_log=not args.no_access_log, timeout_graceful_shutdown=args.shutdown_timeout)
+    return uvicorn.Server(uv)
+
+
+def _exit_now(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def serve_main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_request_body_bytes"):
+        if getattr(args, name) <= 0:
+            print(f"pagedrl serve: --{name.replace('_', '-')} must be positive", file=sys.stderr)
+            return 2
+    if args.max_waiting_requests < 0:
+        print("pagedrl serve: --max-waiting-requests must be non-negative", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _exit_now)  # while loading: just leave
+    server = build_server(args)
+    # uvicorn handles SIGTERM/SIGINT while serving, then re-raises the signal to the handler that was
+    # installed before it; after a graceful shutdown there is nothing left to do, so that one is a no-op.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    server.run()
+    return 0

@@ -1,0 +1,106 @@
+"""A real `pagedrl serve` process on 127.0.0.1 for the server tests: started on a free port, ready when
+/health answers, stopped with SIGTERM, and required to exit with status 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+STARTUP_TIMEOUT_S = 90.0
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pagedrl_command() -> list[str]:
+    """The installed console script next to this interpreter, else the module."""
+    script = Path(sys.executable).parent / "pagedrl"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "pagedrl.cli"]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    base_url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        """The /metrics samples without labels' model_name, e.g. {'pagedrl:num_requests_running': 0.0,
+        'pagedrl:request_success_total{finished_reason="abort"}': 3.0}."""
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            name, value = line.rsplit(" ", 1)
+            if "{" in name:
+                base, labels = name.split("{", 1)
+                kept = [kv for kv in labels.rstrip("}").split(",") if not kv.startswith("model_name=")]
+                name = base + ("{" + ",".join(kept) + "}" if kept else "")
+            out[name] = float(value)
+        return out
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
+        """The metrics once no request runs or waits (aborts are applied between engine steps)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["pagedrl:num_requests_running"] == 0 and m["pagedrl:num_requests_waiting"] == 0:
+                return m
+            assert time.monotonic() < deadline, f"engine still busy: {m}"
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        """SIGTERM and wait; the exit status (0 = clean)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
+
+
+@contextmanager
+def running_server(model_dir: Path, log_dir: Path, *args: str) -> Iterator[ServerProcess]:
+    port = free_port()
+    log_path = log_dir / f"server-{port}.log"
+    cmd = [*pagedrl_command(), "serve", str(model_dir), "--port", str(port), "--no-access-log", *args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"pagedrl serve exited with {proc.returncode}:\n{server.log()}")
+            try:
+                if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pagedrl serve did not become healthy:\n{server.log()}")
+            time.sleep(0.1)
+        yield server
+    finally:
+        if proc.poll() is None:
+            try:
+                server.stop()
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0, f"pagedrl serve exited with {proc.returncode}:\n{server.log()[-4000:]}"

@@ -1,0 +1,211 @@
+"""The OpenAI API of a real `pagedrl serve` process, through the official `openai` client.
+
+The reference for every answer is the offline engine (`LLM.generate` / `LLM.chat`) on the same tiny
+model in this process: the server must add nothing and lose nothing on the way (text, token counts,
+logprobs, finish reasons, seeded sampling).
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from server_process import running_server
+
+from pagedrl.engine.llm import LLM
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.model.loader import load_model
+
+PROMPT = "the cat sat on the mat"
+CHAT = [{"role": "user", "content": "what is two plus three"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_train_model, tmp_path_factory):
+    with running_server(tiny_train_model, tmp_path_factory.mktemp("serve-api"), "--kv-cache-tokens", "4096") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_train_model):
+    loaded = load_model(tiny_train_model, device="cpu")
+    return LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, kv_cache_tokens=4096)
+
+
+def test_models_health_and_tokenizer_endpoints(server, client, model_name, offline, tiny_train_model):
+    assert model_name == str(tiny_train_model)
+    card = httpx.get(server.base_url + "/v1/models").json()["data"][0]
+    assert card["max_model_len"] == offline.engine.max_model_len
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    tok = httpx.post(server.base_url + "/tokenize", json={"prompt": PROMPT}).json()
+    assert tok["tokens"] == offline.tokenizer.encode(PROMPT) and tok["count"] == len(tok["tokens"])
+    chat_ids = httpx.post(server.base_url + "/tokenize", json={"messages": CHAT}).json()["tokens"]
+    template = offline.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
+    assert chat_ids == offline.tokenizer.encode(template, add_special_tokens=False)
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert text == offline.tokenizer.decode(tok["tokens"])
+
+
+def test_completion_matches_offline_engine_and_usage_matches_tokenizer(client, model_name, offline):
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    ref = offline.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert r.object == "text_completion" and r.model == model_name and len(r.choices) == 1
+    assert r.choices[0].text == ref.outputs[0].text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(offline.tokenizer.encode(PROMPT))
+    assert r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_completion_stream_concatenates_to_the_same_text(client, model_name):
+    kwargs = dict(model=model_name, prompt=PROMPT, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == whole
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert all(c.usage is None for c in text_chunks)
+
+
+def test_raw_stream_ends_with_done(server, model_name):
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 2
+
+
+def test_chat_matches_offline_engine_streamed_and_not(client, model_name, offline):
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    ref = offline.chat(CHAT, params, use_tqdm=False)[0]
+    kwargs = dict(model=model_name, messages=CHAT, max_completion_tokens=10, temperature=0,
+                  extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kwargs)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref.outputs[0].text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.completion_tokens == 10
+
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == ref.outputs[0].text
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens and chunks[-1].usage.completion_tokens == 10
+
+
+def test_n2_gives_two_choices_and_counts_both(client, model_name):
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, n=2, seed=3, temperature=1.0,
+                                  extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.choices[0].text != r.choices[1].text  # independent samples of a near-uniform model
+    assert r.usage.completion_tokens == 16
+    chunks = list(client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=6, n=2, seed=3,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason == "length"}
+    assert finished == {0, 1}
+
+
+def test_seed_makes_sampling_reproducible_and_matches_offline(client, model_name, offline):
+    kwargs = dict(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0.9, top_p=0.95,
+                  extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.001})
+    a = client.completions.create(seed=7, **kwargs).choices[0].text
+    b = client.completions.create(seed=7, **kwargs).choices[0].text
+    c = client.completions.create(seed=8, **kwargs).choices[0].text
+    assert a == b and a != c
+    ref = offline.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50,
+                                                  min_p=0.001, seed=7, ignore_eos=True), use_tqdm=False)[0]
+    assert a == ref.outputs[0].text
+
+
+def test_penalties_reach_the_sampler(client, model_name, offline):
+    # greedy decoding of a random model loops on one token; a frequency penalty breaks the loop
+    kwargs = dict(max_tokens=16, temperature=0.0, presence_penalty=0.5, frequency_penalty=2.0)
+    r = client.completions.create(model=model_name, prompt=PROMPT, extra_body={"ignore_eos": True}, **kwargs)
+    ref = offline.generate(PROMPT, SamplingParams(ignore_eos=True, **kwargs), use_tqdm=False)[0].outputs[0]
+    plain = offline.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+    assert r.choices[0].text == ref.text
+    assert len(set(plain.token_ids)) < len(set(ref.token_ids))
+
+
+def test_completion_logprobs_match_offline_engine(client, model_name, offline):
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    ref = offline.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 6
+    for i, (token_id, entry) in enumerate(zip(ref.token_ids, ref.logprobs, strict=True)):
+        assert lp.token_logprobs[i] == pytest.approx(entry[token_id].logprob, abs=1e-5)
+        assert lp.tokens[i] == entry[token_id].decoded_token
+        assert 3 <= len(lp.top_logprobs[i]) <= 4
+        # greedy: the chosen token is the most likely one
+        assert lp.token_logprobs[i] == pytest.approx(max(lp.top_logprobs[i].values()), abs=1e-5)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+
+
+def test_chat_logprobs_are_ranked_top_lists(client, model_name):
+    r = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.top_logprobs[0].token == item.token and item.logprob == pytest.approx(item.top_logprobs[0].logprob)
+        assert item.bytes == list(item.token.encode())
+
+
+def _stop_across_tokens(tokens: list[str]) -> tuple[str, int]:
+    """A 2-character stop string made of the end of one token and the start of the next, and the
+    offset where it first occurs in the text: it can only be found after both tokens arrived."""
+    text = "".join(tokens)
+    offset = 0
+    for a, b in zip(tokens, tokens[1:], strict=False):
+        offset += len(a)
+        if a and b and a.isprintable() and b.isprintable() and "\ufffd" not in a + b and offset > 1:
+            stop = a[-1] + b[0]
+            if text.find(stop) == offset - 1:
+                return stop, offset - 1
+    raise AssertionError(f"no usable stop string in {tokens!r}")
+
+
+def test_stop_string_cuts_text_streamed_and_not(client, model_name):
+    base = dict(model=model_name, prompt=PROMPT, max_tokens=24, temperature=1.0, seed=11,
+                extra_body={"ignore_eos": True})
+    full = client.completions.create(logprobs=0, **base).choices[0]
+    stop, at = _stop_across_tokens(full.logprobs.tokens)
+    r = client.completions.create(stop=[stop, "never-generated"], **base).choices[0]
+    assert r.text == full.text[:at] and r.finish_reason == "stop" and r.stop_reason == stop
+    streamed = list(client.completions.create(stop=stop, stream=True, **base))
+    assert "".join(c.choices[0].text for c in streamed) == full.text[:at]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_metrics_use_vllm_names(server, client, model_name):
+    client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2)
+    m = server.metrics()
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total",
+                 "generation_tokens_total", "time_to_first_token_seconds_count",
+                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count"):
+        assert "pagedrl:" + name in m, name
+    assert m['pagedrl:request_success_total{finished_reason="length"}'] >= 1
+    assert m["pagedrl:prefix_cache_hits_total"] > 0  # the same prompt was sent many times
+    assert m["pagedrl:time_to_first_token_seconds_count"] == m["pagedrl:e2e_request_latency_seconds_count"]

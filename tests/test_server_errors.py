@@ -1,0 +1,193 @@
+"""Bad input to a real `pagedrl serve` process: each error comes back in OpenAI's JSON shape with the
+right status, and after each one the server still gives the right answer to a good request. Ends
+with SIGTERM during a stream: the stream is drained and the process exits with status 0."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+from server_process import running_server
+
+KEY = "sk-test-key"
+PROMPT = "the cat sat on the mat"
+BODY_LIMIT = 65536
+
+
+@pytest.fixture(scope="module")
+def server(tiny_train_model, tmp_path_factory):
+    # one running sequence and one waiting request: a third concurrent request is refused
+    with running_server(tiny_train_model, tmp_path_factory.mktemp("serve-errors"), "--api-key", KEY,
+                        "--kv-cache-tokens", "2048", "--max-num-seqs", "1", "--max-waiting-requests", "1",
+                        "--max-request-body-bytes", str(BODY_LIMIT), "--served-model-name", "tiny") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(client):
+    """The greedy answer of an idle server, which every later check must reproduce."""
+    return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+
+
+@pytest.fixture
+def still_serving(client, reference):
+    yield
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert r.choices[0].text == reference
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+def test_malformed_json_is_400(http, still_serving):
+    for raw in (b"{not json", b"", b"\xff\xfe", b'{"prompt": "x",}'):
+        err = error_of(http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}), 400)
+        assert err["type"] == "invalid_request_error" and "JSON" in err["message"]
+    err = error_of(http.post("/v1/completions", json=["a", "list"]), 400)
+    assert "JSON object" in err["message"]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", "ten"), ("temperature", "hot"), ("n", 1.5), ("stream", "yes"), ("prompt", {"a": 1}),
+    ("prompt", [1, "a"]), ("stop", 3), ("seed", "7"), ("logprobs", True), ("stream_options", {"include_usage": 1}),
+])
+def test_wrong_types_are_400_naming_the_field(http, still_serving, field, value):
+    body = {"model": "tiny", "prompt": PROMPT, field: value}
+    err = error_of(http.post("/v1/completions", json=body), 400)
+    assert err["param"].split(".")[0] == field, err
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", 0), ("n", 0), ("temperature", -1.0), ("top_p", 2.0), ("min_p", 1.5), ("top_k", -5),
+    ("presence_penalty", 3.0), ("frequency_penalty", -3.0), ("logprobs", 50), ("stop", [""]),
+])
+def test_bad_values_are_400_naming_the_field(http, still_serving, field, value):
+    err = error_of(http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, field: value}), 400)
+    assert err["param"] == field, err
+    assert field in err["message"]
+
+
+def test_bad_chat_messages_are_400(http, still_serving):
+    for messages, param in (("hello", "messages"), ([], "messages"), ([{"content": "no role"}], "messages.0.role"),
+                            ([{"role": "user", "content": [{"type": "image_url"}]}], "messages.0.content.0")):
+        err = error_of(http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages}), 400)
+        assert err["param"] == param, err
+    err = error_of(http.post("/v1/chat/completions", json={"model": "tiny", "messages": [
+        {"role": "user", "content": "hi"}], "top_logprobs": 30, "logprobs": True}), 400)
+    assert err["param"] == "top_logprobs"
+
+
+def test_unsupported_fields_are_refused_not_ignored(http, still_serving):
+    for field, value in (("echo", True), ("suffix", "x"), ("logit_bias", {"5": 1.0}), ("best_of", 3)):
+        err = error_of(http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, field: value}), 400)
+        assert err["param"] == field
+
+
+def test_prompt_longer_than_context_is_400_naming_both_lengths(client, http, still_serving):
+    max_len = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    long_prompt = " ".join(["the cat sat on the mat"] * 60)
+    n = http.post("/tokenize", json={"prompt": long_prompt}).json()["count"]
+    assert n > max_len
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=long_prompt, max_tokens=4)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["code"] == "context_length_exceeded"
+    assert str(n) in err["message"] and str(max_len) in err["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # prompt fits, prompt + max_tokens does not
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=max_len)
+    assert str(max_len) in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # token ids outside the vocabulary
+        client.completions.create(model="tiny", prompt=[1, 2, 10**9], max_tokens=4)
+    assert "vocabulary" in e.value.body["message"]
+
+
+def test_missing_or_wrong_api_key_is_401(server, still_serving):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        err = error_of(httpx.post(server.base_url + "/v1/completions", json={"model": "tiny", "prompt": "x"},
+                                  headers=headers), 401)
+        assert err["code"] == "invalid_api_key"
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+    assert httpx.get(server.base_url + "/health").status_code == 200  # health and metrics need no key
+    assert httpx.get(server.base_url + "/metrics").status_code == 200
+
+
+def test_unknown_model_and_route_are_404(client, http, still_serving):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "model_not_found" and "gpt-17" in e.value.body["message"]
+    error_of(http.get("/v1/no-such-endpoint"), 404)
+
+
+def test_oversized_body_is_413(http, still_serving):
+    body = json.dumps({"model": "tiny", "prompt": "x" * (4 * BODY_LIMIT)}).encode()
+    err = error_of(http.post("/v1/completions", content=body, headers={"content-type": "application/json"}), 413)
+    assert str(BODY_LIMIT) in err["message"]
+
+    def chunks():  # no Content-Length: the limit holds while reading
+        for _ in range(8):
+            yield body[: BODY_LIMIT // 2]
+
+    error_of(http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"}), 413)
+
+
+def test_bad_tokenize_requests_are_400(http, still_serving):
+    error_of(http.post("/detokenize", json={"tokens": [1, -4]}), 400)
+    error_of(http.post("/detokenize", json={"tokens": "abc"}), 400)
+    error_of(http.post("/tokenize", json={}), 400)
+
+
+def test_overload_is_503_and_clears(server, client, still_serving):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=server.base_url, headers=headers, timeout=60) as a, \
+            httpx.Client(base_url=server.base_url, headers=headers, timeout=60) as b:
+        with a.stream("POST", "/v1/completions", json=body) as first, \
+                b.stream("POST", "/v1/completions", json=body) as second:
+            assert first.status_code == second.status_code == 200  # both admitted: one runs, one waits
+            with pytest.raises(openai.InternalServerError) as e:
+                client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+            assert e.value.status_code == 503 and e.value.body["code"] == "server_overloaded"
+            assert e.value.response.headers["retry-after"] == "1"
+    assert server.wait_idle()["pagedrl:num_blocks_used"] == 0  # closing both streams aborted both
+
+
+def test_sigterm_drains_the_stream_in_flight_and_exits_cleanly(server):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 120, "stream": True, "ignore_eos": True}
+    lines = []
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        it = r.iter_lines()
+        lines.append(next(it))
+        stopper = threading.Thread(target=server.stop)
+        stopper.start()
+        lines.extend(it)
+    stopper.join()
+    lines = [line for line in lines if line]
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert lines[-1] == "data: [DONE]"
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert server.proc.returncode == 0
+    with pytest.raises(httpx.TransportError):
+        httpx.get(server.base_url + "/health", timeout=2)
