@@ -17,7 +17,7 @@ from pagedrl.train.config import TrainConfig
 from pagedrl.train.logging import read_metrics
 from pagedrl.train.trainer import Trainer
 
-TIME_KEYS = {"wall_time", "train_time"}
+TIME_KEYS = {"wall_time", "train_time", "step_time"}
 
 
 class Interrupted(Exception):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -136,7 +135,6 @@ class GRPO(Algorithm):
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.rollout: Rollout | None = None
         self.batches: list[GRPOBatch] = []
-        self.step_started = time.perf_counter()
 
     # -- prompts and rollouts -------------------------------------------------------------------
 
@@ -150,7 +148,6 @@ class GRPO(Algorithm):
         return ids
 
     def step_batches(self, step: int) -> list[GRPOBatch]:
-        self.step_started = time.perf_counter()
         if (step - 1) % self.config.num_iterations == 0:
             self.llm.engine.sampler.generator.manual_seed(self.config.seed * 1_000_003 + step)
             self.rollout = collect_rollout(
@@ -240,7 +237,6 @@ class GRPO(Algorithm):
             "rollout/tokens_per_second": Metric.mean(r.generated_tokens / max(r.seconds, 1e-9)),
             "rollout/seconds": Metric.mean(r.seconds),
             "rollout/prefix_blocks_shared": Metric.sum(float(r.prefix_blocks_shared)),
-            "step_time": Metric.max(time.perf_counter() - self.step_started),
         }
         for f, (name, _) in enumerate(self.reward_funcs):
             col = torch.cat([g.rewards[:, f] for g in groups])

@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pagedrl.train import checkpointing as ckpt
-from pagedrl.train.algorithm import Algorithm, MetricTotals, as_metric
+from pagedrl.train.algorithm import Algorithm, Metric, MetricTotals, as_metric
 from pagedrl.train.config import TrainConfig, config_to_dict
 from pagedrl.train.distributed import (
     DistInfo,
@@ -215,11 +215,14 @@ class Trainer:
 
     def run_step(self) -> None:
         step = self.step + 1
+        started = time.perf_counter()
         result = self.accumulate(step)
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = self.optimizer_step()
         self.step, self.weight_version = step, self.weight_version + 1
         self.algorithm.after_optimizer_step(step)
+        # Seconds per step, averaged over the logging window: batches (rollouts), passes, update.
+        self.window.add("step_time", Metric.mean(time.perf_counter() - started))
         self.window.add("loss", result.loss)
         self.window.merge(result.metrics)
         for name, (reduce, total, _) in result.metrics.items.items():
