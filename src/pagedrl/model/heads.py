@@ -1,0 +1,133 @@
+"""A scalar head on the decoder backbone: the reward model, in transformers' layout.
+
+`SequenceScorer` is what transformers calls `LlamaForSequenceClassification` (or `Qwen2…`,
+`Qwen3…`, `Mistral…`) with `num_labels=1`: the same backbone under `model.*` and one bias-free
+`score` Linear(hidden, 1) instead of the LM head. Keeping the names means a folder written here
+loads in `AutoModelForSequenceClassification` and gives the same scores, and a folder trained
+there loads here.
+
+Where the score is read: transformers takes the rightmost token that is not `pad_token_id`
+(`score_index`). When the pad token is also EOS (SmolLM2), a sequence that ends in EOS is scored
+at the token before it; following the same rule keeps our scores equal to theirs.
+
+A reward model usually starts from a causal LM: its backbone weights are taken as they are, the
+LM head is dropped and `score` is drawn from normal(0, initializer_range), as transformers does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedrl.model.attention import AttentionMetadata, DenseAttention
+from pagedrl.model.checkpoint import (
+    CheckpointError,
+    default_dtype,
+    load_weights,
+    read_state_dict,
+    save_checkpoint,
+)
+from pagedrl.model.config import REWARD_ARCHITECTURE_SUFFIX, ConfigError, ModelConfig
+from pagedrl.model.decoder import Backbone, default_positions
+from pagedrl.model.rope import rope_inv_freq
+
+SCORE_WEIGHT = "score.weight"
+# What transformers writes for a one-label classifier; `num_labels` alone is not a saved field.
+ONE_LABEL = {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
+
+
+def reward_architecture(architecture: str) -> str:
+    """`LlamaForCausalLM` → `LlamaForSequenceClassification` (unchanged if already a classifier)."""
+    if architecture.endswith(REWARD_ARCHITECTURE_SUFFIX):
+        return architecture
+    if not architecture.endswith("ForCausalLM"):
+        raise ConfigError(f"architectures: {architecture!r} is neither a causal LM nor a sequence classifier")
+    return architecture[: -len("ForCausalLM")] + REWARD_ARCHITECTURE_SUFFIX
+
+
+class SequenceScorer(nn.Module):
+    """Backbone + `score` head. `forward` returns hidden states (as `CausalLM` does), `scores`
+    projects only the rows asked for: one per sequence, not one per token."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.score = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                meta: AttentionMetadata | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if positions is None:
+            positions = default_positions(input_ids, attention_mask)
+        if meta is None:
+            meta = DenseAttention.causal(attention_mask, self.config.sliding_window,
+                                         seq_len=input_ids.shape[1], device=input_ids.device)
+        return self.model(input_ids, positions, meta)
+
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] → [...] float32 scores."""
+        return self.score(hidden).squeeze(-1).float()
+
+    @property
+    def device(self) -> torch.device:
+        return self.score.weight.device
+
+
+def score_index(ids: Sequence[int], pad_token_id: int | None) -> int:
+    """Index of the token whose hidden state is scored: the rightmost one that is not the pad
+    token (transformers' rule; 0 if every token is the pad token), or the last one without a pad
+    token."""
+    if pad_token_id is None:
+        return len(ids) - 1
+    for i in range(len(ids) - 1, -1, -1):
+        if ids[i] != pad_token_id:
+            return i
+    return 0
+
+
+def load_sequence_scorer(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                         generator: torch.Generator | None = None, new_head: bool = True) -> SequenceScorer:
+    """A reward model from a Hugging Face folder: a saved classifier (`score.weight` present), or,
+    with `new_head`, a causal LM whose LM head is replaced by a `score` head drawn with `generator`."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such folder (a reward model loads from a Hugging Face folder)")
+    try:
+        cfg = ModelConfig.from_file(folder / "config.json")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    origins: dict[str, str] = {}
+    state = read_state_dict(folder, origins=origins)
+    fresh_head = SCORE_WEIGHT not in state
+    if fresh_head and cfg.architecture.endswith(REWARD_ARCHITECTURE_SUFFIX):
+        raise CheckpointError(f"{folder}: config.json says {cfg.architecture} but the weights hold no {SCORE_WEIGHT!r}")
+    if fresh_head and not new_head:
+        raise CheckpointError(f"{folder}: holds no {SCORE_WEIGHT!r}; it is a causal LM, not a trained reward model")
+    if fresh_head:
+        state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
+    elif state[SCORE_WEIGHT].shape[0] != 1:
+        raise CheckpointError(f"{origins[SCORE_WEIGHT]}: {SCORE_WEIGHT!r} has {state[SCORE_WEIGHT].shape[0]} labels; "
+                              "a reward model has one (num_labels=1)")
+    cfg.architecture = reward_architecture(cfg.architecture)
+    cfg.extra.update(ONE_LABEL)
+    cfg.extra.pop("num_labels", None)
+    with torch.device("meta"):
+        model = SequenceScorer(cfg)
+    model = model.to_empty(device="cpu")
+    model.model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    if fresh_head:
+        std = float(cfg.extra.get("initializer_range", 0.02))
+        state[SCORE_WEIGHT] = torch.randn(1, cfg.hidden_size, generator=generator) * std
+    load_weights(model, state, str(folder), origins)
+    return model.to(device=device, dtype=dtype or default_dtype(device)).eval()
+
+
+def save_sequence_scorer(model: SequenceScorer, folder: str | Path, **kwargs: Any) -> Path:
+    """Write a Hugging Face folder that `AutoModelForSequenceClassification` loads as this model."""
+    return save_checkpoint(model, folder, extra_config=dict(ONE_LABEL), **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,211 @@
+"""Direct preference optimisation on the one trainer loop: the reward is implicit in how much more
+the policy than a frozen reference likes the chosen answer over the rejected one.
+
+Per micro-batch: one forward of the policy over rows `[prompt, chosen, rejected]`
+(`pagedrl.train.pair_batch`), the LM head only on the positions that predict an answer token, the
+log-probs summed per answer; the same for the reference without gradients, or its log-probs read
+from a table computed before training; then `losses.dpo_loss` (sigmoid with label smoothing =
+conservative DPO, ipo, hinge, robust) summed over pairs and divided by the pairs of the whole
+step (all micro-batches, all ranks), so accumulation and DDP give the gradient of one big batch.
+
+The reference is the starting policy (a frozen deep copy) or `ref_model`. With
+`precompute_ref_log_probs` one pass over the train and eval sets computes its log-probs before
+the first step and the reference is dropped: one model in memory. When the reference is the
+starting policy that pass runs on the policy itself, before it changes, and no copy is ever made.
+
+Metrics under TRL's names: `rewards/chosen`, `rewards/rejected` (β·log-ratio, mean over pairs),
+`rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected` (summed log-probs, mean
+over pairs), `logits/chosen`, `logits/rejected` (the vocabulary-mean logit at each answer token,
+mean over tokens), `num_tokens` (prompt + chosen + prompt + rejected tokens since the start).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedrl.model.decoder import CausalLM
+from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.train.algorithm import Metric, OfflineAlgorithm
+from pagedrl.train.config import DPOConfig
+from pagedrl.train.data import Preference, PreferenceRows, load_examples
+from pagedrl.train.distributed import DistInfo, all_reduce_sum
+from pagedrl.train.losses import dpo_loss
+from pagedrl.train.pair_batch import PairBatch, collate_pairs
+
+Dataset = str | Path | Sequence[Mapping[str, Any]]
+
+
+@dataclass
+class ReferencedPair:
+    """A pair with the reference's summed log-probs of its two answers."""
+
+    pair: Preference
+    ref_chosen: float
+    ref_rejected: float
+
+
+@dataclass
+class AnswerLogps:
+    logps: torch.Tensor  # [2B] summed log-probs: chosen of pairs 0..B-1, then rejected
+    mean_logits: torch.Tensor  # [N] vocabulary-mean logit at each answer token (no gradient)
+
+
+def answer_logps(model: Any, batch: PairBatch, with_logits: bool = False) -> AnswerLogps:
+    """Σ log p(answer token | prompt, earlier answer tokens) per answer, from one forward. `model`
+    is the policy (through the loop's handle) or a plain CausalLM (the reference)."""
+    hidden = model(batch.input_ids, positions=batch.positions, meta=batch.meta)
+    selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.predict_at)
+    logits = model.logits(selected)
+    token_logps = logits.gather(-1, batch.targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+    logps = token_logps.new_zeros(2 * batch.num_pairs).index_add(0, batch.answer_of, token_logps)
+    mean_logits = logits.detach().mean(-1) if with_logits else token_logps.new_zeros(0)
+    return AnswerLogps(logps, mean_logits)
+
+
+def frozen(model: torch.nn.Module) -> torch.nn.Module:
+    model.requires_grad_(False)
+    return model.eval()
+
+
+class DPO(OfflineAlgorithm):
+    name = "dpo"
+    normaliser = "preference pairs"
+
+    def __init__(self, config: DPOConfig, model: CausalLM, tokenizer: Tokenizer, dist: DistInfo,
+                 dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
+                 generation_config: dict[str, Any] | None = None, ref_model: CausalLM | None = None) -> None:
+        dataset = dataset if dataset is not None else config.dataset
+        if dataset is None:
+            raise ValueError("dataset: DPO needs a dataset of {prompt, chosen, rejected} rows (a JSONL path, or a "
+                             "list of rows through the API)")
+        convert = PreferenceRows(tokenizer, config.max_length, config.truncation)
+        examples, report = load_examples(dataset, convert, config.on_bad_row)
+        eval_source = eval_dataset if eval_dataset is not None else config.eval_dataset
+        eval_examples = load_examples(eval_source, convert, config.on_bad_row)[0] if eval_source is not None else None
+        super().__init__(examples, report, config.per_device_train_batch_size, config.gradient_accumulation_steps,
+                         dist, config.seed, eval_examples)
+        self.model, self.tokenizer, self.generation_config = model, tokenizer, generation_config
+        self.config = config
+        pad = tokenizer.pad_token_id
+        self.pad_id = 0 if pad is None else pad
+        self.device = next(model.parameters()).device
+        reference = ref_model
+        if reference is not None and reference.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"ref_model: its vocabulary has {reference.config.vocab_size} tokens, the policy's "
+                             f"{model.config.vocab_size}; the reference must share the policy's tokenizer")
+        if reference is not None:
+            reference = frozen(reference.to(device=self.device, dtype=torch.float32))
+        self.reference_source = config.ref_model or "a frozen copy of the starting policy"
+        if config.precompute_ref_log_probs:
+            # The starting policy is its own reference until the first update: no copy needed.
+            source = reference if reference is not None else model
+            self.examples = self.precompute(source, self.examples)
+            if self.eval_examples is not None:
+                self.eval_examples = self.precompute(source, self.eval_examples)
+            self.reference = None
+        else:
+            self.reference = reference if reference is not None else frozen(copy.deepcopy(model))
+
+    # -- reference log-probs --------------------------------------------------------------------
+
+    def precompute(self, source: torch.nn.Module, pairs: list[Preference]) -> list[ReferencedPair]:
+        """The reference's log-probs of every pair, each rank computing a strided share and the
+        shares summed across ranks (every slot is filled by exactly one rank)."""
+        mine = list(range(self.dist.rank, len(pairs), self.dist.world_size))
+        table = torch.zeros(len(pairs), 2, dtype=torch.float64)
+        was_training = source.training
+        source.eval()
+        bf16 = self.config.use_bf16(self.device)
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
+            for start in range(0, len(mine), self.per_device):
+                chunk = mine[start:start + self.per_device]
+                logps = answer_logps(source, self.collate([pairs[i] for i in chunk])).logps
+                table[chunk] = logps.view(2, -1).t().to("cpu", torch.float64)
+        source.train(was_training)
+        table = all_reduce_sum(table.reshape(-1), self.dist).view(-1, 2)
+        return [ReferencedPair(p, float(c), float(r)) for p, (c, r) in zip(pairs, table.tolist(), strict=True)]
+
+    def reference_logps(self, batch: PairBatch) -> torch.Tensor:
+        if batch.ref_logps is not None:
+            return batch.ref_logps
+        if self.reference is None:
+            raise RuntimeError("reference log-probs were not precomputed for this batch")
+        with torch.no_grad():
+            return answer_logps(self.reference, batch).logps
+
+    # -- the loop's interface -------------------------------------------------------------------
+
+    def collate(self, examples: Sequence[Preference | ReferencedPair]) -> PairBatch:
+        referenced = [e for e in examples if isinstance(e, ReferencedPair)]
+        pairs = [e.pair if isinstance(e, ReferencedPair) else e for e in examples]
+        refs = [(e.ref_chosen, e.ref_rejected) for e in referenced] if len(referenced) == len(pairs) else None
+        return collate_pairs(pairs, self.pad_id, self.device, answer_tokens=True, ref_logps=refs,
+                             sliding_window=self.model.config.sliding_window)
+
+    def count(self, batch: PairBatch) -> float:
+        return float(batch.num_pairs)
+
+    def loss(self, model: Any, batch: PairBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        policy = answer_logps(model, batch, with_logits=True)
+        ref = self.reference_logps(batch).to(policy.logps.dtype)
+        chosen, rejected = policy.logps.chunk(2)
+        ref_chosen, ref_rejected = ref.chunk(2)
+        lengths_chosen, lengths_rejected = batch.answer_lengths.chunk(2)
+        c = self.config
+        out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=c.beta, loss_type=c.loss_type,
+                       label_smoothing=c.label_smoothing, chosen_lengths=lengths_chosen,
+                       rejected_lengths=lengths_rejected)
+        loss = out.losses.sum() / global_count
+        n = batch.num_pairs
+        with torch.no_grad():
+            is_chosen = batch.answer_of < n
+            n_chosen, n_rejected = is_chosen.sum(), (~is_chosen).sum()
+            metrics = {
+                "rewards/chosen": Metric.mean(out.chosen_rewards.sum(), n),
+                "rewards/rejected": Metric.mean(out.rejected_rewards.sum(), n),
+                "rewards/accuracies": Metric.mean((out.chosen_rewards > out.rejected_rewards).sum(), n),
+                "rewards/margins": Metric.mean((out.chosen_rewards - out.rejected_rewards).sum(), n),
+                "logps/chosen": Metric.mean(chosen.detach().sum(), n),
+                "logps/rejected": Metric.mean(rejected.detach().sum(), n),
+                "logits/chosen": Metric.mean(policy.mean_logits[is_chosen].sum(), n_chosen),
+                "logits/rejected": Metric.mean(policy.mean_logits[~is_chosen].sum(), n_rejected),
+                "num_tokens": Metric.cumulative(batch.num_tokens),
+            }
+        return loss, metrics
+
+    def summary_lines(self) -> list[str]:
+        c = self.config
+        if c.precompute_ref_log_probs:
+            ref = f"reference log-probs precomputed from {self.reference_source} (one model in memory)"
+        else:
+            ref = f"reference: {self.reference_source}"
+        smoothing = f", label_smoothing {c.label_smoothing:g}" if c.label_smoothing else ""
+        return super().summary_lines() + [f"dpo: loss {c.loss_type}, beta {c.beta:g}{smoothing}; {ref}"]
+
+
+def run_dpo(config: DPOConfig, dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
+            progress: bool = True) -> Path:
+    """Train `config.model` with DPO on `dataset` (default: `config.dataset`); returns `output_dir/final`."""
+    from pagedrl.model.loader import load_model
+    from pagedrl.train.checkpointing import seed_everything
+    from pagedrl.train.distributed import init_distributed
+    from pagedrl.train.trainer import Trainer
+
+    dist = init_distributed(config.use_cpu)
+    seed_everything(config.seed)
+    loaded = load_model(config.model, device=dist.device, dtype=torch.float32)
+    if loaded.tokenizer is None:
+        raise ValueError(f"model: {loaded.path} has no tokenizer.json; DPO needs the model's tokenizer")
+    reference = None
+    if config.ref_model is not None:
+        reference = load_model(config.ref_model, device=dist.device, dtype=torch.float32, load_tokenizer=False).model
+    algorithm = DPO(config, loaded.model, loaded.tokenizer, dist, dataset, eval_dataset,
+                    loaded.generation_config or None, ref_model=reference)
+    del reference  # with precomputed log-probs the algorithm no longer holds it either
+    return Trainer(config, algorithm, dist, progress=progress).train()
