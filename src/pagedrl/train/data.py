@@ -147,6 +147,19 @@ def load_examples(dataset: str | Path | Sequence[Mapping[str, Any]],
     return examples, report
 
 
+def load_train_and_eval(config: Any, dataset: Any, eval_dataset: Any, convert: Callable[[Row, DataReport], T | None],
+                        needs: str) -> tuple[list[T], DataReport, list[T] | None]:
+    """The training rows (`dataset`, else `config.dataset`) and the evaluation rows (`eval_dataset`,
+    else `config.eval_dataset`, else none), both under the config's bad-row policy."""
+    dataset = dataset if dataset is not None else config.dataset
+    if dataset is None:
+        raise ValueError(f"dataset: {needs} (a JSONL path, or a list of rows through the API)")
+    examples, report = load_examples(dataset, convert, config.on_bad_row)
+    eval_source = eval_dataset if eval_dataset is not None else config.eval_dataset
+    eval_examples = load_examples(eval_source, convert, config.on_bad_row)[0] if eval_source is not None else None
+    return examples, report, eval_examples
+
+
 def _bad(report: DataReport, policy: BadRowPolicy, where: str, error: BadRow) -> None:
     if policy == "error":
         raise DataError(f"{where}: {error}")

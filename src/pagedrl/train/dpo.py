@@ -33,7 +33,7 @@ from pagedrl.model.decoder import CausalLM
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import Metric, OfflineAlgorithm
 from pagedrl.train.config import DPOConfig
-from pagedrl.train.data import Preference, PreferenceRows, load_examples
+from pagedrl.train.data import Preference, PreferenceRows, load_train_and_eval
 from pagedrl.train.distributed import DistInfo, all_reduce_sum
 from pagedrl.train.losses import dpo_loss
 from pagedrl.train.pair_batch import PairBatch, collate_pairs
@@ -80,14 +80,9 @@ class DPO(OfflineAlgorithm):
     def __init__(self, config: DPOConfig, model: CausalLM, tokenizer: Tokenizer, dist: DistInfo,
                  dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
                  generation_config: dict[str, Any] | None = None, ref_model: CausalLM | None = None) -> None:
-        dataset = dataset if dataset is not None else config.dataset
-        if dataset is None:
-            raise ValueError("dataset: DPO needs a dataset of {prompt, chosen, rejected} rows (a JSONL path, or a "
-                             "list of rows through the API)")
         convert = PreferenceRows(tokenizer, config.max_length, config.truncation)
-        examples, report = load_examples(dataset, convert, config.on_bad_row)
-        eval_source = eval_dataset if eval_dataset is not None else config.eval_dataset
-        eval_examples = load_examples(eval_source, convert, config.on_bad_row)[0] if eval_source is not None else None
+        examples, report, eval_examples = load_train_and_eval(
+            config, dataset, eval_dataset, convert, "DPO needs a dataset of {prompt, chosen, rejected} rows")
         super().__init__(examples, report, config.per_device_train_batch_size, config.gradient_accumulation_steps,
                          dist, config.seed, eval_examples)
         self.model, self.tokenizer, self.generation_config = model, tokenizer, generation_config
@@ -193,15 +188,9 @@ def run_dpo(config: DPOConfig, dataset: Dataset | None = None, eval_dataset: Dat
             progress: bool = True) -> Path:
     """Train `config.model` with DPO on `dataset` (default: `config.dataset`); returns `output_dir/final`."""
     from pagedrl.model.loader import load_model
-    from pagedrl.train.checkpointing import seed_everything
-    from pagedrl.train.distributed import init_distributed
-    from pagedrl.train.trainer import Trainer
+    from pagedrl.train.trainer import Trainer, start_run
 
-    dist = init_distributed(config.use_cpu)
-    seed_everything(config.seed)
-    loaded = load_model(config.model, device=dist.device, dtype=torch.float32)
-    if loaded.tokenizer is None:
-        raise ValueError(f"model: {loaded.path} has no tokenizer.json; DPO needs the model's tokenizer")
+    dist, loaded = start_run(config, "DPO needs")
     reference = None
     if config.ref_model is not None:
         reference = load_model(config.ref_model, device=dist.device, dtype=torch.float32, load_tokenizer=False).model

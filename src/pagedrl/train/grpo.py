@@ -307,16 +307,9 @@ def evaluate_rows(llm: LLM, rows: Sequence[Mapping[str, Any]], encode, reward: t
 
 def run_grpo(config: GRPOConfig, progress: bool = True) -> Path:
     """Train `config.model` with GRPO; returns `output_dir/final`."""
-    from pagedrl.model.loader import load_model
-    from pagedrl.train.checkpointing import seed_everything
-    from pagedrl.train.distributed import init_distributed
-    from pagedrl.train.trainer import Trainer
+    from pagedrl.train.trainer import Trainer, start_run
 
-    dist = init_distributed(config.use_cpu)
-    seed_everything(config.seed)
-    loaded = load_model(config.model, device=dist.device, dtype=torch.float32)
-    if loaded.tokenizer is None:
-        raise ValueError(f"model: {loaded.path} has no tokenizer.json; GRPO needs the model's tokenizer")
+    dist, loaded = start_run(config, "GRPO needs")
     algorithm = GRPO(config, loaded.model, loaded.tokenizer, dist, eos_token_ids=loaded.eos_token_ids,
                      generation_config=loaded.generation_config or None)
     return Trainer(config, algorithm, dist, progress=progress).train()

@@ -31,7 +31,7 @@ from pagedrl.model.heads import SequenceScorer, load_sequence_scorer, save_seque
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import Metric, OfflineAlgorithm
 from pagedrl.train.config import RewardConfig
-from pagedrl.train.data import PreferenceRows, Text, load_examples, tokenize_prompt_completion
+from pagedrl.train.data import PreferenceRows, Text, load_train_and_eval, tokenize_prompt_completion
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.losses import reward_model_loss
 from pagedrl.train.pair_batch import PairBatch, collate_pairs
@@ -51,14 +51,9 @@ class RewardModeling(OfflineAlgorithm):
 
     def __init__(self, config: RewardConfig, model: SequenceScorer, tokenizer: Tokenizer, dist: DistInfo,
                  dataset: Dataset | None = None, eval_dataset: Dataset | None = None) -> None:
-        dataset = dataset if dataset is not None else config.dataset
-        if dataset is None:
-            raise ValueError("dataset: the reward model needs a dataset of {prompt, chosen, rejected} rows (a JSONL "
-                             "path, or a list of rows through the API)")
         convert = PreferenceRows(tokenizer, config.max_length, config.truncation)
-        examples, report = load_examples(dataset, convert, config.on_bad_row)
-        eval_source = eval_dataset if eval_dataset is not None else config.eval_dataset
-        eval_examples = load_examples(eval_source, convert, config.on_bad_row)[0] if eval_source is not None else None
+        examples, report, eval_examples = load_train_and_eval(
+            config, dataset, eval_dataset, convert, "the reward model needs a dataset of {prompt, chosen, rejected} rows")
         super().__init__(examples, report, config.per_device_train_batch_size, config.gradient_accumulation_steps,
                          dist, config.seed, eval_examples)
         self.model, self.tokenizer, self.config = model, tokenizer, config

@@ -27,7 +27,7 @@ from pagedrl.model.attention import DenseAttention
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import Metric, OfflineAlgorithm
 from pagedrl.train.config import SFTConfig
-from pagedrl.train.data import PromptCompletion, PromptCompletionRows, load_examples
+from pagedrl.train.data import PromptCompletion, PromptCompletionRows, load_train_and_eval
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.losses import sft_loss
 
@@ -95,14 +95,9 @@ class SFT(OfflineAlgorithm):
         if config.assistant_only_loss:
             raise ValueError("assistant_only_loss: not supported; give prompt/completion rows, where the loss "
                              "falls on the completion (the assistant's answer) only")
-        dataset = dataset if dataset is not None else config.dataset
-        if dataset is None:
-            raise ValueError("dataset: SFT needs a dataset (a JSONL path, or a list of rows through the API)")
         convert = PromptCompletionRows(tokenizer, config.max_length, config.truncation, config.dataset_text_field)
-        on_bad_row = config.on_bad_row
-        examples, report = load_examples(dataset, convert, on_bad_row)
-        eval_source = eval_dataset if eval_dataset is not None else config.eval_dataset
-        eval_examples = load_examples(eval_source, convert, on_bad_row)[0] if eval_source is not None else None
+        examples, report, eval_examples = load_train_and_eval(config, dataset, eval_dataset, convert,
+                                                              "SFT needs a dataset")
         super().__init__(examples, report, config.per_device_train_batch_size, config.gradient_accumulation_steps,
                          dist, config.seed, eval_examples)
         self.model, self.tokenizer, self.generation_config = model, tokenizer, generation_config
@@ -145,16 +140,9 @@ def run_sft(config: SFTConfig, dataset: str | Path | Sequence[Mapping[str, Any]]
             eval_dataset: str | Path | Sequence[Mapping[str, Any]] | None = None,
             progress: bool = True) -> Path:
     """Fine-tune `config.model` on `dataset` (default: `config.dataset`); returns `output_dir/final`."""
-    from pagedrl.model.loader import load_model
-    from pagedrl.train.checkpointing import seed_everything
-    from pagedrl.train.distributed import init_distributed
-    from pagedrl.train.trainer import Trainer
+    from pagedrl.train.trainer import Trainer, start_run
 
-    dist = init_distributed(config.use_cpu)
-    seed_everything(config.seed)
-    loaded = load_model(config.model, device=dist.device, dtype=torch.float32)
-    if loaded.tokenizer is None:
-        raise ValueError(f"model: {loaded.path} has no tokenizer.json; SFT needs the model's tokenizer")
+    dist, loaded = start_run(config, "SFT needs")
     algorithm = SFT(config, loaded.model, loaded.tokenizer, dist, dataset, eval_dataset,
                     loaded.generation_config or None)
     return Trainer(config, algorithm, dist, progress=progress).train()

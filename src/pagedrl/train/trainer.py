@@ -42,6 +42,7 @@ from pagedrl.train.distributed import (
     barrier,
     broadcast_object,
     gather_objects,
+    init_distributed,
 )
 from pagedrl.train.logging import RunLogger
 
@@ -335,3 +336,16 @@ class Trainer:
         lines += ["  " + line for line in a.summary_lines()]
         if self.logger is not None:
             self.logger.write("\n".join(lines))
+
+
+def start_run(config: TrainConfig, needs: str) -> tuple[DistInfo, Any]:
+    """What every `run_<algorithm>` does first: join the process group (if under torchrun), seed,
+    and load `config.model` in float32 (the master weights) with its tokenizer, which `needs` names."""
+    from pagedrl.model.loader import load_model
+
+    dist = init_distributed(config.use_cpu)
+    ckpt.seed_everything(config.seed)
+    loaded = load_model(config.model, device=dist.device, dtype=torch.float32)
+    if loaded.tokenizer is None:
+        raise ValueError(f"model: {loaded.path} has no tokenizer.json; {needs} the model's tokenizer")
+    return dist, loaded
