@@ -10,14 +10,15 @@ fresh prompt, a chunk of a prompt whose prefix is cached, and a one-token decode
 Two implementations compute the same thing:
 - `reference`: one sequence at a time, keys gathered into a contiguous tensor, an explicit causal
   mask, softmax, matmul. Slow and obviously right; the tests hold the fast path to it.
-- `fast`: sequences in groups, each group attended in one batched op. Decodes (one query each)
-  are memory-bound: a group's keys and values are gathered block-wise with one `index_select`
-  apiece into a reused buffer, then multiplied per KV head with `baddbmm`/`bmm`, which read the
-  gathered [S, L, Hkv, D] tensor in place (the transpose copy `scaled_dot_product_attention` would
-  need costs more than the attention itself on a CPU). Prefills (several queries each, fresh or
-  chunked) are compute-bound and go to `scaled_dot_product_attention`, queries padded to the
-  group's longest. On a CPU groups are cut small enough that what is gathered is still in cache
-  when it is read (see `plan_groups`); on a GPU there is one group per kind.
+- `fast`: sequences in groups, each group attended in one batched op. A group's keys and values
+  are gathered block-wise with one `index_select` apiece into a reused buffer, then handed to
+  `scaled_dot_product_attention` as strided [S, Hkv, L, D] views (no transpose copy, no keys
+  repeated per query head). Decodes (one query each) put the G query heads of one KV head in as
+  G queries of that head: they share a position, hence one mask row, and one call replaces a loop
+  over heads. Prefills (several queries each, fresh or chunked) use grouped-query attention,
+  queries padded to the group's longest. On a CPU groups are cut small enough that what is
+  gathered is still in cache when it is read (see `plan_groups`); on a GPU there is one group
+  per kind.
   Every index and additive mask is built once per step in `build`, not once per layer.
 """
 
@@ -41,14 +42,19 @@ class QueryGroup:
     """Sequences the fast path attends in one batched op, with everything that op needs precomputed.
 
     Queries are padded to `q_pad` per sequence (1 for decodes); a padded query repeats its sequence's
-    last real query and may see key 0 only, so its softmax stays finite; its output is dropped."""
+    last real query and may see key 0 only, so its softmax stays finite; its output is dropped.
+    A group of fresh prompts (nothing cached before them) needs no mask: query i sits at position i,
+    so plain top-left causal attention is exact for every real query, and it lets the attention
+    kernel skip the blocks above the diagonal (half the work). Its padded queries then see padded
+    keys, which hold finite stale values (the cache starts zeroed), and are dropped as before."""
 
     is_decode: bool
     num_seqs: int
     q_pad: int
     num_blocks: int  # block-table columns read; keys per sequence = num_blocks * block_size
     block_ids: torch.Tensor  # [num_seqs * num_blocks] long; padding columns read block 0, masked out
-    mask: torch.Tensor  # additive [num_seqs, 1, q_pad, keys]: 0 where allowed, -inf elsewhere
+    mask: torch.Tensor | None  # additive [num_seqs, 1, q_pad, keys]: 0 where allowed, -inf elsewhere;
+    # None for a group of fresh prompts: causal attention
     rows: torch.Tensor | None  # [num_seqs * q_pad] batch row of each padded query; None = all rows, in order
     keep: torch.Tensor | None  # padded rows that are real queries; None = every padded row is real
     out_rows: torch.Tensor | None  # batch row of each real query's output; None = all rows, in order
@@ -219,7 +225,9 @@ def plan_groups(q_lens: list[int], seq_lens: list[int], block_tables: torch.Tens
     With `chunk_tokens`, each kind is further cut, longest sequences first, into groups that gather
     at most that many key positions and spend at most a fifth of their work on padding: on a CPU a
     group's gathered keys then stay in cache between the gather and the matmuls that read them, and
-    a few long sequences do not pad a batch of short ones. Without it (GPUs), one group per kind."""
+    a few long sequences do not pad a batch of short ones. Fresh prompts are kept apart from
+    continued prefills, so their groups can skip the mask (see `QueryGroup`). Without it (GPUs),
+    one group per kind."""
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
@@ -229,8 +237,9 @@ def plan_groups(q_lens: list[int], seq_lens: list[int], block_tables: torch.Tens
         if chunk_tokens is None:
             chunks = [members] if members else []
         else:
-            chunks = _chunk(sorted(members, key=lambda s: -seq_lens[s]), q_lens, seq_lens, block_size,
-                            chunk_tokens)
+            # Continued prefills first, then fresh prompts (which may skip the mask), longest first.
+            order = sorted(members, key=lambda s: (seq_lens[s] == q_lens[s], -seq_lens[s]))
+            chunks = _chunk(order, q_lens, seq_lens, block_size, chunk_tokens)
         groups += [_plan_group(chunk, is_decode, q_lens, seq_lens, starts, block_tables, block_size, device, dtype)
                    for chunk in chunks]
     return groups
@@ -247,7 +256,9 @@ def _chunk(members: list[int], q_lens: list[int], seq_lens: list[int], block_siz
         q_pad = max([q_lens[s]] + [q_lens[m] for m in current])
         work = q_lens[s] * seq_lens[s]
         size = len(current) + 1
-        if current and (size * keys > chunk_tokens or 4 * size * q_pad * keys > 5 * (real_work + work)):
+        fresh_changes = current and (seq_lens[s] == q_lens[s]) != (seq_lens[current[0]] == q_lens[current[0]])
+        if current and (size * keys > chunk_tokens or 4 * size * q_pad * keys > 5 * (real_work + work)
+                        or fresh_changes):
             chunks.append(current)
             current, real_work = [], 0
         current.append(s)
@@ -276,16 +287,18 @@ def _plan_group(members: list[int], is_decode: bool, q_lens: list[int], seq_lens
     all_real = bool(real.all())
     keep = None if all_real else real.reshape(-1).nonzero().squeeze(1)
     out_rows = None if covers_batch else (rows if keep is None else rows[keep])
-    key_pos = torch.arange(num_blocks * block_size, device=device)
-    allowed = key_pos[None, None, :] <= query_pos.to(device)[:, :, None]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    mask = None
+    if is_decode or any(seq_lens[s] != q_lens[s] for s in members):
+        key_pos = torch.arange(num_blocks * block_size, device=device)
+        allowed = key_pos[None, None, :] <= query_pos.to(device)[:, :, None]
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))[:, None]
 
     def to_device(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device)
 
     return QueryGroup(
         is_decode=is_decode, num_seqs=num_seqs, q_pad=q_pad, num_blocks=num_blocks,
-        block_ids=block_ids.to(device), mask=mask[:, None],
+        block_ids=block_ids.to(device), mask=mask,
         rows=None if covers_batch and all_real else rows.to(device),
         keep=to_device(keep), out_rows=to_device(out_rows),
     )
@@ -318,22 +331,19 @@ def gathered_numel(key_cache: torch.Tensor, group: QueryGroup) -> int:
 
 def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: QueryGroup,
                      scale: float, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """One query per sequence. Each KV head's query group ([S, G, D]) meets that head's keys as a
-    strided [S, L, D] view of the gathered blocks, so keys and values are read once, never copied
-    again, never repeated per query head. Returns [S, Hq, D]."""
+    """One query per sequence. The G query heads that share a KV head sit at the same position, so
+    they are attended as G queries of one head: one fused attention call over [S, Hkv, G, D]
+    queries and strided [S, Hkv, L, D] views of the gathered blocks, so keys and values are read
+    once, never copied again, never repeated per query head, and one mask row serves all of them.
+    Returns [S, Hq, D]."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     num_seqs, num_heads = group.num_seqs, q.shape[1]
-    groups = num_heads // num_kv_heads
     queries = q if group.rows is None else q.index_select(0, group.rows)
-    queries = queries.reshape(num_seqs, num_kv_heads, groups, head_dim)
+    queries = queries.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     keys, values = gather_blocks(key_cache, value_cache, group, scratch)
-    mask = group.mask.view(num_seqs, 1, -1)
-    out = q.new_empty(num_kv_heads, num_seqs, groups, head_dim)  # out[h] contiguous: bmm writes it directly
-    for h in range(num_kv_heads):
-        scores = torch.baddbmm(mask, queries[:, h], keys[:, :, h].transpose(1, 2), alpha=scale)
-        probs = scores.softmax(-1, dtype=torch.float32).to(values.dtype)
-        torch.bmm(probs, values[:, :, h], out=out[h])
-    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=group.mask, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: QueryGroup,
@@ -345,7 +355,7 @@ def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     queries = q if group.rows is None else q.index_select(0, group.rows)
     queries = queries.reshape(group.num_seqs, group.q_pad, num_heads, head_dim).transpose(1, 2)
     keys, values = (t.transpose(1, 2) for t in gather_blocks(key_cache, value_cache, group, scratch))
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scale,
-                                         enable_gqa=num_heads != num_kv_heads)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, is_causal=group.mask is None,
+                                         scale=scale, enable_gqa=num_heads != num_kv_heads)
     out = out.transpose(1, 2).reshape(group.num_seqs * group.q_pad, num_heads, head_dim)
     return out if group.keep is None else out.index_select(0, group.keep)

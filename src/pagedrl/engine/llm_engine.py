@@ -181,7 +181,9 @@ class LLMEngine:
                 self.record_prompt_logprob(seq, pos, result.logits[r])
         touched = {seq.request_id for seq in batch.seqs}
         if sample_seqs:
-            logits = result.logits[torch.tensor(sample_rows, device=result.logits.device)]
+            logits = result.logits
+            if sample_rows != list(range(logits.shape[0])):  # else every row, in order: no [S, V] copy
+                logits = logits[torch.tensor(sample_rows, device=logits.device)]
             self.sample_and_append(logits, sample_seqs)
         outputs = [self.make_output(self.requests[rid]) for rid in touched if rid in self.requests]
         for out in outputs:

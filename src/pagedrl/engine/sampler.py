@@ -174,23 +174,29 @@ class Sampler:
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
+        self._raw: Tensor | None = None  # see `_log_softmax`
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got shape {tuple(logits.shape)}")
         logits = logits.float()
         vocab, device = logits.shape[1], logits.device
-        raw = F.log_softmax(logits, dim=-1)
-        x = self._ban(self._penalise(logits, rows), rows)
+        raw = self._log_softmax(logits)
         params = [row.params for row in rows]
-        x = process_logits(
-            x,
-            torch.tensor([p.temperature for p in params], device=device),
-            torch.tensor([p.top_k for p in params], device=device),
-            torch.tensor([p.top_p for p in params], device=device),
-            torch.tensor([p.min_p for p in params], device=device),
-        )
-        logp = F.log_softmax(x, dim=-1)
+        if all(_leaves_logits_unchanged(row, vocab) for row in rows):
+            # Processing would return these very logits (dividing by 1.0 is exact), so the drawn-from
+            # distribution is the raw one: skip two [S, V] passes that would recompute it bit for bit.
+            logp = raw
+        else:
+            x = self._ban(self._penalise(logits, rows), rows)
+            x = process_logits(
+                x,
+                torch.tensor([p.temperature for p in params], device=device),
+                torch.tensor([p.top_k for p in params], device=device),
+                torch.tensor([p.top_p for p in params], device=device),
+                torch.tensor([p.min_p for p in params], device=device),
+            )
+            logp = F.log_softmax(x, dim=-1)
         tokens = self._choose(logp, rows)
         return SamplerOutput(
             token_ids=tokens,
@@ -198,6 +204,19 @@ class Sampler:
             raw_logprobs=raw.gather(1, tokens[:, None]).squeeze(1),
             top_logprobs=_top_logprobs(raw, logp, params, vocab),
         )
+
+    def _log_softmax(self, logits: Tensor) -> Tensor:
+        """`log_softmax(logits)`, on a CPU into a buffer kept across calls: a fresh [S, V] tensor is
+        mapped anew by the C allocator on every step, and its page faults cost three times the
+        log-softmax itself. Nothing returned by `__call__` aliases the buffer."""
+        if logits.device.type != "cpu" or logits.requires_grad:
+            return F.log_softmax(logits, dim=-1)
+        buf = self._raw
+        if (buf is None or buf.numel() < logits.numel() or buf.dtype != logits.dtype
+                or buf.is_inference() != torch.is_inference_mode_enabled()):
+            self._raw = None
+            buf = self._raw = torch.empty(logits.numel(), dtype=logits.dtype)
+        return torch.log_softmax(logits, dim=-1, out=buf[:logits.numel()].view(logits.shape))
 
     def _penalise(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
         picked = [i for i, row in enumerate(rows) if row.params.has_penalties]
@@ -239,16 +258,27 @@ class Sampler:
         shared = [i for i, r in enumerate(rows) if not r.params.is_greedy and r.generator is None]
         if not seeded and not shared:
             return tokens
-        noise = torch.ones_like(logp)
-        for i in seeded:
-            noise[i].exponential_(generator=rows[i].generator)
+        # Noise only for the drawn rows (seeded first, then shared), each row from its own stream.
+        noise = logp.new_empty(len(seeded) + len(shared), vocab)
+        for j, i in enumerate(seeded):
+            noise[j].exponential_(generator=rows[i].generator)
         if shared:
-            index = torch.tensor(shared, device=device)
-            noise[index] = torch.empty(len(shared), vocab, device=device).exponential_(generator=self.generator)
-        # argmax(p / E) == argmax(log p - log E); a zero draw must not turn 0/0 into NaN.
-        race = logp - noise.clamp_min(torch.finfo(noise.dtype).tiny).log()
+            noise[len(seeded):].exponential_(generator=self.generator)
         drawn = torch.tensor(seeded + shared, device=device)
-        return tokens.index_copy(0, drawn, race[drawn].argmax(dim=-1))
+        # argmax(p / E) == argmax(log p - log E); a zero draw must not turn 0/0 into NaN.
+        race = logp.index_select(0, drawn) - noise.clamp_min(torch.finfo(noise.dtype).tiny).log()
+        return tokens.index_copy(0, drawn, race.argmax(dim=-1))
+
+
+def _leaves_logits_unchanged(row: SamplingRow, vocab: int) -> bool:
+    """Whether penalties, bans, temperature and truncation all leave this row's logits as they are
+    (no penalty or ban; temperature 0, or 1 with no top-k, top-p or min-p cut)."""
+    p = row.params
+    if p.has_penalties or row.banned_token_ids:
+        return False
+    if p.temperature == 0.0:
+        return True
+    return p.temperature == 1.0 and (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0
 
 
 def _top_logprobs(raw: Tensor, processed: Tensor, params: Sequence[SamplingParams],

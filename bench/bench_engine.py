@@ -1,0 +1,329 @@
+"""The engine benchmarks of issue 3, on the default SmolLM2-135M-Instruct in float32, in one run.
+
+1. Throughput: the same requests through `LLM.generate` and through transformers' `generate` in
+   static batches (requests in order, each batch left-padded and run to its longest output, with
+   `min_new_tokens = max_new_tokens` so EOS cannot end it early: the usual static baseline).
+   Output and total (prompt + output) tokens/s over the whole run, prefill included.
+2. Roofline: decode FLOP/s at `--roofline-seqs` concurrent sequences against the float32 matmul
+   peak of this machine (best `torch.mm` of large square matrices), measured in the same process.
+3. KV memory: over workload 1, each step, the tokens whose keys and values are in the cache over
+   the slots of the blocks held (blocks used * block_size). The peer's figure is what the static
+   batches of part 1 held: every row of a batch padded to its longest prompt and longest output.
+4. Shared prefix: one 512-token prompt, n=16 samples of 128 tokens: peak blocks held, against the
+   ideal (the prompt's blocks once + 16 completions' blocks) and against no sharing (16 separate
+   requests, prefix caching off).
+
+    .venv/bin/python bench/bench_engine.py                   # the full run recorded in RESULTS.md
+    .venv/bin/python bench/bench_engine.py --num-requests 32 --scale 0.25 --parts throughput,kv
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedrl import LLM, SamplingParams
+from pagedrl.model.loader import resolve_model_path
+
+PARTS = ("throughput", "roofline", "kv", "prefix")
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+
+
+def make_workload(num_requests: int, scale: float, vocab: int, seed: int = 0) -> list[Request]:
+    """Prompt lengths 16-512 and output lengths 16-256 (times `scale`), random token ids."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_requests):
+        prompt_len = max(1, round(rng.randint(16, 512) * scale))
+        max_tokens = max(1, round(rng.randint(16, 256) * scale))
+        out.append(Request([rng.randrange(16, vocab) for _ in range(prompt_len)], max_tokens))
+    return out
+
+
+@dataclass
+class Run:
+    seconds: float
+    prompt_tokens: int
+    output_tokens: int
+    outputs: list[list[int]]
+    kv_live: list[int] = field(default_factory=list)  # per step: tokens with KV in the cache
+    kv_slots: list[int] = field(default_factory=list)  # per step: slots of the blocks held
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_tps(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.seconds
+
+    @property
+    def kv_utilisation(self) -> float:
+        """Live tokens over allocated slots, summed over every step (a time average)."""
+        return sum(self.kv_live) / max(1, sum(self.kv_slots))
+
+
+def run_pagedrl(llm: LLM, workload: list[Request]) -> Run:
+    """`LLM.generate` over the workload; each step also samples the KV cache's occupancy."""
+    engine = llm.engine
+    block_size = engine.config.block_size
+    live: list[int] = []
+    slots: list[int] = []
+    step = engine.step
+
+    def step_and_sample():
+        outs = step()
+        running = engine.scheduler.running
+        live.append(sum(seq.num_computed_tokens for seq in running))
+        slots.append(engine.kv.num_blocks_used * block_size)
+        return outs
+
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
+    engine.step = step_and_sample
+    try:
+        start = time.perf_counter()
+        outs = llm.generate([r.prompt for r in workload], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+    finally:
+        del engine.step
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    assert all(len(t) == r.max_tokens for t, r in zip(tokens, workload, strict=True)), "ignore_eos must hold"
+    return Run(seconds, sum(len(r.prompt) for r in workload), sum(len(t) for t in tokens), tokens, live, slots)
+
+
+def run_transformers(model, workload: list[Request], batch_size: int, pad_token_id: int) -> tuple[Run, float]:
+    """Static batches in request order, left-padded, each run to its longest output. Also returns the
+    share of the KV rows those batches held that were live tokens of a request (same time average)."""
+    live_total = slots_total = 0
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    for first in range(0, len(workload), batch_size):
+        batch = workload[first:first + batch_size]
+        width = max(len(r.prompt) for r in batch)
+        new = max(r.max_tokens for r in batch)
+        ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[i, width - len(r.prompt):] = 1
+        with torch.inference_mode():
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=pad_token_id)
+        assert gen.shape[1] == width + new, "min_new_tokens must hold the batch to its longest output"
+        outputs += [gen[i, width:width + r.max_tokens].tolist() for i, r in enumerate(batch)]
+        # Decode step t (0-based) holds width + t cached rows per sequence, of which a request's own
+        # prompt and its first min(t, max_tokens) outputs are live.
+        for t in range(new):
+            slots_total += len(batch) * (width + t)
+            live_total += sum(len(r.prompt) + min(t, r.max_tokens) for r in batch)
+    seconds = time.perf_counter() - start
+    run = Run(seconds, sum(len(r.prompt) for r in workload), sum(r.max_tokens for r in workload), outputs)
+    return run, live_total / slots_total
+
+
+def matmul_peak(sizes: tuple[int, ...] = (2048, 4096), repeats: int = 5) -> float:
+    """Best float32 FLOP/s of `torch.mm` on large square matrices."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        out = torch.empty(n, n)
+        torch.mm(a, b, out=out)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b, out=out)
+            best = max(best, 2 * n**3 / (time.perf_counter() - start))
+    return best
+
+
+@dataclass
+class Roofline:
+    num_seqs: int
+    mean_context: float
+    step_seconds: float
+    flops: float  # per step: 2 * non-embedding params * tokens + attention
+    head_flops: float  # per step: the LM head's projection, not counted in `flops`
+
+
+def roofline(model, tokenizer, num_seqs: int, context: int, steps: int, vocab: int) -> Roofline:
+    """Median time of a decode step with `num_seqs` sequences of about `context` tokens each."""
+    cfg = model.config
+    llm = LLM.from_module(model, tokenizer, max_num_seqs=num_seqs,
+                          kv_cache_tokens=num_seqs * (context + steps + 2 * 16))
+    engine = llm.engine
+    rng = random.Random(1)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    for _ in range(num_seqs):
+        engine.add_request([rng.randrange(16, vocab) for _ in range(context)], params)
+    while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
+        engine.step()
+    running = engine.scheduler.running
+    assert len(running) == num_seqs, f"only {len(running)} of {num_seqs} sequences run at once"
+    non_embedding = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
+    times, flops, contexts = [], [], []
+    for _ in range(steps):
+        keys = [s.num_computed_tokens + 1 for s in running]  # each query's key count this step
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+        attention = sum(cfg.num_hidden_layers * 4 * k * cfg.num_attention_heads * cfg.head_dim for k in keys)
+        flops.append(2 * non_embedding * num_seqs + attention)
+        contexts.append(sum(keys) / num_seqs)
+        assert len(engine.scheduler.running) == num_seqs
+    order = sorted(range(steps), key=times.__getitem__)
+    mid = order[steps // 2]
+    head = 2 * cfg.hidden_size * cfg.vocab_size * num_seqs
+    result = Roofline(num_seqs, contexts[mid], times[mid], flops[mid], head)
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    return result
+
+
+def peak_blocks(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> int:
+    """Most blocks held by live requests at the end of any step while `prompts` run."""
+    engine = llm.engine
+    peak = 0
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, engine.kv.num_blocks_used)
+    assert all(rid not in engine.requests for rid in ids)
+    return peak
+
+
+def shared_prefix(model, tokenizer, vocab: int, prompt_len: int = 512, n: int = 16, max_tokens: int = 128) -> None:
+    rng = random.Random(2)
+    prompt = [rng.randrange(16, vocab) for _ in range(prompt_len)]
+    block_size = 16
+    shared = LLM.from_module(model, tokenizer, block_size=block_size)
+    sampled = SamplingParams(n=n, temperature=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True)
+    got = peak_blocks(shared, [prompt], sampled)
+    del shared
+    gc.collect()
+    separate = LLM.from_module(model, tokenizer, block_size=block_size, enable_prefix_caching=False)
+    single = SamplingParams(temperature=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True)
+    unshared = peak_blocks(separate, [prompt] * n, single)
+    del separate
+    gc.collect()
+    # The last sampled token is never fed back, so a completion's KV holds max_tokens - 1 tokens.
+    kv_tokens = prompt_len + max_tokens - 1
+    prompt_blocks = prompt_len // block_size  # full prompt blocks shared; a partial one is per sample
+    ideal = prompt_blocks + n * (math.ceil(kv_tokens / block_size) - prompt_blocks)
+    print(f"[prefix] n={n} x {max_tokens} tokens from one {prompt_len}-token prompt, block_size {block_size}")
+    print(f"[prefix]   no sharing (16 requests, prefix caching off): peak {unshared} blocks")
+    print(f"[prefix]   ideal (prompt once + {n} completions):         {ideal} blocks")
+    print(f"[prefix]   pagedrl (n={n}, forked prompt):                peak {got} blocks")
+    print(f"[prefix]   pagedrl / ideal = {got / ideal:.3f} (goal <= 1.05); no sharing / pagedrl = "
+          f"{unshared / got:.2f}x")
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def load_avg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies prompt and output lengths")
+    parser.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of the baseline")
+    parser.add_argument("--roofline-seqs", type=int, default=256)
+    parser.add_argument("--roofline-context", type=int, default=128)
+    parser.add_argument("--roofline-steps", type=int, default=5)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--kv-cache-tokens", type=int, default=None,
+                        help="pagedrl's KV budget for workload 1 (default: LLM()'s)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    parts = set(args.parts.split(","))
+    if not parts <= set(PARTS):
+        raise ValueError(f"--parts must be a subset of {PARTS}, got {sorted(parts)}")
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load_avg()}")
+
+    peak = matmul_peak()
+    print(f"[roofline] float32 matmul peak (torch.mm 2048/4096, best of 5): {peak / 1e9:.1f} GFLOP/s")
+
+    llm = LLM(kv_cache_tokens=args.kv_cache_tokens)
+    model, tokenizer = llm.engine.model, llm.tokenizer
+    print(f"[pagedrl] {llm.engine.kv.num_blocks_total * llm.engine.config.block_size} KV tokens, "
+          f"max_num_seqs {llm.engine.config.max_num_seqs}, "
+          f"max_num_batched_tokens {llm.engine.config.max_num_batched_tokens}")
+    vocab = model.config.vocab_size
+    llm.generate([[100, 200, 300]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+
+    if parts & {"throughput", "kv"}:
+        workload = make_workload(args.num_requests, args.scale, vocab)
+        prompt_tokens = sum(len(r.prompt) for r in workload)
+        output_tokens = sum(r.max_tokens for r in workload)
+        print(f"[workload] {len(workload)} requests, {prompt_tokens} prompt + {output_tokens} output tokens "
+              f"(scale {args.scale}), ignore_eos, greedy")
+        ours = run_pagedrl(llm, workload)
+        print(f"[pagedrl] {ours.seconds:.1f} s, {len(ours.kv_live)} steps, load average {load_avg()}")
+        if "throughput" in parts:
+            from transformers import AutoModelForCausalLM
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+            hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(None), dtype=torch.float32).eval()
+            pad = hf.generation_config.pad_token_id
+            pad = 2 if pad is None else int(pad if isinstance(pad, int) else pad[0])
+            run_transformers(hf, workload[:2], 2, pad)  # warm-up
+            peer, peer_kv = run_transformers(hf, workload, args.hf_batch_size, pad)
+            print(f"[transformers] {peer.seconds:.1f} s, static batches of {args.hf_batch_size}, "
+                  f"load average {load_avg()}")
+            agree = sum(common_prefix(x, y) for x, y in zip(ours.outputs, peer.outputs, strict=True))
+            print(f"[throughput] greedy outputs agree up to the first differing token on {agree / output_tokens:.1%} "
+                  f"of output tokens (float32 rounding differs between the two attention paths)")
+            print(f"[throughput] output tok/s: transformers {peer.output_tps:.1f} | pagedrl {ours.output_tps:.1f}"
+                  f" | ratio {ours.output_tps / peer.output_tps:.2f}x (goal >= 3x)")
+            print(f"[throughput] total tok/s:  transformers {peer.total_tps:.1f} | pagedrl {ours.total_tps:.1f}"
+                  f" | ratio {ours.total_tps / peer.total_tps:.2f}x")
+            del hf
+            gc.collect()
+        if "kv" in parts or "throughput" in parts:
+            line = f"[kv] live tokens / allocated slots over {len(ours.kv_live)} steps: pagedrl {ours.kv_utilisation:.1%}"
+            if "throughput" in parts:
+                line += f" | static batches (transformers) {peer_kv:.1%}"
+            print(line + " (goal >= 95%)")
+    del llm
+    gc.collect()
+
+    if "roofline" in parts:
+        r = roofline(model, tokenizer, args.roofline_seqs, args.roofline_context, args.roofline_steps, vocab)
+        achieved = r.flops / r.step_seconds
+        with_head = (r.flops + r.head_flops) / r.step_seconds
+        print(f"[roofline] decode step, {r.num_seqs} sequences, mean context {r.mean_context:.0f}: "
+              f"{r.step_seconds * 1e3:.0f} ms (median of {args.roofline_steps})")
+        print(f"[roofline] achieved {achieved / 1e9:.1f} GFLOP/s (2 x non-embedding params + attention) | "
+              f"peak {peak / 1e9:.1f} | {achieved / peak:.1%} of peak (goal >= 60%)")
+        print(f"[roofline]   counting the LM head's projection too: {with_head / 1e9:.1f} GFLOP/s, "
+              f"{with_head / peak:.1%} of peak")
+        gc.collect()
+
+    if "prefix" in parts:
+        shared_prefix(model, tokenizer, vocab)
+    print(f"load average at the end {load_avg()}")
+
+
+if __name__ == "__main__":
+    main()

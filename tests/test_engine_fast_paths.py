@@ -1,0 +1,148 @@
+"""The engine's CPU shortcuts compute exactly what the long way computes.
+
+- Sampler rows whose processing is a no-op (greedy, or temperature 1 with no cut, penalty or ban)
+  skip it: tokens and log-probs are bit-for-bit those of the full path, and every other kind of
+  row still takes the full path.
+- The sampler's reused log-softmax buffer never leaks into what it returns.
+- The runner's logits projection into a reused buffer equals the model's own `logits`, and a model
+  that overrides `logits` is respected.
+- Fresh prompts are attended causally without a mask, continued prefills keep theirs.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from tiny import FAMILIES
+
+from pagedrl.engine import attention, sampler
+from pagedrl.engine.model_runner import ModelRunner
+from pagedrl.engine.sampler import Sampler, SamplingRow, make_generator
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.model.config import ModelConfig
+from pagedrl.model.decoder import CausalLM
+
+VOCAB = 97
+
+
+def plain_rows() -> list[SamplingRow]:
+    return [
+        SamplingRow(SamplingParams(temperature=0.0)),
+        SamplingRow(SamplingParams(temperature=1.0, seed=5), generator=make_generator(5)),
+        SamplingRow(SamplingParams(temperature=1.0, logprobs=3)),
+        SamplingRow(SamplingParams(temperature=0.0, top_k=3, top_p=0.5, logprobs=2)),  # greedy ignores cuts
+        SamplingRow(SamplingParams(temperature=1.0, top_k=VOCAB, top_p=1.0, min_p=0.0)),
+    ]
+
+
+def sample(rows: list[SamplingRow], logits: torch.Tensor, force_full_path: bool):
+    """Sampler output from fresh generators, optionally with the shortcut disabled."""
+    for row in rows:
+        if row.generator is not None:
+            row.generator = make_generator(row.params.seed)
+    draw = Sampler(torch.Generator().manual_seed(11))
+    if not force_full_path:
+        return draw(logits, rows)
+    with mock.patch.object(sampler, "_leaves_logits_unchanged", lambda row, vocab: False):
+        return draw(logits, rows)
+
+
+def test_plain_rows_give_the_full_paths_tokens_and_logprobs_bit_for_bit() -> None:
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    rows = plain_rows()
+    assert all(sampler._leaves_logits_unchanged(row, VOCAB) for row in rows)
+    fast, full = sample(rows, logits, False), sample(rows, logits, True)
+    assert torch.equal(fast.token_ids, full.token_ids)
+    assert torch.equal(fast.logprobs, full.logprobs)
+    assert torch.equal(fast.raw_logprobs, full.raw_logprobs)
+    assert fast.top_logprobs == full.top_logprobs
+
+
+@pytest.mark.parametrize("params, banned", [
+    (SamplingParams(temperature=0.7), ()),
+    (SamplingParams(temperature=1.0, top_k=5), ()),
+    (SamplingParams(temperature=1.0, top_p=0.9), ()),
+    (SamplingParams(temperature=1.0, min_p=0.1), ()),
+    (SamplingParams(temperature=0.0, repetition_penalty=1.2), ()),
+    (SamplingParams(temperature=1.0, presence_penalty=0.5), ()),
+    (SamplingParams(temperature=0.0), (3,)),
+])
+def test_rows_that_change_the_logits_take_the_full_path(params: SamplingParams, banned: tuple[int, ...]) -> None:
+    row = SamplingRow(params, prompt_token_ids=[1, 2], output_token_ids=[3], banned_token_ids=banned)
+    assert not sampler._leaves_logits_unchanged(row, VOCAB)
+    # One such row in a batch sends the whole batch the full way, with the same result as alone.
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))
+    rows = [SamplingRow(SamplingParams(temperature=0.0)), row]
+    mixed, full = sample(rows, logits, False), sample(rows, logits, True)
+    assert torch.equal(mixed.token_ids, full.token_ids) and torch.equal(mixed.logprobs, full.logprobs)
+
+
+def test_reused_log_softmax_buffer_is_never_returned() -> None:
+    gen = torch.Generator().manual_seed(2)
+    draw = Sampler()
+    rows = [SamplingRow(SamplingParams(temperature=0.0, logprobs=4)) for _ in range(3)]
+    first_logits = torch.randn(3, VOCAB, generator=gen)
+    first = draw(first_logits, rows)
+    kept = (first.token_ids.clone(), first.logprobs.clone(), first.raw_logprobs.clone(), first.top_logprobs)
+    with torch.inference_mode():  # the buffer follows the mode it is used in
+        draw(torch.randn(3, VOCAB, generator=gen), rows)
+    second = draw(torch.randn(2, VOCAB, generator=gen), rows[:2])
+    assert torch.equal(first.token_ids, kept[0]) and torch.equal(first.logprobs, kept[1])
+    assert torch.equal(first.raw_logprobs, kept[2]) and first.top_logprobs == kept[3]
+    expected = torch.log_softmax(first_logits, -1).max(-1)
+    assert torch.equal(first.token_ids, expected.indices) and torch.equal(first.logprobs, expected.values)
+    assert second.token_ids.shape == (2,)
+
+
+def tiny_model() -> CausalLM:
+    torch.manual_seed(0)
+    return CausalLM(ModelConfig.from_dict(FAMILIES["llama-gqa-untied"])).eval()
+
+
+def test_projection_into_the_reused_buffer_equals_the_models_logits() -> None:
+    model = tiny_model()
+    runner = ModelRunner(model, kv_cache=None, kv=None, block_size=16)
+    hidden = torch.randn(7, model.config.hidden_size)
+    with torch.inference_mode():
+        big = runner.project(hidden)
+        assert torch.equal(big, model.logits(hidden))
+        buffer = runner._logits
+        small = runner.project(hidden[:3])
+        assert runner._logits is buffer  # fewer rows reuse the buffer
+        assert torch.equal(small, model.logits(hidden[:3]))
+
+
+def test_a_model_that_overrides_logits_is_respected() -> None:
+    class Scaled(CausalLM):
+        def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+            return 2 * super().logits(hidden)
+
+    model = Scaled(ModelConfig.from_dict(FAMILIES["llama-gqa-untied"])).eval()
+    runner = ModelRunner(model, kv_cache=None, kv=None, block_size=16)
+    hidden = torch.randn(4, model.config.hidden_size)
+    with torch.inference_mode():
+        assert torch.equal(runner.project(hidden), model.logits(hidden))
+    assert runner._logits is None
+
+
+def test_fresh_prompts_skip_the_mask_and_continued_prefills_keep_it() -> None:
+    q_lens = [1, 5, 3, 4, 6]
+    seq_lens = [9, 5, 3, 12, 6]  # a decode, three fresh prompts, a chunk over 8 cached tokens
+    tables = torch.arange(5 * 4).view(5, 4)
+    for chunk_tokens in (None, 4 * 16, 1 << 20):
+        groups = attention.plan_groups(q_lens, seq_lens, tables, 4, torch.device("cpu"), torch.float32,
+                                       chunk_tokens=chunk_tokens)
+        for group in groups:
+            members = group.out_rows.tolist() if group.out_rows is not None else []
+            if group.is_decode:
+                assert group.mask is not None
+            elif chunk_tokens is not None:
+                # On a CPU a group never mixes fresh prompts with continued prefills.
+                rows_of = {0: [0], 1: list(range(1, 6)), 2: list(range(6, 9)), 3: list(range(9, 13)),
+                           4: list(range(13, 19))}
+                seqs = {s for s, rows in rows_of.items() if set(rows) & set(members)}
+                assert (group.mask is None) == (seqs <= {1, 2, 4})
+        if chunk_tokens is None:  # one prefill group holding a continued chunk: it needs the mask
+            assert [g.mask is None for g in groups] == [False, False]
