@@ -92,18 +92,23 @@ def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source:
     model.load_state_dict(state, strict=False)
 
 
-def load_causal_lm(folder: str | Path, device: str | torch.device = "cpu",
-                   dtype: torch.dtype | None = None) -> CausalLM:
-    """Build a CausalLM from a Hugging Face folder."""
-    folder = Path(folder)
+def read_folder_config(folder: Path) -> ModelConfig:
+    """The `config.json` of a checkpoint folder, every problem reported as a CheckpointError."""
     if not folder.exists():
         raise CheckpointError(f"{folder}: no such folder")
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a folder (a GGUF file is loaded by file name ending in .gguf)")
     try:
-        cfg = ModelConfig.from_file(folder / "config.json")
+        return ModelConfig.from_file(folder / "config.json")
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
+
+
+def load_causal_lm(folder: str | Path, device: str | torch.device = "cpu",
+                   dtype: torch.dtype | None = None) -> CausalLM:
+    """Build a CausalLM from a Hugging Face folder."""
+    folder = Path(folder)
+    cfg = read_folder_config(folder)
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):
         model = CausalLM(cfg)

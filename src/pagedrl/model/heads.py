@@ -28,6 +28,7 @@ from pagedrl.model.checkpoint import (
     CheckpointError,
     default_dtype,
     load_weights,
+    read_folder_config,
     read_state_dict,
     save_checkpoint,
 )
@@ -96,12 +97,7 @@ def load_sequence_scorer(folder: str | Path, device: str | torch.device = "cpu",
     """A reward model from a Hugging Face folder: a saved classifier (`score.weight` present), or,
     with `new_head`, a causal LM whose LM head is replaced by a `score` head drawn with `generator`."""
     folder = Path(folder)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: no such folder (a reward model loads from a Hugging Face folder)")
-    try:
-        cfg = ModelConfig.from_file(folder / "config.json")
-    except ConfigError as e:
-        raise CheckpointError(str(e)) from None
+    cfg = read_folder_config(folder)
     origins: dict[str, str] = {}
     state = read_state_dict(folder, origins=origins)
     fresh_head = SCORE_WEIGHT not in state
