@@ -3,15 +3,22 @@
 1. Throughput: the same requests through `LLM.generate` and through transformers' `generate` in
    static batches (requests in order, each batch left-padded and run to its longest output, with
    `min_new_tokens = max_new_tokens` so EOS cannot end it early: the usual static baseline).
-   Output and total (prompt + output) tokens/s over the whole run, prefill included.
+   Output and total (prompt + output) tokens/s over the whole run, prefill included. pagedrl runs
+   twice: with `LLM()`'s defaults (a 16384-token KV cache on a CPU), and with a KV cache that holds
+   every request at once (what a GPU's free memory would give), so nothing waits or is preempted.
 2. Roofline: decode FLOP/s at `--roofline-seqs` concurrent sequences against the float32 matmul
    peak of this machine (best `torch.mm` of large square matrices), measured in the same process.
+   FLOPs are 2 * non-embedding parameters per token plus attention (4 * keys * heads * head_dim per
+   token and layer); the LM head's projection is shown apart.
 3. KV memory: over workload 1, each step, the tokens whose keys and values are in the cache over
-   the slots of the blocks held (blocks used * block_size). The peer's figure is what the static
-   batches of part 1 held: every row of a batch padded to its longest prompt and longest output.
+   the slots of the blocks held (blocks used * block_size), averaged over steps. The peer's figure
+   is what the static batches of part 1 held: each row padded to its batch's longest prompt and
+   longest output, a finished row held to the end.
 4. Shared prefix: one 512-token prompt, n=16 samples of 128 tokens: peak blocks held, against the
    ideal (the prompt's blocks once + 16 completions' blocks) and against no sharing (16 separate
    requests, prefix caching off).
+
+Absolute times drift on a shared machine (the load average is printed); ratios hold better.
 
     .venv/bin/python bench/bench_engine.py                   # the full run recorded in RESULTS.md
     .venv/bin/python bench/bench_engine.py --num-requests 32 --scale 0.25 --parts throughput,kv
@@ -133,6 +140,15 @@ def run_transformers(model, workload: list[Request], batch_size: int, pad_token_
     return run, live_total / slots_total
 
 
+def hf_kv_bytes(config, workload: list[Request], batch_size: int) -> int:
+    """Keys and values the largest static batch holds at its last step (float32)."""
+    rows = max(min(batch_size, len(workload) - i) * (max(len(r.prompt) for r in workload[i:i + batch_size])
+                                                     + max(r.max_tokens for r in workload[i:i + batch_size]))
+               for i in range(0, len(workload), batch_size))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return rows * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+
+
 def matmul_peak(sizes: tuple[int, ...] = (2048, 4096), repeats: int = 5) -> float:
     """Best float32 FLOP/s of `torch.mm` on large square matrices."""
     best = 0.0
@@ -159,11 +175,14 @@ class Roofline:
 def roofline(model, tokenizer, num_seqs: int, context: int, steps: int, vocab: int) -> Roofline:
     """Median time of a decode step with `num_seqs` sequences of about `context` tokens each."""
     cfg = model.config
-    llm = LLM.from_module(model, tokenizer, max_num_seqs=num_seqs,
-                          kv_cache_tokens=num_seqs * (context + steps + 2 * 16))
+    budget = 2048  # max_num_batched_tokens
+    # Long enough that the first sequences admitted are still decoding when the last prompt is in.
+    max_tokens = steps + 8 + 2 * math.ceil(num_seqs * context / budget)
+    llm = LLM.from_module(model, tokenizer, max_num_seqs=num_seqs, max_num_batched_tokens=budget,
+                          kv_cache_tokens=num_seqs * (context + max_tokens + 16))
     engine = llm.engine
     rng = random.Random(1)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for _ in range(num_seqs):
         engine.add_request([rng.randrange(16, vocab) for _ in range(context)], params)
     while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
@@ -249,8 +268,8 @@ def main() -> None:
     parser.add_argument("--roofline-steps", type=int, default=5)
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--kv-cache-tokens", type=int, default=None,
-                        help="pagedrl's KV budget for workload 1 (default: LLM()'s)")
+    parser.add_argument("--no-fit", action="store_true",
+                        help="run workload 1 with LLM()'s defaults only, not also with a KV cache that fits it")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -263,11 +282,8 @@ def main() -> None:
     peak = matmul_peak()
     print(f"[roofline] float32 matmul peak (torch.mm 2048/4096, best of 5): {peak / 1e9:.1f} GFLOP/s")
 
-    llm = LLM(kv_cache_tokens=args.kv_cache_tokens)
+    llm = LLM()
     model, tokenizer = llm.engine.model, llm.tokenizer
-    print(f"[pagedrl] {llm.engine.kv.num_blocks_total * llm.engine.config.block_size} KV tokens, "
-          f"max_num_seqs {llm.engine.config.max_num_seqs}, "
-          f"max_num_batched_tokens {llm.engine.config.max_num_batched_tokens}")
     vocab = model.config.vocab_size
     llm.generate([[100, 200, 300]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
 
@@ -277,8 +293,26 @@ def main() -> None:
         output_tokens = sum(r.max_tokens for r in workload)
         print(f"[workload] {len(workload)} requests, {prompt_tokens} prompt + {output_tokens} output tokens "
               f"(scale {args.scale}), ignore_eos, greedy")
-        ours = run_pagedrl(llm, workload)
-        print(f"[pagedrl] {ours.seconds:.1f} s, {len(ours.kv_live)} steps, load average {load_avg()}")
+        # Two KV budgets: LLM()'s CPU default, and one that holds every request at once (what a
+        # GPU's free memory would give), so that no request waits for memory or is preempted.
+        block = llm.engine.config.block_size
+        fit = sum(math.ceil((len(r.prompt) + r.max_tokens) / block) * block for r in workload)
+        configs = {"defaults": llm}
+        if not args.no_fit:
+            configs["KV fits all"] = LLM.from_module(model, tokenizer, kv_cache_tokens=fit)
+        ours: dict[str, Run] = {}
+        for name, engine_llm in configs.items():
+            cfg = engine_llm.engine.config
+            kv_tokens = engine_llm.engine.kv.num_blocks_total * cfg.block_size
+            kv_gib = engine_llm.engine.kv_cache.nbytes / 2**30
+            ours[name] = run = run_pagedrl(engine_llm, workload)
+            print(f"[pagedrl, {name}] {kv_tokens} KV tokens ({kv_gib:.2f} GiB), max_num_seqs {cfg.max_num_seqs}, "
+                  f"max_num_batched_tokens {cfg.max_num_batched_tokens}: {run.seconds:.1f} s, "
+                  f"{len(run.kv_live)} steps, {engine_llm.stats()['num_preemptions']} preemptions, "
+                  f"load average {load_avg()}")
+        del configs
+        gc.collect()
+        peer_kv = None
         if "throughput" in parts:
             from transformers import AutoModelForCausalLM
             from transformers.utils import logging as hf_logging
@@ -289,20 +323,24 @@ def main() -> None:
             pad = 2 if pad is None else int(pad if isinstance(pad, int) else pad[0])
             run_transformers(hf, workload[:2], 2, pad)  # warm-up
             peer, peer_kv = run_transformers(hf, workload, args.hf_batch_size, pad)
-            print(f"[transformers] {peer.seconds:.1f} s, static batches of {args.hf_batch_size}, "
-                  f"load average {load_avg()}")
-            agree = sum(common_prefix(x, y) for x, y in zip(ours.outputs, peer.outputs, strict=True))
-            print(f"[throughput] greedy outputs agree up to the first differing token on {agree / output_tokens:.1%} "
-                  f"of output tokens (float32 rounding differs between the two attention paths)")
-            print(f"[throughput] output tok/s: transformers {peer.output_tps:.1f} | pagedrl {ours.output_tps:.1f}"
-                  f" | ratio {ours.output_tps / peer.output_tps:.2f}x (goal >= 3x)")
-            print(f"[throughput] total tok/s:  transformers {peer.total_tps:.1f} | pagedrl {ours.total_tps:.1f}"
-                  f" | ratio {ours.total_tps / peer.total_tps:.2f}x")
+            hf_gib = hf_kv_bytes(hf.config, workload, args.hf_batch_size) / 2**30
+            print(f"[transformers] static batches of {args.hf_batch_size} (largest holds {hf_gib:.2f} GiB of KV): "
+                  f"{peer.seconds:.1f} s, load average {load_avg()}")
+            for name, run in ours.items():
+                agree = sum(common_prefix(x, y) for x, y in zip(run.outputs, peer.outputs, strict=True))
+                print(f"[throughput] pagedrl ({name}) and transformers agree on {agree / output_tokens:.1%} of "
+                      f"output tokens up to the first difference (float32 rounding differs)")
+            for name, run in ours.items():
+                print(f"[throughput] output tok/s: transformers {peer.output_tps:.1f} | pagedrl ({name}) "
+                      f"{run.output_tps:.1f} | ratio {run.output_tps / peer.output_tps:.2f}x (goal >= 3x)")
+                print(f"[throughput] total tok/s:  transformers {peer.total_tps:.1f} | pagedrl ({name}) "
+                      f"{run.total_tps:.1f} | ratio {run.total_tps / peer.total_tps:.2f}x")
             del hf
             gc.collect()
-        if "kv" in parts or "throughput" in parts:
-            line = f"[kv] live tokens / allocated slots over {len(ours.kv_live)} steps: pagedrl {ours.kv_utilisation:.1%}"
-            if "throughput" in parts:
+        for name, run in ours.items():
+            line = (f"[kv] live tokens / allocated slots, mean over {len(run.kv_live)} steps: pagedrl ({name}) "
+                    f"{run.kv_utilisation:.1%}")
+            if peer_kv is not None:
                 line += f" | static batches (transformers) {peer_kv:.1%}"
             print(line + " (goal >= 95%)")
     del llm

@@ -129,20 +129,24 @@ def test_a_model_that_overrides_logits_is_respected() -> None:
 
 def test_fresh_prompts_skip_the_mask_and_continued_prefills_keep_it() -> None:
     q_lens = [1, 5, 3, 4, 6]
-    seq_lens = [9, 5, 3, 12, 6]  # a decode, three fresh prompts, a chunk over 8 cached tokens
-    tables = torch.arange(5 * 4).view(5, 4)
-    for chunk_tokens in (None, 4 * 16, 1 << 20):
+    seq_lens = [9, 5, 3, 12, 6]  # a decode, fresh prompts (1, 2, 4), a chunk over 8 cached tokens (3)
+    tables = torch.arange(5 * 4).view(5, 4)  # sequence s holds blocks 4s..4s+3
+    fresh = {1, 2, 4}
+    for chunk_tokens in (4 * 4, 1 << 20):  # CPU cuts: one sequence per group, or as few as allowed
         groups = attention.plan_groups(q_lens, seq_lens, tables, 4, torch.device("cpu"), torch.float32,
                                        chunk_tokens=chunk_tokens)
+        covered = []
         for group in groups:
-            members = group.out_rows.tolist() if group.out_rows is not None else []
+            members = {int(b) // 4 for b in group.block_ids.view(group.num_seqs, -1)[:, 0]}
+            covered += members
             if group.is_decode:
-                assert group.mask is not None
-            elif chunk_tokens is not None:
-                # On a CPU a group never mixes fresh prompts with continued prefills.
-                rows_of = {0: [0], 1: list(range(1, 6)), 2: list(range(6, 9)), 3: list(range(9, 13)),
-                           4: list(range(13, 19))}
-                seqs = {s for s, rows in rows_of.items() if set(rows) & set(members)}
-                assert (group.mask is None) == (seqs <= {1, 2, 4})
-        if chunk_tokens is None:  # one prefill group holding a continued chunk: it needs the mask
-            assert [g.mask is None for g in groups] == [False, False]
+                assert members == {0} and group.mask is not None
+            else:  # fresh prompts and continued prefills are never mixed; only the fresh skip the mask
+                assert members <= fresh or not members & fresh
+                assert (group.mask is None) == (members <= fresh)
+        assert sorted(covered) == list(range(5))
+    # Without cuts (a GPU), one prefill group holds the continued chunk too, so it keeps the mask.
+    groups = attention.plan_groups(q_lens, seq_lens, tables, 4, torch.device("cpu"), torch.float32)
+    assert [(g.is_decode, g.mask is None) for g in groups] == [(True, False), (False, False)]
+    only_fresh = attention.plan_groups([5, 3], [5, 3], tables[:2], 4, torch.device("cpu"), torch.float32)
+    assert [(g.is_decode, g.mask is None) for g in only_fresh] == [(False, True)]
