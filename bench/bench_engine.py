@@ -125,6 +125,7 @@ def run_transformers(model, workload: list[Request], batch_size: int, pad_token_
         for i, r in enumerate(batch):
             ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
             mask[i, width - len(r.prompt):] = 1
+        ids, mask = ids.to(model.device), mask.to(model.device)
         with torch.inference_mode():
             gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                  do_sample=False, pad_token_id=pad_token_id)
