@@ -4,12 +4,13 @@
    static batches (requests in order, each batch left-padded and run to its longest output, with
    `min_new_tokens = max_new_tokens` so EOS cannot end it early: the usual static baseline).
    Output and total (prompt + output) tokens/s over the whole run, prefill included. pagedrl runs
-   twice: with `LLM()`'s defaults (a 16384-token KV cache on a CPU), and with a KV cache that holds
+   twice: with `LLM()`'s defaults (a 4 GiB KV cache on a CPU), and with a KV cache that holds
    every request at once (what a GPU's free memory would give), so nothing waits or is preempted.
 2. Roofline: decode FLOP/s at `--roofline-seqs` concurrent sequences against the float32 matmul
    peak of this machine (best `torch.mm` of large square matrices), measured in the same process.
-   FLOPs are 2 * non-embedding parameters per token plus attention (4 * keys * heads * head_dim per
-   token and layer); the LM head's projection is shown apart.
+   FLOPs are every matmul the step runs: 2 * (decoder-layer parameters + the LM head's) per token,
+   plus attention (4 * keys * heads * head_dim per token and layer); the figure without the LM head
+   is shown too.
 3. KV memory: over workload 1, each step, the tokens whose keys and values are in the cache over
    the slots of the blocks held (blocks used * block_size), averaged over steps. The peer's figure
    is what the static batches of part 1 held: each row padded to its batch's longest prompt and
@@ -169,7 +170,7 @@ class Roofline:
     num_seqs: int
     mean_context: float
     step_seconds: float
-    flops: float  # per step: 2 * non-embedding params * tokens + attention
+    flops: float  # per step: 2 * decoder-layer params * tokens + attention
     head_flops: float  # per step: the LM head's projection, not counted in `flops`
 
 
@@ -190,7 +191,10 @@ def roofline(model, tokenizer, num_seqs: int, context: int, steps: int, vocab: i
         engine.step()
     running = engine.scheduler.running
     assert len(running) == num_seqs, f"only {len(running)} of {num_seqs} sequences run at once"
-    non_embedding = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
+    # The decoder layers' weights (norms included, a rounding error): the embedding is a lookup, and
+    # the LM head's projection is counted apart whether or not it is tied to the embedding.
+    layer_params = sum(p.numel() for n, p in model.named_parameters()
+                       if not n.startswith(("model.embed_tokens.", "lm_head.")))
     times, flops, contexts = [], [], []
     for _ in range(steps):
         keys = [s.num_computed_tokens + 1 for s in running]  # each query's key count this step
@@ -198,7 +202,7 @@ def roofline(model, tokenizer, num_seqs: int, context: int, steps: int, vocab: i
         engine.step()
         times.append(time.perf_counter() - start)
         attention = sum(cfg.num_hidden_layers * 4 * k * cfg.num_attention_heads * cfg.head_dim for k in keys)
-        flops.append(2 * non_embedding * num_seqs + attention)
+        flops.append(2 * layer_params * num_seqs + attention)
         contexts.append(sum(keys) / num_seqs)
         assert len(engine.scheduler.running) == num_seqs
     order = sorted(range(steps), key=times.__getitem__)
@@ -349,14 +353,15 @@ def main() -> None:
 
     if "roofline" in parts:
         r = roofline(model, tokenizer, args.roofline_seqs, args.roofline_context, args.roofline_steps, vocab)
-        achieved = r.flops / r.step_seconds
-        with_head = (r.flops + r.head_flops) / r.step_seconds
+        achieved = (r.flops + r.head_flops) / r.step_seconds
+        layers_only = r.flops / r.step_seconds
         print(f"[roofline] decode step, {r.num_seqs} sequences, mean context {r.mean_context:.0f}: "
               f"{r.step_seconds * 1e3:.0f} ms (median of {args.roofline_steps})")
-        print(f"[roofline] achieved {achieved / 1e9:.1f} GFLOP/s (2 x non-embedding params + attention) | "
-              f"peak {peak / 1e9:.1f} | {achieved / peak:.1%} of peak (goal >= 60%)")
-        print(f"[roofline]   counting the LM head's projection too: {with_head / 1e9:.1f} GFLOP/s, "
-              f"{with_head / peak:.1%} of peak")
+        print(f"[roofline] achieved {achieved / 1e9:.1f} GFLOP/s (every matmul of the step: 2 x (decoder-layer "
+              f"params + LM head) per token, plus attention) | peak {peak / 1e9:.1f} | {achieved / peak:.1%} of peak "
+              f"(goal >= 60%)")
+        print(f"[roofline]   without the LM head's projection: {layers_only / 1e9:.1f} GFLOP/s, "
+              f"{layers_only / peak:.1%} of peak")
         gc.collect()
 
     if "prefix" in parts:

@@ -12,7 +12,7 @@ from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.loader import load_model
 from pagedrl.train.config import GRPOConfig
 from pagedrl.train.distributed import DistInfo
-from pagedrl.train.grpo import GRPO, run_grpo
+from pagedrl.train.grpo import GRPO, rollout_kv_tokens, run_grpo
 from pagedrl.train.grpo_batch import collate_grpo, split_units
 from pagedrl.train.rollout import Group
 
@@ -89,6 +89,18 @@ def test_first_step_ratio_is_one_and_engine_agrees_with_trainer(tiny_train_model
         assert torch.isfinite(loss)
         assert float(metrics["sampling/sampling_logp_difference/max"].total) < 1e-4
         assert float(metrics["clip_ratio/region_mean"].total) == 0.0  # ratio exactly 1: nothing clipped
+
+
+def test_rollout_kv_is_sized_to_one_step(tiny_train_model, prompts_file) -> None:
+    """With no budget given, the engine's cache holds one step's rollout at once: no preemption, and
+    not the host-sized default of a serving engine."""
+    algo = grpo(tiny_train_model, prompts_file, max_prompt_length=64)
+    kv_tokens = algo.llm.stats()["num_blocks_total"] * algo.llm.engine.config.block_size
+    # 4 prompts x 64 tokens + 16 completions x (12 + 16)
+    assert kv_tokens == rollout_kv_tokens(algo.config, algo.prompts_per_step) == 4 * 64 + 16 * 28
+    algo.step_batches(1)
+    assert algo.llm.stats()["num_preemptions"] == 0
+    assert grpo(tiny_train_model, prompts_file, kv_cache_tokens=160).llm.stats()["num_blocks_total"] == 10
 
 
 def test_engine_runs_on_the_trainers_tensors(tiny_train_model, prompts_file) -> None:

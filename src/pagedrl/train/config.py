@@ -181,7 +181,7 @@ class GRPOConfig(TrainConfig):
     top_p: float = 1.0
     top_k: int = 0
     min_p: float | None = None
-    kv_cache_tokens: int | None = None  # the rollout engine's KV budget (None: the engine's default)
+    kv_cache_tokens: int | None = None  # the rollout engine's KV budget (None: one step's rollout at once)
     # Loss.
     epsilon: float = 0.2
     epsilon_high: float | None = None  # None: epsilon; DAPO recommends 0.28

@@ -125,7 +125,8 @@ class GRPO(Algorithm):
         self.eval_rows = self.source.eval_rows(config.eval_dataset)
         # The engine runs on the policy's parameters themselves: no copy, no sync.
         self.llm = LLM.from_module(model, tokenizer, eos_token_ids=eos_token_ids,
-                                   kv_cache_tokens=config.kv_cache_tokens, seed=config.seed,
+                                   kv_cache_tokens=config.kv_cache_tokens or rollout_kv_tokens(config, self.prompts_per_step),
+                                   seed=config.seed,
                                    max_num_seqs=max(256, completions_per_step))
         self.sampling = SamplingParams(n=G, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                                        min_p=config.min_p or 0.0, max_tokens=config.max_completion_length,
@@ -303,6 +304,15 @@ def evaluate_rows(llm: LLM, rows: Sequence[Mapping[str, Any]], encode, reward: t
     if not scored:
         return float("nan"), float("nan")
     return sum(1.0 for v in scored if v >= 1.0) / len(scored), sum(scored) / len(scored)
+
+
+def rollout_kv_tokens(config: GRPOConfig, prompts_per_step: int, block_size: int = 16) -> int:
+    """The KV budget that holds one step's rollout at once: each prompt once (its blocks are shared by
+    the group) and each completion with a block of slack for the copied partial prompt block. Sized
+    to the step, not to the host, so the engine holds no memory the rollout does not use."""
+    prompt = config.max_prompt_length or 512
+    completions = prompts_per_step * config.num_generations
+    return prompts_per_step * prompt + completions * (config.max_completion_length + block_size)
 
 
 def run_grpo(config: GRPOConfig, progress: bool = True) -> Path:
