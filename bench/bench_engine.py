@@ -21,7 +21,7 @@
 
 Absolute times drift on a shared machine (the load average is printed); ratios hold better.
 
-    .venv/bin/python bench/bench_engine.py                   # the full run recorded in RESULTS.md
+    .venv/bin/python bench/bench_engine.py --no-fit          # the run recorded in RESULTS.md (25 min)
     .venv/bin/python bench/bench_engine.py --num-requests 32 --scale 0.25 --parts throughput,kv
 """
 
