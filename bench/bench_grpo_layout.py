@@ -32,9 +32,9 @@ import torch
 from pagedrl import LLM, SamplingParams
 from pagedrl.model.attention import DenseAttention
 from pagedrl.train.arithmetic import ArithmeticTask
-from pagedrl.train.data import tokenize_prompt
 from pagedrl.train.grpo_batch import GRPOBatch, Unit, collate_grpo, split_units
 from pagedrl.train.rollout import Group, sample_groups
+from pagedrl.train.tokenization import tokenize_prompt
 
 G, PROMPTS, LENGTH, MICRO_BATCHES = 8, 8, 64, 4
 

@@ -16,10 +16,8 @@ from pagedrl.train.data import (
     PromptCompletionRows,
     PromptRows,
     load_examples,
-    tokenize_preference,
-    tokenize_prompt,
-    tokenize_prompt_completion,
 )
+from pagedrl.train.tokenization import tokenize_preference, tokenize_prompt, tokenize_prompt_completion
 
 CHAT_PROMPT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is two plus three"}]
 CHAT_COMPLETION = [{"role": "assistant", "content": "five"}]

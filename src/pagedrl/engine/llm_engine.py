@@ -270,7 +270,7 @@ class LLMEngine:
             if seq.params.logprobs is not None:
                 logprobs = [self.logprob_entry(seq, i) for i in range(seq.num_output_tokens)]
             outs.append(CompletionOutput(
-                index=seq.index, text=seq.text, token_ids=seq.token_ids[seq.num_prompt_tokens:],
+                index=seq.index, text=seq.text, token_ids=seq.output_token_ids,
                 cumulative_logprob=float(sum(seq.raw_logprobs)) if seq.raw_logprobs else 0.0,
                 logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 sampled_logprobs=list(seq.sampled_logprobs), raw_logprobs=list(seq.raw_logprobs)))

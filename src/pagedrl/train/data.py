@@ -7,11 +7,7 @@ Formats (each text field a plain string or a list of chat messages `{"role", "co
 `{"text"}` / `{"messages"}` (SFT on every token). Other columns are kept as `extra`, for reward
 functions.
 
-Tokenization follows TRL 1.16: plain text is `prompt` and `prompt + completion` tokenized as
-they are (EOS text appended to a completion that lacks it); chat is the prompt rendered with the
-generation prompt and the whole conversation rendered without it. The completion starts where
-the two token lists first differ, which is after the prompt except when a template renders the
-prompt differently alone or tokens merge across the boundary.
+Tokenization follows TRL 1.16 (`train/tokenization.py`).
 
 A bad row never disappears quietly: it is a `DataError` naming the file, the 1-based line and
 the field, or, with `on_bad_row="skip"`, it is counted under its reason in a `DataReport` that
@@ -28,11 +24,18 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.train.tokenization import (
+    Text,
+    is_conversational,
+    tokenize_preference,
+    tokenize_prompt,
+    tokenize_prompt_completion,
+    with_eos,
+)
 
 BadRowPolicy = Literal["error", "skip"]
 Truncation = Literal["truncate", "skip", "error"]
 T = TypeVar("T")
-Text = str | list[dict[str, Any]]
 
 
 class DataError(ValueError):
@@ -201,10 +204,6 @@ def text_field(row: Row, key: str, allow_empty: bool = False) -> Text:
     raise BadRow(key, f"expected a string or a list of chat messages, got {_kind(value)}", f"wrong type of {key!r}")
 
 
-def is_conversational(value: Text) -> bool:
-    return isinstance(value, list)
-
-
 def same_kind(row: Row, values: Mapping[str, Text]) -> bool:
     """Whether the fields are all plain or all chat (TRL decides per row from the prompt)."""
     kinds = {k: is_conversational(v) for k, v in values.items()}
@@ -218,62 +217,6 @@ def same_kind(row: Row, values: Mapping[str, Text]) -> bool:
 
 def extra_columns(row: Row, used: Sequence[str]) -> dict[str, Any]:
     return {k: v for k, v in row.values.items() if k not in used}
-
-
-# ---------------------------------------------------------------------------------------------
-# Tokenization (TRL 1.16 rules)
-# ---------------------------------------------------------------------------------------------
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def with_eos(text: str, tokenizer: Tokenizer) -> str:
-    """A plain-text completion ends with the EOS token's text, as TRL appends it."""
-    eos = tokenizer.special_tokens.get("eos_token")
-    return text if eos is None or text.endswith(eos) else text + eos
-
-
-def tokenize_prompt(tokenizer: Tokenizer, prompt: Text) -> list[int]:
-    """A prompt alone: chat rendered with the generation prompt, plain text with special tokens."""
-    if is_conversational(prompt):
-        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
-    return tokenizer.encode(prompt)
-
-
-def tokenize_full(tokenizer: Tokenizer, prompt: Text, completion: Text) -> list[int]:
-    """Prompt and completion as one sequence (the completion already carries EOS if plain)."""
-    if is_conversational(prompt):
-        return list(tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=True))
-    return tokenizer.encode(prompt + completion)
-
-
-def tokenize_prompt_completion(tokenizer: Tokenizer, prompt: Text, completion: Text) -> tuple[list[int], list[int]]:
-    """(prompt ids, completion ids), split where the prompt's tokens stop matching the whole's."""
-    if not is_conversational(completion):
-        completion = with_eos(completion, tokenizer)
-    prompt_ids = tokenize_prompt(tokenizer, prompt)
-    full = tokenize_full(tokenizer, prompt, completion)
-    n = common_prefix_length(prompt_ids, full)
-    return full[:n], full[n:]
-
-
-def tokenize_preference(tokenizer: Tokenizer, prompt: Text, chosen: Text,
-                        rejected: Text) -> tuple[list[int], list[int], list[int]]:
-    """(prompt ids, chosen ids, rejected ids), one shared prompt cut where both answers diverge."""
-    if not is_conversational(chosen):
-        chosen, rejected = with_eos(chosen, tokenizer), with_eos(rejected, tokenizer)
-    prompt_ids = tokenize_prompt(tokenizer, prompt)
-    full_c = tokenize_full(tokenizer, prompt, chosen)
-    full_r = tokenize_full(tokenizer, prompt, rejected)
-    n = min(common_prefix_length(prompt_ids, full_c), common_prefix_length(prompt_ids, full_r))
-    return full_c[:n], full_c[n:], full_r[n:]
 
 
 def fit_length(prompt_ids: list[int], completion_ids: list[int], max_length: int | None, truncation: Truncation,

@@ -7,8 +7,8 @@ import argparse
 import time
 
 from pagedrl.train.arithmetic import ArithmeticTask
-from pagedrl.train.data import tokenize_prompt
 from pagedrl.train.rewards import last_integer_match
+from pagedrl.train.tokenization import tokenize_prompt
 
 
 def eval_main(argv: list[str]) -> int:

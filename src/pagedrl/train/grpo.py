@@ -140,7 +140,7 @@ class GRPO(Algorithm):
     # -- prompts and rollouts -------------------------------------------------------------------
 
     def encode(self, row: Mapping[str, Any]) -> list[int]:
-        from pagedrl.train.data import tokenize_prompt
+        from pagedrl.train.tokenization import tokenize_prompt
 
         ids = tokenize_prompt(self.tokenizer, row["prompt"])
         limit = self.config.max_prompt_length

@@ -1,6 +1,6 @@
 """Training losses as pure functions of tensors: no trainer state, no model, no optimizer.
 
-Every trainer (SFT, reward model, DPO, GRPO, PPO) runs the same loop; what differs is the batch it
+Every trainer (SFT, reward model, DPO, GRPO) runs the same loop; what differs is the batch it
 builds and which of these functions turns that batch into a scalar. Keeping them pure makes each one
 checkable against a float64 hand computation and against TRL's own code.
 
@@ -126,20 +126,6 @@ def sft_loss(token_logps: Tensor, mask: Tensor, num_items_in_batch: float | int 
     return aggregate(-token_logps, mask, "token_mean", normaliser=num_items_in_batch)
 
 
-def mean_token_accuracy(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
-    """Fraction of masked positions whose arg-max prediction is the label (TRL `mean_token_accuracy`).
-
-    `logits[b, t]` must already be the prediction for `labels[b, t]` (shifted by the caller).
-    0 when the mask is empty, as TRL logs it.
-    """
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits: shape {tuple(logits.shape)} does not fit labels {tuple(labels.shape)}")
-    keep = _bool_mask(mask, labels)
-    correct = (logits.argmax(dim=-1) == labels) & keep
-    total = keep.sum()
-    return (correct.sum() / total.clamp(min=1)).to(torch.float32).detach()
-
-
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Shannon entropy (nats) of softmax(logits) over the last axis. Logits set to -inf (filtered
     out by top-k/top-p) contribute 0 instead of NaN, in value and in gradient."""
@@ -181,19 +167,6 @@ def reward_model_loss(
     if center_rewards_coefficient is not None:
         loss = loss + center_rewards_coefficient * ((r_chosen + r_rejected) ** 2).sum() / denom
     return loss
-
-
-def reward_metrics(r_chosen: Tensor, r_rejected: Tensor) -> dict[str, Tensor]:
-    """TRL RewardTrainer's logged metrics: accuracy (chosen scored higher), margin, min/mean/max reward."""
-    with torch.no_grad():
-        both = torch.cat([r_chosen.reshape(-1), r_rejected.reshape(-1)])
-        return {
-            "accuracy": (r_chosen > r_rejected).float().mean(),
-            "margin": (r_chosen - r_rejected).float().mean(),
-            "min_reward": both.min(),
-            "mean_reward": both.float().mean(),
-            "max_reward": both.max(),
-        }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,19 +252,8 @@ def dpo_loss(
     return DPOOutput(losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach())
 
 
-def dpo_metrics(chosen_rewards: Tensor, rejected_rewards: Tensor) -> dict[str, Tensor]:
-    """TRL DPOTrainer's reward metrics, under TRL's names."""
-    with torch.no_grad():
-        return {
-            "rewards/chosen": chosen_rewards.mean(),
-            "rewards/rejected": rejected_rewards.mean(),
-            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-        }
-
-
 # ---------------------------------------------------------------------------------------------
-# Policy gradient (GRPO / PPO)
+# Policy gradient (GRPO)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -378,28 +340,3 @@ def tis_weight(old_logp_trainer: Tensor, sampling_logp_engine: Tensor, cap: floa
     if not cap > 0:
         raise ValueError(f"cap: must be positive, got {cap}")
     return torch.exp(old_logp_trainer - sampling_logp_engine).clamp(max=cap).detach()
-
-
-def value_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None = 0.2
-) -> tuple[Tensor, Tensor]:
-    """PPO's clipped value loss per token (as TRL's PPOTrainer and OpenAI's lm-human-preferences):
-
-        0.5 · max((V - R)², (clamp(V, V_old - c, V_old + c) - R)²)
-
-    Returns the per-token loss (0 outside the mask; aggregate it like the policy loss) and the
-    positions where the clipped branch won (TRL's `val/clipfrac`). `clip=None` disables clipping.
-    """
-    for name, t in (("old_values", old_values), ("returns", returns)):
-        if t.shape != values.shape:
-            raise ValueError(f"{name}: shape {tuple(t.shape)} differs from values' {tuple(values.shape)}")
-    keep = _bool_mask(mask, values)
-    unclipped = (values - returns) ** 2
-    if clip is None:
-        return (0.5 * unclipped).masked_fill(~keep, 0.0), torch.zeros_like(keep)
-    if clip < 0:
-        raise ValueError(f"clip: must be >= 0, got {clip}")
-    clipped_values = torch.clamp(values, old_values - clip, old_values + clip)
-    clipped = (clipped_values - returns) ** 2
-    per_token = 0.5 * torch.max(unclipped, clipped)
-    return per_token.masked_fill(~keep, 0.0), ((clipped > unclipped) & keep).detach()

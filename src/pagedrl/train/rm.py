@@ -31,10 +31,11 @@ from pagedrl.model.heads import SequenceScorer, load_sequence_scorer, save_seque
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import Metric, OfflineAlgorithm
 from pagedrl.train.config import RewardConfig
-from pagedrl.train.data import PreferenceRows, Text, load_train_and_eval, tokenize_prompt_completion
+from pagedrl.train.data import PreferenceRows, load_train_and_eval
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.losses import reward_model_loss
 from pagedrl.train.pair_batch import PairBatch, collate_pairs
+from pagedrl.train.tokenization import Text, tokenize_prompt_completion
 
 Dataset = str | Path | Sequence[Mapping[str, Any]]
 

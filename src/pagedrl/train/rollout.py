@@ -19,8 +19,8 @@ import torch
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.train.advantages import combine_rewards, group_advantages, zero_std_groups
-from pagedrl.train.data import is_conversational
 from pagedrl.train.rewards import RewardFunc, score
+from pagedrl.train.tokenization import is_conversational
 
 
 @dataclass

@@ -1,0 +1,72 @@
+"""How a prompt and its completion(s) become token ids, following TRL 1.16.
+
+Plain text is `prompt` and `prompt + completion` tokenized as they are (EOS text appended to a
+completion that lacks it); chat is the prompt rendered with the generation prompt and the whole
+conversation rendered without it. The completion starts where the two token lists first differ,
+which is after the prompt except when a template renders the prompt differently alone or tokens
+merge across the boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pagedrl.model.tokenizer import Tokenizer
+
+Text = str | list[dict[str, Any]]  # a plain string, or a list of chat messages {"role", "content"}
+
+
+def is_conversational(value: Text) -> bool:
+    return isinstance(value, list)
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def with_eos(text: str, tokenizer: Tokenizer) -> str:
+    """A plain-text completion ends with the EOS token's text, as TRL appends it."""
+    eos = tokenizer.special_tokens.get("eos_token")
+    return text if eos is None or text.endswith(eos) else text + eos
+
+
+def tokenize_prompt(tokenizer: Tokenizer, prompt: Text) -> list[int]:
+    """A prompt alone: chat rendered with the generation prompt, plain text with special tokens."""
+    if is_conversational(prompt):
+        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
+    return tokenizer.encode(prompt)
+
+
+def tokenize_full(tokenizer: Tokenizer, prompt: Text, completion: Text) -> list[int]:
+    """Prompt and completion as one sequence (the completion already carries EOS if plain)."""
+    if is_conversational(prompt):
+        return list(tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=True))
+    return tokenizer.encode(prompt + completion)
+
+
+def tokenize_prompt_completion(tokenizer: Tokenizer, prompt: Text, completion: Text) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids), split where the prompt's tokens stop matching the whole's."""
+    if not is_conversational(completion):
+        completion = with_eos(completion, tokenizer)
+    prompt_ids = tokenize_prompt(tokenizer, prompt)
+    full = tokenize_full(tokenizer, prompt, completion)
+    n = common_prefix_length(prompt_ids, full)
+    return full[:n], full[n:]
+
+
+def tokenize_preference(tokenizer: Tokenizer, prompt: Text, chosen: Text,
+                        rejected: Text) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, chosen ids, rejected ids), one shared prompt cut where both answers diverge."""
+    if not is_conversational(chosen):
+        chosen, rejected = with_eos(chosen, tokenizer), with_eos(rejected, tokenizer)
+    prompt_ids = tokenize_prompt(tokenizer, prompt)
+    full_c = tokenize_full(tokenizer, prompt, chosen)
+    full_r = tokenize_full(tokenizer, prompt, rejected)
+    n = min(common_prefix_length(prompt_ids, full_c), common_prefix_length(prompt_ids, full_r))
+    return full_c[:n], full_c[n:], full_r[n:]
