@@ -83,10 +83,10 @@ def run_pagedrl(args: argparse.Namespace, precompute: bool, out: Path) -> None:
     import torch
 
     from pagedrl.model.loader import load_model, resolve_model_path
+    from pagedrl.train.algorithms.dpo import DPO
     from pagedrl.train.checkpointing import seed_everything
     from pagedrl.train.config import DPOConfig
     from pagedrl.train.distributed import DistInfo
-    from pagedrl.train.dpo import DPO
     from pagedrl.train.trainer import Trainer
 
     t0 = time.perf_counter()

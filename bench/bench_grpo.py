@@ -30,8 +30,8 @@ def peak_rss_mib() -> float:
 
 
 def run_pagedrl(steps: int, out: Path) -> dict:
+    from pagedrl.train.algorithms.grpo import run_grpo
     from pagedrl.train.config import GRPOConfig
-    from pagedrl.train.grpo import run_grpo
 
     config = GRPOConfig(dataset="arithmetic", output_dir=str(out), num_generations=G,
                         per_device_train_batch_size=16, gradient_accumulation_steps=PROMPTS * G // 16,
@@ -52,8 +52,8 @@ def run_trl(steps: int, out: Path) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from pagedrl.model.loader import resolve_model_path
-    from pagedrl.train.arithmetic import ArithmeticTask
-    from pagedrl.train.rewards import last_integer_match
+    from pagedrl.train.rl.arithmetic import ArithmeticTask
+    from pagedrl.train.rl.rewards import last_integer_match
 
     task = ArithmeticTask(num_eval=256, seed=42)  # pagedrl's GRPOConfig default seed is 42
     stream = task.train_rows()

@@ -31,10 +31,10 @@ import torch
 
 from pagedrl import LLM, SamplingParams
 from pagedrl.model.attention import DenseAttention
-from pagedrl.train.arithmetic import ArithmeticTask
-from pagedrl.train.grpo_batch import GRPOBatch, Unit, collate_grpo, split_units
-from pagedrl.train.rollout import Group, sample_groups
-from pagedrl.train.tokenization import tokenize_prompt
+from pagedrl.train.algorithms.grpo_batch import GRPOBatch, Unit, collate_grpo, split_units
+from pagedrl.train.data import PromptRows, load_examples
+from pagedrl.train.rl.arithmetic import ArithmeticTask
+from pagedrl.train.rl.rollout import Group, sample_groups
 
 G, PROMPTS, LENGTH, MICRO_BATCHES = 8, 8, 64, 4
 
@@ -100,11 +100,10 @@ def main() -> None:
     model, tokenizer = llm.engine.model, llm.tokenizer
     task = ArithmeticTask(seed=42)
     stream = task.train_rows()
-    rows = [next(stream) for _ in range(PROMPTS)]
-    prompt_ids = [tokenize_prompt(tokenizer, r["prompt"]) for r in rows]
+    rows, _ = load_examples([next(stream) for _ in range(PROMPTS)], PromptRows(tokenizer, None))
     params = SamplingParams(n=G, temperature=1.0, max_tokens=LENGTH, seed=0)
     groups: list[Group]
-    groups, _ = sample_groups(llm, rows, prompt_ids, params)
+    groups, _ = sample_groups(llm, rows, params)
     for g in groups:
         g.advantages = torch.zeros(G)
     del llm

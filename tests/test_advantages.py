@@ -9,7 +9,7 @@ import pytest
 import torch
 from trl.trainer.utils import nanstd as trl_nanstd
 
-from pagedrl.train.advantages import (
+from pagedrl.train.rl.advantages import (
     _nanstd,
     combine_rewards,
     gae,

@@ -9,7 +9,7 @@ import torch
 from preference_data import dpo_trainer, preference_rows
 from tiny_train import build_model_dir
 
-from pagedrl.train.dpo import answer_logps
+from pagedrl.train.algorithms.dpo import answer_logps
 
 PAIRS = 4  # one TRL micro-batch, one of ours
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",

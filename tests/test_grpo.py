@@ -10,11 +10,12 @@ import torch
 from pagedrl.engine.sampler import processed_logprobs
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.loader import load_model
+from pagedrl.train.algorithms.grpo import GRPO, rollout_kv_tokens, run_grpo
+from pagedrl.train.algorithms.grpo_batch import collate_grpo, split_units
 from pagedrl.train.config import GRPOConfig
 from pagedrl.train.distributed import DistInfo
-from pagedrl.train.grpo import GRPO, rollout_kv_tokens, run_grpo
-from pagedrl.train.grpo_batch import collate_grpo, split_units
-from pagedrl.train.rollout import Group
+from pagedrl.train.rl.rollout import Group
+from pagedrl.train.tokenization import tokenize_prompt
 
 REWARDS = (
     "def has_three(prompts, completions, completion_ids, answer, **kw):\n"
@@ -107,7 +108,7 @@ def test_engine_runs_on_the_trainers_tensors(tiny_train_model, prompts_file) -> 
     algo = grpo(tiny_train_model, prompts_file)
     engine_model = algo.llm.engine.model
     assert engine_model is algo.model
-    prompt = algo.encode({"prompt": [{"role": "user", "content": "what is 2 plus 2 " * 6}]})
+    prompt = tokenize_prompt(algo.tokenizer, [{"role": "user", "content": "what is 2 plus 2 " * 6}])
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     before = algo.llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
     hits = algo.llm.stats()["prefix_cache_hits"]
@@ -158,11 +159,10 @@ def test_a_short_run_logs_trl_metrics(tiny_train_model, prompts_file) -> None:
 def test_bad_input_names_what_and_where(tiny_train_model, prompts_file, tmp_path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "ok", "answer": 1}) + "\n" + json.dumps({"question": "x"}) + "\n")
-    with pytest.raises(ValueError, match=rf"{bad}:2: row has no 'prompt' field"):
+    with pytest.raises(ValueError, match=rf"{bad}:2: prompt: missing"):
         grpo(tiny_train_model, bad)
-    algo = grpo(tiny_train_model, prompts_file, max_prompt_length=5)
-    with pytest.raises(ValueError, match="exceeds max_prompt_length=5"):
-        algo.step_batches(1)
+    with pytest.raises(ValueError, match=r"prompts.jsonl:1: prompt: \d+ tokens, longer than max_prompt_length=5"):
+        grpo(tiny_train_model, prompts_file, max_prompt_length=5)
     algo = grpo(tiny_train_model, prompts_file)
     algo.reward_funcs = [("raises", algo.reward_funcs[0][1].__globals__["raises"])]
     with pytest.raises(ValueError, match="reward function 'raises' raised KeyError"):

@@ -11,9 +11,9 @@ import torch
 from tiny import FAMILIES, hf_model
 
 from pagedrl.model.checkpoint import load_causal_lm
+from pagedrl.train.algorithms.dpo import answer_logps
+from pagedrl.train.algorithms.pair_batch import collate_pairs
 from pagedrl.train.data import Preference
-from pagedrl.train.dpo import answer_logps
-from pagedrl.train.pair_batch import collate_pairs
 
 
 def random_pairs(vocab: int, seed: int) -> list[Preference]:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from pagedrl.train.arithmetic import ArithmeticTask
-from pagedrl.train.rewards import (
+from pagedrl.train.rl.arithmetic import ArithmeticTask
+from pagedrl.train.rl.rewards import (
     exact_match,
     extract_answer,
     last_integer_match,

@@ -15,9 +15,10 @@ from tiny import BASE, hf_model
 
 from pagedrl.model.checkpoint import CheckpointError
 from pagedrl.model.heads import load_sequence_scorer, score_index
+from pagedrl.train.algorithms.rm import answer_scores
 from pagedrl.train.cli import train_main
 from pagedrl.train.logging import read_metrics
-from pagedrl.train.rm import RewardModel, answer_scores
+from pagedrl.train.rl.reward_model import RewardModel
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RM_METRICS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens")

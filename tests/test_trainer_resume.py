@@ -12,9 +12,10 @@ import torch
 from safetensors.torch import save_file
 from tiny_train import sft_trainer
 
-from pagedrl.train.algorithm import Algorithm, Metric
+from pagedrl.train.algorithm import Algorithm
 from pagedrl.train.config import TrainConfig
 from pagedrl.train.logging import read_metrics
+from pagedrl.train.metrics import Metric
 from pagedrl.train.trainer import Trainer
 
 TIME_KEYS = {"wall_time", "train_time", "step_time"}

@@ -16,16 +16,14 @@ checkpoints. An algorithm owns the model being trained and answers, per optimize
 - `evaluate(step)`, `state_dict()`/`load_state_dict()` (data position), `save_model(folder)`,
   `load_model(folder)`, `summary_lines()`.
 
-Metrics carry how they combine across micro-batches, ranks and logged steps (`Metric`): a mean
-weighted by tokens where TRL weighs by tokens, a sum, a min or max, or a running total.
+Metrics carry how they combine across micro-batches, ranks and logged steps (`train/metrics.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,132 +32,7 @@ from pagedrl.model.checkpoint import load_weights, read_state_dict, save_checkpo
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.data import DataReport
 from pagedrl.train.distributed import DistInfo, all_reduce_op
-
-Reduce = Literal["mean", "sum", "min", "max", "cumulative"]
-
-
-@dataclass(frozen=True)
-class Metric:
-    """One metric contribution. `mean`: Σtotal / Σweight over micro-batches, ranks and the logged
-    steps (weight = tokens for a token-weighted mean); `sum`: Σtotal; `min`/`max`; `cumulative`:
-    Σtotal since the run began (TRL's `num_tokens`)."""
-
-    total: float | torch.Tensor
-    weight: float | torch.Tensor = 1.0
-    reduce: Reduce = "mean"
-
-    @classmethod
-    def mean(cls, total: float | torch.Tensor, weight: float | torch.Tensor = 1.0) -> Metric:
-        return cls(total, weight, "mean")
-
-    @classmethod
-    def sum(cls, total: float | torch.Tensor) -> Metric:
-        return cls(total, 0.0, "sum")
-
-    @classmethod
-    def min(cls, value: float | torch.Tensor) -> Metric:
-        return cls(value, 0.0, "min")
-
-    @classmethod
-    def max(cls, value: float | torch.Tensor) -> Metric:
-        return cls(value, 0.0, "max")
-
-    @classmethod
-    def cumulative(cls, total: float | torch.Tensor) -> Metric:
-        return cls(total, 0.0, "cumulative")
-
-
-def as_metric(value: Metric | float | torch.Tensor) -> Metric:
-    """A bare number is a plain mean over micro-batches."""
-    return value if isinstance(value, Metric) else Metric.mean(value)
-
-
-class MetricTotals:
-    """Metrics combined under their rules: over a step's micro-batches, then across ranks, then
-    over the steps of a logging window."""
-
-    def __init__(self) -> None:
-        self.items: dict[str, list] = {}  # name -> [reduce, total, weight]
-
-    def add(self, name: str, metric: Metric | float | torch.Tensor) -> None:
-        """Tensors stay tensors (no device sync per micro-batch) until `settle`."""
-        m = as_metric(metric)
-        total, weight = _detached(m.total), _detached(m.weight)
-        if name not in self.items:
-            self.items[name] = [m.reduce, total, weight]
-            return
-        entry = self.items[name]
-        if entry[0] != m.reduce:
-            raise ValueError(f"metric {name!r}: reduced as {entry[0]} and as {m.reduce} in one run")
-        if m.reduce in ("min", "max"):
-            pick = torch.minimum if m.reduce == "min" else torch.maximum
-            both = [torch.as_tensor(v, dtype=torch.float64) for v in (entry[1], total)]
-            if both[0].device != both[1].device:
-                both = [v.cpu() for v in both]
-            entry[1] = pick(*both)
-        else:
-            entry[1] = entry[1] + total
-            entry[2] = entry[2] + weight
-
-    def settle(self) -> MetricTotals:
-        """Turn every tensor into a float, with one transfer per device."""
-        slots = [(entry, i) for entry in self.items.values() for i in (1, 2) if isinstance(entry[i], torch.Tensor)]
-        by_device: dict[torch.device, list] = {}
-        for slot in slots:
-            by_device.setdefault(slot[0][slot[1]].device, []).append(slot)
-        for group in by_device.values():
-            stacked = torch.stack([e[i].to(torch.float64).reshape(()) for e, i in group]).cpu().tolist()
-            for (entry, i), value in zip(group, stacked, strict=True):
-                entry[i] = value
-        return self
-
-    def merge(self, other: MetricTotals) -> None:
-        for name, (reduce, total, weight) in other.settle().items.items():
-            self.add(name, Metric(total, weight, reduce))
-
-    def all_reduce(self, info: DistInfo) -> MetricTotals:
-        """The same totals over every rank (every rank must report the same metric names)."""
-        self.settle()
-        if not info.distributed:
-            return self
-        names = sorted(self.items)
-        out = MetricTotals()
-        for op in ("sum", "min", "max"):
-            chosen = [n for n in names if _op_of(self.items[n][0]) == op]
-            if not chosen:
-                continue
-            flat = [v for n in chosen for v in (self.items[n][1], self.items[n][2])]
-            reduced = all_reduce_op(flat, info, op).tolist()
-            for i, n in enumerate(chosen):
-                out.items[n] = [self.items[n][0], reduced[2 * i], reduced[2 * i + 1]]
-        return out
-
-    def values(self, running: Mapping[str, float] | None = None) -> dict[str, float]:
-        """Final numbers; a `cumulative` metric reads from `running` (totals since the start)."""
-        self.settle()
-        out = {}
-        for name, (reduce, total, weight) in self.items.items():
-            if reduce == "mean":
-                out[name] = total / weight if weight else float("nan")
-            elif reduce == "cumulative":
-                out[name] = (running or {}).get(name, total)
-            else:
-                out[name] = total
-        return out
-
-    def state_dict(self) -> dict[str, list]:
-        return {k: list(v) for k, v in self.settle().items.items()}
-
-    def load_state_dict(self, state: Mapping[str, list]) -> None:
-        self.items = {k: list(v) for k, v in state.items()}
-
-
-def _op_of(reduce: str) -> str:
-    return reduce if reduce in ("min", "max") else "sum"
-
-
-def _detached(x: float | torch.Tensor) -> float | torch.Tensor:
-    return x.detach() if isinstance(x, torch.Tensor) else float(x)
+from pagedrl.train.metrics import Metric, MetricTotals, as_metric
 
 
 class EpochStream:

@@ -1,4 +1,4 @@
-"""`pagedrl sft|rm|dpo|grpo|ppo [config.yaml] [key=value ...]`: config file plus overrides, then
+"""`pagedrl sft|rm|dpo|grpo [config.yaml] [key=value ...]`: config file plus overrides, then
 the algorithm's `run_<name>(config)`.
 
 Each algorithm is named here by module, run function and config class, and imported only when
@@ -16,10 +16,10 @@ from pagedrl.train import config as config_module
 
 # name -> (module, run function, config class)
 ALGORITHMS: dict[str, tuple[str, str, str]] = {
-    "sft": ("pagedrl.train.sft", "run_sft", "SFTConfig"),
-    "rm": ("pagedrl.train.rm", "run_rm", "RewardConfig"),
-    "dpo": ("pagedrl.train.dpo", "run_dpo", "DPOConfig"),
-    "grpo": ("pagedrl.train.grpo", "run_grpo", "GRPOConfig"),
+    "sft": ("pagedrl.train.algorithms.sft", "run_sft", "SFTConfig"),
+    "rm": ("pagedrl.train.algorithms.rm", "run_rm", "RewardConfig"),
+    "dpo": ("pagedrl.train.algorithms.dpo", "run_dpo", "DPOConfig"),
+    "grpo": ("pagedrl.train.algorithms.grpo", "run_grpo", "GRPOConfig"),
     "ppo": ("pagedrl.train.ppo", "run_ppo", "PPOConfig"),
 }
 

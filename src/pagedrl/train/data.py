@@ -354,19 +354,21 @@ class PromptRows:
     skipped, or cut to its last `max_length` tokens ("truncate": the end of a prompt is what
     the answer follows)."""
 
-    def __init__(self, tokenizer: Tokenizer, max_length: int | None, truncation: Truncation = "error") -> None:
+    def __init__(self, tokenizer: Tokenizer, max_length: int | None, truncation: Truncation = "error",
+                 limit_name: str = "max_length") -> None:
         _check_truncation(truncation)
         self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
+        self.limit_name = limit_name  # the config field the limit came from, for messages
 
     def __call__(self, row: Row, report: DataReport) -> PromptOnly | None:
         prompt = text_field(row, "prompt")
         ids = tokenize_prompt(self.tokenizer, prompt)
         if self.max_length is not None and len(ids) > self.max_length:
             if self.truncation == "error":
-                raise BadRow("prompt", f"{len(ids)} tokens, longer than max_length={self.max_length}",
-                             "longer than max_length")
+                raise BadRow("prompt", f"{len(ids)} tokens, longer than {self.limit_name}={self.max_length}",
+                             f"longer than {self.limit_name}")
             if self.truncation == "skip":
-                report.skip(f"longer than max_length={self.max_length}", row.where)
+                report.skip(f"longer than {self.limit_name}={self.max_length}", row.where)
                 return None
             ids = ids[-self.max_length:]
             report.truncated += 1

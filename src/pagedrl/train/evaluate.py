@@ -5,10 +5,34 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
+from typing import Any
 
-from pagedrl.train.arithmetic import ArithmeticTask
-from pagedrl.train.rewards import last_integer_match
-from pagedrl.train.tokenization import tokenize_prompt
+from pagedrl.engine.llm import LLM
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.train.data import PromptOnly, PromptRows, load_examples
+from pagedrl.train.rl.arithmetic import ArithmeticTask
+from pagedrl.train.rl.rewards import RewardFunc, last_integer_match, score
+from pagedrl.train.rl.rollout import completion_for
+
+
+def evaluate_rows(llm: LLM, rows: Sequence[PromptOnly], reward: tuple[str, RewardFunc],
+                  max_tokens: int) -> tuple[float, float]:
+    """Greedy completions for every row, scored by `reward`: (share scoring 1, mean score)."""
+    outs = llm.generate([r.prompt_ids for r in rows], SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                        use_tqdm=False)
+    prompts = [r.prompt for r in rows]
+    completions = [completion_for(p, o.outputs[0].text) for p, o in zip(prompts, outs, strict=True)]
+    columns: dict[str, list[Any]] = {}
+    for r in rows:
+        for k, v in r.extra.items():
+            columns.setdefault(k, []).append(v)
+    values = [row[0] for row in score([reward], prompts, completions,
+                                      [o.outputs[0].token_ids for o in outs], columns)]
+    scored = [v for v in values if v == v]  # NaN: not applicable
+    if not scored:
+        return float("nan"), float("nan")
+    return sum(1.0 for v in scored if v >= 1.0) / len(scored), sum(scored) / len(scored)
 
 
 def eval_main(argv: list[str]) -> int:
@@ -22,14 +46,11 @@ def eval_main(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args(argv)
 
-    from pagedrl import LLM
-    from pagedrl.train.grpo import evaluate_rows
-
     task = ArithmeticTask(tuple(args.operations), args.low, args.high, args.num_problems, seed=args.seed)
     llm = LLM(args.model)
+    rows, _ = load_examples(task.eval_rows(), PromptRows(llm.tokenizer, None))
     t0 = time.perf_counter()
-    acc, _ = evaluate_rows(llm, task.eval_rows(), lambda r: tokenize_prompt(llm.tokenizer, r["prompt"]),
-                           ("last_integer_match", last_integer_match), args.max_tokens)
+    acc, _ = evaluate_rows(llm, rows, ("last_integer_match", last_integer_match), args.max_tokens)
     print(f"accuracy {acc:.4f} on {args.num_problems} held-out problems "
           f"({time.perf_counter() - t0:.1f} s, greedy, max_tokens={args.max_tokens})")
     return 0

@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pagedrl.train import checkpointing as ckpt
-from pagedrl.train.algorithm import Algorithm, Metric, MetricTotals, as_metric
+from pagedrl.train.algorithm import Algorithm
 from pagedrl.train.config import TrainConfig, config_to_dict
 from pagedrl.train.distributed import (
     DistInfo,
@@ -45,6 +45,7 @@ from pagedrl.train.distributed import (
     init_distributed,
 )
 from pagedrl.train.logging import RunLogger
+from pagedrl.train.metrics import Metric, MetricTotals, as_metric
 
 
 class ModelHandle:

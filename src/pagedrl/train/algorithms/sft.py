@@ -25,11 +25,12 @@ import torch.nn.functional as F
 
 from pagedrl.model.attention import DenseAttention
 from pagedrl.model.tokenizer import Tokenizer
-from pagedrl.train.algorithm import Metric, OfflineAlgorithm
+from pagedrl.train.algorithm import OfflineAlgorithm
 from pagedrl.train.config import SFTConfig
 from pagedrl.train.data import PromptCompletion, PromptCompletionRows, load_train_and_eval
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.losses import sft_loss
+from pagedrl.train.metrics import Metric
 
 
 @dataclass

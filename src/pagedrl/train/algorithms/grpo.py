@@ -9,9 +9,7 @@ to a frozen reference, aggregated as `loss_type` says over the whole step's glob
 from __future__ import annotations
 
 import copy
-import itertools
-import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,80 +19,18 @@ from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampler import processed_logprobs
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.tokenizer import Tokenizer
-from pagedrl.train.algorithm import Algorithm, EpochStream, Metric
-from pagedrl.train.arithmetic import ArithmeticTask
+from pagedrl.train.algorithm import Algorithm
+from pagedrl.train.algorithms.grpo_batch import GRPOBatch, collate_grpo, split_units
 from pagedrl.train.config import GRPOConfig
 from pagedrl.train.distributed import DistInfo
-from pagedrl.train.grpo_batch import GRPOBatch, collate_grpo, split_units
+from pagedrl.train.evaluate import evaluate_rows
 from pagedrl.train.losses import aggregate, clipped_surrogate, entropy_from_logits, kl_estimate, tis_weight
-from pagedrl.train.rewards import RewardFunc, completion_text, load_reward_function, score
-from pagedrl.train.rollout import Rollout, collect_rollout
+from pagedrl.train.metrics import Metric
+from pagedrl.train.rl.prompts import PromptSource
+from pagedrl.train.rl.rewards import RewardFunc, load_reward_function
+from pagedrl.train.rl.rollout import Rollout, collect_rollout
 
 TOKEN_MEAN_LOSSES = ("dapo", "bnpo")
-
-
-class PromptSource:
-    """Prompts in order: the arithmetic task's endless training stream, or a JSONL file's rows
-    epoch after epoch. Its position is one integer, so a checkpoint can resume it exactly."""
-
-    def __init__(self, config: GRPOConfig, dist: DistInfo) -> None:
-        self.consumed = 0
-        self.task: ArithmeticTask | None = None
-        self.rows: list[dict[str, Any]] = []
-        if config.dataset == "arithmetic":
-            self.task = ArithmeticTask(tuple(config.task_operations), config.task_low, config.task_high,
-                                       config.task_num_eval, seed=config.seed)
-            self._stream: Iterator[dict[str, Any]] = self.task.train_rows()
-        else:
-            if config.dataset is None:
-                raise ValueError("dataset: GRPO needs prompts: a JSONL path or 'arithmetic'")
-            self.rows = read_prompt_rows(config.dataset)
-            self.order = EpochStream(len(self.rows), config.seed)
-        self.rank, self.world = dist.rank, dist.world_size
-
-    def take(self, n: int) -> list[dict[str, Any]]:
-        """This rank's share of the next n × world prompts."""
-        if self.task is not None:
-            rows = list(itertools.islice(self._stream, n * self.world))
-        else:
-            rows = [self.rows[i] for i in self.order.take(n * self.world)]
-        self.consumed += n * self.world
-        return rows[self.rank * n:(self.rank + 1) * n]
-
-    def eval_rows(self, eval_dataset: str | None) -> list[dict[str, Any]]:
-        if eval_dataset is not None:
-            return read_prompt_rows(eval_dataset)
-        return self.task.eval_rows() if self.task is not None else []
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"consumed": self.consumed}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        target = int(state["consumed"])
-        while self.consumed < target:  # replay the stream: cheap, and exact
-            self.take(1) if self.world == 1 else self.take(max(1, (target - self.consumed) // self.world))
-
-
-def read_prompt_rows(path: str | Path) -> list[dict[str, Any]]:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"dataset: {path}: file not found")
-    rows = []
-    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict) or "prompt" not in row:
-            raise ValueError(f"{path}:{line_no}: row has no 'prompt' field")
-        if not isinstance(row["prompt"], (str, list)) or not row["prompt"]:
-            raise ValueError(f"{path}:{line_no}: field 'prompt' must be a non-empty string or list of messages")
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"dataset: {path}: no rows")
-    return rows
 
 
 class GRPO(Algorithm):
@@ -113,7 +49,7 @@ class GRPO(Algorithm):
         self.prompts_per_step = completions_per_step // G  # per rank
         self.examples_per_step = self.prompts_per_step * dist.world_size
         self.normaliser = "completion tokens" if config.loss_type in TOKEN_MEAN_LOSSES else "completions"
-        self.source = PromptSource(config, dist)
+        self.source = PromptSource(config, tokenizer, dist)
         if reward_funcs is None:
             specs = config.reward_funcs or (["last_integer_match"] if self.source.task else [])
             if not specs:
@@ -122,7 +58,7 @@ class GRPO(Algorithm):
                                                  format_pattern=config.format_pattern,
                                                  overlong_buffer=config.overlong_buffer) for s in specs]
         self.reward_funcs = list(reward_funcs)
-        self.eval_rows = self.source.eval_rows(config.eval_dataset)
+        self.eval_rows = self.source.eval_rows()
         # The engine runs on the policy's parameters themselves: no copy, no sync.
         self.llm = LLM.from_module(model, tokenizer, eos_token_ids=eos_token_ids,
                                    kv_cache_tokens=config.kv_cache_tokens or rollout_kv_tokens(config, self.prompts_per_step),
@@ -139,21 +75,13 @@ class GRPO(Algorithm):
 
     # -- prompts and rollouts -------------------------------------------------------------------
 
-    def encode(self, row: Mapping[str, Any]) -> list[int]:
-        from pagedrl.train.tokenization import tokenize_prompt
-
-        ids = tokenize_prompt(self.tokenizer, row["prompt"])
-        limit = self.config.max_prompt_length
-        if limit is not None and len(ids) > limit:
-            raise ValueError(f"prompt of {len(ids)} tokens exceeds max_prompt_length={limit}: {row['prompt']!r:.200}")
-        return ids
-
     def step_batches(self, step: int) -> list[GRPOBatch]:
         if (step - 1) % self.config.num_iterations == 0:
             self.llm.engine.sampler.generator.manual_seed(self.config.seed * 1_000_003 + step)
             self.rollout = collect_rollout(
-                self.llm, self.source.take, self.encode, self.prompts_per_step, self.sampling, self.reward_funcs,
+                self.llm, self.source.take, self.prompts_per_step, self.sampling, self.reward_funcs,
                 self.config.reward_weights, self.config.scale_rewards, self.config.dynamic_sampling)
+            self.llm.sleep()  # the optimizer runs next: the KV cache gives its memory back until the next rollout
             units = split_units(self.rollout.groups, self.config.gradient_accumulation_steps)
             device = next(self.model.parameters()).device
             self.batches = [collate_grpo(u, device, self.config.mask_truncated_completions) for u in units]
@@ -258,13 +186,13 @@ class GRPO(Algorithm):
             return None
         rows = self.eval_rows[self.dist.rank::self.dist.world_size]
         max_tokens = self.config.eval_max_tokens or self.config.max_completion_length
-        acc, mean_reward = evaluate_rows(self.llm, rows, self.encode, self.reward_funcs[0], max_tokens)
+        acc, mean_reward = evaluate_rows(self.llm, rows, self.reward_funcs[0], max_tokens)
         self.llm.sleep()
         return {"accuracy": acc, "reward": mean_reward}
 
     @property
     def epoch(self) -> float:
-        return self.source.consumed / len(self.source.rows) if self.source.rows else 0.0
+        return self.source.epoch
 
     def state_dict(self) -> dict[str, Any]:
         return {"prompts": self.source.state_dict()}
@@ -282,28 +210,6 @@ class GRPO(Algorithm):
             f"/{c.epsilon_high or c.epsilon}, num_iterations={c.num_iterations}, {ref}",
             f"grpo: rewards {', '.join(n for n, _ in self.reward_funcs)}; {len(self.eval_rows)} held-out prompts",
         ]
-
-
-def evaluate_rows(llm: LLM, rows: Sequence[Mapping[str, Any]], encode, reward: tuple[str, RewardFunc],
-                  max_tokens: int) -> tuple[float, float]:
-    """Greedy completions for every row, scored by `reward`: (share scoring 1, mean score)."""
-    outs = llm.generate([encode(r) for r in rows], SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                        use_tqdm=False)
-    prompts = [r["prompt"] for r in rows]
-    texts = [o.outputs[0].text for o in outs]
-    completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts,
-                                                                                                   strict=True)]
-    columns: dict[str, list[Any]] = {}
-    for r in rows:
-        for k, v in r.items():
-            if k != "prompt":
-                columns.setdefault(k, []).append(v)
-    values = [row[0] for row in score([reward], prompts, completions,
-                                      [o.outputs[0].token_ids for o in outs], columns)]
-    scored = [v for v in values if v == v]  # NaN: not applicable
-    if not scored:
-        return float("nan"), float("nan")
-    return sum(1.0 for v in scored if v >= 1.0) / len(scored), sum(scored) / len(scored)
 
 
 def rollout_kv_tokens(config: GRPOConfig, prompts_per_step: int, block_size: int = 16) -> int:
@@ -325,4 +231,3 @@ def run_grpo(config: GRPOConfig, progress: bool = True) -> Path:
     return Trainer(config, algorithm, dist, progress=progress).train()
 
 
-__all__ = ["GRPO", "run_grpo", "evaluate_rows", "completion_text"]

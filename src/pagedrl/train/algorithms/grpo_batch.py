@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedrl.model.attention import DenseAttention
-from pagedrl.train.rollout import Group
+from pagedrl.train.rl.rollout import Group
 
 
 @dataclass

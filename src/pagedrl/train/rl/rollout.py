@@ -10,7 +10,7 @@ computed under old weights is reused.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +18,9 @@ import torch
 
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.train.advantages import combine_rewards, group_advantages, zero_std_groups
-from pagedrl.train.rewards import RewardFunc, score
+from pagedrl.train.data import PromptOnly
+from pagedrl.train.rl.advantages import combine_rewards, group_advantages, zero_std_groups
+from pagedrl.train.rl.rewards import RewardFunc, score
 from pagedrl.train.tokenization import is_conversational
 
 
@@ -53,17 +54,16 @@ def completion_for(prompt: Any, text: str) -> Any:
     return [{"role": "assistant", "content": text}] if is_conversational(prompt) else text
 
 
-def sample_groups(llm: LLM, rows: Sequence[Mapping[str, Any]], prompt_ids: Sequence[list[int]],
-                  params: SamplingParams) -> tuple[list[Group], int]:
+def sample_groups(llm: LLM, rows: Sequence[PromptOnly], params: SamplingParams) -> tuple[list[Group], int]:
     """Generate `params.n` completions for every row; returns the groups and the prefix blocks the
     engine shared instead of recomputing (forked prompt blocks plus prefix-cache hits)."""
     before = llm.stats()
-    outputs = llm.generate(list(prompt_ids), params, use_tqdm=False)
+    outputs = llm.generate([r.prompt_ids for r in rows], params, use_tqdm=False)
     after = llm.stats()
     groups = []
-    for row, ids, out in zip(rows, prompt_ids, outputs, strict=True):
+    for row, out in zip(rows, outputs, strict=True):
         groups.append(Group(
-            prompt=row["prompt"], columns={k: v for k, v in row.items() if k != "prompt"}, prompt_ids=list(ids),
+            prompt=row.prompt, columns=dict(row.extra), prompt_ids=list(row.prompt_ids),
             completion_ids=[list(c.token_ids) for c in out.outputs], texts=[c.text for c in out.outputs],
             sampling_logps=[list(c.sampled_logprobs) for c in out.outputs],
             truncated=[c.finish_reason == "length" for c in out.outputs]))
@@ -109,7 +109,7 @@ def has_signal(groups: Sequence[Group]) -> list[bool]:
     return [not bool(z) for z in zero]
 
 
-def collect_rollout(llm: LLM, next_rows, encode, num_prompts: int, params: SamplingParams,
+def collect_rollout(llm: LLM, next_rows: Callable[[int], list[PromptOnly]], num_prompts: int, params: SamplingParams,
                     funcs: Sequence[tuple[str, RewardFunc]], weights: Sequence[float] | None,
                     scale_rewards: str, dynamic_sampling: bool, max_rounds: int = 4) -> Rollout:
     """`num_prompts` scored groups with advantages. With dynamic sampling, groups whose rewards
@@ -122,7 +122,7 @@ def collect_rollout(llm: LLM, next_rows, encode, num_prompts: int, params: Sampl
     while len(kept) < num_prompts and rounds < (max_rounds if dynamic_sampling else 1):
         rounds += 1
         rows = next_rows(num_prompts - len(kept))
-        groups, s = sample_groups(llm, rows, [encode(r) for r in rows], params)
+        groups, s = sample_groups(llm, rows, params)
         shared += s
         tokens += sum(len(c) for g in groups for c in g.completion_ids)
         score_groups(groups, funcs, weights)
@@ -133,5 +133,4 @@ def collect_rollout(llm: LLM, next_rows, encode, num_prompts: int, params: Sampl
             kept.extend(groups)
     kept.extend(dropped[: num_prompts - len(kept)])
     assign_advantages(kept, scale_rewards)
-    llm.sleep()  # the optimizer runs next: the KV cache gives its memory back until the next rollout
     return Rollout(kept, time.perf_counter() - t0, tokens, shared, rounds)

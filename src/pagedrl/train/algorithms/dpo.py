@@ -2,7 +2,7 @@
 the policy than a frozen reference likes the chosen answer over the rejected one.
 
 Per micro-batch: one forward of the policy over rows `[prompt, chosen, rejected]`
-(`pagedrl.train.pair_batch`), the LM head only on the positions that predict an answer token, the
+(`pagedrl.train.algorithms.pair_batch`), the LM head only on the positions that predict an answer token, the
 log-probs summed per answer; the same for the reference without gradients, or its log-probs read
 from a table computed before training; then `losses.dpo_loss` (sigmoid with label smoothing =
 conservative DPO, ipo, hinge, robust) summed over pairs and divided by the pairs of the whole
@@ -31,12 +31,13 @@ import torch
 
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.tokenizer import Tokenizer
-from pagedrl.train.algorithm import Metric, OfflineAlgorithm
+from pagedrl.train.algorithm import OfflineAlgorithm
+from pagedrl.train.algorithms.pair_batch import PairBatch, collate_pairs
 from pagedrl.train.config import DPOConfig
 from pagedrl.train.data import Preference, PreferenceRows, load_train_and_eval
 from pagedrl.train.distributed import DistInfo, all_reduce_sum
 from pagedrl.train.losses import dpo_loss
-from pagedrl.train.pair_batch import PairBatch, collate_pairs
+from pagedrl.train.metrics import Metric
 
 Dataset = str | Path | Sequence[Mapping[str, Any]]
 

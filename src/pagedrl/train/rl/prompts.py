@@ -1,0 +1,76 @@
+"""Where an online algorithm's prompts come from: the arithmetic task's endless stream, or a
+`{"prompt", ...columns}` dataset epoch after epoch. Both arrive as `PromptOnly` rows, read and
+checked by the one prompt-row reader in `train/data.py`, so GRPO and PPO tokenize a prompt once
+and name a bad row the same way."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.train.algorithm import EpochStream
+from pagedrl.train.data import DataReport, PromptOnly, PromptRows, Row, load_examples
+from pagedrl.train.distributed import DistInfo
+from pagedrl.train.rl.arithmetic import ArithmeticTask
+
+
+class PromptSource:
+    """Prompts in order. Its position is one integer, so a checkpoint can resume it exactly.
+
+    `config` needs: dataset, eval_dataset, max_prompt_length, seed, on_bad_row and the `task_*`
+    fields of the arithmetic task (GRPOConfig and PPOConfig both have them)."""
+
+    def __init__(self, config: Any, tokenizer: Tokenizer, dist: DistInfo) -> None:
+        self.consumed = 0
+        self.task: ArithmeticTask | None = None
+        self.rows: list[PromptOnly] = []
+        self.convert = PromptRows(tokenizer, config.max_prompt_length, "error", limit_name="max_prompt_length")
+        self.report: DataReport | None = None
+        self.on_bad_row = config.on_bad_row
+        if config.dataset == "arithmetic":
+            self.task = ArithmeticTask(tuple(config.task_operations), config.task_low, config.task_high,
+                                       config.task_num_eval, seed=config.seed)
+            self._stream: Iterator[PromptOnly] = (self._task_row(i, r) for i, r in
+                                                  enumerate(self.task.train_rows()))
+        else:
+            if config.dataset is None:
+                raise ValueError("dataset: an online algorithm needs prompts: a JSONL path or 'arithmetic'")
+            self.rows, self.report = load_examples(config.dataset, self.convert, config.on_bad_row)
+            self.order = EpochStream(len(self.rows), config.seed)
+        self.eval_dataset = config.eval_dataset
+        self.rank, self.world = dist.rank, dist.world_size
+
+    def _task_row(self, i: int, values: Mapping[str, Any]) -> PromptOnly:
+        out = self.convert(Row(f"arithmetic[{i}]", dict(values)), DataReport("arithmetic"))
+        assert out is not None  # "error" truncation never skips
+        return out
+
+    def take(self, n: int) -> list[PromptOnly]:
+        """This rank's share of the next n × world prompts."""
+        if self.task is not None:
+            rows = list(itertools.islice(self._stream, n * self.world))
+        else:
+            rows = [self.rows[i] for i in self.order.take(n * self.world)]
+        self.consumed += n * self.world
+        return rows[self.rank * n:(self.rank + 1) * n]
+
+    def eval_rows(self) -> list[PromptOnly]:
+        if self.eval_dataset is not None:
+            return load_examples(self.eval_dataset, self.convert, self.on_bad_row)[0]
+        if self.task is None:
+            return []
+        return [self._task_row(i, r) for i, r in enumerate(self.task.eval_rows())]
+
+    @property
+    def epoch(self) -> float:
+        return self.consumed / len(self.rows) if self.rows else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        target = int(state["consumed"])
+        while self.consumed < target:  # replay the stream: cheap, and exact
+            self.take(1) if self.world == 1 else self.take(max(1, (target - self.consumed) // self.world))
