@@ -132,7 +132,7 @@ def test_skip_policy_counts_every_skipped_row_with_its_reason(tok, tmp_path) -> 
     ])
     examples, report = load_examples(path, convert(tok, truncation="skip"), on_bad_row="skip")
     assert [e.where for e in examples] == [f"{path}:1", f"{path}:6"]
-    assert examples[0].extra == {"id": 7}
+    assert examples[0].columns == {"id": 7}
     assert report.rows == 6 and report.kept == 2
     assert report.skipped == {"invalid JSON": 1, "missing 'completion'": 1, "wrong type of 'completion'": 1,
                               "longer than max_length=64": 1}
@@ -174,7 +174,7 @@ def test_preference_rows_equal_trl_reward_tokenization(tok, hf_tok) -> None:
     rows = [{"prompt": "what is two plus three", "chosen": " five", "rejected": " six", "margin": 2, "src": "a"},
             {"prompt": CHAT_PROMPT, "chosen": CHAT_COMPLETION, "rejected": [{"role": "assistant", "content": "six"}]}]
     pairs, _ = load_examples(rows, PreferenceRows(tok, max_length=64))
-    assert pairs[0].margin == 2.0 and pairs[0].extra == {"src": "a"} and pairs[1].margin is None
+    assert pairs[0].margin == 2.0 and pairs[0].columns == {"src": "a"} and pairs[1].margin is None
     eos = hf_tok.eos_token
     assert pairs[0].prompt_ids + pairs[0].chosen_ids == _tokenize(hf_tok, "what is two plus three five" + eos)["input_ids"]
     assert pairs[1].prompt_ids + pairs[1].rejected_ids == _tokenize(hf_tok, CHAT_PROMPT + rows[1]["rejected"])["input_ids"]
@@ -203,7 +203,7 @@ def test_preference_truncation_cuts_each_answer_on_its_own(tok) -> None:
 
 def test_prompt_rows_keep_extra_columns_and_refuse_long_prompts(tok, tmp_path) -> None:
     (ex,), _ = load_examples([{"prompt": CHAT_PROMPT, "answer": 5}], PromptRows(tok, max_length=64))
-    assert ex.prompt_ids == tokenize_prompt(tok, CHAT_PROMPT) and ex.extra == {"answer": 5} and ex.prompt == CHAT_PROMPT
+    assert ex.prompt_ids == tokenize_prompt(tok, CHAT_PROMPT) and ex.columns == {"answer": 5} and ex.prompt == CHAT_PROMPT
     path = write_jsonl(tmp_path / "p.jsonl", ['{"prompt": "hi"}', '{"question": "hi"}'])
     with pytest.raises(DataError, match=rf"{path}:2: prompt: missing"):
         load_examples(path, PromptRows(tok, max_length=64))

@@ -83,7 +83,7 @@ def test_first_step_ratio_is_one_and_engine_agrees_with_trainer(tiny_train_model
     total = torch.tensor(float(sum(algo.count(b) for b in batches)))
     for b in batches:
         with torch.no_grad():
-            flat, _ = algo.token_logps(algo.model, b)
+            flat = algo.token_logps(algo.model, b).logps
         logp = b.to_padded(flat)
         assert (logp - b.sampling_logps).abs().masked_fill(~b.mask, 0).max() < 1e-4
         loss, metrics = algo.loss(algo.model, b, total)
@@ -177,3 +177,32 @@ def test_processed_logprobs_is_what_the_engine_reports(tiny_train_model) -> None
     tokens = torch.tensor([0, 3, 7, 9, 49])
     lp = processed_logprobs(logits, tokens, temperature=2.0)
     assert torch.allclose(lp, torch.log_softmax(logits / 2.0, -1).gather(-1, tokens[:, None])[:, 0])
+
+
+def test_temperature_below_the_engine_floor_is_refused(tiny_train_model, prompts_file) -> None:
+    """The engine raises a tiny temperature to its floor; the trainer must not recompute with another."""
+    with pytest.raises(ValueError, match="temperature: must be at least 0.01"):
+        grpo(tiny_train_model, prompts_file, temperature=0.005)
+
+
+def test_trainer_logprobs_read_the_rollouts_own_sampling_params(tiny_train_model, prompts_file) -> None:
+    """With temperature and top-k, the recomputed log-probs are those the engine sampled from."""
+    algo = grpo(tiny_train_model, prompts_file, temperature=0.7, top_k=5)
+    assert algo.sampling.temperature == 0.7 and algo.sampling.top_k == 5
+    for b in algo.step_batches(1):
+        with torch.no_grad():
+            trainer = b.to_padded(algo.token_logps(algo.model, b).logps)
+        assert torch.allclose(trainer[b.mask], b.sampling_logps[b.mask], atol=1e-5)
+
+
+def test_reference_logprobs_are_computed_once_per_rollout(tiny_train_model, prompts_file) -> None:
+    algo = grpo(tiny_train_model, prompts_file, beta=0.1, num_iterations=2)
+    calls = []
+    algo.ref_model.register_forward_hook(lambda *_: calls.append(1))
+    first = algo.step_batches(1)
+    for step in (1, 2):  # μ = 2: the second step trains on the same rollout
+        batches = first if step == 1 else algo.step_batches(step)
+        assert batches is first
+        for b in batches:
+            algo.loss(algo.model, b, torch.tensor(float(algo.count(b))))
+    assert len(calls) == len(first) == 2  # one reference forward per micro-batch of the rollout

@@ -98,9 +98,8 @@ class LLM:
             raise ValueError("chat needs a tokenizer with a chat template")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # one conversation
-        prompts = [self.tokenizer.encode(
-            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                               **(chat_template_kwargs or {})), add_special_tokens=False)
+        prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                      **(chat_template_kwargs or {}))
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -24,6 +24,8 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
+from pagedrl.engine.sampling_params import MIN_TEMPERATURE
+
 REPORTERS: tuple[str, ...] = ("none", "jsonl", "tensorboard")
 
 
@@ -214,6 +216,10 @@ class GRPOConfig(TrainConfig):
         _require(self.num_generations >= 2, "num_generations", f"a group needs >= 2 completions, got {self.num_generations}")
         _require(self.max_completion_length >= 1, "max_completion_length", f"must be >= 1, got {self.max_completion_length}")
         _require(self.temperature > 0, "temperature", f"sampling a group needs temperature > 0, got {self.temperature}")
+        # The engine would raise a smaller temperature to MIN_TEMPERATURE; the trainer's recomputed
+        # log-probs would then not be those of the distribution the tokens were drawn from.
+        _require(self.temperature >= MIN_TEMPERATURE, "temperature",
+                 f"must be at least {MIN_TEMPERATURE} (the engine's floor), got {self.temperature}")
         _require(0.0 < self.top_p <= 1.0, "top_p", f"must lie in (0, 1], got {self.top_p}")
         _require(self.top_k >= -1, "top_k", f"must be >= -1 (0 or -1 disable), got {self.top_k}")
         _require(self.min_p is None or 0.0 <= self.min_p <= 1.0, "min_p", f"must lie in [0, 1], got {self.min_p}")

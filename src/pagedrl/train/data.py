@@ -4,7 +4,7 @@ the loss falls on completion tokens only.
 Formats (each text field a plain string or a list of chat messages `{"role", "content"}`):
 `{"prompt", "completion"}` (SFT), `{"prompt", "chosen", "rejected"}` with an optional numeric
 `margin` (DPO, reward model), `{"prompt"}` (GRPO, PPO), and TRL's language-modeling rows
-`{"text"}` / `{"messages"}` (SFT on every token). Other columns are kept as `extra`, for reward
+`{"text"}` / `{"messages"}` (SFT on every token). Other columns are kept as `columns`, for reward
 functions.
 
 Tokenization follows TRL 1.16 (`train/tokenization.py`).
@@ -249,7 +249,7 @@ class PromptCompletion:
     prompt_ids: list[int]
     completion_ids: list[int]
     where: str
-    extra: dict[str, Any] = field(default_factory=dict)
+    columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for reward functions
 
     @property
     def input_ids(self) -> list[int]:
@@ -304,7 +304,7 @@ class Preference:
     rejected_ids: list[int]
     where: str
     margin: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for reward functions
 
 
 class PreferenceRows:
@@ -346,7 +346,7 @@ class PromptOnly:
     prompt_ids: list[int]
     prompt: Text
     where: str
-    extra: dict[str, Any] = field(default_factory=dict)
+    columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for reward functions
 
 
 class PromptRows:

@@ -25,7 +25,7 @@ def evaluate_rows(llm: LLM, rows: Sequence[PromptOnly], reward: tuple[str, Rewar
     completions = [completion_for(p, o.outputs[0].text) for p, o in zip(prompts, outs, strict=True)]
     columns: dict[str, list[Any]] = {}
     for r in rows:
-        for k, v in r.extra.items():
+        for k, v in r.columns.items():
             columns.setdefault(k, []).append(v)
     values = [row[0] for row in score([reward], prompts, completions,
                                       [o.outputs[0].token_ids for o in outs], columns)]

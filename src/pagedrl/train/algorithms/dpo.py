@@ -36,6 +36,7 @@ from pagedrl.train.algorithms.pair_batch import PairBatch, collate_pairs
 from pagedrl.train.config import DPOConfig
 from pagedrl.train.data import Preference, PreferenceRows, load_train_and_eval
 from pagedrl.train.distributed import DistInfo, all_reduce_sum
+from pagedrl.train.logprobs import target_logprobs
 from pagedrl.train.losses import dpo_loss
 from pagedrl.train.metrics import Metric
 
@@ -60,13 +61,10 @@ class AnswerLogps:
 def answer_logps(model: Any, batch: PairBatch, with_logits: bool = False) -> AnswerLogps:
     """Σ log p(answer token | prompt, earlier answer tokens) per answer, from one forward. `model`
     is the policy (through the loop's handle) or a plain CausalLM (the reference)."""
-    hidden = model(batch.input_ids, positions=batch.positions, meta=batch.meta)
-    selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.predict_at)
-    logits = model.logits(selected)
-    token_logps = logits.gather(-1, batch.targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
-    logps = token_logps.new_zeros(2 * batch.num_pairs).index_add(0, batch.answer_of, token_logps)
-    mean_logits = logits.detach().mean(-1) if with_logits else token_logps.new_zeros(0)
-    return AnswerLogps(logps, mean_logits)
+    out = target_logprobs(model, batch.input_ids, batch.positions, batch.meta, batch.predict_at, batch.targets,
+                          mean_logit=with_logits)
+    logps = out.logps.new_zeros(2 * batch.num_pairs).index_add(0, batch.answer_of, out.logps)
+    return AnswerLogps(logps, out.mean_logit if with_logits else out.logps.new_zeros(0))
 
 
 def frozen(model: torch.nn.Module) -> torch.nn.Module:

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from pagedrl.engine.llm import LLM
-from pagedrl.engine.sampler import processed_logprobs
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import Algorithm
@@ -24,7 +23,8 @@ from pagedrl.train.algorithms.grpo_batch import GRPOBatch, collate_grpo, split_u
 from pagedrl.train.config import GRPOConfig
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.evaluate import evaluate_rows
-from pagedrl.train.losses import aggregate, clipped_surrogate, entropy_from_logits, kl_estimate, tis_weight
+from pagedrl.train.logprobs import TargetLogprobs, target_logprobs
+from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, tis_weight
 from pagedrl.train.metrics import Metric
 from pagedrl.train.rl.prompts import PromptSource
 from pagedrl.train.rl.rewards import RewardFunc, load_reward_function
@@ -85,23 +85,25 @@ class GRPO(Algorithm):
             units = split_units(self.rollout.groups, self.config.gradient_accumulation_steps)
             device = next(self.model.parameters()).device
             self.batches = [collate_grpo(u, device, self.config.mask_truncated_completions) for u in units]
-            if self.config.num_iterations > 1:
-                self.remember_old_logps()
+            self.remember_rollout_logps()
         return self.batches
 
     @torch.no_grad()
-    def remember_old_logps(self) -> None:
-        """μ > 1 updates reuse one rollout: the ratio is taken against the policy before the first."""
+    def remember_rollout_logps(self) -> None:
+        """What stays fixed while one rollout is trained on, computed once per rollout: the
+        reference's log-probs (beta > 0), and for μ > 1 the policy's before the first update (the
+        ratio's denominator)."""
         for b in self.batches:
-            b.old_logps = b.to_padded(self.token_logps(self.model, b)[0])
+            if self.ref_model is not None:
+                b.ref_logps = b.to_padded(self.token_logps(self.ref_model, b).logps)
+            if self.config.num_iterations > 1:
+                b.old_logps = b.to_padded(self.token_logps(self.model, b).logps)
 
-    def token_logps(self, model: Any, b: GRPOBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """[N] processed log-probs of the completion tokens (the distribution they were sampled
-        from: temperature, top-k/top-p/min-p) and the [N, V] logits they came from."""
-        hidden = model(b.input_ids, positions=b.positions, meta=b.meta)
-        logits = model.logits(hidden[0].index_select(0, b.predict_at))
-        c = self.config
-        return processed_logprobs(logits, b.targets, c.temperature, c.top_k, c.top_p, c.min_p or 0.0), logits
+    def token_logps(self, model: Any, b: GRPOBatch, entropy: bool = False) -> TargetLogprobs:
+        """Processed log-probs of the completion tokens under the rollout's own sampling params
+        (the distribution they were drawn from), and on request the entropy."""
+        return target_logprobs(model, b.input_ids, b.positions, b.meta, b.predict_at, b.targets,
+                               sampling=self.sampling, entropy=entropy)
 
     # -- the loss --------------------------------------------------------------------------------
 
@@ -112,8 +114,8 @@ class GRPO(Algorithm):
 
     def loss(self, model: Any, b: GRPOBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         c = self.config
-        flat, logits = self.token_logps(model, b)
-        logp = b.to_padded(flat)
+        out_lp = self.token_logps(model, b, entropy=True)
+        logp = b.to_padded(out_lp.logps)
         old = b.old_logps if b.old_logps is not None else logp.detach()
         out = clipped_surrogate(logp, old, b.advantages, b.mask, c.epsilon, c.epsilon_high, c.delta)
         per_token = out.loss
@@ -128,17 +130,14 @@ class GRPO(Algorithm):
             per_token = per_token * w
             metrics["sampling/importance_sampling_ratio/mean"] = Metric.mean(w.masked_fill(~mask, 0).sum(), n_tok)
             metrics["sampling/importance_sampling_ratio/min"] = Metric.min(w.masked_fill(~mask, float("inf")).min())
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref = b.to_padded(self.token_logps(self.ref_model, b)[0])
-            kl = kl_estimate(logp, ref, c.kl_estimator)
+        if b.ref_logps is not None:
+            kl = kl_estimate(logp, b.ref_logps, c.kl_estimator)
             per_token = per_token + c.beta * kl
             metrics["kl"] = Metric.mean(kl.detach().masked_fill(~mask, 0).sum(), n_tok)
         loss = aggregate(per_token, mask, c.loss_type, normaliser=global_count,
                          max_completion_length=c.max_completion_length)
-        with torch.no_grad():
-            temp = logits / c.temperature
-            ent = b.to_padded(entropy_from_logits(temp)).masked_fill(~mask, 0)
+        assert out_lp.entropy is not None
+        ent = b.to_padded(out_lp.entropy).masked_fill(~mask, 0)
         metrics["entropy"] = Metric.mean(ent.sum(), n_tok)
         metrics["clip_ratio/low_mean"] = Metric.mean(out.is_low_clipped.sum().float(), n_tok)
         metrics["clip_ratio/high_mean"] = Metric.mean(out.is_high_clipped.sum().float(), n_tok)

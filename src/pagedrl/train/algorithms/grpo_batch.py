@@ -39,6 +39,7 @@ class GRPOBatch:
     advantages: torch.Tensor  # [S]
     sampling_logps: torch.Tensor  # [S, L] the engine's log-probs, 0 where masked
     old_logps: torch.Tensor | None = None  # [S, L] for μ > 1: log-probs before the first update
+    ref_logps: torch.Tensor | None = None  # [S, L] the frozen reference's, once per rollout (beta > 0)
     num_prompt_tokens: int = 0
 
     @property

@@ -21,14 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from pagedrl.model.attention import DenseAttention
+from pagedrl.model.decoder import default_positions
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import OfflineAlgorithm
 from pagedrl.train.config import SFTConfig
 from pagedrl.train.data import PromptCompletion, PromptCompletionRows, load_train_and_eval
 from pagedrl.train.distributed import DistInfo
+from pagedrl.train.logprobs import target_logprobs
 from pagedrl.train.losses import sft_loss
 from pagedrl.train.metrics import Metric
 
@@ -39,7 +40,7 @@ class SFTBatch:
     positions: torch.Tensor  # [B, T]
     meta: DenseAttention
     predict_at: torch.Tensor  # [N] flat indices into [B*T] of positions whose next token is a label
-    labels: torch.Tensor  # [N]
+    targets: torch.Tensor  # [N]
     num_tokens: int  # real (non-padding) tokens
 
 
@@ -62,10 +63,10 @@ def collate_sft(examples: Sequence[PromptCompletion], pad_id: int, device: torch
         input_ids = torch.tensor([ids], dtype=torch.long)
         meta = DenseAttention.segments(torch.tensor([seg], device=device))
         positions = torch.tensor([pos], dtype=torch.long)
-        labels = [ids[j + 1] for j in predict]
+        targets = [ids[j + 1] for j in predict]
     else:
         width = max(len(ex.input_ids) for ex in examples)
-        rows, attn, predict, labels = [], [], [], []
+        rows, attn, predict, targets = [], [], [], []
         for b, ex in enumerate(examples):
             n, keep = len(ex.input_ids), label_mask(ex, completion_only)
             rows.append(ex.input_ids + [pad_id] * (width - n))
@@ -73,15 +74,15 @@ def collate_sft(examples: Sequence[PromptCompletion], pad_id: int, device: torch
             for t in range(1, n):
                 if keep[t]:
                     predict.append(b * width + t - 1)
-                    labels.append(ex.input_ids[t])
+                    targets.append(ex.input_ids[t])
         input_ids = torch.tensor(rows, dtype=torch.long)
         mask = torch.tensor(attn, dtype=torch.long)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = default_positions(input_ids, mask)
         padded = bool((mask == 0).any())
         meta = DenseAttention.causal(mask.to(device)) if padded else DenseAttention(None)
     return SFTBatch(input_ids.to(device), positions.to(device), meta,
                     torch.tensor(predict, dtype=torch.long, device=device),
-                    torch.tensor(labels, dtype=torch.long, device=device),
+                    torch.tensor(targets, dtype=torch.long, device=device),
                     sum(len(ex.input_ids) for ex in examples))
 
 
@@ -112,19 +113,16 @@ class SFT(OfflineAlgorithm):
         return collate_sft(examples, self.pad_id, self.device, self.completion_only, self.packing)
 
     def count(self, batch: SFTBatch) -> float:
-        return float(batch.labels.numel())
+        return float(batch.targets.numel())
 
     def loss(self, model: Any, batch: SFTBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-        hidden = model(batch.input_ids, positions=batch.positions, meta=batch.meta)
-        selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.predict_at)
-        logps = F.log_softmax(model.logits(selected).float(), dim=-1)  # one pass serves loss and entropy
-        token_logps = logps.gather(-1, batch.labels[:, None]).squeeze(-1)
-        n = batch.labels.numel()
-        loss = sft_loss(token_logps[None], torch.ones(1, n, dtype=torch.bool, device=logps.device),
+        out = target_logprobs(model, batch.input_ids, batch.positions, batch.meta, batch.predict_at, batch.targets,
+                              entropy=True, correct=True)
+        n = batch.targets.numel()
+        loss = sft_loss(out.logps[None], torch.ones(1, n, dtype=torch.bool, device=out.logps.device),
                         num_items_in_batch=global_count)
-        with torch.no_grad():
-            correct = (logps.argmax(-1) == batch.labels).sum()
-            entropy = -(logps.exp() * logps).sum()
+        assert out.correct is not None and out.entropy is not None
+        correct, entropy = out.correct.sum(), out.entropy.sum()
         return loss, {
             "mean_token_accuracy": Metric.mean(correct, n),
             "entropy": Metric.mean(entropy, n),

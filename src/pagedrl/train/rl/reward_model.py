@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from pagedrl.model.attention import DenseAttention
+from pagedrl.model.decoder import default_positions
 from pagedrl.model.heads import SequenceScorer, load_sequence_scorer, score_index
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.tokenization import Text, tokenize_prompt_completion
@@ -74,6 +75,6 @@ class RewardModel:
         ids = torch.tensor([x + [pad] * (width - len(x)) for x in batch], device=device)
         real = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in batch], device=device)
         meta = DenseAttention.causal(real) if bool((real == 0).any()) else DenseAttention(None)
-        hidden = self.network(ids, positions=(real.cumsum(-1) - 1).clamp(min=0), meta=meta)
+        hidden = self.network(ids, positions=default_positions(ids, real), meta=meta)
         at = torch.tensor([score_index(x, self.pad_token_id) for x in batch], device=device)
         return self.network.scores(hidden[torch.arange(len(batch), device=device), at]).tolist()

@@ -63,7 +63,7 @@ def sample_groups(llm: LLM, rows: Sequence[PromptOnly], params: SamplingParams) 
     groups = []
     for row, out in zip(rows, outputs, strict=True):
         groups.append(Group(
-            prompt=row.prompt, columns=dict(row.extra), prompt_ids=list(row.prompt_ids),
+            prompt=row.prompt, columns=dict(row.columns), prompt_ids=list(row.prompt_ids),
             completion_ids=[list(c.token_ids) for c in out.outputs], texts=[c.text for c in out.outputs],
             sampling_logps=[list(c.sampled_logprobs) for c in out.outputs],
             truncated=[c.finish_reason == "length" for c in out.outputs]))

@@ -1,0 +1,75 @@
+"""The one way every trainer turns a forward pass into per-token log-probs.
+
+forward → the hidden rows that predict a target (`predict_at`) → the LM head on those rows only →
+log p(target), and on request the entropy, whether the target is the argmax, and the vocabulary
+mean of the logits. The head runs over the rows in chunks, and each chunk's log-prob is taken as
+`logit[target] − logsumexp(logits)` (TRL's `selective_log_softmax` idea), so no full
+[tokens, vocab] float32 log-softmax is ever held beside the logits it came from; the extras are
+computed per chunk without gradient and dropped.
+
+With a `SamplingParams`, the log-probs are the *processed* ones (temperature, top-k, top-p,
+min-p), through the very function the engine samples with: that is the logprob contract an
+online algorithm's ratio rests on, and why the rollout's own params are what it is called with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedrl.engine.sampler import processed_logprobs
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.train.losses import entropy_from_logits
+
+CHUNK_ROWS = 1024  # 1024 rows × a 49k vocabulary ≈ 200 MB of float32 logits per chunk
+
+
+@dataclass
+class TargetLogprobs:
+    logps: torch.Tensor  # [N] log p(target), with gradient when the forward has one
+    entropy: torch.Tensor | None = None  # [N] of the (temperature-scaled) distribution, no gradient
+    correct: torch.Tensor | None = None  # [N] bool: the target is the argmax
+    mean_logit: torch.Tensor | None = None  # [N] vocabulary mean of the raw logits, no gradient
+
+
+def target_logprobs(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                    predict_at: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams | None = None,
+                    entropy: bool = False, correct: bool = False, mean_logit: bool = False,
+                    chunk_rows: int = CHUNK_ROWS) -> TargetLogprobs:
+    """Log-probs of `targets` [N] predicted by the hidden rows `predict_at` [N] (indices into the
+    flattened [B·T] positions) after one forward of `model` (the trained module through the
+    loop's handle, or a frozen copy). `sampling`: the distribution the targets were drawn from;
+    None means the model's own (temperature 1, nothing cut)."""
+    hidden = model(input_ids, positions=positions, meta=meta)
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, predict_at)
+    head = model.logits
+    temperature = 1.0 if sampling is None or sampling.is_greedy else sampling.temperature
+    truncated = sampling is not None and not sampling.is_greedy and (
+        sampling.top_k > 0 or sampling.top_p < 1.0 or sampling.min_p > 0.0)
+    parts: dict[str, list[torch.Tensor]] = {"logps": [], "entropy": [], "correct": [], "mean_logit": []}
+    for start in range(0, rows.shape[0], chunk_rows):
+        logits = head(rows[start:start + chunk_rows]).float()
+        t = targets[start:start + chunk_rows]
+        if truncated:
+            assert sampling is not None
+            lp = processed_logprobs(logits, t, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+        else:
+            scaled = logits if temperature == 1.0 else logits / temperature
+            lp = scaled.gather(-1, t[:, None]).squeeze(-1) - scaled.logsumexp(-1)
+        parts["logps"].append(lp)
+        with torch.no_grad():
+            if entropy:
+                parts["entropy"].append(entropy_from_logits(logits / temperature))
+            if correct:
+                parts["correct"].append(logits.argmax(-1) == t)
+            if mean_logit:
+                parts["mean_logit"].append(logits.mean(-1))
+    if not parts["logps"]:  # no targets in this batch
+        empty = rows.new_zeros(0, dtype=torch.float32)
+        return TargetLogprobs(empty, empty if entropy else None,
+                              empty.bool() if correct else None, empty if mean_logit else None)
+    cat = {k: torch.cat(v) if v else None for k, v in parts.items()}
+    assert cat["logps"] is not None
+    return TargetLogprobs(cat["logps"], cat["entropy"], cat["correct"], cat["mean_logit"])
