@@ -31,18 +31,21 @@ import torch
 
 from pagedrl import LLM, SamplingParams
 from pagedrl.model.attention import DenseAttention
-from pagedrl.train.algorithms.grpo_batch import GRPOBatch, Unit, collate_grpo, split_units
 from pagedrl.train.data import PromptRows, load_examples
 from pagedrl.train.rl.arithmetic import ArithmeticTask
-from pagedrl.train.rl.rollout import Group, sample_groups
+from pagedrl.train.rl.packing import PackedBatch, Unit, pack, split_units
+from pagedrl.train.rl.rollout import Rollout, sample
 
 G, PROMPTS, LENGTH, MICRO_BATCHES = 8, 8, 64, 4
 
 
-def padded_logps(model, units: list[Unit]) -> torch.Tensor:
+def unit_rows(rollout: Rollout, units: list[Unit]) -> list[tuple[list[int], list[int]]]:
+    return [(rollout.prompts[u.prompt].prompt_ids, rollout.completion_ids[i]) for u in units for i in u.completions]
+
+
+def padded_logps(model, rows: list[tuple[list[int], list[int]]]) -> torch.Tensor:
     """[N] log-probs from a right-padded batch (prompt + completion per row), logits over the
     completion span of every row, as TRL computes them."""
-    rows = [(u.group.prompt_ids, u.group.completion_ids[i]) for u in units for i in u.indices]
     P = max(len(p) for p, _ in rows)
     L = max(len(c) for _, c in rows)
     ids = torch.zeros(len(rows), P + L, dtype=torch.long)
@@ -59,12 +62,11 @@ def padded_logps(model, units: list[Unit]) -> torch.Tensor:
     return logps[keep]
 
 
-def padded_tokens(units: list[Unit]) -> int:
-    rows = [(len(u.group.prompt_ids), len(u.group.completion_ids[i])) for u in units for i in u.indices]
-    return len(rows) * (max(p for p, _ in rows) + max(c for _, c in rows))
+def padded_tokens(rows: list[tuple[list[int], list[int]]]) -> int:
+    return len(rows) * (max(len(p) for p, _ in rows) + max(len(c) for _, c in rows))
 
 
-def packed_logps(model, batch: GRPOBatch, all_rows: bool = False) -> torch.Tensor:
+def packed_logps(model, batch: PackedBatch, all_rows: bool = False) -> torch.Tensor:
     hidden = model(batch.input_ids, positions=batch.positions, meta=batch.meta)[0]
     if all_rows:
         logps = torch.log_softmax(model.logits(hidden).float(), -1)
@@ -74,7 +76,7 @@ def packed_logps(model, batch: GRPOBatch, all_rows: bool = False) -> torch.Tenso
 
 
 def one_copy_per_completion(units: list[Unit]) -> list[Unit]:
-    return [Unit(u.group, [i]) for u in units for i in u.indices]
+    return [Unit(u.prompt, [i]) for u in units for i in u.completions]
 
 
 def time_step(model, micro_batches: list, fn: Callable, repeats: int) -> tuple[float, list[torch.Tensor]]:
@@ -102,24 +104,22 @@ def main() -> None:
     stream = task.train_rows()
     rows, _ = load_examples([next(stream) for _ in range(PROMPTS)], PromptRows(tokenizer, None))
     params = SamplingParams(n=G, temperature=1.0, max_tokens=LENGTH, seed=0)
-    groups: list[Group]
-    groups, _ = sample_groups(llm, rows, params)
-    for g in groups:
-        g.advantages = torch.zeros(G)
+    rollout = sample(llm, rows, params)
     del llm
     model.train().requires_grad_(True)
-    units = split_units(groups, MICRO_BATCHES)
-    prompt_tokens = sum(len(g.prompt_ids) for g in groups)
-    completion_tokens = sum(len(c) for g in groups for c in g.completion_ids)
+    units = split_units(rollout, MICRO_BATCHES)
+    prompt_tokens = sum(len(p.prompt_ids) for p in rollout.prompts)
+    completion_tokens = rollout.generated_tokens
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"one step: {PROMPTS} prompts ({prompt_tokens} tokens) x G={G}, {completion_tokens} completion tokens "
           f"(mean {completion_tokens / (PROMPTS * G):.1f}, max {LENGTH}), {MICRO_BATCHES} micro-batches")
     cpu = torch.device("cpu")
-    shared = [collate_grpo(u, cpu) for u in units]
-    packed = [collate_grpo(one_copy_per_completion(u), cpu) for u in units]
+    shared = [pack(rollout, u, cpu) for u in units]
+    packed = [pack(rollout, one_copy_per_completion(u), cpu) for u in units]
+    padded = [unit_rows(rollout, u) for u in units]
     layouts = {
-        "padded": (units, lambda u: padded_logps(model, u), sum(padded_tokens(u) for u in units)),
+        "padded": (padded, lambda rows: padded_logps(model, rows), sum(padded_tokens(rows) for rows in padded)),
         "packed": (packed, lambda b: packed_logps(model, b), sum(b.input_ids.numel() for b in packed)),
         "shared": (shared, lambda b: packed_logps(model, b), sum(b.input_ids.numel() for b in shared)),
         "shared+all": (shared, lambda b: packed_logps(model, b, all_rows=True), sum(b.input_ids.numel() for b in shared)),

@@ -11,10 +11,11 @@ from pagedrl.engine.sampler import processed_logprobs
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.loader import load_model
 from pagedrl.train.algorithms.grpo import GRPO, rollout_kv_tokens, run_grpo
-from pagedrl.train.algorithms.grpo_batch import collate_grpo, split_units
 from pagedrl.train.config import GRPOConfig
+from pagedrl.train.data import PromptOnly
 from pagedrl.train.distributed import DistInfo
-from pagedrl.train.rl.rollout import Group
+from pagedrl.train.rl.packing import pack, split_units
+from pagedrl.train.rl.rollout import Rollout
 from pagedrl.train.tokenization import tokenize_prompt
 
 REWARDS = (
@@ -53,28 +54,31 @@ def test_packed_group_gives_the_logps_of_separate_sequences(tiny_train_model) ->
     """Completions packed after one shared prompt see exactly what they would see alone."""
     model = load_model(tiny_train_model).model
     g = torch.Generator().manual_seed(0)
-    groups = [Group(prompt=None, columns={}, prompt_ids=torch.randint(3, 200, (p,), generator=g).tolist(),
-                    completion_ids=[torch.randint(3, 200, (n,), generator=g).tolist() for n in lens],
-                    texts=[""] * len(lens), sampling_logps=[[0.0] * n for n in lens],
-                    truncated=[False] * len(lens), advantages=torch.zeros(len(lens)))
-              for p, lens in ((7, [3, 5, 1]), (4, [6, 2]))]
-    for units in split_units(groups, 2):  # one group is cut across the two micro-batches
-        b = collate_grpo(units, torch.device("cpu"))
+    lens = [3, 5, 1, 6, 2, 4]  # 2 prompts x G = 3
+    prompts = [PromptOnly(torch.randint(3, 200, (p,), generator=g).tolist(), "", "") for p in (7, 4)]
+    rollout = Rollout(prompts, 3, [torch.randint(3, 200, (n,), generator=g).tolist() for n in lens], [""] * 6,
+                      [[0.0] * n for n in lens], torch.zeros(6, dtype=torch.bool))
+    for units in split_units(rollout, 4):  # the second group is cut across micro-batches
+        b = pack(rollout, units, torch.device("cpu"))
         with torch.no_grad():
             hidden = model(b.input_ids, positions=b.positions, meta=b.meta)
             packed = torch.log_softmax(model.logits(hidden[0, b.predict_at]), -1)
             packed = packed.gather(-1, b.targets[:, None])[:, 0]
-        expected = []
+            last = hidden[0, b.last_at]
+        expected, expected_last = [], []
         for unit in units:
-            for i in unit.indices:
-                ids = unit.group.prompt_ids + unit.group.completion_ids[i]
+            for i in unit.completions:
+                prompt_ids, comp = rollout.prompts[unit.prompt].prompt_ids, rollout.completion_ids[i]
                 with torch.no_grad():
-                    lp = torch.log_softmax(model.logits(model(torch.tensor([ids])))[0], -1)
-                p = len(unit.group.prompt_ids)
-                expected += [float(lp[p - 1 + j, t]) for j, t in enumerate(unit.group.completion_ids[i])]
+                    alone = model(torch.tensor([prompt_ids + comp]))[0]
+                    lp = torch.log_softmax(model.logits(alone), -1)
+                p = len(prompt_ids)
+                expected += [float(lp[p - 1 + j, t]) for j, t in enumerate(comp)]
+                expected_last.append(alone[-1])
+        assert torch.allclose(last, torch.stack(expected_last), atol=1e-5)  # where a sequence is scored
         assert torch.allclose(packed, torch.tensor(expected), atol=1e-5)
-        assert b.input_ids.shape[1] == sum(len(u.group.prompt_ids) + sum(len(u.group.completion_ids[i])
-                                                                          for i in u.indices) for u in units)
+        assert b.input_ids.shape[1] == sum(len(rollout.prompts[u.prompt].prompt_ids)
+                                           + sum(len(rollout.completion_ids[i]) for i in u.completions) for u in units)
 
 
 def test_first_step_ratio_is_one_and_engine_agrees_with_trainer(tiny_train_model, prompts_file) -> None:
@@ -206,3 +210,33 @@ def test_reference_logprobs_are_computed_once_per_rollout(tiny_train_model, prom
         for b in batches:
             algo.loss(algo.model, b, torch.tensor(float(algo.count(b))))
     assert len(calls) == len(first) == 2  # one reference forward per micro-batch of the rollout
+
+
+def test_dynamic_sampling_keeps_groups_with_signal_and_fills_from_the_dropped(monkeypatch) -> None:
+    """Groups whose rewards all agree are replaced from the next prompts; if rounds run out, dropped
+    groups fill the gap. Rewards here are the completion's first token, so a group has signal
+    exactly when its completions differ."""
+    from pagedrl.train.rl import rollout as rollout_module
+
+    firsts = iter([[1, 1], [1, 2], [3, 3], [4, 5], [6, 6], [7, 7], [8, 8], [9, 9], [0, 0], [2, 2]])
+
+    def fake_sample(llm, rows, params):
+        comps = [c for _ in rows for c in [[x] for x in next(firsts)]]
+        return Rollout(list(rows), 2, comps, [""] * len(comps), [[0.0]] * len(comps),
+                       torch.zeros(len(comps), dtype=torch.bool), prefix_blocks_shared=1)
+
+    monkeypatch.setattr(rollout_module, "sample", fake_sample)
+    counter = iter(range(100))
+
+    def next_rows(n):
+        return [PromptOnly([next(counter)], "p", "") for _ in range(n)]
+
+    funcs = [("first", lambda prompts, completions, completion_ids, **kw: [float(c[0]) for c in completion_ids])]
+    r = rollout_module.collect_rollout(None, next_rows, 3, None, funcs, None, "group", dynamic_sampling=True,
+                                       max_rounds=3)
+    # round 1: prompts 0-2 give [1,1] [1,2] [3,3] -> keep 1; round 2: prompts 3-4 give [4,5] [6,6] -> keep 3;
+    # round 3: prompt 5 gives [7,7] -> none; the first dropped group (prompt 0) fills the gap.
+    assert [p.prompt_ids[0] for p in r.prompts] == [1, 3, 0]
+    assert r.total_rewards.tolist() == [1.0, 2.0, 4.0, 5.0, 1.0, 1.0]
+    assert r.rounds == 3 and r.prefix_blocks_shared == 3
+    assert r.advantages.view(-1, 2)[2].tolist() == [0.0, 0.0] and r.advantages[0] < 0 < r.advantages[1]

@@ -19,13 +19,13 @@ from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import Algorithm
-from pagedrl.train.algorithms.grpo_batch import GRPOBatch, collate_grpo, split_units
 from pagedrl.train.config import GRPOConfig
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.evaluate import evaluate_rows
 from pagedrl.train.logprobs import TargetLogprobs, target_logprobs
 from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, tis_weight
 from pagedrl.train.metrics import Metric
+from pagedrl.train.rl.packing import PackedBatch, pack, split_units
 from pagedrl.train.rl.prompts import PromptSource
 from pagedrl.train.rl.rewards import RewardFunc, load_reward_function
 from pagedrl.train.rl.rollout import Rollout, collect_rollout
@@ -71,20 +71,22 @@ class GRPO(Algorithm):
         if config.beta > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.rollout: Rollout | None = None
-        self.batches: list[GRPOBatch] = []
+        self.batches: list[PackedBatch] = []
 
     # -- prompts and rollouts -------------------------------------------------------------------
 
-    def step_batches(self, step: int) -> list[GRPOBatch]:
+    def step_batches(self, step: int) -> list[PackedBatch]:
         if (step - 1) % self.config.num_iterations == 0:
             self.llm.engine.sampler.generator.manual_seed(self.config.seed * 1_000_003 + step)
             self.rollout = collect_rollout(
                 self.llm, self.source.take, self.prompts_per_step, self.sampling, self.reward_funcs,
                 self.config.reward_weights, self.config.scale_rewards, self.config.dynamic_sampling)
             self.llm.sleep()  # the optimizer runs next: the KV cache gives its memory back until the next rollout
-            units = split_units(self.rollout.groups, self.config.gradient_accumulation_steps)
+            units = split_units(self.rollout, self.config.gradient_accumulation_steps)
             device = next(self.model.parameters()).device
-            self.batches = [collate_grpo(u, device, self.config.mask_truncated_completions) for u in units]
+            self.batches = [pack(self.rollout, u, device, self.config.mask_truncated_completions) for u in units]
+            for b in self.batches:
+                b.advantages = self.rollout.advantages.to(device)[b.completion_index]
             self.remember_rollout_logps()
         return self.batches
 
@@ -99,7 +101,7 @@ class GRPO(Algorithm):
             if self.config.num_iterations > 1:
                 b.old_logps = b.to_padded(self.token_logps(self.model, b).logps)
 
-    def token_logps(self, model: Any, b: GRPOBatch, entropy: bool = False) -> TargetLogprobs:
+    def token_logps(self, model: Any, b: PackedBatch, entropy: bool = False) -> TargetLogprobs:
         """Processed log-probs of the completion tokens under the rollout's own sampling params
         (the distribution they were drawn from), and on request the entropy."""
         return target_logprobs(model, b.input_ids, b.positions, b.meta, b.predict_at, b.targets,
@@ -107,12 +109,12 @@ class GRPO(Algorithm):
 
     # -- the loss --------------------------------------------------------------------------------
 
-    def count(self, batch: GRPOBatch) -> float:
+    def count(self, batch: PackedBatch) -> float:
         if self.config.loss_type in TOKEN_MEAN_LOSSES:
             return float(batch.mask.sum())
         return float(batch.num_sequences)
 
-    def loss(self, model: Any, b: GRPOBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    def loss(self, model: Any, b: PackedBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         c = self.config
         out_lp = self.token_logps(model, b, entropy=True)
         logp = b.to_padded(out_lp.logps)
@@ -148,16 +150,15 @@ class GRPO(Algorithm):
     def step_metrics(self, step: int) -> dict[str, Any]:
         r = self.rollout
         assert r is not None
-        groups = r.groups
-        totals = torch.stack([g.total_rewards for g in groups])  # [P, G]
-        lengths = torch.tensor([len(cids) for g in groups for cids in g.completion_ids], dtype=torch.float64)
-        truncated = torch.tensor([t for g in groups for t in g.truncated], dtype=torch.float64)
+        totals = r.total_rewards.view(-1, r.num_generations)  # [P, G]
+        lengths = r.lengths.to(torch.float64)
+        truncated = r.truncated.to(torch.float64)
         finite = torch.nan_to_num(totals, nan=0.0)
         std = torch.stack([t[~t.isnan()].std() if (~t.isnan()).sum() > 1 else t.new_zeros(()) for t in totals])
         m: dict[str, Any] = {
             "reward": Metric.mean(finite.sum(), (~totals.isnan()).sum()),
-            "reward_std": Metric.mean(std.sum(), len(groups)),
-            "frac_reward_zero_std": Metric.mean(float((std < 1e-6).sum()), len(groups)),
+            "reward_std": Metric.mean(std.sum(), r.num_prompts),
+            "frac_reward_zero_std": Metric.mean(float((std < 1e-6).sum()), r.num_prompts),
             "completions/mean_length": Metric.mean(lengths.sum(), lengths.numel()),
             "completions/min_length": Metric.min(lengths.min()),
             "completions/max_length": Metric.max(lengths.max()),
@@ -167,7 +168,7 @@ class GRPO(Algorithm):
             "rollout/prefix_blocks_shared": Metric.sum(float(r.prefix_blocks_shared)),
         }
         for f, (name, _) in enumerate(self.reward_funcs):
-            col = torch.cat([g.rewards[:, f] for g in groups])
+            col = r.rewards[:, f]
             ok = ~col.isnan()
             m[f"rewards/{name}/mean"] = Metric.mean(col[ok].sum(), ok.sum())
         if self.config.dynamic_sampling:

@@ -5,13 +5,16 @@ reward functions score them.
 No weights are copied or synchronised: the engine reads the very `nn.Parameter`s the optimizer
 updates, and the trainer bumps the engine's weight version after every step so no prefix KV
 computed under old weights is reused.
+
+A rollout is flat and prompt-major: completion i answers prompt i // G, so every per-group
+statistic is a `view(-1, G)` of a flat tensor, with no per-group objects in between.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -24,29 +27,76 @@ from pagedrl.train.rl.rewards import RewardFunc, score
 from pagedrl.train.tokenization import is_conversational
 
 
-@dataclass
-class Group:
-    """One prompt and its G completions, with everything the loss and the metrics need."""
-
-    prompt: Any
-    columns: dict[str, Any]
-    prompt_ids: list[int]
-    completion_ids: list[list[int]]
-    texts: list[str]
-    sampling_logps: list[list[float]]  # the engine's processed log-probs (the logprob contract)
-    truncated: list[bool]
-    rewards: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [G, F], NaN = not applicable
-    total_rewards: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [G]
-    advantages: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [G]
+def _empty() -> torch.Tensor:
+    return torch.empty(0)
 
 
 @dataclass
 class Rollout:
-    groups: list[Group]
-    seconds: float
-    generated_tokens: int
-    prefix_blocks_shared: int
+    """P prompts × G completions, flat: completion i answers `prompts[i // G]`."""
+
+    prompts: list[PromptOnly]
+    num_generations: int
+    completion_ids: list[list[int]]  # [P·G] token ids as sampled
+    texts: list[str]  # [P·G]
+    sampling_logps: list[list[float]]  # [P·G] the engine's processed log-probs (the logprob contract)
+    truncated: torch.Tensor  # [P·G] bool: stopped by max_tokens, without EOS
+    rewards: torch.Tensor = field(default_factory=_empty)  # [P·G, F] float64, NaN = not applicable
+    total_rewards: torch.Tensor = field(default_factory=_empty)  # [P·G] float64, weighted sum
+    advantages: torch.Tensor = field(default_factory=_empty)  # [P·G] float32 (GRPO's group baseline)
+    seconds: float = 0.0
+    prefix_blocks_shared: int = 0
     rounds: int = 1
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts)
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    def prompt_of(self, i: int) -> PromptOnly:
+        return self.prompts[i // self.num_generations]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return torch.tensor([len(c) for c in self.completion_ids], dtype=torch.long)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(c) for c in self.completion_ids)
+
+    def completions(self) -> list[Any]:
+        """Each completion as TRL passes it to reward functions: conversational prompts get
+        message-list completions."""
+        return [completion_for(self.prompt_of(i).prompt, t) for i, t in enumerate(self.texts)]
+
+    def select(self, prompt_indices: Sequence[int]) -> Rollout:
+        """The rollout of some of its prompts (all G completions of each), in the given order."""
+        G = self.num_generations
+        rows = [p * G + j for p in prompt_indices for j in range(G)]
+        index = torch.tensor(rows, dtype=torch.long)
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, index) if t.numel() else t
+
+        return replace(self, prompts=[self.prompts[p] for p in prompt_indices],
+                       completion_ids=[self.completion_ids[r] for r in rows], texts=[self.texts[r] for r in rows],
+                       sampling_logps=[self.sampling_logps[r] for r in rows], truncated=pick(self.truncated),
+                       rewards=pick(self.rewards), total_rewards=pick(self.total_rewards),
+                       advantages=pick(self.advantages))
+
+    @staticmethod
+    def cat(parts: Sequence[Rollout]) -> Rollout:
+        first = parts[0]
+
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([getattr(p, name) for p in parts])
+
+        return Rollout([p for r in parts for p in r.prompts], first.num_generations,
+                       [c for r in parts for c in r.completion_ids], [t for r in parts for t in r.texts],
+                       [s for r in parts for s in r.sampling_logps], cat("truncated"), cat("rewards"),
+                       cat("total_rewards"), cat("advantages"))
 
 
 def completion_for(prompt: Any, text: str) -> Any:
@@ -54,83 +104,71 @@ def completion_for(prompt: Any, text: str) -> Any:
     return [{"role": "assistant", "content": text}] if is_conversational(prompt) else text
 
 
-def sample_groups(llm: LLM, rows: Sequence[PromptOnly], params: SamplingParams) -> tuple[list[Group], int]:
-    """Generate `params.n` completions for every row; returns the groups and the prefix blocks the
-    engine shared instead of recomputing (forked prompt blocks plus prefix-cache hits)."""
+def sample(llm: LLM, rows: Sequence[PromptOnly], params: SamplingParams) -> Rollout:
+    """Generate `params.n` completions for every row. `prefix_blocks_shared` counts the prefix
+    blocks the engine shared instead of recomputing (forked prompt blocks plus prefix-cache hits)."""
+    t0 = time.perf_counter()
     before = llm.stats()
     outputs = llm.generate([r.prompt_ids for r in rows], params, use_tqdm=False)
     after = llm.stats()
-    groups = []
-    for row, out in zip(rows, outputs, strict=True):
-        groups.append(Group(
-            prompt=row.prompt, columns=dict(row.columns), prompt_ids=list(row.prompt_ids),
-            completion_ids=[list(c.token_ids) for c in out.outputs], texts=[c.text for c in out.outputs],
-            sampling_logps=[list(c.sampled_logprobs) for c in out.outputs],
-            truncated=[c.finish_reason == "length" for c in out.outputs]))
+    samples = [c for out in outputs for c in out.outputs]
     block_size = llm.engine.config.block_size
     shared = (after["num_forked_blocks"] - before["num_forked_blocks"]) + \
         (after["prefix_cache_hits"] - before["prefix_cache_hits"]) // block_size
-    return groups, int(shared)
+    return Rollout(list(rows), params.n, [list(c.token_ids) for c in samples], [c.text for c in samples],
+                   [list(c.sampled_logprobs) for c in samples],
+                   torch.tensor([c.finish_reason == "length" for c in samples], dtype=torch.bool),
+                   seconds=time.perf_counter() - t0, prefix_blocks_shared=int(shared))
 
 
-def score_groups(groups: Sequence[Group], funcs: Sequence[tuple[str, RewardFunc]],
-                 weights: Sequence[float] | None) -> None:
-    """Fill each group's rewards ([G, F]) and weighted totals ([G]) in one call per function."""
-    prompts, completions, ids, columns = [], [], [], {}
-    for g in groups:
-        for text, cids in zip(g.texts, g.completion_ids, strict=True):
-            prompts.append(g.prompt)
-            completions.append(completion_for(g.prompt, text))
-            ids.append(cids)
-            for k, v in g.columns.items():
-                columns.setdefault(k, []).append(v)
-    rows = torch.tensor(score(funcs, prompts, completions, ids, columns), dtype=torch.float64)
-    w = None if weights is None else torch.tensor(list(weights), dtype=torch.float64)
-    totals = combine_rewards(rows, w)
-    start = 0
-    for g in groups:
-        n = len(g.completion_ids)
-        g.rewards, g.total_rewards = rows[start:start + n], totals[start:start + n]
-        start += n
+def score_rollout(rollout: Rollout, funcs: Sequence[tuple[str, RewardFunc]], weights: Sequence[float] | None) -> None:
+    """Fill the rollout's rewards ([P·G, F]) and weighted totals ([P·G]), one call per function."""
+    columns: dict[str, list[Any]] = {}
+    for i in range(len(rollout)):
+        for k, v in rollout.prompt_of(i).columns.items():
+            columns.setdefault(k, []).append(v)
+    prompts = [rollout.prompt_of(i).prompt for i in range(len(rollout))]
+    rows = torch.tensor(score(funcs, prompts, rollout.completions(), rollout.completion_ids, columns),
+                        dtype=torch.float64).reshape(len(rollout), len(funcs))
+    rollout.rewards = rows
+    rollout.total_rewards = combine_rewards(rows, None if weights is None else torch.tensor(list(weights),
+                                                                                           dtype=torch.float64))
 
 
-def assign_advantages(groups: Sequence[Group], scale_rewards: str) -> None:
-    if not groups:
-        return
-    rewards = torch.stack([g.total_rewards for g in groups])  # [num_groups, G]
-    adv = group_advantages(rewards, scale_rewards=scale_rewards).reshape(len(groups), -1)
-    for g, a in zip(groups, adv, strict=True):
-        g.advantages = a.to(torch.float32)
-
-
-def has_signal(groups: Sequence[Group]) -> list[bool]:
-    """Groups whose rewards do not all agree (the others carry zero advantage: DAPO drops them)."""
-    zero = zero_std_groups(torch.stack([g.total_rewards for g in groups]))
-    return [not bool(z) for z in zero]
+def has_signal(rollout: Rollout) -> torch.Tensor:
+    """[P] bool: groups whose rewards do not all agree (the others carry zero advantage: DAPO drops them)."""
+    return ~zero_std_groups(rollout.total_rewards.view(-1, rollout.num_generations))
 
 
 def collect_rollout(llm: LLM, next_rows: Callable[[int], list[PromptOnly]], num_prompts: int, params: SamplingParams,
                     funcs: Sequence[tuple[str, RewardFunc]], weights: Sequence[float] | None,
                     scale_rewards: str, dynamic_sampling: bool, max_rounds: int = 4) -> Rollout:
-    """`num_prompts` scored groups with advantages. With dynamic sampling, groups whose rewards
-    all agree are dropped and replaced from the next prompts, for up to `max_rounds` rounds; if
-    still short, dropped groups fill the gap (they add nothing to the gradient)."""
+    """`num_prompts` scored groups with GRPO's group advantages. With dynamic sampling, groups whose
+    rewards all agree are dropped and replaced from the next prompts, for up to `max_rounds`
+    rounds; if still short, dropped groups fill the gap (they add nothing to the gradient)."""
     t0 = time.perf_counter()
-    kept: list[Group] = []
-    dropped: list[Group] = []
-    shared = tokens = rounds = 0
-    while len(kept) < num_prompts and rounds < (max_rounds if dynamic_sampling else 1):
+    kept: list[Rollout] = []
+    dropped: list[Rollout] = []
+    have = rounds = shared = 0
+    while have < num_prompts and rounds < (max_rounds if dynamic_sampling else 1):
         rounds += 1
-        rows = next_rows(num_prompts - len(kept))
-        groups, s = sample_groups(llm, rows, params)
-        shared += s
-        tokens += sum(len(c) for g in groups for c in g.completion_ids)
-        score_groups(groups, funcs, weights)
+        part = sample(llm, next_rows(num_prompts - have), params)
+        shared += part.prefix_blocks_shared
+        score_rollout(part, funcs, weights)
         if dynamic_sampling:
-            for g, ok in zip(groups, has_signal(groups), strict=True):
-                (kept if ok else dropped).append(g)
+            ok = has_signal(part)
+            good = [p for p in range(part.num_prompts) if ok[p]]
+            kept.append(part.select(good))
+            dropped.append(part.select([p for p in range(part.num_prompts) if not ok[p]]))
+            have += len(good)
         else:
-            kept.extend(groups)
-    kept.extend(dropped[: num_prompts - len(kept)])
-    assign_advantages(kept, scale_rewards)
-    return Rollout(kept, time.perf_counter() - t0, tokens, shared, rounds)
+            kept.append(part)
+            have += part.num_prompts
+    if have < num_prompts:
+        spare = Rollout.cat(dropped)
+        kept.append(spare.select(range(num_prompts - have)))
+    rollout = Rollout.cat(kept)
+    rollout.rounds, rollout.prefix_blocks_shared, rollout.seconds = rounds, shared, time.perf_counter() - t0
+    rollout.advantages = group_advantages(rollout.total_rewards.view(-1, rollout.num_generations),
+                                          scale_rewards=scale_rewards).reshape(-1).to(torch.float32)
+    return rollout
