@@ -31,7 +31,7 @@ def peak_rss_mib() -> float:
 
 def run_pagedrl(steps: int, out: Path) -> dict:
     from pagedrl.train.algorithms.grpo import run_grpo
-    from pagedrl.train.config import GRPOConfig
+    from pagedrl.train.rl.config import GRPOConfig
 
     config = GRPOConfig(dataset="arithmetic", output_dir=str(out), num_generations=G,
                         per_device_train_batch_size=16, gradient_accumulation_steps=PROMPTS * G // 16,

@@ -135,7 +135,7 @@ def throughput(model_dir: Path, batch_size: int) -> None:
 
 def grpo(model_dir: Path, steps: int) -> None:
     from pagedrl.train.algorithms.grpo import run_grpo
-    from pagedrl.train.config import GRPOConfig
+    from pagedrl.train.rl.config import GRPOConfig
 
     torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory() as out:

@@ -11,9 +11,9 @@ from pagedrl.engine.sampler import processed_logprobs
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.loader import load_model
 from pagedrl.train.algorithms.grpo import GRPO, rollout_kv_tokens, run_grpo
-from pagedrl.train.config import GRPOConfig
 from pagedrl.train.data import PromptOnly
 from pagedrl.train.distributed import DistInfo
+from pagedrl.train.rl.config import GRPOConfig
 from pagedrl.train.rl.packing import pack, split_units
 from pagedrl.train.rl.rollout import Rollout
 from pagedrl.train.tokenization import tokenize_prompt
@@ -158,6 +158,10 @@ def test_a_short_run_logs_trl_metrics(tiny_train_model, prompts_file) -> None:
     assert train[0]["rollout/prefix_blocks_shared"] > 0
     assert train[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update
     assert train[1]["kl"] > 0  # μ = 2: the second step reuses the rollout after one update
+    samples = [json.loads(line) for line in (prompts_file.parent / "run" / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in samples] == [1] * 4 + [2] * 4  # num_completions_to_print per logged step
+    assert set(samples[0]) == {"step", "prompt", "completion", "has_three", "token_sum", "advantage"}
+    assert samples[0]["prompt"].startswith("what is") and isinstance(samples[0]["completion"], str)
 
 
 def test_bad_input_names_what_and_where(tiny_train_model, prompts_file, tmp_path) -> None:

@@ -10,7 +10,6 @@ import yaml
 
 from pagedrl.train.config import (
     DPOConfig,
-    GRPOConfig,
     RewardConfig,
     SFTConfig,
     TrainConfig,
@@ -18,6 +17,7 @@ from pagedrl.train.config import (
     config_to_dict,
     load_config,
 )
+from pagedrl.train.rl.config import GRPOConfig
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -114,6 +114,11 @@ class Algorithm:
     def after_optimizer_step(self, step: int) -> None:
         """Called after every optimizer step, once the weights have changed."""
 
+    def sample_completions(self, step: int) -> list[dict[str, Any]]:
+        """A few of the step's completions with their rewards, logged with the step's metrics
+        (online algorithms; TRL's `log_completions`)."""
+        return []
+
     def evaluate(self, step: int) -> dict[str, float] | None:
         """Held-out metrics (logged as `eval/<name>`), or None when there is nothing to evaluate."""
         return None

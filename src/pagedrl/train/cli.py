@@ -1,4 +1,4 @@
-"""`pagedrl sft|rm|dpo|grpo [config.yaml] [key=value ...]`: config file plus overrides, then
+"""`pagedrl sft|rm|dpo|grpo|ppo [config.yaml] [key=value ...]`: config file plus overrides, then
 the algorithm's `run_<name>(config)`.
 
 Each algorithm is named here by module, run function and config class, and imported only when
@@ -14,13 +14,13 @@ from collections.abc import Sequence
 
 from pagedrl.train import config as config_module
 
-# name -> (module, run function, config class)
+# name -> (module, run function, config class); the module imports its config class
 ALGORITHMS: dict[str, tuple[str, str, str]] = {
     "sft": ("pagedrl.train.algorithms.sft", "run_sft", "SFTConfig"),
     "rm": ("pagedrl.train.algorithms.rm", "run_rm", "RewardConfig"),
     "dpo": ("pagedrl.train.algorithms.dpo", "run_dpo", "DPOConfig"),
     "grpo": ("pagedrl.train.algorithms.grpo", "run_grpo", "GRPOConfig"),
-    "ppo": ("pagedrl.train.ppo", "run_ppo", "PPOConfig"),
+    "ppo": ("pagedrl.train.algorithms.ppo", "run_ppo", "PPOConfig"),
 }
 
 USAGE = """usage: pagedrl {name} [config.yaml] [key=value ...]
@@ -53,16 +53,8 @@ def train_main(algorithm_name: str, argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE.format(name=algorithm_name, cls=cls_name))
         return 0
-    cls = getattr(config_module, cls_name, None)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name:
-            raise
-        module = None
-    if cls is None or module is None or not hasattr(module, run_name):
-        print(f"pagedrl {algorithm_name}: not available in this version", file=sys.stderr)
-        return 2
+    module = importlib.import_module(module_name)
+    cls = getattr(module, cls_name)
     try:
         yaml_path, overrides = split_args(argv)
         config = config_module.load_config(cls, yaml_path, overrides)

@@ -1,5 +1,8 @@
 """Where a run's numbers go: `metrics.jsonl` (one object per logged step, TRL's names), TensorBoard
-event files, a progress bar with ETA, and PNG plots of the curves when the run ends.
+event files, a progress bar with ETA, and PNG plots of the curves when the run ends. Online
+algorithms also leave a few sample completions per logged step in `completions.jsonl` and as a
+TensorBoard text table (TRL's `log_completions`), since a reward curve alone does not say what
+the policy is learning to write.
 
 Only rank 0 builds a `RunLogger` that writes; the others get one with `enabled=False`, so the
 loop never asks which rank it is on before logging.
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"
 PLOTS_DIR = "plots"
 # Columns that are bookkeeping, not curves worth a plot.
 NOT_PLOTTED = {"step", "epoch", "wall_time", "train_time"}
@@ -48,6 +52,7 @@ class RunLogger:
         self.enabled = enabled
         report_to = set(report_to)
         self.metrics_path = self.output_dir / METRICS_FILE
+        self.completions_path = self.output_dir / COMPLETIONS_FILE
         self._jsonl = None
         self._tb = None
         self._bar = None
@@ -56,10 +61,11 @@ class RunLogger:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if "jsonl" in report_to:
-            if resume_step is None:
-                self.metrics_path.unlink(missing_ok=True)
-            else:
-                truncate_metrics(self.metrics_path, resume_step)
+            for path in (self.metrics_path, self.completions_path):
+                if resume_step is None:
+                    path.unlink(missing_ok=True)
+                else:
+                    truncate_metrics(path, resume_step)
             self._jsonl = self.metrics_path.open("a", encoding="utf-8")
         if "tensorboard" in report_to:
             from tensorboardX import SummaryWriter
@@ -92,6 +98,21 @@ class RunLogger:
         if self._bar is not None and "loss" in row:
             self._bar.set_postfix(loss=f"{row['loss']:.4g}", refresh=False)
 
+    def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Sample completions of one step: appended to completions.jsonl (with the step) and shown
+        in TensorBoard as a text table."""
+        if not self.enabled or not rows:
+            return
+        with self.completions_path.open("a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, **{k: _jsonable(v) for k, v in row.items()}}) + "\n")
+        if self._tb is not None:
+            columns = list(rows[0])
+            table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            table += ["| " + " | ".join(_cell(r.get(c, "")) for c in columns) + " |" for r in rows]
+            self._tb.add_text("completions", "\n".join(table), step)
+            self._tb.flush()
+
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:
             self._bar.update(steps)
@@ -119,6 +140,12 @@ class RunLogger:
             self._jsonl = None
             if plot:
                 plot_metrics(self.metrics_path, self.output_dir / PLOTS_DIR)
+
+
+def _cell(value: Any) -> str:
+    """A Markdown table cell: numbers short, no line breaks or column bars inside."""
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def _jsonable(value: Any) -> Any:

@@ -238,6 +238,7 @@ class Trainer:
             row["grad_norm"] = grad_norm
             row.update(values)
             self.log(row)
+            self.logger.log_completions(step, self.algorithm.sample_completions(step))
             self.window = MetricTotals()
         if self.config.eval_steps and step % self.config.eval_steps == 0:
             self.evaluate()

@@ -19,12 +19,12 @@ from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import Algorithm
-from pagedrl.train.config import GRPOConfig
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.evaluate import evaluate_rows
 from pagedrl.train.logprobs import TargetLogprobs, target_logprobs
 from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, tis_weight
 from pagedrl.train.metrics import Metric
+from pagedrl.train.rl.config import GRPOConfig
 from pagedrl.train.rl.packing import PackedBatch, pack, split_units
 from pagedrl.train.rl.prompts import PromptSource
 from pagedrl.train.rl.rewards import RewardFunc, load_reward_function
@@ -174,6 +174,12 @@ class GRPO(Algorithm):
         if self.config.dynamic_sampling:
             m["dynamic_sampling/rounds"] = Metric.mean(float(r.rounds))
         return m
+
+    def sample_completions(self, step: int) -> list[dict[str, Any]]:
+        if not self.config.log_completions or self.rollout is None:
+            return []
+        return self.rollout.sample_rows(self.config.num_completions_to_print, [n for n, _ in self.reward_funcs],
+                                        advantage=self.rollout.advantages)
 
     def after_optimizer_step(self, step: int) -> None:
         # The weights changed under the engine: no KV computed before this may be reused.

@@ -71,6 +71,20 @@ class Rollout:
         message-list completions."""
         return [completion_for(self.prompt_of(i).prompt, t) for i, t in enumerate(self.texts)]
 
+    def sample_rows(self, k: int, reward_names: Sequence[str], **per_completion: torch.Tensor) -> list[dict[str, Any]]:
+        """The first `k` completions as log rows: prompt, completion, each reward, and any other
+        per-completion value given (an advantage, a score)."""
+        rows = []
+        for i in range(min(k, len(self))):
+            prompt = self.prompt_of(i).prompt
+            row: dict[str, Any] = {"prompt": prompt[-1]["content"] if is_conversational(prompt) else prompt,
+                                   "completion": self.texts[i]}
+            if self.rewards.numel():
+                row.update({name: float(self.rewards[i, f]) for f, name in enumerate(reward_names)})
+            row.update({name: float(values[i]) for name, values in per_completion.items()})
+            rows.append(row)
+        return rows
+
     def select(self, prompt_indices: Sequence[int]) -> Rollout:
         """The rollout of some of its prompts (all G completions of each), in the given order."""
         G = self.num_generations

@@ -1,0 +1,96 @@
+"""Configs of the online algorithms, GRPO and PPO: what they share (prompts, generation, rewards,
+the built-in task, evaluation, sample logging) in `OnlineConfig`, each algorithm's own fields in
+its class. Names follow TRL's GRPOConfig and PPOConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pagedrl.engine.sampling_params import MIN_TEMPERATURE
+from pagedrl.train.config import TrainConfig, _require
+
+
+@dataclass
+class OnlineConfig(TrainConfig):
+    """`dataset` is a JSONL file of {"prompt", ...columns} rows, or `arithmetic` for the built-in
+    task (its held-out set is then the evaluation set)."""
+
+    learning_rate: float = 1e-6
+    dataset: str | None = "arithmetic"
+    # Generation (vLLM's sampling names; top_k 0 or -1 disables top-k).
+    num_generations: int = 8
+    max_prompt_length: int | None = 512  # a longer prompt is an error naming the row
+    max_completion_length: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    kv_cache_tokens: int | None = None  # the rollout engine's KV budget (None: one step's rollout at once)
+    # Rewards: built-in names (numeric_match, last_integer_match, exact_match, format,
+    # overlong_penalty) or "file.py:function"; empty means the task's own verifier.
+    reward_funcs: list[str] = field(default_factory=list)
+    reward_weights: list[float] | None = None  # None: 1.0 each
+    format_pattern: str | None = None  # for the `format` reward
+    overlong_buffer: int | None = None  # for `overlong_penalty`; None: max_completion_length // 4
+    # The built-in arithmetic task.
+    task_operations: list[str] = field(default_factory=lambda: ["+"])
+    task_low: int = 10
+    task_high: int = 99
+    task_num_eval: int = 256
+    eval_max_tokens: int | None = None  # greedy evaluation length; None: max_completion_length
+    # Sample completions in completions.jsonl and TensorBoard every logging step (TRL's names).
+    log_completions: bool = True
+    num_completions_to_print: int = 4
+
+    def validate(self) -> None:
+        super().validate()
+        _require(self.num_generations >= 1, "num_generations", f"must be >= 1, got {self.num_generations}")
+        _require(self.max_completion_length >= 1, "max_completion_length", f"must be >= 1, got {self.max_completion_length}")
+        _require(self.temperature > 0, "temperature", f"sampling needs temperature > 0, got {self.temperature}")
+        # The engine would raise a smaller temperature to MIN_TEMPERATURE; the trainer's recomputed
+        # log-probs would then not be those of the distribution the tokens were drawn from.
+        _require(self.temperature >= MIN_TEMPERATURE, "temperature",
+                 f"must be at least {MIN_TEMPERATURE} (the engine's floor), got {self.temperature}")
+        _require(0.0 < self.top_p <= 1.0, "top_p", f"must lie in (0, 1], got {self.top_p}")
+        _require(self.top_k >= -1, "top_k", f"must be >= -1 (0 or -1 disable), got {self.top_k}")
+        _require(self.min_p is None or 0.0 <= self.min_p <= 1.0, "min_p", f"must lie in [0, 1], got {self.min_p}")
+        _require(self.num_completions_to_print >= 0, "num_completions_to_print",
+                 f"must be >= 0, got {self.num_completions_to_print}")
+        if self.reward_weights is not None and self.reward_funcs:
+            _require(
+                len(self.reward_weights) == len(self.reward_funcs),
+                "reward_weights",
+                f"{len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs",
+            )
+
+
+@dataclass
+class GRPOConfig(OnlineConfig):
+    """`per_device_train_batch_size` counts completions, as in TRL: each step trains on
+    per_device × accumulation × world completions, i.e. that / num_generations prompts."""
+
+    # Loss.
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon; DAPO recommends 0.28
+    delta: float | None = None  # INTELLECT-2 two-sided clipping cap on the ratio
+    beta: float = 0.0  # KL coefficient; 0 skips the reference model
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    num_iterations: int = 1
+    mask_truncated_completions: bool = False
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards all agree, refill from the next prompts
+    # Truncated importance sampling between engine and trainer log-probs; null disables.
+    # 3.0 is TRL's vllm_importance_sampling_clip_max.
+    tis_cap: float | None = 3.0
+
+    def validate(self) -> None:
+        super().validate()
+        _require(self.num_generations >= 2, "num_generations", f"a group needs >= 2 completions, got {self.num_generations}")
+        _require(self.epsilon >= 0, "epsilon", f"must be >= 0, got {self.epsilon}")
+        _require(self.epsilon_high is None or self.epsilon_high >= 0, "epsilon_high", f"must be >= 0, got {self.epsilon_high}")
+        _require(self.delta is None or self.delta > 1.0, "delta", f"must be > 1 (it caps the ratio), got {self.delta}")
+        _require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")
+        _require(self.num_iterations >= 1, "num_iterations", f"must be >= 1, got {self.num_iterations}")
+        _require(self.tis_cap is None or self.tis_cap >= 1.0, "tis_cap", f"must be null or >= 1, got {self.tis_cap}")
