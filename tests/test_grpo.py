@@ -10,10 +10,11 @@ import torch
 from pagedrl.engine.sampler import processed_logprobs
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.loader import load_model
-from pagedrl.train.algorithms.grpo import GRPO, rollout_kv_tokens, run_grpo
+from pagedrl.train.algorithms.grpo import GRPO, run_grpo
 from pagedrl.train.data import PromptOnly
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.rl.config import GRPOConfig
+from pagedrl.train.rl.online import rollout_kv_tokens
 from pagedrl.train.rl.packing import pack, split_units
 from pagedrl.train.rl.rollout import Rollout
 from pagedrl.train.tokenization import tokenize_prompt

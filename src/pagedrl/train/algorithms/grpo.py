@@ -9,38 +9,33 @@ to a frozen reference, aggregated as `loss_type` says over the whole step's glob
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pagedrl.engine.llm import LLM
-from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.tokenizer import Tokenizer
-from pagedrl.train.algorithm import Algorithm
 from pagedrl.train.distributed import DistInfo
-from pagedrl.train.evaluate import evaluate_rows
 from pagedrl.train.logprobs import TargetLogprobs, target_logprobs
 from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, tis_weight
 from pagedrl.train.metrics import Metric
 from pagedrl.train.rl.config import GRPOConfig
+from pagedrl.train.rl.online import OnlineAlgorithm
 from pagedrl.train.rl.packing import PackedBatch, pack, split_units
-from pagedrl.train.rl.prompts import PromptSource
-from pagedrl.train.rl.rewards import RewardFunc, load_reward_function
+from pagedrl.train.rl.rewards import RewardFunc
 from pagedrl.train.rl.rollout import Rollout, collect_rollout
 
 TOKEN_MEAN_LOSSES = ("dapo", "bnpo")
 
 
-class GRPO(Algorithm):
+class GRPO(OnlineAlgorithm):
     name = "grpo"
+    config: GRPOConfig
 
     def __init__(self, config: GRPOConfig, model: torch.nn.Module, tokenizer: Tokenizer, dist: DistInfo,
                  eos_token_ids: list[int] | None = None, reward_funcs: Sequence[tuple[str, RewardFunc]] | None = None,
                  generation_config: dict[str, Any] | None = None) -> None:
-        self.config, self.model, self.tokenizer, self.dist = config, model, tokenizer, dist
-        self.generation_config = generation_config
         G = config.num_generations
         completions_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
         if completions_per_step % G:
@@ -49,24 +44,9 @@ class GRPO(Algorithm):
         self.prompts_per_step = completions_per_step // G  # per rank
         self.examples_per_step = self.prompts_per_step * dist.world_size
         self.normaliser = "completion tokens" if config.loss_type in TOKEN_MEAN_LOSSES else "completions"
-        self.source = PromptSource(config, tokenizer, dist)
-        if reward_funcs is None:
-            specs = config.reward_funcs or (["last_integer_match"] if self.source.task else [])
-            if not specs:
-                raise ValueError("reward_funcs: none given; name built-ins or 'file.py:function'")
-            reward_funcs = [load_reward_function(s, max_completion_length=config.max_completion_length,
-                                                 format_pattern=config.format_pattern,
-                                                 overlong_buffer=config.overlong_buffer) for s in specs]
-        self.reward_funcs = list(reward_funcs)
-        self.eval_rows = self.source.eval_rows()
-        # The engine runs on the policy's parameters themselves: no copy, no sync.
-        self.llm = LLM.from_module(model, tokenizer, eos_token_ids=eos_token_ids,
-                                   kv_cache_tokens=config.kv_cache_tokens or rollout_kv_tokens(config, self.prompts_per_step),
-                                   seed=config.seed,
-                                   max_num_seqs=max(256, completions_per_step))
-        self.sampling = SamplingParams(n=G, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                                       min_p=config.min_p or 0.0, max_tokens=config.max_completion_length,
-                                       seed=None)
+        super().__init__(config, model, tokenizer, dist, self.prompts_per_step, eos_token_ids, reward_funcs,
+                         generation_config)
+        self.model = model
         self.ref_model = None
         if config.beta > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -77,7 +57,7 @@ class GRPO(Algorithm):
 
     def step_batches(self, step: int) -> list[PackedBatch]:
         if (step - 1) % self.config.num_iterations == 0:
-            self.llm.engine.sampler.generator.manual_seed(self.config.seed * 1_000_003 + step)
+            self.reseed(step)
             self.rollout = collect_rollout(
                 self.llm, self.source.take, self.prompts_per_step, self.sampling, self.reward_funcs,
                 self.config.reward_weights, self.config.scale_rewards, self.config.dynamic_sampling)
@@ -175,36 +155,9 @@ class GRPO(Algorithm):
             m["dynamic_sampling/rounds"] = Metric.mean(float(r.rounds))
         return m
 
-    def sample_completions(self, step: int) -> list[dict[str, Any]]:
-        if not self.config.log_completions or self.rollout is None:
-            return []
-        return self.rollout.sample_rows(self.config.num_completions_to_print, [n for n, _ in self.reward_funcs],
-                                        advantage=self.rollout.advantages)
-
-    def after_optimizer_step(self, step: int) -> None:
-        # The weights changed under the engine: no KV computed before this may be reused.
-        self.llm.bump_weight_version()
-
-    # -- evaluation, state -----------------------------------------------------------------------
-
-    def evaluate(self, step: int) -> dict[str, float] | None:
-        if not self.eval_rows:
-            return None
-        rows = self.eval_rows[self.dist.rank::self.dist.world_size]
-        max_tokens = self.config.eval_max_tokens or self.config.max_completion_length
-        acc, mean_reward = evaluate_rows(self.llm, rows, self.reward_funcs[0], max_tokens)
-        self.llm.sleep()
-        return {"accuracy": acc, "reward": mean_reward}
-
-    @property
-    def epoch(self) -> float:
-        return self.source.epoch
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"prompts": self.source.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.source.load_state_dict(state["prompts"])
+    def completion_values(self) -> dict[str, torch.Tensor]:
+        assert self.rollout is not None
+        return {"advantage": self.rollout.advantages}
 
     def summary_lines(self) -> list[str]:
         c = self.config
@@ -216,15 +169,6 @@ class GRPO(Algorithm):
             f"/{c.epsilon_high or c.epsilon}, num_iterations={c.num_iterations}, {ref}",
             f"grpo: rewards {', '.join(n for n, _ in self.reward_funcs)}; {len(self.eval_rows)} held-out prompts",
         ]
-
-
-def rollout_kv_tokens(config: GRPOConfig, prompts_per_step: int, block_size: int = 16) -> int:
-    """The KV budget that holds one step's rollout at once: each prompt once (its blocks are shared by
-    the group) and each completion with a block of slack for the copied partial prompt block. Sized
-    to the step, not to the host, so the engine holds no memory the rollout does not use."""
-    prompt = config.max_prompt_length or 512
-    completions = prompts_per_step * config.num_generations
-    return prompts_per_step * prompt + completions * (config.max_completion_length + block_size)
 
 
 def run_grpo(config: GRPOConfig, progress: bool = True) -> Path:

@@ -1,0 +1,107 @@
+"""What GRPO and PPO share as algorithms: prompts from a `PromptSource`, an engine on the policy's
+own tensors sized to one rollout, the rollout's sampling params (the single source of the logprob
+contract), verifiers, held-out evaluation, sample logging, and the weight-version bump after
+every update. Each algorithm adds its rollout processing and its loss."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from pagedrl.engine.llm import LLM
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.train.algorithm import Algorithm
+from pagedrl.train.distributed import DistInfo
+from pagedrl.train.evaluate import evaluate_rows
+from pagedrl.train.rl.config import OnlineConfig
+from pagedrl.train.rl.prompts import PromptSource
+from pagedrl.train.rl.rewards import RewardFunc, last_integer_match, load_reward_function
+from pagedrl.train.rl.rollout import Rollout
+
+
+def rollout_kv_tokens(config: OnlineConfig, prompts_per_rollout: int, block_size: int = 16) -> int:
+    """The KV budget that holds one rollout at once: each prompt once (its blocks are shared by
+    the group) and each completion with a block of slack for the copied partial prompt block. Sized
+    to the rollout, not to the host, so the engine holds no memory the rollout does not use."""
+    prompt = config.max_prompt_length or 512
+    completions = prompts_per_rollout * config.num_generations
+    return prompts_per_rollout * prompt + completions * (config.max_completion_length + block_size)
+
+
+class OnlineAlgorithm(Algorithm):
+    """Base of the algorithms that generate their own data. Subclasses set `model` (what the
+    loop trains) and implement `step_batches`, `count`, `loss`."""
+
+    config: OnlineConfig
+    rollout: Rollout | None = None
+
+    def __init__(self, config: OnlineConfig, policy: torch.nn.Module, tokenizer: Tokenizer, dist: DistInfo,
+                 prompts_per_rollout: int, eos_token_ids: list[int] | None = None,
+                 reward_funcs: Sequence[tuple[str, RewardFunc]] | None = None,
+                 generation_config: dict[str, Any] | None = None, needs_reward_funcs: bool = True) -> None:
+        self.config, self.policy, self.tokenizer, self.dist = config, policy, tokenizer, dist
+        self.generation_config = generation_config
+        self.prompts_per_rollout = prompts_per_rollout  # per rank
+        self.source = PromptSource(config, tokenizer, dist)
+        if reward_funcs is None:
+            specs = config.reward_funcs or (["last_integer_match"] if self.source.task and needs_reward_funcs else [])
+            if needs_reward_funcs and not specs:
+                raise ValueError("reward_funcs: none given; name built-ins or 'file.py:function'")
+            reward_funcs = [load_reward_function(s, max_completion_length=config.max_completion_length,
+                                                 format_pattern=config.format_pattern,
+                                                 overlong_buffer=config.overlong_buffer) for s in specs]
+        self.reward_funcs = list(reward_funcs)
+        # What held-out accuracy is measured with: the first verifier, or the task's own.
+        self.eval_reward: tuple[str, RewardFunc] | None = (
+            self.reward_funcs[0] if self.reward_funcs else
+            ("last_integer_match", last_integer_match) if self.source.task else None)
+        self.eval_rows = self.source.eval_rows() if self.eval_reward is not None else []
+        completions = prompts_per_rollout * config.num_generations
+        # The engine runs on the policy's parameters themselves: no copy, no sync.
+        self.llm = LLM.from_module(policy, tokenizer, eos_token_ids=eos_token_ids,
+                                   kv_cache_tokens=config.kv_cache_tokens or rollout_kv_tokens(config, prompts_per_rollout),
+                                   seed=config.seed, max_num_seqs=max(256, completions))
+        self.sampling = SamplingParams(n=config.num_generations, temperature=config.temperature, top_p=config.top_p,
+                                       top_k=config.top_k, min_p=config.min_p or 0.0,
+                                       max_tokens=config.max_completion_length, seed=None)
+
+    def reseed(self, step: int) -> None:
+        """Each rollout draws from a generator seeded by the run's seed and the step, so a resumed
+        run samples exactly what the uninterrupted one did."""
+        self.llm.engine.sampler.generator.manual_seed(self.config.seed * 1_000_003 + step)
+
+    def completion_values(self) -> dict[str, torch.Tensor]:
+        """Per-completion values logged beside each sample completion (an advantage, a score)."""
+        return {}
+
+    def sample_completions(self, step: int) -> list[dict[str, Any]]:
+        if not self.config.log_completions or self.rollout is None:
+            return []
+        return self.rollout.sample_rows(self.config.num_completions_to_print, [n for n, _ in self.reward_funcs],
+                                        **self.completion_values())
+
+    def after_optimizer_step(self, step: int) -> None:
+        # The weights changed under the engine: no KV computed before this may be reused.
+        self.llm.bump_weight_version()
+
+    def evaluate(self, step: int) -> dict[str, float] | None:
+        if not self.eval_rows or self.eval_reward is None:
+            return None
+        rows = self.eval_rows[self.dist.rank::self.dist.world_size]
+        max_tokens = self.config.eval_max_tokens or self.config.max_completion_length
+        acc, mean_reward = evaluate_rows(self.llm, rows, self.eval_reward, max_tokens)
+        self.llm.sleep()
+        return {"accuracy": acc, "reward": mean_reward}
+
+    @property
+    def epoch(self) -> float:
+        return self.source.epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"prompts": self.source.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.source.load_state_dict(state["prompts"])
