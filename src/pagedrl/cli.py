@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = ("generate", "serve", "eval", "sft", "rm", "dpo", "grpo")
+COMMANDS = ("generate", "serve", "eval", "sft", "rm", "dpo", "grpo", "ppo")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
               "  generate   generate text offline with the paged engine\n"
               "  serve      OpenAI-compatible HTTP server\n"
               "  eval       held-out accuracy of a model on the built-in arithmetic task\n"
-              "  sft|rm|dpo|grpo   train: pagedrl <algorithm> [config.yaml] [key=value ...]\n")
+              "  sft|rm|dpo|grpo|ppo   train: pagedrl <algorithm> [config.yaml] [key=value ...]\n")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "generate":
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         from pagedrl.train.evaluate import eval_main
 
         return eval_main(rest)
-    if command in ("sft", "rm", "dpo", "grpo"):
+    if command in ("sft", "rm", "dpo", "grpo", "ppo"):
         from pagedrl.train.cli import train_main
 
         return train_main(command, rest)

@@ -14,6 +14,7 @@ online algorithm's ratio rests on, and why the rollout's own params are what it 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +44,17 @@ def target_logprobs(model: Any, input_ids: torch.Tensor, positions: torch.Tensor
     loop's handle, or a frozen copy). `sampling`: the distribution the targets were drawn from;
     None means the model's own (temperature 1, nothing cut)."""
     hidden = model(input_ids, positions=positions, meta=meta)
+    return logprobs_from_hidden(model.logits, hidden, predict_at, targets, sampling, entropy, correct, mean_logit,
+                                chunk_rows)
+
+
+def logprobs_from_hidden(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, predict_at: torch.Tensor,
+                         targets: torch.Tensor, sampling: SamplingParams | None = None, entropy: bool = False,
+                         correct: bool = False, mean_logit: bool = False,
+                         chunk_rows: int = CHUNK_ROWS) -> TargetLogprobs:
+    """`target_logprobs` after the forward: for a caller whose one forward feeds more than the LM
+    head (PPO's policy and value head in one pass)."""
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, predict_at)
-    head = model.logits
     temperature = 1.0 if sampling is None or sampling.is_greedy else sampling.temperature
     truncated = sampling is not None and not sampling.is_greedy and (
         sampling.top_k > 0 or sampling.top_p < 1.0 or sampling.min_p > 0.0)

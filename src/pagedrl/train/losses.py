@@ -340,3 +340,34 @@ def tis_weight(old_logp_trainer: Tensor, sampling_logp_engine: Tensor, cap: floa
     if not cap > 0:
         raise ValueError(f"cap: must be positive, got {cap}")
     return torch.exp(old_logp_trainer - sampling_logp_engine).clamp(max=cap).detach()
+
+
+# ---------------------------------------------------------------------------------------------
+# Value function (PPO's critic)
+# ---------------------------------------------------------------------------------------------
+
+
+class ValueLossOutput(NamedTuple):
+    loss: Tensor  # [B, T] per-token 0.5·max(unclipped, clipped), 0 outside the mask
+    is_clipped: Tensor  # [B, T] bool: the clipped term is the larger (TRL's `val/clipfrac`)
+
+
+def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+                       cliprange_value: float) -> ValueLossOutput:
+    """PPO's clipped value loss per token, as TRL's PPOTrainer computes it:
+
+        V_clip = clamp(V, V_old − ε, V_old + ε);   loss = ½·max((V − R)², (V_clip − R)²)
+
+    The clip keeps one update from moving the critic far from the values the advantages were
+    computed with. The caller aggregates (a token mean over the mini-batch, like the policy loss)."""
+    if not (values.shape == old_values.shape == returns.shape):
+        raise ValueError(f"values, old_values, returns: shapes differ ({tuple(values.shape)}, "
+                         f"{tuple(old_values.shape)}, {tuple(returns.shape)})")
+    if cliprange_value < 0:
+        raise ValueError(f"cliprange_value: must be >= 0, got {cliprange_value}")
+    keep = _bool_mask(mask, values)
+    clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+    unclipped_loss = (values - returns) ** 2
+    clipped_loss = (clipped - returns) ** 2
+    loss = 0.5 * torch.maximum(unclipped_loss, clipped_loss)
+    return ValueLossOutput(loss.masked_fill(~keep, 0.0), (clipped_loss > unclipped_loss) & keep)

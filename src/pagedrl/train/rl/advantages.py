@@ -152,3 +152,36 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
     if not shift_mean:
         whitened = whitened + mean
     return whitened
+
+
+@torch.no_grad()
+def ppo_token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> tuple[Tensor, Tensor]:
+    """RLHF's per-token reward: −kl_coef·KL(π‖π_ref) at every completion token, plus the sequence's
+    score at its last real token (its EOS when it has one). The last token is found from the mask
+    (the completion's length), never from a pad id: SmolLM2's pad id is its EOS id, and reading the
+    first pad would put the score one token early, or one late.
+
+    scores [B], kl [B, T], mask [B, T] (each row a prefix of ones) → (rewards, non_score_rewards),
+    both [B, T] and 0 outside the mask."""
+    if kl.shape != mask.shape or scores.shape != kl.shape[:1]:
+        raise ValueError(f"scores [B], kl and mask [B, T]: got {tuple(scores.shape)}, {tuple(kl.shape)}, "
+                         f"{tuple(mask.shape)}")
+    keep = (mask != 0).to(kl.dtype)
+    lengths = (mask != 0).sum(1)
+    if bool((lengths == 0).any()):
+        raise ValueError("mask: every completion needs at least one token to carry its score")
+    non_score = -kl_coef * kl * keep
+    rewards = non_score.clone()
+    rows = torch.arange(kl.shape[0], device=kl.device)
+    rewards[rows, lengths - 1] += scores.to(kl.dtype)
+    return rewards, non_score
+
+
+@torch.no_grad()
+def explained_variance(predicted: Tensor, target: Tensor, mask: Tensor) -> float:
+    """1 − Var(target − predicted) / Var(target) over the masked entries: how much of the returns'
+    spread the critic accounts for (1 perfect, 0 no better than a constant, negative worse)."""
+    keep = mask != 0
+    y, p = target[keep].double(), predicted[keep].double()
+    var = y.var(unbiased=False)
+    return float(1.0 - (y - p).var(unbiased=False) / var) if var > 0 else float("nan")

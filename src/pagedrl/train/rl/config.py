@@ -94,3 +94,65 @@ class GRPOConfig(OnlineConfig):
         _require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")
         _require(self.num_iterations >= 1, "num_iterations", f"must be >= 1, got {self.num_iterations}")
         _require(self.tis_cap is None or self.tis_cap >= 1.0, "tis_cap", f"must be null or >= 1, got {self.tis_cap}")
+
+
+@dataclass
+class PPOConfig(OnlineConfig):
+    """RLHF with PPO (TRL's PPOConfig names). Each rollout samples per_device_train_batch_size ×
+    gradient_accumulation_steps × num_mini_batches completions per rank (num_generations per
+    prompt); it is then trained on for num_ppo_epochs epochs of num_mini_batches optimizer steps,
+    each step one mini-batch of per_device × accumulation completions."""
+
+    learning_rate: float = 3e-6
+    num_generations: int = 1
+    temperature: float = 0.7
+    response_length: int | None = None  # TRL's name for max_completion_length; wins when set
+    # The four roles.
+    reward_model_path: str | None = None  # a `pagedrl rm` folder; None: score with reward_funcs
+    critic: Literal["reward_model", "policy", "shared"] | None = None  # None: reward_model if one, else policy
+    # Rewards: −kl_coef·KL at every token, the score at the last one.
+    kl_coef: float = 0.05
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    kl_target: float | None = None  # set: Ziegler et al.'s adaptive coefficient, aiming at this KL
+    kl_horizon: int = 10000
+    missing_eos_penalty: float | None = None  # subtracted from the score of a completion without EOS
+    reward_clip_range: float | None = None  # clamp scores to ±this (10 is common); None: no clamp
+    whiten_rewards: bool = False
+    # Advantages and updates.
+    gamma: float = 1.0
+    lam: float = 0.95
+    num_ppo_epochs: int = 4
+    num_mini_batches: int = 1
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    vf_coef: float = 0.1
+    critic_warmup_steps: int = 0  # optimizer steps in which only the critic trains
+
+    def __post_init__(self) -> None:
+        if self.response_length is not None:
+            self.max_completion_length = self.response_length
+        super().__post_init__()
+
+    @property
+    def critic_init(self) -> str:
+        return self.critic or ("reward_model" if self.reward_model_path else "policy")
+
+    def validate(self) -> None:
+        super().validate()
+        for key in ("num_ppo_epochs", "num_mini_batches", "kl_horizon"):
+            _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        for key in ("kl_coef", "cliprange", "cliprange_value", "vf_coef", "critic_warmup_steps"):
+            _require(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
+        _require(0.0 <= self.gamma <= 1.0, "gamma", f"must lie in [0, 1], got {self.gamma}")
+        _require(0.0 <= self.lam <= 1.0, "lam", f"must lie in [0, 1], got {self.lam}")
+        _require(self.kl_target is None or self.kl_target > 0, "kl_target", f"must be null or > 0, got {self.kl_target}")
+        _require(self.reward_clip_range is None or self.reward_clip_range > 0, "reward_clip_range",
+                 f"must be null or > 0, got {self.reward_clip_range}")
+        _require(self.critic != "reward_model" or self.reward_model_path is not None, "critic",
+                 "'reward_model' needs reward_model_path (or choose 'policy' or 'shared')")
+        _require(self.reward_model_path is not None or self.reward_funcs or self.dataset == "arithmetic",
+                 "reward_model_path", "PPO needs a reward: a reward model folder, or reward_funcs (verifiers)")
+        mini = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        _require(mini * self.num_mini_batches % self.num_generations == 0, "num_generations",
+                 f"a rollout of {mini * self.num_mini_batches} completions per rank is not a whole number of "
+                 f"groups of {self.num_generations}")

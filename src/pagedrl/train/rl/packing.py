@@ -13,6 +13,7 @@ GRPO and PPO share the layout; each fills the per-sequence or per-token tensors 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,17 +66,19 @@ class PackedBatch:
         return values[self.seq_of, self.col_of]
 
 
-def split_units(rollout: Rollout, num_micro_batches: int) -> list[list[Unit]]:
-    """Cut the rollout's completions into micro-batches of (nearly) equal count, keeping each
-    group's completions together where the cut allows (a group cut in two carries its prompt in both)."""
+def split_units(rollout: Rollout, num_micro_batches: int, order: Sequence[int] | None = None) -> list[list[Unit]]:
+    """Cut the rollout's completions (all, or those of `order`, in that order) into micro-batches of
+    (nearly) equal count, keeping each group's completions together where the cut allows (a group
+    cut in two carries its prompt in both)."""
     G = rollout.num_generations
-    size, extra = divmod(len(rollout), num_micro_batches)
+    order = list(range(len(rollout))) if order is None else list(order)
+    size, extra = divmod(len(order), num_micro_batches)
     out: list[list[Unit]] = []
     start = 0
     for k in range(num_micro_batches):
         end = start + size + (1 if k < extra else 0)
         units: list[Unit] = []
-        for i in range(start, end):
+        for i in order[start:end]:
             if units and units[-1].prompt == i // G:
                 units[-1].completions.append(i)
             else:

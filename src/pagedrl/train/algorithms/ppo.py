@@ -1,0 +1,374 @@
+"""RLHF with PPO (Ouyang et al. 2022; Ziegler et al. 2019), four roles in one process, on the one
+trainer loop.
+
+Each rollout: the in-process engine samples from the policy's own tensors; then, once per rollout
+and in the packed layout GRPO trains in (each prompt once, its completions after it), a no-grad
+pass computes what stays fixed while the rollout is trained on: the policy's log-probs (the
+ratio's denominator, under the rollout's own sampling params), the frozen reference's (for the
+KL penalty), the critic's values and the reward model's score at each completion's last token.
+Per-token rewards are −kl_coef·KL plus the score at the last token; GAE turns them into
+advantages (whitened over the rollout) and returns. The rollout is then trained on for
+`num_ppo_epochs` epochs of `num_mini_batches` optimizer steps: the clipped surrogate for the
+policy plus `vf_coef` times the clipped value loss, token means over the mini-batch.
+
+The first epoch walks the completions in the order the fixed pass packed them, so the first
+mini-batch's forward is the same computation on the same weights: its ratio is exactly 1.
+Later epochs shuffle whole groups (a prompt's completions stay together, so its prompt is still
+computed once).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedrl.model.checkpoint import load_weights, read_state_dict, save_checkpoint
+from pagedrl.model.heads import SequenceScorer, load_sequence_scorer
+from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.train.distributed import DistInfo
+from pagedrl.train.logprobs import logprobs_from_hidden, target_logprobs
+from pagedrl.train.losses import clipped_surrogate, clipped_value_loss, kl_estimate
+from pagedrl.train.metrics import Metric
+from pagedrl.train.rl.advantages import explained_variance, gae, masked_whiten, ppo_token_rewards
+from pagedrl.train.rl.config import PPOConfig
+from pagedrl.train.rl.critic import ActorCritic, load_critic
+from pagedrl.train.rl.kl_control import AdaptiveKLController, KLController
+from pagedrl.train.rl.online import OnlineAlgorithm
+from pagedrl.train.rl.packing import PackedBatch, pack, split_units
+from pagedrl.train.rl.rewards import RewardFunc
+from pagedrl.train.rl.rollout import Rollout, sample, score_rollout
+
+LOG_RATIO_CLAMP = 20.0  # |log π − log π_ref| beyond this is numerical, not drift
+
+
+@dataclass
+class RolloutTensors:
+    """What one rollout is trained on, per completion ([C]) or per token ([C, L]), prompt-major."""
+
+    mask: torch.Tensor
+    old_logps: torch.Tensor
+    ref_logps: torch.Tensor
+    old_values: torch.Tensor
+    scores: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+
+
+class PPO(OnlineAlgorithm):
+    name = "ppo"
+    normaliser = "completion tokens"
+    config: PPOConfig
+
+    def __init__(self, config: PPOConfig, policy: torch.nn.Module, tokenizer: Tokenizer, dist: DistInfo,
+                 critic: SequenceScorer | None = None, reward_model: SequenceScorer | None = None,
+                 eos_token_ids: list[int] | None = None, reward_funcs: list[tuple[str, RewardFunc]] | None = None,
+                 generation_config: dict[str, Any] | None = None) -> None:
+        self.mini_batch = config.per_device_train_batch_size * config.gradient_accumulation_steps
+        completions = self.mini_batch * config.num_mini_batches
+        super().__init__(config, policy, tokenizer, dist, completions // config.num_generations, eos_token_ids,
+                         reward_funcs, generation_config, needs_reward_funcs=reward_model is None)
+        self.steps_per_rollout = config.num_ppo_epochs * config.num_mini_batches
+        self.examples_per_step = self.mini_batch * dist.world_size  # completions trained on per step
+        self.model = ActorCritic(policy, critic)
+        self.reward_model = reward_model.eval().requires_grad_(False) if reward_model is not None else None
+        self.ref_model = copy.deepcopy(policy).eval().requires_grad_(False) if config.kl_coef > 0 else None
+        self.kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
+                       if config.kl_target is not None else KLController(config.kl_coef))
+        self.find_unused_parameters = config.critic_warmup_steps > 0
+        self.bf16 = config.use_bf16(next(policy.parameters()).device)
+        self.data: RolloutTensors | None = None
+        self.rollout_metrics: dict[str, Any] = {}
+        self.step = 0
+
+    # -- rollouts ---------------------------------------------------------------------------------
+
+    def step_batches(self, step: int) -> list[PackedBatch]:
+        self.step = step
+        m = (step - 1) % self.steps_per_rollout
+        if m == 0 or self.data is None:
+            self.collect(step - m)
+        epoch, j = divmod(m, self.config.num_mini_batches)
+        batches = self.micro_batches(epoch, (step - 1) // self.steps_per_rollout)[j]
+        self.model.detach_shared = self.warming_up(step)
+        return [self.attach(b) for b in batches]
+
+    def warming_up(self, step: int) -> bool:
+        return step <= self.config.critic_warmup_steps
+
+    def micro_batches(self, epoch: int, rollout_index: int) -> list[list[PackedBatch]]:
+        """The rollout cut into mini-batches of micro-batches for one epoch. Epoch 0 keeps the
+        sampled order; later ones shuffle whole groups with a generator seeded by the run's seed,
+        the rollout and the epoch (so a resumed run shuffles the same way)."""
+        assert self.rollout is not None
+        r, G = self.rollout, self.config.num_generations
+        prompts = list(range(r.num_prompts))
+        if epoch > 0:
+            g = torch.Generator().manual_seed(self.config.seed * 1_000_003 + rollout_index * 1009 + epoch)
+            prompts = torch.randperm(r.num_prompts, generator=g).tolist()
+        order = [p * G + k for p in prompts for k in range(G)]
+        device = next(self.policy.parameters()).device
+        out = []
+        for j in range(self.config.num_mini_batches):
+            chunk = order[j * self.mini_batch:(j + 1) * self.mini_batch]
+            units = split_units(r, self.config.gradient_accumulation_steps, chunk)
+            out.append([pack(r, u, device) for u in units])
+        return out
+
+    def attach(self, b: PackedBatch) -> PackedBatch:
+        """The rollout's fixed per-token tensors for the completions of `b`."""
+        d = self.data
+        assert d is not None
+        L = b.mask.shape[1]
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t[b.completion_index, :L]
+
+        b.old_logps, b.ref_logps, b.old_values = take(d.old_logps), take(d.ref_logps), take(d.old_values)
+        b.advantages, b.returns = take(d.advantages), take(d.returns)
+        return b
+
+    @torch.no_grad()
+    def collect(self, step: int) -> None:
+        """Sample a rollout and compute everything that stays fixed while it is trained on."""
+        c = self.config
+        self.reseed(step)
+        rollout = sample(self.llm, self.source.take(self.prompts_per_rollout), self.sampling)
+        self.llm.sleep()  # the training passes run next: the KV cache gives its memory back
+        if self.reward_funcs:
+            score_rollout(rollout, self.reward_funcs, c.reward_weights)
+        self.rollout = rollout
+        C = len(rollout)
+        lengths = rollout.lengths
+        if bool((lengths == 0).any()):
+            raise ValueError(f"step {step}: the engine returned an empty completion; PPO needs at least one token")
+        L = int(lengths.max())
+        device = next(self.policy.parameters()).device
+        mask = (torch.arange(L)[None] < lengths[:, None]).to(device)
+        old, ref, values = (torch.zeros(C, L, device=device) for _ in range(3))
+        scores = torch.zeros(C, device=device)
+        self.data = RolloutTensors(mask, old, ref, values, scores, *(torch.zeros(C, L, device=device) for _ in range(3)))
+        self.model.eval()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            for b in (b for mini in self.micro_batches(0, 0) for b in mini):
+                Lb = b.mask.shape[1]
+                rows = b.completion_index
+                hidden, value_hidden = self.model(b.input_ids, positions=b.positions, meta=b.meta)
+                lp = logprobs_from_hidden(self.model.logits, hidden, b.predict_at, b.targets, self.sampling)
+                old[rows, :Lb] = b.to_padded(lp.logps)
+                flat = value_hidden.reshape(-1, value_hidden.shape[-1]).index_select(0, b.predict_at)
+                values[rows, :Lb] = b.to_padded(self.model.values(flat))
+                if self.ref_model is not None:
+                    ref[rows, :Lb] = b.to_padded(target_logprobs(self.ref_model, b.input_ids, b.positions, b.meta,
+                                                                 b.predict_at, b.targets, self.sampling).logps)
+                if self.reward_model is not None:
+                    h = self.reward_model(b.input_ids, positions=b.positions, meta=b.meta)
+                    scores[rows] = self.reward_model.scores(h.reshape(-1, h.shape[-1]).index_select(0, b.last_at))
+        self.model.train()
+        if self.reward_model is None:
+            scores.copy_(rollout.total_rewards.to(device=device, dtype=torch.float32))
+        self.shape_rewards(step, rollout, self.data)
+
+    @torch.no_grad()
+    def shape_rewards(self, step: int, rollout: Rollout, d: RolloutTensors) -> None:
+        """Scores → per-token rewards → GAE advantages and returns, and the rollout's metrics."""
+        c = self.config
+        if not bool(torch.isfinite(d.scores).all()):
+            bad = int((~torch.isfinite(d.scores)).sum())
+            raise ValueError(f"step {step}: {bad} reward score(s) are NaN or infinite; stopping before the update "
+                             "(the last checkpoint is intact)")
+        mask = d.mask
+        raw_scores = d.scores.clone()
+        truncated = rollout.truncated.to(d.scores.device)
+        if c.missing_eos_penalty is not None:
+            d.scores[truncated] -= c.missing_eos_penalty
+        if c.reward_clip_range is not None:
+            d.scores.clamp_(-c.reward_clip_range, c.reward_clip_range)
+        if self.ref_model is not None:
+            clamped_ref = d.old_logps + (d.ref_logps - d.old_logps).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+            kl = kl_estimate(d.old_logps, clamped_ref, c.kl_estimator).masked_fill(~mask, 0.0)
+        else:
+            kl = torch.zeros_like(d.old_logps)
+        rewards, non_score = ppo_token_rewards(d.scores, kl, mask, self.kl_ctl.value)
+        if c.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False).masked_fill(~mask, 0.0)
+        values = d.old_values.masked_fill(~mask, 0.0)
+        advantages, returns = gae(rewards, values, mask, c.gamma, c.lam)
+        d.rewards, d.returns, d.old_values = rewards, returns, values
+        d.advantages = masked_whiten(advantages, mask).masked_fill(~mask, 0.0)
+        seq_kl = kl.sum(1)
+        non_score_sum = non_score.sum(1)
+        lengths = mask.sum(1).double()
+        sampling = torch.zeros_like(d.old_logps)
+        for i, lp in enumerate(rollout.sampling_logps):
+            sampling[i, :len(lp)] = torch.tensor(lp, dtype=sampling.dtype)
+        diff = (d.old_logps - sampling).abs().masked_fill(~mask, 0.0)
+        n_tok = mask.sum()
+        self.rollout_metrics = {
+            "objective/scores": Metric.mean(float(raw_scores.mean())),
+            "objective/kl": Metric.mean(float(seq_kl.mean())),
+            "objective/entropy": Metric.mean(float((-d.old_logps * mask).sum(1).mean())),
+            "objective/non_score_reward": Metric.mean(float(non_score_sum.mean())),
+            "objective/rlhf_reward": Metric.mean(float(non_score_sum.mean() + d.scores.mean())),
+            "objective/kl_coef": Metric.mean(self.kl_ctl.value),
+            "val/num_eos_tokens": Metric.mean(float((~truncated).sum())),
+            "critic/vf_explained_var": Metric.mean(explained_variance(values, returns, mask)),
+            "completions/mean_length": Metric.mean(float(lengths.mean())),
+            "completions/clipped_ratio": Metric.mean(float(truncated.double().mean())),
+            "sampling/sampling_logp_difference/mean": Metric.mean(float(diff.sum() / n_tok)),
+            "sampling/sampling_logp_difference/max": Metric.max(float(diff.max())),
+            "rollout/seconds": Metric.mean(rollout.seconds),
+            "rollout/tokens_per_second": Metric.mean(rollout.generated_tokens / max(rollout.seconds, 1e-9)),
+            "rollout/prefix_blocks_shared": Metric.mean(float(rollout.prefix_blocks_shared)),
+        }
+        for f, (name, _) in enumerate(self.reward_funcs):
+            col = rollout.rewards[:, f]
+            ok = ~col.isnan()
+            self.rollout_metrics[f"rewards/{name}/mean"] = Metric.mean(float(col[ok].sum()), float(ok.sum()))
+        self.kl_ctl.update(float(seq_kl.mean()), len(rollout) * self.dist.world_size)
+
+    # -- the loss -----------------------------------------------------------------------------------
+
+    def count(self, batch: PackedBatch) -> float:
+        return float(batch.mask.sum())
+
+    def loss(self, model: Any, b: PackedBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        c = self.config
+        assert b.old_logps is not None and b.old_values is not None and b.returns is not None
+        assert b.advantages is not None
+        hidden, value_hidden = model(b.input_ids, positions=b.positions, meta=b.meta)
+        out = logprobs_from_hidden(model.logits, hidden, b.predict_at, b.targets, self.sampling, entropy=True)
+        flat = value_hidden.reshape(-1, value_hidden.shape[-1]).index_select(0, b.predict_at)
+        values = b.to_padded(model.values(flat))
+        mask = b.mask
+        n_tok = mask.sum()
+        value = clipped_value_loss(values, b.old_values, b.returns, mask, c.cliprange_value)
+        value_sum = value.loss.sum()
+        if not bool(torch.isfinite(value_sum)):
+            raise ValueError(f"step {self.step}: the critic's value loss is {float(value_sum)}; stopping before the "
+                             "update (the last checkpoint is intact)")
+        loss = c.vf_coef * value_sum / global_count
+        logp = b.to_padded(out.logps)
+        policy = clipped_surrogate(logp, b.old_logps, b.advantages, mask, c.cliprange)
+        if not self.warming_up(self.step):
+            loss = loss + policy.loss.sum() / global_count
+        with torch.no_grad():
+            diff = (logp - b.old_logps).masked_fill(~mask, 0.0)
+            assert out.entropy is not None
+            metrics: dict[str, Any] = {
+                "policy/approxkl_avg": Metric.mean(0.5 * (diff ** 2).sum(), n_tok),
+                "policy/clipfrac_avg": Metric.mean(policy.is_region_clipped.sum().float(), n_tok),
+                "policy/entropy_avg": Metric.mean(out.entropy.sum(), n_tok),
+                "loss/policy_avg": Metric.mean(policy.loss.sum(), n_tok),
+                "loss/value_avg": Metric.mean(value_sum, n_tok),
+                "val/clipfrac_avg": Metric.mean(value.is_clipped.sum().float(), n_tok),
+                "val/ratio": Metric.mean(policy.ratio.detach().masked_fill(~mask, 0.0).sum(), n_tok),
+                "num_tokens": Metric.cumulative(float(b.input_ids.numel())),
+            }
+        return loss, metrics
+
+    def step_metrics(self, step: int) -> dict[str, Any]:
+        return dict(self.rollout_metrics)
+
+    def completion_values(self) -> dict[str, torch.Tensor]:
+        assert self.data is not None
+        return {"score": self.data.scores.cpu()}
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save_model(self, folder: Path) -> None:
+        """The policy in HF layout (ready for `pagedrl serve`) and the critic beside it in `critic/`."""
+        save_checkpoint(self.policy, folder, generation_config=self.generation_config)
+        self.tokenizer.save(folder)
+        self.model.save_critic(folder, self.tokenizer)
+
+    def load_model(self, folder: Path) -> None:
+        state = read_state_dict(folder, dtype=torch.float32)
+        with torch.no_grad():
+            load_weights(self.policy, state, str(folder))
+        self.model.load_critic(folder)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Prompts, the KL coefficient and, between rollouts' steps, the rollout being trained on
+        (so a run resumed mid-rollout trains on the same samples)."""
+        state = super().state_dict()
+        state["kl_controller"] = self.kl_ctl.state_dict()
+        if self.rollout is not None and self.data is not None:
+            state["rollout"] = {"rollout": self.rollout, "data": self.data, "metrics": self.rollout_metrics}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        if "rollout" in state:
+            device = next(self.policy.parameters()).device
+            saved = state["rollout"]
+            self.rollout, self.rollout_metrics = saved["rollout"], saved["metrics"]
+            d = saved["data"]
+            self.data = RolloutTensors(**{k: getattr(d, k).to(device) for k in RolloutTensors.__dataclass_fields__})
+
+    def summary_lines(self) -> list[str]:
+        c = self.config
+        roles = [("policy", self.policy, "trained; the engine generates with it")]
+        if self.ref_model is not None:
+            roles.append(("reference", self.ref_model, f"frozen; KL {c.kl_estimator}, kl_coef={c.kl_coef}"
+                          + (f", adaptive to {c.kl_target}" if c.kl_target is not None else "")))
+        if self.reward_model is not None:
+            roles.append(("reward model", self.reward_model, f"frozen; {c.reward_model_path}"))
+        if self.model.critic is not None:
+            roles.append(("critic", self.model.critic, f"trained; value head on its own backbone, from the {c.critic_init}"))
+        lines = [f"ppo: {role:12s} {_params(m) / 1e6:8.1f}M parameters {_bytes(m) / 2**20:8.0f} MiB  ({what})"
+                 for role, m, what in roles]
+        if self.model.critic is None:
+            lines.append(f"ppo: critic       shares the policy's backbone (+{self.model.value_head.weight.numel()} "
+                         "parameters: its value head)")
+        if self.reward_funcs:
+            lines.append(f"ppo: rewards from {', '.join(n for n, _ in self.reward_funcs)}")
+        lines.append(f"ppo: {self.prompts_per_rollout} prompts × {c.num_generations} per rank per rollout, "
+                     f"{c.num_ppo_epochs} epochs × {c.num_mini_batches} mini-batches = {self.steps_per_rollout} "
+                     f"optimizer steps per rollout; {c.max_completion_length} tokens max, temperature {c.temperature}")
+        lines.append("ppo: forward passes per rollout: policy+critic 1, reference "
+                     f"{int(self.ref_model is not None)}, reward model {int(self.reward_model is not None)} (no grad); "
+                     "per optimizer step: policy+critic 1 (with grad)")
+        return lines
+
+
+def _params(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
+    return a.backend.get_vocab(with_added_tokens=True) == b.backend.get_vocab(with_added_tokens=True)
+
+
+def run_ppo(config: PPOConfig, progress: bool = True) -> Path:
+    """Train `config.model` with PPO; returns `output_dir/final`."""
+    from pagedrl.model.loader import resolve_model_path
+    from pagedrl.train.trainer import Trainer, start_run
+
+    dist, loaded = start_run(config, "PPO needs")
+    policy_path = resolve_model_path(config.model)
+    reward_model = None
+    rm_path = Path(config.reward_model_path) if config.reward_model_path else None
+    for role, path in (("reward_model_path", rm_path), ("critic", policy_path if config.critic_init == "policy" else None)):
+        if path is None:
+            continue
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"{role}: {path} has no tokenizer.json; PPO must check it shares the policy's tokenizer")
+        if not same_tokenizer(Tokenizer.from_folder(path), loaded.tokenizer):
+            raise ValueError(f"{role}: the tokenizer of {path} differs from the policy's ({policy_path}); PPO scores "
+                             "the policy's own token ids, so the reward model and critic must share its tokenizer")
+    if rm_path is not None:
+        reward_model = load_sequence_scorer(rm_path, device=dist.device, dtype=torch.float32, new_head=False)
+    critic = load_critic(config.critic_init, policy_path, rm_path, dist.device, config.seed)
+    algorithm = PPO(config, loaded.model, loaded.tokenizer, dist, critic=critic, reward_model=reward_model,
+                    eos_token_ids=loaded.eos_token_ids, generation_config=loaded.generation_config or None)
+    return Trainer(config, algorithm, dist, progress=progress).train()
