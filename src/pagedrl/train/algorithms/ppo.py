@@ -31,9 +31,9 @@ from pagedrl.model.heads import SequenceScorer, load_sequence_scorer
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.logprobs import logprobs_from_hidden, target_logprobs
-from pagedrl.train.losses import clipped_surrogate, clipped_value_loss, kl_estimate
+from pagedrl.train.losses import clipped_surrogate, clipped_value_loss
 from pagedrl.train.metrics import Metric
-from pagedrl.train.rl.advantages import explained_variance, gae, masked_whiten, ppo_token_rewards
+from pagedrl.train.rl.advantages import explained_variance, ppo_targets
 from pagedrl.train.rl.config import PPOConfig
 from pagedrl.train.rl.critic import ActorCritic, load_critic
 from pagedrl.train.rl.kl_control import AdaptiveKLController, KLController
@@ -179,27 +179,18 @@ class PPO(OnlineAlgorithm):
         c = self.config
         if not bool(torch.isfinite(d.scores).all()):
             bad = int((~torch.isfinite(d.scores)).sum())
-            raise ValueError(f"step {step}: {bad} reward score(s) are NaN or infinite; stopping before the update "
+            raise ValueError(f"step {step}: {bad} reward score(s) are NaN or infinite (a reward function without an "
+                             "answer for a completion, or a diverged reward model); stopping before the update "
                              "(the last checkpoint is intact)")
         mask = d.mask
         raw_scores = d.scores.clone()
         truncated = rollout.truncated.to(d.scores.device)
-        if c.missing_eos_penalty is not None:
-            d.scores[truncated] -= c.missing_eos_penalty
-        if c.reward_clip_range is not None:
-            d.scores.clamp_(-c.reward_clip_range, c.reward_clip_range)
-        if self.ref_model is not None:
-            clamped_ref = d.old_logps + (d.ref_logps - d.old_logps).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-            kl = kl_estimate(d.old_logps, clamped_ref, c.kl_estimator).masked_fill(~mask, 0.0)
-        else:
-            kl = torch.zeros_like(d.old_logps)
-        rewards, non_score = ppo_token_rewards(d.scores, kl, mask, self.kl_ctl.value)
-        if c.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False).masked_fill(~mask, 0.0)
+        t = ppo_targets(d.scores, ~truncated, d.old_logps, d.ref_logps if self.ref_model is not None else None,
+                        d.old_values, mask, self.kl_ctl.value, c.kl_estimator, c.missing_eos_penalty,
+                        c.reward_clip_range, c.whiten_rewards, c.gamma, c.lam, LOG_RATIO_CLAMP)
         values = d.old_values.masked_fill(~mask, 0.0)
-        advantages, returns = gae(rewards, values, mask, c.gamma, c.lam)
-        d.rewards, d.returns, d.old_values = rewards, returns, values
-        d.advantages = masked_whiten(advantages, mask).masked_fill(~mask, 0.0)
+        d.scores, d.rewards, d.advantages, d.returns, d.old_values = t.scores, t.rewards, t.advantages, t.returns, values
+        kl, non_score, returns = t.kl, t.non_score_rewards, t.returns
         seq_kl = kl.sum(1)
         non_score_sum = non_score.sum(1)
         lengths = mask.sum(1).double()

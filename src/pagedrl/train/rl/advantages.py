@@ -11,6 +11,7 @@ Rewards may be NaN: a reward function that returns None for a completion means "
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -185,3 +186,45 @@ def explained_variance(predicted: Tensor, target: Tensor, mask: Tensor) -> float
     y, p = target[keep].double(), predicted[keep].double()
     var = y.var(unbiased=False)
     return float(1.0 - (y - p).var(unbiased=False) / var) if var > 0 else float("nan")
+
+
+class PPOTargets(NamedTuple):
+    scores: Tensor  # [B] after the missing-EOS penalty and the clamp
+    kl: Tensor  # [B, T] per-token KL estimate, 0 outside the mask
+    non_score_rewards: Tensor  # [B, T]
+    rewards: Tensor  # [B, T] (whitened if asked)
+    advantages: Tensor  # [B, T] whitened over the batch
+    returns: Tensor  # [B, T] advantages (before whitening) + values
+
+
+@torch.no_grad()
+def ppo_targets(scores: Tensor, has_eos: Tensor, logps: Tensor, ref_logps: Tensor | None, values: Tensor,
+                mask: Tensor, kl_coef: float, kl_estimator: str = "k1", missing_eos_penalty: float | None = None,
+                reward_clip_range: float | None = None, whiten_rewards: bool = False, gamma: float = 1.0,
+                lam: float = 0.95, log_ratio_clamp: float = 20.0) -> PPOTargets:
+    """Everything PPO trains a rollout towards, from the rollout's scores, log-probs and values:
+
+    1. a completion without EOS loses `missing_eos_penalty`; scores are clamped to ±`reward_clip_range`;
+    2. per-token KL(π‖π_ref) (k1 or k3, log-ratio clamped), reward −kl_coef·KL per token plus the
+       score at the last token (`ppo_token_rewards`); optionally whitened without shifting the mean;
+    3. GAE(γ, λ) against the values; returns = advantages + values; advantages whitened over the batch.
+    """
+    from pagedrl.train.losses import kl_estimate
+
+    keep = mask != 0
+    scores = scores.clone()
+    if missing_eos_penalty is not None:
+        scores[~has_eos] -= missing_eos_penalty
+    if reward_clip_range is not None:
+        scores = scores.clamp(-reward_clip_range, reward_clip_range)
+    if ref_logps is None:
+        kl = torch.zeros_like(logps)
+    else:
+        clamped_ref = logps + (ref_logps - logps).clamp(-log_ratio_clamp, log_ratio_clamp)
+        kl = kl_estimate(logps, clamped_ref, kl_estimator).masked_fill(~keep, 0.0)
+    rewards, non_score = ppo_token_rewards(scores, kl, mask, kl_coef)
+    if whiten_rewards:
+        rewards = masked_whiten(rewards, keep, shift_mean=False).masked_fill(~keep, 0.0)
+    advantages, returns = gae(rewards, values.masked_fill(~keep, 0.0), mask, gamma, lam)
+    advantages = masked_whiten(advantages, keep).masked_fill(~keep, 0.0)
+    return PPOTargets(scores, kl, non_score, rewards, advantages, returns)
