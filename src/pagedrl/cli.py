@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = ("generate", "serve", "eval", "sft", "rm", "dpo", "grpo", "ppo")
+COMMANDS = ("generate", "serve", "eval", "sft", "rm", "dpo", "grpo", "ppo", "rlhf")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,7 +14,8 @@ def main(argv: list[str] | None = None) -> int:
               "  generate   generate text offline with the paged engine\n"
               "  serve      OpenAI-compatible HTTP server\n"
               "  eval       held-out accuracy of a model on the built-in arithmetic task\n"
-              "  sft|rm|dpo|grpo|ppo   train: pagedrl <algorithm> [config.yaml] [key=value ...]\n")
+              "  sft|rm|dpo|grpo|ppo   train: pagedrl <algorithm> [config.yaml] [key=value ...]\n"
+              "  rlhf       the RLHF recipe: verifier-labelled pairs, a reward model, then PPO\n")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "generate":
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         from pagedrl.train.evaluate import eval_main
 
         return eval_main(rest)
+    if command == "rlhf":
+        from pagedrl.train.rlhf import rlhf_main
+
+        return rlhf_main(rest)
     if command in ("sft", "rm", "dpo", "grpo", "ppo"):
         from pagedrl.train.cli import train_main
 

@@ -1,0 +1,53 @@
+"""Preference pairs from a verifier: sample several completions per prompt with the engine, score
+them, and pair a correct one (chosen) with a wrong one (rejected). This is how the RLHF recipe and
+the demo give DPO and the reward model the labelled data a human would otherwise provide, on the
+same prompts GRPO and PPO train on."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pagedrl.engine.llm import LLM
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.train.data import PromptOnly
+from pagedrl.train.rl.rewards import RewardFunc
+from pagedrl.train.rl.rollout import completion_for, sample, score_rollout
+
+
+def verifier_pairs(llm: LLM, prompts: Sequence[PromptOnly], verifier: tuple[str, RewardFunc], num_generations: int,
+                   temperature: float = 1.0, max_tokens: int = 64, pairs_per_prompt: int = 1,
+                   batch_prompts: int = 64) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """`{"prompt", "chosen", "rejected"}` rows (TRL's format; conversational prompts get message-list
+    answers) and what sampling found: completions drawn, share correct, prompts with a pair."""
+    params = SamplingParams(n=num_generations, temperature=temperature, max_tokens=max_tokens)
+    rows: list[dict[str, Any]] = []
+    drawn = correct = paired = 0
+    for start in range(0, len(prompts), batch_prompts):
+        rollout = sample(llm, prompts[start:start + batch_prompts], params)
+        score_rollout(rollout, [verifier], None)
+        ok = (rollout.total_rewards >= 1.0).view(-1, num_generations)
+        drawn += len(rollout)
+        correct += int(ok.sum())
+        for p, prompt in enumerate(rollout.prompts):
+            good = [p * num_generations + k for k in range(num_generations) if ok[p, k]]
+            bad = [p * num_generations + k for k in range(num_generations) if not ok[p, k]]
+            if good and bad:
+                paired += 1
+            for g, b in list(zip(good, bad, strict=False))[:pairs_per_prompt]:
+                rows.append({"prompt": prompt.prompt, "chosen": completion_for(prompt.prompt, rollout.texts[g]),
+                             "rejected": completion_for(prompt.prompt, rollout.texts[b]), **prompt.columns})
+    llm.sleep()
+    stats = {"completions": float(drawn), "correct_share": correct / max(drawn, 1),
+             "prompts_with_a_pair": float(paired), "pairs": float(len(rows))}
+    return rows, stats
+
+
+def write_jsonl(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """Write rows atomically: a reader never sees half a file under the final name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    tmp.replace(path)
