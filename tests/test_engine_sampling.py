@@ -59,7 +59,7 @@ def test_n_samples_fork_the_prompt_blocks(hf) -> None:
     peak = 0
     while engine.has_unfinished_requests():
         engine.step()
-        peak = max(peak, engine.kv.num_blocks_used)
+        peak = max(peak, engine.kv_manager.num_blocks_used)
     prompt_blocks = len(prompt) // 4 + 1
     # The prompt's blocks once, plus per sample at most the copied partial block and its new blocks.
     assert peak <= prompt_blocks + 6 * 2

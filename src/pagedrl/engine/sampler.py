@@ -164,7 +164,7 @@ class SamplerOutput:
     processed mode truncated tokens show -inf), or None when `logprobs` was not asked for."""
 
     token_ids: Tensor  # [S] long
-    logprobs: Tensor  # [S] processed: under the distribution the token was drawn from
+    processed_logprobs: Tensor  # [S] under the distribution the token was drawn from
     raw_logprobs: Tensor  # [S] log_softmax of the unmodified logits
     top_logprobs: list[dict[int, float] | None]
 
@@ -200,7 +200,7 @@ class Sampler:
         tokens = self._choose(logp, rows)
         return SamplerOutput(
             token_ids=tokens,
-            logprobs=logp.gather(1, tokens[:, None]).squeeze(1),
+            processed_logprobs=logp.gather(1, tokens[:, None]).squeeze(1),
             raw_logprobs=raw.gather(1, tokens[:, None]).squeeze(1),
             top_logprobs=_top_logprobs(raw, logp, params, vocab),
         )
