@@ -301,6 +301,22 @@ class LLMEngine:
     def decode_one(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token], skip_special_tokens=False)
 
+    # ------------------------------------------------------------------ what callers may read
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block: a prefix is shared in whole blocks of this many tokens."""
+        return self.config.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run over [0, vocab_size)."""
+        return self.model.config.vocab_size
+
+    def reseed(self, seed: int) -> None:
+        """Restart the random stream of requests without a seed of their own (a trainer does this
+        per rollout, so a resumed run draws what an uninterrupted one would)."""
+        self.sampler.reseed(seed)
+
     # ------------------------------------------------------------------ weights and stats
     def sleep(self) -> None:
         """Free the KV cache memory while no request runs (the optimizer needs it more); the next
@@ -330,6 +346,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
+            "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
             "num_forked_blocks": self.num_forked_blocks,
             "weight_version": kv.weight_version,

@@ -176,6 +176,12 @@ class Sampler:
         self.generator = generator
         self._raw: Tensor | None = None  # see `_log_softmax`
 
+    def reseed(self, seed: int) -> None:
+        """Restart the stream of rows without a generator of their own."""
+        if self.generator is None:
+            raise ValueError("this sampler draws from torch's global generator; give it its own to reseed it")
+        self.generator.manual_seed(seed)
+
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got shape {tuple(logits.shape)}")

@@ -150,7 +150,7 @@ class GRPO(Algorithm):
 
     def step_batches(self, step: int) -> list[GRPOBatch]:
         if (step - 1) % self.config.num_iterations == 0:
-            self.llm.engine.sampler.generator.manual_seed(self.config.seed * 1_000_003 + step)
+            self.llm.reseed(self.config.seed * 1_000_003 + step)
             self.rollout = collect_rollout(
                 self.llm, self.source.take, self.encode, self.prompts_per_step, self.sampling, self.reward_funcs,
                 self.config.reward_weights, self.config.scale_rewards, self.config.dynamic_sampling)

@@ -67,7 +67,7 @@ def sample_groups(llm: LLM, rows: Sequence[Mapping[str, Any]], prompt_ids: Seque
             completion_ids=[list(c.token_ids) for c in out.outputs], texts=[c.text for c in out.outputs],
             sampling_logps=[list(c.sampled_logprobs) for c in out.outputs],
             truncated=[c.finish_reason == "length" for c in out.outputs]))
-    block_size = llm.engine.config.block_size
+    block_size = llm.block_size
     shared = (after["num_forked_blocks"] - before["num_forked_blocks"]) + \
         (after["prefix_cache_hits"] - before["prefix_cache_hits"]) // block_size
     return groups, int(shared)
