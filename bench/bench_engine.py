@@ -300,7 +300,7 @@ def main() -> None:
               f"(scale {args.scale}), ignore_eos, greedy")
         # Two KV budgets: LLM()'s CPU default, and one that holds every request at once (what a
         # GPU's free memory would give), so that no request waits for memory or is preempted.
-        block = llm.engine.config.block_size
+        block = llm.block_size
         fit = sum(math.ceil((len(r.prompt) + r.max_tokens) / block) * block for r in workload)
         configs = {"defaults": llm}
         if not args.no_fit:

@@ -128,8 +128,8 @@ class KVCacheManager:
         `computed`, the prefix lookup of a sequence that holds no blocks yet, is attached first
         (its blocks cover its `num_tokens`, which `num_computed_tokens` counts) and recorded in the
         prefix-cache statistics. All or nothing: returns False, changing nothing, when the free
-        queue (cached free blocks included, minus the hit blocks it holds) cannot supply the
-        blocks. A shared block that the new tokens will be written into is replaced by a fresh
+        queue (cached free blocks included) cannot supply the fresh blocks and the hits that are
+        free. A shared block that the new tokens will be written into is replaced by a fresh
         one; if it already holds computed tokens a (src, dst) copy is queued for
         `take_pending_copies`. Blocks that end up full of known tokens are then cached, hashed
         through `block_hashes` (see `hash_blocks`)."""
