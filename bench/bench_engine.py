@@ -95,7 +95,7 @@ def run_pagedrl(llm: LLM, workload: list[Request]) -> Run:
         outs = step()
         running = engine.scheduler.running
         live.append(sum(seq.num_computed_tokens for seq in running))
-        slots.append(engine.kv.num_blocks_used * block_size)
+        slots.append(engine.kv_manager.num_blocks_used * block_size)
         return outs
 
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
@@ -221,7 +221,7 @@ def peak_blocks(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> i
     ids = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished_requests():
         engine.step()
-        peak = max(peak, engine.kv.num_blocks_used)
+        peak = max(peak, engine.kv_manager.num_blocks_used)
     assert all(rid not in engine.requests for rid in ids)
     return peak
 
@@ -300,7 +300,7 @@ def main() -> None:
               f"(scale {args.scale}), ignore_eos, greedy")
         # Two KV budgets: LLM()'s CPU default, and one that holds every request at once (what a
         # GPU's free memory would give), so that no request waits for memory or is preempted.
-        block = llm.engine.config.block_size
+        block = llm.block_size
         fit = sum(math.ceil((len(r.prompt) + r.max_tokens) / block) * block for r in workload)
         configs = {"defaults": llm}
         if not args.no_fit:
@@ -308,7 +308,7 @@ def main() -> None:
         ours: dict[str, Run] = {}
         for name, engine_llm in configs.items():
             cfg = engine_llm.engine.config
-            kv_tokens = engine_llm.engine.kv.num_blocks_total * cfg.block_size
+            kv_tokens = engine_llm.engine.kv_manager.num_blocks_total * cfg.block_size
             kv_gib = engine_llm.engine.kv_cache.nbytes / 2**30
             ours[name] = run = run_pagedrl(engine_llm, workload)
             print(f"[pagedrl, {name}] {kv_tokens} KV tokens ({kv_gib:.2f} GiB), max_num_seqs {cfg.max_num_seqs}, "

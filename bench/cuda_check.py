@@ -115,7 +115,7 @@ def throughput(model_dir: Path, batch_size: int) -> None:
     torch.cuda.synchronize()
     ours = bench_engine.run_pagedrl(llm, workload)
     stats = llm.stats()
-    kv = llm.engine.kv.num_blocks_total * llm.engine.config.block_size
+    kv = llm.engine.kv_manager.num_blocks_total * llm.engine.config.block_size
     print(f"[throughput] pagedrl: {ours.seconds:.1f} s, {len(ours.kv_live)} steps, {kv} KV tokens, "
           f"{stats['num_preemptions']} preemptions, KV slots live {ours.kv_utilisation:.1%}", flush=True)
     del llm

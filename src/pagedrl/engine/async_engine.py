@@ -191,6 +191,23 @@ class AsyncEngine:
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
 
+    # Fixed when the engine is built, so safe to read from the event loop.
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.block_size
+
     # ------------------------------------------------------------------ requests (event loop side)
     async def submit(self, prompts: Sequence[Prompt], params: SamplingParams,
                      request_id: str | None = None) -> RequestGroup:

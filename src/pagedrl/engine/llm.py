@@ -51,6 +51,24 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block (prefix hits and forks share whole blocks)."""
+        return self.engine.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + completion) this engine runs."""
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    def reseed(self, seed: int) -> None:
+        """Restart the random stream of requests whose `SamplingParams` carry no seed."""
+        self.engine.reseed(seed)
+
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts."""

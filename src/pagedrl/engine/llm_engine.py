@@ -65,10 +65,10 @@ class LLMEngine:
                                            gpu_memory_utilization=self.config.gpu_memory_utilization)
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, bs, cfg.num_key_value_heads, cfg.head_dim,
                                 model.dtype, model.device)
-        self.kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   self.config.enable_chunked_prefill)
-        self.runner = ModelRunner(model, self.kv_cache, self.kv, bs, self.config.attention_impl)
+        self.kv_manager = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_manager, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens, self.config.enable_chunked_prefill)
+        self.runner = ModelRunner(model, self.kv_cache, self.kv_manager, bs, self.config.attention_impl)
         self.sampler = Sampler(torch.Generator(device=model.device).manual_seed(self.config.seed))
         eos = set(eos_token_ids or []) | set(cfg.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -133,9 +133,9 @@ class LLMEngine:
             raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = "
                              f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len {limit}")
         total = num_prompt_tokens + (params.max_tokens or limit - num_prompt_tokens)
-        if not self.kv.can_ever_fit(total):
+        if not self.kv_manager.can_ever_fit(total):
             raise ValueError(f"prompt + max_tokens = {total} tokens can never fit in the KV cache of "
-                             f"{self.kv.num_blocks_total * self.config.block_size} tokens; raise kv_cache_tokens")
+                             f"{self.kv_manager.num_blocks_total * self.block_size} tokens; raise kv_cache_tokens")
 
     def make_generator(self, seed: int | None, index: int) -> torch.Generator | None:
         if seed is None:
@@ -204,8 +204,9 @@ class LLMEngine:
             child.num_computed_tokens = seq.num_computed_tokens
             child.detokenizer = self.new_detokenizer(req.params, req.prompt_token_ids)
             child.prompt_logprobs = seq.prompt_logprobs
-            self.kv.fork(seq.seq_id, child.seq_id)
-            self.num_forked_blocks += len(self.kv.block_table(seq.seq_id))
+            child.block_hashes = list(seq.block_hashes)
+            self.kv_manager.fork(seq.seq_id, child.seq_id)
+            self.num_forked_blocks += len(self.kv_manager.block_table(seq.seq_id))
             self.scheduler.add_running(child)
             req.seqs.append(child)
         return list(req.seqs)
@@ -217,7 +218,8 @@ class LLMEngine:
                 for s in seqs]
         out = self.sampler(logits, rows)
         now = time.monotonic()
-        tokens, processed, raw = out.token_ids.tolist(), out.logprobs.tolist(), out.raw_logprobs.tolist()
+        tokens, raw = out.token_ids.tolist(), out.raw_logprobs.tolist()
+        processed = out.processed_logprobs.tolist()
         for i, seq in enumerate(seqs):
             token = tokens[i]
             seq.append(token, processed[i], raw[i], out.top_logprobs[i])
@@ -273,7 +275,7 @@ class LLMEngine:
                 index=seq.index, text=seq.text, token_ids=seq.output_token_ids,
                 cumulative_logprob=float(sum(seq.raw_logprobs)) if seq.raw_logprobs else 0.0,
                 logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                sampled_logprobs=list(seq.sampled_logprobs), raw_logprobs=list(seq.raw_logprobs)))
+                sampled_logprobs=list(seq.processed_logprobs), raw_logprobs=list(seq.raw_logprobs)))
         first = req.seqs[0]
         prompt_lp = None
         if req.params.prompt_logprobs is not None and first.prompt_logprobs is not None:
@@ -286,7 +288,7 @@ class LLMEngine:
     def logprob_entry(self, seq: Sequence, i: int) -> dict[int, Logprob]:
         token = seq.output_token_ids[i]
         processed = seq.params.logprobs_mode == "processed_logprobs"
-        chosen = seq.sampled_logprobs[i] if processed else seq.raw_logprobs[i]
+        chosen = seq.processed_logprobs[i] if processed else seq.raw_logprobs[i]
         entry = {token: Logprob(chosen, decoded_token=self.decode_one(token))}
         if seq.top_logprobs:
             for rank, (t, v) in enumerate(seq.top_logprobs[i].items(), start=1):
@@ -299,13 +301,29 @@ class LLMEngine:
     def decode_one(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token], skip_special_tokens=False)
 
+    # ------------------------------------------------------------------ what callers may read
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block: a prefix is shared in whole blocks of this many tokens."""
+        return self.config.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run over [0, vocab_size)."""
+        return self.model.config.vocab_size
+
+    def reseed(self, seed: int) -> None:
+        """Restart the random stream of requests without a seed of their own (a trainer does this
+        per rollout, so a resumed run draws what an uninterrupted one would)."""
+        self.sampler.reseed(seed)
+
     # ------------------------------------------------------------------ weights and stats
     def sleep(self) -> None:
         """Free the KV cache memory while no request runs (the optimizer needs it more); the next
         request allocates it again. Cached prefixes are forgotten, since their KV is gone."""
         if self.has_unfinished_requests():
             raise RuntimeError("sleep: requests are still running; finish or abort them first")
-        self.kv.reset_prefix_cache()
+        self.kv_manager.reset_prefix_cache()
         self.kv_cache.release()
 
     def wake_up(self) -> None:
@@ -313,11 +331,11 @@ class LLMEngine:
 
     def bump_weight_version(self) -> int:
         """Record a weight update: prefix KV computed under the old weights is never reused."""
-        return self.kv.bump_weight_version()
+        return self.kv_manager.bump_weight_version()
 
     def stats(self) -> dict[str, float]:
         """Counters readable from another thread while requests run (plain ints, no locks)."""
-        kv = self.kv
+        kv = self.kv_manager
         return {
             "num_blocks_total": kv.num_blocks_total,
             "num_blocks_used": kv.num_blocks_used,
@@ -328,6 +346,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
+            "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
             "num_forked_blocks": self.num_forked_blocks,
             "weight_version": kv.weight_version,

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pagedrl.engine.block_pool import BlockHash
 from pagedrl.engine.sampling_params import SamplingParams
 
 
@@ -44,7 +45,7 @@ class Sequence:
     stop_reason: int | str | None = None
     # Logprob contract: the processed log-prob of each sampled token (the distribution it was drawn
     # from) and its raw log-prob (plain log-softmax of the logits).
-    sampled_logprobs: list[float] = field(default_factory=list)
+    processed_logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
@@ -52,6 +53,9 @@ class Sequence:
     detokenizer: Any = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    # Chain hashes of its full blocks, kept as it grows so that each block is hashed once (the KV
+    # cache manager extends the list; it starts again after a weight update).
+    block_hashes: list[BlockHash] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -83,7 +87,7 @@ class Sequence:
 
     def append(self, token: int, processed: float, raw: float, top: dict[int, float] | None) -> None:
         self.token_ids.append(token)
-        self.sampled_logprobs.append(processed)
+        self.processed_logprobs.append(processed)
         self.raw_logprobs.append(raw)
         if top is not None:
             self.top_logprobs.append(top)

@@ -96,8 +96,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it."""
     metrics = ServerMetrics(engine, served_model_name)
-    tokenizer = engine.engine.tokenizer
-    max_model_len = engine.engine.max_model_len
+    tokenizer = engine.tokenizer
+    max_model_len = engine.max_model_len
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -213,7 +213,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
         check_model(req.model)
         if tokenizer is None:
             raise bad_request("this model has no tokenizer")
-        vocab = engine.engine.model.config.vocab_size
+        vocab = engine.vocab_size
         for i, t in enumerate(req.tokens):
             if not 0 <= t < vocab:
                 raise bad_request(f"token {i} is {t}, outside the vocabulary [0, {vocab})", param=f"tokens.{i}")

@@ -71,7 +71,7 @@ class OnlineAlgorithm(Algorithm):
     def reseed(self, step: int) -> None:
         """Each rollout draws from a generator seeded by the run's seed and the step, so a resumed
         run samples exactly what the uninterrupted one did."""
-        self.llm.engine.sampler.generator.manual_seed(self.config.seed * 1_000_003 + step)
+        self.llm.reseed(self.config.seed * 1_000_003 + step)
 
     def completion_values(self) -> dict[str, torch.Tensor]:
         """Per-completion values logged beside each sample completion (an advantage, a score)."""
