@@ -99,6 +99,7 @@ class LLMEngine:
         req = Request(request_id, text, ids, params, now)
         seq = Sequence(request_id, 0, ids, params, self.make_generator(params.seed, 0), now)
         seq.detokenizer = self.new_detokenizer(params, ids)
+        seq.seats = params.n
         req.seqs.append(seq)
         self.requests[request_id] = req
         self.scheduler.add(seq)
@@ -124,7 +125,15 @@ class LLMEngine:
                 raise ValueError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab})")
         return ids
 
+    def check_num_seqs(self, params: SamplingParams) -> None:
+        """The n samples of a request run side by side, forked from one prompt, so n is bounded by the
+        sequences one step runs (and forking never loops over more)."""
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}), the sequences "
+                             "one engine step runs; ask for fewer samples or raise max_num_seqs")
+
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        self.check_num_seqs(params)
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
             raise ValueError(f"prompt is {num_prompt_tokens} tokens, but the model's context "
@@ -140,7 +149,8 @@ class LLMEngine:
     def make_generator(self, seed: int | None, index: int) -> torch.Generator | None:
         if seed is None:
             return None
-        return torch.Generator(device=self.model.device).manual_seed(seed + 1_000_003 * index)
+        # torch takes 64-bit seeds; sample i's seed wraps around like the generator's own arithmetic
+        return torch.Generator(device=self.model.device).manual_seed((seed + 1_000_003 * index) % 2**64)
 
     def new_detokenizer(self, params: SamplingParams, prompt_ids: list[int]) -> Any:
         if self.tokenizer is None:
@@ -198,6 +208,7 @@ class LLMEngine:
             req.forked = True
             return [seq]
         req.forked = True
+        seq.seats = 1
         for i in range(1, req.params.n):
             child = Sequence(req.request_id, i, req.prompt_token_ids, req.params,
                              self.make_generator(req.params.seed, i), req.arrival)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -19,6 +20,8 @@ LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "processed_logprobs")
 # As vLLM: a positive temperature below this is raised to it, since dividing float32 logits by
 # a vanishing temperature overflows; temperature 0 (greedy) is the way to ask for the argmax.
 MIN_TEMPERATURE = 1e-2
+# Seeds are 64-bit, as torch's generators (and vLLM's protocol) take them.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,8 @@ def _check_int(name: str, value: Any, *, optional: bool = False) -> None:
 def _as_float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(name, value, "must be a number")
+    if not math.isfinite(value):  # inf and NaN would turn every probability into NaN or 0
+        raise _bad(name, value, "must be a finite number")
     return float(value)
 
 
@@ -85,6 +90,8 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "must be a bool")
 
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise _bad("seed", self.seed, f"must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}]")
         if self.n < 1:
             raise _bad("n", self.n, "must be at least 1")
         if not self.temperature >= 0.0:  # also rejects NaN

@@ -3,7 +3,8 @@
 There is no prefill phase and no decode phase: each step every scheduled sequence's computed-token
 count moves toward its token count, so chunked prefills and decodes share one forward pass (vLLM v1).
 Running sequences go first, oldest first; waiting ones are admitted while the budget, `max_num_seqs`
-and the KV cache allow.
+and the KV cache allow. `max_num_seqs` counts sequences: a request that will fork into `n` samples
+takes `n` seats when admitted, so the forks never push the running set past the limit.
 
 Preemption rule: when the cache cannot hold the next step of a running sequence, the most recently
 admitted running sequence is preempted by recompute (its blocks freed, its tokens kept, its computed
@@ -94,7 +95,9 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+        seats = sum(s.seats for s in self.running)
+        while (self.waiting and budget > 0 and seats + self.waiting[0].seats <= self.max_num_seqs
+               and not batch.preempted):
             seq = self.waiting[0]
             if seq.num_computed_tokens == 0:
                 seq.num_computed_tokens = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids)
@@ -108,6 +111,7 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            seats += seq.seats
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

@@ -52,6 +52,9 @@ class Sequence:
     detokenizer: Any = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    # Running sequences this one becomes once admitted: a request's first sequence stands for all `n`
+    # samples until it is forked, so admission counts sequences, not requests.
+    seats: int = 1
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

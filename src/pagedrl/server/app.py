@@ -28,7 +28,7 @@ from pagedrl.engine.async_engine import (
 )
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.server.errors import ApiError, bad_request, from_value_error, read_json
-from pagedrl.server.inputs import chat_inputs, chat_prompt_ids, completion_inputs
+from pagedrl.server.inputs import DEFAULT_MAX_N, chat_inputs, chat_prompt_ids, completion_inputs
 from pagedrl.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedrl.server.protocol import (
     ChatCompletionRequest,
@@ -93,7 +93,7 @@ async def final_outputs_unless_disconnected(request: Request, group: RequestGrou
 
 def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | None = None,
               api_key: str | None = None,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, max_n: int = DEFAULT_MAX_N) -> FastAPI:
     """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it."""
     metrics = ServerMetrics(engine, served_model_name)
     tokenizer = engine.engine.tokenizer
@@ -156,7 +156,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
     async def completions(request: Request) -> Response:
         req = await read_json(request, CompletionRequest, max_request_body_bytes)
         check_model(req.model)
-        prompts, params = completion_inputs(req)
+        prompts, params = completion_inputs(req, max_n)
         group = await submit(prompts, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         model = req.model or served_model_name
@@ -171,7 +171,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
     async def chat_completions(request: Request) -> Response:
         req = await read_json(request, ChatCompletionRequest, max_request_body_bytes)
         check_model(req.model)
-        prompt_ids, params = chat_inputs(req, tokenizer)
+        prompt_ids, params = chat_inputs(req, tokenizer, max_n)
         group = await submit([prompt_ids], params, renames={"logprobs": "top_logprobs"})
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         model = req.model or served_model_name

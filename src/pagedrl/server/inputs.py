@@ -15,12 +15,16 @@ from pagedrl.server.protocol import ChatCompletionRequest, ChatMessage, Completi
 
 # OpenAI allows 20 alternatives per token (5 on the legacy completions API; vLLM allows 20 on both).
 MAX_LOGPROBS = 20
+# OpenAI's limit on `n`; a server flag, since every sample is a sequence the engine runs.
+DEFAULT_MAX_N = 128
 OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                    renames: dict[str, str] | None = None) -> SamplingParams:
+                    renames: dict[str, str] | None = None, max_n: int = DEFAULT_MAX_N) -> SamplingParams:
     """SamplingParams for a request; a bad value is a 400 naming the request field."""
+    if not 1 <= req.n <= max_n:
+        raise bad_request(f"n must be between 1 and {max_n}, got {req.n}", param="n")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -41,7 +45,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         raise from_value_error(e, renames) from None
 
 
-def completion_inputs(req: CompletionRequest) -> tuple[list[str | list[int]], SamplingParams]:
+def completion_inputs(req: CompletionRequest,
+                      max_n: int = DEFAULT_MAX_N) -> tuple[list[str | list[int]], SamplingParams]:
     """The prompts (one engine request each) and the sampling parameters of a completion request."""
     if req.echo:
         raise bad_request("echo is not supported", param="echo")
@@ -56,7 +61,7 @@ def completion_inputs(req: CompletionRequest) -> tuple[list[str | list[int]], Sa
         prompts = list(prompt)
     if not prompts:
         raise bad_request("prompt must not be empty", param="prompt")
-    return prompts, sampling_params(req, req.max_tokens, req.logprobs)
+    return prompts, sampling_params(req, req.max_tokens, req.logprobs, max_n=max_n)
 
 
 def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
@@ -76,7 +81,8 @@ def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def chat_inputs(req: ChatCompletionRequest, tokenizer: Any) -> tuple[list[int], SamplingParams]:
+def chat_inputs(req: ChatCompletionRequest, tokenizer: Any,
+                max_n: int = DEFAULT_MAX_N) -> tuple[list[int], SamplingParams]:
     """The chat template applied to the messages (as token ids) and the sampling parameters."""
     if req.tools:
         raise bad_request("tools are not supported", param="tools")
@@ -88,7 +94,7 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Any) -> tuple[list[int], 
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, logprobs, renames={"logprobs": "top_logprobs"})
+    params = sampling_params(req, max_tokens, logprobs, renames={"logprobs": "top_logprobs"}, max_n=max_n)
     return chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt), params
 
 
