@@ -117,3 +117,54 @@ def test_requests_past_the_shutdown_timeout_end_with_openai_errors(tiny_train_mo
     assert "shutting down" in err["message"]
     assert s.proc.returncode == 0
     assert "Traceback" not in s.log() and "CancelledError" not in s.log()
+
+
+def post_raw(http: httpx.Client, path: str, raw: str) -> httpx.Response:
+    return http.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize(("path", "raw", "param"), [
+    ("/v1/completions", '{"prompt": "Hi \\ud800", "max_tokens": 1}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "Hi \\udfff"], "max_tokens": 1}', "prompt.1"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi \\ud800"}]}', "messages.0.content"),
+    ("/tokenize", '{"prompt": "Hi \\ud800"}', "prompt"),
+    ("/tokenize", '{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages.0.content"),
+])
+def test_lone_surrogate_is_400_naming_the_field(http, path, raw, param):
+    assert error_of(post_raw(http, path, raw), 400)["param"] == param
+    # the same text with a whole surrogate pair is fine
+    assert post_raw(http, "/tokenize", '{"prompt": "Hi \\ud83c\\udf55"}').status_code == 200
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("seed", str(2**64)), ("seed", str(-(2**63) - 1)), ("temperature", "Infinity"),
+    ("repetition_penalty", "Infinity"), ("top_p", "NaN"), ("presence_penalty", "-Infinity"),
+])
+def test_out_of_range_seed_and_non_finite_numbers_are_400_naming_the_field(http, field, value):
+    raw = f'{{"prompt": "{PROMPT}", "max_tokens": 1, "{field}": {value}}}'
+    assert error_of(post_raw(http, "/v1/completions", raw), 400)["param"] == field
+    chat = f'{{"messages": [{{"role": "user", "content": "Hi"}}], "max_tokens": 1, "{field}": {value}}}'
+    assert error_of(post_raw(http, "/v1/chat/completions", chat), 400)["param"] == field
+
+
+def test_the_largest_seed_is_served(http):
+    for seed in (2**64 - 1, -(2**63)):
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "n": 2, "seed": seed})
+        assert r.status_code == 200, r.text
+
+
+def test_deeply_nested_json_is_400(http):
+    for raw in ("[" * 100_000, '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                '{"prompt": "x", "user": ' + "[" * 500 + "]" * 500 + "}"):
+        err = error_of(post_raw(http, "/v1/completions", raw), 400)
+        assert "nested" in err["message"] or "JSON" in err["message"]
+    assert http.get("/health").status_code == 200
+
+
+def test_assistant_content_null_is_accepted_and_other_roles_are_told(http):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "again"}]
+    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    err = error_of(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": None}]}), 400)
+    assert err["param"] == "messages.0.content" and "null" in err["message"]

@@ -75,6 +75,12 @@ def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
                                   param=f"messages.{i}.content.{j}")
             texts.append(part.text)
         content = "\n".join(texts)
+    elif content is None:
+        # clients send an assistant turn without text after tool calls; the template gets empty text
+        if m.role != "assistant":
+            raise bad_request(f"messages.{i}.content is null; only an assistant message may have no content",
+                              param=f"messages.{i}.content")
+        content = ""
     out: dict[str, Any] = {"role": m.role, "content": content}
     if m.name is not None:
         out["name"] = m.name

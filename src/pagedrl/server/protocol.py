@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class OpenAIBase(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Python's JSON reader accepts Infinity and NaN; no field of a request may hold them.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------------------- requests
