@@ -308,7 +308,8 @@ class LLMEngine:
         return entry
 
     def decode_one(self, token: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token], skip_special_tokens=False)
+        """The token's name in log-probs: its text, or `bytes:\\xNN` for part of a UTF-8 character."""
+        return None if self.tokenizer is None else self.tokenizer.token_name(token)
 
     # ------------------------------------------------------------------ weights and stats
     def sleep(self) -> None:

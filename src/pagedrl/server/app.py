@@ -40,7 +40,13 @@ from pagedrl.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedrl.server.responses import chat_response, chat_stream, completion_response, completion_stream
+from pagedrl.server.responses import (
+    TokenText,
+    chat_response,
+    chat_stream,
+    completion_response,
+    completion_stream,
+)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 
@@ -145,6 +151,9 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
         except EngineDead as e:
             raise ApiError(503, str(e), "server_error", code="engine_unavailable") from None
 
+    def token_text(params: SamplingParams) -> TokenText:
+        return TokenText(tokenizer, params.skip_special_tokens)
+
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
     @v1.get("/models")
@@ -162,10 +171,10 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
         model = req.model or served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStreamResponse(completion_stream(group, request_id, model, params, include_usage),
-                                       group.abort)
+            return EventStreamResponse(completion_stream(group, request_id, model, params, include_usage,
+                                                         token_text(params)), group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
-        return json_response(completion_response(request_id, model, outputs, params))
+        return json_response(completion_response(request_id, model, outputs, params, token_text(params)))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -177,9 +186,10 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
         model = req.model or served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStreamResponse(chat_stream(group, request_id, model, params, include_usage), group.abort)
+            return EventStreamResponse(chat_stream(group, request_id, model, params, include_usage,
+                                                   token_text(params)), group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
-        return json_response(chat_response(request_id, model, outputs[0], params))
+        return json_response(chat_response(request_id, model, outputs[0], params, token_text(params)))
 
     app.include_router(v1)
 

@@ -8,8 +8,10 @@ final text, and text already sent could not be taken back.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from pagedrl.engine.async_engine import RequestAborted, RequestGroup
 from pagedrl.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -53,50 +55,94 @@ def usage(outputs: list[RequestOutput]) -> UsageInfo:
 
 
 # ---------------------------------------------------------------------------- logprobs
-def completion_logprobs(c: CompletionOutput, start: int, stop: int, text_offset: int) -> CompletionLogprobs:
+class TokenText:
+    """Names, bytes and text offsets of tokens in log-probs (OpenAI's convention: a token that is only
+    part of a UTF-8 character is named `bytes:\\xNN...` and carries its own bytes)."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skipped = set(tokenizer.all_special_ids) if tokenizer is not None and skip_special_tokens else set()
+
+    def name(self, token_id: int, lp: Logprob) -> str:
+        if self.tokenizer is None:
+            return lp.decoded_token or ""
+        return self.tokenizer.token_name(token_id)
+
+    def raw(self, token_id: int, lp: Logprob) -> bytes:
+        if self.tokenizer is None:
+            return (lp.decoded_token or "").encode()
+        return self.tokenizer.token_bytes(token_id)
+
+    def offsets(self) -> TextOffsets:
+        return TextOffsets(self)
+
+
+class TextOffsets:
+    """Where each token's text starts in the returned text, in characters: the bytes of all earlier
+    tokens are decoded incrementally, so a token inside a multi-byte character points at that character
+    and special tokens the text leaves out add nothing."""
+
+    def __init__(self, text: TokenText) -> None:
+        self.text = text
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.chars = 0
+
+    def next(self, token_id: int, lp: Logprob) -> int:
+        at = self.chars
+        if token_id not in self.text.skipped:
+            self.chars += len(self.decoder.decode(self.text.raw(token_id, lp)))
+        return at
+
+
+def completion_logprobs(c: CompletionOutput, start: int, stop: int, names: TokenText,
+                        offsets: TextOffsets, text_len: int | None = None) -> CompletionLogprobs:
     out = CompletionLogprobs()
     for i in range(start, stop):
         entry: dict[int, Logprob] = c.logprobs[i]
-        chosen = entry[c.token_ids[i]]
-        token = chosen.decoded_token or ""
-        out.tokens.append(token)
+        token_id = c.token_ids[i]
+        chosen = entry[token_id]
+        out.tokens.append(names.name(token_id, chosen))
         out.token_logprobs.append(finite(chosen.logprob))
-        out.top_logprobs.append({(lp.decoded_token or ""): finite(lp.logprob) for lp in entry.values()})
-        out.text_offset.append(text_offset)
-        text_offset += len(token)
+        out.top_logprobs.append({names.name(t, lp): finite(lp.logprob) for t, lp in entry.items()})
+        at = offsets.next(token_id, chosen)
+        out.text_offset.append(at if text_len is None else min(at, text_len))
     return out
 
 
-def _top(lp: Logprob) -> TopLogprob:
-    token = lp.decoded_token or ""
-    return TopLogprob(token=token, logprob=finite(lp.logprob), bytes=list(token.encode()))
+def _top(token_id: int, lp: Logprob, names: TokenText) -> TopLogprob:
+    return TopLogprob(token=names.name(token_id, lp), logprob=finite(lp.logprob), bytes=list(names.raw(token_id, lp)))
 
 
-def chat_logprobs(c: CompletionOutput, start: int, stop: int) -> ChatLogprobs:
+def chat_logprobs(c: CompletionOutput, start: int, stop: int, names: TokenText) -> ChatLogprobs:
     content = []
     for i in range(start, stop):
         entry = c.logprobs[i]
-        chosen = _top(entry[c.token_ids[i]])
-        ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
-        content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[_top(lp) for lp in ranked]))
+        token_id = c.token_ids[i]
+        chosen = _top(token_id, entry[token_id], names)
+        ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
+        content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[_top(t, lp, names) for t, lp in ranked]))
     return ChatLogprobs(content=content)
 
 
 # ---------------------------------------------------------------------------- whole responses
 def completion_response(request_id: str, model: str, outputs: list[RequestOutput],
-                        params: SamplingParams) -> CompletionResponse:
+                        params: SamplingParams, names: TokenText) -> CompletionResponse:
     choices = []
     for p, out in enumerate(outputs):
         for c in out.outputs:
-            lp = completion_logprobs(c, 0, len(c.token_ids), 0) if params.logprobs is not None else None
+            lp = None
+            if params.logprobs is not None:
+                lp = completion_logprobs(c, 0, len(c.token_ids), names, names.offsets(), len(c.text))
             choices.append(CompletionChoice(index=p * params.n + c.index, text=c.text, logprobs=lp,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outputs))
 
 
-def chat_response(request_id: str, model: str, output: RequestOutput, params: SamplingParams) -> ChatCompletionResponse:
+def chat_response(request_id: str, model: str, output: RequestOutput, params: SamplingParams,
+                  names: TokenText) -> ChatCompletionResponse:
     choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                          logprobs=chat_logprobs(c, 0, len(c.token_ids)) if params.logprobs is not None else None,
+                          logprobs=chat_logprobs(c, 0, len(c.token_ids), names) if params.logprobs is not None
+                          else None,
                           finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                for c in output.outputs]
     return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage([output]))
@@ -131,11 +177,11 @@ def error_event(e: Exception) -> bytes:
 
 
 async def completion_stream(group: RequestGroup, request_id: str, model: str, params: SamplingParams,
-                            include_usage: bool) -> AsyncIterator[bytes]:
+                            include_usage: bool, names: TokenText) -> AsyncIterator[bytes]:
     created = now_s()
     holdback = max((len(s) for s in params.stop), default=1) - 1
     cursors: dict[tuple[int, int], Cursor] = {}
-    offsets: dict[tuple[int, int], int] = {}
+    offsets: dict[tuple[int, int], TextOffsets] = {}
     usage_field = {"usage": None} if include_usage else {}
     try:
         async for updates in group:
@@ -149,8 +195,7 @@ async def completion_stream(group: RequestGroup, request_id: str, model: str, pa
                     text, start, stop = step
                     lp = None
                     if params.logprobs is not None:
-                        lp = completion_logprobs(c, start, stop, offsets.get(key, 0))
-                        offsets[key] = offsets.get(key, 0) + sum(len(t) for t in lp.tokens)
+                        lp = completion_logprobs(c, start, stop, names, offsets.setdefault(key, names.offsets()))
                     choice = CompletionChoice(index=p * params.n + c.index, text=text, logprobs=lp,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                     chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[choice],
@@ -170,7 +215,7 @@ async def completion_stream(group: RequestGroup, request_id: str, model: str, pa
 
 
 async def chat_stream(group: RequestGroup, request_id: str, model: str, params: SamplingParams,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+                      include_usage: bool, names: TokenText) -> AsyncIterator[bytes]:
     created = now_s()
     holdback = max((len(s) for s in params.stop), default=1) - 1
     cursors = [Cursor() for _ in range(params.n)]
@@ -191,7 +236,7 @@ async def chat_stream(group: RequestGroup, request_id: str, model: str, params: 
                     if step is None:
                         continue
                     text, start, stop = step
-                    lp = chat_logprobs(c, start, stop) if params.logprobs is not None else None
+                    lp = chat_logprobs(c, start, stop, names) if params.logprobs is not None else None
                     events.append(chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=lp,
                                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)))
             if events:
