@@ -7,9 +7,10 @@ abort, stop) through a queue that the engine thread applies between steps, and t
 hands each step's outputs back with `loop.call_soon_threadsafe`. A forward pass
 therefore never blocks the event loop, and an abort frees the request's blocks before the next step.
 
-Outputs are cumulative (each `RequestOutput` carries the whole text and token list so far), so a
-consumer that falls behind loses nothing by seeing only the latest one: a stream keeps one pending
-output, not a queue, and slow clients cannot make memory grow.
+A stream keeps one pending output, not a queue: a CUMULATIVE output replaces the pending one (it
+carries everything so far), a DELTA output is merged into it (the cost of what it adds), so a
+consumer that falls behind loses nothing and slow clients cannot make memory grow beyond what they
+have not read yet. Servers ask for DELTA, so no step rebuilds what was already sent.
 
 Admission is bounded in sequences, not requests (a request with `n` samples counts `n`): at most
 `max_num_seqs + max_waiting_requests` sequences are in flight; beyond that `submit` raises
@@ -31,7 +32,7 @@ from typing import Any
 
 from pagedrl.engine.llm_engine import LLMEngine
 from pagedrl.engine.outputs import RequestOutput
-from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +75,12 @@ class RequestStream:
     inter_token_latencies: list[float] = field(default_factory=list)
     num_generation_tokens: int = 0
     num_seqs: int = 1  # the request's samples: what it counts against the admission bound
+    delta: bool = False  # outputs are DELTA: merge them, do not replace
 
     def put(self, out: RequestOutput, now: float) -> None:
         num = sum(len(c.token_ids) for c in out.outputs)
+        if self.delta:
+            num += self.num_generation_tokens
         if num > self.num_generation_tokens:
             if self.first_token_time is None:
                 self.first_token_time = now
@@ -84,7 +88,11 @@ class RequestStream:
                 self.inter_token_latencies.append(now - self.last_token_time)
             self.last_token_time = now
             self.num_generation_tokens = num
-        self.pending = self.last = out
+        if self.delta and self.pending is not None:
+            self.pending.add(out)
+        else:
+            self.pending = out
+        self.last = out
         if out.finished:
             self.end(out.outputs[0].finish_reason, now)
         self.notify.set()
@@ -135,10 +143,16 @@ class RequestGroup:
             await self.notify.wait()
 
     async def final_outputs(self) -> list[RequestOutput]:
-        """Wait for every request to finish and return the final outputs, in prompt order."""
-        async for _ in self:
-            pass
-        return [s.last for s in self.streams]
+        """Wait for every request to finish and return the final outputs, in prompt order (DELTA outputs
+        merged into whole ones)."""
+        whole: dict[int, RequestOutput] = {}
+        async for updates in self:
+            for i, out in updates:
+                if i in whole and self.streams[i].delta:
+                    whole[i].add(out)
+                else:
+                    whole[i] = out
+        return [whole.get(i, s.last) for i, s in enumerate(self.streams)]
 
     def abort(self) -> None:
         """Abort every request of the group that has not ended (idempotent)."""
@@ -224,7 +238,8 @@ class AsyncEngine:
         self._check_room(wanted)  # again: others may have come in meanwhile
         base = request_id or uuid.uuid4().hex
         notify = asyncio.Event()
-        streams = [RequestStream(f"{base}-{i}", prompt_ids, notify, num_seqs=params.n)
+        delta = params.output_kind is RequestOutputKind.DELTA
+        streams = [RequestStream(f"{base}-{i}", prompt_ids, notify, num_seqs=params.n, delta=delta)
                    for i, prompt_ids in enumerate(ids)]
         for s in streams:
             if s.request_id in self.streams:

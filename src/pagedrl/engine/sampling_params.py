@@ -9,6 +9,7 @@ and `stop_token_ids` always end up as lists, numbers as `int` / `float`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import math
 from collections.abc import Iterable
@@ -24,6 +25,14 @@ MIN_TEMPERATURE = 1e-2
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 logger = logging.getLogger(__name__)
+
+
+class RequestOutputKind(enum.Enum):
+    """What each step's output of a request carries (vLLM's kinds and names)."""
+
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what is new since the last output (streaming)
+    FINAL_ONLY = 2  # one output, when the request is done (offline use, rollouts)
 
 
 def _bad(name: str, value: Any, requirement: str) -> ValueError:
@@ -54,7 +63,8 @@ class SamplingParams:
     `logprobs=k` returns the k most likely alternatives of every sampled token besides the
     sampled one; `logprobs_mode` says whether those come from the raw model distribution
     (vLLM's default) or from the processed one the token was drawn from. `max_tokens=None`
-    means "until the context is full".
+    means "until the context is full". `output_kind` says what each step's output carries
+    (`LLM.generate` asks for FINAL_ONLY, a streaming server for DELTA).
     """
 
     n: int = 1
@@ -76,6 +86,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logprobs_mode: LogprobsMode = "raw_logprobs"
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through the back door, once, here
@@ -121,6 +132,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise _bad(name, value, "must be non-negative (or None)")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise _bad("output_kind", self.output_kind, "must be a RequestOutputKind")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise _bad("logprobs_mode", self.logprobs_mode, f"must be one of {LOGPROBS_MODES}")
 

@@ -26,7 +26,7 @@ from pagedrl.engine.async_engine import (
     RequestAborted,
     RequestGroup,
 )
-from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.server.errors import ApiError, bad_request, from_value_error, read_json
 from pagedrl.server.inputs import DEFAULT_MAX_N, chat_inputs, chat_prompt_ids, completion_inputs
 from pagedrl.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -142,6 +142,9 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
                            param="model", code="model_not_found")
 
     async def submit(prompts: list, params: SamplingParams, renames: dict[str, str] | None = None) -> RequestGroup:
+        # DELTA for streamed and whole responses alike: no step rebuilds what came before, and every
+        # request's token timings reach the metrics
+        params = params.clone(output_kind=RequestOutputKind.DELTA)
         try:
             return await engine.submit(prompts, params)
         except ValueError as e:

@@ -1,16 +1,13 @@
 """From engine outputs to OpenAI response bodies and server-sent event streams.
 
-Engine outputs are cumulative, so a stream keeps a cursor per choice (characters and tokens already
-sent) and sends what lies beyond it. With stop strings, the last `len(longest stop) - 1` characters
-are held back until the choice finishes: a stop string arriving over several tokens is cut from the
-final text, and text already sent could not be taken back.
+Streams read DELTA outputs: each carries only the text, tokens and log-probs that are new (the engine
+already holds back text that a stop string may still cut), so sending a chunk costs what it holds.
 """
 
 from __future__ import annotations
 
 import codecs
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from pagedrl.engine.async_engine import RequestAborted, RequestGroup
@@ -149,26 +146,14 @@ def chat_response(request_id: str, model: str, output: RequestOutput, params: Sa
 
 
 # ---------------------------------------------------------------------------- streams
-@dataclass
-class Cursor:
-    """What of one choice has been sent."""
+def stream_usage(group: RequestGroup) -> UsageInfo:
+    prompt = sum(len(st.prompt_token_ids) for st in group.streams)
+    completion = sum(st.num_generation_tokens for st in group.streams)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
-    chars: int = 0
-    tokens: int = 0
-    finished: bool = False
 
-    def advance(self, c: CompletionOutput, holdback: int) -> tuple[str, int, int] | None:
-        """(new text, first new token, end of new tokens), or None when there is nothing to send."""
-        if self.finished:
-            return None
-        done = c.finish_reason is not None
-        end = len(c.text) if done else max(self.chars, len(c.text) - holdback)
-        text = c.text[self.chars:end]
-        start, stop = self.tokens, len(c.token_ids)
-        if not text and start == stop and not done:
-            return None
-        self.chars, self.tokens, self.finished = end, stop, done
-        return text, start, stop
+def has_news(c: CompletionOutput) -> bool:
+    return bool(c.text or c.token_ids or c.finish_reason is not None)
 
 
 def error_event(e: Exception) -> bytes:
@@ -179,8 +164,6 @@ def error_event(e: Exception) -> bytes:
 async def completion_stream(group: RequestGroup, request_id: str, model: str, params: SamplingParams,
                             include_usage: bool, names: TokenText) -> AsyncIterator[bytes]:
     created = now_s()
-    holdback = max((len(s) for s in params.stop), default=1) - 1
-    cursors: dict[tuple[int, int], Cursor] = {}
     offsets: dict[tuple[int, int], TextOffsets] = {}
     usage_field = {"usage": None} if include_usage else {}
     try:
@@ -188,15 +171,13 @@ async def completion_stream(group: RequestGroup, request_id: str, model: str, pa
             events = []
             for p, out in updates:
                 for c in out.outputs:
-                    key = (p, c.index)
-                    step = cursors.setdefault(key, Cursor()).advance(c, holdback)
-                    if step is None:
+                    if not has_news(c):
                         continue
-                    text, start, stop = step
                     lp = None
                     if params.logprobs is not None:
-                        lp = completion_logprobs(c, start, stop, names, offsets.setdefault(key, names.offsets()))
-                    choice = CompletionChoice(index=p * params.n + c.index, text=text, logprobs=lp,
+                        offs = offsets.setdefault((p, c.index), names.offsets())
+                        lp = completion_logprobs(c, 0, len(c.token_ids), names, offs)
+                    choice = CompletionChoice(index=p * params.n + c.index, text=c.text, logprobs=lp,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                     chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[choice],
                                             **usage_field)
@@ -204,8 +185,8 @@ async def completion_stream(group: RequestGroup, request_id: str, model: str, pa
             if events:
                 yield b"".join(events)
         if include_usage:
-            outputs = [s.last for s in group.streams]
-            chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage(outputs))
+            chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                    usage=stream_usage(group))
             yield sse(chunk.model_dump_json())
     except RequestAborted as e:
         yield error_event(e)
@@ -217,8 +198,6 @@ async def completion_stream(group: RequestGroup, request_id: str, model: str, pa
 async def chat_stream(group: RequestGroup, request_id: str, model: str, params: SamplingParams,
                       include_usage: bool, names: TokenText) -> AsyncIterator[bytes]:
     created = now_s()
-    holdback = max((len(s) for s in params.stop), default=1) - 1
-    cursors = [Cursor() for _ in range(params.n)]
     usage_field = {"usage": None} if include_usage else {}
 
     def chunk(choice: ChatStreamChoice) -> bytes:
@@ -232,22 +211,20 @@ async def chat_stream(group: RequestGroup, request_id: str, model: str, params: 
             events = []
             for _, out in updates:
                 for c in out.outputs:
-                    step = cursors[c.index].advance(c, holdback)
-                    if step is None:
+                    if not has_news(c):
                         continue
-                    text, start, stop = step
-                    lp = chat_logprobs(c, start, stop, names) if params.logprobs is not None else None
-                    events.append(chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=lp,
-                                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason)))
+                    lp = chat_logprobs(c, 0, len(c.token_ids), names) if params.logprobs is not None else None
+                    events.append(chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
+                                                         logprobs=lp, finish_reason=c.finish_reason,
+                                                         stop_reason=c.stop_reason)))
             if events:
                 yield b"".join(events)
         if include_usage:
             body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                       usage=usage([group.streams[0].last]))
+                                       usage=stream_usage(group))
             yield sse(body.model_dump_json())
     except RequestAborted as e:
         yield error_event(e)
     finally:
         group.abort()
     yield DONE
-
