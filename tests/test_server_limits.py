@@ -168,3 +168,40 @@ def test_assistant_content_null_is_accepted_and_other_roles_are_told(http):
     assert r.status_code == 200, r.text
     err = error_of(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": None}]}), 400)
     assert err["param"] == "messages.0.content" and "null" in err["message"]
+
+
+def test_openapi_describes_every_body_error_and_content_type(http):
+    doc = http.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+
+    def refs(node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k == "$ref":
+                    yield v
+                else:
+                    yield from refs(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from refs(v)
+
+    for ref in refs(doc):  # every reference resolves
+        assert ref.startswith("#/components/schemas/") and ref.rsplit("/", 1)[1] in schemas, ref
+    bodies = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",
+              "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
+    for path, model in bodies.items():
+        op = doc["paths"][path]["post"]
+        assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + model)
+        assert "400" in op["responses"] and "413" in op["responses"]
+    assert set(schemas["CompletionRequest"]["required"]) == {"prompt"}
+    assert set(schemas["ChatCompletionRequest"]["required"]) == {"messages"}
+    for path, item in doc["paths"].items():
+        for op in item.values():
+            for status, resp in op["responses"].items():
+                if int(status) >= 400:
+                    assert resp["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse"), path
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert "text/event-stream" in doc["paths"][path]["post"]["responses"]["200"]["content"]
+    assert doc["paths"]["/health"]["get"]["responses"]["200"]["content"] == {}
+    metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == [http.get("/metrics").headers["content-type"]]

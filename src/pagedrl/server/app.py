@@ -30,9 +30,13 @@ from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.server.errors import ApiError, bad_request, from_value_error, read_json
 from pagedrl.server.inputs import DEFAULT_MAX_N, chat_inputs, chat_prompt_ids, completion_inputs
 from pagedrl.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedrl.server.openapi import errors, json_or_events, request_body
+from pagedrl.server.openapi import install as install_openapi
 from pagedrl.server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -159,12 +163,15 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
-    @v1.get("/models")
+    @v1.get("/models", response_model=None, responses={200: {"model": ModelList, "description": "The served model"},
+                                                        **errors(401)})
     async def models() -> Response:
         return json_response(ModelList(data=[ModelCard(id=served_model_name, root=model_root,
                                                        max_model_len=max_model_len)]))
 
-    @v1.post("/completions")
+    @v1.post("/completions", response_model=None, openapi_extra=request_body(CompletionRequest),
+             responses={**json_or_events(CompletionResponse, "The completions, or a stream of CompletionChunk"),
+                        **errors(400, 401, 404, 413, 499, 503)})
     async def completions(request: Request) -> Response:
         req = await read_json(request, CompletionRequest, max_request_body_bytes)
         check_model(req.model)
@@ -179,7 +186,10 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
         outputs = await final_outputs_unless_disconnected(request, group)
         return json_response(completion_response(request_id, model, outputs, params, token_text(params)))
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", response_model=None, openapi_extra=request_body(ChatCompletionRequest),
+             responses={**json_or_events(ChatCompletionResponse,
+                                         "The chat completion, or a stream of ChatCompletionChunk"),
+                        **errors(400, 401, 404, 413, 499, 503)})
     async def chat_completions(request: Request) -> Response:
         req = await read_json(request, ChatCompletionRequest, max_request_body_bytes)
         check_model(req.model)
@@ -196,17 +206,21 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, response_class=Response, responses={
+        200: {"description": "The engine is running (empty body)", "content": {}}, **errors(503)})
     async def health() -> Response:
         if not engine.is_healthy:
             raise ApiError(503, "the engine is not running", "server_error", code="engine_unavailable")
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_model=None, response_class=Response, responses={200: {
+        "description": "Prometheus text exposition", "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=None, openapi_extra=request_body(TokenizeRequest),
+              responses={200: {"model": TokenizeResponse, "description": "The prompt's token ids"},
+                         **errors(400, 404, 413)})
     async def tokenize(request: Request) -> Response:
         req = await read_json(request, TokenizeRequest, max_request_body_bytes)
         check_model(req.model)
@@ -220,7 +234,9 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
             ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return json_response(TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=None, openapi_extra=request_body(DetokenizeRequest),
+              responses={200: {"model": DetokenizeResponse, "description": "The text of the token ids"},
+                         **errors(400, 404, 413)})
     async def detokenize(request: Request) -> Response:
         req = await read_json(request, DetokenizeRequest, max_request_body_bytes)
         check_model(req.model)
@@ -232,4 +248,5 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
                 raise bad_request(f"token {i} is {t}, outside the vocabulary [0, {vocab})", param=f"tokens.{i}")
         return json_response(DetokenizeResponse(prompt=tokenizer.decode(req.tokens)))
 
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     return app
