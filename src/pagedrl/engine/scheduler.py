@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedrl.engine.kv_cache_manager import KVCacheManager
-from pagedrl.engine.sequence import Sequence, SequenceStatus
+from pagedrl.engine.sequence import Sequence, SequenceStatus, wants_prompt_logprobs
 
 
 @dataclass
@@ -99,7 +99,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and seats + self.waiting[0].seats <= self.max_num_seqs
                and not batch.preempted):
             seq = self.waiting[0]
-            if seq.num_computed_tokens == 0:
+            if seq.num_computed_tokens == 0 and not wants_prompt_logprobs(seq):  # those need every prompt row
                 seq.num_computed_tokens = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids)
             remaining = seq.num_tokens - seq.num_computed_tokens
             num_new = min(remaining, budget)

@@ -116,3 +116,9 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+def wants_prompt_logprobs(seq: Sequence) -> bool:
+    """Prompt log-probs are computed on the first pass over the prompt only (not after preemption), and
+    that pass computes every prompt position: a prefix-cache hit would skip the rows they come from."""
+    return seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0 and seq.index == 0

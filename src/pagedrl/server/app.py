@@ -19,6 +19,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import pagedrl
 from pagedrl.engine.async_engine import (
     AsyncEngine,
     EngineDead,
@@ -28,7 +29,14 @@ from pagedrl.engine.async_engine import (
 )
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.server.errors import ApiError, bad_request, from_value_error, read_json
-from pagedrl.server.inputs import DEFAULT_MAX_N, chat_inputs, chat_prompt_ids, completion_inputs
+from pagedrl.server.inputs import (
+    DEFAULT_MAX_N,
+    chat_inputs,
+    chat_prompt_ids,
+    completion_inputs,
+    tokenizer_config,
+)
+from pagedrl.server.logprobs import TokenText
 from pagedrl.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedrl.server.openapi import errors, json_or_events, request_body
 from pagedrl.server.openapi import install as install_openapi
@@ -43,9 +51,11 @@ from pagedrl.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
+    VersionResponse,
 )
 from pagedrl.server.responses import (
-    TokenText,
+    Echo,
     chat_response,
     chat_stream,
     completion_response,
@@ -176,15 +186,16 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
         req = await read_json(request, CompletionRequest, max_request_body_bytes)
         check_model(req.model)
         prompts, params = completion_inputs(req, max_n)
+        echo = Echo(req.echo, req.echo and req.max_tokens == 0)
         group = await submit(prompts, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         model = req.model or served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStreamResponse(completion_stream(group, request_id, model, params, include_usage,
-                                                         token_text(params)), group.abort)
+                                                         token_text(params), echo), group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
-        return json_response(completion_response(request_id, model, outputs, params, token_text(params)))
+        return json_response(completion_response(request_id, model, outputs, params, token_text(params), echo))
 
     @v1.post("/chat/completions", response_model=None, openapi_extra=request_body(ChatCompletionRequest),
              responses={**json_or_events(ChatCompletionResponse,
@@ -247,6 +258,19 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
             if not 0 <= t < vocab:
                 raise bad_request(f"token {i} is {t}, outside the vocabulary [0, {vocab})", param=f"tokens.{i}")
         return json_response(DetokenizeResponse(prompt=tokenizer.decode(req.tokens)))
+
+    @app.get("/version", response_model=None,
+             responses={200: {"model": VersionResponse, "description": "The pagedrl version"}})
+    async def version() -> Response:
+        return json_response(VersionResponse(version=pagedrl.__version__))
+
+    @app.get("/tokenizer_info", response_model=None, responses={
+        200: {"model": TokenizerInfoResponse, "description": "The tokenizer's configuration "
+              "(tokenizer_config.json's keys, as vLLM answers)"}, **errors(404)})
+    async def tokenizer_info() -> Response:
+        if tokenizer is None:
+            raise ApiError(404, "this model has no tokenizer", "not_found_error")
+        return json_response(TokenizerInfoResponse(**tokenizer_config(tokenizer, max_model_len)))
 
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     return app

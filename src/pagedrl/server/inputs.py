@@ -1,7 +1,7 @@
 """From an OpenAI request body to what the engine takes: prompts (text or token ids) and SamplingParams.
 
-Fields the engine does not implement but that would change the answer (`echo`, `suffix`,
-`logit_bias`, `best_of`, tools) are refused with a 400 naming them, rather than silently ignored.
+Fields the engine does not implement but that would change the answer (`suffix`, `logit_bias`,
+`best_of`, tools) are refused with a 400 naming them, rather than silently ignored.
 Unset sampling fields keep SamplingParams' defaults, which are OpenAI's (temperature 1, top_p 1).
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.model.chat_template import select_chat_template
 from pagedrl.server.errors import bad_request, from_value_error
 from pagedrl.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 
@@ -48,8 +49,6 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
 def completion_inputs(req: CompletionRequest,
                       max_n: int = DEFAULT_MAX_N) -> tuple[list[str | list[int]], SamplingParams]:
     """The prompts (one engine request each) and the sampling parameters of a completion request."""
-    if req.echo:
-        raise bad_request("echo is not supported", param="echo")
     if req.suffix is not None:
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -61,7 +60,13 @@ def completion_inputs(req: CompletionRequest,
         prompts = list(prompt)
     if not prompts:
         raise bad_request("prompt must not be empty", param="prompt")
-    return prompts, sampling_params(req, req.max_tokens, req.logprobs, max_n=max_n)
+    max_tokens = req.max_tokens
+    if req.echo and max_tokens == 0:
+        max_tokens = 1  # the prompt alone: the engine still makes a token, which the answer leaves out
+    params = sampling_params(req, max_tokens, req.logprobs, max_n=max_n)
+    if req.echo and req.logprobs is not None:
+        params = params.clone(prompt_logprobs=req.logprobs)
+    return prompts, params
 
 
 def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
@@ -115,3 +120,18 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_
     except ValueError as e:
         raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def tokenizer_config(tokenizer: Any, max_model_len: int) -> dict[str, Any]:
+    """What /tokenizer_info answers: tokenizer_config.json's keys with the special tokens and the chat
+    template filled in (clients such as lm-evaluation-harness read the template and EOS from it)."""
+    config = {k: v for k, v in tokenizer.config.items() if k not in ("added_tokens_decoder", "tokenizer_file")}
+    config.update(tokenizer.special_tokens)
+    config["tokenizer_class"] = config.get("tokenizer_class") or "PreTrainedTokenizerFast"
+    config["model_max_length"] = max_model_len
+    templates = tokenizer.chat_template
+    if isinstance(templates, dict) and "default" not in templates:  # as tokenizer_config.json lists several
+        config["chat_template"] = [{"name": k, "template": v} for k, v in templates.items()]
+    elif templates is not None:
+        config["chat_template"] = select_chat_template(templates)
+    return config

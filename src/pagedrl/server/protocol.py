@@ -224,6 +224,17 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class VersionResponse(BaseModel):
+    version: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """The tokenizer's configuration, equivalent to its tokenizer_config.json (vLLM's /tokenizer_info)."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

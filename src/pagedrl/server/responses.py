@@ -2,25 +2,35 @@
 
 Streams read DELTA outputs: each carries only the text, tokens and log-probs that are new (the engine
 already holds back text that a stop string may still cut), so sending a chunk costs what it holds.
+
+`echo` on /v1/completions puts the prompt (and with `logprobs`, its tokens' log-probs) before each
+choice's text; with `max_tokens: 0` the choice is the prompt alone (the engine still makes one token,
+which is left out, as vLLM does). This is how log-likelihood evaluations (lm-evaluation-harness)
+score continuations.
 """
 
 from __future__ import annotations
 
-import codecs
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass
 
 from pagedrl.engine.async_engine import RequestAborted, RequestGroup
-from pagedrl.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedrl.engine.outputs import CompletionOutput, RequestOutput
 from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.server.logprobs import (
+    TextOffsets,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    extend,
+    prompt_logprobs,
+)
 from pagedrl.server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
-    ChatLogprobs,
     ChatStreamChoice,
-    ChatTokenLogprob,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
@@ -28,12 +38,10 @@ from pagedrl.server.protocol import (
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
-    TopLogprob,
     UsageInfo,
     now_s,
 )
 
-MIN_LOGPROB = -9999.0  # as vLLM: -inf is not valid JSON
 DONE = b"data: [DONE]\n\n"
 
 
@@ -41,98 +49,50 @@ def sse(payload: str) -> bytes:
     return b"data: " + payload.encode() + b"\n\n"
 
 
-def finite(x: float) -> float:
-    return x if x >= MIN_LOGPROB else MIN_LOGPROB
-
-
-def usage(outputs: list[RequestOutput]) -> UsageInfo:
+def usage(outputs: list[RequestOutput], prompt_only: bool = False) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = 0 if prompt_only else sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-# ---------------------------------------------------------------------------- logprobs
-class TokenText:
-    """Names, bytes and text offsets of tokens in log-probs (OpenAI's convention: a token that is only
-    part of a UTF-8 character is named `bytes:\\xNN...` and carries its own bytes)."""
+@dataclass
+class Echo:
+    """What a completion choice repeats of its prompt."""
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skipped = set(tokenizer.all_special_ids) if tokenizer is not None and skip_special_tokens else set()
-
-    def name(self, token_id: int, lp: Logprob) -> str:
-        if self.tokenizer is None:
-            return lp.decoded_token or ""
-        return self.tokenizer.token_name(token_id)
-
-    def raw(self, token_id: int, lp: Logprob) -> bytes:
-        if self.tokenizer is None:
-            return (lp.decoded_token or "").encode()
-        return self.tokenizer.token_bytes(token_id)
-
-    def offsets(self) -> TextOffsets:
-        return TextOffsets(self)
+    echo: bool = False
+    prompt_only: bool = False  # echo with max_tokens 0: the generated token is left out
 
 
-class TextOffsets:
-    """Where each token's text starts in the returned text, in characters: the bytes of all earlier
-    tokens are decoded incrementally, so a token inside a multi-byte character points at that character
-    and special tokens the text leaves out add nothing."""
-
-    def __init__(self, text: TokenText) -> None:
-        self.text = text
-        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self.chars = 0
-
-    def next(self, token_id: int, lp: Logprob) -> int:
-        at = self.chars
-        if token_id not in self.text.skipped:
-            self.chars += len(self.decoder.decode(self.text.raw(token_id, lp)))
-        return at
-
-
-def completion_logprobs(c: CompletionOutput, start: int, stop: int, names: TokenText,
-                        offsets: TextOffsets, text_len: int | None = None) -> CompletionLogprobs:
-    out = CompletionLogprobs()
-    for i in range(start, stop):
-        entry: dict[int, Logprob] = c.logprobs[i]
-        token_id = c.token_ids[i]
-        chosen = entry[token_id]
-        out.tokens.append(names.name(token_id, chosen))
-        out.token_logprobs.append(finite(chosen.logprob))
-        out.top_logprobs.append({names.name(t, lp): finite(lp.logprob) for t, lp in entry.items()})
-        at = offsets.next(token_id, chosen)
-        out.text_offset.append(at if text_len is None else min(at, text_len))
-    return out
-
-
-def _top(token_id: int, lp: Logprob, names: TokenText) -> TopLogprob:
-    return TopLogprob(token=names.name(token_id, lp), logprob=finite(lp.logprob), bytes=list(names.raw(token_id, lp)))
-
-
-def chat_logprobs(c: CompletionOutput, start: int, stop: int, names: TokenText) -> ChatLogprobs:
-    content = []
-    for i in range(start, stop):
-        entry = c.logprobs[i]
-        token_id = c.token_ids[i]
-        chosen = _top(token_id, entry[token_id], names)
-        ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
-        content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[_top(t, lp, names) for t, lp in ranked]))
-    return ChatLogprobs(content=content)
+def choice_content(out: RequestOutput, c: CompletionOutput, first: bool, echo: Echo, params: SamplingParams,
+                   names: TokenText, offsets: TextOffsets) -> tuple[str, CompletionLogprobs | None]:
+    """A choice's text and log-probs (for a stream: of this delta; `first` puts the echoed prompt in)."""
+    text = ""
+    lp = CompletionLogprobs() if params.logprobs is not None else None
+    if echo.echo and first:
+        text = out.prompt if out.prompt is not None else names.decode(out.prompt_token_ids)
+        if lp is not None:
+            extend(lp, prompt_logprobs(out, names, offsets))
+    if not echo.prompt_only:
+        text += c.text
+        if lp is not None:
+            extend(lp, completion_logprobs(c, 0, len(c.token_ids), names, offsets))
+    return text, lp
 
 
 # ---------------------------------------------------------------------------- whole responses
 def completion_response(request_id: str, model: str, outputs: list[RequestOutput],
-                        params: SamplingParams, names: TokenText) -> CompletionResponse:
+                        params: SamplingParams, names: TokenText, echo: Echo | None = None) -> CompletionResponse:
+    echo = echo or Echo()
     choices = []
     for p, out in enumerate(outputs):
         for c in out.outputs:
-            lp = None
-            if params.logprobs is not None:
-                lp = completion_logprobs(c, 0, len(c.token_ids), names, names.offsets(), len(c.text))
-            choices.append(CompletionChoice(index=p * params.n + c.index, text=c.text, logprobs=lp,
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-    return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outputs))
+            text, lp = choice_content(out, c, True, echo, params, names, names.offsets())
+            if lp is not None:
+                lp.text_offset = [min(at, len(text)) for at in lp.text_offset]
+            choices.append(CompletionChoice(index=p * params.n + c.index, text=text, logprobs=lp,
+                                            finish_reason=c.finish_reason,
+                                            stop_reason=None if echo.prompt_only else c.stop_reason))
+    return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outputs, echo.prompt_only))
 
 
 def chat_response(request_id: str, model: str, output: RequestOutput, params: SamplingParams,
@@ -146,9 +106,9 @@ def chat_response(request_id: str, model: str, output: RequestOutput, params: Sa
 
 
 # ---------------------------------------------------------------------------- streams
-def stream_usage(group: RequestGroup) -> UsageInfo:
+def stream_usage(group: RequestGroup, prompt_only: bool = False) -> UsageInfo:
     prompt = sum(len(st.prompt_token_ids) for st in group.streams)
-    completion = sum(st.num_generation_tokens for st in group.streams)
+    completion = 0 if prompt_only else sum(st.num_generation_tokens for st in group.streams)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -162,23 +122,29 @@ def error_event(e: Exception) -> bytes:
 
 
 async def completion_stream(group: RequestGroup, request_id: str, model: str, params: SamplingParams,
-                            include_usage: bool, names: TokenText) -> AsyncIterator[bytes]:
+                            include_usage: bool, names: TokenText, echo: Echo | None = None) -> AsyncIterator[bytes]:
+    echo = echo or Echo()
     created = now_s()
     offsets: dict[tuple[int, int], TextOffsets] = {}
+    prompts: dict[int, RequestOutput] = {}  # the first output of each prompt: it holds the prompt log-probs
     usage_field = {"usage": None} if include_usage else {}
     try:
         async for updates in group:
             events = []
             for p, out in updates:
+                first_of_prompt = prompts.setdefault(p, out)
                 for c in out.outputs:
-                    if not has_news(c):
+                    key = (p, c.index)
+                    first = key not in offsets
+                    if not first and not has_news(c):
                         continue
-                    lp = None
-                    if params.logprobs is not None:
-                        offs = offsets.setdefault((p, c.index), names.offsets())
-                        lp = completion_logprobs(c, 0, len(c.token_ids), names, offs)
-                    choice = CompletionChoice(index=p * params.n + c.index, text=c.text, logprobs=lp,
-                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                    offs = offsets.setdefault(key, names.offsets())
+                    text, lp = choice_content(first_of_prompt, c, first, echo, params, names, offs)
+                    if not text and not (lp and lp.tokens) and c.finish_reason is None:
+                        continue
+                    choice = CompletionChoice(index=p * params.n + c.index, text=text, logprobs=lp,
+                                              finish_reason=c.finish_reason,
+                                              stop_reason=None if echo.prompt_only else c.stop_reason)
                     chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[choice],
                                             **usage_field)
                     events.append(sse(chunk.model_dump_json()))
@@ -186,7 +152,7 @@ async def completion_stream(group: RequestGroup, request_id: str, model: str, pa
                 yield b"".join(events)
         if include_usage:
             chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                    usage=stream_usage(group))
+                                    usage=stream_usage(group, echo.prompt_only))
             yield sse(chunk.model_dump_json())
     except RequestAborted as e:
         yield error_event(e)
