@@ -76,7 +76,7 @@ def correctness() -> None:
                     logits = model.logits(model(full))[0, len(prompt) - 1:-1]
                 dense = processed_logprobs(logits, torch.tensor(comp.token_ids, device=device), temperature=0.7,
                                            top_p=0.8)
-                worst = max(worst, (torch.tensor(comp.sampled_logprobs, device=device) - dense).abs().max().item())
+                worst = max(worst, (torch.tensor(comp.processed_logprobs, device=device) - dense).abs().max().item())
         print(f"[correctness] {name:20s} logits max|diff| {logit_diff:.2e} | greedy equal to transformers on "
               f"{same}/{len(batch)} prompts | logprob contract max|diff| {worst:.2e}", flush=True)
 

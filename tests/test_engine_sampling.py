@@ -30,7 +30,7 @@ def test_seeded_requests_reproduce_across_batch_compositions(hf) -> None:
     assert reversed_order[0].outputs[0].token_ids == alone
 
 
-def test_sampled_logprobs_equal_dense_recompute(hf) -> None:
+def test_processed_logprobs_equal_dense_recompute(hf) -> None:
     """The logprob contract: what the engine reports for each sampled token is the log-prob under the
     distribution it was drawn from, which the training forward reproduces with the same settings."""
     model_llm = engine_for(hf)
@@ -46,7 +46,7 @@ def test_sampled_logprobs_equal_dense_recompute(hf) -> None:
             tokens = torch.tensor(comp.token_ids)
             dense = processed_logprobs(logits, tokens, temperature=0.7, top_k=50, top_p=0.8)
             raw = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
-            assert torch.allclose(torch.tensor(comp.sampled_logprobs), dense, atol=1e-4)
+            assert torch.allclose(torch.tensor(comp.processed_logprobs), dense, atol=1e-4)
             assert torch.allclose(torch.tensor(comp.raw_logprobs), raw, atol=1e-4)
 
 

@@ -11,10 +11,25 @@ from tqdm.auto import tqdm
 
 from pagedrl.engine.llm_engine import EngineConfig, LLMEngine
 from pagedrl.engine.outputs import RequestOutput
-from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.model.decoder import CausalLM
 
 Prompt = str | list[int]
+
+
+def final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+    """The same params asking for FINAL_ONLY outputs: only the final one of each request is returned, so
+    no step builds the others (vLLM's LLM.generate does the same). Shared params are cloned once."""
+    clones: dict[int, SamplingParams] = {}
+    out = []
+    for p in params:
+        if not isinstance(p, SamplingParams) or p.output_kind is RequestOutputKind.FINAL_ONLY:
+            out.append(p)  # a wrong type is refused, naming it, by add_request
+            continue
+        if id(p) not in clones:
+            clones[id(p)] = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+        out.append(clones[id(p)])
+    return out
 
 
 class LLM:
@@ -81,6 +96,7 @@ class LLM:
             else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        params = final_only(params)
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):

@@ -15,7 +15,7 @@ import torch
 from pagedrl.engine.attention import PagedAttention
 from pagedrl.engine.kv_cache import KVCache
 from pagedrl.engine.kv_cache_manager import KVCacheManager
-from pagedrl.engine.sequence import Sequence
+from pagedrl.engine.sequence import Sequence, wants_prompt_logprobs
 from pagedrl.model.decoder import CausalLM
 
 
@@ -83,8 +83,3 @@ class ModelRunner:
             self._logits = torch.empty(rows, vocab, dtype=torch.float32, device=hidden.device)
         out = self._logits[:rows]
         return torch.mm(hidden, head.weight.t(), out=out)
-
-
-def wants_prompt_logprobs(seq: Sequence) -> bool:
-    """Prompt log-probs are computed on the first pass over the prompt only (not after preemption)."""
-    return seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0 and seq.index == 0

@@ -3,7 +3,8 @@
 There is no prefill phase and no decode phase: each step every scheduled sequence's computed-token
 count moves toward its token count, so chunked prefills and decodes share one forward pass (vLLM v1).
 Running sequences go first, oldest first; waiting ones are admitted while the budget, `max_num_seqs`
-and the KV cache allow.
+and the KV cache allow. `max_num_seqs` counts sequences: a request that will fork into `n` samples
+takes `n` seats when admitted, so the forks never push the running set past the limit.
 
 Preemption rule: when the cache cannot hold the next step of a running sequence, the most recently
 admitted running sequence is preempted by recompute (its blocks freed, its tokens kept, its computed
@@ -24,8 +25,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedrl.engine.kv_cache_manager import KVCacheManager
-from pagedrl.engine.sequence import Sequence, SequenceStatus
+from pagedrl.engine.kv_cache_manager import ComputedBlocks, KVCacheManager
+from pagedrl.engine.sequence import Sequence, SequenceStatus, wants_prompt_logprobs
 
 
 @dataclass
@@ -100,11 +101,17 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+        seats = sum(s.seats for s in self.running)
+        while (self.waiting and budget > 0 and seats + self.waiting[0].seats <= self.max_num_seqs
+               and not batch.preempted):
             seq = self.waiting[0]
             # A query: the hit blocks are taken, and the lookup counted, only if the sequence is
-            # admitted, so a sequence that waits for memory holds none and is counted once.
-            computed = self.kv_manager.get_computed_blocks(seq.token_ids, seq.block_hashes)
+            # admitted, so a sequence that waits for memory holds none and is counted once. A request
+            # for prompt log-probs needs every prompt row computed, so it takes no hits.
+            if wants_prompt_logprobs(seq):
+                computed = ComputedBlocks([], [], 0, 0)
+            else:
+                computed = self.kv_manager.get_computed_blocks(seq.token_ids, seq.block_hashes)
             remaining = seq.num_tokens - computed.num_tokens
             num_new = min(remaining, budget)
             fits = num_new == remaining or self.enable_chunked_prefill
@@ -113,6 +120,7 @@ class Scheduler:
                 break
             seq.num_computed_tokens = computed.num_tokens
             self.waiting.popleft()
+            seats += seq.seats
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
