@@ -270,6 +270,12 @@ class Algorithm:
     def summary_lines(self) -> list[str]:
         return []
 
+    def close(self) -> None:
+        """Called however the run ends (an interrupt too): an online algorithm's engine aborts
+        what it is generating and gives back its KV cache."""
+        if getattr(self, "llm", None) is not None:
+            self.llm.close()
+
 
 class OfflineAlgorithm(Algorithm):
     """An algorithm that trains on a fixed list of examples: each step the next

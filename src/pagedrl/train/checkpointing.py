@@ -124,6 +124,26 @@ def folder_bytes(folder: Path | None) -> int:
     return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
 
 
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a nested dict/list/tuple, each storage counted once (tied weights):
+    a lower bound on what saving `obj` writes."""
+    seen: set[int] = set()
+    total = 0
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            ptr = o.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                total += o.numel() * o.element_size()
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return total
+
+
 def _is_out_of_space(error: BaseException, needed: int, free: int) -> bool:
     """ENOSPC or EDQUOT anywhere in the exception chain, or a writer that hides the errno (torch's
     zip writer says `unexpected pos`, safetensors an I/O error) while less than `needed` is free."""
