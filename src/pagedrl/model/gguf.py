@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -280,8 +281,12 @@ def _open(gguf_path: Path) -> gguf.GGUFReader:
             raise GGUFError(f"{gguf_path}: not a GGUF file (no 'GGUF' magic at the start)")
     try:
         return gguf.GGUFReader(gguf_path)
-    except (ValueError, OSError) as e:
-        raise GGUFError(f"{gguf_path}: unreadable GGUF ({e})") from None
+    except (ValueError, OSError, IndexError, KeyError, struct.error) as e:
+        # A header or tensor table that ends early makes the reader index or reshape past the
+        # end of the file; say what that most likely means instead of where numpy noticed.
+        size = gguf_path.stat().st_size
+        raise GGUFError(f"{gguf_path}: truncated or corrupt GGUF ({size} bytes; reading it failed with "
+                        f"{type(e).__name__}: {e}); a partial download? fetch the file again") from None
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
