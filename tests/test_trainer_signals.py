@@ -160,3 +160,33 @@ def test_second_sigint_stops_at_once_leaving_nothing_that_looks_complete(sft_arg
     assert "to resume" not in output
     assert looks_complete(out) == [] and not (out / "final").exists()
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_a_grpo_run_stopped_mid_rollout_gives_back_the_engine(tiny_train_model, grpo_args, tmp_path) -> None:
+    """An exception inside generation (a second Ctrl-C) leaves no request running and no KV cache held."""
+    from pagedrl.model.loader import load_model
+    from pagedrl.train.cli import split_args
+    from pagedrl.train.config import GRPOConfig, load_config
+    from pagedrl.train.distributed import DistInfo
+    from pagedrl.train.grpo import GRPO
+    from pagedrl.train.trainer import Trainer
+
+    _, overrides = split_args([*grpo_args[2:], f"output_dir={tmp_path}"])
+    config = load_config(GRPOConfig, None, overrides)
+    loaded = load_model(config.model)
+    algorithm = GRPO(config, loaded.model, loaded.tokenizer, DistInfo(), eos_token_ids=loaded.eos_token_ids)
+    engine = algorithm.llm.engine
+    real_step, calls = engine.step, []
+
+    def step_then_interrupt():
+        calls.append(1)
+        if len(calls) == 20:  # the second rollout, mid-way
+            assert engine.has_unfinished_requests() and engine.kv_cache.allocated
+            raise KeyboardInterrupt
+        return real_step()
+
+    engine.step = step_then_interrupt
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(config, algorithm, progress=False).train()
+    assert not engine.has_unfinished_requests() and not engine.kv_cache.allocated
+    assert engine.kv.num_blocks_used == 0
