@@ -110,8 +110,9 @@ def write_checkpoint(folder: str | Path, save_model: Callable[[Path], None],
             marker = {"time": time.time(), **({"step": summary["step"]} if summary and "step" in summary else {})}
             _write_synced(tmp / COMPLETE_MARKER, json.dumps(marker) + "\n")
     except Exception as e:
-        free = shutil.disk_usage(folder.parent).free
-        if _is_out_of_space(e, needed, free):
+        # The message gives the space free before the write: what is free now still counts the
+        # files the failed writer holds open.
+        if _is_out_of_space(e, needed, shutil.disk_usage(folder.parent).free):
             raise CheckpointWriteError(_no_space_message(folder, needed, free)) from e
         raise
     return folder
@@ -162,8 +163,10 @@ def _is_out_of_space(error: BaseException, needed: int, free: int) -> bool:
 def _no_space_message(folder: Path, needed: int, free: int) -> str:
     earlier = latest_checkpoint(folder.parent)
     kept = f"the checkpoints already saved are intact (latest: {earlier})" if earlier else "no earlier checkpoint"
-    return (f"could not write {folder}: no space left on device (it needs about {_mib(needed)}, "
-            f"{_mib(free)} free on {folder.parent}); {kept}")
+    # Past the up-front check the estimate was too low: all that is known is that it needs more.
+    space = (f"it needs about {_mib(needed)}, {_mib(free)} free" if needed > free
+             else f"it needs more than the {_mib(free)} free")
+    return f"could not write {folder}: no space left on device ({space} on {folder.parent}); {kept}"
 
 
 def _mib(n: int) -> str:
