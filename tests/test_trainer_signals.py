@@ -53,16 +53,14 @@ def logged_steps(output_dir: Path) -> int:
         return 0
 
 
-def stop_after(proc: subprocess.Popen, output_dir: Path, step: int, signum: int, times: int = 1) -> None:
-    """Send `signum` (`times` times) once the run has logged `step` (it is running a later one by then)."""
+def stop_after(proc: subprocess.Popen, output_dir: Path, step: int, signum: int) -> None:
+    """Send `signum` once the run has logged `step` (it is running a later one by then)."""
     deadline = time.monotonic() + 60
     while logged_steps(output_dir) < step:
         assert proc.poll() is None, "the run ended before it could be interrupted"
         assert time.monotonic() < deadline, "the run did not start"
         time.sleep(0.005)
-    for _ in range(times):
-        proc.send_signal(signum)
-        time.sleep(0.01)
+    proc.send_signal(signum)
 
 
 def resume_args(output: str) -> list[str]:
@@ -118,9 +116,9 @@ def assert_same_run(a: Path, b: Path) -> None:
 def sft_args(tiny_train_model, tmp_path_factory) -> list[str]:
     data = tmp_path_factory.mktemp("sft-data") / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_rows()))
-    return ["pagedrl", "sft", f"model={tiny_train_model}", f"dataset={data}", "max_steps=100",
+    return ["pagedrl", "sft", f"model={tiny_train_model}", f"dataset={data}", "max_steps=60",
             "per_device_train_batch_size=4", "learning_rate=3e-3", "lr_scheduler_type=cosine", "warmup_steps=5",
-            "weight_decay=0.1", "logging_steps=1", "save_steps=40", "save_total_limit=2", "report_to=[jsonl]"]
+            "weight_decay=0.1", "logging_steps=1", "save_steps=20", "save_total_limit=2", "report_to=[jsonl]"]
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +130,7 @@ def grpo_args(tiny_train_model, tmp_path_factory) -> list[str]:
     return ["pagedrl", "grpo", f"model={tiny_train_model}", f"dataset={folder / 'prompts.jsonl'}",
             f"reward_funcs=[{folder / 'rewards.py'}:token_sum]", "num_generations=4", "temperature=1.0",
             "per_device_train_batch_size=8", "gradient_accumulation_steps=2", "max_completion_length=8",
-            "learning_rate=1e-3", "max_steps=40", "logging_steps=1", "save_steps=1000", "report_to=[jsonl]"]
+            "learning_rate=1e-3", "max_steps=30", "logging_steps=1", "save_steps=1000", "report_to=[jsonl]"]
 
 
 @pytest.mark.parametrize("algorithm", ["sft", "grpo"])
@@ -148,13 +146,20 @@ def test_sigint_then_sigterm_save_and_resume_bit_for_bit(algorithm, sft_args, gr
 
 
 def test_second_sigint_stops_at_once_leaving_nothing_that_looks_complete(sft_args, tmp_path) -> None:
-    out = tmp_path / "run"
-    args = [a for a in sft_args if not a.startswith("max_steps=")] + ["max_steps=100000", f"output_dir={out}"]
-    proc = start(args, tmp_path / "run.log")
-    stop_after(proc, out, 3, signal.SIGINT, times=2)
+    """Steps long enough (16 micro-batches) that the second Ctrl-C, sent once the first one is
+    acknowledged, lands before the step and its save are done."""
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    args = [a for a in sft_args if not a.startswith("max_steps=")]
+    proc = start([*args, "max_steps=100000", "gradient_accumulation_steps=16", f"output_dir={out}"], log)
+    stop_after(proc, out, 2, signal.SIGINT)
+    deadline = time.monotonic() + 30
+    while "SIGINT received: finishing step" not in log.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGINT)
     t0 = time.monotonic()
-    rc, output = finish(proc, tmp_path / "run.log", timeout=30)
-    assert time.monotonic() - t0 < 5
+    rc, output = finish(proc, log, timeout=30)
+    assert time.monotonic() - t0 < 8
     assert rc == 130 and "Traceback" not in output
     assert "stopped at once; nothing saved since the last checkpoint" in output
     assert "to resume" not in output

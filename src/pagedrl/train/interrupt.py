@@ -12,6 +12,7 @@ looks complete is left behind.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -41,6 +42,16 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
+def _say(text: str) -> None:
+    """Write to stderr from a signal handler: with os.write, not print, since the handler may run
+    while the main code is inside a write to sys.stderr (the progress bar), and a buffered stream
+    refuses to be re-entered."""
+    try:
+        os.write(sys.stderr.fileno(), text.encode())
+    except (AttributeError, OSError, ValueError):  # a stderr without a file descriptor
+        print(text, end="", file=sys.stderr, flush=True)
+
+
 class StopFlag:
     """Set by the first SIGINT/SIGTERM while installed; the second one raises KeyboardInterrupt."""
 
@@ -55,8 +66,8 @@ class StopFlag:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
-            print(f"\npagedrl: {signal_name(signum)} received: finishing step {self.step}, then saving a "
-                  "checkpoint (send it again to stop at once, without saving)", file=sys.stderr, flush=True)
+            _say(f"\npagedrl: {signal_name(signum)} received: finishing step {self.step}, then saving a "
+                 "checkpoint (send it again to stop at once, without saving)\n")
             return
         for s in SIGNALS:  # a third one gets Python's default behaviour
             signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
