@@ -7,6 +7,9 @@ data position, step, weight version, the logging window) and a readable `trainer
 Everything is written into a hidden staging folder; the marker file `checkpoint_complete` goes
 in last, and only then is the folder renamed into place. A folder counts as a checkpoint only
 with its marker, so neither a crash mid-write nor one mid-delete can pass for a finished save.
+Rotation renames a checkpoint out of the way before deleting its files, and the next start
+removes (and names) whatever a killed process left. A full disk is a `CheckpointWriteError`
+naming the checkpoint and the space it needs, checked before the first byte where possible.
 """
 
 from __future__ import annotations
