@@ -159,6 +159,10 @@ def test_leftovers_of_a_killed_rotation_and_save_are_swept_at_start(tiny_train_m
     (deleting / "checkpoint-1").mkdir()
     old_format = tmp_path / ".checkpoint-6.partial-4242"  # the staging name of earlier versions
     old_format.mkdir()
+    foreign = tmp_path / "checkpoint-500"  # another trainer's checkpoint: not ours to delete
+    foreign.mkdir()
+    (foreign / "optimizer.pt").write_bytes(b"\0")
+    (foreign / "config.json").write_text("{}")
 
     resumed = sft_trainer(tiny_train_model, tmp_path, max_steps=6, save_steps=1, save_total_limit=2,
                           resume_from_checkpoint=True)
@@ -169,7 +173,9 @@ def test_leftovers_of_a_killed_rotation_and_save_are_swept_at_start(tiny_train_m
     assert "removed leftover    .checkpoint-6.partial-4242 (unfinished write or delete)" in out
     assert ("removed leftover    checkpoint-2 (no checkpoint_complete marker: an interrupted save or rotation)"
             in out)
-    assert sorted(p.name for p in tmp_path.iterdir() if "checkpoint" in p.name) == ["checkpoint-5", "checkpoint-6"]
+    assert "checkpoint-500" not in out
+    assert sorted(p.name for p in tmp_path.iterdir() if "checkpoint" in p.name) == [
+        "checkpoint-5", "checkpoint-500", "checkpoint-6"]
 
 
 def test_rotation_renames_before_deleting(tmp_path, monkeypatch) -> None:

@@ -191,10 +191,22 @@ def remove_leftovers(output_dir: str | Path) -> list[str]:
     removed = [f"{p.name} (unfinished write or delete)" for p in remove_hidden_leftovers(root)]
     if root.is_dir():
         for child in sorted(root.iterdir()):
-            if re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", child.name) and child.is_dir() and not is_complete(child):
+            if (re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", child.name) and child.is_dir() and not is_complete(child)
+                    and _only_our_files(child)):
                 discard_folder(child)
                 removed.append(f"{child.name} (no {COMPLETE_MARKER} marker: an interrupted save or rotation)")
     return removed
+
+
+# What a checkpoint folder of ours can hold; a `checkpoint-<step>` with anything else (another
+# trainer's optimizer.pt, say) was not written here and is never deleted.
+_OUR_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|"
+                        r"model\.safetensors\.index\.json|tokenizer\.json|tokenizer_config\.json|"
+                        r"special_tokens_map\.json|chat_template\.jinja|trainer_state\.(pt|json)")
+
+
+def _only_our_files(folder: Path) -> bool:
+    return all(p.is_file() and _OUR_FILES.fullmatch(p.name) for p in folder.iterdir())
 
 
 def delete_checkpoint(folder: Path) -> None:
