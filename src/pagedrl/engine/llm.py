@@ -147,6 +147,13 @@ class LLM:
     def wake_up(self) -> None:
         self.engine.wake_up()
 
+    def close(self) -> None:
+        """Abort every request still running and free the KV cache (a run that stops early); the
+        next request allocates it again, so a closed LLM still works."""
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+        self.engine.sleep()
+
     def bump_weight_version(self) -> int:
         """Call after an optimizer step changed the weights this engine reads."""
         return self.engine.bump_weight_version()

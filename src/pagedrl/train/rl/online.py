@@ -87,6 +87,10 @@ class OnlineAlgorithm(Algorithm):
         # The weights changed under the engine: no KV computed before this may be reused.
         self.llm.bump_weight_version()
 
+    def close(self) -> None:
+        """The engine aborts what it is generating and gives back its KV cache."""
+        self.llm.close()
+
     def evaluate(self, step: int) -> dict[str, float] | None:
         if not self.eval_rows or self.eval_reward is None:
             return None
