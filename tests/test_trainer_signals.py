@@ -170,10 +170,11 @@ def test_second_sigint_stops_at_once_leaving_nothing_that_looks_complete(sft_arg
 def test_a_grpo_run_stopped_mid_rollout_gives_back_the_engine(tiny_train_model, grpo_args, tmp_path) -> None:
     """An exception inside generation (a second Ctrl-C) leaves no request running and no KV cache held."""
     from pagedrl.model.loader import load_model
+    from pagedrl.train.algorithms.grpo import GRPO
     from pagedrl.train.cli import split_args
-    from pagedrl.train.config import GRPOConfig, load_config
+    from pagedrl.train.config import load_config
     from pagedrl.train.distributed import DistInfo
-    from pagedrl.train.grpo import GRPO
+    from pagedrl.train.rl.config import GRPOConfig
     from pagedrl.train.trainer import Trainer
 
     _, overrides = split_args([*grpo_args[2:], f"output_dir={tmp_path}"])
