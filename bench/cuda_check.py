@@ -109,13 +109,13 @@ def throughput(model_dir: Path, batch_size: int) -> None:
     from pagedrl import LLM
 
     llm = LLM(model=str(model_dir), dtype=torch.bfloat16, device="cuda")
-    vocab = llm.engine.model.config.vocab_size
+    vocab = llm.vocab_size
     workload = bench_engine.make_workload(256, 1.0, vocab)
     llm.generate([[100, 200, 300]], bench_engine.SamplingParams(max_tokens=4), use_tqdm=False)
     torch.cuda.synchronize()
     ours = bench_engine.run_pagedrl(llm, workload)
     stats = llm.stats()
-    kv = llm.engine.kv_manager.num_blocks_total * llm.engine.config.block_size
+    kv = llm.engine.kv_manager.num_blocks_total * llm.block_size
     print(f"[throughput] pagedrl: {ours.seconds:.1f} s, {len(ours.kv_live)} steps, {kv} KV tokens, "
           f"{stats['num_preemptions']} preemptions, KV slots live {ours.kv_utilisation:.1%}", flush=True)
     del llm
