@@ -7,7 +7,7 @@ causally over everything that sequence has cached, found through its block table
 sequence with q_len new tokens and seq_len tokens in all sits at position seq_len - q_len + i, so a
 fresh prompt, a chunk of a prompt whose prefix is cached, and a one-token decode are one case.
 
-Two implementations compute the same thing:
+Three implementations compute the same thing:
 - `reference`: one sequence at a time, keys gathered into a contiguous tensor, an explicit causal
   mask, softmax, matmul. Slow and obviously right; the tests hold the fast path to it.
 - `fast`: sequences in groups, each group attended in one batched op. A group's keys and values
@@ -20,6 +20,8 @@ Two implementations compute the same thing:
   gathered is still in cache when it is read (see `plan_groups`); on a GPU there is one group
   per kind.
   Every index and additive mask is built once per step in `build`, not once per layer.
+- `triton`: the kernels of `triton_attention`, which read keys and values through the block table
+  where they lie; what the engine runs on a GPU (on a CPU only under Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 
 from pagedrl.engine.kv_cache import KVCache
 
-IMPLEMENTATIONS = ("fast", "reference")
+IMPLEMENTATIONS = ("fast", "reference", "triton")
 # Keys one CPU group gathers (values as many again): small enough to stay in cache until read, large
 # enough that the per-call cost of the attention op is paid rarely (4 MiB measured best on 1 and 2
 # threads of a 2-core EPYC with 1 MiB of L2 per core, within a few percent of 2 and 8 MiB).
@@ -82,6 +84,7 @@ class PagedAttention:
     impl: str = "fast"
     scale: float | None = None
     groups: list[QueryGroup] | None = field(default=None, repr=False)
+    max_query_len: int | None = None  # the largest q_len; the triton impl sizes its grid by it
 
     @classmethod
     def build(
@@ -138,7 +141,7 @@ class PagedAttention:
             groups = plan_groups(q_lens, seq_lens, block_tables, block_size, device, kv_cache.dtype,
                                  chunk_tokens_for(kv_cache, device))
         return cls(kv_cache, slot_mapping.to(device), query_start_loc.to(device), seq_lens_t.to(device),
-                   block_tables.to(device), positions.to(device), impl, scale, groups)
+                   block_tables.to(device), positions.to(device), impl, scale, groups, max(q_lens))
 
     @property
     def num_seqs(self) -> int:
@@ -157,10 +160,20 @@ class PagedAttention:
         if q.shape[3] != head_dim or q.shape[2] % num_kv_heads:
             raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of the cache's kv heads "
                              f"({num_kv_heads}) and head_dim must be {head_dim}; got {tuple(q.shape)}")
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, k[0].to(key_cache.dtype))
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, v[0].to(value_cache.dtype))
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
         queries = q[0].to(key_cache.dtype)
+        if self.impl == "triton":
+            from pagedrl.engine import triton_attention
+
+            triton_attention.store_kv(k[0], v[0], key_cache, value_cache, self.slot_mapping)
+            max_query_len = self.max_query_len
+            if max_query_len is None:  # metadata built by hand: one host read, kept
+                max_query_len = self.max_query_len = int(self.query_start_loc.diff().max())
+            out = triton_attention.paged_attention(queries, key_cache, value_cache, self.block_tables,
+                                                   self.seq_lens, self.query_start_loc, max_query_len, scale)
+            return out.to(q.dtype)[None]
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, k[0].to(key_cache.dtype))
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, v[0].to(value_cache.dtype))
         if self.impl == "reference":
             out = self._attend_reference(queries, key_cache, value_cache, scale)
         elif self.impl == "fast":
