@@ -24,9 +24,11 @@ with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
 from tiny import FAMILIES, hf_model  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from pagedrl.engine.attention import PagedAttention  # noqa: E402
+from pagedrl.engine.attention import PagedAttention, resolve_impl  # noqa: E402
+from pagedrl.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes  # noqa: E402
 from pagedrl.engine.kv_cache import KVCache  # noqa: E402
 from pagedrl.engine.llm import LLM  # noqa: E402
+from pagedrl.engine.llm_engine import EngineConfig  # noqa: E402
 from pagedrl.engine.sampling_params import SamplingParams  # noqa: E402
 from pagedrl.model.config import ModelConfig  # noqa: E402
 from pagedrl.model.decoder import CausalLM  # noqa: E402
@@ -137,3 +139,55 @@ def test_engine_greedy_with_triton_attention_equals_reference() -> None:
         outs[impl] = [o.outputs[0].token_ids for o in first + llm.generate(prompts[1:], params, use_tqdm=False)]
         assert llm.stats()["prefix_cache_hits"] > 0
     assert outs["triton"] == outs["reference"]
+
+
+def test_graph_batch_ladder() -> None:
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(5) == [1, 2, 4, 8]
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 48]
+    assert graph_batch_sizes(256)[-3:] == [224, 240, 256] and len(graph_batch_sizes(256)) == 20
+    assert graph_batch_sizes(10_000)[-1] == 512
+
+
+def test_decode_steps_from_persistent_padded_batches_equal_reference() -> None:
+    """The CUDA-graph path's bookkeeping, run eagerly: decode steps fed from persistent tensors
+    padded to the ladder's sizes (3 sequences ride in 4 rows, 5 in 8, with n=2 forks sharing prompt
+    blocks) give the reference path's tokens, and the padding rows write no cache slot."""
+    hf = hf_model(FAMILIES["llama-gqa-untied"])
+    model = CausalLM(ModelConfig.from_dict(hf.config.to_dict()))
+    model.load_state_dict(hf.state_dict(), strict=False)
+    model.eval()
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 211, (n,), generator=gen).tolist() for n in (3, 18, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    forked = SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, n=2, seed=1)
+    outs, replays = {}, []
+    for impl in ("reference", "triton"):
+        llm = LLM.from_module(model, kv_cache_tokens=512, attention_impl=impl, max_num_seqs=8)
+        runner = llm.engine.runner
+        if impl == "triton":
+            graphs = runner.graphs = DecodeGraphs(model, runner.kv_cache, 16, 8, 256, runner.precision, record=False)
+            run = graphs.run
+
+            def counted(*args, run=run):
+                replays.append(len(args[0]))
+                return run(*args)
+
+            graphs.run = counted
+        greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        sampled = [c.token_ids for o in llm.generate(prompts, forked,
+                                                      use_tqdm=False) for c in o.outputs]
+        outs[impl] = (greedy, sampled)
+    assert outs["triton"][0] == outs["reference"][0]
+    assert outs["triton"][1] == outs["reference"][1]
+    assert 3 in replays and 6 in replays  # 3 greedy sequences, then 3 prompts × 2 samples
+    assert (graphs.slot_mapping[6:8] == -1).all()  # the last step's padding rows wrote nothing
+
+
+def test_attention_impl_auto_picks_the_kernels_on_cuda_only() -> None:
+    assert resolve_impl("auto", "cuda") == "triton" and resolve_impl("auto", "cpu") == "fast"
+    assert resolve_impl("reference", "cuda") == "reference"
+    with pytest.raises(ValueError, match="attention_impl"):
+        EngineConfig(attention_impl="flash").validate()
+    llm = LLM.from_module(CausalLM(ModelConfig.from_dict(FAMILIES["smollm2-like"])), kv_cache_tokens=64)
+    assert llm.engine.runner.attention_impl == "fast" and llm.engine.runner.graphs is None

@@ -224,6 +224,16 @@ class PagedAttention:
         return out
 
 
+def resolve_impl(impl: str, device: torch.device | str) -> str:
+    """`auto`: the Triton kernels on CUDA, the gather-then-SDPA fast path elsewhere (a CPU cannot run
+    Triton kernels outside the interpreter, and the fast path is tuned for its caches)."""
+    if impl == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "fast"
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"attention_impl must be 'auto' or one of {IMPLEMENTATIONS}, got {impl!r}")
+    return impl
+
+
 def chunk_tokens_for(kv_cache: KVCache, device: torch.device) -> int | None:
     """Key positions one CPU group may gather (CPU_GATHER_BYTES of keys); None on other devices."""
     if device.type != "cpu":
