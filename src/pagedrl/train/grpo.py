@@ -123,11 +123,14 @@ class GRPO(Algorithm):
                                                  overlong_buffer=config.overlong_buffer) for s in specs]
         self.reward_funcs = list(reward_funcs)
         self.eval_rows = self.source.eval_rows(config.eval_dataset)
-        # The engine runs on the policy's parameters themselves: no copy, no sync.
+        # The engine runs on the policy's parameters themselves: no copy, no sync; under the trainer's
+        # bf16 autocast when it trains under one, so rollouts are drawn from the numbers training computes.
+        bf16 = config.use_bf16(next(model.parameters()).device)
         self.llm = LLM.from_module(model, tokenizer, eos_token_ids=eos_token_ids,
                                    kv_cache_tokens=config.kv_cache_tokens or rollout_kv_tokens(config, self.prompts_per_step),
                                    seed=config.seed,
-                                   max_num_seqs=max(256, completions_per_step))
+                                   max_num_seqs=max(256, completions_per_step),
+                                   autocast_dtype=torch.bfloat16 if bf16 else None)
         self.sampling = SamplingParams(n=G, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                                        min_p=config.min_p or 0.0, max_tokens=config.max_completion_length,
                                        seed=None)
