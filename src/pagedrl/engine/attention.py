@@ -218,7 +218,7 @@ class PagedAttention:
             part = op(q, key_cache, value_cache, group, scale, scratch)
             if group.out_rows is None:  # the only group, rows in order
                 return part
-            out = torch.empty_like(q) if out is None else out
+            out = part.new_empty(q.shape) if out is None else out  # part's dtype: autocast may lower it
             out.index_copy_(0, group.out_rows, part)
         assert out is not None
         return out
