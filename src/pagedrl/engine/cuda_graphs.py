@@ -134,10 +134,15 @@ class DecodeGraphs:
         with self.precision():
             return self.model(self.input_ids[:size][None], self.positions[:size][None], meta)
 
+    def drop(self) -> None:
+        """Free every graph and its pool (the KV cache is being released); recorded again when needed."""
+        self.graphs.clear()
+        self.pool = None
+        self.fingerprint = None
+
     def _check_fingerprint(self) -> None:
         """Drop every graph when the cache or a weight no longer lies where the graphs read it."""
         fingerprint = (self.kv_cache.data.data_ptr(), *(p.data_ptr() for p in self.model.parameters()))
         if fingerprint != self.fingerprint:
-            self.graphs.clear()
-            self.pool = None
+            self.drop()
             self.fingerprint = fingerprint

@@ -317,6 +317,8 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("sleep: requests are still running; finish or abort them first")
         self.kv.reset_prefix_cache()
+        if self.runner.graphs is not None:
+            self.runner.graphs.drop()  # they read the cache's memory; recorded again after wake-up
         self.kv_cache.release()
 
     def wake_up(self) -> None:
