@@ -26,6 +26,7 @@ Three implementations compute the same thing:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -107,24 +108,27 @@ class PagedAttention:
             raise ValueError("seqs: the batch has no sequences")
         device = kv_cache.device if device is None else torch.device(device)
         q_lens, seq_lens, tables = [], [], []
-        for i, seq in enumerate(seqs):
-            table, computed, new = seq
+        for i, (table, computed, new) in enumerate(seqs):
             if not isinstance(new, int) or new < 1:
                 raise ValueError(f"seqs[{i}]: num_new_tokens must be a positive integer, got {new!r}")
             if not isinstance(computed, int) or computed < 0:
                 raise ValueError(f"seqs[{i}]: num_computed_tokens must be a non-negative integer, got {computed!r}")
-            need = math.ceil((computed + new) / block_size)
+            total = computed + new
+            need = -(-total // block_size)
             if len(table) < need:
-                raise ValueError(f"seqs[{i}]: block_table has {len(table)} blocks, {computed + new} tokens "
-                                 f"need {need}")
-            table = [int(b) for b in table[:need]]
-            if min(table) < 0 or max(table) >= kv_cache.num_blocks:
-                raise ValueError(f"seqs[{i}]: block_table holds ids outside [0, {kv_cache.num_blocks}): {table}")
+                raise ValueError(f"seqs[{i}]: block_table has {len(table)} blocks, {total} tokens need {need}")
             q_lens.append(new)
-            seq_lens.append(computed + new)
-            tables.append(table)
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+            seq_lens.append(total)
+            tables.append(table if len(table) == need else table[:need])
+        # The tables padded with block 0 into one tensor, filled from one flat list (no per-row padding).
+        flat = torch.tensor(list(itertools.chain.from_iterable(tables)), dtype=torch.long)
+        if int(flat.min()) < 0 or int(flat.max()) >= kv_cache.num_blocks:
+            i = next(i for i, t in enumerate(tables) if min(t) < 0 or max(t) >= kv_cache.num_blocks)
+            raise ValueError(f"seqs[{i}]: block_table holds ids outside [0, {kv_cache.num_blocks}): "
+                             f"{[int(b) for b in tables[i]]}")
+        num_table_blocks = torch.tensor([len(t) for t in tables])
+        block_tables = torch.zeros(len(seqs), int(num_table_blocks.max()), dtype=torch.long)
+        block_tables[torch.arange(block_tables.shape[1]) < num_table_blocks[:, None]] = flat
         q_lens_t = torch.tensor(q_lens)
         seq_lens_t = torch.tensor(seq_lens)
         query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.long)
