@@ -21,6 +21,9 @@
     PYTHONPATH=src python3 bench/cuda_check.py [--model-dir DIR] [--parts kernels,correctness,...]
         [--out cuda_check.json]
 
+A dry run of the script's logic on a CPU, small shapes and float32 (no CUDA graphs there):
+`TRITON_INTERPRET=1 PYTHONPATH=src python3 bench/cuda_check.py --device cpu --out /tmp/dry.json`.
+
 DIR holds `config.json`, the tokenizer and chat template of a model; when it has no weights, random
 ones are written next to it (with `ignore_eos` the work is the same as with real weights). Without
 DIR: the default model if its package is installed, else a SmolLM2-135M-shaped config with a small
