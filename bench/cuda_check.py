@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import platform
 import random
@@ -399,6 +400,11 @@ def main() -> None:
     global DEVICE, DTYPE
     DEVICE, DTYPE = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     results: dict[str, Any] = {"errors": {}, "seconds": {}}
+    needed = ("triton", "transformers", "tokenizers", "safetensors", "gguf", "jinja2", "yaml", "tqdm", "numpy")
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:  # parts that need them fail and are recorded; the others still run
+        results["errors"]["missing_packages"] = missing
+        print(f"missing packages: {missing}", flush=True)
     try:
         import transformers
         import triton
