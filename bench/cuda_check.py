@@ -400,7 +400,8 @@ def main() -> None:
     global DEVICE, DTYPE
     DEVICE, DTYPE = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     results: dict[str, Any] = {"errors": {}, "seconds": {}}
-    needed = ("triton", "transformers", "tokenizers", "safetensors", "gguf", "jinja2", "yaml", "tqdm", "numpy")
+    needed = ("triton", "transformers", "tokenizers", "safetensors", "gguf", "jinja2", "yaml", "tqdm", "numpy",
+              "pytest")  # pytest: the correctness part reuses the greedy tests' prompts
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:  # parts that need them fail and are recorded; the others still run
         results["errors"]["missing_packages"] = missing
