@@ -137,10 +137,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     max_query_len: int, scale: float, out: torch.Tensor | None = None,
-                    tile: int = TILE_N) -> torch.Tensor:
+                    tile: int | None = None) -> torch.Tensor:
     """q [N, Hq, D] (in the cache's dtype) attends causally over each sequence's cached keys →
     [N, Hq, D]. Metadata as in `PagedAttention`: block_tables [S, W], seq_lens [S] and
-    query_start_loc [S + 1] on q's device; `max_query_len` the largest q_len (sizes the grid)."""
+    query_start_loc [S + 1] on q's device; `max_query_len` the largest q_len (sizes the grid);
+    `tile` the keys read per inner iteration (default TILE_N)."""
     q = _rows(q, "q")
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     num_heads = q.shape[1]
@@ -166,6 +167,6 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         QUERIES_PER_KV=per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile, PRECISION=precision,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile or TILE_N, PRECISION=precision,
     )
     return out
