@@ -30,8 +30,8 @@ CASES = Path(__file__).with_name("triton_interpreted_cases.py")
 
 def test_kernels_equal_the_reference_under_the_interpreter() -> None:
     """GQA, head_dim 24, partial last blocks, a prefix hit, chunked prefill, query and key tiles cut
-    anywhere, the KV store, the whole engine, and the CUDA-graph path's padded persistent batch
-    (see the cases file); float32 and float16."""
+    anywhere, the KV store, the whole engine, the CUDA-graph path's padded persistent batch, and its
+    recording and re-recording with CUDA's calls faked (see the cases file); float32 and float16."""
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])}

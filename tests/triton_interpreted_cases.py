@@ -167,3 +167,49 @@ def test_decode_steps_from_persistent_padded_batches_equal_reference() -> None:
     assert 3 in replays and 6 in replays  # 3 greedy sequences, then 3 prompts × 2 samples
     assert (graphs.slot_mapping[6:8] == -1).all()  # the last step's padding rows wrote nothing
 
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on a CPU: replaying re-runs the recorded step eagerly on the
+    persistent tensors and writes the graph's output tensor in place, which is what a replay does."""
+
+    owner: DecodeGraphs | None = None
+
+    def pool(self) -> object:
+        return object()
+
+    def replay(self) -> None:
+        owner = FakeGraph.owner
+        assert owner is not None
+        size, out = next((s, o) for s, (g, o) in owner.graphs.items() if g is self)
+        out.copy_(owner._forward(size))
+
+
+def test_recorded_decode_graphs_equal_reference() -> None:
+    """The recording path, CUDA's calls faked on the CPU: graphs recorded at start-up and recorded
+    again when the KV cache moves (sleep and wake), with live sequences' inputs never overwritten by
+    a recording (a size first needed mid-run is recorded before the step's inputs are written)."""
+    hf = hf_model(FAMILIES["smollm2-like"])
+    model = CausalLM(ModelConfig.from_dict(hf.config.to_dict()))
+    model.load_state_dict(hf.state_dict(), strict=False)
+    model.eval()
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 211, (n,), generator=gen).tolist() for n in (4, 21, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM.from_module(model, kv_cache_tokens=512, attention_impl="reference")
+                .generate(prompts, params, use_tqdm=False)]
+    fake = mock.MagicMock()
+    with mock.patch.multiple(torch.cuda, CUDAGraph=FakeGraph, graph=lambda g, pool=None: mock.MagicMock(),
+                             Stream=fake, stream=lambda s: mock.MagicMock(), current_stream=fake):
+        llm = LLM.from_module(model, kv_cache_tokens=512, attention_impl="triton", max_num_seqs=8)
+        runner = llm.engine.runner
+        graphs = runner.graphs = DecodeGraphs(model, runner.kv_cache, 16, 8, 256, runner.precision)
+        FakeGraph.owner = graphs
+        graphs.capture_all()
+        assert sorted(graphs.graphs) == [1, 2, 4, 8]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.sleep()  # the cache is released: the graphs go, and come back one size at a time
+        assert not graphs.graphs
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert sorted(graphs.graphs) == [4]  # three sequences decode in the 4-row graph
+    assert got == expected and again == expected

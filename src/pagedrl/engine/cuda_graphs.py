@@ -82,6 +82,10 @@ class DecodeGraphs:
         and its block table covers that position. Valid until the next call."""
         n, bs = len(token_ids), self.block_size
         size = self.size_for(n)
+        if self.record:  # record first: recording runs dummy rows through the persistent tensors
+            self._check_fingerprint()
+            if size not in self.graphs:
+                self.capture(size)
         host = torch.empty(4, size, dtype=torch.long)
         host[0, :n] = torch.tensor(token_ids)
         host[1, :n] = torch.tensor(positions)
@@ -94,9 +98,6 @@ class DecodeGraphs:
         self.block_tables[:n, :width].copy_(tables)
         if not self.record:
             return self._forward(size)[0, :n]
-        self._check_fingerprint()
-        if size not in self.graphs:
-            self.capture(size)
         graph, out = self.graphs[size]
         graph.replay()
         return out[0, :n]
