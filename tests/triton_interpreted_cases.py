@@ -200,7 +200,8 @@ def test_recorded_decode_graphs_equal_reference() -> None:
                 .generate(prompts, params, use_tqdm=False)]
     fake = mock.MagicMock()
     with mock.patch.multiple(torch.cuda, CUDAGraph=FakeGraph, graph=lambda g, pool=None: mock.MagicMock(),
-                             Stream=fake, stream=lambda s: mock.MagicMock(), current_stream=fake):
+                             Stream=fake, stream=lambda s: mock.MagicMock(), current_stream=fake,
+                             device=lambda d: mock.MagicMock()):
         llm = LLM.from_module(model, kv_cache_tokens=512, attention_impl="triton", max_num_seqs=8)
         runner = llm.engine.runner
         graphs = runner.graphs = DecodeGraphs(model, runner.kv_cache, 16, 8, 256, runner.precision)

@@ -85,7 +85,8 @@ class DecodeGraphs:
         if self.record:  # record first: recording runs dummy rows through the persistent tensors
             self._check_fingerprint()
             if size not in self.graphs:
-                self.capture(size)
+                with torch.cuda.device(self.model.device):
+                    self.capture(size)
         host = torch.empty(4, size, dtype=torch.long)
         host[0, :n] = torch.tensor(token_ids)
         host[1, :n] = torch.tensor(positions)
@@ -99,7 +100,8 @@ class DecodeGraphs:
         if not self.record:
             return self._forward(size)[0, :n]
         graph, out = self.graphs[size]
-        graph.replay()
+        with torch.cuda.device(self.model.device):  # the model's device, whichever is current
+            graph.replay()
         return out[0, :n]
 
     def capture_all(self) -> None:
@@ -107,9 +109,10 @@ class DecodeGraphs:
         if not self.record:
             return
         self._check_fingerprint()
-        for size in reversed(self.sizes):
-            if size not in self.graphs:
-                self.capture(size)
+        with torch.cuda.device(self.model.device):
+            for size in reversed(self.sizes):
+                if size not in self.graphs:
+                    self.capture(size)
 
     def capture(self, size: int) -> None:
         # Warm up on a side stream first (Triton compiles, cuBLAS picks its kernels), on dummy rows

@@ -29,6 +29,8 @@ imported), which is how the test suite holds them to the reference path.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -110,6 +112,11 @@ def _paged_attention_kernel(
                  + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Triton launches on the current CUDA device: make it the tensors' (an engine on cuda:1)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
     """[N, H, D] with each token's H * D values contiguous (what both kernels index)."""
     if t.dim() != 3:
@@ -130,8 +137,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     if num_tokens == 0:
         return
     row = key.shape[1] * key.shape[2]
-    _store_kv_kernel[(num_tokens,)](key, value, key_cache, value_cache, slot_mapping, key.stride(0),
-                                    value.stride(0), ROW=row, ROW_PAD=triton.next_power_of_2(row))
+    with _on(key_cache.device):
+        _store_kv_kernel[(num_tokens,)](key, value, key_cache, value_cache, slot_mapping, key.stride(0),
+                                        value.stride(0), ROW=row, ROW_PAD=triton.next_power_of_2(row))
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -147,6 +155,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     num_heads = q.shape[1]
     if q.shape[2] != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"q {tuple(q.shape)} does not fit a cache of {num_kv_heads} kv heads of dim {head_dim}")
+    if value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride() or key_cache.stride(3) != 1:
+        raise ValueError("key_cache and value_cache must share one layout, head_dim contiguous")
     if q.dtype != key_cache.dtype:
         raise ValueError(f"q is {q.dtype}, the cache {key_cache.dtype}: convert q first")
     if out is None:
@@ -161,12 +171,13 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     block_q = block_m // per_kv
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _paged_attention_kernel[grid](
-        out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        QUERIES_PER_KV=per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile or TILE_N, PRECISION=precision,
-    )
+    with _on(q.device):
+        _paged_attention_kernel[grid](
+            out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+            scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+            QUERIES_PER_KV=per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile or TILE_N, PRECISION=precision,
+        )
     return out
