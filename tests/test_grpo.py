@@ -105,7 +105,7 @@ def test_rollouts_sampled_in_the_trainers_bf16_autocast(tiny_train_model, prompt
     assert algo.llm.engine.kv_cache.dtype == torch.bfloat16
     for b in algo.step_batches(1):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            flat, _ = algo.token_logps(algo.model, b)
+            flat = algo.token_logps(algo.model, b).logps
         assert (b.to_padded(flat) - b.sampling_logps).abs().masked_fill(~b.mask, 0).max() < 1e-4
 
 
