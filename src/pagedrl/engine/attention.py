@@ -37,8 +37,8 @@ from pagedrl.engine.kv_cache import KVCache
 
 IMPLEMENTATIONS = ("fast", "reference", "triton")
 # Keys one CPU group gathers (values as many again): small enough to stay in cache until read, large
-# enough that the per-call cost of the attention op is paid rarely (4 MiB measured best on 1 and 2
-# threads of a 2-core EPYC with 1 MiB of L2 per core, within a few percent of 2 and 8 MiB).
+# enough that the per-call cost of the attention op is paid rarely (the sizes tried are in
+# bench/RESULTS.md, "Engine").
 CPU_GATHER_BYTES = 4 << 20
 
 
