@@ -104,3 +104,42 @@ def test_output_building_is_proportional_to_new_tokens(loaded, monkeypatch):
         run(loaded, kind)
         assert counts["entries"] == generated
         assert generated <= counts["names"] <= generated * (K + 1)
+
+
+def test_llm_generate_builds_only_final_outputs(loaded, monkeypatch):
+    from pagedrl.engine.llm import LLM
+
+    built = []
+    real = llm_engine_module.make_output
+
+    def counting(req):
+        out = real(req)
+        if out is not None:
+            built.append(out.finished)
+        return out
+
+    monkeypatch.setattr(llm_engine_module, "make_output", counting)
+    llm = LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, kv_cache_tokens=2048)
+    params = SamplingParams(max_tokens=30, ignore_eos=True, n=3, logprobs=2)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert built == [True] * len(PROMPTS)  # one output per request, when it is done
+    assert params.output_kind is RequestOutputKind.CUMULATIVE  # the caller's params are left as they were
+    assert all(len(c.token_ids) == len(c.logprobs) == 30 for o in outs for c in o.outputs)
+
+
+def test_n_is_bounded_by_max_num_seqs_and_admission_counts_samples(loaded):
+    engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(kv_cache_tokens=2048, max_num_seqs=4),
+                       eos_token_ids=loaded.eos_token_ids)
+    with pytest.raises(ValueError, match=r"^n \(5\) exceeds max_num_seqs"):
+        engine.add_request(PROMPTS[0], SamplingParams(n=5))
+    assert not engine.has_unfinished_requests()
+    first = engine.add_request(PROMPTS[0], SamplingParams(n=3, max_tokens=20, ignore_eos=True))
+    second = engine.add_request(PROMPTS[1], SamplingParams(n=2, max_tokens=20, ignore_eos=True))
+    most = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+        if first in engine.requests and second in engine.requests and engine.requests[first].forked:
+            # 3 seats taken: the second request's 2 samples wait instead of running 5 sequences
+            assert all(s.status.value == "waiting" for s in engine.requests[second].seqs)
+    assert most <= 4

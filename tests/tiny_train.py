@@ -33,7 +33,7 @@ def build_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def build_model_dir(folder: Path, seed: int = 0, tied: bool = True) -> Path:
+def build_model_dir(folder: Path, seed: int = 0, tied: bool = True, max_position_embeddings: int = 256) -> Path:
     """Tokenizer + a random 2-layer decoder (HF-style init: normal(0, 0.02), norms at 1)."""
     import torch
 
@@ -46,7 +46,7 @@ def build_model_dir(folder: Path, seed: int = 0, tied: bool = True) -> Path:
     tok = Tokenizer.from_folder(folder)
     raw = dict(architectures=["LlamaForCausalLM"], vocab_size=tok.vocab_size, hidden_size=64,
                intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=tied,
+               max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5, tie_word_embeddings=tied,
                bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
     model = CausalLM(ModelConfig.from_dict(raw))

@@ -71,7 +71,8 @@ _UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 def from_validation_error(e: ValidationError) -> ApiError:
     """The first problem pydantic found, with its location as `param` (e.g. `messages.0.content`)."""
     first = e.errors()[0]
-    loc = [str(x) for x in first["loc"] if not (isinstance(x, str) and ("[" in x or x in _UNION_TAGS))]
+    loc = [str(x) for x in first["loc"]
+           if not (isinstance(x, str) and ("[" in x or x in _UNION_TAGS or x.startswith("constrained-")))]
     param = ".".join(loc) or None
     got = repr(first.get("input"))
     got = got if len(got) <= 60 else got[:57] + "..."
@@ -100,8 +101,8 @@ def check_json_values(obj: dict) -> None:
             for k, v in value.items():
                 todo.append((k, path))
                 todo.append((v, (*path, str(k))))
-        elif isinstance(value, list):
-            todo.extend((v, (*path, str(i))) for i, v in enumerate(value))
+        elif isinstance(value, list):  # numbers need no check: a long list of token ids costs one pass
+            todo.extend((v, (*path, str(i))) for i, v in enumerate(value) if isinstance(v, (str, list, dict)))
 
 
 async def read_json(request: Request, model: type[T], max_bytes: int) -> T:

@@ -42,9 +42,10 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 def json_or_events(model: type[BaseModel], description: str) -> dict[int | str, dict[str, Any]]:
     """A 200 that is `model` as JSON, or with `"stream": true` server-sent events of its chunks."""
-    return {200: {"model": model, "description": description, "content": {
-        "text/event-stream": {"schema": {"type": "string", "description": "`data: <chunk JSON>` events, "
-                                         "then `data: [DONE]`; an error ends the stream with an error object"}}}}}
+    event = {"type": "object", "required": ["data"], "description": "One server-sent event",
+             "properties": {"data": {"type": "string", "description": "A chunk as JSON; then `[DONE]`. An error "
+                                     "ends the stream with an error object before `[DONE]`"}}}
+    return {200: {"model": model, "description": description, "content": {"text/event-stream": {"schema": event}}}}
 
 
 def install(app: FastAPI, request_models: list[type[BaseModel]]) -> None:

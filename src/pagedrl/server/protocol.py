@@ -9,7 +9,7 @@ implemented are declared and refused by the serving code instead of being ignore
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -24,22 +24,30 @@ class StreamOptions(OpenAIBase):
     include_usage: bool = False
 
 
+# Ranges a value must be in, declared so that /openapi.json tells clients (and fuzzers) what is valid;
+# SamplingParams checks the same ranges for offline use.
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+
+
 class SamplingRequest(OpenAIBase):
     """Fields shared by /v1/completions and /v1/chat/completions (vLLM's names for the extras)."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    n: int = Field(1, ge=1)
+    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    stop: str | list[str] | None = None  # an empty stop string is refused by SamplingParams, naming `stop`
+    stop_token_ids: list[TokenId] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -50,12 +58,13 @@ class SamplingRequest(OpenAIBase):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # 0 only with echo: the prompt alone
+    logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
 
 
 class ContentPart(OpenAIBase):
@@ -70,11 +79,11 @@ class ChatMessage(OpenAIBase):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Annotated[int, Field(ge=1)] | None = None  # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
@@ -90,7 +99,7 @@ class TokenizeRequest(OpenAIBase):
 
 class DetokenizeRequest(OpenAIBase):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---------------------------------------------------------------------------- responses
