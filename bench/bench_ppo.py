@@ -68,8 +68,8 @@ def prepare(work: Path) -> dict:
     dataset = work / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": r.prompt, **r.columns}) + "\n" for r in rows))
     config.dataset = str(dataset)
-    prompts = [r.prompt_ids for r in PromptSource(config, loaded.tokenizer, DistInfo()).take(PROMPTS)]
-    assert prompts == [r.prompt_ids for r in rows]
+    prompts = [r.prompt_ids for r in rows]
+    assert sorted(r.prompt_ids for r in PromptSource(config, loaded.tokenizer, DistInfo()).take(PROMPTS)) == sorted(prompts)
     return {"policy": str(policy), "reward_model": str(rm), "dataset": str(dataset), "prompts": prompts}
 
 

@@ -33,6 +33,7 @@ exchange tensors through .pt files in --work.
 
   bash bench/trl112_env.sh                                   # once: /work/.trl112
   .venv/bin/python bench/bench_ppo_parity.py [--trl-python /work/.trl112/bin/python] [--work DIR]
+  .venv/bin/python bench/bench_ppo_parity.py --early-eos   # two completions end with an EOS: where they differ
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ TEMPERATURE = 0.7
 PROMPTS = ["the cat sat on the mat", "what is two plus three", "hello there", "a dog ran in the park",
            "red green blue yellow", "one two three four five six", "the answer is seven", "five"]
 LENGTH = 16
+EARLY_EOS = {0: 5, 3: 9}  # --early-eos: completion -> index of its EOS
 SPECIALS = ("<|pad|>", "<|im_start|>", "<|im_end|>")  # tests/tiny_train.py's tokenizer
 SETTINGS = dict(kl_coef=0.05, kl_estimator="k1", cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, gamma=1.0,
                 lam=0.95, whiten_rewards=False, num_ppo_epochs=1, num_mini_batches=1, learning_rate=3e-6)
@@ -85,7 +87,7 @@ def build_models(work: Path) -> dict[str, Path]:
     return paths
 
 
-def pagedrl_side(work: Path) -> None:
+def pagedrl_side(work: Path, early_eos: bool = False) -> None:
     import torch
 
     import pagedrl.train.algorithms.ppo as ppo_module
@@ -118,7 +120,12 @@ def pagedrl_side(work: Path) -> None:
     def full_length(llm, rows, params: SamplingParams):
         # Every completion runs to max_tokens with no EOS and no special token (see the docstring).
         banned = [t for t in specials if t not in llm.engine.eos_token_ids]  # EOS: banned by min_tokens
-        return real_sample(llm, rows, params.clone(min_tokens=params.max_tokens, stop_token_ids=banned))
+        rollout = real_sample(llm, rows, params.clone(min_tokens=params.max_tokens, stop_token_ids=banned))
+        for i, k in EARLY_EOS.items() if early_eos else ():  # this completion ends with an EOS at token k
+            rollout.completion_ids[i] = rollout.completion_ids[i][:k] + [tok.eos_token_id]
+            rollout.sampling_logps[i] = rollout.sampling_logps[i][:k + 1]
+            rollout.truncated[i] = False
+        return rollout
 
     ppo_module.sample = full_length
     batches = algo.step_batches(1)  # collect(): the rollout and everything fixed while it is trained on
@@ -126,7 +133,9 @@ def pagedrl_side(work: Path) -> None:
     b = batches[0]
     d, r = algo.data, algo.rollout
     assert d is not None and r is not None
-    assert all(len(c) == LENGTH and not set(c) & set(specials) for c in r.completion_ids)
+    ends = {i: k + 1 for i, k in EARLY_EOS.items()} if early_eos else {}
+    assert all(len(c) == ends.get(i, LENGTH) and not set(c[:ends.get(i, LENGTH + 1) - 1]) & set(specials)
+               for i, c in enumerate(r.completion_ids))
     global_count = torch.tensor(algo.count(b))
     algo.model.zero_grad(set_to_none=True)
     loss, metrics = algo.loss(algo.model, b, global_count)
@@ -150,7 +159,7 @@ def pagedrl_side(work: Path) -> None:
         "advantages": d.advantages, "returns": d.returns,
         "policy_loss": metric("loss/policy_avg"), "value_loss": metric("loss/value_avg"), "loss": float(loss),
         "ratio": metric("val/ratio"), "clipfrac": metric("policy/clipfrac_avg"), "grads": grads,
-        "temperature_effect": temperature_effect,
+        "temperature_effect": temperature_effect, "early_eos": sorted(ends),
     }, work / "pagedrl.pt")
 
 
@@ -188,7 +197,9 @@ def trl_side(work: Path) -> None:
         context = queries.shape[1]
         for row in queries.tolist():
             order.append(prompts.index([t for t in row if t != pad]))
-        tail = torch.tensor([responses[i] for i in order[-len(queries):]], dtype=queries.dtype)
+        # A completion that ended early is padded, as transformers' generate pads finished rows.
+        tail = torch.tensor([responses[i] + [pad] * (LENGTH - len(responses[i])) for i in order[-len(queries):]],
+                            dtype=queries.dtype)
         query_responses = torch.cat([queries, tail], 1)
         with torch.no_grad():
             logits = ppo_trainer.forward(model, query_responses, pad_token_id).logits[:, context - 1:-1]
@@ -218,7 +229,7 @@ def trl_side(work: Path) -> None:
     assert len(order) == len(prompts) and sorted(order) == list(range(len(prompts)))
     back = torch.tensor(order).argsort()  # TRL's row of each rollout index
     c = captured
-    assert not c["padding_mask"].any() and not c["padding_mask_p1"].any()
+    assert ours["early_eos"] or not (c["padding_mask"].any() or c["padding_mask_p1"].any())
     out = {k: c[k][back] for k in ("rewards", "returns", "values", "scores", "logprobs", "ref_logprobs",
                                    "advantages")}
     out["raw_advantages"] = out["returns"] - out["values"]
@@ -239,12 +250,15 @@ def compare(work: Path) -> bool:
     print(f"\nPPO first mini-batch, pagedrl vs TRL {v['trl']} (transformers {v['transformers']}, torch {v['torch']}), "
           f"float32 CPU; {len(PROMPTS)} prompts x 1 completion of {LENGTH} tokens, temperature {TEMPERATURE}")
     mask = ours["mask"]
+    early = torch.zeros(mask.shape[0], dtype=torch.bool)
+    early[ours["early_eos"]] = True
     ok = True
     rows = []
     for name in ("logprobs", "ref_logprobs", "values", "scores", "rewards", "raw_advantages", "advantages", "returns"):
-        a, b = ours[name].double(), theirs[name].double()
-        diff = (a - b).abs() if a.dim() == 1 else (a - b).abs()[mask]
-        rows.append((name, float(diff.max()), float(a.abs().max())))
+        for label, sel in (("", ~early), (" (completions ending early)", early)) if early.any() else (("", ~early),):
+            a, b = ours[name].double()[sel], theirs[name].double()[sel]
+            diff = (a - b).abs() if a.dim() == 1 else (a - b).abs()[mask[sel]]
+            rows.append((name + label, float(diff.max()), float(a.abs().max())))
     for name in ("policy_loss", "value_loss", "loss", "ratio", "clipfrac"):
         rows.append((name, abs(ours[name] - theirs[name]), abs(ours[name])))
     names = sorted(theirs["grads"])
@@ -257,15 +271,19 @@ def compare(work: Path) -> bool:
             diff = max(float((ours["grads"][n] - theirs["grads"][n]).abs().max()) for n in keys)
             scale = max(float(ours["grads"][n].abs().max()) for n in keys)
             rows.append((f"grad ({role}, {len(keys)} tensors)", diff, scale))
-    print(f"{'quantity':32} {'max |diff|':>11} {'max |pagedrl|':>14}  result (tolerance {TOLERANCE:g})")
+    print(f"{'quantity':42} {'max |diff|':>11} {'max |pagedrl|':>14}  result (tolerance {TOLERANCE:g})")
     for name, diff, scale in rows:
         passed = diff <= TOLERANCE
         ok &= passed
         tag = "required" if name in REQUIRED else ""
-        print(f"{name:32} {diff:11.3e} {scale:14.4g}  {'PASS' if passed else 'FAIL'} {tag}")
+        print(f"{name:42} {diff:11.3e} {scale:14.4g}  {'PASS' if passed else 'FAIL'} {tag}")
     print(f"pagedrl log-probs at temperature {TEMPERATURE} vs {TEMPERATURE} + 1e-7 (TRL's divisor): max |diff| "
           f"{ours['temperature_effect']:.2e}")
     print("ALL PASS" if ok else "SOME FAIL")
+    if early.any():
+        print(f"completions {ours['early_eos']} end with an EOS before {LENGTH} tokens: TRL scores them one token after "
+              "the EOS and keeps values live there (see the docstring), so rewards, advantages (whitened over the "
+              "whole batch), returns, losses and gradients differ by design; the pad-free rows' inputs still agree")
     return ok
 
 
@@ -275,20 +293,26 @@ def main() -> None:
                         help="run one side only (default: both, each in its own environment, then compare)")
     parser.add_argument("--trl-python", default=os.environ.get("TRL112_PYTHON", "/work/.trl112/bin/python"))
     parser.add_argument("--work", default=None, help="folder for the models and tensors (default: a temporary one)")
+    parser.add_argument("--early-eos", action="store_true",
+                        help=f"end completions {sorted(EARLY_EOS)} with an EOS early, to show where the two differ")
     args = parser.parse_args()
     if args.side:
         work = Path(args.work)
-        {"pagedrl": pagedrl_side, "trl": trl_side, "compare": compare}[args.side](work)
+        if args.side == "pagedrl":
+            pagedrl_side(work, args.early_eos)
+        else:
+            {"trl": trl_side, "compare": compare}[args.side](work)
         return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        subprocess.run([sys.executable, __file__, "--side", "pagedrl", "--work", str(work)], check=True, env=env)
+        subprocess.run([sys.executable, __file__, "--side", "pagedrl", "--work", str(work)]
+                       + ["--early-eos"] * args.early_eos, check=True, env=env)
         # TRL's environment must not see pagedrl's sources or site-packages.
         trl_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
         subprocess.run([args.trl_python, __file__, "--side", "trl", "--work", str(work)], check=True, env=trl_env)
-        sys.exit(0 if compare(work) else 1)
+        sys.exit(0 if compare(work) or args.early_eos else 1)
 
 
 if __name__ == "__main__":
