@@ -6,22 +6,25 @@ Same models: the policy is the default SmolLM2-135M-Instruct; the reward model i
 `LlamaForSequenceClassification` on the policy's backbone with a fresh head (drawn once, saved as a
 Hugging Face folder that both load), and the critic (TRL: `value_model`) starts from it, as does
 pagedrl's by default; the reference is a frozen copy of the policy on both sides. Same batch and
-settings: 8 prompts per update from the built-in two-digit addition task (one completion each,
-TRL has no groups), completions of up to 64 tokens stopped at EOS, temperature 0.7,
+settings: the built-in two-digit addition task's first 8 prompts at every update (one completion
+each, TRL has no groups), completions of up to 64 tokens stopped at EOS, temperature 0.7,
 num_ppo_epochs 4, num_mini_batches 1, no gradient accumulation (one optimizer step = the whole
 rollout), kl_coef 0.05, float32 (TRL: `bf16=False`, `use_cpu=True`; it generates with transformers'
 `generate`, as it does without vLLM). One PPO update = one rollout + its 4 optimizer steps.
+Wall seconds and CPU seconds of the process (`time.process_time`) are both reported: on a machine
+shared with other jobs only the latter compares the two fairly.
 
 Each trainer runs in its own process, one after the other, each with ONE thread
 (`torch.set_num_threads(1)`; on this shared 2-core machine two OpenMP threads per process collapse
 whenever another job holds a core), so its peak resident memory (`ru_maxrss`) is its own. Forward
 passes are counted with forward hooks on each role's module, split into generation (one per decode
-step and one per prefill) and the rest.
+step and one per prefill) and the rest. `--configs` may add `pagedrl-shared`: pagedrl with
+`critic: shared` (the value head on the policy's backbone), which TRL does not offer.
 
 TRL runs in its own environment (bench/trl112_env.sh):
 
   bash bench/trl112_env.sh                        # once: /work/.trl112
-  .venv/bin/python bench/bench_ppo.py [--updates 3] [--epochs 4] [--configs pagedrl,trl]
+  .venv/bin/python bench/bench_ppo.py [--updates 2] [--epochs 4] [--configs pagedrl,trl,pagedrl-shared]
 """
 
 from __future__ import annotations
