@@ -126,3 +126,25 @@ def test_a_nan_reward_stops_the_run_and_keeps_the_last_checkpoint(tiny_train_mod
     assert (out / "checkpoint-1" / "config.json").is_file() and not (out / "checkpoint-2").exists()
     load_model(out / "checkpoint-1")
     load_sequence_scorer(out / "checkpoint-1" / "critic", new_head=False)
+
+
+def test_the_reward_model_reads_where_it_was_trained_to() -> None:
+    """The read position comes from each completion's length; only its last token is compared with the
+    reward model's pad id (= EOS for SmolLM2): a completion ending in it is read one token earlier,
+    as transformers' rule (and `pagedrl rm`) read it; others at their last token."""
+    from pagedrl.train.algorithms.ppo import reward_rows
+    from pagedrl.train.data import PromptOnly
+    from pagedrl.train.rl.packing import pack, split_units
+    from pagedrl.train.rl.rollout import Rollout
+
+    EOS = 2
+    comps = [[5, 6, EOS], [7, 8], [EOS], [9, EOS, 4]]  # ends in EOS; no EOS; only EOS; EOS inside
+    rollout = Rollout([PromptOnly([1, 3, 3], "", ""), PromptOnly([1, 4], "", "")], 2, comps, [""] * 4,
+                      [[0.0] * len(c) for c in comps], torch.zeros(4, dtype=torch.bool))
+    (units,) = split_units(rollout, 1)
+    b = pack(rollout, units, torch.device("cpu"))
+    ids = b.input_ids[0]
+    rows = reward_rows(b, pad_token_id=EOS)
+    assert [int(ids[r]) for r in rows] == [6, 8, EOS, 4]
+    assert torch.equal(reward_rows(b, pad_token_id=None), b.last_at)
+    assert [int(ids[r]) for r in b.last_at] == [EOS, 8, EOS, 4]

@@ -36,6 +36,7 @@ def test_the_recipe_runs_every_stage_then_skips_them(tiny_train_model, tmp_path,
     out = tmp_path / "out"
     pairs = [json.loads(line) for line in (out / "pairs.jsonl").read_text().splitlines()]
     assert {"prompt", "chosen", "rejected", "answer"} <= set(pairs[0])
+    assert pairs[0]["prompt"].endswith("assistant\n") and isinstance(pairs[0]["chosen"], str)  # rendered text
     stats = json.loads((out / "pairs.json").read_text())
     assert stats["pairs"] == len(pairs)
     assert (out / "rm" / "final" / "config.json").is_file()

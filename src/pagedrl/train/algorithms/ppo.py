@@ -167,7 +167,8 @@ class PPO(OnlineAlgorithm):
                                                                  b.predict_at, b.targets, self.sampling).logps)
                 if self.reward_model is not None:
                     h = self.reward_model(b.input_ids, positions=b.positions, meta=b.meta)
-                    scores[rows] = self.reward_model.scores(h.reshape(-1, h.shape[-1]).index_select(0, b.last_at))
+                    at = reward_rows(b, self.reward_model.config.pad_token_id)
+                    scores[rows] = self.reward_model.scores(h.reshape(-1, h.shape[-1]).index_select(0, at))
         self.model.train()
         if self.reward_model is None:
             scores.copy_(rollout.total_rewards.to(device=device, dtype=torch.float32))
@@ -326,6 +327,18 @@ class PPO(OnlineAlgorithm):
                      f"{int(self.ref_model is not None)}, reward model {int(self.reward_model is not None)} (no grad); "
                      "per optimizer step: policy+critic 1 (with grad)")
         return lines
+
+
+def reward_rows(b: PackedBatch, pad_token_id: int | None) -> torch.Tensor:
+    """[S] rows whose hidden state the reward model scores: where it was trained to read, the last
+    token of the completion that is not its pad id (transformers' rule, which `pagedrl rm` and TRL
+    follow). Each completion's end comes from its length; only its final token is compared with the
+    pad id, so a pad id that is also EOS (SmolLM2) moves the read to the token before that EOS."""
+    if pad_token_id is None:
+        return b.last_at
+    last_token = b.input_ids[0].index_select(0, b.last_at)
+    step_back = (last_token == pad_token_id) & (b.lengths > 1)
+    return b.last_at - step_back.long()
 
 
 def _params(module: torch.nn.Module) -> int:

@@ -14,14 +14,17 @@ from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.train.data import PromptOnly
 from pagedrl.train.rl.rewards import RewardFunc
-from pagedrl.train.rl.rollout import completion_for, sample, score_rollout
+from pagedrl.train.rl.rollout import sample, score_rollout
 
 
 def verifier_pairs(llm: LLM, prompts: Sequence[PromptOnly], verifier: tuple[str, RewardFunc], num_generations: int,
                    temperature: float = 1.0, max_tokens: int = 64, pairs_per_prompt: int = 1,
                    batch_prompts: int = 64) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """`{"prompt", "chosen", "rejected"}` rows (TRL's format; conversational prompts get message-list
-    answers) and what sampling found: completions drawn, share correct, prompts with a pair."""
+    """`{"prompt", "chosen", "rejected"}` rows and what sampling found: completions drawn, share
+    correct, prompts with a pair. The rows are plain text: a conversational prompt is written as the
+    chat template renders it, and each answer as the text the engine sampled, so a model trained on
+    the rows sees the prompt and answer exactly as the policy produced them (the answer ends in EOS,
+    not in the template's end-of-turn line), which is where PPO reads a reward model's score."""
     params = SamplingParams(n=num_generations, temperature=temperature, max_tokens=max_tokens)
     rows: list[dict[str, Any]] = []
     drawn = correct = paired = 0
@@ -36,13 +39,19 @@ def verifier_pairs(llm: LLM, prompts: Sequence[PromptOnly], verifier: tuple[str,
             bad = [p * num_generations + k for k in range(num_generations) if not ok[p, k]]
             if good and bad:
                 paired += 1
+            text = as_text(llm, prompt.prompt)
             for g, b in list(zip(good, bad, strict=False))[:pairs_per_prompt]:
-                rows.append({"prompt": prompt.prompt, "chosen": completion_for(prompt.prompt, rollout.texts[g]),
-                             "rejected": completion_for(prompt.prompt, rollout.texts[b]), **prompt.columns})
+                rows.append({"prompt": text, "chosen": rollout.texts[g], "rejected": rollout.texts[b], **prompt.columns})
     llm.sleep()
     stats = {"completions": float(drawn), "correct_share": correct / max(drawn, 1),
              "prompts_with_a_pair": float(paired), "pairs": float(len(rows))}
     return rows, stats
+
+
+def as_text(llm: LLM, prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return llm.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
 
 
 def write_jsonl(rows: Sequence[dict[str, Any]], path: Path) -> None:
