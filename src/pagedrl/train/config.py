@@ -77,6 +77,7 @@ class TrainConfig:
     # Bookkeeping.
     logging_steps: int = 10
     eval_steps: int | None = None  # None: no periodic evaluation
+    eval_on_start: bool = True  # with eval_steps: evaluate the starting model too (step 0)
     save_steps: int = 500
     save_total_limit: int | None = None
     # Stop cleanly (a last evaluation, then `final/`) once training, evaluations excluded, has run

@@ -206,7 +206,7 @@ class Trainer:
         self.logger.start_progress()
         self._start = time.perf_counter() - self.time_offset
         try:
-            if self.config.eval_steps and self.step == 0:
+            if self.config.eval_steps and self.config.eval_on_start and self.step == 0:
                 self.evaluate()
             while self.step < self.total_steps and not self.out_of_time():
                 self.run_step()
