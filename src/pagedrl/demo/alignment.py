@@ -46,7 +46,10 @@ def baseline_and_pairs(plan: DemoPlan) -> dict[str, Any]:
     """The base model's held-out accuracy, then `pagedrl rlhf`'s pairs stage on the same engine."""
     from pagedrl.train.rlhf import make_pairs
 
-    llm = LLM(plan.model, seed=plan.seed)
+    # Room for one batch of pair prompts (verifier_pairs samples 64 prompts at a time) or every
+    # held-out problem, whichever is more: the host's default budget would hold gigabytes unused.
+    room = max(64 * plan.pair_generations, plan.num_eval) * (64 + plan.completion_tokens + 32)
+    llm = LLM(plan.model, seed=plan.seed, kv_cache_tokens=room)
     rows = held_out_rows(plan, llm.tokenizer)
     t0 = time.perf_counter()
     accuracy, _ = evaluate_rows(llm, rows, verifier(), plan.completion_tokens)

@@ -26,12 +26,15 @@ STAGES = ("paged", "pairs", "grpo", "dpo", "rm", "ppo")
 
 
 def stage_estimates(plan: DemoPlan) -> dict[str, float]:
-    """Seconds each stage is expected to take on a 2-core CPU: only the progress line's ETA uses them."""
+    """Seconds each stage is expected to take on an idle 2-core CPU: only the progress line's ETA
+    uses them (it is corrected as stages finish)."""
     budget = 60 * plan.budget_minutes
-    evals = 12 if plan.quick else 45  # one held-out evaluation
-    return {"paged": 45 if plan.quick else 150, "pairs": 30 + evals if plan.quick else 150 + evals,
-            "grpo": budget + 2 * evals + 15, "dpo": budget + 2 * evals + 15, "rm": budget * plan.rm_share + 15,
-            "ppo": budget * (1 - plan.rm_share) + 2 * evals + 25}
+    evals = plan.num_eval * plan.completion_tokens / 200  # one held-out evaluation at ~200 tokens/s
+    along = 1 if plan.quick else 4  # evaluations per method
+    pairs = plan.pair_prompts * plan.pair_generations * plan.completion_tokens / 300
+    return {"paged": 45 if plan.quick else 120, "pairs": 10 + evals + pairs,
+            "grpo": 15 + budget + along * evals, "dpo": 15 + budget + along * evals, "rm": 15 + budget * plan.rm_share,
+            "ppo": 25 + budget * (1 - plan.rm_share) + along * evals}
 
 
 def check_plan(plan: DemoPlan) -> None:

@@ -66,7 +66,7 @@ class Monitor:
             from tqdm import tqdm
 
             self._bar = tqdm(total=max(1, round(total_estimate)), unit="s", file=sys.stderr, dynamic_ncols=True,
-                             bar_format="{desc} |{bar:16}| {elapsed}<{remaining} {postfix}")
+                             bar_format="{desc} |{bar:16}|")
         self._thread.start()
 
     def begin(self, stage: str, index: int, count: int, metrics: Path | None = None,
@@ -106,8 +106,10 @@ class Monitor:
                 parts.append(f"accuracy {acc:.3f}")
         self._bar.total = max(round(self.estimate), round(elapsed) + 1)
         self._bar.n = round(elapsed)
-        self._bar.set_description_str(f"demo [{self.index}/{self.count}] {self.stage}", refresh=False)
-        self._bar.set_postfix_str(", ".join(parts), refresh=False)
+        left = max(0.0, self.estimate - elapsed)
+        parts.append(f"{elapsed / 60:.1f} min, about {left / 60:.1f} min left" if left else f"{elapsed / 60:.1f} min")
+        self._bar.set_description_str(f"demo [{self.index}/{self.count}] {self.stage}: " + ", ".join(parts),
+                                      refresh=False)
         self._bar.refresh()
 
     def close(self) -> None:

@@ -204,6 +204,7 @@ def load_transformers_model(path: Any) -> tuple[Any, int]:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     pad = hf.generation_config.pad_token_id
     if pad is None:

@@ -35,22 +35,25 @@ class DemoPlan:
     long_prompt_tokens: int = 256
     n_sample_tokens: int = 32
     hf_batch_size: int = 8
-    # The task and held-out evaluation (greedy, with the engine).
+    # The task and held-out evaluation (greedy, with the engine). 64 tokens: the model often works
+    # its way to the sum in a sentence, and a shorter cut scores those answers as wrong.
     task_low: int = 10
     task_high: int = 99
-    num_eval: int = 96
-    completion_tokens: int = 32  # rollouts, pairs and evaluation alike
-    # Preference pairs for DPO and the reward model, sampled from the base model.
-    pair_prompts: int = 96
+    num_eval: int = 128
+    completion_tokens: int = 64  # rollouts, pairs and evaluation alike
+    # Preference pairs for DPO and the reward model, sampled from the base model (temperature 1).
+    pair_prompts: int = 128
     pair_generations: int = 4
-    # Each method's steps and evaluations along the way (about three per method in the full demo).
-    grpo_prompts_per_step: int = 4
-    num_generations: int = 4
-    grpo_eval_steps: int = 6
+    # Each method's batch and its evaluations along the way (about three per method in the full
+    # demo on a 2-core CPU). GRPO as examples/grpo_arithmetic.yaml: 8 prompts x G = 8.
+    grpo_prompts_per_step: int = 8
+    num_generations: int = 8
+    grpo_eval_steps: int = 4
     dpo_batch_pairs: int = 8
-    dpo_eval_steps: int = 15
+    dpo_eval_steps: int = 25
     rm_share: float = 1 / 3
-    ppo_prompts_per_step: int = 4
+    ppo_prompts_per_step: int = 8
+    ppo_generations: int = 4
     ppo_eval_steps: int = 4
     learning_rate: float = 1e-5  # GRPO and PPO (the policy's)
     dpo_learning_rate: float = 5e-6
@@ -63,8 +66,9 @@ class DemoPlan:
         base: dict[str, Any] = {}
         if quick:
             base = dict(quick=True, budget_minutes=0.5, num_requests=12, scale=0.15, n_samples=4,
-                        long_prompt_tokens=128, n_sample_tokens=16, num_eval=32, completion_tokens=24,
-                        pair_prompts=32, grpo_eval_steps=10_000, dpo_eval_steps=10_000, ppo_eval_steps=10_000)
+                        long_prompt_tokens=128, n_sample_tokens=16, num_eval=32, pair_prompts=32,
+                        grpo_prompts_per_step=4, num_generations=4, ppo_prompts_per_step=4,
+                        grpo_eval_steps=10_000, dpo_eval_steps=10_000, ppo_eval_steps=10_000)
         return cls(**{**base, **{k: v for k, v in fields.items() if v is not None}})
 
     @property
@@ -104,9 +108,9 @@ class DemoPlan:
                             learning_rate=2e-5, center_rewards_coefficient=0.01, max_length=256)
 
     def ppo(self) -> PPOConfig:
-        completions = self.ppo_prompts_per_step * self.num_generations
+        completions = self.ppo_prompts_per_step * self.ppo_generations
         return PPOConfig(**self._common("ppo", self.budget_minutes * (1 - self.rm_share), self.ppo_eval_steps),
-                         **self._task(), num_generations=self.num_generations,
+                         **self._task(), num_generations=self.ppo_generations,
                          per_device_train_batch_size=completions, gradient_accumulation_steps=1, num_mini_batches=1,
                          num_ppo_epochs=1, temperature=1.0, learning_rate=self.learning_rate, kl_coef=0.05,
                          missing_eos_penalty=1.0, reward_model_path=str(self.out / "rm" / "final"))
