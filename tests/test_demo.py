@@ -80,6 +80,11 @@ def test_report_numbers_are_the_logged_ones(demo) -> None:
         assert [y for _, y in data["curves"][method]] == [base] + [r["eval/accuracy"] for r in evals]
         row = re.search(r"^\| held-out accuracy \|(.*)\|$", md, re.M).group(1).split("|")
         assert row[("GRPO", "DPO", "RLHF").index(method)].strip() == f"{fmt(base)} -> {fmt(evals[-1]['eval/accuracy'])}"
+    for folder, config in (("grpo", plan.grpo()), ("dpo", plan.dpo()), ("rm", plan.rm()), ("ppo", plan.ppo())):
+        rows = read_metrics(out / folder / "metrics.jsonl")
+        # Each method stopped on its budget (eval_on_start off: the base model is evaluated once).
+        assert max(r["train_time"] for r in rows) >= 60 * config.max_train_minutes - 0.5
+        assert all(r["step"] > 0 for r in rows if "eval/accuracy" in r)
     grpo_rows = read_metrics(out / "grpo" / "metrics.jsonl")
     steps = max(r["step"] for r in grpo_rows)
     assert data["methods"]["GRPO"]["optimizer steps"] == steps >= 1

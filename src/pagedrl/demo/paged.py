@@ -59,6 +59,7 @@ class SeqBlocks:
     blocks: list[int]  # its block table: physical block ids
     live_tokens: int  # tokens whose keys and values are in those blocks
     reserved_tokens: int  # what a contiguous allocator reserves up front: prompt + max_tokens
+    prompt_tokens: int
 
 
 @dataclass
@@ -138,7 +139,8 @@ def run_pagedrl(llm: LLM, workload: list[Request], seed: int = 0) -> Run:
             run.snapshot = KVSnapshot(len(run.kv_live), block_size, engine.kv.num_blocks_total,
                                       engine.kv.num_blocks_used, [
                 SeqBlocks(request_of.get(seq.request_id, -1), seq.index, list(table), seq.num_computed_tokens,
-                          seq.num_prompt_tokens + seq.params.max_tokens) for seq, table in tables])
+                          seq.num_prompt_tokens + seq.params.max_tokens, seq.num_prompt_tokens)
+                for seq, table in tables])
         return outs
 
     params = [SamplingParams(n=r.n, temperature=1.0 if r.n > 1 else 0.0, seed=seed, max_tokens=r.max_tokens,

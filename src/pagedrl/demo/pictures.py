@@ -46,19 +46,25 @@ def kv_picture(snapshot: dict[str, Any], path: Path) -> Path:
     left.set_ylim(0, rows)
     left.set_aspect("equal")
     left.axis("off")
-    left.set_title(f"pagedrl: {used} of {num_blocks} blocks of {bs} tokens held\n"
+    left.set_title(f"pagedrl: {used} of {num_blocks} blocks of {bs} tokens held, coloured by request\n"
                    f"({shared_blocks} shared by several sequences, hatched; free blocks blank)", fontsize=9)
     reserved = sum(s["reserved_tokens"] for s in seqs)
     live = sum(s["live_tokens"] for s in seqs)
+    copies = 0
     for i, s in enumerate(seqs):
         y = len(seqs) - 1 - i
         right.barh(y, s["live_tokens"], color=_colour(s["request"]), height=0.8)
+        if s["sample"] > 0:  # a sample of an n-sample request: its own copy of the shared prompt
+            copy = min(s["prompt_tokens"], s["live_tokens"])
+            copies += copy
+            right.barh(y, copy, color="white", alpha=0.55, hatch="xx", edgecolor="black", linewidth=0, height=0.8)
         right.barh(y, s["reserved_tokens"] - s["live_tokens"], left=s["live_tokens"], color="#dddddd",
                    hatch="..", edgecolor="#999999", linewidth=0, height=0.8)
     right.set_yticks([])
     right.set_xlabel("tokens")
-    right.set_title(f"contiguous per-sequence allocations (prompt + max_tokens each):\n{reserved} slots "
-                    f"for {live} live tokens, {1 - live / max(reserved, 1):.0%} reserved but empty (shaded)", fontsize=9)
+    right.set_title(f"contiguous per-sequence allocations (prompt + max_tokens each):\n{reserved} slots, "
+                    f"{1 - live / max(reserved, 1):.0%} reserved but empty (dotted),\n{copies} holding copies of a "
+                    "prompt another sample already holds (crossed)", fontsize=9)
     fig.suptitle(f"The KV cache at step {snapshot['step']}, the step that held the most blocks", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
