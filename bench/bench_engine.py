@@ -185,7 +185,7 @@ def main() -> None:
               f"(scale {args.scale}), ignore_eos, greedy")
         # Two KV budgets: LLM()'s CPU default, and one that holds every request at once (what a
         # GPU's free memory would give), so that no request waits for memory or is preempted.
-        block = llm.engine.config.block_size
+        block = llm.block_size
         fit = sum(math.ceil((len(r.prompt) + r.max_tokens) / block) * block for r in workload)
         configs = {"defaults": llm}
         if not args.no_fit:
@@ -193,7 +193,7 @@ def main() -> None:
         ours: dict[str, Run] = {}
         for name, engine_llm in configs.items():
             cfg = engine_llm.engine.config
-            kv_tokens = engine_llm.engine.kv.num_blocks_total * cfg.block_size
+            kv_tokens = engine_llm.engine.kv_manager.num_blocks_total * cfg.block_size
             kv_gib = engine_llm.engine.kv_cache.nbytes / 2**30
             ours[name] = run = run_pagedrl(engine_llm, workload)
             print(f"[pagedrl, {name}] {kv_tokens} KV tokens ({kv_gib:.2f} GiB), max_num_seqs {cfg.max_num_seqs}, "

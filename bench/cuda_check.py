@@ -76,7 +76,7 @@ def correctness() -> None:
                     logits = model.logits(model(full))[0, len(prompt) - 1:-1]
                 dense = processed_logprobs(logits, torch.tensor(comp.token_ids, device=device), temperature=0.7,
                                            top_p=0.8)
-                worst = max(worst, (torch.tensor(comp.sampled_logprobs, device=device) - dense).abs().max().item())
+                worst = max(worst, (torch.tensor(comp.processed_logprobs, device=device) - dense).abs().max().item())
         print(f"[correctness] {name:20s} logits max|diff| {logit_diff:.2e} | greedy equal to transformers on "
               f"{same}/{len(batch)} prompts | logprob contract max|diff| {worst:.2e}", flush=True)
 
@@ -115,7 +115,7 @@ def throughput(model_dir: Path, batch_size: int) -> None:
     torch.cuda.synchronize()
     ours = bench_engine.run_pagedrl(llm, workload)
     stats = llm.stats()
-    kv = llm.engine.kv.num_blocks_total * llm.engine.config.block_size
+    kv = llm.engine.kv_manager.num_blocks_total * llm.engine.config.block_size
     print(f"[throughput] pagedrl: {ours.seconds:.1f} s, {len(ours.kv_live)} steps, {kv} KV tokens, "
           f"{stats['num_preemptions']} preemptions, KV slots live {ours.kv_utilisation:.1%}", flush=True)
     del llm

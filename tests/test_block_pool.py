@@ -2,6 +2,7 @@
 
 import pytest
 
+from pagedrl.engine import kv_cache_manager
 from pagedrl.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block_tokens
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 
@@ -10,9 +11,20 @@ BS = 4
 
 def prefill(km: KVCacheManager, seq_id, tokens: list[int]) -> int:
     """First schedule of a prompt: prefix lookup, then slots for the rest. Returns the hit tokens."""
-    hit = km.get_computed_blocks(seq_id, tokens)
-    assert km.allocate_slots(seq_id, tokens, hit, len(tokens) - hit)
-    return hit
+    computed = km.get_computed_blocks(tokens)
+    assert km.allocate_slots(seq_id, tokens, computed.num_tokens, len(tokens) - computed.num_tokens, computed)
+    return computed.num_tokens
+
+
+def cached_tokens(km: KVCacheManager, tokens: list[int]) -> int:
+    """Tokens of `tokens` a prefix lookup finds cached (a query: nothing is taken)."""
+    return km.get_computed_blocks(tokens).num_tokens
+
+
+def pool_state(km: KVCacheManager) -> tuple:
+    """Everything a lookup must leave alone: ref counts, free queue, cached blocks, statistics."""
+    return ([b.ref_count for b in km.pool.blocks], km.pool.free_block_ids(), dict(km.pool.cached),
+            km.prefix_cache_queries, km.prefix_cache_hits)
 
 
 # ------------------------------------------------------------------- free queue
@@ -81,25 +93,27 @@ def test_shared_system_prompt_is_computed_once():
     km.free("a")
     km.free("b")
     assert km.num_blocks_used == 0 and km.num_blocks_cached == 3  # partial blocks are not cached
-    assert km.get_computed_blocks("c", system + [1, 2, 3, 9, 5]) == 12
-    assert km.num_blocks_cached == 0 and km.num_blocks_used == 3
+    assert cached_tokens(km, system + [1, 2, 3, 9, 5]) == 12
+    assert km.num_blocks_cached == 3 and km.num_blocks_used == 0  # the lookup took nothing
+    assert prefill(km, "c", system + [1, 2, 3, 9, 5]) == 12
+    assert km.num_blocks_cached == 0 and km.num_blocks_used == 5
 
 
 def test_divergent_prefix_stops_the_chain():
     km = KVCacheManager(num_blocks=16, block_size=BS)
     prefill(km, "a", [1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 0])
     # Same second block, different first block: the chain hash must not match block 2.
-    assert km.get_computed_blocks("b", [9, 1, 1, 1, 2, 2, 2, 2, 3]) == 0
-    assert km.get_computed_blocks("c", [1, 1, 1, 1, 2, 2, 2, 9, 3]) == 4
+    assert cached_tokens(km, [9, 1, 1, 1, 2, 2, 2, 2, 3]) == 0
+    assert cached_tokens(km, [1, 1, 1, 1, 2, 2, 2, 9, 3]) == 4
 
 
 def test_last_token_is_always_recomputed():
     km = KVCacheManager(num_blocks=16, block_size=BS)
     prompt = list(range(12))  # exactly three full blocks
     prefill(km, "a", prompt)
-    assert km.get_computed_blocks("b", prompt) == 8  # k full blocks -> at most k - 1 hit
-    assert km.get_computed_blocks("c", prompt + [99]) == 12
-    assert km.get_computed_blocks("d", prompt[:1]) == 0
+    assert cached_tokens(km, prompt) == 8  # k full blocks -> at most k - 1 hit
+    assert cached_tokens(km, prompt + [99]) == 12
+    assert cached_tokens(km, prompt[:1]) == 0
 
 
 def test_prefix_caching_disabled_never_hits():
@@ -110,6 +124,77 @@ def test_prefix_caching_disabled_never_hits():
     assert not set(km.block_table("a")) & set(km.block_table("b"))
     km.free("a")
     assert km.num_blocks_cached == 0 and km.prefix_cache_queries == 0
+
+
+# ------------------------------------------------------- admission: a query, then an allocation
+
+
+def test_lookup_is_a_pure_query():
+    km = KVCacheManager(num_blocks=8, block_size=BS)
+    prefill(km, "a", list(range(13)))  # blocks 0, 1, 2 full and cached, 3 partial
+    km.free("a")
+    prefill(km, "b", list(range(8)) + [99])  # holds 0 and 1 again; 2 stays free and cached
+    before = pool_state(km)
+    computed = km.get_computed_blocks(list(range(13)))
+    assert computed.num_tokens == 12 and [b.block_id for b in computed.blocks] == [0, 1, 2]
+    assert computed.num_queried_tokens == 13
+    assert pool_state(km) == before
+
+
+def test_a_refused_admission_holds_nothing_and_is_counted_once_admitted():
+    km = KVCacheManager(num_blocks=4, block_size=BS)
+    system = list(range(8))
+    prefill(km, "a", system + [50, 51, 52, 53, 54])  # 13 tokens: the whole pool
+    queries, hits = km.prefix_cache_queries, km.prefix_cache_hits
+    prompt, hashes = system + [60], []
+    for _ in range(3):  # "b" waits: it hits a's two system blocks but finds no block for its own
+        before = pool_state(km)
+        computed = km.get_computed_blocks(prompt, hashes)
+        assert computed.num_tokens == 8
+        assert not km.allocate_slots("b", prompt, 8, 1, computed, hashes)
+        assert pool_state(km) == before
+    km.free("a")
+    computed = km.get_computed_blocks(prompt, hashes)
+    assert km.allocate_slots("b", prompt, 8, 1, computed, hashes)
+    assert km.block_table("b")[:2] == [0, 1]
+    assert (km.prefix_cache_queries - queries, km.prefix_cache_hits - hits) == (9, 8)
+
+
+def test_a_sequence_hashes_each_full_block_once(monkeypatch):
+    calls = []
+    real = kv_cache_manager.hash_block_tokens
+    monkeypatch.setattr(kv_cache_manager, "hash_block_tokens", lambda *args: calls.append(args[1]) or real(*args))
+    km = KVCacheManager(num_blocks=8, block_size=BS)
+    tokens, hashes = list(range(6)), []
+    for _ in range(3):  # lookups while it waits
+        computed = km.get_computed_blocks(tokens, hashes)
+    assert km.allocate_slots("a", tokens, 0, 6, computed, hashes)
+    for t in range(6, 20):  # decodes
+        tokens.append(t)
+        assert km.allocate_slots("a", tokens, len(tokens) - 1, 1, block_hashes=hashes)
+    assert [list(c) for c in calls] == [tokens[i : i + BS] for i in range(0, 20, BS)]
+    chain, expected = None, []
+    for i in range(0, 20, BS):
+        chain = hash_block_tokens(chain, tokens[i : i + BS], 0)
+        expected.append(chain)
+    assert hashes == expected
+
+
+def test_kept_hashes_start_again_after_a_weight_update():
+    km = KVCacheManager(num_blocks=8, block_size=BS)
+    prompt, hashes = list(range(9)), []
+    prefill(km, "a", prompt)
+    stale = km.get_computed_blocks(prompt, hashes)
+    assert stale.num_tokens == 8 and all(h.weight_version == 0 for h in hashes)
+    km.bump_weight_version()
+    with pytest.raises(ValueError, match="look the prompt up again"):
+        km.allocate_slots("b", prompt, 8, 1, stale, hashes)
+    computed = km.get_computed_blocks(prompt, hashes)
+    assert computed.num_tokens == 0  # KV of the old weights is never found
+    first = hash_block_tokens(None, prompt[:4], 1)
+    assert hashes == [first, hash_block_tokens(first, prompt[4:8], 1)]
+    assert km.allocate_slots("b", prompt, 0, 9, computed, hashes)
+    assert cached_tokens(km, prompt) == 8
 
 
 # --------------------------------------------------------------------- eviction
@@ -126,7 +211,7 @@ def test_lru_eviction_takes_never_used_then_tail_blocks_before_prefix():
     assert km.allocate_slots("x", list(range(50, 66)), 0, 16)  # four blocks: 3, 4, 5 and a's last
     assert km.block_table("x") == [3, 4, 5, 2]
     # a's first two blocks are still cached; its third was evicted with its hash.
-    assert km.get_computed_blocks("b", list(range(12)) + [0]) == 8
+    assert cached_tokens(km, list(range(12)) + [0]) == 8
 
 
 def test_prefix_hit_on_a_free_block_takes_it_out_of_the_queue():
@@ -134,9 +219,12 @@ def test_prefix_hit_on_a_free_block_takes_it_out_of_the_queue():
     prefill(km, "a", list(range(9)))  # blocks 0, 1 full and cached, 2 partial
     km.free("a")
     assert km.pool.free_block_ids() == [3, 2, 1, 0]
-    assert km.get_computed_blocks("b", list(range(8)) + [5]) == 8
-    assert km.pool.free_block_ids() == [3, 2]
-    assert km.num_blocks_used == 2 and km.num_free_blocks == 2
+    assert cached_tokens(km, list(range(8)) + [5]) == 8
+    assert km.pool.free_block_ids() == [3, 2, 1, 0]  # looked up, not taken
+    assert prefill(km, "b", list(range(8)) + [5]) == 8  # hits 0 and 1, takes 3 for the last token
+    assert km.block_table("b") == [0, 1, 3]
+    assert km.pool.free_block_ids() == [2]
+    assert km.num_blocks_used == 3 and km.num_free_blocks == 1
 
 
 # ----------------------------------------------------------------- weight version
@@ -147,18 +235,17 @@ def test_weight_version_bump_makes_lookups_miss_while_old_blocks_live():
     prompt = list(range(10))
     prefill(km, "old", prompt)
     old_table = km.block_table("old")
-    assert km.get_computed_blocks("probe", prompt) == 8
-    km.free("probe")
+    assert cached_tokens(km, prompt) == 8
     assert km.bump_weight_version() == 1 and km.weight_version == 1
-    assert km.get_computed_blocks("new", prompt) == 0  # the old blocks are still held by "old"
+    assert cached_tokens(km, prompt) == 0  # the old blocks are still held by "old"
     assert km.allocate_slots("new", prompt, 0, len(prompt))
     assert not set(km.block_table("new")) & set(old_table)
     # The old sequence keeps decoding on its blocks, but nothing it computes is cached now.
     prompt_old = prompt + [10, 11, 12, 13, 14, 15]
     assert km.allocate_slots("old", prompt_old, 10, 6)
     assert all(b.weight_version == 1 for b in km.pool.cached)
-    assert km.get_computed_blocks("newer", prompt_old) == 8  # blocks of "new", not of "old"
-    assert km.block_table("newer") == km.block_table("new")[:2]
+    assert prefill(km, "newer", prompt_old) == 8  # blocks of "new", not of "old"
+    assert km.block_table("newer")[:2] == km.block_table("new")[:2]
     km.free("old")
     assert km.num_blocks_cached == 0
 
@@ -166,10 +253,16 @@ def test_weight_version_bump_makes_lookups_miss_while_old_blocks_live():
 def test_a_sequence_without_blocks_takes_the_version_of_its_first_block():
     km = KVCacheManager(num_blocks=8, block_size=BS)
     prompt = list(range(9))
-    assert km.get_computed_blocks("a", prompt) == 0  # nothing held yet
+    computed = km.get_computed_blocks(prompt)
+    assert computed.num_tokens == 0  # nothing held yet
     km.bump_weight_version()
-    assert km.allocate_slots("a", prompt, 0, len(prompt))  # computed under the new weights
-    assert km.get_computed_blocks("b", prompt) == 8
+    assert km.allocate_slots("a", prompt, 0, len(prompt), computed)  # computed under the new weights
+    assert cached_tokens(km, prompt) == 8
+    # A refused allocation leaves an empty table behind; it too takes the version of its first block.
+    assert not km.allocate_slots("b", list(range(50, 80)), 0, 30)
+    km.bump_weight_version()
+    assert km.allocate_slots("b", list(range(50, 59)), 0, 9)
+    assert cached_tokens(km, list(range(50, 59))) == 8
 
 
 def test_reset_prefix_cache_keeps_live_tables():
@@ -177,7 +270,7 @@ def test_reset_prefix_cache_keeps_live_tables():
     prefill(km, "a", list(range(9)))
     table = km.block_table("a")
     km.reset_prefix_cache()
-    assert km.block_table("a") == table and km.get_computed_blocks("b", list(range(9))) == 0
+    assert km.block_table("a") == table and cached_tokens(km, list(range(9))) == 0
 
 
 # ------------------------------------------------------------ fork, copy on write
@@ -244,6 +337,20 @@ def test_copy_on_write_counts_towards_all_or_nothing():
     assert len(km.take_pending_copies()) == 1
 
 
+def test_free_cached_hits_count_towards_all_or_nothing():
+    km = KVCacheManager(num_blocks=3, block_size=BS)
+    prefill(km, "a", list(range(12)))  # three full blocks, all cached
+    km.free("a")
+    prompt = list(range(8)) + [60, 61, 62]  # hits two free blocks, needs one more: three of three
+    computed = km.get_computed_blocks(prompt)
+    assert computed.num_tokens == 8
+    before = pool_state(km)
+    assert not km.allocate_slots("b", prompt + [63, 64], 8, 5, computed)  # two more: four of three
+    assert pool_state(km) == before
+    assert km.allocate_slots("b", prompt, 8, 3, computed)
+    assert km.num_free_blocks == 0
+
+
 # ------------------------------------------------------------------ bad input
 
 
@@ -263,7 +370,7 @@ def test_bad_input_names_the_parameter():
     with pytest.raises(ValueError, match="block_size"):
         KVCacheManager(num_blocks=4, block_size=0)
     with pytest.raises(ValueError, match="token_ids"):
-        km.get_computed_blocks("a", [])
+        km.get_computed_blocks([])
     with pytest.raises(ValueError, match="exceeds len"):
         km.allocate_slots("a", [1, 2], 0, 3)
     with pytest.raises(ValueError, match="num_new_tokens"):
@@ -274,7 +381,7 @@ def test_bad_input_names_the_parameter():
     with pytest.raises(ValueError, match="already hashed"):
         km.allocate_slots("a", list(range(5)), 2, 3)
     with pytest.raises(ValueError, match="already holds"):
-        km.get_computed_blocks("a", [1, 2])
+        km.allocate_slots("a", [1, 2], 0, 2, km.get_computed_blocks([1, 2]))
     with pytest.raises(ValueError, match="child_id"):
         km.fork("a", "a")
     with pytest.raises(ValueError, match="position"):

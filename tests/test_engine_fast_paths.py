@@ -55,7 +55,7 @@ def test_plain_rows_give_the_full_paths_tokens_and_logprobs_bit_for_bit() -> Non
     assert all(sampler._leaves_logits_unchanged(row, VOCAB) for row in rows)
     fast, full = sample(rows, logits, False), sample(rows, logits, True)
     assert torch.equal(fast.token_ids, full.token_ids)
-    assert torch.equal(fast.logprobs, full.logprobs)
+    assert torch.equal(fast.processed_logprobs, full.processed_logprobs)
     assert torch.equal(fast.raw_logprobs, full.raw_logprobs)
     assert fast.top_logprobs == full.top_logprobs
 
@@ -76,7 +76,8 @@ def test_rows_that_change_the_logits_take_the_full_path(params: SamplingParams, 
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))
     rows = [SamplingRow(SamplingParams(temperature=0.0)), row]
     mixed, full = sample(rows, logits, False), sample(rows, logits, True)
-    assert torch.equal(mixed.token_ids, full.token_ids) and torch.equal(mixed.logprobs, full.logprobs)
+    assert torch.equal(mixed.token_ids, full.token_ids)
+    assert torch.equal(mixed.processed_logprobs, full.processed_logprobs)
 
 
 def test_reused_log_softmax_buffer_is_never_returned() -> None:
@@ -85,14 +86,16 @@ def test_reused_log_softmax_buffer_is_never_returned() -> None:
     rows = [SamplingRow(SamplingParams(temperature=0.0, logprobs=4)) for _ in range(3)]
     first_logits = torch.randn(3, VOCAB, generator=gen)
     first = draw(first_logits, rows)
-    kept = (first.token_ids.clone(), first.logprobs.clone(), first.raw_logprobs.clone(), first.top_logprobs)
+    kept = (first.token_ids.clone(), first.processed_logprobs.clone(), first.raw_logprobs.clone(),
+            first.top_logprobs)
     with torch.inference_mode():  # the buffer follows the mode it is used in
         draw(torch.randn(3, VOCAB, generator=gen), rows)
     second = draw(torch.randn(2, VOCAB, generator=gen), rows[:2])
-    assert torch.equal(first.token_ids, kept[0]) and torch.equal(first.logprobs, kept[1])
+    assert torch.equal(first.token_ids, kept[0]) and torch.equal(first.processed_logprobs, kept[1])
     assert torch.equal(first.raw_logprobs, kept[2]) and first.top_logprobs == kept[3]
     expected = torch.log_softmax(first_logits, -1).max(-1)
-    assert torch.equal(first.token_ids, expected.indices) and torch.equal(first.logprobs, expected.values)
+    assert torch.equal(first.token_ids, expected.indices)
+    assert torch.equal(first.processed_logprobs, expected.values)
     assert second.token_ids.shape == (2,)
 
 
@@ -103,7 +106,7 @@ def tiny_model() -> CausalLM:
 
 def test_projection_into_the_reused_buffer_equals_the_models_logits() -> None:
     model = tiny_model()
-    runner = ModelRunner(model, kv_cache=None, kv=None, block_size=16)
+    runner = ModelRunner(model, kv_cache=None, kv_manager=None, block_size=16)
     hidden = torch.randn(7, model.config.hidden_size)
     with torch.inference_mode():
         big = runner.project(hidden)
@@ -114,13 +117,38 @@ def test_projection_into_the_reused_buffer_equals_the_models_logits() -> None:
         assert torch.equal(small, model.logits(hidden[:3]))
 
 
+def test_positions_are_computed_once_per_step(monkeypatch) -> None:
+    """The model's rotary embedding reads the very positions tensor the attention metadata built."""
+    from pagedrl.engine import model_runner
+    from pagedrl.engine.llm import LLM
+    from pagedrl.engine.sampling_params import SamplingParams
+
+    llm = LLM.from_module(tiny_model(), block_size=4, kv_cache_tokens=256, max_num_batched_tokens=6)
+    built, seen = [], []
+    real_build = model_runner.PagedAttention.build
+    monkeypatch.setattr(model_runner.PagedAttention, "build",
+                        lambda *args, **kwargs: built.append(real_build(*args, **kwargs)) or built[-1])
+    real_forward = llm.engine.model.forward
+    monkeypatch.setattr(llm.engine.model, "forward",
+                        lambda ids, positions, meta: seen.append(positions) or real_forward(ids, positions, meta))
+    llm.generate([[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21]], SamplingParams(max_tokens=3, ignore_eos=True),
+                 use_tqdm=False)
+    assert len(seen) == len(built) == llm.engine.num_steps
+    for positions, meta in zip(seen, built, strict=True):
+        assert positions.data_ptr() == meta.positions.data_ptr()
+        assert positions[0].tolist() == meta.positions.tolist()
+    # Chunked prefill: the 9-token prompt is cut at 6 tokens per step, then decodes follow.
+    assert seen[0][0].tolist() == [0, 1, 2, 3, 4, 5]
+    assert seen[1][0].tolist() == [6, 7, 8, 0, 1]
+
+
 def test_a_model_that_overrides_logits_is_respected() -> None:
     class Scaled(CausalLM):
         def logits(self, hidden: torch.Tensor) -> torch.Tensor:
             return 2 * super().logits(hidden)
 
     model = Scaled(ModelConfig.from_dict(FAMILIES["llama-gqa-untied"])).eval()
-    runner = ModelRunner(model, kv_cache=None, kv=None, block_size=16)
+    runner = ModelRunner(model, kv_cache=None, kv_manager=None, block_size=16)
     hidden = torch.randn(4, model.config.hidden_size)
     with torch.inference_mode():
         assert torch.equal(runner.project(hidden), model.logits(hidden))

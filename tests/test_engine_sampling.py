@@ -30,7 +30,7 @@ def test_seeded_requests_reproduce_across_batch_compositions(hf) -> None:
     assert reversed_order[0].outputs[0].token_ids == alone
 
 
-def test_sampled_logprobs_equal_dense_recompute(hf) -> None:
+def test_processed_logprobs_equal_dense_recompute(hf) -> None:
     """The logprob contract: what the engine reports for each sampled token is the log-prob under the
     distribution it was drawn from, which the training forward reproduces with the same settings."""
     model_llm = engine_for(hf)
@@ -46,7 +46,7 @@ def test_sampled_logprobs_equal_dense_recompute(hf) -> None:
             tokens = torch.tensor(comp.token_ids)
             dense = processed_logprobs(logits, tokens, temperature=0.7, top_k=50, top_p=0.8)
             raw = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
-            assert torch.allclose(torch.tensor(comp.sampled_logprobs), dense, atol=1e-4)
+            assert torch.allclose(torch.tensor(comp.processed_logprobs), dense, atol=1e-4)
             assert torch.allclose(torch.tensor(comp.raw_logprobs), raw, atol=1e-4)
 
 
@@ -59,7 +59,7 @@ def test_n_samples_fork_the_prompt_blocks(hf) -> None:
     peak = 0
     while engine.has_unfinished_requests():
         engine.step()
-        peak = max(peak, engine.kv.num_blocks_used)
+        peak = max(peak, engine.kv_manager.num_blocks_used)
     prompt_blocks = len(prompt) // 4 + 1
     # The prompt's blocks once, plus per sample at most the copied partial block and its new blocks.
     assert peak <= prompt_blocks + 6 * 2
@@ -130,3 +130,19 @@ def test_stats_are_readable_while_generating(hf) -> None:
     assert seen and keys <= set(seen[-1])
     assert max(s["num_blocks_used"] for s in seen) > 0
     assert llm.stats()["generation_tokens"] == 6 * 20
+
+
+def test_what_callers_read_and_reseeding(hf) -> None:
+    llm = engine_for(hf, block_size=8, max_model_len=64)
+    assert (llm.block_size, llm.max_model_len, llm.vocab_size) == (8, 64, hf.config.vocab_size)
+    batch = prompts(hf.config.vocab_size)[:3]
+    unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+
+    def draw(seed: int) -> list[list[int]]:
+        llm.reseed(seed)
+        return [o.outputs[0].token_ids for o in llm.generate(batch, unseeded, use_tqdm=False)]
+
+    first = draw(5)
+    assert draw(5) == first  # the same stream again
+    assert draw(6) != first
+    assert llm.stats()["prompt_tokens"] == 3 * sum(len(p) for p in batch)

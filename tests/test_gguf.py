@@ -336,3 +336,14 @@ def test_default_model_knows_the_capital_of_france(default_tokenizer, smollm2_pa
         for _ in range(3):  # greedy, recomputing the whole sequence: no cache involved
             ids.append(int(model.logits(model(torch.tensor([ids])))[0, -1].argmax()))
     assert "Paris" in default_tokenizer.decode(ids[len(default_tokenizer.encode(PROMPT)):])
+
+
+@pytest.mark.parametrize("keep", [6, 24, 100, 1000, 30_000])
+def test_truncated_gguf_is_one_clear_error(tiny_gguf: Path, tmp_path: Path, keep: int) -> None:
+    """Cut inside the header (6, 24, 100 bytes), the metadata (1000) or the tensor data (30 000)."""
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:keep])
+    with pytest.raises(GGUFError, match=rf"^{cut}: truncated or corrupt GGUF \({keep} bytes; reading it failed with "
+                                        r"\w+: .*\); a partial download\? fetch the file again$"):
+        convert_gguf(cut, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf"]

@@ -37,13 +37,18 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.km = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
         self.bs = block_size
         self.version = 0
-        self.seqs: dict[int, dict] = {}  # id -> {"tokens": list[int], "computed": int}
+        self.seqs: dict[int, dict] = {}  # id -> {"tokens": list[int], "computed": int, "hashes": list}
         self.freed: list[int] = []
         self.next_id = 0
         self.kv: dict[int, tuple[tuple[int, ...], frozenset[int]]] = {}  # slot -> shadow content
         self.queries = self.hits = 0
 
     # ------------------------------------------------------------- helpers
+
+    def _pool_state(self) -> tuple:
+        pool = self.km.pool
+        return ([b.ref_count for b in pool.blocks], pool.free_block_ids(), dict(pool.cached),
+                self.km.prefix_cache_queries, self.km.prefix_cache_hits)
 
     def _pick(self, index: int) -> int:
         ids = sorted(self.seqs)
@@ -59,19 +64,22 @@ class KVCacheMachine(RuleBasedStateMachine):
             )
             self.kv[self.km.slot(seq_id, pos)] = (tuple(tokens[: pos + 1]), prev[1] | {self.version})
 
-    def _allocate(self, seq_id: int, num_new: int) -> bool:
-        """allocate_slots, checking the all-or-nothing contract against an independent count."""
+    def _allocate(self, seq_id: int, num_new: int, hits=None) -> bool:
+        """allocate_slots (attaching a prefix lookup's `hits` first, if given), checking the
+        all-or-nothing contract against an independent count."""
         seq = self.seqs[seq_id]
         computed = seq["computed"]
-        table = self.km.block_table(seq_id)
+        table = self.km.block_table(seq_id) if seq_id in self.km else []
+        hit_blocks = [] if hits is None else hits.blocks
         required = -(-(computed + num_new) // self.bs)
         first = computed // self.bs
         shared = sum(
             1 for i in range(first, min(required, len(table))) if self.km.pool.blocks[table[i]].ref_count > 1
         )
-        needed = shared + max(0, required - len(table))
+        needed = shared + max(0, required - len(table) - len(hit_blocks))
+        needed += sum(1 for block in hit_blocks if block.ref_count == 0)  # free cached blocks hit
         free_before = self.km.pool.free_block_ids()
-        ok = self.km.allocate_slots(seq_id, seq["tokens"], computed, num_new)
+        ok = self.km.allocate_slots(seq_id, seq["tokens"], computed, num_new, hits, seq["hashes"])
         assert ok == (needed <= len(free_before))
         event("allocation refused" if not ok else "copy on write" if shared else "allocated")
         if not ok:
@@ -103,8 +111,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             self._forward(seq_id, seq["computed"], seq["computed"] + num_new)
             seq["computed"] += num_new
 
-    def _schedule(self, seq_id: int, num_new: int) -> bool:
-        ok = self._allocate(seq_id, num_new)
+    def _schedule(self, seq_id: int, num_new: int, hits=None) -> bool:
+        ok = self._allocate(seq_id, num_new, hits)
         if ok:
             self._run([(seq_id, num_new)])
         return ok
@@ -115,23 +123,27 @@ class KVCacheMachine(RuleBasedStateMachine):
     def add_sequence(self, prompt: list[int], chunk: int) -> None:
         seq_id = self.next_id
         self.next_id += 1
-        hit = self.km.get_computed_blocks(seq_id, prompt)
+        hashes: list = []
+        before = self._pool_state()
+        computed = self.km.get_computed_blocks(prompt, hashes)
+        assert self._pool_state() == before  # a lookup is a query: nothing taken, nothing counted
+        hit = computed.num_tokens
         assert hit % self.bs == 0 and hit <= (len(prompt) - 1) // self.bs * self.bs
+        assert hit == len(computed.blocks) * self.bs
         event("prefix hit" if hit else "prefix miss")
-        if self.km.enable_prefix_caching:
-            self.queries += len(prompt)
-            self.hits += hit
-        else:
+        if not self.km.enable_prefix_caching:
             assert hit == 0
         # A hit is only as good as the KV behind it: this prompt's prefix, under the current weights.
         for pos in range(hit):
-            assert self.kv.get(self.km.slot(seq_id, pos)) == (
-                tuple(prompt[: pos + 1]),
-                frozenset({self.version}),
-            )
-        self.seqs[seq_id] = {"tokens": list(prompt), "computed": hit}
-        if not self._schedule(seq_id, min(chunk, len(prompt) - hit)):
-            self.km.free(seq_id)  # gives the hit blocks back, as a scheduler would
+            slot = computed.blocks[pos // self.bs].block_id * self.bs + pos % self.bs
+            assert self.kv.get(slot) == (tuple(prompt[: pos + 1]), frozenset({self.version}))
+        self.seqs[seq_id] = {"tokens": list(prompt), "computed": hit, "hashes": hashes}
+        if self._schedule(seq_id, min(chunk, len(prompt) - hit), computed):
+            if self.km.enable_prefix_caching:  # counted once, when admitted
+                self.queries += len(prompt)
+                self.hits += hit
+        else:
+            self.km.free(seq_id)  # drops the empty table a refused allocation leaves
             del self.seqs[seq_id]
 
     @precondition(lambda self: any(s["computed"] < len(s["tokens"]) for s in self.seqs.values()))
@@ -175,6 +187,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.seqs[child] = {
             "tokens": list(self.seqs[parent]["tokens"]),
             "computed": self.seqs[parent]["computed"],
+            "hashes": list(self.seqs[parent]["hashes"]),
         }
 
     @precondition(lambda self: self.seqs)
@@ -250,6 +263,18 @@ class KVCacheMachine(RuleBasedStateMachine):
     @invariant()
     def prefix_stats_add_up(self) -> None:
         assert (self.km.prefix_cache_queries, self.km.prefix_cache_hits) == (self.queries, self.hits)
+
+    @invariant()
+    def kept_hashes_name_the_sequences_own_blocks(self) -> None:
+        """A sequence's kept chain hashes are those of its own tokens, under one weight version."""
+        for seq in self.seqs.values():
+            hashes = seq["hashes"]
+            assert len(hashes) <= len(seq["tokens"]) // self.bs
+            chain = None
+            for i, block_hash in enumerate(hashes):
+                chain = hash_block_tokens(chain, seq["tokens"][i * self.bs : (i + 1) * self.bs],
+                                          hashes[0].weight_version)
+                assert block_hash == chain
 
     @invariant()
     def every_sequence_reads_back_its_own_kv(self) -> None:

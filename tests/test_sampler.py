@@ -230,7 +230,7 @@ def test_sampler_distribution_matches_reference_end_to_end(device):
         tok = int(out.token_ids[i])
         assert expected[tok] > 0, "sampled a token outside the kept set"
         assert abs(out.raw_logprobs[i].item() - raw[i, tok].item()) < 1e-5
-        assert abs(out.logprobs[i].item() - dists[i][tok]) < 1e-6
+        assert abs(out.processed_logprobs[i].item() - dists[i][tok]) < 1e-6
         if margin >= 1e-4:
             checked += 1
             assert_logprobs_close(dists[i], ref_logprobs(expected))
@@ -250,8 +250,8 @@ def test_sampled_logprob_equals_trainer_recompute(device):
         logits, out.token_ids, **{k: torch.tensor([s.get(k, d) for s in settings], device=device)
                                   for k, d in [("temperature", 1.0), ("top_k", 0), ("top_p", 1.0),
                                                ("min_p", 0.0)]})
-    assert torch.isfinite(out.logprobs).all()
-    assert torch.allclose(out.logprobs, recompute, atol=1e-5, rtol=0)
+    assert torch.isfinite(out.processed_logprobs).all()
+    assert torch.allclose(out.processed_logprobs, recompute, atol=1e-5, rtol=0)
     # Penalised rows agree too when the trainer is handed the penalised logits.
     p = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.5, frequency_penalty=0.5)
     row = SamplingRow(p, [1, 2, 3], [3, 3, 7])
@@ -260,7 +260,7 @@ def test_sampled_logprob_equals_trainer_recompute(device):
                                 token_counts([[3, 3, 7]], vocab, device), torch.tensor([0.0], device=device),
                                 torch.tensor([0.5], device=device), torch.tensor([1.5], device=device))
     again = processed_logprobs(penalised, single.token_ids, 0.8, 0, 0.9)
-    assert torch.allclose(single.logprobs, again, atol=1e-5, rtol=0)
+    assert torch.allclose(single.processed_logprobs, again, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -300,7 +300,7 @@ def test_greedy_picks_the_first_argmax_and_consumes_no_randomness():
     out = Sampler(shared)(logits, rows)
     assert out.token_ids.tolist() == [1, 0]
     assert torch.equal(own.get_state(), own_state) and torch.equal(shared.get_state(), shared_state)
-    assert torch.allclose(out.logprobs, torch.log_softmax(logits, -1).max(-1).values)
+    assert torch.allclose(out.processed_logprobs, torch.log_softmax(logits, -1).max(-1).values)
 
 
 def test_greedy_applies_penalties_and_bans_first():
@@ -338,7 +338,7 @@ def test_banned_ids_are_never_sampled():
     out = Sampler(torch.Generator().manual_seed(8))(logits.expand(draws, -1), rows)
     assert set(out.token_ids.tolist()) == {2, 3, 5}
     expected, _ = ref_probs(logits.tolist(), temperature=1.5, banned=[0, 1, 4])
-    assert_logprobs_close(out.logprobs[:5].tolist(),
+    assert_logprobs_close(out.processed_logprobs[:5].tolist(),
                           [math.log(expected[t]) for t in out.token_ids[:5].tolist()])
 
 

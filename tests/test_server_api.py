@@ -172,14 +172,14 @@ def test_chat_logprobs_are_ranked_top_lists(client, model_name):
         assert item.bytes == list(item.token.encode())
 
 
-def _stop_across_tokens(tokens: list[str]) -> tuple[str, int]:
+def _stop_across_tokens(text: str, tokens: list[str], offsets: list[int]) -> tuple[str, int]:
     """A 2-character stop string made of the end of one token and the start of the next, and the
-    offset where it first occurs in the text: it can only be found after both tokens arrived."""
-    text = "".join(tokens)
-    offset = 0
-    for a, b in zip(tokens, tokens[1:], strict=False):
-        offset += len(a)
-        if a and b and a.isprintable() and b.isprintable() and "\ufffd" not in a + b and offset > 1:
+    offset where it first occurs in the text: it can only be found after both tokens arrived.
+    (Tokens named `bytes:...` hold part of a character and are not text.)"""
+    for i in range(len(tokens) - 1):
+        (a, at_a), (b, offset) = (tokens[i], offsets[i]), (tokens[i + 1], offsets[i + 1])
+        whole = not a.startswith("bytes:") and not b.startswith("bytes:") and offset == at_a + len(a)
+        if whole and a and b and a.isprintable() and b.isprintable() and "\ufffd" not in a + b and offset > 1:
             stop = a[-1] + b[0]
             if text.find(stop) == offset - 1:
                 return stop, offset - 1
@@ -190,7 +190,7 @@ def test_stop_string_cuts_text_streamed_and_not(client, model_name):
     base = dict(model=model_name, prompt=PROMPT, max_tokens=24, temperature=1.0, seed=11,
                 extra_body={"ignore_eos": True})
     full = client.completions.create(logprobs=0, **base).choices[0]
-    stop, at = _stop_across_tokens(full.logprobs.tokens)
+    stop, at = _stop_across_tokens(full.text, full.logprobs.tokens, full.logprobs.text_offset)
     r = client.completions.create(stop=[stop, "never-generated"], **base).choices[0]
     assert r.text == full.text[:at] and r.finish_reason == "stop" and r.stop_reason == stop
     streamed = list(client.completions.create(stop=stop, stream=True, **base))

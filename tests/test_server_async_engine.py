@@ -158,3 +158,11 @@ def test_a_failed_step_fails_its_requests_and_the_engine_carries_on(loaded):
 
     out = run(main())
     assert out[0].finished and len(out[0].outputs[0].token_ids) == 4
+
+
+def test_what_the_server_reads_comes_from_the_engine(loaded):
+    engine = make_engine(loaded, block_size=8)
+    aeng = AsyncEngine(engine)
+    assert aeng.tokenizer is loaded.tokenizer
+    assert (aeng.max_model_len, aeng.vocab_size, aeng.block_size) == (
+        engine.max_model_len, loaded.model.config.vocab_size, 8)

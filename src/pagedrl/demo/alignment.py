@@ -60,9 +60,8 @@ def baseline_and_pairs(plan: DemoPlan) -> dict[str, Any]:
     stats = make_pairs(plan.out / "pairs", {"num_prompts": plan.pair_prompts, "num_generations": plan.pair_generations,
                                             "temperature": 1.0, "max_tokens": plan.completion_tokens}, plan.ppo(), llm)
     after = llm.stats()
-    block_size = llm.engine.config.block_size
     shared = (after["num_forked_blocks"] - before["num_forked_blocks"]) + \
-        (after["prefix_cache_hits"] - before["prefix_cache_hits"]) // block_size
+        (after["prefix_cache_hits"] - before["prefix_cache_hits"]) // llm.block_size
     return {"base_accuracy": accuracy, "num_eval": len(rows), "eval_seconds": eval_seconds,
             "pairs_seconds": time.perf_counter() - t0, "prefix_blocks_shared": int(shared), **stats}
 

@@ -111,9 +111,9 @@ def _live_per_block(engine: Any, running: list[Any]) -> tuple[int, list[tuple[An
     filled: dict[int, int] = {}
     tables = []
     for seq in running:
-        if seq.seq_id not in engine.kv:
+        if seq.seq_id not in engine.kv_manager:
             continue
-        table = engine.kv.block_table(seq.seq_id)
+        table = engine.kv_manager.block_table(seq.seq_id)
         tables.append((seq, table))
         for i, b in enumerate(table):
             filled[b] = max(filled.get(b, 0), min(block_size, seq.num_computed_tokens - i * block_size))
@@ -134,10 +134,10 @@ def run_pagedrl(llm: LLM, workload: list[Request], seed: int = 0) -> Run:
         running = engine.scheduler.running
         live, tables = _live_per_block(engine, running)
         run.kv_live.append(live)
-        run.kv_slots.append(engine.kv.num_blocks_used * block_size)
-        if run.snapshot is None or engine.kv.num_blocks_used > run.snapshot.blocks_used:
-            run.snapshot = KVSnapshot(len(run.kv_live), block_size, engine.kv.num_blocks_total,
-                                      engine.kv.num_blocks_used, [
+        run.kv_slots.append(engine.kv_manager.num_blocks_used * block_size)
+        if run.snapshot is None or engine.kv_manager.num_blocks_used > run.snapshot.blocks_used:
+            run.snapshot = KVSnapshot(len(run.kv_live), block_size, engine.kv_manager.num_blocks_total,
+                                      engine.kv_manager.num_blocks_used, [
                 SeqBlocks(request_of.get(seq.request_id, -1), seq.index, list(table), seq.num_computed_tokens,
                           seq.num_prompt_tokens + seq.params.max_tokens, seq.num_prompt_tokens)
                 for seq, table in tables])
@@ -222,7 +222,7 @@ def peak_blocks(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> i
     ids = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished_requests():
         engine.step()
-        peak = max(peak, engine.kv.num_blocks_used)
+        peak = max(peak, engine.kv_manager.num_blocks_used)
     assert all(rid not in engine.requests for rid in ids)
     return peak
 

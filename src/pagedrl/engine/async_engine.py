@@ -7,13 +7,15 @@ abort, stop) through a queue that the engine thread applies between steps, and t
 hands each step's outputs back with `loop.call_soon_threadsafe`. A forward pass
 therefore never blocks the event loop, and an abort frees the request's blocks before the next step.
 
-Outputs are cumulative (each `RequestOutput` carries the whole text and token list so far), so a
-consumer that falls behind loses nothing by seeing only the latest one: a stream keeps one pending
-output, not a queue, and slow clients cannot make memory grow.
+A stream keeps one pending output, not a queue: a CUMULATIVE output replaces the pending one (it
+carries everything so far), a DELTA output is merged into it (the cost of what it adds), so a
+consumer that falls behind loses nothing and slow clients cannot make memory grow beyond what they
+have not read yet. Servers ask for DELTA, so no step rebuilds what was already sent.
 
-Admission is bounded: at most `max_num_seqs + max_waiting_requests` requests are in flight; beyond
-that `submit` raises `EngineOverloaded`, which the server turns into 503, instead of queueing
-work that would only time out.
+Admission is bounded in sequences, not requests (a request with `n` samples counts `n`): at most
+`max_num_seqs + max_waiting_requests` sequences are in flight; beyond that `submit` raises
+`EngineOverloaded`, which the server turns into 503, instead of queueing work that would only time
+out. `n` above `max_num_seqs` can never run and is a ValueError (HTTP 400).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 
 from pagedrl.engine.llm_engine import LLMEngine
 from pagedrl.engine.outputs import RequestOutput
-from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +74,13 @@ class RequestStream:
     finish_time: float | None = None
     inter_token_latencies: list[float] = field(default_factory=list)
     num_generation_tokens: int = 0
+    num_seqs: int = 1  # the request's samples: what it counts against the admission bound
+    delta: bool = False  # outputs are DELTA: merge them, do not replace
 
     def put(self, out: RequestOutput, now: float) -> None:
         num = sum(len(c.token_ids) for c in out.outputs)
+        if self.delta:
+            num += self.num_generation_tokens
         if num > self.num_generation_tokens:
             if self.first_token_time is None:
                 self.first_token_time = now
@@ -82,7 +88,11 @@ class RequestStream:
                 self.inter_token_latencies.append(now - self.last_token_time)
             self.last_token_time = now
             self.num_generation_tokens = num
-        self.pending = self.last = out
+        if self.delta and self.pending is not None:
+            self.pending.add(out)
+        else:
+            self.pending = out
+        self.last = out
         if out.finished:
             self.end(out.outputs[0].finish_reason, now)
         self.notify.set()
@@ -133,10 +143,16 @@ class RequestGroup:
             await self.notify.wait()
 
     async def final_outputs(self) -> list[RequestOutput]:
-        """Wait for every request to finish and return the final outputs, in prompt order."""
-        async for _ in self:
-            pass
-        return [s.last for s in self.streams]
+        """Wait for every request to finish and return the final outputs, in prompt order (DELTA outputs
+        merged into whole ones)."""
+        whole: dict[int, RequestOutput] = {}
+        async for updates in self:
+            for i, out in updates:
+                if i in whole and self.streams[i].delta:
+                    whole[i].add(out)
+                else:
+                    whole[i] = out
+        return [whole.get(i, s.last) for i, s in enumerate(self.streams)]
 
     def abort(self) -> None:
         """Abort every request of the group that has not ended (idempotent)."""
@@ -153,8 +169,9 @@ class AsyncEngine:
             raise ValueError(f"max_waiting_requests must be a non-negative int, got {max_waiting_requests!r}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self.capacity = engine.config.max_num_seqs + max_waiting_requests
+        self.capacity = engine.config.max_num_seqs + max_waiting_requests  # in sequences
         self.streams: dict[str, RequestStream] = {}
+        self.num_seqs_in_flight = 0
         self.listeners: list[Callable[[RequestStream], None]] = []
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -169,6 +186,14 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="pagedrl-engine", daemon=True)
         self._thread.start()
+
+    def abort_all(self, reason: str) -> None:
+        """End every request in flight with `RequestAborted(reason)` and accept no new ones: what a server
+        does when its shutdown grace period is over, so each response can still end in an orderly way."""
+        if self._dead is None:
+            self._dead = EngineDead(reason)
+        for s in list(self.streams.values()):
+            self._end_stream(s, "abort", RequestAborted(reason))
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Abort what is still in flight, stop the engine thread and wait for it."""
@@ -191,6 +216,23 @@ class AsyncEngine:
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
 
+    # Fixed when the engine is built, so safe to read from the event loop.
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.block_size
+
     # ------------------------------------------------------------------ requests (event loop side)
     async def submit(self, prompts: Sequence[Prompt], params: SamplingParams,
                      request_id: str | None = None) -> RequestGroup:
@@ -203,28 +245,35 @@ class AsyncEngine:
             raise self._dead or EngineDead("the engine is not running")
         if not prompts:
             raise ValueError("prompt is empty (no prompts given)")
-        if len(self.streams) + len(prompts) > self.capacity:
-            raise EngineOverloaded(f"the server is overloaded: {len(self.streams)} requests in flight, "
-                                   f"at most {self.capacity} are accepted; retry later")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        self.engine.check_num_seqs(params)  # before any loop over n
+        wanted = len(prompts) * params.n
+        self._check_room(wanted)
         long = sum(len(p) for p in prompts if isinstance(p, str)) > LONG_PROMPT_CHARS
         ids = await asyncio.to_thread(self._validate, prompts, params) if long else self._validate(prompts, params)
-        if len(self.streams) + len(prompts) > self.capacity:  # re-check: others may have come in meanwhile
-            raise EngineOverloaded(f"the server is overloaded: at most {self.capacity} requests are accepted")
+        self._check_room(wanted)  # again: others may have come in meanwhile
         base = request_id or uuid.uuid4().hex
         notify = asyncio.Event()
-        streams = [RequestStream(f"{base}-{i}", prompt_ids, notify) for i, prompt_ids in enumerate(ids)]
+        delta = params.output_kind is RequestOutputKind.DELTA
+        streams = [RequestStream(f"{base}-{i}", prompt_ids, notify, num_seqs=params.n, delta=delta)
+                   for i, prompt_ids in enumerate(ids)]
         for s in streams:
             if s.request_id in self.streams:
                 raise ValueError(f"request_id {s.request_id!r} is already in use")
         for s in streams:
             self.streams[s.request_id] = s
+            self.num_seqs_in_flight += s.num_seqs
             self._commands.put(("add", (s.request_id, s.prompt_token_ids, params)))
         return RequestGroup(self, streams, notify)
 
+    def _check_room(self, wanted: int) -> None:
+        if self.num_seqs_in_flight + wanted > self.capacity:
+            raise EngineOverloaded(f"the server is overloaded: {self.num_seqs_in_flight} sequences in flight, "
+                                   f"{wanted} more asked, at most {self.capacity} are accepted; retry later")
+
     def _validate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[int]]:
         """Tokenize and check every prompt without touching engine state (safe off the engine thread)."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         out = []
         for p in prompts:
             ids = self.engine.encode(p)
@@ -238,8 +287,12 @@ class AsyncEngine:
         if stream is not None:
             self._end_stream(stream, "abort", None)
 
+    def _forget(self, stream: RequestStream) -> None:
+        if self.streams.pop(stream.request_id, None) is not None:
+            self.num_seqs_in_flight -= stream.num_seqs
+
     def _end_stream(self, stream: RequestStream, reason: str, error: BaseException | None) -> None:
-        self.streams.pop(stream.request_id, None)
+        self._forget(stream)
         stream.end(reason, time.monotonic(), error)
         self._commands.put(("abort", stream.request_id))
         self._notify_listeners(stream)
@@ -259,7 +312,7 @@ class AsyncEngine:
                 continue
             stream.put(out, now)
             if out.finished:
-                del self.streams[out.request_id]
+                self._forget(stream)
                 self._notify_listeners(stream)
 
     def _fail(self, request_ids: list[str], error: BaseException) -> None:

@@ -5,6 +5,15 @@ manager fills it three ways: prefix hits (cached full blocks whose chain hash ma
 fresh blocks for new tokens, and copy-on-write when a sequence is about to write into a block it
 shares (after `fork`, the n samples of one prompt share every block, the partial last one too).
 
+Admission is a query, then an allocation (vLLM v1): `get_computed_blocks` looks the prompt up and
+changes nothing, `allocate_slots` takes the hit blocks together with the fresh ones, all or
+nothing, and only then records the lookup in the prefix-cache statistics. A request that has to
+wait for memory therefore holds nothing while it waits and is counted once, when it is admitted.
+
+The chain hashes of a sequence's full blocks belong to the sequence (`block_hashes`, a list the
+caller keeps and the manager extends): each full block is hashed once as the sequence grows, not
+again on every lookup or step.
+
 Timing contract with the scheduler and the model runner: full blocks are registered in the cache
 when they are allocated, before the forward that writes them; that forward runs before any later
 step can read them. So: run `take_pending_copies()` and then the forward for every successful
@@ -27,11 +36,24 @@ SeqId = int | str
 
 @dataclass
 class _SeqBlocks:
-    """A sequence's block table, the chain hashes of its leading full blocks, and its KV version."""
+    """A sequence's block table, how many of its leading full blocks are hashed, its KV version."""
 
     weight_version: int
     blocks: list[KVBlock] = field(default_factory=list)
-    hashes: list[BlockHash] = field(default_factory=list)
+    num_hashed_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class ComputedBlocks:
+    """What a prefix lookup found: cached blocks holding a prompt's first `num_tokens` tokens.
+
+    Nothing is held yet: pass this to `allocate_slots`, which takes the blocks and records the
+    lookup (`num_queried_tokens` looked up, `num_tokens` hit) once the allocation succeeds."""
+
+    blocks: list[KVBlock]
+    hashes: list[BlockHash]
+    num_tokens: int
+    num_queried_tokens: int
 
 
 class KVCacheManager:
@@ -51,46 +73,66 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------- sequences
 
-    def get_computed_blocks(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
-        """Attach the longest cached prefix of `token_ids` to a sequence that holds no blocks yet,
-        and return how many tokens it covers (a multiple of `block_size`).
+    def get_computed_blocks(
+        self, token_ids: Sequence[int], block_hashes: list[BlockHash] | None = None
+    ) -> ComputedBlocks:
+        """The longest cached prefix of `token_ids` (a multiple of `block_size` tokens). A pure
+        query: no block is held and no statistic changes; only `block_hashes`, the sequence's own
+        list of chain hashes, is brought up to date (see `hash_blocks`).
 
         The last token is never a hit: its logits are needed, so at most (len - 1) // block_size
-        blocks match. The hit blocks are held from now on; if `allocate_slots` then fails, `free`
-        the sequence to give them back."""
+        blocks match."""
         if len(token_ids) == 0:
             raise ValueError("token_ids must not be empty")
-        seq = self._seqs.get(seq_id)
-        if seq is not None and seq.blocks:
-            raise ValueError(f"sequence {seq_id!r} already holds {len(seq.blocks)} blocks; free it first")
-        seq = self._seqs[seq_id] = _SeqBlocks(self._weight_version)
         if not self.enable_prefix_caching:
-            return 0
-        bs = self.block_size
-        parent: BlockHash | None = None
-        for i in range((len(token_ids) - 1) // bs):
-            block_hash = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], self._weight_version)
+            return ComputedBlocks([], [], 0, 0)
+        num_candidates = (len(token_ids) - 1) // self.block_size
+        hashes = self.hash_blocks(token_ids, num_candidates, block_hashes)
+        blocks: list[KVBlock] = []
+        for block_hash in hashes[:num_candidates]:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
-            seq.blocks.append(block)
-            seq.hashes.append(block_hash)
-            parent = block_hash
-        self.pool.touch(seq.blocks)
-        num_hit_tokens = len(seq.blocks) * bs
-        self.prefix_cache_queries += len(token_ids)
-        self.prefix_cache_hits += num_hit_tokens
-        return num_hit_tokens
+            blocks.append(block)
+        return ComputedBlocks(blocks, hashes[: len(blocks)], len(blocks) * self.block_size, len(token_ids))
+
+    def hash_blocks(
+        self, token_ids: Sequence[int], num_blocks: int, block_hashes: list[BlockHash] | None = None
+    ) -> list[BlockHash]:
+        """Chain hashes of the first `num_blocks` full blocks of `token_ids` under the current
+        weights, extending `block_hashes` in place: blocks hashed before are not hashed again.
+
+        `block_hashes` must have been built from these `token_ids` (a sequence's tokens only ever
+        grow). A list computed under older weights is started again: no hash of old keys and
+        values may be found under new ones. Without a list every block is hashed afresh."""
+        hashes = [] if block_hashes is None else block_hashes
+        if hashes and hashes[0].weight_version != self._weight_version:
+            hashes.clear()
+        bs = self.block_size
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], self._weight_version))
+        return hashes
 
     def allocate_slots(
-        self, seq_id: SeqId, token_ids: Sequence[int], num_computed_tokens: int, num_new_tokens: int
+        self,
+        seq_id: SeqId,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        computed: ComputedBlocks | None = None,
+        block_hashes: list[BlockHash] | None = None,
     ) -> bool:
         """Make the sequence's table cover `num_computed_tokens + num_new_tokens` tokens, writable.
 
-        All or nothing: returns False, changing nothing, when the free queue (cached free blocks
-        included) cannot supply the blocks. A shared block that the new tokens will be written into
-        is replaced by a fresh one; if it already holds computed tokens a (src, dst) copy is queued
-        for `take_pending_copies`. Blocks that end up full of known tokens are then cached."""
+        `computed`, the prefix lookup of a sequence that holds no blocks yet, is attached first
+        (its blocks cover its `num_tokens`, which `num_computed_tokens` counts) and recorded in the
+        prefix-cache statistics. All or nothing: returns False, changing nothing, when the free
+        queue (cached free blocks included) cannot supply the fresh blocks and the hits that are
+        free. A shared block that the new tokens will be written into is replaced by a fresh
+        one; if it already holds computed tokens a (src, dst) copy is queued for
+        `take_pending_copies`. Blocks that end up full of known tokens are then cached, hashed
+        through `block_hashes` (see `hash_blocks`)."""
         if num_computed_tokens < 0:
             raise ValueError(f"num_computed_tokens must be >= 0, got {num_computed_tokens}")
         if num_new_tokens < 0:
@@ -102,19 +144,22 @@ class KVCacheManager:
             )
         bs = self.block_size
         seq = self._seqs.get(seq_id)
+        hits = self._check_computed(seq_id, seq, computed)
         if seq is None:
             seq = self._seqs[seq_id] = _SeqBlocks(self._weight_version)
         elif not seq.blocks:
             seq.weight_version = self._weight_version  # no keys and values yet: all computed from now on
         blocks = seq.blocks
-        if num_computed_tokens > len(blocks) * bs:
+        num_held = len(blocks) + len(hits)
+        if num_computed_tokens > num_held * bs:
             raise ValueError(
                 f"num_computed_tokens = {num_computed_tokens} but sequence {seq_id!r} holds only "
-                f"{len(blocks)} blocks ({len(blocks) * bs} tokens)"
+                f"{num_held} blocks ({num_held * bs} tokens)"
             )
-        if num_computed_tokens < len(seq.hashes) * bs:
+        num_hashed = len(hits) if computed is not None else seq.num_hashed_blocks
+        if num_computed_tokens < num_hashed * bs:
             raise ValueError(
-                f"num_computed_tokens = {num_computed_tokens} would rewrite the {len(seq.hashes)} full "
+                f"num_computed_tokens = {num_computed_tokens} would rewrite the {num_hashed} full "
                 f"blocks of sequence {seq_id!r} that are already hashed"
             )
         num_required = -(-total // bs)
@@ -124,9 +169,17 @@ class KVCacheManager:
             shared = [
                 i for i in range(first_written, min(num_required, len(blocks))) if blocks[i].ref_count > 1
             ]
-        num_needed = len(shared) + max(0, num_required - len(blocks))
-        if num_needed > self.pool.num_free_blocks:
+        num_needed = len(shared) + max(0, num_required - num_held)
+        # A hit on a free cached block takes it out of the free queue too.
+        num_free_hits = sum(1 for block in hits if block.ref_count == 0)
+        if num_needed + num_free_hits > self.pool.num_free_blocks:
             return False
+        if computed is not None:
+            self.pool.touch(hits)  # before taking fresh blocks, which could evict them
+            blocks.extend(hits)
+            seq.num_hashed_blocks = len(hits)
+            self.prefix_cache_queries += computed.num_queried_tokens
+            self.prefix_cache_hits += computed.num_tokens
         fresh = self.pool.get_new_blocks(num_needed)
         for i, new in zip(shared, fresh, strict=False):
             old = blocks[i]
@@ -135,19 +188,41 @@ class KVCacheManager:
             if i * bs < num_computed_tokens:
                 self._pending_copies.append((old.block_id, new.block_id))
         blocks.extend(fresh[len(shared) :])
-        self._cache_full_blocks(seq, token_ids, total)
+        self._cache_full_blocks(seq, token_ids, total, block_hashes)
         return True
 
-    def _cache_full_blocks(self, seq: _SeqBlocks, token_ids: Sequence[int], num_tokens: int) -> None:
-        """Hash and register the blocks full of the first `num_tokens` tokens not yet hashed."""
+    def _check_computed(
+        self, seq_id: SeqId, seq: _SeqBlocks | None, computed: ComputedBlocks | None
+    ) -> list[KVBlock]:
+        """The hit blocks of `computed`, after checking that they can still be attached."""
+        if computed is None:
+            return []
+        if seq is not None and seq.blocks:
+            raise ValueError(
+                f"sequence {seq_id!r} already holds {len(seq.blocks)} blocks; prefix hits attach only "
+                "to a sequence without blocks (free it first)"
+            )
+        for block, block_hash in zip(computed.blocks, computed.hashes, strict=True):
+            if block.block_hash != block_hash:
+                raise ValueError(
+                    f"computed: block {block.block_id} no longer holds the prefix it was found for "
+                    "(evicted, or a new weight version); look the prompt up again"
+                )
+        return computed.blocks
+
+    def _cache_full_blocks(
+        self, seq: _SeqBlocks, token_ids: Sequence[int], num_tokens: int, block_hashes: list[BlockHash] | None
+    ) -> None:
+        """Register the blocks full of the first `num_tokens` tokens not yet hashed."""
         if not self.enable_prefix_caching or seq.weight_version != self._weight_version:
             return
-        bs = self.block_size
-        for i in range(len(seq.hashes), num_tokens // bs):
-            parent = seq.hashes[-1] if seq.hashes else None
-            block_hash = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], self._weight_version)
-            seq.hashes.append(block_hash)
-            self.pool.cache_full_block(seq.blocks[i], block_hash)
+        num_full = num_tokens // self.block_size
+        if num_full <= seq.num_hashed_blocks:
+            return
+        hashes = self.hash_blocks(token_ids, num_full, block_hashes)
+        for i in range(seq.num_hashed_blocks, num_full):
+            self.pool.cache_full_block(seq.blocks[i], hashes[i])
+        seq.num_hashed_blocks = num_full
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """Give `child_id` the parent's table; every block gains a holder. The first write into a
@@ -156,7 +231,7 @@ class KVCacheManager:
             raise ValueError(f"child_id {child_id!r} is already a live sequence")
         parent = self._get(parent_id)
         self.pool.touch(parent.blocks)
-        self._seqs[child_id] = _SeqBlocks(parent.weight_version, list(parent.blocks), list(parent.hashes))
+        self._seqs[child_id] = _SeqBlocks(parent.weight_version, list(parent.blocks), parent.num_hashed_blocks)
 
     def free(self, seq_id: SeqId) -> None:
         """Release a sequence's blocks. They are freed tail first, so its last blocks are evicted

@@ -11,10 +11,25 @@ from tqdm.auto import tqdm
 
 from pagedrl.engine.llm_engine import EngineConfig, LLMEngine
 from pagedrl.engine.outputs import RequestOutput
-from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.model.decoder import CausalLM
 
 Prompt = str | list[int]
+
+
+def final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+    """The same params asking for FINAL_ONLY outputs: only the final one of each request is returned, so
+    no step builds the others (vLLM's LLM.generate does the same). Shared params are cloned once."""
+    clones: dict[int, SamplingParams] = {}
+    out = []
+    for p in params:
+        if not isinstance(p, SamplingParams) or p.output_kind is RequestOutputKind.FINAL_ONLY:
+            out.append(p)  # a wrong type is refused, naming it, by add_request
+            continue
+        if id(p) not in clones:
+            clones[id(p)] = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+        out.append(clones[id(p)])
+    return out
 
 
 class LLM:
@@ -51,6 +66,24 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block (prefix hits and forks share whole blocks)."""
+        return self.engine.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + completion) this engine runs."""
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    def reseed(self, seed: int) -> None:
+        """Restart the random stream of requests whose `SamplingParams` carry no seed."""
+        self.engine.reseed(seed)
+
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts."""
@@ -63,6 +96,7 @@ class LLM:
             else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        params = final_only(params)
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
@@ -112,6 +146,13 @@ class LLM:
 
     def wake_up(self) -> None:
         self.engine.wake_up()
+
+    def close(self) -> None:
+        """Abort every request still running and free the KV cache (a run that stops early); the
+        next request allocates it again, so a closed LLM still works."""
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+        self.engine.sleep()
 
     def bump_weight_version(self) -> int:
         """Call after an optimizer step changed the weights this engine reads."""

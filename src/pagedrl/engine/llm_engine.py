@@ -17,7 +17,8 @@ import torch
 from pagedrl.engine.kv_cache import KVCache, num_blocks_for_budget
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.model_runner import ModelRunner
-from pagedrl.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedrl.engine.output_processor import logprob_entry, make_output
+from pagedrl.engine.outputs import RequestOutput
 from pagedrl.engine.sampler import Sampler, SamplingRow
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.engine.scheduler import Scheduler
@@ -65,10 +66,10 @@ class LLMEngine:
                                            gpu_memory_utilization=self.config.gpu_memory_utilization)
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, bs, cfg.num_key_value_heads, cfg.head_dim,
                                 model.dtype, model.device)
-        self.kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   self.config.enable_chunked_prefill)
-        self.runner = ModelRunner(model, self.kv_cache, self.kv, bs, self.config.attention_impl)
+        self.kv_manager = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_manager, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens, self.config.enable_chunked_prefill)
+        self.runner = ModelRunner(model, self.kv_cache, self.kv_manager, bs, self.config.attention_impl)
         self.sampler = Sampler(torch.Generator(device=model.device).manual_seed(self.config.seed))
         eos = set(eos_token_ids or []) | set(cfg.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -99,6 +100,7 @@ class LLMEngine:
         req = Request(request_id, text, ids, params, now)
         seq = Sequence(request_id, 0, ids, params, self.make_generator(params.seed, 0), now)
         seq.detokenizer = self.new_detokenizer(params, ids)
+        seq.seats = params.n
         req.seqs.append(seq)
         self.requests[request_id] = req
         self.scheduler.add(seq)
@@ -124,7 +126,15 @@ class LLMEngine:
                 raise ValueError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab})")
         return ids
 
+    def check_num_seqs(self, params: SamplingParams) -> None:
+        """The n samples of a request run side by side, forked from one prompt, so n is bounded by the
+        sequences one step runs (and forking never loops over more)."""
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}), the sequences "
+                             "one engine step runs; ask for fewer samples or raise max_num_seqs")
+
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        self.check_num_seqs(params)
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
             raise ValueError(f"prompt is {num_prompt_tokens} tokens, but the model's context "
@@ -133,14 +143,15 @@ class LLMEngine:
             raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = "
                              f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len {limit}")
         total = num_prompt_tokens + (params.max_tokens or limit - num_prompt_tokens)
-        if not self.kv.can_ever_fit(total):
+        if not self.kv_manager.can_ever_fit(total):
             raise ValueError(f"prompt + max_tokens = {total} tokens can never fit in the KV cache of "
-                             f"{self.kv.num_blocks_total * self.config.block_size} tokens; raise kv_cache_tokens")
+                             f"{self.kv_manager.num_blocks_total * self.block_size} tokens; raise kv_cache_tokens")
 
     def make_generator(self, seed: int | None, index: int) -> torch.Generator | None:
         if seed is None:
             return None
-        return torch.Generator(device=self.model.device).manual_seed(seed + 1_000_003 * index)
+        # torch takes 64-bit seeds; sample i's seed wraps around like the generator's own arithmetic
+        return torch.Generator(device=self.model.device).manual_seed((seed + 1_000_003 * index) % 2**64)
 
     def new_detokenizer(self, params: SamplingParams, prompt_ids: list[int]) -> Any:
         if self.tokenizer is None:
@@ -179,16 +190,22 @@ class LLMEngine:
                     sample_seqs.append(child)
             else:
                 self.record_prompt_logprob(seq, pos, result.logits[r])
-        touched = {seq.request_id for seq in batch.seqs}
+        touched = dict.fromkeys(seq.request_id for seq in batch.seqs)  # in batch order
         if sample_seqs:
             logits = result.logits
             if sample_rows != list(range(logits.shape[0])):  # else every row, in order: no [S, V] copy
                 logits = logits[torch.tensor(sample_rows, device=logits.device)]
             self.sample_and_append(logits, sample_seqs)
-        outputs = [self.make_output(self.requests[rid]) for rid in touched if rid in self.requests]
-        for out in outputs:
-            if out.finished:
-                del self.requests[out.request_id]
+        outputs = []
+        for rid in touched:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            out = make_output(req)
+            if req.is_finished:
+                del self.requests[rid]
+            if out is not None:
+                outputs.append(out)
         return outputs
 
     def fork_if_needed(self, seq: Sequence) -> list[Sequence]:
@@ -198,29 +215,37 @@ class LLMEngine:
             req.forked = True
             return [seq]
         req.forked = True
+        seq.seats = 1
         for i in range(1, req.params.n):
             child = Sequence(req.request_id, i, req.prompt_token_ids, req.params,
                              self.make_generator(req.params.seed, i), req.arrival)
             child.num_computed_tokens = seq.num_computed_tokens
             child.detokenizer = self.new_detokenizer(req.params, req.prompt_token_ids)
             child.prompt_logprobs = seq.prompt_logprobs
-            self.kv.fork(seq.seq_id, child.seq_id)
-            self.num_forked_blocks += len(self.kv.block_table(seq.seq_id))
+            child.block_hashes = list(seq.block_hashes)
+            self.kv_manager.fork(seq.seq_id, child.seq_id)
+            self.num_forked_blocks += len(self.kv_manager.block_table(seq.seq_id))
             self.scheduler.add_running(child)
             req.seqs.append(child)
         return list(req.seqs)
 
     def sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         rows = [SamplingRow(params=s.params, generator=s.generator, prompt_token_ids=s.prompt_token_ids,
-                          output_token_ids=s.output_token_ids,
+                          output_token_ids=s.output_token_ids if s.params.has_penalties else (),
                           banned_token_ids=s.params.min_tokens_banned_ids(s.num_output_tokens, self.eos_token_ids))
                 for s in seqs]
         out = self.sampler(logits, rows)
         now = time.monotonic()
-        tokens, processed, raw = out.token_ids.tolist(), out.logprobs.tolist(), out.raw_logprobs.tolist()
+        tokens, raw = out.token_ids.tolist(), out.raw_logprobs.tolist()
+        processed = out.processed_logprobs.tolist()
         for i, seq in enumerate(seqs):
             token = tokens[i]
-            seq.append(token, processed[i], raw[i], out.top_logprobs[i])
+            entry = None
+            if seq.params.logprobs is not None:
+                processed_mode = seq.params.logprobs_mode == "processed_logprobs"
+                entry = logprob_entry(token, processed[i] if processed_mode else raw[i], out.top_logprobs[i],
+                                      self.decode_one)
+            seq.append(token, processed[i], raw[i], entry)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             self.generation_tokens += 1
@@ -263,41 +288,25 @@ class LLMEngine:
         seq.prompt_logprobs[pos + 1] = entry
 
     # ------------------------------------------------------------------ outputs
-    def make_output(self, req: Request) -> RequestOutput:
-        outs = []
-        for seq in sorted(req.seqs, key=lambda s: s.index):
-            logprobs = None
-            if seq.params.logprobs is not None:
-                logprobs = [self.logprob_entry(seq, i) for i in range(seq.num_output_tokens)]
-            outs.append(CompletionOutput(
-                index=seq.index, text=seq.text, token_ids=seq.output_token_ids,
-                cumulative_logprob=float(sum(seq.raw_logprobs)) if seq.raw_logprobs else 0.0,
-                logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                sampled_logprobs=list(seq.sampled_logprobs), raw_logprobs=list(seq.raw_logprobs)))
-        first = req.seqs[0]
-        prompt_lp = None
-        if req.params.prompt_logprobs is not None and first.prompt_logprobs is not None:
-            prompt_lp = [None if e is None else {t: Logprob(v) for t, v in e.items()} for e in first.prompt_logprobs]
-        ttft = (first.first_token_time - req.arrival) if first.first_token_time else None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
-                             prompt_logprobs=prompt_lp,
-                             metrics={"arrival": req.arrival, **({"ttft": ttft} if ttft is not None else {})})
-
-    def logprob_entry(self, seq: Sequence, i: int) -> dict[int, Logprob]:
-        token = seq.output_token_ids[i]
-        processed = seq.params.logprobs_mode == "processed_logprobs"
-        chosen = seq.sampled_logprobs[i] if processed else seq.raw_logprobs[i]
-        entry = {token: Logprob(chosen, decoded_token=self.decode_one(token))}
-        if seq.top_logprobs:
-            for rank, (t, v) in enumerate(seq.top_logprobs[i].items(), start=1):
-                if t == token:
-                    entry[token].rank = rank
-                else:
-                    entry[t] = Logprob(v, rank=rank, decoded_token=self.decode_one(t))
-        return entry
-
     def decode_one(self, token: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token], skip_special_tokens=False)
+        """The token's name in log-probs: its text, or `bytes:\\xNN` for part of a UTF-8 character."""
+        return None if self.tokenizer is None else self.tokenizer.token_name(token)
+
+    # ------------------------------------------------------------------ what callers may read
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block: a prefix is shared in whole blocks of this many tokens."""
+        return self.config.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run over [0, vocab_size)."""
+        return self.model.config.vocab_size
+
+    def reseed(self, seed: int) -> None:
+        """Restart the random stream of requests without a seed of their own (a trainer does this
+        per rollout, so a resumed run draws what an uninterrupted one would)."""
+        self.sampler.reseed(seed)
 
     # ------------------------------------------------------------------ weights and stats
     def sleep(self) -> None:
@@ -305,7 +314,7 @@ class LLMEngine:
         request allocates it again. Cached prefixes are forgotten, since their KV is gone."""
         if self.has_unfinished_requests():
             raise RuntimeError("sleep: requests are still running; finish or abort them first")
-        self.kv.reset_prefix_cache()
+        self.kv_manager.reset_prefix_cache()
         self.kv_cache.release()
 
     def wake_up(self) -> None:
@@ -313,11 +322,11 @@ class LLMEngine:
 
     def bump_weight_version(self) -> int:
         """Record a weight update: prefix KV computed under the old weights is never reused."""
-        return self.kv.bump_weight_version()
+        return self.kv_manager.bump_weight_version()
 
     def stats(self) -> dict[str, float]:
         """Counters readable from another thread while requests run (plain ints, no locks)."""
-        kv = self.kv
+        kv = self.kv_manager
         return {
             "num_blocks_total": kv.num_blocks_total,
             "num_blocks_used": kv.num_blocks_used,
@@ -328,6 +337,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
+            "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
             "num_forked_blocks": self.num_forked_blocks,
             "weight_version": kv.weight_version,

@@ -1,7 +1,8 @@
 """One forward pass of a scheduled batch through the paged path of the model.
 
 The runner flattens every scheduled sequence's new tokens into one row, builds the paged attention
-metadata once, runs the model and projects to the vocabulary only the rows that are sampled (and the
+metadata once (which computes the tokens' positions, read by both the rotary embedding and the
+cache writes), runs the model and projects to the vocabulary only the rows that are sampled (and the
 prompt rows whose log-probs were asked for).
 """
 
@@ -14,7 +15,7 @@ import torch
 from pagedrl.engine.attention import PagedAttention
 from pagedrl.engine.kv_cache import KVCache
 from pagedrl.engine.kv_cache_manager import KVCacheManager
-from pagedrl.engine.sequence import Sequence
+from pagedrl.engine.sequence import Sequence, wants_prompt_logprobs
 from pagedrl.model.decoder import CausalLM
 
 
@@ -25,23 +26,22 @@ class ForwardResult:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, kv: KVCacheManager, block_size: int,
+    def __init__(self, model: CausalLM, kv_cache: KVCache, kv_manager: KVCacheManager, block_size: int,
                  attention_impl: str = "fast") -> None:
         self.model = model
         self.attention_impl = attention_impl
         self.kv_cache = kv_cache
-        self.kv = kv
+        self.kv_manager = kv_manager
         self.block_size = block_size
         self._logits: torch.Tensor | None = None  # see `project`
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> ForwardResult:
         device = self.model.device
-        copies = self.kv.take_pending_copies()
+        copies = self.kv_manager.take_pending_copies()
         if copies:
             self.kv_cache.copy_blocks(copies)
         ids: list[int] = []
-        positions: list[int] = []
         rows: list[tuple[Sequence, int]] = []
         row_index: list[int] = []
         layout = []
@@ -49,8 +49,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             base = len(ids)
             ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            layout.append((self.kv.block_table(seq.seq_id), start, n))
+            layout.append((self.kv_manager.block_table(seq.seq_id), start, n))
             if wants_prompt_logprobs(seq):
                 # The row at position p predicts prompt token p + 1.
                 for p in range(start, min(start + n, seq.num_prompt_tokens - 1)):
@@ -61,8 +60,7 @@ class ModelRunner:
                 row_index.append(base + n - 1)
         meta = PagedAttention.build(self.kv_cache, self.block_size, layout, device, impl=self.attention_impl)
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)[None]
-        pos = torch.tensor(positions, dtype=torch.long, device=device)[None]
-        hidden = self.model(input_ids, pos, meta)[0]
+        hidden = self.model(input_ids, meta.positions[None], meta)[0]
         if not row_index:
             return ForwardResult(hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32), [])
         picked = hidden if len(row_index) == hidden.shape[0] else hidden[torch.tensor(row_index, device=device)]
@@ -85,8 +83,3 @@ class ModelRunner:
             self._logits = torch.empty(rows, vocab, dtype=torch.float32, device=hidden.device)
         out = self._logits[:rows]
         return torch.mm(hidden, head.weight.t(), out=out)
-
-
-def wants_prompt_logprobs(seq: Sequence) -> bool:
-    """Prompt log-probs are computed on the first pass over the prompt only (not after preemption)."""
-    return seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0 and seq.index == 0

@@ -1,4 +1,8 @@
-"""vLLM-shaped results: `RequestOutput` with one `CompletionOutput` per sample."""
+"""vLLM-shaped results: `RequestOutput` with one `CompletionOutput` per sample.
+
+What an output holds depends on the request's `output_kind` (see output_processor.py); `add` merges
+DELTA outputs, for a consumer that wants the whole result in the end.
+"""
 
 from __future__ import annotations
 
@@ -23,11 +27,24 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     # Logprob contract: per sampled token, the log-prob under the distribution it was drawn from
     # (after temperature and truncation), and the raw log-softmax one.
-    sampled_logprobs: list[float] = field(default_factory=list)
+    processed_logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def add(self, delta: CompletionOutput) -> None:
+        """Append a later DELTA output of the same sample (costs what the delta holds)."""
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        self.processed_logprobs.extend(delta.processed_logprobs)
+        self.raw_logprobs.extend(delta.raw_logprobs)
+        self.cumulative_logprob = delta.cumulative_logprob
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 @dataclass
@@ -40,3 +57,21 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+    def add(self, delta: RequestOutput) -> None:
+        """Merge a later DELTA output of the same request into this one (costs what the delta holds)."""
+        mine = {c.index: c for c in self.outputs}
+        new = False
+        for c in delta.outputs:
+            if c.index in mine:
+                mine[c.index].add(c)
+            else:
+                self.outputs.append(c)
+                mine[c.index] = c
+                new = True
+        if new:
+            self.outputs.sort(key=lambda c: c.index)
+        self.finished = delta.finished
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.metrics.update(delta.metrics)

@@ -164,7 +164,7 @@ class SamplerOutput:
     processed mode truncated tokens show -inf), or None when `logprobs` was not asked for."""
 
     token_ids: Tensor  # [S] long
-    logprobs: Tensor  # [S] processed: under the distribution the token was drawn from
+    processed_logprobs: Tensor  # [S] under the distribution the token was drawn from
     raw_logprobs: Tensor  # [S] log_softmax of the unmodified logits
     top_logprobs: list[dict[int, float] | None]
 
@@ -175,6 +175,12 @@ class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
         self._raw: Tensor | None = None  # see `_log_softmax`
+
+    def reseed(self, seed: int) -> None:
+        """Restart the stream of rows without a generator of their own."""
+        if self.generator is None:
+            raise ValueError("this sampler draws from torch's global generator; give it its own to reseed it")
+        self.generator.manual_seed(seed)
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -200,7 +206,7 @@ class Sampler:
         tokens = self._choose(logp, rows)
         return SamplerOutput(
             token_ids=tokens,
-            logprobs=logp.gather(1, tokens[:, None]).squeeze(1),
+            processed_logprobs=logp.gather(1, tokens[:, None]).squeeze(1),
             raw_logprobs=raw.gather(1, tokens[:, None]).squeeze(1),
             top_logprobs=_top_logprobs(raw, logp, params, vocab),
         )

@@ -9,7 +9,9 @@ and `stop_token_ids` always end up as lists, numbers as `int` / `float`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -19,8 +21,18 @@ LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "processed_logprobs")
 # As vLLM: a positive temperature below this is raised to it, since dividing float32 logits by
 # a vanishing temperature overflows; temperature 0 (greedy) is the way to ask for the argmax.
 MIN_TEMPERATURE = 1e-2
+# Seeds are 64-bit, as torch's generators (and vLLM's protocol) take them.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 logger = logging.getLogger(__name__)
+
+
+class RequestOutputKind(enum.Enum):
+    """What each step's output of a request carries (vLLM's kinds and names)."""
+
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what is new since the last output (streaming)
+    FINAL_ONLY = 2  # one output, when the request is done (offline use, rollouts)
 
 
 def _bad(name: str, value: Any, requirement: str) -> ValueError:
@@ -37,6 +49,8 @@ def _check_int(name: str, value: Any, *, optional: bool = False) -> None:
 def _as_float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(name, value, "must be a number")
+    if not math.isfinite(value):  # inf and NaN would turn every probability into NaN or 0
+        raise _bad(name, value, "must be a finite number")
     return float(value)
 
 
@@ -49,7 +63,8 @@ class SamplingParams:
     `logprobs=k` returns the k most likely alternatives of every sampled token besides the
     sampled one; `logprobs_mode` says whether those come from the raw model distribution
     (vLLM's default) or from the processed one the token was drawn from. `max_tokens=None`
-    means "until the context is full".
+    means "until the context is full". `output_kind` says what each step's output carries
+    (`LLM.generate` asks for FINAL_ONLY, a streaming server for DELTA).
     """
 
     n: int = 1
@@ -71,6 +86,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logprobs_mode: LogprobsMode = "raw_logprobs"
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through the back door, once, here
@@ -85,6 +101,8 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "must be a bool")
 
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise _bad("seed", self.seed, f"must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}]")
         if self.n < 1:
             raise _bad("n", self.n, "must be at least 1")
         if not self.temperature >= 0.0:  # also rejects NaN
@@ -114,6 +132,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise _bad(name, value, "must be non-negative (or None)")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise _bad("output_kind", self.output_kind, "must be a RequestOutputKind")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise _bad("logprobs_mode", self.logprobs_mode, f"must be one of {LOGPROBS_MODES}")
 

@@ -3,7 +3,8 @@
 There is no prefill phase and no decode phase: each step every scheduled sequence's computed-token
 count moves toward its token count, so chunked prefills and decodes share one forward pass (vLLM v1).
 Running sequences go first, oldest first; waiting ones are admitted while the budget, `max_num_seqs`
-and the KV cache allow.
+and the KV cache allow. `max_num_seqs` counts sequences: a request that will fork into `n` samples
+takes `n` seats when admitted, so the forks never push the running set past the limit.
 
 Preemption rule: when the cache cannot hold the next step of a running sequence, the most recently
 admitted running sequence is preempted by recompute (its blocks freed, its tokens kept, its computed
@@ -12,6 +13,11 @@ oldest requests, which have the most invested and bound latency, and it guarante
 oldest request always fits on its own, because submission rejects requests that could never fit.
 Freed blocks keep their prefix hashes, so a resumed sequence usually re-reads most of its KV from the
 cache instead of recomputing it.
+
+Admission: the head of the waiting queue is looked up in the prefix cache (a query), then its hit
+blocks and fresh ones are allocated together or not at all. A sequence that does not fit holds no
+block while it waits and is not counted in the prefix-cache statistics until it is admitted; a
+preempted sequence that comes back is admitted anew, and its hits, which spare a recompute, count.
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedrl.engine.kv_cache_manager import KVCacheManager
-from pagedrl.engine.sequence import Sequence, SequenceStatus
+from pagedrl.engine.kv_cache_manager import ComputedBlocks, KVCacheManager
+from pagedrl.engine.sequence import Sequence, SequenceStatus, wants_prompt_logprobs
 
 
 @dataclass
@@ -38,9 +44,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True) -> None:
-        self.kv = kv
+        self.kv_manager = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -68,7 +74,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq.seq_id)
+        self.kv_manager.free(seq.seq_id)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -81,7 +87,8 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new):
+            while not self.kv_manager.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                                                     num_new, block_hashes=seq.block_hashes):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is seq:
@@ -94,20 +101,26 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+        seats = sum(s.seats for s in self.running)
+        while (self.waiting and budget > 0 and seats + self.waiting[0].seats <= self.max_num_seqs
+               and not batch.preempted):
             seq = self.waiting[0]
-            if seq.num_computed_tokens == 0:
-                seq.num_computed_tokens = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids)
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            # A query: the hit blocks are taken, and the lookup counted, only if the sequence is
+            # admitted, so a sequence that waits for memory holds none and is counted once. A request
+            # for prompt log-probs needs every prompt row computed, so it takes no hits.
+            if wants_prompt_logprobs(seq):
+                computed = ComputedBlocks([], [], 0, 0)
+            else:
+                computed = self.kv_manager.get_computed_blocks(seq.token_ids, seq.block_hashes)
+            remaining = seq.num_tokens - computed.num_tokens
             num_new = min(remaining, budget)
             fits = num_new == remaining or self.enable_chunked_prefill
-            if not fits or not self.kv.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new):
-                # Hand back the prefix blocks it was given, so a waiting sequence never holds memory
-                # that running ones need.
-                self.kv.free(seq.seq_id)
-                seq.num_computed_tokens = 0
+            if not fits or not self.kv_manager.allocate_slots(seq.seq_id, seq.token_ids, computed.num_tokens,
+                                                              num_new, computed, seq.block_hashes):
                 break
+            seq.num_computed_tokens = computed.num_tokens
             self.waiting.popleft()
+            seats += seq.seats
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -117,7 +130,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
-        self.kv.free(seq.seq_id)
+        self.kv_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from pagedrl.engine.block_pool import BlockHash
+from pagedrl.engine.outputs import Logprob
 from pagedrl.engine.sampling_params import SamplingParams
 
 
@@ -44,14 +46,26 @@ class Sequence:
     stop_reason: int | str | None = None
     # Logprob contract: the processed log-prob of each sampled token (the distribution it was drawn
     # from) and its raw log-prob (plain log-softmax of the logits).
-    sampled_logprobs: list[float] = field(default_factory=list)
+    processed_logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0  # sum of raw_logprobs, kept as they come
+    # with params.logprobs set: each sampled token's entry (its alternatives, named), built once
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     text: str = ""
     detokenizer: Any = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    # Chain hashes of its full blocks, kept as it grows so that each block is hashed once (the KV
+    # cache manager extends the list; it starts again after a weight update).
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    # Running sequences this one becomes once admitted: a request's first sequence stands for all `n`
+    # samples until it is forked, so admission counts sequences, not requests.
+    seats: int = 1
+    # What DELTA outputs have delivered: output tokens, characters of text, the finish.
+    num_tokens_sent: int = 0
+    num_chars_sent: int = 0
+    finish_sent: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -81,12 +95,13 @@ class Sequence:
         """True once this sequence has KV for all its prompt tokens at least once."""
         return self.num_output_tokens > 0 or self.num_computed_tokens >= self.num_prompt_tokens
 
-    def append(self, token: int, processed: float, raw: float, top: dict[int, float] | None) -> None:
+    def append(self, token: int, processed: float, raw: float, entry: dict[int, Logprob] | None = None) -> None:
         self.token_ids.append(token)
-        self.sampled_logprobs.append(processed)
+        self.processed_logprobs.append(processed)
         self.raw_logprobs.append(raw)
-        if top is not None:
-            self.top_logprobs.append(top)
+        self.cumulative_logprob += raw
+        if entry is not None:
+            self.logprobs.append(entry)
 
 
 @dataclass(eq=False)
@@ -100,7 +115,14 @@ class Request:
     arrival: float
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False
+    prompt_logprobs_sent: bool = False  # a DELTA request sends them once
 
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+def wants_prompt_logprobs(seq: Sequence) -> bool:
+    """Prompt log-probs are computed on the first pass over the prompt only (not after preemption), and
+    that pass computes every prompt position: a prefix-cache hit would skip the rows they come from."""
+    return seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0 and seq.index == 0

@@ -8,9 +8,7 @@ stack trace from inside safetensors tells a user nothing about which of their fi
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from safetensors.torch import save_file
 from pagedrl.model.config import ConfigError, ModelConfig
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.rope import rope_inv_freq
+from pagedrl.model.staging import staged_folder
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -134,10 +133,7 @@ def save_checkpoint(model: CausalLM, folder: str | Path, *, tokenizer_dir: str |
     """Write a Hugging Face folder atomically: everything goes to a temporary sibling first and is
     renamed into place at the end, so a crash never leaves a folder that looks complete."""
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    tmp.chmod(0o755)  # mkdtemp's 0700 would make the finished checkpoint private to this user
-    try:
+    with staged_folder(folder) as tmp:
         cfg = model.config.to_dict()
         cfg.update(extra_config or {})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -153,10 +149,6 @@ def save_checkpoint(model: CausalLM, folder: str | Path, *, tokenizer_dir: str |
                 src = Path(tokenizer_dir) / name
                 if src.is_file():
                     shutil.copy2(src, tmp / name)
-        replace_folder(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 
@@ -181,14 +173,3 @@ def write_safetensors(tensors: dict[str, torch.Tensor], folder: Path, max_shard_
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (folder / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                 indent=2) + "\n")
-
-
-def replace_folder(tmp: Path, folder: Path) -> None:
-    """Move a finished temporary folder into place, replacing an older one of the same name."""
-    if folder.exists():
-        old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-        os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, folder)

@@ -10,10 +10,8 @@ config, tokenizer and generation config beside them.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +25,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as BackendTokenizer
 
 from pagedrl.model.config import ModelConfig
+from pagedrl.model.staging import staged_folder
 from pagedrl.model.tokenizer import Tokenizer
 
 try:
@@ -282,8 +281,12 @@ def _open(gguf_path: Path) -> gguf.GGUFReader:
             raise GGUFError(f"{gguf_path}: not a GGUF file (no 'GGUF' magic at the start)")
     try:
         return gguf.GGUFReader(gguf_path)
-    except (ValueError, OSError) as e:
-        raise GGUFError(f"{gguf_path}: unreadable GGUF ({e})") from None
+    except (ValueError, OSError, IndexError, KeyError, struct.error) as e:
+        # A header or tensor table that ends early makes the reader index or reshape past the
+        # end of the file; say what that most likely means instead of where numpy noticed.
+        size = gguf_path.stat().st_size
+        raise GGUFError(f"{gguf_path}: truncated or corrupt GGUF ({size} bytes; reading it failed with "
+                        f"{type(e).__name__}: {e}); a partial download? fetch the file again") from None
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
@@ -301,20 +304,13 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, overwrite: bool 
     tensors = {t.name: t for t in reader.tensors}
     cfg = _read_config(meta, tensors)
     tokenizer = _read_tokenizer(meta)  # before the weights: a bad tokenizer fails fast
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary model folder
-    try:
+    with staged_folder(out_dir, replace=overwrite) as tmp:
         save_file(_read_weights(tensors, cfg, str(gguf_path)), str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         _write_json(tmp / "config.json", cfg.to_dict())
         _write_json(tmp / "generation_config.json", _generation_config(meta))
         tokenizer.save(tmp)
         _write_json(tmp / CONVERSION_MARKER, conversion_record(gguf_path))
-        _move_into_place(tmp, out_dir, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -364,18 +360,3 @@ def _lock(path: Path) -> Iterator[None]:
 
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-
-
-def _move_into_place(tmp: Path, out_dir: Path, overwrite: bool) -> None:
-    if overwrite and out_dir.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        os.replace(out_dir, old / "previous")
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-        return
-    try:
-        os.rename(tmp, out_dir)  # fails when another process finished first: theirs stays
-    except OSError:
-        if out_dir.exists():
-            raise FileExistsError(f"{out_dir}: already exists (written concurrently)") from None
-        raise

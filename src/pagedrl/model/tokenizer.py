@@ -17,6 +17,7 @@ from typing import Any
 import tokenizers
 
 from pagedrl.model.chat_template import ChatTemplates, render_chat_template, select_chat_template
+from pagedrl.model.token_bytes import TokenBytes, token_name
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -79,6 +80,7 @@ class Tokenizer:
             raise ValueError(f"special_tokens: unknown names {sorted(unknown)}; expected {SPECIAL_TOKEN_NAMES}")
         self.chat_template = chat_template
         self.config = dict(config or {})
+        self._token_bytes: TokenBytes | None = None
 
     # -- loading and saving -------------------------------------------------------------------
 
@@ -203,6 +205,17 @@ class Tokenizer:
         text = render_chat_template(source, messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                     special_tokens=self.special_tokens, **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes this token adds to the text, even when they are only part of a UTF-8 character."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.backend)
+        return self._token_bytes(token_id)
+
+    def token_name(self, token_id: int) -> str:
+        """The token's text, or `bytes:\\xNN...` when its bytes are not valid UTF-8 on their own (OpenAI's
+        convention for log-probs: distinct tokens never share a name)."""
+        return token_name(self.token_bytes(token_id))
 
     def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)

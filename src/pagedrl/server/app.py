@@ -19,6 +19,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import pagedrl
 from pagedrl.engine.async_engine import (
     AsyncEngine,
     EngineDead,
@@ -26,21 +27,40 @@ from pagedrl.engine.async_engine import (
     RequestAborted,
     RequestGroup,
 )
-from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.server.errors import ApiError, bad_request, from_value_error, read_json
-from pagedrl.server.inputs import chat_inputs, chat_prompt_ids, completion_inputs
+from pagedrl.server.inputs import (
+    DEFAULT_MAX_N,
+    chat_inputs,
+    chat_prompt_ids,
+    completion_inputs,
+    tokenizer_config,
+)
+from pagedrl.server.logprobs import TokenText
 from pagedrl.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedrl.server.openapi import errors, json_or_events, request_body
+from pagedrl.server.openapi import install as install_openapi
 from pagedrl.server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
+    VersionResponse,
 )
-from pagedrl.server.responses import chat_response, chat_stream, completion_response, completion_stream
+from pagedrl.server.responses import (
+    Echo,
+    chat_response,
+    chat_stream,
+    completion_response,
+    completion_stream,
+)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 
@@ -93,11 +113,11 @@ async def final_outputs_unless_disconnected(request: Request, group: RequestGrou
 
 def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | None = None,
               api_key: str | None = None,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, max_n: int = DEFAULT_MAX_N) -> FastAPI:
     """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it."""
     metrics = ServerMetrics(engine, served_model_name)
-    tokenizer = engine.engine.tokenizer
-    max_model_len = engine.engine.max_model_len
+    tokenizer = engine.tokenizer
+    max_model_len = engine.max_model_len
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -136,6 +156,9 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
                            param="model", code="model_not_found")
 
     async def submit(prompts: list, params: SamplingParams, renames: dict[str, str] | None = None) -> RequestGroup:
+        # DELTA for streamed and whole responses alike: no step rebuilds what came before, and every
+        # request's token timings reach the metrics
+        params = params.clone(output_kind=RequestOutputKind.DELTA)
         try:
             return await engine.submit(prompts, params)
         except ValueError as e:
@@ -145,55 +168,70 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
         except EngineDead as e:
             raise ApiError(503, str(e), "server_error", code="engine_unavailable") from None
 
+    def token_text(params: SamplingParams) -> TokenText:
+        return TokenText(tokenizer, params.skip_special_tokens)
+
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
-    @v1.get("/models")
+    @v1.get("/models", response_model=None, responses={200: {"model": ModelList, "description": "The served model"},
+                                                        **errors(401)})
     async def models() -> Response:
         return json_response(ModelList(data=[ModelCard(id=served_model_name, root=model_root,
                                                        max_model_len=max_model_len)]))
 
-    @v1.post("/completions")
+    @v1.post("/completions", response_model=None, openapi_extra=request_body(CompletionRequest),
+             responses={**json_or_events(CompletionResponse, "The completions, or a stream of CompletionChunk"),
+                        **errors(400, 401, 404, 413, 499, 503)})
     async def completions(request: Request) -> Response:
         req = await read_json(request, CompletionRequest, max_request_body_bytes)
         check_model(req.model)
-        prompts, params = completion_inputs(req)
+        prompts, params = completion_inputs(req, max_n)
+        echo = Echo(req.echo, req.echo and req.max_tokens == 0)
         group = await submit(prompts, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         model = req.model or served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStreamResponse(completion_stream(group, request_id, model, params, include_usage),
-                                       group.abort)
+            return EventStreamResponse(completion_stream(group, request_id, model, params, include_usage,
+                                                         token_text(params), echo), group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
-        return json_response(completion_response(request_id, model, outputs, params))
+        return json_response(completion_response(request_id, model, outputs, params, token_text(params), echo))
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", response_model=None, openapi_extra=request_body(ChatCompletionRequest),
+             responses={**json_or_events(ChatCompletionResponse,
+                                         "The chat completion, or a stream of ChatCompletionChunk"),
+                        **errors(400, 401, 404, 413, 499, 503)})
     async def chat_completions(request: Request) -> Response:
         req = await read_json(request, ChatCompletionRequest, max_request_body_bytes)
         check_model(req.model)
-        prompt_ids, params = chat_inputs(req, tokenizer)
+        prompt_ids, params = chat_inputs(req, tokenizer, max_n)
         group = await submit([prompt_ids], params, renames={"logprobs": "top_logprobs"})
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         model = req.model or served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStreamResponse(chat_stream(group, request_id, model, params, include_usage), group.abort)
+            return EventStreamResponse(chat_stream(group, request_id, model, params, include_usage,
+                                                   token_text(params)), group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
-        return json_response(chat_response(request_id, model, outputs[0], params))
+        return json_response(chat_response(request_id, model, outputs[0], params, token_text(params)))
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, response_class=Response, responses={
+        200: {"description": "The engine is running (empty body)", "content": {}}, **errors(503)})
     async def health() -> Response:
         if not engine.is_healthy:
             raise ApiError(503, "the engine is not running", "server_error", code="engine_unavailable")
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_model=None, response_class=Response, responses={200: {
+        "description": "Prometheus text exposition", "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=None, openapi_extra=request_body(TokenizeRequest),
+              responses={200: {"model": TokenizeResponse, "description": "The prompt's token ids"},
+                         **errors(400, 404, 413)})
     async def tokenize(request: Request) -> Response:
         req = await read_json(request, TokenizeRequest, max_request_body_bytes)
         check_model(req.model)
@@ -207,16 +245,32 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
             ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return json_response(TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=None, openapi_extra=request_body(DetokenizeRequest),
+              responses={200: {"model": DetokenizeResponse, "description": "The text of the token ids"},
+                         **errors(400, 404, 413)})
     async def detokenize(request: Request) -> Response:
         req = await read_json(request, DetokenizeRequest, max_request_body_bytes)
         check_model(req.model)
         if tokenizer is None:
             raise bad_request("this model has no tokenizer")
-        vocab = engine.engine.model.config.vocab_size
+        vocab = engine.vocab_size
         for i, t in enumerate(req.tokens):
             if not 0 <= t < vocab:
                 raise bad_request(f"token {i} is {t}, outside the vocabulary [0, {vocab})", param=f"tokens.{i}")
         return json_response(DetokenizeResponse(prompt=tokenizer.decode(req.tokens)))
 
+    @app.get("/version", response_model=None,
+             responses={200: {"model": VersionResponse, "description": "The pagedrl version"}})
+    async def version() -> Response:
+        return json_response(VersionResponse(version=pagedrl.__version__))
+
+    @app.get("/tokenizer_info", response_model=None, responses={
+        200: {"model": TokenizerInfoResponse, "description": "The tokenizer's configuration "
+              "(tokenizer_config.json's keys, as vLLM answers)"}, **errors(404)})
+    async def tokenizer_info() -> Response:
+        if tokenizer is None:
+            raise ApiError(404, "this model has no tokenizer", "not_found_error")
+        return json_response(TokenizerInfoResponse(**tokenizer_config(tokenizer, max_model_len)))
+
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     return app

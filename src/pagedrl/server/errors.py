@@ -23,6 +23,8 @@ T = TypeVar("T", bound=BaseModel)
 # An oversized body is still read (and thrown away) up to this much more, so that the client, which
 # is usually still sending, gets the 413 instead of a reset connection.
 DRAIN_LIMIT_BYTES = 64 << 20
+# No OpenAI body nests deeper than a few levels (a JSON schema in response_format a few more).
+MAX_JSON_DEPTH = 64
 
 
 class ApiError(Exception):
@@ -77,6 +79,31 @@ def from_validation_error(e: ValidationError) -> ApiError:
     return bad_request(f"invalid {where}: {first['msg']} (got {got})", param=param)
 
 
+def check_json_values(obj: dict) -> None:
+    """Refuse what JSON can carry but text cannot: nesting beyond `MAX_JSON_DEPTH` and strings with a
+    lone UTF-16 surrogate (`"\\ud800"`), which no tokenizer can encode. One pass without recursion,
+    so any depth is safe to walk; the error names the field."""
+    todo: list[tuple[object, tuple[str, ...]]] = [(obj, ())]
+    while todo:
+        value, path = todo.pop()
+        if len(path) > MAX_JSON_DEPTH:
+            raise bad_request(f"the JSON in the request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                              param=".".join(path[:3]) + "...", code="invalid_json")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                param = ".".join(path) or None
+                raise bad_request(f"invalid '{param}': the string holds a lone UTF-16 surrogate, which is not "
+                                  "valid Unicode text", param=param) from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                todo.append((k, path))
+                todo.append((v, (*path, str(k))))
+        elif isinstance(value, list):
+            todo.extend((v, (*path, str(i))) for i, v in enumerate(value))
+
+
 async def read_json(request: Request, model: type[T], max_bytes: int) -> T:
     """The request body as `model`: 413 over `max_bytes`, 400 when not JSON or of the wrong shape."""
     declared = request.headers.get("content-length")
@@ -98,8 +125,12 @@ async def read_json(request: Request, model: type[T], max_bytes: int) -> T:
         obj = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"malformed JSON in the request body: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request(f"the JSON in the request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                          code="invalid_json") from None
     if not isinstance(obj, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}")
+    check_json_values(obj)
     try:
         return model.model_validate(obj)
     except ValidationError as e:

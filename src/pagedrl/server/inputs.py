@@ -1,7 +1,7 @@
 """From an OpenAI request body to what the engine takes: prompts (text or token ids) and SamplingParams.
 
-Fields the engine does not implement but that would change the answer (`echo`, `suffix`,
-`logit_bias`, `best_of`, tools) are refused with a 400 naming them, rather than silently ignored.
+Fields the engine does not implement but that would change the answer (`suffix`, `logit_bias`,
+`best_of`, tools) are refused with a 400 naming them, rather than silently ignored.
 Unset sampling fields keep SamplingParams' defaults, which are OpenAI's (temperature 1, top_p 1).
 """
 
@@ -10,17 +10,22 @@ from __future__ import annotations
 from typing import Any
 
 from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.model.chat_template import select_chat_template
 from pagedrl.server.errors import bad_request, from_value_error
 from pagedrl.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 
 # OpenAI allows 20 alternatives per token (5 on the legacy completions API; vLLM allows 20 on both).
 MAX_LOGPROBS = 20
+# OpenAI's limit on `n`; a server flag, since every sample is a sequence the engine runs.
+DEFAULT_MAX_N = 128
 OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                    renames: dict[str, str] | None = None) -> SamplingParams:
+                    renames: dict[str, str] | None = None, max_n: int = DEFAULT_MAX_N) -> SamplingParams:
     """SamplingParams for a request; a bad value is a 400 naming the request field."""
+    if not 1 <= req.n <= max_n:
+        raise bad_request(f"n must be between 1 and {max_n}, got {req.n}", param="n")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -41,10 +46,9 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         raise from_value_error(e, renames) from None
 
 
-def completion_inputs(req: CompletionRequest) -> tuple[list[str | list[int]], SamplingParams]:
+def completion_inputs(req: CompletionRequest,
+                      max_n: int = DEFAULT_MAX_N) -> tuple[list[str | list[int]], SamplingParams]:
     """The prompts (one engine request each) and the sampling parameters of a completion request."""
-    if req.echo:
-        raise bad_request("echo is not supported", param="echo")
     if req.suffix is not None:
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -56,7 +60,13 @@ def completion_inputs(req: CompletionRequest) -> tuple[list[str | list[int]], Sa
         prompts = list(prompt)
     if not prompts:
         raise bad_request("prompt must not be empty", param="prompt")
-    return prompts, sampling_params(req, req.max_tokens, req.logprobs)
+    max_tokens = req.max_tokens
+    if req.echo and max_tokens == 0:
+        max_tokens = 1  # the prompt alone: the engine still makes a token, which the answer leaves out
+    params = sampling_params(req, max_tokens, req.logprobs, max_n=max_n)
+    if req.echo and req.logprobs is not None:
+        params = params.clone(prompt_logprobs=req.logprobs)
+    return prompts, params
 
 
 def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
@@ -70,13 +80,20 @@ def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
                                   param=f"messages.{i}.content.{j}")
             texts.append(part.text)
         content = "\n".join(texts)
+    elif content is None:
+        # clients send an assistant turn without text after tool calls; the template gets empty text
+        if m.role != "assistant":
+            raise bad_request(f"messages.{i}.content is null; only an assistant message may have no content",
+                              param=f"messages.{i}.content")
+        content = ""
     out: dict[str, Any] = {"role": m.role, "content": content}
     if m.name is not None:
         out["name"] = m.name
     return out
 
 
-def chat_inputs(req: ChatCompletionRequest, tokenizer: Any) -> tuple[list[int], SamplingParams]:
+def chat_inputs(req: ChatCompletionRequest, tokenizer: Any,
+                max_n: int = DEFAULT_MAX_N) -> tuple[list[int], SamplingParams]:
     """The chat template applied to the messages (as token ids) and the sampling parameters."""
     if req.tools:
         raise bad_request("tools are not supported", param="tools")
@@ -88,7 +105,7 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Any) -> tuple[list[int], 
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, logprobs, renames={"logprobs": "top_logprobs"})
+    params = sampling_params(req, max_tokens, logprobs, renames={"logprobs": "top_logprobs"}, max_n=max_n)
     return chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt), params
 
 
@@ -103,3 +120,18 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_
     except ValueError as e:
         raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def tokenizer_config(tokenizer: Any, max_model_len: int) -> dict[str, Any]:
+    """What /tokenizer_info answers: tokenizer_config.json's keys with the special tokens and the chat
+    template filled in (clients such as lm-evaluation-harness read the template and EOS from it)."""
+    config = {k: v for k, v in tokenizer.config.items() if k not in ("added_tokens_decoder", "tokenizer_file")}
+    config.update(tokenizer.special_tokens)
+    config["tokenizer_class"] = config.get("tokenizer_class") or "PreTrainedTokenizerFast"
+    config["model_max_length"] = max_model_len
+    templates = tokenizer.chat_template
+    if isinstance(templates, dict) and "default" not in templates:  # as tokenizer_config.json lists several
+        config["chat_template"] = [{"name": k, "template": v} for k, v in templates.items()]
+    elif templates is not None:
+        config["chat_template"] = select_chat_template(templates)
+    return config

@@ -59,7 +59,7 @@ class EngineCollector:
                             s["prefix_cache_hits"])
         yield self._counter("num_preemptions", "Cumulative number of preemptions from the engine.",
                             s["num_preemptions"])
-        yield self._counter("prompt_tokens", "Number of prefill tokens processed.", self.engine.engine.prompt_tokens)
+        yield self._counter("prompt_tokens", "Number of prefill tokens processed.", s["prompt_tokens"])
         yield self._counter("generation_tokens", "Number of generation tokens processed.", s["generation_tokens"])
 
 

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class OpenAIBase(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Python's JSON reader accepts Infinity and NaN; no field of a request may hold them.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------------------- requests
@@ -221,6 +222,17 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """The tokenizer's configuration, equivalent to its tokenizer_config.json (vLLM's /tokenizer_info)."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
 
 
 class ErrorInfo(BaseModel):

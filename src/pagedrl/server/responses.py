@@ -1,9 +1,12 @@
 """From engine outputs to OpenAI response bodies and server-sent event streams.
 
-Engine outputs are cumulative, so a stream keeps a cursor per choice (characters and tokens already
-sent) and sends what lies beyond it. With stop strings, the last `len(longest stop) - 1` characters
-are held back until the choice finishes: a stop string arriving over several tokens is cut from the
-final text, and text already sent could not be taken back.
+Streams read DELTA outputs: each carries only the text, tokens and log-probs that are new (the engine
+already holds back text that a stop string may still cut), so sending a chunk costs what it holds.
+
+`echo` on /v1/completions puts the prompt (and with `logprobs`, its tokens' log-probs) before each
+choice's text; with `max_tokens: 0` the choice is the prompt alone (the engine still makes one token,
+which is left out, as vLLM does). This is how log-likelihood evaluations (lm-evaluation-harness)
+score continuations.
 """
 
 from __future__ import annotations
@@ -12,16 +15,22 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagedrl.engine.async_engine import RequestAborted, RequestGroup
-from pagedrl.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedrl.engine.outputs import CompletionOutput, RequestOutput
 from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.server.logprobs import (
+    TextOffsets,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    extend,
+    prompt_logprobs,
+)
 from pagedrl.server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
-    ChatLogprobs,
     ChatStreamChoice,
-    ChatTokenLogprob,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
@@ -29,12 +38,10 @@ from pagedrl.server.protocol import (
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
-    TopLogprob,
     UsageInfo,
     now_s,
 )
 
-MIN_LOGPROB = -9999.0  # as vLLM: -inf is not valid JSON
 DONE = b"data: [DONE]\n\n"
 
 
@@ -42,87 +49,71 @@ def sse(payload: str) -> bytes:
     return b"data: " + payload.encode() + b"\n\n"
 
 
-def finite(x: float) -> float:
-    return x if x >= MIN_LOGPROB else MIN_LOGPROB
-
-
-def usage(outputs: list[RequestOutput]) -> UsageInfo:
+def usage(outputs: list[RequestOutput], prompt_only: bool = False) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = 0 if prompt_only else sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-# ---------------------------------------------------------------------------- logprobs
-def completion_logprobs(c: CompletionOutput, start: int, stop: int, text_offset: int) -> CompletionLogprobs:
-    out = CompletionLogprobs()
-    for i in range(start, stop):
-        entry: dict[int, Logprob] = c.logprobs[i]
-        chosen = entry[c.token_ids[i]]
-        token = chosen.decoded_token or ""
-        out.tokens.append(token)
-        out.token_logprobs.append(finite(chosen.logprob))
-        out.top_logprobs.append({(lp.decoded_token or ""): finite(lp.logprob) for lp in entry.values()})
-        out.text_offset.append(text_offset)
-        text_offset += len(token)
-    return out
+@dataclass
+class Echo:
+    """What a completion choice repeats of its prompt."""
+
+    echo: bool = False
+    prompt_only: bool = False  # echo with max_tokens 0: the generated token is left out
 
 
-def _top(lp: Logprob) -> TopLogprob:
-    token = lp.decoded_token or ""
-    return TopLogprob(token=token, logprob=finite(lp.logprob), bytes=list(token.encode()))
-
-
-def chat_logprobs(c: CompletionOutput, start: int, stop: int) -> ChatLogprobs:
-    content = []
-    for i in range(start, stop):
-        entry = c.logprobs[i]
-        chosen = _top(entry[c.token_ids[i]])
-        ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
-        content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[_top(lp) for lp in ranked]))
-    return ChatLogprobs(content=content)
+def choice_content(out: RequestOutput, c: CompletionOutput, first: bool, echo: Echo, params: SamplingParams,
+                   names: TokenText, offsets: TextOffsets) -> tuple[str, CompletionLogprobs | None]:
+    """A choice's text and log-probs (for a stream: of this delta; `first` puts the echoed prompt in)."""
+    text = ""
+    lp = CompletionLogprobs() if params.logprobs is not None else None
+    if echo.echo and first:
+        text = out.prompt if out.prompt is not None else names.decode(out.prompt_token_ids)
+        if lp is not None:
+            extend(lp, prompt_logprobs(out, names, offsets))
+    if not echo.prompt_only:
+        text += c.text
+        if lp is not None:
+            extend(lp, completion_logprobs(c, 0, len(c.token_ids), names, offsets))
+    return text, lp
 
 
 # ---------------------------------------------------------------------------- whole responses
 def completion_response(request_id: str, model: str, outputs: list[RequestOutput],
-                        params: SamplingParams) -> CompletionResponse:
+                        params: SamplingParams, names: TokenText, echo: Echo | None = None) -> CompletionResponse:
+    echo = echo or Echo()
     choices = []
     for p, out in enumerate(outputs):
         for c in out.outputs:
-            lp = completion_logprobs(c, 0, len(c.token_ids), 0) if params.logprobs is not None else None
-            choices.append(CompletionChoice(index=p * params.n + c.index, text=c.text, logprobs=lp,
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-    return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outputs))
+            text, lp = choice_content(out, c, True, echo, params, names, names.offsets())
+            if lp is not None:
+                lp.text_offset = [min(at, len(text)) for at in lp.text_offset]
+            choices.append(CompletionChoice(index=p * params.n + c.index, text=text, logprobs=lp,
+                                            finish_reason=c.finish_reason,
+                                            stop_reason=None if echo.prompt_only else c.stop_reason))
+    return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outputs, echo.prompt_only))
 
 
-def chat_response(request_id: str, model: str, output: RequestOutput, params: SamplingParams) -> ChatCompletionResponse:
+def chat_response(request_id: str, model: str, output: RequestOutput, params: SamplingParams,
+                  names: TokenText) -> ChatCompletionResponse:
     choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                          logprobs=chat_logprobs(c, 0, len(c.token_ids)) if params.logprobs is not None else None,
+                          logprobs=chat_logprobs(c, 0, len(c.token_ids), names) if params.logprobs is not None
+                          else None,
                           finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                for c in output.outputs]
     return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage([output]))
 
 
 # ---------------------------------------------------------------------------- streams
-@dataclass
-class Cursor:
-    """What of one choice has been sent."""
+def stream_usage(group: RequestGroup, prompt_only: bool = False) -> UsageInfo:
+    prompt = sum(len(st.prompt_token_ids) for st in group.streams)
+    completion = 0 if prompt_only else sum(st.num_generation_tokens for st in group.streams)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
-    chars: int = 0
-    tokens: int = 0
-    finished: bool = False
 
-    def advance(self, c: CompletionOutput, holdback: int) -> tuple[str, int, int] | None:
-        """(new text, first new token, end of new tokens), or None when there is nothing to send."""
-        if self.finished:
-            return None
-        done = c.finish_reason is not None
-        end = len(c.text) if done else max(self.chars, len(c.text) - holdback)
-        text = c.text[self.chars:end]
-        start, stop = self.tokens, len(c.token_ids)
-        if not text and start == stop and not done:
-            return None
-        self.chars, self.tokens, self.finished = end, stop, done
-        return text, start, stop
+def has_news(c: CompletionOutput) -> bool:
+    return bool(c.text or c.token_ids or c.finish_reason is not None)
 
 
 def error_event(e: Exception) -> bytes:
@@ -131,36 +122,37 @@ def error_event(e: Exception) -> bytes:
 
 
 async def completion_stream(group: RequestGroup, request_id: str, model: str, params: SamplingParams,
-                            include_usage: bool) -> AsyncIterator[bytes]:
+                            include_usage: bool, names: TokenText, echo: Echo | None = None) -> AsyncIterator[bytes]:
+    echo = echo or Echo()
     created = now_s()
-    holdback = max((len(s) for s in params.stop), default=1) - 1
-    cursors: dict[tuple[int, int], Cursor] = {}
-    offsets: dict[tuple[int, int], int] = {}
+    offsets: dict[tuple[int, int], TextOffsets] = {}
+    prompts: dict[int, RequestOutput] = {}  # the first output of each prompt: it holds the prompt log-probs
     usage_field = {"usage": None} if include_usage else {}
     try:
         async for updates in group:
             events = []
             for p, out in updates:
+                first_of_prompt = prompts.setdefault(p, out)
                 for c in out.outputs:
                     key = (p, c.index)
-                    step = cursors.setdefault(key, Cursor()).advance(c, holdback)
-                    if step is None:
+                    first = key not in offsets
+                    if not first and not has_news(c):
                         continue
-                    text, start, stop = step
-                    lp = None
-                    if params.logprobs is not None:
-                        lp = completion_logprobs(c, start, stop, offsets.get(key, 0))
-                        offsets[key] = offsets.get(key, 0) + sum(len(t) for t in lp.tokens)
+                    offs = offsets.setdefault(key, names.offsets())
+                    text, lp = choice_content(first_of_prompt, c, first, echo, params, names, offs)
+                    if not text and not (lp and lp.tokens) and c.finish_reason is None:
+                        continue
                     choice = CompletionChoice(index=p * params.n + c.index, text=text, logprobs=lp,
-                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                              finish_reason=c.finish_reason,
+                                              stop_reason=None if echo.prompt_only else c.stop_reason)
                     chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[choice],
                                             **usage_field)
                     events.append(sse(chunk.model_dump_json()))
             if events:
                 yield b"".join(events)
         if include_usage:
-            outputs = [s.last for s in group.streams]
-            chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage(outputs))
+            chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                    usage=stream_usage(group, echo.prompt_only))
             yield sse(chunk.model_dump_json())
     except RequestAborted as e:
         yield error_event(e)
@@ -170,10 +162,8 @@ async def completion_stream(group: RequestGroup, request_id: str, model: str, pa
 
 
 async def chat_stream(group: RequestGroup, request_id: str, model: str, params: SamplingParams,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+                      include_usage: bool, names: TokenText) -> AsyncIterator[bytes]:
     created = now_s()
-    holdback = max((len(s) for s in params.stop), default=1) - 1
-    cursors = [Cursor() for _ in range(params.n)]
     usage_field = {"usage": None} if include_usage else {}
 
     def chunk(choice: ChatStreamChoice) -> bytes:
@@ -187,22 +177,20 @@ async def chat_stream(group: RequestGroup, request_id: str, model: str, params: 
             events = []
             for _, out in updates:
                 for c in out.outputs:
-                    step = cursors[c.index].advance(c, holdback)
-                    if step is None:
+                    if not has_news(c):
                         continue
-                    text, start, stop = step
-                    lp = chat_logprobs(c, start, stop) if params.logprobs is not None else None
-                    events.append(chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=lp,
-                                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason)))
+                    lp = chat_logprobs(c, 0, len(c.token_ids), names) if params.logprobs is not None else None
+                    events.append(chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
+                                                         logprobs=lp, finish_reason=c.finish_reason,
+                                                         stop_reason=c.stop_reason)))
             if events:
                 yield b"".join(events)
         if include_usage:
             body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                       usage=usage([group.streams[0].last]))
+                                       usage=stream_usage(group))
             yield sse(body.model_dump_json())
     except RequestAborted as e:
         yield error_event(e)
     finally:
         group.abort()
     yield DONE
-

@@ -1,13 +1,16 @@
 """`pagedrl serve [MODEL]`: load a model, start the engine thread and serve the OpenAI API with uvicorn.
 
 On SIGTERM (or Ctrl+C) uvicorn stops accepting connections and lets in-flight responses finish for
-up to `--shutdown-timeout` seconds; what is still running then is cancelled, which aborts its
-engine requests, and the app's shutdown stops the engine thread. The process then exits with 0.
+up to `--shutdown-timeout` seconds; what is still running then is aborted in the engine, so each
+response still ends in OpenAI's shape (a stream with an error event and `[DONE]`, a plain request
+with a JSON error) instead of being cut, and the app's shutdown stops the engine thread. The process
+then exits with 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
@@ -15,6 +18,7 @@ import sys
 from typing import Any
 
 from pagedrl.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagedrl.server.inputs import DEFAULT_MAX_N
 
 logger = logging.getLogger("pagedrl.server")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -35,8 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="requests that may wait beyond --max-num-seqs; more are answered 503")
+                   help="sequences (a request with n samples counts n) that may wait beyond --max-num-seqs; "
+                        "more are answered 503")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+    p.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                   help="samples one request may ask for (n); more are answered 400 (default: OpenAI's 128)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
@@ -45,6 +52,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     return p
+
+
+# After the aborts at --shutdown-timeout, the responses get this long to write their error endings
+# before uvicorn cancels what is left.
+ABORT_GRACE_S = 5.0
+
+
+def draining_server(config: Any, engine: Any, shutdown_timeout: float) -> Any:
+    """A uvicorn server whose shutdown aborts the engine's requests once `shutdown_timeout` is over."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            timer = asyncio.get_running_loop().call_later(
+                shutdown_timeout, engine.abort_all,
+                f"the server is shutting down and the request did not finish within {shutdown_timeout:g} s")
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return DrainingServer(config)
 
 
 def build_server(args: argparse.Namespace) -> Any:
@@ -65,15 +94,17 @@ def build_server(args: argparse.Namespace) -> Any:
                           max_model_len=args.max_model_len, seed=args.seed)
     engine = LLMEngine(loaded.model, loaded.tokenizer, config, eos_token_ids=loaded.eos_token_ids)
     name = args.served_model_name or args.model or DEFAULT_MODEL
-    app = build_app(AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests), served_model_name=name,
+    async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
+    app = build_app(async_engine, served_model_name=name,
                     model_root=str(loaded.path), api_key=args.api_key,
-                    max_request_body_bytes=args.max_request_body_bytes)
+                    max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n)
     logger.info("serving %s (%s, %s on %s): %d KV blocks of %d tokens, max_model_len %d", name, loaded.path,
                 loaded.model.dtype, loaded.model.device, engine.kv_cache.num_blocks, args.block_size,
                 engine.max_model_len)
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                        access_log=not args.no_access_log, timeout_graceful_shutdown=args.shutdown_timeout)
-    return uvicorn.Server(uv)
+                        access_log=not args.no_access_log,
+                        timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S)
+    return draining_server(uv, async_engine, args.shutdown_timeout)
 
 
 def _exit_now(signum: int, frame: Any) -> None:
@@ -82,7 +113,7 @@ def _exit_now(signum: int, frame: Any) -> None:
 
 def serve_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_request_body_bytes"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_request_body_bytes", "max_n"):
         if getattr(args, name) <= 0:
             print(f"pagedrl serve: --{name.replace('_', '-')} must be positive", file=sys.stderr)
             return 2

@@ -148,6 +148,9 @@ class Algorithm:
     def summary_lines(self) -> list[str]:
         return []
 
+    def close(self) -> None:
+        """Called however the run ends (an interrupt too): release what the algorithm holds."""
+
 
 class OfflineAlgorithm(Algorithm):
     """An algorithm that trains on a fixed list of examples: each step the next

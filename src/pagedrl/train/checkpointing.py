@@ -7,10 +7,14 @@ data position, step, weight version, the logging window) and a readable `trainer
 Everything is written into a hidden staging folder; the marker file `checkpoint_complete` goes
 in last, and only then is the folder renamed into place. A folder counts as a checkpoint only
 with its marker, so neither a crash mid-write nor one mid-delete can pass for a finished save.
+Rotation renames a checkpoint out of the way before deleting its files, and the next start
+removes (and names) whatever a killed process left. A full disk is a `CheckpointWriteError`
+naming the checkpoint and the space it needs, checked before the first byte where possible.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -24,12 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedrl.model.staging import discard_folder, remove_hidden_leftovers, staged_folder
+
 CHECKPOINT_PREFIX = "checkpoint-"
 FINAL_DIR = "final"
 COMPLETE_MARKER = "checkpoint_complete"
 TRAINER_STATE_PT = "trainer_state.pt"
 TRAINER_STATE_JSON = "trainer_state.json"
-_STAGING = re.compile(r"^\.+(checkpoint-\d+|final)\.partial-\d+")
 
 
 def is_complete(folder: Path) -> bool:
@@ -74,34 +79,101 @@ def resolve_resume(resume_from_checkpoint: str | bool | None, output_dir: str | 
     return path
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint that could not be written (a full disk, most often); the message names the
+    checkpoint, the cause and, for a full disk, the space it needs. Earlier checkpoints are intact."""
+
+
 def write_checkpoint(folder: str | Path, save_model: Callable[[Path], None],
-                     trainer_state: dict[str, Any] | None = None, summary: dict[str, Any] | None = None) -> Path:
+                     trainer_state: dict[str, Any] | None = None, summary: dict[str, Any] | None = None,
+                     size_hint: int = 0) -> Path:
     """Write a checkpoint (or, without `trainer_state`, a model-only folder such as `final/`).
 
-    `save_model(path)` must create `path` as a Hugging Face folder (weights, config, tokenizer).
-    The marker is written after everything else and the folder is renamed into place after the
-    marker, so any exception on the way leaves no folder named `folder`.
+    `save_model(path)` must create `path` as a Hugging Face folder (weights, config, tokenizer). The marker is written after everything else and the folder
+    is renamed into place after the marker, so any exception on the way leaves no folder named
+    `folder`. `size_hint` (bytes, a lower bound) lets a disk too full for it fail before writing.
     """
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_staging(folder.parent)
-    staging = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
+    # A run's checkpoints are all about the same size: the last one is the best estimate.
+    needed = max(size_hint, folder_bytes(latest_checkpoint(folder.parent)) if trainer_state is not None else 0)
+    free = shutil.disk_usage(folder.parent).free
+    if needed > free:
+        raise CheckpointWriteError(_no_space_message(folder, needed, free))
     try:
-        save_model(staging)
-        if not staging.is_dir():
-            raise RuntimeError(f"save_model did not create {staging}")
-        if trainer_state is not None:
-            torch.save(trainer_state, staging / TRAINER_STATE_PT)
-        if summary is not None:
-            (staging / TRAINER_STATE_JSON).write_text(json.dumps(summary, indent=2) + "\n")
-        marker = {"time": time.time(), **({"step": summary["step"]} if summary and "step" in summary else {})}
-        _write_synced(staging / COMPLETE_MARKER, json.dumps(marker) + "\n")
-        _move_into_place(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        with staged_folder(folder) as tmp:
+            tmp.rmdir()  # a fresh unique name; `save_model` creates the folder itself
+            save_model(tmp)
+            if not tmp.is_dir():
+                raise RuntimeError(f"save_model did not create {tmp}")
+            if trainer_state is not None:
+                torch.save(trainer_state, tmp / TRAINER_STATE_PT)
+            if summary is not None:
+                (tmp / TRAINER_STATE_JSON).write_text(json.dumps(summary, indent=2) + "\n")
+            marker = {"time": time.time(), **({"step": summary["step"]} if summary and "step" in summary else {})}
+            _write_synced(tmp / COMPLETE_MARKER, json.dumps(marker) + "\n")
+    except Exception as e:
+        # The message gives the space free before the write: what is free now still counts the
+        # files the failed writer holds open.
+        if _is_out_of_space(e, needed, shutil.disk_usage(folder.parent).free):
+            raise CheckpointWriteError(_no_space_message(folder, needed, free)) from e
         raise
     return folder
+
+
+def folder_bytes(folder: Path | None) -> int:
+    """Bytes of the files directly in `folder` (a checkpoint is flat); 0 for None."""
+    if folder is None or not folder.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a nested dict/list/tuple, each storage counted once (tied weights):
+    a lower bound on what saving `obj` writes."""
+    seen: set[int] = set()
+    total = 0
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            ptr = o.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                total += o.numel() * o.element_size()
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return total
+
+
+def _is_out_of_space(error: BaseException, needed: int, free: int) -> bool:
+    """ENOSPC or EDQUOT anywhere in the exception chain, or a writer that hides the errno (torch's
+    zip writer says `unexpected pos`, safetensors an I/O error) while less than `needed` is free."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return free < needed
+
+
+def _no_space_message(folder: Path, needed: int, free: int) -> str:
+    earlier = latest_checkpoint(folder.parent)
+    kept = f"the checkpoints already saved are intact (latest: {earlier})" if earlier else "no earlier checkpoint"
+    # Past the up-front check the estimate was too low: all that is known is that it needs more.
+    space = (f"it needs about {_mib(needed)}, {_mib(free)} free" if needed > free
+             else f"it needs more than the {_mib(free)} free")
+    return f"could not write {folder}: no space left on device ({space} on {folder.parent}); {kept}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def _write_synced(path: Path, text: str) -> None:
@@ -111,31 +183,36 @@ def _write_synced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _move_into_place(staging: Path, folder: Path) -> None:
-    if folder.exists():
-        old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        (folder / COMPLETE_MARKER).unlink(missing_ok=True)
-        os.replace(folder, old)
-        os.replace(staging, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, folder)
+def remove_leftovers(output_dir: str | Path) -> list[str]:
+    """What a process killed mid-save or mid-rotation left in `output_dir`: hidden staging,
+    moved-aside and being-deleted folders, and `checkpoint-<step>` folders without their marker.
+    Removes them and returns one line per folder, for the start summary."""
+    root = Path(output_dir)
+    removed = [f"{p.name} (unfinished write or delete)" for p in remove_hidden_leftovers(root)]
+    if root.is_dir():
+        for child in sorted(root.iterdir()):
+            if (re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", child.name) and child.is_dir() and not is_complete(child)
+                    and _only_our_files(child)):
+                discard_folder(child)
+                removed.append(f"{child.name} (no {COMPLETE_MARKER} marker: an interrupted save or rotation)")
+    return removed
 
 
-def remove_stale_staging(output_dir: Path) -> None:
-    """Staging folders left by a process that died mid-save."""
-    if not output_dir.is_dir():
-        return
-    for child in output_dir.iterdir():
-        if _STAGING.match(child.name):
-            shutil.rmtree(child, ignore_errors=True)
+# What a checkpoint folder of ours can hold; a `checkpoint-<step>` with anything else (another
+# trainer's optimizer.pt, say) was not written here and is never deleted.
+_OUR_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|"
+                        r"model\.safetensors\.index\.json|tokenizer\.json|tokenizer_config\.json|"
+                        r"special_tokens_map\.json|chat_template\.jinja|trainer_state\.(pt|json)")
+
+
+def _only_our_files(folder: Path) -> bool:
+    return all(p.is_file() and _OUR_FILES.fullmatch(p.name) for p in folder.iterdir())
 
 
 def delete_checkpoint(folder: Path) -> None:
-    """Marker first, so a crash halfway through deleting leaves nothing that looks complete."""
-    (folder / COMPLETE_MARKER).unlink(missing_ok=True)
-    shutil.rmtree(folder, ignore_errors=True)
+    """Renamed out of the way first, so a crash halfway through deleting leaves only a hidden
+    leftover that the next start removes, never a half-emptied `checkpoint-<step>`."""
+    discard_folder(folder)
 
 
 def rotate_checkpoints(output_dir: str | Path, save_total_limit: int | None, keep: Path | None = None) -> list[Path]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -61,11 +62,23 @@ def train_main(algorithm_name: str, argv: Sequence[str]) -> int:
     except ValueError as e:
         print(f"pagedrl {algorithm_name}: error: {e}", file=sys.stderr)
         return 2
+    from pagedrl.train.checkpointing import CheckpointWriteError
     from pagedrl.train.distributed import DistInfo, shutdown
+    from pagedrl.train.interrupt import TrainingInterrupted
 
+    main_rank = os.environ.get("RANK", "0") == "0"
     try:
         final = getattr(module, run_name)(config)
-    except ValueError as e:
+    except TrainingInterrupted as e:
+        if main_rank:
+            print(resume_hint(algorithm_name, argv, e), file=sys.stderr)
+        return e.exit_status
+    except KeyboardInterrupt:
+        if main_rank:
+            print(f"pagedrl {algorithm_name}: stopped at once; nothing saved since the last checkpoint",
+                  file=sys.stderr)
+        return 130
+    except (ValueError, CheckpointWriteError) as e:
         print(f"pagedrl {algorithm_name}: error: {e}", file=sys.stderr)
         return 1
     finally:
@@ -73,6 +86,25 @@ def train_main(algorithm_name: str, argv: Sequence[str]) -> int:
 
         if dist.is_available() and dist.is_initialized():
             shutdown(DistInfo(world_size=dist.get_world_size()))
-    if os.environ.get("RANK", "0") == "0":
+    if main_rank:
         print(f"pagedrl {algorithm_name}: final model in {final}")
     return 0
+
+
+def resume_command(algorithm_name: str, argv: Sequence[str], checkpoint: str | os.PathLike) -> str:
+    """The command line that continues this run from `checkpoint`: the same arguments, with
+    `resume_from_checkpoint` set to it (replacing any earlier value), quoted for a POSIX shell;
+    under torchrun, launched the same way on one node (more nodes: your own launcher line)."""
+    kept = [a for a in argv if a.partition("=")[0].strip() != "resume_from_checkpoint"]
+    world = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE")
+    launcher = ["torchrun", "--nproc_per_node", world, "-m", "pagedrl.cli"] if world and world != "1" else ["pagedrl"]
+    words = [*launcher, algorithm_name, *kept, f"resume_from_checkpoint={os.path.abspath(checkpoint)}"]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def resume_hint(algorithm_name: str, argv: Sequence[str], stopped: KeyboardInterrupt) -> str:
+    """What to tell the user after an interrupted run: how to resume, or that nothing was saved."""
+    checkpoint = getattr(stopped, "checkpoint", None)
+    if checkpoint is None:
+        return f"pagedrl {algorithm_name}: {stopped}; run the same command to start again"
+    return f"pagedrl {algorithm_name}: to resume, run:\n  {resume_command(algorithm_name, argv, checkpoint)}"

@@ -115,6 +115,9 @@ class TrainConfig:
             _require(value is None or value >= 1, key, f"must be null or >= 1, got {value}")
         _require(self.max_train_minutes is None or self.max_train_minutes > 0, "max_train_minutes",
                  f"must be null or > 0, got {self.max_train_minutes}")
+        out = Path(self.output_dir)
+        blocking = next((p for p in (out, *out.parents) if p.is_file()), None)
+        _require(blocking is None, "output_dir", f"{blocking} is a file, not a folder")
         unknown = [r for r in self.report_to if r not in REPORTERS]
         _require(not unknown, "report_to", f"unknown {unknown}; expected some of {', '.join(REPORTERS)}")
 
@@ -230,10 +233,20 @@ def _unknown_key(cls: type, key: Any, source: str, names: Sequence[str]) -> Valu
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ValueError(f"yaml_path: {path} is a folder; expected a YAML config file")
     if not path.is_file():
         raise ValueError(f"yaml_path: config file {path} does not exist")
+    raw = path.read_bytes()
     try:
-        data = yaml.safe_load(path.read_text())
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(f"config file {path}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
+                         f"column {column}); save it as UTF-8") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ValueError(f"config file {path}: not valid YAML: {e}") from None
     if data is None:

@@ -93,14 +93,22 @@ def read_rows(dataset: str | Path | Sequence[Mapping[str, Any]], report: DataRep
     _check_policy(on_bad_row)
     if isinstance(dataset, (str, Path)):
         path = Path(dataset)
+        if path.is_dir():
+            raise DataError(f"dataset: {path} is a folder; expected a JSONL file")
         if not path.is_file():
             raise DataError(f"dataset: file {path} does not exist")
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
+        with path.open("rb") as f:
+            for number, raw in enumerate(f, start=1):
+                if not raw.strip():
                     continue
                 report.rows += 1
                 where = f"{path}:{number}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    _bad(report, on_bad_row, where, BadRow(
+                        "row", f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)", "not UTF-8"))
+                    continue
                 try:
                     value = json.loads(line)
                 except json.JSONDecodeError as e:

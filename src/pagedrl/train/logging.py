@@ -26,20 +26,54 @@ NOT_PLOTTED = {"step", "epoch", "wall_time", "train_time"}
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl file."""
-    with Path(path).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of a metrics.jsonl file; a line that is not JSON is a ValueError naming the file
+    and the line."""
+    path = Path(path)
+    rows = []
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not a JSON row ({e.msg} at column {e.colno})") from None
+    return rows
 
 
-def truncate_metrics(path: Path, last_step: int) -> None:
+def truncate_metrics(path: Path, last_step: int) -> list[str]:
     """Drop rows after `last_step`: a resumed run rewrites the steps after its checkpoint, and
-    the file must not hold them twice."""
+    the file must not hold them twice. A last line cut off mid-write (the process was killed)
+    is dropped too; a bad line before the end is an error naming it. Returns what was dropped,
+    for the start summary."""
     if not path.is_file():
-        return
-    kept = [row for row in read_metrics(path) if row.get("step", 0) <= last_step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
-    tmp.replace(path)
+        return []
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    notes, kept, later = [], [], 0
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number < len(lines):
+                raise ValueError(f"{path}:{number}: not a JSON row ({e.msg} at column {e.colno}); "
+                                 "fix or delete that line to resume") from None
+            notes.append(f"{path}: dropped its last line {number}, cut off mid-write ({line[:40]!r}...)")
+            continue
+        if isinstance(row, dict) and row.get("step", 0) <= last_step:
+            kept.append(row)
+        else:
+            later += 1
+    if later:
+        notes.append(f"{path}: dropped {later} row(s) after step {last_step}; the resumed run writes them again")
+    if notes:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
+        tmp.replace(path)
+    return notes
 
 
 class RunLogger:
@@ -57,6 +91,7 @@ class RunLogger:
         self._tb = None
         self._bar = None
         self._progress = (progress, total_steps, initial_step)
+        self.notes: list[str] = []  # what opening the log changed (rows dropped on resume)
         if not enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -65,7 +100,7 @@ class RunLogger:
                 if resume_step is None:
                     path.unlink(missing_ok=True)
                 else:
-                    truncate_metrics(path, resume_step)
+                    self.notes += truncate_metrics(path, resume_step)
             self._jsonl = self.metrics_path.open("a", encoding="utf-8")
         if "tensorboard" in report_to:
             from tensorboardX import SummaryWriter

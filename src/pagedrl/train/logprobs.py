@@ -2,14 +2,15 @@
 
 forward → the hidden rows that predict a target (`predict_at`) → the LM head on those rows only →
 log p(target), and on request the entropy, whether the target is the argmax, and the vocabulary
-mean of the logits. The head runs over the rows in chunks, and each chunk's log-prob is taken as
-`logit[target] − logsumexp(logits)` (TRL's `selective_log_softmax` idea), so no full
-[tokens, vocab] float32 log-softmax is ever held beside the logits it came from; the extras are
-computed per chunk without gradient and dropped.
+mean of the logits. The head runs over the rows in chunks, so the [tokens, vocab] float32
+intermediates of one chunk at a time are alive beside the logits autograd keeps; a raw log-prob is
+`logit[target] − logsumexp(logits)` (TRL's `selective_log_softmax` idea: no log-softmax copy at
+all), and the extras are computed per chunk without gradient and dropped.
 
 With a `SamplingParams`, the log-probs are the *processed* ones (temperature, top-k, top-p,
-min-p), through the very function the engine samples with: that is the logprob contract an
-online algorithm's ratio rests on, and why the rollout's own params are what it is called with.
+min-p), through the very function the engine samples with (`processed_logprobs`): that is the
+logprob contract an online algorithm's ratio rests on, and why the rollout's own params are what
+it is called with.
 """
 
 from __future__ import annotations
@@ -55,19 +56,17 @@ def logprobs_from_hidden(head: Callable[[torch.Tensor], torch.Tensor], hidden: t
     """`target_logprobs` after the forward: for a caller whose one forward feeds more than the LM
     head (PPO's policy and value head in one pass)."""
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, predict_at)
-    temperature = 1.0 if sampling is None or sampling.is_greedy else sampling.temperature
-    truncated = sampling is not None and not sampling.is_greedy and (
-        sampling.top_k > 0 or sampling.top_p < 1.0 or sampling.min_p > 0.0)
+    processed = sampling is not None and not sampling.is_greedy
+    temperature = sampling.temperature if processed and sampling is not None else 1.0
     parts: dict[str, list[torch.Tensor]] = {"logps": [], "entropy": [], "correct": [], "mean_logit": []}
     for start in range(0, rows.shape[0], chunk_rows):
         logits = head(rows[start:start + chunk_rows]).float()
         t = targets[start:start + chunk_rows]
-        if truncated:
-            assert sampling is not None
+        if processed:
+            assert sampling is not None  # the engine's own function: the logprob contract, bit for bit
             lp = processed_logprobs(logits, t, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
         else:
-            scaled = logits if temperature == 1.0 else logits / temperature
-            lp = scaled.gather(-1, t[:, None]).squeeze(-1) - scaled.logsumexp(-1)
+            lp = logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
         parts["logps"].append(lp)
         with torch.no_grad():
             if entropy:

@@ -44,6 +44,7 @@ from pagedrl.train.distributed import (
     gather_objects,
     init_distributed,
 )
+from pagedrl.train.interrupt import StopFlag, TrainingInterrupted
 from pagedrl.train.logging import RunLogger
 from pagedrl.train.metrics import Metric, MetricTotals, as_metric
 
@@ -144,6 +145,8 @@ class Trainer:
         self._start = time.perf_counter()  # perf_counter at the (virtual) start of the run
         self.eval_seconds = 0.0
         self.logger: RunLogger | None = None
+        self.stop = StopFlag()  # set by SIGINT/SIGTERM while `train` runs
+        self.last_checkpoint: tuple[int, Path] | None = None  # (step, folder) of the newest save or resume
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -189,10 +192,14 @@ class Trainer:
     # -- the run ----------------------------------------------------------------------------
 
     def train(self) -> Path:
-        """Run to `total_steps` (resuming if configured); returns the `final/` folder."""
-        resume = None
+        """Run to `total_steps` (resuming if configured); returns the `final/` folder. On SIGINT or
+        SIGTERM it finishes the step, saves a checkpoint and raises `TrainingInterrupted`."""
+        if self.output_dir.exists() and not self.output_dir.is_dir():
+            raise ValueError(f"output_dir: {self.output_dir} is a file, not a folder")
+        resume, removed = None, []
         if self.dist.is_main:
             resume = ckpt.resolve_resume(self.config.resume_from_checkpoint, self.output_dir)
+            removed = ckpt.remove_leftovers(self.output_dir)
         resume = broadcast_object(None if resume is None else str(resume), self.dist)
         if resume is not None:
             self.load(Path(resume))
@@ -202,21 +209,44 @@ class Trainer:
                                 total_steps=self.total_steps, initial_step=self.step,
                                 resume_step=self.step if resume is not None else None,
                                 progress=self.progress)
-        self.print_summary(resume)
+        self.print_summary(resume, removed)
         self.logger.start_progress()
         self._start = time.perf_counter() - self.time_offset
+        finished = False
         try:
-            if self.config.eval_steps and self.config.eval_on_start and self.step == 0:
-                self.evaluate()
-            while self.step < self.total_steps and not self.out_of_time():
-                self.run_step()
-            final = self.save_final()
+            with self.stop.installed():
+                if self.config.eval_steps and self.config.eval_on_start and self.step == 0:
+                    self.evaluate()
+                while self.step < self.total_steps and not self.out_of_time():
+                    self.stop_if_asked()
+                    self.run_step()
+                final = self.save_final()
+            finished = True
         finally:
-            self.logger.close(plot=self.dist.is_main)
+            self.algorithm.close()
+            self.logger.close(plot=self.dist.is_main and finished)
         return final
+
+    def stop_if_asked(self) -> None:
+        """Between steps: if any rank got SIGINT/SIGTERM, save this step (unless just saved) and
+        raise TrainingInterrupted on every rank."""
+        signum = self.stop.signum or 0
+        if self.dist.distributed:  # every rank must stop at the same step, or DDP would hang
+            signum = int(all_reduce_op([signum], self.dist, "max")[0])
+        if not signum:
+            return
+        checkpoint = None
+        if self.last_checkpoint is not None and self.last_checkpoint[0] == self.step:
+            checkpoint = self.last_checkpoint[1]
+        elif self.step > 0:
+            checkpoint = self.save_checkpoint()
+        stopped = TrainingInterrupted(signum, self.step, checkpoint)
+        self.logger.write(f"pagedrl {self.algorithm.name}: {stopped}")
+        raise stopped
 
     def run_step(self) -> None:
         step = self.step + 1
+        self.stop.step = step
         started = time.perf_counter()
         result = self.accumulate(step)
         lr = self.scheduler.get_last_lr()[0]
@@ -298,15 +328,17 @@ class Trainer:
             summary = {"step": self.step, "epoch": self.algorithm.epoch, "weight_version": self.weight_version,
                        "total_steps": self.total_steps, "world_size": self.dist.world_size,
                        "examples_per_step": self.algorithm.examples_per_step, "config": config_to_dict(self.config)}
-            ckpt.write_checkpoint(folder, self.algorithm.save_model, state, summary)
+            size = ckpt.tensor_bytes(self.module.state_dict()) + ckpt.tensor_bytes(state)
+            ckpt.write_checkpoint(folder, self.algorithm.save_model, state, summary, size_hint=size)
             ckpt.rotate_checkpoints(self.output_dir, self.config.save_total_limit, keep=folder)
         barrier(self.dist)
+        self.last_checkpoint = (self.step, folder)
         return folder
 
     def save_final(self) -> Path:
         folder = self.output_dir / ckpt.FINAL_DIR
         if self.dist.is_main:
-            ckpt.write_checkpoint(folder, self.algorithm.save_model)
+            ckpt.write_checkpoint(folder, self.algorithm.save_model, size_hint=ckpt.tensor_bytes(self.module.state_dict()))
             self.logger.write(f"saved {folder}")
         barrier(self.dist)
         return folder
@@ -325,10 +357,11 @@ class Trainer:
         self.time_offset, self.eval_seconds = float(state["wall_time"]), float(state["eval_seconds"])
         rngs = state["rng"]
         ckpt.set_rng_state(rngs[self.dist.rank] if self.dist.rank < len(rngs) else rngs[0])
+        self.last_checkpoint = (self.step, folder)
 
     # -- start summary ----------------------------------------------------------------------
 
-    def print_summary(self, resume: str | None) -> None:
+    def print_summary(self, resume: str | None, removed: list[str] | None = None) -> None:
         c, a, d = self.config, self.algorithm, self.dist
         params = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
         lines = [
@@ -347,6 +380,10 @@ class Trainer:
         ]
         if resume is not None:
             lines.append(f"  resuming from       {resume} (step {self.step})")
+        for note in self.logger.notes if self.logger is not None else []:
+            lines.append(f"  {note}")
+        for what in removed or []:
+            lines.append(f"  removed leftover    {what}")
         lines += ["  " + line for line in a.summary_lines()]
         if self.logger is not None:
             self.logger.write("\n".join(lines))

@@ -71,7 +71,7 @@ class OnlineAlgorithm(Algorithm):
     def reseed(self, step: int) -> None:
         """Each rollout draws from a generator seeded by the run's seed and the step, so a resumed
         run samples exactly what the uninterrupted one did."""
-        self.llm.engine.sampler.generator.manual_seed(self.config.seed * 1_000_003 + step)
+        self.llm.reseed(self.config.seed * 1_000_003 + step)
 
     def completion_values(self) -> dict[str, torch.Tensor]:
         """Per-completion values logged beside each sample completion (an advantage, a score)."""
@@ -86,6 +86,10 @@ class OnlineAlgorithm(Algorithm):
     def after_optimizer_step(self, step: int) -> None:
         # The weights changed under the engine: no KV computed before this may be reused.
         self.llm.bump_weight_version()
+
+    def close(self) -> None:
+        """The engine aborts what it is generating and gives back its KV cache."""
+        self.llm.close()
 
     def evaluate(self, step: int) -> dict[str, float] | None:
         if not self.eval_rows or self.eval_reward is None:

@@ -126,11 +126,11 @@ def sample(llm: LLM, rows: Sequence[PromptOnly], params: SamplingParams) -> Roll
     outputs = llm.generate([r.prompt_ids for r in rows], params, use_tqdm=False)
     after = llm.stats()
     samples = [c for out in outputs for c in out.outputs]
-    block_size = llm.engine.config.block_size
+    block_size = llm.block_size
     shared = (after["num_forked_blocks"] - before["num_forked_blocks"]) + \
         (after["prefix_cache_hits"] - before["prefix_cache_hits"]) // block_size
     return Rollout(list(rows), params.n, [list(c.token_ids) for c in samples], [c.text for c in samples],
-                   [list(c.sampled_logprobs) for c in samples],
+                   [list(c.processed_logprobs) for c in samples],
                    torch.tensor([c.finish_reason == "length" for c in samples], dtype=torch.bool),
                    seconds=time.perf_counter() - t0, prefix_blocks_shared=int(shared))
 

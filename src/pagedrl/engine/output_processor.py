@@ -1,0 +1,84 @@
+"""From a request's sequences to the `RequestOutput` its output kind asks for, at a cost that follows
+the step's new tokens.
+
+vLLM's three kinds (`SamplingParams.output_kind`): CUMULATIVE repeats everything so far each step (a
+consumer that only keeps the latest output loses nothing), DELTA carries only what is new since the
+last output (a streaming server), FINAL_ONLY gives one output when the request is done (offline
+generation and rollouts). A DELTA or FINAL_ONLY output costs work proportional to what it carries:
+a log-prob entry (with its decoded token names) is built once, when its token is sampled, and a
+delta is a slice of what each sequence has not delivered yet.
+
+A DELTA output holds back the last `len(longest stop string) - 1` characters of text until the
+sequence finishes: a stop string arriving over several tokens is cut from the final text, and text
+already delivered could not be taken back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pagedrl.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedrl.engine.sampling_params import RequestOutputKind
+from pagedrl.engine.sequence import Request, Sequence
+
+TokenName = Callable[[int], str | None]
+
+
+def logprob_entry(token: int, chosen: float, top: dict[int, float] | None,
+                  name: TokenName) -> dict[int, Logprob]:
+    """The sampled token's log-prob and its ranked alternatives, each with its name (built once per token)."""
+    entry = {token: Logprob(chosen, decoded_token=name(token))}
+    if top:
+        for rank, (t, v) in enumerate(top.items(), start=1):
+            if t == token:
+                entry[token].rank = rank
+            else:
+                entry[t] = Logprob(v, rank=rank, decoded_token=name(t))
+    return entry
+
+
+def _holdback(seq: Sequence) -> int:
+    return max((len(s) for s in seq.params.stop), default=1) - 1
+
+
+def completion_output(seq: Sequence, delta: bool) -> CompletionOutput | None:
+    """Everything so far, or (delta) what this sequence has not delivered yet; None when a delta is empty."""
+    start = seq.num_tokens_sent if delta else 0
+    if delta:
+        finished = seq.is_finished
+        if seq.finish_sent:
+            return None
+        end_chars = len(seq.text) if finished else max(seq.num_chars_sent, len(seq.text) - _holdback(seq))
+        text = seq.text[seq.num_chars_sent:end_chars]
+        if not text and start == seq.num_output_tokens and not finished:
+            return None
+        seq.num_chars_sent, seq.num_tokens_sent, seq.finish_sent = end_chars, seq.num_output_tokens, finished
+    else:
+        text = seq.text
+    first = seq.num_prompt_tokens + start
+    return CompletionOutput(
+        index=seq.index, text=text, token_ids=seq.token_ids[first:], cumulative_logprob=seq.cumulative_logprob,
+        logprobs=seq.logprobs[start:] if seq.params.logprobs is not None else None,
+        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+        processed_logprobs=seq.processed_logprobs[start:], raw_logprobs=seq.raw_logprobs[start:])
+
+
+def make_output(req: Request) -> RequestOutput | None:
+    """This step's output of `req` in its kind, or None when that kind has nothing to say now."""
+    kind = req.params.output_kind
+    finished = req.is_finished
+    if kind is RequestOutputKind.FINAL_ONLY and not finished:
+        return None
+    delta = kind is RequestOutputKind.DELTA
+    outs = [c for seq in req.seqs if (c := completion_output(seq, delta)) is not None]
+    if delta and not outs and not finished:
+        return None
+    first = req.seqs[0]
+    prompt_lp = None
+    if req.params.prompt_logprobs is not None and first.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+        prompt_lp = [None if e is None else {t: Logprob(v) for t, v in e.items()} for e in first.prompt_logprobs]
+        req.prompt_logprobs_sent = delta  # a delta stream sends them once, with its first output
+    ttft = (first.first_token_time - req.arrival) if first.first_token_time else None
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
+                         prompt_logprobs=prompt_lp,
+                         metrics={"arrival": req.arrival, **({"ttft": ttft} if ttft is not None else {})})

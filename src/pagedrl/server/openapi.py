@@ -1,0 +1,64 @@
+"""What `/openapi.json` says about each route: its request body, its responses and their content types.
+
+Handlers read their bodies themselves (`read_json`: the size limit, strict types, and the checks a
+tokenizer needs come before pydantic), so FastAPI cannot infer the bodies from their signatures. The
+routes declare them here instead, as references to the same pydantic models, and `install` adds those
+models' schemas to the document's components; schema-driven clients and fuzzers then see every body,
+every error (OpenAI's error object) and every content type (JSON, server-sent events, Prometheus text).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from pagedrl.server.protocol import ErrorResponse
+
+REF = "#/components/schemas/{model}"
+ERROR_DESCRIPTIONS = {
+    400: "Invalid request: the message names the field (`param`)",
+    401: "Missing or incorrect API key",
+    404: "Unknown model or route",
+    413: "Request body over the server's limit",
+    499: "The client closed the connection before the answer was ready",
+    503: "Overloaded (retry after `Retry-After` seconds), shutting down, or the engine has stopped",
+}
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` for a route whose JSON body is `model`."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}}}}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """`responses` entries for the error statuses a route can answer, each an OpenAI error object."""
+    return {s: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[s]} for s in statuses}
+
+
+def json_or_events(model: type[BaseModel], description: str) -> dict[int | str, dict[str, Any]]:
+    """A 200 that is `model` as JSON, or with `"stream": true` server-sent events of its chunks."""
+    return {200: {"model": model, "description": description, "content": {
+        "text/event-stream": {"schema": {"type": "string", "description": "`data: <chunk JSON>` events, "
+                                         "then `data: [DONE]`; an error ends the stream with an error object"}}}}}
+
+
+def install(app: FastAPI, request_models: list[type[BaseModel]]) -> None:
+    """Generate the document once, with the request models among its component schemas."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                              description=app.description)
+            _, defs = models_json_schema([(m, "validation") for m in request_models], ref_template=REF)
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in defs.get("$defs", {}).items():
+                schemas.setdefault(name, schema)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
