@@ -95,20 +95,19 @@ def run_dpo_with_accuracy(config: DPOConfig, plan: DemoPlan) -> Path:
     return Trainer(config, algorithm, dist, progress=False).train()
 
 
-def run_method(stage: str, plan: DemoPlan) -> Path:
-    """Train one stage to its budget; returns its `final/` folder."""
+def run_method(stage: str, plan: DemoPlan, resume: bool = False) -> Path:
+    """Train one stage to its budget (from its newest checkpoint if `resume`); returns `final/`."""
+    config: Any = plan.stage_config(stage, resume)
     if stage == "grpo":
         from pagedrl.train.algorithms.grpo import run_grpo
 
-        return run_grpo(plan.grpo(), progress=False)
+        return run_grpo(config, progress=False)
     if stage == "dpo":
-        return run_dpo_with_accuracy(plan.dpo(), plan)
+        return run_dpo_with_accuracy(config, plan)
     if stage == "rm":
         from pagedrl.train.algorithms.rm import run_rm
 
-        return run_rm(plan.rm(), progress=False)
-    if stage == "ppo":
-        from pagedrl.train.algorithms.ppo import run_ppo
+        return run_rm(config, progress=False)
+    from pagedrl.train.algorithms.ppo import run_ppo
 
-        return run_ppo(plan.ppo(), progress=False)
-    raise ValueError(f"unknown stage {stage!r}")
+    return run_ppo(config, progress=False)

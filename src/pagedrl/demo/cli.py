@@ -23,6 +23,7 @@ from typing import Any
 from pagedrl.demo.plan import DemoPlan
 
 STAGES = ("paged", "pairs", "grpo", "dpo", "rm", "ppo")
+TRAINED = ("grpo", "dpo", "rm", "ppo")
 
 
 def stage_estimates(plan: DemoPlan) -> dict[str, float]:
@@ -48,17 +49,26 @@ def check_plan(plan: DemoPlan) -> None:
 
 
 def stage_work(name: str, plan: DemoPlan) -> Callable[[], Any]:
+    """What running stage `name` does. A training stage stopped by Ctrl-C after a step has a
+    checkpoint (the trainer saves one on SIGINT): it continues from there; any other leftover of an
+    unfinished stage is removed and the stage starts over."""
+    from pagedrl.train.checkpointing import latest_checkpoint
+
     if name == "paged":
         from pagedrl.demo.engine_stage import measure_paged
 
         return lambda: measure_paged(plan)
+    folder = plan.out / name
+    resume = name in TRAINED and latest_checkpoint(folder) is not None
+    if folder.exists() and not resume:
+        shutil.rmtree(folder)
     if name == "pairs":
         from pagedrl.demo.alignment import baseline_and_pairs
 
         return lambda: baseline_and_pairs(plan)
     from pagedrl.demo.alignment import run_method
 
-    return lambda: str(run_method(name, plan))
+    return lambda: str(run_method(name, plan, resume))
 
 
 def run_demo(plan: DemoPlan, progress: bool = True) -> Path:
@@ -76,13 +86,11 @@ def run_demo(plan: DemoPlan, progress: bool = True) -> Path:
     try:
         for name in todo:
             index = STAGES.index(name) + 1
-            if (plan.out / name).exists() and name not in ("paged",):
-                shutil.rmtree(plan.out / name)  # an interrupted stage starts over
-            budget = {"grpo": plan.grpo(), "dpo": plan.dpo(), "rm": plan.rm(), "ppo": plan.ppo()}.get(name)
+            budget = plan.stage_config(name).max_train_minutes if name in TRAINED else None
             monitor.begin(name, index, len(STAGES), plan.out / name / "metrics.jsonl" if budget else None,
-                          60 * budget.max_train_minutes if budget and budget.max_train_minutes else None)
+                          60 * budget if budget else None)
             start = time.perf_counter()
-            with open(logs / f"{name}.log", "w", encoding="utf-8") as log, contextlib.redirect_stdout(log):
+            with open(logs / f"{name}.log", "a", encoding="utf-8") as log, contextlib.redirect_stdout(log):
                 result = stage_work(name, plan)()
             seconds = time.perf_counter() - start
             remaining = sum(estimates[s] for s in todo[todo.index(name) + 1:])

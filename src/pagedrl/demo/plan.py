@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedrl.train.config import DPOConfig, RewardConfig
+from pagedrl.train.config import DPOConfig, RewardConfig, TrainConfig
 from pagedrl.train.rl.config import GRPOConfig, PPOConfig
 
 
@@ -79,6 +79,13 @@ class DemoPlan:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
     # -- stage configs -----------------------------------------------------------------------------
+
+    def stage_config(self, stage: str, resume: bool = False) -> TrainConfig:
+        """The config of training stage `stage` (grpo, dpo, rm or ppo); `resume` continues from the
+        newest checkpoint in its folder (the budget counts the minutes already trained)."""
+        config = {"grpo": self.grpo, "dpo": self.dpo, "rm": self.rm, "ppo": self.ppo}[stage]()
+        config.resume_from_checkpoint = True if resume else None
+        return config
 
     def _common(self, stage: str, minutes: float, eval_steps: int) -> dict[str, Any]:
         return dict(model=self.model, output_dir=str(self.out / stage), seed=self.seed, max_steps=1_000_000,
