@@ -113,3 +113,40 @@ def test_a_second_call_resumes_after_the_last_finished_stage(demo, capsys) -> No
         run_demo(plan, progress=False)
     assert {s: (plan.out / "stages" / f"{s}.json").stat().st_mtime_ns for s in before} == before
     assert (plan.out / "stages" / "ppo.json").is_file()
+
+
+def test_ctrl_c_in_a_training_stage_resumes_from_its_checkpoint(demo, tmp_path) -> None:
+    """SIGINT during GRPO: the step finishes and is saved, the demo stops; the same call again
+    continues GRPO from that checkpoint (its budget counting the time already trained)."""
+    import os
+    import shutil
+    import signal
+
+    import pagedrl.train.rl.rewards as rewards
+
+    plan, _ = demo
+    out = tmp_path / "out"
+    for part in ("plan.json", "stages/paged.json", "stages/pairs.json", "pairs"):  # the first two stages, done
+        (out / part).parent.mkdir(parents=True, exist_ok=True)
+        copy = shutil.copytree if (plan.out / part).is_dir() else shutil.copy
+        copy(plan.out / part, out / part)
+    fired = []
+
+    def interrupting(prompts, completions, completion_ids, **kwargs):
+        if not fired:
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C during GRPO's first rollout
+        return parity(prompts, completions, completion_ids)
+
+    resumed = DemoPlan(**{**json.loads((plan.out / "plan.json").read_text()), "output_dir": str(out)})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(rewards.BUILTINS, "last_integer_match", interrupting)
+        with pytest.raises(KeyboardInterrupt):
+            run_demo(resumed, progress=False)
+        assert (out / "grpo" / "checkpoint-1").is_dir() and not (out / "stages" / "grpo.json").exists()
+        mp.setitem(rewards.BUILTINS, "last_integer_match", parity)
+        run_demo(resumed, progress=False)
+    assert "resuming from" in (out / "logs" / "grpo.log").read_text()
+    steps = [r["step"] for r in read_metrics(out / "grpo" / "metrics.jsonl") if "loss" in r]
+    assert steps[:2] == [1, 2] and steps == sorted(set(steps))
+    assert (out / "report.md").is_file()

@@ -41,7 +41,8 @@ def stage_estimates(plan: DemoPlan) -> dict[str, float]:
 def check_plan(plan: DemoPlan) -> None:
     """An output folder holds one plan: resuming with another would mix incomparable stages."""
     path = plan.out / "plan.json"
-    if path.is_file() and json.loads(path.read_text()) != json.loads(plan.to_json()):
+    settings = json.loads(plan.to_json())
+    if path.is_file() and {**json.loads(path.read_text()), "output_dir": plan.output_dir} != settings:
         raise ValueError(f"--output-dir {plan.out} holds a demo run with other settings ({path}); "
                          "use another --output-dir, or delete that folder to start over")
     plan.out.mkdir(parents=True, exist_ok=True)
