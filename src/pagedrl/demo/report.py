@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import os
 import platform
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,17 @@ def trainable_parameters(folder: Path) -> int:
             for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                 total += _numel(st.get_slice(key).get_shape())
     return total
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux), else what the platform module says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "CPU"
 
 
 def _numel(shape: list[int]) -> int:
@@ -116,7 +128,7 @@ def collect(plan: DemoPlan) -> dict[str, Any]:
             "accuracy before": base, "accuracy after": curves["RLHF"][-1][1],
         },
     }
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{platform.processor() or 'CPU'}"
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{cpu_name()}, {os.cpu_count()} cores"
     return {"plan": json.loads(plan.to_json()), "paged": paged, "pairs": pairs, "methods": methods, "curves": curves,
             "stages": {k: {"seconds": v["seconds"], "peak_memory_bytes": v["peak_memory_bytes"]} for k, v in stage.items()},
             "machine": f"{platform.system()} {platform.machine()}, {device}, torch {torch.__version__}, "
