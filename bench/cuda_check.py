@@ -1,38 +1,138 @@
-"""The CUDA path, checked and measured in one run on a machine with a GPU.
+"""The CUDA path, checked and measured in one run on a machine with a GPU (a few minutes).
 
-1. Correctness (float32, TF32 off): for each tiny family of the reference tests, the engine's greedy
-   output on the GPU against transformers' greedy `generate` on the same GPU, and the logprob contract
-   (sampled-token log-probs against a dense recompute, temperature 0.7, top-p 0.8).
-2. Throughput (bfloat16): the workload of `bench_engine.py` (256 requests, prompts 16-512, outputs
-   16-256, ignore_eos) through `LLM.generate` and through transformers' static batches, on a
-   SmolLM2-135M-shaped model. The weights are random (a GPU machine may hold no checkpoint): with
-   `ignore_eos` the work is the same as with the real weights.
-3. GRPO: a few steps of `run_grpo` on the same model folder (random weights, real tokenizer and chat
-   template), with step time, generation time and peak GPU memory.
+1. kernels: the Triton paged-attention kernels against the reference path on the GPU (float32,
+   float16, bfloat16; SmolLM2's 9/3 heads of 64, Qwen3-tiny's 24-dim heads, 32/8 heads of 128; a
+   batch of fresh prompts, a chunk over a cached prefix and decodes over partial blocks), and one
+   layer's attention at 256 decoding sequences of 512 tokens: the kernels against the
+   gather-then-SDPA fast path.
+2. correctness (float32, TF32 off): for each tiny family of the reference tests, greedy output
+   against transformers' greedy `generate` on the same GPU, with CUDA graphs (the default), with
+   `enforce_eager=True` and with the fast attention path; and the logprob contract (sampled-token
+   log-probs against a dense recompute, temperature 0.7, top-p 0.8).
+3. throughput (bfloat16): workload 1 of `bench_engine.py` (256 requests, prompts 16-512, outputs
+   16-256, ignore_eos) through `LLM.generate` (with graphs and eager) and through transformers'
+   static batches, on a SmolLM2-135M-shaped model; the ratio.
+4. decode_step (bfloat16): 256 sequences decoding together (128-token prompts, 128 new tokens):
+   the mean step, and within it the forward pass (graph replay or eager) and the engine's own
+   work, with graphs and eager.
+5. grpo: a few steps of `run_grpo` on the arithmetic task's batch (8 prompts x G=8, 64 tokens,
+   bf16 autocast): step time, rollout time, peak memory, and the engine-trainer log-prob agreement.
 
-    PYTHONPATH=src python3 bench/cuda_check.py --model-dir DIR [--parts correctness,throughput,grpo]
+    PYTHONPATH=src python3 bench/cuda_check.py [--model-dir DIR] [--parts kernels,correctness,...]
+        [--out cuda_check.json]
+
+A dry run of the script's logic on a CPU, small shapes and float32 (no CUDA graphs there):
+`TRITON_INTERPRET=1 PYTHONPATH=src python3 bench/cuda_check.py --device cpu --out /tmp/dry.json`.
 
 DIR holds `config.json`, the tokenizer and chat template of a model; when it has no weights, random
-ones are written there first.
+ones are written next to it (with `ignore_eos` the work is the same as with real weights). Without
+DIR: the default model if its package is installed, else a SmolLM2-135M-shaped config with a small
+byte-level tokenizer padded to its vocabulary. Each part runs on its own: one that fails prints
+its traceback, is recorded under "errors" and the next one runs. The results so far are written to
+the JSON file after every part.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import json
+import platform
+import random
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+SMOLLM2_135M = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
+                    intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+                    hidden_act="silu")
 
-def correctness() -> None:
+
+DTYPE = torch.bfloat16
+DEVICE = "cuda"  # --device cpu (with TRITON_INTERPRET=1) dry-runs the script's logic on small shapes
+
+
+def log(part: str, text: str) -> None:
+    print(f"[{part}] {text}", flush=True)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    """An engine holds reference cycles (its graphs keep a method of its runner): collect them, so the
+    next engine's KV cache, sized from free memory, gets the memory back."""
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+def kernels() -> dict[str, Any]:
+    from pagedrl.engine.attention import PagedAttention
+    from pagedrl.engine.kv_cache import KVCache
+
+    out: dict[str, Any] = {}
+    rng = random.Random(0)
+    shapes = [(0, 70), (0, 5), (40, 33), (32, 17)] + [(rng.randint(1, 300), 1) for _ in range(12)]
+    tolerance = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16)[: 3 if DEVICE == "cuda" else 2]:
+        for heads, kv_heads, dim in ((9, 3, 64), (6, 2, 24), (32, 8, 128)):
+            gen = torch.Generator(device=DEVICE).manual_seed(0)
+            cache = KVCache(1, 512, 16, kv_heads, dim, dtype, DEVICE)
+            cache.data.normal_(generator=gen)
+            free = list(range(512))
+            rng.shuffle(free)
+            seqs = [([free.pop() for _ in range(-(-(c + n) // 16))], c, n) for c, n in shapes]
+            n = sum(s[2] for s in seqs)
+            q, k, v = (torch.randn(1, n, h, dim, device=DEVICE, generator=gen, dtype=torch.float32).to(dtype)
+                       for h in (heads, kv_heads, kv_heads))
+            before = cache.data.clone()
+            ref = PagedAttention.build(cache, 16, seqs, impl="reference").attend(0, q, k, v)
+            after = cache.data.clone()
+            cache.data.copy_(before)
+            got = PagedAttention.build(cache, 16, seqs, impl="triton").attend(0, q, k, v)
+            diff = (got.float() - ref.float()).abs().max().item()
+            key = f"{str(dtype).removeprefix('torch.')}/{heads}x{kv_heads}x{dim}"
+            out[key] = {"max_abs_diff": diff, "cache_equal": bool(torch.equal(cache.data, after)),
+                        "ok": diff <= tolerance[dtype] and bool(torch.equal(cache.data, after))}
+            log("kernels", f"{key}: max|diff| {diff:.2e}, cache equal {out[key]['cache_equal']}")
+    # One layer's attention (KV store included) at 256 decoding sequences of 512 tokens, SmolLM2's heads.
+    num_seqs, dtype = (256, torch.bfloat16) if DEVICE == "cuda" else (4, torch.float32)
+    cache = KVCache(1, num_seqs * 33, 16, 3, 64, dtype, DEVICE)
+    seqs = [(list(range(i * 33, i * 33 + 33)), 511, 1) for i in range(num_seqs)]
+    q = torch.randn(1, num_seqs, 9, 64, device=DEVICE, dtype=dtype)
+    k = v = torch.randn(1, num_seqs, 3, 64, device=DEVICE, dtype=dtype)
+    for impl in ("fast", "triton"):
+        meta = PagedAttention.build(cache, 16, seqs, impl=impl)
+        for _ in range(3):
+            meta.attend(0, q, k, v)
+        sync()
+        start = time.perf_counter()
+        for _ in range(20):
+            meta.attend(0, q, k, v)
+        sync()
+        out[f"decode_layer_ms/{impl}"] = 1000 * (time.perf_counter() - start) / 20
+        log("kernels", f"one layer, {num_seqs} decodes x 512 keys, {dtype}, {impl}: "
+            f"{out[f'decode_layer_ms/{impl}']:.3f} ms")
+    out["ok"] = all(v["ok"] for v in out.values() if isinstance(v, dict))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ correctness
+def correctness() -> dict[str, Any]:
     from test_engine_greedy import prompts
     from tiny import FAMILIES, hf_model
 
@@ -44,7 +144,9 @@ def correctness() -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    device = torch.device("cuda")
+    device = torch.device(DEVICE)
+    variants = {"graphs": {}, "eager": {"enforce_eager": True}, "fast": {"attention_impl": "fast"}}
+    out: dict[str, Any] = {}
     for name, raw in sorted(FAMILIES.items()):
         hf = hf_model(raw).to(device)
         batch = prompts(hf.config.vocab_size)
@@ -55,37 +157,57 @@ def correctness() -> None:
                                   attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
                                   pad_token_id=0)
             ref.append(gen[0, len(ids):].tolist())
+        eos = hf.config.eos_token_id
+        ref = [r[: r.index(eos) + 1] if eos in r else r for r in ref]
         model = CausalLM(ModelConfig.from_dict(hf.config.to_dict()))
         model.load_state_dict({k: v.cpu() for k, v in hf.state_dict().items()}, strict=False)
         model = model.to(device).eval()
         ids = torch.tensor([batch[5]], device=device)
         with torch.no_grad():
             logit_diff = (model.logits(model(ids)) - hf(ids).logits).abs().max().item()
-        llm = LLM.from_module(model, max_num_batched_tokens=37, kv_cache_tokens=1024)
-        outs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
-        got = [o.outputs[0].token_ids for o in outs]
-        eos = hf.config.eos_token_id
-        ref = [r[: r.index(eos) + 1] if eos in r else r for r in ref]
-        same = sum(g == r for g, r in zip(got, ref, strict=True))
-        params = SamplingParams(temperature=0.7, top_p=0.8, max_tokens=16, seed=3, n=2, ignore_eos=True)
-        worst = 0.0
-        for prompt, out in zip(batch[:3], llm.generate(batch[:3], params, use_tqdm=False), strict=True):
-            for comp in out.outputs:
-                full = torch.tensor([prompt + comp.token_ids], device=device)
-                with torch.no_grad():
-                    logits = model.logits(model(full))[0, len(prompt) - 1:-1]
-                dense = processed_logprobs(logits, torch.tensor(comp.token_ids, device=device), temperature=0.7,
-                                           top_p=0.8)
-                worst = max(worst, (torch.tensor(comp.processed_logprobs, device=device) - dense).abs().max().item())
-        print(f"[correctness] {name:20s} logits max|diff| {logit_diff:.2e} | greedy equal to transformers on "
-              f"{same}/{len(batch)} prompts | logprob contract max|diff| {worst:.2e}", flush=True)
+        row: dict[str, Any] = {"logits_max_abs_diff": logit_diff}
+        for variant, args in variants.items():
+            llm = LLM.from_module(model, max_num_batched_tokens=37, kv_cache_tokens=1024, max_num_seqs=16, **args)
+            outs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+            row[f"greedy_equal/{variant}"] = sum(o.outputs[0].token_ids == r for o, r in zip(outs, ref, strict=True))
+            if variant == "graphs":
+                params = SamplingParams(temperature=0.7, top_p=0.8, max_tokens=16, seed=3, n=2, ignore_eos=True)
+                worst = 0.0
+                for prompt, o in zip(batch[:3], llm.generate(batch[:3], params, use_tqdm=False), strict=True):
+                    for comp in o.outputs:
+                        full = torch.tensor([prompt + comp.token_ids], device=device)
+                        with torch.no_grad():
+                            logits = model.logits(model(full))[0, len(prompt) - 1:-1]
+                        dense = processed_logprobs(logits, torch.tensor(comp.token_ids, device=device),
+                                                   temperature=0.7, top_p=0.8)
+                        sampled = torch.tensor(comp.processed_logprobs, device=device)
+                        worst = max(worst, (sampled - dense).abs().max().item())
+                row["logprob_contract_max_abs_diff"] = worst
+            del llm
+        row["ok"] = all(row[f"greedy_equal/{v}"] == len(batch) for v in variants)
+        out[name] = row
+        log("correctness", f"{name:20s} logits max|diff| {logit_diff:.2e} | greedy equal to transformers "
+            + ", ".join(f"{v} {row[f'greedy_equal/{v}']}/{len(batch)}" for v in variants)
+            + f" | logprob contract max|diff| {row['logprob_contract_max_abs_diff']:.2e}")
+    out["ok"] = all(r["ok"] for r in out.values())
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return out
 
 
-def ensure_weights(model_dir: Path) -> Path:
-    """`model_dir` if it has weights, else a copy of it with random ones (written once)."""
-    if (model_dir / "model.safetensors").exists():
-        return model_dir
-    out = Path(tempfile.gettempdir()) / f"pagedrl-random-{model_dir.name}"
+# ----------------------------------------------------------------------------------------------- models
+def model_dir(given: Path | None) -> Path:
+    """A folder with config, tokenizer, chat template and weights (random ones written if missing)."""
+    if given is None:
+        try:
+            from pagedrl.model.default import resolve_default_model
+
+            given = resolve_default_model()
+        except Exception as exc:  # the default model's package is not on this machine
+            log("models", f"default model unavailable ({exc}); a SmolLM2-135M-shaped stand-in is written")
+            given = stand_in_dir()
+    if (given / "model.safetensors").exists() or (given / "model.safetensors.index.json").exists():
+        return given
+    out = Path(tempfile.gettempdir()) / f"pagedrl-random-{given.name}"
     if (out / "model.safetensors").exists():
         return out
     from pagedrl.model.checkpoint import save_checkpoint
@@ -93,93 +215,235 @@ def ensure_weights(model_dir: Path) -> Path:
     from pagedrl.model.decoder import CausalLM
 
     torch.manual_seed(0)
-    config = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
-    model = CausalLM(config)
+    model = CausalLM(ModelConfig.from_dict(json.loads((given / "config.json").read_text())))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" not in name:
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
                 p.normal_(0.0, 0.02)
-    return save_checkpoint(model, out, tokenizer_dir=model_dir)
+    return save_checkpoint(model, out, tokenizer_dir=given)
 
 
-def throughput(model_dir: Path, batch_size: int) -> None:
+def stand_in_dir() -> Path:
+    """SmolLM2-135M's shape with the tests' byte-level tokenizer, padded with added tokens to 49152."""
+    from tiny_train import build_tokenizer
+    from tokenizers import Tokenizer
+
+    folder = Path(tempfile.gettempdir()) / "pagedrl-smollm2-135m-shape"
+    if (folder / "config.json").exists():
+        return folder
+    build_tokenizer(folder)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_tokens([f"<t{i}>" for i in range(SMOLLM2_135M["vocab_size"] - tok.get_vocab_size())])
+    tok.save(str(folder / "tokenizer.json"))
+    eos = tok.token_to_id("<|im_end|>")
+    config = dict(SMOLLM2_135M, bos_token_id=None, eos_token_id=eos, pad_token_id=tok.token_to_id("<|pad|>"))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+# ------------------------------------------------------------------------------------------- throughput
+def throughput(folder: Path, batch_size: int) -> dict[str, Any]:
     import bench_engine
     import transformers
 
     from pagedrl import LLM
 
-    llm = LLM(model=str(model_dir), dtype=torch.bfloat16, device="cuda")
-    vocab = llm.engine.model.config.vocab_size
-    workload = bench_engine.make_workload(256, 1.0, vocab)
-    llm.generate([[100, 200, 300]], bench_engine.SamplingParams(max_tokens=4), use_tqdm=False)
-    torch.cuda.synchronize()
-    ours = bench_engine.run_pagedrl(llm, workload)
-    stats = llm.stats()
-    kv = llm.engine.kv_manager.num_blocks_total * llm.engine.config.block_size
-    print(f"[throughput] pagedrl: {ours.seconds:.1f} s, {len(ours.kv_live)} steps, {kv} KV tokens, "
-          f"{stats['num_preemptions']} preemptions, KV slots live {ours.kv_utilisation:.1%}", flush=True)
-    del llm
-    torch.cuda.empty_cache()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to("cuda").eval()
+    out: dict[str, Any] = {}
+    outputs = {}
+    for variant, args in (("graphs", {}), ("eager", {"enforce_eager": True})):
+        start = time.perf_counter()
+        llm = LLM(model=str(folder), dtype=DTYPE, device=DEVICE, **args)
+        out[f"{variant}/startup_s"] = time.perf_counter() - start
+        vocab = llm.vocab_size
+        workload = bench_engine.make_workload(*((256, 1.0) if DEVICE == "cuda" else (8, 0.05)), vocab)
+        llm.generate([[100, 200, 300]], bench_engine.SamplingParams(max_tokens=4), use_tqdm=False)
+        sync()
+        run = bench_engine.run_pagedrl(llm, workload)
+        outputs[variant] = run.outputs
+        stats = llm.stats()
+        out[variant] = {"seconds": run.seconds, "steps": len(run.kv_live), "output_tps": run.output_tps,
+                        "total_tps": run.total_tps, "preemptions": stats["num_preemptions"],
+                        "kv_tokens": llm.stats()["num_blocks_total"] * llm.block_size}
+        log("throughput", f"pagedrl {variant}: {run.seconds:.1f} s, {len(run.kv_live)} steps "
+            f"({1000 * run.seconds / len(run.kv_live):.1f} ms/step), {run.output_tps:.0f} output tok/s, "
+            f"start-up {out[f'{variant}/startup_s']:.1f} s, {stats['num_preemptions']} preemptions")
+        del llm
+        free_memory()
+    same = sum(a == b for a, b in zip(outputs["graphs"], outputs["eager"], strict=True))
+    out["graphs_equal_eager_requests"] = same
+    log("throughput", f"graphs and eager agree on {same}/{len(workload)} requests (bf16: batch shapes may "
+        "round differently)")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPE).to(DEVICE).eval()
     bench_engine.run_transformers(hf, workload[:2], 2, 0)
     peer, peer_kv = bench_engine.run_transformers(hf, workload, batch_size, 0)
-    print(f"[throughput] transformers static batches of {batch_size}: {peer.seconds:.1f} s, "
-          f"KV rows live {peer_kv:.1%}", flush=True)
-    print(f"[throughput] output tok/s: transformers {peer.output_tps:.0f} | pagedrl {ours.output_tps:.0f} | "
-          f"ratio {ours.output_tps / peer.output_tps:.2f}x", flush=True)
-    print(f"[throughput] total tok/s:  transformers {peer.total_tps:.0f} | pagedrl {ours.total_tps:.0f} | "
-          f"ratio {ours.total_tps / peer.total_tps:.2f}x", flush=True)
+    out["transformers"] = {"seconds": peer.seconds, "output_tps": peer.output_tps, "total_tps": peer.total_tps,
+                           "batch_size": batch_size, "kv_rows_live": peer_kv}
+    for variant in ("graphs", "eager"):
+        out[f"ratio/{variant}"] = out[variant]["output_tps"] / peer.output_tps
+    log("throughput", f"transformers static batches of {batch_size}: {peer.seconds:.1f} s, "
+        f"{peer.output_tps:.0f} output tok/s | ratio graphs {out['ratio/graphs']:.2f}x, "
+        f"eager {out['ratio/eager']:.2f}x")
     del hf
-    torch.cuda.empty_cache()
+    free_memory()
+    return out
 
 
-def grpo(model_dir: Path, steps: int) -> None:
+def decode_step(folder: Path, num_seqs: int = 256) -> dict[str, Any]:
+    from pagedrl import LLM, SamplingParams
+
+    out: dict[str, Any] = {}
+    num_seqs, new_tokens = (num_seqs, 128) if DEVICE == "cuda" else (4, 4)
+    for variant, args in (("graphs", {}), ("eager", {"enforce_eager": True})):
+        llm = LLM(model=str(folder), dtype=DTYPE, device=DEVICE, max_num_seqs=num_seqs,
+                  max_num_batched_tokens=8192, **args)
+        engine = llm.engine
+        rng = random.Random(1)
+        vocab = engine.model.config.vocab_size
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        for _ in range(num_seqs):
+            engine.add_request([rng.randrange(16, vocab) for _ in range(128)], params)
+        execute = engine.runner.execute
+        forward: list[float] = []
+
+        def timed(*a, execute=execute, forward=forward):
+            sync()
+            t = time.perf_counter()
+            result = execute(*a)
+            sync()
+            forward.append(time.perf_counter() - t)
+            return result
+
+        engine.runner.execute = timed
+        steps, forwards = [], []
+        while engine.has_unfinished_requests():
+            running = engine.scheduler.running
+            full = len(running) == num_seqs and not engine.scheduler.waiting \
+                and all(s.num_computed_tokens + 1 == s.num_tokens for s in running)
+            sync()
+            t = time.perf_counter()
+            engine.step()
+            sync()
+            if full:
+                steps.append(time.perf_counter() - t)
+                forwards.append(forward[-1])
+        step_ms, fwd_ms = 1000 * sum(steps) / len(steps), 1000 * sum(forwards) / len(forwards)
+        out[variant] = {"decode_steps": len(steps), "mean_step_ms": step_ms, "mean_forward_ms": fwd_ms,
+                        "mean_engine_ms": step_ms - fwd_ms}
+        log("decode_step", f"{variant}: {len(steps)} steps of {num_seqs} decodes: {step_ms:.2f} ms per step, "
+            f"of which the forward (with logits) {fwd_ms:.2f} ms, the engine's own work {step_ms - fwd_ms:.2f} ms")
+        del llm, engine
+        free_memory()
+    return out
+
+
+def grpo(folder: Path, steps: int) -> dict[str, Any]:
+    """Rollouts under the trainer's bf16 autocast (the default), then, for the log-prob agreement
+    only, two steps with the engine in float32 as before (what the agreement was measured against)."""
+    from unittest import mock
+
+    from pagedrl.engine.llm import LLM
+    from pagedrl.train import grpo as grpo_module
+
+    out = {"autocast": grpo_run(folder, steps)}
+    from_module = LLM.from_module
+
+    def float32_engine(*args, **kwargs):
+        return from_module(*args, **{**kwargs, "autocast_dtype": None})
+
+    with mock.patch.object(grpo_module.LLM, "from_module", float32_engine):
+        out["engine_float32"] = grpo_run(folder, min(steps, 2), label="engine float32")
+    return out
+
+
+def grpo_run(folder: Path, steps: int, label: str = "engine under autocast") -> dict[str, Any]:
     from pagedrl.train.algorithms.grpo import run_grpo
     from pagedrl.train.rl.config import GRPOConfig
 
-    torch.cuda.reset_peak_memory_stats()
-    with tempfile.TemporaryDirectory() as out:
-        config = GRPOConfig(model=str(model_dir), dataset="arithmetic", output_dir=out, num_generations=8,
-                            per_device_train_batch_size=16, gradient_accumulation_steps=4,
-                            max_completion_length=64, temperature=1.0, learning_rate=1e-5, max_steps=steps,
-                            beta=0.0, logging_steps=1, save_steps=10_000, report_to=["jsonl"], task_num_eval=64,
-                            kv_cache_tokens=16384)
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with tempfile.TemporaryDirectory() as tmp:
+        size = dict(per_device_train_batch_size=16, gradient_accumulation_steps=4, max_completion_length=64,
+                    task_num_eval=64) if DEVICE == "cuda" else dict(
+                    per_device_train_batch_size=8, gradient_accumulation_steps=1, max_completion_length=4,
+                    task_num_eval=8, bf16=True)  # the dry run: tiny, but through the autocast path
+        config = GRPOConfig(model=str(folder), dataset="arithmetic", output_dir=tmp, num_generations=8,
+                            temperature=1.0, learning_rate=1e-5, max_steps=steps, beta=0.0, logging_steps=1,
+                            save_steps=10_000, report_to=["jsonl"], kv_cache_tokens=16384, **size)
         start = time.perf_counter()
         run_grpo(config, progress=False)
         wall = time.perf_counter() - start
-        rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "step_time" in r]
+    keys = ("step", "step_time", "rollout/seconds", "rollout/tokens_per_second",
+            "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
+    peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else float("nan")
+    out = {"steps": [{k: r.get(k) for k in keys} for r in rows], "wall_s": wall, "peak_gib": peak}
     for r in rows:
-        print(f"[grpo] step {r.get('step')}: {r['step_time']:.2f} s, rollout {r['rollout/seconds']:.2f} s, "
-              f"{r['rollout/tokens_per_second']:.0f} tok/s, logp diff mean "
-              f"{r.get('sampling/sampling_logp_difference/mean', float('nan')):.2e}", flush=True)
-    print(f"[grpo] {steps} steps in {wall:.1f} s (load and evaluations included), peak GPU memory "
-          f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
+        log("grpo", f"{label}, step {r.get('step')}: {r['step_time']:.2f} s, rollout {r['rollout/seconds']:.2f} s, "
+            f"{r['rollout/tokens_per_second']:.0f} tok/s, logp diff mean "
+            f"{r.get('sampling/sampling_logp_difference/mean', float('nan')):.2e}")
+    log("grpo", f"{steps} steps in {wall:.1f} s (load and evaluations included), peak {out['peak_gib']:.2f} GiB")
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--parts", default="correctness,throughput,grpo")
+    parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--parts", default="kernels,correctness,throughput,decode_step,grpo")
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--grpo-steps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("cuda_check.json"))
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    global DEVICE, DTYPE
+    DEVICE, DTYPE = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
+    results: dict[str, Any] = {"errors": {}, "seconds": {}}
+    needed = ("triton", "transformers", "tokenizers", "safetensors", "gguf", "jinja2", "yaml", "tqdm", "numpy",
+              "pytest")  # pytest: the correctness part reuses the greedy tests' prompts
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:  # parts that need them fail and are recorded; the others still run
+        results["errors"]["missing_packages"] = missing
+        print(f"missing packages: {missing}", flush=True)
+    try:
+        import transformers
+        import triton
+
+        results["env"] = {"torch": torch.__version__, "triton": triton.__version__,
+                          "transformers": transformers.__version__, "python": platform.python_version(),
+                          "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE}
+        print(results["env"], flush=True)
+    except Exception:
+        results["errors"]["env"] = traceback.format_exc()
+        print(results["errors"]["env"], flush=True)
+    folder: list[Path] = []
+
+    def models() -> Path:
+        if not folder:
+            folder.append(model_dir(args.model_dir))
+        return folder[0]
+
     parts = {
+        "kernels": kernels,
         "correctness": correctness,
-        "throughput": lambda: throughput(ensure_weights(args.model_dir), args.hf_batch_size),
-        "grpo": lambda: grpo(ensure_weights(args.model_dir), args.grpo_steps),
+        "throughput": lambda: throughput(models(), args.hf_batch_size),
+        "decode_step": lambda: decode_step(models()),
+        "grpo": lambda: grpo(models(), args.grpo_steps),
     }
-    failed = False
     for name in args.parts.split(","):
         start = time.perf_counter()
         try:
-            parts[name]()
+            results[name] = parts[name]()
         except Exception:
-            failed = True
-            traceback.print_exc()
-        print(f"[{name}] took {time.perf_counter() - start:.1f} s", flush=True)
-    sys.exit(1 if failed else 0)
+            results["errors"][name] = traceback.format_exc()
+            print(results["errors"][name], flush=True)
+        finally:
+            free_memory()
+        results["seconds"][name] = time.perf_counter() - start
+        log(name, f"took {results['seconds'][name]:.1f} s")
+        args.out.write_text(json.dumps(results, indent=2, default=str))
+    sys.exit(1 if results["errors"] else 0)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def offline(tiny_train_model):
 def test_models_health_and_tokenizer_endpoints(server, client, model_name, offline, tiny_train_model):
     assert model_name == str(tiny_train_model)
     card = httpx.get(server.base_url + "/v1/models").json()["data"][0]
-    assert card["max_model_len"] == offline.engine.max_model_len
+    assert card["max_model_len"] == offline.max_model_len
     assert httpx.get(server.base_url + "/health").status_code == 200
     tok = httpx.post(server.base_url + "/tokenize", json={"prompt": PROMPT}).json()
     assert tok["tokens"] == offline.tokenizer.encode(PROMPT) and tok["count"] == len(tok["tokens"])

@@ -195,4 +195,4 @@ def test_a_grpo_run_stopped_mid_rollout_gives_back_the_engine(tiny_train_model, 
     with pytest.raises(KeyboardInterrupt):
         Trainer(config, algorithm, progress=False).train()
     assert not engine.has_unfinished_requests() and not engine.kv_cache.allocated
-    assert engine.kv.num_blocks_used == 0
+    assert engine.kv_manager.num_blocks_used == 0

@@ -7,7 +7,7 @@ causally over everything that sequence has cached, found through its block table
 sequence with q_len new tokens and seq_len tokens in all sits at position seq_len - q_len + i, so a
 fresh prompt, a chunk of a prompt whose prefix is cached, and a one-token decode are one case.
 
-Two implementations compute the same thing:
+Three implementations compute the same thing:
 - `reference`: one sequence at a time, keys gathered into a contiguous tensor, an explicit causal
   mask, softmax, matmul. Slow and obviously right; the tests hold the fast path to it.
 - `fast`: sequences in groups, each group attended in one batched op. A group's keys and values
@@ -20,10 +20,13 @@ Two implementations compute the same thing:
   gathered is still in cache when it is read (see `plan_groups`); on a GPU there is one group
   per kind.
   Every index and additive mask is built once per step in `build`, not once per layer.
+- `triton`: the kernels of `triton_attention`, which read keys and values through the block table
+  where they lie; what the engine runs on a GPU (on a CPU only under Triton's interpreter).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -32,10 +35,10 @@ import torch.nn.functional as F
 
 from pagedrl.engine.kv_cache import KVCache
 
-IMPLEMENTATIONS = ("fast", "reference")
+IMPLEMENTATIONS = ("fast", "reference", "triton")
 # Keys one CPU group gathers (values as many again): small enough to stay in cache until read, large
-# enough that the per-call cost of the attention op is paid rarely (4 MiB measured best on 1 and 2
-# threads of a 2-core EPYC with 1 MiB of L2 per core, within a few percent of 2 and 8 MiB).
+# enough that the per-call cost of the attention op is paid rarely (the sizes tried are in
+# bench/RESULTS.md, "Engine").
 CPU_GATHER_BYTES = 4 << 20
 
 
@@ -82,6 +85,7 @@ class PagedAttention:
     impl: str = "fast"
     scale: float | None = None
     groups: list[QueryGroup] | None = field(default=None, repr=False)
+    max_query_len: int | None = None  # the largest q_len; the triton impl sizes its grid by it
 
     @classmethod
     def build(
@@ -104,24 +108,27 @@ class PagedAttention:
             raise ValueError("seqs: the batch has no sequences")
         device = kv_cache.device if device is None else torch.device(device)
         q_lens, seq_lens, tables = [], [], []
-        for i, seq in enumerate(seqs):
-            table, computed, new = seq
+        for i, (table, computed, new) in enumerate(seqs):
             if not isinstance(new, int) or new < 1:
                 raise ValueError(f"seqs[{i}]: num_new_tokens must be a positive integer, got {new!r}")
             if not isinstance(computed, int) or computed < 0:
                 raise ValueError(f"seqs[{i}]: num_computed_tokens must be a non-negative integer, got {computed!r}")
-            need = math.ceil((computed + new) / block_size)
+            total = computed + new
+            need = -(-total // block_size)
             if len(table) < need:
-                raise ValueError(f"seqs[{i}]: block_table has {len(table)} blocks, {computed + new} tokens "
-                                 f"need {need}")
-            table = [int(b) for b in table[:need]]
-            if min(table) < 0 or max(table) >= kv_cache.num_blocks:
-                raise ValueError(f"seqs[{i}]: block_table holds ids outside [0, {kv_cache.num_blocks}): {table}")
+                raise ValueError(f"seqs[{i}]: block_table has {len(table)} blocks, {total} tokens need {need}")
             q_lens.append(new)
-            seq_lens.append(computed + new)
-            tables.append(table)
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+            seq_lens.append(total)
+            tables.append(table if len(table) == need else table[:need])
+        # The tables padded with block 0 into one tensor, filled from one flat list (no per-row padding).
+        flat = torch.tensor(list(itertools.chain.from_iterable(tables)), dtype=torch.long)
+        if int(flat.min()) < 0 or int(flat.max()) >= kv_cache.num_blocks:
+            i = next(i for i, t in enumerate(tables) if min(t) < 0 or max(t) >= kv_cache.num_blocks)
+            raise ValueError(f"seqs[{i}]: block_table holds ids outside [0, {kv_cache.num_blocks}): "
+                             f"{[int(b) for b in tables[i]]}")
+        num_table_blocks = torch.tensor([len(t) for t in tables])
+        block_tables = torch.zeros(len(seqs), int(num_table_blocks.max()), dtype=torch.long)
+        block_tables[torch.arange(block_tables.shape[1]) < num_table_blocks[:, None]] = flat
         q_lens_t = torch.tensor(q_lens)
         seq_lens_t = torch.tensor(seq_lens)
         query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.long)
@@ -138,7 +145,7 @@ class PagedAttention:
             groups = plan_groups(q_lens, seq_lens, block_tables, block_size, device, kv_cache.dtype,
                                  chunk_tokens_for(kv_cache, device))
         return cls(kv_cache, slot_mapping.to(device), query_start_loc.to(device), seq_lens_t.to(device),
-                   block_tables.to(device), positions.to(device), impl, scale, groups)
+                   block_tables.to(device), positions.to(device), impl, scale, groups, max(q_lens))
 
     @property
     def num_seqs(self) -> int:
@@ -157,10 +164,20 @@ class PagedAttention:
         if q.shape[3] != head_dim or q.shape[2] % num_kv_heads:
             raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of the cache's kv heads "
                              f"({num_kv_heads}) and head_dim must be {head_dim}; got {tuple(q.shape)}")
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, k[0].to(key_cache.dtype))
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, v[0].to(value_cache.dtype))
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
         queries = q[0].to(key_cache.dtype)
+        if self.impl == "triton":
+            from pagedrl.engine import triton_attention
+
+            triton_attention.store_kv(k[0], v[0], key_cache, value_cache, self.slot_mapping)
+            max_query_len = self.max_query_len
+            if max_query_len is None:  # metadata built by hand: one host read, kept
+                max_query_len = self.max_query_len = int(self.query_start_loc.diff().max())
+            out = triton_attention.paged_attention(queries, key_cache, value_cache, self.block_tables,
+                                                   self.seq_lens, self.query_start_loc, max_query_len, scale)
+            return out.to(q.dtype)[None]
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, k[0].to(key_cache.dtype))
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, v[0].to(value_cache.dtype))
         if self.impl == "reference":
             out = self._attend_reference(queries, key_cache, value_cache, scale)
         elif self.impl == "fast":
@@ -205,10 +222,20 @@ class PagedAttention:
             part = op(q, key_cache, value_cache, group, scale, scratch)
             if group.out_rows is None:  # the only group, rows in order
                 return part
-            out = torch.empty_like(q) if out is None else out
+            out = part.new_empty(q.shape) if out is None else out  # part's dtype: autocast may lower it
             out.index_copy_(0, group.out_rows, part)
         assert out is not None
         return out
+
+
+def resolve_impl(impl: str, device: torch.device | str) -> str:
+    """`auto`: the Triton kernels on CUDA, the gather-then-SDPA fast path elsewhere (a CPU cannot run
+    Triton kernels outside the interpreter, and the fast path is tuned for its caches)."""
+    if impl == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "fast"
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"attention_impl must be 'auto' or one of {IMPLEMENTATIONS}, got {impl!r}")
+    return impl
 
 
 def chunk_tokens_for(kv_cache: KVCache, device: torch.device) -> int | None:

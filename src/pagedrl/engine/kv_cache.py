@@ -180,8 +180,8 @@ class KVCache:
 
 
 # With no budget given on a CPU, the cache takes 4 GiB, vLLM's CPU default: a continuous batch needs
-# room for many sequences at once (on the engine benchmark a 16k-token cache preempted 83 times and
-# was 35% slower than one that held the whole workload). The token cap keeps a tiny model's pool small.
+# room for many sequences at once, or it preempts and recomputes (bench/RESULTS.md, "Engine", has the
+# cost of a smaller default). The token cap keeps a tiny model's pool small.
 DEFAULT_CPU_TOKENS = 1 << 17
 DEFAULT_CPU_BYTES = 4 << 30
 

@@ -41,14 +41,16 @@ class LLM:
                  kv_cache_bytes: int | None = None, block_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, max_model_len: int | None = None, seed: int = 0,
-                 gpu_memory_utilization: float = 0.9, attention_impl: str = "fast", _module: CausalLM | None = None,
+                 gpu_memory_utilization: float = 0.9, attention_impl: str = "auto", enforce_eager: bool = False,
+                 autocast_dtype: torch.dtype | None = None, _module: CausalLM | None = None,
                  _eos_token_ids: list[int] | None = None) -> None:
         config = EngineConfig(block_size=block_size, kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=kv_cache_bytes,
                               gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
                               enable_prefix_caching=enable_prefix_caching,
                               enable_chunked_prefill=enable_chunked_prefill, max_model_len=max_model_len, seed=seed,
-                              attention_impl=attention_impl)
+                              attention_impl=attention_impl, enforce_eager=enforce_eager,
+                              autocast_dtype=autocast_dtype)
         if _module is None:
             from pagedrl.model.loader import load_model
 

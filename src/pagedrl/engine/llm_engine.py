@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pagedrl.engine.attention import resolve_impl
 from pagedrl.engine.kv_cache import KVCache, num_blocks_for_budget
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.model_runner import ModelRunner
@@ -39,13 +40,18 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None
     seed: int = 0
-    attention_impl: str = "fast"  # or "reference": the obviously-right loop, for tests
+    attention_impl: str = "auto"  # triton on CUDA, fast elsewhere; or "reference": the obviously-right loop
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's name)
+    autocast_dtype: torch.dtype | None = None  # run the model under torch.autocast in this dtype (a trainer's bf16)
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        resolve_impl(self.attention_impl, "cpu")
+        if self.autocast_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {self.autocast_dtype!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block "
                              f"of block_size={self.block_size} tokens")
@@ -61,15 +67,19 @@ class LLMEngine:
         cfg = model.config
         self.max_model_len = min(self.config.max_model_len or cfg.max_model_len, cfg.max_model_len)
         bs = self.config.block_size
-        num_blocks = num_blocks_for_budget(cfg, bs, model.device, model.dtype, tokens=self.config.kv_cache_tokens,
+        # The cache holds keys and values in the dtype the model computes them in.
+        kv_dtype = self.config.autocast_dtype or model.dtype
+        num_blocks = num_blocks_for_budget(cfg, bs, model.device, kv_dtype, tokens=self.config.kv_cache_tokens,
                                            nbytes=self.config.kv_cache_bytes,
                                            gpu_memory_utilization=self.config.gpu_memory_utilization)
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, bs, cfg.num_key_value_heads, cfg.head_dim,
-                                model.dtype, model.device)
+                                kv_dtype, model.device)
         self.kv_manager = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.config.enable_chunked_prefill)
-        self.runner = ModelRunner(model, self.kv_cache, self.kv_manager, bs, self.config.attention_impl)
+        self.runner = ModelRunner(model, self.kv_cache, self.kv_manager, bs, self.config.attention_impl,
+                                  enforce_eager=self.config.enforce_eager, autocast_dtype=self.config.autocast_dtype,
+                                  max_num_seqs=self.config.max_num_seqs, max_model_len=self.max_model_len)
         self.sampler = Sampler(torch.Generator(device=model.device).manual_seed(self.config.seed))
         eos = set(eos_token_ids or []) | set(cfg.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -81,6 +91,7 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.num_steps = 0
         self.num_forked_blocks = 0  # prompt blocks shared by n > 1 samples instead of recomputed
+        self.runner.capture_graphs()  # on CUDA unless enforce_eager: decode graphs recorded at start-up
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -315,6 +326,8 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("sleep: requests are still running; finish or abort them first")
         self.kv_manager.reset_prefix_cache()
+        if self.runner.graphs is not None:
+            self.runner.graphs.drop()  # they read the cache's memory; recorded again after wake-up
         self.kv_cache.release()
 
     def wake_up(self) -> None:

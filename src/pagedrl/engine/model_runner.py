@@ -3,16 +3,24 @@
 The runner flattens every scheduled sequence's new tokens into one row, builds the paged attention
 metadata once (which computes the tokens' positions, read by both the rotary embedding and the
 cache writes), runs the model and projects to the vocabulary only the rows that are sampled (and the
-prompt rows whose log-probs were asked for).
+prompt rows whose log-probs were asked for). On CUDA a step that only decodes replays a CUDA graph
+instead (`cuda_graphs`), unless `enforce_eager`.
+
+The forward runs in the precision it is given: with `autocast_dtype` under `torch.autocast`, as a
+trainer's bf16 autocast runs the same module, so rollouts are sampled from the numbers training
+computes (the KV cache is then kept in that dtype too).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from pagedrl.engine.attention import PagedAttention
+from pagedrl.engine.attention import PagedAttention, resolve_impl
+from pagedrl.engine.cuda_graphs import DecodeGraphs
 from pagedrl.engine.kv_cache import KVCache
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.sequence import Sequence, wants_prompt_logprobs
@@ -27,20 +35,56 @@ class ForwardResult:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, kv_manager: KVCacheManager, block_size: int,
-                 attention_impl: str = "fast") -> None:
+                 attention_impl: str = "auto", *, enforce_eager: bool = False, autocast_dtype: torch.dtype | None = None,
+                 max_num_seqs: int = 256, max_model_len: int | None = None) -> None:
         self.model = model
-        self.attention_impl = attention_impl
+        self.attention_impl = resolve_impl(attention_impl, model.device)
+        self.autocast_dtype = autocast_dtype
         self.kv_cache = kv_cache
         self.kv_manager = kv_manager
         self.block_size = block_size
         self._logits: torch.Tensor | None = None  # see `project`
+        self.graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs: on CUDA with the kernels
+        if not enforce_eager and model.device.type == "cuda" and self.attention_impl == "triton":
+            self.graphs = DecodeGraphs(model, kv_cache, block_size, max_num_seqs,
+                                       max_model_len or model.config.max_model_len, self.precision)
+
+    def precision(self) -> contextlib.AbstractContextManager[Any]:
+        """Autocast as the trainer runs it, without its weight-cast cache (a cached copy would be
+        stale after the next optimizer step, and freed memory inside a CUDA graph)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.model.device.type, dtype=self.autocast_dtype, cache_enabled=False)
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.capture_all()
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> ForwardResult:
-        device = self.model.device
         copies = self.kv_manager.take_pending_copies()
         if copies:
             self.kv_cache.copy_blocks(copies)
+        if self.graphs is not None and self.is_plain_decode(seqs, num_new_tokens) \
+                and self.graphs.fits(len(seqs), max(seq.num_tokens for seq in seqs)):
+            positions = [seq.num_computed_tokens for seq in seqs]
+            hidden = self.graphs.run([seq.token_ids[p] for seq, p in zip(seqs, positions, strict=True)], positions,
+                                     [self.kv_manager.block_table(seq.seq_id) for seq in seqs])
+            with self.precision():
+                logits = self.project(hidden)
+            return ForwardResult(logits, [(seq, p) for seq, p in zip(seqs, positions, strict=True)])
+        with self.precision():
+            return self.execute_eager(seqs, num_new_tokens)
+
+    @staticmethod
+    def is_plain_decode(seqs: list[Sequence], num_new_tokens: list[int]) -> bool:
+        """Every sequence feeds its last token and samples the next (no prompt rows)."""
+        return all(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
+                   for seq, n in zip(seqs, num_new_tokens, strict=True))
+
+    def execute_eager(self, seqs: list[Sequence], num_new_tokens: list[int]) -> ForwardResult:
+        device = self.model.device
         ids: list[int] = []
         rows: list[tuple[Sequence, int]] = []
         row_index: list[int] = []
@@ -74,7 +118,7 @@ class ModelRunner:
         head = getattr(self.model, "lm_head", None)
         plain = (type(self.model).logits is CausalLM.logits and isinstance(head, torch.nn.Linear)
                  and head.bias is None and head.weight.dtype == torch.float32 and hidden.dtype == torch.float32
-                 and hidden.dim() == 2 and hidden.device.type == "cpu")
+                 and hidden.dim() == 2 and hidden.device.type == "cpu" and self.autocast_dtype is None)
         if not plain:
             return self.model.logits(hidden)
         rows, vocab = hidden.shape[0], head.weight.shape[0]

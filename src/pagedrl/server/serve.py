@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="on CUDA, run decode steps without CUDA graphs")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="sequences (a request with n samples counts n) that may wait beyond --max-num-seqs; "
                         "more are answered 503")
@@ -91,7 +92,7 @@ def build_server(args: argparse.Namespace) -> Any:
     loaded = load_model(args.model, device=args.device, dtype=dtype)
     config = EngineConfig(block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=args.max_model_len, seed=args.seed)
+                          max_model_len=args.max_model_len, seed=args.seed, enforce_eager=args.enforce_eager)
     engine = LLMEngine(loaded.model, loaded.tokenizer, config, eos_token_ids=loaded.eos_token_ids)
     name = args.served_model_name or args.model or DEFAULT_MODEL
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)

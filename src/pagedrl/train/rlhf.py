@@ -8,7 +8,7 @@ its output is already complete (so an interrupted recipe resumes at the first un
 3. **ppo**: PPO against that reward model (`pagedrl ppo`), into `ppo/final`.
 
 The recipe file holds `output_dir`, `model`, `seed`, the built-in task's `task_*` fields and three
-sections: `pairs` (num_prompts, num_generations, temperature, max_tokens), `rm` (RewardConfig
+sections: `pairs` (num_prompts, num_generations, temperature, max_tokens, pairs_per_prompt), `rm` (RewardConfig
 fields) and `ppo` (PPOConfig fields); the recipe fills in the paths between stages. Overrides
 use dotted keys: `ppo.max_steps=4`.
 """
@@ -27,7 +27,7 @@ from pagedrl.train.config import RewardConfig, load_config
 from pagedrl.train.rl.config import PPOConfig
 
 TASK_KEYS = ("task_operations", "task_low", "task_high", "task_num_eval")
-PAIR_DEFAULTS = {"num_prompts": 256, "num_generations": 4, "temperature": 1.0, "max_tokens": 64}
+PAIR_DEFAULTS = {"num_prompts": 256, "num_generations": 8, "temperature": 0.7, "max_tokens": 64, "pairs_per_prompt": 2}
 PAIRS_FILE, PAIRS_DONE = "pairs.jsonl", "pairs.json"
 
 
@@ -89,7 +89,8 @@ def make_pairs(out: Path, pairs: dict[str, Any], ppo: PPOConfig, llm: Any = None
     raw = list(itertools.islice(task.train_rows(seed=ppo.seed + 1), int(pairs["num_prompts"])))
     prompts, _ = load_examples(raw, PromptRows(llm.tokenizer, ppo.max_prompt_length))
     rows, stats = verifier_pairs(llm, prompts, ("last_integer_match", last_integer_match),
-                                 int(pairs["num_generations"]), float(pairs["temperature"]), int(pairs["max_tokens"]))
+                                 int(pairs["num_generations"]), float(pairs["temperature"]), int(pairs["max_tokens"]),
+                                 int(pairs["pairs_per_prompt"]))
     if not rows:
         raise ValueError(f"pairs: no prompt had both a correct and a wrong completion among {stats['completions']:.0f}; "
                          "raise pairs.num_prompts, pairs.num_generations or pairs.temperature")
