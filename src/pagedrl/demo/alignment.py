@@ -58,7 +58,8 @@ def baseline_and_pairs(plan: DemoPlan) -> dict[str, Any]:
     before = llm.stats()
     t0 = time.perf_counter()
     stats = make_pairs(plan.out / "pairs", {"num_prompts": plan.pair_prompts, "num_generations": plan.pair_generations,
-                                            "temperature": 1.0, "max_tokens": plan.completion_tokens}, plan.ppo(), llm)
+                                            "temperature": 1.0, "max_tokens": plan.completion_tokens,
+                                            "pairs_per_prompt": 1}, plan.ppo(), llm)
     after = llm.stats()
     shared = (after["num_forked_blocks"] - before["num_forked_blocks"]) + \
         (after["prefix_cache_hits"] - before["prefix_cache_hits"]) // llm.block_size
