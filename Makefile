@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/pagedrl generate --prompt "What is the capital of France?"
+	$(BIN)/pagedrl demo --quick
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench

@@ -33,113 +33,23 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from pagedrl import LLM, SamplingParams
+from pagedrl.demo.paged import (
+    Request,
+    Run,
+    load_transformers_model,
+    make_workload,
+    prefix_sharing,
+    run_pagedrl,
+    run_transformers,
+)
 from pagedrl.model.loader import resolve_model_path
 
 PARTS = ("throughput", "roofline", "kv", "prefix")
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    max_tokens: int
-
-
-def make_workload(num_requests: int, scale: float, vocab: int, seed: int = 0) -> list[Request]:
-    """Prompt lengths 16-512 and output lengths 16-256 (times `scale`), random token ids."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(num_requests):
-        prompt_len = max(1, round(rng.randint(16, 512) * scale))
-        max_tokens = max(1, round(rng.randint(16, 256) * scale))
-        out.append(Request([rng.randrange(16, vocab) for _ in range(prompt_len)], max_tokens))
-    return out
-
-
-@dataclass
-class Run:
-    seconds: float
-    prompt_tokens: int
-    output_tokens: int
-    outputs: list[list[int]]
-    kv_live: list[int] = field(default_factory=list)  # per step: tokens with KV in the cache
-    kv_slots: list[int] = field(default_factory=list)  # per step: slots of the blocks held
-
-    @property
-    def output_tps(self) -> float:
-        return self.output_tokens / self.seconds
-
-    @property
-    def total_tps(self) -> float:
-        return (self.prompt_tokens + self.output_tokens) / self.seconds
-
-    @property
-    def kv_utilisation(self) -> float:
-        """Live tokens over allocated slots, summed over every step (a time average)."""
-        return sum(self.kv_live) / max(1, sum(self.kv_slots))
-
-
-def run_pagedrl(llm: LLM, workload: list[Request]) -> Run:
-    """`LLM.generate` over the workload; each step also samples the KV cache's occupancy."""
-    engine = llm.engine
-    block_size = engine.config.block_size
-    live: list[int] = []
-    slots: list[int] = []
-    step = engine.step
-
-    def step_and_sample():
-        outs = step()
-        running = engine.scheduler.running
-        live.append(sum(seq.num_computed_tokens for seq in running))
-        slots.append(engine.kv_manager.num_blocks_used * block_size)
-        return outs
-
-    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
-    engine.step = step_and_sample
-    try:
-        start = time.perf_counter()
-        outs = llm.generate([r.prompt for r in workload], params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-    finally:
-        del engine.step
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    assert all(len(t) == r.max_tokens for t, r in zip(tokens, workload, strict=True)), "ignore_eos must hold"
-    return Run(seconds, sum(len(r.prompt) for r in workload), sum(len(t) for t in tokens), tokens, live, slots)
-
-
-def run_transformers(model, workload: list[Request], batch_size: int, pad_token_id: int) -> tuple[Run, float]:
-    """Static batches in request order, left-padded, each run to its longest output. Also returns the
-    share of the KV rows those batches held that were live tokens of a request (same time average)."""
-    live_total = slots_total = 0
-    outputs: list[list[int]] = []
-    start = time.perf_counter()
-    for first in range(0, len(workload), batch_size):
-        batch = workload[first:first + batch_size]
-        width = max(len(r.prompt) for r in batch)
-        new = max(r.max_tokens for r in batch)
-        ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, r in enumerate(batch):
-            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
-            mask[i, width - len(r.prompt):] = 1
-        ids, mask = ids.to(model.device), mask.to(model.device)
-        with torch.inference_mode():
-            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False, pad_token_id=pad_token_id)
-        assert gen.shape[1] == width + new, "min_new_tokens must hold the batch to its longest output"
-        outputs += [gen[i, width:width + r.max_tokens].tolist() for i, r in enumerate(batch)]
-        # Decode step t (0-based) holds width + t cached rows per sequence, of which a request's own
-        # prompt and its first min(t, max_tokens) outputs are live.
-        for t in range(new):
-            slots_total += len(batch) * (width + t)
-            live_total += sum(len(r.prompt) + min(t, r.max_tokens) for r in batch)
-    seconds = time.perf_counter() - start
-    run = Run(seconds, sum(len(r.prompt) for r in workload), sum(r.max_tokens for r in workload), outputs)
-    return run, live_total / slots_total
 
 
 def hf_kv_bytes(config, workload: list[Request], batch_size: int) -> int:
@@ -214,42 +124,17 @@ def roofline(model, tokenizer, num_seqs: int, context: int, steps: int, vocab: i
     return result
 
 
-def peak_blocks(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> int:
-    """Most blocks held by live requests at the end of any step while `prompts` run."""
-    engine = llm.engine
-    peak = 0
-    ids = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished_requests():
-        engine.step()
-        peak = max(peak, engine.kv_manager.num_blocks_used)
-    assert all(rid not in engine.requests for rid in ids)
-    return peak
-
-
 def shared_prefix(model, tokenizer, vocab: int, prompt_len: int = 512, n: int = 16, max_tokens: int = 128) -> None:
     rng = random.Random(2)
     prompt = [rng.randrange(16, vocab) for _ in range(prompt_len)]
-    block_size = 16
-    shared = LLM.from_module(model, tokenizer, block_size=block_size)
-    sampled = SamplingParams(n=n, temperature=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True)
-    got = peak_blocks(shared, [prompt], sampled)
-    del shared
+    p = prefix_sharing(model, tokenizer, prompt, n, max_tokens)
     gc.collect()
-    separate = LLM.from_module(model, tokenizer, block_size=block_size, enable_prefix_caching=False)
-    single = SamplingParams(temperature=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True)
-    unshared = peak_blocks(separate, [prompt] * n, single)
-    del separate
-    gc.collect()
-    # The last sampled token is never fed back, so a completion's KV holds max_tokens - 1 tokens.
-    kv_tokens = prompt_len + max_tokens - 1
-    prompt_blocks = prompt_len // block_size  # full prompt blocks shared; a partial one is per sample
-    ideal = prompt_blocks + n * (math.ceil(kv_tokens / block_size) - prompt_blocks)
-    print(f"[prefix] n={n} x {max_tokens} tokens from one {prompt_len}-token prompt, block_size {block_size}")
-    print(f"[prefix]   no sharing (16 requests, prefix caching off): peak {unshared} blocks")
-    print(f"[prefix]   ideal (prompt once + {n} completions):         {ideal} blocks")
-    print(f"[prefix]   pagedrl (n={n}, forked prompt):                peak {got} blocks")
-    print(f"[prefix]   pagedrl / ideal = {got / ideal:.3f} (goal <= 1.05); no sharing / pagedrl = "
-          f"{unshared / got:.2f}x")
+    print(f"[prefix] n={n} x {max_tokens} tokens from one {prompt_len}-token prompt, block_size {p.block_size}")
+    print(f"[prefix]   no sharing ({n} requests, prefix caching off): peak {p.unshared} blocks")
+    print(f"[prefix]   ideal (prompt once + {n} completions):         {p.ideal} blocks")
+    print(f"[prefix]   pagedrl (n={n}, forked prompt):                peak {p.shared} blocks")
+    print(f"[prefix]   pagedrl / ideal = {p.shared / p.ideal:.3f} (goal <= 1.05); no sharing / pagedrl = "
+          f"{p.unshared / p.shared:.2f}x")
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -319,13 +204,7 @@ def main() -> None:
         gc.collect()
         peer_kv = None
         if "throughput" in parts:
-            from transformers import AutoModelForCausalLM
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.set_verbosity_error()
-            hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(None), dtype=torch.float32).eval()
-            pad = hf.generation_config.pad_token_id
-            pad = 2 if pad is None else int(pad if isinstance(pad, int) else pad[0])
+            hf, pad = load_transformers_model(resolve_model_path(None))
             run_transformers(hf, workload[:2], 2, pad)  # warm-up
             peer, peer_kv = run_transformers(hf, workload, args.hf_batch_size, pad)
             hf_gib = hf_kv_bytes(hf.config, workload, args.hf_batch_size) / 2**30

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = ("generate", "serve", "eval", "sft", "rm", "dpo", "grpo", "ppo", "rlhf")
+COMMANDS = ("demo", "generate", "serve", "eval", "sft", "rm", "dpo", "grpo", "ppo", "rlhf")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: pagedrl {" + ",".join(COMMANDS) + "} [args]\n\n"
+              "  demo       paged attention measured, then GRPO vs DPO vs RLHF side by side, with a report\n"
               "  generate   generate text offline with the paged engine\n"
               "  serve      OpenAI-compatible HTTP server\n"
               "  eval       held-out accuracy of a model on the built-in arithmetic task\n"
@@ -18,6 +19,10 @@ def main(argv: list[str] | None = None) -> int:
               "  rlhf       the RLHF recipe: verifier-labelled pairs, a reward model, then PPO\n")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    if command == "demo":
+        from pagedrl.demo.cli import demo_main
+
+        return demo_main(rest)
     if command == "generate":
         from pagedrl.generate import generate_main
 

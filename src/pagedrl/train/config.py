@@ -77,8 +77,12 @@ class TrainConfig:
     # Bookkeeping.
     logging_steps: int = 10
     eval_steps: int | None = None  # None: no periodic evaluation
+    eval_on_start: bool = True  # with eval_steps: evaluate the starting model too (step 0)
     save_steps: int = 500
     save_total_limit: int | None = None
+    # Stop cleanly (a last evaluation, then `final/`) once training, evaluations excluded, has run
+    # this long: equal wall-clock budgets for runs whose steps cost different amounts.
+    max_train_minutes: float | None = None
     seed: int = 42
     resume_from_checkpoint: str | bool | None = None  # a checkpoint directory, or true: latest in output_dir
     report_to: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
@@ -109,6 +113,8 @@ class TrainConfig:
         for key in ("max_length", "eval_steps", "save_total_limit"):
             value = getattr(self, key)
             _require(value is None or value >= 1, key, f"must be null or >= 1, got {value}")
+        _require(self.max_train_minutes is None or self.max_train_minutes > 0, "max_train_minutes",
+                 f"must be null or > 0, got {self.max_train_minutes}")
         out = Path(self.output_dir)
         blocking = next((p for p in (out, *out.parents) if p.is_file()), None)
         _require(blocking is None, "output_dir", f"{blocking} is a file, not a folder")

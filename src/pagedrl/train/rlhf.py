@@ -72,8 +72,9 @@ def _as_overrides(values: dict[str, Any]) -> list[str]:
     return [f"{k}={json.dumps(v)}" for k, v in values.items()]
 
 
-def make_pairs(out: Path, pairs: dict[str, Any], ppo: PPOConfig) -> dict[str, float]:
-    """Stage 1, on the same task (and the same held-out split) PPO trains and is evaluated on."""
+def make_pairs(out: Path, pairs: dict[str, Any], ppo: PPOConfig, llm: Any = None) -> dict[str, float]:
+    """Stage 1, on the same task (and the same held-out split) PPO trains and is evaluated on;
+    sampled by `llm` when given (an engine on `ppo.model` the caller already holds)."""
     import itertools
 
     from pagedrl import LLM
@@ -83,7 +84,7 @@ def make_pairs(out: Path, pairs: dict[str, Any], ppo: PPOConfig) -> dict[str, fl
     from pagedrl.train.rl.rewards import last_integer_match
 
     task = ArithmeticTask(tuple(ppo.task_operations), ppo.task_low, ppo.task_high, ppo.task_num_eval, seed=ppo.seed)
-    llm = LLM(ppo.model, seed=ppo.seed)
+    llm = llm or LLM(ppo.model, seed=ppo.seed)
     # A stream of its own, so PPO's prompts are not the pairs' prompts in the same order.
     raw = list(itertools.islice(task.train_rows(seed=ppo.seed + 1), int(pairs["num_prompts"])))
     prompts, _ = load_examples(raw, PromptRows(llm.tokenizer, ppo.max_prompt_length))

@@ -215,9 +215,9 @@ class Trainer:
         finished = False
         try:
             with self.stop.installed():
-                if self.config.eval_steps and self.step == 0:
+                if self.config.eval_steps and self.config.eval_on_start and self.step == 0:
                     self.evaluate()
-                while self.step < self.total_steps:
+                while self.step < self.total_steps and not self.out_of_time():
                     self.stop_if_asked()
                     self.run_step()
                 final = self.save_final()
@@ -274,6 +274,18 @@ class Trainer:
             self.evaluate()
         if step % self.config.save_steps == 0:
             self.save_checkpoint()
+
+    def out_of_time(self) -> bool:
+        """`max_train_minutes` spent (evaluations excluded; every rank takes rank 0's word): the
+        run ends here, evaluated unless this step just was."""
+        limit = self.config.max_train_minutes
+        spent = time.perf_counter() - self._start - self.eval_seconds
+        if not broadcast_object(limit is not None and self.step > 0 and spent >= 60 * limit, self.dist):
+            return False
+        self.logger.write(f"max_train_minutes={limit:g} reached after step {self.step} ({spent / 60:.2f} min)")
+        if self.config.eval_steps and self.step % self.config.eval_steps:
+            self.evaluate()
+        return True
 
     def log(self, row: dict[str, Any]) -> None:
         wall = time.perf_counter() - self._start

@@ -1,0 +1,123 @@
+"""What `pagedrl demo` runs: one plan (quick or full) from which every stage's config is built, so
+GRPO, DPO and RLHF start from the same model, train on the same task with the same wall-clock
+budget, and are evaluated on the same held-out problems with the same greedy engine.
+
+RLHF's budget covers both of its trained models: the reward model gets `rm_share` of it and PPO
+the rest, so the three methods spend the same training minutes. Evaluation time is not counted
+(the trainers' `max_train_minutes` excludes it), nor is sampling the shared preference pairs,
+which DPO and the reward model both use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedrl.train.config import DPOConfig, RewardConfig, TrainConfig
+from pagedrl.train.rl.config import GRPOConfig, PPOConfig
+
+
+@dataclass
+class DemoPlan:
+    output_dir: str = "runs/demo"
+    model: str = "smollm2-135m-instruct"
+    quick: bool = False
+    budget_minutes: float = 5.0  # training minutes per method (evaluations excluded)
+    seed: int = 0
+    # Part 1: paged attention. Mixed-length requests (prompt 16-512 and output 16-256 tokens, times
+    # `scale`) plus one request sampling `n_samples` completions of one long prompt.
+    num_requests: int = 24
+    scale: float = 0.25
+    n_samples: int = 8
+    long_prompt_tokens: int = 256
+    n_sample_tokens: int = 32
+    hf_batch_size: int = 8
+    # The task and held-out evaluation (greedy, with the engine). 64 tokens: the model often works
+    # its way to the sum in a sentence, and a shorter cut scores those answers as wrong.
+    task_low: int = 10
+    task_high: int = 99
+    num_eval: int = 128
+    completion_tokens: int = 64  # rollouts, pairs and evaluation alike
+    # Preference pairs for DPO and the reward model, sampled from the base model (temperature 1).
+    pair_prompts: int = 128
+    pair_generations: int = 4
+    # Each method's batch and its evaluations along the way (about three per method in the full
+    # demo on a 2-core CPU). GRPO as examples/grpo_arithmetic.yaml: 8 prompts x G = 8.
+    grpo_prompts_per_step: int = 8
+    num_generations: int = 8
+    grpo_eval_steps: int = 4
+    dpo_batch_pairs: int = 8
+    dpo_eval_steps: int = 25
+    rm_share: float = 1 / 3
+    ppo_prompts_per_step: int = 8
+    ppo_generations: int = 4
+    ppo_eval_steps: int = 4
+    learning_rate: float = 1e-5  # GRPO and PPO (the policy's)
+    dpo_learning_rate: float = 5e-6
+    report_to: tuple[str, ...] = ("jsonl",)
+
+    @classmethod
+    def preset(cls, quick: bool, **fields: Any) -> DemoPlan:
+        """The full demo (about 30 minutes on a 2-core CPU) or the quick one (about 5): fewer
+        requests and problems, no evaluation along the way, half a minute per method."""
+        base: dict[str, Any] = {}
+        if quick:
+            base = dict(quick=True, budget_minutes=0.5, num_requests=12, scale=0.15, n_samples=4,
+                        long_prompt_tokens=128, n_sample_tokens=16, num_eval=32, pair_prompts=32,
+                        grpo_prompts_per_step=4, num_generations=4, ppo_prompts_per_step=4,
+                        grpo_eval_steps=10_000, dpo_eval_steps=10_000, ppo_eval_steps=10_000)
+        return cls(**{**base, **{k: v for k, v in fields.items() if v is not None}})
+
+    @property
+    def out(self) -> Path:
+        return Path(self.output_dir)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    # -- stage configs -----------------------------------------------------------------------------
+
+    def stage_config(self, stage: str, resume: bool = False) -> TrainConfig:
+        """The config of training stage `stage` (grpo, dpo, rm or ppo); `resume` continues from the
+        newest checkpoint in its folder (the budget counts the minutes already trained)."""
+        config = {"grpo": self.grpo, "dpo": self.dpo, "rm": self.rm, "ppo": self.ppo}[stage]()
+        config.resume_from_checkpoint = True if resume else None
+        return config
+
+    def _common(self, stage: str, minutes: float, eval_steps: int) -> dict[str, Any]:
+        return dict(model=self.model, output_dir=str(self.out / stage), seed=self.seed, max_steps=1_000_000,
+                    max_train_minutes=minutes, lr_scheduler_type="constant", logging_steps=1, save_steps=1_000_000,
+                    eval_steps=eval_steps, eval_on_start=False, report_to=list(self.report_to))
+
+    def _task(self) -> dict[str, Any]:
+        return dict(dataset="arithmetic", task_operations=["+"], task_low=self.task_low, task_high=self.task_high,
+                    task_num_eval=self.num_eval, max_completion_length=self.completion_tokens,
+                    num_completions_to_print=2)
+
+    def grpo(self) -> GRPOConfig:
+        completions = self.grpo_prompts_per_step * self.num_generations
+        return GRPOConfig(**self._common("grpo", self.budget_minutes, self.grpo_eval_steps), **self._task(),
+                          num_generations=self.num_generations, per_device_train_batch_size=completions,
+                          gradient_accumulation_steps=1, temperature=1.0, learning_rate=self.learning_rate,
+                          beta=0.0, loss_type="dapo", scale_rewards="group")
+
+    def dpo(self) -> DPOConfig:
+        return DPOConfig(**self._common("dpo", self.budget_minutes, self.dpo_eval_steps),
+                         dataset=str(self.out / "pairs" / "pairs.jsonl"), per_device_train_batch_size=self.dpo_batch_pairs,
+                         learning_rate=self.dpo_learning_rate, beta=0.1, loss_type="sigmoid", max_length=256)
+
+    def rm(self) -> RewardConfig:
+        return RewardConfig(**self._common("rm", self.budget_minutes * self.rm_share, 1_000_000),
+                            dataset=str(self.out / "pairs" / "pairs.jsonl"), per_device_train_batch_size=8,
+                            learning_rate=2e-5, center_rewards_coefficient=0.01, max_length=256)
+
+    def ppo(self) -> PPOConfig:
+        completions = self.ppo_prompts_per_step * self.ppo_generations
+        return PPOConfig(**self._common("ppo", self.budget_minutes * (1 - self.rm_share), self.ppo_eval_steps),
+                         **self._task(), num_generations=self.ppo_generations,
+                         per_device_train_batch_size=completions, gradient_accumulation_steps=1, num_mini_batches=1,
+                         num_ppo_epochs=1, temperature=1.0, learning_rate=self.learning_rate, kl_coef=0.05,
+                         missing_eos_penalty=1.0, reward_model_path=str(self.out / "rm" / "final"))

@@ -1,0 +1,152 @@
+"""`pagedrl demo` end to end on the tiny model: every stage, a report whose numbers are the ones the
+run logged, and a second call that finds every stage finished and only rewrites the report."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pagedrl.cli import main
+from pagedrl.demo.cli import STAGES, run_demo
+from pagedrl.demo.plan import DemoPlan
+from pagedrl.demo.report import fmt
+from pagedrl.train.logging import read_metrics
+
+
+def parity(prompts, completions, completion_ids, **kwargs):
+    """A verifier the tiny random model can satisfy: a completion starting with an even id is 'correct'."""
+    return [float(len(ids) > 0 and ids[0] % 2 == 0) for ids in completion_ids]
+
+
+def tiny_plan(model, out, **fields) -> DemoPlan:
+    return DemoPlan.preset(True, model=str(model), output_dir=str(out), budget_minutes=0.03, num_requests=6,
+                           scale=0.1, n_samples=4, long_prompt_tokens=40, n_sample_tokens=8, hf_batch_size=4,
+                           task_low=1, task_high=9, num_eval=8, completion_tokens=6, pair_prompts=12,
+                           grpo_eval_steps=2, dpo_eval_steps=2, ppo_eval_steps=2, learning_rate=1e-3,
+                           dpo_learning_rate=1e-3, **fields)
+
+
+@pytest.fixture(scope="module")
+def demo(tiny_train_model, tmp_path_factory):
+    import pagedrl.train.rl.rewards as rewards
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rewards, "last_integer_match", parity)
+        mp.setitem(rewards.BUILTINS, "last_integer_match", parity)
+        plan = tiny_plan(tiny_train_model, tmp_path_factory.mktemp("demo") / "out")
+        report = run_demo(plan, progress=False)
+    return plan, report
+
+
+def test_every_stage_finishes_and_the_report_is_self_contained(demo) -> None:
+    plan, report = demo
+    out = plan.out
+    assert sorted(p.stem for p in (out / "stages").glob("*.json")) == sorted(STAGES)
+    for name in ("grpo", "dpo", "rm", "ppo"):
+        assert (out / name / "final" / "config.json").is_file()
+    md = report.read_text()
+    for heading in ("# pagedrl demo", "## Paged attention, measured", "## Alignment, side by side"):
+        assert heading in md
+    for png in ("accuracy.png", "kv_cache.png", "throughput.png"):
+        assert f"]({png})" in md and (out / png).stat().st_size > 5000
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 3 and "<img" in page and "src=\"http" not in page
+    assert "| models in memory | 1 | 2 | 4 |" in md  # GRPO (beta 0), DPO (policy + reference), RLHF's four
+
+
+def test_report_numbers_are_the_logged_ones(demo) -> None:
+    plan, report = demo
+    out = plan.out
+    data = json.loads((out / "report.json").read_text())
+    md = report.read_text()
+    stage = {s: json.loads((out / "stages" / f"{s}.json").read_text()) for s in STAGES}
+    paged = stage["paged"]["result"]
+    assert data["paged"] == paged
+    assert f"| output tokens/s | {fmt(paged['transformers_output_tps'])} | {fmt(paged['pagedrl_output_tps'])} | " \
+           f"{paged['throughput_ratio']:.2f}x |" in md
+    assert paged["pagedrl_output_tps"] == pytest.approx(paged["output_tokens"] / paged["pagedrl_seconds"])
+    s = paged["prefix"]
+    assert s["shared"] < s["unshared"]  # the n samples shared the long prompt's blocks
+    snap = paged["snapshot"]
+    assert len({b for q in snap["seqs"] for b in q["blocks"]}) <= snap["blocks_used"] <= snap["num_blocks"]
+    base = stage["pairs"]["result"]["base_accuracy"]
+    for method, folder in (("GRPO", "grpo"), ("DPO", "dpo"), ("RLHF", "ppo")):
+        evals = [r for r in read_metrics(out / folder / "metrics.jsonl") if "eval/accuracy" in r]
+        assert evals, folder
+        m = data["methods"][method]
+        assert m["accuracy before"] == base and m["accuracy after"] == evals[-1]["eval/accuracy"]
+        assert [y for _, y in data["curves"][method]] == [base] + [r["eval/accuracy"] for r in evals]
+        row = re.search(r"^\| held-out accuracy \|(.*)\|$", md, re.M).group(1).split("|")
+        assert row[("GRPO", "DPO", "RLHF").index(method)].strip() == f"{fmt(base)} -> {fmt(evals[-1]['eval/accuracy'])}"
+    for folder, config in (("grpo", plan.grpo()), ("dpo", plan.dpo()), ("rm", plan.rm()), ("ppo", plan.ppo())):
+        rows = read_metrics(out / folder / "metrics.jsonl")
+        # Each method stopped on its budget (eval_on_start off: the base model is evaluated once).
+        assert max(r["train_time"] for r in rows) >= 60 * config.max_train_minutes - 0.5
+        assert all(r["step"] > 0 for r in rows if "eval/accuracy" in r)
+    grpo_rows = read_metrics(out / "grpo" / "metrics.jsonl")
+    steps = max(r["step"] for r in grpo_rows)
+    assert data["methods"]["GRPO"]["optimizer steps"] == steps >= 1
+    assert data["methods"]["GRPO"]["KV blocks saved by prefix sharing"] == sum(
+        r.get("rollout/prefix_blocks_shared", 0) for r in grpo_rows)
+    assert data["methods"]["DPO"]["samples generated"] == stage["pairs"]["result"]["completions"]
+    assert data["methods"]["RLHF"]["peak memory (GiB)"] == pytest.approx(
+        max(stage["rm"]["peak_memory_bytes"], stage["ppo"]["peak_memory_bytes"]) / 2**30)
+    pairs = [json.loads(line) for line in (out / "pairs" / "pairs.jsonl").read_text().splitlines()]
+    assert stage["pairs"]["result"]["pairs"] == len(pairs) > 0
+
+
+def test_a_second_call_resumes_after_the_last_finished_stage(demo, capsys) -> None:
+    plan, report = demo
+    (plan.out / "stages" / "ppo.json").unlink()  # as if Ctrl-C had stopped PPO
+    before = {s: (plan.out / "stages" / f"{s}.json").stat().st_mtime_ns for s in STAGES if s != "ppo"}
+    import pagedrl.train.rl.rewards as rewards
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(rewards.BUILTINS, "last_integer_match", parity)
+        argv = ["demo", "--quick", "--output-dir", str(plan.out), "--budget-minutes", str(plan.budget_minutes),
+                "--model", plan.model]
+        # Another plan in the same folder is refused rather than mixed with it.
+        assert main(argv) == 2
+        assert "holds a demo run with other settings" in capsys.readouterr().err
+        run_demo(plan, progress=False)
+    assert {s: (plan.out / "stages" / f"{s}.json").stat().st_mtime_ns for s in before} == before
+    assert (plan.out / "stages" / "ppo.json").is_file()
+
+
+def test_ctrl_c_in_a_training_stage_resumes_from_its_checkpoint(demo, tmp_path) -> None:
+    """SIGINT during GRPO: the step finishes and is saved, the demo stops; the same call again
+    continues GRPO from that checkpoint (its budget counting the time already trained)."""
+    import os
+    import shutil
+    import signal
+
+    import pagedrl.train.rl.rewards as rewards
+
+    plan, _ = demo
+    out = tmp_path / "out"
+    for part in ("plan.json", "stages/paged.json", "stages/pairs.json", "pairs"):  # the first two stages, done
+        (out / part).parent.mkdir(parents=True, exist_ok=True)
+        copy = shutil.copytree if (plan.out / part).is_dir() else shutil.copy
+        copy(plan.out / part, out / part)
+    fired = []
+
+    def interrupting(prompts, completions, completion_ids, **kwargs):
+        if not fired:
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C during GRPO's first rollout
+        return parity(prompts, completions, completion_ids)
+
+    resumed = DemoPlan(**{**json.loads((plan.out / "plan.json").read_text()), "output_dir": str(out)})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(rewards.BUILTINS, "last_integer_match", interrupting)
+        with pytest.raises(KeyboardInterrupt):
+            run_demo(resumed, progress=False)
+        assert (out / "grpo" / "checkpoint-1").is_dir() and not (out / "stages" / "grpo.json").exists()
+        mp.setitem(rewards.BUILTINS, "last_integer_match", parity)
+        run_demo(resumed, progress=False)
+    assert "resuming from" in (out / "logs" / "grpo.log").read_text()
+    steps = [r["step"] for r in read_metrics(out / "grpo" / "metrics.jsonl") if "loss" in r]
+    assert steps[:2] == [1, 2] and steps == sorted(set(steps))
+    assert (out / "report.md").is_file()
