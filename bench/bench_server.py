@@ -105,14 +105,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
+def launch_server(serve_args: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
+    """`pagedrl serve <serve_args>` on a free port, its output in `log_path`; returns once /health answers."""
     port = free_port()
     script = Path(sys.executable).parent / "pagedrl"
     cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "pagedrl.cli"]
-    cmd += ["serve", *([args.model] if args.model else []), "--port", str(port), "--no-access-log",
-            "--max-num-seqs", str(args.concurrency), "--log-level", "warning"]
-    if args.kv_cache_tokens:
-        cmd += ["--kv-cache-tokens", str(args.kv_cache_tokens)]
+    cmd += ["serve", *serve_args, "--port", str(port), "--no-access-log", "--log-level", "warning"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -129,6 +127,13 @@ def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
             proc.kill()
             raise RuntimeError(f"the server did not start:\n{log_path.read_text()}")
         time.sleep(0.2)
+
+
+def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
+    serve_args = [*([args.model] if args.model else []), "--max-num-seqs", str(args.concurrency)]
+    if args.kv_cache_tokens:
+        serve_args += ["--kv-cache-tokens", str(args.kv_cache_tokens)]
+    return launch_server(serve_args, log_path)
 
 
 async def stream_one(client: httpx.AsyncClient, body: dict) -> RequestRecord:

@@ -25,7 +25,6 @@ import multiprocessing
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from bench_server import free_port
+from bench_server import launch_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -41,27 +40,7 @@ PROMPT = "the cat sat on the mat"
 
 
 def start_server(model: str, kv_cache_tokens: int, log_path: Path) -> tuple:
-    port = free_port()
-    script = Path(sys.executable).parent / "pagedrl"
-    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "pagedrl.cli"]
-    cmd += ["serve", model, "--port", str(port), "--no-access-log", "--log-level", "warning",
-            "--kv-cache-tokens", str(kv_cache_tokens)]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the server did not start:\n{log_path.read_text()}")
-        time.sleep(0.2)
+    return launch_server([model, "--kv-cache-tokens", str(kv_cache_tokens)], log_path)
 
 
 async def stream(client: httpx.AsyncClient, max_tokens: int, logprobs: int | None,
