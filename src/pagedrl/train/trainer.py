@@ -10,13 +10,12 @@ the whole step. DDP averages gradients over ranks, so each rank multiplies its l
 size before backward to turn that average back into the sum. Micro-batches before the last run
 under `no_sync()`, so gradients cross the network once per step.
 
-Each logged row holds `step`, `epoch`, `learning_rate` (the rate this step used), `loss` (mean
-over the steps since the last row), `grad_norm` (before clipping, of the last step), the
-algorithm's metrics, `wall_time` and `train_time` (seconds since the start, the latter without
-evaluations). Evaluations are rows of their own, `eval/<name>`, at step 0 and every `eval_steps`.
+Each logged row holds `step`, `epoch`, `learning_rate`, `loss` (mean since the last row), `grad_norm`
+(before clipping), the algorithm's metrics, `wall_time` and `train_time` (without evaluations), and
+evaluations are rows of their own (`eval/<name>`, at step 0 and every `eval_steps`).
 
-Precision: float32 parameters and optimizer state everywhere; on CUDA the forward runs under
-bfloat16 autocast (config `bf16`). On CPU everything stays float32 (bf16 matmuls are ~50x slower).
+Precision: float32 parameters and optimizer state; on CUDA the forward runs under bfloat16 autocast
+(config `bf16`), on CPU in float32 (bf16 matmuls are ~50x slower there).
 """
 
 from __future__ import annotations
