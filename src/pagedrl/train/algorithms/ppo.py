@@ -82,6 +82,7 @@ class PPO(OnlineAlgorithm):
         self.find_unused_parameters = config.critic_warmup_steps > 0
         self.bf16 = config.use_bf16(next(policy.parameters()).device)
         self.data: RolloutTensors | None = None
+        self._packed: tuple[Rollout, int, list[list[PackedBatch]]] | None = None  # one epoch's batches
         self.rollout_metrics: dict[str, Any] = {}
         self.step = 0
 
@@ -103,8 +104,11 @@ class PPO(OnlineAlgorithm):
     def micro_batches(self, epoch: int, rollout_index: int) -> list[list[PackedBatch]]:
         """The rollout cut into mini-batches of micro-batches for one epoch. Epoch 0 keeps the
         sampled order; later ones shuffle whole groups with a generator seeded by the run's seed,
-        the rollout and the epoch (so a resumed run shuffles the same way)."""
+        the rollout and the epoch (so a resumed run shuffles the same way). Packed once per epoch
+        and kept while its mini-batches are handed out."""
         assert self.rollout is not None
+        if self._packed is not None and self._packed[0] is self.rollout and self._packed[1] == epoch:
+            return self._packed[2]
         r, G = self.rollout, self.config.num_generations
         prompts = list(range(r.num_prompts))
         if epoch > 0:
@@ -117,6 +121,7 @@ class PPO(OnlineAlgorithm):
             chunk = order[j * self.mini_batch:(j + 1) * self.mini_batch]
             units = split_units(r, self.config.gradient_accumulation_steps, chunk)
             out.append([pack(r, u, device) for u in units])
+        self._packed = (self.rollout, epoch, out)
         return out
 
     def attach(self, b: PackedBatch) -> PackedBatch:
