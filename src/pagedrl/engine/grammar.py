@@ -134,14 +134,17 @@ class GrammarCompiler:
         import llguidance
 
         kind = params.kind
+        tokenizer = self._llg_tokenizer()
         try:
             grammar = grammar_text(params)
-        except ValueError as e:
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # a panic in the Rust library is a BaseException; it is still bad input
             message = str(e)
-            if message.startswith("structured_outputs."):
+            if isinstance(e, ValueError) and message.startswith("structured_outputs."):
                 raise
             raise ValueError(f"structured_outputs.{kind} is invalid: {message}") from None
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{kind} is invalid: {matcher.get_error().strip()}")
         return matcher
