@@ -192,3 +192,28 @@ def test_bad_constraints_are_refused_naming_the_field(llm, so, field) -> None:
         llm.generate(PROMPTS[0], SamplingParams(structured_outputs=so), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=3), use_tqdm=False)[0].finished
+
+
+def test_property_order_is_kept_however_the_compile_cache_is_keyed(llm) -> None:
+    """Two schemas that differ only in the order of their properties are different constraints: the
+    output writes properties in the schema's order, whichever of the two was compiled first."""
+    a = {"type": "object", "properties": {"a": {"enum": ["x"]}, "b": {"enum": ["y"]}}, "required": ["a", "b"],
+         "additionalProperties": False}
+    b = dict(a, properties=dict(reversed(list(a["properties"].items()))))
+    texts = [llm.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=compact(json=s)),
+                          use_tqdm=False)[0].outputs[0].text for s in (a, b)]
+    assert texts == ['{"a":"x","b":"y"}', '{"b":"y","a":"x"}']
+
+
+def test_a_mask_that_leaves_nothing_is_refused_not_sampled() -> None:
+    logits = torch.randn(2, 40)
+    empty = torch.zeros(2, dtype=torch.int32)
+    only_7 = torch.tensor([1 << 7, 0], dtype=torch.int32)
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"leaves nothing to sample in rows \[1\]"):
+        sampler(logits, [SamplingRow(params=SamplingParams()), SamplingRow(params=SamplingParams(), token_bitmask=empty)])
+    with pytest.raises(ValueError, match=r"leaves nothing to sample in rows \[0\]"):
+        sampler(logits, [SamplingRow(params=SamplingParams(), token_bitmask=only_7, banned_token_ids=[7]),
+                         SamplingRow(params=SamplingParams(), token_bitmask=only_7)])
+    out = sampler(logits, [SamplingRow(params=SamplingParams(), token_bitmask=only_7, banned_token_ids=[3])] * 2)
+    assert out.token_ids.tolist() == [7, 7] and torch.allclose(out.processed_logprobs, torch.zeros(2))

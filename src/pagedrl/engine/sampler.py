@@ -284,7 +284,14 @@ class Sampler:
             masked = logits + bias
         else:
             masked = logits.index_add(0, torch.tensor(picked, device=device), bias)
-        dead = torch.isneginf(masked).all(dim=-1)
+        # A row is left with nothing only if its mask is empty or bans took its last allowed tokens:
+        # look at the (small) bitmasks, and at the logits of rows with bans only.
+        dead = torch.zeros(len(rows), dtype=torch.bool, device=device)
+        dead[torch.tensor(picked, device=device)] = (bits == 0).all(dim=-1)
+        banned = [i for i in picked if rows[i].banned_token_ids]
+        if banned:
+            index = torch.tensor(banned, device=device)
+            dead[index] |= torch.isneginf(masked[index]).all(dim=-1)
         if bool(dead.any()):
             raise ValueError("the structured-output mask (with banned_token_ids) leaves nothing to sample in "
                              f"rows {dead.nonzero().flatten().tolist()}")

@@ -73,9 +73,10 @@ class StructuredOutputsParams:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     def key(self) -> str:
-        """A canonical text of the constraint: equal constraints compile once."""
+        """The constraint as text: equal constraints compile once. Keys keep their order, since the
+        order of a schema's properties is the order the output writes them in."""
         value = getattr(self, self.kind)
-        return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True)
+        return json.dumps([self.kind, value, self.disable_any_whitespace])
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> StructuredOutputsParams:
