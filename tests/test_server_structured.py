@@ -22,6 +22,10 @@ SCHEMA = {"type": "object", "properties": {
     "tags": {"type": "array", "items": {"enum": ["calm", "loud"]}, "maxItems": 2},
     "vaccinated": {"type": "boolean"}},
     "required": ["pet", "tags", "vaccinated"], "additionalProperties": False}
+LIST_SCHEMA = {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9},
+                                     "labels": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2}},
+    "required": ["id", "labels"], "additionalProperties": False}}
 COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}  # a random model would pad with spaces
 
 
@@ -47,15 +51,16 @@ def json_schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema, "strict": True}}
 
 
-def test_chat_json_schema_validates_streamed_and_not(client, model) -> None:
-    validator = jsonschema_rs.validator_for(SCHEMA)
+@pytest.mark.parametrize("schema", [SCHEMA, LIST_SCHEMA])
+def test_chat_json_schema_validates_streamed_and_not(client, model, schema) -> None:
+    validator = jsonschema_rs.validator_for(schema)
     for seed in (0, 1, 2):
         resp = client.chat.completions.create(model=model, messages=CHAT, max_tokens=80, seed=seed,
-                                              response_format=json_schema_format(SCHEMA), extra_body=COMPACT)
+                                              response_format=json_schema_format(schema), extra_body=COMPACT)
         choice = resp.choices[0]
         assert choice.finish_reason == "stop" and validator.is_valid(json.loads(choice.message.content))
         stream = client.chat.completions.create(model=model, messages=CHAT, max_tokens=80, seed=seed, stream=True,
-                                                response_format=json_schema_format(SCHEMA), extra_body=COMPACT)
+                                                response_format=json_schema_format(schema), extra_body=COMPACT)
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert text == choice.message.content  # the same seed: the same answer, streamed
 
