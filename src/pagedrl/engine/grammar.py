@@ -93,7 +93,8 @@ class GrammarCompiler:
         self.eos_token_ids = list(eos_token_ids)
         self._tokenizer: Any = None
         self._cache: OrderedDict[str, Any] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache and the compiled templates
+        self._tokenizer_lock = threading.Lock()
 
     @property
     def words(self) -> int:
@@ -101,29 +102,33 @@ class GrammarCompiler:
 
     def _llg_tokenizer(self) -> Any:
         """Built on first use (a fraction of a second for a 50k vocabulary), then shared."""
-        if self._tokenizer is None:
-            import llguidance
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                import llguidance
 
-            try:
-                self._tokenizer = llguidance.LLTokenizer(self.tokenizer_json, n_vocab=self.vocab_size,
-                                                         eos_token=self.eos_token_ids or None)
-            except Exception as e:  # e.g. a tokenizer with more tokens than the model's vocabulary
-                raise ValueError(f"structured outputs are not available for this tokenizer: {e}") from None
-        return self._tokenizer
+                try:
+                    self._tokenizer = llguidance.LLTokenizer(self.tokenizer_json, n_vocab=self.vocab_size,
+                                                             eos_token=self.eos_token_ids or None)
+                except Exception as e:  # e.g. a tokenizer with more tokens than the model's vocabulary
+                    raise ValueError(f"structured outputs are not available for this tokenizer: {e}") from None
+            return self._tokenizer
 
     def matcher(self, params: StructuredOutputsParams) -> TokenMatcher:
         """A fresh matcher at the start of the constraint; ValueError (naming the field, e.g.
-        `structured_outputs.json`) when the schema, regex or grammar is invalid."""
+        `structured_outputs.json`) when the schema, regex or grammar is invalid. The lock is not held
+        while compiling, so a long compile on the server's side never stalls the engine's thread."""
         key = params.key()
         with self._lock:
             template = self._cache.get(key)
             if template is not None:
                 self._cache.move_to_end(key)
-            else:
-                template = self._compile(params)
+        if template is None:
+            template = self._compile(params)
+            with self._lock:
                 self._cache[key] = template
                 if len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
+        with self._lock:
             return TokenMatcher(template.deep_copy(), f"structured_outputs.{params.kind}")
 
     def check(self, params: StructuredOutputsParams) -> None:
