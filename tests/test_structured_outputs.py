@@ -217,3 +217,29 @@ def test_a_mask_that_leaves_nothing_is_refused_not_sampled() -> None:
                          SamplingRow(params=SamplingParams(), token_bitmask=only_7)])
     out = sampler(logits, [SamplingRow(params=SamplingParams(), token_bitmask=only_7, banned_token_ids=[3])] * 2)
     assert out.token_ids.tolist() == [7, 7] and torch.allclose(out.processed_logprobs, torch.zeros(2))
+
+
+def test_a_grammar_that_fails_mid_way_ends_its_own_request_only(llm) -> None:
+    """An llguidance limit hit during generation ends that sequence ("abort"); the others in the
+    same step carry on (the step is not failed for everyone)."""
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=8, structured_outputs=compact(regex="[a-z]+")),
+                       request_id="broken")
+    engine.add_request(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), request_id="fine")
+    engine.add_request(PROMPTS[2], SamplingParams(max_tokens=8, structured_outputs=compact(choice=["ab", "cd"])),
+                       request_id="other")
+    grammar = engine.requests["broken"].seqs[0].grammar
+
+    def fail(row: torch.Tensor) -> None:
+        raise RuntimeError("the grammar of structured_outputs.regex failed: lexer fuel exhausted")
+
+    grammar.fill_bitmask = fail
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0]
+    assert finished["broken"].finish_reason == "abort" and finished["broken"].token_ids == []
+    assert finished["fine"].finish_reason == "length" and len(finished["fine"].token_ids) == 8
+    assert finished["other"].finish_reason == "stop" and finished["other"].text in ("ab", "cd")
+    assert engine.kv_manager.num_blocks_used == 0

@@ -83,6 +83,36 @@ class TokenMatcher:
         return TokenMatcher(self._matcher.deep_copy(), self.constraint)
 
 
+class StepBitmasks:
+    """The grammar masks of one step's sequences, written into rows of a buffer kept across steps."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.words = bitmask_words(vocab_size)
+        self._rows = torch.empty(0, self.words, dtype=torch.int32)
+
+    def fill(self, grammars: list[TokenMatcher | None]) -> tuple[list[Tensor | None], dict[int, str]]:
+        """Per sequence its allowed next tokens (None when unconstrained), and the sequences whose
+        grammar failed (an llguidance limit hit mid-way), by index, with the reason: those are ended
+        on their own, so one request's grammar never takes down the step of the others."""
+        picked = sum(g is not None for g in grammars)
+        if self._rows.shape[0] < picked:
+            self._rows = torch.empty(max(picked, 2 * self._rows.shape[0]), self.words, dtype=torch.int32)
+        masks: list[Tensor | None] = [None] * len(grammars)
+        failed: dict[int, str] = {}
+        j = 0
+        for i, grammar in enumerate(grammars):
+            if grammar is None:
+                continue
+            try:
+                grammar.fill_bitmask(self._rows[j])
+            except RuntimeError as e:
+                failed[i] = str(e)
+                continue
+            masks[i] = self._rows[j]
+            j += 1
+        return masks, failed
+
+
 class GrammarCompiler:
     """Checked grammars for one tokenizer and vocabulary. Safe to call from two threads (the server
     checks a request on its event loop, the engine builds matchers on its own thread)."""

@@ -8,6 +8,7 @@ makes every prefix hash computed under the old weights unreachable.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from pagedrl.engine.attention import resolve_impl
-from pagedrl.engine.grammar import GrammarCompiler
+from pagedrl.engine.grammar import GrammarCompiler, StepBitmasks
 from pagedrl.engine.kv_cache import KVCache, num_blocks_for_budget
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.model_runner import ModelRunner
@@ -27,6 +28,8 @@ from pagedrl.engine.scheduler import Scheduler
 from pagedrl.engine.sequence import Request, Sequence
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.tokenizer import find_stop_string
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,7 +96,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_forked_blocks = 0  # prompt blocks shared by n > 1 samples instead of recomputed
         self._grammars: GrammarCompiler | None = None  # built by the first structured-output request
-        self._bitmask = torch.empty(0, dtype=torch.int32)  # grammar masks of one step, reused
+        self._bitmasks: StepBitmasks | None = None  # grammar masks of one step, in a buffer kept
         self.runner.capture_graphs()  # on CUDA unless enforce_eager: decode graphs recorded at start-up
 
     # ------------------------------------------------------------------ requests
@@ -263,11 +266,24 @@ class LLMEngine:
         return list(req.seqs)
 
     def sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        masks = self.grammar_bitmasks(seqs)
+        masks: list[torch.Tensor | None] = [None] * len(seqs)
+        if any(s.grammar is not None for s in seqs):
+            if self._bitmasks is None:
+                self._bitmasks = StepBitmasks(self.vocab_size)
+            masks, failed = self._bitmasks.fill([s.grammar for s in seqs])
+            if failed:
+                for i, reason in failed.items():
+                    logger.warning("request %s ended: %s", seqs[i].request_id, reason)
+                    self.finish(seqs[i], "abort")
+                keep = [i for i in range(len(seqs)) if i not in failed]
+                logits = logits[torch.tensor(keep, device=logits.device)]
+                seqs, masks = [seqs[i] for i in keep], [masks[i] for i in keep]
+                if not seqs:
+                    return
         rows = [SamplingRow(params=s.params, generator=s.generator, prompt_token_ids=s.prompt_token_ids,
                           output_token_ids=s.output_token_ids if s.params.has_penalties else (),
                           banned_token_ids=s.params.min_tokens_banned_ids(s.num_output_tokens, self.eos_token_ids),
-                          token_bitmask=masks.get(i))
+                          token_bitmask=masks[i])
                 for i, s in enumerate(seqs)]
         out = self.sampler(logits, rows)
         now = time.monotonic()
@@ -287,20 +303,6 @@ class LLMEngine:
                 seq.first_token_time = now
             self.generation_tokens += 1
             self.check_stop(seq, token)
-
-    def grammar_bitmasks(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
-        """Each constrained sequence's allowed next tokens, by its index in `seqs` (rows of one buffer)."""
-        picked = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if not picked:
-            return {}
-        words = self.grammar_compiler().words
-        if self._bitmask.shape[0] < len(picked):
-            self._bitmask = torch.empty(max(len(picked), len(seqs)), words, dtype=torch.int32)
-        masks = {}
-        for j, i in enumerate(picked):
-            seqs[i].grammar.fill_bitmask(self._bitmask[j])
-            masks[i] = self._bitmask[j]
-        return masks
 
     def check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
