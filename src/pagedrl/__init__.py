@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 
 if TYPE_CHECKING:
     from pagedrl.engine.llm import LLM
     from pagedrl.engine.sampling_params import SamplingParams
+    from pagedrl.engine.structured_outputs import StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -22,4 +23,8 @@ def __getattr__(name: str):
         from pagedrl.engine.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from pagedrl.engine.structured_outputs import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(name)

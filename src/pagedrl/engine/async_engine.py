@@ -250,7 +250,9 @@ class AsyncEngine:
         self.engine.check_num_seqs(params)  # before any loop over n
         wanted = len(prompts) * params.n
         self._check_room(wanted)
-        long = sum(len(p) for p in prompts if isinstance(p, str)) > LONG_PROMPT_CHARS
+        # a grammar compiles off the event loop too (the first one also builds the tokenizer's tables)
+        long = (sum(len(p) for p in prompts if isinstance(p, str)) > LONG_PROMPT_CHARS
+                or params.structured_outputs is not None)
         ids = await asyncio.to_thread(self._validate, prompts, params) if long else self._validate(prompts, params)
         self._check_room(wanted)  # again: others may have come in meanwhile
         base = request_id or uuid.uuid4().hex
@@ -279,6 +281,7 @@ class AsyncEngine:
             ids = self.engine.encode(p)
             self.engine.check_fits(len(ids), params)
             out.append(ids)
+        self.engine.check_structured_outputs(params)
         return out
 
     def abort(self, request_id: str) -> None:

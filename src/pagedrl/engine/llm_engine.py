@@ -8,6 +8,7 @@ makes every prefix hash computed under the old weights unreachable.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from pagedrl.engine.attention import resolve_impl
+from pagedrl.engine.grammar import GrammarCompiler, StepBitmasks
 from pagedrl.engine.kv_cache import KVCache, num_blocks_for_budget
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.model_runner import ModelRunner
@@ -26,6 +28,8 @@ from pagedrl.engine.scheduler import Scheduler
 from pagedrl.engine.sequence import Request, Sequence
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.tokenizer import find_stop_string
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,6 +95,8 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.num_steps = 0
         self.num_forked_blocks = 0  # prompt blocks shared by n > 1 samples instead of recomputed
+        self._grammars: GrammarCompiler | None = None  # built by the first structured-output request
+        self._bitmasks: StepBitmasks | None = None  # grammar masks of one step, in a buffer kept
         self.runner.capture_graphs()  # on CUDA unless enforce_eager: decode graphs recorded at start-up
 
     # ------------------------------------------------------------------ requests
@@ -107,9 +113,13 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammar_compiler().matcher(params.structured_outputs)
         now = time.monotonic()
         req = Request(request_id, text, ids, params, now)
         seq = Sequence(request_id, 0, ids, params, self.make_generator(params.seed, 0), now)
+        seq.grammar = grammar
         seq.detokenizer = self.new_detokenizer(params, ids)
         seq.seats = params.n
         req.seqs.append(seq)
@@ -157,6 +167,20 @@ class LLMEngine:
         if not self.kv_manager.can_ever_fit(total):
             raise ValueError(f"prompt + max_tokens = {total} tokens can never fit in the KV cache of "
                              f"{self.kv_manager.num_blocks_total * self.block_size} tokens; raise kv_cache_tokens")
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's grammar compiler for structured outputs (its tokenizer tables are built once)."""
+        if self._grammars is None:
+            if self.tokenizer is None or not hasattr(self.tokenizer, "backend"):
+                raise ValueError("structured_outputs needs the model's tokenizer (tokenizer.json)")
+            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """ValueError naming the field (`structured_outputs.json`, ...) when the constraint does not
+        compile; cheap after the first time, since compiled constraints are cached."""
+        if params.structured_outputs is not None:
+            self.grammar_compiler().check(params.structured_outputs)
 
     def make_generator(self, seed: int | None, index: int) -> torch.Generator | None:
         if seed is None:
@@ -234,6 +258,7 @@ class LLMEngine:
             child.detokenizer = self.new_detokenizer(req.params, req.prompt_token_ids)
             child.prompt_logprobs = seq.prompt_logprobs
             child.block_hashes = list(seq.block_hashes)
+            child.grammar = seq.grammar.copy() if seq.grammar is not None else None
             self.kv_manager.fork(seq.seq_id, child.seq_id)
             self.num_forked_blocks += len(self.kv_manager.block_table(seq.seq_id))
             self.scheduler.add_running(child)
@@ -241,10 +266,25 @@ class LLMEngine:
         return list(req.seqs)
 
     def sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        masks: list[torch.Tensor | None] = [None] * len(seqs)
+        if any(s.grammar is not None for s in seqs):
+            if self._bitmasks is None:
+                self._bitmasks = StepBitmasks(self.vocab_size)
+            masks, failed = self._bitmasks.fill([s.grammar for s in seqs])
+            if failed:
+                for i, reason in failed.items():
+                    logger.warning("request %s ended: %s", seqs[i].request_id, reason)
+                    self.finish(seqs[i], "abort")
+                keep = [i for i in range(len(seqs)) if i not in failed]
+                logits = logits[torch.tensor(keep, device=logits.device)]
+                seqs, masks = [seqs[i] for i in keep], [masks[i] for i in keep]
+                if not seqs:
+                    return
         rows = [SamplingRow(params=s.params, generator=s.generator, prompt_token_ids=s.prompt_token_ids,
                           output_token_ids=s.output_token_ids if s.params.has_penalties else (),
-                          banned_token_ids=s.params.min_tokens_banned_ids(s.num_output_tokens, self.eos_token_ids))
-                for s in seqs]
+                          banned_token_ids=s.params.min_tokens_banned_ids(s.num_output_tokens, self.eos_token_ids),
+                          token_bitmask=masks[i])
+                for i, s in enumerate(seqs)]
         out = self.sampler(logits, rows)
         now = time.monotonic()
         tokens, raw = out.token_ids.tolist(), out.raw_logprobs.tolist()
@@ -257,6 +297,8 @@ class LLMEngine:
                 entry = logprob_entry(token, processed[i] if processed_mode else raw[i], out.top_logprobs[i],
                                       self.decode_one)
             seq.append(token, processed[i], raw[i], entry)
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             self.generation_tokens += 1
@@ -276,6 +318,8 @@ class LLMEngine:
             at, stop = hit
             seq.text = seq.text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
             self.finish(seq, "stop", stop, flush=False)
+        elif seq.grammar is not None and seq.grammar.is_stopped:
+            self.finish(seq, "stop")  # the structured output is complete: only EOS could follow
         elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             self.finish(seq, "length")
         elif seq.num_tokens >= self.max_model_len:

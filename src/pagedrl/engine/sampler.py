@@ -1,9 +1,9 @@
 """Turn one step's logits into tokens, and keep the log-prob contract with the trainer.
 
 Processing follows vLLM: penalties (repetition on prompt + output, presence and frequency on
-output) -> banned ids -> temperature -> top-k -> top-p -> min-p. The last four live in
-`process_logits`, which both the sampler and `processed_logprobs` (what a trainer calls to
-recompute the log-prob of given tokens) go through, so the two agree to float rounding.
+output) -> banned ids -> structured-output mask -> temperature -> top-k -> top-p -> min-p. The
+last five live in `process_logits`, which both the sampler and `processed_logprobs` (what a trainer
+calls to recompute the log-prob of given tokens) go through, so the two agree to float rounding.
 
 Choices worth knowing:
 
@@ -16,6 +16,12 @@ Choices worth knowing:
 - Random rows use the exponential race argmax(p / E), E ~ Exp(1) drawn from the row's own
   generator (or one shared generator for rows without a seed), so a seeded request draws the
   same tokens whatever else is in the batch and whichever row it sits in.
+- A structured-output row (a grammar's token bitmask) has every refused token set to -inf before
+  temperature and truncation, so the mask is part of the processed distribution: its processed
+  log-probs are renormalised over the allowed tokens only, refused tokens have processed log-prob
+  -inf and are never drawn, and top-k/top-p/min-p act on the allowed set. Raw log-probs stay the
+  unmasked model's. The row's noise is drawn over the whole vocabulary as for any row, so a seeded
+  constrained request stays batch-invariant.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedrl.engine.grammar import bitmask_bias
 from pagedrl.engine.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -102,15 +109,21 @@ def _truncation_mask(x: Tensor, k: Tensor, p: Tensor, min_p: Tensor) -> Tensor |
 
 
 def process_logits(logits: Tensor, temperature: PerRow = 1.0, top_k: PerRow = 0, top_p: PerRow = 1.0,
-                   min_p: PerRow = 0.0) -> Tensor:
-    """Logits of the distribution a token is actually drawn from, [N, V]: divided by the row's
+                   min_p: PerRow = 0.0, allowed: Tensor | None = None) -> Tensor:
+    """Logits of the distribution a token is actually drawn from, [N, V]: -inf where `allowed`
+    ([N, V] bool, a structured-output mask; None allows all) is False, divided by the row's
     temperature, and -inf outside its top-k / top-p / min-p set. Each setting is a scalar or a
-    per-row tensor [N]. Rows with temperature 0 (greedy) come back unscaled and untruncated.
-    Differentiable w.r.t. `logits` (the truncation set itself is not)."""
+    per-row tensor [N]. Rows with temperature 0 (greedy) come back unscaled and untruncated (but
+    masked). Differentiable w.r.t. `logits` (the truncation set itself is not)."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
     rows, vocab = logits.shape
     device = logits.device
+    if allowed is not None:
+        if allowed.shape != logits.shape or allowed.dtype != torch.bool:
+            raise ValueError(f"allowed must be a bool tensor of shape {tuple(logits.shape)}, "
+                             f"got {allowed.dtype} {tuple(allowed.shape)}")
+        logits = logits.masked_fill(~allowed, NEG_INF)
     temperature = _per_row("temperature", temperature, rows, logits.dtype, device)
     top_k = _per_row("top_k", top_k, rows, torch.long, device)
     top_p = _per_row("top_p", top_p, rows, logits.dtype, device)
@@ -126,13 +139,14 @@ def process_logits(logits: Tensor, temperature: PerRow = 1.0, top_k: PerRow = 0,
 
 
 def processed_logprobs(logits: Tensor, token_ids: Tensor, temperature: PerRow = 1.0, top_k: PerRow = 0,
-                       top_p: PerRow = 1.0, min_p: PerRow = 0.0) -> Tensor:
-    """Log-prob of `token_ids` [N] under the truncated, renormalised distribution of `logits`
-    [N, V] (same settings, same code as the sampler): what a trainer recomputes for its ratio.
-    A token outside the kept set gets -inf. Pass penalised logits to match a penalised row."""
+                       top_p: PerRow = 1.0, min_p: PerRow = 0.0, allowed: Tensor | None = None) -> Tensor:
+    """Log-prob of `token_ids` [N] under the masked, truncated, renormalised distribution of
+    `logits` [N, V] (same settings, same code as the sampler): what a trainer recomputes for its
+    ratio. A token outside the kept set gets -inf. Pass penalised logits to match a penalised row,
+    and the structured-output mask of a constrained row as `allowed` ([N, V] bool)."""
     if token_ids.shape != logits.shape[:1]:
         raise ValueError(f"token_ids must have shape ({logits.shape[0]},), got {tuple(token_ids.shape)}")
-    logp = F.log_softmax(process_logits(logits, temperature, top_k, top_p, min_p), dim=-1)
+    logp = F.log_softmax(process_logits(logits, temperature, top_k, top_p, min_p, allowed), dim=-1)
     return logp.gather(1, token_ids.long()[:, None]).squeeze(1)
 
 
@@ -155,6 +169,7 @@ class SamplingRow:
     output_token_ids: Sequence[int] = ()
     generator: torch.Generator | None = None  # the request's own, when it has a seed
     banned_token_ids: Sequence[int] = ()  # e.g. `params.min_tokens_banned_ids(...)`
+    token_bitmask: Tensor | None = None  # int32 [ceil(V / 32)]: a grammar's allowed tokens (grammar.py)
 
 
 @dataclass
@@ -194,7 +209,7 @@ class Sampler:
             # distribution is the raw one: skip two [S, V] passes that would recompute it bit for bit.
             logp = raw
         else:
-            x = self._ban(self._penalise(logits, rows), rows)
+            x = self._constrain(self._ban(self._penalise(logits, rows), rows), rows)
             x = process_logits(
                 x,
                 torch.tensor([p.temperature for p in params], device=device),
@@ -256,6 +271,32 @@ class Sampler:
             raise ValueError(f"banned_token_ids leave nothing to sample in rows {dead.nonzero().flatten().tolist()}")
         return banned
 
+    @staticmethod
+    def _constrain(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        """-inf for every token a row's grammar refuses (rows without a bitmask are left alone)."""
+        picked = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
+        if not picked:
+            return logits
+        vocab, device = logits.shape[1], logits.device
+        bits = torch.stack([rows[i].token_bitmask for i in picked]).to(device, non_blocking=True)
+        bias = bitmask_bias(bits, vocab, logits.dtype)
+        if len(picked) == len(rows):
+            masked = logits + bias
+        else:
+            masked = logits.index_add(0, torch.tensor(picked, device=device), bias)
+        # A row is left with nothing only if its mask is empty or bans took its last allowed tokens:
+        # look at the (small) bitmasks, and at the logits of rows with bans only.
+        dead = torch.zeros(len(rows), dtype=torch.bool, device=device)
+        dead[torch.tensor(picked, device=device)] = (bits == 0).all(dim=-1)
+        banned = [i for i in picked if rows[i].banned_token_ids]
+        if banned:
+            index = torch.tensor(banned, device=device)
+            dead[index] |= torch.isneginf(masked[index]).all(dim=-1)
+        if bool(dead.any()):
+            raise ValueError("the structured-output mask (with banned_token_ids) leaves nothing to sample in "
+                             f"rows {dead.nonzero().flatten().tolist()}")
+        return masked
+
     def _choose(self, logp: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
         """Argmax for greedy rows; exponential race with the row's own noise for the rest."""
         tokens = logp.argmax(dim=-1)
@@ -280,7 +321,7 @@ def _leaves_logits_unchanged(row: SamplingRow, vocab: int) -> bool:
     """Whether penalties, bans, temperature and truncation all leave this row's logits as they are
     (no penalty or ban; temperature 0, or 1 with no top-k, top-p or min-p cut)."""
     p = row.params
-    if p.has_penalties or row.banned_token_ids:
+    if p.has_penalties or row.banned_token_ids or row.token_bitmask is not None:
         return False
     if p.temperature == 0.0:
         return True

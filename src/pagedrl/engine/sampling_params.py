@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pagedrl.engine.structured_outputs import StructuredOutputsParams
+
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "processed_logprobs")
 # As vLLM: a positive temperature below this is raised to it, since dividing float32 logits by
@@ -64,7 +66,9 @@ class SamplingParams:
     sampled one; `logprobs_mode` says whether those come from the raw model distribution
     (vLLM's default) or from the processed one the token was drawn from. `max_tokens=None`
     means "until the context is full". `output_kind` says what each step's output carries
-    (`LLM.generate` asks for FINAL_ONLY, a streaming server for DELTA).
+    (`LLM.generate` asks for FINAL_ONLY, a streaming server for DELTA). `structured_outputs`
+    constrains the completion to a JSON schema, regex, choice or grammar (a `StructuredOutputsParams`
+    or the dict of its fields); the constraint masks the processed distribution (see sampler.py).
     """
 
     n: int = 1
@@ -87,6 +91,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs_mode: LogprobsMode = "raw_logprobs"
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through the back door, once, here
@@ -137,6 +142,12 @@ class SamplingParams:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise _bad("logprobs_mode", self.logprobs_mode, f"must be one of {LOGPROBS_MODES}")
 
+        if isinstance(self.structured_outputs, dict):
+            set_(self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                    StructuredOutputsParams):
+            raise _bad("structured_outputs", self.structured_outputs,
+                       "must be a StructuredOutputsParams, a dict of its fields, or None")
         set_(self, "stop", _normalise_stop(self.stop))
         set_(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pagedrl.engine.block_pool import BlockHash
+from pagedrl.engine.grammar import TokenMatcher
 from pagedrl.engine.outputs import Logprob
 from pagedrl.engine.sampling_params import SamplingParams
 
@@ -55,6 +56,9 @@ class Sequence:
     text: str = ""
     detokenizer: Any = None
     num_preemptions: int = 0
+    # With structured outputs: its place in the grammar (a grammar.TokenMatcher), advanced on every
+    # appended token. Preemption keeps the tokens, so it keeps this too: recompute replays nothing.
+    grammar: TokenMatcher | None = None
     first_token_time: float | None = None
     # Chain hashes of its full blocks, kept as it grows so that each block is hashed once (the KV
     # cache manager extends the list; it starts again after a weight update).

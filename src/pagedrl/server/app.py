@@ -61,6 +61,7 @@ from pagedrl.server.responses import (
     completion_response,
     completion_stream,
 )
+from pagedrl.server.structured import structured_outputs
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 
@@ -187,7 +188,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
         check_model(req.model)
         prompts, params = completion_inputs(req, max_n)
         echo = Echo(req.echo, req.echo and req.max_tokens == 0)
-        group = await submit(prompts, params)
+        group = await submit(prompts, params, structured_outputs(req)[1])
         request_id = f"cmpl-{uuid.uuid4().hex}"
         model = req.model or served_model_name
         if req.stream:
@@ -205,7 +206,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
         req = await read_json(request, ChatCompletionRequest, max_request_body_bytes)
         check_model(req.model)
         prompt_ids, params = chat_inputs(req, tokenizer, max_n)
-        group = await submit([prompt_ids], params, renames={"logprobs": "top_logprobs"})
+        group = await submit([prompt_ids], params, renames={"logprobs": "top_logprobs", **structured_outputs(req)[1]})
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         model = req.model or served_model_name
         if req.stream:

@@ -50,7 +50,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
-_PARAM_IN_MESSAGE = re.compile(r"^SamplingParams\.(\w+)|^(max_tokens|prompt|stop|n)\b")
+_PARAM_IN_MESSAGE = re.compile(r"^SamplingParams\.(\w+)|^(max_tokens|prompt|stop|n|structured_outputs\.\w+)\b")
 
 
 def from_value_error(e: ValueError, renames: dict[str, str] | None = None) -> ApiError:
@@ -60,8 +60,10 @@ def from_value_error(e: ValueError, renames: dict[str, str] | None = None) -> Ap
         return bad_request(message, param="prompt", code="context_length_exceeded")
     match = _PARAM_IN_MESSAGE.match(message)
     param = (match.group(1) or match.group(2)) if match else None
-    if param and renames:
-        param = renames.get(param, param)
+    if param and renames and param in renames:
+        # the message names the field as the client sent it (`response_format.json_schema.schema`)
+        message = message.replace(param, renames[param], 1)
+        param = renames[param]
     return bad_request(message, param=param)
 
 

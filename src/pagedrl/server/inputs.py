@@ -13,6 +13,7 @@ from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.chat_template import select_chat_template
 from pagedrl.server.errors import bad_request, from_value_error
 from pagedrl.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
+from pagedrl.server.structured import structured_outputs
 
 # OpenAI allows 20 alternatives per token (5 on the legacy completions API; vLLM allows 20 on both).
 MAX_LOGPROBS = 20
@@ -34,7 +35,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
     kwargs: dict[str, Any] = dict(
         n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs)
+        include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
+        structured_outputs=structured_outputs(req)[0])
     for name in OPTIONAL_FLOATS:
         if getattr(req, name) is not None:
             kwargs[name] = getattr(req, name)
@@ -97,8 +99,6 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Any,
     """The chat template applied to the messages (as token ids) and the sampling parameters."""
     if req.tools:
         raise bad_request("tools are not supported", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than text is not supported", param="response_format")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise bad_request("give max_completion_tokens or max_tokens, not both", param="max_tokens")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -32,6 +32,42 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 
 
+JsonSchemaDoc = dict[str, Any]  # a JSON schema
+
+
+class JsonSchemaFormat(OpenAIBase):
+    """OpenAI's `response_format.json_schema`: the output must validate against `schema`."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: JsonSchemaDoc | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
+class ResponseFormat(OpenAIBase):
+    """`{"type": "text"}`, `{"type": "json_object"}` (any JSON object) or `{"type": "json_schema",
+    "json_schema": {...}}`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIBase):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: JsonSchemaDoc | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None  # declared so that it is refused rather than ignored
+    structural_tag: str | None = None  # likewise
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
 class SamplingRequest(OpenAIBase):
     """Fields shared by /v1/completions and /v1/chat/completions (vLLM's names for the extras)."""
 
@@ -55,6 +91,13 @@ class SamplingRequest(OpenAIBase):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: JsonSchemaDoc | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -86,7 +129,6 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(OpenAIBase):
