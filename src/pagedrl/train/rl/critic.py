@@ -79,9 +79,18 @@ class ActorCritic(nn.Module):
         scorer.score = self.value_head
         return scorer
 
-    def save_critic(self, folder: Path, tokenizer: Tokenizer | None) -> None:
+    def save_critic(self, folder: Path, tokenizer: Tokenizer | None,
+                    state: dict[str, torch.Tensor] | None = None) -> None:
+        """`state`: whole tensors of this module (when its own are FSDP2 shards), else None."""
         out = folder / CRITIC_DIR
-        save_sequence_scorer(self.critic_scorer(), out)
+        critic_state = None
+        if state is not None:
+            if self.critic is not None:
+                critic_state = {k[len("critic."):]: v for k, v in state.items() if k.startswith("critic.")}
+            else:
+                critic_state = {k[len("policy."):]: v for k, v in state.items() if k.startswith("policy.model.")}
+                critic_state["score.weight"] = state["value_head.weight"]
+        save_sequence_scorer(self.critic_scorer(), out, state=critic_state)
         if tokenizer is not None:
             tokenizer.save(out)
 
