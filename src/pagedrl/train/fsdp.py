@@ -48,6 +48,9 @@ def shard_model(module: nn.Module, reshard_after_forward: bool = True) -> nn.Mod
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward)
     fully_shard(module)
+    # FSDP2 takes the first module to run a forward as the root. The engine may first run a
+    # submodule (PPO's policy inside the actor-critic), so settle the root now.
+    module._get_fsdp_state()._lazy_init()  # type: ignore[operator]
     return module
 
 
@@ -81,23 +84,27 @@ def full_weights(root: nn.Module, reshard_after_forward: bool = True) -> Iterato
         root.reset_iter_state()  # type: ignore[attr-defined]
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A whole CPU copy: a DTensor is gathered from every rank (a collective), a tensor copied."""
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().to("cpu", copy=True)
+def _full(t: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    """A whole CPU copy: a DTensor is gathered from every rank (a collective), a tensor copied;
+    None where not `keep` (the ranks that join the gather but do not write)."""
+    whole = t.full_tensor() if isinstance(t, DTensor) else t
+    return whole.detach().to("cpu", copy=True) if keep else None
 
 
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's state dict with whole tensors on the CPU, on every rank (all must call it)."""
-    return {name: _full(t) for name, t in module.state_dict().items()}
+def full_state_dict(module: nn.Module, keep: bool = True) -> dict[str, torch.Tensor] | None:
+    """The module's state dict with whole tensors on the CPU. Every rank must call it; those
+    without `keep` get None."""
+    out = {name: _full(t, keep) for name, t in module.state_dict().items()}
+    return out if keep else None  # type: ignore[return-value]
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """`optimizer.state_dict()` with whole tensors (every rank must call it): the layout a plain or
-    DDP run saves, so either kind of run resumes from it."""
+def full_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool = True) -> dict[str, Any] | None:
+    """`optimizer.state_dict()` with whole tensors: the layout a plain or DDP run saves, so either
+    kind of run resumes from it. Every rank must call it; those without `keep` get None."""
     state = optimizer.state_dict()
-    state["state"] = {i: {k: _full(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+    state["state"] = {i: {k: _full(v, keep) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                       for i, s in state["state"].items()}
-    return state
+    return state if keep else None
 
 
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:

@@ -64,13 +64,15 @@ class Parallel:
         return fsdp.full_weights(self.module, self.reshard_after_forward)
 
     def model_state(self) -> dict[str, torch.Tensor] | None:
-        """Whole tensors of the trained module when sharded (every rank must call it), else None:
-        the module's own state dict is whole already."""
-        return fsdp.full_state_dict(self.module) if self.sharded else None
+        """Whole tensors of the trained module on rank 0 when sharded (every rank must call it),
+        else None: the module's own state dict is whole already."""
+        return fsdp.full_state_dict(self.module, keep=self.dist.is_main) if self.sharded else None
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer's state with whole tensors (every rank must call it when sharded)."""
-        return fsdp.full_optimizer_state(optimizer) if self.sharded else optimizer.state_dict()
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """The optimizer's state with whole tensors on rank 0 (every rank must call it when sharded)."""
+        if self.sharded:
+            return fsdp.full_optimizer_state(optimizer, keep=self.dist.is_main)
+        return optimizer.state_dict()
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(fsdp.shard_optimizer_state(optimizer, state) if self.sharded else state)

@@ -327,7 +327,7 @@ class Trainer:
             summary = {"step": self.step, "epoch": self.algorithm.epoch, "weight_version": self.weight_version,
                        "total_steps": self.total_steps, "world_size": self.dist.world_size,
                        "examples_per_step": self.algorithm.examples_per_step, "config": config_to_dict(self.config)}
-            size = ckpt.tensor_bytes(self.module.state_dict()) + ckpt.tensor_bytes(state)
+            size = ckpt.tensor_bytes(model_state or self.module.state_dict()) + ckpt.tensor_bytes(state)
             ckpt.write_checkpoint(folder, lambda f: self.algorithm.save_model(f, model_state), state, summary,
                                   size_hint=size)
             ckpt.rotate_checkpoints(self.output_dir, self.config.save_total_limit, keep=folder)
@@ -340,7 +340,7 @@ class Trainer:
         model_state = self.parallel.model_state()
         if self.dist.is_main:
             ckpt.write_checkpoint(folder, lambda f: self.algorithm.save_model(f, model_state),
-                                  size_hint=ckpt.tensor_bytes(self.module.state_dict()))
+                                  size_hint=ckpt.tensor_bytes(model_state or self.module.state_dict()))
             self.logger.write(f"saved {folder}")
         barrier(self.dist)
         return folder

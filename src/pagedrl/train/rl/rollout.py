@@ -221,8 +221,8 @@ def collect_rollout(llm: LLM, next_rows: NextRows, num_prompts: int, params: Sam
             dropped.append(part.select([p for p in range(part.num_prompts) if not ok[p]]))
             have += len(good)
         else:
-            kept.append(part)
-            have += part.num_prompts
+            kept.append(part)  # this rank's share of all `total` prompts
+            have = total
     if have < total:
         spare = Rollout.cat(dropped)
         kept.append(spare.select(range(total - have)))
