@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from preference_data import preference_rows  # noqa: E402
 from tiny_train import arithmetic_rows  # noqa: E402
 
-ALGORITHMS = ("sft", "dpo", "grpo", "ppo")
-GLOBAL_MICRO_BATCH = {"sft": 4, "dpo": 4, "grpo": 16, "ppo": 8}  # rows, pairs or completions (one process)
+ALGORITHMS = ("sft", "rm", "dpo", "grpo", "ppo")
+GLOBAL_MICRO_BATCH = {"sft": 4, "rm": 4, "dpo": 4, "grpo": 16, "ppo": 8}  # rows, pairs or completions (one process)
 TIMINGS = ("seconds", "tokens_per_second", "prefix_blocks_shared", "num_tokens")
 
 
@@ -49,6 +49,14 @@ def build(algorithm: str, model_dir: Path, out: Path, dist: Any, fsdp: str | Non
 
         config = SFTConfig(**common, learning_rate=3e-3)
         algo = SFT(config, loaded.model, loaded.tokenizer, dist, arithmetic_rows())
+    elif algorithm == "rm":
+        from pagedrl.model.heads import load_sequence_scorer
+        from pagedrl.train.algorithms.rm import RewardModeling
+        from pagedrl.train.config import RewardConfig
+
+        config = RewardConfig(**common, learning_rate=1e-3)
+        scorer = load_sequence_scorer(model_dir, generator=torch.Generator().manual_seed(0))
+        algo = RewardModeling(config, scorer, loaded.tokenizer, dist, preference_rows(16))
     elif algorithm == "dpo":
         from pagedrl.train.algorithms.dpo import DPO
         from pagedrl.train.config import DPOConfig

@@ -1,4 +1,4 @@
-"""Two gloo processes equal one process, under DDP and under FSDP2, for SFT, DPO, GRPO and PPO.
+"""Two gloo processes equal one process, under DDP and FSDP2, for SFT, RM, DPO, GRPO and PPO.
 
 One torchrun launch (`parallel_worker.py`) runs every two-process scenario in sequence; the
 one-process references run here, from the same builders (`parallel_scenarios.py`), with the

@@ -328,8 +328,7 @@ class Trainer:
                        "total_steps": self.total_steps, "world_size": self.dist.world_size,
                        "examples_per_step": self.algorithm.examples_per_step, "config": config_to_dict(self.config)}
             size = ckpt.tensor_bytes(model_state or self.module.state_dict()) + ckpt.tensor_bytes(state)
-            ckpt.write_checkpoint(folder, lambda f: self.algorithm.save_model(f, model_state), state, summary,
-                                  size_hint=size)
+            ckpt.write_checkpoint(folder, self.model_writer(model_state), state, summary, size_hint=size)
             ckpt.rotate_checkpoints(self.output_dir, self.config.save_total_limit, keep=folder)
         barrier(self.dist)
         self.last_checkpoint = (self.step, folder)
@@ -339,11 +338,17 @@ class Trainer:
         folder = self.output_dir / ckpt.FINAL_DIR
         model_state = self.parallel.model_state()
         if self.dist.is_main:
-            ckpt.write_checkpoint(folder, lambda f: self.algorithm.save_model(f, model_state),
+            ckpt.write_checkpoint(folder, self.model_writer(model_state),
                                   size_hint=ckpt.tensor_bytes(model_state or self.module.state_dict()))
             self.logger.write(f"saved {folder}")
         barrier(self.dist)
         return folder
+
+    def model_writer(self, state: dict[str, torch.Tensor] | None) -> Any:
+        """The algorithm's `save_model`, given the whole tensors gathered from the shards if any."""
+        if state is None:
+            return self.algorithm.save_model
+        return lambda folder: self.algorithm.save_model(folder, state)
 
     def load(self, folder: Path) -> None:
         """Restore everything `save_checkpoint` wrote, so the next step is the one an
@@ -371,7 +376,6 @@ class Trainer:
             f"pagedrl {a.name}: {params / 1e6:.2f}M trainable parameters on {d.device} "
             f"({'bfloat16 autocast' if self.bf16 else 'float32'}"
             f"{', activation checkpointing' if c.gradient_checkpointing else ''})",
-            f"  parallelism         {self.parallel.kind} over {d.world_size} process(es)",
             f"  examples per step   {a.examples_per_step} = {c.per_device_train_batch_size} per micro-batch "
             f"x {c.gradient_accumulation_steps} accumulation steps x {d.world_size} process(es)",
             f"  total steps         {self.total_steps}"
@@ -382,6 +386,8 @@ class Trainer:
             f"max_grad_norm {c.max_grad_norm:g}",
             f"  loss normalised by  {a.normaliser} over the whole step (all micro-batches, all processes)",
         ]
+        if d.distributed:
+            lines.append(f"  parallelism         {self.parallel.kind} over {d.world_size} processes")
         if resume is not None:
             lines.append(f"  resuming from       {resume} (step {self.step})")
         for note in self.logger.notes if self.logger is not None else []:

@@ -82,11 +82,6 @@ class OnlineAlgorithm(Algorithm):
         rows, positions = self.source.take_share(total)
         return rows, [prompt_seed(self.config.seed, p) for p in positions]
 
-    def reseed(self, step: int) -> None:
-        """Each rollout draws from a generator seeded by the run's seed and the step, so a resumed
-        run samples exactly what the uninterrupted one did."""
-        self.llm.reseed(self.config.seed * 1_000_003 + step)
-
     def completion_values(self) -> dict[str, torch.Tensor]:
         """Per-completion values logged beside each sample completion (an advantage, a score)."""
         return {}
