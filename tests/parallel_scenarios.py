@@ -80,7 +80,7 @@ def build(algorithm: str, model_dir: Path, out: Path, dist: Any, fsdp: str | Non
         config = PPOConfig(**common, learning_rate=1e-3, dataset="arithmetic", task_low=1, task_high=9,
                            task_num_eval=4, num_generations=2, max_completion_length=8, num_mini_batches=1,
                            num_ppo_epochs=1, kl_coef=0.1, kl_target=0.01, kl_horizon=100, whiten_rewards=True)
-        critic = load_critic("policy", Path(model_dir), None, torch.device("cpu"), seed=0)
+        critic = load_critic(config.critic_init, Path(model_dir), None, torch.device("cpu"), seed=0)
         algo = PPO(config, loaded.model.train(), loaded.tokenizer, dist, critic=critic,
                    eos_token_ids=loaded.eos_token_ids, reward_funcs=[("token_reward", token_reward)])
     return Trainer(config, algo, dist, progress=False)

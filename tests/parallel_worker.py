@@ -25,6 +25,9 @@ if __name__ == "__main__":
             name = f"{algorithm}-{fsdp or 'ddp'}"
             results[name] = run_steps(build(algorithm, model_dir, out / name, dist, fsdp))
             print(f"rank {dist.rank}: {name} done", flush=True)
+    # PPO's checkpoint under FSDP2: the policy and the critic (its own backbone, or the policy's).
+    for critic in ("policy", "shared"):
+        build("ppo", model_dir, out / f"ppo-save-{critic}", dist, "full_shard", critic=critic).save_checkpoint()
     # Resume across the two: a DDP checkpoint continued under FSDP2, and an FSDP2 one under DDP.
     for first, then in ((None, "full_shard"), ("full_shard", None)):
         a, b = out / f"run-{first or 'ddp'}", out / f"resumed-{then or 'ddp'}"

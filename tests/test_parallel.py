@@ -99,6 +99,18 @@ def test_grpo_batch_statistics_are_gathered_across_ranks(dynamic_sampling, scale
         assert not torch.allclose(local.float(), torch.tensor(two["advantages"]), atol=1e-3)
 
 
+@pytest.mark.parametrize("critic", ["policy", "shared"])
+def test_ppo_saves_whole_policy_and_critic_under_fsdp(critic, two_processes, tiny_train_model, tmp_path) -> None:
+    """The policy and the critic gathered from their shards equal what one process saves."""
+    sharded = two_processes[1] / f"ppo-save-{critic}" / "checkpoint-0"
+    one = build("ppo", tiny_train_model, tmp_path, DistInfo(), None, critic=critic)
+    one.save_checkpoint()
+    one.algorithm.close()
+    for sub in ("", "critic"):
+        mine, theirs = read_state_dict(tmp_path / "checkpoint-0" / sub), read_state_dict(sharded / sub)
+        assert set(theirs) == set(mine) and all(torch.equal(theirs[k], v) for k, v in mine.items()), sub
+
+
 def test_a_checkpoint_resumes_across_ddp_and_fsdp(two_processes) -> None:
     """SFT for three steps under DDP and under FSDP2, each saving every step; each run's step-1
     checkpoint resumed under the other continues as it did (step 3 needs AdamW's moments)."""

@@ -41,7 +41,7 @@ from pagedrl.train.losses import clipped_surrogate, clipped_value_loss
 from pagedrl.train.metrics import Metric
 from pagedrl.train.rl.advantages import explained_variance, ppo_targets
 from pagedrl.train.rl.config import PPOConfig
-from pagedrl.train.rl.critic import ActorCritic, load_critic
+from pagedrl.train.rl.critic import ActorCritic, load_critic, substate
 from pagedrl.train.rl.kl_control import AdaptiveKLController, KLController
 from pagedrl.train.rl.online import OnlineAlgorithm
 from pagedrl.train.rl.packing import PackedBatch, pack, split_units
@@ -348,11 +348,6 @@ class PPO(OnlineAlgorithm):
                      f"{int(self.ref_model is not None)}, reward model {int(self.reward_model is not None)} (no grad); "
                      "per optimizer step: policy+critic 1 (with grad)")
         return lines
-
-
-def substate(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """The entries of `state` under `prefix`, with the prefix taken off."""
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def reward_rows(b: PackedBatch, pad_token_id: int | None) -> torch.Tensor:
