@@ -99,6 +99,18 @@ def test_grpo_batch_statistics_are_gathered_across_ranks(dynamic_sampling, scale
         assert not torch.allclose(local.float(), torch.tensor(two["advantages"]), atol=1e-3)
 
 
+def test_the_fsdp_option_takes_transformers_spelling() -> None:
+    from pagedrl.train.config import SFTConfig, TrainConfigError, load_config
+
+    assert load_config(SFTConfig, None, ["fsdp=full_shard auto_wrap"]).fsdp_reshard_after_forward is True
+    assert load_config(SFTConfig, None, ["fsdp=shard_grad_op"]).fsdp_reshard_after_forward is False
+    assert load_config(SFTConfig, None, []).fsdp_reshard_after_forward is None
+    with pytest.raises(TrainConfigError, match="fsdp: unknown option in 'hybrid_shard'"):
+        load_config(SFTConfig, None, ["fsdp=hybrid_shard"])
+    with pytest.raises(TrainConfigError, match="exactly one of full_shard or shard_grad_op"):
+        load_config(SFTConfig, None, ["fsdp=full_shard shard_grad_op"])
+
+
 @pytest.mark.parametrize("critic", ["policy", "shared"])
 def test_ppo_saves_whole_policy_and_critic_under_fsdp(critic, two_processes, tiny_train_model, tmp_path) -> None:
     """The policy and the critic gathered from their shards equal what one process saves."""

@@ -388,6 +388,8 @@ class Trainer:
         ]
         if d.distributed:
             lines.append(f"  parallelism         {self.parallel.kind} over {d.world_size} processes")
+        elif c.fsdp:
+            lines.append(f"  parallelism         one process: fsdp={c.fsdp!r} shards only under torchrun")
         if resume is not None:
             lines.append(f"  resuming from       {resume} (step {self.step})")
         for note in self.logger.notes if self.logger is not None else []:
