@@ -5,7 +5,8 @@ with the same global batch. Imported by the test (the one-process reference) and
 Each scenario takes two optimizer steps through the loop's own `accumulate` and `optimizer_step`
 and records, on rank 0: the step loss, the step metrics (timings left out), the whole gradient
 before and after clipping (gathered from the shards under FSDP2), the gradient norm, and for
-GRPO/PPO the rollout (completion ids, advantages) gathered in rank order.
+GRPO/PPO the rollout (completion ids, advantages) gathered in rank order and, after the steps, a
+held-out evaluation.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def build(algorithm: str, model_dir: Path, out: Path, dist: Any, fsdp: str | Non
         from pagedrl.train.rl.config import GRPOConfig
 
         config = GRPOConfig(**common, learning_rate=1e-3, dataset="arithmetic", task_low=1, task_high=9,
-                            task_num_eval=4, num_generations=4, max_completion_length=8, beta=0.04,
+                            task_num_eval=5, num_generations=4, max_completion_length=8, beta=0.04,
                             scale_rewards="batch")
         algo = GRPO(config, loaded.model.train(), loaded.tokenizer, dist, eos_token_ids=loaded.eos_token_ids,
                     reward_funcs=[("token_reward", token_reward)])
@@ -78,7 +79,7 @@ def build(algorithm: str, model_dir: Path, out: Path, dist: Any, fsdp: str | Non
         from pagedrl.train.rl.critic import load_critic
 
         config = PPOConfig(**common, learning_rate=1e-3, dataset="arithmetic", task_low=1, task_high=9,
-                           task_num_eval=4, num_generations=2, max_completion_length=8, num_mini_batches=1,
+                           task_num_eval=5, num_generations=2, max_completion_length=8, num_mini_batches=1,
                            num_ppo_epochs=1, kl_coef=0.1, kl_target=0.01, kl_horizon=100, whiten_rewards=True)
         critic = load_critic(config.critic_init, Path(model_dir), None, torch.device("cpu"), seed=0)
         algo = PPO(config, loaded.model.train(), loaded.tokenizer, dist, critic=critic,
@@ -120,6 +121,10 @@ def run_steps(trainer: Any, steps: int = 2) -> list[dict[str, Any]]:
             if parts[0][1] is not None:
                 row["advantages"] = [a for _, adv in parts for a in adv]
         out.append(row)
+    # Evaluated as the loop does, after the steps, so no rollout ever reads KV that the evaluation
+    # cached (a prompt block computed in another batch may differ in its last bits).
+    with trainer.parallel.full_weights():
+        out[-1]["evaluation"] = trainer.algorithm.evaluate(steps)
     trainer.algorithm.close()
     return out
 

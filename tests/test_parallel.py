@@ -8,7 +8,13 @@ Why the online algorithms can be compared at all: every prompt carries its own s
 drawn from the run's seed and the prompt's place in the run's stream of prompts, and the engine
 draws each sequence's noise from that sequence's own generator. A prompt therefore gets the same
 completions whichever rank samples it and however many ranks there are, and the test checks that
-the two runs' rollouts are token for token the same before it compares losses and gradients. On
+the two runs' rollouts are token for token the same before it compares losses and gradients.
+What could still tell them apart is the last bit of a logit: a matmul over 1 to 3 rows takes
+another CPU kernel than one over more, so a batch that shrinks to a few sequences, or a prompt
+block read from the prefix cache, could round differently and, at a near tie, flip a token. The
+scenarios keep every engine batch at 16 sequences or more (completions of 8 tokens, which the
+tiny model rarely ends early) and evaluate only after the steps, so no rollout reads a block
+cached by another batch; the token check makes any such flip fail loudly, not as a loss drift. On
 top of that, every statistic of the batch is taken over all ranks: GRPO's `scale_rewards: batch`
 std (the scenarios use it, with rewards that differ between the ranks' groups), PPO's advantage
 and reward whitening and its adaptive KL coefficient (step 2 uses the coefficient step 1 set).
@@ -17,7 +23,8 @@ engine reads whole, gathered for the rollout and released after.
 
 What is compared, per step: the loss, the whole gradient before and after clipping
 (`max_grad_norm` is small enough to clip; under FSDP2 the sharded gradients are gathered), the
-gradient norm, and every logged metric but timings. A separate check runs `collect_rollout` on
+gradient norm, every logged metric but timings, and for GRPO and PPO the held-out evaluation
+(5 rows: 3 on one rank, 2 on the other). A separate check runs `collect_rollout` on
 groups whose reward spread differs between the ranks, and a checkpoint written under one of DDP
 and FSDP2 is resumed under the other.
 """
@@ -79,6 +86,9 @@ def test_two_processes_equal_one_process(algorithm, parallel, two_processes, one
             assert set(two[kind]) == set(one[kind]), where
             for name, g in one[kind].items():
                 assert torch.allclose(two[kind][name], g, rtol=0, atol=TOL), f"{where}: {kind} of {name}"
+        if one.get("evaluation") is not None:  # held-out metrics over both ranks' rows
+            assert one["evaluation"]["reward"] > 0
+            assert two["evaluation"] == pytest.approx(one["evaluation"], abs=TOL), where
         assert set(two["metrics"]) == set(one["metrics"]), where
         for name, value in one["metrics"].items():
             assert two["metrics"][name] == pytest.approx(value, rel=TOL, abs=TOL, nan_ok=True), f"{where}: {name}"
