@@ -49,7 +49,7 @@ def build(algorithm: str, model_dir: Path, out: Path, dist: Any, fsdp: str | Non
         from pagedrl.train.config import SFTConfig
 
         config = SFTConfig(**common, learning_rate=3e-3)
-        algo = SFT(config, loaded.model, loaded.tokenizer, dist, arithmetic_rows())
+        algo = SFT(config, loaded.model, loaded.tokenizer, dist, arithmetic_rows(), arithmetic_rows(21)[16:])
     elif algorithm == "rm":
         from pagedrl.model.heads import load_sequence_scorer
         from pagedrl.train.algorithms.rm import RewardModeling
@@ -57,13 +57,13 @@ def build(algorithm: str, model_dir: Path, out: Path, dist: Any, fsdp: str | Non
 
         config = RewardConfig(**common, learning_rate=1e-3)
         scorer = load_sequence_scorer(model_dir, generator=torch.Generator().manual_seed(0))
-        algo = RewardModeling(config, scorer, loaded.tokenizer, dist, preference_rows(16))
+        algo = RewardModeling(config, scorer, loaded.tokenizer, dist, preference_rows(16), preference_rows(5, seed=1))
     elif algorithm == "dpo":
         from pagedrl.train.algorithms.dpo import DPO
         from pagedrl.train.config import DPOConfig
 
         config = DPOConfig(**common, learning_rate=1e-3)
-        algo = DPO(config, loaded.model, loaded.tokenizer, dist, preference_rows(16))
+        algo = DPO(config, loaded.model, loaded.tokenizer, dist, preference_rows(16), preference_rows(5, seed=1))
     elif algorithm == "grpo":
         from pagedrl.train.algorithms.grpo import GRPO
         from pagedrl.train.rl.config import GRPOConfig
@@ -105,7 +105,7 @@ def run_steps(trainer: Any, steps: int = 2) -> list[dict[str, Any]]:
     clipped: dict[str, torch.Tensor] = {}
     # The gradient AdamW receives: after clipping.
     trainer.optimizer.register_step_pre_hook(lambda *_: clipped.update(gradients(trainer.module)))
-    for step in range(1, steps + 1):
+    for step in range(1, steps + 1):  # the held-out sets have 5 rows: 3 on one rank, 2 on the other
         result = trainer.accumulate(step)
         grads = gradients(trainer.module)
         norm = trainer.optimizer_step()
@@ -125,6 +125,8 @@ def run_steps(trainer: Any, steps: int = 2) -> list[dict[str, Any]]:
     # cached (a prompt block computed in another batch may differ in its last bits).
     with trainer.parallel.full_weights():
         out[-1]["evaluation"] = trainer.algorithm.evaluate(steps)
+    if hasattr(trainer.algorithm, "kl_ctl"):  # PPO's adaptive coefficient, set by the batch's mean KL
+        out[-1]["kl_coef"] = trainer.algorithm.kl_ctl.value
     trainer.algorithm.close()
     return out
 
