@@ -169,3 +169,28 @@ def rollout_statistics(dist: Any, dynamic_sampling: bool, scale_rewards: str) ->
     parts = gather_objects(([p.prompt_ids[0] for p in r.prompts], r.advantages.tolist(), r.rounds), dist)
     return {"prompts": [i for p, _, _ in parts for i in p], "advantages": [a for _, a, _ in parts for a in a],
             "rounds": parts[0][2]}
+
+
+def full_weights_states(trainer: Any) -> dict[str, bool]:
+    """What the sharded policy looks like around a rollout: whole plain tensors inside
+    `full_weights` (also nested), shards (DTensors) again after it."""
+    from torch.distributed.tensor import DTensor
+
+    module = trainer.module
+    shapes = [p.shape for p in module.parameters()]  # a DTensor's shape is the whole tensor's
+
+    def sharded() -> bool:
+        return all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in module.parameters())
+
+    def whole() -> bool:
+        return [(type(p), p.shape) for p in module.parameters()] == [(torch.nn.Parameter, s) for s in shapes]
+
+    before = sharded()
+    with trainer.parallel.full_weights():
+        inside = whole()
+        with trainer.parallel.full_weights():
+            nested = whole()
+        still = whole()
+    after = sharded()
+    trainer.algorithm.close()
+    return {"before": before, "inside": inside, "nested": nested, "after_nested": still, "after": after}

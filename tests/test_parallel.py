@@ -110,6 +110,11 @@ def test_grpo_batch_statistics_are_gathered_across_ranks(dynamic_sampling, scale
         assert not torch.allclose(local.float(), torch.tensor(two["advantages"]), atol=1e-3)
 
 
+def test_the_engine_sees_whole_weights_for_a_rollout_and_shards_after(two_processes) -> None:
+    states = two_processes[0]["full-weights"]
+    assert states == {"before": True, "inside": True, "nested": True, "after_nested": True, "after": True}
+
+
 def test_the_fsdp_option_takes_transformers_spelling() -> None:
     from pagedrl.train.config import SFTConfig, TrainConfigError, load_config
 

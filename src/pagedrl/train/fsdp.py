@@ -66,16 +66,22 @@ def _fsdp_modules(root: nn.Module) -> list[FSDPModule]:
 def full_weights(root: nn.Module, reshard_after_forward: bool = True) -> Iterator[None]:
     """Every parameter of `root` whole on this rank for the block (one all-gather per unit, every
     rank at the same point), so forwards inside it run with no collective: rollouts, evaluation,
-    no-grad passes. No gradient may be computed inside. Released after, sharded as before."""
+    no-grad passes. No gradient may be computed inside. Released after, sharded as before; a
+    block nested in another keeps the weights gathered until the outer one ends."""
+    if getattr(root, "_pagedrl_gathered", False):
+        yield
+        return
     modules = _fsdp_modules(root)
     for m in modules:
         m.unshard()
     for m in modules:
         if m is not root:
             m.set_reshard_after_forward(False, recurse=False)
+    root._pagedrl_gathered = True
     try:
         yield
     finally:
+        root._pagedrl_gathered = False
         for m in modules:
             m.reshard()
             if m is not root:
