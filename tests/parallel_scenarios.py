@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from preference_data import preference_rows  # noqa: E402
 from tiny_train import arithmetic_rows  # noqa: E402
 
-ALGORITHMS = ("sft", "rm", "dpo", "grpo", "ppo")
-GLOBAL_MICRO_BATCH = {"sft": 4, "rm": 4, "dpo": 4, "grpo": 16, "ppo": 8}  # rows, pairs or completions (one process)
+# dpo_precomputed: DPO with the reference's log-probs computed before training, a strided share per rank.
+ALGORITHMS = ("sft", "rm", "dpo", "dpo_precomputed", "grpo", "ppo")
+GLOBAL_MICRO_BATCH = {"sft": 4, "rm": 4, "dpo": 4, "dpo_precomputed": 4, "grpo": 16, "ppo": 8}  # rows, pairs or completions (one process)
 TIMINGS = ("seconds", "tokens_per_second", "prefix_blocks_shared", "num_tokens")
 
 
@@ -58,11 +59,11 @@ def build(algorithm: str, model_dir: Path, out: Path, dist: Any, fsdp: str | Non
         config = RewardConfig(**common, learning_rate=1e-3)
         scorer = load_sequence_scorer(model_dir, generator=torch.Generator().manual_seed(0))
         algo = RewardModeling(config, scorer, loaded.tokenizer, dist, preference_rows(16), preference_rows(5, seed=1))
-    elif algorithm == "dpo":
+    elif algorithm in ("dpo", "dpo_precomputed"):
         from pagedrl.train.algorithms.dpo import DPO
         from pagedrl.train.config import DPOConfig
 
-        config = DPOConfig(**common, learning_rate=1e-3)
+        config = DPOConfig(**common, learning_rate=1e-3, precompute_ref_log_probs=algorithm == "dpo_precomputed")
         algo = DPO(config, loaded.model, loaded.tokenizer, dist, preference_rows(16), preference_rows(5, seed=1))
     elif algorithm == "grpo":
         from pagedrl.train.algorithms.grpo import GRPO

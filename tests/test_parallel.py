@@ -1,4 +1,5 @@
-"""Two gloo processes equal one process, under DDP and FSDP2, for SFT, RM, DPO, GRPO and PPO.
+"""Two gloo processes equal one process, under DDP and FSDP2, for SFT, RM, DPO (with the reference
+run alongside, or its log-probs precomputed by strided shares), GRPO and PPO.
 
 One torchrun launch (`parallel_worker.py`) runs every two-process scenario in sequence; the
 one-process references run here, from the same builders (`parallel_scenarios.py`), with the
