@@ -34,6 +34,11 @@ if __name__ == "__main__":
         a, b = out / f"run-{first or 'ddp'}", out / f"resumed-{then or 'ddp'}"
         build("sft", model_dir, a, dist, first, save_steps=1, max_steps=3).train()
         build("sft", model_dir, b, dist, then, max_steps=3, resume_from_checkpoint=str(a / "checkpoint-1")).train()
+    # PPO with a value head on the policy's backbone (a [1, hidden] tensor: one rank's shard is empty).
+    a, b = out / "ppo-run-ddp", out / "ppo-resumed-full_shard"
+    build("ppo", model_dir, a, dist, None, critic="shared", save_steps=1, max_steps=3).train()
+    build("ppo", model_dir, b, dist, "full_shard", critic="shared", max_steps=3,
+          resume_from_checkpoint=str(a / "checkpoint-1")).train()
     if dist.is_main:
         torch.save(results, out / "results.pt")
     shutdown(dist)

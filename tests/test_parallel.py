@@ -142,7 +142,8 @@ def test_ppo_saves_whole_policy_and_critic_under_fsdp(critic, two_processes, tin
 
 def test_a_checkpoint_resumes_across_ddp_and_fsdp(two_processes) -> None:
     """SFT for three steps under DDP and under FSDP2, each saving every step; each run's step-1
-    checkpoint resumed under the other continues as it did (step 3 needs AdamW's moments)."""
+    checkpoint resumed under the other continues as it did (step 3 needs AdamW's moments). The
+    same for PPO from DDP to FSDP2: its prompts, KL coefficient, critic and value head come back."""
     out = two_processes[1]
 
     def rows(run: str) -> dict[int, dict]:
@@ -151,7 +152,8 @@ def test_a_checkpoint_resumes_across_ddp_and_fsdp(two_processes) -> None:
     ddp, fsdp = rows("run-ddp"), rows("run-full_shard")
     for step in (1, 2, 3):
         assert fsdp[step]["loss"] == pytest.approx(ddp[step]["loss"], abs=TOL)
-    for first, resumed in (("run-ddp", "resumed-full_shard"), ("run-full_shard", "resumed-ddp")):
+    for first, resumed in (("run-ddp", "resumed-full_shard"), ("run-full_shard", "resumed-ddp"),
+                           ("ppo-run-ddp", "ppo-resumed-full_shard")):
         a, b = rows(first), rows(resumed)
         assert sorted(b) == [2, 3]  # it started after step 1
         for step in (2, 3):

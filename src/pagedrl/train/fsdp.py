@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.experimental import implicit_replication
+from torch.overrides import TorchFunctionMode
 
 from pagedrl.model.decoder import DecoderLayer
 
@@ -128,10 +128,26 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any
     return out
 
 
+class _FillShards(TorchFunctionMode):
+    """`shard.copy_(whole)` copies this rank's slice of `whole` into the shard, whatever the split
+    (a [1, hidden] value head over two ranks leaves one of them an empty shard)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_ and isinstance(args[0], DTensor) and not isinstance(args[1], DTensor):
+            shard, whole = args[0], args[1]
+            piece = distribute_tensor(whole.detach().to(shard.device, shard.dtype), shard.device_mesh,
+                                      shard.placements, src_data_rank=None)
+            shard.to_local().copy_(piece.to_local())
+            return shard
+        return func(*args, **kwargs)
+
+
 def accepting_full_tensors() -> contextlib.AbstractContextManager[Any]:
-    """Inside it, `load_state_dict` with whole tensors fills sharded parameters (each rank copies
-    its own slice), so an algorithm's `load_model` works unchanged on a sharded module."""
-    return implicit_replication()
+    """Inside it, copying whole tensors into sharded parameters (`load_state_dict`, an explicit
+    `copy_`) fills each rank's shard with its slice (no communication), so an algorithm's
+    `load_model` works unchanged on a sharded module."""
+    return _FillShards()
 
 
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> float:
