@@ -237,7 +237,7 @@ def test_dynamic_sampling_keeps_groups_with_signal_and_fills_from_the_dropped(mo
 
     firsts = iter([[1, 1], [1, 2], [3, 3], [4, 5], [6, 6], [7, 7], [8, 8], [9, 9], [0, 0], [2, 2]])
 
-    def fake_sample(llm, rows, params):
+    def fake_sample(llm, rows, params, seeds=None):
         comps = [c for _ in rows for c in [[x] for x in next(firsts)]]
         return Rollout(list(rows), 2, comps, [""] * len(comps), [[0.0]] * len(comps),
                        torch.zeros(len(comps), dtype=torch.bool), prefix_blocks_shared=1)
@@ -246,7 +246,7 @@ def test_dynamic_sampling_keeps_groups_with_signal_and_fills_from_the_dropped(mo
     counter = iter(range(100))
 
     def next_rows(n):
-        return [PromptOnly([next(counter)], "p", "") for _ in range(n)]
+        return [PromptOnly([next(counter)], "p", "") for _ in range(n)], [None] * n
 
     funcs = [("first", lambda prompts, completions, completion_ids, **kw: [float(c[0]) for c in completion_ids])]
     r = rollout_module.collect_rollout(None, next_rows, 3, None, funcs, None, "group", dynamic_sampling=True,

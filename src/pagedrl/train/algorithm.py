@@ -13,15 +13,20 @@ checkpoints. An algorithm owns the model being trained and answers, per optimize
   contributions of all micro-batches on all ranks add up to the step loss) and its metrics.
 - `step_metrics(step)`: metrics of the step as a whole (a rollout's rewards), if any.
 - `after_optimizer_step(step)`: after each update (GRPO bumps the engine's weight version here).
-- `evaluate(step)`, `state_dict()`/`load_state_dict()` (data position), `save_model(folder)`,
+- `evaluate(step)`, `state_dict()`/`load_state_dict()` (data position), `save_model(folder, state)`,
   `load_model(folder)`, `summary_lines()`.
+
+The loop sets `full_weights`: a context manager under which every trained parameter is whole on
+this rank (a no-op unless the module is sharded with FSDP2). Anything that runs the model outside
+the loop's own forward and backward, a rollout above all, runs inside it.
 
 Metrics carry how they combine across micro-batches, ranks and logged steps (`train/metrics.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +98,8 @@ class Algorithm:
     num_examples: int | None = None  # rows of an offline dataset; None for online algorithms
     examples_per_step: int = 0  # global rows (or prompts) one optimizer step consumes
     find_unused_parameters: bool = False  # for DDP: True if some trained parameters may get no gradient
+    # Set by the loop: the trained weights whole on this rank inside it (see the module docstring).
+    full_weights: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
     def step_batches(self, step: int) -> Sequence[Any]:
         raise NotImplementedError
@@ -133,9 +140,10 @@ class Algorithm:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         pass
 
-    def save_model(self, folder: Path) -> None:
-        """Write `folder` as a Hugging Face folder: weights, config, generation config, tokenizer."""
-        save_checkpoint(self.model, folder, generation_config=self.generation_config)
+    def save_model(self, folder: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Write `folder` as a Hugging Face folder: weights, config, generation config, tokenizer.
+        `state`: whole tensors of `self.model` when its own are shards (FSDP2), else None."""
+        save_checkpoint(self.model, folder, generation_config=self.generation_config, state=state)
         if self.tokenizer is not None:
             self.tokenizer.save(folder)
 

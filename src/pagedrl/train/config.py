@@ -25,6 +25,9 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 import yaml
 
 REPORTERS: tuple[str, ...] = ("none", "jsonl", "tensorboard")
+# transformers' TrainingArguments `fsdp` options understood here; `auto_wrap` (one unit per decoder
+# layer) is what sharding always does, so it may be named or left out.
+FSDP_OPTIONS: tuple[str, ...] = ("full_shard", "shard_grad_op", "auto_wrap")
 
 
 class TrainConfigError(ValueError):
@@ -92,6 +95,10 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     bf16: bool | None = None  # None: bf16 on CUDA only (on CPU bf16 matmuls are far slower than fp32)
     use_cpu: bool = False
+    # Under torchrun: shard parameters, gradients and optimizer state with FSDP2 instead of
+    # replicating them with DDP. transformers' spelling: "full_shard" (ZeRO-3) or "shard_grad_op"
+    # (ZeRO-2: layers stay gathered between forward and backward), optionally "... auto_wrap".
+    fsdp: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -118,6 +125,11 @@ class TrainConfig:
         out = Path(self.output_dir)
         blocking = next((p for p in (out, *out.parents) if p.is_file()), None)
         _require(blocking is None, "output_dir", f"{blocking} is a file, not a folder")
+        options = (self.fsdp or "").split()
+        _require(all(o in FSDP_OPTIONS for o in options), "fsdp",
+                 f"unknown option in {self.fsdp!r}; expected full_shard or shard_grad_op, optionally with auto_wrap")
+        _require(not options or sum(o in ("full_shard", "shard_grad_op") for o in options) == 1, "fsdp",
+                 f"{self.fsdp!r} needs exactly one of full_shard or shard_grad_op")
         unknown = [r for r in self.report_to if r not in REPORTERS]
         _require(not unknown, "report_to", f"unknown {unknown}; expected some of {', '.join(REPORTERS)}")
 
@@ -126,6 +138,12 @@ class TrainConfig:
         if self.bf16 is not None:
             return self.bf16
         return str(device).split(":")[0] == "cuda"
+
+    @property
+    def fsdp_reshard_after_forward(self) -> bool | None:
+        """None: no sharding (DDP); else whether layers reshard after forward (full_shard)."""
+        options = (self.fsdp or "").split()
+        return ("full_shard" in options) if options else None
 
     def num_warmup_steps(self, total_steps: int) -> int:
         """Warm-up length: `warmup_steps` if set, else ceil(`warmup_ratio` × total), as transformers."""

@@ -19,6 +19,18 @@ from pagedrl.train.rl.rollout import completion_for
 def evaluate_rows(llm: LLM, rows: Sequence[PromptOnly], reward: tuple[str, RewardFunc],
                   max_tokens: int) -> tuple[float, float]:
     """Greedy completions for every row, scored by `reward`: (share scoring 1, mean score)."""
+    correct, total, scored = score_greedy(llm, rows, reward, max_tokens)
+    if not scored:
+        return float("nan"), float("nan")
+    return correct / scored, total / scored
+
+
+def score_greedy(llm: LLM, rows: Sequence[PromptOnly], reward: tuple[str, RewardFunc],
+                 max_tokens: int) -> tuple[float, float, int]:
+    """Greedy completions for every row, scored by `reward`, as sums that add across ranks:
+    (completions scoring 1, sum of scores, completions scored; NaN scores are not applicable)."""
+    if not rows:
+        return 0.0, 0.0, 0
     outs = llm.generate([r.prompt_ids for r in rows], SamplingParams(temperature=0.0, max_tokens=max_tokens),
                         use_tqdm=False)
     prompts = [r.prompt for r in rows]
@@ -30,9 +42,7 @@ def evaluate_rows(llm: LLM, rows: Sequence[PromptOnly], reward: tuple[str, Rewar
     values = [row[0] for row in score([reward], prompts, completions,
                                       [o.outputs[0].token_ids for o in outs], columns)]
     scored = [v for v in values if v == v]  # NaN: not applicable
-    if not scored:
-        return float("nan"), float("nan")
-    return sum(1.0 for v in scored if v >= 1.0) / len(scored), sum(scored) / len(scored)
+    return sum(1.0 for v in scored if v >= 1.0), float(sum(scored)), len(scored)
 
 
 def eval_main(argv: list[str]) -> int:

@@ -7,8 +7,9 @@ that global count — and backward, clip, step AdamW and the schedule, log, eval
 Why the gradient does not depend on the split: every micro-batch's loss is its sum divided by the
 step's global count, so the contributions of all micro-batches on all ranks add up to the loss of
 the whole step. DDP averages gradients over ranks, so each rank multiplies its loss by the world
-size before backward to turn that average back into the sum. Micro-batches before the last run
-under `no_sync()`, so gradients cross the network once per step.
+size before backward to turn that average back into the sum (FSDP2's reduce-scatter averages
+too). Micro-batches before the last run without gradient sync, so gradients cross the network
+once per step. Replicated (DDP) or sharded (FSDP2, `fsdp: full_shard`): see `train/parallel.py`.
 
 Each logged row holds `step`, `epoch`, `learning_rate`, `loss` (mean since the last row), `grad_norm`
 (before clipping), the algorithm's metrics, `wall_time` and `train_time` (without evaluations), and
@@ -20,7 +21,6 @@ Precision: float32 parameters and optimizer state; on CUDA the forward runs unde
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from pagedrl.train import checkpointing as ckpt
 from pagedrl.train.algorithm import Algorithm
@@ -46,10 +45,11 @@ from pagedrl.train.distributed import (
 from pagedrl.train.interrupt import StopFlag, TrainingInterrupted
 from pagedrl.train.logging import RunLogger
 from pagedrl.train.metrics import Metric, MetricTotals, as_metric
+from pagedrl.train.parallel import Parallel
 
 
 class ModelHandle:
-    """What `Algorithm.loss` receives as `model`: calling it runs the (DDP-wrapped) forward, any
+    """What `Algorithm.loss` receives as `model`: calling it runs the (DDP/FSDP) forward, any
     other attribute (`logits`, `config`, ...) is the plain module's. Call it once per micro-batch."""
 
     def __init__(self, wrapped: nn.Module, module: nn.Module) -> None:
@@ -120,11 +120,10 @@ class Trainer:
             for m in self.module.modules():
                 if hasattr(m, "gradient_checkpointing"):
                     m.gradient_checkpointing = True
-        self.wrapped: nn.Module = self.module
-        if self.dist.distributed:
-            ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
-            self.wrapped = DistributedDataParallel(self.module, device_ids=ids, broadcast_buffers=False,
-                                                   find_unused_parameters=algorithm.find_unused_parameters)
+        self.parallel = Parallel(self.module, self.dist, config.fsdp_reshard_after_forward,
+                                 algorithm.find_unused_parameters)
+        self.wrapped: nn.Module = self.parallel.wrapped
+        algorithm.full_weights = self.parallel.full_weights  # rollouts see whole weights when sharded
         self.handle = ModelHandle(self.wrapped, self.module)
         self.bf16 = config.use_bf16(self.dist.device)
         self.total_steps = total_steps(config, algorithm)
@@ -158,15 +157,13 @@ class Trainer:
             hi, neg_lo = all_reduce_op([len(batches), -len(batches)], self.dist, "max").tolist()
             if hi != -neg_lo:
                 raise RuntimeError(f"step {step}: ranks produced between {-neg_lo:.0f} and {hi:.0f} micro-batches; "
-                                   "DDP needs the same number on every rank")
+                                   f"{self.parallel.kind} needs the same number on every rank")
         global_count = torch.tensor(count, dtype=torch.float32, device=self.dist.device)
         totals = MetricTotals()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.dist.device)
         scale = float(self.dist.world_size)
         for i, batch in enumerate(batches):
-            last = i == len(batches) - 1
-            sync = contextlib.nullcontext() if last or not self.dist.distributed else self.wrapped.no_sync()
-            with sync:
+            with self.parallel.sync(last=i == len(batches) - 1):
                 with torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                     loss, metrics = self.algorithm.loss(self.handle, batch, global_count)
                 (loss * scale).backward()
@@ -182,11 +179,11 @@ class Trainer:
         """Clip (max_grad_norm; 0 = no clipping), step AdamW and the schedule; returns the norm."""
         params = [p for p in self.module.parameters() if p.requires_grad]
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = self.parallel.clip_grad_norm(params, max_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -294,7 +291,8 @@ class Trainer:
 
     def evaluate(self) -> None:
         t0 = time.perf_counter()
-        with torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+        with self.parallel.full_weights(), \
+                torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             metrics = self.algorithm.evaluate(self.step)
         self.eval_seconds += time.perf_counter() - t0
         if metrics:
@@ -304,11 +302,11 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def trainer_state(self) -> dict[str, Any]:
+    def trainer_state(self, optimizer: dict[str, Any] | None = None) -> dict[str, Any]:
         return {
             "step": self.step,
             "weight_version": self.weight_version,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer if optimizer is not None else self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "algorithm": self.algorithm.state_dict(),
             "window": self.window.state_dict(),
@@ -321,14 +319,16 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         folder = self.output_dir / f"{ckpt.CHECKPOINT_PREFIX}{self.step}"
         rngs = gather_objects(ckpt.rng_state(), self.dist)
+        # Sharded: every rank joins the gathers of whole tensors, rank 0 writes them.
+        model_state, optimizer = self.parallel.model_state(), self.parallel.optimizer_state(self.optimizer)
         if self.dist.is_main:
-            state = self.trainer_state()
+            state = self.trainer_state(optimizer)
             state["rng"] = rngs
             summary = {"step": self.step, "epoch": self.algorithm.epoch, "weight_version": self.weight_version,
                        "total_steps": self.total_steps, "world_size": self.dist.world_size,
                        "examples_per_step": self.algorithm.examples_per_step, "config": config_to_dict(self.config)}
-            size = ckpt.tensor_bytes(self.module.state_dict()) + ckpt.tensor_bytes(state)
-            ckpt.write_checkpoint(folder, self.algorithm.save_model, state, summary, size_hint=size)
+            size = ckpt.tensor_bytes(model_state or self.module.state_dict()) + ckpt.tensor_bytes(state)
+            ckpt.write_checkpoint(folder, self.model_writer(model_state), state, summary, size_hint=size)
             ckpt.rotate_checkpoints(self.output_dir, self.config.save_total_limit, keep=folder)
         barrier(self.dist)
         self.last_checkpoint = (self.step, folder)
@@ -336,18 +336,27 @@ class Trainer:
 
     def save_final(self) -> Path:
         folder = self.output_dir / ckpt.FINAL_DIR
+        model_state = self.parallel.model_state()
         if self.dist.is_main:
-            ckpt.write_checkpoint(folder, self.algorithm.save_model, size_hint=ckpt.tensor_bytes(self.module.state_dict()))
+            ckpt.write_checkpoint(folder, self.model_writer(model_state),
+                                  size_hint=ckpt.tensor_bytes(model_state or self.module.state_dict()))
             self.logger.write(f"saved {folder}")
         barrier(self.dist)
         return folder
+
+    def model_writer(self, state: dict[str, torch.Tensor] | None) -> Any:
+        """The algorithm's `save_model`, given the whole tensors gathered from the shards if any."""
+        if state is None:
+            return self.algorithm.save_model
+        return lambda folder: self.algorithm.save_model(folder, state)
 
     def load(self, folder: Path) -> None:
         """Restore everything `save_checkpoint` wrote, so the next step is the one an
         uninterrupted run would have taken."""
         state = ckpt.load_trainer_state(folder)
-        self.algorithm.load_model(folder)
-        self.optimizer.load_state_dict(state["optimizer"])
+        with self.parallel.loading():
+            self.algorithm.load_model(folder)
+        self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.algorithm.load_state_dict(state["algorithm"])
         self.window.load_state_dict(state["window"])
@@ -377,6 +386,10 @@ class Trainer:
             f"max_grad_norm {c.max_grad_norm:g}",
             f"  loss normalised by  {a.normaliser} over the whole step (all micro-batches, all processes)",
         ]
+        if d.distributed:
+            lines.append(f"  parallelism         {self.parallel.kind} over {d.world_size} processes")
+        elif c.fsdp:
+            lines.append(f"  parallelism         one process: fsdp={c.fsdp!r} shards only under torchrun")
         if resume is not None:
             lines.append(f"  resuming from       {resume} (step {self.step})")
         for note in self.logger.notes if self.logger is not None else []:

@@ -4,6 +4,11 @@ Each rollout: the in-process engine samples G completions per prompt from the po
 tensors, verifiers score them, and each completion's advantage is its reward against its group's
 mean (and std). The loss is the clipped surrogate on the completion tokens, optionally with a KL
 to a frozen reference, aggregated as `loss_type` says over the whole step's global batch.
+
+Under torchrun each rank samples its share of the prompts with its own engine; the advantages,
+dynamic sampling and metrics are computed over every rank's groups (`collect_rollout`), so two
+processes train on what one process with the whole batch would. The reference is frozen and
+replicated on every rank (it has no gradient or optimizer state to shard).
 """
 
 from __future__ import annotations
@@ -57,17 +62,18 @@ class GRPO(OnlineAlgorithm):
 
     def step_batches(self, step: int) -> list[PackedBatch]:
         if (step - 1) % self.config.num_iterations == 0:
-            self.reseed(step)
-            self.rollout = collect_rollout(
-                self.llm, self.source.take, self.prompts_per_step, self.sampling, self.reward_funcs,
-                self.config.reward_weights, self.config.scale_rewards, self.config.dynamic_sampling)
-            self.llm.sleep()  # the optimizer runs next: the KV cache gives its memory back until the next rollout
-            units = split_units(self.rollout, self.config.gradient_accumulation_steps)
-            device = next(self.model.parameters()).device
-            self.batches = [pack(self.rollout, u, device, self.config.mask_truncated_completions) for u in units]
-            for b in self.batches:
-                b.advantages = self.rollout.advantages.to(device)[b.completion_index]
-            self.remember_rollout_logps()
+            with self.full_weights():  # sharded: the engine and the no-grad passes see whole weights
+                self.rollout = collect_rollout(
+                    self.llm, self.next_prompts, self.prompts_per_step, self.sampling, self.reward_funcs,
+                    self.config.reward_weights, self.config.scale_rewards, self.config.dynamic_sampling,
+                    dist=self.dist)
+                self.llm.sleep()  # the optimizer runs next: the KV cache gives its memory back until the next rollout
+                units = split_units(self.rollout, self.config.gradient_accumulation_steps)
+                device = next(self.model.parameters()).device
+                self.batches = [pack(self.rollout, u, device, self.config.mask_truncated_completions) for u in units]
+                for b in self.batches:
+                    b.advantages = self.rollout.advantages.to(device)[b.completion_index]
+                self.remember_rollout_logps()
         return self.batches
 
     @torch.no_grad()

@@ -15,6 +15,12 @@ The first epoch walks the completions in the order the fixed pass packed them, s
 mini-batch's forward is the same computation on the same weights: its ratio is exactly 1.
 Later epochs shuffle whole groups (a prompt's completions stay together, so its prompt is still
 computed once).
+
+Under torchrun each rank samples and scores its share of the prompts with its own engine and
+trains on it (a mini-batch is each rank's share of it, as in TRL); what is a statistic of the
+batch is taken over every rank's completions: advantage and reward whitening, the adaptive KL
+coefficient's mean KL, the logged `objective/*` metrics. The frozen reference and reward model are
+replicated on every rank; the critic trains, so FSDP2 shards it with the policy.
 """
 
 from __future__ import annotations
@@ -29,13 +35,13 @@ import torch
 from pagedrl.model.checkpoint import load_weights, read_state_dict, save_checkpoint
 from pagedrl.model.heads import SequenceScorer, load_sequence_scorer
 from pagedrl.model.tokenizer import Tokenizer
-from pagedrl.train.distributed import DistInfo
+from pagedrl.train.distributed import DistInfo, all_reduce_sum
 from pagedrl.train.logprobs import logprobs_from_hidden, target_logprobs
 from pagedrl.train.losses import clipped_surrogate, clipped_value_loss
 from pagedrl.train.metrics import Metric
 from pagedrl.train.rl.advantages import explained_variance, ppo_targets
 from pagedrl.train.rl.config import PPOConfig
-from pagedrl.train.rl.critic import ActorCritic, load_critic
+from pagedrl.train.rl.critic import ActorCritic, load_critic, substate
 from pagedrl.train.rl.kl_control import AdaptiveKLController, KLController
 from pagedrl.train.rl.online import OnlineAlgorithm
 from pagedrl.train.rl.packing import PackedBatch, pack, split_units
@@ -92,7 +98,8 @@ class PPO(OnlineAlgorithm):
         self.step = step
         m = (step - 1) % self.steps_per_rollout
         if m == 0 or self.data is None:
-            self.collect(step - m)
+            with self.full_weights():  # sharded: the engine and the no-grad passes see whole weights
+                self.collect(step - m)
         epoch, j = divmod(m, self.config.num_mini_batches)
         batches = self.micro_batches(epoch, (step - 1) // self.steps_per_rollout)[j]
         self.model.detach_shared = self.warming_up(step)
@@ -141,8 +148,8 @@ class PPO(OnlineAlgorithm):
     def collect(self, step: int) -> None:
         """Sample a rollout and compute everything that stays fixed while it is trained on."""
         c = self.config
-        self.reseed(step)
-        rollout = sample(self.llm, self.source.take(self.prompts_per_rollout), self.sampling)
+        rows, seeds = self.next_prompts(self.prompts_per_rollout * self.dist.world_size)
+        rollout = sample(self.llm, rows, self.sampling, seeds)
         self.llm.sleep()  # the training passes run next: the KV cache gives its memory back
         if self.reward_funcs:
             score_rollout(rollout, self.reward_funcs, c.reward_weights)
@@ -183,8 +190,8 @@ class PPO(OnlineAlgorithm):
     def shape_rewards(self, step: int, rollout: Rollout, d: RolloutTensors) -> None:
         """Scores → per-token rewards → GAE advantages and returns, and the rollout's metrics."""
         c = self.config
-        if not bool(torch.isfinite(d.scores).all()):
-            bad = int((~torch.isfinite(d.scores)).sum())
+        bad = int(all_reduce_sum([float((~torch.isfinite(d.scores)).sum())], self.dist)[0])  # every rank stops
+        if bad:
             raise ValueError(f"step {step}: {bad} reward score(s) are NaN or infinite (a reward function without an "
                              "answer for a completion, or a diverged reward model); stopping before the update "
                              "(the last checkpoint is intact)")
@@ -193,30 +200,33 @@ class PPO(OnlineAlgorithm):
         truncated = rollout.truncated.to(d.scores.device)
         t = ppo_targets(d.scores, ~truncated, d.old_logps, d.ref_logps if self.ref_model is not None else None,
                         d.old_values, mask, self.kl_ctl.value, c.kl_estimator, c.missing_eos_penalty,
-                        c.reward_clip_range, c.whiten_rewards, c.gamma, c.lam, LOG_RATIO_CLAMP)
+                        c.reward_clip_range, c.whiten_rewards, c.gamma, c.lam, LOG_RATIO_CLAMP, self.sum_across)
         values = d.old_values.masked_fill(~mask, 0.0)
         d.scores, d.rewards, d.advantages, d.returns, d.old_values = t.scores, t.rewards, t.advantages, t.returns, values
         kl, non_score, returns = t.kl, t.non_score_rewards, t.returns
         seq_kl = kl.sum(1)
-        non_score_sum = non_score.sum(1)
-        lengths = mask.sum(1).double()
         sampling = torch.zeros_like(d.old_logps)
         for i, lp in enumerate(rollout.sampling_logps):
             sampling[i, :len(lp)] = torch.tensor(lp, dtype=sampling.dtype)
         diff = (d.old_logps - sampling).abs().masked_fill(~mask, 0.0)
-        n_tok = mask.sum()
+        # Batch statistics over every rank's completions (each rank logs the same global values).
+        n, scores_sum, kl_sum, entropy_sum, non_score_sum, shaped_sum, eos, length_sum, clipped, diff_sum, n_tok = \
+            self.sum_across(torch.stack([torch.tensor(float(len(rollout))), raw_scores.sum(), seq_kl.sum(),
+                                         (-d.old_logps * mask).sum(), non_score.sum(), d.scores.sum(),
+                                         (~truncated).sum(), mask.sum(), truncated.sum(), diff.sum(),
+                                         mask.sum()]).cpu().double()).tolist()
         self.rollout_metrics = {
-            "objective/scores": Metric.mean(float(raw_scores.mean())),
-            "objective/kl": Metric.mean(float(seq_kl.mean())),
-            "objective/entropy": Metric.mean(float((-d.old_logps * mask).sum(1).mean())),
-            "objective/non_score_reward": Metric.mean(float(non_score_sum.mean())),
-            "objective/rlhf_reward": Metric.mean(float(non_score_sum.mean() + d.scores.mean())),
+            "objective/scores": Metric.mean(scores_sum / n),
+            "objective/kl": Metric.mean(kl_sum / n),
+            "objective/entropy": Metric.mean(entropy_sum / n),
+            "objective/non_score_reward": Metric.mean(non_score_sum / n),
+            "objective/rlhf_reward": Metric.mean((non_score_sum + shaped_sum) / n),
             "objective/kl_coef": Metric.mean(self.kl_ctl.value),
-            "val/num_eos_tokens": Metric.mean(float((~truncated).sum())),
-            "critic/vf_explained_var": Metric.mean(explained_variance(values, returns, mask)),
-            "completions/mean_length": Metric.mean(float(lengths.mean())),
-            "completions/clipped_ratio": Metric.mean(float(truncated.double().mean())),
-            "sampling/sampling_logp_difference/mean": Metric.mean(float(diff.sum() / n_tok)),
+            "val/num_eos_tokens": Metric.mean(eos),
+            "critic/vf_explained_var": Metric.mean(explained_variance(values, returns, mask, self.sum_across)),
+            "completions/mean_length": Metric.mean(length_sum / n),
+            "completions/clipped_ratio": Metric.mean(clipped / n),
+            "sampling/sampling_logp_difference/mean": Metric.mean(diff_sum / n_tok),
             "sampling/sampling_logp_difference/max": Metric.max(float(diff.max())),
             "rollout/seconds": Metric.mean(rollout.seconds),
             "rollout/tokens_per_second": Metric.mean(rollout.generated_tokens / max(rollout.seconds, 1e-9)),
@@ -226,7 +236,11 @@ class PPO(OnlineAlgorithm):
             col = rollout.rewards[:, f]
             ok = ~col.isnan()
             self.rollout_metrics[f"rewards/{name}/mean"] = Metric.mean(float(col[ok].sum()), float(ok.sum()))
-        self.kl_ctl.update(float(seq_kl.mean()), len(rollout) * self.dist.world_size)
+        self.kl_ctl.update(kl_sum / n, int(n))  # the mean KL of the whole batch
+
+    def sum_across(self, t: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over the ranks (float64, on `t`'s device; the identity in one process)."""
+        return all_reduce_sum(t, self.dist).to(t.device)
 
     # -- the loss -----------------------------------------------------------------------------------
 
@@ -277,11 +291,13 @@ class PPO(OnlineAlgorithm):
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def save_model(self, folder: Path) -> None:
-        """The policy in HF layout (ready for `pagedrl serve`) and the critic beside it in `critic/`."""
-        save_checkpoint(self.policy, folder, generation_config=self.generation_config)
+    def save_model(self, folder: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+        """The policy in HF layout (ready for `pagedrl serve`) and the critic beside it in `critic/`;
+        `state` (whole tensors of the actor-critic, when sharded) is split between the two."""
+        policy_state = None if state is None else substate(state, "policy.")
+        save_checkpoint(self.policy, folder, generation_config=self.generation_config, state=policy_state)
         self.tokenizer.save(folder)
-        self.model.save_critic(folder, self.tokenizer)
+        self.model.save_critic(folder, self.tokenizer, state)
 
     def load_model(self, folder: Path) -> None:
         state = read_state_dict(folder, dtype=torch.float32)

@@ -87,8 +87,8 @@ class RewardModeling(OfflineAlgorithm):
             }
         return loss, metrics
 
-    def save_model(self, folder: Path) -> None:
-        save_sequence_scorer(self.model, folder)
+    def save_model(self, folder: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+        save_sequence_scorer(self.model, folder, state=state)
         self.tokenizer.save(folder)
 
     def summary_lines(self) -> list[str]:

@@ -10,13 +10,16 @@ Rewards may be NaN: a reward function that returns None for a completion means "
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
+# Sums a float64 tensor element-wise over the ranks of a data-parallel run (the identity in one
+# process): what makes a batch statistic that of the whole batch rather than of one rank's share.
+SumAcross = Callable[[Tensor], Tensor]
 
 
 def combine_rewards(rewards_per_func: Tensor, weights: Sequence[float] | Tensor | None = None) -> Tensor:
@@ -139,17 +142,19 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: 
 
 
 @torch.no_grad()
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, sum_across: SumAcross | None = None) -> Tensor:
     """(x - mean) / sqrt(var + 1e-8) over the masked entries, with the unbiased variance, as TRL's
-    `masked_whiten` normalises PPO advantages. `shift_mean=False` keeps the original mean."""
+    `masked_whiten` normalises PPO advantages. `shift_mean=False` keeps the original mean.
+    `sum_across` makes mean and variance those of every rank's entries (sums in float64)."""
     keep = mask if mask.dtype == torch.bool else mask != 0
-    count = int(keep.sum())
+    total = sum_across or (lambda t: t)
+    selected = x[keep].to(torch.float64)
+    count, mean_sum = total(torch.stack([keep.sum().to(torch.float64), selected.sum()])).tolist()
     if count < 2:
-        raise ValueError(f"mask: whitening needs at least 2 masked values, got {count}")
-    selected = x[keep]
-    mean = selected.mean()
-    var = ((selected - mean) ** 2).sum() / (count - 1)
-    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+        raise ValueError(f"mask: whitening needs at least 2 masked values, got {count:.0f}")
+    mean = mean_sum / count
+    var = float(total(((selected - mean) ** 2).sum().reshape(1))[0]) / (count - 1)
+    whitened = (x - mean) * torch.rsqrt(torch.tensor(var + 1e-8, dtype=torch.float64)).to(x.dtype)
     if not shift_mean:
         whitened = whitened + mean
     return whitened
@@ -179,13 +184,20 @@ def ppo_token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) 
 
 
 @torch.no_grad()
-def explained_variance(predicted: Tensor, target: Tensor, mask: Tensor) -> float:
+def explained_variance(predicted: Tensor, target: Tensor, mask: Tensor, sum_across: SumAcross | None = None) -> float:
     """1 − Var(target − predicted) / Var(target) over the masked entries: how much of the returns'
-    spread the critic accounts for (1 perfect, 0 no better than a constant, negative worse)."""
+    spread the critic accounts for (1 perfect, 0 no better than a constant, negative worse).
+    `sum_across`: over every rank's entries (from float64 sums of z and z²)."""
     keep = mask != 0
     y, p = target[keep].double(), predicted[keep].double()
-    var = y.var(unbiased=False)
-    return float(1.0 - (y - p).var(unbiased=False) / var) if var > 0 else float("nan")
+    r = y - p
+    sums = torch.stack([torch.tensor(float(y.numel()), dtype=torch.float64), y.sum(), (y * y).sum(), r.sum(),
+                        (r * r).sum()])
+    n, sy, syy, sr, srr = (sum_across(sums) if sum_across is not None else sums).tolist()
+    if n == 0:
+        return float("nan")
+    var_y, var_r = syy / n - (sy / n) ** 2, srr / n - (sr / n) ** 2
+    return 1.0 - var_r / var_y if var_y > 0 else float("nan")
 
 
 class PPOTargets(NamedTuple):
@@ -201,13 +213,15 @@ class PPOTargets(NamedTuple):
 def ppo_targets(scores: Tensor, has_eos: Tensor, logps: Tensor, ref_logps: Tensor | None, values: Tensor,
                 mask: Tensor, kl_coef: float, kl_estimator: str = "k1", missing_eos_penalty: float | None = None,
                 reward_clip_range: float | None = None, whiten_rewards: bool = False, gamma: float = 1.0,
-                lam: float = 0.95, log_ratio_clamp: float = 20.0) -> PPOTargets:
+                lam: float = 0.95, log_ratio_clamp: float = 20.0, sum_across: SumAcross | None = None) -> PPOTargets:
     """Everything PPO trains a rollout towards, from the rollout's scores, log-probs and values:
 
     1. a completion without EOS loses `missing_eos_penalty`; scores are clamped to ±`reward_clip_range`;
     2. per-token KL(π‖π_ref) (k1 or k3, log-ratio clamped), reward −kl_coef·KL per token plus the
        score at the last token (`ppo_token_rewards`); optionally whitened without shifting the mean;
     3. GAE(γ, λ) against the values; returns = advantages + values; advantages whitened over the batch.
+
+    `sum_across` makes "the batch" every rank's completions (see `masked_whiten`).
     """
     from pagedrl.train.losses import kl_estimate
 
@@ -224,7 +238,7 @@ def ppo_targets(scores: Tensor, has_eos: Tensor, logps: Tensor, ref_logps: Tenso
         kl = kl_estimate(logps, clamped_ref, kl_estimator).masked_fill(~keep, 0.0)
     rewards, non_score = ppo_token_rewards(scores, kl, mask, kl_coef)
     if whiten_rewards:
-        rewards = masked_whiten(rewards, keep, shift_mean=False).masked_fill(~keep, 0.0)
+        rewards = masked_whiten(rewards, keep, shift_mean=False, sum_across=sum_across).masked_fill(~keep, 0.0)
     advantages, returns = gae(rewards, values.masked_fill(~keep, 0.0), mask, gamma, lam)
-    advantages = masked_whiten(advantages, keep).masked_fill(~keep, 0.0)
+    advantages = masked_whiten(advantages, keep, sum_across=sum_across).masked_fill(~keep, 0.0)
     return PPOTargets(scores, kl, non_score, rewards, advantages, returns)

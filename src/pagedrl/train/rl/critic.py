@@ -79,9 +79,17 @@ class ActorCritic(nn.Module):
         scorer.score = self.value_head
         return scorer
 
-    def save_critic(self, folder: Path, tokenizer: Tokenizer | None) -> None:
+    def save_critic(self, folder: Path, tokenizer: Tokenizer | None,
+                    state: dict[str, torch.Tensor] | None = None) -> None:
+        """`state`: whole tensors of this module (when its own are FSDP2 shards), else None."""
         out = folder / CRITIC_DIR
-        save_sequence_scorer(self.critic_scorer(), out)
+        critic_state = None
+        if state is not None and self.critic is not None:
+            critic_state = substate(state, "critic.")
+        elif state is not None:  # the policy's backbone and the value head
+            critic_state = {"model." + k: v for k, v in substate(state, "policy.model.").items()}
+            critic_state["score.weight"] = state["value_head.weight"]
+        save_sequence_scorer(self.critic_scorer(), out, state=critic_state)
         if tokenizer is not None:
             tokenizer.save(out)
 
@@ -92,6 +100,11 @@ class ActorCritic(nn.Module):
                 load_weights(self.critic, state, str(folder / CRITIC_DIR))
             else:  # the backbone is the policy's, loaded with it
                 self.value_head.weight.copy_(state["score.weight"])
+
+
+def substate(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries of `state` under `prefix`, with the prefix taken off."""
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def load_critic(init: str, policy_path: Path, reward_model_path: Path | None, device: torch.device,

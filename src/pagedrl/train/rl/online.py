@@ -14,12 +14,13 @@ from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import Algorithm
-from pagedrl.train.distributed import DistInfo
-from pagedrl.train.evaluate import evaluate_rows
+from pagedrl.train.data import PromptOnly
+from pagedrl.train.distributed import DistInfo, all_reduce_sum
+from pagedrl.train.evaluate import score_greedy
 from pagedrl.train.rl.config import OnlineConfig
 from pagedrl.train.rl.prompts import PromptSource
 from pagedrl.train.rl.rewards import RewardFunc, last_integer_match, load_reward_function
-from pagedrl.train.rl.rollout import Rollout
+from pagedrl.train.rl.rollout import Rollout, prompt_seed
 
 
 def rollout_kv_tokens(config: OnlineConfig, prompts_per_rollout: int, block_size: int = 16) -> int:
@@ -62,19 +63,24 @@ class OnlineAlgorithm(Algorithm):
         completions = prompts_per_rollout * config.num_generations
         # The engine runs on the policy's parameters themselves: no copy, no sync; under the trainer's
         # bf16 autocast when it trains under one, so rollouts are drawn from the numbers training computes.
+        # Sharded (FSDP2), the whole weights are gathered anew for each rollout: no CUDA graph may
+        # hold their addresses.
         bf16 = config.use_bf16(next(policy.parameters()).device)
         self.llm = LLM.from_module(policy, tokenizer, eos_token_ids=eos_token_ids,
                                    kv_cache_tokens=config.kv_cache_tokens or rollout_kv_tokens(config, prompts_per_rollout),
                                    seed=config.seed, max_num_seqs=max(256, completions),
-                                   autocast_dtype=torch.bfloat16 if bf16 else None)
+                                   autocast_dtype=torch.bfloat16 if bf16 else None,
+                                   enforce_eager=config.fsdp_reshard_after_forward is not None)
         self.sampling = SamplingParams(n=config.num_generations, temperature=config.temperature, top_p=config.top_p,
                                        top_k=config.top_k, min_p=config.min_p or 0.0,
                                        max_tokens=config.max_completion_length, seed=None)
 
-    def reseed(self, step: int) -> None:
-        """Each rollout draws from a generator seeded by the run's seed and the step, so a resumed
-        run samples exactly what the uninterrupted one did."""
-        self.llm.reseed(self.config.seed * 1_000_003 + step)
+    def next_prompts(self, total: int) -> tuple[list[PromptOnly], list[int | None]]:
+        """This rank's share of the run's next `total` prompts (over all ranks), each with its own
+        sampling seed: a prompt draws the same completions whichever rank samples it and however
+        many ranks there are, and a resumed run draws what the uninterrupted one did."""
+        rows, positions = self.source.take_share(total)
+        return rows, [prompt_seed(self.config.seed, p) for p in positions]
 
     def completion_values(self) -> dict[str, torch.Tensor]:
         """Per-completion values logged beside each sample completion (an advantage, a score)."""
@@ -97,11 +103,14 @@ class OnlineAlgorithm(Algorithm):
     def evaluate(self, step: int) -> dict[str, float] | None:
         if not self.eval_rows or self.eval_reward is None:
             return None
-        rows = self.eval_rows[self.dist.rank::self.dist.world_size]
+        rows = self.eval_rows[self.dist.rank::self.dist.world_size]  # the loop gathers whole weights if sharded
         max_tokens = self.config.eval_max_tokens or self.config.max_completion_length
-        acc, mean_reward = evaluate_rows(self.llm, rows, self.eval_reward, max_tokens)
+        sums = score_greedy(self.llm, rows, self.eval_reward, max_tokens)
         self.llm.sleep()
-        return {"accuracy": acc, "reward": mean_reward}
+        correct, total, scored = all_reduce_sum(sums, self.dist).tolist()  # over every rank's share
+        if not scored:
+            return {"accuracy": float("nan"), "reward": float("nan")}
+        return {"accuracy": correct / scored, "reward": total / scored}
 
     @property
     def epoch(self) -> float:

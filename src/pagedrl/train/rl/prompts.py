@@ -49,12 +49,20 @@ class PromptSource:
 
     def take(self, n: int) -> list[PromptOnly]:
         """This rank's share of the next n × world prompts."""
+        return self.take_share(n * self.world)[0]
+
+    def take_share(self, total: int) -> tuple[list[PromptOnly], list[int]]:
+        """This rank's contiguous share of the next `total` prompts of the run (rank r gets
+        [r·total // world, (r+1)·total // world): in rank order the shares are the prompts one
+        process would take) and their positions in the run's stream of prompts."""
+        start = self.consumed
         if self.task is not None:
-            rows = list(itertools.islice(self._stream, n * self.world))
+            rows = list(itertools.islice(self._stream, total))
         else:
-            rows = [self.rows[i] for i in self.order.take(n * self.world)]
-        self.consumed += n * self.world
-        return rows[self.rank * n:(self.rank + 1) * n]
+            rows = [self.rows[i] for i in self.order.take(total)]
+        self.consumed += total
+        lo, hi = self.rank * total // self.world, (self.rank + 1) * total // self.world
+        return rows[lo:hi], list(range(start + lo, start + hi))
 
     def eval_rows(self) -> list[PromptOnly]:
         if self.eval_dataset is not None:
@@ -72,5 +80,5 @@ class PromptSource:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         target = int(state["consumed"])
-        while self.consumed < target:  # replay the stream: cheap, and exact
-            self.take(1) if self.world == 1 else self.take(max(1, (target - self.consumed) // self.world))
+        while self.consumed < target:  # replay the stream in chunks: cheap, and exact
+            self.take_share(min(1024, target - self.consumed))

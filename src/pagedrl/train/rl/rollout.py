@@ -8,6 +8,11 @@ computed under old weights is reused.
 
 A rollout is flat and prompt-major: completion i answers prompt i // G, so every per-group
 statistic is a `view(-1, G)` of a flat tensor, with no per-group objects in between.
+
+Under torchrun each rank samples its own share of the prompts with its own engine (data-parallel
+rollouts). Every prompt carries its own sampling seed, drawn from the run's seed and the prompt's
+place in the run, so a prompt is sampled the same way whichever rank draws it and however many
+ranks there are.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.train.data import PromptOnly
+from pagedrl.train.distributed import DistInfo, gather_objects
 from pagedrl.train.rl.advantages import combine_rewards, group_advantages, zero_std_groups
 from pagedrl.train.rl.rewards import RewardFunc, score
 from pagedrl.train.tokenization import is_conversational
@@ -118,12 +124,24 @@ def completion_for(prompt: Any, text: str) -> Any:
     return [{"role": "assistant", "content": text}] if is_conversational(prompt) else text
 
 
-def sample(llm: LLM, rows: Sequence[PromptOnly], params: SamplingParams) -> Rollout:
-    """Generate `params.n` completions for every row. `prefix_blocks_shared` counts the prefix
-    blocks the engine shared instead of recomputing (forked prompt blocks plus prefix-cache hits)."""
+def prompt_seed(run_seed: int, position: int) -> int:
+    """The sampling seed of the prompt at `position` in the run's stream of prompts (64-bit)."""
+    return (run_seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) % 2**64
+
+
+def sample(llm: LLM, rows: Sequence[PromptOnly], params: SamplingParams,
+           seeds: Sequence[int | None] | None = None) -> Rollout:
+    """Generate `params.n` completions for every row, row i from its own `seeds[i]` when given.
+    `prefix_blocks_shared` counts the prefix blocks the engine shared instead of recomputing
+    (forked prompt blocks plus prefix-cache hits)."""
     t0 = time.perf_counter()
+    if not rows:
+        return Rollout([], params.n, [], [], [], torch.zeros(0, dtype=torch.bool))
+    per_row: SamplingParams | list[SamplingParams] = params
+    if seeds is not None:
+        per_row = [replace(params, seed=s) for s in seeds]
     before = llm.stats()
-    outputs = llm.generate([r.prompt_ids for r in rows], params, use_tqdm=False)
+    outputs = llm.generate([r.prompt_ids for r in rows], per_row, use_tqdm=False)
     after = llm.stats()
     samples = [c for out in outputs for c in out.outputs]
     block_size = llm.block_size
@@ -137,6 +155,10 @@ def sample(llm: LLM, rows: Sequence[PromptOnly], params: SamplingParams) -> Roll
 
 def score_rollout(rollout: Rollout, funcs: Sequence[tuple[str, RewardFunc]], weights: Sequence[float] | None) -> None:
     """Fill the rollout's rewards ([P·G, F]) and weighted totals ([P·G]), one call per function."""
+    if not len(rollout):  # a rank with no prompts this round
+        rollout.rewards = torch.zeros(0, len(funcs), dtype=torch.float64)
+        rollout.total_rewards = torch.zeros(0, dtype=torch.float64)
+        return
     columns: dict[str, list[Any]] = {}
     for i in range(len(rollout)):
         for k, v in rollout.prompt_of(i).columns.items():
@@ -154,21 +176,44 @@ def has_signal(rollout: Rollout) -> torch.Tensor:
     return ~zero_std_groups(rollout.total_rewards.view(-1, rollout.num_generations))
 
 
-def collect_rollout(llm: LLM, next_rows: Callable[[int], list[PromptOnly]], num_prompts: int, params: SamplingParams,
+NextRows = Callable[[int], tuple[list[PromptOnly], list[int | None]]]
+
+
+def gather_rollout(part: Rollout, dist: DistInfo) -> Rollout:
+    """Every rank's (scored) rollout, concatenated in rank order, on every rank."""
+    parts = [p for p in gather_objects(part, dist) if len(p)]
+    return Rollout.cat(parts) if parts else part
+
+
+def collect_rollout(llm: LLM, next_rows: NextRows, num_prompts: int, params: SamplingParams,
                     funcs: Sequence[tuple[str, RewardFunc]], weights: Sequence[float] | None,
-                    scale_rewards: str, dynamic_sampling: bool, max_rounds: int = 4) -> Rollout:
-    """`num_prompts` scored groups with GRPO's group advantages. With dynamic sampling, groups whose
-    rewards all agree are dropped and replaced from the next prompts, for up to `max_rounds`
-    rounds; if still short, dropped groups fill the gap (they add nothing to the gradient)."""
+                    scale_rewards: str, dynamic_sampling: bool, max_rounds: int = 4,
+                    dist: DistInfo | None = None) -> Rollout:
+    """`num_prompts` scored groups per rank with GRPO's group advantages. `next_rows(k)` gives this
+    rank's share of the run's next k prompts (over all ranks) and their seeds. With dynamic
+    sampling, groups whose rewards all agree are dropped and replaced from the next prompts, for
+    up to `max_rounds` rounds; if still short, dropped groups fill the gap (they add nothing to
+    the gradient).
+
+    Across ranks every statistic is one process's over the whole batch, as TRL gathers rewards
+    before its advantages: the rewards of all ranks set the advantages (a `batch` std is the std
+    of every rank's rewards); with dynamic sampling each round's groups are gathered, so which
+    groups are kept, how many rounds run and which groups fill a gap are decided over all ranks,
+    and each rank then trains on its contiguous slice of the kept groups."""
     t0 = time.perf_counter()
+    world = dist.world_size if dist is not None else 1
+    total = num_prompts * world
     kept: list[Rollout] = []
     dropped: list[Rollout] = []
     have = rounds = shared = 0
-    while have < num_prompts and rounds < (max_rounds if dynamic_sampling else 1):
+    while have < total and rounds < (max_rounds if dynamic_sampling else 1):
         rounds += 1
-        part = sample(llm, next_rows(num_prompts - have), params)
+        rows, seeds = next_rows(total - have)
+        part = sample(llm, rows, params, seeds)
         shared += part.prefix_blocks_shared
         score_rollout(part, funcs, weights)
+        if dynamic_sampling and dist is not None and dist.distributed:
+            part = gather_rollout(part, dist)
         if dynamic_sampling:
             ok = has_signal(part)
             good = [p for p in range(part.num_prompts) if ok[p]]
@@ -176,13 +221,22 @@ def collect_rollout(llm: LLM, next_rows: Callable[[int], list[PromptOnly]], num_
             dropped.append(part.select([p for p in range(part.num_prompts) if not ok[p]]))
             have += len(good)
         else:
-            kept.append(part)
-            have += part.num_prompts
-    if have < num_prompts:
+            kept.append(part)  # this rank's share of all `total` prompts
+            have = total
+    if have < total:
         spare = Rollout.cat(dropped)
-        kept.append(spare.select(range(num_prompts - have)))
+        kept.append(spare.select(range(total - have)))
     rollout = Rollout.cat(kept)
+    totals = rollout.total_rewards
+    if world > 1 and not dynamic_sampling:  # each rank holds its own groups: gather their rewards
+        totals = torch.cat(gather_objects(totals, dist))
+    advantages = group_advantages(totals.view(-1, rollout.num_generations), scale_rewards=scale_rewards)
+    advantages = advantages.reshape(-1).to(torch.float32)
+    if world > 1:
+        rank, G = dist.rank, rollout.num_generations
+        if dynamic_sampling:  # every rank holds all kept groups: keep this rank's slice
+            rollout = rollout.select(range(rank * num_prompts, (rank + 1) * num_prompts))
+        advantages = advantages[rank * num_prompts * G:(rank + 1) * num_prompts * G]
+    rollout.advantages = advantages
     rollout.rounds, rollout.prefix_blocks_shared, rollout.seconds = rounds, shared, time.perf_counter() - t0
-    rollout.advantages = group_advantages(rollout.total_rewards.view(-1, rollout.num_generations),
-                                          scale_rewards=scale_rewards).reshape(-1).to(torch.float32)
     return rollout
