@@ -28,7 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedrl.model.adapter import load_adapter_weights, write_adapter
 from pagedrl.model.checkpoint import load_weights, read_state_dict, save_checkpoint
+from pagedrl.model.lora import adapter_config
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.data import DataReport
 from pagedrl.train.distributed import DistInfo, all_reduce_op
@@ -134,13 +136,20 @@ class Algorithm:
         pass
 
     def save_model(self, folder: Path) -> None:
-        """Write `folder` as a Hugging Face folder: weights, config, generation config, tokenizer."""
+        """Write `folder` as a Hugging Face folder: weights, config, generation config, tokenizer;
+        with LoRA, the adapter in PEFT's format and the tokenizer."""
+        if adapter_config(self.model) is not None:
+            write_adapter(self.model, folder, self.tokenizer)
+            return
         save_checkpoint(self.model, folder, generation_config=self.generation_config)
         if self.tokenizer is not None:
             self.tokenizer.save(folder)
 
     def load_model(self, folder: Path) -> None:
         """Load the weights `save_model` wrote back into `self.model` (for resuming)."""
+        if adapter_config(self.model) is not None:
+            load_adapter_weights(self.model, folder)
+            return
         state = read_state_dict(folder, dtype=torch.float32)
         with torch.no_grad():
             load_weights(self.model, state, str(folder))

@@ -24,6 +24,8 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
+from pagedrl.model.lora import ALL_LINEAR, LAYER_PROJECTIONS
+
 REPORTERS: tuple[str, ...] = ("none", "jsonl", "tensorboard")
 
 
@@ -93,6 +95,14 @@ class TrainConfig:
     bf16: bool | None = None  # None: bf16 on CUDA only (on CPU bf16 matmuls are far slower than fp32)
     use_cpu: bool = False
 
+    # LoRA (TRL's ModelConfig names): train low-rank adapters on the frozen base, not every weight.
+    # Adapters usually want a larger learning_rate than full fine-tuning (1e-4 to 1e-3).
+    use_peft: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] | None = None  # None: q_proj, v_proj (PEFT's default); [all-linear]: all 7
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -118,6 +128,13 @@ class TrainConfig:
         out = Path(self.output_dir)
         blocking = next((p for p in (out, *out.parents) if p.is_file()), None)
         _require(blocking is None, "output_dir", f"{blocking} is a file, not a folder")
+        _require(self.lora_r >= 1, "lora_r", f"must be >= 1, got {self.lora_r}")
+        _require(self.lora_alpha > 0, "lora_alpha", f"must be > 0, got {self.lora_alpha}")
+        _require(0.0 <= self.lora_dropout < 1.0, "lora_dropout", f"must lie in [0, 1), got {self.lora_dropout}")
+        if self.lora_target_modules is not None:
+            bad = [t for t in self.lora_target_modules if t not in (*LAYER_PROJECTIONS, ALL_LINEAR)]
+            _require(not bad and bool(self.lora_target_modules), "lora_target_modules",
+                     f"{bad or 'empty'}: expected decoder projections ({', '.join(LAYER_PROJECTIONS)}) or {ALL_LINEAR}")
         unknown = [r for r in self.report_to if r not in REPORTERS]
         _require(not unknown, "report_to", f"unknown {unknown}; expected some of {', '.join(REPORTERS)}")
 
