@@ -13,7 +13,6 @@ than silently ignored.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from pagedrl.model.checkpoint import TOKENIZER_FILES, CheckpointError
+from pagedrl.model.checkpoint import CheckpointError
 from pagedrl.model.lora import LoRAConfig, adapter_config, adapter_state_dict, apply_lora
 from pagedrl.model.staging import staged_folder
 
@@ -158,9 +157,3 @@ def load_adapter(model: nn.Module, folder: str | Path) -> LoRAConfig:
     apply_lora(model, config)
     load_adapter_weights(model, folder)
     return config
-
-
-def copy_tokenizer_files(source: Path, target: Path) -> None:
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, target / name)

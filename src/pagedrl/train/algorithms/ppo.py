@@ -33,7 +33,7 @@ import torch
 
 from pagedrl.model.adapter import load_adapter_weights, write_adapter
 from pagedrl.model.checkpoint import load_weights, read_state_dict, save_checkpoint
-from pagedrl.model.heads import SequenceScorer, load_sequence_scorer
+from pagedrl.model.heads import SequenceScorer
 from pagedrl.model.lora import disable_adapter
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.adapters import uses_lora
@@ -47,6 +47,7 @@ from pagedrl.train.rl.critic import ActorCritic, load_critic, lora_critic
 from pagedrl.train.rl.kl_control import AdaptiveKLController, KLController
 from pagedrl.train.rl.online import OnlineAlgorithm
 from pagedrl.train.rl.packing import PackedBatch, pack, split_units
+from pagedrl.train.rl.reward_model import load_reward_model
 from pagedrl.train.rl.rewards import RewardFunc
 from pagedrl.train.rl.rollout import Rollout, sample, score_rollout
 
@@ -400,7 +401,7 @@ def run_ppo(config: PPOConfig, progress: bool = True) -> Path:
             raise ValueError(f"{role}: the tokenizer of {path} differs from the policy's ({policy_path}); PPO scores "
                              "the policy's own token ids, so the reward model and critic must share its tokenizer")
     if rm_path is not None:
-        reward_model = load_sequence_scorer(rm_path, device=dist.device, dtype=torch.float32, new_head=False)
+        reward_model = load_reward_model(rm_path, device=dist.device, dtype=torch.float32)
     critic = load_critic(config.critic_init, policy_path, rm_path, dist.device, config.seed)
     if critic is not None and config.use_peft:
         lora_critic(config, critic, loaded.model)

@@ -124,7 +124,9 @@ def load_critic(init: str, policy_path: Path, reward_model_path: Path | None, de
         return None
     if init == "reward_model":
         assert reward_model_path is not None
-        return load_sequence_scorer(reward_model_path, device=device, dtype=torch.float32, new_head=False).train()
+        from pagedrl.train.rl.reward_model import load_reward_model
+
+        return load_reward_model(reward_model_path, device=device, dtype=torch.float32).train()
     head_rng = torch.Generator().manual_seed(seed + 1)
     return load_sequence_scorer(policy_path, device=device, dtype=torch.float32, generator=head_rng).train()
 
