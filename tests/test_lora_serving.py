@@ -53,6 +53,8 @@ def test_llm_with_an_adapter_generates_as_the_live_adapter(tiny_train_model, ada
     assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == live
     by_name = LLM(adapter=str(folder), kv_cache_tokens=1024)  # the base the adapter names
     assert by_name.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == live
+    alone = LLM(str(folder), kv_cache_tokens=1024)  # a LoRA run's final/ given as the model
+    assert alone.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == live
 
 
 def test_merge_command_writes_a_checkpoint_that_generates_the_same(tiny_train_model, adapter, tmp_path) -> None:

@@ -53,8 +53,11 @@ def load_model(model: str | Path | None = None, device: str | torch.device | Non
                dtype: torch.dtype | None = None, load_tokenizer: bool = True,
                adapter: str | Path | None = None) -> LoadedModel:
     """`model` with, if given, a LoRA `adapter` folder folded into its weights (`model` None: the
-    base the adapter names); the tokenizer is the adapter folder's when it holds one."""
+    base the adapter names; `model` an adapter folder: the same); the tokenizer is the adapter
+    folder's when it holds one."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if adapter is None and model is not None and (Path(model).expanduser() / "adapter_config.json").is_file():
+        adapter, model = model, None  # an adapter folder alone (a LoRA run's final/): on the base it names
     tokenizer_dir = None
     if adapter is not None:
         from pagedrl.model.merge import adapter_base, merged_causal_lm
