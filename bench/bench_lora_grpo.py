@@ -11,9 +11,12 @@ on the same held-out problems every `--eval-steps` steps and at the end.
 - LoRA: `use_peft`, r 16, alpha 32, dropout 0.05 (TRL's defaults) on all seven projections of every
   layer, learning rate 1e-4 (LoRA's usual ~10x the full fine-tuning rate).
 
-The two runs go one after the other (full fine-tuning first), each in its own process with one
-torch thread, so each peak resident memory (`ru_maxrss`) is its own and neither competes with the
-other for a core.
+Each run is its own process with one torch thread, so each peak resident memory (`ru_maxrss`) is
+its own. The two processes alternate, one optimizer step (or evaluation) at a time, passing a turn
+token through a file: neither competes with the other for a core, and a machine whose load drifts
+during the benchmark slows both alike. The time a run spends waiting for its turn is taken off its
+clock (the trainer's start moves forward by it), so `max_train_minutes` and `train_time` count its
+own work only.
 
   OMP_NUM_THREADS=1 .venv/bin/python bench/bench_lora_grpo.py [--minutes 4.5] [--configs full,lora]
 """
@@ -28,7 +31,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 G, PROMPTS, LENGTH = 8, 8, 64
 CONFIGS = {
@@ -38,11 +43,58 @@ CONFIGS = {
 }
 
 
-def run(name: str, minutes: float, eval_steps: int, num_eval: int, out: Path) -> dict:
+class Turns:
+    """Two processes taking turns: `turn` holds the name of the one that may run; a process that
+    has finished leaves `done-<name>`, and the other then no longer waits for it."""
+
+    def __init__(self, folder: Path, me: str, other: str | None) -> None:
+        self.folder, self.me, self.other = folder, me, other
+        self.holding = False
+
+    def wait(self) -> float:
+        t0 = time.perf_counter()
+        while self.other is not None and not (self.folder / f"done-{self.other}").exists():
+            if (self.folder / "turn").read_text() == self.me:
+                break
+            time.sleep(0.02)
+        self.holding = True
+        return time.perf_counter() - t0
+
+    def give(self) -> None:
+        self.holding = False
+        if self.other is not None:
+            (self.folder / "turn.tmp").write_text(self.other)
+            os.replace(self.folder / "turn.tmp", self.folder / "turn")
+
+    def finish(self) -> None:
+        (self.folder / f"done-{self.me}").touch()
+        self.give()
+
+
+def taking_turns(trainer: Any, turns: Turns) -> None:
+    """Wrap the trainer's step and evaluation so each runs in this process's turn, with the wait
+    taken off the trainer's clock."""
+    for name in ("run_step", "evaluate"):
+        original = getattr(trainer, name)
+
+        def in_turn(original: Any = original) -> None:
+            if turns.holding:  # an evaluation inside this process's step
+                return original()
+            trainer._start += turns.wait()
+            try:
+                return original()
+            finally:
+                turns.give()
+
+        setattr(trainer, name, in_turn)
+
+
+def run(name: str, minutes: float, eval_steps: int, num_eval: int, out: Path, turns: Turns) -> dict:
     import torch
 
-    from pagedrl.train.algorithms.grpo import run_grpo
+    from pagedrl.train.algorithms.grpo import GRPO
     from pagedrl.train.rl.config import GRPOConfig
+    from pagedrl.train.trainer import Trainer, start_run
 
     torch.set_num_threads(1)
     config = GRPOConfig(dataset="arithmetic", output_dir=str(out), num_generations=G,
@@ -50,7 +102,15 @@ def run(name: str, minutes: float, eval_steps: int, num_eval: int, out: Path) ->
                         max_completion_length=LENGTH, temperature=1.0, lr_scheduler_type="constant",
                         max_steps=1000, max_train_minutes=minutes, beta=0.0, logging_steps=1, eval_steps=eval_steps,
                         save_steps=100_000, report_to=["jsonl"], task_num_eval=num_eval, seed=0, **CONFIGS[name])
-    final = run_grpo(config, progress=False)
+    dist, loaded = start_run(config, "GRPO needs")  # as run_grpo, with the trainer in reach
+    algorithm = GRPO(config, loaded.model, loaded.tokenizer, dist, eos_token_ids=loaded.eos_token_ids,
+                     generation_config=loaded.generation_config or None)
+    trainer = Trainer(config, algorithm, dist, progress=False)
+    taking_turns(trainer, turns)
+    try:
+        final = trainer.train()
+    finally:
+        turns.finish()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "step_time" in r]
     evals = [(r["train_time"] / 60, r["eval/accuracy"], r["step"]) for r in rows if "eval/accuracy" in r]
@@ -61,8 +121,10 @@ def run(name: str, minutes: float, eval_steps: int, num_eval: int, out: Path) ->
 
 
 def worker(name: str, args: argparse.Namespace) -> None:
+    others = [c for c in args.configs.split(",") if c != name]
+    turns = Turns(Path(args.turns), name, others[0] if others else None)
     with tempfile.TemporaryDirectory() as tmp:
-        data = run(name, args.minutes, args.eval_steps, args.num_eval, Path(tmp) / "out")
+        data = run(name, args.minutes, args.eval_steps, args.num_eval, Path(tmp) / "out", turns)
     data["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(args.result).write_text(json.dumps(data))
 
@@ -81,18 +143,26 @@ def main() -> None:
     parser.add_argument("--configs", default="full,lora")
     parser.add_argument("--worker", default=None)
     parser.add_argument("--result", default=None)
+    parser.add_argument("--turns", default=None)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args)
         return
-    results = {}
+    names = args.configs.split(",")
+    if not 1 <= len(names) <= 2 or any(n not in CONFIGS for n in names):
+        raise SystemExit(f"--configs: one or two of {', '.join(CONFIGS)}, got {args.configs!r}")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name in args.configs.split(","):
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            subprocess.run([sys.executable, __file__, "--worker", name, "--minutes", str(args.minutes),
-                            "--eval-steps", str(args.eval_steps), "--num-eval", str(args.num_eval),
-                            "--result", f.name], check=True, env=env)
-            results[name] = json.loads(Path(f.name).read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "turn").write_text(names[0])  # full fine-tuning goes first
+        procs = {name: subprocess.Popen([sys.executable, __file__, "--worker", name, "--configs", args.configs,
+                                         "--minutes", str(args.minutes), "--eval-steps", str(args.eval_steps),
+                                         "--num-eval", str(args.num_eval), "--turns", tmp,
+                                         "--result", f"{tmp}/{name}.json"], env=env)
+                 for name in names}
+        for name, proc in procs.items():
+            if proc.wait() != 0:
+                raise SystemExit(f"the {name} run failed with status {proc.returncode}")
+        results = {name: json.loads((Path(tmp) / f"{name}.json").read_text()) for name in names}
     print(f"\nGRPO, SmolLM2-135M float32, {PROMPTS} prompts x G={G}, {LENGTH}-token completions, one thread, "
           f"{args.minutes:g} training minutes each")
     print(f"{'':6} {'trained':>14} {'steps':>6} {'median step s':>14} {'generate s':>11} {'train s':>9} "

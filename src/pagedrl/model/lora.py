@@ -102,7 +102,11 @@ class LoRALinear(nn.Module):
             return out
         drop = self.dropout > 0 and self.training and torch.is_grad_enabled()
         h = F.dropout(x, self.dropout, training=True) if drop else x
-        return out + self.lora_B(self.lora_A(h)) * self.scaling
+        a = self.lora_A(h)
+        # out + s·B(a) in one fused op: on a CPU decode step the adapter's cost is mostly op count.
+        fused = torch.addmm(out.reshape(-1, self.out_features), a.reshape(-1, a.shape[-1]), self.lora_B.weight.t(),
+                            alpha=self.scaling)
+        return fused.view(out.shape)
 
     def delta_weight(self) -> torch.Tensor:
         """s · B A: what merging adds to W."""
