@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 ALL_LINEAR = "all-linear"
@@ -100,13 +101,21 @@ class LoRALinear(nn.Module):
         out = F.linear(x, self.weight, self.bias)
         if self.disabled:
             return out
-        drop = self.dropout > 0 and self.training and torch.is_grad_enabled()
-        h = F.dropout(x, self.dropout, training=True) if drop else x
-        a = self.lora_A(h)
+        if self.dropout > 0 and self.training and torch.is_grad_enabled():
+            # Checkpointed: backward redraws the same mask (the RNG state is kept) instead of holding
+            # a dropped copy of x per adapted projection: without it LoRA held more activation
+            # memory than full fine-tuning (x itself is shared by q, k and v).
+            a = torch.utils.checkpoint.checkpoint(self.dropped_down, x, use_reentrant=False)
+        else:
+            a = self.lora_A(x)
         # out + s·B(a) in one fused op: on a CPU decode step the adapter's cost is mostly op count.
         fused = torch.addmm(out.reshape(-1, self.out_features), a.reshape(-1, a.shape[-1]), self.lora_B.weight.t(),
                             alpha=self.scaling)
         return fused.view(out.shape)
+
+    def dropped_down(self, x: torch.Tensor) -> torch.Tensor:
+        """A(dropout(x)): the adapter's input side under dropout."""
+        return self.lora_A(F.dropout(x, self.dropout, training=True))
 
     def delta_weight(self) -> torch.Tensor:
         """s · B A: what merging adds to W."""
