@@ -154,3 +154,27 @@ def test_bad_adapter_configs_are_refused_by_field(tmp_path) -> None:
     (folder / ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     with pytest.raises(CheckpointError, match=ADAPTER_WEIGHTS):
         load_adapter(CausalLM(ModelConfig.from_dict(dict(FAMILIES["llama-gqa-untied"]))), folder)
+
+
+def test_dropout_gradient_equals_the_plain_computation_with_the_same_mask() -> None:
+    """The adapter's dropout is recomputed in backward (not stored): its gradients must be those of
+    PEFT's lora_B(lora_A(dropout(x))) * scaling with the same mask."""
+    from pagedrl.model.lora import LoRALinear
+
+    layer = LoRALinear(torch.nn.Linear(12, 10), r=3, lora_alpha=6, lora_dropout=0.3, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        layer.lora_B.weight.normal_()
+    x = torch.randn(2, 5, 12, requires_grad=True)
+    torch.manual_seed(7)
+    layer(x).square().sum().backward()
+    ours = [t.grad.clone() for t in (x, layer.lora_A.weight, layer.lora_B.weight)]
+    for t in (x, layer.lora_A.weight, layer.lora_B.weight):
+        t.grad = None
+    torch.manual_seed(7)
+    h = torch.nn.functional.dropout(x, 0.3, training=True)
+    out = torch.nn.functional.linear(x, layer.weight, layer.bias) + layer.lora_B(layer.lora_A(h)) * layer.scaling
+    out.square().sum().backward()
+    for got, want in zip(ours, (x.grad, layer.lora_A.weight.grad, layer.lora_B.weight.grad), strict=True):
+        assert torch.allclose(got, want, atol=1e-5)
+    assert (h == 0).any()  # the mask dropped something
+    assert layer.weight.grad is None  # the base stays frozen
