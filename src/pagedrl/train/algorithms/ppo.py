@@ -17,9 +17,7 @@ Later epochs shuffle whole groups (a prompt's completions stay together, so its 
 computed once).
 
 With LoRA (`use_peft`) the policy trains adapters on its frozen base, the reference is that base
-(adapters switched off: no copy), and the critic trains its own adapter plus its whole value head
-on a frozen backbone; a critic started from the policy shares the policy's frozen base tensors,
-so one copy of the base serves policy, reference and critic (see `critic.lora_critic`).
+with the adapters off (no copy), and the critic trains its own adapter and head (`critic.lora_critic`).
 """
 
 from __future__ import annotations
