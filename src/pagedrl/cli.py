@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = ("demo", "generate", "serve", "eval", "sft", "rm", "dpo", "grpo", "ppo", "rlhf")
+COMMANDS = ("demo", "generate", "serve", "eval", "sft", "rm", "dpo", "grpo", "ppo", "rlhf", "merge")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
               "  serve      OpenAI-compatible HTTP server\n"
               "  eval       held-out accuracy of a model on the built-in arithmetic task\n"
               "  sft|rm|dpo|grpo|ppo   train: pagedrl <algorithm> [config.yaml] [key=value ...]\n"
-              "  rlhf       the RLHF recipe: verifier-labelled pairs, a reward model, then PPO\n")
+              "  rlhf       the RLHF recipe: verifier-labelled pairs, a reward model, then PPO\n"
+              "  merge      fold a LoRA adapter into its base: pagedrl merge BASE ADAPTER OUT\n")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "demo":
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         from pagedrl.train.evaluate import eval_main
 
         return eval_main(rest)
+    if command == "merge":
+        from pagedrl.merge import merge_main
+
+        return merge_main(rest)
     if command == "rlhf":
         from pagedrl.train.rlhf import rlhf_main
 

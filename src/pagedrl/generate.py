@@ -11,6 +11,7 @@ def generate_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pagedrl generate", description="Generate text with the paged engine.")
     parser.add_argument("model", nargs="?", default=None,
                         help="Hugging Face folder, .gguf file or 'smollm2-135m-instruct' (default)")
+    parser.add_argument("--adapter", default=None, metavar="PATH", help="a LoRA adapter folder (PEFT's format)")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -23,7 +24,7 @@ def generate_main(argv: list[str]) -> int:
     from pagedrl import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, kv_cache_tokens=args.kv_cache_tokens)
+    llm = LLM(args.model, adapter=args.adapter, kv_cache_tokens=args.kv_cache_tokens)
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)

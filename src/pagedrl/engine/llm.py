@@ -33,10 +33,13 @@ def final_only(params: list[SamplingParams]) -> list[SamplingParams]:
 
 
 class LLM:
-    """An engine plus a model. `LLM()` loads the embedded default; `LLM.from_module(model, tokenizer)`
-    runs on a model that training owns (same parameter tensors, no copy)."""
+    """An engine plus a model. `LLM()` loads the embedded default; `LLM(model, adapter=folder)` a
+    base model with a LoRA adapter (PEFT's format) folded into its weights at load, so it decodes at
+    the base's speed (`model` None: the base the adapter names); `LLM.from_module(model, tokenizer)`
+    runs on a model that training owns (same parameter tensors, no copy; a live adapter included)."""
 
-    def __init__(self, model: str | None = None, *, tokenizer: Any = None, device: str | None = None,
+    def __init__(self, model: str | None = None, *, adapter: str | None = None, tokenizer: Any = None,
+                 device: str | None = None,
                  dtype: torch.dtype | None = None, kv_cache_tokens: int | None = None,
                  kv_cache_bytes: int | None = None, block_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
@@ -54,7 +57,7 @@ class LLM:
         if _module is None:
             from pagedrl.model.loader import load_model
 
-            loaded = load_model(model, device=device, dtype=dtype)
+            loaded = load_model(model, device=device, dtype=dtype, adapter=adapter)
             _module, tokenizer, _eos_token_ids = loaded.model, loaded.tokenizer, loaded.eos_token_ids
         self.engine = LLMEngine(_module, tokenizer, config, eos_token_ids=_eos_token_ids)
         self._ids = itertools.count()

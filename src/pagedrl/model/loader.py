@@ -50,11 +50,27 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
 
 def load_model(model: str | Path | None = None, device: str | torch.device | None = None,
-               dtype: torch.dtype | None = None, load_tokenizer: bool = True) -> LoadedModel:
+               dtype: torch.dtype | None = None, load_tokenizer: bool = True,
+               adapter: str | Path | None = None) -> LoadedModel:
+    """`model` with, if given, a LoRA `adapter` folder folded into its weights (`model` None: the
+    base the adapter names; `model` an adapter folder: the same); the tokenizer is the adapter
+    folder's when it holds one."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    path = resolve_model_path(model)
-    net = load_causal_lm(path, device=device, dtype=dtype or default_dtype(device))
-    tokenizer = Tokenizer.from_folder(path) if load_tokenizer and (path / "tokenizer.json").is_file() else None
+    if adapter is None and model is not None and (Path(model).expanduser() / "adapter_config.json").is_file():
+        adapter, model = model, None  # an adapter folder alone (a LoRA run's final/): on the base it names
+    tokenizer_dir = None
+    if adapter is not None:
+        from pagedrl.model.merge import adapter_base, merged_causal_lm
+
+        path = adapter_base(adapter, model)
+        net = merged_causal_lm(path, adapter, device=device, dtype=dtype or default_dtype(device))
+        tokenizer_dir = Path(adapter) if (Path(adapter) / "tokenizer.json").is_file() else None
+    else:
+        path = resolve_model_path(model)
+        net = load_causal_lm(path, device=device, dtype=dtype or default_dtype(device))
+    tokenizer_dir = tokenizer_dir or path
+    tokenizer = Tokenizer.from_folder(tokenizer_dir) if load_tokenizer and (tokenizer_dir / "tokenizer.json").is_file() \
+        else None
     gen_path = path / "generation_config.json"
     gen: dict[str, Any] = {}
     if gen_path.is_file():

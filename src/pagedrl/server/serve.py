@@ -32,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PAGEDRL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDRL_API_KEY, else none)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: MODEL)")
+    p.add_argument("--adapter", default=None, metavar="PATH",
+                   help="a LoRA adapter folder (PEFT's format, e.g. a trainer's final/ with use_peft) folded into "
+                        "MODEL's weights at load; without MODEL, the base the adapter names")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients use (default: the adapter's PATH if given, else MODEL)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per engine step at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step at most")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens")
@@ -89,12 +93,12 @@ def build_server(args: argparse.Namespace) -> Any:
     from pagedrl.server.app import build_app
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    loaded = load_model(args.model, device=args.device, dtype=dtype)
+    loaded = load_model(args.model, device=args.device, dtype=dtype, adapter=args.adapter)
     config = EngineConfig(block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, seed=args.seed, enforce_eager=args.enforce_eager)
     engine = LLMEngine(loaded.model, loaded.tokenizer, config, eos_token_ids=loaded.eos_token_ids)
-    name = args.served_model_name or args.model or DEFAULT_MODEL
+    name = args.served_model_name or args.adapter or args.model or DEFAULT_MODEL
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
     app = build_app(async_engine, served_model_name=name,
                     model_root=str(loaded.path), api_key=args.api_key,

@@ -33,7 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedrl.model.adapter import load_adapter_weights, write_adapter
 from pagedrl.model.checkpoint import load_weights, read_state_dict, save_checkpoint
+from pagedrl.model.lora import adapter_config
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.data import DataReport
 from pagedrl.train.distributed import DistInfo, all_reduce_op
@@ -141,14 +143,21 @@ class Algorithm:
         pass
 
     def save_model(self, folder: Path, state: dict[str, torch.Tensor] | None = None) -> None:
-        """Write `folder` as a Hugging Face folder: weights, config, generation config, tokenizer.
-        `state`: whole tensors of `self.model` when its own are shards (FSDP2), else None."""
+        """Write `folder` as a Hugging Face folder: weights, config, generation config, tokenizer;
+        with LoRA, the adapter in PEFT's format and the tokenizer. `state`: whole tensors of
+        `self.model` when its own are shards (FSDP2), else None."""
+        if adapter_config(self.model) is not None:
+            write_adapter(self.model, folder, self.tokenizer)
+            return
         save_checkpoint(self.model, folder, generation_config=self.generation_config, state=state)
         if self.tokenizer is not None:
             self.tokenizer.save(folder)
 
     def load_model(self, folder: Path) -> None:
         """Load the weights `save_model` wrote back into `self.model` (for resuming)."""
+        if adapter_config(self.model) is not None:
+            load_adapter_weights(self.model, folder)
+            return
         state = read_state_dict(folder, dtype=torch.float32)
         with torch.no_grad():
             load_weights(self.model, state, str(folder))

@@ -202,7 +202,8 @@ def remove_leftovers(output_dir: str | Path) -> list[str]:
 # trainer's optimizer.pt, say) was not written here and is never deleted.
 _OUR_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|"
                         r"model\.safetensors\.index\.json|tokenizer\.json|tokenizer_config\.json|"
-                        r"special_tokens_map\.json|chat_template\.jinja|trainer_state\.(pt|json)")
+                        r"special_tokens_map\.json|chat_template\.jinja|trainer_state\.(pt|json)|"
+                        r"adapter_config\.json|adapter_model\.safetensors")
 
 
 def _only_our_files(folder: Path) -> bool:

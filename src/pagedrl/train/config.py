@@ -24,6 +24,8 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
+from pagedrl.model.lora import ALL_LINEAR, LAYER_PROJECTIONS
+
 REPORTERS: tuple[str, ...] = ("none", "jsonl", "tensorboard")
 # transformers' TrainingArguments `fsdp` options understood here; `auto_wrap` (one unit per decoder
 # layer) is what sharding always does, so it may be named or left out.
@@ -100,6 +102,14 @@ class TrainConfig:
     # (ZeRO-2: layers stay gathered between forward and backward), optionally "... auto_wrap".
     fsdp: str | None = None
 
+    # LoRA (TRL's ModelConfig names): train low-rank adapters on the frozen base, not every weight.
+    # Adapters usually want a larger learning_rate than full fine-tuning (1e-4 to 1e-3).
+    use_peft: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] | None = None  # None: q_proj, v_proj (PEFT's default); [all-linear]: all 7
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -130,6 +140,15 @@ class TrainConfig:
                  f"unknown option in {self.fsdp!r}; expected full_shard or shard_grad_op, optionally with auto_wrap")
         _require(not options or sum(o in ("full_shard", "shard_grad_op") for o in options) == 1, "fsdp",
                  f"{self.fsdp!r} needs exactly one of full_shard or shard_grad_op")
+        _require(self.lora_r >= 1, "lora_r", f"must be >= 1, got {self.lora_r}")
+        _require(self.lora_alpha > 0, "lora_alpha", f"must be > 0, got {self.lora_alpha}")
+        _require(0.0 <= self.lora_dropout < 1.0, "lora_dropout", f"must lie in [0, 1), got {self.lora_dropout}")
+        if self.lora_target_modules is not None:
+            bad = [t for t in self.lora_target_modules if t not in (*LAYER_PROJECTIONS, ALL_LINEAR)]
+            _require(not bad and bool(self.lora_target_modules), "lora_target_modules",
+                     f"{bad or 'empty'}: expected decoder projections ({', '.join(LAYER_PROJECTIONS)}) or {ALL_LINEAR}")
+        _require(not (self.use_peft and options), "fsdp",
+                 "LoRA (use_peft) under FSDP2 is not supported; use DDP (leave fsdp unset) with use_peft")
         unknown = [r for r in self.report_to if r not in REPORTERS]
         _require(not unknown, "report_to", f"unknown {unknown}; expected some of {', '.join(REPORTERS)}")
 

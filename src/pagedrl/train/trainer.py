@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedrl.train import adapters
 from pagedrl.train import checkpointing as ckpt
 from pagedrl.train.algorithm import Algorithm
 from pagedrl.train.config import TrainConfig, config_to_dict
@@ -396,14 +397,15 @@ class Trainer:
             lines.append(f"  {note}")
         for what in removed or []:
             lines.append(f"  removed leftover    {what}")
-        lines += ["  " + line for line in a.summary_lines()]
+        lines += ["  " + line for line in adapters.summary(self.module) + a.summary_lines()]
         if self.logger is not None:
             self.logger.write("\n".join(lines))
 
 
 def start_run(config: TrainConfig, needs: str) -> tuple[DistInfo, Any]:
     """What every `run_<algorithm>` does first: join the process group (if under torchrun), seed,
-    and load `config.model` in float32 (the master weights) with its tokenizer, which `needs` names."""
+    and load `config.model` in float32 (the master weights) with its tokenizer, which `needs` names;
+    with `use_peft`, adapters go on it here, before an algorithm could copy it as a reference."""
     from pagedrl.model.loader import load_model
 
     dist = init_distributed(config.use_cpu)
@@ -411,4 +413,5 @@ def start_run(config: TrainConfig, needs: str) -> tuple[DistInfo, Any]:
     loaded = load_model(config.model, device=dist.device, dtype=torch.float32)
     if loaded.tokenizer is None:
         raise ValueError(f"model: {loaded.path} has no tokenizer.json; {needs} the model's tokenizer")
+    adapters.attach_lora(config, loaded.model)  # use_peft: adapters on the frozen base (train/adapters.py)
     return dist, loaded

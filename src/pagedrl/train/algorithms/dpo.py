@@ -8,7 +8,8 @@ from a table computed before training; then `losses.dpo_loss` (sigmoid with labe
 conservative DPO, ipo, hinge, robust) summed over pairs and divided by the pairs of the whole
 step (all micro-batches, all ranks), so accumulation and DDP give the gradient of one big batch.
 
-The reference is the starting policy (a frozen deep copy) or `ref_model`. With
+The reference is the starting policy (a frozen deep copy), `ref_model`, or with LoRA (`use_peft`)
+the base model itself: the policy with its adapters switched off, no copy. With
 `precompute_ref_log_probs` one pass over the train and eval sets computes its log-probs before
 the first step and the reference is dropped: one model in memory. When the reference is the
 starting policy that pass runs on the policy itself, before it changes, and no copy is ever made.
@@ -21,6 +22,7 @@ mean over tokens), `num_tokens` (prompt + chosen + prompt + rejected tokens sinc
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,7 +32,9 @@ from typing import Any
 import torch
 
 from pagedrl.model.decoder import CausalLM
+from pagedrl.model.lora import disable_adapter
 from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.train.adapters import reference_forward, uses_lora
 from pagedrl.train.algorithm import OfflineAlgorithm
 from pagedrl.train.algorithms.pair_batch import PairBatch, collate_pairs
 from pagedrl.train.config import DPOConfig
@@ -95,13 +99,18 @@ class DPO(OfflineAlgorithm):
                              f"{model.config.vocab_size}; the reference must share the policy's tokenizer")
         if reference is not None:
             reference = frozen(reference.to(device=self.device, dtype=torch.float32))
-        self.reference_source = config.ref_model or "a frozen copy of the starting policy"
+        # With LoRA the reference is the base: the policy with its adapters switched off, no copy.
+        self.base_is_reference = reference is None and uses_lora(model)
+        self.reference_source = config.ref_model or ("the base model (adapters off)" if self.base_is_reference
+                                                      else "a frozen copy of the starting policy")
         if config.precompute_ref_log_probs:
             # The starting policy is its own reference until the first update: no copy needed.
             source = reference if reference is not None else model
             self.examples = self.precompute(source, self.examples)
             if self.eval_examples is not None:
                 self.eval_examples = self.precompute(source, self.eval_examples)
+            self.reference = None
+        elif self.base_is_reference:
             self.reference = None
         else:
             self.reference = reference if reference is not None else frozen(copy.deepcopy(model))
@@ -116,7 +125,8 @@ class DPO(OfflineAlgorithm):
         was_training = source.training
         source.eval()
         bf16 = self.config.use_bf16(self.device)
-        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
+        base = disable_adapter(source) if self.base_is_reference else contextlib.nullcontext()
+        with torch.no_grad(), base, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
             for start in range(0, len(mine), self.per_device):
                 chunk = mine[start:start + self.per_device]
                 logps = answer_logps(source, self.collate([pairs[i] for i in chunk])).logps
@@ -128,6 +138,9 @@ class DPO(OfflineAlgorithm):
     def reference_logps(self, batch: PairBatch) -> torch.Tensor:
         if batch.ref_logps is not None:
             return batch.ref_logps
+        if self.base_is_reference:
+            with reference_forward(self.model):
+                return answer_logps(self.model, batch).logps
         if self.reference is None:
             raise RuntimeError("reference log-probs were not precomputed for this batch")
         with torch.no_grad():

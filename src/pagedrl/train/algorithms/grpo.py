@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.train.adapters import reference_forward, uses_lora
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.logprobs import TargetLogprobs, target_logprobs
 from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, tis_weight
@@ -53,7 +54,9 @@ class GRPO(OnlineAlgorithm):
                          generation_config)
         self.model = model
         self.ref_model = None
-        if config.beta > 0:
+        # With LoRA the reference is the base: the policy with its adapters switched off, no copy.
+        self.base_is_reference = config.beta > 0 and uses_lora(model)
+        if config.beta > 0 and not self.base_is_reference:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.rollout: Rollout | None = None
         self.batches: list[PackedBatch] = []
@@ -84,6 +87,9 @@ class GRPO(OnlineAlgorithm):
         for b in self.batches:
             if self.ref_model is not None:
                 b.ref_logps = b.to_padded(self.token_logps(self.ref_model, b).logps)
+            elif self.base_is_reference:
+                with reference_forward(self.model):
+                    b.ref_logps = b.to_padded(self.token_logps(self.model, b).logps)
             if self.config.num_iterations > 1:
                 b.old_logps = b.to_padded(self.token_logps(self.model, b).logps)
 
@@ -167,7 +173,8 @@ class GRPO(OnlineAlgorithm):
 
     def summary_lines(self) -> list[str]:
         c = self.config
-        ref = f"KL to a frozen reference (beta={c.beta}, {c.kl_estimator})" if c.beta > 0 else "no reference model"
+        frozen = "the base model (adapters off)" if self.base_is_reference else "a frozen reference"
+        ref = f"KL to {frozen} (beta={c.beta}, {c.kl_estimator})" if c.beta > 0 else "no reference model"
         return [
             f"grpo: {self.prompts_per_step} prompts × G={c.num_generations} completions per rank per step, "
             f"{c.max_completion_length} tokens max, temperature {c.temperature}",

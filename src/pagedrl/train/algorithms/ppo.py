@@ -21,6 +21,9 @@ trains on it (a mini-batch is each rank's share of it, as in TRL); what is a sta
 batch is taken over every rank's completions: advantage and reward whitening, the adaptive KL
 coefficient's mean KL, the logged `objective/*` metrics. The frozen reference and reward model are
 replicated on every rank; the critic trains, so FSDP2 shards it with the policy.
+
+With LoRA (`use_peft`) the policy trains adapters on its frozen base, the reference is that base
+with the adapters off (no copy), and the critic trains its own adapter and head (`critic.lora_critic`).
 """
 
 from __future__ import annotations
@@ -32,19 +35,23 @@ from typing import Any
 
 import torch
 
+from pagedrl.model.adapter import load_adapter_weights, write_adapter
 from pagedrl.model.checkpoint import load_weights, read_state_dict, save_checkpoint
-from pagedrl.model.heads import SequenceScorer, load_sequence_scorer
+from pagedrl.model.heads import SequenceScorer
+from pagedrl.model.lora import disable_adapter
 from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.train.adapters import uses_lora
 from pagedrl.train.distributed import DistInfo, all_reduce_sum
 from pagedrl.train.logprobs import logprobs_from_hidden, target_logprobs
 from pagedrl.train.losses import clipped_surrogate, clipped_value_loss
 from pagedrl.train.metrics import Metric
 from pagedrl.train.rl.advantages import explained_variance, ppo_targets
 from pagedrl.train.rl.config import PPOConfig
-from pagedrl.train.rl.critic import ActorCritic, load_critic, substate
+from pagedrl.train.rl.critic import ActorCritic, load_critic, lora_critic, substate
 from pagedrl.train.rl.kl_control import AdaptiveKLController, KLController
 from pagedrl.train.rl.online import OnlineAlgorithm
 from pagedrl.train.rl.packing import PackedBatch, pack, split_units
+from pagedrl.train.rl.reward_model import load_reward_model
 from pagedrl.train.rl.rewards import RewardFunc
 from pagedrl.train.rl.rollout import Rollout, sample, score_rollout
 
@@ -82,7 +89,10 @@ class PPO(OnlineAlgorithm):
         self.examples_per_step = self.mini_batch * dist.world_size  # completions trained on per step
         self.model = ActorCritic(policy, critic)
         self.reward_model = reward_model.eval().requires_grad_(False) if reward_model is not None else None
-        self.ref_model = copy.deepcopy(policy).eval().requires_grad_(False) if config.kl_coef > 0 else None
+        # With LoRA the reference is the base: the policy with its adapters switched off, no copy.
+        self.base_is_reference = config.kl_coef > 0 and uses_lora(policy)
+        self.ref_model = (copy.deepcopy(policy).eval().requires_grad_(False)
+                          if config.kl_coef > 0 and not self.base_is_reference else None)
         self.kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
                        if config.kl_target is not None else KLController(config.kl_coef))
         self.find_unused_parameters = config.critic_warmup_steps > 0
@@ -174,9 +184,11 @@ class PPO(OnlineAlgorithm):
                 old[rows, :Lb] = b.to_padded(lp.logps)
                 flat = value_hidden.reshape(-1, value_hidden.shape[-1]).index_select(0, b.predict_at)
                 values[rows, :Lb] = b.to_padded(self.model.values(flat))
-                if self.ref_model is not None:
-                    ref[rows, :Lb] = b.to_padded(target_logprobs(self.ref_model, b.input_ids, b.positions, b.meta,
-                                                                 b.predict_at, b.targets, self.sampling).logps)
+                if self.ref_model is not None or self.base_is_reference:
+                    reference = self.ref_model if self.ref_model is not None else self.policy
+                    with disable_adapter(reference):
+                        ref[rows, :Lb] = b.to_padded(target_logprobs(reference, b.input_ids, b.positions, b.meta,
+                                                                     b.predict_at, b.targets, self.sampling).logps)
                 if self.reward_model is not None:
                     h = self.reward_model(b.input_ids, positions=b.positions, meta=b.meta)
                     at = reward_rows(b, self.reward_model.config.pad_token_id)
@@ -198,7 +210,8 @@ class PPO(OnlineAlgorithm):
         mask = d.mask
         raw_scores = d.scores.clone()
         truncated = rollout.truncated.to(d.scores.device)
-        t = ppo_targets(d.scores, ~truncated, d.old_logps, d.ref_logps if self.ref_model is not None else None,
+        has_ref = self.ref_model is not None or self.base_is_reference
+        t = ppo_targets(d.scores, ~truncated, d.old_logps, d.ref_logps if has_ref else None,
                         d.old_values, mask, self.kl_ctl.value, c.kl_estimator, c.missing_eos_penalty,
                         c.reward_clip_range, c.whiten_rewards, c.gamma, c.lam, LOG_RATIO_CLAMP, self.sum_across)
         values = d.old_values.masked_fill(~mask, 0.0)
@@ -292,17 +305,24 @@ class PPO(OnlineAlgorithm):
     # -- checkpoints ----------------------------------------------------------------------------
 
     def save_model(self, folder: Path, state: dict[str, torch.Tensor] | None = None) -> None:
-        """The policy in HF layout (ready for `pagedrl serve`) and the critic beside it in `critic/`;
-        `state` (whole tensors of the actor-critic, when sharded) is split between the two."""
-        policy_state = None if state is None else substate(state, "policy.")
-        save_checkpoint(self.policy, folder, generation_config=self.generation_config, state=policy_state)
-        self.tokenizer.save(folder)
+        """The policy in HF layout (ready for `pagedrl serve`), or with LoRA its adapter in PEFT's
+        format, and the critic beside it in `critic/` (in the same form); `state` (whole tensors of
+        the actor-critic, when sharded) is split between the two."""
+        if uses_lora(self.policy):
+            write_adapter(self.policy, folder, self.tokenizer)
+        else:
+            policy_state = None if state is None else substate(state, "policy.")
+            save_checkpoint(self.policy, folder, generation_config=self.generation_config, state=policy_state)
+            self.tokenizer.save(folder)
         self.model.save_critic(folder, self.tokenizer, state)
 
     def load_model(self, folder: Path) -> None:
-        state = read_state_dict(folder, dtype=torch.float32)
-        with torch.no_grad():
-            load_weights(self.policy, state, str(folder))
+        if uses_lora(self.policy):
+            load_adapter_weights(self.policy, folder)
+        else:
+            state = read_state_dict(folder, dtype=torch.float32)
+            with torch.no_grad():
+                load_weights(self.policy, state, str(folder))
         self.model.load_critic(folder)
 
     def state_dict(self) -> dict[str, Any]:
@@ -327,6 +347,9 @@ class PPO(OnlineAlgorithm):
     def summary_lines(self) -> list[str]:
         c = self.config
         roles = [("policy", self.policy, "trained; the engine generates with it")]
+        if self.base_is_reference:
+            roles.append(("reference", self.policy, f"the policy's base, adapters off (no copy); KL {c.kl_estimator}, "
+                          f"kl_coef={c.kl_coef}"))
         if self.ref_model is not None:
             roles.append(("reference", self.ref_model, f"frozen; KL {c.kl_estimator}, kl_coef={c.kl_coef}"
                           + (f", adaptive to {c.kl_target}" if c.kl_target is not None else "")))
@@ -345,7 +368,7 @@ class PPO(OnlineAlgorithm):
                      f"{c.num_ppo_epochs} epochs × {c.num_mini_batches} mini-batches = {self.steps_per_rollout} "
                      f"optimizer steps per rollout; {c.max_completion_length} tokens max, temperature {c.temperature}")
         lines.append("ppo: forward passes per rollout: policy+critic 1, reference "
-                     f"{int(self.ref_model is not None)}, reward model {int(self.reward_model is not None)} (no grad); "
+                     f"{int(self.ref_model is not None or self.base_is_reference)}, reward model {int(self.reward_model is not None)} (no grad); "
                      "per optimizer step: policy+critic 1 (with grad)")
         return lines
 
@@ -392,8 +415,10 @@ def run_ppo(config: PPOConfig, progress: bool = True) -> Path:
             raise ValueError(f"{role}: the tokenizer of {path} differs from the policy's ({policy_path}); PPO scores "
                              "the policy's own token ids, so the reward model and critic must share its tokenizer")
     if rm_path is not None:
-        reward_model = load_sequence_scorer(rm_path, device=dist.device, dtype=torch.float32, new_head=False)
+        reward_model = load_reward_model(rm_path, device=dist.device, dtype=torch.float32)
     critic = load_critic(config.critic_init, policy_path, rm_path, dist.device, config.seed)
+    if critic is not None and config.use_peft:
+        lora_critic(config, critic, loaded.model)
     algorithm = PPO(config, loaded.model, loaded.tokenizer, dist, critic=critic, reward_model=reward_model,
                     eos_token_ids=loaded.eos_token_ids, generation_config=loaded.generation_config or None)
     return Trainer(config, algorithm, dist, progress=progress).train()

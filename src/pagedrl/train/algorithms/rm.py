@@ -14,6 +14,9 @@ step, as `losses.reward_model_loss` defines it.
 Metrics under TRL's names: `accuracy` (r⁺ > r⁻), `margin` (mean r⁺ − r⁻), `min_reward`,
 `mean_reward`, `max_reward` (over every answer of the logged steps), `num_tokens`.
 
+With LoRA (`use_peft`) the backbone is frozen, adapters train on it and the `score` head trains
+whole (PEFT's `modules_to_save`); `final/` is then a PEFT SEQ_CLS adapter folder.
+
 `pagedrl.train.rl.reward_model.RewardModel` scores text with the result.
 """
 
@@ -25,8 +28,10 @@ from typing import Any
 
 import torch
 
+from pagedrl.model.adapter import write_adapter
 from pagedrl.model.heads import SequenceScorer, load_sequence_scorer, save_sequence_scorer
 from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.train.adapters import SEQ_CLS, attach_lora, uses_lora
 from pagedrl.train.algorithm import OfflineAlgorithm
 from pagedrl.train.algorithms.pair_batch import PairBatch, collate_pairs
 from pagedrl.train.config import RewardConfig
@@ -88,6 +93,9 @@ class RewardModeling(OfflineAlgorithm):
         return loss, metrics
 
     def save_model(self, folder: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+        if uses_lora(self.model):  # PEFT's SEQ_CLS adapter: LoRA layers plus the whole score head
+            write_adapter(self.model, folder, self.tokenizer)
+            return
         save_sequence_scorer(self.model, folder, state=state)
         self.tokenizer.save(folder)
 
@@ -114,5 +122,6 @@ def run_rm(config: RewardConfig, dataset: Dataset | None = None, eval_dataset: D
         raise ValueError(f"model: {path} has no tokenizer.json; the reward model needs the model's tokenizer")
     head_rng = torch.Generator().manual_seed(config.seed)
     model = load_sequence_scorer(path, device=dist.device, dtype=torch.float32, generator=head_rng)
+    attach_lora(config, model, SEQ_CLS, modules_to_save=["score"])  # use_peft: the head trains whole
     algorithm = RewardModeling(config, model, Tokenizer.from_folder(path), dist, dataset, eval_dataset)
     return Trainer(config, algorithm, dist, progress=progress).train()

@@ -7,6 +7,10 @@ starts from the reward model by default (InstructGPT; "The N+ Implementation Det
 PPO"), from the policy's weights with a fresh head, or shares the policy's backbone (`shared`:
 one backbone, half the memory, one forward for both).
 
+With LoRA (`lora_critic`) a critic of its own trains an adapter and its head on a frozen backbone,
+and a shared one trains the value head beside the policy's adapter; `critic/` then holds a PEFT
+SEQ_CLS adapter either way.
+
 The trainer loop sees one module (`ActorCritic`), so one AdamW, one gradient clip and one DDP
 wrapper cover both; AdamW is per parameter, so this is the same update as two optimizers.
 """
@@ -19,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pagedrl.model.adapter import is_adapter_folder, load_adapter_weights, read_adapter_weights, write_adapter
 from pagedrl.model.attention import AttentionMetadata
 from pagedrl.model.checkpoint import load_weights, read_state_dict
 from pagedrl.model.decoder import CausalLM
@@ -28,7 +33,10 @@ from pagedrl.model.heads import (
     reward_architecture,
     save_sequence_scorer,
 )
+from pagedrl.model.lora import adapter_config
 from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.train.adapters import SEQ_CLS, attach_lora
+from pagedrl.train.config import TrainConfig
 
 CRITIC_DIR = "critic"
 
@@ -77,23 +85,37 @@ class ActorCritic(nn.Module):
             scorer = SequenceScorer(cfg)
         scorer.model = self.policy.model
         scorer.score = self.value_head
+        policy_adapter = adapter_config(self.policy)
+        if policy_adapter is not None:  # the policy's adapter and the value head, as a SEQ_CLS adapter
+            scorer.lora_config = dataclasses.replace(policy_adapter, task_type="SEQ_CLS", modules_to_save=["score"])
         return scorer
 
     def save_critic(self, folder: Path, tokenizer: Tokenizer | None,
                     state: dict[str, torch.Tensor] | None = None) -> None:
         """`state`: whole tensors of this module (when its own are FSDP2 shards), else None."""
         out = folder / CRITIC_DIR
+        scorer = self.critic_scorer()
+        if adapter_config(scorer) is not None:
+            write_adapter(scorer, out, tokenizer)
+            return
         critic_state = None
         if state is not None and self.critic is not None:
             critic_state = substate(state, "critic.")
         elif state is not None:  # the policy's backbone and the value head
             critic_state = {"model." + k: v for k, v in substate(state, "policy.model.").items()}
             critic_state["score.weight"] = state["value_head.weight"]
-        save_sequence_scorer(self.critic_scorer(), out, state=critic_state)
+        save_sequence_scorer(scorer, out, state=critic_state)
         if tokenizer is not None:
             tokenizer.save(out)
 
     def load_critic(self, folder: Path) -> None:
+        if is_adapter_folder(folder / CRITIC_DIR):
+            if self.critic is not None:
+                load_adapter_weights(self.critic, folder / CRITIC_DIR)
+            else:  # the backbone's adapter is the policy's, loaded with it
+                with torch.no_grad():
+                    self.value_head.weight.copy_(read_adapter_weights(folder / CRITIC_DIR)["score.weight"])
+            return
         state = read_state_dict(folder / CRITIC_DIR, dtype=torch.float32)
         with torch.no_grad():
             if self.critic is not None:
@@ -115,6 +137,21 @@ def load_critic(init: str, policy_path: Path, reward_model_path: Path | None, de
         return None
     if init == "reward_model":
         assert reward_model_path is not None
-        return load_sequence_scorer(reward_model_path, device=device, dtype=torch.float32, new_head=False).train()
+        from pagedrl.train.rl.reward_model import load_reward_model
+
+        return load_reward_model(reward_model_path, device=device, dtype=torch.float32).train()
     head_rng = torch.Generator().manual_seed(seed + 1)
     return load_sequence_scorer(policy_path, device=device, dtype=torch.float32, generator=head_rng).train()
+
+
+def lora_critic(config: TrainConfig, critic: SequenceScorer, policy: CausalLM) -> None:
+    """LoRA on a critic of its own: adapters on a frozen backbone, the value head trained whole. A
+    critic started from the policy holds the same base weights, so it takes the policy's frozen
+    tensors themselves: one copy of the base in memory for policy, reference and critic."""
+    base = dict(policy.model.named_parameters())
+    own = dict(critic.model.named_parameters())
+    if all(n in base and base[n].shape == p.shape and torch.equal(base[n], p) for n, p in own.items()):
+        for name in own:
+            module_name, _, attr = name.rpartition(".")
+            setattr(critic.model.get_submodule(module_name) if module_name else critic.model, attr, base[name])
+    attach_lora(config, critic, SEQ_CLS, modules_to_save=["score"], seed_offset=1)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from pagedrl.model.adapter import is_adapter_folder
 from pagedrl.model.attention import DenseAttention
 from pagedrl.model.decoder import default_positions
 from pagedrl.model.heads import SequenceScorer, load_sequence_scorer, score_index
@@ -31,12 +32,13 @@ class RewardModel:
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None,
                         dtype: torch.dtype | None = None, max_length: int | None = None) -> RewardModel:
-        """Load a folder written by `pagedrl rm` (or a transformers sequence classifier)."""
+        """Load a folder written by `pagedrl rm` (or a transformers sequence classifier, or a
+        SEQ_CLS LoRA adapter: `pagedrl rm` with use_peft)."""
         path = Path(path)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"path: {path} has no tokenizer.json; scoring text needs the model's tokenizer")
-        network = load_sequence_scorer(path, device=device, dtype=dtype, new_head=False)
+        network = load_reward_model(path, device=device, dtype=dtype)
         return cls(network, Tokenizer.from_folder(path), max_length)
 
     def encode(self, prompt: Text, response: Text) -> list[int]:
@@ -78,3 +80,13 @@ class RewardModel:
         hidden = self.network(ids, positions=default_positions(ids, real), meta=meta)
         at = torch.tensor([score_index(x, self.pad_token_id) for x in batch], device=device)
         return self.network.scores(hidden[torch.arange(len(batch), device=device), at]).tolist()
+
+
+def load_reward_model(path: str | Path, device: str | torch.device = "cpu",
+                      dtype: torch.dtype | None = None) -> SequenceScorer:
+    """A trained reward model: a classifier folder, or a SEQ_CLS adapter merged into the base it names."""
+    if is_adapter_folder(path):
+        from pagedrl.model.merge import merged_scorer
+
+        return merged_scorer(None, path, device=device, dtype=dtype)
+    return load_sequence_scorer(path, device=device, dtype=dtype, new_head=False)

@@ -1,0 +1,159 @@
+"""LoRA adapters on disk in PEFT's format, so `peft.PeftModel.from_pretrained` loads what pagedrl
+saves and pagedrl loads what PEFT saves.
+
+A folder holds `adapter_config.json` (PEFT's LoraConfig: `peft_type: LORA`, `r`, `lora_alpha`,
+`target_modules`, `task_type`, `base_model_name_or_path`, ...) and `adapter_model.safetensors`,
+whose keys are the adapted model's own names under `base_model.model.` without the adapter's name
+(`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), and the full tensors of
+`modules_to_save` the same way (`base_model.model.score.weight`). PEFT features pagedrl does not
+implement (DoRA, rsLoRA, per-layer ranks, bias training, ...) are refused by name on load rather
+than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from pagedrl.model.checkpoint import CheckpointError
+from pagedrl.model.lora import LoRAConfig, adapter_config, adapter_state_dict, apply_lora
+from pagedrl.model.staging import staged_folder
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+# PEFT options whose non-default value would change the model pagedrl builds: refused when set.
+UNSUPPORTED = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "bias": "none",
+               "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
+               "lora_bias": False, "exclude_modules": None, "target_parameters": None, "trainable_token_indices": None}
+
+
+def is_adapter_folder(path: str | Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def peft_config_dict(config: LoRAConfig) -> dict[str, Any]:
+    """`adapter_config.json` as PEFT writes it for this adapter."""
+    return {
+        "peft_type": "LORA",
+        "task_type": config.task_type,
+        "base_model_name_or_path": config.base_model_name_or_path,
+        "r": config.r,
+        "lora_alpha": config.lora_alpha,
+        "lora_dropout": config.lora_dropout,
+        "target_modules": config.resolved_targets(),
+        "modules_to_save": list(config.modules_to_save) or None,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        **UNSUPPORTED,
+    }
+
+
+def write_adapter(model: nn.Module, folder: Path, tokenizer: Any = None) -> None:
+    """Write the adapter `model` carries into `folder` (created if missing, not staged: a caller
+    that publishes it, as a checkpoint does, stages the whole folder)."""
+    config = adapter_config(model)
+    if config is None:
+        raise ValueError("write_adapter: the model carries no LoRA adapter")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(peft_config_dict(config), indent=2) + "\n")
+    tensors = {PEFT_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in adapter_state_dict(model).items()}
+    save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save(folder)
+
+
+def save_adapter(model: nn.Module, folder: str | Path, tokenizer: Any = None) -> Path:
+    """`write_adapter`, published atomically (a crash leaves no half-written folder)."""
+    folder = Path(folder)
+    with staged_folder(folder) as tmp:
+        write_adapter(model, tmp, tokenizer)
+    return folder
+
+
+def read_adapter_config(folder: str | Path) -> LoRAConfig:
+    """The LoRAConfig of a PEFT adapter folder; every problem names the file and the field."""
+    path = Path(folder) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: no {ADAPTER_CONFIG}; not a PEFT adapter folder")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise CheckpointError(f"{path}: peft_type {raw.get('peft_type')!r}; pagedrl loads LORA adapters only")
+    for key, default in UNSUPPORTED.items():
+        value = raw.get(key, default)
+        if value not in (default, None) and not (isinstance(default, dict) and not value):
+            raise CheckpointError(f"{path}: {key}={value!r} is not supported (only {default!r})")
+    targets = raw.get("target_modules")
+    if isinstance(targets, str):
+        targets = [targets]
+    task = raw.get("task_type") or "CAUSAL_LM"
+    if task not in ("CAUSAL_LM", "SEQ_CLS"):
+        raise CheckpointError(f"{path}: task_type {task!r}; pagedrl loads CAUSAL_LM and SEQ_CLS adapters")
+    modules_to_save = list(raw.get("modules_to_save") or [])
+    if task == "SEQ_CLS" and "score" not in modules_to_save:
+        modules_to_save.append("score")  # PEFT adds the classifier head for this task itself
+    try:
+        return LoRAConfig(r=raw.get("r", 8), lora_alpha=float(raw.get("lora_alpha", 8)),
+                          lora_dropout=float(raw.get("lora_dropout", 0.0)), target_modules=targets,
+                          modules_to_save=modules_to_save, task_type=task,
+                          base_model_name_or_path=raw.get("base_model_name_or_path"))
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def read_adapter_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under the model's own names (PEFT's prefix removed)."""
+    path = Path(folder) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: no {ADAPTER_WEIGHTS}")
+    try:
+        raw = load_file(str(path))
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: cannot read safetensors file (truncated or corrupt?): {e}") from None
+    out = {}
+    for key, tensor in raw.items():
+        if not key.startswith(PEFT_PREFIX):
+            raise CheckpointError(f"{path}: tensor {key!r} does not start with {PEFT_PREFIX!r} (PEFT's layout)")
+        out[key[len(PEFT_PREFIX):].replace(".default.", ".")] = tensor
+    return out
+
+
+def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
+    """Copy a saved adapter's tensors into the adapter `model` already carries (resuming)."""
+    state = read_adapter_weights(folder)
+    expected = adapter_state_dict(model)
+    path = Path(folder) / ADAPTER_WEIGHTS
+    for name, tensor in state.items():
+        if name not in expected:
+            raise CheckpointError(f"{path}: unexpected tensor {name!r} (not part of this adapter: another "
+                                  "rank, target_modules or model?)")
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, the adapter "
+                                  f"{tuple(expected[name].shape)}")
+    missing = [n for n in expected if n not in state]
+    if missing:
+        raise CheckpointError(f"{path}: missing tensors: {', '.join(missing[:5])}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, tensor in state.items():
+            params[name].copy_(tensor)
+
+
+def load_adapter(model: nn.Module, folder: str | Path) -> LoRAConfig:
+    """Put the adapter of `folder` on `model` (a base model without one) and load its weights."""
+    config = read_adapter_config(folder)
+    apply_lora(model, config)
+    load_adapter_weights(model, folder)
+    return config

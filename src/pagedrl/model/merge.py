@@ -1,0 +1,73 @@
+"""A base model plus a LoRA adapter folder, as one ordinary model: what `LLM(model, adapter=...)`,
+`pagedrl serve --adapter` and `pagedrl merge` build.
+
+The adapter is folded into the base weights (W + s·B A) once at load time, so serving an adapter
+costs exactly what serving its base costs. A causal-LM adapter gives a `CausalLM`; a SEQ_CLS one
+(a `pagedrl rm --use_peft` reward model, a PPO critic) gives a `SequenceScorer` whose `score` head
+is the adapter's. When no base is named, the adapter's `base_model_name_or_path` is used.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from pagedrl.model.adapter import load_adapter, read_adapter_config
+from pagedrl.model.checkpoint import CheckpointError, default_dtype, load_causal_lm, save_checkpoint
+from pagedrl.model.heads import SequenceScorer, load_sequence_scorer, save_sequence_scorer
+from pagedrl.model.lora import merge_lora
+
+
+def adapter_base(adapter: str | Path, base: str | Path | None = None) -> Path:
+    """The base model's folder: `base` if given, else the one the adapter names."""
+    from pagedrl.model.loader import resolve_model_path
+
+    if base is None:
+        base = read_adapter_config(adapter).base_model_name_or_path
+        if not base:
+            raise CheckpointError(f"{adapter}: adapter_config.json names no base_model_name_or_path; give the base model")
+    return resolve_model_path(base)
+
+
+def merged_causal_lm(base: str | Path | None, adapter: str | Path, device: str | torch.device = "cpu",
+                     dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The base causal LM with the adapter folded in (computed in float32, then cast to `dtype`)."""
+    config = read_adapter_config(adapter)
+    if config.task_type != "CAUSAL_LM":
+        raise CheckpointError(f"{adapter}: a {config.task_type} adapter (a reward model or critic), not a causal LM's")
+    model = load_causal_lm(adapter_base(adapter, base), device=device, dtype=torch.float32)
+    load_adapter(model, adapter)
+    return merge_lora(model).to(dtype or default_dtype(device)).eval()
+
+
+def merged_scorer(base: str | Path | None, adapter: str | Path, device: str | torch.device = "cpu",
+                  dtype: torch.dtype | None = None) -> SequenceScorer:
+    """The base backbone with the adapter folded in and the adapter's `score` head."""
+    config = read_adapter_config(adapter)
+    if config.task_type != "SEQ_CLS":
+        raise CheckpointError(f"{adapter}: a {config.task_type} adapter, not a reward model's (SEQ_CLS)")
+    # The base's own head (if a classifier) or a placeholder one: the adapter's `score` replaces it.
+    model = load_sequence_scorer(adapter_base(adapter, base), device=device, dtype=torch.float32,
+                                 generator=torch.Generator().manual_seed(0))
+    load_adapter(model, adapter)
+    return merge_lora(model).to(dtype or default_dtype(device)).eval()
+
+
+def merge_adapter(base: str | Path | None, adapter: str | Path, out: str | Path) -> Path:
+    """Write base + adapter as one Hugging Face folder at `out`, published whole or not at all
+    (`save_checkpoint` stages it), with the adapter's tokenizer files if it has them, else the base's."""
+    adapter = Path(adapter)
+    base_path = adapter_base(adapter, base)
+    tokenizer_dir = adapter if (adapter / "tokenizer.json").is_file() else base_path
+    if read_adapter_config(adapter).task_type == "SEQ_CLS":
+        scorer = merged_scorer(base_path, adapter, dtype=torch.float32)
+        return save_sequence_scorer(scorer, out, tokenizer_dir=tokenizer_dir)
+    generation = base_path / "generation_config.json"
+    try:
+        extra = json.loads(generation.read_text()) if generation.is_file() else None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{generation}: not valid JSON ({e})") from None
+    model = merged_causal_lm(base_path, adapter, dtype=torch.float32)
+    return save_checkpoint(model, out, tokenizer_dir=tokenizer_dir, generation_config=extra)

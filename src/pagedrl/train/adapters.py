@@ -1,0 +1,68 @@
+"""LoRA in the trainers (`use_peft`): what every algorithm does the same way when it trains adapters
+on a frozen base instead of every weight.
+
+- `attach_lora` puts adapters on a freshly loaded model, drawn from the run's seed (a resumed run
+  then overwrites them from its checkpoint), and records the base model's name in the adapter.
+- The reference of DPO, GRPO (beta > 0) and PPO is the base itself: `reference_forward(model)`
+  switches the adapters off for a no-grad pass, so no second copy of the weights is ever made.
+- `save_model` / `load_model` of an algorithm write and read the adapter in PEFT's format
+  (`adapter_config.json`, `adapter_model.safetensors`, and the tokenizer): checkpoints hold the
+  adapter and the trainer state, and the frozen base comes from `config.model` again on resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from pagedrl.model.lora import LoRAConfig, adapter_config, apply_lora, disable_adapter
+from pagedrl.train.config import TrainConfig
+
+CAUSAL_LM, SEQ_CLS = "CAUSAL_LM", "SEQ_CLS"
+
+
+def lora_config(config: TrainConfig, task_type: str = CAUSAL_LM, modules_to_save: Sequence[str] = ()) -> LoRAConfig:
+    """The adapter a run's `lora_*` fields describe."""
+    return LoRAConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=config.lora_target_modules, modules_to_save=list(modules_to_save),
+                      task_type=task_type, base_model_name_or_path=str(config.model))
+
+
+def attach_lora(config: TrainConfig, model: nn.Module, task_type: str = CAUSAL_LM,
+                modules_to_save: Sequence[str] = (), seed_offset: int = 0) -> nn.Module:
+    """With `use_peft`: adapters on `model` (in place), base frozen; without it `model` as it is."""
+    if not config.use_peft:
+        return model
+    generator = torch.Generator().manual_seed(config.seed + 7919 * (1 + seed_offset))
+    return apply_lora(model, lora_config(config, task_type, modules_to_save), generator)
+
+
+def uses_lora(model: nn.Module) -> bool:
+    return adapter_config(model) is not None
+
+
+@contextlib.contextmanager
+def reference_forward(model: nn.Module) -> Iterator[None]:
+    """No-grad forwards of the base: the adapters of `model` off for the block."""
+    with torch.no_grad(), disable_adapter(model):
+        yield
+
+
+def describe(model: nn.Module) -> str:
+    """One summary line: rank, scaling, targets and how few parameters train."""
+    c = adapter_config(model)
+    assert c is not None
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    extra = f" + {', '.join(c.modules_to_save)} (whole)" if c.modules_to_save else ""
+    return (f"lora: r={c.r}, alpha={c.lora_alpha:g} (scaling {c.scaling:g}), dropout {c.lora_dropout:g} on "
+            f"{', '.join(c.resolved_targets())}{extra}; {trained / 1e6:.2f}M of {total / 1e6:.1f}M parameters trained, "
+            "the base frozen")
+
+
+def summary(module: nn.Module) -> list[str]:
+    """A line per adapted model inside `module` (PPO's policy and critic each carry one)."""
+    return [describe(m) for m in module.modules() if uses_lora(m)]

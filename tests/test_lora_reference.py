@@ -1,0 +1,180 @@
+"""LoRA against PEFT on the same weights: logits with an adapter, adapters saved by either side
+loaded by the other, a merged checkpoint against the live adapter, and the engine's greedy tokens
+with a live adapter against those of the merged checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+from tiny import FAMILIES, hf_model
+
+from pagedrl.engine.llm import LLM
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.model.adapter import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    load_adapter,
+    read_adapter_config,
+    save_adapter,
+)
+from pagedrl.model.checkpoint import CheckpointError, load_causal_lm, save_checkpoint
+from pagedrl.model.config import ModelConfig
+from pagedrl.model.decoder import CausalLM
+from pagedrl.model.lora import LoRAConfig, apply_lora, disable_adapter, lora_layers, merge_lora
+
+
+def padded_batch(vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (3, 20), generator=g)
+    mask = torch.ones(3, 20, dtype=torch.long)
+    mask[1, :5] = 0
+    mask[2, 14:] = 0
+    return ids, mask
+
+
+def pagedrl_from(hf: torch.nn.Module) -> CausalLM:
+    model = CausalLM(ModelConfig.from_dict(hf.config.to_dict()))
+    model.load_state_dict(hf.state_dict(), strict=False)
+    return model.eval()
+
+
+def randomise_adapter(model: torch.nn.Module, seed: int = 3) -> None:
+    """B starts at zero (the adapter is then a no-op): draw it, so the comparison means something."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * 0.1)
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.logits(model(ids, attention_mask=mask))
+
+
+def real(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return x * mask[..., None]
+
+
+@pytest.mark.parametrize("family,targets", [("llama-gqa-untied", None), ("qwen2-bias-tied", ["all-linear"]),
+                                            ("smollm2-like", ["k_proj", "o_proj", "down_proj"])])
+def test_adapter_saved_here_gives_peft_logits(tmp_path, family, targets) -> None:
+    hf = hf_model(FAMILIES[family])
+    ours = pagedrl_from(hf)
+    apply_lora(ours, LoRAConfig(r=4, lora_alpha=8, target_modules=targets), torch.Generator().manual_seed(0))
+    randomise_adapter(ours)
+    ours.eval()
+    save_adapter(ours, tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    ids, mask = padded_batch(hf.config.vocab_size)
+    with torch.no_grad():
+        ref = peft_model(input_ids=ids, attention_mask=mask).logits
+    out = logits(ours, ids, mask)
+    assert float(real(ref - out, mask).abs().max()) <= 1e-4
+    with peft_model.disable_adapter(), torch.no_grad():
+        base = peft_model(input_ids=ids, attention_mask=mask).logits
+    with disable_adapter(ours):
+        base_ours = logits(ours, ids, mask)
+    assert float(real(base - base_ours, mask).abs().max()) <= 1e-4
+    assert float(real(base - ref, mask).abs().max()) > 1e-2  # the adapter really changes the model
+
+
+def test_adapter_saved_by_peft_loads_here(tmp_path) -> None:
+    hf = hf_model(FAMILIES["llama-gqa-untied"])
+    ours = pagedrl_from(hf)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.1,
+                             task_type="CAUSAL_LM")
+    peft_model = peft.get_peft_model(hf, config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    peft_model.eval()
+    loaded = load_adapter(ours, tmp_path / "adapter")
+    assert loaded.r == 8 and loaded.resolved_targets() == ["q_proj", "v_proj", "up_proj"]
+    ours.eval()
+    ids, mask = padded_batch(hf.config.vocab_size, seed=5)
+    with torch.no_grad():
+        ref = peft_model(input_ids=ids, attention_mask=mask).logits
+    assert float(real(ref - logits(ours, ids, mask), mask).abs().max()) <= 1e-4
+
+
+def test_merged_checkpoint_equals_the_live_adapter(tmp_path) -> None:
+    hf = hf_model(FAMILIES["llama-gqa-untied"])
+    ours = pagedrl_from(hf)
+    apply_lora(ours, LoRAConfig(r=4, target_modules=["all-linear"]), torch.Generator().manual_seed(1))
+    randomise_adapter(ours)
+    ids, mask = padded_batch(hf.config.vocab_size, seed=7)
+    live = logits(ours.eval(), ids, mask)
+    merge_lora(ours)
+    assert not list(lora_layers(ours))
+    save_checkpoint(ours, tmp_path / "merged")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = back(input_ids=ids, attention_mask=mask).logits
+    assert float(real(ref - live, mask).abs().max()) <= 1e-4
+
+
+def test_engine_generates_with_the_live_adapter_as_the_merged_checkpoint(tmp_path) -> None:
+    hf = hf_model(FAMILIES["llama-gqa-untied"])
+    ours = pagedrl_from(hf)
+    apply_lora(ours, LoRAConfig(r=4, target_modules=["all-linear"]), torch.Generator().manual_seed(2))
+    randomise_adapter(ours, seed=4)
+    ours.train()  # as a trainer holds it: dropout must not act in the engine's forward
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (5, 19, 33)]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    live = [o.outputs[0].token_ids for o in LLM.from_module(ours, kv_cache_tokens=1024).generate(prompts, greedy)]
+    with disable_adapter(ours):
+        base = [o.outputs[0].token_ids for o in LLM.from_module(ours, kv_cache_tokens=1024).generate(prompts, greedy)]
+    save_checkpoint(merge_lora(ours), tmp_path / "merged")
+    merged = LLM.from_module(load_causal_lm(tmp_path / "merged"), kv_cache_tokens=1024)
+    assert [o.outputs[0].token_ids for o in merged.generate(prompts, greedy)] == live
+    assert base != live  # the adapter changes what is generated
+
+
+def test_bad_adapter_configs_are_refused_by_field(tmp_path) -> None:
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 4, "use_dora": True}))
+    with pytest.raises(CheckpointError, match="use_dora"):
+        read_adapter_config(folder)
+    (folder / ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "PREFIX_TUNING"}))
+    with pytest.raises(CheckpointError, match="peft_type"):
+        read_adapter_config(folder)
+    (folder / ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 4, "target_modules": ["embed"]}))
+    with pytest.raises(CheckpointError, match="target_modules"):
+        read_adapter_config(folder)
+    (folder / ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    with pytest.raises(CheckpointError, match=ADAPTER_WEIGHTS):
+        load_adapter(CausalLM(ModelConfig.from_dict(dict(FAMILIES["llama-gqa-untied"]))), folder)
+
+
+def test_dropout_gradient_equals_the_plain_computation_with_the_same_mask() -> None:
+    """The adapter's dropout is recomputed in backward (not stored): its gradients must be those of
+    PEFT's lora_B(lora_A(dropout(x))) * scaling with the same mask."""
+    from pagedrl.model.lora import LoRALinear
+
+    layer = LoRALinear(torch.nn.Linear(12, 10), r=3, lora_alpha=6, lora_dropout=0.3, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        layer.lora_B.weight.normal_()
+    x = torch.randn(2, 5, 12, requires_grad=True)
+    torch.manual_seed(7)
+    layer(x).square().sum().backward()
+    ours = [t.grad.clone() for t in (x, layer.lora_A.weight, layer.lora_B.weight)]
+    for t in (x, layer.lora_A.weight, layer.lora_B.weight):
+        t.grad = None
+    torch.manual_seed(7)
+    h = torch.nn.functional.dropout(x, 0.3, training=True)
+    out = torch.nn.functional.linear(x, layer.weight, layer.bias) + layer.lora_B(layer.lora_A(h)) * layer.scaling
+    out.square().sum().backward()
+    for got, want in zip(ours, (x.grad, layer.lora_A.weight.grad, layer.lora_B.weight.grad), strict=True):
+        assert torch.allclose(got, want, atol=1e-5)
+    assert (h == 0).any()  # the mask dropped something
+    assert layer.weight.grad is None  # the base stays frozen
