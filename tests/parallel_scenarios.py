@@ -28,6 +28,10 @@ GLOBAL_MICRO_BATCH = {"sft": 4, "rm": 4, "dpo": 4, "dpo_precomputed": 4, "grpo":
 TIMINGS = ("seconds", "tokens_per_second", "prefix_blocks_shared", "num_tokens")
 
 
+# LoRA on every projection, without dropout so both runs draw nothing at random.
+LORA = {"use_peft": True, "lora_target_modules": ["all-linear"], "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0}
+
+
 def token_reward(prompts, completions, completion_ids, **kwargs) -> list[float]:
     """A reward that varies inside groups and between ranks' groups: the completion's ids mod 5."""
     return [float(sum(ids) % 5) for ids in completion_ids]
@@ -36,6 +40,7 @@ def token_reward(prompts, completions, completion_ids, **kwargs) -> list[float]:
 def build(algorithm: str, model_dir: Path, out: Path, dist: Any, fsdp: str | None, **fields: Any) -> Any:
     """A Trainer for `algorithm` whose global batch does not depend on the world size."""
     from pagedrl.model.loader import load_model
+    from pagedrl.train.adapters import SEQ_CLS, attach_lora
     from pagedrl.train.checkpointing import seed_everything
     from pagedrl.train.trainer import Trainer
 
@@ -50,6 +55,7 @@ def build(algorithm: str, model_dir: Path, out: Path, dist: Any, fsdp: str | Non
         from pagedrl.train.config import SFTConfig
 
         config = SFTConfig(**common, learning_rate=3e-3)
+        attach_lora(config, loaded.model)  # as start_run does (a no-op without use_peft)
         algo = SFT(config, loaded.model, loaded.tokenizer, dist, arithmetic_rows(), arithmetic_rows(21)[16:])
     elif algorithm == "rm":
         from pagedrl.model.heads import load_sequence_scorer
@@ -58,12 +64,14 @@ def build(algorithm: str, model_dir: Path, out: Path, dist: Any, fsdp: str | Non
 
         config = RewardConfig(**common, learning_rate=1e-3)
         scorer = load_sequence_scorer(model_dir, generator=torch.Generator().manual_seed(0))
+        attach_lora(config, scorer, SEQ_CLS, modules_to_save=["score"])
         algo = RewardModeling(config, scorer, loaded.tokenizer, dist, preference_rows(16), preference_rows(5, seed=1))
     elif algorithm in ("dpo", "dpo_precomputed"):
         from pagedrl.train.algorithms.dpo import DPO
         from pagedrl.train.config import DPOConfig
 
         config = DPOConfig(**common, learning_rate=1e-3, precompute_ref_log_probs=algorithm == "dpo_precomputed")
+        attach_lora(config, loaded.model)
         algo = DPO(config, loaded.model, loaded.tokenizer, dist, preference_rows(16), preference_rows(5, seed=1))
     elif algorithm == "grpo":
         from pagedrl.train.algorithms.grpo import GRPO
@@ -72,17 +80,21 @@ def build(algorithm: str, model_dir: Path, out: Path, dist: Any, fsdp: str | Non
         config = GRPOConfig(**common, learning_rate=1e-3, dataset="arithmetic", task_low=1, task_high=9,
                             task_num_eval=5, num_generations=4, max_completion_length=8, beta=0.04,
                             scale_rewards="batch")
+        attach_lora(config, loaded.model)
         algo = GRPO(config, loaded.model.train(), loaded.tokenizer, dist, eos_token_ids=loaded.eos_token_ids,
                     reward_funcs=[("token_reward", token_reward)])
     else:
         from pagedrl.train.algorithms.ppo import PPO
         from pagedrl.train.rl.config import PPOConfig
-        from pagedrl.train.rl.critic import load_critic
+        from pagedrl.train.rl.critic import load_critic, lora_critic
 
         config = PPOConfig(**common, learning_rate=1e-3, dataset="arithmetic", task_low=1, task_high=9,
                            task_num_eval=5, num_generations=2, max_completion_length=8, num_mini_batches=1,
                            num_ppo_epochs=1, kl_coef=0.1, kl_target=0.01, kl_horizon=100, whiten_rewards=True)
         critic = load_critic(config.critic_init, Path(model_dir), None, torch.device("cpu"), seed=0)
+        attach_lora(config, loaded.model)
+        if config.use_peft:
+            lora_critic(config, critic, loaded.model)
         algo = PPO(config, loaded.model.train(), loaded.tokenizer, dist, critic=critic,
                    eos_token_ids=loaded.eos_token_ids, reward_funcs=[("token_reward", token_reward)])
     return Trainer(config, algo, dist, progress=False)

@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from parallel_scenarios import ALGORITHMS, build, full_weights_states, rollout_statistics, run_steps  # noqa: E402
+from parallel_scenarios import ALGORITHMS, LORA, build, full_weights_states, rollout_statistics, run_steps  # noqa: E402
 
 from pagedrl.train.distributed import init_distributed, shutdown  # noqa: E402
 
@@ -25,6 +25,9 @@ if __name__ == "__main__":
             name = f"{algorithm}-{fsdp or 'ddp'}"
             results[name] = run_steps(build(algorithm, model_dir, out / name, dist, fsdp))
             print(f"rank {dist.rank}: {name} done", flush=True)
+    for algorithm in ALGORITHMS:  # LoRA adapters on a frozen base, under DDP
+        results[f"{algorithm}-lora"] = run_steps(build(algorithm, model_dir, out / f"{algorithm}-lora", dist, None,
+                                                       **LORA))
     results["full-weights"] = full_weights_states(build("grpo", model_dir, out / "full-weights", dist, "full_shard"))
     # PPO's checkpoint under FSDP2: the policy and the critic (its own backbone, or the policy's).
     for critic in ("policy", "shared"):

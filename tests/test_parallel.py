@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from parallel_scenarios import ALGORITHMS, build, rollout_statistics, run_steps
+from parallel_scenarios import ALGORITHMS, LORA, build, rollout_statistics, run_steps
 
 from pagedrl.model.checkpoint import read_state_dict
 from pagedrl.train.distributed import DistInfo
@@ -94,6 +94,23 @@ def test_two_processes_equal_one_process(algorithm, parallel, two_processes, one
         assert set(two["metrics"]) == set(one["metrics"]), where
         for name, value in one["metrics"].items():
             assert two["metrics"][name] == pytest.approx(value, rel=TOL, abs=TOL, nan_ok=True), f"{where}: {name}"
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_lora_under_ddp_equals_one_process(algorithm, two_processes, tiny_train_model, tmp_path) -> None:
+    """Adapters on a frozen base: only adapter (and head) gradients exist, and they are the one-process ones."""
+    ones = run_steps(build(algorithm, tiny_train_model, tmp_path / algorithm, DistInfo(), None, **LORA))
+    twos = two_processes[0][f"{algorithm}-lora"]
+    for step, (one, two) in enumerate(zip(ones, twos, strict=True), start=1):
+        where = f"{algorithm} with LoRA under DDP, step {step}"
+        if "completion_ids" in one:
+            assert two["completion_ids"] == one["completion_ids"], where
+        assert two["loss"] == pytest.approx(one["loss"], abs=TOL), where
+        assert one["grads"] and all("lora_" in n or "score" in n or "value_head" in n for n in one["grads"]), where
+        assert set(two["grads"]) == set(one["grads"]), where
+        assert any(g.abs().max() > 0 for g in one["grads"].values()), where
+        for name, g in one["grads"].items():
+            assert torch.allclose(two["grads"][name], g, rtol=0, atol=TOL), f"{where}: gradient of {name}"
 
 
 @pytest.mark.parametrize(("dynamic_sampling", "scale_rewards"), [(False, "batch"), (True, "batch"), (True, "group")])
