@@ -143,6 +143,8 @@ def test_the_fsdp_option_takes_transformers_spelling() -> None:
         load_config(SFTConfig, None, ["fsdp=hybrid_shard"])
     with pytest.raises(TrainConfigError, match="exactly one of full_shard or shard_grad_op"):
         load_config(SFTConfig, None, ["fsdp=full_shard shard_grad_op"])
+    with pytest.raises(TrainConfigError, match="fsdp: LoRA .* under FSDP2 is not supported"):
+        load_config(SFTConfig, None, ["fsdp=full_shard", "use_peft=true"])
 
 
 @pytest.mark.parametrize("critic", ["policy", "shared"])
