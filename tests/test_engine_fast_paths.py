@@ -125,8 +125,8 @@ def test_positions_are_computed_once_per_step(monkeypatch) -> None:
 
     llm = LLM.from_module(tiny_model(), block_size=4, kv_cache_tokens=256, max_num_batched_tokens=6)
     built, seen = [], []
-    real_build = model_runner.PagedAttention.build
-    monkeypatch.setattr(model_runner.PagedAttention, "build",
+    real_build = model_runner.PagedAttention.from_block_tables
+    monkeypatch.setattr(model_runner.PagedAttention, "from_block_tables",
                         lambda *args, **kwargs: built.append(real_build(*args, **kwargs)) or built[-1])
     real_forward = llm.engine.model.forward
     monkeypatch.setattr(llm.engine.model, "forward",

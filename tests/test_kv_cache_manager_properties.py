@@ -238,6 +238,20 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert block.ref_count == holders[block.block_id], block
 
     @invariant()
+    def persistent_rows_equal_the_tables(self) -> None:
+        """The runner reads block tables from the persistent rows: each live sequence's row holds its
+        table, zero-padded, and no two live sequences share a row."""
+        live = [s for s in self.seqs if s in self.km]
+        if not live:
+            assert self.km.table.num_live_rows == 0
+            return
+        tables = [self.km.block_table(s) for s in live]
+        width = max(len(t) for t in tables) + 1
+        rows = self.km.block_table_rows(live, width).tolist()
+        assert rows == [t + [0] * (width - len(t)) for t in tables]
+        assert self.km.table.num_live_rows == len(live)
+
+    @invariant()
     def cache_map_is_consistent_and_current(self) -> None:
         pool = self.km.pool
         for block_hash, block in pool.cached.items():

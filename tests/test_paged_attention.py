@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny import FAMILIES, hf_model
 
-from pagedrl.engine import attention
+from pagedrl.engine import attention, attention_groups
 from pagedrl.engine.attention import PagedAttention
 from pagedrl.engine.kv_cache import DEFAULT_CPU_BYTES, DEFAULT_CPU_TOKENS, KVCache, num_blocks_for_budget
 from pagedrl.model.config import ModelConfig
@@ -139,6 +139,29 @@ def test_groups_cover_every_row_once_and_cut_as_asked() -> None:
         (True, 2, 10), (True, 2, 3), (False, 1, 8), (False, 1, 2)]
     rows = torch.cat([g.out_rows for g in cut])
     assert sorted(rows.tolist()) == list(range(sum(q_lens)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 90), min_size=1, max_size=40), block_size=st.sampled_from([1, 4, 16]),
+       chunk_tokens=st.integers(1, 400))
+def test_decode_cut_by_runs_equals_the_greedy_cut_one_sequence_at_a_time(lengths: list[int], block_size: int,
+                                                                          chunk_tokens: int) -> None:
+    """The decode groups are cut a run of equal block counts at a time, in closed form; the same cut
+    one sequence at a time (longest first: start a new group when the next sequence would take the
+    group past `chunk_tokens` keys, or its padding past a fifth of its work in whole blocks) is
+    the reference."""
+    own = sorted((-(-n // block_size) * block_size for n in lengths), reverse=True)
+    expected, start, real = [], 0, 0
+    for i, keys_i in enumerate(own):
+        size = i - start + 1
+        keys = own[start]
+        if size > 1 and (size * keys > chunk_tokens or 4 * size * keys > 5 * (real + keys_i)):
+            expected.append((start, i, keys // block_size))
+            start, real = i, 0
+        real += keys_i
+    expected.append((start, len(own), own[start] // block_size))
+    values, counts = torch.unique_consecutive(torch.tensor(own) // block_size, return_counts=True)
+    assert attention_groups.cut_decodes(values.tolist(), counts.tolist(), block_size, chunk_tokens) == expected
 
 
 def test_new_keys_and_values_land_in_their_slots() -> None:

@@ -1,7 +1,8 @@
 """Paged attention: the engine's `AttentionMetadata`, reading and writing the block KV cache.
 
 Each step the engine flattens every scheduled sequence's new tokens into one row (input_ids and
-positions of shape [1, N]) and builds one `PagedAttention` for it. In every layer `attend` first
+positions of shape [1, N]) and builds one `PagedAttention` for it, from the block tables the KV
+cache manager keeps in a persistent tensor (`from_block_tables`; `build` takes lists and checks them). In every layer `attend` first
 writes the new keys and values into their cache slots, then lets each sequence's new queries attend
 causally over everything that sequence has cached, found through its block table. Query i of a
 sequence with q_len new tokens and seq_len tokens in all sits at position seq_len - q_len + i, so a
@@ -17,9 +18,8 @@ Three implementations compute the same thing:
   G queries of that head: they share a position, hence one mask row, and one call replaces a loop
   over heads. Prefills (several queries each, fresh or chunked) use grouped-query attention,
   queries padded to the group's longest. On a CPU groups are cut small enough that what is
-  gathered is still in cache when it is read (see `plan_groups`); on a GPU there is one group
-  per kind.
-  Every index and additive mask is built once per step in `build`, not once per layer.
+  gathered is still in cache when it is read (`attention_groups`); on a GPU there is one group
+  per kind. Every index and additive mask is built once per step, not once per layer.
 - `triton`: the kernels of `triton_attention`, which read keys and values through the block table
   where they lie; what the engine runs on a GPU (on a CPU only under Triton's interpreter).
 """
@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagedrl.engine.attention_groups import QueryGroup, plan_groups
+from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
 
 IMPLEMENTATIONS = ("fast", "reference", "triton")
@@ -40,29 +42,6 @@ IMPLEMENTATIONS = ("fast", "reference", "triton")
 # enough that the per-call cost of the attention op is paid rarely (the sizes tried are in
 # bench/RESULTS.md, "Engine").
 CPU_GATHER_BYTES = 4 << 20
-
-
-@dataclass
-class QueryGroup:
-    """Sequences the fast path attends in one batched op, with everything that op needs precomputed.
-
-    Queries are padded to `q_pad` per sequence (1 for decodes); a padded query repeats its sequence's
-    last real query and may see key 0 only, so its softmax stays finite; its output is dropped.
-    A group of fresh prompts (nothing cached before them) needs no mask: query i sits at position i,
-    so plain top-left causal attention is exact for every real query, and it lets the attention
-    kernel skip the blocks above the diagonal (half the work). Its padded queries then see padded
-    keys, which hold finite stale values (the cache starts zeroed), and are dropped as before."""
-
-    is_decode: bool
-    num_seqs: int
-    q_pad: int
-    num_blocks: int  # block-table columns read; keys per sequence = num_blocks * block_size
-    block_ids: torch.Tensor  # [num_seqs * num_blocks] long; padding columns read block 0, masked out
-    mask: torch.Tensor | None  # additive [num_seqs, 1, q_pad, keys]: 0 where allowed, -inf elsewhere;
-    # None for a group of fresh prompts: causal attention
-    rows: torch.Tensor | None  # [num_seqs * q_pad] batch row of each padded query; None = all rows, in order
-    keep: torch.Tensor | None  # padded rows that are real queries; None = every padded row is real
-    out_rows: torch.Tensor | None  # batch row of each real query's output; None = all rows, in order
 
 
 @dataclass
@@ -129,23 +108,51 @@ class PagedAttention:
         num_table_blocks = torch.tensor([len(t) for t in tables])
         block_tables = torch.zeros(len(seqs), int(num_table_blocks.max()), dtype=torch.long)
         block_tables[torch.arange(block_tables.shape[1]) < num_table_blocks[:, None]] = flat
-        q_lens_t = torch.tensor(q_lens)
-        seq_lens_t = torch.tensor(seq_lens)
-        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.long)
-        torch.cumsum(q_lens_t, 0, out=query_start_loc[1:])
-        seq_of_row = torch.repeat_interleave(torch.arange(len(seqs)), q_lens_t)
-        num_rows = int(query_start_loc[-1])
-        positions = torch.arange(num_rows) + (seq_lens_t - q_lens_t - query_start_loc[:-1])[seq_of_row]
-        slot_mapping = block_tables[seq_of_row, positions // block_size] * block_size + positions % block_size
+        return cls.from_block_tables(kv_cache, block_tables, q_lens, seq_lens, device, impl, scale)
+
+    @classmethod
+    def from_block_tables(
+        cls,
+        kv_cache: KVCache,
+        block_tables: torch.Tensor,
+        q_lens: list[int],
+        seq_lens: list[int],
+        device: torch.device | str | None = None,
+        impl: str = "fast",
+        scale: float | None = None,
+    ) -> PagedAttention:
+        """Metadata from block tables already in a tensor (CPU, [S, >= the blocks each sequence
+        needs], padded with block 0), as the engine's persistent block table hands them over:
+        sequence s has q_lens[s] new tokens and seq_lens[s] tokens in all. Nothing is checked but
+        the slots' uniqueness; `build` checks its lists first and then comes here."""
+        device = kv_cache.device if device is None else torch.device(device)
+        block_size = kv_cache.block_size
+        num_seqs = len(q_lens)
+        seq_lens_t = long_tensor(seq_lens)
+        max_query_len = max(q_lens)
+        if max_query_len == 1:  # every sequence decodes: row s is sequence s, at its last position
+            num_rows = num_seqs
+            query_start_loc = torch.arange(num_seqs + 1)
+            positions = seq_lens_t - 1
+            blocks = block_tables.gather(1, (positions // block_size)[:, None]).squeeze(1)
+        else:
+            q_lens_t = long_tensor(q_lens)
+            query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.long)
+            torch.cumsum(q_lens_t, 0, out=query_start_loc[1:])
+            seq_of_row = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
+            num_rows = int(query_start_loc[-1])
+            positions = torch.arange(num_rows) + (seq_lens_t - q_lens_t - query_start_loc[:-1])[seq_of_row]
+            blocks = block_tables[seq_of_row, positions // block_size]
+        slot_mapping = blocks * block_size + positions % block_size
         if torch.unique(slot_mapping).numel() != num_rows:
             raise ValueError("seqs: two new tokens map to the same cache slot (a shared block written "
                              "without copy-on-write?)")
         groups = None
         if impl == "fast":
             groups = plan_groups(q_lens, seq_lens, block_tables, block_size, device, kv_cache.dtype,
-                                 chunk_tokens_for(kv_cache, device))
+                                 chunk_tokens_for(kv_cache, device), query_start_loc)
         return cls(kv_cache, slot_mapping.to(device), query_start_loc.to(device), seq_lens_t.to(device),
-                   block_tables.to(device), positions.to(device), impl, scale, groups, max(q_lens))
+                   block_tables.to(device), positions.to(device), impl, scale, groups, max_query_len)
 
     @property
     def num_seqs(self) -> int:
@@ -244,94 +251,6 @@ def chunk_tokens_for(kv_cache: KVCache, device: torch.device) -> int | None:
         return None
     per_token = kv_cache.num_kv_heads * kv_cache.head_dim * kv_cache.data.element_size()
     return max(kv_cache.block_size, CPU_GATHER_BYTES // per_token)
-
-
-def plan_groups(q_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int,
-                device: torch.device, dtype: torch.dtype, chunk_tokens: int | None = None) -> list[QueryGroup]:
-    """Split the batch into decodes (one new token) and prefills (more), and precompute each group's
-    gather indices and masks. Index arithmetic happens on the CPU; masks are built on `device`.
-
-    With `chunk_tokens`, each kind is further cut, longest sequences first, into groups that gather
-    at most that many key positions and spend at most a fifth of their work on padding: on a CPU a
-    group's gathered keys then stay in cache between the gather and the matmuls that read them, and
-    a few long sequences do not pad a batch of short ones. Fresh prompts are kept apart from
-    continued prefills, so their groups can skip the mask (see `QueryGroup`). Without it (GPUs),
-    one group per kind."""
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    groups = []
-    for is_decode in (True, False):
-        members = [s for s, n in enumerate(q_lens) if (n == 1) == is_decode]
-        if chunk_tokens is None:
-            chunks = [members] if members else []
-        else:
-            # Continued prefills first, then fresh prompts (which may skip the mask), longest first.
-            order = sorted(members, key=lambda s: (seq_lens[s] == q_lens[s], -seq_lens[s]))
-            chunks = _chunk(order, q_lens, seq_lens, block_size, chunk_tokens)
-        groups += [_plan_group(chunk, is_decode, q_lens, seq_lens, starts, block_tables, block_size, device, dtype)
-                   for chunk in chunks]
-    return groups
-
-
-def _chunk(members: list[int], q_lens: list[int], seq_lens: list[int], block_size: int,
-           chunk_tokens: int) -> list[list[int]]:
-    """Greedy cut of `members` (longest first) under the gather budget and the padding bound."""
-    chunks: list[list[int]] = []
-    current: list[int] = []
-    real_work = current_q_pad = 0
-    for s in members:
-        keys = math.ceil(seq_lens[current[0] if current else s] / block_size) * block_size
-        q_pad = max(q_lens[s], current_q_pad)
-        work = q_lens[s] * seq_lens[s]
-        size = len(current) + 1
-        fresh_changes = current and (seq_lens[s] == q_lens[s]) != (seq_lens[current[0]] == q_lens[current[0]])
-        if current and (size * keys > chunk_tokens or 4 * size * q_pad * keys > 5 * (real_work + work)
-                        or fresh_changes):
-            chunks.append(current)
-            current, real_work, current_q_pad = [], 0, 0
-        current.append(s)
-        real_work += work
-        current_q_pad = max(current_q_pad, q_lens[s])
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-def _plan_group(members: list[int], is_decode: bool, q_lens: list[int], seq_lens: list[int], starts: list[int],
-                block_tables: torch.Tensor, block_size: int, device: torch.device,
-                dtype: torch.dtype) -> QueryGroup:
-    num_seqs = len(members)
-    covers_batch = members == list(range(len(q_lens)))
-    q_pad = max(q_lens[s] for s in members)
-    num_blocks = max(math.ceil(seq_lens[s] / block_size) for s in members)
-    index = torch.tensor(members)
-    block_ids = block_tables.cpu()[index, :num_blocks].reshape(-1)
-    q_len = torch.tensor([q_lens[s] for s in members])[:, None]
-    seq_len = torch.tensor([seq_lens[s] for s in members])[:, None]
-    start = torch.tensor([starts[s] for s in members])[:, None]
-    i = torch.arange(q_pad)[None, :]
-    real = i < q_len  # [S, q_pad]
-    rows = (start + torch.minimum(i, q_len - 1)).reshape(-1)
-    query_pos = torch.where(real, seq_len - q_len + i, 0)
-    all_real = bool(real.all())
-    keep = None if all_real else real.reshape(-1).nonzero().squeeze(1)
-    out_rows = None if covers_batch else (rows if keep is None else rows[keep])
-    mask = None
-    if is_decode or any(seq_lens[s] != q_lens[s] for s in members):
-        key_pos = torch.arange(num_blocks * block_size, device=device)
-        allowed = key_pos[None, None, :] <= query_pos.to(device)[:, :, None]
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))[:, None]
-
-    def to_device(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device)
-
-    return QueryGroup(
-        is_decode=is_decode, num_seqs=num_seqs, q_pad=q_pad, num_blocks=num_blocks,
-        block_ids=block_ids.to(device), mask=mask,
-        rows=None if covers_batch and all_real else rows.to(device),
-        keep=to_device(keep), out_rows=to_device(out_rows),
-    )
 
 
 def gather_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, group: QueryGroup,

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from pagedrl.engine.attention import PagedAttention
+from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
 
 MAX_GRAPH_BATCH = 512
@@ -77,9 +78,10 @@ class DecodeGraphs:
     def size_for(self, num_seqs: int) -> int:
         return next(s for s in self.sizes if s >= num_seqs)
 
-    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+    def run(self, token_ids: list[int], positions: list[int], block_tables: torch.Tensor) -> torch.Tensor:
         """Hidden states [n, hidden] of one decode step: sequence i feeds token_ids[i] at positions[i]
-        and its block table covers that position. Valid until the next call."""
+        and row i of `block_tables` (CPU int64 [n, width], from the persistent block table) covers
+        that position. Valid until the next call."""
         n, bs = len(token_ids), self.block_size
         size = self.size_for(n)
         if self.record:  # record first: recording runs dummy rows through the persistent tensors
@@ -88,15 +90,14 @@ class DecodeGraphs:
                 with torch.cuda.device(self.model.device):
                     self.capture(size)
         host = torch.empty(4, size, dtype=torch.long)
-        host[0, :n] = torch.tensor(token_ids)
-        host[1, :n] = torch.tensor(positions)
-        host[2, :n] = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)])
-        host[3, :n] = host[1, :n] + 1
+        pos = long_tensor(positions)
+        host[0, :n] = long_tensor(token_ids)
+        host[1, :n] = pos
+        host[2, :n] = block_tables.gather(1, (pos // bs)[:, None]).squeeze(1) * bs + pos % bs
+        host[3, :n] = pos + 1
         host[:, n:] = torch.tensor([0, 0, -1, 1])[:, None]  # padding rows: write nothing, read one key
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
         self.ints[:, :size].copy_(host)
-        self.block_tables[:n, :width].copy_(tables)
+        self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables)
         if not self.record:
             return self._forward(size)[0, :n]
         graph, out = self.graphs[size]

@@ -29,16 +29,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from pagedrl.engine.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+from pagedrl.engine.block_table import BlockTable
+from pagedrl.engine.host_tensors import long_tensor
 
 SeqId = int | str
 
 
 @dataclass
 class _SeqBlocks:
-    """A sequence's block table, how many of its leading full blocks are hashed, its KV version."""
+    """A sequence's block table, how many of its leading full blocks are hashed, its KV version, and
+    its row in the persistent `BlockTable`."""
 
     weight_version: int
+    row: int
     blocks: list[KVBlock] = field(default_factory=list)
     num_hashed_blocks: int = 0
 
@@ -66,6 +72,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._seqs: dict[SeqId, _SeqBlocks] = {}
+        self.table = BlockTable()  # every live sequence's block ids, kept as they change
         self._weight_version = 0
         self._pending_copies: list[tuple[int, int]] = []
         self.prefix_cache_queries = 0
@@ -144,9 +151,15 @@ class KVCacheManager:
             )
         bs = self.block_size
         seq = self._seqs.get(seq_id)
+        if computed is None and seq is not None and self._fits_in_place(seq, num_computed_tokens, total):
+            # The common decode step: the new tokens go into blocks the sequence already owns alone,
+            # past its hashed ones: nothing to allocate, copy or check but the full blocks to cache.
+            if total // bs > seq.num_hashed_blocks:
+                self._cache_full_blocks(seq, token_ids, total, block_hashes)
+            return True
         hits = self._check_computed(seq_id, seq, computed)
         if seq is None:
-            seq = self._seqs[seq_id] = _SeqBlocks(self._weight_version)
+            seq = self._seqs[seq_id] = _SeqBlocks(self._weight_version, self.table.new_row())
         elif not seq.blocks:
             seq.weight_version = self._weight_version  # no keys and values yet: all computed from now on
         blocks = seq.blocks
@@ -180,6 +193,7 @@ class KVCacheManager:
             seq.num_hashed_blocks = len(hits)
             self.prefix_cache_queries += computed.num_queried_tokens
             self.prefix_cache_hits += computed.num_tokens
+        first_changed = len(blocks) - len(hits) if computed is not None else len(blocks)
         fresh = self.pool.get_new_blocks(num_needed)
         for i, new in zip(shared, fresh, strict=False):
             old = blocks[i]
@@ -187,9 +201,24 @@ class KVCacheManager:
             self.pool.free_blocks([old])  # still held by its other tables
             if i * bs < num_computed_tokens:
                 self._pending_copies.append((old.block_id, new.block_id))
+            first_changed = min(first_changed, i)
         blocks.extend(fresh[len(shared) :])
+        if first_changed < len(blocks):
+            self.table.write(seq.row, first_changed, [block.block_id for block in blocks[first_changed:]])
         self._cache_full_blocks(seq, token_ids, total, block_hashes)
         return True
+
+    def _fits_in_place(self, seq: _SeqBlocks, num_computed_tokens: int, total: int) -> bool:
+        """Whether tokens [num_computed_tokens, total) go into blocks the sequence holds alone, past its
+        hashed ones."""
+        bs = self.block_size
+        blocks = seq.blocks
+        if not (seq.num_hashed_blocks * bs <= num_computed_tokens < total <= len(blocks) * bs):
+            return False
+        first, last = num_computed_tokens // bs, (total - 1) // bs
+        if first == last:  # a decode: one block
+            return blocks[first].ref_count == 1
+        return all(blocks[i].ref_count == 1 for i in range(first, last + 1))
 
     def _check_computed(
         self, seq_id: SeqId, seq: _SeqBlocks | None, computed: ComputedBlocks | None
@@ -231,7 +260,9 @@ class KVCacheManager:
             raise ValueError(f"child_id {child_id!r} is already a live sequence")
         parent = self._get(parent_id)
         self.pool.touch(parent.blocks)
-        self._seqs[child_id] = _SeqBlocks(parent.weight_version, list(parent.blocks), parent.num_hashed_blocks)
+        child = _SeqBlocks(parent.weight_version, self.table.new_row(), list(parent.blocks), parent.num_hashed_blocks)
+        self.table.copy_row(parent.row, child.row)
+        self._seqs[child_id] = child
 
     def free(self, seq_id: SeqId) -> None:
         """Release a sequence's blocks. They are freed tail first, so its last blocks are evicted
@@ -242,6 +273,7 @@ class KVCacheManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self.pool.free_blocks(reversed(seq.blocks))
+            self.table.release(seq.row, len(seq.blocks))
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write block copies (src, dst) queued since the last call, to run in this order
@@ -256,6 +288,14 @@ class KVCacheManager:
 
     def block_table(self, seq_id: SeqId) -> list[int]:
         return [block.block_id for block in self._get(seq_id).blocks]
+
+    def block_table_rows(self, seq_ids: Sequence[SeqId], num_blocks: int) -> torch.Tensor:
+        """The first `num_blocks` block ids of each sequence's table, [len(seq_ids), num_blocks] int64,
+        padded with block 0: read from the persistent table, nothing rebuilt (see `BlockTable`)."""
+        seqs = self._seqs
+        rows = long_tensor([seqs[s].row if s in seqs else self._get(s).row for s in seq_ids])
+        self.table.reserve_cols(num_blocks)
+        return self.table.tensor[:, :num_blocks].index_select(0, rows)
 
     def slot(self, seq_id: SeqId, position: int) -> int:
         """Physical slot (block id * block_size + offset) holding token `position` of the sequence."""

@@ -23,7 +23,7 @@ from pagedrl.engine.model_runner import ModelRunner
 from pagedrl.engine.output_processor import logprob_entry, make_output
 from pagedrl.engine.outputs import RequestOutput
 from pagedrl.engine.sampler import Sampler, SamplingRow
-from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.engine.scheduler import Scheduler
 from pagedrl.engine.sequence import Request, Sequence
 from pagedrl.model.decoder import CausalLM
@@ -208,7 +208,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample; return the requests whose state changed."""
+        """Schedule, run one forward pass, sample; return the requests whose state changed (in
+        batch order): every request that streams (CUMULATIVE, DELTA) and every one that finished."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -219,18 +220,24 @@ class LLMEngine:
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         for r, (seq, pos) in enumerate(result.rows):
-            if pos == seq.num_tokens - 1:
+            if pos == len(seq.token_ids) - 1:
+                if seq.params.n == 1:
+                    sample_rows.append(r)
+                    sample_seqs.append(seq)
+                    continue
                 for child in self.fork_if_needed(seq):
                     sample_rows.append(r)
                     sample_seqs.append(child)
             else:
                 self.record_prompt_logprob(seq, pos, result.logits[r])
-        touched = dict.fromkeys(seq.request_id for seq in batch.seqs)  # in batch order
         if sample_seqs:
             logits = result.logits
-            if sample_rows != list(range(logits.shape[0])):  # else every row, in order: no [S, V] copy
-                logits = logits[torch.tensor(sample_rows, device=logits.device)]
+            if len(sample_rows) != logits.shape[0] or sample_rows[-1] != len(sample_rows) - 1:
+                logits = logits[torch.tensor(sample_rows, device=logits.device)]  # else every row, in order
             self.sample_and_append(logits, sample_seqs)
+        final_only = RequestOutputKind.FINAL_ONLY
+        touched = dict.fromkeys(seq.request_id for seq in batch.seqs
+                                if seq.params.output_kind is not final_only or seq.is_finished)
         outputs = []
         for rid in touched:
             req = self.requests.get(rid)
@@ -280,11 +287,7 @@ class LLMEngine:
                 seqs, masks = [seqs[i] for i in keep], [masks[i] for i in keep]
                 if not seqs:
                     return
-        rows = [SamplingRow(params=s.params, generator=s.generator, prompt_token_ids=s.prompt_token_ids,
-                          output_token_ids=s.output_token_ids if s.params.has_penalties else (),
-                          banned_token_ids=s.params.min_tokens_banned_ids(s.num_output_tokens, self.eos_token_ids),
-                          token_bitmask=masks[i])
-                for i, s in enumerate(seqs)]
+        rows = [s.sampling_row or self.sampling_row(s, masks[i]) for i, s in enumerate(seqs)]
         out = self.sampler(logits, rows)
         now = time.monotonic()
         tokens, raw = out.token_ids.tolist(), out.raw_logprobs.tolist()
@@ -301,8 +304,20 @@ class LLMEngine:
                 seq.grammar.accept(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self.generation_tokens += 1
             self.check_stop(seq, token)
+        self.generation_tokens += len(seqs)
+
+    def sampling_row(self, seq: Sequence, token_bitmask: torch.Tensor | None) -> SamplingRow:
+        """What the sampler needs about `seq` this step; kept on the sequence for the steps to come
+        when nothing in it can change (no penalties, no grammar, no min_tokens ban left)."""
+        p = seq.params
+        banned = p.min_tokens_banned_ids(seq.num_output_tokens, self.eos_token_ids)
+        row = SamplingRow(params=p, generator=seq.generator, prompt_token_ids=seq.prompt_token_ids,
+                          output_token_ids=seq.output_token_ids if p.has_penalties else (),
+                          banned_token_ids=banned, token_bitmask=token_bitmask)
+        if not p.has_penalties and seq.grammar is None and not banned:
+            seq.sampling_row = row
+        return row
 
     def check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
@@ -320,9 +335,9 @@ class LLMEngine:
             self.finish(seq, "stop", stop, flush=False)
         elif seq.grammar is not None and seq.grammar.is_stopped:
             self.finish(seq, "stop")  # the structured output is complete: only EOS could follow
-        elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        elif p.max_tokens is not None and len(seq.token_ids) - len(seq.prompt_token_ids) >= p.max_tokens:
             self.finish(seq, "length")
-        elif seq.num_tokens >= self.max_model_len:
+        elif len(seq.token_ids) >= self.max_model_len:
             self.finish(seq, "length")
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None, flush: bool = True) -> None:

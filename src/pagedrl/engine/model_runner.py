@@ -21,6 +21,7 @@ import torch
 
 from pagedrl.engine.attention import PagedAttention, resolve_impl
 from pagedrl.engine.cuda_graphs import DecodeGraphs
+from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.sequence import Sequence, wants_prompt_logprobs
@@ -69,8 +70,10 @@ class ModelRunner:
         if self.graphs is not None and self.is_plain_decode(seqs, num_new_tokens) \
                 and self.graphs.fits(len(seqs), max(seq.num_tokens for seq in seqs)):
             positions = [seq.num_computed_tokens for seq in seqs]
+            tables = self.kv_manager.block_table_rows([seq.seq_id for seq in seqs],
+                                                      -(-(max(positions) + 1) // self.block_size))
             hidden = self.graphs.run([seq.token_ids[p] for seq, p in zip(seqs, positions, strict=True)], positions,
-                                     [self.kv_manager.block_table(seq.seq_id) for seq in seqs])
+                                     tables)
             with self.precision():
                 logits = self.project(hidden)
             return ForwardResult(logits, [(seq, p) for seq, p in zip(seqs, positions, strict=True)])
@@ -84,26 +87,35 @@ class ModelRunner:
                    for seq, n in zip(seqs, num_new_tokens, strict=True))
 
     def execute_eager(self, seqs: list[Sequence], num_new_tokens: list[int]) -> ForwardResult:
+        """The step's new tokens in one row. Block tables come from the KV cache manager's persistent
+        table (read, not rebuilt); per sequence only its lengths and new token ids are listed."""
         device = self.model.device
         ids: list[int] = []
         rows: list[tuple[Sequence, int]] = []
         row_index: list[int] = []
-        layout = []
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
         for seq, n in zip(seqs, num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             base = len(ids)
-            ids.extend(seq.token_ids[start:start + n])
-            layout.append((self.kv_manager.block_table(seq.seq_id), start, n))
-            if wants_prompt_logprobs(seq):
+            if n == 1:
+                ids.append(seq.token_ids[start])
+            else:
+                ids.extend(seq.token_ids[start:start + n])
+            q_lens.append(n)
+            seq_lens.append(start + n)
+            if seq.params.prompt_logprobs is not None and wants_prompt_logprobs(seq):
                 # The row at position p predicts prompt token p + 1.
                 for p in range(start, min(start + n, seq.num_prompt_tokens - 1)):
                     rows.append((seq, p))
                     row_index.append(base + p - start)
-            if start + n == seq.num_tokens:
+            if start + n == len(seq.token_ids):
                 rows.append((seq, start + n - 1))
                 row_index.append(base + n - 1)
-        meta = PagedAttention.build(self.kv_cache, self.block_size, layout, device, impl=self.attention_impl)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=device)[None]
+        tables = self.kv_manager.block_table_rows([seq.seq_id for seq in seqs], -(-max(seq_lens) // self.block_size))
+        meta = PagedAttention.from_block_tables(self.kv_cache, tables, q_lens, seq_lens, device,
+                                                impl=self.attention_impl)
+        input_ids = long_tensor(ids).to(device)[None]
         hidden = self.model(input_ids, meta.positions[None], meta)[0]
         if not row_index:
             return ForwardResult(hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32), [])

@@ -203,8 +203,19 @@ class Sampler:
         logits = logits.float()
         vocab, device = logits.shape[1], logits.device
         raw = self._log_softmax(logits)
+        # One pass over the rows: whether any changes its logits, which rows draw (from their own
+        # generator or the shared one), whether any wants alternatives.
+        unchanged, seeded, shared, wants_top = True, [], [], False
+        for i, row in enumerate(rows):
+            p = row.params
+            if unchanged and not _leaves_logits_unchanged(row, vocab):
+                unchanged = False
+            if p.temperature != 0.0:
+                (shared if row.generator is None else seeded).append(i)
+            if p.logprobs is not None:
+                wants_top = True
         params = [row.params for row in rows]
-        if all(_leaves_logits_unchanged(row, vocab) for row in rows):
+        if unchanged:
             # Processing would return these very logits (dividing by 1.0 is exact), so the drawn-from
             # distribution is the raw one: skip two [S, V] passes that would recompute it bit for bit.
             logp = raw
@@ -218,12 +229,12 @@ class Sampler:
                 torch.tensor([p.min_p for p in params], device=device),
             )
             logp = F.log_softmax(x, dim=-1)
-        tokens = self._choose(logp, rows)
+        tokens = self._choose(logp, rows, seeded, shared)
         return SamplerOutput(
             token_ids=tokens,
             processed_logprobs=logp.gather(1, tokens[:, None]).squeeze(1),
             raw_logprobs=raw.gather(1, tokens[:, None]).squeeze(1),
-            top_logprobs=_top_logprobs(raw, logp, params, vocab),
+            top_logprobs=_top_logprobs(raw, logp, params, vocab) if wants_top else [None] * len(rows),
         )
 
     def _log_softmax(self, logits: Tensor) -> Tensor:
@@ -297,12 +308,11 @@ class Sampler:
                              f"rows {dead.nonzero().flatten().tolist()}")
         return masked
 
-    def _choose(self, logp: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
-        """Argmax for greedy rows; exponential race with the row's own noise for the rest."""
+    def _choose(self, logp: Tensor, rows: Sequence[SamplingRow], seeded: list[int], shared: list[int]) -> Tensor:
+        """Argmax for greedy rows; exponential race with the row's own noise for the rest (`seeded`
+        rows draw from their own generator, `shared` ones from the sampler's)."""
         tokens = logp.argmax(dim=-1)
         vocab, device = logp.shape[1], logp.device
-        seeded = [i for i, r in enumerate(rows) if not r.params.is_greedy and r.generator is not None]
-        shared = [i for i, r in enumerate(rows) if not r.params.is_greedy and r.generator is None]
         if not seeded and not shared:
             return tokens
         # Noise only for the drawn rows (seeded first, then shared), each row from its own stream.
@@ -321,7 +331,7 @@ def _leaves_logits_unchanged(row: SamplingRow, vocab: int) -> bool:
     """Whether penalties, bans, temperature and truncation all leave this row's logits as they are
     (no penalty or ban; temperature 0, or 1 with no top-k, top-p or min-p cut)."""
     p = row.params
-    if p.has_penalties or row.banned_token_ids or row.token_bitmask is not None:
+    if row.banned_token_ids or row.token_bitmask is not None or p.has_penalties:
         return False
     if p.temperature == 0.0:
         return True

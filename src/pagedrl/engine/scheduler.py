@@ -79,16 +79,15 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        scheduled: set[int] = set()
+        allocate = self.kv_manager.allocate_slots
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv_manager.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
-                                                     num_new, block_hashes=seq.block_hashes):
+            while not allocate(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new, None, seq.block_hashes):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is seq:
@@ -97,7 +96,6 @@ class Scheduler:
                 break
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
-            scheduled.add(seq.seq_id)
             budget -= num_new
             i += 1
 

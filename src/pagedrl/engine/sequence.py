@@ -19,6 +19,7 @@ import torch
 from pagedrl.engine.block_pool import BlockHash
 from pagedrl.engine.grammar import TokenMatcher
 from pagedrl.engine.outputs import Logprob
+from pagedrl.engine.sampler import SamplingRow
 from pagedrl.engine.sampling_params import SamplingParams
 
 
@@ -70,6 +71,9 @@ class Sequence:
     num_tokens_sent: int = 0
     num_chars_sent: int = 0
     finish_sent: bool = False
+    # What the sampler needs about it, kept once it can no longer change (no penalties, grammar or
+    # min_tokens ban in force): built once, not once per step (see LLMEngine.sampling_row).
+    sampling_row: SamplingRow | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
