@@ -99,14 +99,17 @@ def test_first_step_ratio_is_one_and_engine_agrees_with_trainer(tiny_train_model
 
 def test_rollouts_sampled_in_the_trainers_bf16_autocast(tiny_train_model, prompts_file) -> None:
     """Training under bf16 autocast: the engine samples under the same autocast from the same float32
-    master tensors (no copy), so the trainer's recompute gives the sampled log-probs again."""
+    master tensors (no copy), so the trainer's recompute gives the sampled log-probs again: exactly
+    while the engine's batches have the trainer's shapes, and within bf16 rounding (one bf16 step at
+    these magnitudes is ~4e-3) once a completion ends early and the batch shrinks."""
     algo = grpo(tiny_train_model, prompts_file, temperature=0.7, bf16=True)
     assert algo.llm.engine.model is algo.model and next(algo.model.parameters()).dtype == torch.float32
     assert algo.llm.engine.kv_cache.dtype == torch.bfloat16
     for b in algo.step_batches(1):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             flat = algo.token_logps(algo.model, b).logps
-        assert (b.to_padded(flat) - b.sampling_logps).abs().masked_fill(~b.mask, 0).max() < 1e-4
+        difference = (b.to_padded(flat) - b.sampling_logps).abs().masked_fill(~b.mask, 0)
+        assert difference.max() < 5e-3 and difference.sum() / b.mask.sum() < 1e-4
 
 
 def test_rollout_kv_is_sized_to_one_step(tiny_train_model, prompts_file) -> None:

@@ -103,6 +103,31 @@ def _raise_enospc(path, text):
     raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
 
+# -- a signal during the last step ---------------------------------------------------------------
+
+
+def test_a_signal_during_the_last_step_still_stops_and_saves(tiny_train_model, tmp_path) -> None:
+    """Ctrl-C that arrives while the run's last step runs (the step budget, or the time budget, ends
+    it) is not lost: the step is saved and the run raises, so a pipeline does not go on to its next
+    stage; resuming then writes final/."""
+    from pagedrl.train.interrupt import TrainingInterrupted
+
+    trainer = sft_trainer(tiny_train_model, tmp_path, max_steps=2, save_steps=1000)
+    real_run_step = trainer.run_step
+
+    def signalled_during_step_2() -> None:
+        real_run_step()
+        if trainer.step == 2:
+            trainer.stop.signum = 2  # what the SIGINT handler records
+
+    trainer.run_step = signalled_during_step_2
+    with pytest.raises(TrainingInterrupted):
+        trainer.train()
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2] and not (tmp_path / "final").exists()
+    resumed = sft_trainer(tiny_train_model, tmp_path, max_steps=2, save_steps=1000, resume_from_checkpoint=True)
+    assert resumed.train() == tmp_path / "final" and ckpt.is_complete(tmp_path / "final")
+
+
 # -- metrics.jsonl cut off mid-write ------------------------------------------------------------
 
 

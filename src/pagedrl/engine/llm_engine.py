@@ -244,10 +244,10 @@ class LLMEngine:
             if req is None:
                 continue
             out = make_output(req)
-            if req.is_finished:
-                del self.requests[rid]
             if out is not None:
                 outputs.append(out)
+            if out.finished if out is not None else req.is_finished:
+                del self.requests[rid]
         return outputs
 
     def fork_if_needed(self, seq: Sequence) -> list[Sequence]:

@@ -38,7 +38,8 @@ def logprob_entry(token: int, chosen: float, top: dict[int, float] | None,
 
 
 def _holdback(seq: Sequence) -> int:
-    return max((len(s) for s in seq.params.stop), default=1) - 1
+    stop = seq.params.stop
+    return max(len(s) for s in stop) - 1 if stop else 0
 
 
 def completion_output(seq: Sequence, delta: bool) -> CompletionOutput | None:

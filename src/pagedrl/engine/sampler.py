@@ -13,9 +13,9 @@ Choices worth knowing:
 - Greedy rows (temperature 0) take the argmax of the penalised logits, ignore top-k/top-p/min-p,
   and draw no randomness. Their processed log-prob is the log-softmax of the penalised logits
   (temperature 1) at the argmax: the distribution the argmax was read from.
-- Random rows use the exponential race argmax(p / E), E ~ Exp(1) drawn from the row's own
-  generator (or one shared generator for rows without a seed), so a seeded request draws the
-  same tokens whatever else is in the batch and whichever row it sits in.
+- Random rows use the exponential race argmax(p / E), E = -log U ~ Exp(1) with U drawn from the
+  row's own generator (or one shared generator for rows without a seed), so a seeded request
+  draws the same tokens whatever else is in the batch and whichever row it sits in.
 - A structured-output row (a grammar's token bitmask) has every refused token set to -inf before
   temperature and truncation, so the mask is part of the processed distribution: its processed
   log-probs are renormalised over the allowed tokens only, refused tokens have processed log-prob
@@ -190,6 +190,7 @@ class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
         self._raw: Tensor | None = None  # see `_log_softmax`
+        self._noise: Tensor | None = None  # see `_choose`
 
     def reseed(self, seed: int) -> None:
         """Restart the stream of rows without a generator of their own."""
@@ -238,17 +239,23 @@ class Sampler:
         )
 
     def _log_softmax(self, logits: Tensor) -> Tensor:
-        """`log_softmax(logits)`, on a CPU into a buffer kept across calls: a fresh [S, V] tensor is
-        mapped anew by the C allocator on every step, and its page faults cost three times the
-        log-softmax itself. Nothing returned by `__call__` aliases the buffer."""
+        """`log_softmax(logits)`, on a CPU into a buffer kept across calls (see `_kept`). Nothing
+        returned by `__call__` aliases the buffer."""
         if logits.device.type != "cpu" or logits.requires_grad:
             return F.log_softmax(logits, dim=-1)
-        buf = self._raw
-        if (buf is None or buf.numel() < logits.numel() or buf.dtype != logits.dtype
+        return torch.log_softmax(logits, dim=-1, out=self._kept("_raw", logits))
+
+    def _kept(self, name: str, like: Tensor) -> Tensor:
+        """A buffer shaped like `like`, kept on the sampler under `name` across calls: a fresh [S, V]
+        tensor is mapped anew by the C allocator on every step, and on a CPU its page faults cost
+        three times the log-softmax itself."""
+        buf = getattr(self, name)
+        if (buf is None or buf.numel() < like.numel() or buf.dtype != like.dtype or buf.device != like.device
                 or buf.is_inference() != torch.is_inference_mode_enabled()):
-            self._raw = None
-            buf = self._raw = torch.empty(logits.numel(), dtype=logits.dtype)
-        return torch.log_softmax(logits, dim=-1, out=buf[:logits.numel()].view(logits.shape))
+            setattr(self, name, None)
+            buf = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+            setattr(self, name, buf)
+        return buf[:like.numel()].view(like.shape)
 
     def _penalise(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
         picked = [i for i, row in enumerate(rows) if row.params.has_penalties]
@@ -311,20 +318,26 @@ class Sampler:
     def _choose(self, logp: Tensor, rows: Sequence[SamplingRow], seeded: list[int], shared: list[int]) -> Tensor:
         """Argmax for greedy rows; exponential race with the row's own noise for the rest (`seeded`
         rows draw from their own generator, `shared` ones from the sampler's)."""
-        tokens = logp.argmax(dim=-1)
-        vocab, device = logp.shape[1], logp.device
+        device = logp.device
         if not seeded and not shared:
-            return tokens
+            return logp.argmax(dim=-1)
         # Noise only for the drawn rows (seeded first, then shared), each row from its own stream.
-        noise = logp.new_empty(len(seeded) + len(shared), vocab)
+        drawn = seeded + shared
+        every = drawn == list(range(len(rows)))
+        picked = logp if every else logp.index_select(0, torch.tensor(drawn, device=device))
+        noise = self._kept("_noise", picked) if device.type == "cpu" else torch.empty_like(picked)
         for j, i in enumerate(seeded):
-            noise[j].exponential_(generator=rows[i].generator)
+            noise[j].uniform_(generator=rows[i].generator)
         if shared:
-            noise[len(seeded):].exponential_(generator=self.generator)
-        drawn = torch.tensor(seeded + shared, device=device)
-        # argmax(p / E) == argmax(log p - log E); a zero draw must not turn 0/0 into NaN.
-        race = logp.index_select(0, drawn) - noise.clamp_min(torch.finfo(noise.dtype).tiny).log()
-        return tokens.index_copy(0, drawn, race.argmax(dim=-1))
+            noise[len(seeded):].uniform_(generator=self.generator)
+        # E = -log U is Exp(1) for U uniform on [0, 1), and argmax(p / E) = argmax(log p - log E):
+        # the race as -log(-log U) added to log p, in place (a CPU's exponential_ costs four times
+        # uniform_ and two logs). U = 0 makes E infinite: that token cannot win.
+        race = noise.log_().neg_().log_().neg_().add_(picked)
+        winners = race.argmax(dim=-1)
+        if every:
+            return winners
+        return logp.argmax(dim=-1).index_copy(0, torch.tensor(drawn, device=device), winners)
 
 
 def _leaves_logits_unchanged(row: SamplingRow, vocab: int) -> bool:

@@ -217,6 +217,7 @@ class Trainer:
                 while self.step < self.total_steps and not self.out_of_time():
                     self.stop_if_asked()
                     self.run_step()
+                self.stop_if_asked()  # a signal during the last step stops the caller too (a pipeline's next stage)
                 final = self.save_final()
             finished = True
         finally:
