@@ -2,7 +2,8 @@
 
 Per optimizer step: ask the algorithm for this rank's micro-batches, sum their normaliser counts
 and all-reduce the sum (before any forward pass), then run each micro-batch's loss — divided by
-that global count — and backward, clip, step AdamW and the schedule, log, evaluate, save.
+that global count — and backward, clip, step AdamW and the schedule (`train/optim.py` builds
+them), log, evaluate, save.
 
 Why the gradient does not depend on the split: every micro-batch's loss is its sum divided by the
 step's global count, so the contributions of all micro-batches on all ranks add up to the loss of
@@ -21,7 +22,6 @@ Precision: float32 parameters and optimizer state; on CUDA the forward runs unde
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +46,7 @@ from pagedrl.train.distributed import (
 from pagedrl.train.interrupt import StopFlag, TrainingInterrupted
 from pagedrl.train.logging import RunLogger
 from pagedrl.train.metrics import Metric, MetricTotals, as_metric
+from pagedrl.train.optim import build_optimizer, total_steps
 from pagedrl.train.parallel import Parallel
 
 
@@ -71,43 +72,6 @@ class StepResult:
     num_micro_batches: int
 
 
-def decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: matrices and embeddings decay; biases and norm weights (1-D) do not."""
-    decay, no_decay = [], []
-    for _, p in module.named_parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def lr_lambda(kind: str, warmup: int, total: int):
-    """Multiplier of the peak learning rate at step s (0-based): linear warm-up over `warmup` steps,
-    then constant, linear to 0 or cosine to 0 at `total`, as transformers' schedules."""
-    if kind not in ("linear", "cosine", "constant"):
-        raise ValueError(f"lr_scheduler_type: expected linear, cosine or constant, got {kind!r}")
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return step / max(1, warmup)
-        if kind == "constant":
-            return 1.0
-        progress = (step - warmup) / max(1, total - warmup)
-        if kind == "linear":
-            return max(0.0, 1.0 - progress)
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-    return f
-
-
-def total_steps(config: TrainConfig, algorithm: Algorithm) -> int:
-    if config.max_steps > 0:
-        return config.max_steps
-    if not algorithm.num_examples or not algorithm.examples_per_step:
-        raise ValueError("max_steps: this algorithm has no dataset size to derive steps from num_train_epochs; "
-                         "set max_steps")
-    return max(1, math.ceil(config.num_train_epochs * algorithm.num_examples / algorithm.examples_per_step))
-
-
 class Trainer:
     def __init__(self, config: TrainConfig, algorithm: Algorithm, dist: DistInfo | None = None,
                  progress: bool = True) -> None:
@@ -129,11 +93,7 @@ class Trainer:
         self.bf16 = config.use_bf16(self.dist.device)
         self.total_steps = total_steps(config, algorithm)
         self.warmup_steps = config.num_warmup_steps(self.total_steps)
-        self.optimizer = torch.optim.AdamW(
-            decay_groups(self.module, config.weight_decay), lr=config.learning_rate,
-            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(config.lr_scheduler_type, self.warmup_steps, self.total_steps))
+        self.optimizer, self.scheduler = build_optimizer(self.module, config, self.warmup_steps, self.total_steps)
         self.output_dir = Path(config.output_dir)
         self.progress = progress
         self.step = 0

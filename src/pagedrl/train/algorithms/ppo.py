@@ -3,9 +3,10 @@ trainer loop.
 
 Each rollout: the in-process engine samples from the policy's own tensors; then, once per rollout
 and in the packed layout GRPO trains in (each prompt once, its completions after it), a no-grad
-pass computes what stays fixed while the rollout is trained on: the policy's log-probs (the
-ratio's denominator, under the rollout's own sampling params), the frozen reference's (for the
-KL penalty), the critic's values and the reward model's score at each completion's last token.
+pass (`ppo_rollout.py`) computes what stays fixed while the rollout is trained on: the policy's
+log-probs (the ratio's denominator, under the rollout's own sampling params), the frozen
+reference's (for the KL penalty), the critic's values and the reward model's score at each
+completion's last token.
 Per-token rewards are −kl_coef·KL plus the score at the last token; GAE turns them into
 advantages (whitened over the rollout) and returns. The rollout is then trained on for
 `num_ppo_epochs` epochs of `num_mini_batches` optimizer steps: the clipped surrogate for the
@@ -29,7 +30,6 @@ with the adapters off (no copy), and the critic trains its own adapter and head 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +38,11 @@ import torch
 from pagedrl.model.adapter import load_adapter_weights, write_adapter
 from pagedrl.model.checkpoint import load_weights, read_state_dict, save_checkpoint
 from pagedrl.model.heads import SequenceScorer
-from pagedrl.model.lora import disable_adapter
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.adapters import uses_lora
+from pagedrl.train.algorithms.ppo_rollout import RolloutTensors, rollout_tensors
 from pagedrl.train.distributed import DistInfo, all_reduce_sum
-from pagedrl.train.logprobs import logprobs_from_hidden, target_logprobs
+from pagedrl.train.logprobs import logprobs_from_hidden
 from pagedrl.train.losses import clipped_surrogate, clipped_value_loss
 from pagedrl.train.metrics import Metric
 from pagedrl.train.rl.advantages import explained_variance, ppo_targets
@@ -56,20 +56,6 @@ from pagedrl.train.rl.rewards import RewardFunc
 from pagedrl.train.rl.rollout import Rollout, sample, score_rollout
 
 LOG_RATIO_CLAMP = 20.0  # |log π − log π_ref| beyond this is numerical, not drift
-
-
-@dataclass
-class RolloutTensors:
-    """What one rollout is trained on, per completion ([C]) or per token ([C, L]), prompt-major."""
-
-    mask: torch.Tensor
-    old_logps: torch.Tensor
-    ref_logps: torch.Tensor
-    old_values: torch.Tensor
-    scores: torch.Tensor
-    rewards: torch.Tensor
-    advantages: torch.Tensor
-    returns: torch.Tensor
 
 
 class PPO(OnlineAlgorithm):
@@ -164,38 +150,11 @@ class PPO(OnlineAlgorithm):
         if self.reward_funcs:
             score_rollout(rollout, self.reward_funcs, c.reward_weights)
         self.rollout = rollout
-        C = len(rollout)
-        lengths = rollout.lengths
-        if bool((lengths == 0).any()):
+        if bool((rollout.lengths == 0).any()):
             raise ValueError(f"step {step}: the engine returned an empty completion; PPO needs at least one token")
-        L = int(lengths.max())
-        device = next(self.policy.parameters()).device
-        mask = (torch.arange(L)[None] < lengths[:, None]).to(device)
-        old, ref, values = (torch.zeros(C, L, device=device) for _ in range(3))
-        scores = torch.zeros(C, device=device)
-        self.data = RolloutTensors(mask, old, ref, values, scores, *(torch.zeros(C, L, device=device) for _ in range(3)))
-        self.model.eval()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            for b in (b for mini in self.micro_batches(0, 0) for b in mini):
-                Lb = b.mask.shape[1]
-                rows = b.completion_index
-                hidden, value_hidden = self.model(b.input_ids, positions=b.positions, meta=b.meta)
-                lp = logprobs_from_hidden(self.model.logits, hidden, b.predict_at, b.targets, self.sampling)
-                old[rows, :Lb] = b.to_padded(lp.logps)
-                flat = value_hidden.reshape(-1, value_hidden.shape[-1]).index_select(0, b.predict_at)
-                values[rows, :Lb] = b.to_padded(self.model.values(flat))
-                if self.ref_model is not None or self.base_is_reference:
-                    reference = self.ref_model if self.ref_model is not None else self.policy
-                    with disable_adapter(reference):
-                        ref[rows, :Lb] = b.to_padded(target_logprobs(reference, b.input_ids, b.positions, b.meta,
-                                                                     b.predict_at, b.targets, self.sampling).logps)
-                if self.reward_model is not None:
-                    h = self.reward_model(b.input_ids, positions=b.positions, meta=b.meta)
-                    at = reward_rows(b, self.reward_model.config.pad_token_id)
-                    scores[rows] = self.reward_model.scores(h.reshape(-1, h.shape[-1]).index_select(0, at))
-        self.model.train()
-        if self.reward_model is None:
-            scores.copy_(rollout.total_rewards.to(device=device, dtype=torch.float32))
+        reference = self.ref_model if self.ref_model is not None else self.policy if self.base_is_reference else None
+        batches = (b for mini in self.micro_batches(0, 0) for b in mini)
+        self.data = rollout_tensors(rollout, batches, self.model, reference, self.reward_model, self.sampling, self.bf16)
         self.shape_rewards(step, rollout, self.data)
 
     @torch.no_grad()
@@ -371,18 +330,6 @@ class PPO(OnlineAlgorithm):
                      f"{int(self.ref_model is not None or self.base_is_reference)}, reward model {int(self.reward_model is not None)} (no grad); "
                      "per optimizer step: policy+critic 1 (with grad)")
         return lines
-
-
-def reward_rows(b: PackedBatch, pad_token_id: int | None) -> torch.Tensor:
-    """[S] rows whose hidden state the reward model scores: where it was trained to read, the last
-    token of the completion that is not its pad id (transformers' rule, which `pagedrl rm` and TRL
-    follow). Each completion's end comes from its length; only its final token is compared with the
-    pad id, so a pad id that is also EOS (SmolLM2) moves the read to the token before that EOS."""
-    if pad_token_id is None:
-        return b.last_at
-    last_token = b.input_ids[0].index_select(0, b.last_at)
-    step_back = (last_token == pad_token_id) & (b.lengths > 1)
-    return b.last_at - step_back.long()
 
 
 def _params(module: torch.nn.Module) -> int:
