@@ -11,8 +11,9 @@ the overhead is the difference. Only steps where all sequences decode (one new t
     git worktree add /tmp/pagedrl-before addc16c    # the engine before its persistent batch
     PYTHONPATH=src python3 bench/bench_step_overhead.py --baseline /tmp/pagedrl-before/src
 
-Requests ask for FINAL_ONLY outputs, as `LLM.generate` and every trainer's rollouts do, and for
-DELTA outputs, as the server's streams do. Alone, the peer figure is the model's own forward (how
+Requests ask for FINAL_ONLY outputs, as `LLM.generate` and every trainer's rollouts do, for DELTA
+outputs, as the server's streams do, and for CUMULATIVE ones (SamplingParams' default, and the only
+kind before output kinds existed: `--kinds CUMULATIVE` against such a checkout). Alone, the peer figure is the model's own forward (how
 many forwards the engine's work costs per step). With `--baseline`, the peer is another checkout's
 engine on the same work: each configuration runs in fresh processes, one thread each, the two
 checkouts taking turns (`--rounds` each), and the medians and their ratio are printed.
@@ -54,13 +55,17 @@ def build_llm(vocab: int, num_seqs: int):
 
 def measure(num_seqs: int, steps: int, vocab: int, temperature: float, profile: bool,
             output_kind: str = "FINAL_ONLY") -> dict[str, float]:
-    from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
+    from pagedrl.engine import sampling_params
 
     llm = build_llm(vocab, num_seqs)
     engine = llm.engine
     rng = random.Random(0)
-    params = SamplingParams(temperature=temperature, max_tokens=steps + 1, ignore_eos=True, seed=None,
-                            output_kind=RequestOutputKind[output_kind])
+    kinds = getattr(sampling_params, "RequestOutputKind", None)
+    if kinds is None and output_kind != "CUMULATIVE":  # an engine from before output kinds
+        raise SystemExit(f"this checkout has no output kinds: only CUMULATIVE, not {output_kind}")
+    kind = {} if kinds is None else {"output_kind": kinds[output_kind]}
+    params = sampling_params.SamplingParams(temperature=temperature, max_tokens=steps + 1, ignore_eos=True,
+                                            seed=None, **kind)
     for _ in range(num_seqs):
         engine.add_request([rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))], params)
     inner: list[float] = []
@@ -101,7 +106,8 @@ def measure(num_seqs: int, steps: int, vocab: int, temperature: float, profile: 
             "overhead_ms": 1000 * statistics.median(overheads)}
 
 
-CONFIGS = [(0.0, "FINAL_ONLY"), (1.0, "FINAL_ONLY"), (0.0, "DELTA"), (1.0, "DELTA")]
+CONFIGS = [(0.0, "FINAL_ONLY"), (1.0, "FINAL_ONLY"), (0.0, "DELTA"), (1.0, "DELTA"), (0.0, "CUMULATIVE"),
+           (1.0, "CUMULATIVE")]
 
 
 def run_worker(src: str, args: argparse.Namespace, temperature: float, kind: str) -> dict[str, float]:
@@ -121,7 +127,7 @@ def compare(args: argparse.Namespace) -> None:
     print("| temperature | outputs | overhead, baseline (ms) | overhead, this checkout (ms) | ratio | "
           "forward + logits, baseline / this (ms) |")
     print("|---|---|---|---|---|---|")
-    for temperature, kind in CONFIGS:
+    for temperature, kind in [c for c in CONFIGS if c[1] in args.kinds.split(",")]:
         base, ours = [], []
         for _ in range(args.rounds):
             base.append(run_worker(args.baseline, args, temperature, kind))
@@ -142,6 +148,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print where the decode steps' time goes")
     parser.add_argument("--baseline", help="src folder of another pagedrl checkout to compare against")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kinds", default="FINAL_ONLY,DELTA,CUMULATIVE",
+                        help="output kinds to measure (an engine from before output kinds has CUMULATIVE only)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--temperature", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--output-kind", default="FINAL_ONLY", help=argparse.SUPPRESS)
@@ -156,7 +164,7 @@ def main() -> None:
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {args.num_seqs} sequences decoding, "
           f"1-layer tiny model, vocabulary {args.vocab}; medians over the all-decode steps")
-    for temperature, kind in CONFIGS:
+    for temperature, kind in [c for c in CONFIGS if c[1] in args.kinds.split(",")]:
         r = measure(args.num_seqs, args.steps, args.vocab, temperature, args.profile, kind)
         print(f"temperature {temperature}, {kind}: {r['steps']} steps | step {r['step_ms']:.2f} ms | model forward + "
               f"logits {r['forward_ms']:.2f} ms | engine overhead {r['overhead_ms']:.2f} ms "

@@ -292,8 +292,10 @@ class KVCacheManager:
     def block_table_rows(self, seq_ids: Sequence[SeqId], num_blocks: int) -> torch.Tensor:
         """The first `num_blocks` block ids of each sequence's table, [len(seq_ids), num_blocks] int64,
         padded with block 0: read from the persistent table, nothing rebuilt (see `BlockTable`)."""
-        seqs = self._seqs
-        rows = long_tensor([seqs[s].row if s in seqs else self._get(s).row for s in seq_ids])
+        try:
+            rows = long_tensor([self._seqs[s].row for s in seq_ids])
+        except KeyError as missing:
+            raise ValueError(f"unknown sequence {missing.args[0]!r} (never allocated, or already freed)") from None
         self.table.reserve_cols(num_blocks)
         return self.table.tensor[:, :num_blocks].index_select(0, rows)
 

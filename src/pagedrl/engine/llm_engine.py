@@ -274,7 +274,7 @@ class LLMEngine:
 
     def sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         masks: list[torch.Tensor | None] = [None] * len(seqs)
-        if any(s.grammar is not None for s in seqs):
+        if self._grammars is not None and any(s.grammar is not None for s in seqs):
             if self._bitmasks is None:
                 self._bitmasks = StepBitmasks(self.vocab_size)
             masks, failed = self._bitmasks.fill([s.grammar for s in seqs])

@@ -46,14 +46,15 @@ def completion_output(seq: Sequence, delta: bool) -> CompletionOutput | None:
     """Everything so far, or (delta) what this sequence has not delivered yet; None when a delta is empty."""
     start = seq.num_tokens_sent if delta else 0
     if delta:
-        finished = seq.is_finished
         if seq.finish_sent:
             return None
+        finished = seq.finish_reason is not None
+        num_output = len(seq.token_ids) - len(seq.prompt_token_ids)
         end_chars = len(seq.text) if finished else max(seq.num_chars_sent, len(seq.text) - _holdback(seq))
         text = seq.text[seq.num_chars_sent:end_chars]
-        if not text and start == seq.num_output_tokens and not finished:
+        if not text and start == num_output and not finished:
             return None
-        seq.num_chars_sent, seq.num_tokens_sent, seq.finish_sent = end_chars, seq.num_output_tokens, finished
+        seq.num_chars_sent, seq.num_tokens_sent, seq.finish_sent = end_chars, num_output, finished
     else:
         text = seq.text
     first = seq.num_prompt_tokens + start

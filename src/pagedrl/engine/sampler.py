@@ -206,21 +206,23 @@ class Sampler:
         raw = self._log_softmax(logits)
         # One pass over the rows: whether any changes its logits, which rows draw (from their own
         # generator or the shared one), whether any wants alternatives.
-        unchanged, seeded, shared, wants_top = True, [], [], False
+        unchanged, seeded, shared, wants_top, passed = True, [], [], False, None
         for i, row in enumerate(rows):
             p = row.params
-            if unchanged and not _leaves_logits_unchanged(row, vocab):
-                unchanged = False
+            if unchanged and (p is not passed or row.banned_token_ids or row.token_bitmask is not None):
+                # (rows of one request, or of one rollout, share their params: checked once)
+                unchanged = _leaves_logits_unchanged(row, vocab)
+                passed = p
             if p.temperature != 0.0:
                 (shared if row.generator is None else seeded).append(i)
             if p.logprobs is not None:
                 wants_top = True
-        params = [row.params for row in rows]
         if unchanged:
             # Processing would return these very logits (dividing by 1.0 is exact), so the drawn-from
             # distribution is the raw one: skip two [S, V] passes that would recompute it bit for bit.
             logp = raw
         else:
+            params = [row.params for row in rows]
             x = self._constrain(self._ban(self._penalise(logits, rows), rows), rows)
             x = process_logits(
                 x,
@@ -235,7 +237,8 @@ class Sampler:
             token_ids=tokens,
             processed_logprobs=logp.gather(1, tokens[:, None]).squeeze(1),
             raw_logprobs=raw.gather(1, tokens[:, None]).squeeze(1),
-            top_logprobs=_top_logprobs(raw, logp, params, vocab) if wants_top else [None] * len(rows),
+            top_logprobs=_top_logprobs(raw, logp, [row.params for row in rows], vocab) if wants_top
+            else [None] * len(rows),
         )
 
     def _log_softmax(self, logits: Tensor) -> Tensor:

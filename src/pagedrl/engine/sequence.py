@@ -127,7 +127,11 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        finished = SequenceStatus.FINISHED
+        for seq in self.seqs:  # (read for every request every step: no generator, no property calls)
+            if seq.status is not finished:
+                return False
+        return True
 
 
 def wants_prompt_logprobs(seq: Sequence) -> bool:
