@@ -10,17 +10,16 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from pagedrl.engine.attention import resolve_impl
+from pagedrl.engine.engine_config import EngineConfig
 from pagedrl.engine.grammar import GrammarCompiler, StepBitmasks
 from pagedrl.engine.kv_cache import KVCache, num_blocks_for_budget
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.model_runner import ModelRunner
-from pagedrl.engine.output_processor import logprob_entry, make_output
+from pagedrl.engine.output_processor import logprob_entry, make_output, record_prompt_logprob
 from pagedrl.engine.outputs import RequestOutput
 from pagedrl.engine.sampler import Sampler, SamplingRow
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -30,35 +29,6 @@ from pagedrl.model.decoder import CausalLM
 from pagedrl.model.tokenizer import find_stop_string
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineConfig:
-    block_size: int = 16
-    kv_cache_tokens: int | None = None  # budget in tokens; or
-    kv_cache_bytes: int | None = None  # budget in bytes; default on CUDA: a share of free memory
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    max_model_len: int | None = None
-    seed: int = 0
-    attention_impl: str = "auto"  # triton on CUDA, fast elsewhere; or "reference": the obviously-right loop
-    enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's name)
-    autocast_dtype: torch.dtype | None = None  # run the model under torch.autocast in this dtype (a trainer's bf16)
-
-    def validate(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        resolve_impl(self.attention_impl, "cpu")
-        if self.autocast_dtype not in (None, torch.bfloat16, torch.float16):
-            raise ValueError(f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {self.autocast_dtype!r}")
-        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
-            raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block "
-                             f"of block_size={self.block_size} tokens")
 
 
 class LLMEngine:
@@ -229,7 +199,7 @@ class LLMEngine:
                     sample_rows.append(r)
                     sample_seqs.append(child)
             else:
-                self.record_prompt_logprob(seq, pos, result.logits[r])
+                record_prompt_logprob(seq, pos, result.logits[r])
         if sample_seqs:
             logits = result.logits
             if len(sample_rows) != logits.shape[0] or sample_rows[-1] != len(sample_rows) - 1:
@@ -290,8 +260,10 @@ class LLMEngine:
         rows = [s.sampling_row or self.sampling_row(s, masks[i]) for i, s in enumerate(seqs)]
         out = self.sampler(logits, rows)
         now = time.monotonic()
-        tokens, raw = out.token_ids.tolist(), out.raw_logprobs.tolist()
-        processed = out.processed_logprobs.tolist()
+        # One copy to the host for the step's tokens and both log-probs (one synchronisation on a GPU);
+        # float64 holds the ids and the float32 log-probs exactly.
+        host = torch.stack((out.token_ids.double(), out.raw_logprobs.double(), out.processed_logprobs.double())).cpu()
+        tokens, raw, processed = host[0].long().tolist(), host[1].tolist(), host[2].tolist()
         for i, seq in enumerate(seqs):
             token = tokens[i]
             entry = None
@@ -344,18 +316,6 @@ class LLMEngine:
         if flush and seq.detokenizer is not None:
             seq.text += seq.detokenizer.flush()
         self.scheduler.finish(seq, reason, stop_reason)
-
-    def record_prompt_logprob(self, seq: Sequence, pos: int, logits: torch.Tensor) -> None:
-        if seq.prompt_logprobs is None:
-            seq.prompt_logprobs = [None] * seq.num_prompt_tokens
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        target = seq.prompt_token_ids[pos + 1]
-        k = seq.params.prompt_logprobs or 0
-        entry = {target: float(logp[target])}
-        if k:
-            vals, idx = logp.topk(k)
-            entry.update(zip(idx.tolist(), vals.tolist(), strict=True))
-        seq.prompt_logprobs[pos + 1] = entry
 
     # ------------------------------------------------------------------ outputs
     def decode_one(self, token: int) -> str | None:

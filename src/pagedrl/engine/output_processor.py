@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from pagedrl.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrl.engine.sampling_params import RequestOutputKind
 from pagedrl.engine.sequence import Request, Sequence
@@ -35,6 +37,21 @@ def logprob_entry(token: int, chosen: float, top: dict[int, float] | None,
             else:
                 entry[t] = Logprob(v, rank=rank, decoded_token=name(t))
     return entry
+
+
+def record_prompt_logprob(seq: Sequence, pos: int, logits: torch.Tensor) -> None:
+    """The entry of prompt token `pos + 1` from the logits of row `pos`: its log-prob, and the
+    `prompt_logprobs` best alternatives when asked for."""
+    if seq.prompt_logprobs is None:
+        seq.prompt_logprobs = [None] * seq.num_prompt_tokens
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    target = seq.prompt_token_ids[pos + 1]
+    k = seq.params.prompt_logprobs or 0
+    entry = {target: float(logp[target])}
+    if k:
+        vals, idx = logp.topk(k)
+        entry.update(zip(idx.tolist(), vals.tolist(), strict=True))
+    seq.prompt_logprobs[pos + 1] = entry
 
 
 def _holdback(seq: Sequence) -> int:
