@@ -344,7 +344,7 @@ def grpo(folder: Path, steps: int) -> dict[str, Any]:
     from unittest import mock
 
     from pagedrl.engine.llm import LLM
-    from pagedrl.train import grpo as grpo_module
+    from pagedrl.train.rl import online as online_module  # where the rollout engine is built
 
     out = {"autocast": grpo_run(folder, steps)}
     from_module = LLM.from_module
@@ -352,7 +352,7 @@ def grpo(folder: Path, steps: int) -> dict[str, Any]:
     def float32_engine(*args, **kwargs):
         return from_module(*args, **{**kwargs, "autocast_dtype": None})
 
-    with mock.patch.object(grpo_module.LLM, "from_module", float32_engine):
+    with mock.patch.object(online_module.LLM, "from_module", float32_engine):
         out["engine_float32"] = grpo_run(folder, min(steps, 2), label="engine float32")
     return out
 
