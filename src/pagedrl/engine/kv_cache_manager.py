@@ -151,7 +151,8 @@ class KVCacheManager:
             )
         bs = self.block_size
         seq = self._seqs.get(seq_id)
-        if computed is None and seq is not None and self._fits_in_place(seq, num_computed_tokens, total):
+        if computed is None and seq is not None and seq.num_hashed_blocks * bs <= num_computed_tokens < total \
+                and self._fits_in_place(seq.blocks, num_computed_tokens, total):
             # The common decode step: the new tokens go into blocks the sequence already owns alone,
             # past its hashed ones: nothing to allocate, copy or check but the full blocks to cache.
             if total // bs > seq.num_hashed_blocks:
@@ -208,12 +209,10 @@ class KVCacheManager:
         self._cache_full_blocks(seq, token_ids, total, block_hashes)
         return True
 
-    def _fits_in_place(self, seq: _SeqBlocks, num_computed_tokens: int, total: int) -> bool:
-        """Whether tokens [num_computed_tokens, total) go into blocks the sequence holds alone, past its
-        hashed ones."""
+    def _fits_in_place(self, blocks: list[KVBlock], num_computed_tokens: int, total: int) -> bool:
+        """Whether tokens [num_computed_tokens, total) go into blocks of `blocks` held by this sequence alone."""
         bs = self.block_size
-        blocks = seq.blocks
-        if not (seq.num_hashed_blocks * bs <= num_computed_tokens < total <= len(blocks) * bs):
+        if total > len(blocks) * bs:
             return False
         first, last = num_computed_tokens // bs, (total - 1) // bs
         if first == last:  # a decode: one block
