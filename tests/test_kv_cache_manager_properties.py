@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedrl.engine.block_pool import hash_block_tokens
+from pagedrl.engine.block_table import BlockTable
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 
 ALPHABET = st.integers(0, 2)
@@ -35,6 +36,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     )
     def setup(self, num_blocks: int, block_size: int, caching: bool) -> None:
         self.km = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.km.table = BlockTable(num_rows=1, num_cols=1)  # start tiny, so rows and columns grow all the time
         self.bs = block_size
         self.version = 0
         self.seqs: dict[int, dict] = {}  # id -> {"tokens": list[int], "computed": int, "hashes": list}
