@@ -178,3 +178,20 @@ def test_fresh_prompts_skip_the_mask_and_continued_prefills_keep_it() -> None:
     assert [(g.is_decode, g.mask is None) for g in groups] == [(True, False), (False, False)]
     only_fresh = attention.plan_groups([5, 3], [5, 3], tables[:2], 4, torch.device("cpu"), torch.float32)
     assert [(g.is_decode, g.mask is None) for g in only_fresh] == [(False, True)]
+
+
+def test_forked_samples_beside_prompt_log_prob_rows_read_their_own_logits() -> None:
+    """A step whose logits rows are not sampled one each, in order: a request forks into two samples
+    of its one row while another's prompt log-prob row is not sampled, so there are as many samples
+    as rows, the last one sampled. Each sample must still read its own row."""
+    from pagedrl.engine.llm import LLM
+
+    llm = LLM.from_module(tiny_model(), kv_cache_tokens=256)
+    forked = SamplingParams(n=2, temperature=0.0, max_tokens=4, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7, 8]], forked, use_tqdm=False)[0]
+    both = llm.generate([[5, 6, 7, 8], [9, 10]], [forked, SamplingParams(temperature=0.0, max_tokens=4,
+                                                                          ignore_eos=True, prompt_logprobs=1)],
+                        use_tqdm=False)[0]
+    expected = alone.outputs[0].token_ids
+    assert alone.outputs[1].token_ids == expected
+    assert [c.token_ids for c in both.outputs] == [expected, expected]

@@ -189,21 +189,25 @@ class LLMEngine:
             seq.num_computed_tokens += n
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        every_row_once = True  # each logits row sampled once, in order: no [S, V] copy to make
         for r, (seq, pos) in enumerate(result.rows):
             if pos == len(seq.token_ids) - 1:
                 if seq.params.n == 1:
                     sample_rows.append(r)
                     sample_seqs.append(seq)
                     continue
-                for child in self.fork_if_needed(seq):
+                children = self.fork_if_needed(seq)
+                every_row_once = every_row_once and len(children) == 1
+                for child in children:
                     sample_rows.append(r)
                     sample_seqs.append(child)
             else:
+                every_row_once = False
                 record_prompt_logprob(seq, pos, result.logits[r])
         if sample_seqs:
             logits = result.logits
-            if len(sample_rows) != logits.shape[0] or sample_rows[-1] != len(sample_rows) - 1:
-                logits = logits[torch.tensor(sample_rows, device=logits.device)]  # else every row, in order
+            if not every_row_once:
+                logits = logits[torch.tensor(sample_rows, device=logits.device)]
             self.sample_and_append(logits, sample_seqs)
         final_only = RequestOutputKind.FINAL_ONLY
         touched = dict.fromkeys(seq.request_id for seq in batch.seqs
