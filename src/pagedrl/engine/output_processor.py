@@ -24,6 +24,8 @@ from pagedrl.engine.sampling_params import RequestOutputKind
 from pagedrl.engine.sequence import Request, Sequence
 
 TokenName = Callable[[int], str | None]
+# read for every request every step: module constants, not an enum class's attribute lookups
+_FINAL_ONLY, _DELTA = RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA
 
 
 def logprob_entry(token: int, chosen: float, top: dict[int, float] | None,
@@ -60,44 +62,56 @@ def _holdback(seq: Sequence) -> int:
 
 
 def completion_output(seq: Sequence, delta: bool) -> CompletionOutput | None:
-    """Everything so far, or (delta) what this sequence has not delivered yet; None when a delta is empty."""
-    start = seq.num_tokens_sent if delta else 0
-    if delta:
-        if seq.finish_sent:
-            return None
-        finished = seq.finish_reason is not None
-        num_output = len(seq.token_ids) - len(seq.prompt_token_ids)
-        end_chars = len(seq.text) if finished else max(seq.num_chars_sent, len(seq.text) - _holdback(seq))
-        text = seq.text[seq.num_chars_sent:end_chars]
-        if not text and start == num_output and not finished:
-            return None
-        seq.num_chars_sent, seq.num_tokens_sent, seq.finish_sent = end_chars, num_output, finished
-    else:
-        text = seq.text
-    first = seq.num_prompt_tokens + start
-    return CompletionOutput(
-        index=seq.index, text=text, token_ids=seq.token_ids[first:], cumulative_logprob=seq.cumulative_logprob,
-        logprobs=seq.logprobs[start:] if seq.params.logprobs is not None else None,
-        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-        processed_logprobs=seq.processed_logprobs[start:], raw_logprobs=seq.raw_logprobs[start:])
+    """Everything so far, or (delta) what this sequence has not delivered yet; None when a delta is empty.
+
+    Built for every streaming request every step, so it reads each field once and passes them by position."""
+    if not delta:
+        return CompletionOutput(seq.index, seq.text, seq.token_ids[seq.num_prompt_tokens:], seq.cumulative_logprob,
+                                seq.logprobs[:] if seq.params.logprobs is not None else None, seq.finish_reason,
+                                seq.stop_reason, seq.processed_logprobs[:], seq.raw_logprobs[:])
+    if seq.finish_sent:
+        return None
+    finished = seq.finish_reason is not None
+    text, chars_sent, start = seq.text, seq.num_chars_sent, seq.num_tokens_sent
+    num_prompt = len(seq.prompt_token_ids)
+    num_output = len(seq.token_ids) - num_prompt
+    end_chars = len(text) if finished else max(chars_sent, len(text) - _holdback(seq))
+    if end_chars == chars_sent and start == num_output and not finished:
+        return None
+    seq.num_chars_sent, seq.num_tokens_sent, seq.finish_sent = end_chars, num_output, finished
+    return CompletionOutput(seq.index, text[chars_sent:end_chars], seq.token_ids[num_prompt + start:],
+                            seq.cumulative_logprob, seq.logprobs[start:] if seq.params.logprobs is not None else None,
+                            seq.finish_reason, seq.stop_reason, seq.processed_logprobs[start:],
+                            seq.raw_logprobs[start:])
 
 
 def make_output(req: Request) -> RequestOutput | None:
     """This step's output of `req` in its kind, or None when that kind has nothing to say now."""
-    kind = req.params.output_kind
+    params = req.params
+    kind = params.output_kind
     finished = req.is_finished
-    if kind is RequestOutputKind.FINAL_ONLY and not finished:
+    if kind is _FINAL_ONLY and not finished:
         return None
-    delta = kind is RequestOutputKind.DELTA
-    outs = [c for seq in req.seqs if (c := completion_output(seq, delta)) is not None]
-    if delta and not outs and not finished:
-        return None
-    first = req.seqs[0]
+    delta = kind is _DELTA
+    seqs = req.seqs
+    if len(seqs) == 1:
+        c = completion_output(seqs[0], delta)
+        if c is None:
+            if not finished:
+                return None
+            outs = []
+        else:
+            outs = [c]
+    else:
+        outs = [c for seq in seqs if (c := completion_output(seq, delta)) is not None]
+        if delta and not outs and not finished:
+            return None
+    first = seqs[0]
     prompt_lp = None
-    if req.params.prompt_logprobs is not None and first.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+    if params.prompt_logprobs is not None and first.prompt_logprobs is not None and not req.prompt_logprobs_sent:
         prompt_lp = [None if e is None else {t: Logprob(v) for t, v in e.items()} for e in first.prompt_logprobs]
         req.prompt_logprobs_sent = delta  # a delta stream sends them once, with its first output
-    ttft = (first.first_token_time - req.arrival) if first.first_token_time else None
-    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
-                         prompt_logprobs=prompt_lp,
-                         metrics={"arrival": req.arrival, **({"ttft": ttft} if ttft is not None else {})})
+    metrics = {"arrival": req.arrival}
+    if first.first_token_time:
+        metrics["ttft"] = first.first_token_time - req.arrival
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, prompt_lp, 0, metrics)
