@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedrl.engine.kv_cache_manager import ComputedBlocks, KVCacheManager
-from pagedrl.engine.sequence import Sequence, SequenceStatus, wants_prompt_logprobs
+from pagedrl.engine.sequence import RUNNING, Sequence, SequenceStatus, wants_prompt_logprobs
 
 
 @dataclass
@@ -92,7 +92,7 @@ class Scheduler:
                 self._preempt(victim, batch)
                 if victim is seq:
                     break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not RUNNING:
                 break
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
