@@ -13,7 +13,13 @@ random one (2 layers, hidden 64, context 2,048, built in a temporary folder) bec
 the server's per-token Python work (output building, JSON, the event loop) weighs the most, which is
 what this benchmark measures. `--model` runs it on any other.
 
-    .venv/bin/python bench/bench_server_logprobs.py [--model DIR] [--max-tokens 1800] [--streams 8]
+`--engine-only` runs part 2's workload in this process on the engine itself, with no server, no HTTP
+and no client process: a short request alone, then one after another while the eight streams (DELTA
+outputs with `logprobs=5`, as the server asks for them) decode. What it prints is the floor the
+server's ratio stands on, on this machine and model: how much slower a step is with eight long
+contexts in it than with one short one.
+
+    .venv/bin/python bench/bench_server_logprobs.py [--model DIR] [--max-tokens 1800] [--streams 8] [--engine-only]
 """
 
 from __future__ import annotations
@@ -103,6 +109,12 @@ def run_streams(url: str, n: int, max_tokens: int, started: Any, done: Any, resu
         done.set()
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def note(what: str, value: float) -> None:
     """Each figure as soon as it is measured (a slow run still leaves what it got)."""
     print(f"{what}: {value:.3f} s", file=sys.stderr, flush=True)
@@ -157,6 +169,45 @@ async def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, flo
     return out
 
 
+def engine_floor(model: str, args: argparse.Namespace) -> dict[str, float]:
+    """Part 2 on the engine in this process: the short request's seconds alone and beside the streams."""
+    from pagedrl import LLM, SamplingParams
+    from pagedrl.engine.sampling_params import RequestOutputKind
+
+    engine = LLM(model, kv_cache_tokens=args.kv_cache_tokens).engine
+    delta = RequestOutputKind.DELTA
+    short_params = SamplingParams(max_tokens=args.short_tokens, temperature=0.0, ignore_eos=True, output_kind=delta)
+    short_ids = engine.encode("hello there")
+
+    def alone() -> float:
+        engine.add_request(short_ids, short_params)
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return time.perf_counter() - t0
+
+    alone_s = statistics.median([alone() for _ in range(args.short_repeats)])
+    note("engine only: short request alone", alone_s)
+    stream_params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=5,
+                                   output_kind=delta)
+    for _ in range(args.streams):
+        engine.add_request(engine.encode(PROMPT), stream_params)
+    beside: list[float] = []
+    short_id, started, steps = None, 0.0, 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        if short_id is None and len(engine.requests) == args.streams:  # the streams are still running
+            short_id, started = engine.add_request(short_ids, short_params), time.perf_counter()
+        for out in engine.step():
+            if out.request_id == short_id and out.finished:
+                beside.append(time.perf_counter() - started)
+                short_id = None
+        steps += 1
+    streams_s = time.perf_counter() - t0
+    return {"short_alone_s": alone_s, "short_beside_s": statistics.median(beside), "short_beside_n": len(beside),
+            "streams_s": streams_s, "step_ms": 1000 * streams_s / steps}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: a tiny random model with a 2,048-token context")
@@ -168,6 +219,8 @@ def main() -> None:
                    help="pause between short requests beside the streams, which go on until a stream ends")
     p.add_argument("--repeats", type=int, default=3, help="runs of each single stream; the fastest counts")
     p.add_argument("--kv-cache-tokens", type=int, default=20480)
+    p.add_argument("--engine-only", action="store_true",
+                   help="part 2 on the engine in this process (no server): the floor of the server's ratio")
     args = p.parse_args()
     if args.streams < 1 or args.repeats < 1 or args.short_repeats < 1:
         p.error("--streams, --repeats and --short-repeats must be at least 1")
@@ -177,6 +230,22 @@ def main() -> None:
             from tiny_train import build_model_dir
 
             model = str(build_model_dir(Path(tmp) / "tiny", max_position_embeddings=2048))
+        if args.engine_only:
+            r = engine_floor(model, args)
+            print(f"""
+command: {' '.join(['.venv/bin/python', 'bench/bench_server_logprobs.py', *sys.argv[1:]])}
+model {args.model or 'tiny random (2 layers, hidden 64, context 2048)'}, float32, {torch_threads()} torch threads, \
+engine only (no server), 1-min load average {os.getloadavg()[0]:.1f} after
+
+| | seconds |
+|---|---|
+| {args.streams} `logprobs=5` streams of {args.max_tokens} tokens, all done | {r['streams_s']:.2f} ({r['step_ms']:.2f} ms a step) |
+| short request ({args.short_tokens} tokens) alone, median | {r['short_alone_s']:.4f} |
+| short request beside the {args.streams} streams, median of {int(r['short_beside_n'])} | {r['short_beside_s']:.4f} |
+
+short request beside {args.streams} streams / alone, engine only: **{r['short_beside_s'] / r['short_alone_s']:.2f}**
+""")
+            return
         log = Path(tmp) / "server.log"
         proc, url = start_server(model, args.kv_cache_tokens, log)
         try:
