@@ -2,7 +2,7 @@
 
 What an output holds depends on the request's `output_kind` (see output_processor.py); `add` merges
 DELTA outputs, for a consumer that wants the whole result in the end. They are slotted: a streaming
-engine builds one of each per request per step, and slots make that cheaper to build and to read.
+engine builds one of each per request per step, and none of them needs an instance dict.
 """
 
 from __future__ import annotations
