@@ -94,7 +94,7 @@ def make_output(req: Request) -> RequestOutput | None:
         return None
     delta = kind is _DELTA
     seqs = req.seqs
-    if len(seqs) == 1:
+    if len(seqs) == 1:  # most requests: no comprehension to build (50 of 450 us at 256 DELTA requests)
         c = completion_output(seqs[0], delta)
         if c is None:
             if not finished:
