@@ -74,7 +74,7 @@ def plan_groups(q_lens: list[int], seq_lens: list[int], block_tables: torch.Tens
         order = sorted(members, key=lambda s: (seq_lens[s] == q_lens[s], -seq_lens[s]))
         chunks = _chunk(order, q_lens, seq_lens, block_size, chunk_tokens)
     starts = query_start_loc.tolist()
-    groups += [_plan_group(chunk, False, q_lens, seq_lens, starts, block_tables, block_size, device, dtype)
+    groups += [_plan_group(chunk, q_lens, seq_lens, starts, block_tables, block_size, device, dtype)
                for chunk in chunks]
     return groups
 
@@ -190,9 +190,10 @@ def _chunk(members: list[int], q_lens: list[int], seq_lens: list[int], block_siz
     return chunks
 
 
-def _plan_group(members: list[int], is_decode: bool, q_lens: list[int], seq_lens: list[int], starts: list[int],
+def _plan_group(members: list[int], q_lens: list[int], seq_lens: list[int], starts: list[int],
                 block_tables: torch.Tensor, block_size: int, device: torch.device,
                 dtype: torch.dtype) -> QueryGroup:
+    """One group of prefills (decodes are planned by `_plan_decodes`)."""
     num_seqs = len(members)
     covers_batch = members == list(range(len(q_lens)))
     q_pad = max(q_lens[s] for s in members)
@@ -210,7 +211,7 @@ def _plan_group(members: list[int], is_decode: bool, q_lens: list[int], seq_lens
     keep = None if all_real else real.reshape(-1).nonzero().squeeze(1)
     out_rows = None if covers_batch else (rows if keep is None else rows[keep])
     mask = None
-    if is_decode or any(seq_lens[s] != q_lens[s] for s in members):
+    if any(seq_lens[s] != q_lens[s] for s in members):
         key_pos = torch.arange(num_blocks * block_size, device=device)
         allowed = key_pos[None, None, :] <= query_pos.to(device)[:, :, None]
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))[:, None]
@@ -219,7 +220,7 @@ def _plan_group(members: list[int], is_decode: bool, q_lens: list[int], seq_lens
         return None if t is None else t.to(device)
 
     return QueryGroup(
-        is_decode=is_decode, num_seqs=num_seqs, q_pad=q_pad, num_blocks=num_blocks,
+        is_decode=False, num_seqs=num_seqs, q_pad=q_pad, num_blocks=num_blocks,
         block_ids=block_ids.to(device), mask=mask,
         rows=None if covers_batch and all_real else rows.to(device),
         keep=to_device(keep), out_rows=to_device(out_rows),

@@ -104,7 +104,7 @@ class ModelRunner:
                 ids.extend(seq.token_ids[start:start + n])
             q_lens.append(n)
             seq_lens.append(start + n)
-            if seq.params.prompt_logprobs is not None and wants_prompt_logprobs(seq):
+            if wants_prompt_logprobs(seq):
                 # The row at position p predicts prompt token p + 1.
                 for p in range(start, min(start + n, seq.num_prompt_tokens - 1)):
                     rows.append((seq, p))
