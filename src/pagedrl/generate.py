@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from pagedrl.model.precision import DTYPE_CHOICES, DTYPE_HELP
+
 
 def generate_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pagedrl generate", description="Generate text with the paged engine.")
@@ -19,13 +21,15 @@ def generate_main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     args = parser.parse_args(argv)
 
     from pagedrl import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, adapter=args.adapter, kv_cache_tokens=args.kv_cache_tokens)
+    llm = LLM(args.model, adapter=args.adapter, kv_cache_tokens=args.kv_cache_tokens, dtype=args.dtype)
     load_s = time.perf_counter() - t0
+    print(f"[precision: {llm.precision.describe()}]", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
     t1 = time.perf_counter()

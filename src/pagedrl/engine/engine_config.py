@@ -24,6 +24,9 @@ class EngineConfig:
     attention_impl: str = "auto"  # triton on CUDA, fast elsewhere; or "reference": the obviously-right loop
     enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's name)
     autocast_dtype: torch.dtype | None = None  # run the model under torch.autocast in this dtype (a trainer's bf16)
+    # Under autocast, keep low-precision copies of the projection weights, made once per weight change
+    # (`cast_weights`); off where the module's parameters are swapped between steps (FSDP2's gathers).
+    cast_weights: bool = True
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

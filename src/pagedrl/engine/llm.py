@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -13,6 +14,9 @@ from pagedrl.engine.llm_engine import EngineConfig, LLMEngine
 from pagedrl.engine.outputs import RequestOutput
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.model.decoder import CausalLM
+from pagedrl.model.precision import Precision
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
@@ -40,12 +44,12 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, adapter: str | None = None, tokenizer: Any = None,
                  device: str | None = None,
-                 dtype: torch.dtype | None = None, kv_cache_tokens: int | None = None,
+                 dtype: torch.dtype | str | None = None, kv_cache_tokens: int | None = None,
                  kv_cache_bytes: int | None = None, block_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, max_model_len: int | None = None, seed: int = 0,
                  gpu_memory_utilization: float = 0.9, attention_impl: str = "auto", enforce_eager: bool = False,
-                 autocast_dtype: torch.dtype | None = None, _module: CausalLM | None = None,
+                 autocast_dtype: torch.dtype | None = None, cast_weights: bool = True, _module: CausalLM | None = None,
                  _eos_token_ids: list[int] | None = None) -> None:
         config = EngineConfig(block_size=block_size, kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=kv_cache_bytes,
                               gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
@@ -53,12 +57,19 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching,
                               enable_chunked_prefill=enable_chunked_prefill, max_model_len=max_model_len, seed=seed,
                               attention_impl=attention_impl, enforce_eager=enforce_eager,
-                              autocast_dtype=autocast_dtype)
+                              autocast_dtype=autocast_dtype, cast_weights=cast_weights)
         if _module is None:
             from pagedrl.model.loader import load_model
 
             loaded = load_model(model, device=device, dtype=dtype, adapter=adapter)
             _module, tokenizer, _eos_token_ids = loaded.model, loaded.tokenizer, loaded.eos_token_ids
+            self.precision = loaded.precision
+            logger.info("pagedrl engine: %s on %s", self.precision.describe(), _module.device)
+        elif autocast_dtype is not None:
+            self.precision = Precision(autocast_dtype, f"autocast over {str(_module.dtype).removeprefix('torch.')} "
+                                                       "weights, as the trainer computes")
+        else:
+            self.precision = Precision(_module.dtype, "the module's own")
         self.engine = LLMEngine(_module, tokenizer, config, eos_token_ids=_eos_token_ids)
         self._ids = itertools.count()
 

@@ -53,7 +53,8 @@ class LLMEngine:
                                    self.config.max_num_batched_tokens, self.config.enable_chunked_prefill)
         self.runner = ModelRunner(model, self.kv_cache, self.kv_manager, bs, self.config.attention_impl,
                                   enforce_eager=self.config.enforce_eager, autocast_dtype=self.config.autocast_dtype,
-                                  max_num_seqs=self.config.max_num_seqs, max_model_len=self.max_model_len)
+                                  max_num_seqs=self.config.max_num_seqs, max_model_len=self.max_model_len,
+                                  cast_weights=self.config.cast_weights)
         self.sampler = Sampler(torch.Generator(device=model.device).manual_seed(self.config.seed))
         eos = set(eos_token_ids or []) | set(cfg.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:

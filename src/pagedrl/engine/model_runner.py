@@ -8,7 +8,9 @@ instead (`cuda_graphs`), unless `enforce_eager`.
 
 The forward runs in the precision it is given: with `autocast_dtype` under `torch.autocast`, as a
 trainer's bf16 autocast runs the same module, so rollouts are sampled from the numbers training
-computes (the KV cache is then kept in that dtype too).
+computes (the KV cache is then kept in that dtype too). The projections then read bf16 copies of
+their float32 weights, made once per weight change rather than cast anew at every step
+(`cast_weights`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from pagedrl.engine.attention import PagedAttention, resolve_impl
+from pagedrl.engine.cast_weights import CastWeights
 from pagedrl.engine.cuda_graphs import DecodeGraphs
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
@@ -37,7 +40,11 @@ class ForwardResult:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, kv_manager: KVCacheManager, block_size: int,
                  attention_impl: str = "auto", *, enforce_eager: bool = False, autocast_dtype: torch.dtype | None = None,
-                 max_num_seqs: int = 256, max_model_len: int | None = None) -> None:
+                 max_num_seqs: int = 256, max_model_len: int | None = None, cast_weights: bool = True) -> None:
+        self.cast: CastWeights | None = None
+        if cast_weights and autocast_dtype is not None and model.dtype == torch.float32:
+            self.cast = CastWeights(model, autocast_dtype)
+            model = self.cast.twin  # type: ignore[assignment]
         self.model = model
         self.attention_impl = resolve_impl(attention_impl, model.device)
         self.autocast_dtype = autocast_dtype
@@ -64,6 +71,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> ForwardResult:
+        if self.cast is not None:
+            self.cast.refresh()
         copies = self.kv_manager.take_pending_copies()
         if copies:
             self.kv_cache.copy_blocks(copies)

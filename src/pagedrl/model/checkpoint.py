@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from pagedrl.model.config import ConfigError, ModelConfig
 from pagedrl.model.decoder import CausalLM
+from pagedrl.model.precision import choose_precision
 from pagedrl.model.rope import rope_inv_freq
 from pagedrl.model.staging import staged_folder
 
@@ -123,8 +124,8 @@ def load_causal_lm(folder: str | Path, device: str | torch.device = "cpu",
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
-    """float32 on CPU (no bf16 hardware there), bfloat16 on CUDA."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    """bfloat16 on CUDA and on CPUs that compute it natively, float32 elsewhere (`model/precision.py`)."""
+    return choose_precision(device).dtype
 
 
 def save_checkpoint(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path | None = None,

@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 
-from pagedrl.model.checkpoint import CheckpointError, default_dtype, load_causal_lm
+from pagedrl.model.checkpoint import CheckpointError, load_causal_lm
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.default import DEFAULT_MODEL, cache_dir, resolve_default_model
 from pagedrl.model.gguf import ensure_converted
+from pagedrl.model.precision import Precision, resolve_dtype
 from pagedrl.model.tokenizer import Tokenizer
 
 
@@ -24,6 +25,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     path: Path
     generation_config: dict[str, Any] = field(default_factory=dict)
+    precision: Precision | None = None  # the dtype the weights were loaded in, and why
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -50,12 +52,13 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
 
 def load_model(model: str | Path | None = None, device: str | torch.device | None = None,
-               dtype: torch.dtype | None = None, load_tokenizer: bool = True,
+               dtype: torch.dtype | str | None = None, load_tokenizer: bool = True,
                adapter: str | Path | None = None) -> LoadedModel:
     """`model` with, if given, a LoRA `adapter` folder folded into its weights (`model` None: the
     base the adapter names; `model` an adapter folder: the same); the tokenizer is the adapter
-    folder's when it holds one."""
+    folder's when it holds one. `dtype` None or "auto": the device's default (`model/precision.py`)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    precision = resolve_dtype(dtype, device)
     if adapter is None and model is not None and (Path(model).expanduser() / "adapter_config.json").is_file():
         adapter, model = model, None  # an adapter folder alone (a LoRA run's final/): on the base it names
     tokenizer_dir = None
@@ -63,11 +66,11 @@ def load_model(model: str | Path | None = None, device: str | torch.device | Non
         from pagedrl.model.merge import adapter_base, merged_causal_lm
 
         path = adapter_base(adapter, model)
-        net = merged_causal_lm(path, adapter, device=device, dtype=dtype or default_dtype(device))
+        net = merged_causal_lm(path, adapter, device=device, dtype=precision.dtype)
         tokenizer_dir = Path(adapter) if (Path(adapter) / "tokenizer.json").is_file() else None
     else:
         path = resolve_model_path(model)
-        net = load_causal_lm(path, device=device, dtype=dtype or default_dtype(device))
+        net = load_causal_lm(path, device=device, dtype=precision.dtype)
     tokenizer_dir = tokenizer_dir or path
     tokenizer = Tokenizer.from_folder(tokenizer_dir) if load_tokenizer and (tokenizer_dir / "tokenizer.json").is_file() \
         else None
@@ -78,4 +81,4 @@ def load_model(model: str | Path | None = None, device: str | torch.device | Non
             gen = json.loads(gen_path.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{gen_path}: not valid JSON ({e})") from None
-    return LoadedModel(net, tokenizer, path, gen)
+    return LoadedModel(net, tokenizer, path, gen, precision)

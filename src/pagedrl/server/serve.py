@@ -17,11 +17,11 @@ import signal
 import sys
 from typing import Any
 
+from pagedrl.model.precision import DTYPE_CHOICES, DTYPE_HELP
 from pagedrl.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedrl.server.inputs import DEFAULT_MAX_N
 
 logger = logging.getLogger("pagedrl.server")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
@@ -83,7 +83,6 @@ def draining_server(config: Any, engine: Any, shutdown_timeout: float) -> Any:
 
 def build_server(args: argparse.Namespace) -> Any:
     """The uvicorn server for parsed arguments (model loaded, app built, engine thread not yet started)."""
-    import torch
     import uvicorn
 
     from pagedrl.engine.async_engine import AsyncEngine
@@ -92,8 +91,7 @@ def build_server(args: argparse.Namespace) -> Any:
     from pagedrl.model.loader import load_model
     from pagedrl.server.app import build_app
 
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    loaded = load_model(args.model, device=args.device, dtype=dtype, adapter=args.adapter)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype, adapter=args.adapter)
     config = EngineConfig(block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, seed=args.seed, enforce_eager=args.enforce_eager)
@@ -104,7 +102,7 @@ def build_server(args: argparse.Namespace) -> Any:
                     model_root=str(loaded.path), api_key=args.api_key,
                     max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n)
     logger.info("serving %s (%s, %s on %s): %d KV blocks of %d tokens, max_model_len %d", name, loaded.path,
-                loaded.model.dtype, loaded.model.device, engine.kv_cache.num_blocks, args.block_size,
+                loaded.precision.describe() if loaded.precision else loaded.model.dtype, loaded.model.device, engine.kv_cache.num_blocks, args.block_size,
                 engine.max_model_len)
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                         access_log=not args.no_access_log,

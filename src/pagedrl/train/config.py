@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
+import torch
 import yaml
 
 from pagedrl.model.lora import ALL_LINEAR, LAYER_PROJECTIONS
+from pagedrl.model.precision import choose_precision
 
 REPORTERS: tuple[str, ...] = ("none", "jsonl", "tensorboard")
 # transformers' TrainingArguments `fsdp` options understood here; `auto_wrap` (one unit per decoder
@@ -95,7 +97,7 @@ class TrainConfig:
     # Hardware. TRL turns gradient checkpointing on by default; on a CPU with a small model it
     # only costs time, so it is off here.
     gradient_checkpointing: bool = False
-    bf16: bool | None = None  # None: bf16 on CUDA only (on CPU bf16 matmuls are far slower than fp32)
+    bf16: bool | None = None  # None: where the device computes bf16 natively (CUDA; CPUs with AVX512-BF16, AMX, Arm BF16)
     use_cpu: bool = False
     # Under torchrun: shard parameters, gradients and optimizer state with FSDP2 instead of
     # replicating them with DDP. transformers' spelling: "full_shard" (ZeRO-3) or "shard_grad_op"
@@ -153,10 +155,17 @@ class TrainConfig:
         _require(not unknown, "report_to", f"unknown {unknown}; expected some of {', '.join(REPORTERS)}")
 
     def use_bf16(self, device: str | Any) -> bool:
-        """Whether to compute in bfloat16 on `device` (a torch.device or its string)."""
+        """Whether to compute in bfloat16 on `device` (a torch.device or its string): `bf16` when
+        set, else where the device computes it natively (CUDA, a CPU with bf16 instructions)."""
         if self.bf16 is not None:
             return self.bf16
-        return str(device).split(":")[0] == "cuda"
+        return choose_precision(str(device)).dtype == torch.bfloat16
+
+    def precision_reason(self, device: str | Any) -> str:
+        """Why `use_bf16` says what it says, for the start-up line."""
+        if self.bf16 is not None:
+            return f"bf16={str(self.bf16).lower()}"
+        return choose_precision(str(device)).reason
 
     @property
     def fsdp_reshard_after_forward(self) -> bool | None:

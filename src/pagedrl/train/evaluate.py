@@ -4,12 +4,14 @@ paged engine (greedy), the same measurement GRPO logs as `eval/accuracy`."""
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.model.precision import DTYPE_CHOICES, DTYPE_HELP
 from pagedrl.train.data import PromptOnly, PromptRows, load_examples
 from pagedrl.train.rl.arithmetic import ArithmeticTask
 from pagedrl.train.rl.rewards import RewardFunc, last_integer_match, score
@@ -54,10 +56,12 @@ def eval_main(argv: list[str]) -> int:
     parser.add_argument("--num-problems", type=int, default=256, help="held-out problems (the task's eval set)")
     parser.add_argument("--seed", type=int, default=0, help="the task's seed (GRPO uses its config seed)")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     args = parser.parse_args(argv)
 
     task = ArithmeticTask(tuple(args.operations), args.low, args.high, args.num_problems, seed=args.seed)
-    llm = LLM(args.model)
+    llm = LLM(args.model, dtype=args.dtype)
+    print(f"[precision: {llm.precision.describe()}]", file=sys.stderr)
     rows, _ = load_examples(task.eval_rows(), PromptRows(llm.tokenizer, None))
     t0 = time.perf_counter()
     acc, _ = evaluate_rows(llm, rows, ("last_integer_match", last_integer_match), args.max_tokens)

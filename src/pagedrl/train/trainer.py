@@ -16,8 +16,9 @@ Each logged row holds `step`, `epoch`, `learning_rate`, `loss` (mean since the l
 (before clipping), the algorithm's metrics, `wall_time` and `train_time` (without evaluations), and
 evaluations are rows of their own (`eval/<name>`, at step 0 and every `eval_steps`).
 
-Precision: float32 parameters and optimizer state; on CUDA the forward runs under bfloat16 autocast
-(config `bf16`), on CPU in float32 (bf16 matmuls are ~50x slower there).
+Precision: float32 parameters and optimizer state; the forward and backward run under bfloat16
+autocast where the device computes bf16 natively (CUDA, a CPU with AVX512-BF16, AMX or Arm BF16:
+`model/precision.py`), in float32 elsewhere; config `bf16` forces either.
 """
 
 from __future__ import annotations
@@ -336,7 +337,7 @@ class Trainer:
         params = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
         lines = [
             f"pagedrl {a.name}: {params / 1e6:.2f}M trainable parameters on {d.device} "
-            f"({'bfloat16 autocast' if self.bf16 else 'float32'}"
+            f"({'bfloat16 autocast' if self.bf16 else 'float32'}: {c.precision_reason(d.device)}"
             f"{', activation checkpointing' if c.gradient_checkpointing else ''})",
             f"  examples per step   {a.examples_per_step} = {c.per_device_train_batch_size} per micro-batch "
             f"x {c.gradient_accumulation_steps} accumulation steps x {d.world_size} process(es)",

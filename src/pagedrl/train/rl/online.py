@@ -61,8 +61,9 @@ class OnlineAlgorithm(Algorithm):
             ("last_integer_match", last_integer_match) if self.source.task else None)
         self.eval_rows = self.source.eval_rows() if self.eval_reward is not None else []
         completions = prompts_per_rollout * config.num_generations
-        # The engine runs on the policy's parameters themselves: no copy, no sync; under the trainer's
-        # bf16 autocast when it trains under one, so rollouts are drawn from the numbers training computes.
+        # The engine runs on the policy's parameters themselves: no sync; under the trainer's bf16
+        # autocast when it trains under one, so rollouts are drawn from the numbers training computes
+        # (the projections from bf16 copies made once per optimizer step: `engine/cast_weights.py`).
         # Sharded (FSDP2), the whole weights are gathered anew for each rollout: no CUDA graph may
         # hold their addresses.
         bf16 = config.use_bf16(next(policy.parameters()).device)
@@ -70,7 +71,8 @@ class OnlineAlgorithm(Algorithm):
                                    kv_cache_tokens=config.kv_cache_tokens or rollout_kv_tokens(config, prompts_per_rollout),
                                    seed=config.seed, max_num_seqs=max(256, completions),
                                    autocast_dtype=torch.bfloat16 if bf16 else None,
-                                   enforce_eager=config.fsdp_reshard_after_forward is not None)
+                                   enforce_eager=config.fsdp_reshard_after_forward is not None,
+                                   cast_weights=config.fsdp_reshard_after_forward is None)
         self.sampling = SamplingParams(n=config.num_generations, temperature=config.temperature, top_p=config.top_p,
                                        top_k=config.top_k, min_p=config.min_p or 0.0,
                                        max_tokens=config.max_completion_length, seed=None)
