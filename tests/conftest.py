@@ -1,4 +1,7 @@
-"""Session fixtures: a private cache directory, and the real default model converted into it once."""
+"""Session fixtures: a private cache directory, the real default model converted into it once, and
+float32 as the CPU's default precision unless a test asks for bf16 (the parity tests against
+transformers, TRL and float64 hand computations are float32 ones; `test_precision.py` and the bf16
+tests choose bf16 themselves)."""
 
 from __future__ import annotations
 
@@ -6,6 +9,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def float32_by_default() -> Iterator[None]:
+    """The suite runs as on a CPU without native bf16 (servers and torchrun workers inherit it)."""
+    from pagedrl.model.precision import FORCE_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FORCE_ENV, "0")
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

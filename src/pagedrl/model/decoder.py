@@ -94,10 +94,17 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.register_buffer(
-            "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
-        )
+        self.rope = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", rope_inv_freq(*self.rope), persistent=False)
         self.gradient_checkpointing = False
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        """`.to(torch.bfloat16)` casts every buffer; the rotary frequencies stay float32 (in bf16
+        each is off by up to 0.2%, which at position 1000 turns the fastest pair by up to 2 radians)."""
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32 and self.inv_freq.device.type != "meta":
+            self.inv_freq = rope_inv_freq(*self.rope).to(self.inv_freq.device)
+        return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
