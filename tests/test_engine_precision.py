@@ -43,3 +43,88 @@ def test_bf16_autocast_engine_matches_a_dense_forward_under_the_same_autocast() 
         if ref.outputs[0].token_ids == comp.token_ids:
             gap = max(gap, (torch.tensor(ref.outputs[0].processed_logprobs) - dense).abs().max().item())
     assert gap > 2e-3  # the float32 engine is 7e-3 away: a difference the check above would catch
+
+
+def peaked(family: str, seed: int) -> CausalLM:
+    """A tiny model whose logits spread as a trained model's do (std ~1.2 rather than ~0.01 at the
+    default init), so bf16 rounding is visible in its log-probs."""
+    torch.manual_seed(seed)
+    model = CausalLM(ModelConfig.from_dict(FAMILIES[family])).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.15)
+    return model
+
+
+def test_bf16_engine_matches_a_dense_bf16_forward_of_the_same_module() -> None:
+    """A bf16 module (what `dtype="auto"` loads on a CPU with native bf16): the engine's greedy tokens
+    are the dense forward's argmax wherever bf16 rounding cannot swap it, its log-probs equal the
+    dense ones within bf16 rounding (here the float32 model is 0.02-0.04 away), its logits are
+    float32 and its KV cache is bf16 (half the bytes of float32)."""
+    model = peaked("llama-gqa-untied", 0).to(torch.bfloat16)
+    assert model.model.inv_freq.dtype == torch.float32
+    prompts = [torch.randint(3, 211, (n,)).tolist() for n in (4, 21, 40)]
+    llm = LLM.from_module(model, kv_cache_tokens=512, max_num_batched_tokens=29)
+    assert llm.engine.kv_cache.dtype == torch.bfloat16
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    gaps = []
+    for prompt, out in zip(prompts, outs, strict=True):
+        comp = out.outputs[0]
+        with torch.no_grad():
+            logits = model.logits(model(torch.tensor([prompt + comp.token_ids])))[0, len(prompt) - 1:-1]
+        assert logits.dtype == torch.float32
+        logp = torch.log_softmax(logits, -1)
+        top2 = logp.topk(2, -1).values
+        decided = (top2[:, 0] - top2[:, 1]) > 0.1  # where bf16 rounding cannot swap the argmax
+        chosen = torch.tensor(comp.token_ids)
+        assert torch.equal(chosen[decided], logp.argmax(-1)[decided])
+        gaps.append((torch.tensor(comp.processed_logprobs) - logp.gather(1, chosen[:, None])[:, 0]).abs())
+    gap = torch.cat(gaps)
+    assert gap.max() < 0.05 and gap.mean() < 0.01
+
+
+def test_seeded_bf16_sampling_is_batch_invariant() -> None:
+    model = peaked("llama-gqa-untied", 1).to(torch.bfloat16)
+    prompts = [torch.randint(3, 211, (n,)).tolist() for n in (7, 30, 12, 25)]
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=10, seed=99, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    alone = LLM.from_module(model, kv_cache_tokens=512).generate([prompts[1]], seeded, use_tqdm=False)
+    crowd = LLM.from_module(model, kv_cache_tokens=512, max_num_batched_tokens=19, seed=5).generate(
+        prompts, [other, seeded, other, other], use_tqdm=False)
+    assert crowd[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_autocast_engine_reads_bf16_copies_refreshed_per_weight_change() -> None:
+    """Under autocast the engine runs on a twin that shares the float32 tensors autocast leaves
+    alone and holds bf16 copies of the ones it casts: the same numbers, bit for bit, as autocast on
+    the masters; an in-place change of the masters (an optimizer step) is copied before the next step."""
+    torch.manual_seed(2)
+    model = CausalLM(ModelConfig.from_dict(FAMILIES["qwen2-bias-tied"])).eval()
+    llm = LLM.from_module(model, kv_cache_tokens=512, autocast_dtype=torch.bfloat16)
+    cast = llm.engine.runner.cast
+    assert cast is not None and cast.twin is not model and llm.engine.model is model
+    twin = cast.twin
+    assert twin.model.embed_tokens.weight is model.model.embed_tokens.weight  # float32, shared
+    assert twin.model.norm.weight is model.model.norm.weight
+    assert twin.lm_head.weight.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.float32
+    projections = sum(p.numel() for n, p in model.named_parameters() if "proj" in n) + model.lm_head.weight.numel()
+    assert cast.nbytes == 2 * projections
+    ids = torch.randint(3, 211, (1, 23))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(twin.logits(twin(ids)), model.logits(model(ids)))
+
+    prompt = ids[0].tolist()
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    before = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model.logits(model(ids)).logsumexp(-1).sum().backward()
+    optimizer.step()
+    llm.bump_weight_version()
+    after = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0]
+    assert cast.num_refreshes == 1
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logp = torch.log_softmax(model.logits(model(torch.tensor([prompt + after.token_ids])))[0, len(prompt) - 1:-1], -1)
+    dense = logp.gather(1, torch.tensor(after.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(after.processed_logprobs), dense, atol=5e-4, rtol=0)
+    assert not torch.allclose(torch.tensor(before.processed_logprobs), torch.tensor(after.processed_logprobs))
