@@ -1,4 +1,6 @@
-"""The engine benchmarks of issue 3, on the default SmolLM2-135M-Instruct in float32, in one run.
+"""The engine benchmarks of issue 3, on the default SmolLM2-135M-Instruct, in one run, in each
+precision of `--dtypes` (default: the chosen one, `auto`, and float32; transformers runs in the same
+dtype as pagedrl each time, and the last line compares pagedrl's precisions).
 
 1. Throughput: the same requests through `LLM.generate` and through transformers' `generate` in
    static batches (requests in order, each batch left-padded and run to its longest output, with
@@ -6,8 +8,9 @@
    Output and total (prompt + output) tokens/s over the whole run, prefill included. pagedrl runs
    twice: with `LLM()`'s defaults (a 4 GiB KV cache on a CPU), and with a KV cache that holds
    every request at once (what a GPU's free memory would give), so nothing waits or is preempted.
-2. Roofline: decode FLOP/s at `--roofline-seqs` concurrent sequences against the float32 matmul
-   peak of this machine (best `torch.mm` of large square matrices), measured in the same process.
+2. Roofline: decode FLOP/s at `--roofline-seqs` concurrent sequences against the matmul peak of
+   this machine in the first dtype of `--dtypes` (best `torch.mm` of large square matrices),
+   measured in the same process.
    FLOPs are every matmul the step runs: 2 * (decoder-layer parameters + the LM head's) per token,
    plus attention (4 * keys * heads * head_dim per token and layer); the figure without the LM head
    is shown too.
@@ -21,7 +24,7 @@
 
 Absolute times drift on a shared machine (the load average is printed); ratios hold better.
 
-    .venv/bin/python bench/bench_engine.py --no-fit          # the run recorded in RESULTS.md (25 min)
+    .venv/bin/python bench/bench_engine.py --no-fit          # the run recorded in RESULTS.md
     .venv/bin/python bench/bench_engine.py --num-requests 32 --scale 0.25 --parts throughput,kv
 """
 
@@ -52,21 +55,21 @@ from pagedrl.model.loader import resolve_model_path
 PARTS = ("throughput", "roofline", "kv", "prefix")
 
 
-def hf_kv_bytes(config, workload: list[Request], batch_size: int) -> int:
-    """Keys and values the largest static batch holds at its last step (float32)."""
+def hf_kv_bytes(config, workload: list[Request], batch_size: int, element_size: int) -> int:
+    """Keys and values the largest static batch holds at its last step."""
     rows = max(min(batch_size, len(workload) - i) * (max(len(r.prompt) for r in workload[i:i + batch_size])
                                                      + max(r.max_tokens for r in workload[i:i + batch_size]))
                for i in range(0, len(workload), batch_size))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return rows * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+    return rows * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element_size
 
 
-def matmul_peak(sizes: tuple[int, ...] = (2048, 4096), repeats: int = 5) -> float:
-    """Best float32 FLOP/s of `torch.mm` on large square matrices."""
+def matmul_peak(sizes: tuple[int, ...] = (2048, 4096), repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Best FLOP/s of `torch.mm` on large square matrices in `dtype`."""
     best = 0.0
     for n in sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        out = torch.empty(n, n)
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        out = torch.empty(n, n, dtype=dtype)
         torch.mm(a, b, out=out)
         for _ in range(repeats):
             start = time.perf_counter()
@@ -148,35 +151,12 @@ def load_avg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--scale", type=float, default=1.0, help="multiplies prompt and output lengths")
-    parser.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of the baseline")
-    parser.add_argument("--roofline-seqs", type=int, default=256)
-    parser.add_argument("--roofline-context", type=int, default=128)
-    parser.add_argument("--roofline-steps", type=int, default=5)
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--no-fit", action="store_true",
-                        help="run workload 1 with LLM()'s defaults only, not also with a KV cache that fits it")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    parts = set(args.parts.split(","))
-    if not parts <= set(PARTS):
-        raise ValueError(f"--parts must be a subset of {PARTS}, got {sorted(parts)}")
-    torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load_avg()}")
-
-    peak = matmul_peak()
-    print(f"[roofline] float32 matmul peak (torch.mm 2048/4096, best of 5): {peak / 1e9:.1f} GFLOP/s")
-
-    llm = LLM()
+def throughput_and_kv(llm: LLM, args: argparse.Namespace, parts: set[str], vocab: int) -> float:
+    """Parts 1 and 3 for one engine (and transformers in the engine's dtype); pagedrl's output tok/s
+    with LLM()'s defaults (0 when only the KV part ran)."""
     model, tokenizer = llm.engine.model, llm.tokenizer
-    vocab = model.config.vocab_size
     llm.generate([[100, 200, 300]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-
+    result = 0.0
     if parts & {"throughput", "kv"}:
         workload = make_workload(args.num_requests, args.scale, vocab)
         prompt_tokens = sum(len(r.prompt) for r in workload)
@@ -204,16 +184,16 @@ def main() -> None:
         gc.collect()
         peer_kv = None
         if "throughput" in parts:
-            hf, pad = load_transformers_model(resolve_model_path(None))
+            hf, pad = load_transformers_model(resolve_model_path(None), model.dtype)
             run_transformers(hf, workload[:2], 2, pad)  # warm-up
             peer, peer_kv = run_transformers(hf, workload, args.hf_batch_size, pad)
-            hf_gib = hf_kv_bytes(hf.config, workload, args.hf_batch_size) / 2**30
+            hf_gib = hf_kv_bytes(hf.config, workload, args.hf_batch_size, model.dtype.itemsize) / 2**30
             print(f"[transformers] static batches of {args.hf_batch_size} (largest holds {hf_gib:.2f} GiB of KV): "
                   f"{peer.seconds:.1f} s, load average {load_avg()}")
             for name, run in ours.items():
                 agree = sum(common_prefix(x, y) for x, y in zip(run.outputs, peer.outputs, strict=True))
                 print(f"[throughput] pagedrl ({name}) and transformers agree on {agree / output_tokens:.1%} of "
-                      f"output tokens up to the first difference (float32 rounding differs)")
+                      f"output tokens up to the first difference (rounding differs)")
             for name, run in ours.items():
                 print(f"[throughput] output tok/s: transformers {peer.output_tps:.1f} | pagedrl ({name}) "
                       f"{run.output_tps:.1f} | ratio {run.output_tps / peer.output_tps:.2f}x (goal >= 3x)")
@@ -221,14 +201,57 @@ def main() -> None:
                       f"{run.total_tps:.1f} | ratio {run.total_tps / peer.total_tps:.2f}x")
             del hf
             gc.collect()
+        result = ours["defaults"].output_tps
         for name, run in ours.items():
             line = (f"[kv] live tokens / allocated slots, mean over {len(run.kv_live)} steps: pagedrl ({name}) "
                     f"{run.kv_utilisation:.1%}")
             if peer_kv is not None:
                 line += f" | static batches (transformers) {peer_kv:.1%}"
             print(line + " (goal >= 95%)")
-    del llm
-    gc.collect()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies prompt and output lengths")
+    parser.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of the baseline")
+    parser.add_argument("--roofline-seqs", type=int, default=256)
+    parser.add_argument("--roofline-context", type=int, default=128)
+    parser.add_argument("--roofline-steps", type=int, default=5)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--dtypes", default="auto,float32",
+                        help="comma-separated precisions to run the throughput part in (auto, float32, bfloat16)")
+    parser.add_argument("--no-fit", action="store_true",
+                        help="run workload 1 with LLM()'s defaults only, not also with a KV cache that fits it")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    parts = set(args.parts.split(","))
+    if not parts <= set(PARTS):
+        raise ValueError(f"--parts must be a subset of {PARTS}, got {sorted(parts)}")
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load_avg()}")
+
+    dtypes = args.dtypes.split(",")
+    first = LLM(dtype=dtypes[0])
+    model, tokenizer = first.engine.model, first.tokenizer
+    vocab = model.config.vocab_size
+    peak = matmul_peak(dtype=model.dtype)
+    print(f"[roofline] {model.dtype} matmul peak (torch.mm 2048/4096, best of 5): {peak / 1e9:.1f} GFLOP/s")
+    del first
+    by_dtype: dict[str, float] = {}
+    for name in dtypes:
+        llm = LLM(dtype=name)
+        print(f"[precision] {name}: {llm.precision.describe()}")
+        by_dtype[str(llm.engine.model.dtype)] = throughput_and_kv(llm, args, parts, vocab)
+        del llm
+        gc.collect()
+    if len(by_dtype) == 2 and "throughput" in parts:
+        (low, low_tps), (high, high_tps) = sorted(by_dtype.items(), key=lambda kv: -kv[1])
+        print(f"[precision] pagedrl output tok/s: {low} {low_tps:.1f} | {high} {high_tps:.1f} | "
+              f"ratio {low_tps / high_tps:.2f}x")
 
     if "roofline" in parts:
         r = roofline(model, tokenizer, args.roofline_seqs, args.roofline_context, args.roofline_steps, vocab)

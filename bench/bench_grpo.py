@@ -3,11 +3,13 @@ the ratio and each one's split between generation and training.
 
 Same model (the default SmolLM2-135M-Instruct), same prompts (the built-in two-digit addition
 task, in the same order), G = 8 completions for each of 8 prompts per step, 64-token completions,
-temperature 1.0, learning rate 1e-5, beta 0, float32 (TRL: `bf16=False`, `use_cpu=True`; it
-generates with transformers, as it does on a machine without vLLM). Each trainer runs in its own
-process, so its peak resident memory (`ru_maxrss`) is its own.
+temperature 1.0, learning rate 1e-5, beta 0, the same precision on both sides (`--bf16 true`:
+float32 master weights under bf16 autocast; TRL `bf16=True`, `use_cpu=True`; it generates with
+transformers, as it does on a machine without vLLM). `pagedrl-float32` in `--configs` is pagedrl
+in float32 whatever `--bf16` says, for the bf16 / float32 ratio of one run. Each trainer runs in its
+own process, so its peak resident memory (`ru_maxrss`) is its own.
 
-  .venv/bin/python bench/bench_grpo.py [--steps 3] [--configs pagedrl,trl]
+  .venv/bin/python bench/bench_grpo.py [--steps 3] [--configs pagedrl,pagedrl-float32,trl] [--bf16 true]
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_pagedrl(steps: int, out: Path) -> dict:
+def run_pagedrl(steps: int, out: Path, bf16: bool) -> dict:
     from pagedrl.train.algorithms.grpo import run_grpo
     from pagedrl.train.rl.config import GRPOConfig
 
@@ -37,15 +39,16 @@ def run_pagedrl(steps: int, out: Path) -> dict:
                         per_device_train_batch_size=16, gradient_accumulation_steps=PROMPTS * G // 16,
                         max_completion_length=LENGTH, temperature=1.0, learning_rate=LR, lr_scheduler_type="constant",
                         max_steps=steps, beta=0.0, logging_steps=1, save_steps=10_000, report_to=["jsonl"],
-                        task_num_eval=256)
+                        task_num_eval=256, bf16=bf16)
     run_grpo(config, progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "step_time" in r]
     return {"step": [r["step_time"] for r in rows], "generate": [r["rollout/seconds"] for r in rows],
-            "reward": [r["reward"] for r in rows]}
+            "reward": [r["reward"] for r in rows],
+            "logp_difference": [r["sampling/sampling_logp_difference/mean"] for r in rows]}
 
 
-def run_trl(steps: int, out: Path) -> dict:
+def run_trl(steps: int, out: Path, bf16: bool) -> dict:
     import torch
     import transformers
     from datasets import Dataset
@@ -85,7 +88,7 @@ def run_trl(steps: int, out: Path) -> dict:
     config = GRPOConfig(output_dir=str(out), per_device_train_batch_size=16, gradient_accumulation_steps=4,
                         num_generations=G, max_completion_length=LENGTH, temperature=1.0, learning_rate=LR,
                         lr_scheduler_type="constant", beta=0.0, max_steps=steps, logging_steps=1, save_strategy="no",
-                        report_to="none", bf16=False, use_cpu=True, shuffle_dataset=False, seed=42,
+                        report_to="none", bf16=bf16, use_cpu=True, shuffle_dataset=False, seed=42,
                         gradient_checkpointing=False)
     model = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path(None), dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_path(None))
@@ -101,9 +104,12 @@ def run_trl(steps: int, out: Path) -> dict:
     return {"step": spans, "generate": per_step_gen, "reward": rewards}
 
 
-def worker(name: str, steps: int, result: Path) -> None:
+def worker(name: str, steps: int, result: Path, bf16: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        data = (run_pagedrl if name == "pagedrl" else run_trl)(steps, Path(tmp) / "out")
+        if name == "trl":
+            data = run_trl(steps, Path(tmp) / "out", bf16)
+        else:
+            data = run_pagedrl(steps, Path(tmp) / "out", bf16 and name == "pagedrl")
     data["peak_rss_mib"] = peak_rss_mib()
     result.write_text(json.dumps(data))
 
@@ -114,22 +120,31 @@ def main() -> None:
     parser.add_argument("--configs", default="pagedrl,trl")
     parser.add_argument("--worker", default=None)
     parser.add_argument("--result", default=None)
+    parser.add_argument("--bf16", choices=("true", "false"), default="false",
+                        help="both sides under bf16 autocast (float32 master weights)")
     args = parser.parse_args()
+    bf16 = args.bf16 == "true"
     if args.worker:
-        worker(args.worker, args.steps, Path(args.result))
+        worker(args.worker, args.steps, Path(args.result), bf16)
         return
     results = {}
     for name in args.configs.split(","):
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             subprocess.run([sys.executable, __file__, "--worker", name, "--steps", str(args.steps),
-                            "--result", f.name], check=True)
+                            "--result", f.name, "--bf16", args.bf16], check=True)
             results[name] = json.loads(Path(f.name).read_text())
-    print(f"\nGRPO, SmolLM2-135M float32, {PROMPTS} prompts x G={G}, {LENGTH}-token completions, {args.steps} steps")
+    print(f"\nGRPO, SmolLM2-135M {'bf16 autocast' if bf16 else 'float32'}, {PROMPTS} prompts x G={G}, {LENGTH}-token completions, {args.steps} steps")
     print(f"{'':10} {'median step s':>14} {'generate s':>11} {'train s':>9} {'peak RSS MiB':>13}  rewards")
     for name, r in results.items():
         step, gen = statistics.median(r["step"]), statistics.median(r["generate"])
         print(f"{name:10} {step:14.1f} {gen:11.1f} {step - gen:9.1f} {r['peak_rss_mib']:13.0f}  "
               f"{[round(x, 3) for x in r['reward']]}")
+        if "logp_difference" in r:
+            print(f"{'':10} sampling/sampling_logp_difference/mean per step: "
+                  f"{[f'{x:.1e}' for x in r['logp_difference']]}")
+    if {"pagedrl", "pagedrl-float32"} <= results.keys():
+        ratio = statistics.median(results["pagedrl-float32"]["step"]) / statistics.median(results["pagedrl"]["step"])
+        print(f"pagedrl float32 median step / pagedrl median step: {ratio:.2f}x")
     if {"pagedrl", "trl"} <= results.keys():
         ratio = statistics.median(results["trl"]["step"]) / statistics.median(results["pagedrl"]["step"])
         print(f"speed-up (TRL median step / pagedrl median step): {ratio:.2f}x (goal >= 3x)")

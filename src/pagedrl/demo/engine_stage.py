@@ -49,7 +49,7 @@ def measure_paged(plan: DemoPlan) -> dict[str, Any]:
     preemptions = llm.stats()["num_preemptions"]
     del llm
     gc.collect()
-    hf, pad = load_transformers_model(resolve_model_path(plan.model))
+    hf, pad = load_transformers_model(resolve_model_path(plan.model), model.dtype)  # the same precision
     run_transformers(hf, workload[1:3], 2, pad)  # warm-up
     peer, peer_kv = run_transformers(hf, workload, plan.hf_batch_size, pad)
     del hf
@@ -58,6 +58,7 @@ def measure_paged(plan: DemoPlan) -> dict[str, Any]:
     assert ours.snapshot is not None
     return {
         "num_requests": len(workload), "num_sequences": sum(r.n for r in workload),
+        "precision": loaded.precision.describe() if loaded.precision else str(model.dtype),
         "prompt_tokens": ours.prompt_tokens, "output_tokens": ours.output_tokens,
         "pagedrl_seconds": ours.seconds, "pagedrl_output_tps": ours.output_tps, "pagedrl_steps": len(ours.kv_live),
         "pagedrl_preemptions": preemptions, "pagedrl_kv_utilisation": ours.kv_utilisation,

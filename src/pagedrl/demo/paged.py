@@ -200,14 +200,15 @@ def run_transformers(model: Any, workload: list[Request], batch_size: int, pad_t
     return run, live_total / slots_total
 
 
-def load_transformers_model(path: Any) -> tuple[Any, int]:
-    """The same weights in transformers (float32, eval mode) and the pad id its `generate` needs."""
+def load_transformers_model(path: Any, dtype: torch.dtype = torch.float32) -> tuple[Any, int]:
+    """The same weights in transformers (in pagedrl's precision, eval mode) and the pad id its
+    `generate` needs."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
     pad = hf.generation_config.pad_token_id
     if pad is None:
         pad = hf.generation_config.eos_token_id
