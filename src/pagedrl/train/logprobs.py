@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pagedrl.engine.sampler import processed_logprobs
+from pagedrl.engine.sampler import processed_log_softmax
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.train.losses import entropy_from_logits
 
@@ -58,18 +58,27 @@ def logprobs_from_hidden(head: Callable[[torch.Tensor], torch.Tensor], hidden: t
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, predict_at)
     processed = sampling is not None and not sampling.is_greedy
     temperature = sampling.temperature if processed and sampling is not None else 1.0
+    # Without truncation the processed distribution is softmax(logits / temperature), whose entropy
+    # is what is logged: it is read from the same log-probs rather than from a second pass.
+    untruncated = processed and sampling is not None and sampling.top_k in (0, -1) and sampling.top_p >= 1.0 \
+        and not sampling.min_p
     parts: dict[str, list[torch.Tensor]] = {"logps": [], "entropy": [], "correct": [], "mean_logit": []}
     for start in range(0, rows.shape[0], chunk_rows):
         logits = head(rows[start:start + chunk_rows]).float()
         t = targets[start:start + chunk_rows]
+        full = None
         if processed:
             assert sampling is not None  # the engine's own function: the logprob contract, bit for bit
-            lp = processed_logprobs(logits, t, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+            full = processed_log_softmax(logits, sampling.temperature, sampling.top_k, sampling.top_p,
+                                         sampling.min_p)
+            lp = full.gather(1, t[:, None]).squeeze(1)
         else:
             lp = logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
         parts["logps"].append(lp)
         with torch.no_grad():
-            if entropy:
+            if entropy and untruncated and full is not None:
+                parts["entropy"].append(torch.special.entr(full.detach().exp()).sum(-1))
+            elif entropy:
                 parts["entropy"].append(entropy_from_logits(logits / temperature))
             if correct:
                 parts["correct"].append(logits.argmax(-1) == t)
