@@ -128,3 +128,37 @@ def test_autocast_engine_reads_bf16_copies_refreshed_per_weight_change() -> None
     dense = logp.gather(1, torch.tensor(after.token_ids)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(after.processed_logprobs), dense, atol=5e-4, rtol=0)
     assert not torch.allclose(torch.tensor(before.processed_logprobs), torch.tensor(after.processed_logprobs))
+
+
+def test_bf16_copies_of_an_adapted_model_follow_the_adapter() -> None:
+    """LoRA: the twin holds bf16 copies of the frozen base and of the adapter; an optimizer step on
+    the adapter alone refreshes what changed, and switching the adapter off on the master switches
+    it off on the twin."""
+    from pagedrl.engine.cast_weights import CastWeights
+    from pagedrl.model.lora import LoRAConfig, apply_lora, disable_adapter
+
+    torch.manual_seed(3)
+    model = CausalLM(ModelConfig.from_dict(FAMILIES["llama-gqa-untied"])).eval()
+    apply_lora(model, LoRAConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["all-linear"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.2)
+    cast = CastWeights(model, torch.bfloat16)
+    ids = torch.randint(3, 211, (1, 17))
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        cast.refresh()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return cast.twin.logits(cast.twin(ids)), model.logits(model(ids))
+
+    twin, master = both()
+    assert torch.equal(twin, master)
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    optimizer = torch.optim.SGD(lora, lr=0.3)
+    model.logits(model(ids)).logsumexp(-1).sum().backward()
+    optimizer.step()
+    after_twin, after_master = both()
+    assert torch.equal(after_twin, after_master) and not torch.equal(after_master, master)
+    with disable_adapter(model):
+        off_twin, off_master = both()
+    assert torch.equal(off_twin, off_master) and not torch.equal(off_master, after_master)
