@@ -120,6 +120,12 @@ def demo_main(argv: list[str]) -> int:
         return 2
     plan = DemoPlan.preset(args.quick, output_dir=args.output_dir or ("runs/demo-quick" if args.quick else "runs/demo"),
                            budget_minutes=args.budget_minutes, model=args.model)
+    import torch
+
+    from pagedrl.model.precision import FORCE_ENV, choose_precision
+
+    chosen = choose_precision("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"pagedrl demo: precision {chosen.describe()}; {FORCE_ENV}=0 forces float32", file=sys.stderr)
     start = time.perf_counter()
     try:
         report = run_demo(plan, progress=True)
