@@ -9,8 +9,9 @@ pagedrl's by default; the reference is a frozen copy of the policy on both sides
 settings: the built-in two-digit addition task's first 8 prompts at every update (one completion
 each, TRL has no groups), completions of up to 64 tokens stopped at EOS, temperature 0.7,
 num_ppo_epochs 4, num_mini_batches 1, no gradient accumulation (one optimizer step = the whole
-rollout), kl_coef 0.05, float32 (TRL: `bf16=False`, `use_cpu=True`; it generates with transformers'
-`generate`, as it does without vLLM). One PPO update = one rollout + its 4 optimizer steps.
+rollout), kl_coef 0.05, the same precision on both sides (float32 by default; `--bf16 true`: float32
+master weights under bf16 autocast, TRL `bf16=True`), `use_cpu=True` for TRL (it generates with
+transformers' `generate`, as it does without vLLM). One PPO update = one rollout + its 4 optimizer steps.
 Wall seconds and CPU seconds of the process (`time.process_time`) are both reported: on a machine
 shared with other jobs only the latter compares the two fairly.
 
@@ -125,7 +126,7 @@ def run_pagedrl(setup: dict, updates: int, epochs: int, out: Path, critic: str |
                        num_mini_batches=1, num_ppo_epochs=epochs, max_completion_length=LENGTH,
                        temperature=TEMPERATURE, learning_rate=LR, lr_scheduler_type="constant", kl_coef=KL,
                        max_steps=updates * epochs, logging_steps=1, save_steps=100_000, report_to=["jsonl"],
-                       eval_steps=None, bf16=False)
+                       eval_steps=None, bf16=os.environ.get("BENCH_BF16") == "1")
     run_ppo(config, progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "step_time" in r]
@@ -183,7 +184,8 @@ def run_trl(setup: dict, updates: int, epochs: int, out: Path) -> dict:
     config = PPOConfig(output_dir=str(out), per_device_train_batch_size=PROMPTS, gradient_accumulation_steps=1,
                        num_mini_batches=1, num_ppo_epochs=epochs, total_episodes=updates * PROMPTS,
                        response_length=LENGTH, temperature=TEMPERATURE, stop_token="eos", learning_rate=LR,
-                       lr_scheduler_type="constant", kl_coef=KL, bf16=False, use_cpu=True, report_to="none",
+                       lr_scheduler_type="constant", kl_coef=KL, bf16=os.environ.get("BENCH_BF16") == "1",
+                       use_cpu=True, report_to="none",
                        save_strategy="no", num_sample_generations=0, seed=42, logging_steps=1)
     dataset = Dataset.from_dict({"input_ids": setup["prompts"]})
     trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=None,
@@ -227,15 +229,18 @@ def main() -> None:
     parser.add_argument("--result", default=None)
     parser.add_argument("--save", default=None, help="also write the raw figures to this JSON file")
     parser.add_argument("--report", default=None, help="print the report of a --save file and exit")
+    parser.add_argument("--bf16", choices=("true", "false"), default="false",
+                        help="both sides under bf16 autocast on float32 master weights")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, Path(args.setup), args.updates, args.epochs, Path(args.result))
         return
     if args.report:
         saved = json.loads(Path(args.report).read_text())
-        report(saved["results"], saved["updates"], saved["epochs"])
+        report(saved["results"], saved["updates"], saved["epochs"], saved.get("precision", "float32"))
         return
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1",
+           "BENCH_BF16": "1" if args.bf16 == "true" else "0"}
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -251,14 +256,16 @@ def main() -> None:
                             "--epochs", str(args.epochs), "--result", str(result)], check=True, env=run_env)
             results[name] = json.loads(result.read_text())
             results[name]["process_s"] = time.perf_counter() - t0
+    precision = "bf16 autocast" if args.bf16 == "true" else "float32"
     if args.save:
-        Path(args.save).write_text(json.dumps({"results": results, "updates": args.updates, "epochs": args.epochs}))
-    report(results, args.updates, args.epochs)
+        Path(args.save).write_text(json.dumps({"results": results, "updates": args.updates, "epochs": args.epochs,
+                                               "precision": precision}))
+    report(results, args.updates, args.epochs, precision)
 
 
-def report(results: dict, updates: int, epochs: int) -> None:
+def report(results: dict, updates: int, epochs: int, precision: str = "float32") -> None:
     versions = results.get("trl", {}).get("versions", {})
-    print(f"\nPPO, SmolLM2-135M float32, 1 thread per process, {PROMPTS} prompts x 1 completion of <= {LENGTH} "
+    print(f"\nPPO, SmolLM2-135M {precision}, 1 thread per process, {PROMPTS} prompts x 1 completion of <= {LENGTH} "
           f"tokens, num_ppo_epochs {epochs}, num_mini_batches 1, {updates} updates; TRL {versions}")
     med = statistics.median
     print(f"{'':14} {'update s':>9} {'generate s':>11} {'rest s':>7} {'CPU s':>7} {'generate':>9} {'rest':>6} "
