@@ -77,7 +77,8 @@ def logprobs_from_hidden(head: Callable[[torch.Tensor], torch.Tensor], hidden: t
         parts["logps"].append(lp)
         with torch.no_grad():
             if entropy and untruncated and full is not None:
-                parts["entropy"].append(torch.special.entr(full.detach().exp()).sum(-1))
+                logp = full.detach()  # finite: no token is cut from an untruncated distribution
+                parts["entropy"].append(-torch.linalg.vecdot(logp.exp(), logp))
             elif entropy:
                 parts["entropy"].append(entropy_from_logits(logits / temperature))
             if correct:
