@@ -104,6 +104,9 @@ def run_pagedrl(setup: dict, updates: int, epochs: int, out: Path, critic: str |
         real_init(self, *args, **kwargs)
         count_forwards({"policy": self.policy, "reference": self.ref_model, "reward model": self.reward_model,
                         "critic": self.model.critic}, counts, generating)
+        cast = self.llm.engine.runner.cast  # under bf16 the engine runs a twin holding bf16 copies
+        if cast is not None:
+            count_forwards({"policy": cast.twin}, counts, generating)
 
     def sample(*args, **kwargs):
         generating[0] = True
