@@ -112,6 +112,21 @@ def test_rollouts_sampled_in_the_trainers_bf16_autocast(tiny_train_model, prompt
         assert difference.max() < 5e-3 and difference.sum() / b.mask.sum() < 1e-4
 
 
+def test_fixed_logps_are_taken_under_the_trainers_autocast(tiny_train_model, prompts_file) -> None:
+    """Under bf16 the reference's log-probs and the ratio's denominator (num_iterations > 1) come from
+    the same autocast as the loss: before the first update both equal the policy's own, bit for bit
+    (a float32 pass would be ~1e-3 away on this model and bias the KL and the ratio)."""
+    algo = grpo(tiny_train_model, prompts_file, temperature=0.7, bf16=True, num_iterations=2, beta=0.1)
+    for b in algo.step_batches(1):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            now = b.to_padded(algo.token_logps(algo.model, b).logps).masked_fill(~b.mask, 0)
+        assert torch.equal(b.old_logps.masked_fill(~b.mask, 0), now)
+        assert torch.equal(b.ref_logps.masked_fill(~b.mask, 0), now)
+        with torch.no_grad():
+            plain = b.to_padded(algo.token_logps(algo.model, b).logps).masked_fill(~b.mask, 0)
+        assert not torch.equal(plain, now)
+
+
 def test_rollout_kv_is_sized_to_one_step(tiny_train_model, prompts_file) -> None:
     """With no budget given, the engine's cache holds one step's rollout at once: no preemption, and
     not the host-sized default of a serving engine."""

@@ -83,7 +83,12 @@ class GRPO(OnlineAlgorithm):
     def remember_rollout_logps(self) -> None:
         """What stays fixed while one rollout is trained on, computed once per rollout: the
         reference's log-probs (beta > 0), and for μ > 1 the policy's before the first update (the
-        ratio's denominator)."""
+        ratio's denominator). Under the trainer's autocast, as the loss computes its side of them."""
+        device = next(self.model.parameters()).device
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            self._remember_rollout_logps()
+
+    def _remember_rollout_logps(self) -> None:
         for b in self.batches:
             if self.ref_model is not None:
                 b.ref_logps = b.to_padded(self.token_logps(self.ref_model, b).logps)

@@ -82,7 +82,6 @@ class PPO(OnlineAlgorithm):
         self.kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
                        if config.kl_target is not None else KLController(config.kl_coef))
         self.find_unused_parameters = config.critic_warmup_steps > 0
-        self.bf16 = config.use_bf16(next(policy.parameters()).device)
         self.data: RolloutTensors | None = None
         self._packed: tuple[Rollout, int, list[list[PackedBatch]]] | None = None  # one epoch's batches
         self.rollout_metrics: dict[str, Any] = {}

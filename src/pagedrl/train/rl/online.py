@@ -66,7 +66,7 @@ class OnlineAlgorithm(Algorithm):
         # (the projections from bf16 copies made once per optimizer step: `engine/cast_weights.py`).
         # Sharded (FSDP2), the whole weights are gathered anew for each rollout: no CUDA graph may
         # hold their addresses.
-        bf16 = config.use_bf16(next(policy.parameters()).device)
+        self.bf16 = bf16 = config.use_bf16(next(policy.parameters()).device)
         self.llm = LLM.from_module(policy, tokenizer, eos_token_ids=eos_token_ids,
                                    kv_cache_tokens=config.kv_cache_tokens or rollout_kv_tokens(config, prompts_per_rollout),
                                    seed=config.seed, max_num_seqs=max(256, completions),
