@@ -40,6 +40,8 @@ from pathlib import Path
 
 import httpx
 
+from pagedrl.model.precision import choose_precision
+
 TOPICS = ["the sea", "mountains", "a small cat", "the moon", "bread", "trains", "winter", "a library",
           "rivers", "honey bees", "old maps", "the desert", "a violin", "clouds", "gardens", "chess"]
 
@@ -235,7 +237,7 @@ def main() -> None:
     where = "main thread" if args.offline_main_thread else "worker thread"
     print(f"""
 command: {' '.join(['.venv/bin/python', 'bench/bench_server.py', *sys.argv[1:]])}
-workload: {args.num_requests} requests, {args.concurrency} concurrent streaming clients, {args.max_tokens} output tokens each (greedy, ignore_eos), model {args.model or 'smollm2-135m-instruct'} float32, KV cache {args.kv_cache_tokens} tokens, max_num_seqs {args.concurrency}; {os.cpu_count()} CPUs
+workload: {args.num_requests} requests, {args.concurrency} concurrent streaming clients, {args.max_tokens} output tokens each (greedy, ignore_eos), model {args.model or 'smollm2-135m-instruct'} in the default precision ({choose_precision('cpu').describe()}, both sides), KV cache {args.kv_cache_tokens} tokens, max_num_seqs {args.concurrency}; {os.cpu_count()} CPUs
 rounds (offline / server output tokens/s, 1-min load average after): {per_round}; best of each below
 
 | | requests/s | output tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |
