@@ -58,7 +58,7 @@ def measure_paged(plan: DemoPlan) -> dict[str, Any]:
     assert ours.snapshot is not None
     return {
         "num_requests": len(workload), "num_sequences": sum(r.n for r in workload),
-        "precision": loaded.precision.describe() if loaded.precision else str(model.dtype),
+        "precision": loaded.precision.describe(),
         "prompt_tokens": ours.prompt_tokens, "output_tokens": ours.output_tokens,
         "pagedrl_seconds": ours.seconds, "pagedrl_output_tps": ours.output_tps, "pagedrl_steps": len(ours.kv_live),
         "pagedrl_preemptions": preemptions, "pagedrl_kv_utilisation": ours.kv_utilisation,

@@ -32,7 +32,6 @@ PROJECTIONS = (nn.Linear, LoRALinear)
 
 class CastWeights:
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
-        self.master = model
         shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
         self.twin: nn.Module = copy.deepcopy(model, memo=shared)  # every tensor shared, the modules new
         self.masters: list[torch.Tensor] = []

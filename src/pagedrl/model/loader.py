@@ -24,8 +24,8 @@ class LoadedModel:
     model: CausalLM
     tokenizer: Tokenizer | None
     path: Path
+    precision: Precision  # the dtype the weights were loaded in, and why
     generation_config: dict[str, Any] = field(default_factory=dict)
-    precision: Precision | None = None  # the dtype the weights were loaded in, and why
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -81,4 +81,4 @@ def load_model(model: str | Path | None = None, device: str | torch.device | Non
             gen = json.loads(gen_path.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{gen_path}: not valid JSON ({e})") from None
-    return LoadedModel(net, tokenizer, path, gen, precision)
+    return LoadedModel(net, tokenizer, path, precision, gen)

@@ -15,14 +15,11 @@ bf16 can be simulated that way, and a test suite can pin float32).
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import time
 from dataclasses import dataclass
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 FORCE_ENV = "PAGEDRL_CPU_BF16"
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # what `--dtype` takes, as vLLM spells them

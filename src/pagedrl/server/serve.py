@@ -102,7 +102,7 @@ def build_server(args: argparse.Namespace) -> Any:
                     model_root=str(loaded.path), api_key=args.api_key,
                     max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n)
     logger.info("serving %s (%s, %s on %s): %d KV blocks of %d tokens, max_model_len %d", name, loaded.path,
-                loaded.precision.describe() if loaded.precision else loaded.model.dtype, loaded.model.device, engine.kv_cache.num_blocks, args.block_size,
+                loaded.precision.describe(), loaded.model.device, engine.kv_cache.num_blocks, args.block_size,
                 engine.max_model_len)
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                         access_log=not args.no_access_log,
