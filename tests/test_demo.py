@@ -12,6 +12,7 @@ from pagedrl.cli import main
 from pagedrl.demo.cli import STAGES, run_demo
 from pagedrl.demo.plan import DemoPlan
 from pagedrl.demo.report import fmt
+from pagedrl.demo.stats import mcnemar_exact, wilson_interval
 from pagedrl.train.logging import read_metrics
 
 
@@ -95,6 +96,91 @@ def test_report_numbers_are_the_logged_ones(demo) -> None:
         max(stage["rm"]["peak_memory_bytes"], stage["ppo"]["peak_memory_bytes"]) / 2**30)
     pairs = [json.loads(line) for line in (out / "pairs" / "pairs.jsonl").read_text().splitlines()]
     assert stage["pairs"]["result"]["pairs"] == len(pairs) > 0
+
+
+def test_intervals_and_tests_are_recomputed_from_the_logged_outcomes(demo) -> None:
+    """report.json's per-problem outcomes are the ones the evaluations logged, and every interval
+    and p-value in it and in report.md follows from them."""
+    plan, report = demo
+    out = plan.out
+    data = json.loads((out / "report.json").read_text())
+    md = report.read_text()
+    base = json.loads((out / "stages" / "pairs.json").read_text())["result"]["base_outcomes"]
+    assert len(base) == plan.num_eval
+    for method, folder in (("GRPO", "grpo"), ("DPO", "dpo"), ("RLHF", "ppo")):
+        logged = [json.loads(line) for line in (out / folder / "eval_outcomes.jsonl").read_text().splitlines()]
+        evals = [r for r in read_metrics(out / folder / "metrics.jsonl") if "eval/accuracy" in r]
+        assert [r["step"] for r in logged] == [r["step"] for r in evals]
+        for record, row in zip(logged, evals, strict=True):  # each accuracy is its outcomes' mean
+            assert sum(v >= 1 for v in record["outcomes"]) / len(record["outcomes"]) == row["eval/accuracy"]
+        after = logged[-1]["outcomes"]
+        assert data["outcomes"][method] == {"before": base, "after": after}
+        sig = data["significance"][method]
+        fixed = sum(1 for b, a in zip(base, after, strict=True) if a >= 1 > b)
+        broken = sum(1 for b, a in zip(base, after, strict=True) if b >= 1 > a)
+        assert (sig["fixed"], sig["broken"]) == (fixed, broken)
+        assert sig["p_value"] == mcnemar_exact(fixed, broken)
+        assert sig["interval_after"] == list(wilson_interval(sum(a >= 1 for a in after), len(after)))
+        assert sig["verdict"] in ("significant", "not significant", "significantly worse")
+        assert data["curve_intervals"][method][0] == list(wilson_interval(sum(b >= 1 for b in base), len(base)))
+        assert f"p = {sig['p_value']:.2g}: {sig['verdict']}" in md
+        assert f"{method}: " in "\n".join(data["verdict"])
+    assert "## Verdict" in md and "What each needed" in md
+
+
+def test_report_html_parses_and_every_image_decodes(demo) -> None:
+    """The page is well formed, and each embedded PNG decodes to a real picture."""
+    import base64
+    import io
+    from html.parser import HTMLParser
+
+    from PIL import Image
+
+    plan, _ = demo
+    page = (plan.out / "report.html").read_text()
+
+    class Page(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stack: list[str] = []
+            self.images: list[str] = []
+            self.tables = 0
+
+        def handle_starttag(self, tag, attrs) -> None:
+            if tag == "img":
+                self.images.append(dict(attrs)["src"])
+            elif tag not in ("meta", "br"):
+                self.stack.append(tag)
+            self.tables += tag == "table"
+
+        def handle_endtag(self, tag) -> None:
+            assert self.stack and self.stack.pop() == tag, f"</{tag}> closes nothing open"
+
+    parser = Page()
+    parser.feed(page)
+    parser.close()
+    assert parser.stack == [] and parser.tables == 2 and len(parser.images) == 3
+    for src in parser.images:
+        assert src.startswith("data:image/png;base64,")
+        image = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1], validate=True)))
+        image.load()
+        assert image.width > 300 and image.height > 200
+
+
+def test_report_html_renders_in_a_headless_browser(demo, tmp_path) -> None:
+    """Where Chromium or Chrome is installed: the page renders offline to a screenshot."""
+    import shutil
+    import subprocess
+
+    browser = next((b for b in ("chromium", "chromium-browser", "google-chrome", "chrome") if shutil.which(b)), None)
+    if browser is None:
+        pytest.skip("no headless browser (chromium, google-chrome) on PATH; the parse test above checks the page")
+    plan, _ = demo
+    shot = tmp_path / "page.png"
+    subprocess.run([browser, "--headless", "--disable-gpu", "--no-sandbox", f"--screenshot={shot}",
+                    "--window-size=1200,3000", (plan.out / "report.html").resolve().as_uri()],
+                   check=True, capture_output=True, timeout=120)
+    assert shot.stat().st_size > 20_000
 
 
 def test_a_second_call_resumes_after_the_last_finished_stage(demo, capsys) -> None:

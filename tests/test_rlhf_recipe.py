@@ -7,6 +7,8 @@ import json
 
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pagedrl.cli import main
 from pagedrl.train.logging import read_metrics
@@ -54,3 +56,22 @@ def test_a_bad_recipe_is_refused_with_its_key(tmp_path, capsys) -> None:
     path.write_text("output_dir: x\npairs: {num_prompt: 3}\n")
     assert main(["rlhf", str(path)]) == 2
     assert "pairs: unknown keys ['num_prompt']" in capsys.readouterr().err
+
+
+def test_pairs_use_every_completion_before_reusing_one() -> None:
+    from pagedrl.train.rl.pairs import pair_order
+
+    assert pair_order([10, 11], [20, 21, 22])[:4] == [(10, 20), (10, 21), (11, 20), (11, 21)]
+
+
+@given(st.integers(1, 8), st.integers(1, 8), st.integers(1, 64))
+def test_pair_order_is_every_correct_wrong_pair_once(g: int, w: int, cap: int) -> None:
+    from pagedrl.train.rl.pairs import pair_order
+
+    good, bad = [2 * i for i in range(g)], [2 * i + 1 for i in range(w)]
+    pairs = pair_order(good, bad)
+    assert sorted(pairs) == sorted((c, r) for c in good for r in bad)  # all g x w, none twice
+    kept = pairs[:cap]
+    # A cap never skips a completion for a pair reusing one: the completions used are the first ones.
+    used_good, used_bad = {c for c, _ in kept}, {r for _, r in kept}
+    assert used_good == set(good[:len(used_good)]) and used_bad == set(bad[:len(used_bad)])

@@ -19,7 +19,7 @@ from pagedrl.train.algorithms.dpo import DPO
 from pagedrl.train.config import DPOConfig
 from pagedrl.train.data import PromptOnly
 from pagedrl.train.distributed import DistInfo
-from pagedrl.train.evaluate import evaluate_rows
+from pagedrl.train.evaluate import greedy_scores, score_sums
 from pagedrl.train.rl.prompts import PromptSource
 from pagedrl.train.rl.rewards import BUILTINS
 
@@ -52,19 +52,21 @@ def baseline_and_pairs(plan: DemoPlan) -> dict[str, Any]:
     llm = LLM(plan.model, seed=plan.seed, kv_cache_tokens=room)
     rows = held_out_rows(plan, llm.tokenizer)
     t0 = time.perf_counter()
-    accuracy, _ = evaluate_rows(llm, rows, verifier(), plan.completion_tokens)
+    outcomes = greedy_scores(llm, rows, verifier(), plan.completion_tokens)
     eval_seconds = time.perf_counter() - t0
     llm.sleep()
     before = llm.stats()
     t0 = time.perf_counter()
     stats = make_pairs(plan.out / "pairs", {"num_prompts": plan.pair_prompts, "num_generations": plan.pair_generations,
-                                            "temperature": 1.0, "max_tokens": plan.completion_tokens,
-                                            "pairs_per_prompt": 1}, plan.ppo(), llm)
+                                            "temperature": plan.pair_temperature, "max_tokens": plan.completion_tokens,
+                                            "pairs_per_prompt": plan.pairs_per_prompt}, plan.ppo(), llm)
     after = llm.stats()
     shared = (after["num_forked_blocks"] - before["num_forked_blocks"]) + \
         (after["prefix_cache_hits"] - before["prefix_cache_hits"]) // llm.block_size
-    return {"base_accuracy": accuracy, "num_eval": len(rows), "eval_seconds": eval_seconds,
-            "pairs_seconds": time.perf_counter() - t0, "prefix_blocks_shared": int(shared), **stats}
+    correct, _, scored = score_sums(outcomes)
+    return {"base_accuracy": correct / scored, "base_outcomes": outcomes, "num_eval": len(rows),
+            "eval_seconds": eval_seconds, "pairs_seconds": time.perf_counter() - t0,
+            "prefix_blocks_shared": int(shared), **stats}
 
 
 class DPOWithAccuracy(DPO):
@@ -76,12 +78,13 @@ class DPOWithAccuracy(DPO):
         self.held_out, self.max_tokens = eval_rows, max_tokens
         self.llm = eval_llm(self.model, self.tokenizer, eval_rows, max_tokens, self.config.seed, eos_token_ids)
 
-    def evaluate(self, step: int) -> dict[str, float] | None:
+    def evaluate(self, step: int) -> dict[str, Any] | None:
         out = super().evaluate(step) or {}
         self.llm.bump_weight_version()  # the weights changed since the last evaluation
-        accuracy, reward = evaluate_rows(self.llm, self.held_out, verifier(), self.max_tokens)
+        outcomes = greedy_scores(self.llm, self.held_out, verifier(), self.max_tokens)
         self.llm.sleep()
-        return {**out, "accuracy": accuracy, "reward": reward}
+        correct, total, scored = score_sums(outcomes)
+        return {**out, "accuracy": correct / scored, "reward": total / scored, "outcomes": outcomes}
 
 
 def run_dpo_with_accuracy(config: DPOConfig, plan: DemoPlan) -> Path:

@@ -142,6 +142,8 @@ def demo_main(argv: list[str]) -> int:
     print(markdown_table(paged_table(data["paged"])))
     print()
     print(markdown_table(method_table(data)))
+    print()
+    print("\n".join(f"- {line}" for line in data["verdict"]))
     print(f"\npagedrl demo: done in {(time.perf_counter() - start) / 60:.1f} min (this call). Report: "
           f"{report} and {report.with_suffix('.html')} (self-contained: open it in a browser)")
     return 0

@@ -72,15 +72,21 @@ def kv_picture(snapshot: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def accuracy_picture(curves: dict[str, list[tuple[float, float]]], path: Path, num_eval: int) -> Path:
-    """One line per method: (training minutes, held-out accuracy) points."""
+def accuracy_picture(curves: dict[str, list[tuple[float, float]]], bounds: dict[str, list[tuple[float, float]]],
+                     path: Path, num_eval: int) -> Path:
+    """One line per method: (training minutes, held-out accuracy) points, each with its 95%
+    interval as an error bar (methods nudged apart sideways so the bars do not hide each other)."""
     fig, ax = plt.subplots(figsize=(6.5, 4), dpi=100)
-    for name, points in curves.items():
+    span = max((x for points in curves.values() for x, _ in points), default=1.0) or 1.0
+    for i, (name, points) in enumerate(curves.items()):
         xs, ys = zip(*points, strict=True)
-        ax.plot(xs, ys, marker="o", markersize=4, label=name)
+        xs = tuple(x + (i - 1) * 0.006 * span for x in xs)
+        low = [y - lo for y, (lo, _) in zip(ys, bounds[name], strict=True)]
+        high = [hi - y for y, (_, hi) in zip(ys, bounds[name], strict=True)]
+        ax.errorbar(xs, ys, yerr=[low, high], marker="o", markersize=4, capsize=3, label=name)
     ax.set_xlabel("training minutes (evaluations excluded; RLHF's include its reward model)")
     ax.set_ylabel(f"held-out accuracy ({num_eval} problems, greedy)")
-    ax.set_title("GRPO vs DPO vs RLHF from the same model, same budget")
+    ax.set_title("GRPO vs DPO vs RLHF from the same model, same budget (95% intervals)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

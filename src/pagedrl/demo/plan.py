@@ -39,11 +39,15 @@ class DemoPlan:
     # its way to the sum in a sentence, and a shorter cut scores those answers as wrong.
     task_low: int = 10
     task_high: int = 99
-    num_eval: int = 128
+    num_eval: int = 256
     completion_tokens: int = 64  # rollouts, pairs and evaluation alike
-    # Preference pairs for DPO and the reward model, sampled from the base model (temperature 1).
+    # Preference pairs for DPO and the reward model, sampled from the base model as the RLHF recipe
+    # samples them: several completions per prompt at a temperature where correct and wrong
+    # answers both appear, every correct x wrong pair of a prompt up to a cap.
     pair_prompts: int = 128
-    pair_generations: int = 4
+    pair_generations: int = 8
+    pair_temperature: float = 0.7
+    pairs_per_prompt: int = 4
     # Each method's batch and its evaluations along the way (about three per method in the full
     # demo on a 2-core CPU). GRPO as examples/grpo_arithmetic.yaml: 8 prompts x G = 8.
     grpo_prompts_per_step: int = 8

@@ -16,6 +16,8 @@ import torch
 
 from pagedrl.demo.pictures import accuracy_picture, kv_picture, throughput_picture
 from pagedrl.demo.plan import DemoPlan
+from pagedrl.demo.stats import compare, wilson_interval
+from pagedrl.demo.verdict import rankings, verdict_lines
 from pagedrl.train.logging import read_metrics
 
 METHODS = ("GRPO", "DPO", "RLHF")
@@ -59,6 +61,24 @@ def curve(rows: list[dict[str, Any]], offset_minutes: float, base: float) -> lis
         if r.get("eval/accuracy") is not None:
             points.append((offset_minutes + r["train_time"] / 60, r["eval/accuracy"]))
     return points
+
+
+def final_outcomes(folder: Path, rows: list[dict[str, Any]]) -> list[float]:
+    """The per-problem scores of a method's last evaluation (`eval_outcomes.jsonl`), checked to be
+    the evaluation its last `eval/accuracy` row reports."""
+    from pagedrl.train.logging import EVAL_OUTCOMES_FILE
+
+    path = folder / EVAL_OUTCOMES_FILE
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    evals = [r for r in rows if r.get("eval/accuracy") is not None]
+    if not records or not evals or records[-1]["step"] != evals[-1]["step"]:
+        raise ValueError(f"{path}: its last evaluation does not match the last eval/accuracy of {folder / 'metrics.jsonl'}")
+    return [float("nan") if v is None else float(v) for v in records[-1]["outcomes"]]
+
+
+def intervals(curve_points: list[tuple[float, float]], n: int) -> list[tuple[float, float]]:
+    """Wilson 95% intervals of a curve's accuracies on `n` problems."""
+    return [wilson_interval(round(y * n), n) for _, y in curve_points]
 
 
 def summed(rows: list[dict[str, Any]], key: str) -> float:
@@ -128,8 +148,20 @@ def collect(plan: DemoPlan) -> dict[str, Any]:
             "accuracy before": base, "accuracy after": curves["RLHF"][-1][1],
         },
     }
+    base_outcomes = pairs["base_outcomes"]
+    tests, outcomes = {}, {}
+    for name, folder in (("GRPO", "grpo"), ("DPO", "dpo"), ("RLHF", "ppo")):
+        after = final_outcomes(out / folder, metrics[folder])
+        outcomes[name] = {"before": base_outcomes, "after": after}
+        tests[name] = compare([v >= 1.0 for v in base_outcomes], [v >= 1.0 for v in after])
+    significance = {name: t.to_dict() for name, t in tests.items()}
+    verdict = verdict_lines(methods, tests, curves, plan.budget_minutes)
+    n = len(base_outcomes)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{cpu_name()}, {os.cpu_count()} cores"
     return {"plan": json.loads(plan.to_json()), "paged": paged, "pairs": pairs, "methods": methods, "curves": curves,
+            "curve_intervals": {name: intervals(points, n) for name, points in curves.items()},
+            "significance": significance, "outcomes": outcomes, "rankings": rankings(methods, tests),
+            "verdict": verdict,
             "stages": {k: {"seconds": v["seconds"], "peak_memory_bytes": v["peak_memory_bytes"]} for k, v in stage.items()},
             "machine": f"{platform.system()} {platform.machine()}, {device}, torch {torch.__version__}, "
                        f"{torch.get_num_threads()} threads"}
@@ -150,7 +182,16 @@ def method_table(data: dict[str, Any]) -> list[list[str]]:
     rows += [[k, *(fmt(methods[m][k]) for m in METHODS)] for k in keys]
     rows.append(["held-out accuracy", *(f"{fmt(methods[m]['accuracy before'])} -> {fmt(methods[m]['accuracy after'])}"
                                         for m in METHODS)])
+    sig = data["significance"]
+    rows.append(["95% interval (Wilson), before -> after", *(f"{ci(sig[m]['interval_before'])} -> "
+                                                            f"{ci(sig[m]['interval_after'])}" for m in METHODS)])
+    rows.append(["problems fixed / broken by training", *(f"{sig[m]['fixed']} / {sig[m]['broken']}" for m in METHODS)])
+    rows.append(["McNemar exact test", *(f"p = {sig[m]['p_value']:.2g}: {sig[m]['verdict']}" for m in METHODS)])
     return rows
+
+
+def ci(bounds: list[float] | tuple[float, float]) -> str:
+    return f"[{bounds[0]:.3f}, {bounds[1]:.3f}]"
 
 
 def paged_table(p: dict[str, Any]) -> list[list[str]]:
@@ -182,7 +223,8 @@ def html_table(rows: list[list[str]]) -> str:
 def write_report(plan: DemoPlan) -> Path:
     data = collect(plan)
     out = plan.out
-    images = {"accuracy": accuracy_picture(data["curves"], out / "accuracy.png", data["plan"]["num_eval"]),
+    images = {"accuracy": accuracy_picture(data["curves"], data["curve_intervals"], out / "accuracy.png",
+                                           data["plan"]["num_eval"]),
               "kv_cache": kv_picture(data["paged"]["snapshot"], out / "kv_cache.png"),
               "throughput": throughput_picture(data["paged"], out / "throughput.png")}
     p, pairs = data["paged"], data["pairs"]
@@ -193,12 +235,17 @@ def write_report(plan: DemoPlan) -> Path:
              f"greedy with ignore_eos, through both engines in the same process.")
     part2 = (f"From the same model, {plan.budget_minutes:g} training minutes per method (evaluations excluded; "
              f"RLHF's minutes are shared by its reward model and PPO). Held-out accuracy on {data['plan']['num_eval']} "
-             f"problems, greedy, with the engine. The pairs for DPO and the reward model: {pairs['completions']:.0f} "
-             f"completions sampled from the base model ({pairs['correct_share']:.1%} correct), {pairs['pairs']:.0f} "
-             f"correct-over-wrong pairs.")
+             f"problems, greedy, with the engine, with 95% Wilson intervals; before -> after is tested on the same "
+             f"problems with McNemar's exact test (p < 0.05: significant). The pairs for DPO and the reward model: "
+             f"{pairs['completions']:.0f} completions sampled from the base model ({plan.pair_generations} per prompt "
+             f"at temperature {plan.pair_temperature:g}), {round(pairs['correct_share'] * pairs['completions'])} of "
+             f"them correct ({pairs['correct_share']:.1%}), {pairs['prompts_with_a_pair']:.0f} prompts with both a "
+             f"correct and a wrong one, {pairs['pairs']:.0f} correct-over-wrong pairs (at most "
+             f"{plan.pairs_per_prompt} per prompt).")
     sections = [
         ("Paged attention, measured", part1, [paged_table(p)], ["throughput", "kv_cache"]),
         ("Alignment, side by side: GRPO vs DPO vs RLHF", part2, [method_table(data)], ["accuracy"]),
+        ("Verdict", "Computed from the numbers above.", [], []),
     ]
     md = [f"# pagedrl demo\n\n{intro}\n"]
     body = [f"<h1>pagedrl demo</h1><p>{html.escape(intro)}</p>"]
@@ -208,6 +255,9 @@ def write_report(plan: DemoPlan) -> Path:
         for t in tables:
             md.append(markdown_table(t) + "\n")
             body.append(html_table(t))
+        if title == "Verdict":
+            md += [f"- {line}" for line in data["verdict"]] + [""]
+            body.append("<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in data["verdict"]) + "</ul>")
         for name in pics:
             md.append(f"![{name}]({images[name].name})\n")
             encoded = base64.b64encode(images[name].read_bytes()).decode("ascii")

@@ -128,8 +128,10 @@ class Algorithm:
         (online algorithms; TRL's `log_completions`)."""
         return []
 
-    def evaluate(self, step: int) -> dict[str, float] | None:
-        """Held-out metrics (logged as `eval/<name>`), or None when there is nothing to evaluate."""
+    def evaluate(self, step: int) -> dict[str, Any] | None:
+        """Held-out metrics (logged as `eval/<name>`), or None when there is nothing to evaluate.
+        An `outcomes` entry, a list of per-problem scores in the held-out set's order, goes to
+        `eval_outcomes.jsonl` instead."""
         return None
 
     @property

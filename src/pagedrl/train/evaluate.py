@@ -21,18 +21,25 @@ from pagedrl.train.rl.rollout import completion_for
 def evaluate_rows(llm: LLM, rows: Sequence[PromptOnly], reward: tuple[str, RewardFunc],
                   max_tokens: int) -> tuple[float, float]:
     """Greedy completions for every row, scored by `reward`: (share scoring 1, mean score)."""
-    correct, total, scored = score_greedy(llm, rows, reward, max_tokens)
+    correct, total, scored = score_sums(greedy_scores(llm, rows, reward, max_tokens))
     if not scored:
         return float("nan"), float("nan")
     return correct / scored, total / scored
 
 
-def score_greedy(llm: LLM, rows: Sequence[PromptOnly], reward: tuple[str, RewardFunc],
-                 max_tokens: int) -> tuple[float, float, int]:
-    """Greedy completions for every row, scored by `reward`, as sums that add across ranks:
-    (completions scoring 1, sum of scores, completions scored; NaN scores are not applicable)."""
+def score_sums(values: Sequence[float]) -> tuple[float, float, int]:
+    """(completions scoring 1, sum of scores, completions scored) of per-row scores, sums that add
+    across ranks; NaN scores are not applicable and left out."""
+    scored = [v for v in values if v == v]
+    return sum(1.0 for v in scored if v >= 1.0), float(sum(scored)), len(scored)
+
+
+def greedy_scores(llm: LLM, rows: Sequence[PromptOnly], reward: tuple[str, RewardFunc],
+                  max_tokens: int) -> list[float]:
+    """Each row's greedy completion scored by `reward`, in the rows' order (NaN: not applicable):
+    the per-problem outcomes an accuracy, its interval and a paired test are computed from."""
     if not rows:
-        return 0.0, 0.0, 0
+        return []
     outs = llm.generate([r.prompt_ids for r in rows], SamplingParams(temperature=0.0, max_tokens=max_tokens),
                         use_tqdm=False)
     prompts = [r.prompt for r in rows]
@@ -41,10 +48,8 @@ def score_greedy(llm: LLM, rows: Sequence[PromptOnly], reward: tuple[str, Reward
     for r in rows:
         for k, v in r.columns.items():
             columns.setdefault(k, []).append(v)
-    values = [row[0] for row in score([reward], prompts, completions,
-                                      [o.outputs[0].token_ids for o in outs], columns)]
-    scored = [v for v in values if v == v]  # NaN: not applicable
-    return sum(1.0 for v in scored if v >= 1.0), float(sum(scored)), len(scored)
+    return [float(row[0]) for row in score([reward], prompts, completions,
+                                           [o.outputs[0].token_ids for o in outs], columns)]
 
 
 def eval_main(argv: list[str]) -> int:

@@ -2,7 +2,9 @@
 event files, a progress bar with ETA, and PNG plots of the curves when the run ends. Online
 algorithms also leave a few sample completions per logged step in `completions.jsonl` and as a
 TensorBoard text table (TRL's `log_completions`), since a reward curve alone does not say what
-the policy is learning to write.
+the policy is learning to write. Each held-out evaluation also leaves its per-problem scores in
+`eval_outcomes.jsonl` (in the evaluation set's order), so an accuracy can be recomputed, given an
+interval, or compared problem by problem with another run's.
 
 Only rank 0 builds a `RunLogger` that writes; the others get one with `enabled=False`, so the
 loop never asks which rank it is on before logging.
@@ -20,6 +22,7 @@ from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
+EVAL_OUTCOMES_FILE = "eval_outcomes.jsonl"
 PLOTS_DIR = "plots"
 # Columns that are bookkeeping, not curves worth a plot.
 NOT_PLOTTED = {"step", "epoch", "wall_time", "train_time"}
@@ -87,6 +90,7 @@ class RunLogger:
         report_to = set(report_to)
         self.metrics_path = self.output_dir / METRICS_FILE
         self.completions_path = self.output_dir / COMPLETIONS_FILE
+        self.outcomes_path = self.output_dir / EVAL_OUTCOMES_FILE
         self._jsonl = None
         self._tb = None
         self._bar = None
@@ -96,7 +100,7 @@ class RunLogger:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if "jsonl" in report_to:
-            for path in (self.metrics_path, self.completions_path):
+            for path in (self.metrics_path, self.completions_path, self.outcomes_path):
                 if resume_step is None:
                     path.unlink(missing_ok=True)
                 else:
@@ -147,6 +151,13 @@ class RunLogger:
             table += ["| " + " | ".join(_cell(r.get(c, "")) for c in columns) + " |" for r in rows]
             self._tb.add_text("completions", "\n".join(table), step)
             self._tb.flush()
+
+    def log_eval_outcomes(self, step: int, outcomes: list[float]) -> None:
+        """One evaluation's per-problem scores (NaN, written as null: not applicable)."""
+        if not self.enabled or self._jsonl is None:
+            return
+        with self.outcomes_path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, "outcomes": [_jsonable(float(v)) for v in outcomes]}) + "\n")
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:

@@ -259,6 +259,9 @@ class Trainer:
             metrics = self.algorithm.evaluate(self.step)
         self.eval_seconds += time.perf_counter() - t0
         if metrics:
+            outcomes = metrics.pop("outcomes", None)
+            if outcomes is not None:
+                self.logger.log_eval_outcomes(self.step, outcomes)
             row = {"step": self.step, "epoch": self.algorithm.epoch}
             row.update({k if k.startswith("eval/") else f"eval/{k}": v for k, v in metrics.items()})
             self.log(row)

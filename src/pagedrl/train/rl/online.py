@@ -15,8 +15,8 @@ from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import Algorithm
 from pagedrl.train.data import PromptOnly
-from pagedrl.train.distributed import DistInfo, all_reduce_sum
-from pagedrl.train.evaluate import score_greedy
+from pagedrl.train.distributed import DistInfo, all_reduce_sum, gather_objects
+from pagedrl.train.evaluate import greedy_scores, score_sums
 from pagedrl.train.rl.config import OnlineConfig
 from pagedrl.train.rl.prompts import PromptSource
 from pagedrl.train.rl.rewards import RewardFunc, last_integer_match, load_reward_function
@@ -102,17 +102,19 @@ class OnlineAlgorithm(Algorithm):
         """The engine aborts what it is generating and gives back its KV cache."""
         self.llm.close()
 
-    def evaluate(self, step: int) -> dict[str, float] | None:
+    def evaluate(self, step: int) -> dict[str, Any] | None:
         if not self.eval_rows or self.eval_reward is None:
             return None
         rows = self.eval_rows[self.dist.rank::self.dist.world_size]  # the loop gathers whole weights if sharded
         max_tokens = self.config.eval_max_tokens or self.config.max_completion_length
-        sums = score_greedy(self.llm, rows, self.eval_reward, max_tokens)
+        values = greedy_scores(self.llm, rows, self.eval_reward, max_tokens)
         self.llm.sleep()
-        correct, total, scored = all_reduce_sum(sums, self.dist).tolist()  # over every rank's share
+        correct, total, scored = all_reduce_sum(score_sums(values), self.dist).tolist()  # over every rank's share
+        shares = gather_objects(values, self.dist)  # rank r scored rows r, r + world, ...
+        outcomes = [shares[i % len(shares)][i // len(shares)] for i in range(len(self.eval_rows))]
         if not scored:
-            return {"accuracy": float("nan"), "reward": float("nan")}
-        return {"accuracy": correct / scored, "reward": total / scored}
+            return {"accuracy": float("nan"), "reward": float("nan"), "outcomes": outcomes}
+        return {"accuracy": correct / scored, "reward": total / scored, "outcomes": outcomes}
 
     @property
     def epoch(self) -> float:

@@ -1,7 +1,12 @@
 """Preference pairs from a verifier: sample several completions per prompt with the engine, score
 them, and pair a correct one (chosen) with a wrong one (rejected). This is how the RLHF recipe and
 the demo give DPO and the reward model the labelled data a human would otherwise provide, on the
-same prompts GRPO and PPO train on."""
+same prompts GRPO and PPO train on.
+
+A prompt with g correct and w wrong completions offers g x w pairs; up to `pairs_per_prompt` of
+them are kept, taken so that every completion is used once before any is used twice (a cap of 4
+from 2 correct and 3 wrong: c0-w0, c0-w1, c1-w0, c1-w1), so the pairs stay as varied as the
+samples allow."""
 
 from __future__ import annotations
 
@@ -40,12 +45,20 @@ def verifier_pairs(llm: LLM, prompts: Sequence[PromptOnly], verifier: tuple[str,
             if good and bad:
                 paired += 1
             text = as_text(llm, prompt.prompt)
-            for g, b in list(zip(good, bad, strict=False))[:pairs_per_prompt]:
+            for g, b in pair_order(good, bad)[:pairs_per_prompt]:
                 rows.append({"prompt": text, "chosen": rollout.texts[g], "rejected": rollout.texts[b], **prompt.columns})
     llm.sleep()
     stats = {"completions": float(drawn), "correct_share": correct / max(drawn, 1),
              "prompts_with_a_pair": float(paired), "pairs": float(len(rows))}
     return rows, stats
+
+
+def pair_order(good: Sequence[int], bad: Sequence[int]) -> list[tuple[int, int]]:
+    """Every (correct, wrong) pair, those of earlier completions first: sorted by the later of the
+    two indices, so a cap keeps pairs spread over as many completions as it can."""
+    pairs = [(i, j) for i in range(len(good)) for j in range(len(bad))]
+    pairs.sort(key=lambda ij: (max(ij), ij))
+    return [(good[i], bad[j]) for i, j in pairs]
 
 
 def as_text(llm: LLM, prompt: Any) -> str:
