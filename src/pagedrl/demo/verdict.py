@@ -1,7 +1,7 @@
 """The demo's verdict: the seed's trade-offs between GRPO, DPO and RLHF, stated from the run's own
 numbers. Each method's before -> after change on the held-out problems gets its intervals and a
-paired test (`stats.py`); the verdict then says which method gained most per training minute, per
-sample generated and per GiB of peak memory, and what each needed to get there.
+paired test (`train/significance.py`); the verdict then says which method gained most per training
+minute, per sample generated and per GiB of peak memory, and what each needed to get there.
 
 A method whose change is not significant is not ranked as if it had gained: its gain counts as
 zero in the rankings, and the report says how many more minutes its own curve suggests it would
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pagedrl.demo.stats import PairedComparison, fixed_needed
+from pagedrl.train.significance import PairedComparison, fixed_needed
 
 NEEDS = {"GRPO": "prompts and a verifier; no pairs, no reward model, no critic",
          "DPO": "labelled pairs and a frozen reference; no reward model, no sampling while training",

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pagedrl.train.significance import wilson_interval
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.precision import DTYPE_CHOICES, DTYPE_HELP
@@ -69,7 +70,9 @@ def eval_main(argv: list[str]) -> int:
     print(f"[precision: {llm.precision.describe()}]", file=sys.stderr)
     rows, _ = load_examples(task.eval_rows(), PromptRows(llm.tokenizer, None))
     t0 = time.perf_counter()
-    acc, _ = evaluate_rows(llm, rows, ("last_integer_match", last_integer_match), args.max_tokens)
-    print(f"accuracy {acc:.4f} on {args.num_problems} held-out problems "
+    correct, _, scored = score_sums(greedy_scores(llm, rows, ("last_integer_match", last_integer_match),
+                                                  args.max_tokens))
+    low, high = wilson_interval(int(correct), scored)
+    print(f"accuracy {correct / scored:.4f} (95% interval [{low:.3f}, {high:.3f}]) on {scored} held-out problems "
           f"({time.perf_counter() - t0:.1f} s, greedy, max_tokens={args.max_tokens})")
     return 0

@@ -1,4 +1,5 @@
-"""The demo's statistics against values worked out by hand (float64) and published ones."""
+"""Held-out accuracy statistics against values worked out by hand (float64) and published ones; the
+demo's verdict built on them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedrl.demo.stats import compare, fixed_needed, mcnemar_exact, wilson_interval
+from pagedrl.train.significance import compare, fixed_needed, mcnemar_exact, wilson_interval
 
 
 def test_wilson_interval_matches_hand_computed_and_published_values() -> None:
@@ -63,3 +64,34 @@ def test_compare_counts_discordant_problems() -> None:
     assert better.significant and better.to_dict()["verdict"] == "significant"
     with pytest.raises(ValueError, match="same problems"):
         compare([1, 0], [1])
+
+
+def test_minutes_needed_follows_the_curve_to_a_significant_gain() -> None:
+    from pagedrl.demo.verdict import minutes_needed, slope
+
+    points = [(0.0, 0.20), (1.0, 0.22), (2.0, 0.24)]  # 2 points a minute
+    assert slope(points) == pytest.approx(0.02)
+    # 100 problems, 20 -> 24 correct with 2 broken: 10 fixed are needed (fixed_needed(2)), so 28.
+    test = compare([1] * 20 + [0] * 80, [1] * 18 + [0, 0] + [1] * 6 + [0] * 74)
+    assert (test.fixed, test.broken, test.correct_after) == (6, 2, 24)
+    assert minutes_needed(test, points) == pytest.approx(2.0 + (0.28 - 0.24) / 0.02)
+    assert minutes_needed(test, [(0.0, 0.2), (1.0, 0.2)]) is None  # a flat curve never gets there
+
+
+def test_verdict_ranks_only_significant_gains() -> None:
+    from pagedrl.demo.verdict import rankings, verdict_lines
+
+    base = [0] * 100
+    tests = {"GRPO": compare(base, [1] * 30 + [0] * 70), "DPO": compare(base, [1] * 20 + [0] * 80),
+             "RLHF": compare(base, [1] * 3 + [0] * 97)}
+    methods = {name: {"accuracy before": 0.0, "accuracy after": t.correct_after / 100, "training time (min)": 5.0,
+                      "samples generated": samples, "peak memory (GiB)": gib}
+               for (name, t), samples, gib in zip(tests.items(), (500, 100, 600), (4.0, 1.0, 8.0), strict=True)}
+    r = rankings(methods, tests)
+    assert r["per training minute"]["best"] == "GRPO" and r["per training minute"]["points"]["GRPO"] == 6.0
+    assert r["per sample generated"]["best"] == "DPO" and r["per sample generated"]["points"]["DPO"] == 0.2
+    assert r["per GiB of peak memory"]["points"]["RLHF"] == 0.0  # 3 fixed, none broken: not significant
+    curves = {"GRPO": [(0, 0), (5, 0.3)], "DPO": [(0, 0), (5, 0.2)], "RLHF": [(0, 0), (2.5, 0.01), (5, 0.03)]}
+    lines = verdict_lines(methods, tests, curves, 5.0)
+    assert lines[0].startswith("GRPO: 0.0% -> 30.0% on 100 problems (30 fixed, 0 broken") and "significant." in lines[0]
+    assert "RLHF" in lines[2] and "not significant" in lines[2] and "would need about 10 training minutes" in lines[2]

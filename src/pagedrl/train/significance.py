@@ -1,4 +1,4 @@
-"""The statistics behind the demo's verdict: a 95% interval for each accuracy and a paired test for
+"""Held-out accuracy with its uncertainty: a 95% interval for each accuracy and a paired test for
 each before -> after change, computed from per-problem outcomes so anyone can recompute them.
 
 Accuracy on n held-out problems is a binomial proportion: Wilson's score interval stays inside
