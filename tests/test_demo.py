@@ -12,8 +12,8 @@ from pagedrl.cli import main
 from pagedrl.demo.cli import STAGES, run_demo
 from pagedrl.demo.plan import DemoPlan
 from pagedrl.demo.report import fmt
-from pagedrl.train.significance import mcnemar_exact, wilson_interval
 from pagedrl.train.logging import read_metrics
+from pagedrl.train.significance import mcnemar_exact, wilson_interval
 
 
 def parity(prompts, completions, completion_ids, **kwargs):

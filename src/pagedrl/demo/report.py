@@ -16,9 +16,9 @@ import torch
 
 from pagedrl.demo.pictures import accuracy_picture, kv_picture, throughput_picture
 from pagedrl.demo.plan import DemoPlan
-from pagedrl.train.significance import compare, wilson_interval
 from pagedrl.demo.verdict import rankings, verdict_lines
 from pagedrl.train.logging import read_metrics
+from pagedrl.train.significance import compare, wilson_interval
 
 METHODS = ("GRPO", "DPO", "RLHF")
 

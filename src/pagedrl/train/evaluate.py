@@ -9,7 +9,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pagedrl.train.significance import wilson_interval
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.precision import DTYPE_CHOICES, DTYPE_HELP
@@ -17,6 +16,7 @@ from pagedrl.train.data import PromptOnly, PromptRows, load_examples
 from pagedrl.train.rl.arithmetic import ArithmeticTask
 from pagedrl.train.rl.rewards import RewardFunc, last_integer_match, score
 from pagedrl.train.rl.rollout import completion_for
+from pagedrl.train.significance import wilson_interval
 
 
 def evaluate_rows(llm: LLM, rows: Sequence[PromptOnly], reward: tuple[str, RewardFunc],
