@@ -25,8 +25,8 @@ def tiny_plan(model, out, **fields) -> DemoPlan:
     return DemoPlan.preset(True, model=str(model), output_dir=str(out), budget_minutes=0.03, num_requests=6,
                            scale=0.1, n_samples=4, long_prompt_tokens=40, n_sample_tokens=8, hf_batch_size=4,
                            task_low=1, task_high=9, num_eval=8, completion_tokens=6, pair_prompts=12,
-                           grpo_eval_steps=2, dpo_eval_steps=2, ppo_eval_steps=2, learning_rate=1e-3,
-                           dpo_learning_rate=1e-3, **fields)
+                           grpo_eval_steps=2, dpo_eval_steps=2, ppo_eval_steps=2, grpo_learning_rate=1e-3,
+                           dpo_learning_rate=1e-3, ppo_learning_rate=1e-3, **fields)
 
 
 @pytest.fixture(scope="module")

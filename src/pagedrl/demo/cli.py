@@ -1,4 +1,4 @@
-"""`pagedrl demo [--quick] [--output-dir D] [--budget-minutes M] [--model M]`: paged attention measured
+"""`pagedrl demo [--quick] [--output-dir D] [--budget-minutes M] [--model M] [--seed S]`: paged attention measured
 live, then GRPO vs DPO vs RLHF from the same model with the same training budget, and a report.
 
 Stages run in order; each one's numbers land in `stages/<name>.json` only when it has finished, so
@@ -30,9 +30,9 @@ def stage_estimates(plan: DemoPlan) -> dict[str, float]:
     """Seconds each stage is expected to take on an idle 2-core CPU: only the progress line's ETA
     uses them (it is corrected as stages finish)."""
     budget = 60 * plan.budget_minutes
-    evals = plan.num_eval * plan.completion_tokens / 200  # one held-out evaluation at ~200 tokens/s
+    evals = plan.num_eval * plan.completion_tokens / 800  # one held-out evaluation at ~800 tokens/s
     along = 1 if plan.quick else 4  # evaluations per method
-    pairs = plan.pair_prompts * plan.pair_generations * plan.completion_tokens / 300
+    pairs = plan.pair_prompts * plan.pair_generations * plan.completion_tokens / 800
     return {"paged": 45 if plan.quick else 120, "pairs": 10 + evals + pairs,
             "grpo": 15 + budget + along * evals, "dpo": 15 + budget + along * evals, "rm": 15 + budget * plan.rm_share,
             "ppo": 25 + budget * (1 - plan.rm_share) + along * evals}
@@ -108,18 +108,21 @@ def run_demo(plan: DemoPlan, progress: bool = True) -> Path:
 def demo_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pagedrl demo", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the 5-minute form: fewer requests and problems, "
-                        "half a training minute per method")
+                        "three quarters of a training minute per method")
     parser.add_argument("--output-dir", default=None, help="where everything goes (default runs/demo or "
-                        "runs/demo-quick); run again to resume")
+                        "runs/demo-quick, with -seedS for another --seed); run again to resume")
     parser.add_argument("--budget-minutes", type=float, default=None,
-                        help="training minutes per method, evaluations excluded (default 5, quick 0.5)")
+                        help="training minutes per method, evaluations excluded (default 10, quick 0.75)")
     parser.add_argument("--model", default=None, help="a known model name or a Hugging Face folder")
+    parser.add_argument("--seed", type=int, default=None, help="seeds sampling, training and the task's problems "
+                        "(default 0); another seed is another draw of everything the verdict rests on")
     args = parser.parse_args(argv)
     if args.budget_minutes is not None and args.budget_minutes <= 0:
         print(f"pagedrl demo: error: --budget-minutes must be > 0, got {args.budget_minutes}", file=sys.stderr)
         return 2
-    plan = DemoPlan.preset(args.quick, output_dir=args.output_dir or ("runs/demo-quick" if args.quick else "runs/demo"),
-                           budget_minutes=args.budget_minutes, model=args.model)
+    default_dir = ("runs/demo-quick" if args.quick else "runs/demo") + (f"-seed{args.seed}" if args.seed else "")
+    plan = DemoPlan.preset(args.quick, output_dir=args.output_dir or default_dir,
+                           budget_minutes=args.budget_minutes, model=args.model, seed=args.seed)
     import torch
 
     from pagedrl.model.precision import FORCE_ENV, choose_precision

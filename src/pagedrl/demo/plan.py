@@ -25,7 +25,7 @@ class DemoPlan:
     output_dir: str = "runs/demo"
     model: str = "smollm2-135m-instruct"
     quick: bool = False
-    budget_minutes: float = 5.0  # training minutes per method (evaluations excluded)
+    budget_minutes: float = 10.0  # training minutes per method (evaluations excluded)
     seed: int = 0
     # Part 1: paged attention. Mixed-length requests (prompt 16-512 and output 16-256 tokens, times
     # `scale`) plus one request sampling `n_samples` completions of one long prompt.
@@ -48,31 +48,36 @@ class DemoPlan:
     pair_generations: int = 8
     pair_temperature: float = 0.7
     pairs_per_prompt: int = 4
-    # Each method's batch and its evaluations along the way (about three per method in the full
-    # demo on a 2-core CPU). GRPO as examples/grpo_arithmetic.yaml: 8 prompts x G = 8.
-    grpo_prompts_per_step: int = 8
+    # Each method's batch, learning rate and evaluations along the way (about four per method in
+    # the full demo on a 2-core CPU in bf16), chosen from measured runs (bench/RESULTS.md, "Demo"):
+    # GRPO at 4 prompts x G = 8 and 2e-5 is significantly above the base model within half a
+    # minute; DPO at 8 pairs a step and 5e-6 within a quarter of a minute.
+    grpo_prompts_per_step: int = 4
     num_generations: int = 8
-    grpo_eval_steps: int = 4
+    grpo_eval_steps: int = 16
     dpo_batch_pairs: int = 8
-    dpo_eval_steps: int = 25
-    rm_share: float = 1 / 3
-    ppo_prompts_per_step: int = 8
+    dpo_eval_steps: int = 50
+    rm_share: float = 1 / 4
+    ppo_prompts_per_step: int = 4
     ppo_generations: int = 4
-    ppo_eval_steps: int = 4
-    learning_rate: float = 1e-5  # GRPO and PPO (the policy's)
+    ppo_eval_steps: int = 10
+    grpo_learning_rate: float = 2e-5
     dpo_learning_rate: float = 5e-6
+    # PPO's policy: at 2e-5 it learns to please the reward model's taste for a terse "a + b = c"
+    # within ten steps and held-out accuracy falls to 1%; at 1e-5 it rises slowly.
+    ppo_learning_rate: float = 1e-5
     report_to: tuple[str, ...] = ("jsonl",)
 
     @classmethod
     def preset(cls, quick: bool, **fields: Any) -> DemoPlan:
-        """The full demo (about 30 minutes on a 2-core CPU) or the quick one (about 5): fewer
-        requests and problems, no evaluation along the way, half a minute per method."""
+        """The full demo (about 40 minutes on a 2-core CPU) or the quick one (about 5): fewer
+        requests and problems, no evaluation along the way, three quarters of a minute per method."""
         base: dict[str, Any] = {}
         if quick:
-            base = dict(quick=True, budget_minutes=0.5, num_requests=12, scale=0.15, n_samples=4,
-                        long_prompt_tokens=128, n_sample_tokens=16, num_eval=32, pair_prompts=32,
-                        grpo_prompts_per_step=4, num_generations=4, ppo_prompts_per_step=4,
-                        grpo_eval_steps=10_000, dpo_eval_steps=10_000, ppo_eval_steps=10_000)
+            base = dict(quick=True, budget_minutes=0.75, num_requests=12, scale=0.15, n_samples=4,
+                        long_prompt_tokens=128, n_sample_tokens=16, num_eval=128, pair_prompts=48,
+                        ppo_prompts_per_step=4, grpo_eval_steps=10_000, dpo_eval_steps=10_000,
+                        ppo_eval_steps=10_000)
         return cls(**{**base, **{k: v for k, v in fields.items() if v is not None}})
 
     @property
@@ -105,7 +110,7 @@ class DemoPlan:
         completions = self.grpo_prompts_per_step * self.num_generations
         return GRPOConfig(**self._common("grpo", self.budget_minutes, self.grpo_eval_steps), **self._task(),
                           num_generations=self.num_generations, per_device_train_batch_size=completions,
-                          gradient_accumulation_steps=1, temperature=1.0, learning_rate=self.learning_rate,
+                          gradient_accumulation_steps=1, temperature=1.0, learning_rate=self.grpo_learning_rate,
                           beta=0.0, loss_type="dapo", scale_rewards="group")
 
     def dpo(self) -> DPOConfig:
@@ -123,5 +128,5 @@ class DemoPlan:
         return PPOConfig(**self._common("ppo", self.budget_minutes * (1 - self.rm_share), self.ppo_eval_steps),
                          **self._task(), num_generations=self.ppo_generations,
                          per_device_train_batch_size=completions, gradient_accumulation_steps=1, num_mini_batches=1,
-                         num_ppo_epochs=1, temperature=1.0, learning_rate=self.learning_rate, kl_coef=0.05,
+                         num_ppo_epochs=1, temperature=1.0, learning_rate=self.ppo_learning_rate, kl_coef=0.05,
                          missing_eos_penalty=1.0, reward_model_path=str(self.out / "rm" / "final"))
