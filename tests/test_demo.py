@@ -167,20 +167,21 @@ def test_report_html_parses_and_every_image_decodes(demo) -> None:
         assert image.width > 300 and image.height > 200
 
 
-def test_report_html_renders_in_a_headless_browser(demo, tmp_path) -> None:
-    """Where Chromium or Chrome is installed: the page renders offline to a screenshot."""
-    import shutil
-    import subprocess
+def test_report_html_renders_in_a_headless_browser(demo) -> None:
+    """Opened offline in Chromium (skipped, with the reason, where Playwright or Chromium is missing):
+    both tables are there, every image has decoded to a picture, nothing is fetched, nothing errs."""
+    from browser import open_page
 
-    browser = next((b for b in ("chromium", "chromium-browser", "google-chrome", "chrome") if shutil.which(b)), None)
-    if browser is None:
-        pytest.skip("no headless browser (chromium, google-chrome) on PATH; the parse test above checks the page")
     plan, _ = demo
-    shot = tmp_path / "page.png"
-    subprocess.run([browser, "--headless", "--disable-gpu", "--no-sandbox", f"--screenshot={shot}",
-                    "--window-size=1200,3000", (plan.out / "report.html").resolve().as_uri()],
-                   check=True, capture_output=True, timeout=120)
-    assert shot.stat().st_size > 20_000
+    url = (plan.out / "report.html").resolve().as_uri()
+    with open_page(url) as (page, problems):
+        page.goto(url)
+        assert page.locator("table").count() == 2 and page.locator("h2").count() == 3
+        sizes = page.evaluate("[...document.images].map(i => [i.complete, i.naturalWidth, i.naturalHeight])")
+        assert len(sizes) == 3 and all(done and w > 300 and h > 200 for done, w, h in sizes)
+        assert "McNemar" in page.locator("body").inner_text()
+        page.screenshot(path=str(plan.out / "report-page.png"), full_page=True)
+        assert problems == []
 
 
 def test_a_second_call_resumes_after_the_last_finished_stage(demo, capsys) -> None:

@@ -57,6 +57,22 @@ def test_models_health_and_tokenizer_endpoints(server, client, model_name, offli
     assert text == offline.tokenizer.decode(tok["tokens"])
 
 
+def test_the_chat_page_is_served_at_the_root_and_calls_only_its_own_server(server):
+    """`/` is the chat page: one self-contained file whose every fetch, link and source is relative
+    (so it only ever talks to the server it came from), pinned by its Content-Security-Policy, and
+    which never puts the model's text on the page as HTML."""
+    import re
+
+    r = httpx.get(server.base_url + "/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    page = r.text
+    assert re.findall(r'fetch\("([^"]+)"', page) == ["v1/models", "v1/chat/completions"]
+    assert not re.search(r'(src|href)\s*=\s*"(https?:)?//', page) and "@import" not in page
+    assert "connect-src 'self'" in page and "default-src 'self'" in page
+    assert "innerHTML" not in page and "insertAdjacentHTML" not in page and "document.write" not in page
+    assert "/" not in httpx.get(server.base_url + "/openapi.json").json()["paths"]  # not part of the API
+
+
 def test_completion_matches_offline_engine_and_usage_matches_tokenizer(client, model_name, offline):
     r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0,
                                   extra_body={"ignore_eos": True})

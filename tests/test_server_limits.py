@@ -22,7 +22,7 @@ def server(tiny_train_model, tmp_path_factory):
     # 4 running + 4 waiting sequences in flight at most
     with running_server(tiny_train_model, tmp_path_factory.mktemp("serve-limits"), "--kv-cache-tokens", "4096",
                         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", "4",
-                        "--max-n", str(MAX_N)) as s:
+                        "--max-n", str(MAX_N), "--no-ui") as s:
         yield s
 
 
@@ -41,6 +41,11 @@ def error_of(r: httpx.Response, status: int) -> dict:
 def stream_events(r: httpx.Response) -> tuple[list[dict], list[str]]:
     lines = [line for line in r.iter_lines() if line]
     return [json.loads(line[6:]) for line in lines if line.startswith("data: {")], lines
+
+
+def test_no_ui_leaves_the_root_unanswered(server, http):
+    r = http.get("/")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
 
 def test_huge_n_is_400_at_once_while_other_requests_flow(server, http):

@@ -13,6 +13,7 @@ import hmac
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -114,8 +115,11 @@ async def final_outputs_unless_disconnected(request: Request, group: RequestGrou
 
 def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | None = None,
               api_key: str | None = None,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, max_n: int = DEFAULT_MAX_N) -> FastAPI:
-    """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it."""
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
+              ui: bool = True) -> FastAPI:
+    """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
+    With `ui`, `/` answers with the chat page (`server/ui/chat.html`), a static file that calls the
+    API like any client (and needs the API key like any client)."""
     metrics = ServerMetrics(engine, served_model_name)
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
@@ -217,6 +221,13 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
         return json_response(chat_response(request_id, model, outputs[0], params, token_text(params)))
 
     app.include_router(v1)
+
+    if ui:
+        page = (Path(__file__).parent / "ui" / "chat.html").read_bytes()
+
+        @app.get("/", include_in_schema=False)
+        async def chat_page() -> Response:
+            return Response(page, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
 
     @app.get("/health", response_model=None, response_class=Response, responses={
         200: {"description": "The engine is running (empty body)", "content": {}}, **errors(503)})

@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    p.add_argument("--no-ui", action="store_true", help="do not serve the chat page at /")
     return p
 
 
@@ -100,10 +101,12 @@ def build_server(args: argparse.Namespace) -> Any:
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
     app = build_app(async_engine, served_model_name=name,
                     model_root=str(loaded.path), api_key=args.api_key,
-                    max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n)
+                    max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n, ui=not args.no_ui)
     logger.info("serving %s (%s, %s on %s): %d KV blocks of %d tokens, max_model_len %d", name, loaded.path,
                 loaded.precision.describe(), loaded.model.device, engine.kv_cache.num_blocks, args.block_size,
                 engine.max_model_len)
+    if not args.no_ui:
+        logger.info("chat page at http://%s:%d/ (--no-ui turns it off)", args.host, args.port)
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                         access_log=not args.no_access_log,
                         timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S)

@@ -1,0 +1,108 @@
+"""The chat page at `/` of a real `pagedrl serve` process, in a headless Chromium (skipped, with the
+reason, where Playwright or Chromium is missing): a streamed answer appears token by token, Stop ends
+it, the log-prob view shows the API's own numbers, the page asks nothing of any other host, and text
+from the model that looks like HTML stays text."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from browser import open_page
+from server_process import running_server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_train_model, tmp_path_factory):
+    with running_server(tiny_train_model, tmp_path_factory.mktemp("serve-ui"), "--kv-cache-tokens", "4096") as s:
+        yield s
+
+
+def last_answer(page):
+    return page.locator(".assistant").last
+
+
+def test_an_answer_streams_in_and_stop_ends_it(server) -> None:
+    with open_page(server.base_url + "/") as (page, problems):
+        page.goto(server.base_url + "/")
+        page.wait_for_function("document.querySelector('#model').options.length > 0")
+        model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
+        assert page.locator("#model").input_value() == model
+        page.fill("#max_tokens", "48")
+        page.fill("#temperature", "0")
+        # Record the text after each streamed chunk: it must grow in several steps, not arrive at once.
+        page.evaluate("""() => { window.seen = []; new MutationObserver(() => {
+            const b = document.querySelectorAll('.assistant .body'); if (b.length) window.seen.push(b[b.length-1].textContent);
+        }).observe(document.querySelector('#log'), {subtree: true, childList: true, characterData: true}); }""")
+        page.fill("#input", "hello there")
+        page.press("#input", "Enter")
+        page.wait_for_function("document.querySelector('.assistant .stats').textContent.includes('finish')")
+        api = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hello there"}], "temperature": 0, "max_tokens": 48}).json()
+        seen = [s for s in page.evaluate("window.seen") if s]
+        assert len(set(seen)) >= 3 and all(b.startswith(a) for a, b in zip(seen, seen[1:], strict=False))
+        assert last_answer(page).locator(".body").text_content() == api["choices"][0]["message"]["content"]
+        stats = last_answer(page).locator(".stats").inner_text()
+        assert f"{api['usage']['completion_tokens']} tokens" in stats and "tokens/s" in stats
+        assert "first token" in stats and f"finish: {api['choices'][0]['finish_reason']}" in stats
+        assert float(last_answer(page).get_attribute("data-ttft")) > 0
+        # Stop mid-answer: a long sampled answer, stopped as soon as its first text is on the page.
+        card = httpx.get(server.base_url + "/v1/models").json()["data"][0]
+        page.fill("#max_tokens", str(card["max_model_len"] - 64))
+        page.fill("#temperature", "1")
+        page.click("#regenerate")
+        page.wait_for_function("document.querySelector('#stop').disabled === false")
+        page.wait_for_function("document.querySelectorAll('.assistant .body')[0].textContent.length > 0")
+        page.click("#stop")
+        page.wait_for_function("document.querySelector('.assistant .stats').textContent.includes('finish: stopped')")
+        assert page.locator(".assistant").count() == 1  # regenerate replaced the first answer
+        assert not page.locator("#send").is_disabled()
+        assert problems == []
+    server.wait_idle()  # the stopped request was aborted on the server too
+
+
+def test_the_log_prob_view_shows_the_apis_numbers(server) -> None:
+    request = {"messages": [{"role": "user", "content": "count to five"}], "temperature": 0, "max_tokens": 12,
+               "logprobs": True, "top_logprobs": 5}
+    expected = httpx.post(server.base_url + "/v1/chat/completions", json=request, timeout=60).json()
+    expected = expected["choices"][0]["logprobs"]["content"]
+    with open_page(server.base_url + "/") as (page, problems):
+        page.goto(server.base_url + "/")
+        page.wait_for_function("document.querySelector('#model').options.length > 0")
+        page.fill("#max_tokens", "12")
+        page.fill("#temperature", "0")
+        page.check("#show_logprobs")
+        page.fill("#input", "count to five")
+        page.press("#input", "Enter")
+        page.wait_for_function("document.querySelector('.assistant .stats').textContent.includes('finish')")
+        spans = page.locator(".assistant .tok")
+        shown = [(spans.nth(i).text_content(), float(spans.nth(i).get_attribute("data-logprob")))
+                 for i in range(spans.count())]
+        assert shown == [(e["token"], e["logprob"]) for e in expected]
+        spans.nth(0).hover()
+        tip = page.locator("#tip").inner_text()
+        assert json.dumps(expected[0]["top_logprobs"][1]["token"]) in tip  # the alternatives are listed
+        assert problems == []
+
+
+def test_text_that_looks_like_html_stays_text(server) -> None:
+    """The server's stream replaced by a scripted one: markup in an answer renders as characters."""
+    hostile = '<script>window.hacked = 1</script><img src=x onerror="window.hacked = 2"> [a link](http://example.com)'
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": hostile[i:i + 20]}}]}
+              for i in range(0, len(hostile), 20)]
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    with open_page(server.base_url + "/") as (page, problems):
+        page.route("**/v1/chat/completions", lambda route: route.fulfill(status=200, body=body,
+                                                                          content_type="text/event-stream"))
+        page.goto(server.base_url + "/")
+        page.wait_for_function("document.querySelector('#model').options.length > 0")
+        page.fill("#input", "<b>bold?</b>")
+        page.press("#input", "Enter")
+        page.wait_for_function("document.querySelector('.assistant .stats').textContent.includes('finish')")
+        assert last_answer(page).locator(".body").text_content() == hostile
+        assert page.locator(".user .body").text_content() == "<b>bold?</b>"
+        assert page.locator("#log script, #log img, #log a, #log b").count() == 0
+        assert page.evaluate("window.hacked") is None
+        assert problems == []
