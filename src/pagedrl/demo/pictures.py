@@ -86,7 +86,7 @@ def accuracy_picture(curves: dict[str, list[tuple[float, float]]], bounds: dict[
         ax.errorbar(xs, ys, yerr=[low, high], marker="o", markersize=4, capsize=3, label=name)
     ax.set_xlabel("training minutes (evaluations excluded; RLHF's include its reward model)")
     ax.set_ylabel(f"held-out accuracy ({num_eval} problems, greedy)")
-    ax.set_title("GRPO vs DPO vs RLHF from the same model, same budget (95% intervals)")
+    ax.set_title("GRPO vs DPO vs RLHF, same model and budget (bars: 95% intervals)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

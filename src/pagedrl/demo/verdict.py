@@ -71,8 +71,9 @@ def verdict_lines(methods: Mapping[str, Mapping[str, Any]], tests: Mapping[str, 
             minutes = minutes_needed(t, curves[name])
             line += (f" Its curve does not rise within its {budget_minutes:g} minutes, so more of the same would not "
                      "be expected to help; its settings would have to change." if minutes is None else
-                     f" Along its own curve it would need about {minutes:.0f} training minutes to be significant "
-                     f"(it had {budget_minutes:g}).")
+                     f" Along the least-squares trend of its own evaluations it would need about {minutes:.0f} "
+                     f"training minutes to be significant (it had {budget_minutes:g}); a trend through noisy "
+                     "points, a guide rather than a promise.")
         lines.append(line)
     for key, r in rankings(methods, tests).items():
         points = ", ".join(f"{n} {v:.3g}" for n, v in r["points"].items())
