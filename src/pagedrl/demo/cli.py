@@ -108,11 +108,11 @@ def run_demo(plan: DemoPlan, progress: bool = True) -> Path:
 def demo_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pagedrl demo", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the 5-minute form: fewer requests and problems, "
-                        "three quarters of a training minute per method")
+                        "a training minute per method")
     parser.add_argument("--output-dir", default=None, help="where everything goes (default runs/demo or "
                         "runs/demo-quick, with -seedS for another --seed); run again to resume")
     parser.add_argument("--budget-minutes", type=float, default=None,
-                        help="training minutes per method, evaluations excluded (default 10, quick 0.75)")
+                        help="training minutes per method, evaluations excluded (default 10, quick 1)")
     parser.add_argument("--model", default=None, help="a known model name or a Hugging Face folder")
     parser.add_argument("--seed", type=int, default=None, help="seeds sampling, training and the task's problems "
                         "(default 0); another seed is another draw of everything the verdict rests on")

@@ -69,9 +69,10 @@ def verdict_lines(methods: Mapping[str, Mapping[str, Any]], tests: Mapping[str, 
                 f"McNemar p = {t.p_value:.2g}): {t.verdict}.")
         if not t.significant:
             minutes = minutes_needed(t, curves[name])
+            needed = "" if minutes is None else f"{minutes:.1f}" if minutes < 10 else f"{minutes:.0f}"
             line += (f" Its curve does not rise within its {budget_minutes:g} minutes, so more of the same would not "
                      "be expected to help; its settings would have to change." if minutes is None else
-                     f" Along the least-squares trend of its own evaluations it would need about {minutes:.0f} "
+                     f" Along the least-squares trend of its own evaluations it would need about {needed} "
                      f"training minutes to be significant (it had {budget_minutes:g}); a trend through noisy "
                      "points, a guide rather than a promise.")
         lines.append(line)
