@@ -42,6 +42,22 @@ def eval_llm(model: Any, tokenizer: Any, rows: list[PromptOnly], max_tokens: int
                            kv_cache_tokens=len(rows) * (longest + max_tokens + 16), max_num_seqs=max(256, len(rows)))
 
 
+def trainer_numerics_llm(plan: DemoPlan, kv_cache_tokens: int) -> LLM:
+    """An engine computing as the trainers' evaluations do: float32 weights, under bf16 autocast
+    (from bf16 copies of the projections) where the trainers train in bf16. The base model's
+    accuracy is the "before" of every paired test, so it must be measured with the numerics the
+    "after" is: a model loaded in bf16 greedily answers a few problems differently."""
+    import torch
+
+    from pagedrl.model.loader import load_model
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bf16 = plan.grpo().use_bf16(device)
+    loaded = load_model(plan.model, device=device, dtype=torch.float32)
+    return LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, seed=plan.seed,
+                           kv_cache_tokens=kv_cache_tokens, autocast_dtype=torch.bfloat16 if bf16 else None)
+
+
 def baseline_and_pairs(plan: DemoPlan) -> dict[str, Any]:
     """The base model's held-out accuracy, then `pagedrl rlhf`'s pairs stage on the same engine."""
     from pagedrl.train.rlhf import make_pairs
@@ -49,7 +65,7 @@ def baseline_and_pairs(plan: DemoPlan) -> dict[str, Any]:
     # Room for one batch of pair prompts (verifier_pairs samples 64 prompts at a time) or every
     # held-out problem, whichever is more: the host's default budget would hold gigabytes unused.
     room = max(64 * plan.pair_generations, plan.num_eval) * (64 + plan.completion_tokens + 32)
-    llm = LLM(plan.model, seed=plan.seed, kv_cache_tokens=room)
+    llm = trainer_numerics_llm(plan, room)
     rows = held_out_rows(plan, llm.tokenizer)
     t0 = time.perf_counter()
     outcomes = greedy_scores(llm, rows, verifier(), plan.completion_tokens)

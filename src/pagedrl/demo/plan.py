@@ -71,11 +71,11 @@ class DemoPlan:
     # within ten steps and held-out accuracy falls to 1%; at 1e-5 it rises slowly.
     ppo_learning_rate: float = 1e-5
     # GRPO's and PPO's sampling temperature. At 1.0 about 3% of the base model's samples are right,
-    # so most groups of a 4-prompt step score all zero and teach nothing: the quick form's few
-    # steps then decide nothing (seed 1: 5 GRPO steps, two with zero gradient, 0.234 -> 0.219), and
-    # PPO's samples are mostly noise to its reward model. At 0.7, as the pairs are sampled, about
-    # 10% are right.
-    rollout_temperature: float = 0.7
+    # so most groups of a 4-prompt step score all zero and teach nothing: over ten minutes that
+    # averages out (the full form is measured at 1.0), in the quick form's few steps it decides the
+    # run (seed 1: 5 GRPO steps, two with zero gradient, 0.234 -> 0.219). The quick form samples at
+    # 0.7, as the pairs are sampled, where about 10% are right.
+    rollout_temperature: float = 1.0
     report_to: tuple[str, ...] = ("jsonl",)
 
     @classmethod
@@ -86,7 +86,7 @@ class DemoPlan:
         if quick:
             base = dict(quick=True, budget_minutes=1.0, num_requests=12, scale=0.15, n_samples=4,
                         long_prompt_tokens=128, n_sample_tokens=16, num_eval=128, pair_prompts=48,
-                        dpo_learning_rate=5e-6,
+                        dpo_learning_rate=5e-6, rollout_temperature=0.7,
                         ppo_prompts_per_step=4, grpo_eval_steps=10_000, dpo_eval_steps=10_000,
                         ppo_eval_steps=10_000)
         return cls(**{**base, **{k: v for k, v in fields.items() if v is not None}})

@@ -35,14 +35,23 @@ def score_sums(values: Sequence[float]) -> tuple[float, float, int]:
     return sum(1.0 for v in scored if v >= 1.0), float(sum(scored)), len(scored)
 
 
+# Rows generated together in one evaluation batch. In bf16 a row's logits depend (in their last bits)
+# on which rows share its batch, and a greedy answer can follow those bits: an evaluation batched by
+# each engine's own capacity would give a model a different accuracy in a trainer's rollout engine
+# than in a fresh one. Fixed groups, small enough for the smallest rollout engine, make the
+# evaluation one computation whichever engine runs it.
+EVAL_BATCH = 16
+
+
 def greedy_scores(llm: LLM, rows: Sequence[PromptOnly], reward: tuple[str, RewardFunc],
                   max_tokens: int) -> list[float]:
     """Each row's greedy completion scored by `reward`, in the rows' order (NaN: not applicable):
     the per-problem outcomes an accuracy, its interval and a paired test are computed from."""
     if not rows:
         return []
-    outs = llm.generate([r.prompt_ids for r in rows], SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                        use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outs = [out for start in range(0, len(rows), EVAL_BATCH)
+            for out in llm.generate([r.prompt_ids for r in rows[start:start + EVAL_BATCH]], params, use_tqdm=False)]
     prompts = [r.prompt for r in rows]
     completions = [completion_for(p, o.outputs[0].text) for p, o in zip(prompts, outs, strict=True)]
     columns: dict[str, list[Any]] = {}
