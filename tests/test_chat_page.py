@@ -106,3 +106,31 @@ def test_text_that_looks_like_html_stays_text(server) -> None:
         assert page.locator("#log script, #log img, #log a, #log b").count() == 0
         assert page.evaluate("window.hacked") is None
         assert problems == []
+
+
+def test_the_model_picker_sends_the_chosen_model(server) -> None:
+    """Two models listed (the served one and an adapter, as a multi-adapter server lists them): the
+    chosen one is the request's `model`, and a refusal is shown as the API's error, as text."""
+    served = httpx.get(server.base_url + "/v1/models").json()
+    listed = {"object": "list", "data": [*served["data"], {"id": "sql-adapter", "object": "model",
+                                                           "parent": served["data"][0]["id"]}]}
+    sent = []
+    with open_page(server.base_url + "/") as (page, problems):
+        page.route("**/v1/models", lambda route: route.fulfill(status=200, json=listed))
+
+        def record(route):
+            sent.append(json.loads(route.request.post_data)["model"])
+            route.continue_()
+
+        page.route("**/v1/chat/completions", record)
+        page.goto(server.base_url + "/")
+        page.wait_for_function("document.querySelector('#model').options.length === 2")
+        assert page.locator("#model option").nth(1).text_content() == f"sql-adapter (adapter of {served['data'][0]['id']})"
+        page.select_option("#model", "sql-adapter")
+        page.fill("#input", "hi")
+        page.press("#input", "Enter")
+        page.wait_for_selector(".msg.error")
+        assert sent == ["sql-adapter"]
+        assert "404: the model 'sql-adapter' does not exist" in page.locator(".msg.error .body").text_content()
+        # The 404 response is logged by the browser as a console error; that one is expected.
+        assert [p for p in problems if "404" not in p] == []
