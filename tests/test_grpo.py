@@ -274,4 +274,5 @@ def test_dynamic_sampling_keeps_groups_with_signal_and_fills_from_the_dropped(mo
     assert [p.prompt_ids[0] for p in r.prompts] == [1, 3, 0]
     assert r.total_rewards.tolist() == [1.0, 2.0, 4.0, 5.0, 1.0, 1.0]
     assert r.rounds == 3 and r.prefix_blocks_shared == 3
+    assert r.sampled_completions == 12  # 6 prompts x 2 drawn, though 3 groups were kept
     assert r.advantages.view(-1, 2)[2].tolist() == [0.0, 0.0] and r.advantages[0] < 0 < r.advantages[1]

@@ -76,6 +76,11 @@ class DemoPlan:
     # run (seed 1: 5 GRPO steps, two with zero gradient, 0.234 -> 0.219). The quick form samples at
     # 0.7, as the pairs are sampled, where about 10% are right.
     rollout_temperature: float = 1.0
+    # DAPO's dynamic sampling for GRPO: groups whose samples all score alike are dropped and refilled
+    # from the next prompts, so every step learns from four groups with a correct and a wrong
+    # answer. Without it the quick form's seed 1 collapsed (0.219 -> 0.008: its few steps with any
+    # gradient were each driven by one or two correct samples); with it, 0.469 after 2 steps.
+    grpo_dynamic_sampling: bool = False
     report_to: tuple[str, ...] = ("jsonl",)
 
     @classmethod
@@ -86,7 +91,7 @@ class DemoPlan:
         if quick:
             base = dict(quick=True, budget_minutes=1.0, num_requests=12, scale=0.15, n_samples=4,
                         long_prompt_tokens=128, n_sample_tokens=16, num_eval=128, pair_prompts=48,
-                        dpo_learning_rate=5e-6, rollout_temperature=0.7,
+                        dpo_learning_rate=5e-6, rollout_temperature=0.7, grpo_dynamic_sampling=True,
                         ppo_prompts_per_step=4, grpo_eval_steps=10_000, dpo_eval_steps=10_000,
                         ppo_eval_steps=10_000)
         return cls(**{**base, **{k: v for k, v in fields.items() if v is not None}})
@@ -122,7 +127,7 @@ class DemoPlan:
         return GRPOConfig(**self._common("grpo", self.budget_minutes, self.grpo_eval_steps), **self._task(),
                           num_generations=self.num_generations, per_device_train_batch_size=completions,
                           gradient_accumulation_steps=1, temperature=self.rollout_temperature,
-                          learning_rate=self.grpo_learning_rate,
+                          learning_rate=self.grpo_learning_rate, dynamic_sampling=self.grpo_dynamic_sampling,
                           beta=0.0, loss_type="dapo", scale_rewards="group")
 
     def dpo(self) -> DPOConfig:

@@ -110,7 +110,8 @@ def collect(plan: DemoPlan) -> dict[str, Any]:
                                        f"(policy with grad{', reference' if grpo.beta > 0 else ''})",
             "data it needs": "prompts + a verifier",
             "optimizer steps": grpo_steps,
-            "samples generated": grpo_steps * grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps,
+            "samples generated": int(summed(metrics["grpo"], "rollout/sampled_completions"))
+            or grpo_steps * grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps,
             "KV blocks saved by prefix sharing": int(summed(metrics["grpo"], "rollout/prefix_blocks_shared")),
             "peak memory (GiB)": stage["grpo"]["peak_memory_bytes"] / 2**30,
             "wall time (min)": stage["grpo"]["seconds"] / 60,

@@ -163,6 +163,7 @@ class GRPO(OnlineAlgorithm):
             "rollout/tokens_per_second": Metric.mean(r.generated_tokens / max(r.seconds, 1e-9)),
             "rollout/seconds": Metric.mean(r.seconds),
             "rollout/prefix_blocks_shared": Metric.sum(float(r.prefix_blocks_shared)),
+            "rollout/sampled_completions": Metric.sum(float(r.sampled_completions)),
         }
         for f, (name, _) in enumerate(self.reward_funcs):
             col = r.rewards[:, f]

@@ -53,6 +53,7 @@ class Rollout:
     seconds: float = 0.0
     prefix_blocks_shared: int = 0
     rounds: int = 1
+    sampled_completions: int = 0  # drawn by this rank over all rounds, dropped groups included
 
     @property
     def num_prompts(self) -> int:
@@ -205,11 +206,12 @@ def collect_rollout(llm: LLM, next_rows: NextRows, num_prompts: int, params: Sam
     total = num_prompts * world
     kept: list[Rollout] = []
     dropped: list[Rollout] = []
-    have = rounds = shared = 0
+    have = rounds = shared = drawn = 0
     while have < total and rounds < (max_rounds if dynamic_sampling else 1):
         rounds += 1
         rows, seeds = next_rows(total - have)
         part = sample(llm, rows, params, seeds)
+        drawn += len(part)
         shared += part.prefix_blocks_shared
         score_rollout(part, funcs, weights)
         if dynamic_sampling and dist is not None and dist.distributed:
@@ -239,4 +241,5 @@ def collect_rollout(llm: LLM, next_rows: NextRows, num_prompts: int, params: Sam
         advantages = advantages[rank * num_prompts * G:(rank + 1) * num_prompts * G]
     rollout.advantages = advantages
     rollout.rounds, rollout.prefix_blocks_shared, rollout.seconds = rounds, shared, time.perf_counter() - t0
+    rollout.sampled_completions = drawn
     return rollout
