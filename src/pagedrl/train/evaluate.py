@@ -19,15 +19,6 @@ from pagedrl.train.rl.rollout import completion_for
 from pagedrl.train.significance import wilson_interval
 
 
-def evaluate_rows(llm: LLM, rows: Sequence[PromptOnly], reward: tuple[str, RewardFunc],
-                  max_tokens: int) -> tuple[float, float]:
-    """Greedy completions for every row, scored by `reward`: (share scoring 1, mean score)."""
-    correct, total, scored = score_sums(greedy_scores(llm, rows, reward, max_tokens))
-    if not scored:
-        return float("nan"), float("nan")
-    return correct / scored, total / scored
-
-
 def score_sums(values: Sequence[float]) -> tuple[float, float, int]:
     """(completions scoring 1, sum of scores, completions scored) of per-row scores, sums that add
     across ranks; NaN scores are not applicable and left out."""
