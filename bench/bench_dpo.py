@@ -82,7 +82,8 @@ def ready(setup_s: float, **info: float) -> None:
 def run_pagedrl(args: argparse.Namespace, precompute: bool, out: Path) -> None:
     import torch
 
-    from pagedrl.model.loader import load_model, resolve_model_path
+    from pagedrl.model.loader import load_model
+    from pagedrl.model.resolve import resolve_model_path
     from pagedrl.train.algorithms.dpo import DPO
     from pagedrl.train.checkpointing import seed_everything
     from pagedrl.train.config import DPOConfig
@@ -115,7 +116,7 @@ def run_trl(args: argparse.Namespace, precompute: bool, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    from pagedrl.model.loader import resolve_model_path
+    from pagedrl.model.resolve import resolve_model_path
 
     turns = Turns()
 

@@ -50,7 +50,7 @@ from pagedrl.demo.paged import (
     run_pagedrl,
     run_transformers,
 )
-from pagedrl.model.loader import resolve_model_path
+from pagedrl.model.resolve import resolve_model_path
 
 PARTS = ("throughput", "roofline", "kv", "prefix")
 

@@ -54,7 +54,7 @@ def run_trl(steps: int, out: Path, bf16: bool) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from pagedrl.model.loader import resolve_model_path
+    from pagedrl.model.resolve import resolve_model_path
     from pagedrl.train.rl.arithmetic import ArithmeticTask
     from pagedrl.train.rl.rewards import last_integer_match
 

@@ -56,7 +56,8 @@ def prepare(work: Path) -> dict:
     import torch
 
     from pagedrl.model.heads import load_sequence_scorer, save_sequence_scorer
-    from pagedrl.model.loader import load_model, resolve_model_path
+    from pagedrl.model.loader import load_model
+    from pagedrl.model.resolve import resolve_model_path
     from pagedrl.train.distributed import DistInfo
     from pagedrl.train.rl.config import PPOConfig
     from pagedrl.train.rl.prompts import PromptSource

@@ -142,7 +142,7 @@ def main() -> None:
     import transformers
     from server_process import running_server
 
-    from pagedrl.model.loader import resolve_model_path
+    from pagedrl.model.resolve import resolve_model_path
 
     torch.manual_seed(0)
     folder = resolve_model_path(None)

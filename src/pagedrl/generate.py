@@ -12,8 +12,10 @@ from pagedrl.model.precision import DTYPE_CHOICES, DTYPE_HELP
 def generate_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pagedrl generate", description="Generate text with the paged engine.")
     parser.add_argument("model", nargs="?", default=None,
-                        help="Hugging Face folder, .gguf file or 'smollm2-135m-instruct' (default)")
-    parser.add_argument("--adapter", default=None, metavar="PATH", help="a LoRA adapter folder (PEFT's format)")
+                        help="Hugging Face folder or Hub id, .gguf file or 'smollm2-135m-instruct' (default)")
+    parser.add_argument("--revision", default=None, help="the branch, tag or commit of a Hub id MODEL")
+    parser.add_argument("--adapter", default=None, metavar="PATH",
+                        help="a LoRA adapter folder or Hub id (PEFT's format)")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -27,7 +29,8 @@ def generate_main(argv: list[str]) -> int:
     from pagedrl import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, adapter=args.adapter, kv_cache_tokens=args.kv_cache_tokens, dtype=args.dtype)
+    llm = LLM(args.model, adapter=args.adapter, revision=args.revision, kv_cache_tokens=args.kv_cache_tokens,
+              dtype=args.dtype)
     load_s = time.perf_counter() - t0
     print(f"[precision: {llm.precision.describe()}]", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

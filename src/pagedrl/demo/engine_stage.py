@@ -36,7 +36,8 @@ def measure_paged(plan: DemoPlan) -> dict[str, Any]:
     except ImportError:
         raise ValueError("the static-batching baseline needs transformers: pip install transformers "
                          "(make demo installs it)") from None
-    from pagedrl.model.loader import load_model, resolve_model_path
+    from pagedrl.model.loader import load_model
+    from pagedrl.model.resolve import resolve_model_path
 
     loaded = load_model(plan.model)
     model, tokenizer = loaded.model, loaded.tokenizer

@@ -37,12 +37,14 @@ def final_only(params: list[SamplingParams]) -> list[SamplingParams]:
 
 
 class LLM:
-    """An engine plus a model. `LLM()` loads the embedded default; `LLM(model, adapter=folder)` a
+    """An engine plus a model. `LLM()` loads the embedded default; `LLM("org/name", revision=...)` a
+    Hugging Face Hub id (or a local folder, a .gguf file: `model/resolve.py`); `LLM(model, adapter=folder)` a
     base model with a LoRA adapter (PEFT's format) folded into its weights at load, so it decodes at
     the base's speed (`model` None: the base the adapter names); `LLM.from_module(model, tokenizer)`
     runs on a model that training owns (same parameter tensors, no copy; a live adapter included)."""
 
-    def __init__(self, model: str | None = None, *, adapter: str | None = None, tokenizer: Any = None,
+    def __init__(self, model: str | None = None, *, adapter: str | None = None, revision: str | None = None,
+                 tokenizer: Any = None,
                  device: str | None = None,
                  dtype: torch.dtype | str | None = None, kv_cache_tokens: int | None = None,
                  kv_cache_bytes: int | None = None, block_size: int = 16, max_num_seqs: int = 256,
@@ -61,7 +63,7 @@ class LLM:
         if _module is None:
             from pagedrl.model.loader import load_model
 
-            loaded = load_model(model, device=device, dtype=dtype, adapter=adapter)
+            loaded = load_model(model, device=device, dtype=dtype, adapter=adapter, revision=revision)
             _module, tokenizer, _eos_token_ids = loaded.model, loaded.tokenizer, loaded.eos_token_ids
             self.precision = loaded.precision
             logger.info("pagedrl engine: %s on %s", self.precision.describe(), _module.device)

@@ -44,6 +44,7 @@ def peft_config_dict(config: LoRAConfig) -> dict[str, Any]:
         "peft_type": "LORA",
         "task_type": config.task_type,
         "base_model_name_or_path": config.base_model_name_or_path,
+        "revision": config.revision,
         "r": config.r,
         "lora_alpha": config.lora_alpha,
         "lora_dropout": config.lora_dropout,
@@ -107,7 +108,7 @@ def read_adapter_config(folder: str | Path) -> LoRAConfig:
         return LoRAConfig(r=raw.get("r", 8), lora_alpha=float(raw.get("lora_alpha", 8)),
                           lora_dropout=float(raw.get("lora_dropout", 0.0)), target_modules=targets,
                           modules_to_save=modules_to_save, task_type=task,
-                          base_model_name_or_path=raw.get("base_model_name_or_path"))
+                          base_model_name_or_path=raw.get("base_model_name_or_path"), revision=raw.get("revision"))
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: {e}") from None
 

@@ -45,6 +45,7 @@ class LoRAConfig:
     modules_to_save: list[str] = field(default_factory=list)  # fully trained modules (a reward model's `score`)
     task_type: str = "CAUSAL_LM"  # or SEQ_CLS (a reward model or a critic)
     base_model_name_or_path: str | None = None
+    revision: str | None = None  # of a Hub base (PEFT records it too)
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or self.r < 1:

@@ -18,22 +18,13 @@ from pagedrl.model.adapter import load_adapter, read_adapter_config
 from pagedrl.model.checkpoint import CheckpointError, default_dtype, load_causal_lm, save_checkpoint
 from pagedrl.model.heads import SequenceScorer, load_sequence_scorer, save_sequence_scorer
 from pagedrl.model.lora import merge_lora
-
-
-def adapter_base(adapter: str | Path, base: str | Path | None = None) -> Path:
-    """The base model's folder: `base` if given, else the one the adapter names."""
-    from pagedrl.model.loader import resolve_model_path
-
-    if base is None:
-        base = read_adapter_config(adapter).base_model_name_or_path
-        if not base:
-            raise CheckpointError(f"{adapter}: adapter_config.json names no base_model_name_or_path; give the base model")
-    return resolve_model_path(base)
+from pagedrl.model.resolve import adapter_base, resolve_model_path
 
 
 def merged_causal_lm(base: str | Path | None, adapter: str | Path, device: str | torch.device = "cpu",
                      dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The base causal LM with the adapter folded in (computed in float32, then cast to `dtype`)."""
+    adapter = resolve_model_path(adapter)
     config = read_adapter_config(adapter)
     if config.task_type != "CAUSAL_LM":
         raise CheckpointError(f"{adapter}: a {config.task_type} adapter (a reward model or critic), not a causal LM's")
@@ -45,6 +36,7 @@ def merged_causal_lm(base: str | Path | None, adapter: str | Path, device: str |
 def merged_scorer(base: str | Path | None, adapter: str | Path, device: str | torch.device = "cpu",
                   dtype: torch.dtype | None = None) -> SequenceScorer:
     """The base backbone with the adapter folded in and the adapter's `score` head."""
+    adapter = resolve_model_path(adapter)
     config = read_adapter_config(adapter)
     if config.task_type != "SEQ_CLS":
         raise CheckpointError(f"{adapter}: a {config.task_type} adapter, not a reward model's (SEQ_CLS)")
@@ -55,11 +47,12 @@ def merged_scorer(base: str | Path | None, adapter: str | Path, device: str | to
     return merge_lora(model).to(dtype or default_dtype(device)).eval()
 
 
-def merge_adapter(base: str | Path | None, adapter: str | Path, out: str | Path) -> Path:
-    """Write base + adapter as one Hugging Face folder at `out`, published whole or not at all
-    (`save_checkpoint` stages it), with the adapter's tokenizer files if it has them, else the base's."""
-    adapter = Path(adapter)
-    base_path = adapter_base(adapter, base)
+def merge_adapter(base: str | Path | None, adapter: str | Path, out: str | Path, revision: str | None = None) -> Path:
+    """Write base (at `revision` if a Hub id) + adapter as one Hugging Face folder at `out`, published
+    whole or not at all (`save_checkpoint` stages it), with the adapter's tokenizer files if it has
+    them, else the base's."""
+    adapter = resolve_model_path(adapter)
+    base_path = adapter_base(adapter, base, revision)
     tokenizer_dir = adapter if (adapter / "tokenizer.json").is_file() else base_path
     if read_adapter_config(adapter).task_type == "SEQ_CLS":
         scorer = merged_scorer(base_path, adapter, dtype=torch.float32)

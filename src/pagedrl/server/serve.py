@@ -27,13 +27,14 @@ logger = logging.getLogger("pagedrl.server")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedrl serve", description="Serve a model over an OpenAI-compatible API.")
     p.add_argument("model", nargs="?", default=None,
-                   help="Hugging Face folder, .gguf file or 'smollm2-135m-instruct' (default)")
+                   help="Hugging Face folder or Hub id, .gguf file or 'smollm2-135m-instruct' (default)")
+    p.add_argument("--revision", default=None, help="the branch, tag or commit of a Hub id MODEL")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PAGEDRL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDRL_API_KEY, else none)")
     p.add_argument("--adapter", default=None, metavar="PATH",
-                   help="a LoRA adapter folder (PEFT's format, e.g. a trainer's final/ with use_peft) folded into "
+                   help="a LoRA adapter folder or Hub id (PEFT's format, e.g. a trainer's final/ with use_peft) folded into "
                         "MODEL's weights at load; without MODEL, the base the adapter names")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients use (default: the adapter's PATH if given, else MODEL)")
@@ -92,7 +93,8 @@ def build_server(args: argparse.Namespace) -> Any:
     from pagedrl.model.loader import load_model
     from pagedrl.server.app import build_app
 
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype, adapter=args.adapter)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype, adapter=args.adapter,
+                        revision=args.revision)
     config = EngineConfig(block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, seed=args.seed, enforce_eager=args.enforce_eager)

@@ -28,7 +28,8 @@ def lora_config(config: TrainConfig, task_type: str = CAUSAL_LM, modules_to_save
     """The adapter a run's `lora_*` fields describe."""
     return LoRAConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       target_modules=config.lora_target_modules, modules_to_save=list(modules_to_save),
-                      task_type=task_type, base_model_name_or_path=str(config.model))
+                      task_type=task_type, base_model_name_or_path=str(config.model),
+                      revision=config.revision)
 
 
 def attach_lora(config: TrainConfig, model: nn.Module, task_type: str = CAUSAL_LM,

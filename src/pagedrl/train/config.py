@@ -53,7 +53,8 @@ class TrainConfig:
     """Fields every trainer shares."""
 
     # What to train, on what, and where to write it.
-    model: str = "smollm2-135m-instruct"  # a known model name or a directory in Hugging Face layout
+    model: str = "smollm2-135m-instruct"  # the default's name, a Hugging Face folder or Hub id, or a .gguf file
+    revision: str | None = None  # of `model`, when it is a Hub id: a branch, tag or commit
     dataset: str | None = None  # JSONL path or built-in dataset name
     eval_dataset: str | None = None
     output_dir: str = "trainer_output"

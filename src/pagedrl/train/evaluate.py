@@ -55,7 +55,9 @@ def greedy_scores(llm: LLM, rows: Sequence[PromptOnly], reward: tuple[str, Rewar
 
 def eval_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pagedrl eval", description=__doc__)
-    parser.add_argument("model", nargs="?", default=None, help="HF folder, .gguf file or the default's name")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="Hugging Face folder or Hub id, .gguf file or the default's name")
+    parser.add_argument("--revision", default=None, help="the branch, tag or commit of a Hub id MODEL")
     parser.add_argument("--operations", default="+", help="operations to draw from, e.g. '+-'")
     parser.add_argument("--low", type=int, default=10)
     parser.add_argument("--high", type=int, default=99)
@@ -66,7 +68,7 @@ def eval_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     task = ArithmeticTask(tuple(args.operations), args.low, args.high, args.num_problems, seed=args.seed)
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, revision=args.revision, dtype=args.dtype)
     print(f"[precision: {llm.precision.describe()}]", file=sys.stderr)
     rows, _ = load_examples(task.eval_rows(), PromptRows(llm.tokenizer, None))
     t0 = time.perf_counter()

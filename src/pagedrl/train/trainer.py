@@ -375,7 +375,7 @@ def start_run(config: TrainConfig, needs: str) -> tuple[DistInfo, Any]:
 
     dist = init_distributed(config.use_cpu)
     ckpt.seed_everything(config.seed)
-    loaded = load_model(config.model, device=dist.device, dtype=torch.float32)
+    loaded = load_model(config.model, device=dist.device, dtype=torch.float32, revision=config.revision)
     if loaded.tokenizer is None:
         raise ValueError(f"model: {loaded.path} has no tokenizer.json; {needs} the model's tokenizer")
     adapters.attach_lora(config, loaded.model)  # use_peft: adapters on the frozen base (train/adapters.py)

@@ -345,13 +345,13 @@ def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
 
 def run_ppo(config: PPOConfig, progress: bool = True) -> Path:
     """Train `config.model` with PPO; returns `output_dir/final`."""
-    from pagedrl.model.loader import resolve_model_path
+    from pagedrl.model.resolve import resolve_model_path
     from pagedrl.train.trainer import Trainer, start_run
 
     dist, loaded = start_run(config, "PPO needs")
-    policy_path = resolve_model_path(config.model)
+    policy_path = resolve_model_path(config.model, config.revision)
     reward_model = None
-    rm_path = Path(config.reward_model_path) if config.reward_model_path else None
+    rm_path = resolve_model_path(config.reward_model_path) if config.reward_model_path else None
     for role, path in (("reward_model_path", rm_path), ("critic", policy_path if config.critic_init == "policy" else None)):
         if path is None:
             continue

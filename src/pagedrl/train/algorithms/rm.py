@@ -110,14 +110,14 @@ def run_rm(config: RewardConfig, dataset: Dataset | None = None, eval_dataset: D
            progress: bool = True) -> Path:
     """Train a reward model from `config.model` on `dataset` (default: `config.dataset`); returns
     `output_dir/final`, a folder `RewardModel.from_pretrained` and transformers both load."""
-    from pagedrl.model.loader import resolve_model_path
+    from pagedrl.model.resolve import resolve_model_path
     from pagedrl.train.checkpointing import seed_everything
     from pagedrl.train.distributed import init_distributed
     from pagedrl.train.trainer import Trainer
 
     dist = init_distributed(config.use_cpu)
     seed_everything(config.seed)
-    path = resolve_model_path(config.model)
+    path = resolve_model_path(config.model, config.revision)
     if not (path / "tokenizer.json").is_file():
         raise ValueError(f"model: {path} has no tokenizer.json; the reward model needs the model's tokenizer")
     head_rng = torch.Generator().manual_seed(config.seed)

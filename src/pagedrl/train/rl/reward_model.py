@@ -16,6 +16,7 @@ from pagedrl.model.adapter import is_adapter_folder
 from pagedrl.model.attention import DenseAttention
 from pagedrl.model.decoder import default_positions
 from pagedrl.model.heads import SequenceScorer, load_sequence_scorer, score_index
+from pagedrl.model.resolve import resolve_model_path
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.tokenization import Text, tokenize_prompt_completion
 
@@ -34,7 +35,7 @@ class RewardModel:
                         dtype: torch.dtype | None = None, max_length: int | None = None) -> RewardModel:
         """Load a folder written by `pagedrl rm` (or a transformers sequence classifier, or a
         SEQ_CLS LoRA adapter: `pagedrl rm` with use_peft)."""
-        path = Path(path)
+        path = resolve_model_path(path)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"path: {path} has no tokenizer.json; scoring text needs the model's tokenizer")
