@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_server_logprobs import start_server
+from bench_server import launch_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -42,7 +42,7 @@ def main() -> int:
 
             model = str(build_model_dir(Path(tmp) / "tiny"))
         log = Path(tmp) / "server.log"
-        proc, url = start_server(model, 4096, log)
+        proc, url = launch_server([model, "--kv-cache-tokens", "4096", "--enable-auto-tool-choice"], log)
         try:
             rc = subprocess.call([st, "run", f"{url}/openapi.json", "--checks", "all", "--exclude-checks",
                                   "positive_data_acceptance", "--max-examples", str(args.max_examples),

@@ -112,8 +112,8 @@ def test_admission_is_bounded_and_all_or_nothing(loaded):
         aeng.start()
         try:
             params = SamplingParams(max_tokens=50, ignore_eos=True)
-            with pytest.raises(EngineOverloaded):
-                await aeng.submit(PROMPTS, params)  # 4 prompts > 2 + 1: none is queued
+            with pytest.raises(ValueError, match="at most 3 at once"):
+                await aeng.submit(PROMPTS, params)  # 4 prompts > 2 + 1 could never be admitted: none is queued
             assert aeng.num_in_flight == 0
             with pytest.raises(ValueError, match="max_model_len"):
                 await aeng.submit(["the cat " * 200], params)

@@ -173,6 +173,42 @@ def test_overload_is_503_and_clears(server, client, still_serving):
     assert server.wait_idle()["pagedrl:num_blocks_used"] == 0  # closing both streams aborted both
 
 
+def test_the_served_schema_and_the_validation_agree(http, still_serving):
+    """Bodies schemathesis found where /openapi.json and the server disagreed: each is now either
+    valid by the schema and answered 200, or invalid by it and answered 400."""
+    import jsonschema_rs
+
+    doc = http.get("/openapi.json").json()
+
+    def valid(model: str, body: dict) -> bool:
+        schema = {"$ref": f"#/components/schemas/{model}", "components": doc["components"]}
+        return jsonschema_rs.validator_for(schema).is_valid(body)
+
+    vocab = doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] + 1
+    cases = [  # (route, schema, body, accepted)
+        ("/detokenize", "DetokenizeRequest", {"tokens": [5.0, 7]}, True),  # JSON Schema: 5.0 is an integer
+        ("/detokenize", "DetokenizeRequest", {"tokens": [vocab - 1]}, True),
+        ("/detokenize", "DetokenizeRequest", {"tokens": [vocab]}, False),
+        ("/detokenize", "DetokenizeRequest", {"tokens": [5.5]}, False),
+        ("/tokenize", "TokenizeRequest", {"prompt": "hi"}, True),
+        ("/tokenize", "TokenizeRequest", {"prompt": None, "messages": None}, False),
+        ("/tokenize", "TokenizeRequest", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, False),
+        ("/tokenize", "TokenizeRequest", {"messages": [{"role": "user"}]}, False),
+        ("/tokenize", "TokenizeRequest", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, False),
+        ("/tokenize", "TokenizeRequest", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]},
+                                                        {"role": "assistant", "content": None}]}, True),
+        ("/v1/completions", "CompletionRequest", {"model": "tiny", "prompt": [vocab], "max_tokens": 1}, False),
+        ("/v1/completions", "CompletionRequest", {"model": "tiny", "prompt": PROMPT, "max_tokens": 2.0, "n": 1.0},
+         True),
+        ("/v1/completions", "CompletionRequest", {"model": "tiny", "prompt": PROMPT, "max_tokens": 1,
+                                                  "stop_token_ids": [vocab + 5]}, True),
+    ]
+    for route, model, body, accepted in cases:
+        assert valid(model, body) == accepted, (model, body)
+        r = http.post(route, json=body)
+        assert r.status_code == (200 if accepted else 400), (route, body, r.text)
+
+
 def test_sigterm_drains_the_stream_in_flight_and_exits_cleanly(server):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 120, "stream": True, "ignore_eos": True}
     lines = []

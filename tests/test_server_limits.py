@@ -5,6 +5,7 @@ and past `--shutdown-timeout` every response still ends in OpenAI's shape."""
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 
@@ -64,6 +65,11 @@ def test_huge_n_is_400_at_once_while_other_requests_flow(server, http):
         err = error_of(http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "n": MAX_NUM_SEQS + 1}),
                        400)
         assert err["param"] == "n" and "max_num_seqs" in err["message"]
+        # each prompt fits a step, but together they are more sequences than the server ever holds
+        # (4 running + 4 waiting): a 400 naming the limit, not a 503 a client would retry forever
+        err = error_of(http.post("/v1/completions", json={"prompt": ["Hi"] * 3, "max_tokens": 1, "n": MAX_NUM_SEQS}),
+                       400)
+        assert err["param"] == "n" and "at most 8 at once" in err["message"]
         assert http.get("/health", timeout=1).status_code == 200
         ok = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
@@ -122,6 +128,45 @@ def test_requests_past_the_shutdown_timeout_end_with_openai_errors(tiny_train_mo
     assert "shutting down" in err["message"]
     assert s.proc.returncode == 0
     assert "Traceback" not in s.log() and "CancelledError" not in s.log()
+
+
+def test_requests_arriving_while_draining_get_503_not_a_closed_connection(tiny_train_model, tmp_path):
+    """After SIGTERM the server keeps accepting: every request sent meanwhile on a fresh connection is
+    answered (503 server_shutting_down, Connection: close), the stream in flight ends normally, and
+    the process exits soon after it."""
+    with running_server(tiny_train_model, tmp_path, "--kv-cache-tokens", "4096", "--shutdown-timeout", "30") as s:
+        answers: list = []
+
+        def post_new() -> None:
+            try:
+                r = httpx.post(s.base_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
+                answers.append((r.status_code, r.headers.get("connection"), r.json()))
+            except httpx.TransportError as e:
+                answers.append(e)
+
+        with httpx.stream("POST", s.base_url + "/v1/completions", timeout=60, json={
+                "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+            it = r.iter_lines()
+            first = next(it)
+            s.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            time.sleep(0.05)
+            posters = [threading.Thread(target=post_new) for _ in range(16)]
+            for t in posters:
+                t.start()
+            lines = [first, *it]
+        ended = time.monotonic()
+        for t in posters:
+            t.join()
+        s.proc.wait(timeout=30)
+        exited = time.monotonic()
+    assert [line for line in lines if line][-1] == "data: [DONE]"
+    assert len(answers) == 16 and all(isinstance(a, tuple) for a in answers), answers
+    for status, connection, body in answers:
+        assert (status, connection, body["error"]["code"]) == (503, "close", "server_shutting_down")
+    assert s.proc.returncode == 0
+    assert exited - ended < 3.0, f"exited {exited - ended:.1f} s after the last stream ended"
+    assert ended - signalled < 25
 
 
 def post_raw(http: httpx.Client, path: str, raw: str) -> httpx.Response:

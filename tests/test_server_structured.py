@@ -126,6 +126,9 @@ def test_json_object_and_completions_with_vllm_fields(client, model) -> None:
     ({"guided_json": {"type": "object", "properties": {"a": {"type": "nope"}}}}, "guided_json"),
     ({"guided_choice": ["a"], "structured_outputs": {"regex": "b"}}, "guided_choice"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"structured_outputs": {"regexp": "a+"}}, "structured_outputs.regexp"),  # a typo: never free text
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
 ])
 def test_bad_constraints_are_400_naming_the_field_and_the_server_keeps_serving(server, model, body, param) -> None:
     for path, base in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "hi"})):

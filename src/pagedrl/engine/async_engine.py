@@ -238,8 +238,9 @@ class AsyncEngine:
                      request_id: str | None = None) -> RequestGroup:
         """Validate and queue one request per prompt, all or none.
 
-        Raises ValueError for a bad prompt or one that cannot fit, EngineOverloaded when the waiting
-        queue is full and EngineDead when the engine has stopped.
+        Raises ValueError for a bad prompt or one that cannot fit (including more sequences than the
+        server ever holds), EngineOverloaded when the waiting queue is full and EngineDead when the
+        engine has stopped.
         """
         if not self.is_healthy:
             raise self._dead or EngineDead("the engine is not running")
@@ -249,6 +250,11 @@ class AsyncEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         self.engine.check_num_seqs(params)  # before any loop over n
         wanted = len(prompts) * params.n
+        if wanted > self.capacity:  # could never be admitted: not a reason to retry (a client would, forever)
+            config = self.engine.config
+            raise ValueError(f"n: {len(prompts)} prompt(s) x n={params.n} is {wanted} sequences; this server holds "
+                             f"at most {self.capacity} at once (max_num_seqs {config.max_num_seqs} + "
+                             f"max_waiting_requests {self.max_waiting_requests}); send fewer prompts or a smaller n")
         self._check_room(wanted)
         # a grammar compiles off the event loop too (the first one also builds the tokenizer's tables)
         long = (sum(len(p) for p in prompts if isinstance(p, str)) > LONG_PROMPT_CHARS

@@ -13,6 +13,7 @@ import hmac
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ from pagedrl.server.responses import (
     completion_stream,
 )
 from pagedrl.server.structured import structured_outputs
+from pagedrl.server.tools import check_tool_schemas, tool_plan
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 
@@ -85,6 +87,29 @@ class EventStreamResponse(StreamingResponse):
                 await self.body_iterator.aclose()
             finally:
                 self.on_close()  # also when the generator never started (client gone before the first byte)
+
+
+@dataclass
+class Draining:
+    """Set by the server's shutdown (`serve.py`) when it starts to drain."""
+
+    on: bool = False
+
+
+class DrainGate:
+    """ASGI middleware: while draining, every new request is answered 503 with `Connection: close`;
+    those already admitted run to their end."""
+
+    def __init__(self, app: Any, draining: Draining) -> None:
+        self.app, self.draining = app, draining
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.draining.on:
+            error = ApiError(503, "the server is shutting down; retry on another server", "server_error",
+                             code="server_shutting_down", headers={"Connection": "close"})
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def json_response(model: Any, status: int = 200) -> Response:
@@ -116,10 +141,11 @@ async def final_outputs_unless_disconnected(request: Request, group: RequestGrou
 def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | None = None,
               api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
-              ui: bool = True) -> FastAPI:
+              ui: bool = True, tool_call_parser: str | None = "hermes", enable_auto_tool_choice: bool = False) -> FastAPI:
     """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
     With `ui`, `/` answers with the chat page (`server/ui/chat.html`), a static file that calls the
-    API like any client (and needs the API key like any client)."""
+    API like any client (and needs the API key like any client). Tool calls (`server/tools.py`):
+    `tool_choice` "auto" needs `enable_auto_tool_choice` and reads calls with `tool_call_parser`."""
     metrics = ServerMetrics(engine, served_model_name)
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
@@ -209,16 +235,19 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
     async def chat_completions(request: Request) -> Response:
         req = await read_json(request, ChatCompletionRequest, max_request_body_bytes)
         check_model(req.model)
-        prompt_ids, params = chat_inputs(req, tokenizer, max_n)
+        plan = tool_plan(req, tool_call_parser, enable_auto_tool_choice)
+        if plan is not None:  # schemas compile off the event loop (cached: a repeated tool costs nothing)
+            await asyncio.to_thread(check_tool_schemas, plan, engine.engine.grammar_compiler().check)
+        prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan)
         group = await submit([prompt_ids], params, renames={"logprobs": "top_logprobs", **structured_outputs(req)[1]})
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         model = req.model or served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStreamResponse(chat_stream(group, request_id, model, params, include_usage,
-                                                   token_text(params)), group.abort)
+                                                   token_text(params), plan), group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
-        return json_response(chat_response(request_id, model, outputs[0], params, token_text(params)))
+        return json_response(chat_response(request_id, model, outputs[0], params, token_text(params), plan))
 
     app.include_router(v1)
 
@@ -284,5 +313,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
             raise ApiError(404, "this model has no tokenizer", "not_found_error")
         return json_response(TokenizerInfoResponse(**tokenizer_config(tokenizer, max_model_len)))
 
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
+                    vocab_size=engine.vocab_size)
+    app.state.draining = Draining()
+    app.add_middleware(DrainGate, draining=app.state.draining)
     return app

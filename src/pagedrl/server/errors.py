@@ -79,6 +79,8 @@ def from_validation_error(e: ValidationError) -> ApiError:
     got = repr(first.get("input"))
     got = got if len(got) <= 60 else got[:57] + "..."
     where = f"'{param}'" if param else "request body"
+    if first["type"] == "extra_forbidden":
+        return bad_request(f"unknown field '{param}'", param=param)
     return bad_request(f"invalid {where}: {first['msg']} (got {got})", param=param)
 
 

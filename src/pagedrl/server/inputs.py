@@ -1,7 +1,7 @@
 """From an OpenAI request body to what the engine takes: prompts (text or token ids) and SamplingParams.
 
 Fields the engine does not implement but that would change the answer (`suffix`, `logit_bias`,
-`best_of`, tools) are refused with a 400 naming them, rather than silently ignored.
+`best_of`) are refused with a 400 naming them, rather than silently ignored. Tools: `server/tools.py`.
 Unset sampling fields keep SamplingParams' defaults, which are OpenAI's (temperature 1, top_p 1).
 """
 
@@ -14,6 +14,13 @@ from pagedrl.model.chat_template import select_chat_template
 from pagedrl.server.errors import bad_request, from_value_error
 from pagedrl.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 from pagedrl.server.structured import structured_outputs
+from pagedrl.server.tools import (
+    ToolPlan,
+    arguments_object,
+    template_handles_tools,
+    tool_constraint,
+    with_hermes_tools,
+)
 
 # OpenAI allows 20 alternatives per token (5 on the legacy completions API; vLLM allows 20 on both).
 MAX_LOGPROBS = 20
@@ -91,14 +98,24 @@ def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role, "content": content}
     if m.name is not None:
         out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise bad_request(f"messages.{i}.tool_calls: only an assistant message makes tool calls",
+                              param=f"messages.{i}.tool_calls")
+        # templates read the arguments as an object (transformers' convention; vLLM converts the same way)
+        out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+            "name": c.function.name,
+            "arguments": arguments_object(c.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments")}}
+            for j, c in enumerate(m.tool_calls)]
     return out
 
 
-def chat_inputs(req: ChatCompletionRequest, tokenizer: Any,
-                max_n: int = DEFAULT_MAX_N) -> tuple[list[int], SamplingParams]:
-    """The chat template applied to the messages (as token ids) and the sampling parameters."""
-    if req.tools:
-        raise bad_request("tools are not supported", param="tools")
+def chat_inputs(req: ChatCompletionRequest, tokenizer: Any, max_n: int = DEFAULT_MAX_N,
+                plan: ToolPlan | None = None) -> tuple[list[int], SamplingParams]:
+    """The chat template applied to the messages and `plan`'s tools (as token ids) and the sampling
+    parameters, constrained to tool calls when the plan requires them."""
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise bad_request("give max_completion_tokens or max_tokens, not both", param="max_tokens")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -106,17 +123,29 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Any,
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, logprobs, renames={"logprobs": "top_logprobs"}, max_n=max_n)
-    return chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt), params
+    constraint = tool_constraint(plan, req.parallel_tool_calls)
+    if constraint is not None:
+        if params.structured_outputs is not None:
+            raise bad_request(f'tool_choice {plan.mode!r} constrains the output to tool calls; it cannot be combined '
+                              "with response_format or structured outputs", param="tool_choice")
+        params = params.clone(structured_outputs=constraint)
+    tools = plan.tool_dicts() if plan is not None else None
+    return chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt, tools), params
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt's token ids; a template that knows nothing of tools gets them in Hermes' format."""
     if tokenizer is None or tokenizer.chat_template is None:
         raise bad_request("this model has no chat template; use /v1/completions", param="messages")
     if not messages:
         raise bad_request("messages must not be empty", param="messages")
     dicts = [message_dict(i, m) for i, m in enumerate(messages)]
+    uses_tools = tools or any(d["role"] == "tool" or "tool_calls" in d for d in dicts)
+    if uses_tools and not template_handles_tools(select_chat_template(tokenizer.chat_template, None, tools)):
+        dicts, tools = with_hermes_tools(dicts, tools or []), None
     try:
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=tools)
     except ValueError as e:
         raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)

@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from pagedrl.server.protocol import ErrorResponse
+from pagedrl.server.protocol import TOKEN_ID_MARK, ErrorResponse
 
 REF = "#/components/schemas/{model}"
 ERROR_DESCRIPTIONS = {
@@ -48,8 +48,23 @@ def json_or_events(model: type[BaseModel], description: str) -> dict[int | str, 
     return {200: {"model": model, "description": description, "content": {"text/event-stream": {"schema": event}}}}
 
 
-def install(app: FastAPI, request_models: list[type[BaseModel]]) -> None:
-    """Generate the document once, with the request models among its component schemas."""
+def bound_token_ids(node: Any, vocab_size: int) -> None:
+    """Give every token-id schema (marked in protocol.py) the served vocabulary's bound, so that a
+    schema-valid id is one the model has."""
+    todo = [node]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            if item.pop(TOKEN_ID_MARK, False):
+                item["maximum"] = vocab_size - 1
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+
+
+def install(app: FastAPI, request_models: list[type[BaseModel]], vocab_size: int | None = None) -> None:
+    """Generate the document once, with the request models among its component schemas (token ids
+    bounded by `vocab_size` when given)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -59,6 +74,8 @@ def install(app: FastAPI, request_models: list[type[BaseModel]]) -> None:
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
             for name, schema in defs.get("$defs", {}).items():
                 schemas.setdefault(name, schema)
+            if vocab_size is not None:
+                bound_token_ids(schemas, vocab_size)
             app.openapi_schema = doc
         return app.openapi_schema
 

@@ -1,7 +1,7 @@
 """Request and response bodies in OpenAI's shapes (plus vLLM's extra sampling fields).
 
 Requests are validated strictly: a wrong JSON type is an error (HTTP 400), never silently coerced
-("2" is not 2). Unknown fields are ignored, since OpenAI clients send fields this server has no
+("2" is not 2; 2.0 is, as JSON Schema says). Unknown fields are ignored, since OpenAI clients send fields this server has no
 use for (`user`, `store`, `metadata`, ...); fields that would change the result but are not
 implemented are declared and refused by the serving code instead of being ignored.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
+from pydantic.json_schema import SkipJsonSchema
 
 
 class OpenAIBase(BaseModel):
@@ -24,12 +25,28 @@ class StreamOptions(OpenAIBase):
     include_usage: bool = False
 
 
+def _integral(value: Any) -> Any:
+    """An integral float (`1.0`) as the int it is: JSON Schema counts it as an integer, and so do
+    OpenAI's and vLLM's servers. Anything else is left to the strict check, which refuses it."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+INTEGRAL = BeforeValidator(_integral)  # on every integer field of a request (after its Field, so the
+# schema keeps the range as minimum / maximum)
+
+
+TOKEN_ID_MARK = "x-token-id"
+
+
 # Ranges a value must be in, declared so that /openapi.json tells clients (and fuzzers) what is valid;
 # SamplingParams checks the same ranges for offline use.
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
+# A token id; `/openapi.json` bounds it by the served model's vocabulary (server/openapi.py).
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True}), INTEGRAL]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20), INTEGRAL]
 
 
 JsonSchemaDoc = dict[str, Any]  # a JSON schema
@@ -65,25 +82,26 @@ class StructuredOutputsRequest(OpenAIBase):
     whitespace_pattern: str | None = None  # declared so that it is refused rather than ignored
     structural_tag: str | None = None  # likewise
 
-    model_config = ConfigDict(populate_by_name=True)
+    # every key changes the output, so a misspelt one is refused (it would silently return free text)
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
 
 
 class SamplingRequest(OpenAIBase):
     """Fields shared by /v1/completions and /v1/chat/completions (vLLM's names for the extras)."""
 
     model: str | None = None
-    n: int = Field(1, ge=1)
+    n: Annotated[int, Field(ge=1), INTEGRAL] = 1
     temperature: Annotated[float, Field(ge=0.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1), INTEGRAL] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1), INTEGRAL] | None = None
     stop: str | list[str] | None = None  # an empty stop string is refused by SamplingParams, naming `stop`
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0), INTEGRAL]] | None = None  # any id; one never sampled never stops
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Annotated[int, Field(ge=0), INTEGRAL] = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -98,43 +116,98 @@ class SamplingRequest(OpenAIBase):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # declared so that it is refused rather than ignored
 
 
 class CompletionRequest(SamplingRequest):
     prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
-    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # 0 only with echo: the prompt alone
+    max_tokens: Annotated[int, Field(ge=0), INTEGRAL] | None = 16  # 0 only with echo: the prompt alone
     logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    best_of: Annotated[int, Field(ge=1), INTEGRAL] | None = None
+
+
+def _text_part_schema(schema: dict[str, Any]) -> None:
+    # The schema states what is accepted (a text part); validation keeps `type` a free string so that
+    # another part's refusal can name its type ("image_url is not supported") in inputs.py.
+    schema["properties"]["type"] = {"const": "text", "title": "Type", "type": "string"}
+    schema["properties"]["text"] = {"title": "Text", "type": "string"}
+    schema["required"] = ["type", "text"]
 
 
 class ContentPart(OpenAIBase):
+    model_config = ConfigDict(json_schema_extra=_text_part_schema)
     type: str
     text: str | None = None
 
 
+class FunctionCall(OpenAIBase):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIBase):
+    """A call the model made: in an assistant message of a response, and of the history sent back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBase):
+    # Only an assistant turn may make tool calls, or leave its content out or null (it may carry calls instead).
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"properties": {"role": {"const": "assistant"}}},
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}, "tool_calls": {"type": "null"}}}]})
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a `tool` turn: which call this is the result of
+
+
+class FunctionDefinition(OpenAIBase):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: JsonSchemaDoc | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # calls always follow the schema under `required` or a named tool
+
+
+class ChatTool(OpenAIBase):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBase):
+    name: str
+
+
+class NamedToolChoice(OpenAIBase):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Annotated[int, Field(ge=1)] | None = None  # deprecated by OpenAI for max_completion_tokens
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None  # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(OpenAIBase):
+    """vLLM's /tokenize: a `prompt` (text) or chat `messages`, exactly one of them."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str | SkipJsonSchema[None] = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | SkipJsonSchema[None] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -196,6 +269,30 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """OpenAI's streamed tool call: the first delta of call `index` has its id, type and name; later
+    ones add to `function.arguments`."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -218,6 +315,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:

@@ -35,12 +35,18 @@ from pagedrl.server.protocol import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     ErrorInfo,
     ErrorResponse,
+    FunctionCall,
+    ToolCall,
     UsageInfo,
     now_s,
 )
+from pagedrl.server.tool_parsers import ChoiceToolReader
+from pagedrl.server.tools import ToolPlan
 
 DONE = b"data: [DONE]\n\n"
 
@@ -95,13 +101,29 @@ def completion_response(request_id: str, model: str, outputs: list[RequestOutput
     return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outputs, echo.prompt_only))
 
 
+def tool_reader(plan: ToolPlan | None) -> ChoiceToolReader | None:
+    return None if plan is None or plan.mode == "none" else ChoiceToolReader(plan.mode, plan.parser, plan.name)
+
+
+def chat_message(c: CompletionOutput, plan: ToolPlan | None) -> tuple[AssistantMessage, str | None]:
+    """A whole choice's message and finish reason, its tool calls read out as the plan asks."""
+    reader = tool_reader(plan)
+    if reader is None:
+        return AssistantMessage(content=c.text), c.finish_reason
+    content, calls, arguments = reader.feed(c.text, finished=True)
+    tool_calls = [ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments + arguments))
+                  for call in calls]
+    return AssistantMessage(content=content or None, tool_calls=tool_calls), reader.finish_reason(c.finish_reason)
+
+
 def chat_response(request_id: str, model: str, output: RequestOutput, params: SamplingParams,
-                  names: TokenText) -> ChatCompletionResponse:
-    choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                          logprobs=chat_logprobs(c, 0, len(c.token_ids), names) if params.logprobs is not None
-                          else None,
-                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-               for c in output.outputs]
+                  names: TokenText, plan: ToolPlan | None = None) -> ChatCompletionResponse:
+    choices = []
+    for c in output.outputs:
+        message, finish_reason = chat_message(c, plan)
+        choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
+                                  logprobs=chat_logprobs(c, 0, len(c.token_ids), names) if params.logprobs is not None
+                                  else None, stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage([output]))
 
 
@@ -161,10 +183,25 @@ async def completion_stream(group: RequestGroup, request_id: str, model: str, pa
     yield DONE
 
 
+def tool_deltas(reader: ChoiceToolReader, c: CompletionOutput) -> DeltaMessage:
+    """A choice's delta with its tool calls read out: each new call whole (its id, name and
+    arguments so far), and a named call's arguments as they are written."""
+    content, calls, arguments = reader.feed(c.text, finished=c.finish_reason is not None)
+    deltas = []
+    for call in calls:
+        deltas.append(DeltaToolCall(index=reader.num_calls - len(calls) + len(deltas), id=call.id, type="function",
+                                    function=DeltaFunctionCall(name=call.name, arguments=call.arguments + arguments)))
+        arguments = ""
+    if arguments:
+        deltas.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=arguments)))
+    return DeltaMessage(content=content or None, tool_calls=deltas or None)
+
+
 async def chat_stream(group: RequestGroup, request_id: str, model: str, params: SamplingParams,
-                      include_usage: bool, names: TokenText) -> AsyncIterator[bytes]:
+                      include_usage: bool, names: TokenText, plan: ToolPlan | None = None) -> AsyncIterator[bytes]:
     created = now_s()
     usage_field = {"usage": None} if include_usage else {}
+    readers = {i: tool_reader(plan) for i in range(params.n)}
 
     def chunk(choice: ChatStreamChoice) -> bytes:
         body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice], **usage_field)
@@ -180,9 +217,13 @@ async def chat_stream(group: RequestGroup, request_id: str, model: str, params: 
                     if not has_news(c):
                         continue
                     lp = chat_logprobs(c, 0, len(c.token_ids), names) if params.logprobs is not None else None
-                    events.append(chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
-                                                         logprobs=lp, finish_reason=c.finish_reason,
-                                                         stop_reason=c.stop_reason)))
+                    reader = readers[c.index]
+                    delta = DeltaMessage(content=c.text) if reader is None else tool_deltas(reader, c)
+                    finish_reason = c.finish_reason if reader is None else reader.finish_reason(c.finish_reason)
+                    if reader is not None and not (delta.content or delta.tool_calls or lp or finish_reason):
+                        continue  # text held back (a possible tag, a call not yet complete)
+                    events.append(chunk(ChatStreamChoice(index=c.index, delta=delta, logprobs=lp,
+                                                         finish_reason=finish_reason, stop_reason=c.stop_reason)))
             if events:
                 yield b"".join(events)
         if include_usage:

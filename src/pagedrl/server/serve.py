@@ -1,10 +1,11 @@
 """`pagedrl serve [MODEL]`: load a model, start the engine thread and serve the OpenAI API with uvicorn.
 
-On SIGTERM (or Ctrl+C) uvicorn stops accepting connections and lets in-flight responses finish for
-up to `--shutdown-timeout` seconds; what is still running then is aborted in the engine, so each
-response still ends in OpenAI's shape (a stream with an error event and `[DONE]`, a plain request
-with a JSON error) instead of being cut, and the app's shutdown stops the engine thread. The process
-then exits with 0.
+On SIGTERM (or Ctrl+C) the server drains: it answers every new request 503 (with `Connection:
+close`, so clients retry elsewhere) and lets in-flight responses finish for up to
+`--shutdown-timeout` seconds; what is still running then is aborted in the engine, so each response
+still ends in OpenAI's shape (a stream with an error event and `[DONE]`, a plain request with a JSON
+error) instead of being cut. Once nothing has been busy for a moment uvicorn closes the listening
+socket and the app's shutdown stops the engine thread. The process then exits with 0.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from pagedrl.model.precision import DTYPE_CHOICES, DTYPE_HELP
 from pagedrl.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedrl.server.inputs import DEFAULT_MAX_N
+from pagedrl.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("pagedrl.server")
 
@@ -58,24 +60,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     p.add_argument("--no-ui", action="store_true", help="do not serve the chat page at /")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='answer tool_choice "auto" (the default when a request has tools), reading the model\'s '
+                        "calls with --tool-call-parser")
+    p.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                   help="the format the model writes its tool calls in (default: hermes, <tool_call> JSON blocks)")
     return p
 
 
 # After the aborts at --shutdown-timeout, the responses get this long to write their error endings
 # before uvicorn cancels what is left.
 ABORT_GRACE_S = 5.0
+# While draining, the listening socket closes once no request has been in flight for this long: time
+# for connections the kernel already queued to be accepted and answered 503.
+QUIET_S = 0.25
 
 
-def draining_server(config: Any, engine: Any, shutdown_timeout: float) -> Any:
-    """A uvicorn server whose shutdown aborts the engine's requests once `shutdown_timeout` is over."""
+def busy(connection: Any) -> bool:
+    """Whether a connection is in the middle of a request (its response not yet complete)."""
+    cycle = getattr(connection, "cycle", None)
+    return cycle is not None and not cycle.response_complete
+
+
+def draining_server(config: Any, engine: Any, draining: Any, shutdown_timeout: float) -> Any:
+    """A uvicorn server that drains before it closes: on SIGTERM it keeps accepting, answers every new
+    request 503 (`draining`, the app's DrainGate), lets what is in flight finish (aborting it in the engine once
+    `shutdown_timeout` is over, so it still ends in OpenAI's shape), and closes the listening socket
+    only when nothing has been busy for `QUIET_S`. A client whose connection the kernel had already
+    queued therefore gets a 503 to retry elsewhere, never a bare close."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         async def shutdown(self, sockets: Any = None) -> None:
-            timer = asyncio.get_running_loop().call_later(
+            loop = asyncio.get_running_loop()
+            draining.on = True
+            timer = loop.call_later(
                 shutdown_timeout, engine.abort_all,
                 f"the server is shutting down and the request did not finish within {shutdown_timeout:g} s")
             try:
+                deadline, quiet_since = loop.time() + shutdown_timeout + ABORT_GRACE_S, None
+                while loop.time() < deadline:
+                    if engine.num_in_flight or any(busy(c) for c in self.server_state.connections):
+                        quiet_since = None
+                    elif quiet_since is None:
+                        quiet_since = loop.time()
+                    elif loop.time() - quiet_since >= QUIET_S:
+                        break
+                    await asyncio.sleep(0.01)
                 await super().shutdown(sockets)
             finally:
                 timer.cancel()
@@ -103,7 +134,8 @@ def build_server(args: argparse.Namespace) -> Any:
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
     app = build_app(async_engine, served_model_name=name,
                     model_root=str(loaded.path), api_key=args.api_key,
-                    max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n, ui=not args.no_ui)
+                    max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n, ui=not args.no_ui,
+                    tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
     logger.info("serving %s (%s, %s on %s): %d KV blocks of %d tokens, max_model_len %d", name, loaded.path,
                 loaded.precision.describe(), loaded.model.device, engine.kv_cache.num_blocks, args.block_size,
                 engine.max_model_len)
@@ -112,7 +144,7 @@ def build_server(args: argparse.Namespace) -> Any:
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                         access_log=not args.no_access_log,
                         timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S)
-    return draining_server(uv, async_engine, args.shutdown_timeout)
+    return draining_server(uv, async_engine, app.state.draining, args.shutdown_timeout)
 
 
 def _exit_now(signum: int, frame: Any) -> None:

@@ -42,6 +42,9 @@ def structured_outputs(req: SamplingRequest) -> tuple[StructuredOutputsParams | 
                              ("grammar", so.grammar), ("json_object", so.json_object)):
             if value is not None and value is not False:
                 sources.append((f"structured_outputs.{field}", field, value))
+    if req.guided_whitespace_pattern is not None:
+        raise bad_request("guided_whitespace_pattern is not supported (structured_outputs.disable_any_whitespace "
+                          "is)", param="guided_whitespace_pattern")
     for name, field in GUIDED.items():
         if getattr(req, name) is not None:
             sources.append((name, field, getattr(req, name)))

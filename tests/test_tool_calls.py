@@ -1,0 +1,129 @@
+"""Tool calling without a server: the Hermes parser on whole answers and on any split of them into
+stream deltas (hypothesis: the streamed reading always equals the whole one), the constrained
+encodings of `required` and a named function, and what the chat template is given."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedrl.server.errors import ApiError
+from pagedrl.server.inputs import chat_prompt_ids
+from pagedrl.server.protocol import ChatCompletionRequest, ChatMessage
+from pagedrl.server.tool_parsers import ChoiceToolReader, HermesReader, parse_required, parse_tool_calls
+from pagedrl.server.tools import tool_constraint, tool_plan
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+def call_block(name: str, arguments: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def test_hermes_reads_content_and_calls() -> None:
+    text = "Let me look.\n\n" + call_block("get_weather", {"city": "Paris"}) + "\n" + call_block("f", {}) + "\n"
+    content, calls = parse_tool_calls("hermes", text)
+    assert content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("f", {})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    assert parse_tool_calls("hermes", "no calls, a < and <tool") == ("no calls, a < and <tool", [])
+    # a block that is not a call stays text; an unclosed last block at the end of the answer is read
+    assert parse_tool_calls("hermes", "<tool_call>{oops}</tool_call> ok") == ("<tool_call>{oops}</tool_call> ok", [])
+    content, calls = parse_tool_calls("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}')
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}')]
+
+
+TEXTS = st.lists(st.one_of(
+    st.text(alphabet=st.sampled_from(list("ab <>/_\n{}\"")), max_size=12),
+    st.builds(call_block, st.sampled_from(["f", "get_weather"]),
+              st.dictionaries(st.sampled_from(["x", "y"]), st.integers(-5, 5), max_size=2)),
+    st.just("<tool_call>{not json}</tool_call>"), st.just("<tool_"), st.just("</tool_call>")), max_size=6).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(TEXTS, st.lists(st.integers(1, 8), max_size=40))
+def test_streamed_reading_equals_the_whole_reading(text: str, cuts: list[int]) -> None:
+    whole_content, whole_calls = parse_tool_calls("hermes", text)
+    reader, content, calls, at = HermesReader(), "", [], 0
+    for n in cuts:
+        got, new = reader.feed(text[at:at + n])
+        content, calls, at = content + got, calls + new, at + n
+    got, new = reader.feed(text[at:])
+    rest, more = reader.finish()
+    content, calls = content + got + rest, calls + new + more
+    assert (content or None) == whole_content
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
+
+
+def test_required_and_named_constraints_and_their_readers() -> None:
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
+                                                "tool_choice": "required", "parallel_tool_calls": False})
+    plan = tool_plan(req, None, False)
+    schema = tool_constraint(plan, req.parallel_tool_calls).json
+    assert schema["maxItems"] == 1 and schema["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["get_weather"]
+    assert [(c.name, c.arguments) for c in parse_required('[{"name": "get_weather", "parameters": {"city": "Rome"}}]')] \
+        == [("get_weather", '{"city": "Rome"}')]
+    assert parse_required('[{"name": "get_weather", "parameters": {"ci') is None
+    named = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
+                                                  "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    plan = tool_plan(named, None, False)
+    assert tool_constraint(plan, True).json == WEATHER["function"]["parameters"]
+    reader = ChoiceToolReader("named", name="get_weather")
+    first = reader.feed('{"city":', False)
+    assert first[0] == "" and [c.name for c in first[1]] == ["get_weather"] and first[2] == '{"city":'
+    assert reader.feed('"Oslo"}', True) == ("", [], '"Oslo"}') and reader.finish_reason("stop") == "tool_calls"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"tools": [WEATHER]}, "tool_choice"),  # auto, but the server was not started with it
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools.1.function.name"),
+])
+def test_bad_tool_requests_name_the_field(body, param) -> None:
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **body})
+    with pytest.raises(ApiError) as e:
+        tool_plan(req, "hermes", False)
+    assert e.value.status == 400 and e.value.param == param
+
+
+HISTORY = [ChatMessage(role="user", content="Weather in Paris?"),
+           ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [{
+               "id": "call_1", "type": "function",
+               "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}),
+           ChatMessage(role="tool", content='{"temperature": 21}', tool_call_id="call_1")]
+
+
+def test_a_template_without_tools_gets_them_in_hermes_format(default_tokenizer) -> None:
+    """SmolLM2's template never mentions tools: they go into the system turn, past calls and tool
+    results as Hermes blocks; the prompt still ends ready for the assistant."""
+    text = default_tokenizer.decode(chat_prompt_ids(default_tokenizer, HISTORY, True, [WEATHER]), skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\n# Tools") and json.dumps(WEATHER) in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert '<|im_start|>user\n<tool_response>\n{"temperature": 21}\n</tool_response><|im_end|>' in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_template_with_tools_receives_them(tiny_train_model) -> None:
+    """A Qwen2.5-style template reads `tools` and the history's calls itself; arguments arrive as objects."""
+    from pagedrl.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(tiny_train_model)
+    tokenizer.chat_template = (
+        "{% for t in tools or [] %}[tool {{ t.function.name }} {{ t.function.parameters | tojson }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[call {{ c.function.name }} {{ c.function.arguments.city }}]{% endfor %}"
+        "{% endfor %}")
+    text = tokenizer.decode(chat_prompt_ids(tokenizer, HISTORY, False, [WEATHER]))
+    assert text.startswith('[tool get_weather {"type": "object"') and "[call get_weather Paris]" in text
+    assert text.endswith('<tool>{"temperature": 21}')
+    bad = ChatMessage.model_validate({"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                                           "function": {"name": "f", "arguments": "{"}}]})
+    with pytest.raises(ApiError) as e:
+        chat_prompt_ids(tokenizer, [HISTORY[0], bad], False, [WEATHER])
+    assert e.value.param == "messages.1.tool_calls.0.function.arguments"
