@@ -158,6 +158,17 @@ def test_greedy_rows_are_untruncated_and_unscaled():
     assert torch.equal(out, logits)
 
 
+def test_a_vanishing_repetition_penalty_keeps_logits_finite():
+    """1e-96 is 0 in float32: seen tokens must get the largest finite logit (or the most negative),
+    never inf or NaN, and a masked (-inf) token stays masked."""
+    logits = torch.tensor([[2.0, -1.0, float("-inf"), 0.5]])
+    seen = torch.tensor([[True, True, True, False]])
+    got = apply_penalties(logits, seen, torch.zeros(1, 4), torch.zeros(1), torch.zeros(1),
+                          torch.tensor([4.9e-96]))
+    assert 1e38 <= got[0, 0] <= torch.finfo(torch.float32).max and -1e-30 <= got[0, 1] <= 0 and got[0, 3] == 0.5
+    assert got[0, 2] == float("-inf")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_penalties_follow_vllm_formulas(device):
     logits = torch.tensor([[2.0, -1.0, 0.5, -0.25, 0.0, 1.5], [1.0, 1.0, -2.0, 3.0, -0.5, 0.2]],

@@ -122,8 +122,6 @@ def test_a_template_with_tools_receives_them(tiny_train_model) -> None:
     text = tokenizer.decode(chat_prompt_ids(tokenizer, HISTORY, False, [WEATHER]))
     assert text.startswith('[tool get_weather {"type": "object"') and "[call get_weather Paris]" in text
     assert text.endswith('<tool>{"temperature": 21}')
-    bad = ChatMessage.model_validate({"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+    odd = ChatMessage.model_validate({"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
                                                                            "function": {"name": "f", "arguments": "{"}}]})
-    with pytest.raises(ApiError) as e:
-        chat_prompt_ids(tokenizer, [HISTORY[0], bad], False, [WEATHER])
-    assert e.value.param == "messages.1.tool_calls.0.function.arguments"
+    assert tokenizer.decode(chat_prompt_ids(tokenizer, [HISTORY[0], odd], False, [WEATHER])).endswith("[call f ]")

@@ -62,11 +62,17 @@ def apply_penalties(logits: Tensor, prompt_mask: Tensor, output_counts: Tensor, 
                     frequency: Tensor, repetition: Tensor) -> Tensor:
     """vLLM's penalties, out of place. A token seen in prompt or output has its logit divided by
     `repetition` when positive and multiplied by it otherwise; then the output count times
-    `frequency`, and `presence` once if it occurred in the output, are subtracted."""
+    `frequency`, and `presence` once if it occurred in the output, are subtracted.
+
+    The result stays finite where the logit was: a penalty too small for the logits' dtype (1e-96 is 0
+    in float32) would otherwise divide by zero, and inf or NaN logits sample garbage."""
     output_mask = output_counts > 0
     seen = prompt_mask | output_mask
-    rep = torch.where(seen, repetition[:, None], torch.ones_like(logits))
+    tiny = torch.finfo(logits.dtype).tiny
+    rep = torch.where(seen, repetition[:, None].clamp(min=tiny), torch.ones_like(logits))
     scaled = torch.where(logits > 0, logits / rep, logits * rep)
+    big = torch.finfo(logits.dtype).max
+    scaled = torch.where(torch.isfinite(logits), scaled.clamp(-big, big), logits)
     return scaled - frequency[:, None] * output_counts - presence[:, None] * output_mask.to(logits.dtype)
 
 

@@ -107,8 +107,7 @@ def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
         # templates read the arguments as an object (transformers' convention; vLLM converts the same way)
         out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
             "name": c.function.name,
-            "arguments": arguments_object(c.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments")}}
-            for j, c in enumerate(m.tool_calls)]
+            "arguments": arguments_object(c.function.arguments)}} for c in m.tool_calls]
     return out
 
 

@@ -74,13 +74,14 @@ class StructuredOutputsRequest(OpenAIBase):
     """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
 
     json_: JsonSchemaDoc | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    regex: NonEmptyStr | None = None
+    choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    grammar: NonEmptyStr | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
-    whitespace_pattern: str | None = None  # declared so that it is refused rather than ignored
-    structural_tag: str | None = None  # likewise
+    # declared so that they are refused rather than ignored, and out of the schema, which lists what is supported
+    whitespace_pattern: SkipJsonSchema[str | None] = None
+    structural_tag: SkipJsonSchema[str | None] = None
 
     # every key changes the output, so a misspelt one is refused (it would silently return free text)
     model_config = ConfigDict(populate_by_name=True, extra="forbid")
@@ -105,7 +106,7 @@ class SamplingRequest(OpenAIBase):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None
+    logit_bias: SkipJsonSchema[dict[str, float] | None] = None  # not supported: refused, and not in the schema
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -113,20 +114,26 @@ class SamplingRequest(OpenAIBase):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: JsonSchemaDoc | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    guided_whitespace_pattern: str | None = None  # declared so that it is refused rather than ignored
+    guided_regex: NonEmptyStr | None = None
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    guided_grammar: NonEmptyStr | None = None
+    guided_whitespace_pattern: SkipJsonSchema[str | None] = None  # refused rather than ignored; not in the schema
 
 
 class CompletionRequest(SamplingRequest):
+    # max_tokens 0 (the prompt alone) only with echo
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"properties": {"max_tokens": {"not": {"const": 0}}}}, {"required": ["echo"], "properties": {"echo": {"const": True}}}]})
     prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     max_tokens: Annotated[int, Field(ge=0), INTEGRAL] | None = 16  # 0 only with echo: the prompt alone
     logprobs: TopLogprobs | None = None
     echo: bool = False
-    suffix: str | None = None
-    best_of: Annotated[int, Field(ge=1), INTEGRAL] | None = None
+    suffix: SkipJsonSchema[str | None] = None  # not supported: refused, and not in the schema
+    # Legacy, and accepted only equal to `n`: a rule between fields the schema cannot state, so the
+    # field is left out of /openapi.json rather than declared with values the server then refuses
+    # (as are the unsupported fields, which are refused when sent rather than ignored).
+    best_of: SkipJsonSchema[Annotated[int, Field(ge=1), INTEGRAL] | None] = None
 
 
 def _text_part_schema(schema: dict[str, Any]) -> None:
@@ -190,6 +197,10 @@ class NamedToolChoice(OpenAIBase):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    # a tool_choice other than "none" needs tools to choose from
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"not": {"required": ["tool_choice"]}}, {"properties": {"tool_choice": {"enum": ["none", None]}}},
+        {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None  # deprecated by OpenAI for max_completion_tokens
     max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
@@ -206,8 +217,9 @@ class TokenizeRequest(OpenAIBase):
 
     model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
     model: str | None = None
-    prompt: str | SkipJsonSchema[None] = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | SkipJsonSchema[None] = None
+    # left out, not null: a default that is not validated, so an explicit null is refused as the schema says
+    prompt: str = Field(None, validate_default=False)
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] = Field(None, validate_default=False)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

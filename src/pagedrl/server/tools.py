@@ -115,12 +115,13 @@ def template_handles_tools(source: str) -> bool:
     return "tools" in source
 
 
-def arguments_object(text: str, where: str) -> Any:
-    """A history call's `arguments` (JSON text, as OpenAI clients send it) as the object templates expect."""
+def arguments_object(text: str) -> Any:
+    """A history call's `arguments` (JSON text, as OpenAI clients send it) as the object templates
+    expect; text that is not JSON is passed on as it is (the template shows what the client sent)."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise bad_request(f"{where}: not valid JSON ({e})", param=where) from None
+    except json.JSONDecodeError:
+        return text
 
 
 def hermes_call(name: str, arguments: Any) -> str:
