@@ -14,13 +14,11 @@ answer ends); a streamed answer therefore reassembles to the non-streamed one.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
 @dataclass
