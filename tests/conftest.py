@@ -52,3 +52,19 @@ def tiny_train_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tiny_train import build_model_dir
 
     return build_model_dir(tmp_path_factory.mktemp("tiny-train-model") / "model")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official `openai` client on the module's `server` fixture (a real `pagedrl serve` process);
+    no retries, so a refused request fails the test at once. Modules that need an API key define their own."""
+    import openai
+
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    """The id the server answers to (its first /v1/models entry)."""
+    return client.models.list().data[0].id

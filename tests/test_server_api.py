@@ -8,7 +8,6 @@ logprobs, finish reasons, seeded sampling).
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 from server_process import running_server
 
@@ -24,12 +23,6 @@ CHAT = [{"role": "user", "content": "what is two plus three"}]
 def server(tiny_train_model, tmp_path_factory):
     with running_server(tiny_train_model, tmp_path_factory.mktemp("serve-api"), "--kv-cache-tokens", "4096") as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

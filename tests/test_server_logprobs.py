@@ -6,7 +6,6 @@ rebuild the text) and its exact log-prob, and text offsets must index the return
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 from server_process import running_server
 
@@ -22,12 +21,6 @@ def server(default_model_dir, tmp_path_factory):
     with running_server(default_model_dir, tmp_path_factory.mktemp("serve-logprobs"), "--kv-cache-tokens",
                         "2048", "--served-model-name", "smol") as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from typing import Literal
 
 import httpx
 import jsonschema_rs
-import openai
 import pytest
 from pydantic import BaseModel
 from server_process import running_server
@@ -36,17 +35,6 @@ def server(tiny_train_model, tmp_path_factory):
     with running_server(tiny_train_model, tmp_path_factory.mktemp("serve-structured"),
                         "--kv-cache-tokens", "4096") as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def json_schema_format(schema: dict) -> dict:

@@ -10,7 +10,6 @@ import json
 
 import httpx
 import jsonschema_rs
-import openai
 import pytest
 from server_process import running_server
 
@@ -35,17 +34,6 @@ def server(tmp_path_factory):
     with running_server(model, tmp_path_factory.mktemp("serve-tools"), "--kv-cache-tokens", "16384",
                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def valid_call(call) -> bool:

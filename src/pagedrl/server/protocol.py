@@ -284,16 +284,21 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class DeltaFunctionCall(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
+class WithoutNulls(BaseModel):
+    """A streamed delta: OpenAI leaves out what a delta does not carry (the role after a choice's first
+    delta, a tool call's id and name after its first), rather than sending nulls."""
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class DeltaToolCall(BaseModel):
+class DeltaFunctionCall(WithoutNulls):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(WithoutNulls):
     """OpenAI's streamed tool call: the first delta of call `index` has its id, type and name; later
     ones add to `function.arguments`."""
 
@@ -301,10 +306,6 @@ class DeltaToolCall(BaseModel):
     id: str | None = None
     type: Literal["function"] | None = None
     function: DeltaFunctionCall
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -324,15 +325,10 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(WithoutNulls):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict[str, Any]:
-        # OpenAI sends the role only in a choice's first delta, and no nulls.
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatStreamChoice(BaseModel):
