@@ -38,7 +38,7 @@ def run(model: CausalLM, kv_cache_tokens: int, monkeypatch: pytest.MonkeyPatch) 
     hashed: list[tuple[int, ...]] = []
     real = kv_cache_manager.hash_block_tokens
     monkeypatch.setattr(kv_cache_manager, "hash_block_tokens",
-                        lambda parent, tokens, version: hashed.append(tuple(tokens)) or real(parent, tokens, version))
+                        lambda parent, tokens, version, salt: hashed.append(tuple(tokens)) or real(parent, tokens, version, salt))
     llm = LLM.from_module(model, block_size=BLOCK, kv_cache_tokens=kv_cache_tokens)
     engine = llm.engine
     for p in prompts(model.config.vocab_size):

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams"]
 
 if TYPE_CHECKING:
     from pagedrl.engine.llm import LLM
+    from pagedrl.engine.lora_request import LoRARequest
     from pagedrl.engine.sampling_params import SamplingParams
     from pagedrl.engine.structured_outputs import StructuredOutputsParams
 
@@ -19,6 +20,10 @@ def __getattr__(name: str):
         from pagedrl.engine.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from pagedrl.engine.lora_request import LoRARequest
+
+        return LoRARequest
     if name == "SamplingParams":
         from pagedrl.engine.sampling_params import SamplingParams
 

@@ -33,11 +33,13 @@ class BlockHash(NamedTuple):
 _ROOT_DIGEST = bytes(32)
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], weight_version: int) -> BlockHash:
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], weight_version: int,
+                      salt: bytes = b"") -> BlockHash:
     """Chain hash of one full block: blake2b over (weight version, length, parent digest, tokens).
 
     Chaining makes the hash name the whole prefix, not just this block's tokens: the keys and
-    values of a block depend on every token before it."""
+    values of a block depend on every token before it. A first block mixes in its sequence's `salt`
+    (the LoRA adapter it runs with), so the chains of two adapters never meet."""
     if parent is not None and parent.weight_version != weight_version:
         raise ValueError(
             f"weight_version {weight_version} differs from the parent hash's version {parent.weight_version}"
@@ -45,6 +47,8 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], weight
     h = hashlib.blake2b(digest_size=32)
     h.update(struct.pack("<qq", weight_version, len(token_ids)))
     h.update(parent.digest if parent is not None else _ROOT_DIGEST)
+    if parent is None and salt:
+        h.update(struct.pack("<q", len(salt)) + salt)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return BlockHash(h.digest(), weight_version)
 

@@ -27,9 +27,14 @@ class EngineConfig:
     # Under autocast, keep low-precision copies of the projection weights, made once per weight change
     # (`cast_weights`); off where the module's parameters are swapped between steps (FSDP2's gathers).
     cast_weights: bool = True
+    # Many LoRA adapters chosen per request (`multi_lora`): slots on the device, highest rank, CPU copies kept.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # default: max_loras
 
     def validate(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -39,3 +44,5 @@ class EngineConfig:
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block "
                              f"of block_size={self.block_size} tokens")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < 1):
+            raise ValueError(f"max_cpu_loras must be a positive integer, got {self.max_cpu_loras!r}")

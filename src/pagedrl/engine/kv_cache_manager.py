@@ -40,13 +40,14 @@ SeqId = int | str
 
 @dataclass
 class _SeqBlocks:
-    """A sequence's block table, how many of its leading full blocks are hashed, its KV version, and
-    its row in the persistent `BlockTable`."""
+    """A sequence's block table, how many of its leading full blocks are hashed, its KV version, its
+    row in the persistent `BlockTable`, and the salt of its chain hashes (its LoRA adapter)."""
 
     weight_version: int
     row: int
     blocks: list[KVBlock] = field(default_factory=list)
     num_hashed_blocks: int = 0
+    salt: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class KVCacheManager:
     # ----------------------------------------------------------------- sequences
 
     def get_computed_blocks(
-        self, token_ids: Sequence[int], block_hashes: list[BlockHash] | None = None
+        self, token_ids: Sequence[int], block_hashes: list[BlockHash] | None = None, salt: bytes = b""
     ) -> ComputedBlocks:
         """The longest cached prefix of `token_ids` (a multiple of `block_size` tokens). A pure
         query: no block is held and no statistic changes; only `block_hashes`, the sequence's own
@@ -94,7 +95,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return ComputedBlocks([], [], 0, 0)
         num_candidates = (len(token_ids) - 1) // self.block_size
-        hashes = self.hash_blocks(token_ids, num_candidates, block_hashes)
+        hashes = self.hash_blocks(token_ids, num_candidates, block_hashes, salt)
         blocks: list[KVBlock] = []
         for block_hash in hashes[:num_candidates]:
             block = self.pool.get_cached_block(block_hash)
@@ -104,21 +105,23 @@ class KVCacheManager:
         return ComputedBlocks(blocks, hashes[: len(blocks)], len(blocks) * self.block_size, len(token_ids))
 
     def hash_blocks(
-        self, token_ids: Sequence[int], num_blocks: int, block_hashes: list[BlockHash] | None = None
+        self, token_ids: Sequence[int], num_blocks: int, block_hashes: list[BlockHash] | None = None,
+        salt: bytes = b"",
     ) -> list[BlockHash]:
         """Chain hashes of the first `num_blocks` full blocks of `token_ids` under the current
         weights, extending `block_hashes` in place: blocks hashed before are not hashed again.
 
         `block_hashes` must have been built from these `token_ids` (a sequence's tokens only ever
         grow). A list computed under older weights is started again: no hash of old keys and
-        values may be found under new ones. Without a list every block is hashed afresh."""
+        values may be found under new ones. Without a list every block is hashed afresh. `salt` (a
+        sequence's adapter) enters the first block's hash, so the whole chain."""
         hashes = [] if block_hashes is None else block_hashes
         if hashes and hashes[0].weight_version != self._weight_version:
             hashes.clear()
         bs = self.block_size
         for i in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], self._weight_version))
+            hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], self._weight_version, salt))
         return hashes
 
     def allocate_slots(
@@ -129,6 +132,7 @@ class KVCacheManager:
         num_new_tokens: int,
         computed: ComputedBlocks | None = None,
         block_hashes: list[BlockHash] | None = None,
+        salt: bytes = b"",
     ) -> bool:
         """Make the sequence's table cover `num_computed_tokens + num_new_tokens` tokens, writable.
 
@@ -139,7 +143,7 @@ class KVCacheManager:
         free. A shared block that the new tokens will be written into is replaced by a fresh
         one; if it already holds computed tokens a (src, dst) copy is queued for
         `take_pending_copies`. Blocks that end up full of known tokens are then cached, hashed
-        through `block_hashes` (see `hash_blocks`)."""
+        through `block_hashes` (see `hash_blocks`), under the `salt` the sequence was first given."""
         if num_computed_tokens < 0:
             raise ValueError(f"num_computed_tokens must be >= 0, got {num_computed_tokens}")
         if num_new_tokens < 0:
@@ -160,7 +164,7 @@ class KVCacheManager:
             return True
         hits = self._check_computed(seq_id, seq, computed)
         if seq is None:
-            seq = self._seqs[seq_id] = _SeqBlocks(self._weight_version, self.table.new_row())
+            seq = self._seqs[seq_id] = _SeqBlocks(self._weight_version, self.table.new_row(), salt=salt)
         elif not seq.blocks:
             seq.weight_version = self._weight_version  # no keys and values yet: all computed from now on
         blocks = seq.blocks
@@ -247,7 +251,7 @@ class KVCacheManager:
         num_full = num_tokens // self.block_size
         if num_full <= seq.num_hashed_blocks:
             return
-        hashes = self.hash_blocks(token_ids, num_full, block_hashes)
+        hashes = self.hash_blocks(token_ids, num_full, block_hashes, seq.salt)
         for i in range(seq.num_hashed_blocks, num_full):
             self.pool.cache_full_block(seq.blocks[i], hashes[i])
         seq.num_hashed_blocks = num_full
@@ -259,7 +263,8 @@ class KVCacheManager:
             raise ValueError(f"child_id {child_id!r} is already a live sequence")
         parent = self._get(parent_id)
         self.pool.touch(parent.blocks)
-        child = _SeqBlocks(parent.weight_version, self.table.new_row(), list(parent.blocks), parent.num_hashed_blocks)
+        child = _SeqBlocks(parent.weight_version, self.table.new_row(), list(parent.blocks), parent.num_hashed_blocks,
+                           parent.salt)
         self.table.copy_row(parent.row, child.row)
         self._seqs[child_id] = child
 

@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedrl.engine.llm_engine import EngineConfig, LLMEngine
+from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.outputs import RequestOutput
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.model.decoder import CausalLM
@@ -41,7 +42,11 @@ class LLM:
     Hugging Face Hub id (or a local folder, a .gguf file: `model/resolve.py`); `LLM(model, adapter=folder)` a
     base model with a LoRA adapter (PEFT's format) folded into its weights at load, so it decodes at
     the base's speed (`model` None: the base the adapter names); `LLM.from_module(model, tokenizer)`
-    runs on a model that training owns (same parameter tensors, no copy; a live adapter included)."""
+    runs on a model that training owns (same parameter tensors, no copy; a live adapter included).
+
+    `LLM(model, enable_lora=True, max_loras=N, max_lora_rank=R)` serves many adapters, chosen per
+    prompt with `generate(..., lora_request=LoRARequest(name, id, path))`, side by side in the same
+    steps (`engine/multi_lora.py`)."""
 
     def __init__(self, model: str | None = None, *, adapter: str | None = None, revision: str | None = None,
                  tokenizer: Any = None,
@@ -51,7 +56,9 @@ class LLM:
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, max_model_len: int | None = None, seed: int = 0,
                  gpu_memory_utilization: float = 0.9, attention_impl: str = "auto", enforce_eager: bool = False,
-                 autocast_dtype: torch.dtype | None = None, cast_weights: bool = True, _module: CausalLM | None = None,
+                 autocast_dtype: torch.dtype | None = None, cast_weights: bool = True, enable_lora: bool = False,
+                 max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
+                 _module: CausalLM | None = None,
                  _eos_token_ids: list[int] | None = None) -> None:
         config = EngineConfig(block_size=block_size, kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=kv_cache_bytes,
                               gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
@@ -59,7 +66,12 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching,
                               enable_chunked_prefill=enable_chunked_prefill, max_model_len=max_model_len, seed=seed,
                               attention_impl=attention_impl, enforce_eager=enforce_eager,
-                              autocast_dtype=autocast_dtype, cast_weights=cast_weights)
+                              autocast_dtype=autocast_dtype, cast_weights=cast_weights, enable_lora=enable_lora,
+                              max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+        config.validate()
+        if enable_lora and _module is not None:
+            raise ValueError("enable_lora: adapters per request need a model the engine owns (LLM(model, ...)); "
+                             "a module training owns would have its projections replaced")
         if _module is None:
             from pagedrl.model.loader import load_model
 
@@ -103,8 +115,10 @@ class LLM:
         self.engine.reseed(seed)
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+                 use_tqdm: bool = True, lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts. `lora_request`:
+        one adapter for every prompt, or one (or None, the base) per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -115,10 +129,14 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         params = final_only(params)
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(prompt, p, request_id=f"gen-{next(self._ids)}"))
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
+                ids.append(self.engine.add_request(prompt, p, request_id=f"gen-{next(self._ids)}", lora_request=lora))
         except ValueError:
             for rid in ids:  # a bad prompt rejects the whole call and leaves nothing queued
                 self.engine.abort_request(rid)
@@ -145,7 +163,8 @@ class LLM:
 
     def chat(self, conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template")
         if conversations and isinstance(conversations[0], dict):
@@ -153,7 +172,7 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
                                                       **(chat_template_kwargs or {}))
                    for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()

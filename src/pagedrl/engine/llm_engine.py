@@ -18,7 +18,9 @@ from pagedrl.engine.engine_config import EngineConfig
 from pagedrl.engine.grammar import GrammarCompiler, StepBitmasks
 from pagedrl.engine.kv_cache import KVCache, num_blocks_for_budget
 from pagedrl.engine.kv_cache_manager import KVCacheManager
+from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.model_runner import ModelRunner
+from pagedrl.engine.multi_lora import LoRASlots
 from pagedrl.engine.output_processor import logprob_entry, make_output, record_prompt_logprob
 from pagedrl.engine.outputs import RequestOutput
 from pagedrl.engine.sampler import Sampler, SamplingRow
@@ -49,12 +51,17 @@ class LLMEngine:
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, bs, cfg.num_key_value_heads, cfg.head_dim,
                                 kv_dtype, model.device)
         self.kv_manager = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_manager, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens, self.config.enable_chunked_prefill)
-        self.runner = ModelRunner(model, self.kv_cache, self.kv_manager, bs, self.config.attention_impl,
-                                  enforce_eager=self.config.enforce_eager, autocast_dtype=self.config.autocast_dtype,
-                                  max_num_seqs=self.config.max_num_seqs, max_model_len=self.max_model_len,
-                                  cast_weights=self.config.cast_weights)
+        c = self.config
+        self.scheduler = Scheduler(self.kv_manager, c.max_num_seqs, c.max_num_batched_tokens,
+                                   c.enable_chunked_prefill, max_loras=c.max_loras if c.enable_lora else None)
+        self.runner = ModelRunner(model, self.kv_cache, self.kv_manager, bs, c.attention_impl,
+                                  enforce_eager=c.enforce_eager, autocast_dtype=c.autocast_dtype,
+                                  max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len,
+                                  cast_weights=c.cast_weights)
+        # Adapters per request: the projections of the model the runner runs become slotted ones.
+        self.lora = LoRASlots(self.runner.model, c.max_loras, c.max_lora_rank, c.max_cpu_loras) \
+            if c.enable_lora else None
+        self.runner.lora = self.lora
         self.sampler = Sampler(torch.Generator(device=model.device).manual_seed(self.config.seed))
         eos = set(eos_token_ids or []) | set(cfg.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -72,8 +79,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Validate and queue a request; a bad one raises ValueError and changes nothing."""
+                    request_id: str | None = None, lora_request: LoRARequest | None = None) -> str:
+        """Validate and queue a request (on the base model, or with the LoRA adapter of
+        `lora_request`); a bad one raises ValueError and changes nothing."""
         params = params or SamplingParams()
         self.wake_up()
         if not isinstance(params, SamplingParams):
@@ -84,6 +92,10 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError("lora_request: this engine was built without enable_lora=True")
+            self.lora.prepare(lora_request)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammar_compiler().matcher(params.structured_outputs)
@@ -91,6 +103,7 @@ class LLMEngine:
         req = Request(request_id, text, ids, params, now)
         seq = Sequence(request_id, 0, ids, params, self.make_generator(params.seed, 0), now)
         seq.grammar = grammar
+        seq.lora = lora_request
         seq.detokenizer = self.new_detokenizer(params, ids)
         seq.seats = params.n
         req.seqs.append(seq)
@@ -241,6 +254,7 @@ class LLMEngine:
             child.prompt_logprobs = seq.prompt_logprobs
             child.block_hashes = list(seq.block_hashes)
             child.grammar = seq.grammar.copy() if seq.grammar is not None else None
+            child.lora = seq.lora
             self.kv_manager.fork(seq.seq_id, child.seq_id)
             self.num_forked_blocks += len(self.kv_manager.block_table(seq.seq_id))
             self.scheduler.add_running(child)

@@ -4,7 +4,8 @@ The runner flattens every scheduled sequence's new tokens into one row, builds t
 metadata once (which computes the tokens' positions, read by both the rotary embedding and the
 cache writes), runs the model and projects to the vocabulary only the rows that are sampled (and the
 prompt rows whose log-probs were asked for). On CUDA a step that only decodes replays a CUDA graph
-instead (`cuda_graphs`), unless `enforce_eager`.
+instead (`cuda_graphs`), unless `enforce_eager` or a LoRA adapter runs in it. With adapters per
+request (`multi_lora`) the step's sequences are ordered by adapter first.
 
 The forward runs in the precision it is given: with `autocast_dtype` under `torch.autocast`, as a
 trainer's bf16 autocast runs the same module, so rollouts are sampled from the numbers training
@@ -27,6 +28,7 @@ from pagedrl.engine.cuda_graphs import DecodeGraphs
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
 from pagedrl.engine.kv_cache_manager import KVCacheManager
+from pagedrl.engine.multi_lora import LoRASlots
 from pagedrl.engine.sequence import Sequence, wants_prompt_logprobs
 from pagedrl.model.decoder import CausalLM
 
@@ -52,6 +54,7 @@ class ModelRunner:
         self.kv_manager = kv_manager
         self.block_size = block_size
         self._logits: torch.Tensor | None = None  # see `project`
+        self.lora: LoRASlots | None = None  # set by the engine when it serves adapters per request
         self.graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs: on CUDA with the kernels
         if not enforce_eager and model.device.type == "cuda" and self.attention_impl == "triton":
             self.graphs = DecodeGraphs(model, kv_cache, block_size, max_num_seqs,
@@ -77,6 +80,7 @@ class ModelRunner:
         if copies:
             self.kv_cache.copy_blocks(copies)
         if self.graphs is not None and self.is_plain_decode(seqs, num_new_tokens) \
+                and (self.lora is None or all(seq.lora is None for seq in seqs)) \
                 and self.graphs.fits(len(seqs), max(seq.num_tokens for seq in seqs)):
             positions = [seq.num_computed_tokens for seq in seqs]
             tables = self.kv_manager.block_table_rows([seq.seq_id for seq in seqs],
@@ -86,8 +90,14 @@ class ModelRunner:
             with self.precision():
                 logits = self.project(hidden)
             return ForwardResult(logits, [(seq, p) for seq, p in zip(seqs, positions, strict=True)])
-        with self.precision():
-            return self.execute_eager(seqs, num_new_tokens)
+        if self.lora is not None:  # each adapter's sequences side by side, its segment set
+            seqs, num_new_tokens = self.lora.begin_step(seqs, num_new_tokens)
+        try:
+            with self.precision():
+                return self.execute_eager(seqs, num_new_tokens)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
 
     @staticmethod
     def is_plain_decode(seqs: list[Sequence], num_new_tokens: list[int]) -> bool:

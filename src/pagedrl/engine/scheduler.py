@@ -18,6 +18,9 @@ Admission: the head of the waiting queue is looked up in the prefix cache (a que
 blocks and fresh ones are allocated together or not at all. A sequence that does not fit holds no
 block while it waits and is not counted in the prefix-cache statistics until it is admitted; a
 preempted sequence that comes back is admitted anew, and its hits, which spare a recompute, count.
+With LoRA adapters, at most `max_loras` distinct ones run at once (the engine's resident slots): a
+waiting sequence whose adapter would be one too many is passed over, keeping its place, and the ones
+behind it may go first (vLLM does the same).
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, max_loras: int | None = None) -> None:
         self.kv_manager = kv_manager
+        self.max_loras = max_loras  # adapters running at once (the engine's resident slots)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -87,7 +91,8 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while not allocate(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new, None, seq.block_hashes):
+            while not allocate(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new, None, seq.block_hashes,
+                               seq.cache_salt):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is seq:
@@ -100,21 +105,27 @@ class Scheduler:
             i += 1
 
         seats = sum(s.seats for s in self.running)
+        adapters = {s.lora.lora_int_id for s in self.running if s.lora is not None}
+        held_back: list[Sequence] = []  # their adapter would be one too many; they keep their place
         while (self.waiting and budget > 0 and seats + self.waiting[0].seats <= self.max_num_seqs
                and not batch.preempted):
             seq = self.waiting[0]
+            lora = seq.lora.lora_int_id if seq.lora is not None else None
+            if lora is not None and lora not in adapters and len(adapters) >= (self.max_loras or 0):
+                held_back.append(self.waiting.popleft())
+                continue
             # A query: the hit blocks are taken, and the lookup counted, only if the sequence is
             # admitted, so a sequence that waits for memory holds none and is counted once. A request
             # for prompt log-probs needs every prompt row computed, so it takes no hits.
             if wants_prompt_logprobs(seq):
                 computed = ComputedBlocks([], [], 0, 0)
             else:
-                computed = self.kv_manager.get_computed_blocks(seq.token_ids, seq.block_hashes)
+                computed = self.kv_manager.get_computed_blocks(seq.token_ids, seq.block_hashes, seq.cache_salt)
             remaining = seq.num_tokens - computed.num_tokens
             num_new = min(remaining, budget)
             fits = num_new == remaining or self.enable_chunked_prefill
             if not fits or not self.kv_manager.allocate_slots(seq.seq_id, seq.token_ids, computed.num_tokens,
-                                                              num_new, computed, seq.block_hashes):
+                                                              num_new, computed, seq.block_hashes, seq.cache_salt):
                 break
             seq.num_computed_tokens = computed.num_tokens
             self.waiting.popleft()
@@ -124,6 +135,9 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+            if lora is not None:
+                adapters.add(lora)
+        self.waiting.extendleft(reversed(held_back))
         return batch
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:

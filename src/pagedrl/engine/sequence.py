@@ -18,6 +18,7 @@ import torch
 
 from pagedrl.engine.block_pool import BlockHash
 from pagedrl.engine.grammar import TokenMatcher
+from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.outputs import Logprob
 from pagedrl.engine.sampler import SamplingRow
 from pagedrl.engine.sampling_params import SamplingParams
@@ -76,9 +77,16 @@ class Sequence:
     # What the sampler needs about it, kept once it can no longer change (no penalties, grammar or
     # min_tokens ban in force): built once, not once per step (see LLMEngine.sampling_row).
     sampling_row: SamplingRow | None = None
+    # The LoRA adapter it runs with (None: the base model); its forks run with it too.
+    lora: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def cache_salt(self) -> bytes:
+        """What its prefix-cache hashes are salted with: KV is only shared under the same adapter."""
+        return b"" if self.lora is None else self.lora.cache_salt
 
     @property
     def num_prompt_tokens(self) -> int:

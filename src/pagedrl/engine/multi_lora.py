@@ -1,0 +1,248 @@
+"""Many LoRA adapters in one engine, chosen per request, all in the same step (Punica, S-LoRA).
+
+Every decoder projection of the engine's model becomes a `SlotLinear`: the base matmul runs once
+for the whole batch, then each adapter's rows get their low-rank update from that adapter's slot.
+The runner orders a step's sequences by slot, so each adapter's tokens are one contiguous segment
+and its update is two small matmuls on views, written in place (`out[seg] += (x[seg] Aᵀ) (s·B)ᵀ`):
+no gather, no scatter, no copy of the activations. Base rows are not touched.
+
+Residency: `max_loras` slots hold adapters on the device, stacked per projection and padded to
+`max_lora_rank` (a slot's unused rank rows are never read). An adapter a step needs and no slot holds
+takes the least recently used slot that the step does not need, copied in from its CPU copy; the
+scheduler never runs more than `max_loras` adapters at once, so a slot is always there. CPU copies
+(scaling folded into B, in the model's dtype) are kept for the `max_cpu_loras` most recently used
+adapters and read again from the adapter's folder when evicted.
+
+An adapter is refused, naming it, when it does not fit: a rank above `max_lora_rank`, a tensor whose
+shape is not the base projection's (an adapter of another base model), a module the base does not
+have, a reward-model adapter, or `modules_to_save` (full tensors, which only a merge can serve).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedrl.engine.lora_request import LoRARequest
+from pagedrl.model.adapter import read_adapter_config, read_adapter_weights
+from pagedrl.model.checkpoint import CheckpointError
+from pagedrl.model.lora import LAYER_PROJECTIONS, LoRALinear
+
+if TYPE_CHECKING:
+    from pagedrl.engine.sequence import Sequence
+
+BASE = -1  # the slot of rows without an adapter
+
+
+class SlotLinear(nn.Module):
+    """A base projection (its own weight and bias tensors) plus the adapters resident in the slots."""
+
+    def __init__(self, base: nn.Linear, slots: LoRASlots) -> None:
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.slots = slots
+        kw = {"dtype": base.weight.dtype, "device": base.weight.device}
+        # Plain attributes, not buffers: not part of the state dict, nor of a checkpoint.
+        self.lora_a = torch.zeros(slots.max_loras, slots.max_lora_rank, self.in_features, **kw)
+        self.lora_bt = torch.zeros(slots.max_loras, slots.max_lora_rank, self.out_features, **kw)
+        self.ranks = [0] * slots.max_loras  # 0: the slot's adapter leaves this projection alone
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        segments = self.slots.segments
+        if not segments:
+            return out
+        x2, out2 = x.reshape(-1, self.in_features), out.view(-1, self.out_features)
+        for slot, start, end in segments:
+            r = self.ranks[slot]
+            if r:
+                out2[start:end].addmm_(torch.mm(x2[start:end], self.lora_a[slot, :r].t()), self.lora_bt[slot, :r])
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, slots={len(self.ranks)}"
+
+
+@dataclass
+class AdapterWeights:
+    """One adapter ready for a slot: per projection name, A [r, in] and (s·B)ᵀ [r, out]."""
+
+    request: LoRARequest
+    rank: int
+    tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.tensors.values())
+
+
+def read_lora(request: LoRARequest, projections: dict[str, nn.Module], max_lora_rank: int,
+              dtype: torch.dtype) -> AdapterWeights:
+    """Read and check `request`'s adapter against the base projections (name → module with
+    in_features/out_features). Every refusal is a ValueError naming the adapter and what does not fit."""
+    from pagedrl.model.resolve import resolve_model_path
+
+    name = request.lora_name
+    try:
+        path = resolve_model_path(request.lora_path)
+        config = read_adapter_config(path)
+        state = read_adapter_weights(path)
+    except (CheckpointError, OSError, ValueError) as e:
+        raise ValueError(f"LoRA adapter {name!r}: {e}") from None
+    where = f"LoRA adapter {name!r} ({path})"
+    if config.task_type != "CAUSAL_LM":
+        raise ValueError(f"{where}: task_type {config.task_type}; only CAUSAL_LM adapters generate")
+    if config.modules_to_save:
+        raise ValueError(f"{where}: modules_to_save {config.modules_to_save} are full tensors, which cannot be "
+                         "switched per request; serve it merged (pagedrl serve --adapter, or pagedrl merge)")
+    if config.r > max_lora_rank:
+        raise ValueError(f"{where}: rank {config.r} exceeds max_lora_rank {max_lora_rank}; raise max_lora_rank "
+                         "(--max-lora-rank) to serve it")
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        module, sep, part = key.rpartition(".lora_")
+        if not sep or part not in ("A.weight", "B.weight"):
+            raise ValueError(f"{where}: tensor {key!r} is not a lora_A or lora_B weight")
+        if module not in projections:
+            raise ValueError(f"{where}: tensor {key!r} adapts {module!r}, which the base model does not have "
+                             "(an adapter of another base model?)")
+        halves.setdefault(module, {})[part[0]] = tensor
+    tensors = {}
+    for module, pair in halves.items():
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"{where}: {module!r} has lora_{next(iter(pair))} but not its other half")
+        base = projections[module]
+        a, b = pair["A"], pair["B"]
+        want_a, want_b = (config.r, base.in_features), (base.out_features, config.r)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise ValueError(f"{where}: {module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this base "
+                             f"model needs {want_a} and {want_b} at rank {config.r} (an adapter of another base model?)")
+        bt = (b.double() * config.scaling).t()  # s·B folded once, rounded once into the model's dtype
+        tensors[module] = (a.to(dtype).contiguous(), bt.to(dtype).contiguous())
+    if not tensors:
+        raise ValueError(f"{where}: holds no lora_A/lora_B tensors")
+    return AdapterWeights(request, config.r, tensors)
+
+
+class LoRASlots:
+    """The engine's adapters: the slots on the device, the CPU copies, and each step's segments."""
+
+    def __init__(self, model: nn.Module, max_loras: int = 1, max_lora_rank: int = 16,
+                 max_cpu_loras: int | None = None) -> None:
+        for field, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank),
+                             ("max_cpu_loras", max_cpu_loras if max_cpu_loras is not None else max_loras)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
+        if any(isinstance(m, LoRALinear) for m in model.modules()):
+            raise ValueError("enable_lora: the model already carries a trained adapter; merge it first or serve "
+                             "it on its own")
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
+        self.dtype = next(model.parameters()).dtype
+        self.layers: dict[str, SlotLinear] = {}
+        for name, module in list(model.named_modules()):
+            if isinstance(module, nn.Linear) and name.rpartition(".")[2] in LAYER_PROJECTIONS:
+                parent, _, child = name.rpartition(".")
+                layer = SlotLinear(module, self)
+                setattr(model.get_submodule(parent), child, layer)
+                self.layers[name] = layer
+        self.resident: list[int | None] = [None] * max_loras  # lora_int_id per slot
+        self.last_used = [0] * max_loras  # step counter at the slot's last use (LRU)
+        self.cpu: OrderedDict[int, AdapterWeights] = OrderedDict()  # most recently used last
+        self.known: dict[int, LoRARequest] = {}
+        self.segments: list[tuple[int, int, int]] = []  # (slot, first token, end) of the running step
+        self.num_steps = 0
+        self.num_slot_loads = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the slots hold."""
+        return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in (layer.lora_a, layer.lora_bt))
+
+    def read(self, request: LoRARequest) -> AdapterWeights:
+        """The adapter read from disk and checked; changes nothing (safe off the engine thread)."""
+        return read_lora(request, self.layers, self.max_lora_rank, self.dtype)
+
+    def prepare(self, request: LoRARequest) -> AdapterWeights:
+        """The adapter's CPU copy, read if it is not kept; the least recently used copies go."""
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        seen = self.known.get(request.lora_int_id)
+        if seen is not None and (seen.lora_path, seen.lora_name) != (request.lora_path, request.lora_name):
+            raise ValueError(f"lora_request: lora_int_id {request.lora_int_id} already names adapter {seen.lora_name!r} "
+                             f"({seen.lora_path}); give {request.lora_name!r} an id of its own")
+        weights = self.cpu.get(request.lora_int_id)
+        if weights is None:
+            weights = self.read(request)
+            self.cpu[request.lora_int_id] = weights
+            self.known[request.lora_int_id] = request
+            while len(self.cpu) > self.max_cpu_loras:
+                self.cpu.popitem(last=False)
+        self.cpu.move_to_end(request.lora_int_id)
+        return weights
+
+    def activate(self, requests: Seq[LoRARequest]) -> dict[int, int]:
+        """Make every adapter of `requests` resident; its slot by lora_int_id."""
+        self.num_steps += 1
+        wanted = {r.lora_int_id: r for r in requests}
+        if len(wanted) > self.max_loras:
+            raise RuntimeError(f"a step needs {len(wanted)} adapters; only max_loras={self.max_loras} fit")
+        slots = {}
+        for lora_id in wanted:
+            if lora_id in self.resident:
+                slots[lora_id] = self.resident.index(lora_id)
+        for lora_id, request in wanted.items():
+            if lora_id not in slots:
+                free = [s for s in range(self.max_loras) if s not in slots.values()]
+                slot = min(free, key=lambda s: (self.resident[s] is not None, self.last_used[s]))
+                self.load(slot, self.prepare(request))
+                slots[lora_id] = slot
+        for slot in slots.values():
+            self.last_used[slot] = self.num_steps
+        return slots
+
+    @torch.no_grad()
+    def load(self, slot: int, weights: AdapterWeights) -> None:
+        """Copy an adapter into a slot (in place: the stacks are never reallocated)."""
+        r = weights.rank
+        for name, layer in self.layers.items():
+            pair = weights.tensors.get(name)
+            if pair is None:
+                layer.ranks[slot] = 0
+                continue
+            layer.lora_a[slot, :r].copy_(pair[0])
+            layer.lora_bt[slot, :r].copy_(pair[1])
+            layer.ranks[slot] = r
+        self.resident[slot] = weights.request.lora_int_id
+        self.num_slot_loads += 1
+
+    def begin_step(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[list[Sequence], list[int]]:
+        """The step's sequences ordered by slot (the base first, each in its order), with the token
+        segment of every adapter set for the projections to read."""
+        self.segments = []
+        requests = [seq.lora for seq in seqs if seq.lora is not None]
+        if not requests:
+            return seqs, num_new_tokens
+        slots = self.activate(requests)
+        slot_of = [BASE if seq.lora is None else slots[seq.lora.lora_int_id] for seq in seqs]
+        order = sorted(range(len(seqs)), key=slot_of.__getitem__)
+        start = 0
+        for i in order:
+            slot, n = slot_of[i], num_new_tokens[i]
+            if slot != BASE:
+                if self.segments and self.segments[-1][0] == slot:
+                    self.segments[-1] = (slot, self.segments[-1][1], start + n)
+                else:
+                    self.segments.append((slot, start, start + n))
+            start += n
+        return [seqs[i] for i in order], [num_new_tokens[i] for i in order]
+
+    def end_step(self) -> None:
+        self.segments = []
