@@ -128,7 +128,7 @@ def test_adapters_that_do_not_fit_are_refused_by_name(tiny_train_model, adapters
     save_adapter(other, tmp_path / "other")
     with pytest.raises(ValueError, match=r"'other' .*q_proj' has lora_A \(2, 32\).*needs \(2, 64\)"):
         llm.generate("hello", GREEDY, use_tqdm=False, lora_request=LoRARequest("other", 2, str(tmp_path / "other")))
-    with pytest.raises(ValueError, match=r"'missing': .*no adapter_config.json|'missing': .*no such"):
+    with pytest.raises(ValueError, match=r"'missing': .*no such folder"):
         llm.generate("hello", GREEDY, use_tqdm=False, lora_request=LoRARequest("missing", 3, str(tmp_path / "nope")))
     with pytest.raises(ValueError, match="lora_int_id 4 already names adapter 'qv2'"):
         llm.generate(["hello", "hi"], GREEDY, use_tqdm=False,

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedrl.engine.llm_engine import LLMEngine
+from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.outputs import RequestOutput
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -235,8 +236,9 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests (event loop side)
     async def submit(self, prompts: Sequence[Prompt], params: SamplingParams,
-                     request_id: str | None = None) -> RequestGroup:
-        """Validate and queue one request per prompt, all or none.
+                     request_id: str | None = None, lora_request: LoRARequest | None = None) -> RequestGroup:
+        """Validate and queue one request per prompt, all or none (each with the adapter of
+        `lora_request`, if given).
 
         Raises ValueError for a bad prompt or one that cannot fit (including more sequences than the
         server ever holds), EngineOverloaded when the waiting queue is full and EngineDead when the
@@ -272,7 +274,7 @@ class AsyncEngine:
         for s in streams:
             self.streams[s.request_id] = s
             self.num_seqs_in_flight += s.num_seqs
-            self._commands.put(("add", (s.request_id, s.prompt_token_ids, params)))
+            self._commands.put(("add", (s.request_id, s.prompt_token_ids, params, lora_request)))
         return RequestGroup(self, streams, notify)
 
     def _check_room(self, wanted: int) -> None:
@@ -385,9 +387,10 @@ class AsyncEngine:
             logger.exception("the engine thread stopped")
             self._post(self._mark_dead, e)
 
-    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+             lora_request: LoRARequest | None) -> None:
         try:
-            self.engine.add_request(prompt_ids, params, request_id=request_id)
+            self.engine.add_request(prompt_ids, params, request_id=request_id, lora_request=lora_request)
         except ValueError as e:  # validated already; only a race with a changed engine gets here
             self._post(self._fail, [request_id], RequestAborted(f"the engine refused the request: {e}"))
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedrl.engine.lora_request import LoRARequest
-from pagedrl.model.adapter import read_adapter_config, read_adapter_weights
+from pagedrl.model.adapter import ADAPTER_CONFIG, is_adapter_folder, read_adapter_config, read_adapter_weights
 from pagedrl.model.checkpoint import CheckpointError
 from pagedrl.model.lora import LAYER_PROJECTIONS, LoRALinear
 
@@ -70,6 +70,10 @@ class SlotLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, slots={len(self.ranks)}"
 
 
+class AdapterNotFound(ValueError):
+    """The adapter's path names no adapter folder (a server answers 404, not 400)."""
+
+
 @dataclass
 class AdapterWeights:
     """One adapter ready for a slot: per projection name, A [r, in] and (s·B)ᵀ [r, out]."""
@@ -92,9 +96,14 @@ def read_lora(request: LoRARequest, projections: dict[str, nn.Module], max_lora_
     name = request.lora_name
     try:
         path = resolve_model_path(request.lora_path)
+    except (CheckpointError, OSError) as e:
+        raise AdapterNotFound(f"LoRA adapter {name!r}: {e}") from None
+    if not is_adapter_folder(path):
+        raise AdapterNotFound(f"LoRA adapter {name!r}: {path} holds no {ADAPTER_CONFIG}; not a PEFT adapter folder")
+    try:
         config = read_adapter_config(path)
         state = read_adapter_weights(path)
-    except (CheckpointError, OSError, ValueError) as e:
+    except (CheckpointError, OSError) as e:
         raise ValueError(f"LoRA adapter {name!r}: {e}") from None
     where = f"LoRA adapter {name!r} ({path})"
     if config.task_type != "CAUSAL_LM":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,7 @@ from pagedrl.engine.async_engine import (
     RequestAborted,
     RequestGroup,
 )
+from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.server.errors import ApiError, bad_request, from_value_error, read_json
 from pagedrl.server.inputs import (
@@ -39,6 +40,7 @@ from pagedrl.server.inputs import (
     tokenizer_config,
 )
 from pagedrl.server.logprobs import TokenText
+from pagedrl.server.lora_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, lora_router
 from pagedrl.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedrl.server.openapi import errors, json_or_events, request_body
 from pagedrl.server.openapi import install as install_openapi
@@ -63,6 +65,7 @@ from pagedrl.server.responses import (
     completion_response,
     completion_stream,
 )
+from pagedrl.server.served_models import LoRAModule, ServedModels
 from pagedrl.server.structured import structured_outputs
 from pagedrl.server.tools import check_tool_schemas, tool_plan
 
@@ -141,11 +144,19 @@ async def final_outputs_unless_disconnected(request: Request, group: RequestGrou
 def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | None = None,
               api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
-              ui: bool = True, tool_call_parser: str | None = "hermes", enable_auto_tool_choice: bool = False) -> FastAPI:
+              ui: bool = True, tool_call_parser: str | None = "hermes", enable_auto_tool_choice: bool = False,
+              lora_modules: Sequence[LoRAModule] = (), allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
     With `ui`, `/` answers with the chat page (`server/ui/chat.html`), a static file that calls the
     API like any client (and needs the API key like any client). Tool calls (`server/tools.py`):
-    `tool_choice` "auto" needs `enable_auto_tool_choice` and reads calls with `tool_call_parser`."""
+    `tool_choice` "auto" needs `enable_auto_tool_choice` and reads calls with `tool_call_parser`.
+    On an engine built with `enable_lora`, each of `lora_modules` is served under its name (a request's
+    `model` picks it; one that does not fit raises ValueError here), and with `allow_runtime_lora_updating`
+    adapters are loaded and unloaded at run time (`server/lora_routes.py`)."""
+    slots = engine.engine.lora
+    served = ServedModels(served_model_name, model_root, read=None if slots is None else slots.read)
+    for module in lora_modules:
+        served.load(module)
     metrics = ServerMetrics(engine, served_model_name)
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
@@ -159,6 +170,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
     app = FastAPI(title="pagedrl", lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.served = served
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, e: ApiError) -> Response:
@@ -181,17 +193,15 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
             raise ApiError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
-            raise ApiError(404, f"the model '{name}' does not exist; this server serves '{served_model_name}'",
-                           param="model", code="model_not_found")
+    check_model = served.resolve  # the adapter a request's `model` names (None: the base); 404 if none
 
-    async def submit(prompts: list, params: SamplingParams, renames: dict[str, str] | None = None) -> RequestGroup:
+    async def submit(prompts: list, params: SamplingParams, renames: dict[str, str] | None = None,
+                     lora: LoRARequest | None = None) -> RequestGroup:
         # DELTA for streamed and whole responses alike: no step rebuilds what came before, and every
         # request's token timings reach the metrics
         params = params.clone(output_kind=RequestOutputKind.DELTA)
         try:
-            return await engine.submit(prompts, params)
+            return await engine.submit(prompts, params, lora_request=lora)
         except ValueError as e:
             raise from_value_error(e, renames) from None
         except EngineOverloaded as e:
@@ -207,18 +217,20 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
     @v1.get("/models", response_model=None, responses={200: {"model": ModelList, "description": "The served model"},
                                                         **errors(401)})
     async def models() -> Response:
+        adapters = [ModelCard(id=lora.lora_name, root=lora.lora_path, parent=lora.base_model_name or served_model_name,
+                              max_model_len=max_model_len) for lora in served.adapters.values()]
         return json_response(ModelList(data=[ModelCard(id=served_model_name, root=model_root,
-                                                       max_model_len=max_model_len)]))
+                                                       max_model_len=max_model_len), *adapters]))
 
     @v1.post("/completions", response_model=None, openapi_extra=request_body(CompletionRequest),
              responses={**json_or_events(CompletionResponse, "The completions, or a stream of CompletionChunk"),
                         **errors(400, 401, 404, 413, 499, 503)})
     async def completions(request: Request) -> Response:
         req = await read_json(request, CompletionRequest, max_request_body_bytes)
-        check_model(req.model)
+        lora = check_model(req.model)
         prompts, params = completion_inputs(req, max_n)
         echo = Echo(req.echo, req.echo and req.max_tokens == 0)
-        group = await submit(prompts, params, structured_outputs(req)[1])
+        group = await submit(prompts, params, structured_outputs(req)[1], lora)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         model = req.model or served_model_name
         if req.stream:
@@ -234,12 +246,12 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
                         **errors(400, 401, 404, 413, 499, 503)})
     async def chat_completions(request: Request) -> Response:
         req = await read_json(request, ChatCompletionRequest, max_request_body_bytes)
-        check_model(req.model)
+        lora = check_model(req.model)
         plan = tool_plan(req, tool_call_parser, enable_auto_tool_choice)
         if plan is not None:  # schemas compile off the event loop (cached: a repeated tool costs nothing)
             await asyncio.to_thread(check_tool_schemas, plan, engine.engine.grammar_compiler().check)
         prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan)
-        group = await submit([prompt_ids], params, renames={"logprobs": "top_logprobs", **structured_outputs(req)[1]})
+        group = await submit([prompt_ids], params, {"logprobs": "top_logprobs", **structured_outputs(req)[1]}, lora)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         model = req.model or served_model_name
         if req.stream:
@@ -249,6 +261,10 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
         outputs = await final_outputs_unless_disconnected(request, group)
         return json_response(chat_response(request_id, model, outputs[0], params, token_text(params), plan))
 
+    request_models = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+    if allow_runtime_lora_updating and served.lora_enabled:
+        v1.include_router(lora_router(served, max_request_body_bytes))
+        request_models += [LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest]
     app.include_router(v1)
 
     if ui:
@@ -313,8 +329,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
             raise ApiError(404, "this model has no tokenizer", "not_found_error")
         return json_response(TokenizerInfoResponse(**tokenizer_config(tokenizer, max_model_len)))
 
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
-                    vocab_size=engine.vocab_size)
+    install_openapi(app, request_models, vocab_size=engine.vocab_size)
     app.state.draining = Draining()
     app.add_middleware(DrainGate, draining=app.state.draining)
     return app

@@ -363,6 +363,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now_s)
     owned_by: str = "pagedrl"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

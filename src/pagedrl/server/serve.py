@@ -21,6 +21,7 @@ from typing import Any
 from pagedrl.model.precision import DTYPE_CHOICES, DTYPE_HELP
 from pagedrl.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedrl.server.inputs import DEFAULT_MAX_N
+from pagedrl.server.served_models import RUNTIME_UPDATING_ENV, parse_lora_module, runtime_updating_from_env
 from pagedrl.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("pagedrl.server")
@@ -65,6 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "calls with --tool-call-parser")
     p.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
                    help="the format the model writes its tool calls in (default: hermes, <tool_call> JSON blocks)")
+    lora = p.add_argument_group("LoRA adapters chosen per request (by the request's model field)")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters beside the base model, many in the same engine step")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                      help='adapters to serve: name=path, or JSON {"name": ..., "path": ..., "base_model_name": ...}')
+    lora.add_argument("--max-loras", type=int, default=1, help="adapters resident at once (and in one step)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="the highest adapter rank served")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="adapters kept in memory off the slots (default: --max-loras); others are read again")
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true", default=runtime_updating_from_env(),
+                      help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (they read any folder this "
+                           f"process can; also ${RUNTIME_UPDATING_ENV}=true)")
     return p
 
 
@@ -128,14 +141,20 @@ def build_server(args: argparse.Namespace) -> Any:
                         revision=args.revision)
     config = EngineConfig(block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=args.max_model_len, seed=args.seed, enforce_eager=args.enforce_eager)
+                          max_model_len=args.max_model_len, seed=args.seed, enforce_eager=args.enforce_eager,
+                          enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                          max_cpu_loras=args.max_cpu_loras)
     engine = LLMEngine(loaded.model, loaded.tokenizer, config, eos_token_ids=loaded.eos_token_ids)
     name = args.served_model_name or args.adapter or args.model or DEFAULT_MODEL
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
     app = build_app(async_engine, served_model_name=name,
                     model_root=str(loaded.path), api_key=args.api_key,
                     max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n, ui=not args.no_ui,
-                    tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
+                    tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                    lora_modules=[parse_lora_module(m) for m in args.lora_modules],
+                    allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+    for lora in app.state.served.adapters.values():
+        logger.info("LoRA adapter %s from %s (id %d)", lora.lora_name, lora.lora_path, lora.lora_int_id)
     logger.info("serving %s (%s, %s on %s): %d KV blocks of %d tokens, max_model_len %d", name, loaded.path,
                 loaded.precision.describe(), loaded.model.device, engine.kv_cache.num_blocks, args.block_size,
                 engine.max_model_len)
@@ -145,6 +164,24 @@ def build_server(args: argparse.Namespace) -> Any:
                         access_log=not args.no_access_log,
                         timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S)
     return draining_server(uv, async_engine, app.state.draining, args.shutdown_timeout)
+
+
+def lora_arguments_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the LoRA flags, checked before the model loads (an adapter itself is
+    checked once the engine exists: its shapes against the base's)."""
+    for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            return f"--{name.replace('_', '-')} must be positive"
+    if args.lora_modules and not args.enable_lora:
+        return "--lora-modules needs --enable-lora"
+    try:
+        names = [parse_lora_module(m).name for m in args.lora_modules]
+    except ValueError as e:
+        return str(e)
+    if len(set(names)) != len(names):
+        return f"--lora-modules: a name is given twice ({', '.join(names)})"
+    return None
 
 
 def _exit_now(signum: int, frame: Any) -> None:
@@ -160,9 +197,17 @@ def serve_main(argv: list[str]) -> int:
     if args.max_waiting_requests < 0:
         print("pagedrl serve: --max-waiting-requests must be non-negative", file=sys.stderr)
         return 2
+    problem = lora_arguments_problem(args)
+    if problem:
+        print(f"pagedrl serve: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _exit_now)  # while loading: just leave
-    server = build_server(args)
+    try:
+        server = build_server(args)
+    except ValueError as e:  # a model or adapter that cannot be served (CheckpointError included): named
+        print(f"pagedrl serve: {e}", file=sys.stderr)
+        return 2
     # uvicorn handles SIGTERM/SIGINT while serving, then re-raises the signal to the handler that was
     # installed before it; after a graceful shutdown there is nothing left to do, so that one is a no-op.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

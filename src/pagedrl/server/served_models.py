@@ -1,0 +1,105 @@
+"""The names a server answers to: its base model and, with `--enable-lora`, each LoRA adapter.
+
+A request's `model` field picks what runs: the base's name (or none) the base model, an adapter's
+name that adapter (vLLM's convention). Adapters come from `--lora-modules` at start-up and, where
+runtime updating is allowed, from `/v1/load_lora_adapter` while serving; each gets an id of its own,
+never reused, so an adapter loaded again under the same name never meets the old one's KV blocks or
+slot. Unloading only stops new requests from naming it: the ones running finish with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from pagedrl.engine.lora_request import LoRARequest
+from pagedrl.server.errors import ApiError
+
+# vLLM's switch for the load/unload endpoints: they read any folder the server can, so they are off
+# unless asked for (also `--allow-runtime-lora-updating`).
+RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_updating_from_env() -> bool:
+    return os.environ.get(RUNTIME_UPDATING_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_module(text: str) -> LoRAModule:
+    """One `--lora-modules` entry: `name=path`, or vLLM's JSON `{"name", "path", "base_model_name"}`."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--lora-modules: {text!r} is not valid JSON ({e})") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not isinstance(raw.get("path"), str):
+            raise ValueError(f"--lora-modules: {text!r} needs string fields \"name\" and \"path\"")
+        unknown = set(raw) - {"name", "path", "base_model_name"}
+        if unknown:
+            raise ValueError(f"--lora-modules: {text!r} has unknown field(s) {sorted(unknown)}")
+        module = LoRAModule(raw["name"], raw["path"], raw.get("base_model_name"))
+    else:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ValueError(f"--lora-modules: {text!r} is not name=path (nor a JSON object)")
+        module = LoRAModule(name.strip(), path.strip())
+    if not module.name or not module.path:
+        raise ValueError(f"--lora-modules: {text!r} needs both a name and a path")
+    return module
+
+
+class ServedModels:
+    """The base's name and the adapters by name; `read` checks an adapter (reads it from disk)."""
+
+    def __init__(self, base_name: str, root: str | None, read=None) -> None:  # noqa: ANN001 (a callable)
+        self.base_name = base_name
+        self.root = root
+        self.read = read  # LoRARequest -> anything; raises ValueError naming what does not fit. None: no LoRA
+        self.adapters: dict[str, LoRARequest] = {}
+        self._next_id = 1
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.read is not None
+
+    def resolve(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base); 404 for a name not served."""
+        if model is None or model == self.base_name:
+            return None
+        lora = self.adapters.get(model)
+        if lora is None:
+            served = ", ".join(repr(n) for n in [self.base_name, *self.adapters])
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves {served}",
+                           "not_found_error", param="model", code="model_not_found")
+        return lora
+
+    def new_request(self, module: LoRAModule) -> LoRARequest:
+        """A LoRARequest for `module` under a fresh id, not yet checked nor served."""
+        if not self.lora_enabled:
+            raise ValueError("LoRA adapters need --enable-lora")
+        if module.name == self.base_name:
+            raise ValueError(f"LoRA adapter name {module.name!r} is the base model's name")
+        lora = LoRARequest(module.name, self._next_id, module.path, module.base_model_name)
+        self._next_id += 1
+        return lora
+
+    def load(self, module: LoRAModule) -> LoRARequest:
+        """Check `module` (reading it) and serve it; a start-up adapter that does not fit raises ValueError."""
+        lora = self.new_request(module)
+        self.read(lora)
+        self.add(lora)
+        return lora
+
+    def add(self, lora: LoRARequest) -> None:
+        self.adapters[lora.lora_name] = lora
+
+    def remove(self, name: str) -> LoRARequest | None:
+        return self.adapters.pop(name, None)

@@ -1,0 +1,121 @@
+"""Adapters chosen per request on a real `pagedrl serve --enable-lora` process, through the `openai`
+client: the request's `model` picks the adapter, concurrent requests to the base and two adapters
+each answer with the merged checkpoint's greedy text, and `/v1/load_lora_adapter` /
+`/v1/unload_lora_adapter` change what is served without a restart."""
+
+from __future__ import annotations
+
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from multi_lora_cases import GREEDY, MAX_RANK, PROMPTS, make_adapters, merged_greedy, pagedrl_adapter
+from server_process import pagedrl_command, running_server
+
+from pagedrl.cli import main
+from pagedrl.model.tokenizer import Tokenizer
+
+BODY = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_train_model, tmp_path_factory) -> tuple[dict[str, Path], dict[str | None, list[str]]]:
+    adapters = make_adapters(tiny_train_model, tmp_path_factory.mktemp("adapters"))
+    tokenizer = Tokenizer.from_folder(tiny_train_model)
+    texts = {name: [tokenizer.decode(t) for t in tokens]
+             for name, tokens in merged_greedy(tiny_train_model, adapters).items()}
+    return adapters, texts
+
+
+@pytest.fixture(scope="module")
+def server(tiny_train_model, setup, tmp_path_factory):
+    adapters, _ = setup
+    with running_server(tiny_train_model, tmp_path_factory.mktemp("serve-lora"), "--kv-cache-tokens", "2048",
+                        "--served-model-name", "base", "--enable-lora", "--max-loras", "2",
+                        "--max-lora-rank", str(MAX_RANK), "--allow-runtime-lora-updating", "--lora-modules",
+                        f"qv2={adapters['qv2']}", f'{{"name": "all4", "path": "{adapters["all4"]}"}}') as s:
+        yield s
+
+
+def complete(client: openai.OpenAI, model: str, prompt: str) -> str:
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=GREEDY.max_tokens, temperature=0,
+                                    extra_body=BODY)
+    assert out.model == model
+    return out.choices[0].text
+
+
+def test_models_lists_each_adapter_with_its_parent(client, setup) -> None:
+    adapters, _ = setup
+    cards = {m.id: m for m in client.models.list().data}
+    assert list(cards)[:3] == ["base", "qv2", "all4"]
+    assert cards["qv2"].parent == "base" and cards["qv2"].root == str(adapters["qv2"])
+    assert getattr(cards["base"], "parent", None) is None
+
+
+def test_concurrent_requests_each_get_their_adapters_merged_tokens(client, setup) -> None:
+    _, texts = setup
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in (None, "qv2", "all4")]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(lambda job: complete(client, job[0] or "base", PROMPTS[job[1]]), jobs))
+    for (name, i), answer in zip(jobs, answers, strict=True):
+        assert answer == texts[name][i], (name, i)
+    chat = client.chat.completions.create(model="qv2", messages=[{"role": "user", "content": "hello"}], max_tokens=4,
+                                          temperature=0)
+    assert chat.model == "qv2" and chat.choices[0].message.content is not None
+    with pytest.raises(openai.NotFoundError, match="'nope' does not exist"):
+        complete(client, "nope", PROMPTS[0])
+
+
+def test_adapters_load_and_unload_at_run_time(client, server, setup, tmp_path, tiny_train_model) -> None:
+    adapters, texts = setup
+    url = server.base_url + "/v1"
+    doc = httpx.get(server.base_url + "/openapi.json").json()
+    assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= set(doc["paths"])
+    assert {"LoadLoRAAdapterRequest", "UnloadLoRAAdapterRequest"} <= set(doc["components"]["schemas"])
+    with pytest.raises(openai.NotFoundError):
+        complete(client, "peft8", PROMPTS[0])
+    r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "peft8", "lora_path": str(adapters["peft8"])})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'peft8' added successfully."
+    assert [complete(client, "peft8", p) for p in PROMPTS] == texts["peft8"]
+    assert "peft8" in {m.id for m in client.models.list().data}
+    again = httpx.post(url + "/load_lora_adapter", json={"lora_name": "peft8", "lora_path": str(adapters["peft8"])})
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    missing = httpx.post(url + "/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path / "none")})
+    assert missing.status_code == 404 and "'x'" in missing.json()["error"]["message"]
+    big = pagedrl_adapter(tiny_train_model, tmp_path / "r16", 16, ["q_proj"], seed=5)
+    refused = httpx.post(url + "/load_lora_adapter", json={"lora_name": "r16", "lora_path": str(big)})
+    assert refused.status_code == 400
+    assert "rank 16 exceeds max_lora_rank 8" in refused.json()["error"]["message"]
+
+    r = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "qv2"})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'qv2' removed successfully."
+    with pytest.raises(openai.NotFoundError):
+        complete(client, "qv2", PROMPTS[0])
+    assert httpx.post(url + "/unload_lora_adapter", json={"lora_name": "qv2"}).status_code == 404
+    # loaded again under the same name: a new id, served as before
+    r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "qv2", "lora_path": str(adapters["qv2"])})
+    assert r.status_code == 200
+    assert complete(client, "qv2", PROMPTS[1]) == texts["qv2"][1]
+    assert complete(client, "base", PROMPTS[1]) == texts[None][1]
+
+
+def test_an_adapter_that_does_not_fit_stops_the_server_at_start(tiny_train_model, setup, tmp_path) -> None:
+    big = pagedrl_adapter(tiny_train_model, tmp_path / "r16", 16, ["q_proj"], seed=5)
+    cmd = [*pagedrl_command(), "serve", str(tiny_train_model), "--enable-lora", "--max-lora-rank", "8",
+           "--lora-modules", f"big={big}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "LoRA adapter 'big'" in done.stderr and "rank 16 exceeds max_lora_rank 8" in done.stderr
+
+def test_lora_flags_are_checked_before_loading(capsys) -> None:
+    assert main(["serve", "--lora-modules", "a=/x"]) == 2
+    assert "--lora-modules needs --enable-lora" in capsys.readouterr().err
+    assert main(["serve", "--enable-lora", "--lora-modules", "a=/x", "a=/y"]) == 2
+    assert "a name is given twice" in capsys.readouterr().err
+    assert main(["serve", "--enable-lora", "--lora-modules", "no-equals-sign"]) == 2
+    assert "'no-equals-sign' is not name=path" in capsys.readouterr().err
+    assert main(["serve", "--enable-lora", "--max-loras", "0"]) == 2
+    assert "--max-loras must be positive" in capsys.readouterr().err
