@@ -4,8 +4,7 @@ The runner flattens every scheduled sequence's new tokens into one row, builds t
 metadata once (which computes the tokens' positions, read by both the rotary embedding and the
 cache writes), runs the model and projects to the vocabulary only the rows that are sampled (and the
 prompt rows whose log-probs were asked for). On CUDA a step that only decodes replays a CUDA graph
-instead (`cuda_graphs`), unless `enforce_eager` or a LoRA adapter runs in it. With adapters per
-request (`multi_lora`) the step's sequences are ordered by adapter first.
+instead (`cuda_graphs`), unless `enforce_eager` or a LoRA adapter runs in it (`multi_lora`).
 
 The forward runs in the precision it is given: with `autocast_dtype` under `torch.autocast`, as a
 trainer's bf16 autocast runs the same module, so rollouts are sampled from the numbers training
@@ -90,8 +89,8 @@ class ModelRunner:
             with self.precision():
                 logits = self.project(hidden)
             return ForwardResult(logits, [(seq, p) for seq, p in zip(seqs, positions, strict=True)])
-        if self.lora is not None:  # each adapter's sequences side by side, its segment set
-            seqs, num_new_tokens = self.lora.begin_step(seqs, num_new_tokens)
+        if self.lora is not None:  # which adapter each of the step's tokens runs with
+            self.lora.begin_step(seqs, num_new_tokens)
         try:
             with self.precision():
                 return self.execute_eager(seqs, num_new_tokens)

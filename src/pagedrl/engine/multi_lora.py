@@ -1,17 +1,19 @@
 """Many LoRA adapters in one engine, chosen per request, all in the same step (Punica, S-LoRA).
 
 Every decoder projection of the engine's model becomes a `SlotLinear`: the base matmul runs once
-for the whole batch, then each adapter's rows get their low-rank update from that adapter's slot.
-The runner orders a step's sequences by slot, so each adapter's tokens are one contiguous segment
-and its update is two small matmuls on views, written in place (`out[seg] += (x[seg] Aᵀ) (s·B)ᵀ`):
-no gather, no scatter, no copy of the activations. Base rows are not touched.
+for the whole batch, then each token gets the low-rank update of its own adapter's slot. On a CPU
+the update is three ops per projection whatever the mix: every token through every resident A at
+once (`max_loras * max_lora_rank` columns, a few percent of the base matmul), the columns of other
+slots zeroed by the step's token-by-slot mask, one `addmm` through every (s·B)ᵀ. A loop over the
+step's adapters (a gather, two small matmuls and a scatter each) cost 29% of the throughput at four
+adapters; this costs the arithmetic of the extra columns, and nothing for base rows' indices.
 
 Residency: `max_loras` slots hold adapters on the device, stacked per projection and padded to
-`max_lora_rank` (a slot's unused rank rows are never read). An adapter a step needs and no slot holds
-takes the least recently used slot that the step does not need, copied in from its CPU copy; the
-scheduler never runs more than `max_loras` adapters at once, so a slot is always there. CPU copies
-(scaling folded into B, in the model's dtype) are kept for the `max_cpu_loras` most recently used
-adapters and read again from the adapter's folder when evicted.
+`max_lora_rank` with zeros. An adapter a step needs and no slot holds takes the least recently used
+slot that the step does not need, copied in from its CPU copy; the scheduler never runs more than
+`max_loras` adapters at once, so a slot is always there. CPU copies (scaling folded into B, in the
+model's dtype) are kept for the `max_cpu_loras` most recently used adapters and read again from the
+adapter's folder when evicted.
 
 An adapter is refused, naming it, when it does not fit: a rank above `max_lora_rank`, a tensor whose
 shape is not the base projection's (an adapter of another base model), a module the base does not
@@ -49,21 +51,24 @@ class SlotLinear(nn.Module):
         self.weight, self.bias = base.weight, base.bias
         self.slots = slots
         kw = {"dtype": base.weight.dtype, "device": base.weight.device}
+        # Every slot's A stacked [slots * max rank, in], and its (s·B)ᵀ [slots * max rank, out]; rows past
+        # an adapter's rank, and whole slots whose adapter leaves this projection alone, hold zeros.
         # Plain attributes, not buffers: not part of the state dict, nor of a checkpoint.
-        self.lora_a = torch.zeros(slots.max_loras, slots.max_lora_rank, self.in_features, **kw)
-        self.lora_bt = torch.zeros(slots.max_loras, slots.max_lora_rank, self.out_features, **kw)
+        self.lora_a = torch.zeros(slots.max_loras * slots.max_lora_rank, self.in_features, **kw)
+        self.lora_bt = torch.zeros(slots.max_loras * slots.max_lora_rank, self.out_features, **kw)
         self.ranks = [0] * slots.max_loras  # 0: the slot's adapter leaves this projection alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        segments = self.slots.segments
-        if not segments:
+        mask = self.slots.mask
+        if mask is None or not any(self.ranks):
             return out
-        x2, out2 = x.reshape(-1, self.in_features), out.view(-1, self.out_features)
-        for slot, start, end in segments:
-            r = self.ranks[slot]
-            if r:
-                out2[start:end].addmm_(torch.mm(x2[start:end], self.lora_a[slot, :r].t()), self.lora_bt[slot, :r])
+        # Every token through every slot's A at once (a few columns each), the columns of the slots that
+        # are not its own zeroed, then one update through all the B's: three ops whatever the number of
+        # adapters in the step, where a loop over adapters costs each one its small, slow matmuls.
+        down = torch.mm(x.reshape(-1, self.in_features), self.lora_a.t())
+        down.mul_(mask)
+        out.view(-1, self.out_features).addmm_(down, self.lora_bt)
         return out
 
     def extra_repr(self) -> str:
@@ -141,7 +146,7 @@ def read_lora(request: LoRARequest, projections: dict[str, nn.Module], max_lora_
 
 
 class LoRASlots:
-    """The engine's adapters: the slots on the device, the CPU copies, and each step's segments."""
+    """The engine's adapters: the slots on the device, the CPU copies, and the running step's mask."""
 
     def __init__(self, model: nn.Module, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None) -> None:
@@ -155,6 +160,7 @@ class LoRASlots:
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
         self.layers: dict[str, SlotLinear] = {}
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear) and name.rpartition(".")[2] in LAYER_PROJECTIONS:
@@ -166,7 +172,7 @@ class LoRASlots:
         self.last_used = [0] * max_loras  # step counter at the slot's last use (LRU)
         self.cpu: OrderedDict[int, AdapterWeights] = OrderedDict()  # most recently used last
         self.known: dict[int, LoRARequest] = {}
-        self.segments: list[tuple[int, int, int]] = []  # (slot, first token, end) of the running step
+        self.mask: torch.Tensor | None = None  # the running step's, see `begin_step`
         self.num_steps = 0
         self.num_slot_loads = 0
 
@@ -220,38 +226,29 @@ class LoRASlots:
     @torch.no_grad()
     def load(self, slot: int, weights: AdapterWeights) -> None:
         """Copy an adapter into a slot (in place: the stacks are never reallocated)."""
-        r = weights.rank
+        r, rows = weights.rank, slice(slot * self.max_lora_rank, (slot + 1) * self.max_lora_rank)
         for name, layer in self.layers.items():
             pair = weights.tensors.get(name)
-            if pair is None:
-                layer.ranks[slot] = 0
-                continue
-            layer.lora_a[slot, :r].copy_(pair[0])
-            layer.lora_bt[slot, :r].copy_(pair[1])
-            layer.ranks[slot] = r
+            layer.lora_a[rows].zero_()
+            layer.lora_bt[rows].zero_()
+            layer.ranks[slot] = 0 if pair is None else r
+            if pair is not None:
+                layer.lora_a[rows][:r].copy_(pair[0])
+                layer.lora_bt[rows][:r].copy_(pair[1])
         self.resident[slot] = weights.request.lora_int_id
         self.num_slot_loads += 1
 
-    def begin_step(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[list[Sequence], list[int]]:
-        """The step's sequences ordered by slot (the base first, each in its order), with the token
-        segment of every adapter set for the projections to read."""
-        self.segments = []
-        requests = [seq.lora for seq in seqs if seq.lora is not None]
-        if not requests:
-            return seqs, num_new_tokens
-        slots = self.activate(requests)
-        slot_of = [BASE if seq.lora is None else slots[seq.lora.lora_int_id] for seq in seqs]
-        order = sorted(range(len(seqs)), key=slot_of.__getitem__)
-        start = 0
-        for i in order:
-            slot, n = slot_of[i], num_new_tokens[i]
-            if slot != BASE:
-                if self.segments and self.segments[-1][0] == slot:
-                    self.segments[-1] = (slot, self.segments[-1][1], start + n)
-                else:
-                    self.segments.append((slot, start, start + n))
-            start += n
-        return [seqs[i] for i in order], [num_new_tokens[i] for i in order]
+    def begin_step(self, seqs: list[Sequence], num_new_tokens: list[int]) -> None:
+        """Set the step's token-by-slot mask [tokens, slots * max rank]: ones in the columns of each
+        token's adapter, zeros for the base's tokens. None when no sequence runs with an adapter."""
+        self.mask = None
+        if all(seq.lora is None for seq in seqs):
+            return
+        slots = self.activate([seq.lora for seq in seqs if seq.lora is not None])
+        seq_slot = torch.tensor([BASE if seq.lora is None else slots[seq.lora.lora_int_id] for seq in seqs])
+        token_slot = seq_slot.repeat_interleave(torch.tensor(num_new_tokens))
+        column_slot = torch.arange(self.max_loras).repeat_interleave(self.max_lora_rank)
+        self.mask = (token_slot[:, None] == column_slot[None, :]).to(self.dtype).to(self.device)
 
     def end_step(self) -> None:
-        self.segments = []
+        self.mask = None
