@@ -55,13 +55,16 @@ def test_models_lists_each_adapter_with_its_parent(client, setup) -> None:
     assert getattr(cards["base"], "parent", None) is None
 
 
-def test_concurrent_requests_each_get_their_adapters_merged_tokens(client, setup) -> None:
+def test_concurrent_requests_each_get_their_adapters_merged_tokens(client, server, setup) -> None:
     _, texts = setup
     jobs = [(name, i) for i in range(len(PROMPTS)) for name in (None, "qv2", "all4")]
     with ThreadPoolExecutor(len(jobs)) as pool:
         answers = list(pool.map(lambda job: complete(client, job[0] or "base", PROMPTS[job[1]]), jobs))
     for (name, i), answer in zip(jobs, answers, strict=True):
         assert answer == texts[name][i], (name, i)
+    info = [line for line in httpx.get(server.base_url + "/metrics").text.splitlines()
+            if line.startswith("pagedrl:lora_requests_info{")]
+    assert len(info) == 1 and 'max_lora="2"' in info[0] and 'running_lora_adapters=""' in info[0]
     chat = client.chat.completions.create(model="qv2", messages=[{"role": "user", "content": "hello"}], max_tokens=4,
                                           temperature=0)
     assert chat.model == "qv2" and chat.choices[0].message.content is not None

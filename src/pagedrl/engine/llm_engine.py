@@ -375,6 +375,13 @@ class LLMEngine:
         """Record a weight update: prefix KV computed under the old weights is never reused."""
         return self.kv_manager.bump_weight_version()
 
+    def lora_adapters_in_flight(self) -> tuple[list[str], list[str]]:
+        """The names of the adapters running and waiting (readable from another thread: copies)."""
+        def names(seqs: list[Sequence]) -> list[str]:
+            return sorted({seq.lora.lora_name for seq in seqs if seq.lora is not None})
+
+        return names(list(self.scheduler.running)), names(list(self.scheduler.waiting))
+
     def stats(self) -> dict[str, float]:
         """Counters readable from another thread while requests run (plain ints, no locks)."""
         kv = self.kv_manager

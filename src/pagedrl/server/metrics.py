@@ -7,6 +7,8 @@ the timings its stream recorded on the event loop (what a client sees, queueing 
 
 from __future__ import annotations
 
+import time
+
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -61,6 +63,13 @@ class EngineCollector:
                             s["num_preemptions"])
         yield self._counter("prompt_tokens", "Number of prefill tokens processed.", s["prompt_tokens"])
         yield self._counter("generation_tokens", "Number of generation tokens processed.", s["generation_tokens"])
+        engine = self.engine.engine
+        if engine.lora is not None:  # vLLM's info gauge: the adapters in the labels, the time as the value
+            running, waiting = engine.lora_adapters_in_flight()
+            info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on lora requests.",
+                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            info.add_metric([",".join(running), ",".join(waiting), str(engine.config.max_loras)], time.time())
+            yield info
 
 
 class ServerMetrics:
