@@ -1,0 +1,160 @@
+"""pagedrl's engine against vLLM's CPU backend on the same CPU, the same weights and the same token ids.
+
+Each engine runs in a process of its own (vLLM from its own environment, made by
+`bench/vllm_cpu_env.sh`; pagedrl never imports it), one at a time, turns alternating `--rounds` times;
+the best turn of each side counts (a shared machine only ever slows a turn down). Both load the same
+Hugging Face folder (the default model's, converted from its GGUF), run greedy with `ignore_eos`,
+2 threads, `max_num_seqs` 256, `max_num_batched_tokens` 2048, a 4 GiB KV cache and prefix caching
+off, on three workloads of random token ids (seeded):
+
+- `16x128`: 16 prompts of 32-512 tokens, 128 output tokens each;
+- `64x128`: 64 such prompts;
+- `single`: one 128-token prompt, 64 output tokens (a single chat stream: decode latency).
+
+Output tokens/s over each `generate` call, prefill included; each worker first runs a short warm-up
+(vLLM compiles its graphs when it starts; the first start takes minutes, later ones read its cache).
+The greedy outputs of the two engines are compared prompt by prompt.
+
+    bash bench/vllm_cpu_env.sh                                    # once: /work/.vllm-cpu
+    .venv/bin/python bench/bench_vllm_cpu.py                      # pagedrl bf16 and float32 against vLLM bf16
+    .venv/bin/python bench/bench_vllm_cpu.py --sides pagedrl-bf16,vllm-bf16 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WORKLOADS = {"16x128": (16, 128), "64x128": (64, 128), "single": (1, 64)}
+VLLM_VENV = os.environ.get("VLLM_CPU_VENV", "/work/.vllm-cpu")
+KV_GIB = 4
+
+
+def workload(name: str, vocab: int, seed: int = 0) -> tuple[list[list[int]], int]:
+    count, max_tokens = WORKLOADS[name]
+    rng = random.Random(seed)
+    lengths = [128] if name == "single" else [rng.randint(32, 512) for _ in range(count)]
+    return [[rng.randrange(16, vocab) for _ in range(n)] for n in lengths], max_tokens
+
+
+def run_pagedrl(folder: str, dtype: str, names: list[str]) -> dict:
+    import torch
+
+    from pagedrl import LLM, SamplingParams
+
+    llm = LLM(folder, dtype=getattr(torch, dtype), max_num_seqs=256, max_num_batched_tokens=2048,
+              kv_cache_bytes=KV_GIB << 30, enable_prefix_caching=False)
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    return timed(generate, llm.vocab_size, names)
+
+
+def run_vllm(folder: str, dtype: str, names: list[str]) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=folder, dtype=dtype, max_num_seqs=256, max_num_batched_tokens=2048,
+              enable_prefix_caching=False, seed=0)
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    return timed(generate, vocab, names)
+
+
+def timed(generate, vocab: int, names: list[str]) -> dict:  # noqa: ANN001 (either engine's generate)
+    warm, _ = workload("16x128", vocab, seed=99)
+    generate(warm[:4], 8)
+    out = {}
+    for name in names:
+        prompts, max_tokens = workload(name, vocab)
+        start = time.perf_counter()
+        tokens = generate(prompts, max_tokens)
+        seconds = time.perf_counter() - start
+        out[name] = {"seconds": seconds, "output_tokens": sum(map(len, tokens)), "tokens": tokens}
+    return out
+
+
+def worker(args: argparse.Namespace) -> None:
+    names = args.workloads.split(",")
+    engine, dtype = args.worker.split("-")
+    dtype = {"bf16": "bfloat16", "float32": "float32"}[dtype]
+    result = run_pagedrl(args.folder, dtype, names) if engine == "pagedrl" else run_vllm(args.folder, dtype, names)
+    print("RESULT " + json.dumps(result))
+
+
+def launch(side: str, folder: str, workloads: str, log: Path) -> dict:
+    engine = side.split("-")[0]
+    python = sys.executable if engine == "pagedrl" else str(Path(VLLM_VENV) / "bin" / "python")
+    env = dict(os.environ, OMP_NUM_THREADS="2", VLLM_CPU_KVCACHE_SPACE=str(KV_GIB), VLLM_CPU_OMP_THREADS_BIND="0-1")
+    if engine == "vllm":  # its environment knows nothing of pagedrl's source tree
+        env.pop("PYTHONPATH", None)
+    cmd = [python, __file__, "--worker", side, "--folder", folder, "--workloads", workloads]
+    with open(log, "a") as f:
+        f.write(f"\n=== {side}\n")
+        f.flush()
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, env=env, timeout=1800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{side} failed (exit {done.returncode}); see {log}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sides", default="pagedrl-bf16,vllm-bf16,pagedrl-float32")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--log", default="/tmp/bench_vllm_cpu.log", help="the workers' stderr")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--folder", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    from pagedrl.model.resolve import resolve_model_path
+
+    folder = str(resolve_model_path(None))
+    sides, names = args.sides.split(","), args.workloads.split(",")
+    print(f"model folder {folder}; load average {os.getloadavg()[0]:.2f}; workers' logs in {args.log}")
+    best: dict[str, dict[str, float]] = {side: {} for side in sides}
+    tokens: dict[str, dict[str, list]] = {side: {} for side in sides}
+    for r in range(args.rounds):
+        for side in sides:
+            result = launch(side, folder, args.workloads, Path(args.log))
+            for name in names:
+                tps = result[name]["output_tokens"] / result[name]["seconds"]
+                best[side][name] = max(best[side].get(name, 0.0), tps)
+                tokens[side][name] = result[name]["tokens"]
+            print(f"round {r + 1} {side:>16}: " + ", ".join(
+                f"{name} {result[name]['output_tokens'] / result[name]['seconds']:.1f} tok/s" for name in names),
+                flush=True)
+    print(f"\nbest of {args.rounds} rounds, output tokens/s (load average {os.getloadavg()[0]:.2f} at the end)")
+    print("| side | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for side in sides:
+        print(f"| {side} | " + " | ".join(f"{best[side][n]:.1f}" for n in names) + " |")
+    peers = [s for s in sides if s.startswith("vllm")]
+    for side in sides:
+        for peer in peers:
+            if side.startswith("pagedrl"):
+                ratios = ", ".join(f"{n} {best[side][n] / best[peer][n]:.2f}x" for n in names)
+                same = ", ".join(f"{n} {sum(a == b for a, b in zip(tokens[side][n], tokens[peer][n], strict=True))}/"
+                                 f"{len(tokens[side][n])}" for n in names)
+                print(f"{side} / {peer}: {ratios}; identical greedy outputs: {same}")
+
+
+if __name__ == "__main__":
+    main()
