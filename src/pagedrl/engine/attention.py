@@ -11,7 +11,9 @@ fresh prompt, a chunk of a prompt whose prefix is cached, and a one-token decode
 Three implementations compute the same thing:
 - `reference`: one sequence at a time, keys gathered into a contiguous tensor, an explicit causal
   mask, softmax, matmul. Slow and obviously right; the tests hold the fast path to it.
-- `fast`: sequences in groups, each group attended in one batched op. A group's keys and values
+- `fast`: on a CPU, a step of decodes only runs `cpu_kernels.paged_decode`, which reads each
+  sequence's keys and values from its blocks where they lie (one pass over them). Other steps, and
+  decodes where that kernel is not built: sequences in groups, each group attended in one batched op. A group's keys and values
   are gathered block-wise with one `index_select` apiece into a reused buffer, then handed to
   `scaled_dot_product_attention` as strided [S, Hkv, L, D] views (no transpose copy, no keys
   repeated per query head). Decodes (one query each) put the G query heads of one KV head in as
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagedrl.engine import cpu_kernels
 from pagedrl.engine.attention_groups import QueryGroup, plan_groups
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
@@ -65,6 +68,7 @@ class PagedAttention:
     scale: float | None = None
     groups: list[QueryGroup] | None = field(default=None, repr=False)
     max_query_len: int | None = None  # the largest q_len; the triton impl sizes its grid by it
+    in_place: bool = False  # a CPU step of decodes only: `cpu_kernels.paged_decode` reads the blocks where they lie
 
     @classmethod
     def build(
@@ -148,11 +152,12 @@ class PagedAttention:
             raise ValueError("seqs: two new tokens map to the same cache slot (a shared block written "
                              "without copy-on-write?)")
         groups = None
-        if impl == "fast":
+        in_place = impl == "fast" and max_query_len == 1 and reads_in_place(kv_cache, device)
+        if impl == "fast" and not in_place:
             groups = plan_groups(q_lens, seq_lens, block_tables, block_size, device, kv_cache.dtype,
                                  chunk_tokens_for(kv_cache, device), query_start_loc)
         return cls(kv_cache, slot_mapping.to(device), query_start_loc.to(device), seq_lens_t.to(device),
-                   block_tables.to(device), positions.to(device), impl, scale, groups, max_query_len)
+                   block_tables.to(device), positions.to(device), impl, scale, groups, max_query_len, in_place)
 
     @property
     def num_seqs(self) -> int:
@@ -218,6 +223,8 @@ class PagedAttention:
 
     def _attend_fast(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      scale: float) -> torch.Tensor:
+        if self.in_place:
+            return cpu_kernels.paged_decode(q, key_cache, value_cache, self.block_tables, self.seq_lens, scale)
         if self.groups is None:  # metadata built by hand rather than by `build`: plan once, keep it
             self.groups = plan_groups(self.query_start_loc.diff().tolist(), self.seq_lens.tolist(),
                                       self.block_tables.cpu(), key_cache.shape[1], q.device, key_cache.dtype,
@@ -243,6 +250,11 @@ def resolve_impl(impl: str, device: torch.device | str) -> str:
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention_impl must be 'auto' or one of {IMPLEMENTATIONS}, got {impl!r}")
     return impl
+
+
+def reads_in_place(kv_cache: KVCache, device: torch.device) -> bool:
+    """Whether a CPU decode step runs the in-place kernel (`cpu_kernels`): float32 or bf16, built."""
+    return device.type == "cpu" and kv_cache.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
 
 
 def chunk_tokens_for(kv_cache: KVCache, device: torch.device) -> int | None:

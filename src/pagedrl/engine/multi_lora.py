@@ -87,10 +87,6 @@ class AdapterWeights:
     rank: int
     tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.tensors.values())
-
 
 def read_lora(request: LoRARequest, projections: dict[str, nn.Module], max_lora_rank: int,
               dtype: torch.dtype) -> AdapterWeights:
@@ -178,7 +174,7 @@ class LoRASlots:
 
     @property
     def nbytes(self) -> int:
-        """Device memory the slots hold."""
+        """Device memory the slots hold (logged at start-up: it grows with max_loras * max_lora_rank)."""
         return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in (layer.lora_a, layer.lora_bt))
 
     def read(self, request: LoRARequest) -> AdapterWeights:

@@ -1,0 +1,73 @@
+"""The engine's C++ kernels for the CPU, compiled once on the user's machine and cached.
+
+`paged_decode` (`csrc/paged_decode.cpp`): a decode step's attention read from the KV cache's blocks
+where they lie, through the block tables, instead of each sequence's blocks copied into a contiguous
+buffer every layer and then read again by SDPA (what the gather path does: three passes over the
+keys and values instead of one, and at 64 sequences of 300-400 tokens the keys and values outweigh
+the model's weights). It is compiled with `-O3 -march=native` through torch's extension builder
+(ninja and the system's C++ compiler) into pagedrl's cache directory, so only the first start pays
+(about half a minute); where it cannot be built, the engine keeps the gather path and says so once.
+`PAGEDRL_CPU_KERNELS=0` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
+# The machine's own vector instructions, `omp simd` loops vectorized, and OpenMP for `at::parallel_for`
+# (header code: without -fopenmp it runs on one thread). libgomp.so.1 resolves to the one torch already
+# loaded, so there is one thread pool. No -ffast-math: float32 arithmetic in the kernel's order.
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def build_dir() -> Path:
+    """Keyed by the source, torch's version and the compiler flags: a change builds anew."""
+    from pagedrl.model.default import cache_dir
+
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"paged_decode-{key}"
+
+
+def available() -> bool:
+    """Whether `torch.ops.pagedrl_cpu.paged_decode` can run: built (or loaded from the cache) on the
+    first call, once per process."""
+    if os.environ.get(DISABLE_ENV, "").strip().lower() in {"0", "false", "no", "off"}:
+        return False
+    with _lock:
+        if "paged_decode" not in _state:
+            _state["paged_decode"] = _load()
+        return _state["paged_decode"]
+
+
+def _load() -> bool:
+    try:
+        from torch.utils.cpp_extension import load
+
+        folder = build_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        load(name="pagedrl_paged_decode", sources=[str(SOURCE)], build_directory=str(folder),
+             extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        return True
+    except Exception as e:  # no compiler, no ninja, a build error: the gather path still works
+        logger.warning("the CPU paged-attention kernel could not be built (%s); decode steps gather each "
+                       "sequence's blocks instead", str(e).strip().splitlines()[-1] if str(e).strip() else e)
+        return False
+
+
+def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [S, Hq, D] (one query per sequence, at its last position) over each sequence's seq_lens[s]
+    cached keys and values → [S, Hq, D]."""
+    return torch.ops.pagedrl_cpu.paged_decode(q, key_cache, value_cache, block_tables, seq_lens, scale)

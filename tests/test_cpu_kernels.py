@@ -1,0 +1,74 @@
+"""The CPU decode kernel that reads the KV cache's blocks in place (`engine/cpu_kernels.py`), held to
+the reference path: grouped-query heads, partial last blocks, shared prefix blocks, the block sizes
+and head sizes it compiles fixed and those it reads at run time, float32 and bf16."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedrl.engine import cpu_kernels
+from pagedrl.engine.attention import PagedAttention
+from pagedrl.engine.kv_cache import KVCache
+
+
+def test_the_kernel_builds_here() -> None:
+    """ninja is a dependency and the machine has a C++ compiler: the engine's decode reads in place."""
+    assert cpu_kernels.available()
+    assert cpu_kernels.build_dir().is_dir()
+
+
+def decode_step(block_size: int, lengths: list[int], heads: tuple[int, int], head_dim: int, dtype: torch.dtype,
+                seed: int, shared_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Reference and in-place outputs of one all-decode step over random caches and scattered tables."""
+    num_heads, num_kv_heads = heads
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lengths]
+    cache = KVCache(1, sum(need) + 4, block_size, num_kv_heads, head_dim, dtype=dtype)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen).to(dtype))
+    free = list(range(cache.num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(b)] for b in need]
+    if shared_prefix:  # every sequence reads the first sequence's first block (a cached prefix)
+        for t in tables[1:]:
+            t[0] = tables[0][0]
+    seqs = [(t, n - 1, 1) for t, n in zip(tables, lengths, strict=True)]
+    q = torch.randn(1, len(lengths), num_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(1, len(lengths), num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(1, len(lengths), num_kv_heads, head_dim, generator=gen).to(dtype)
+    before = cache.data.clone()
+    ref = PagedAttention.build(cache, block_size, seqs, impl="reference").attend(0, q, k, v)
+    cache.data.copy_(before)
+    meta = PagedAttention.build(cache, block_size, seqs, impl="fast")
+    return ref[0].float(), meta.attend(0, q, k, v)[0].float(), meta.in_place
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 70), min_size=1, max_size=6),
+       block_size=st.sampled_from([4, 16]), heads=st.sampled_from([(4, 4), (9, 3), (6, 2), (4, 1)]),
+       head_dim=st.sampled_from([64, 24]), seed=st.integers(0, 2**16), shared=st.booleans())
+def test_in_place_decode_equals_the_reference_in_float32(lengths, block_size, heads, head_dim, seed, shared) -> None:
+    shared = shared and min(lengths) > block_size  # a shared block must be a full one
+    ref, out, in_place = decode_step(block_size, lengths, heads, head_dim, torch.float32, seed, shared)
+    assert in_place
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_in_place_decode_equals_the_reference_in_bf16(head_dim) -> None:
+    ref, out, in_place = decode_step(16, [1, 15, 16, 17, 100, 250], (9, 3), head_dim, torch.bfloat16, seed=3)
+    assert in_place
+    # both round the output to bf16 once (a step of 2^-8 relative); the kernel accumulates in float32
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
+
+
+def test_the_kernel_can_be_turned_off(monkeypatch) -> None:
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+    ref, out, in_place = decode_step(16, [5, 40], (4, 2), 64, torch.float32, seed=1)
+    assert not in_place  # the gather path instead
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
