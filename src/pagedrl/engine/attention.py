@@ -124,11 +124,13 @@ class PagedAttention:
         device: torch.device | str | None = None,
         impl: str = "fast",
         scale: float | None = None,
+        read_in_place: bool = True,
     ) -> PagedAttention:
         """Metadata from block tables already in a tensor (CPU, [S, >= the blocks each sequence
         needs], padded with block 0), as the engine's persistent block table hands them over:
         sequence s has q_lens[s] new tokens and seq_lens[s] tokens in all. Nothing is checked but
-        the slots' uniqueness; `build` checks its lists first and then comes here."""
+        the slots' uniqueness; `build` checks its lists first and then comes here. `read_in_place`
+        False keeps a CPU decode step on the gather path (see the engine's runner)."""
         device = kv_cache.device if device is None else torch.device(device)
         block_size = kv_cache.block_size
         num_seqs = len(q_lens)
@@ -152,7 +154,7 @@ class PagedAttention:
             raise ValueError("seqs: two new tokens map to the same cache slot (a shared block written "
                              "without copy-on-write?)")
         groups = None
-        in_place = impl == "fast" and max_query_len == 1 and reads_in_place(kv_cache, device)
+        in_place = read_in_place and impl == "fast" and max_query_len == 1 and reads_in_place(kv_cache, device)
         if impl == "fast" and not in_place:
             groups = plan_groups(q_lens, seq_lens, block_tables, block_size, device, kv_cache.dtype,
                                  chunk_tokens_for(kv_cache, device), query_start_loc)
