@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -57,8 +58,13 @@ def _load() -> bool:
 
         folder = build_dir()
         folder.mkdir(parents=True, exist_ok=True)
+        cached = (folder / "pagedrl_paged_decode.so").is_file()
+        start = time.perf_counter()
         load(name="pagedrl_paged_decode", sources=[str(SOURCE)], build_directory=str(folder),
              extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        if not cached:
+            logger.info("built the CPU paged-attention kernel in %.1f s (kept in %s for later starts)",
+                        time.perf_counter() - start, folder)
         return True
     except Exception as e:  # no compiler, no ninja, a build error: the gather path still works
         logger.warning("the CPU paged-attention kernel could not be built (%s); decode steps gather each "
