@@ -6,16 +6,16 @@ buffer every layer and then read again by SDPA (what the gather path does: three
 keys and values instead of one, and at 64 sequences of 300-400 tokens the keys and values outweigh
 the model's weights). It is compiled with `-O3 -march=native` through torch's extension builder
 (ninja and the system's C++ compiler) into pagedrl's cache directory, so only the first start pays
-(about half a minute); where it cannot be built, the engine keeps the gather path and says so once.
+(about 10 s); where it cannot be built, the engine keeps the gather path and says so once.
 `PAGEDRL_CPU_KERNELS=0` turns the kernels off.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -29,8 +29,6 @@ DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
 # (header code: without -fopenmp it runs on one thread). libgomp.so.1 resolves to the one torch already
 # loaded, so there is one thread pool. No -ffast-math: float32 arithmetic in the kernel's order.
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
-_lock = threading.Lock()
-_state: dict[str, bool] = {}
 
 
 def build_dir() -> Path:
@@ -46,12 +44,10 @@ def available() -> bool:
     first call, once per process."""
     if os.environ.get(DISABLE_ENV, "").strip().lower() in {"0", "false", "no", "off"}:
         return False
-    with _lock:
-        if "paged_decode" not in _state:
-            _state["paged_decode"] = _load()
-        return _state["paged_decode"]
+    return _load()
 
 
+@functools.cache  # once per process (torch's builder holds a file lock for a concurrent first build)
 def _load() -> bool:
     try:
         from torch.utils.cpp_extension import load

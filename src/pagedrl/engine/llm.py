@@ -68,7 +68,7 @@ class LLM:
                               attention_impl=attention_impl, enforce_eager=enforce_eager,
                               autocast_dtype=autocast_dtype, cast_weights=cast_weights, enable_lora=enable_lora,
                               max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
-        config.validate()
+        config.validate()  # before a model is loaded (the engine checks it again, for its other callers)
         if enable_lora and _module is not None:
             raise ValueError("enable_lora: adapters per request need a model the engine owns (LLM(model, ...)); "
                              "a module training owns would have its projections replaced")

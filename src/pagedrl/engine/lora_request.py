@@ -8,6 +8,7 @@ users and the server call it. A request without one runs on the base model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class LoRARequest:
             raise ValueError(f"lora_request.lora_path: adapter {self.lora_name!r} needs the folder (or Hub id) "
                              "of a PEFT adapter")
 
-    @property
+    @cached_property  # read for every running sequence every step: made once
     def cache_salt(self) -> bytes:
         """Mixed into the first block hash of its sequences: KV computed under one adapter is never
         found for another, nor for the base."""

@@ -146,10 +146,7 @@ class LoRASlots:
 
     def __init__(self, model: nn.Module, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None) -> None:
-        for field, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank),
-                             ("max_cpu_loras", max_cpu_loras if max_cpu_loras is not None else max_loras)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
+        # The limits are checked with the rest of the engine's settings (EngineConfig.validate).
         if any(isinstance(m, LoRALinear) for m in model.modules()):
             raise ValueError("enable_lora: the model already carries a trained adapter; merge it first or serve "
                              "it on its own")

@@ -105,7 +105,7 @@ class Scheduler:
             i += 1
 
         seats = sum(s.seats for s in self.running)
-        adapters = {s.lora.lora_int_id for s in self.running if s.lora is not None}
+        adapters = set() if self.max_loras is None else {s.lora.lora_int_id for s in self.running if s.lora is not None}
         held_back: list[Sequence] = []  # their adapter would be one too many; they keep their place
         while (self.waiting and budget > 0 and seats + self.waiting[0].seats <= self.max_num_seqs
                and not batch.preempted):

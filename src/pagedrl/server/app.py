@@ -154,7 +154,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
     `model` picks it; one that does not fit raises ValueError here), and with `allow_runtime_lora_updating`
     adapters are loaded and unloaded at run time (`server/lora_routes.py`)."""
     slots = engine.engine.lora
-    served = ServedModels(served_model_name, model_root, read=None if slots is None else slots.read)
+    served = ServedModels(served_model_name, read=None if slots is None else slots.read)
     for module in lora_modules:
         served.load(module)
     metrics = ServerMetrics(engine, served_model_name)

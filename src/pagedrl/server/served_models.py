@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedrl.engine.lora_request import LoRARequest
@@ -59,10 +60,9 @@ def parse_lora_module(text: str) -> LoRAModule:
 class ServedModels:
     """The base's name and the adapters by name; `read` checks an adapter (reads it from disk)."""
 
-    def __init__(self, base_name: str, root: str | None, read=None) -> None:  # noqa: ANN001 (a callable)
+    def __init__(self, base_name: str, read: Callable[[LoRARequest], object] | None = None) -> None:
         self.base_name = base_name
-        self.root = root
-        self.read = read  # LoRARequest -> anything; raises ValueError naming what does not fit. None: no LoRA
+        self.read = read  # reads and checks an adapter; raises ValueError naming what does not fit. None: no LoRA
         self.adapters: dict[str, LoRARequest] = {}
         self._next_id = 1
 
