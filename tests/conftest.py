@@ -54,6 +54,17 @@ def tiny_train_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model_dir(tmp_path_factory.mktemp("tiny-train-model") / "model")
 
 
+@pytest.fixture(scope="session")
+def wide_train_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_train_model` four times wider (hidden 256, MLP 768, head_dim 64) and less flat
+    (weights of std 0.05): wide enough that this CPU's bf16 matmuls and attention round a token's
+    numbers differently in a decode batch and in a packed batch."""
+    from tiny_train import build_model_dir
+
+    return build_model_dir(tmp_path_factory.mktemp("wide-train-model") / "model", hidden_size=256,
+                           intermediate_size=768, std=0.05)
+
+
 @pytest.fixture(scope="module")
 def client(server):
     """The official `openai` client on the module's `server` fixture (a real `pagedrl serve` process);

@@ -97,19 +97,39 @@ def test_first_step_ratio_is_one_and_engine_agrees_with_trainer(tiny_train_model
         assert float(metrics["clip_ratio/region_mean"].total) == 0.0  # ratio exactly 1: nothing clipped
 
 
-def test_rollouts_sampled_in_the_trainers_bf16_autocast(tiny_train_model, prompts_file) -> None:
-    """Training under bf16 autocast: the engine samples under the same autocast from the same float32
-    master tensors (no copy), so the trainer's recompute gives the sampled log-probs again: exactly
-    while the engine's batches have the trainer's shapes, and within bf16 rounding (one bf16 step at
-    these magnitudes is ~4e-3) once a completion ends early and the batch shrinks."""
-    algo = grpo(tiny_train_model, prompts_file, temperature=0.7, bf16=True)
-    assert algo.llm.engine.model is algo.model and next(algo.model.parameters()).dtype == torch.float32
-    assert algo.llm.engine.kv_cache.dtype == torch.bfloat16
-    for b in algo.step_batches(1):
+def bf16_rollout_gaps(algo: GRPO) -> tuple[torch.Tensor, list[float]]:
+    """The trainer's recompute under bf16 autocast against the sampled log-probs of one rollout:
+    every token's |difference|, and the loss's `sampling_logp_difference/max` of each batch."""
+    batches = algo.step_batches(1)
+    total = torch.tensor(float(sum(algo.count(b) for b in batches)))
+    gaps, logged = [], []
+    for b in batches:
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             flat = algo.token_logps(algo.model, b).logps
-        difference = (b.to_padded(flat) - b.sampling_logps).abs().masked_fill(~b.mask, 0)
-        assert difference.max() < 5e-3 and difference.sum() / b.mask.sum() < 1e-4
+            _, metrics = algo.loss(algo.model, b, total)
+        gaps.append((b.to_padded(flat) - b.sampling_logps).abs()[b.mask])
+        logged.append(float(metrics["sampling/sampling_logp_difference/max"].total))
+    return torch.cat(gaps), logged
+
+
+def test_bf16_rollouts_carry_the_trainers_own_log_probs(wide_train_model, prompts_file) -> None:
+    """Training under bf16 autocast on a CPU: the engine samples under the same autocast from the same
+    float32 master tensors, batch-invariantly by default (`model/batch_invariant.py`), so the
+    trainer's packed recompute gives every sampled log-prob again bit for bit, though the engine
+    computed each token in a decode batch of its own size. Without batch invariance the same
+    rollout is off by bf16's roundings (the logprob contract's gap this pins)."""
+    algo = grpo(wide_train_model, prompts_file, temperature=0.7, bf16=True, seed=3)
+    assert algo.batch_invariant and algo.model.model.batch_invariant
+    assert algo.llm.engine.model is algo.model and next(algo.model.parameters()).dtype == torch.float32
+    assert algo.llm.engine.kv_cache.dtype == torch.bfloat16
+    gap, logged = bf16_rollout_gaps(algo)
+    assert gap.numel() > 40 and float(gap.max()) == 0.0 and max(logged) == 0.0
+
+    plain = grpo(wide_train_model, prompts_file, temperature=0.7, bf16=True, seed=3, batch_invariant=False)
+    assert not plain.model.model.batch_invariant
+    gap, logged = bf16_rollout_gaps(plain)
+    assert float(gap.max()) > 1e-3 and max(logged) > 1e-3  # what batch invariance removes (here 2e-2)
+    assert float(gap.mean()) < 1e-3  # within bf16 rounding
 
 
 def test_fixed_logps_are_taken_under_the_trainers_autocast(tiny_train_model, prompts_file) -> None:

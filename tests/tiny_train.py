@@ -33,8 +33,10 @@ def build_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def build_model_dir(folder: Path, seed: int = 0, tied: bool = True, max_position_embeddings: int = 256) -> Path:
-    """Tokenizer + a random 2-layer decoder (HF-style init: normal(0, 0.02), norms at 1)."""
+def build_model_dir(folder: Path, seed: int = 0, tied: bool = True, max_position_embeddings: int = 256,
+                    hidden_size: int = 64, intermediate_size: int = 96, num_attention_heads: int = 4,
+                    std: float = 0.02) -> Path:
+    """Tokenizer + a random 2-layer decoder (HF-style init: normal(0, std), norms at 1)."""
     import torch
 
     from pagedrl.model.checkpoint import save_checkpoint
@@ -44,8 +46,9 @@ def build_model_dir(folder: Path, seed: int = 0, tied: bool = True, max_position
 
     build_tokenizer(folder)
     tok = Tokenizer.from_folder(folder)
-    raw = dict(architectures=["LlamaForCausalLM"], vocab_size=tok.vocab_size, hidden_size=64,
-               intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    raw = dict(architectures=["LlamaForCausalLM"], vocab_size=tok.vocab_size, hidden_size=hidden_size,
+               intermediate_size=intermediate_size, num_hidden_layers=2, num_attention_heads=num_attention_heads,
+               num_key_value_heads=2,
                max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5, tie_word_embeddings=tied,
                bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
@@ -55,7 +58,7 @@ def build_model_dir(folder: Path, seed: int = 0, tied: bool = True, max_position
             if "norm" in name:
                 p.fill_(1.0)
             else:
-                p.normal_(0.0, 0.02)
+                p.normal_(0.0, std)
     save_checkpoint(model, folder, generation_config={"eos_token_id": tok.eos_token_id})
     tok.save(folder)
     return folder

@@ -22,6 +22,9 @@ Three implementations compute the same thing:
   queries padded to the group's longest. On a CPU groups are cut small enough that what is
   gathered is still in cache when it is read (`attention_groups`); on a GPU there is one group
   per kind. Every index and additive mask is built once per step, not once per layer.
+  In batch-invariant mode (`model/batch_invariant.py`) every step, prefill or decode, runs
+  `cpu_kernels.paged_attention` one query row at a time, so a token gets the bits a trainer's
+  packed forward computes for it.
 - `triton`: the kernels of `triton_attention`, which read keys and values through the block table
   where they lie; what the engine runs on a GPU (on a CPU only under Triton's interpreter).
 """
@@ -39,6 +42,7 @@ from pagedrl.engine import cpu_kernels
 from pagedrl.engine.attention_groups import QueryGroup, plan_groups
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
+from pagedrl.model import batch_invariant
 
 IMPLEMENTATIONS = ("fast", "reference", "triton")
 # Keys one CPU group gathers (values as many again): small enough to stay in cache until read, large
@@ -225,6 +229,8 @@ class PagedAttention:
 
     def _attend_fast(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      scale: float) -> torch.Tensor:
+        if batch_invariant.active() and reads_in_place(self.kv_cache, q.device):
+            return self._attend_rows(q, key_cache, value_cache, scale)
         if self.in_place:
             return cpu_kernels.paged_decode(q, key_cache, value_cache, self.block_tables, self.seq_lens, scale)
         if self.groups is None:  # metadata built by hand rather than by `build`: plan once, keep it
@@ -242,6 +248,18 @@ class PagedAttention:
             out.index_copy_(0, group.out_rows, part)
         assert out is not None
         return out
+
+
+    def _attend_rows(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+        """Each new token's row attended alone over its sequence's positions up to its own."""
+        if self.positions is None:
+            raise ValueError("batch-invariant attention needs the rows' positions (metadata from `build`)")
+        row_seqs = None
+        if q.shape[0] != self.num_seqs:  # not one decode row per sequence
+            row_seqs = torch.repeat_interleave(torch.arange(self.num_seqs, device=q.device), self.query_start_loc.diff())
+        return cpu_kernels.paged_attention(q, key_cache, value_cache, self.block_tables, self.positions + 1, scale,
+                                           row_seqs)[0]
 
 
 def resolve_impl(impl: str, device: torch.device | str) -> str:

@@ -1,10 +1,14 @@
 """The engine's C++ kernels for the CPU, compiled once on the user's machine and cached.
 
-`paged_decode` (`csrc/paged_decode.cpp`): a decode step's attention read from the KV cache's blocks
-where they lie, through the block tables, instead of each sequence's blocks copied into a contiguous
-buffer every layer and then read again by SDPA (what the gather path does: three passes over the
-keys and values instead of one, and at 64 sequences of 300-400 tokens the keys and values outweigh
-the model's weights). It is compiled with `-O3 -march=native` through torch's extension builder
+`paged_attention` (`csrc/paged_attention.cpp`): attention of query rows read from keys and values
+where they lie, through tables, one row at a time. Two uses:
+- a decode step (`paged_decode`) reads the KV cache's blocks in place, instead of each sequence's
+  blocks copied into a contiguous buffer every layer and then read again by SDPA (what the gather
+  path does: three passes over the keys and values instead of one, and at 64 sequences of 300-400
+  tokens the keys and values outweigh the model's weights);
+- batch-invariant attention (`model/batch_invariant.py`): a row's result does not depend on what
+  else is in the batch, so a token decoded by the engine and the same token in a trainer's packed
+  forward get the same bits. It is compiled with `-O3 -march=native` through torch's extension builder
 (ninja and the system's C++ compiler) into pagedrl's cache directory, so only the first start pays
 (about 10 s); where it cannot be built, the engine keeps the gather path and says so once.
 `PAGEDRL_CPU_KERNELS=0` turns the kernels off.
@@ -23,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
 # The machine's own vector instructions, `omp simd` loops vectorized, and OpenMP for `at::parallel_for`
 # (header code: without -fopenmp it runs on one thread). libgomp.so.1 resolves to the one torch already
@@ -36,11 +40,11 @@ def build_dir() -> Path:
     from pagedrl.model.default import cache_dir
 
     key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"paged_decode-{key}"
+    return cache_dir() / "kernels" / f"paged_attention-{key}"
 
 
 def available() -> bool:
-    """Whether `torch.ops.pagedrl_cpu.paged_decode` can run: built (or loaded from the cache) on the
+    """Whether `torch.ops.pagedrl_cpu.paged_attention` can run: built (or loaded from the cache) on the
     first call, once per process."""
     if os.environ.get(DISABLE_ENV, "").strip().lower() in {"0", "false", "no", "off"}:
         return False
@@ -54,9 +58,9 @@ def _load() -> bool:
 
         folder = build_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        cached = (folder / "pagedrl_paged_decode.so").is_file()
+        cached = (folder / "pagedrl_paged_attention.so").is_file()
         start = time.perf_counter()
-        load(name="pagedrl_paged_decode", sources=[str(SOURCE)], build_directory=str(folder),
+        load(name="pagedrl_paged_attention", sources=[str(SOURCE)], build_directory=str(folder),
              extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         if not cached:
             logger.info("built the CPU paged-attention kernel in %.1f s (kept in %s for later starts)",
@@ -72,4 +76,20 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
                  seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [S, Hq, D] (one query per sequence, at its last position) over each sequence's seq_lens[s]
     cached keys and values → [S, Hq, D]."""
-    return torch.ops.pagedrl_cpu.paged_decode(q, key_cache, value_cache, block_tables, seq_lens, scale)
+    return paged_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)[0]
+
+
+def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
+                    row_lens: torch.Tensor, scale: float, row_seqs: torch.Tensor | None = None,
+                    with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, Hq, D]: row r attends over the first row_lens[r] keys of sequence row_seqs[r] (row r's
+    own when None), slot p of a sequence being tables[seq, p // B] * B + p % B for caches shaped
+    [slots / B, B, Hkv, D]. Returns [N, Hq, D] and, with `with_lse`, each row's log-sum-exp of its
+    scaled scores [N, Hq] in float32 (else an empty tensor)."""
+    if not _load():
+        raise RuntimeError("the CPU paged-attention kernel is not built here (see the warning above)")
+    seqs = _NO_ROWS if row_seqs is None else row_seqs
+    return torch.ops.pagedrl_cpu.paged_attention(q, key_cache, value_cache, tables, seqs, row_lens, scale, with_lse)
+
+
+_NO_ROWS = torch.empty(0, dtype=torch.long)

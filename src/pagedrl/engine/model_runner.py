@@ -150,7 +150,8 @@ class ModelRunner:
         head = getattr(self.model, "lm_head", None)
         plain = (type(self.model).logits is CausalLM.logits and isinstance(head, torch.nn.Linear)
                  and head.bias is None and head.weight.dtype == torch.float32 and hidden.dtype == torch.float32
-                 and hidden.dim() == 2 and hidden.device.type == "cpu" and self.autocast_dtype is None)
+                 and hidden.dim() == 2 and hidden.device.type == "cpu" and self.autocast_dtype is None
+                 and not self.model.model.batch_invariant)
         if not plain:
             return self.model.logits(hidden)
         rows, vocab = hidden.shape[0], head.weight.shape[0]

@@ -8,11 +8,13 @@ and writes a block KV cache instead. One module, one set of weights, two paths.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from pagedrl.model import batch_invariant
 
 
 class AttentionMetadata(Protocol):
@@ -28,6 +30,7 @@ class DenseAttention:
 
     mask: torch.Tensor | None = None
     scale: float | None = None
+    key_tables: Any = field(default=None, repr=False, compare=False)  # batch-invariant mode's, made once
 
     @classmethod
     def causal(cls, attention_mask: torch.Tensor | None = None, sliding_window: int | None = None,
@@ -71,6 +74,10 @@ class DenseAttention:
         return cls(visible & causal)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if batch_invariant.active() and batch_invariant.attention_available(q.device):
+            if self.key_tables is None:
+                self.key_tables = batch_invariant.visible_key_tables(self.mask, q.shape[0], q.shape[1])
+            return batch_invariant.row_attention(q, k, v, self.mask, self.scale, self.key_tables)
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         groups = qh.shape[1] // kh.shape[1]
         if groups > 1:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedrl.model import batch_invariant
 from pagedrl.model.attention import AttentionMetadata, DenseAttention
 from pagedrl.model.config import ModelConfig
 from pagedrl.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -98,6 +99,10 @@ class Backbone(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(*self.rope), persistent=False)
         self.gradient_checkpointing = False
 
+    # Batch-invariant matmuls and attention in every forward (`model/batch_invariant.py`): set on a
+    # policy whose rollouts must carry the trainer's own bits.
+    batch_invariant = False
+
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         """`.to(torch.bfloat16)` casts every buffer; the rotary frequencies stay float32 (in bf16
         each is off by up to 0.2%, which at position 1000 turns the fastest pair by up to 2 radians)."""
@@ -107,14 +112,16 @@ class Backbone(nn.Module):
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        for layer in self.layers:
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, meta, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, meta)
-        return self.norm(x)
+        with batch_invariant.scope(self.batch_invariant):
+            x = self.embed_tokens(input_ids)
+            cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+            for layer in self.layers:
+                if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                    x = torch.utils.checkpoint.checkpoint(batch_invariant.scoped(layer, self.batch_invariant),
+                                                          x, cos, sin, meta, use_reentrant=False)
+                else:
+                    x = layer(x, cos, sin, meta)
+            return self.norm(x)
 
 
 class CausalLM(nn.Module):
@@ -150,7 +157,8 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        with batch_invariant.scope(self.model.batch_invariant):
+            return self.lm_head(hidden).float()
 
     @property
     def device(self) -> torch.device:

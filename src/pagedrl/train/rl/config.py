@@ -27,6 +27,10 @@ class OnlineConfig(TrainConfig):
     top_k: int = 0
     min_p: float | None = None
     kv_cache_tokens: int | None = None  # the rollout engine's KV budget (None: one step's rollout at once)
+    # Rollouts and training compute each token's numbers alike, bit for bit, whatever the batch
+    # (`model/batch_invariant.py`); None: on where training runs in bf16 on a CPU (there the
+    # sampled log-probs are otherwise ~3e-2 from the trainer's), off elsewhere. CPU only.
+    batch_invariant: bool | None = None
     # Rewards: built-in names (numeric_match, last_integer_match, exact_match, format,
     # overlong_penalty) or "file.py:function"; empty means the task's own verifier.
     reward_funcs: list[str] = field(default_factory=list)

@@ -12,6 +12,7 @@ import torch
 
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.model import batch_invariant
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import Algorithm
 from pagedrl.train.data import PromptOnly
@@ -30,6 +31,19 @@ def rollout_kv_tokens(config: OnlineConfig, prompts_per_rollout: int, block_size
     prompt = config.max_prompt_length or 512
     completions = prompts_per_rollout * config.num_generations
     return prompts_per_rollout * prompt + completions * (config.max_completion_length + block_size)
+
+
+def choose_batch_invariance(asked: bool | None, bf16: bool, device: torch.device) -> bool:
+    """`batch_invariant` as configured, or by default on where training runs in bf16 on a CPU that
+    has the row kernel: there bf16's roundings otherwise put the rollout's log-probs ~3e-2 from the
+    trainer's, in float32 they are 3e-6 apart without it."""
+    if asked and device.type != "cpu":
+        raise ValueError(f"batch_invariant: true runs on a CPU only; this policy is on {device}")
+    if asked is not None:
+        if asked and not batch_invariant.attention_available(device):
+            raise ValueError("batch_invariant: true needs the CPU attention kernel, which could not be built here")
+        return asked
+    return bf16 and batch_invariant.attention_available(device)
 
 
 class OnlineAlgorithm(Algorithm):
@@ -66,7 +80,10 @@ class OnlineAlgorithm(Algorithm):
         # (the projections from bf16 copies made once per optimizer step: `engine/cast_weights.py`).
         # Sharded (FSDP2), the whole weights are gathered anew for each rollout: no CUDA graph may
         # hold their addresses.
-        self.bf16 = bf16 = config.use_bf16(next(policy.parameters()).device)
+        device = next(policy.parameters()).device
+        self.bf16 = bf16 = config.use_bf16(device)
+        self.batch_invariant = choose_batch_invariance(config.batch_invariant, bf16, device)
+        batch_invariant.enable(policy, self.batch_invariant)  # before the engine's twin copies the module
         self.llm = LLM.from_module(policy, tokenizer, eos_token_ids=eos_token_ids,
                                    kv_cache_tokens=config.kv_cache_tokens or rollout_kv_tokens(config, prompts_per_rollout),
                                    seed=config.seed, max_num_seqs=max(256, completions),

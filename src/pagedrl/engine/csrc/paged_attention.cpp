@@ -1,0 +1,227 @@
+// Attention that reads keys and values where they lie (CPU), one query row at a time.
+//
+// Row r is a query of sequence row_seqs[r] at position row_lens[r] - 1: it attends over that sequence's
+// first row_lens[r] keys, found through the sequence's table (entry i holds table_block consecutive
+// slots). A decode step is one row per sequence at its last position; a prefill is one row per new
+// token; a trainer's packed batch is one row per token with a table of block 1 listing the tokens it
+// sees. Work items are (row, KV head) pairs; the G query heads that share a KV head are attended
+// together, so each key and value is read once for all of them. Keys are taken kChunk positions at a
+// time: the chunk's scores, then an online-softmax update (running max and sum, the accumulator
+// rescaled when the max grows), all in float32 whatever the dtype.
+//
+// Why the chunks are counted in positions, not in table blocks: a row's result depends only on its
+// query and the keys and values at its positions, never on where they lie, how many other rows there
+// are or how the cache is blocked. The engine's decode of a token and a trainer's forward over the
+// finished sequence compute that token's attention bit for bit alike (batch-invariant attention).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// A row of head_dim values as float32: a bf16 is the top half of a float32's bits (a shift the
+// compiler vectorizes, where c10::BFloat16's conversion is a call per element).
+inline void load_row(const float* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) dst[d] = src[d];
+}
+
+inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) {
+    const uint32_t widened = static_cast<uint32_t>(bits[d]) << 16;
+    float value;
+    std::memcpy(&value, &widened, sizeof(value));  // not a store through a uint32_t*: no aliasing trap
+    dst[d] = value;
+  }
+}
+
+// exp(x) for x <= 0 (scores minus their running max) in arithmetic the compiler vectorizes: 2^n * p(r)
+// with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (relative error below 2e-7, about
+// one float32 ulp). A loop of std::exp stays scalar without -ffast-math, and it was most of the kernel.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // below, exp underflows to a denormal; the rounding toward 0 is harmless here
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 split in two for exactness
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+constexpr int64_t kChunk = 16;  // key positions per online-softmax update, whatever the table's block
+
+// kD: head_dim fixed at compile time (0: read at run time). With it and the chunk fixed every inner loop
+// has a constant trip count and vectorizes whole: 4x faster than run-time-sized loops.
+template <typename T, int kD>
+void attend_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* row_seqs,
+                 const int64_t* row_lens, T* out, float* lse, int64_t num_rows, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t head_dim_rt, int64_t table_block, int64_t table_stride, float scale) {
+  const int64_t head_dim = kD ? kD : head_dim_rt;
+  const int64_t groups = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;  // one slot
+  const bool chunk_in_one_entry = table_block % kChunk == 0;
+  // Below every score, yet finite: exp(lowest - max) is 0 without an infinity in the arithmetic.
+  const float lowest = -std::numeric_limits<float>::max();
+  at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(groups * head_dim), acc(groups * head_dim), scores(groups * kChunk);
+    std::vector<float> running_max(groups), running_sum(groups), row(head_dim);
+    int64_t slots[kChunk];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t* table = tables + (row_seqs ? row_seqs[r] : r) * table_stride;
+      const int64_t len = row_lens[r];
+      for (int64_t g = 0; g < groups; ++g) {
+        float* qg = query.data() + g * head_dim;
+        load_row(q + (r * num_heads + h * groups + g) * head_dim, qg, head_dim);
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) qg[d] *= scale;
+        running_max[g] = lowest;
+        running_sum[g] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t first = 0; first < len; first += kChunk) {
+        const int64_t n = std::min(kChunk, len - first);  // a partial last chunk: its first n positions
+        if (chunk_in_one_entry) {
+          const int64_t base = table[first / table_block] * table_block + first % table_block;
+          for (int64_t t = 0; t < n; ++t) slots[t] = base + t;
+        } else {
+          for (int64_t t = 0; t < n; ++t) {
+            const int64_t p = first + t;
+            slots[t] = table[p / table_block] * table_block + p % table_block;
+          }
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          load_row(kc + slots[t] * token_stride + h * head_dim, row.data(), head_dim);
+          for (int64_t g = 0; g < groups; ++g) {
+            const float* qg = query.data() + g * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
+            scores[g * kChunk + t] = dot;
+          }
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+          float* sg = scores.data() + g * kChunk;
+          for (int64_t t = n; t < kChunk; ++t) sg[t] = lowest;  // positions past the row: weight 0
+          float new_max = running_max[g];
+          for (int64_t t = 0; t < kChunk; ++t) new_max = std::max(new_max, sg[t]);
+          const float rescale = exp_nonpositive(running_max[g] - new_max);
+          float chunk_sum = 0.f;
+#pragma omp simd reduction(+ : chunk_sum)
+          for (int64_t t = 0; t < kChunk; ++t) {
+            sg[t] = exp_nonpositive(sg[t] - new_max);
+            chunk_sum += sg[t];
+          }
+          running_sum[g] = running_sum[g] * rescale + chunk_sum;
+          running_max[g] = new_max;
+          float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] *= rescale;
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          load_row(vc + slots[t] * token_stride + h * head_dim, row.data(), head_dim);
+          const float* v = row.data();
+          for (int64_t g = 0; g < groups; ++g) {
+            const float p = scores[g * kChunk + t];
+            float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * v[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t head = h * groups + g;
+        T* o = out + (r * num_heads + head) * head_dim;
+        const float inv = 1.f / running_sum[g];
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d] * inv);
+        if (lse) lse[r * num_heads + head] = running_max[g] + std::log(running_sum[g]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* row_seqs,
+              const int64_t* row_lens, T* out, float* lse, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
+              int64_t head_dim, int64_t table_block, int64_t table_stride, float scale) {
+  auto run = [&](auto kernel) {
+    kernel(q, kc, vc, tables, row_seqs, row_lens, out, lse, num_rows, num_heads, num_kv_heads, head_dim, table_block,
+           table_stride, scale);
+  };
+  if (head_dim == 64) return run(attend_rows<T, 64>);
+  if (head_dim == 128) return run(attend_rows<T, 128>);
+  return run(attend_rows<T, 0>);
+}
+
+// q [N, Hq, D]; key_cache, value_cache [slots / table_block, table_block, Hkv, D] (contiguous); tables
+// [S, entries] int64; row_seqs [N] int64, or empty for row r = sequence r; row_lens [N] int64 (each >= 1).
+// Returns [N, Hq, D] in q's dtype and, when with_lse, the log-sum-exp of each row's scaled scores [N, Hq]
+// (float32; what a flash-attention backward needs), else an empty tensor.
+std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                                                   const at::Tensor& value_cache, const at::Tensor& tables,
+                                                   const at::Tensor& row_seqs, const at::Tensor& row_lens,
+                                                   double scale, bool with_lse) {
+  TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+              "paged_attention: shapes");
+  TORCH_CHECK(q.scalar_type() == key_cache.scalar_type() && q.scalar_type() == value_cache.scalar_type(),
+              "paged_attention: q and the caches must share a dtype");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "paged_attention: caches must be contiguous");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && row_lens.scalar_type() == at::kLong &&
+                  row_seqs.scalar_type() == at::kLong,
+              "paged_attention: tables, row_seqs and row_lens must be int64");
+  const int64_t num_rows = q.size(0), num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "paged_attention: heads");
+  TORCH_CHECK(row_lens.numel() == num_rows && (row_seqs.numel() == 0 || row_seqs.numel() == num_rows),
+              "paged_attention: one length (and sequence) per row");
+  auto qc = q.contiguous();
+  auto table = tables.contiguous();
+  auto seqs = row_seqs.contiguous();
+  auto lens = row_lens.contiguous();
+  auto out = at::empty_like(qc);
+  auto lse = with_lse ? at::empty({num_rows, num_heads}, q.options().dtype(at::kFloat)) : at::empty({0}, q.options().dtype(at::kFloat));
+  float* lse_ptr = with_lse ? lse.data_ptr<float>() : nullptr;
+  const int64_t* seq_ptr = seqs.numel() ? seqs.data_ptr<int64_t>() : nullptr;
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat) {
+    dispatch<float>(qc.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+                    table.data_ptr<int64_t>(), seq_ptr, lens.data_ptr<int64_t>(), out.data_ptr<float>(), lse_ptr,
+                    num_rows, num_heads, num_kv_heads, head_dim, key_cache.size(1), table.size(1), s);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    using bf = c10::BFloat16;
+    dispatch<bf>(qc.data_ptr<bf>(), key_cache.data_ptr<bf>(), value_cache.data_ptr<bf>(), table.data_ptr<int64_t>(),
+                 seq_ptr, lens.data_ptr<int64_t>(), out.data_ptr<bf>(), lse_ptr, num_rows, num_heads, num_kv_heads,
+                 head_dim, key_cache.size(1), table.size(1), s);
+  } else {
+    TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only, got ", q.scalar_type());
+  }
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedrl_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor tables, Tensor row_seqs, "
+        "Tensor row_lens, float scale, bool with_lse) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(pagedrl_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

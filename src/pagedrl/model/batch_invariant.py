@@ -1,0 +1,288 @@
+"""Batch-invariant computation: a token's numbers do not depend on what else is in the batch.
+
+Why: GRPO and PPO sample a rollout with the engine (one decode row per sequence per step, a few
+rows per matmul) and then train on the trainer's recompute of the same tokens (a packed batch,
+hundreds of rows per matmul). In float32 the two differ by reduction order only (log-probs 3e-6
+apart). In bf16 every activation is rounded to 8 bits of mantissa, and a rounding that goes the
+other way on one side grows, layer after layer, to the size of bf16's own rounding: the sampled
+log-probs end up 3e-2 from the trainer's, and the rollout is off-policy by that much. The cure is
+to make every operation whose result depends on the batch compute the same bits on both sides:
+
+- **Matmuls.** oneDNN picks its kernel by the number of rows, and kernels reduce in different
+  orders: a row multiplied alone or among 32 rows gets other bits than the same row among 48 or
+  among 300 (measured on the default model's projections, bf16 on AMX). Here every product is cut
+  into calls whose kernel computes each row as a 32-row call does (`row_splits`): 32-row calls
+  (the last one padded), or larger calls only at sizes a probe has shown to agree with them for
+  this weight's shape, dtype and thread count (`safe_sizes`), so a trainer's forward keeps most of
+  the large-call speed.
+- **Attention.** Each query row is attended alone, its keys taken in chunks of 16 positions from
+  wherever they lie (`engine/cpu_kernels.paged_attention`): the engine reads them from the KV
+  cache's blocks, the trainer from its packed batch through a table of the tokens each row sees.
+  The trainer's backward is torch's flash-attention backward, fed the forward's output and
+  log-sum-exp.
+
+Everything else the decoder does (embedding, norms, rotary, SiLU, residual adds, the log-softmax)
+is row-wise already. The mode is scoped: `scope(True)` turns it on for what runs inside (the
+decoder enters it when its `batch_invariant` flag is set, `enable(module)` sets it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+SMALL_ROWS = 32  # a call of this many rows computes each row with the small-batch kernel
+# Larger calls tried by the probe, largest first; each is used only where it agrees with 32-row calls.
+# None below 256: a kernel of another reduction order shows on a row or two of 64 or 128, which a
+# probe can miss (a 64-row call that passed on one draw of random rows failed on the next).
+LADDER = (1024, 768, 512, 384, 256)
+PROBE_DRAWS = 2
+ATTENTION_CHUNK = 16  # key positions per online-softmax update, fixed in the kernel
+
+_state = threading.local()
+
+
+def active() -> bool:
+    """Whether the current thread computes batch-invariantly (inside `scope(True)`)."""
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def scope(on: bool = True) -> Iterator[None]:
+    """Batch-invariant matmuls and attention for what runs inside, when `on`."""
+    if not on or active():
+        yield
+        return
+    _state.depth = 1
+    try:
+        with _RowChunkedMatmuls():
+            yield
+    finally:
+        _state.depth = 0
+
+
+def scoped(fn: Callable[..., Any], on: bool) -> Callable[..., Any]:
+    """`fn` run inside `scope(on)` (for gradient checkpointing, whose recompute runs outside the
+    forward's scope)."""
+    if not on:
+        return fn
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with scope(True):
+            return fn(*args, **kwargs)
+    return run
+
+
+def enable(module: nn.Module, on: bool = True) -> int:
+    """Set the `batch_invariant` flag of every decoder backbone inside `module` (a policy, a
+    policy with a value head, a LoRA-wrapped model); returns how many were set."""
+    count = 0
+    for m in module.modules():
+        if hasattr(type(m), "batch_invariant"):
+            m.batch_invariant = on
+            count += 1
+    return count
+
+
+# -- matmuls ---------------------------------------------------------------------------------------
+
+def row_splits(rows: int, safe: tuple[int, ...]) -> list[int]:
+    """Row counts of the calls a product of `rows` rows is cut into: the largest safe sizes first,
+    then 32-row calls; the last call may hold fewer rows (it is padded to 32)."""
+    sizes: list[int] = []
+    left = rows
+    for size in safe:
+        while left >= size:
+            sizes.append(size)
+            left -= size
+    while left > 0:
+        sizes.append(min(SMALL_ROWS, left))
+        left -= sizes[-1]
+    return sizes
+
+
+@functools.cache
+def safe_sizes(kind: str, out_features: int, in_features: int, dtype: torch.dtype, has_bias: bool,
+               threads: int, autocast: torch.dtype | None) -> tuple[int, ...]:
+    """The `LADDER` sizes at which one call computes every row as 32-row calls do, for a product of
+    this shape: measured once per process, on `PROBE_DRAWS` draws of 1024 random rows each cut
+    into calls of the size (a kernel that reduces in another order shows it on several rows of
+    every few hundred)."""
+    gen = torch.Generator().manual_seed(0)
+    top = LADDER[0]
+    w = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype) if has_bias else None
+    ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+
+    def call(rows: torch.Tensor) -> torch.Tensor:
+        if kind == "addmm":
+            assert b is not None
+            return torch.addmm(b.expand(rows.shape[0], -1), rows, w.t())
+        return F.linear(rows, w, b)
+
+    safe = list(LADDER)
+    with torch.no_grad(), ctx:
+        for _ in range(PROBE_DRAWS):
+            x = torch.randn(top, in_features, generator=gen).to(dtype)
+            reference = torch.cat([call(x[i:i + SMALL_ROWS]) for i in range(0, top, SMALL_ROWS)])
+            safe = [size for size in safe
+                    if all(torch.equal(call(x[i:i + size]), reference[i:i + size]) for i in range(0, top - size + 1, size))]
+    return tuple(safe)
+
+
+def _chunked(rows: torch.Tensor, call: Callable[[torch.Tensor, slice], torch.Tensor], safe: tuple[int, ...]) -> torch.Tensor:
+    """`call` over `rows` [M, K] cut by `row_splits`, the results concatenated: call(chunk, where)
+    gets the chunk's rows (a short last chunk padded to 32) and the slice of M they came from."""
+    parts, start = [], 0
+    for size in row_splits(rows.shape[0], safe):
+        where = slice(start, start + size)
+        chunk = rows[where]
+        if size < SMALL_ROWS:
+            chunk = torch.cat([chunk, chunk.new_zeros(SMALL_ROWS - size, chunk.shape[1])])
+            parts.append(call(chunk, where)[:size])
+        else:
+            parts.append(call(chunk, where))
+        start += size
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _key(kind: str, weight: torch.Tensor, has_bias: bool, x: torch.Tensor) -> tuple[Any, ...]:
+    autocast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+    return (kind, weight.shape[0], weight.shape[1], x.dtype if autocast is None else weight.dtype, has_bias,
+            torch.get_num_threads(), autocast)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` whose every row is computed as a 32-row call computes it."""
+    if x.device.type != "cpu" or x.numel() == 0:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    safe = safe_sizes(*_key("linear", weight, bias is not None, rows))
+    out = _chunked(rows, lambda chunk, _: F.linear(chunk, weight, bias), safe)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def invariant_addmm(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1,
+                    alpha: Any = 1) -> torch.Tensor:
+    """`torch.addmm` (input + mat1 @ mat2, input of one row per row of mat1 or broadcast) row by row
+    as `invariant_linear` computes."""
+    if mat1.device.type != "cpu" or mat1.shape[0] == 0:
+        return torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha)
+    full = input.expand(mat1.shape[0], mat2.shape[1])
+    safe = safe_sizes(*_key("addmm", mat2.t(), True, mat1))
+
+    def call(chunk: torch.Tensor, where: slice) -> torch.Tensor:
+        added = full[where]
+        if added.shape[0] < chunk.shape[0]:
+            added = torch.cat([added, added.new_zeros(chunk.shape[0] - added.shape[0], added.shape[1])])
+        return torch.addmm(added, chunk, mat2, beta=beta, alpha=alpha)
+    return _chunked(mat1, call, safe)
+
+
+def invariant_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return invariant_linear(a, b.t())
+
+
+class _RowChunkedMatmuls(TorchFunctionMode):
+    """Sends the decoder's matmuls (`F.linear`, `torch.addmm`, `torch.mm`) through the invariant
+    versions; everything else passes through untouched."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return invariant_linear(*args, **kwargs)
+        if func is torch.addmm and "out" not in kwargs and args[1].dim() == 2:
+            return invariant_addmm(*args, **kwargs)
+        if func is torch.mm and "out" not in kwargs:
+            return invariant_mm(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+# -- attention -------------------------------------------------------------------------------------
+
+KeyTables = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def visible_key_tables(mask: torch.Tensor | None, batch: int, seq_len: int) -> KeyTables:
+    """From a dense attention mask (boolean [B, T, T], True = may attend; None = causal), where the
+    kernel finds the keys each query row sees, in column order (= position order in a packed or
+    padded batch), as indices into the batch flattened to B*T rows: (tables, lengths [B*T],
+    row_seqs). Causal: one table per batch row, row_seqs naming it. Masked: one table per query row
+    [B*T, most keys any row sees], row_seqs None."""
+    if mask is None:
+        tables = torch.arange(batch * seq_len).view(batch, seq_len)
+        lengths = torch.arange(1, seq_len + 1).repeat(batch)
+        return tables, lengths, torch.arange(batch).repeat_interleave(seq_len)
+    mask = mask.expand(batch, seq_len, seq_len).cpu()
+    lengths = mask.sum(-1).reshape(-1)
+    where = mask.reshape(batch * seq_len, seq_len).nonzero()  # (row, key column), rows in order, keys ascending
+    rank = torch.arange(where.shape[0]) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    tables = torch.zeros(batch * seq_len, int(lengths.max()), dtype=torch.long)
+    tables[where[:, 0], rank] = where[:, 1] + (where[:, 0] // seq_len) * seq_len
+    return tables, lengths, None
+
+
+class _RowAttention(torch.autograd.Function):
+    """Forward: the row kernel. Backward: torch's flash-attention backward over the same mask."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, tables, lengths, row_seqs, mask, scale):  # type: ignore[no-untyped-def]
+        from pagedrl.engine import cpu_kernels
+
+        B, T, Hq, D = q.shape
+        Hkv = k.shape[2]
+        out, lse = cpu_kernels.paged_attention(q.reshape(B * T, Hq, D), k.reshape(B * T, 1, Hkv, D),
+                                               v.reshape(B * T, 1, Hkv, D), tables, lengths, scale, row_seqs,
+                                               with_lse=True)
+        out = out.view(B, T, Hq, D)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[no-untyped-def]
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        B, T, Hq, D = q.shape
+        groups = Hq // k.shape[2]
+        kh, vh = k.transpose(1, 2), v.transpose(1, 2)
+        if groups > 1:
+            kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
+        additive = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.transpose(1, 2), q.transpose(1, 2), kh, vh, out.transpose(1, 2),
+            lse.view(B, T, Hq).transpose(1, 2), 0.0, False, attn_mask=additive[:, None], scale=ctx.scale)
+        if groups > 1:
+            dk = dk.unflatten(1, (-1, groups)).sum(2)
+            dv = dv.unflatten(1, (-1, groups)).sum(2)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None, None
+
+
+def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float | None, tables: KeyTables | None = None) -> torch.Tensor:
+    """Dense attention (q [B, T, Hq, D], k and v [B, T, Hkv, D], `mask` as `DenseAttention`'s)
+    computed row by row as the engine's paged attention computes a decoded token, in the autocast
+    dtype when one is active. `tables`: `visible_key_tables(mask, B, T)`, when the caller keeps it."""
+    B, T, _, D = q.shape
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+    key_tables, lengths, row_seqs = tables if tables is not None else visible_key_tables(mask, B, T)
+    full = mask.expand(B, T, T) if mask is not None else torch.ones(T, T, dtype=torch.bool).tril()[None].expand(B, T, T)
+    with torch.autocast("cpu", enabled=False):
+        return _RowAttention.apply(q.to(dtype), k.to(dtype).contiguous(), v.to(dtype).contiguous(), key_tables,
+                                   lengths, row_seqs, full, scale if scale is not None else D ** -0.5)
+
+
+def attention_available(device: torch.device) -> bool:
+    """Whether the row kernel runs here (a CPU where it was built)."""
+    if device.type != "cpu":
+        return False
+    from pagedrl.engine import cpu_kernels
+
+    return cpu_kernels.available()
