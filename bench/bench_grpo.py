@@ -6,10 +6,12 @@ task, in the same order), G = 8 completions for each of 8 prompts per step, 64-t
 temperature 1.0, learning rate 1e-5, beta 0, the same precision on both sides (`--bf16 true`:
 float32 master weights under bf16 autocast; TRL `bf16=True`, `use_cpu=True`; it generates with
 transformers, as it does on a machine without vLLM). `pagedrl-float32` in `--configs` is pagedrl
-in float32 whatever `--bf16` says, for the bf16 / float32 ratio of one run. Each trainer runs in its
+in float32 whatever `--bf16` says, for the bf16 / float32 ratio of one run; `pagedrl-plain` is
+pagedrl without batch invariance (`batch_invariant=false`), for what the bit-exact rollouts of a
+bf16 CPU run cost. Each trainer runs in its
 own process, so its peak resident memory (`ru_maxrss`) is its own.
 
-  .venv/bin/python bench/bench_grpo.py [--steps 3] [--configs pagedrl,pagedrl-float32,trl] [--bf16 true]
+  .venv/bin/python bench/bench_grpo.py [--steps 3] [--configs pagedrl,pagedrl-plain,pagedrl-float32,trl] [--bf16 true]
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_pagedrl(steps: int, out: Path, bf16: bool) -> dict:
+def run_pagedrl(steps: int, out: Path, bf16: bool, batch_invariant: bool | None = None) -> dict:
     from pagedrl.train.algorithms.grpo import run_grpo
     from pagedrl.train.rl.config import GRPOConfig
 
@@ -39,7 +41,7 @@ def run_pagedrl(steps: int, out: Path, bf16: bool) -> dict:
                         per_device_train_batch_size=16, gradient_accumulation_steps=PROMPTS * G // 16,
                         max_completion_length=LENGTH, temperature=1.0, learning_rate=LR, lr_scheduler_type="constant",
                         max_steps=steps, beta=0.0, logging_steps=1, save_steps=10_000, report_to=["jsonl"],
-                        task_num_eval=256, bf16=bf16)
+                        task_num_eval=256, bf16=bf16, batch_invariant=batch_invariant)
     run_grpo(config, progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "step_time" in r]
@@ -109,7 +111,8 @@ def worker(name: str, steps: int, result: Path, bf16: bool) -> None:
         if name == "trl":
             data = run_trl(steps, Path(tmp) / "out", bf16)
         else:
-            data = run_pagedrl(steps, Path(tmp) / "out", bf16 and name == "pagedrl")
+            data = run_pagedrl(steps, Path(tmp) / "out", bf16 and name != "pagedrl-float32",
+                               False if name == "pagedrl-plain" else None)
     data["peak_rss_mib"] = peak_rss_mib()
     result.write_text(json.dumps(data))
 
@@ -142,6 +145,9 @@ def main() -> None:
         if "logp_difference" in r:
             print(f"{'':10} sampling/sampling_logp_difference/mean per step: "
                   f"{[f'{x:.1e}' for x in r['logp_difference']]}")
+    if {"pagedrl", "pagedrl-plain"} <= results.keys():
+        ratio = statistics.median(results["pagedrl"]["step"]) / statistics.median(results["pagedrl-plain"]["step"])
+        print(f"pagedrl median step / pagedrl-plain median step (what batch invariance costs): {ratio:.2f}x")
     if {"pagedrl", "pagedrl-float32"} <= results.keys():
         ratio = statistics.median(results["pagedrl-float32"]["step"]) / statistics.median(results["pagedrl"]["step"])
         print(f"pagedrl float32 median step / pagedrl median step: {ratio:.2f}x")

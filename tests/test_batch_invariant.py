@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 from pagedrl.engine.attention import PagedAttention
 from pagedrl.engine.kv_cache import KVCache
+from pagedrl.engine.llm import LLM
+from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model import batch_invariant
 from pagedrl.model.attention import DenseAttention
 from pagedrl.model.config import ModelConfig
@@ -202,3 +204,45 @@ def test_online_algorithms_choose_it_where_bf16_meets_a_cpu() -> None:
     assert not choose_batch_invariance(None, True, torch.device("cuda"))
     with pytest.raises(ValueError, match="batch_invariant: true runs on a CPU only"):
         choose_batch_invariance(True, True, torch.device("cuda"))
+
+
+def wide_model(seed: int) -> CausalLM:
+    """A 2-layer bf16 decoder of SmolLM2-135M's width (hidden 576, MLP 1536, 9 heads over 3), whose
+    projections this CPU's bf16 kernels round differently by batch size; weights of std 0.05 so its
+    distributions are not flat."""
+    torch.manual_seed(seed)
+    raw = dict(FAMILIES["llama-gqa-untied"], hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=300)
+    model = CausalLM(ModelConfig.from_dict(raw)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.05)
+    return model.to(torch.bfloat16)
+
+
+def alone_and_among_others(llm: LLM) -> tuple[list[float], list[float]]:
+    """The processed log-probs of one seeded request run alone, then beside 40 others."""
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 300, (19,), generator=gen).tolist()
+    others = [torch.randint(3, 300, (int(n),), generator=gen).tolist() for n in torch.randint(3, 60, (40,))]
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    among = llm.generate(others[:17] + [prompt] + others[17:], params, use_tqdm=False)[17].outputs[0]
+    return alone.processed_logprobs, among.processed_logprobs
+
+
+def test_an_engine_requests_numbers_do_not_depend_on_its_neighbours() -> None:
+    """`LLM(batch_invariant=True)`: a seeded request's log-probs are the same bits alone and among 40
+    other requests (whose prefills and decodes share its steps); without it they are not here."""
+    invariant = LLM.from_module(wide_model(0), kv_cache_tokens=4096, batch_invariant=True)
+    assert invariant.engine.model.model.batch_invariant
+    alone, among = alone_and_among_others(invariant)
+    assert alone == among
+    plain_alone, plain_among = alone_and_among_others(LLM.from_module(wide_model(0), kv_cache_tokens=4096))
+    assert plain_alone != plain_among  # what batch invariance removes
+
+
+def test_batch_invariance_needs_a_cpu() -> None:
+    with pytest.raises(ValueError, match="batch_invariant runs on a CPU"):
+        LLM.from_module(wide_model(0).to("meta"), kv_cache_tokens=64, batch_invariant=True)

@@ -32,6 +32,8 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # default: max_loras
+    # A request's numbers do not depend on what else runs in its steps (`model/batch_invariant.py`; CPU).
+    batch_invariant: bool = False
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):

@@ -46,7 +46,11 @@ class LLM:
 
     `LLM(model, enable_lora=True, max_loras=N, max_lora_rank=R)` serves many adapters, chosen per
     prompt with `generate(..., lora_request=LoRARequest(name, id, path))`, side by side in the same
-    steps (`engine/multi_lora.py`)."""
+    steps (`engine/multi_lora.py`).
+
+    `batch_invariant=True` (CPU): a request's numbers do not depend on what else runs in its steps
+    (`model/batch_invariant.py`): its log-probs, and so its seeded samples, are the same alone or
+    among a hundred others, at some cost in speed."""
 
     def __init__(self, model: str | None = None, *, adapter: str | None = None, revision: str | None = None,
                  tokenizer: Any = None,
@@ -58,7 +62,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, attention_impl: str = "auto", enforce_eager: bool = False,
                  autocast_dtype: torch.dtype | None = None, cast_weights: bool = True, enable_lora: bool = False,
                  max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
-                 _module: CausalLM | None = None,
+                 batch_invariant: bool = False, _module: CausalLM | None = None,
                  _eos_token_ids: list[int] | None = None) -> None:
         config = EngineConfig(block_size=block_size, kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=kv_cache_bytes,
                               gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
@@ -67,7 +71,8 @@ class LLM:
                               enable_chunked_prefill=enable_chunked_prefill, max_model_len=max_model_len, seed=seed,
                               attention_impl=attention_impl, enforce_eager=enforce_eager,
                               autocast_dtype=autocast_dtype, cast_weights=cast_weights, enable_lora=enable_lora,
-                              max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+                              max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+                              batch_invariant=batch_invariant)
         config.validate()  # before a model is loaded (the engine checks it again, for its other callers)
         if enable_lora and _module is not None:
             raise ValueError("enable_lora: adapters per request need a model the engine owns (LLM(model, ...)); "

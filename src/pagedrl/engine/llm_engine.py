@@ -27,6 +27,7 @@ from pagedrl.engine.sampler import Sampler, SamplingRow
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.engine.scheduler import Scheduler
 from pagedrl.engine.sequence import Request, Sequence
+from pagedrl.model import batch_invariant
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.tokenizer import find_stop_string
 
@@ -40,6 +41,11 @@ class LLMEngine:
         self.config.validate()
         self.model = model
         self.tokenizer = tokenizer
+        if self.config.batch_invariant:
+            if not batch_invariant.attention_available(model.device):
+                raise ValueError(f"batch_invariant runs on a CPU where pagedrl's attention kernel builds; "
+                                 f"this model is on {model.device}")
+            batch_invariant.enable(model)  # before the runner makes its bf16 twin of the module
         cfg = model.config
         self.max_model_len = min(self.config.max_model_len or cfg.max_model_len, cfg.max_model_len)
         bs = self.config.block_size

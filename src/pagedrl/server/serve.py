@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="on CUDA, run decode steps without CUDA graphs")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="on a CPU, a request's log-probs and seeded samples do not depend on the requests it shares "
+                        "steps with (slower)")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="sequences (a request with n samples counts n) that may wait beyond --max-num-seqs; "
                         "more are answered 503")
@@ -143,7 +146,7 @@ def build_server(args: argparse.Namespace) -> Any:
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, seed=args.seed, enforce_eager=args.enforce_eager,
                           enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                          max_cpu_loras=args.max_cpu_loras)
+                          max_cpu_loras=args.max_cpu_loras, batch_invariant=args.batch_invariant)
     engine = LLMEngine(loaded.model, loaded.tokenizer, config, eos_token_ids=loaded.eos_token_ids)
     name = args.served_model_name or args.adapter or args.model or DEFAULT_MODEL
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)

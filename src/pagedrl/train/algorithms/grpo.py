@@ -187,6 +187,7 @@ class GRPO(OnlineAlgorithm):
             f"grpo: loss_type={c.loss_type}, scale_rewards={c.scale_rewards}, epsilon={c.epsilon}"
             f"/{c.epsilon_high or c.epsilon}, num_iterations={c.num_iterations}, {ref}",
             f"grpo: rewards {', '.join(n for n, _ in self.reward_funcs)}; {len(self.eval_rows)} held-out prompts",
+            f"grpo: {self.rollout_line()}",
         ]
 
 

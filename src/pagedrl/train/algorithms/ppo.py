@@ -328,6 +328,7 @@ class PPO(OnlineAlgorithm):
         lines.append("ppo: forward passes per rollout: policy+critic 1, reference "
                      f"{int(self.ref_model is not None or self.base_is_reference)}, reward model {int(self.reward_model is not None)} (no grad); "
                      "per optimizer step: policy+critic 1 (with grad)")
+        lines.append(f"ppo: {self.rollout_line()}")
         return lines
 
 

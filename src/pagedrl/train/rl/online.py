@@ -94,6 +94,13 @@ class OnlineAlgorithm(Algorithm):
                                        top_k=config.top_k, min_p=config.min_p or 0.0,
                                        max_tokens=config.max_completion_length, seed=None)
 
+    def rollout_line(self) -> str:
+        """How the rollouts' log-probs relate to the trainer's, for the start-up summary."""
+        if self.batch_invariant:
+            return "rollouts: batch-invariant: each sampled log-prob is the trainer's recompute, bit for bit"
+        precision = "bf16" if self.bf16 else "float32"
+        return f"rollouts: {precision} batches of any size (batch_invariant off): log-probs within {precision} rounding"
+
     def next_prompts(self, total: int) -> tuple[list[PromptOnly], list[int | None]]:
         """This rank's share of the run's next `total` prompts (over all ranks), each with its own
         sampling seed: a prompt draws the same completions whichever rank samples it and however
