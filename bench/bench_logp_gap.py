@@ -1,23 +1,17 @@
-"""How far the engine's sampled log-probs are from the trainer's recompute under bf16 autocast, and
-what closes the gap: GRPO's `sampling/sampling_logp_difference/mean` on the default model, measured
-on one rollout (2 prompts x G = 8 of the arithmetic task, 48 tokens, temperature 1), with the
-model computed as pagedrl computes it and with parts of it made exact on both sides alike:
+"""How far the engine's sampled log-probs are from the trainer's recompute: GRPO's
+`sampling/sampling_logp_difference/mean` on the default model, measured on one rollout (2 prompts x
+G = 8 of the arithmetic task, 48 tokens, temperature 1):
 
-- `as-is`: bf16 autocast on float32 master weights, both sides (the default on a bf16 CPU);
-- `head32`: the LM head from bf16-rounded operands with a float32 result (no bf16 rounding of logits);
-- `+attn32`: also attention in float32 from bf16-rounded q, k, v, its output rounded to bf16;
-- `+proj32`: also every projection in float32 from bf16-rounded operands, rounded to bf16 after
-  (what a bf16 matmul with float32 accumulation computes, with a reduction order that does not
-  depend on the batch);
+- `as-is`: the default on a bf16 CPU: bf16 autocast on float32 master weights, both sides
+  batch-invariant (`model/batch_invariant.py`);
+- `plain`: bf16 as above with `batch_invariant=false`: the engine's decode batches and the
+  trainer's packed batch run kernels that reduce in other orders, and bf16's roundings carry the
+  difference to every layer;
 - `float32`: no autocast at all.
 
-Each variant runs in its own process. The gap that stays when every matmul is made exact is the
-floor of bf16 itself: a token's row computed in the engine (one query against the cached keys) and
-in the trainer (a packed batch) differs by float32 reduction order somewhere, a bf16 rounding of an
-activation turns that into a one-unit-in-the-last-place difference now and then, and such
-differences grow to the size of bf16's rounding within a few layers.
+Each variant runs in its own process.
 
-    .venv/bin/python bench/bench_logp_gap.py [--variants as-is,head32,+attn32,+proj32,float32]
+    .venv/bin/python bench/bench_logp_gap.py [--variants as-is,plain,float32]
 """
 
 from __future__ import annotations
@@ -28,53 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-VARIANTS = ("as-is", "head32", "+attn32", "+proj32", "float32")
-
-
-def exact_parts(variant: str) -> None:
-    """Patch torch's functions so that the named parts compute exactly on both sides."""
-    import torch
-    import torch.nn.functional as F
-
-    from pagedrl.model.decoder import CausalLM
-
-    level = VARIANTS.index(variant)
-    bf16 = torch.bfloat16
-
-    def rounded(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(bf16).float()
-
-    if 1 <= level <= 3:
-        def logits(self: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
-            if not torch.is_autocast_enabled("cpu"):
-                return self.lm_head(hidden).float()
-            with torch.autocast("cpu", enabled=False):
-                return F.linear(rounded(hidden), rounded(self.lm_head.weight))
-
-        CausalLM.logits = logits  # type: ignore[method-assign]
-    if 2 <= level <= 3:
-        sdpa = F.scaled_dot_product_attention
-
-        def attention(q, k, v, *args, **kwargs):  # type: ignore[no-untyped-def]
-            if not torch.is_autocast_enabled("cpu") and q.dtype != bf16:
-                return sdpa(q, k, v, *args, **kwargs)
-            mask = kwargs.get("attn_mask")
-            if mask is not None and mask.dtype == bf16:
-                kwargs["attn_mask"] = mask.float()
-            with torch.autocast("cpu", enabled=False):
-                return sdpa(rounded(q), rounded(k), rounded(v), *args, **kwargs).to(bf16)
-
-        F.scaled_dot_product_attention = attention
-    if level == 3:
-        linear = F.linear
-
-        def projection(x, w, b=None):  # type: ignore[no-untyped-def]
-            if not torch.is_autocast_enabled("cpu"):
-                return linear(x, w, b)
-            with torch.autocast("cpu", enabled=False):
-                return linear(rounded(x), rounded(w), rounded(b)).to(bf16)
-
-        F.linear = projection
+VARIANTS = ("as-is", "plain", "float32")
 
 
 def measure(variant: str) -> dict[str, float]:
@@ -85,12 +33,12 @@ def measure(variant: str) -> dict[str, float]:
     from pagedrl.train.distributed import DistInfo
     from pagedrl.train.rl.config import GRPOConfig
 
-    exact_parts(variant)
     bf16 = variant != "float32"
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(model="smollm2-135m-instruct", dataset="arithmetic", output_dir=out, task_num_eval=16,
                             num_generations=8, per_device_train_batch_size=16, gradient_accumulation_steps=1,
-                            max_completion_length=48, temperature=1.0, bf16=bf16, beta=0.0, seed=0)
+                            max_completion_length=48, temperature=1.0, bf16=bf16, beta=0.0, seed=0,
+                            batch_invariant=False if variant == "plain" else None)
         loaded = load_model("smollm2-135m-instruct", dtype=torch.float32)
         algo = GRPO(config, loaded.model.train(), loaded.tokenizer, DistInfo(), eos_token_ids=loaded.eos_token_ids)
         total, count, worst = 0.0, 0, 0.0

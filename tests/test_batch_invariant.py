@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny import FAMILIES
 
 from pagedrl.engine.attention import PagedAttention
 from pagedrl.engine.kv_cache import KVCache
@@ -22,7 +23,6 @@ from pagedrl.model.attention import DenseAttention
 from pagedrl.model.config import ModelConfig
 from pagedrl.model.decoder import CausalLM
 from pagedrl.train.rl.online import choose_batch_invariance
-from tiny import FAMILIES
 
 
 @settings(max_examples=200, deadline=None)

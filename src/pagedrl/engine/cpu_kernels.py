@@ -92,4 +92,16 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     return torch.ops.pagedrl_cpu.paged_attention(q, key_cache, value_cache, tables, seqs, row_lens, scale, with_lse)
 
 
+def paged_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, tables: torch.Tensor, row_lens: torch.Tensor,
+                             scale: float, row_seqs: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dkeys, dvalues) of `paged_attention` given dO, its output and log-sum-exp."""
+    if not _load():
+        raise RuntimeError("the CPU paged-attention kernel is not built here (see the warning above)")
+    seqs = _NO_ROWS if row_seqs is None else row_seqs
+    return torch.ops.pagedrl_cpu.paged_attention_backward(grad_out, q, keys, values, out, lse, tables, seqs, row_lens,
+                                                          scale)
+
+
 _NO_ROWS = torch.empty(0, dtype=torch.long)

@@ -18,8 +18,8 @@ to make every operation whose result depends on the batch compute the same bits 
 - **Attention.** Each query row is attended alone, its keys taken in chunks of 16 positions from
   wherever they lie (`engine/cpu_kernels.paged_attention`): the engine reads them from the KV
   cache's blocks, the trainer from its packed batch through a table of the tokens each row sees.
-  The trainer's backward is torch's flash-attention backward, fed the forward's output and
-  log-sum-exp.
+  The trainer's backward is the same kernel's: each row recomputes its probabilities from the
+  forward's log-sum-exp over the keys it saw.
 
 Everything else the decoder does (embedding, norms, rotary, SiLU, residual adds, the log-softmax)
 is row-wise already. The mode is scoped: `scope(True)` turns it on for what runs inside (the
@@ -272,38 +272,31 @@ def visible_key_tables(mask: torch.Tensor | None, batch: int, seq_len: int) -> K
 
 
 class _RowAttention(torch.autograd.Function):
-    """Forward: the row kernel. Backward: torch's flash-attention backward over the same mask."""
+    """Forward and backward by the row kernel: each row visits only the keys it sees (a dense
+    backward over a packed batch of groups walked every pair of tokens, most of them masked, and
+    was a quarter of a GRPO training pass)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, tables, lengths, row_seqs, mask, scale):  # type: ignore[no-untyped-def]
+    def forward(ctx, q, k, v, tables, lengths, row_seqs, scale):  # type: ignore[no-untyped-def]
         from pagedrl.engine import cpu_kernels
 
         B, T, Hq, D = q.shape
         Hkv = k.shape[2]
-        out, lse = cpu_kernels.paged_attention(q.reshape(B * T, Hq, D), k.reshape(B * T, 1, Hkv, D),
-                                               v.reshape(B * T, 1, Hkv, D), tables, lengths, scale, row_seqs,
-                                               with_lse=True)
-        out = out.view(B, T, Hq, D)
-        ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.scale = scale
-        return out
+        rows, keys, values = q.reshape(B * T, Hq, D), k.reshape(B * T, 1, Hkv, D), v.reshape(B * T, 1, Hkv, D)
+        out, lse = cpu_kernels.paged_attention(rows, keys, values, tables, lengths, scale, row_seqs, with_lse=True)
+        ctx.save_for_backward(rows, keys, values, out, lse, tables, lengths, row_seqs)
+        ctx.scale, ctx.shapes = scale, (q.shape, k.shape)
+        return out.view(B, T, Hq, D)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[no-untyped-def]
-        q, k, v, out, lse, mask = ctx.saved_tensors
-        B, T, Hq, D = q.shape
-        groups = Hq // k.shape[2]
-        kh, vh = k.transpose(1, 2), v.transpose(1, 2)
-        if groups > 1:
-            kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
-        additive = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.transpose(1, 2), q.transpose(1, 2), kh, vh, out.transpose(1, 2),
-            lse.view(B, T, Hq).transpose(1, 2), 0.0, False, attn_mask=additive[:, None], scale=ctx.scale)
-        if groups > 1:
-            dk = dk.unflatten(1, (-1, groups)).sum(2)
-            dv = dv.unflatten(1, (-1, groups)).sum(2)
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None, None
+        from pagedrl.engine import cpu_kernels
+
+        rows, keys, values, out, lse, tables, lengths, row_seqs = ctx.saved_tensors
+        q_shape, k_shape = ctx.shapes
+        dq, dk, dv = cpu_kernels.paged_attention_backward(grad_out.reshape(rows.shape), rows, keys, values, out, lse,
+                                                          tables, lengths, ctx.scale, row_seqs)
+        return dq.view(q_shape), dk.view(k_shape), dv.view(k_shape), None, None, None, None
 
 
 def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -314,10 +307,9 @@ def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     B, T, _, D = q.shape
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
     key_tables, lengths, row_seqs = tables if tables is not None else visible_key_tables(mask, B, T)
-    full = mask.expand(B, T, T) if mask is not None else torch.ones(T, T, dtype=torch.bool).tril()[None].expand(B, T, T)
     with torch.autocast("cpu", enabled=False):
-        return _RowAttention.apply(q.to(dtype), k.to(dtype).contiguous(), v.to(dtype).contiguous(), key_tables,
-                                   lengths, row_seqs, full, scale if scale is not None else D ** -0.5)
+        return _RowAttention.apply(q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype).contiguous(),
+                                   key_tables, lengths, row_seqs, scale if scale is not None else D ** -0.5)
 
 
 def attention_available(device: torch.device) -> bool:

@@ -17,6 +17,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -217,11 +219,144 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
   return {out, lse};
 }
 
+
+// The gradient of attend_rows for a trainer: given dO, the forward's output O and log-sum-exp, each row
+// recomputes its probabilities over the keys it saw (p = exp(s - lse)) and adds its share of dQ (its
+// own), dK and dV (of the keys it read: summed over rows, in per-thread float32 buffers added at the end,
+// so no two threads write one place). Only the keys a row saw are visited, where a dense backward
+// over a packed batch of groups walks every pair of tokens and masks most of them.
+template <typename T, int kD>
+void attend_rows_backward(const T* dout, const T* q, const T* kc, const T* vc, const T* out, const float* lse,
+                          const int64_t* tables, const int64_t* row_seqs, const int64_t* row_lens, T* dq, float* dk_all,
+                          float* dv_all, int64_t num_slots, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim_rt, int64_t table_block, int64_t table_stride, float scale) {
+  const int64_t head_dim = kD ? kD : head_dim_rt;
+  const int64_t groups = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t buffer = num_slots * token_stride;  // one thread's dK (and dV) accumulator
+  at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    float* dk_acc = dk_all + at::get_thread_num() * buffer;
+    float* dv_acc = dv_all + at::get_thread_num() * buffer;
+    std::vector<float> query(groups * head_dim), grad(groups * head_dim), dq_acc(groups * head_dim);
+    std::vector<float> delta(groups), row_lse(groups), krow(head_dim), vrow(head_dim), orow(head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t* table = tables + (row_seqs ? row_seqs[r] : r) * table_stride;
+      const int64_t len = row_lens[r];
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at_head = (r * num_heads + h * groups + g) * head_dim;
+        float* qg = query.data() + g * head_dim;
+        float* gg = grad.data() + g * head_dim;
+        load_row(q + at_head, qg, head_dim);
+        load_row(dout + at_head, gg, head_dim);
+        load_row(out + at_head, orow.data(), head_dim);
+        float d = 0.f;
+#pragma omp simd reduction(+ : d)
+        for (int64_t i = 0; i < head_dim; ++i) d += gg[i] * orow[i];
+        delta[g] = d;
+        row_lse[g] = lse[r * num_heads + h * groups + g];
+      }
+      std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
+      for (int64_t p = 0; p < len; ++p) {
+        const int64_t slot = table[p / table_block] * table_block + p % table_block;
+        const int64_t at_key = slot * token_stride + h * head_dim;
+        load_row(kc + at_key, krow.data(), head_dim);
+        load_row(vc + at_key, vrow.data(), head_dim);
+        float* dk = dk_acc + at_key;
+        float* dv = dv_acc + at_key;
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* qg = query.data() + g * head_dim;
+          const float* gg = grad.data() + g * head_dim;
+          float score = 0.f, dp = 0.f;
+#pragma omp simd reduction(+ : score, dp)
+          for (int64_t i = 0; i < head_dim; ++i) {
+            score += qg[i] * krow[i];
+            dp += gg[i] * vrow[i];
+          }
+          const float prob = exp_nonpositive(std::min(score * scale - row_lse[g], 0.f));
+          const float ds = prob * (dp - delta[g]) * scale;
+          float* dqg = dq_acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t i = 0; i < head_dim; ++i) {
+            dv[i] += prob * gg[i];
+            dk[i] += ds * qg[i];
+            dqg[i] += ds * krow[i];
+          }
+        }
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        T* o = dq + (r * num_heads + h * groups + g) * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) o[i] = static_cast<T>(dq_acc[g * head_dim + i]);
+      }
+    }
+  });
+}
+
+template <typename T>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_typed(const at::Tensor& dout, const at::Tensor& q,
+                                                              const at::Tensor& keys, const at::Tensor& values,
+                                                              const at::Tensor& out, const at::Tensor& lse,
+                                                              const at::Tensor& tables, const at::Tensor& row_seqs,
+                                                              const at::Tensor& row_lens, float scale) {
+  const int64_t num_rows = q.size(0), num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = keys.size(2);
+  const int64_t table_block = keys.size(1), num_slots = keys.size(0) * table_block;
+  const int64_t threads = at::get_num_threads();
+  auto dq = at::empty_like(q);
+  auto dk_all = at::zeros({threads, num_slots, num_kv_heads, head_dim}, q.options().dtype(at::kFloat));
+  auto dv_all = at::zeros_like(dk_all);
+  const int64_t* seq_ptr = row_seqs.numel() ? row_seqs.data_ptr<int64_t>() : nullptr;
+  auto run = [&](auto kernel) {
+    kernel(dout.data_ptr<T>(), q.data_ptr<T>(), keys.data_ptr<T>(), values.data_ptr<T>(), out.data_ptr<T>(),
+           lse.data_ptr<float>(), tables.data_ptr<int64_t>(), seq_ptr, row_lens.data_ptr<int64_t>(), dq.data_ptr<T>(),
+           dk_all.data_ptr<float>(), dv_all.data_ptr<float>(), num_slots, num_rows, num_heads, num_kv_heads, head_dim,
+           table_block, tables.size(1), scale);
+  };
+  if (head_dim == 64) run(attend_rows_backward<T, 64>);
+  else if (head_dim == 128) run(attend_rows_backward<T, 128>);
+  else run(attend_rows_backward<T, 0>);
+  auto shape = keys.sizes();
+  return {dq, dk_all.sum(0).to(keys.scalar_type()).view(shape), dv_all.sum(0).to(keys.scalar_type()).view(shape)};
+}
+
+// dq [N, Hq, D], dk and dv shaped as keys, for attend_rows's forward of the same arguments (its output
+// `out` and log-sum-exp `lse` [N, Hq] float32).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_attention_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& tables, const at::Tensor& row_seqs,
+    const at::Tensor& row_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes() && dout.sizes() == q.sizes() &&
+                  out.sizes() == q.sizes(),
+              "paged_attention_backward: shapes");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.size(0) == q.size(0) && lse.size(1) == q.size(1),
+              "paged_attention_backward: lse must be float32 [N, Hq]");
+  TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type() &&
+                  keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
+              "paged_attention_backward: one dtype for dout, q, keys, values and out");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && row_lens.scalar_type() == at::kLong &&
+                  row_seqs.scalar_type() == at::kLong,
+              "paged_attention_backward: tables, row_seqs and row_lens must be int64");
+  const auto args = std::make_tuple(dout.contiguous(), q.contiguous(), keys.contiguous(), values.contiguous(),
+                                    out.contiguous(), lse.contiguous(), tables.contiguous(), row_seqs.contiguous(),
+                                    row_lens.contiguous());
+  const float s = static_cast<float>(scale);
+  auto call = [&](auto typed) {
+    return std::apply([&](const auto&... a) { return typed(a..., s); }, args);
+  };
+  if (q.scalar_type() == at::kFloat) return call(backward_typed<float>);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_attention_backward: float32 or bfloat16 only");
+  return call(backward_typed<c10::BFloat16>);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedrl_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor tables, Tensor row_seqs, "
         "Tensor row_lens, float scale, bool with_lse) -> (Tensor, Tensor)");
+  m.def("paged_attention_backward(Tensor dout, Tensor q, Tensor keys, Tensor values, Tensor out, Tensor lse, "
+        "Tensor tables, Tensor row_seqs, Tensor row_lens, float scale) -> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(pagedrl_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(pagedrl_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_backward", &paged_attention_backward);
+}
