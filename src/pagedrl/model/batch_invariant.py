@@ -140,13 +140,15 @@ def safe_sizes(kind: str, out_features: int, in_features: int, dtype: torch.dtyp
 def _chunked(rows: torch.Tensor, call: Callable[[torch.Tensor, slice], torch.Tensor], safe: tuple[int, ...]) -> torch.Tensor:
     """`call` over `rows` [M, K] cut by `row_splits`, the results concatenated: call(chunk, where)
     gets the chunk's rows (a short last chunk padded to 32) and the slice of M they came from."""
+    total = rows.shape[0]
+    if total == SMALL_ROWS or total in safe:  # one call as it stands (a decode batch of 32, say)
+        return call(rows, slice(0, total))
     parts, start = [], 0
-    for size in row_splits(rows.shape[0], safe):
+    for size in row_splits(total, safe):
         where = slice(start, start + size)
         chunk = rows[where]
         if size < SMALL_ROWS:
-            chunk = torch.cat([chunk, chunk.new_zeros(SMALL_ROWS - size, chunk.shape[1])])
-            parts.append(call(chunk, where)[:size])
+            parts.append(call(F.pad(chunk, (0, 0, 0, SMALL_ROWS - size)), where)[:size])
         else:
             parts.append(call(chunk, where))
         start += size
@@ -162,6 +164,11 @@ def _lowered(*tensors: torch.Tensor | None) -> tuple[Any, ...]:
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
 
 
+def _linear_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    safe = safe_sizes("linear", weight.shape[0], weight.shape[1], rows.dtype, bias is not None, torch.get_num_threads())
+    return _chunked(rows, lambda chunk, _: F.linear(chunk, weight, bias), safe)
+
+
 class _Linear(torch.autograd.Function):
     """Forward cut into invariant calls; backward as two whole products (the gradient need not be
     invariant, and a product per chunk cost a bf16 GRPO step 1.7x its time)."""
@@ -170,9 +177,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, rows, weight, bias):  # type: ignore[no-untyped-def]
         ctx.save_for_backward(rows, weight)
         ctx.has_bias = bias is not None
-        safe = safe_sizes("linear", weight.shape[0], weight.shape[1], rows.dtype, bias is not None,
-                          torch.get_num_threads())
-        return _chunked(rows, lambda chunk, _: F.linear(chunk, weight, bias), safe)
+        return _linear_rows(rows, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def]
@@ -211,9 +216,13 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """`F.linear` whose every row is computed as a 32-row call computes it."""
     if x.device.type != "cpu" or x.numel() == 0:
         return F.linear(x, weight, bias)
+    # Operands lowered as autocast would lower them: autocast then leaves the chunks' calls alone.
     x, weight, bias = _lowered(x, weight, bias)
-    with torch.autocast("cpu", enabled=False):
-        out = _Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (rows, weight, bias)):
+        out = _Linear.apply(rows, weight, bias)
+    else:  # inference (the engine): no autograd node to build
+        out = _linear_rows(rows, weight, bias)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -224,8 +233,7 @@ def invariant_addmm(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor,
     if mat1.device.type != "cpu" or mat1.shape[0] == 0:
         return torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha)
     input, mat1, mat2 = _lowered(input, mat1, mat2)
-    with torch.autocast("cpu", enabled=False):
-        return _AddMM.apply(input, mat1, mat2, beta, alpha)
+    return _AddMM.apply(input, mat1, mat2, beta, alpha)
 
 
 def invariant_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
