@@ -246,3 +246,15 @@ def test_an_engine_requests_numbers_do_not_depend_on_its_neighbours() -> None:
 def test_batch_invariance_needs_a_cpu() -> None:
     with pytest.raises(ValueError, match="batch_invariant runs on a CPU"):
         LLM.from_module(wide_model(0).to("meta"), kv_cache_tokens=64, batch_invariant=True)
+
+
+def test_suspended_turns_the_flags_off_and_back() -> None:
+    model = CausalLM(ModelConfig.from_dict(FAMILIES["llama-gqa-untied"]))
+    batch_invariant.enable(model)
+    with batch_invariant.suspended(model):
+        assert not model.model.batch_invariant
+    assert model.model.batch_invariant
+    batch_invariant.enable(model, False)
+    with batch_invariant.suspended(model):  # nothing was on: nothing is turned on after
+        pass
+    assert not model.model.batch_invariant

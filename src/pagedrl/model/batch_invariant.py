@@ -92,6 +92,20 @@ def enable(module: nn.Module, on: bool = True) -> int:
     return count
 
 
+@contextlib.contextmanager
+def suspended(module: nn.Module) -> Iterator[None]:
+    """The flags `enable` set inside `module` off for a while (a greedy evaluation, whose numbers no
+    trainer recomputes, at full speed), set again after."""
+    flagged = [m for m in module.modules() if hasattr(type(m), "batch_invariant") and m.batch_invariant]
+    for m in flagged:
+        m.batch_invariant = False
+    try:
+        yield
+    finally:
+        for m in flagged:
+            m.batch_invariant = True
+
+
 # -- matmuls ---------------------------------------------------------------------------------------
 
 def row_splits(rows: int, safe: tuple[int, ...]) -> list[int]:

@@ -131,7 +131,8 @@ class OnlineAlgorithm(Algorithm):
             return None
         rows = self.eval_rows[self.dist.rank::self.dist.world_size]  # the loop gathers whole weights if sharded
         max_tokens = self.config.eval_max_tokens or self.config.max_completion_length
-        values = greedy_scores(self.llm, rows, self.eval_reward, max_tokens)
+        with batch_invariant.suspended(self.llm.engine.runner.model):  # no trainer recomputes these numbers
+            values = greedy_scores(self.llm, rows, self.eval_reward, max_tokens)
         self.llm.sleep()
         correct, total, scored = all_reduce_sum(score_sums(values), self.dist).tolist()  # over every rank's share
         shares = gather_objects(values, self.dist)  # rank r scored rows r, r + world, ...
