@@ -73,6 +73,9 @@ class PagedAttention:
     groups: list[QueryGroup] | None = field(default=None, repr=False)
     max_query_len: int | None = None  # the largest q_len; the triton impl sizes its grid by it
     in_place: bool = False  # a CPU step of decodes only: `cpu_kernels.paged_decode` reads the blocks where they lie
+    # Batch-invariant mode's rows: each one's key count and sequence (None: row r is sequence r).
+    row_lens: torch.Tensor | None = field(default=None, repr=False)
+    row_seqs: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -255,11 +258,13 @@ class PagedAttention:
         """Each new token's row attended alone over its sequence's positions up to its own."""
         if self.positions is None:
             raise ValueError("batch-invariant attention needs the rows' positions (metadata from `build`)")
-        row_seqs = None
-        if q.shape[0] != self.num_seqs:  # not one decode row per sequence
-            row_seqs = torch.repeat_interleave(torch.arange(self.num_seqs, device=q.device), self.query_start_loc.diff())
-        return cpu_kernels.paged_attention(q, key_cache, value_cache, self.block_tables, self.positions + 1, scale,
-                                           row_seqs)[0]
+        if self.row_lens is None:  # made at the first layer, kept for the others
+            self.row_lens = self.positions + 1
+            if q.shape[0] != self.num_seqs:  # not one decode row per sequence
+                self.row_seqs = torch.repeat_interleave(torch.arange(self.num_seqs, device=q.device),
+                                                        self.query_start_loc.diff())
+        return cpu_kernels.paged_attention(q, key_cache, value_cache, self.block_tables, self.row_lens, scale,
+                                           self.row_seqs)[0]
 
 
 def resolve_impl(impl: str, device: torch.device | str) -> str:

@@ -30,7 +30,8 @@ class DenseAttention:
 
     mask: torch.Tensor | None = None
     scale: float | None = None
-    key_tables: Any = field(default=None, repr=False, compare=False)  # batch-invariant mode's, made once
+    # Batch-invariant mode's tables of the keys each row sees, made once per batch shape: (B, T, tables).
+    key_tables: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
     def causal(cls, attention_mask: torch.Tensor | None = None, sliding_window: int | None = None,
@@ -75,9 +76,10 @@ class DenseAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if batch_invariant.active() and batch_invariant.attention_available(q.device):
-            if self.key_tables is None:
-                self.key_tables = batch_invariant.visible_key_tables(self.mask, q.shape[0], q.shape[1])
-            return batch_invariant.row_attention(q, k, v, self.mask, self.scale, self.key_tables)
+            B, T = q.shape[:2]
+            if self.key_tables is None or self.key_tables[:2] != (B, T):
+                self.key_tables = (B, T, batch_invariant.visible_key_tables(self.mask, B, T))
+            return batch_invariant.row_attention(q, k, v, self.mask, self.scale, self.key_tables[2])
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         groups = qh.shape[1] // kh.shape[1]
         if groups > 1:

@@ -45,14 +45,13 @@ SMALL_ROWS = 32  # a call of this many rows computes each row with the small-bat
 # probe can miss (a 64-row call that passed on one draw of random rows failed on the next).
 LADDER = (1024, 768, 512, 384, 256)
 PROBE_DRAWS = 2
-ATTENTION_CHUNK = 16  # key positions per online-softmax update, fixed in the kernel
 
 _state = threading.local()
 
 
 def active() -> bool:
     """Whether the current thread computes batch-invariantly (inside `scope(True)`)."""
-    return getattr(_state, "depth", 0) > 0
+    return getattr(_state, "on", False)
 
 
 @contextlib.contextmanager
@@ -61,12 +60,12 @@ def scope(on: bool = True) -> Iterator[None]:
     if not on or active():
         yield
         return
-    _state.depth = 1
+    _state.on = True
     try:
         with _RowChunkedMatmuls():
             yield
     finally:
-        _state.depth = 0
+        _state.on = False
 
 
 def scoped(fn: Callable[..., Any], on: bool) -> Callable[..., Any]:
