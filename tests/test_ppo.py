@@ -84,6 +84,20 @@ def test_a_two_step_run_with_a_reward_model_logs_every_metric(tiny_train_model, 
     assert {"prompt", "completion", "score", "step"} <= set(samples[0])
 
 
+@pytest.mark.parametrize("batch_invariant", [None, False])
+def test_bf16_rollouts_carry_the_policys_own_log_probs(wide_train_model, tmp_path, batch_invariant) -> None:
+    """Under bf16 autocast on a CPU the rollout engine and the policy's fixed pass are batch-invariant
+    by default: every sampled log-prob is the policy's own, bit for bit; without it, bf16's
+    roundings put them apart."""
+    out = tmp_path / "run"
+    fields = dict(critic="shared", reward_funcs=[f"{tmp_path}/rewards.py:has_three"], num_mini_batches=1,
+                  max_steps=1, eval_steps=None, bf16=True, temperature=0.7, max_completion_length=12,
+                  num_generations=4, per_device_train_batch_size=8, batch_invariant=batch_invariant)
+    run_ppo(ppo_config(wide_train_model, out, **fields), progress=False)
+    gap = read_metrics(out / "metrics.jsonl")[-1]["sampling/sampling_logp_difference/max"]
+    assert gap == 0.0 if batch_invariant is None else gap > 1e-3
+
+
 def test_resume_mid_rollout_equals_the_uninterrupted_run(tiny_train_model, tmp_path) -> None:
     """Shared critic, a verifier for the reward, the adaptive KL controller: two steps per rollout,
     resumed from the checkpoint between them."""
