@@ -42,10 +42,7 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         if self.config.batch_invariant:
-            if not batch_invariant.attention_available(model.device):
-                raise ValueError(f"batch_invariant runs on a CPU where pagedrl's attention kernel builds; "
-                                 f"this model is on {model.device}")
-            batch_invariant.enable(model)  # before the runner makes its bf16 twin of the module
+            batch_invariant.require(model)  # before the runner makes its bf16 twin of the module
         cfg = model.config
         self.max_model_len = min(self.config.max_model_len or cfg.max_model_len, cfg.max_model_len)
         bs = self.config.block_size

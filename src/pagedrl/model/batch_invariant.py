@@ -91,6 +91,15 @@ def enable(module: nn.Module, on: bool = True) -> int:
     return count
 
 
+def require(module: nn.Module) -> None:
+    """`enable(module)` for an engine asked to be batch-invariant, or why it cannot be."""
+    device = next(module.parameters()).device
+    if not attention_available(device):
+        raise ValueError(f"batch_invariant runs on a CPU where pagedrl's attention kernel builds; "
+                         f"this model is on {device}")
+    enable(module)
+
+
 @contextlib.contextmanager
 def suspended(module: nn.Module) -> Iterator[None]:
     """The flags `enable` set inside `module` off for a while (a greedy evaluation, whose numbers no
