@@ -252,7 +252,6 @@ class PagedAttention:
         assert out is not None
         return out
 
-
     def _attend_rows(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      scale: float) -> torch.Tensor:
         """Each new token's row attended alone over its sequence's positions up to its own."""
