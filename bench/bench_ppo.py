@@ -20,12 +20,13 @@ Each trainer runs in its own process, one after the other, each with ONE thread
 whenever another job holds a core), so its peak resident memory (`ru_maxrss`) is its own. Forward
 passes are counted with forward hooks on each role's module, split into generation (one per decode
 step and one per prefill) and the rest. `--configs` may add `pagedrl-shared`: pagedrl with
-`critic: shared` (the value head on the policy's backbone), which TRL does not offer.
+`critic: shared` (the value head on the policy's backbone), which TRL does not offer, and
+`pagedrl-plain`: pagedrl with `batch_invariant: false` (what bit-exact bf16 rollouts cost).
 
 TRL runs in its own environment (bench/trl112_env.sh):
 
   bash bench/trl112_env.sh                        # once: /work/.trl112
-  .venv/bin/python bench/bench_ppo.py [--updates 2] [--epochs 4] [--configs pagedrl,trl,pagedrl-shared]
+  .venv/bin/python bench/bench_ppo.py [--updates 2] [--epochs 4] [--configs pagedrl,trl,pagedrl-shared,pagedrl-plain]
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def count_forwards(modules: dict, counts: Counter, generating: list[bool]) -> No
         module.register_forward_hook(hook)
 
 
-def run_pagedrl(setup: dict, updates: int, epochs: int, out: Path, critic: str | None = None) -> dict:
+def run_pagedrl(setup: dict, updates: int, epochs: int, out: Path, critic: str | None = None,
+                batch_invariant: bool | None = None) -> dict:
     import pagedrl.train.algorithms.ppo as ppo_module
     from pagedrl.train.algorithms.ppo import PPO, run_ppo
     from pagedrl.train.rl.config import PPOConfig
@@ -130,7 +132,7 @@ def run_pagedrl(setup: dict, updates: int, epochs: int, out: Path, critic: str |
                        num_mini_batches=1, num_ppo_epochs=epochs, max_completion_length=LENGTH,
                        temperature=TEMPERATURE, learning_rate=LR, lr_scheduler_type="constant", kl_coef=KL,
                        max_steps=updates * epochs, logging_steps=1, save_steps=100_000, report_to=["jsonl"],
-                       eval_steps=None, bf16=os.environ.get("BENCH_BF16") == "1")
+                       eval_steps=None, bf16=os.environ.get("BENCH_BF16") == "1", batch_invariant=batch_invariant)
     run_ppo(config, progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "step_time" in r]
@@ -216,8 +218,9 @@ def worker(name: str, setup_file: Path, updates: int, epochs: int, result: Path)
         out = Path(tmp) / "out"
         if name == "trl":
             data = run_trl(setup, updates, epochs, out)
-        else:  # pagedrl, or pagedrl-shared: the critic on the policy's backbone (`critic: shared`)
-            data = run_pagedrl(setup, updates, epochs, out, critic="shared" if name == "pagedrl-shared" else None)
+        else:  # pagedrl, pagedrl-shared (the critic on the policy's backbone), pagedrl-plain (no batch invariance)
+            data = run_pagedrl(setup, updates, epochs, out, critic="shared" if name == "pagedrl-shared" else None,
+                               batch_invariant=False if name == "pagedrl-plain" else None)
     data["peak_rss_mib"] = peak_rss_mib()
     result.write_text(json.dumps(data))
 
@@ -226,7 +229,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--updates", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=4, help="num_ppo_epochs")
-    parser.add_argument("--configs", default="pagedrl,trl", help="any of pagedrl, trl, pagedrl-shared")
+    parser.add_argument("--configs", default="pagedrl,trl", help="any of pagedrl, trl, pagedrl-shared, pagedrl-plain")
     parser.add_argument("--trl-python", default=os.environ.get("TRL112_PYTHON", "/work/.trl112/bin/python"))
     parser.add_argument("--worker", default=None)
     parser.add_argument("--setup", default=None)
