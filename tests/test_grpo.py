@@ -132,6 +132,15 @@ def test_bf16_rollouts_carry_the_trainers_own_log_probs(wide_train_model, prompt
     assert float(gap.mean()) < 1e-3  # within bf16 rounding
 
 
+def test_bf16_lora_rollouts_carry_the_trainers_own_log_probs(wide_train_model, prompts_file) -> None:
+    """The same with LoRA adapters (their down-projection and the fused addmm are batch-invariant
+    too). lora_dropout 0: a dropout mask drawn in training is a difference of its own."""
+    algo = grpo(wide_train_model, prompts_file, temperature=0.7, bf16=True, seed=3, use_peft=True, lora_r=8,
+                lora_dropout=0.0)
+    gap, logged = bf16_rollout_gaps(algo)
+    assert gap.numel() > 40 and float(gap.max()) == 0.0 and max(logged) == 0.0
+
+
 def test_fixed_logps_are_taken_under_the_trainers_autocast(tiny_train_model, prompts_file) -> None:
     """Under bf16 the reference's log-probs and the ratio's denominator (num_iterations > 1) come from
     the same autocast as the loss: before the first update both equal the policy's own, bit for bit
