@@ -73,7 +73,8 @@ class PagedAttention:
     groups: list[QueryGroup] | None = field(default=None, repr=False)
     max_query_len: int | None = None  # the largest q_len; the triton impl sizes its grid by it
     in_place: bool = False  # a CPU step of decodes only: `cpu_kernels.paged_decode` reads the blocks where they lie
-    # Batch-invariant mode's rows: each one's key count and sequence (None: row r is sequence r).
+    # Batch-invariant mode: each new token's key count, for the row kernel, and its sequence (row_seqs
+    # None: row r is sequence r). None: the other paths.
     row_lens: torch.Tensor | None = field(default=None, repr=False)
     row_seqs: torch.Tensor | None = field(default=None, repr=False)
 
@@ -132,12 +133,15 @@ class PagedAttention:
         impl: str = "fast",
         scale: float | None = None,
         read_in_place: bool = True,
+        rows: bool | None = None,
     ) -> PagedAttention:
         """Metadata from block tables already in a tensor (CPU, [S, >= the blocks each sequence
         needs], padded with block 0), as the engine's persistent block table hands them over:
         sequence s has q_lens[s] new tokens and seq_lens[s] tokens in all. Nothing is checked but
         the slots' uniqueness; `build` checks its lists first and then comes here. `read_in_place`
-        False keeps a CPU decode step on the gather path (see the engine's runner)."""
+        False keeps a CPU decode step on the gather path (see the engine's runner). `rows`: every new
+        token attended alone by the row kernel, as batch-invariant mode needs (None: whether that mode
+        is on here)."""
         device = kv_cache.device if device is None else torch.device(device)
         block_size = kv_cache.block_size
         num_seqs = len(q_lens)
@@ -160,13 +164,18 @@ class PagedAttention:
         if torch.unique(slot_mapping).numel() != num_rows:
             raise ValueError("seqs: two new tokens map to the same cache slot (a shared block written "
                              "without copy-on-write?)")
-        groups = None
-        in_place = read_in_place and impl == "fast" and max_query_len == 1 and reads_in_place(kv_cache, device)
-        if impl == "fast" and not in_place:
+        groups = row_lens = row_seqs = None
+        fast_here = impl == "fast" and reads_in_place(kv_cache, device)
+        if (batch_invariant.active() if rows is None else rows) and fast_here:
+            row_lens = (positions + 1).to(device)
+            row_seqs = None if max_query_len == 1 else seq_of_row.to(device)
+        in_place = row_lens is None and read_in_place and max_query_len == 1 and fast_here
+        if impl == "fast" and row_lens is None and not in_place:
             groups = plan_groups(q_lens, seq_lens, block_tables, block_size, device, kv_cache.dtype,
                                  chunk_tokens_for(kv_cache, device), query_start_loc)
         return cls(kv_cache, slot_mapping.to(device), query_start_loc.to(device), seq_lens_t.to(device),
-                   block_tables.to(device), positions.to(device), impl, scale, groups, max_query_len, in_place)
+                   block_tables.to(device), positions.to(device), impl, scale, groups, max_query_len, in_place,
+                   row_lens, row_seqs)
 
     @property
     def num_seqs(self) -> int:
@@ -232,8 +241,9 @@ class PagedAttention:
 
     def _attend_fast(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      scale: float) -> torch.Tensor:
-        if batch_invariant.active() and reads_in_place(self.kv_cache, q.device):
-            return self._attend_rows(q, key_cache, value_cache, scale)
+        if self.row_lens is not None:  # each new token's row alone, over its positions up to its own
+            return cpu_kernels.paged_attention(q, key_cache, value_cache, self.block_tables, self.row_lens, scale,
+                                               self.row_seqs)[0]
         if self.in_place:
             return cpu_kernels.paged_decode(q, key_cache, value_cache, self.block_tables, self.seq_lens, scale)
         if self.groups is None:  # metadata built by hand rather than by `build`: plan once, keep it
@@ -251,19 +261,6 @@ class PagedAttention:
             out.index_copy_(0, group.out_rows, part)
         assert out is not None
         return out
-
-    def _attend_rows(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-        """Each new token's row attended alone over its sequence's positions up to its own."""
-        if self.positions is None:
-            raise ValueError("batch-invariant attention needs the rows' positions (metadata from `build`)")
-        if self.row_lens is None:  # made at the first layer, kept for the others
-            self.row_lens = self.positions + 1
-            if q.shape[0] != self.num_seqs:  # not one decode row per sequence
-                self.row_seqs = torch.repeat_interleave(torch.arange(self.num_seqs, device=q.device),
-                                                        self.query_start_loc.diff())
-        return cpu_kernels.paged_attention(q, key_cache, value_cache, self.block_tables, self.row_lens, scale,
-                                           self.row_seqs)[0]
 
 
 def resolve_impl(impl: str, device: torch.device | str) -> str:

@@ -8,8 +8,10 @@ where they lie, through tables, one row at a time. Two uses:
   tokens the keys and values outweigh the model's weights);
 - batch-invariant attention (`model/batch_invariant.py`): a row's result does not depend on what
   else is in the batch, so a token decoded by the engine and the same token in a trainer's packed
-  forward get the same bits. It is compiled with `-O3 -march=native` through torch's extension builder
-(ninja and the system's C++ compiler) into pagedrl's cache directory, so only the first start pays
+  forward get the same bits; with its backward for the trainer.
+
+It is compiled with `-O3 -march=native` through torch's extension builder (ninja and the system's C++
+compiler) into pagedrl's cache directory, so only the first start pays
 (about 10 s); where it cannot be built, the engine keeps the gather path and says so once.
 `PAGEDRL_CPU_KERNELS=0` turns the kernels off.
 """
@@ -86,9 +88,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     own when None), slot p of a sequence being tables[seq, p // B] * B + p % B for caches shaped
     [slots / B, B, Hkv, D]. Returns [N, Hq, D] and, with `with_lse`, each row's log-sum-exp of its
     scaled scores [N, Hq] in float32 (else an empty tensor)."""
-    if not _load():
-        raise RuntimeError("the CPU paged-attention kernel is not built here (see the warning above)")
-    seqs = _NO_ROWS if row_seqs is None else row_seqs
+    seqs = _rows(row_seqs)
     return torch.ops.pagedrl_cpu.paged_attention(q, key_cache, value_cache, tables, seqs, row_lens, scale, with_lse)
 
 
@@ -97,11 +97,16 @@ def paged_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, keys: torc
                              scale: float, row_seqs: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dkeys, dvalues) of `paged_attention` given dO, its output and log-sum-exp."""
-    if not _load():
-        raise RuntimeError("the CPU paged-attention kernel is not built here (see the warning above)")
-    seqs = _NO_ROWS if row_seqs is None else row_seqs
+    seqs = _rows(row_seqs)
     return torch.ops.pagedrl_cpu.paged_attention_backward(grad_out, q, keys, values, out, lse, tables, seqs, row_lens,
                                                           scale)
+
+
+def _rows(row_seqs: torch.Tensor | None) -> torch.Tensor:
+    """The kernel loaded, and `row_seqs` as the op takes it (empty: row r is sequence r)."""
+    if not _load():
+        raise RuntimeError("the CPU paged-attention kernel is not built here (see the warning above)")
+    return _NO_ROWS if row_seqs is None else row_seqs
 
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)

@@ -134,7 +134,8 @@ class ModelRunner:
         # Under a trainer's autocast the decode attention stays torch's SDPA, the kernel the trainer's
         # recompute runs: the in-place kernel's float32 softmax tripled the bf16 log-prob gap of a rollout.
         meta = PagedAttention.from_block_tables(self.kv_cache, tables, q_lens, seq_lens, device,
-                                                impl=self.attention_impl, read_in_place=self.autocast_dtype is None)
+                                                impl=self.attention_impl, read_in_place=self.autocast_dtype is None,
+                                                rows=getattr(getattr(self.model, "model", None), "batch_invariant", False))
         input_ids = long_tensor(ids).to(device)[None]
         hidden = self.model(input_ids, meta.positions[None], meta)[0]
         if not row_index:

@@ -83,13 +83,13 @@ class OnlineAlgorithm(Algorithm):
         device = next(policy.parameters()).device
         self.bf16 = bf16 = config.use_bf16(device)
         self.batch_invariant = choose_batch_invariance(config.batch_invariant, bf16, device)
-        batch_invariant.enable(policy, self.batch_invariant)  # before the engine's twin copies the module
         self.llm = LLM.from_module(policy, tokenizer, eos_token_ids=eos_token_ids,
                                    kv_cache_tokens=config.kv_cache_tokens or rollout_kv_tokens(config, prompts_per_rollout),
                                    seed=config.seed, max_num_seqs=max(256, completions),
                                    autocast_dtype=torch.bfloat16 if bf16 else None,
                                    enforce_eager=config.fsdp_reshard_after_forward is not None,
-                                   cast_weights=config.fsdp_reshard_after_forward is None)
+                                   cast_weights=config.fsdp_reshard_after_forward is None,
+                                   batch_invariant=self.batch_invariant)  # the engine sets the policy's flag
         self.sampling = SamplingParams(n=config.num_generations, temperature=config.temperature, top_p=config.top_p,
                                        top_k=config.top_k, min_p=config.min_p or 0.0,
                                        max_tokens=config.max_completion_length, seed=None)
