@@ -72,3 +72,76 @@ def test_the_kernel_can_be_turned_off(monkeypatch) -> None:
     ref, out, in_place = decode_step(16, [5, 40], (4, 2), 64, torch.float32, seed=1)
     assert not in_place  # the gather path instead
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def needs_bf16_dot() -> None:
+    """Decided inside the test, not at collection: the kernels build into the test session's cache."""
+    if not cpu_kernels.decode_linear_available():
+        pytest.skip("this CPU has no AVX512-BF16 (the engine keeps oneDNN's kernel)")
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 6), out_features=st.integers(1, 70), in_features=st.integers(1, 200),
+       bias=st.booleans(), strided=st.booleans(), seed=st.integers(0, 2**16))
+def test_decode_linear_is_the_float32_sum_rounded_once(rows, out_features, in_features, bias, strided, seed) -> None:
+    """Every output is the float32 sum of its products plus the bias, rounded to bf16 once: within half
+    a bf16 step of the exact (float64) value, plus float32's accumulation error. Any tile, any tail of
+    the 32-wide dot products, a weight whose rows are strided (a slice of a wider tensor)."""
+    needs_bf16_dot()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    wide = torch.randn(out_features, in_features + (7 if strided else 0), generator=gen).bfloat16()
+    weight = wide[:, :in_features]
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    out = torch.ops.pagedrl_cpu.decode_linear(x, weight, b)
+    exact = x.double() @ weight.double().t() + (b.double() if bias else 0.0)
+    magnitude = x.double().abs() @ weight.double().abs().t()
+    bound = exact.abs() * 2.0**-8 + magnitude * in_features * 2.0**-24 + 1e-30
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    assert ((out.double() - exact).abs() <= bound).all()
+
+
+def test_decode_linear_mode_takes_only_small_bf16_steps(monkeypatch) -> None:
+    """Steps of at most MAX_ROWS rows, bf16, no gradient recorded: the kernel's result; anything else
+    passes through to torch."""
+    needs_bf16_dot()
+    from pagedrl.engine import decode_linear
+
+    calls = []
+
+    def counted(*args):  # noqa: ANN002
+        calls.append(args[0].shape[0])
+        return torch.ops.pagedrl_cpu.decode_linear(*args)
+
+    monkeypatch.setattr(decode_linear, "kernel", counted)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 40).bfloat16()
+    with torch.no_grad():
+        for rows in (1, decode_linear.MAX_ROWS, decode_linear.MAX_ROWS + 1):
+            x = torch.randn(1, rows, 96).bfloat16()
+            with decode_linear.rows_through_kernel(rows, on=True):
+                got = layer(x)
+            if rows <= decode_linear.MAX_ROWS:
+                assert torch.equal(got, torch.ops.pagedrl_cpu.decode_linear(x[0], layer.weight, layer.bias)[None])
+            with decode_linear.rows_through_kernel(rows, on=False):
+                layer(x)
+        assert calls == [1, decode_linear.MAX_ROWS]
+        with decode_linear.rows_through_kernel(1, on=True):
+            layer(torch.randn(1, 96).bfloat16())  # bf16, one row: taken
+            layer.float()(torch.randn(1, 96))  # float32: passes through
+    assert calls == [1, decode_linear.MAX_ROWS, 1]
+    layer.bfloat16()
+    with decode_linear.rows_through_kernel(1, on=True):  # bf16 with gradients recorded: passes through
+        x = torch.randn(1, 96).bfloat16().requires_grad_()
+        layer(x).sum().backward()
+    assert x.grad is not None and len(calls) == 3
+
+
+def test_decode_linear_is_for_bf16_models_the_engine_owns() -> None:
+    from pagedrl.engine.decode_linear import usable
+
+    model = torch.nn.Linear(8, 8)
+    assert not usable(model, None)  # float32
+    assert not usable(model, torch.bfloat16)  # a trainer's autocast rollouts
+    assert not usable(model.bfloat16(), torch.bfloat16)
+    assert usable(model, None) == cpu_kernels.decode_linear_available()

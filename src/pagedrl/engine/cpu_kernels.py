@@ -10,7 +10,10 @@ where they lie, through tables, one row at a time. Two uses:
   else is in the batch, so a token decoded by the engine and the same token in a trainer's packed
   forward get the same bits; with its backward for the trainer.
 
-It is compiled with `-O3 -march=native` through torch's extension builder (ninja and the system's C++
+`decode_linear` (`csrc/decode_linear.cpp`): a bf16 linear layer's product for the one to three rows
+of a decode step of one to three sequences, on a CPU with AVX512-BF16 (`engine/decode_linear.py`).
+
+They are compiled with `-O3 -march=native` through torch's extension builder (ninja and the system's C++
 compiler) into pagedrl's cache directory, so only the first start pays
 (about 10 s); where it cannot be built, the engine keeps the gather path and says so once.
 `PAGEDRL_CPU_KERNELS=0` turns the kernels off.
@@ -29,7 +32,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "decode_linear.cpp")]
 DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
 # The machine's own vector instructions, `omp simd` loops vectorized, and OpenMP for `at::parallel_for`
 # (header code: without -fopenmp it runs on one thread). libgomp.so.1 resolves to the one torch already
@@ -41,7 +44,7 @@ def build_dir() -> Path:
     """Keyed by the source, torch's version and the compiler flags: a change builds anew."""
     from pagedrl.model.default import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"paged_attention-{key}"
 
 
@@ -62,7 +65,7 @@ def _load() -> bool:
         folder.mkdir(parents=True, exist_ok=True)
         cached = (folder / "pagedrl_paged_attention.so").is_file()
         start = time.perf_counter()
-        load(name="pagedrl_paged_attention", sources=[str(SOURCE)], build_directory=str(folder),
+        load(name="pagedrl_paged_attention", sources=[str(p) for p in SOURCES], build_directory=str(folder),
              extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         if not cached:
             logger.info("built the CPU paged-attention kernel in %.1f s (kept in %s for later starts)",
@@ -72,6 +75,12 @@ def _load() -> bool:
         logger.warning("the CPU paged-attention kernel could not be built (%s); decode steps gather each "
                        "sequence's blocks instead", str(e).strip().splitlines()[-1] if str(e).strip() else e)
         return False
+
+
+@functools.cache
+def decode_linear_available() -> bool:
+    """Whether the kernels are built and this build has the bf16 dot-product instructions."""
+    return available() and bool(torch.ops.pagedrl_cpu.decode_linear_available())
 
 
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -24,6 +24,7 @@ import torch
 from pagedrl.engine.attention import PagedAttention, resolve_impl
 from pagedrl.engine.cast_weights import CastWeights
 from pagedrl.engine.cuda_graphs import DecodeGraphs
+from pagedrl.engine.decode_linear import rows_through_kernel, usable
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
 from pagedrl.engine.kv_cache_manager import KVCacheManager
@@ -49,6 +50,7 @@ class ModelRunner:
         self.model = model
         self.attention_impl = resolve_impl(attention_impl, model.device)
         self.autocast_dtype = autocast_dtype
+        self.decode_linear = usable(model, autocast_dtype)  # steps of 1-3 rows: the engine's bf16 kernel
         self.kv_cache = kv_cache
         self.kv_manager = kv_manager
         self.block_size = block_size
@@ -131,17 +133,19 @@ class ModelRunner:
                 rows.append((seq, start + n - 1))
                 row_index.append(base + n - 1)
         tables = self.kv_manager.block_table_rows([seq.seq_id for seq in seqs], -(-max(seq_lens) // self.block_size))
+        invariant = getattr(getattr(self.model, "model", None), "batch_invariant", False)
         # Under a trainer's autocast the decode attention stays torch's SDPA, the kernel the trainer's
         # recompute runs: the in-place kernel's float32 softmax tripled the bf16 log-prob gap of a rollout.
         meta = PagedAttention.from_block_tables(self.kv_cache, tables, q_lens, seq_lens, device,
                                                 impl=self.attention_impl, read_in_place=self.autocast_dtype is None,
-                                                rows=getattr(getattr(self.model, "model", None), "batch_invariant", False))
+                                                rows=invariant)
         input_ids = long_tensor(ids).to(device)[None]
-        hidden = self.model(input_ids, meta.positions[None], meta)[0]
-        if not row_index:
-            return ForwardResult(hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32), [])
-        picked = hidden if len(row_index) == hidden.shape[0] else hidden[torch.tensor(row_index, device=device)]
-        return ForwardResult(self.project(picked), rows)
+        with rows_through_kernel(len(ids), self.decode_linear and not invariant):
+            hidden = self.model(input_ids, meta.positions[None], meta)[0]
+            if not row_index:
+                return ForwardResult(hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32), [])
+            picked = hidden if len(row_index) == hidden.shape[0] else hidden[torch.tensor(row_index, device=device)]
+            return ForwardResult(self.project(picked), rows)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's `logits(hidden)`. For a plain float32 `CausalLM` head the same product is
