@@ -101,11 +101,12 @@ def test_decode_linear_is_the_float32_sum_rounded_once(rows, out_features, in_fe
     assert ((out.double() - exact).abs() <= bound).all()
 
 
-def test_decode_linear_mode_takes_only_small_bf16_steps(monkeypatch) -> None:
+def test_decode_steps_route_only_small_bf16_products(monkeypatch) -> None:
     """Steps of at most MAX_ROWS rows, bf16, no gradient recorded: the kernel's result; anything else
     passes through to torch."""
     needs_bf16_dot()
     from pagedrl.engine import decode_linear
+    from pagedrl.model.linear import Linear
 
     calls = []
 
@@ -115,7 +116,7 @@ def test_decode_linear_mode_takes_only_small_bf16_steps(monkeypatch) -> None:
 
     monkeypatch.setattr(decode_linear, "kernel", counted)
     torch.manual_seed(0)
-    layer = torch.nn.Linear(96, 40).bfloat16()
+    layer = Linear(96, 40).bfloat16()
     with torch.no_grad():
         for rows in (1, decode_linear.MAX_ROWS, decode_linear.MAX_ROWS + 1):
             x = torch.randn(1, rows, 96).bfloat16()
