@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+
 import torch
 
 from pagedrl.engine import cpu_kernels
