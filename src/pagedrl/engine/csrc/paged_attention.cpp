@@ -28,7 +28,15 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define PAGEDRL_BF16_DOT 1
+#else
+#define PAGEDRL_BF16_DOT 0
+#endif
 
 namespace {
 
@@ -72,6 +80,74 @@ inline float exp_nonpositive(float x) {
 
 constexpr int64_t kChunk = 16;  // key positions per online-softmax update, whatever the table's block
 
+#if PAGEDRL_BF16_DOT
+// Lane t of the result is the sum of the 16 lanes of v[t]: 16 horizontal sums in 45 shuffles and adds
+// (pairs interleaved, then quadruples, then across the 128-bit lanes twice) where one at a time take
+// about 140. The additions of each sum happen in the same order whatever the other 15 vectors hold.
+inline __m512 sum_lanes16(__m512 v[16]) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int j = 0; j < 8; ++j)
+    pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j)
+    quads[j] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int j = 0; j < 2; ++j)
+    halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// A chunk's scaled scores in bf16: each key row's products with the group's query rows, 32 at a time
+// with `vdpbf16ps` (exact products, float32 sums), straight from the cache with no float32 copy of the
+// key; the 16 positions' sums then come out as one vector. Positions n..15 score 0 (masked later).
+template <int kD>
+inline void chunk_scores_bf16(const c10::BFloat16* q, const c10::BFloat16* keys, const int64_t* slots, int64_t n,
+                              int64_t token_stride, int64_t groups, float scale, float* scores) {
+  constexpr int kVec = kD / 32;
+  const __m512 scaled = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512bh qv[kVec];
+    for (int i = 0; i < kVec; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q + g * kD + 32 * i);
+    __m512 sums[16];
+    for (int64_t t = 0; t < kChunk; ++t) {
+      __m512 acc = _mm512_setzero_ps();
+      if (t < n) {
+        const c10::BFloat16* k = keys + slots[t] * token_stride;
+        for (int i = 0; i < kVec; ++i) acc = _mm512_dpbf16_ps(acc, qv[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
+      }
+      sums[t] = acc;
+    }
+    _mm512_storeu_ps(scores + g * kChunk, _mm512_mul_ps(sum_lanes16(sums), scaled));
+  }
+}
+// A chunk's values into each query head's accumulator, acc[g] += p[g][t] * v[t] in position order (as
+// the portable loop adds them): the chunk's value rows widened to float32 once, then each head's
+// accumulator kept in registers across the chunk instead of loaded and stored for every position.
+template <int kD>
+inline void chunk_values_bf16(const c10::BFloat16* values, const int64_t* slots, int64_t n, int64_t token_stride,
+                              int64_t groups, const float* probs, float* acc) {
+  constexpr int kF = kD / 16;
+  alignas(64) float rows[kChunk][kD];
+  for (int64_t t = 0; t < n; ++t) {
+    const c10::BFloat16* v = values + slots[t] * token_stride;
+    for (int i = 0; i < kF; ++i) {
+      const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * i)));
+      _mm512_store_ps(rows[t] + 16 * i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 a[kF];
+    for (int i = 0; i < kF; ++i) a[i] = _mm512_loadu_ps(acc + g * kD + 16 * i);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 p = _mm512_set1_ps(probs[g * kChunk + t]);
+      for (int i = 0; i < kF; ++i) a[i] = _mm512_fmadd_ps(p, _mm512_load_ps(rows[t] + 16 * i), a[i]);
+    }
+    for (int i = 0; i < kF; ++i) _mm512_storeu_ps(acc + g * kD + 16 * i, a[i]);
+  }
+}
+#endif
+
 // kD: head_dim fixed at compile time (0: read at run time). With it and the chunk fixed every inner loop
 // has a constant trip count and vectorizes whole: 4x faster than run-time-sized loops.
 template <typename T, int kD>
@@ -112,14 +188,22 @@ void attend_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, co
             slots[t] = table[p / table_block] * table_block + p % table_block;
           }
         }
-        for (int64_t t = 0; t < n; ++t) {
-          load_row(kc + slots[t] * token_stride + h * head_dim, row.data(), head_dim);
-          for (int64_t g = 0; g < groups; ++g) {
-            const float* qg = query.data() + g * head_dim;
-            float dot = 0.f;
+#if PAGEDRL_BF16_DOT
+        if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0) {
+          chunk_scores_bf16<kD>(q + (r * num_heads + h * groups) * head_dim, kc + h * head_dim, slots, n,
+                                token_stride, groups, scale, scores.data());
+        } else
+#endif
+        {
+          for (int64_t t = 0; t < n; ++t) {
+            load_row(kc + slots[t] * token_stride + h * head_dim, row.data(), head_dim);
+            for (int64_t g = 0; g < groups; ++g) {
+              const float* qg = query.data() + g * head_dim;
+              float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
-            scores[g * kChunk + t] = dot;
+              for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
+              scores[g * kChunk + t] = dot;
+            }
           }
         }
         for (int64_t g = 0; g < groups; ++g) {
@@ -140,14 +224,21 @@ void attend_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, co
 #pragma omp simd
           for (int64_t d = 0; d < head_dim; ++d) ag[d] *= rescale;
         }
-        for (int64_t t = 0; t < n; ++t) {
-          load_row(vc + slots[t] * token_stride + h * head_dim, row.data(), head_dim);
-          const float* v = row.data();
-          for (int64_t g = 0; g < groups; ++g) {
-            const float p = scores[g * kChunk + t];
-            float* ag = acc.data() + g * head_dim;
+#if PAGEDRL_BF16_DOT
+        if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0) {
+          chunk_values_bf16<kD>(vc + h * head_dim, slots, n, token_stride, groups, scores.data(), acc.data());
+        } else
+#endif
+        {
+          for (int64_t t = 0; t < n; ++t) {
+            load_row(vc + slots[t] * token_stride + h * head_dim, row.data(), head_dim);
+            const float* v = row.data();
+            for (int64_t g = 0; g < groups; ++g) {
+              const float p = scores[g * kChunk + t];
+              float* ag = acc.data() + g * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * v[d];
+              for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * v[d];
+            }
           }
         }
       }
