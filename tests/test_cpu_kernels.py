@@ -81,12 +81,15 @@ def needs_bf16_dot() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 6), out_features=st.integers(1, 70), in_features=st.integers(1, 200),
+@given(rows=st.integers(1, 70), out_features=st.integers(1, 70),
+       in_features=st.one_of(st.integers(1, 200), st.sampled_from([32, 64, 96, 576])),
        bias=st.booleans(), strided=st.booleans(), seed=st.integers(0, 2**16))
 def test_decode_linear_is_the_float32_sum_rounded_once(rows, out_features, in_features, bias, strided, seed) -> None:
     """Every output is the float32 sum of its products plus the bias, rounded to bf16 once: within half
-    a bf16 step of the exact (float64) value, plus float32's accumulation error. Any tile, any tail of
-    the 32-wide dot products, a weight whose rows are strided (a slice of a wider tensor)."""
+    a bf16 step of the exact (float64) value, plus float32's accumulation error. Both paths: AMX tiles
+    (K a multiple of 32; 16 weight rows a tile, the rest by dot products; up to 4 tiles of 16 input
+    rows, then more), dot products (any K, any tail of the 32-wide products); a weight whose rows are
+    strided (a slice of a wider tensor)."""
     needs_bf16_dot()
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
@@ -101,48 +104,12 @@ def test_decode_linear_is_the_float32_sum_rounded_once(rows, out_features, in_fe
     assert ((out.double() - exact).abs() <= bound).all()
 
 
-def test_decode_steps_route_only_small_bf16_products(monkeypatch) -> None:
-    """Steps of at most MAX_ROWS rows, bf16, no gradient recorded: the kernel's result; anything else
-    passes through to torch."""
+def test_decode_linear_uses_amx_where_the_cpu_has_it() -> None:
+    """The tile path is built and permitted wherever the CPU reports AMX-BF16 (this machine does)."""
     needs_bf16_dot()
-    from pagedrl.engine import decode_linear
-    from pagedrl.model.linear import Linear
+    from pagedrl.engine import cpu_routes
 
-    calls = []
-
-    def counted(*args):  # noqa: ANN002
-        calls.append(args[0].shape[0])
-        return torch.ops.pagedrl_cpu.decode_linear(*args)
-
-    monkeypatch.setattr(decode_linear, "kernel", counted)
-    torch.manual_seed(0)
-    layer = Linear(96, 40).bfloat16()
-    with torch.no_grad():
-        for rows in (1, decode_linear.MAX_ROWS, decode_linear.MAX_ROWS + 1):
-            x = torch.randn(1, rows, 96).bfloat16()
-            with decode_linear.rows_through_kernel(rows, on=True):
-                got = layer(x)
-            if rows <= decode_linear.MAX_ROWS:
-                assert torch.equal(got, torch.ops.pagedrl_cpu.decode_linear(x[0], layer.weight, layer.bias)[None])
-            with decode_linear.rows_through_kernel(rows, on=False):
-                layer(x)
-        assert calls == [1, decode_linear.MAX_ROWS]
-        with decode_linear.rows_through_kernel(1, on=True):
-            layer(torch.randn(1, 96).bfloat16())  # bf16, one row: taken
-            layer.float()(torch.randn(1, 96))  # float32: passes through
-    assert calls == [1, decode_linear.MAX_ROWS, 1]
-    layer.bfloat16()
-    with decode_linear.rows_through_kernel(1, on=True):  # bf16 with gradients recorded: passes through
-        x = torch.randn(1, 96).bfloat16().requires_grad_()
-        layer(x).sum().backward()
-    assert x.grad is not None and len(calls) == 3
-
-
-def test_decode_linear_is_for_bf16_models_the_engine_owns() -> None:
-    from pagedrl.engine.decode_linear import usable
-
-    model = torch.nn.Linear(8, 8)
-    assert not usable(model, None)  # float32
-    assert not usable(model, torch.bfloat16)  # a trainer's autocast rollouts
-    assert not usable(model.bfloat16(), torch.bfloat16)
-    assert usable(model, None) == cpu_kernels.decode_linear_available()
+    flags = open("/proc/cpuinfo").read().split()
+    assert torch.ops.pagedrl_cpu.decode_linear_amx() == ("amx_bf16" in flags and "amx_tile" in flags)
+    expected = cpu_routes.MAX_ROWS_AMX if "amx_bf16" in flags else cpu_routes.MAX_ROWS_DOT
+    assert cpu_routes.max_rows() == expected

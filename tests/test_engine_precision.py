@@ -60,28 +60,37 @@ def peaked(family: str, seed: int) -> CausalLM:
 def test_bf16_engine_matches_a_dense_bf16_forward_of_the_same_module() -> None:
     """A bf16 module (what `dtype="auto"` loads on a CPU with native bf16): the engine's greedy tokens
     are the dense forward's argmax wherever bf16 rounding cannot swap it, its log-probs equal the
-    dense ones within bf16 rounding (here the float32 model is 0.02-0.04 away), its logits are
-    float32 and its KV cache is bf16 (half the bytes of float32)."""
+    dense ones within bf16 rounding, and they are as close to the float32 model's as the dense bf16
+    forward's are (the engine's own CPU kernels round less often than eager bf16 torch: 0.013 against
+    0.014 on average here, 0.017 without them); its logits are float32 and its KV cache is bf16 (half
+    the bytes of float32)."""
     model = peaked("llama-gqa-untied", 0).to(torch.bfloat16)
+    exact = peaked("llama-gqa-untied", 0)
     assert model.model.inv_freq.dtype == torch.float32
     prompts = [torch.randint(3, 211, (n,)).tolist() for n in (4, 21, 40)]
     llm = LLM.from_module(model, kv_cache_tokens=512, max_num_batched_tokens=29)
     assert llm.engine.kv_cache.dtype == torch.bfloat16
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    gaps = []
+    gaps, engine_error, dense_error = [], [], []
     for prompt, out in zip(prompts, outs, strict=True):
         comp = out.outputs[0]
+        ids = torch.tensor([prompt + comp.token_ids])
         with torch.no_grad():
-            logits = model.logits(model(torch.tensor([prompt + comp.token_ids])))[0, len(prompt) - 1:-1]
+            logits = model.logits(model(ids))[0, len(prompt) - 1:-1]
+            exact_logp = torch.log_softmax(exact.logits(exact(ids))[0, len(prompt) - 1:-1], -1)
         assert logits.dtype == torch.float32
         logp = torch.log_softmax(logits, -1)
         top2 = logp.topk(2, -1).values
         decided = (top2[:, 0] - top2[:, 1]) > 0.1  # where bf16 rounding cannot swap the argmax
         chosen = torch.tensor(comp.token_ids)
         assert torch.equal(chosen[decided], logp.argmax(-1)[decided])
-        gaps.append((torch.tensor(comp.processed_logprobs) - logp.gather(1, chosen[:, None])[:, 0]).abs())
+        engine = torch.tensor(comp.processed_logprobs)
+        gaps.append((engine - logp.gather(1, chosen[:, None])[:, 0]).abs())
+        engine_error.append((engine - exact_logp.gather(1, chosen[:, None])[:, 0]).abs())
+        dense_error.append((logp - exact_logp).gather(1, chosen[:, None])[:, 0].abs())
     gap = torch.cat(gaps)
-    assert gap.max() < 0.05 and gap.mean() < 0.01
+    assert gap.max() < 0.05 and gap.mean() < 0.02
+    assert torch.cat(engine_error).mean() <= 1.25 * torch.cat(dense_error).mean()
 
 
 def test_seeded_bf16_sampling_is_batch_invariant() -> None:

@@ -10,8 +10,10 @@ where they lie, through tables, one row at a time. Two uses:
   else is in the batch, so a token decoded by the engine and the same token in a trainer's packed
   forward get the same bits; with its backward for the trainer.
 
-`decode_linear` (`csrc/decode_linear.cpp`): a bf16 linear layer's product for the one to three rows
-of a decode step of one to three sequences, on a CPU with AVX512-BF16 (`engine/decode_linear.py`).
+`decode_linear` (`csrc/decode_linear.cpp`): a bf16 linear layer's product for the rows of a decode
+step, with AMX tiles or AVX512-BF16 dot products; `rms_norm`, `silu_mul` and `rope` (`csrc/rowwise.cpp`):
+the decoder's row-wise pieces in one pass each. The engine routes its bf16 steps to them
+(`engine/cpu_routes.py`).
 
 They are compiled with `-O3 -march=native` through torch's extension builder (ninja and the system's C++
 compiler) into pagedrl's cache directory, so only the first start pays
@@ -32,7 +34,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "decode_linear.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "decode_linear.cpp",
+                                                                "rowwise.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "cpu_math.h"]  # shared by the sources: part of the build's key
 DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
 # The machine's own vector instructions, `omp simd` loops vectorized, and OpenMP for `at::parallel_for`
 # (header code: without -fopenmp it runs on one thread). libgomp.so.1 resolves to the one torch already
@@ -44,7 +48,8 @@ def build_dir() -> Path:
     """Keyed by the source, torch's version and the compiler flags: a change builds anew."""
     from pagedrl.model.default import cache_dir
 
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    key = hashlib.sha256(text + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"paged_attention-{key}"
 
 

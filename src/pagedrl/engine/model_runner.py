@@ -23,8 +23,8 @@ import torch
 
 from pagedrl.engine.attention import PagedAttention, resolve_impl
 from pagedrl.engine.cast_weights import CastWeights
+from pagedrl.engine.cpu_routes import routed_step, usable
 from pagedrl.engine.cuda_graphs import DecodeGraphs
-from pagedrl.engine.decode_linear import rows_through_kernel, usable
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
 from pagedrl.engine.kv_cache_manager import KVCacheManager
@@ -50,7 +50,7 @@ class ModelRunner:
         self.model = model
         self.attention_impl = resolve_impl(attention_impl, model.device)
         self.autocast_dtype = autocast_dtype
-        self.decode_linear = usable(model, autocast_dtype)  # steps of 1-3 rows: the engine's bf16 kernel
+        self.cpu_routes = usable(model, autocast_dtype)  # bf16 on a CPU: the engine's own kernels
         self.kv_cache = kv_cache
         self.kv_manager = kv_manager
         self.block_size = block_size
@@ -140,7 +140,7 @@ class ModelRunner:
                                                 impl=self.attention_impl, read_in_place=self.autocast_dtype is None,
                                                 rows=invariant)
         input_ids = long_tensor(ids).to(device)[None]
-        with rows_through_kernel(len(ids), self.decode_linear and not invariant):
+        with routed_step(len(ids), self.cpu_routes and not invariant):
             hidden = self.model(input_ids, meta.positions[None], meta)[0]
             if not row_index:
                 return ForwardResult(hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32), [])

@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedrl.model import batch_invariant
+from pagedrl.model import batch_invariant, routed
 from pagedrl.model.attention import AttentionMetadata, DenseAttention
 from pagedrl.model.config import ModelConfig
-from pagedrl.model.linear import Linear
 from pagedrl.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from pagedrl.model.routed import Linear
 
 
 class RMSNorm(nn.Module):
@@ -26,6 +26,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routes = routed.current()
+        if routes is not None:
+            out = routes.rms_norm(x, self.weight, self.eps)
+            if out is not None:
+                return out
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -59,7 +64,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rotate(q, k, cos, sin)
         out = meta.attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
@@ -72,7 +77,20 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        routes = routed.current()
+        fused = routes.silu_mul(gate, up) if routes is not None else None
+        return self.down_proj(fused if fused is not None else F.silu(gate) * up)
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys rotated by their positions (through a route when one takes them)."""
+    routes = routed.current()
+    if routes is not None:
+        out = routes.rope(q, k, cos, sin)
+        if out is not None:
+            return out
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 class DecoderLayer(nn.Module):

@@ -18,6 +18,9 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
+#include <algorithm>
 #include <cstdint>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -25,6 +28,14 @@
 #define PAGEDRL_DECODE_LINEAR 1
 #else
 #define PAGEDRL_DECODE_LINEAR 0
+#endif
+
+#if PAGEDRL_DECODE_LINEAR && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGEDRL_AMX 1
+#else
+#define PAGEDRL_AMX 0
 #endif
 
 namespace {
@@ -75,7 +86,7 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw,
     for (int j = 0; j < NB; ++j) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-inline uint16_t to_bf16_bits(float value) { return c10::BFloat16(value).x; }  // round to nearest even
+using pagedrl_cpu::float_to_bf16;
 
 // Weight rows [n0, n0 + NB) against every input row, MB rows at a time (the tail one row at a time).
 template <int MB, int NB>
@@ -84,7 +95,7 @@ void weight_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* w, i
   float sums[MB][8];
   auto store = [&](int64_t m, int rows) {
     for (int i = 0; i < rows; ++i)
-      for (int j = 0; j < NB; ++j) y[(m + i) * ldy + n0 + j] = to_bf16_bits(sums[i][j] + (bias ? bias[n0 + j] : 0.f));
+      for (int j = 0; j < NB; ++j) y[(m + i) * ldy + n0 + j] = float_to_bf16(sums[i][j] + (bias ? bias[n0 + j] : 0.f));
   };
   int64_t m = 0;
   for (; m + MB <= M; m += MB) {
@@ -99,7 +110,120 @@ void weight_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* w, i
 
 #endif  // PAGEDRL_DECODE_LINEAR
 
+#if PAGEDRL_AMX
+// AMX: the weights are the tile multiply's left operand as they lie (16 weight rows x 32 of K, read with
+// the weight's row stride), the input rows its right operand, packed once per call into the pairs
+// layout the instruction reads ([K / 32][16 pairs of k][16 input rows][2]); each tile product adds
+// 16 x 16 x 32 products into a 16 x 16 float32 tile (weight rows x input rows). Up to 4 such tiles
+// share each weight tile, so the weights stream once per 64 input rows: a decode step's products run
+// at memory speed for any batch the engine forms, with no repacked copy of the weights.
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_permitted() {  // Linux hands out the tile state only to a process that asks for it
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// tmm0..tmm3: sums for input-row blocks mb0..mb0+C-1; tmm4: the weight tile; tmm5..7: input tiles.
+template <int C>
+void amx_block(const uint16_t* w, int64_t ldw, const uint16_t* packed, int64_t k_blocks, int64_t mb0, float* sums) {
+  if (C > 0) _tile_zero(0);
+  if (C > 1) _tile_zero(1);
+  if (C > 2) _tile_zero(2);
+  if (C > 3) _tile_zero(3);
+  const int64_t stride = ldw * 2;
+  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    _tile_loadd(4, w + kb * 32, stride);
+    const uint16_t* b = packed + (mb0 * k_blocks + kb) * 512;
+    if (C > 0) { _tile_loadd(5, b, 64); _tile_dpbf16ps(0, 4, 5); }
+    if (C > 1) { _tile_loadd(6, b + k_blocks * 512, 64); _tile_dpbf16ps(1, 4, 6); }
+    if (C > 2) { _tile_loadd(7, b + 2 * k_blocks * 512, 64); _tile_dpbf16ps(2, 4, 7); }
+    if (C > 3) { _tile_loadd(5, b + 3 * k_blocks * 512, 64); _tile_dpbf16ps(3, 4, 5); }
+  }
+  if (C > 0) _tile_stored(0, sums, 64);
+  if (C > 1) _tile_stored(1, sums + 256, 64);
+  if (C > 2) _tile_stored(2, sums + 512, 64);
+  if (C > 3) _tile_stored(3, sums + 768, 64);
+}
+
+// x [M, K] -> [ceil(M / 16)][K / 32][16][16][2], rows past M zero: each input row's 32 values of a K
+// block are 16 pairs, scattered down one column of its block's tile.
+void pack_rows(const uint16_t* x, int64_t M, int64_t ldx, int64_t K, uint16_t* packed) {
+  const int64_t k_blocks = K / 32, m_blocks = (M + 15) / 16;
+  std::fill(packed, packed + m_blocks * k_blocks * 512, uint16_t{0});
+  const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(16));
+  auto* pairs = reinterpret_cast<int32_t*>(packed);
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t mb = m / 16, col = m % 16;
+    for (int64_t kb = 0; kb < k_blocks; ++kb) {
+      const __m512i row = _mm512_loadu_si512(x + m * ldx + kb * 32);
+      _mm512_i32scatter_epi32(pairs + (mb * k_blocks + kb) * 256 + col, down, row, 4);
+    }
+  }
+}
+
+// Weight rows [16 nb_begin, 16 nb_end) for every input row.
+void amx_rows(const uint16_t* packed, int64_t M, int64_t K, const uint16_t* w, int64_t ldw, const float* bias,
+              uint16_t* y, int64_t ldy, int64_t nb_begin, int64_t nb_end) {
+  configure_tiles();
+  alignas(64) float sums[4 * 256];
+  const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(16));
+  const int64_t k_blocks = K / 32, m_blocks = (M + 15) / 16;
+  for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
+    const uint16_t* wb = w + nb * 16 * ldw;
+    for (int64_t mb = 0; mb < m_blocks; mb += 4) {
+      const int64_t count = std::min<int64_t>(4, m_blocks - mb);
+      switch (count) {
+        case 1: amx_block<1>(wb, ldw, packed, k_blocks, mb, sums); break;
+        case 2: amx_block<2>(wb, ldw, packed, k_blocks, mb, sums); break;
+        case 3: amx_block<3>(wb, ldw, packed, k_blocks, mb, sums); break;
+        default: amx_block<4>(wb, ldw, packed, k_blocks, mb, sums); break;
+      }
+      // A tile holds [weight row][input row]: each input row's 16 outputs are a column, gathered,
+      // the bias added in float32 and rounded to bf16 once (to nearest even).
+      const __m512 b = bias ? _mm512_loadu_ps(bias + nb * 16) : _mm512_setzero_ps();
+      for (int64_t c = 0; c < count; ++c) {
+        for (int64_t col = 0; col < 16 && (mb + c) * 16 + col < M; ++col) {
+          const __m512 column = _mm512_add_ps(_mm512_i32gather_ps(down, sums + c * 256 + col, 4), b);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + ((mb + c) * 16 + col) * ldy + nb * 16),
+                              (__m256i)_mm512_cvtneps_pbh(column));
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#endif  // PAGEDRL_AMX
+
 bool decode_linear_available() { return PAGEDRL_DECODE_LINEAR; }
+
+bool decode_linear_amx() {
+#if PAGEDRL_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
 
 // x [M, K] bf16, weight [N, K] bf16 (rows may be strided), bias [N] or none -> [M, N] bf16.
 at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -122,16 +246,29 @@ at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const c1
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const int64_t ldx = x.stride(0), ldw = weight.stride(0);
-  // Work is split by weight rows: each thread streams its own part of the weights. One input row
-  // takes 8 weight rows at a time (8 independent sums in flight); more take tiles of 4 x 4.
-  const int64_t group = M == 1 ? 8 : 4, groups = N / group;
+  int64_t done = 0;  // weight rows computed so far (AMX takes whole tiles of 16)
+#if PAGEDRL_AMX
+  if (K % 32 == 0 && N >= 16 && amx_permitted()) {
+    at::Tensor packed = at::empty({(M + 15) / 16 * 16 * K}, x.options());
+    auto* pp = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
+    pack_rows(xp, M, ldx, K, pp);
+    at::parallel_for(0, N / 16, 4, [&](int64_t begin, int64_t end) {
+      amx_rows(pp, M, K, wp, ldw, bp, yp, N, begin, end);
+    });
+    done = N / 16 * 16;
+  }
+#endif
+  // Elsewhere (and for the last N % 16 rows) the dot-product kernel, split by weight rows: each thread
+  // streams its own part of the weights. One input row takes 8 weight rows at a time (8 independent
+  // sums in flight); more take tiles of 4 x 4.
+  const int64_t group = M == 1 ? 8 : 4, groups = (N - done) / group;
   at::parallel_for(0, groups, 64 / group, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
-      if (M == 1) weight_rows<1, 8>(xp, M, ldx, wp, ldw, K, bp, yp, N, g * group);
-      else weight_rows<4, 4>(xp, M, ldx, wp, ldw, K, bp, yp, N, g * group);
+      if (M == 1) weight_rows<1, 8>(xp, M, ldx, wp, ldw, K, bp, yp, N, done + g * group);
+      else weight_rows<4, 4>(xp, M, ldx, wp, ldw, K, bp, yp, N, done + g * group);
     }
   });
-  for (int64_t n = groups * group; n < N; ++n) weight_rows<1, 1>(xp, M, ldx, wp, ldw, K, bp, yp, N, n);
+  for (int64_t n = done + groups * group; n < N; ++n) weight_rows<1, 1>(xp, M, ldx, wp, ldw, K, bp, yp, N, n);
 #endif
   return y;
 }
@@ -141,6 +278,7 @@ at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 TORCH_LIBRARY_FRAGMENT(pagedrl_cpu, m) {
   m.def("decode_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("decode_linear_available() -> bool", &decode_linear_available);
+  m.def("decode_linear_amx() -> bool", &decode_linear_amx);
 }
 
 TORCH_LIBRARY_IMPL(pagedrl_cpu, CPU, m) { m.impl("decode_linear", &decode_linear); }

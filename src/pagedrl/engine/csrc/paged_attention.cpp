@@ -22,6 +22,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -40,6 +42,8 @@
 
 namespace {
 
+using pagedrl_cpu::exp_nonpositive;
+
 // A row of head_dim values as float32: a bf16 is the top half of a float32's bits (a shift the
 // compiler vectorizes, where c10::BFloat16's conversion is a call per element).
 inline void load_row(const float* src, float* dst, int64_t n) {
@@ -56,26 +60,6 @@ inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
     std::memcpy(&value, &widened, sizeof(value));  // not a store through a uint32_t*: no aliasing trap
     dst[d] = value;
   }
-}
-
-// exp(x) for x <= 0 (scores minus their running max) in arithmetic the compiler vectorizes: 2^n * p(r)
-// with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (relative error below 2e-7, about
-// one float32 ulp). A loop of std::exp stays scalar without -ffast-math, and it was most of the kernel.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // below, exp underflows to a denormal; the rounding toward 0 is harmless here
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 split in two for exactness
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 constexpr int64_t kChunk = 16;  // key positions per online-softmax update, whatever the table's block

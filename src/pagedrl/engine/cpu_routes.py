@@ -1,0 +1,116 @@
+"""The engine's own CPU kernels for the decoder's pieces in its bf16 steps (`model/routed.py`).
+
+Row-wise pieces (`csrc/rowwise.cpp`), every step: RMSNorm, SiLU(gate) * up and the rotary embedding,
+each one call and one pass over its rows where eager torch makes five to ten (a third of a 2048-token
+prefill chunk's time went to them, and some 25 operator calls a layer of a one-row decode step).
+
+Projections (`csrc/decode_linear.cpp`), decode-sized steps:
+A decode step feeds one row per sequence, so each of the model's matmuls is a pass over its weights
+with little arithmetic: the step's speed is how fast the weights stream through the cores. On this
+project's CPU (AMX and AVX512-BF16), oneDNN's bf16 kernel runs the default model's 211 projections
+(270 MB) at 30-35 ms a step for 1-16 rows (2 threads), half the memory bandwidth: its AMX kernel
+wants the weights in its own blocked layout and reorders them on every call. The engine's kernels
+read them as they lie:
+- with AMX, the weights are the tile multiply's left operand, 16 rows x 32 columns straight from the
+  tensor, and the step's rows the right one (packed per call, a few KB): 15-17 ms for 1-16 rows, 34
+  against oneDNN's 41 at 64 rows, equal at about 80 (`MAX_ROWS_AMX` = 64);
+- without AMX (AVX512-BF16 only), dot products of each weight row with every input row: 18-20 ms at
+  one row, as fast as oneDNN at four (`MAX_ROWS_DOT` = 3).
+
+The model runner routes the decoder here around a step's forward and vocabulary projection, for a
+bf16 model the engine owns (weights in bf16, no autocast). Projections of prefill chunks (hundreds of
+rows) stay with oneDNN. A trainer's rollouts (autocast
+over float32 masters) and batch-invariant engines keep torch's kernels: their numbers must be the ones
+the trainer computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+
+from pagedrl.engine import cpu_kernels
+from pagedrl.model.routed import Routes, routed_to
+
+MAX_ROWS_AMX = 64  # measured crossovers with oneDNN's bf16 kernel (see above)
+MAX_ROWS_DOT = 3
+
+
+@functools.cache
+def max_rows() -> int:
+    """The most rows a product may have to go through the kernels here (0: not built for this CPU)."""
+    if not cpu_kernels.decode_linear_available():
+        return 0
+    return MAX_ROWS_AMX if torch.ops.pagedrl_cpu.decode_linear_amx() else MAX_ROWS_DOT
+
+
+def kernel(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [M, K] bf16 @ weight [N, K].T (+ bias) -> [M, N] bf16 (`csrc/decode_linear.cpp`)."""
+    return torch.ops.pagedrl_cpu.decode_linear(rows, weight, bias)
+
+
+def _takes(*tensors: torch.Tensor) -> bool:
+    """The kernels' terms: bf16 CPU tensors, and no gradient recorded (they have no backward; the
+    runner runs in inference mode)."""
+    return not torch.is_grad_enabled() and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+
+
+def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A projection's product through the kernel when it has at most `max_rows()` rows."""
+    if not _takes(x, weight) or weight.stride(-1) != 1 or (bias is not None and bias.dtype != torch.bfloat16):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > max_rows():
+        return None
+    return kernel(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    if not _takes(x, weight) or not x.is_contiguous():
+        return None
+    return torch.ops.pagedrl_cpu.rms_norm(x, weight, eps)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    if not _takes(gate, up) or not gate.is_contiguous() or not up.is_contiguous():
+        return None
+    return torch.ops.pagedrl_cpu.silu_mul(gate, up)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not _takes(q, k, cos, sin) or not all(t.is_contiguous() for t in (q, k, cos, sin)):
+        return None
+    return torch.ops.pagedrl_cpu.rope(q, k, cos, sin)
+
+
+def no_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    return None
+
+
+ROUTES = Routes(linear=few_rows, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope)
+ROWWISE_ONLY = Routes(linear=no_product, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope)
+
+
+def usable(model: torch.nn.Module, autocast_dtype: torch.dtype | None) -> bool:
+    """Whether a runner's steps may use the kernels: a bf16 model on the CPU, run without autocast,
+    with the kernels built (a batch-invariant step is excluded step by step: the flag can be set
+    after the runner is made)."""
+    weight = next(model.parameters(), None)
+    if weight is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or autocast_dtype is not None:
+        return False
+    return cpu_kernels.available()
+
+
+@contextlib.contextmanager
+def routed_step(rows: int, on: bool) -> Iterator[None]:
+    """The decoder routed to the kernels for a step of `rows` query rows, when `on`: the row-wise
+    pieces always, the projections when the step is small enough."""
+    if not on:
+        yield
+        return
+    with routed_to(ROUTES if rows <= max_rows() else ROWWISE_ONLY):
+        yield

@@ -1,0 +1,48 @@
+// Scalar helpers the CPU kernels share, written so that loops over them vectorize (no calls, no
+// branches the compiler cannot turn into selects).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace pagedrl_cpu {
+
+// A bf16 is the top half of a float32's bits.
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &widened, sizeof(value));
+  return value;
+}
+
+// Rounded to the nearest bf16, ties to even (as torch rounds); NaN stays NaN.
+inline uint16_t float_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return (bits & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
+}
+
+// exp(x) for x <= 0 (scores minus their running max) in arithmetic the compiler vectorizes: 2^n * p(r)
+// with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (relative error below 2e-7, about
+// one float32 ulp). A loop of std::exp stays scalar without -ffast-math, and it was most of the kernel.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // below, exp underflows to a denormal; the rounding toward 0 is harmless here
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 split in two for exactness
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+}  // namespace pagedrl_cpu

@@ -1,0 +1,157 @@
+"""The engine's CPU kernels for the decoder's pieces in bf16 steps (`engine/cpu_routes.py`,
+`model/routed.py`): each row-wise kernel against the decoder's own torch code and a float64
+reference, the routing rules (what is taken, what passes through), and the engine's greedy tokens
+and log-probs with the routes against a dense bf16 forward without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedrl.engine import cpu_kernels, cpu_routes
+from pagedrl.model.decoder import MLP, RMSNorm
+from pagedrl.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from pagedrl.model.routed import Linear, routed_to
+
+BF16_STEP = 2.0**-8  # a bf16 rounding is at most half a step of 2^-7 relative
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernels() -> None:
+    """Built (or loaded) inside the test session's cache; the machine has a C++ compiler."""
+    assert cpu_kernels.available()
+
+
+def needs_bf16_dot() -> None:
+    """Decided inside the test, not at collection: the kernels build into the test session's cache."""
+    if not cpu_kernels.decode_linear_available():
+        pytest.skip("this CPU has no AVX512-BF16 (the engine keeps oneDNN's kernel)")
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 40), dim=st.sampled_from([8, 64, 576, 100]), seed=st.integers(0, 2**16))
+def test_rms_norm_is_the_decoders_with_its_roundings(rows, dim, seed) -> None:
+    """float64 reference with the decoder's roundings (the normalized row to bf16, then times the
+    weight to bf16): within one bf16 step of it (the scale is computed in float32 in another order);
+    the decoder's eager code within the same distance."""
+    gen = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(dim, 1e-5).bfloat16()
+    norm.weight.data = (1 + 0.3 * torch.randn(dim, generator=gen)).bfloat16()
+    x = (3 * torch.randn(rows, dim, generator=gen)).bfloat16()
+    with torch.inference_mode():
+        got = torch.ops.pagedrl_cpu.rms_norm(x, norm.weight, 1e-5)
+        eager = norm(x)
+    xd = x.double()
+    normed = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16().double()
+    exact = norm.weight.double() * normed
+    for out in (got, eager):
+        assert ((out.double() - exact).abs() <= 2 * BF16_STEP * exact.abs() + 1e-30).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 5000), seed=st.integers(0, 2**16))
+def test_silu_mul_rounds_silu_then_the_product(n, seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    gate = (4 * torch.randn(n, generator=gen)).bfloat16()
+    gate[:3] = torch.tensor([0.0, -90.0, 90.0])[: min(3, n)]
+    up = torch.randn(n, generator=gen).bfloat16()
+    got = torch.ops.pagedrl_cpu.silu_mul(gate, up)
+    g = gate.double()
+    silu = (g * torch.sigmoid(g)).bfloat16().double()  # rounded as F.silu's bf16 output is
+    exact = silu * up.double()
+    assert ((got.double() - exact).abs() <= 2 * BF16_STEP * exact.abs() + 1e-30).all()
+    eager = torch.nn.functional.silu(gate) * up
+    assert ((eager.double() - exact).abs() <= 2 * BF16_STEP * exact.abs() + 1e-30).all()
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_rope_rotates_queries_and_keys_as_the_decoder_does(heads, head_dim) -> None:
+    torch.manual_seed(0)
+    tokens = 37
+    positions = torch.randint(0, 5000, (1, tokens))
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(head_dim, 10000.0, None), torch.bfloat16)
+    q = torch.randn(1, tokens, heads[0], head_dim).bfloat16()
+    k = torch.randn(1, tokens, heads[1], head_dim).bfloat16()
+    got_q, got_k = torch.ops.pagedrl_cpu.rope(q, k, cos, sin)
+    for x, got in ((q, got_q), (k, got_k)):
+        exact = apply_rope(x.double(), cos.double(), sin.double())  # the same bf16 cos/sin, one rounding
+        assert got.shape == x.shape
+        assert ((got.double() - exact).abs() <= BF16_STEP * exact.abs() + 1e-30).all()
+        eager = apply_rope(x, cos, sin)  # rounds each product and the sum
+        torch.testing.assert_close(got.float(), eager.float(), rtol=2**-6, atol=2**-6)
+
+
+def test_the_decoder_offers_its_pieces_and_falls_back(monkeypatch) -> None:
+    """Inside `routed_to` each piece is offered to its route; a route's None means the torch code
+    runs; outside, nothing is offered."""
+    offered = []
+
+    def decline(name):  # noqa: ANN001, ANN202
+        def route(*args):  # noqa: ANN002, ANN202
+            offered.append(name)
+            return None
+        return route
+
+    from pagedrl.model.routed import Routes
+
+    routes = Routes(linear=decline("linear"), rms_norm=decline("rms_norm"), silu_mul=decline("silu_mul"),
+                    rope=decline("rope"))
+    from pagedrl.model.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    mlp, norm = MLP(cfg), RMSNorm(32, 1e-5)
+    x = torch.randn(2, 32)
+    plain = mlp(norm(x))
+    with routed_to(routes):
+        routed = mlp(norm(x))
+    assert torch.equal(plain, routed)
+    assert offered == ["rms_norm", "linear", "linear", "silu_mul", "linear"]
+    mlp(norm(x))
+    assert len(offered) == 5
+
+
+def test_decode_steps_route_small_bf16_products(monkeypatch) -> None:
+    """Products of at most `max_rows()` rows, bf16, no gradient recorded: the kernel's result;
+    anything else passes through to torch."""
+    needs_bf16_dot()
+    calls = []
+
+    def counted(*args):  # noqa: ANN002
+        calls.append(args[0].shape[0])
+        return torch.ops.pagedrl_cpu.decode_linear(*args)
+
+    monkeypatch.setattr(cpu_routes, "kernel", counted)
+    torch.manual_seed(0)
+    layer = Linear(96, 40).bfloat16()
+    most = cpu_routes.max_rows()
+    with torch.no_grad():
+        for rows in (1, most, most + 1):
+            x = torch.randn(1, rows, 96).bfloat16()
+            with cpu_routes.routed_step(rows, on=True):
+                got = layer(x)
+            if rows <= most:
+                assert torch.equal(got, torch.ops.pagedrl_cpu.decode_linear(x[0], layer.weight, layer.bias)[None])
+            with cpu_routes.routed_step(rows, on=False):
+                layer(x)
+        assert calls == [1, most]
+        with cpu_routes.routed_step(1, on=True):
+            layer(torch.randn(1, 96).bfloat16())  # bf16, one row: taken
+            layer.float()(torch.randn(1, 96))  # float32: passes through
+    assert calls == [1, most, 1]
+    layer.bfloat16()
+    with cpu_routes.routed_step(1, on=True):  # bf16 with gradients recorded: passes through
+        x = torch.randn(1, 96).bfloat16().requires_grad_()
+        layer(x).sum().backward()
+    assert x.grad is not None and len(calls) == 3
+
+
+def test_routes_are_for_bf16_models_the_engine_owns() -> None:
+    model = torch.nn.Linear(8, 8)
+    assert not cpu_routes.usable(model, None)  # float32
+    assert not cpu_routes.usable(model, torch.bfloat16)  # a trainer's autocast rollouts
+    assert not cpu_routes.usable(model.bfloat16(), torch.bfloat16)
+    assert cpu_routes.usable(model, None) == cpu_kernels.available()
