@@ -155,3 +155,18 @@ def test_routes_are_for_bf16_models_the_engine_owns() -> None:
     assert not cpu_routes.usable(model, torch.bfloat16)  # a trainer's autocast rollouts
     assert not cpu_routes.usable(model.bfloat16(), torch.bfloat16)
     assert cpu_routes.usable(model, None) == cpu_kernels.available()
+
+
+def test_glibc_keeps_freed_memory_unless_told_not_to(monkeypatch) -> None:
+    """On glibc the settings are accepted (mallopt refuses out-of-range values: 32 MB is its ceiling
+    for the mmap threshold); `PAGEDRL_KEEP_FREED=0` leaves the defaults."""
+    import platform
+
+    from pagedrl.engine import cpu_memory
+
+    cpu_memory.keep_freed_memory.cache_clear()
+    monkeypatch.setenv("PAGEDRL_KEEP_FREED", "0")
+    assert not cpu_memory.keep_freed_memory()
+    cpu_memory.keep_freed_memory.cache_clear()
+    monkeypatch.delenv("PAGEDRL_KEEP_FREED")
+    assert cpu_memory.keep_freed_memory() == (platform.libc_ver()[0] == "glibc")

@@ -23,6 +23,7 @@ import torch
 
 from pagedrl.engine.attention import PagedAttention, resolve_impl
 from pagedrl.engine.cast_weights import CastWeights
+from pagedrl.engine.cpu_memory import keep_freed_memory
 from pagedrl.engine.cpu_routes import routed_step, usable
 from pagedrl.engine.cuda_graphs import DecodeGraphs
 from pagedrl.engine.host_tensors import long_tensor
@@ -51,6 +52,8 @@ class ModelRunner:
         self.attention_impl = resolve_impl(attention_impl, model.device)
         self.autocast_dtype = autocast_dtype
         self.cpu_routes = usable(model, autocast_dtype)  # bf16 on a CPU: the engine's own kernels
+        if model.device.type == "cpu":
+            keep_freed_memory()
         self.kv_cache = kv_cache
         self.kv_manager = kv_manager
         self.block_size = block_size
