@@ -173,6 +173,21 @@ void attend_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, co
           }
         }
 #if PAGEDRL_BF16_DOT
+        // The next chunk's keys and values asked for now, while this one computes: a chunk is one
+        // block in a scattered table, so the hardware's stream prefetcher starts cold at each.
+        if (chunk_in_one_entry && first + kChunk < len) {
+          const int64_t next = first + kChunk;
+          const int64_t base = table[next / table_block] * table_block + next % table_block;
+          const int64_t m = std::min(kChunk, len - next);
+          for (int64_t t = 0; t < m; ++t) {
+            const char* key = reinterpret_cast<const char*>(kc + (base + t) * token_stride + h * head_dim);
+            const char* value = reinterpret_cast<const char*>(vc + (base + t) * token_stride + h * head_dim);
+            for (int64_t line = 0; line < head_dim * static_cast<int64_t>(sizeof(T)); line += 64) {
+              _mm_prefetch(key + line, _MM_HINT_T0);
+              _mm_prefetch(value + line, _MM_HINT_T0);
+            }
+          }
+        }
         if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0) {
           chunk_scores_bf16<kD>(q + (r * num_heads + h * groups) * head_dim, kc + h * head_dim, slots, n,
                                 token_stride, groups, scale, scores.data());
