@@ -142,7 +142,20 @@ void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// tmm0..tmm3: sums for input-row blocks mb0..mb0+C-1; tmm4: the weight tile; tmm5..7: input tiles.
+// tmm0..tmm3: sums for input-row blocks mb0..mb0+C-1; tmm4 and tmm5: the weight tile of even and odd
+// K blocks; tmm6 and tmm7: input tiles, in turn. Tile registers are not renamed: a load into a tile
+// waits for every product still reading it, so with one weight tile the next block's load (from
+// memory) would wait for this block's products; with two it overlaps them.
+#define PAGEDRL_AMX_STEP(A, kb)                                                               \
+  do {                                                                                        \
+    _tile_loadd(A, w + (kb) * 32, stride);                                                    \
+    const uint16_t* b = packed + (mb0 * k_blocks + (kb)) * 512;                               \
+    if (C > 0) { _tile_loadd(6, b, 64); _tile_dpbf16ps(0, A, 6); }                            \
+    if (C > 1) { _tile_loadd(7, b + k_blocks * 512, 64); _tile_dpbf16ps(1, A, 7); }           \
+    if (C > 2) { _tile_loadd(6, b + 2 * k_blocks * 512, 64); _tile_dpbf16ps(2, A, 6); }       \
+    if (C > 3) { _tile_loadd(7, b + 3 * k_blocks * 512, 64); _tile_dpbf16ps(3, A, 7); }       \
+  } while (0)
+
 template <int C>
 void amx_block(const uint16_t* w, int64_t ldw, const uint16_t* packed, int64_t k_blocks, int64_t mb0, float* sums) {
   if (C > 0) _tile_zero(0);
@@ -150,36 +163,18 @@ void amx_block(const uint16_t* w, int64_t ldw, const uint16_t* packed, int64_t k
   if (C > 2) _tile_zero(2);
   if (C > 3) _tile_zero(3);
   const int64_t stride = ldw * 2;
-  for (int64_t kb = 0; kb < k_blocks; ++kb) {
-    _tile_loadd(4, w + kb * 32, stride);
-    const uint16_t* b = packed + (mb0 * k_blocks + kb) * 512;
-    if (C > 0) { _tile_loadd(5, b, 64); _tile_dpbf16ps(0, 4, 5); }
-    if (C > 1) { _tile_loadd(6, b + k_blocks * 512, 64); _tile_dpbf16ps(1, 4, 6); }
-    if (C > 2) { _tile_loadd(7, b + 2 * k_blocks * 512, 64); _tile_dpbf16ps(2, 4, 7); }
-    if (C > 3) { _tile_loadd(5, b + 3 * k_blocks * 512, 64); _tile_dpbf16ps(3, 4, 5); }
+  int64_t kb = 0;
+  for (; kb + 2 <= k_blocks; kb += 2) {
+    PAGEDRL_AMX_STEP(4, kb);
+    PAGEDRL_AMX_STEP(5, kb + 1);
   }
+  if (kb < k_blocks) PAGEDRL_AMX_STEP(4, kb);
   if (C > 0) _tile_stored(0, sums, 64);
   if (C > 1) _tile_stored(1, sums + 256, 64);
   if (C > 2) _tile_stored(2, sums + 512, 64);
   if (C > 3) _tile_stored(3, sums + 768, 64);
 }
-
-// x [M, K] -> [ceil(M / 16)][K / 32][16][16][2], rows past M zero: each input row's 32 values of a K
-// block are 16 pairs, scattered down one column of its block's tile.
-void pack_rows(const uint16_t* x, int64_t M, int64_t ldx, int64_t K, uint16_t* packed) {
-  const int64_t k_blocks = K / 32, m_blocks = (M + 15) / 16;
-  std::fill(packed, packed + m_blocks * k_blocks * 512, uint16_t{0});
-  const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(16));
-  auto* pairs = reinterpret_cast<int32_t*>(packed);
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t mb = m / 16, col = m % 16;
-    for (int64_t kb = 0; kb < k_blocks; ++kb) {
-      const __m512i row = _mm512_loadu_si512(x + m * ldx + kb * 32);
-      _mm512_i32scatter_epi32(pairs + (mb * k_blocks + kb) * 256 + col, down, row, 4);
-    }
-  }
-}
+#undef PAGEDRL_AMX_STEP
 
 // r[i][j] <- r[j][i] for a 16 x 16 float32 block: pairs, then quadruples within 128-bit lanes, then the
 // 128-bit lanes twice (64 shuffles; 16 gathers of a column cost about four times as much).
@@ -204,6 +199,24 @@ inline void transpose16(__m512 r[16]) {
   for (int i = 0; i < 8; ++i) {
     r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
     r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+  }
+}
+
+// x [M, K] -> [ceil(M / 16)][K / 32][16][16][2], rows past M zero. A block's 16 input rows hold 16
+// pairs of k each, and the tile wants them the other way round: a 16 x 16 transpose of 32-bit pairs.
+void pack_rows(const uint16_t* x, int64_t M, int64_t ldx, int64_t K, uint16_t* packed) {
+  const int64_t k_blocks = K / 32, m_blocks = (M + 15) / 16;
+  for (int64_t mb = 0; mb < m_blocks; ++mb) {
+    for (int64_t kb = 0; kb < k_blocks; ++kb) {
+      __m512 rows[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t m = mb * 16 + i;
+        rows[i] = m < M ? _mm512_loadu_ps(x + m * ldx + kb * 32) : _mm512_setzero_ps();
+      }
+      transpose16(rows);
+      float* tile = reinterpret_cast<float*>(packed + (mb * k_blocks + kb) * 512);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(tile + i * 16, rows[i]);
+    }
   }
 }
 
