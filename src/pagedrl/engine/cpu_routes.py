@@ -12,8 +12,9 @@ project's CPU (AMX and AVX512-BF16), oneDNN's bf16 kernel runs the default model
 wants the weights in its own blocked layout and reorders them on every call. The engine's kernels
 read them as they lie:
 - with AMX, the weights are the tile multiply's left operand, 16 rows x 32 columns straight from the
-  tensor, and the step's rows the right one (packed per call, a few KB): 15-17 ms for 1-16 rows, 34
-  against oneDNN's 41 at 64 rows, equal at about 80 (`MAX_ROWS_AMX` = 64);
+  tensor, and the step's rows the right one (packed per call, a few KB): 14-16 ms for 1-16 rows
+  against oneDNN's 30, 27 against 38 at 64 rows, 46 against 51 at 128; oneDNN is ahead from about
+  200 rows (`MAX_ROWS_AMX` = 128; `bench/bench_decode_linear.py`);
 - without AMX (AVX512-BF16 only), dot products of each weight row with every input row: 18-20 ms at
   one row, as fast as oneDNN at four (`MAX_ROWS_DOT` = 3).
 
@@ -35,7 +36,7 @@ import torch
 from pagedrl.engine import cpu_kernels
 from pagedrl.model.routed import Routes, routed_to
 
-MAX_ROWS_AMX = 64  # measured crossovers with oneDNN's bf16 kernel (see above)
+MAX_ROWS_AMX = 128  # measured crossovers with oneDNN's bf16 kernel (see above)
 MAX_ROWS_DOT = 3
 
 

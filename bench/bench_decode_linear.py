@@ -1,0 +1,57 @@
+"""The engine's bf16 decode projections (`engine/csrc/decode_linear.cpp`) against oneDNN's (`F.linear`),
+on the default model's 211 projections (30 layers of q, k, v, o, gate, up, down and the LM head:
+270 MB of bf16 weights, read once per pass as a decode step reads them), at the row counts of decode
+steps. Both sides in one process, turns alternating, best of `--rounds`; weights of the model's
+shapes drawn at random (the kernels' speed does not depend on the values).
+
+    .venv/bin/python bench/bench_decode_linear.py [--rows 1,4,16,32,64,80] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagedrl.engine import cpu_kernels
+
+LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # (out, in)
+LAYERS, VOCAB, HIDDEN = 30, 49152, 576
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,4,16,32,64,80")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not cpu_kernels.decode_linear_available():
+        raise SystemExit("the engine's decode kernel is not built for this CPU (no AVX512-BF16)")
+    amx = torch.ops.pagedrl_cpu.decode_linear_amx()
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen).bfloat16() for _ in range(LAYERS) for n, k in LAYER]
+    weights.append(torch.randn(VOCAB, HIDDEN, generator=gen).bfloat16())
+    megabytes = sum(w.numel() * 2 for w in weights) / 1e6
+    print(f"{len(weights)} projections, {megabytes:.0f} MB of bf16 weights; {args.threads} threads; "
+          f"AMX {'yes' if amx else 'no'}")
+    print("| rows | oneDNN (ms) | pagedrl (ms) | ratio | pagedrl GB/s |")
+    print("|---|---|---|---|---|")
+    sides = {"oneDNN": F.linear, "pagedrl": torch.ops.pagedrl_cpu.decode_linear}
+    for rows in (int(r) for r in args.rows.split(",")):
+        inputs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {k for _, k in LAYER}}
+        best = dict.fromkeys(sides, float("inf"))
+        for _ in range(args.rounds):
+            for name, product in sides.items():
+                start = time.perf_counter()
+                for w in weights:
+                    product(inputs[w.shape[1]], w, None)
+                best[name] = min(best[name], time.perf_counter() - start)
+        print(f"| {rows} | {best['oneDNN'] * 1e3:.1f} | {best['pagedrl'] * 1e3:.1f} | "
+              f"{best['oneDNN'] / best['pagedrl']:.2f}x | {megabytes / 1e3 / best['pagedrl']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
