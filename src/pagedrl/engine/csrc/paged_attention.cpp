@@ -173,10 +173,11 @@ void attend_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, co
           }
         }
 #if PAGEDRL_BF16_DOT
-        // The next chunk's keys and values asked for now, while this one computes: a chunk is one
-        // block in a scattered table, so the hardware's stream prefetcher starts cold at each.
-        if (chunk_in_one_entry && first + kChunk < len) {
-          const int64_t next = first + kChunk;
+        // The keys and values two chunks ahead asked for now, while this one computes: a chunk is
+        // one block in a scattered table, so the hardware's stream prefetcher starts cold at each
+        // (one chunk ahead: 1.05 ms a layer of 64 decodes; two: 0.98; four: 0.99).
+        if (chunk_in_one_entry && first + 2 * kChunk < len) {
+          const int64_t next = first + 2 * kChunk;
           const int64_t base = table[next / table_block] * table_block + next % table_block;
           const int64_t m = std::min(kChunk, len - next);
           for (int64_t t = 0; t < m; ++t) {
