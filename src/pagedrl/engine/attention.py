@@ -206,8 +206,13 @@ class PagedAttention:
             out = triton_attention.paged_attention(queries, key_cache, value_cache, self.block_tables,
                                                    self.seq_lens, self.query_start_loc, max_query_len, scale)
             return out.to(q.dtype)[None]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, k[0].to(key_cache.dtype))
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, v[0].to(value_cache.dtype))
+        if self.impl == "fast" and reads_in_place(self.kv_cache, q.device):  # the kernels are built
+            cpu_kernels.store_kv(k[0].to(key_cache.dtype), v[0].to(value_cache.dtype), key_cache, value_cache,
+                                 self.slot_mapping)
+        else:
+            key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, k[0].to(key_cache.dtype))
+            value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping,
+                                                                     v[0].to(value_cache.dtype))
         if self.impl == "reference":
             out = self._attend_reference(queries, key_cache, value_cache, scale)
         elif self.impl == "fast":

@@ -88,6 +88,13 @@ def decode_linear_available() -> bool:
     return available() and bool(torch.ops.pagedrl_cpu.decode_linear_available())
 
 
+def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """A step's new keys and values [N, Hkv, D] into their cache slots, in one call (no thread pool
+    below 256 tokens)."""
+    torch.ops.pagedrl_cpu.store_kv(k, v, key_cache, value_cache, slot_mapping)
+
+
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [S, Hq, D] (one query per sequence, at its last position) over each sequence's seq_lens[s]
