@@ -5,7 +5,8 @@ Each configuration runs in a fresh process (OpenMP reads its binding when torch 
 default precision, the workloads of `bench_vllm_cpu.py` (`single`: one 128-token prompt, 64 greedy
 tokens; `16x128`: 16 prompts of 32-512 tokens, 128 tokens each). The neighbour is a Python loop
 pinned to the last core (`os.sched_setaffinity`), started before the engine and killed after it.
-Binding is libgomp's `OMP_PROC_BIND=close OMP_PLACES=cores` (one thread per core, never moved).
+Binding is the engine's own (`PAGEDRL_CPU_THREADS_BIND=auto`, its default: thread i on core i, never
+moved) against `nobind`; `--omp-bind` uses libgomp's `OMP_PROC_BIND=close OMP_PLACES=cores` instead.
 Configurations take turns `--rounds` times; the best turn of each counts.
 
     .venv/bin/python bench/bench_threads.py
@@ -47,10 +48,10 @@ def worker(names: list[str]) -> None:
     print("RESULT " + json.dumps(out))
 
 
-def run(threads: int, bind: bool, neighbour: bool, names: list[str]) -> dict[str, float]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    if bind:
-        env.update(OMP_PROC_BIND="close", OMP_PLACES="cores")
+def run(threads: int, bind: bool, neighbour: bool, names: list[str], omp_bind: bool = False) -> dict[str, float]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PAGEDRL_CPU_THREADS_BIND="auto" if bind else "nobind")
+    if bind and omp_bind:
+        env.update(OMP_PROC_BIND="close", OMP_PLACES="cores", PAGEDRL_CPU_THREADS_BIND="nobind")
     spinner = None
     if neighbour:
         spinner = multiprocessing.Process(target=spin, args=(os.cpu_count() - 1,), daemon=True)
@@ -72,6 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="single,16x128")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--omp-bind", action="store_true", help="bind with libgomp's variables, not the engine")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -83,7 +85,7 @@ def main() -> None:
     print(f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}")
     for r in range(args.rounds):
         for neighbour, threads, bind in configs:
-            result = run(threads, bind, neighbour, names)
+            result = run(threads, bind, neighbour, names, args.omp_bind)
             for name in names:
                 best[(neighbour, threads, bind)][name] = max(best[(neighbour, threads, bind)].get(name, 0.0),
                                                              result[name])

@@ -22,6 +22,18 @@ def float32_by_default() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def threads_unbound() -> Iterator[None]:
+    """Engines leave torch's threads where the kernel puts them: a bound test process would hand its
+    narrowed core set to every server and torchrun worker it starts (`test_cpu_threads.py` binds in
+    processes of its own)."""
+    from pagedrl.engine.cpu_threads import ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV, "nobind")
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def pagedrl_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Every test run converts into its own cache, never into the user's ~/.cache/pagedrl."""
     cache = tmp_path_factory.mktemp("pagedrl-cache")

@@ -25,6 +25,7 @@ from pagedrl.engine.attention import PagedAttention, resolve_impl
 from pagedrl.engine.cast_weights import CastWeights
 from pagedrl.engine.cpu_memory import keep_freed_memory
 from pagedrl.engine.cpu_routes import routed_step, usable
+from pagedrl.engine.cpu_threads import bind_threads
 from pagedrl.engine.cuda_graphs import DecodeGraphs
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
@@ -52,7 +53,8 @@ class ModelRunner:
         self.attention_impl = resolve_impl(attention_impl, model.device)
         self.autocast_dtype = autocast_dtype
         self.cpu_routes = usable(model, autocast_dtype)  # bf16 on a CPU: the engine's own kernels
-        if model.device.type == "cpu":
+        self.on_cpu = model.device.type == "cpu"
+        if self.on_cpu:
             keep_freed_memory()
         self.kv_cache = kv_cache
         self.kv_manager = kv_manager
@@ -78,6 +80,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> ForwardResult:
+        if self.on_cpu:
+            bind_threads()  # by the thread that runs the steps: its OpenMP team is the one that works
         if self.cast is not None:
             self.cast.refresh()
         copies = self.kv_manager.take_pending_copies()
