@@ -17,7 +17,8 @@ from pagedrl.engine.cpu_threads import ENV, parse_cores, planned_cores
 def test_the_plan_for_each_setting() -> None:
     cores = {0, 1, 2, 3}
     assert planned_cores("auto", 2, cores) == [0, 1]
-    assert planned_cores("", 4, cores) == [0, 1, 2, 3]
+    assert planned_cores("", 4, cores) is None  # unset: not bound (see the module)
+    assert planned_cores("auto", 4, cores) == [0, 1, 2, 3]
     assert planned_cores("auto", 8, cores) is None  # fewer cores than threads: leave them
     assert planned_cores("auto", 1, cores, local_rank=1, local_world=2) == [1]  # torchrun's rank 1 of 2
     assert planned_cores("auto", 2, cores, local_rank=1, local_world=2) == [2, 3]

@@ -1,17 +1,25 @@
 """The engine's OpenMP threads bound to cores, as vLLM's CPU backend binds its own.
 
 `PAGEDRL_CPU_THREADS_BIND` (vLLM's `VLLM_CPU_OMP_THREADS_BIND`, same values):
-- `auto` (the default): thread i on the i-th core this process may run on, when there are at least
+- `auto`: thread i on the i-th core this process may run on, when there are at least
   as many such cores as torch's threads (otherwise nothing is bound); under torchrun, local rank r
   takes the r-th share of them (two ranks of one thread each on two cores: core 0 and core 1);
 - a list of cores, `0-1` or `0,2,5`: thread i on the i-th of them (as many threads as cores given);
-- `nobind`: the kernel places the threads.
+- `nobind` (the default): the kernel places the threads.
 
 Why: each operator is a parallel region whose threads wait for one another at its end. Unbound, a
 thread that the kernel moves onto a core another process keeps busy stalls every region: measured
 with a neighbour spinning on one of two cores, two unbound threads ran 12-13x slower than on an
 idle machine, two bound ones 3x (`bench/bench_threads.py`). On an idle machine binding changes
-nothing measurable. OpenMP keeps a team of threads per thread that starts parallel work, so the
+nothing measurable.
+
+Why not bound by default: the thread that runs the steps is OpenMP's thread 0, so it is bound too,
+and every thread it starts afterwards inherits its one core (a tokenizer's thread pool, torch's
+inter-op threads, a server's workers). In `pagedrl demo`, one process that serves and then trains,
+the run took 7.5 minutes bound against 5.8-5.9 unbound the same hour. vLLM binds in worker processes
+that only run the model; here it is for such processes (`pagedrl serve` on a shared machine).
+
+OpenMP keeps a team of threads per thread that starts parallel work, so the
 binding is made by the thread that runs the engine's steps, on its first step (a server's engine
 thread, a trainer's main thread); the log says where.
 """
@@ -54,7 +62,7 @@ def parse_cores(text: str) -> list[int]:
 def planned_cores(setting: str, threads: int, allowed: set[int], local_rank: int = 0,
                   local_world: int = 1) -> list[int] | None:
     """The cores thread 0, 1, ... go to, or None for no binding."""
-    setting = setting.strip().lower() or "auto"
+    setting = setting.strip().lower() or "nobind"
     if setting == "nobind":
         return None
     if setting == "auto":
@@ -79,7 +87,7 @@ def bind_threads() -> list[int] | None:
 
 
 def _bind() -> list[int] | None:
-    cores = planned_cores(os.environ.get(ENV, "auto"), torch.get_num_threads(), os.sched_getaffinity(0),
+    cores = planned_cores(os.environ.get(ENV, "nobind"), torch.get_num_threads(), os.sched_getaffinity(0),
                           int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if cores is None or not cpu_kernels.available():
         return None
