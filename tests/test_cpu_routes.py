@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_cpu_kernels import needs_bf16_dot
 
 from pagedrl.engine import cpu_kernels, cpu_routes
 from pagedrl.model.decoder import MLP, RMSNorm
@@ -22,12 +23,6 @@ BF16_STEP = 2.0**-8  # a bf16 rounding is at most half a step of 2^-7 relative
 def kernels() -> None:
     """Built (or loaded) inside the test session's cache; the machine has a C++ compiler."""
     assert cpu_kernels.available()
-
-
-def needs_bf16_dot() -> None:
-    """Decided inside the test, not at collection: the kernels build into the test session's cache."""
-    if not cpu_kernels.decode_linear_available():
-        pytest.skip("this CPU has no AVX512-BF16 (the engine keeps oneDNN's kernel)")
 
 
 @settings(max_examples=25, deadline=None)

@@ -77,6 +77,7 @@ class PagedAttention:
     # None: row r is sequence r). None: the other paths.
     row_lens: torch.Tensor | None = field(default=None, repr=False)
     row_seqs: torch.Tensor | None = field(default=None, repr=False)
+    kernels: bool = False  # the CPU kernels serve this cache: its KV writes take one `store_kv` call a layer
 
     @classmethod
     def build(
@@ -175,7 +176,7 @@ class PagedAttention:
                                  chunk_tokens_for(kv_cache, device), query_start_loc)
         return cls(kv_cache, slot_mapping.to(device), query_start_loc.to(device), seq_lens_t.to(device),
                    block_tables.to(device), positions.to(device), impl, scale, groups, max_query_len, in_place,
-                   row_lens, row_seqs)
+                   row_lens, row_seqs, fast_here)
 
     @property
     def num_seqs(self) -> int:
@@ -206,7 +207,7 @@ class PagedAttention:
             out = triton_attention.paged_attention(queries, key_cache, value_cache, self.block_tables,
                                                    self.seq_lens, self.query_start_loc, max_query_len, scale)
             return out.to(q.dtype)[None]
-        if self.impl == "fast" and reads_in_place(self.kv_cache, q.device):  # the kernels are built
+        if self.kernels:
             cpu_kernels.store_kv(k[0].to(key_cache.dtype), v[0].to(value_cache.dtype), key_cache, value_cache,
                                  self.slot_mapping)
         else:
