@@ -165,3 +165,61 @@ def test_glibc_keeps_freed_memory_unless_told_not_to(monkeypatch) -> None:
     cpu_memory.keep_freed_memory.cache_clear()
     monkeypatch.delenv("PAGEDRL_KEEP_FREED")
     assert cpu_memory.keep_freed_memory() == (platform.libc_ver()[0] == "glibc")
+
+
+def _cache():  # noqa: ANN202 - the module
+    from pagedrl.engine import cpu_memory
+
+    assert cpu_memory.cache_large_blocks()  # the kernels build here (test_the_kernel_builds_here)
+    return cpu_memory
+
+
+def test_block_cache_hands_a_freed_block_to_the_next_request_it_fits() -> None:
+    """A freed 8 MiB block comes back for the next 8 MiB request and for a slightly smaller one
+    (within a quarter), not for one twice its size; small tensors stay torch's."""
+    cpu_memory = _cache()
+    big = torch.empty(2 << 20, dtype=torch.float32)  # 8 MiB
+    big.fill_(3.0)
+    address = big.data_ptr()
+    before = cpu_memory.block_cache_stats()
+    assert before.installed and before.live_blocks >= 1
+    del big
+    again = torch.empty(2 << 20, dtype=torch.float32)
+    assert again.data_ptr() == address
+    assert cpu_memory.block_cache_stats().hits == before.hits + 1
+    del again
+    smaller = torch.empty(7 << 20, dtype=torch.uint8)
+    assert smaller.data_ptr() == address
+    larger = torch.zeros(4 << 20, dtype=torch.float32)  # 16 MiB: the kept 8 MiB block is too small
+    assert larger.data_ptr() != address and bool((larger == 0).all())  # zeros are still written
+    del smaller, larger
+    live = cpu_memory.block_cache_stats().live_blocks
+    small = torch.ones(1000)
+    assert cpu_memory.block_cache_stats().live_blocks == live and float(small.sum()) == 1000.0
+
+
+def test_block_cache_gives_back_what_it_keeps_past_its_limit() -> None:
+    """Past the limit everything kept is freed before the new block is kept; `empty_block_cache`
+    frees it all; blocks freed on another thread come back too."""
+    import threading
+
+    cpu_memory = _cache()
+    cpu_memory.empty_block_cache()
+    try:
+        torch.ops.pagedrl_cpu.cache_cpu_blocks(cpu_memory.BLOCK_CACHE_MIN_BYTES, 12 << 20)
+        a, b = torch.empty(8 << 20, dtype=torch.uint8), torch.empty(6 << 20, dtype=torch.uint8)
+        del a
+        assert cpu_memory.block_cache_stats().cached_bytes == 8 << 20
+        del b  # 8 + 6 MiB > 12: the 8 MiB block is given back, the 6 MiB one kept
+        stats = cpu_memory.block_cache_stats()
+        assert (stats.cached_bytes, stats.cached_blocks) == (6 << 20, 1)
+        box = [torch.empty(3 << 20, dtype=torch.float32)]  # 12 MiB: the kept 6 MiB block is too small
+        worker = threading.Thread(target=box.pop)  # its last reference dropped on another thread
+        worker.start()
+        worker.join()
+        stats = cpu_memory.block_cache_stats()
+        assert (stats.cached_bytes, stats.cached_blocks) == (12 << 20, 1)
+        assert cpu_memory.empty_block_cache() == 12 << 20
+        assert cpu_memory.block_cache_stats().cached_bytes == 0
+    finally:
+        torch.ops.pagedrl_cpu.cache_cpu_blocks(cpu_memory.BLOCK_CACHE_MIN_BYTES, cpu_memory.block_cache_limit())

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedrl.engine.cpu_memory import keep_freed_memory
 from pagedrl.train import adapters
 from pagedrl.train import checkpointing as ckpt
 from pagedrl.train.algorithm import Algorithm
@@ -375,6 +376,8 @@ def start_run(config: TrainConfig, needs: str) -> tuple[DistInfo, Any]:
 
     dist = init_distributed(config.use_cpu)
     ckpt.seed_everything(config.seed)
+    if dist.device.type == "cpu":
+        keep_freed_memory()  # a step's large tensors reuse the last step's memory (engine/cpu_memory.py)
     loaded = load_model(config.model, device=dist.device, dtype=torch.float32, revision=config.revision)
     if loaded.tokenizer is None:
         raise ValueError(f"model: {loaded.path} has no tokenizer.json; {needs} the model's tokenizer")
