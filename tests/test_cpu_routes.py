@@ -175,8 +175,8 @@ def _cache():  # noqa: ANN202 - the module
 
 
 def test_block_cache_hands_a_freed_block_to_the_next_request_it_fits() -> None:
-    """A freed 8 MiB block comes back for the next 8 MiB request and for a slightly smaller one
-    (within a quarter), not for one twice its size; small tensors stay torch's."""
+    """A freed 8 MiB block comes back for the next 8 MiB request and for a smaller one (at least
+    half its size), not for a larger one; small tensors stay torch's."""
     cpu_memory = _cache()
     big = torch.empty(2 << 20, dtype=torch.float32)  # 8 MiB
     big.fill_(3.0)
@@ -188,19 +188,22 @@ def test_block_cache_hands_a_freed_block_to_the_next_request_it_fits() -> None:
     assert again.data_ptr() == address
     assert cpu_memory.block_cache_stats().hits == before.hits + 1
     del again
-    smaller = torch.empty(7 << 20, dtype=torch.uint8)
+    smaller = torch.empty(5 << 20, dtype=torch.uint8)
     assert smaller.data_ptr() == address
-    larger = torch.zeros(4 << 20, dtype=torch.float32)  # 16 MiB: the kept 8 MiB block is too small
+    del smaller
+    tiny = torch.empty(3 << 20, dtype=torch.uint8)  # 3 MiB: the 8 MiB block would waste too much
+    assert tiny.data_ptr() != address
+    larger = torch.zeros(9 << 18, dtype=torch.float32)  # 9 MiB: the kept 8 MiB block is too small
     assert larger.data_ptr() != address and bool((larger == 0).all())  # zeros are still written
-    del smaller, larger
+    del tiny, larger
     live = cpu_memory.block_cache_stats().live_blocks
     small = torch.ones(1000)
     assert cpu_memory.block_cache_stats().live_blocks == live and float(small.sum()) == 1000.0
 
 
 def test_block_cache_gives_back_what_it_keeps_past_its_limit() -> None:
-    """Past the limit everything kept is freed before the new block is kept; `empty_block_cache`
-    frees it all; blocks freed on another thread come back too."""
+    """Past the limit the blocks kept longest are freed before the new block is kept;
+    `empty_block_cache` frees it all; blocks freed on another thread come back too."""
     import threading
 
     cpu_memory = _cache()
@@ -221,5 +224,14 @@ def test_block_cache_gives_back_what_it_keeps_past_its_limit() -> None:
         assert (stats.cached_bytes, stats.cached_blocks) == (12 << 20, 1)
         assert cpu_memory.empty_block_cache() == 12 << 20
         assert cpu_memory.block_cache_stats().cached_bytes == 0
+        torch.ops.pagedrl_cpu.cache_cpu_blocks(cpu_memory.BLOCK_CACHE_MIN_BYTES, 10 << 20)
+        blocks = [torch.empty(4 << 20, dtype=torch.uint8) for _ in range(3)]
+        addresses = [b.data_ptr() for b in blocks]
+        while blocks:
+            blocks.pop(0)  # kept in this order; the third pushes the first (oldest) out
+        stats = cpu_memory.block_cache_stats()
+        assert (stats.cached_bytes, stats.cached_blocks) == (8 << 20, 2)
+        again = [torch.empty(4 << 20, dtype=torch.uint8) for _ in range(2)]
+        assert sorted(a.data_ptr() for a in again) == sorted(addresses[1:])
     finally:
         torch.ops.pagedrl_cpu.cache_cpu_blocks(cpu_memory.BLOCK_CACHE_MIN_BYTES, cpu_memory.block_cache_limit())

@@ -18,7 +18,7 @@ is zeroed again, and on a VM whose host takes back the memory a guest frees, eac
 trip to the host: measured on the demo's GRPO step (default model, bf16, 2 threads), the forward's
 LM head took 5.6 s (9.2 s of system time, 200 k page faults) against 0.23 s once its blocks were
 kept, and the step went from 14.7 s to 10.2 s. The cache keeps at most a quarter of the machine's
-memory; past that it gives back everything it holds and starts again.
+memory; past that it gives back the blocks it has kept longest (sizes the steps stopped asking for).
 
 Set once per process when the first engine's runner or trainer starts on a CPU; `PAGEDRL_KEEP_FREED=0`
 leaves glibc and torch as they are.

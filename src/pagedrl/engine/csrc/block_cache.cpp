@@ -4,8 +4,11 @@
 // each block above 32 MB afresh and unmaps it on free, so the kernel zeroes every page again on its
 // first write: on a 2-core VM a GRPO step of the default model spent more time in these page faults
 // than in its arithmetic. Blocks of at least `min_bytes` are kept when freed and handed to the next
-// request they fit (best fit, at most a quarter larger than asked), up to `limit_bytes` kept; past
-// that, everything kept is given back first. Smaller requests go to torch's own allocator.
+// request they fit: the smallest kept block at least as large, if at most twice the request (a
+// micro-batch's activations are as long as its tokens, which vary from one to the next). At most
+// `limit_bytes` are kept; past that, the blocks kept longest are given back first (a block a step
+// uses is taken again within the step; one that waits is of a size the steps stopped asking for).
+// Smaller requests go to torch's own allocator.
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
@@ -19,22 +22,29 @@
 
 namespace {
 
-constexpr size_t kGranule = size_t(1) << 20;  // sizes rounded up to whole MiB: near sizes share blocks
+// Sizes rounded up to one of eight classes per octave (at most 12.5% over the request): a step's
+// tensors vary in length from step to step, and a block of a class serves every request in it.
+size_t size_class(size_t n) {
+  size_t octave = size_t(1) << (63 - __builtin_clzll(n));  // the power of two at or below n
+  const size_t step = octave / 8;
+  return (n + step - 1) / step * step;
+}
 
 class BlockCache final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) override {
     if (n < min_bytes_) return base_->allocate(n);
-    const size_t want = (n + kGranule - 1) / kGranule * kGranule;
+    const size_t want = size_class(n);
     void* p = nullptr;
     size_t size = want;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = free_.lower_bound(want);
-      if (it != free_.end() && it->first <= want + want / 4) {
-        p = it->second;
+      if (it != free_.end() && it->first <= 2 * want) {
+        p = it->second.first;
         size = it->first;
         cached_ -= size;
+        order_.erase(it->second.second);
         free_.erase(it);
         ++hits_;
       } else {
@@ -72,8 +82,9 @@ class BlockCache final : public c10::Allocator {
     {
       std::lock_guard<std::mutex> lock(mu_);
       bytes = static_cast<int64_t>(cached_);
-      for (auto& [size, p] : free_) blocks.push_back(p);
+      for (auto& [size, kept] : free_) blocks.push_back(kept.first);
       free_.clear();
+      order_.clear();
       cached_ = 0;
     }
     for (void* p : blocks) c10::free_cpu(p);
@@ -109,17 +120,27 @@ class BlockCache final : public c10::Allocator {
     void* p = it->first;
     const size_t size = it->second;
     live_.erase(it);
-    if (cached_ + size > limit_) {  // over the limit: give back what is kept, then keep this one
-      for (auto& [s, q] : free_) dropped.push_back(q);
-      free_.clear();
-      cached_ = 0;
-    }
-    if (size <= limit_) {
-      free_.emplace(size, p);
-      cached_ += size;
-    } else {
+    if (size > limit_) {
       dropped.push_back(p);
+      return;
     }
+    while (cached_ + size > limit_) {  // the block kept longest goes first
+      auto oldest = order_.begin();
+      auto [first, last] = free_.equal_range(oldest->second);
+      for (auto k = first; k != last; ++k) {
+        if (k->second.second == oldest->first) {
+          dropped.push_back(k->second.first);
+          free_.erase(k);
+          break;
+        }
+      }
+      cached_ -= oldest->second;
+      order_.erase(oldest);
+    }
+    const uint64_t when = clock_++;
+    order_.emplace(when, size);
+    free_.emplace(size, std::make_pair(p, when));
+    cached_ += size;
   }
 
   std::mutex mu_;
@@ -128,8 +149,10 @@ class BlockCache final : public c10::Allocator {
   size_t limit_ = 0;
   size_t cached_ = 0;
   int64_t hits_ = 0, misses_ = 0;
-  std::multimap<size_t, void*> free_;           // kept blocks by size
-  std::unordered_map<void*, size_t> live_;      // handed-out blocks and their sizes
+  uint64_t clock_ = 0;
+  std::multimap<size_t, std::pair<void*, uint64_t>> free_;  // kept blocks by size: (block, when kept)
+  std::map<uint64_t, size_t> order_;                         // when each was kept, oldest first: its size
+  std::unordered_map<void*, size_t> live_;                   // handed-out blocks and their sizes
 };
 
 BlockCache& cache() {
