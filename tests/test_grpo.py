@@ -298,10 +298,41 @@ def test_dynamic_sampling_keeps_groups_with_signal_and_fills_from_the_dropped(mo
     funcs = [("first", lambda prompts, completions, completion_ids, **kw: [float(c[0]) for c in completion_ids])]
     r = rollout_module.collect_rollout(None, next_rows, 3, None, funcs, None, "group", dynamic_sampling=True,
                                        max_rounds=3)
-    # round 1: prompts 0-2 give [1,1] [1,2] [3,3] -> keep 1; round 2: prompts 3-4 give [4,5] [6,6] -> keep 3;
-    # round 3: prompt 5 gives [7,7] -> none; the first dropped group (prompt 0) fills the gap.
+    # round 1: prompts 0-2 give [1,1] [1,2] [3,3] -> keep 1 of 3, so the 2 missing take 6 prompts,
+    # at most a first round's 3; round 2: prompts 3-5 give [4,5] [6,6] [7,7] -> keep 3; round 3:
+    # prompts 6-8 give [8,8] [9,9] [0,0] -> none; the first dropped group (prompt 0) fills the gap.
     assert [p.prompt_ids[0] for p in r.prompts] == [1, 3, 0]
     assert r.total_rewards.tolist() == [1.0, 2.0, 4.0, 5.0, 1.0, 1.0]
     assert r.rounds == 3 and r.prefix_blocks_shared == 3
-    assert r.sampled_completions == 12  # 6 prompts x 2 drawn, though 3 groups were kept
+    assert r.sampled_completions == 18  # 9 prompts x 2 drawn, though 3 groups were kept
+    assert r.sampled_tokens == 18  # one token each
     assert r.advantages.view(-1, 2)[2].tolist() == [0.0, 0.0] and r.advantages[0] < 0 < r.advantages[1]
+
+
+def test_dynamic_sampling_draws_what_the_share_kept_says_and_leaves_out_the_excess(monkeypatch) -> None:
+    """After a round that kept half its groups, the next draws twice what is missing; groups kept
+    beyond the batch are left out, in order."""
+    from pagedrl.train.rl import rollout as rollout_module
+
+    drawn: list[int] = []
+
+    def fake_sample(llm, rows, params, seeds=None):
+        drawn.append(len(rows))
+        comps = [[p.prompt_ids[0] % 2 * j] for p in rows for j in range(2)]  # odd prompts have signal
+        return Rollout(list(rows), 2, comps, [""] * len(comps), [[0.0]] * len(comps),
+                       torch.zeros(len(comps), dtype=torch.bool))
+
+    monkeypatch.setattr(rollout_module, "sample", fake_sample)
+    counter = iter(range(100))
+
+    def next_rows(n):
+        return [PromptOnly([next(counter)], "p", "") for _ in range(n)], [None] * n
+
+    funcs = [("first", lambda prompts, completions, completion_ids, **kw: [float(c[0]) for c in completion_ids])]
+    r = rollout_module.collect_rollout(None, next_rows, 4, None, funcs, None, "group", dynamic_sampling=True)
+    # round 1: prompts 0-3 keep 1 and 3; 2 missing at a share of 1/2 -> 4 prompts (4-7) keep 5 and 7.
+    assert drawn == [4, 4] and r.rounds == 2
+    assert [p.prompt_ids[0] for p in r.prompts] == [1, 3, 5, 7]
+    r = rollout_module.collect_rollout(None, next_rows, 3, None, funcs, None, "group", dynamic_sampling=True)
+    # round 1: prompts 8-10 keep 9; 2 missing at a share of 1/3 -> 6, at most 3 (11-13): keep 11 and 13.
+    assert drawn[2:] == [3, 3] and [p.prompt_ids[0] for p in r.prompts] == [9, 11, 13]

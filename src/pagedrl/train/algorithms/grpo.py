@@ -160,7 +160,8 @@ class GRPO(OnlineAlgorithm):
             "completions/min_length": Metric.min(lengths.min()),
             "completions/max_length": Metric.max(lengths.max()),
             "completions/clipped_ratio": Metric.mean(truncated.sum(), truncated.numel()),
-            "rollout/tokens_per_second": Metric.mean(r.generated_tokens / max(r.seconds, 1e-9)),
+            # every generated token, dropped groups' too: the engine's speed, not the batch's yield
+            "rollout/tokens_per_second": Metric.mean(r.sampled_tokens / max(r.seconds, 1e-9)),
             "rollout/seconds": Metric.mean(r.seconds),
             "rollout/prefix_blocks_shared": Metric.sum(float(r.prefix_blocks_shared)),
             "rollout/sampled_completions": Metric.sum(float(r.sampled_completions)),

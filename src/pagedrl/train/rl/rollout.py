@@ -54,6 +54,7 @@ class Rollout:
     prefix_blocks_shared: int = 0
     rounds: int = 1
     sampled_completions: int = 0  # drawn by this rank over all rounds, dropped groups included
+    sampled_tokens: int = 0  # their tokens: what the engine generated for this rollout
 
     @property
     def num_prompts(self) -> int:
@@ -194,7 +195,10 @@ def collect_rollout(llm: LLM, next_rows: NextRows, num_prompts: int, params: Sam
     rank's share of the run's next k prompts (over all ranks) and their seeds. With dynamic
     sampling, groups whose rewards all agree are dropped and replaced from the next prompts, for
     up to `max_rounds` rounds; if still short, dropped groups fill the gap (they add nothing to
-    the gradient).
+    the gradient). A later round draws as many prompts as the share kept so far says it needs (at
+    most a first round's), as DAPO over-samples its generation batch: each round costs about as
+    many decode steps whatever its size, so refilling one lost group at a time cost a demo step up
+    to four rounds where two do; groups kept beyond the batch are left out.
 
     Across ranks every statistic is one process's over the whole batch, as TRL gathers rewards
     before its advantages: the rewards of all ranks set the advantages (a `batch` std is the std
@@ -206,12 +210,16 @@ def collect_rollout(llm: LLM, next_rows: NextRows, num_prompts: int, params: Sam
     total = num_prompts * world
     kept: list[Rollout] = []
     dropped: list[Rollout] = []
-    have = rounds = shared = drawn = 0
+    have = rounds = shared = drawn = asked = tokens = 0
     while have < total and rounds < (max_rounds if dynamic_sampling else 1):
         rounds += 1
-        rows, seeds = next_rows(total - have)
+        need = total - have
+        ask = need if rounds == 1 else min(total, -(-need * asked // max(have, 1)))  # need / share kept
+        rows, seeds = next_rows(ask)
+        asked += ask
         part = sample(llm, rows, params, seeds)
         drawn += len(part)
+        tokens += part.generated_tokens
         shared += part.prefix_blocks_shared
         score_rollout(part, funcs, weights)
         if dynamic_sampling and dist is not None and dist.distributed:
@@ -229,6 +237,8 @@ def collect_rollout(llm: LLM, next_rows: NextRows, num_prompts: int, params: Sam
         spare = Rollout.cat(dropped)
         kept.append(spare.select(range(total - have)))
     rollout = Rollout.cat(kept)
+    if rollout.num_prompts > total:  # a later round kept more than it needed
+        rollout = rollout.select(range(total))
     totals = rollout.total_rewards
     if world > 1 and not dynamic_sampling:  # each rank holds its own groups: gather their rewards
         totals = torch.cat(gather_objects(totals, dist))
@@ -241,5 +251,5 @@ def collect_rollout(llm: LLM, next_rows: NextRows, num_prompts: int, params: Sam
         advantages = advantages[rank * num_prompts * G:(rank + 1) * num_prompts * G]
     rollout.advantages = advantages
     rollout.rounds, rollout.prefix_blocks_shared, rollout.seconds = rounds, shared, time.perf_counter() - t0
-    rollout.sampled_completions = drawn
+    rollout.sampled_completions, rollout.sampled_tokens = drawn, tokens
     return rollout
