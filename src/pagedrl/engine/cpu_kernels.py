@@ -35,7 +35,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "decode_linear.cpp",
-                                                                "rowwise.cpp", "threads.cpp", "block_cache.cpp")]
+                                                                "rowwise.cpp", "threads.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / "cpu_math.h"]  # shared by the sources: part of the build's key
 DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
 # The machine's own vector instructions, `omp simd` loops vectorized, and OpenMP for `at::parallel_for`

@@ -1,27 +1,27 @@
-"""Freed memory kept for the next step on a CPU: glibc told to keep its heap, and a cache of large
-freed blocks in front of torch's allocator.
+"""Freed memory kept for the next step on a CPU: glibc serves every block from its heap and never
+gives the heap back.
 
-Why: every step allocates the same large activations (a 2048-token prefill chunk's MLP products are
-6 MB each) and frees them. glibc maps each allocation above its threshold (128 KB at first, rising
-to the largest freed one) with fresh pages, or hands freed heap memory back to the kernel at the
+Why: every step allocates the same large tensors and frees them (a 2048-token prefill chunk's MLP
+products are 6 MB each; a training step's chunk of LM-head logits 200 MB, the tied head's weight
+gradient 113 MB). By default glibc maps each block above its threshold (128 KB at first, rising to
+32 MB at most) afresh and unmaps it on free, and hands freed heap memory back to the kernel at the
 top of the heap, so the next step touches new pages and the kernel zeroes every one of them on its
-first write: measured on a 2048-token forward of the default model in bf16 (2 threads), the
-matmuls took 300 ms instead of 233 and the fused SiLU*up 2.8 ms a call instead of 1.3. With the
-threshold at its ceiling (32 MB) and no trimming, freed chunks stay in the heap and are reused; the
-process keeps its peak memory instead of returning it, as a serving engine does anyway.
+first write. Measured (default model, bf16, 2 threads): a 2048-token prefill's matmuls took 300 ms
+instead of 233. On a VM whose host takes back the memory its guest frees, each such page is a trip
+to the host (35-50 us here): one forward's LM head in a GRPO step took 5.6 s, 9.2 s of it system
+time for 200 k page faults, against 0.23 s on kept memory.
 
-Blocks above glibc's ceiling are torch's to keep: the engine's C++ kernels (`csrc/block_cache.cpp`)
-put a cache of freed blocks of 1 MiB and more in front of torch's CPU allocator, as torch's CUDA
-allocator keeps freed device memory. A training step allocates the same large tensors every time (a
-chunk of LM-head logits is 200 MB, the tied head's weight gradient 113 MB); mapped afresh, every page
-is zeroed again, and on a VM whose host takes back the memory a guest frees, each first write is a
-trip to the host: measured on the demo's GRPO step (default model, bf16, 2 threads), the forward's
-LM head took 5.6 s (9.2 s of system time, 200 k page faults) against 0.23 s once its blocks were
-kept, and the step went from 14.7 s to 10.2 s. The cache keeps at most a quarter of the machine's
-memory; past that it gives back the blocks it has kept longest (sizes the steps stopped asking for).
+So no block is mapped on its own (`M_MMAP_MAX` 0) and the heap is never trimmed: a freed block goes
+back to the heap, where glibc coalesces it with its free neighbours and splits it for later requests
+of any size. A block cache in front of torch's allocator (freed blocks kept by size, as torch's CUDA
+allocator does) was measured against this and lost: it cannot hand a freed block to a larger request
+or split one for smaller requests, so a GRPO stage after another stage in the same process (the
+demo) took its first step's 2 GB fresh (44 s against 19 s with the heap), and `bench/bench_grpo.py`
+was 14.2 against 13.6 s a bf16 step. The process keeps its peak memory instead of returning it, as
+a serving engine does anyway.
 
-Set once per process when the first engine's runner or trainer starts on a CPU; `PAGEDRL_KEEP_FREED=0`
-leaves glibc and torch as they are.
+Set once per process when the first engine's runner or trainer starts on a CPU (blocks mapped
+before then stay mapped); `PAGEDRL_KEEP_FREED=0` leaves glibc's defaults.
 """
 
 from __future__ import annotations
@@ -31,30 +31,20 @@ import functools
 import logging
 import os
 import platform
-from dataclasses import dataclass
-
-import torch
 
 logger = logging.getLogger(__name__)
 
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # mallopt's parameters (malloc.h)
-MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for it on 64-bit: larger values are refused
-TRIM_THRESHOLD = 1 << 30
-TOP_PAD = 64 << 20
-BLOCK_CACHE_MIN_BYTES = 1 << 20  # smaller blocks: glibc's heap, kept by the settings above
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4  # mallopt's parameters (malloc.h)
+NEVER_TRIM = -1  # "disables trimming completely" (mallopt(3))
+NO_MMAP = 0  # the most blocks glibc maps on their own
+TOP_PAD = 64 << 20  # the heap grows 64 MB beyond a request: fewer brk calls
 
 
 @functools.cache
 def keep_freed_memory() -> bool:
-    """Whether freed memory is now kept, by glibc's settings or torch's block cache (False when
-    turned off, or where neither applies)."""
+    """Whether glibc now keeps freed memory (False elsewhere, or when turned off)."""
     if os.environ.get("PAGEDRL_KEEP_FREED", "").strip().lower() in {"0", "false", "no", "off"}:
         return False
-    glibc = _glibc_keeps_freed()
-    return cache_large_blocks() or glibc
-
-
-def _glibc_keeps_freed() -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
@@ -63,51 +53,7 @@ def _glibc_keeps_freed() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     done = all(mallopt(param, value) == 1 for param, value in
-               ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))
+               ((M_MMAP_MAX, NO_MMAP), (M_TRIM_THRESHOLD, NEVER_TRIM), (M_TOP_PAD, TOP_PAD)))
     if not done:
         logger.warning("glibc refused the allocator settings; freed memory goes back to the kernel")
     return done
-
-
-def block_cache_limit() -> int:
-    """The most bytes of freed blocks the cache keeps: a quarter of the machine's memory."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
-    except (ValueError, OSError, AttributeError):
-        return 4 << 30
-
-
-def cache_large_blocks() -> bool:
-    """Puts the block cache in front of torch's CPU allocator (where the kernels build)."""
-    from pagedrl.engine import cpu_kernels
-
-    if not cpu_kernels.available():
-        return False
-    return bool(torch.ops.pagedrl_cpu.cache_cpu_blocks(BLOCK_CACHE_MIN_BYTES, block_cache_limit()))
-
-
-@dataclass(frozen=True)
-class BlockCacheStats:
-    installed: bool
-    cached_bytes: int  # freed blocks kept for reuse
-    cached_blocks: int
-    live_blocks: int  # handed out and not yet freed
-    hits: int  # requests served from a kept block
-    misses: int  # requests that took fresh memory
-
-
-def block_cache_stats() -> BlockCacheStats:
-    """What the block cache holds and how often it was reused (all zero when not installed)."""
-    from pagedrl.engine import cpu_kernels
-
-    if not cpu_kernels.available():
-        return BlockCacheStats(False, 0, 0, 0, 0, 0)
-    installed, *rest = torch.ops.pagedrl_cpu.cpu_block_cache_stats()
-    return BlockCacheStats(bool(installed), *rest)
-
-
-def empty_block_cache() -> int:
-    """Gives every kept block back to the system; returns the bytes freed."""
-    from pagedrl.engine import cpu_kernels
-
-    return int(torch.ops.pagedrl_cpu.empty_cpu_block_cache()) if cpu_kernels.available() else 0
