@@ -1,5 +1,5 @@
-"""Freed memory kept for the next step on a CPU: glibc serves every block from its heap and never
-gives the heap back.
+"""Freed memory kept for the next step on a CPU: glibc keeps its heap, and in a trainer's process
+serves every block from it.
 
 Why: every step allocates the same large tensors and frees them (a 2048-token prefill chunk's MLP
 products are 6 MB each; a training step's chunk of LM-head logits 200 MB, the tied head's weight
@@ -11,17 +11,22 @@ instead of 233. On a VM whose host takes back the memory its guest frees, each s
 to the host (35-50 us here): one forward's LM head in a GRPO step took 5.6 s, 9.2 s of it system
 time for 200 k page faults, against 0.23 s on kept memory.
 
-So no block is mapped on its own (`M_MMAP_MAX` 0) and the heap is never trimmed: a freed block goes
-back to the heap, where glibc coalesces it with its free neighbours and splits it for later requests
-of any size. A block cache in front of torch's allocator (freed blocks kept by size, as torch's CUDA
-allocator does) was measured against this and lost: it cannot hand a freed block to a larger request
-or split one for smaller requests, so a GRPO stage after another stage in the same process (the
-demo) took its first step's 2 GB fresh (44 s against 19 s with the heap), and `bench/bench_grpo.py`
-was 14.2 against 13.6 s a bf16 step. The process keeps its peak memory instead of returning it, as
-a serving engine does anyway.
+So glibc's threshold for mapping a block on its own goes to its ceiling (32 MB) and the heap is
+never trimmed: freed blocks below the threshold go back to the heap, where glibc coalesces them with
+their free neighbours and splits them for later requests of any size. A trainer goes further: no
+block is mapped on its own (`M_MMAP_MAX` 0), so its 100-200 MB blocks are kept as well; a GRPO step
+of `bench/bench_grpo.py` in bf16 took 14.2 s against 21.5 with the threshold alone. A cache of freed
+blocks in front of torch's allocator (kept by size, as torch's CUDA allocator does) was measured
+against this and lost: it cannot hand a freed block to a larger request or split one for smaller
+requests, so a GRPO stage after another stage in the same process (the demo) took its first step's
+2 GB fresh (44 s against 18 s with the heap). An engine that only serves keeps mapping its largest
+blocks: with every block from the heap, 64 prompts x 128 tokens ran at 545 output tokens/s against
+592 (`bench/bench_vllm_cpu.py`, two turns each; the cause was not found). The process keeps its peak
+memory instead of returning it, as a serving engine does anyway.
 
-Set once per process when the first engine's runner or trainer starts on a CPU (blocks mapped
-before then stay mapped); `PAGEDRL_KEEP_FREED=0` leaves glibc's defaults.
+Set once per process when the first engine's runner (`every_block=False`) or trainer
+(`every_block=True`) starts on a CPU; blocks mapped before then stay mapped.
+`PAGEDRL_KEEP_FREED=0` leaves glibc's defaults.
 """
 
 from __future__ import annotations
@@ -34,15 +39,16 @@ import platform
 
 logger = logging.getLogger(__name__)
 
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4  # mallopt's parameters (malloc.h)
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -2, -3, -4  # mallopt's parameters (malloc.h)
+MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for it on 64-bit: larger values are refused
 NEVER_TRIM = -1  # "disables trimming completely" (mallopt(3))
-NO_MMAP = 0  # the most blocks glibc maps on their own
 TOP_PAD = 64 << 20  # the heap grows 64 MB beyond a request: fewer brk calls
 
 
 @functools.cache
-def keep_freed_memory() -> bool:
-    """Whether glibc now keeps freed memory (False elsewhere, or when turned off)."""
+def keep_freed_memory(every_block: bool = False) -> bool:
+    """Whether glibc now keeps freed memory (False elsewhere, or when turned off); `every_block`:
+    no block is mapped on its own (a trainer's process)."""
     if os.environ.get("PAGEDRL_KEEP_FREED", "").strip().lower() in {"0", "false", "no", "off"}:
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
@@ -52,8 +58,10 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    done = all(mallopt(param, value) == 1 for param, value in
-               ((M_MMAP_MAX, NO_MMAP), (M_TRIM_THRESHOLD, NEVER_TRIM), (M_TOP_PAD, TOP_PAD)))
+    settings = [(M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, NEVER_TRIM), (M_TOP_PAD, TOP_PAD)]
+    if every_block:
+        settings.append((M_MMAP_MAX, 0))
+    done = all(mallopt(param, value) == 1 for param, value in settings)
     if not done:
         logger.warning("glibc refused the allocator settings; freed memory goes back to the kernel")
     return done

@@ -377,7 +377,7 @@ def start_run(config: TrainConfig, needs: str) -> tuple[DistInfo, Any]:
     dist = init_distributed(config.use_cpu)
     ckpt.seed_everything(config.seed)
     if dist.device.type == "cpu":
-        keep_freed_memory()  # a step's large tensors reuse the last step's memory (engine/cpu_memory.py)
+        keep_freed_memory(every_block=True)  # a step's large tensors reuse the last step's memory
     loaded = load_model(config.model, device=dist.device, dtype=torch.float32, revision=config.revision)
     if loaded.tokenizer is None:
         raise ValueError(f"model: {loaded.path} has no tokenizer.json; {needs} the model's tokenizer")
