@@ -167,7 +167,6 @@ def test_glibc_keeps_freed_memory_unless_told_not_to(monkeypatch) -> None:
     assert cpu_memory.keep_freed_memory() == (platform.libc_ver()[0] == "glibc")
 
 
-
 KEPT_MEMORY_PROBE = """
 import resource, sys, torch
 from pagedrl.engine.cpu_memory import keep_freed_memory
@@ -188,8 +187,8 @@ print(start <= torch.empty(16 << 20).data_ptr() < end, again)
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator settings")
 def test_freed_blocks_of_any_size_are_served_again_from_the_heap() -> None:
     """With a trainer's settings, a 64 MB block comes from the heap, and once freed its pages serve
-    the next requests of other sizes without a page fault; without them, glibc maps each such block afresh
-    and unmaps it on free, so the same writes fault on every page."""
+    the next requests of other sizes without a page fault; without them, glibc maps each such block
+    afresh and unmaps it on free, so the same writes fault on every page."""
     import subprocess
     import sys
 

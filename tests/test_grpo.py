@@ -310,15 +310,16 @@ def test_dynamic_sampling_keeps_groups_with_signal_and_fills_from_the_dropped(mo
 
 
 def test_dynamic_sampling_draws_what_the_share_kept_says_and_leaves_out_the_excess(monkeypatch) -> None:
-    """After a round that kept half its groups, the next draws twice what is missing; groups kept
-    beyond the batch are left out, in order."""
+    """After a round that kept half its groups, the next draws twice what is missing (at most a
+    first round's prompts); groups kept beyond the batch are left out, in order."""
     from pagedrl.train.rl import rollout as rollout_module
 
     drawn: list[int] = []
+    with_signal = {1, 3, 5, 7, 9, 11, 13, 14, 16, 17}
 
     def fake_sample(llm, rows, params, seeds=None):
         drawn.append(len(rows))
-        comps = [[p.prompt_ids[0] % 2 * j] for p in rows for j in range(2)]  # odd prompts have signal
+        comps = [[int(p.prompt_ids[0] in with_signal) * j] for p in rows for j in range(2)]
         return Rollout(list(rows), 2, comps, [""] * len(comps), [[0.0]] * len(comps),
                        torch.zeros(len(comps), dtype=torch.bool))
 
@@ -328,11 +329,16 @@ def test_dynamic_sampling_draws_what_the_share_kept_says_and_leaves_out_the_exce
     def next_rows(n):
         return [PromptOnly([next(counter)], "p", "") for _ in range(n)], [None] * n
 
-    funcs = [("first", lambda prompts, completions, completion_ids, **kw: [float(c[0]) for c in completion_ids])]
-    r = rollout_module.collect_rollout(None, next_rows, 4, None, funcs, None, "group", dynamic_sampling=True)
-    # round 1: prompts 0-3 keep 1 and 3; 2 missing at a share of 1/2 -> 4 prompts (4-7) keep 5 and 7.
-    assert drawn == [4, 4] and r.rounds == 2
-    assert [p.prompt_ids[0] for p in r.prompts] == [1, 3, 5, 7]
-    r = rollout_module.collect_rollout(None, next_rows, 3, None, funcs, None, "group", dynamic_sampling=True)
-    # round 1: prompts 8-10 keep 9; 2 missing at a share of 1/3 -> 6, at most 3 (11-13): keep 11 and 13.
-    assert drawn[2:] == [3, 3] and [p.prompt_ids[0] for p in r.prompts] == [9, 11, 13]
+    def collect(num_prompts: int) -> list[int]:
+        funcs = [("first", lambda prompts, completions, completion_ids, **kw: [float(c[0]) for c in completion_ids])]
+        r = rollout_module.collect_rollout(None, next_rows, num_prompts, None, funcs, None, "group",
+                                           dynamic_sampling=True)
+        assert len(r.advantages) == 2 * num_prompts
+        return [p.prompt_ids[0] for p in r.prompts]
+
+    # prompts 0-3 keep 1 and 3; 2 missing at a share of 1/2 -> 4 prompts (4-7) keep 5 and 7.
+    assert collect(4) == [1, 3, 5, 7] and drawn == [4, 4]
+    # prompts 8-10 keep 9; 2 missing at a share of 1/3 -> 6, at most 3 (11-13): keep 11 and 13.
+    assert collect(3) == [9, 11, 13] and drawn[2:] == [3, 3]
+    # prompts 14-15 keep 14; 1 missing at a share of 1/2 -> 2 (16-17), both kept: 17 is left out.
+    assert collect(2) == [14, 16] and drawn[4:] == [2, 2]
