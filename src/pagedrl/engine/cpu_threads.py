@@ -87,7 +87,7 @@ def bind_threads() -> list[int] | None:
 
 
 def _bind() -> list[int] | None:
-    cores = planned_cores(os.environ.get(ENV, "nobind"), torch.get_num_threads(), os.sched_getaffinity(0),
+    cores = planned_cores(os.environ.get(ENV, ""), torch.get_num_threads(), os.sched_getaffinity(0),
                           int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if cores is None or not cpu_kernels.available():
         return None
