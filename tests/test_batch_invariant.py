@@ -22,6 +22,7 @@ from pagedrl.model import batch_invariant
 from pagedrl.model.attention import DenseAttention
 from pagedrl.model.config import ModelConfig
 from pagedrl.model.decoder import CausalLM
+from pagedrl.model.rope import rope_cos_sin, rope_inv_freq
 from pagedrl.train.rl.online import choose_batch_invariance
 
 
@@ -78,6 +79,26 @@ def test_addmm_rows_do_not_depend_on_the_batch(broadcast) -> None:
         for first, rows in ((0, 1200), (7, 45), (300, 700), (1199, 1)):
             part = torch.addmm(added if broadcast else added[first:first + rows], x[first:first + rows], w.t())
             assert torch.equal(part, reference[first:first + rows])
+
+
+def test_a_positions_rotary_table_does_not_depend_on_the_batch() -> None:
+    """Each position's cos and sin are the float32 roundings of the exact values at its float32
+    angle (Python's float64 math as the reference), computed for 4096 positions at once or for a
+    decode step's few: float32's own cos took other bits on a vector math library's threads
+    (13.7 k of these 262 k values, and a bf16 rollout off the trainer's by 3e-2 in some processes)."""
+    import math
+
+    inv_freq = rope_inv_freq(64, 100000.0, None)
+    positions = torch.arange(4096)
+    cos, sin = rope_cos_sin(positions, inv_freq, torch.float32)
+    angles = (positions.float().unsqueeze(-1) * inv_freq).tolist()
+    half = inv_freq.shape[0]
+    assert cos[:, :half].tolist() == torch.tensor([[math.cos(a) for a in row] for row in angles]).tolist()
+    assert sin[:, :half].tolist() == torch.tensor([[math.sin(a) for a in row] for row in angles]).tolist()
+    assert torch.equal(cos[:, half:], cos[:, :half]) and torch.equal(sin[:, half:], sin[:, :half])
+    for few in ([0], [7, 300, 4095], list(range(1000, 1064))):
+        c, s = rope_cos_sin(torch.tensor(few), inv_freq, torch.float32)
+        assert torch.equal(c, cos[few]) and torch.equal(s, sin[few])
 
 
 def test_the_mode_is_scoped_and_not_nested() -> None:
