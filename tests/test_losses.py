@@ -13,6 +13,7 @@ from pagedrl.train.losses import (
     clipped_surrogate,
     dpo_loss,
     entropy_from_logits,
+    entropy_from_logprobs,
     kl_estimate,
     resolve_aggregation,
     reward_model_loss,
@@ -176,6 +177,21 @@ def test_entropy_from_logits_skips_filtered_tokens_in_value_and_gradient() -> No
     assert h.item() == pytest.approx(-sum(math.exp(v) / z * (v - math.log(z)) for v in kept), rel=1e-12)
     h.sum().backward()
     assert torch.isfinite(logits.grad).all()
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_entropy_from_logprobs_matches_float64(kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer's entropy metric from its log-probs, through the CPU kernel and through torch, over
+    rows of the default model's vocabulary size (a tail of 49159 % 16 values after the vector loop),
+    peaked and flat."""
+    monkeypatch.setenv("PAGEDRL_CPU_KERNELS", kernels)
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(5, 49159, generator=g) * torch.tensor([[0.1], [1.0], [3.0], [10.0], [40.0]])
+    logp = torch.log_softmax(logits, dim=-1)
+    expected = -(logp.double().exp() * logp.double()).sum(-1)
+    got = entropy_from_logprobs(logp)
+    assert got.dtype == torch.float32 and got.shape == (5,)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------ reward model

@@ -23,7 +23,7 @@ import torch
 
 from pagedrl.engine.sampler import processed_log_softmax
 from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.train.losses import entropy_from_logits
+from pagedrl.train.losses import entropy_from_logits, entropy_from_logprobs
 
 CHUNK_ROWS = 1024  # 1024 rows × a 49k vocabulary ≈ 200 MB of float32 logits per chunk
 
@@ -78,7 +78,7 @@ def logprobs_from_hidden(head: Callable[[torch.Tensor], torch.Tensor], hidden: t
         with torch.no_grad():
             if entropy and untruncated and full is not None:
                 logp = full.detach()  # finite: no token is cut from an untruncated distribution
-                parts["entropy"].append(-torch.linalg.vecdot(logp.exp(), logp))
+                parts["entropy"].append(entropy_from_logprobs(logp))
             elif entropy:
                 parts["entropy"].append(entropy_from_logits(logits / temperature))
             if correct:

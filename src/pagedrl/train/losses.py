@@ -135,6 +135,18 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(safe_logp.exp() * safe_logp).masked_fill(~finite, 0.0).sum(dim=-1)
 
 
+def entropy_from_logprobs(logp: Tensor) -> Tensor:
+    """Shannon entropy (nats) of each row of finite log-probs [N, V], without gradient: on a CPU
+    with pagedrl's kernels one read of the rows (`csrc/rowwise.cpp`), where torch's exp and product
+    write two [N, V] copies (400 MB for a 1024-row chunk of a 49k vocabulary)."""
+    if logp.device.type == "cpu" and logp.dtype == torch.float32 and logp.dim() == 2 and not logp.requires_grad:
+        from pagedrl.engine import cpu_kernels
+
+        if cpu_kernels.available():
+            return torch.ops.pagedrl_cpu.entropy_from_logprobs(logp.contiguous())
+    return -torch.linalg.vecdot(logp.exp(), logp)
+
+
 # ---------------------------------------------------------------------------------------------
 # Reward model (Bradley-Terry)
 # ---------------------------------------------------------------------------------------------
