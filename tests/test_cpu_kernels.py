@@ -104,6 +104,20 @@ def test_decode_linear_is_the_float32_sum_rounded_once(rows, out_features, in_fe
     assert ((out.double() - exact).abs() <= bound).all()
 
 
+def test_decode_linear_computes_a_row_alike_in_any_batch() -> None:
+    """A row's outputs do not depend on how many rows share the call: alone, among 32, or among 600
+    (three passes of 256 rows over the weights on AMX): what batch-invariant products rest on."""
+    needs_bf16_dot()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(600, 576, generator=gen).bfloat16()
+    weight = torch.randn(1536, 576, generator=gen).bfloat16()
+    whole = torch.ops.pagedrl_cpu.decode_linear(x, weight, None)
+    by_32 = torch.cat([torch.ops.pagedrl_cpu.decode_linear(x[i:i + 32], weight, None) for i in range(0, 600, 32)])
+    assert torch.equal(whole, by_32)
+    for row in (0, 255, 256, 599):
+        assert torch.equal(whole[row:row + 1], torch.ops.pagedrl_cpu.decode_linear(x[row:row + 1], weight, None))
+
+
 def test_decode_linear_uses_amx_where_the_cpu_has_it() -> None:
     """The tile path is built and permitted wherever the CPU reports AMX-BF16 (this machine does)."""
     needs_bf16_dot()

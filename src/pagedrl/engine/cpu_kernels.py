@@ -88,6 +88,12 @@ def decode_linear_available() -> bool:
     return available() and bool(torch.ops.pagedrl_cpu.decode_linear_available())
 
 
+@functools.cache
+def decode_linear_amx() -> bool:
+    """Whether `decode_linear` runs on AMX tiles here (any number of rows at near oneDNN's speed)."""
+    return decode_linear_available() and bool(torch.ops.pagedrl_cpu.decode_linear_amx())
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """A step's new keys and values [N, Hkv, D] into their cache slots, in one call (no thread pool

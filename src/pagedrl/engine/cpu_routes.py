@@ -45,7 +45,7 @@ def max_rows() -> int:
     """The most rows a product may have to go through the kernels here (0: not built for this CPU)."""
     if not cpu_kernels.decode_linear_available():
         return 0
-    return MAX_ROWS_AMX if torch.ops.pagedrl_cpu.decode_linear_amx() else MAX_ROWS_DOT
+    return MAX_ROWS_AMX if cpu_kernels.decode_linear_amx() else MAX_ROWS_DOT
 
 
 def kernel(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

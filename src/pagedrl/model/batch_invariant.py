@@ -11,10 +11,14 @@ to make every operation whose result depends on the batch compute the same bits 
 - **Matmuls.** oneDNN picks its kernel by the number of rows, and kernels reduce in different
   orders: a row multiplied alone or among 32 rows gets other bits than the same row among 48 or
   among 300 (measured on the default model's projections, bf16 on AMX). Here every product is cut
-  into calls whose kernel computes each row as a 32-row call does (`row_splits`): 32-row calls
-  (the last one padded), or larger calls only at sizes a probe has shown to agree with them for
-  this weight's shape, dtype and thread count (`safe_sizes`), so a trainer's forward keeps most of
-  the large-call speed.
+  into calls whose kernel computes each row as a 32-row call does (`row_splits`): larger calls only
+  at sizes a probe has shown to agree with 32-row calls for this weight's shape, dtype and thread
+  count (`safe_sizes`), so a trainer's forward keeps most of the large-call speed; the rows left
+  (all of a decode step's) in 32-row calls, the last one padded, or where the CPU has AMX in one
+  call of the engine's own kernel (`engine/csrc/decode_linear.cpp`), which sums each output's
+  products as a 32-row oneDNN call does whatever the number of rows (a probe checks it per shape,
+  `kernel_agrees`): a 64-sequence decode step's 211 projections of the default model take 23 ms
+  that way against 52 ms in two 32-row calls.
 - **Attention.** Each query row is attended alone, its keys taken in chunks of 16 positions from
   wherever they lie (`engine/cpu_kernels.paged_attention`): the engine reads them from the KV
   cache's blocks, the trainer from its packed batch through a table of the tokens each row sees.
@@ -159,9 +163,12 @@ def safe_sizes(kind: str, out_features: int, in_features: int, dtype: torch.dtyp
     return tuple(safe)
 
 
-def _chunked(rows: torch.Tensor, call: Callable[[torch.Tensor, slice], torch.Tensor], safe: tuple[int, ...]) -> torch.Tensor:
+def _chunked(rows: torch.Tensor, call: Callable[[torch.Tensor, slice], torch.Tensor], safe: tuple[int, ...],
+             rest: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """`call` over `rows` [M, K] cut by `row_splits`, the results concatenated: call(chunk, where)
-    gets the chunk's rows (a short last chunk padded to 32) and the slice of M they came from."""
+    gets the chunk's rows (a short last chunk padded to 32) and the slice of M they came from.
+    `rest`: a product that computes any number of rows as 32-row calls do; the rows left after the
+    safe sizes go to it in one call instead of 32-row calls."""
     total = rows.shape[0]
     if total == SMALL_ROWS or total in safe:  # one call as it stands (a decode batch of 32, say)
         return call(rows, slice(0, total))
@@ -169,6 +176,9 @@ def _chunked(rows: torch.Tensor, call: Callable[[torch.Tensor, slice], torch.Ten
     for size in row_splits(total, safe):
         where = slice(start, start + size)
         chunk = rows[where]
+        if rest is not None and size not in safe:  # the rows after the safe sizes, in one call
+            parts.append(rest(rows[start:]))
+            break
         if size < SMALL_ROWS:
             parts.append(call(F.pad(chunk, (0, 0, 0, SMALL_ROWS - size)), where)[:size])
         else:
@@ -186,9 +196,43 @@ def _lowered(*tensors: torch.Tensor | None) -> tuple[Any, ...]:
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
 
 
+def _amx_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the engine's AMX kernel takes this product: bf16 operands with contiguous rows, K a
+    multiple of 32, and a CPU where it runs."""
+    if rows.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
+        return False
+    if rows.stride(-1) != 1 or weight.stride(-1) != 1 or rows.shape[-1] % 32 or weight.shape[0] < 16:
+        return False
+    from pagedrl.engine import cpu_kernels
+
+    return cpu_kernels.decode_linear_amx()
+
+
+@functools.cache
+def kernel_agrees(out_features: int, in_features: int, has_bias: bool, threads: int) -> bool:
+    """Whether the engine's AMX kernel computes a bf16 product of this shape as oneDNN's 32-row calls
+    do, bit for bit: both sum each output's products 32 at a time in order with the same tile
+    instruction and round once (measured equal on the default model's shapes). Checked once per
+    process on `PROBE_DRAWS` draws of 1024 random rows, as `safe_sizes` checks oneDNN's own sizes."""
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if has_bias else None
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        for _ in range(PROBE_DRAWS):
+            x = torch.randn(LADDER[0], in_features, generator=gen).bfloat16()
+            reference = torch.cat([F.linear(x[i:i + SMALL_ROWS], w, b) for i in range(0, x.shape[0], SMALL_ROWS)])
+            if not torch.equal(torch.ops.pagedrl_cpu.decode_linear(x, w, b), reference):
+                return False
+    return True
+
+
 def _linear_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    safe = safe_sizes("linear", weight.shape[0], weight.shape[1], rows.dtype, bias is not None, torch.get_num_threads())
-    return _chunked(rows, lambda chunk, _: F.linear(chunk, weight, bias), safe)
+    N, K, threads = weight.shape[0], weight.shape[1], torch.get_num_threads()
+    safe = safe_sizes("linear", N, K, rows.dtype, bias is not None, threads)
+    rest = None
+    if _amx_product(rows, weight, bias) and kernel_agrees(N, K, bias is not None, threads):
+        rest = lambda chunk: torch.ops.pagedrl_cpu.decode_linear(chunk, weight, bias)  # noqa: E731
+    return _chunked(rows, lambda chunk, _: F.linear(chunk, weight, bias), safe, rest)
 
 
 class _Linear(torch.autograd.Function):

@@ -226,10 +226,18 @@ void amx_rows(const uint16_t* packed, int64_t M, int64_t K, const uint16_t* w, i
   configure_tiles();
   alignas(64) float sums[4 * 256];
   const int64_t k_blocks = K / 32, m_blocks = (M + 15) / 16;
+  // Input rows in passes of kPassTiles tiles (256 rows): within a pass this thread's weight tiles are
+  // read once per 64 rows from its L2 cache (the weight rows of one thread's share of a projection are
+  // at most ~1 MB), and the pass's packed rows stay there too. One pass over all rows read the packed
+  // rows again from memory for every 16 weight rows: at 2048 rows 2.5x slower than oneDNN. A pass
+  // changes the order of the loops only; every output sums its products as before.
+  constexpr int64_t kPassTiles = 16;
+  for (int64_t pass = 0; pass < m_blocks; pass += kPassTiles) {
+  const int64_t pass_end = std::min(m_blocks, pass + kPassTiles);
   for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
     const uint16_t* wb = w + nb * 16 * ldw;
-    for (int64_t mb = 0; mb < m_blocks; mb += 4) {
-      const int64_t count = std::min<int64_t>(4, m_blocks - mb);
+    for (int64_t mb = pass; mb < pass_end; mb += 4) {
+      const int64_t count = std::min<int64_t>(4, pass_end - mb);
       switch (count) {
         case 1: amx_block<1>(wb, ldw, packed, k_blocks, mb, sums); break;
         case 2: amx_block<2>(wb, ldw, packed, k_blocks, mb, sums); break;
@@ -248,6 +256,7 @@ void amx_rows(const uint16_t* packed, int64_t M, int64_t K, const uint16_t* w, i
                               (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(rows[col], b)));
       }
     }
+  }
   }
   _tile_release();
 }
