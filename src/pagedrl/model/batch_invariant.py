@@ -170,7 +170,7 @@ def _chunked(rows: torch.Tensor, call: Callable[[torch.Tensor, slice], torch.Ten
     `rest`: a product that computes any number of rows as 32-row calls do; the rows left after the
     safe sizes go to it in one call instead of 32-row calls."""
     total = rows.shape[0]
-    if total == SMALL_ROWS or total in safe:  # one call as it stands (a decode batch of 32, say)
+    if total in safe or (total == SMALL_ROWS and rest is None):  # one call as it stands
         return call(rows, slice(0, total))
     parts, start = [], 0
     for size in row_splits(total, safe):
