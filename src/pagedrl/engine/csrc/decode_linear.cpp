@@ -233,30 +233,30 @@ void amx_rows(const uint16_t* packed, int64_t M, int64_t K, const uint16_t* w, i
   // changes the order of the loops only; every output sums its products as before.
   constexpr int64_t kPassTiles = 16;
   for (int64_t pass = 0; pass < m_blocks; pass += kPassTiles) {
-  const int64_t pass_end = std::min(m_blocks, pass + kPassTiles);
-  for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
-    const uint16_t* wb = w + nb * 16 * ldw;
-    for (int64_t mb = pass; mb < pass_end; mb += 4) {
-      const int64_t count = std::min<int64_t>(4, pass_end - mb);
-      switch (count) {
-        case 1: amx_block<1>(wb, ldw, packed, k_blocks, mb, sums); break;
-        case 2: amx_block<2>(wb, ldw, packed, k_blocks, mb, sums); break;
-        case 3: amx_block<3>(wb, ldw, packed, k_blocks, mb, sums); break;
-        default: amx_block<4>(wb, ldw, packed, k_blocks, mb, sums); break;
-      }
-      // A tile holds [weight row][input row]: transposed in registers, each input row's 16 outputs
-      // are a row, the bias added in float32 and rounded to bf16 once (to nearest even).
-      const __m512 b = bias ? _mm512_loadu_ps(bias + nb * 16) : _mm512_setzero_ps();
-      for (int64_t c = 0; c < count; ++c) {
-        __m512 rows[16];
-        for (int n = 0; n < 16; ++n) rows[n] = _mm512_load_ps(sums + c * 256 + n * 16);
-        transpose16(rows);
-        for (int64_t col = 0; col < 16 && (mb + c) * 16 + col < M; ++col)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + ((mb + c) * 16 + col) * ldy + nb * 16),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(rows[col], b)));
+    const int64_t pass_end = std::min(m_blocks, pass + kPassTiles);
+    for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
+      const uint16_t* wb = w + nb * 16 * ldw;
+      for (int64_t mb = pass; mb < pass_end; mb += 4) {
+        const int64_t count = std::min<int64_t>(4, pass_end - mb);
+        switch (count) {
+          case 1: amx_block<1>(wb, ldw, packed, k_blocks, mb, sums); break;
+          case 2: amx_block<2>(wb, ldw, packed, k_blocks, mb, sums); break;
+          case 3: amx_block<3>(wb, ldw, packed, k_blocks, mb, sums); break;
+          default: amx_block<4>(wb, ldw, packed, k_blocks, mb, sums); break;
+        }
+        // A tile holds [weight row][input row]: transposed in registers, each input row's 16 outputs
+        // are a row, the bias added in float32 and rounded to bf16 once (to nearest even).
+        const __m512 b = bias ? _mm512_loadu_ps(bias + nb * 16) : _mm512_setzero_ps();
+        for (int64_t c = 0; c < count; ++c) {
+          __m512 rows[16];
+          for (int n = 0; n < 16; ++n) rows[n] = _mm512_load_ps(sums + c * 256 + n * 16);
+          transpose16(rows);
+          for (int64_t col = 0; col < 16 && (mb + c) * 16 + col < M; ++col)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + ((mb + c) * 16 + col) * ldy + nb * 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(rows[col], b)));
+        }
       }
     }
-  }
   }
   _tile_release();
 }
