@@ -106,28 +106,43 @@ inline void chunk_scores_bf16(const c10::BFloat16* q, const c10::BFloat16* keys,
   }
 }
 // A chunk's values into each query head's accumulator, acc[g] += p[g][t] * v[t] in position order (as
-// the portable loop adds them): the chunk's value rows widened to float32 once, then each head's
-// accumulator kept in registers across the chunk instead of loaded and stored for every position.
+// the portable loop adds them): each value row widened to float32 in registers once and added to up
+// to four heads' accumulators, all held in registers across the chunk (the heads share every row,
+// and their FMA chains run side by side).
+template <int kD, int kG>
+inline void chunk_values_heads(const c10::BFloat16* values, const int64_t* slots, int64_t n, int64_t token_stride,
+                               const float* probs, float* acc) {
+  constexpr int kF = kD / 16;
+  __m512 a[kG][kF];
+  for (int g = 0; g < kG; ++g)
+    for (int i = 0; i < kF; ++i) a[g][i] = _mm512_loadu_ps(acc + g * kD + 16 * i);
+  for (int64_t t = 0; t < n; ++t) {
+    const c10::BFloat16* v = values + slots[t] * token_stride;
+    __m512 row[kF];
+    for (int i = 0; i < kF; ++i) {
+      const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * i)));
+      row[i] = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    }
+    for (int g = 0; g < kG; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * kChunk + t]);
+      for (int i = 0; i < kF; ++i) a[g][i] = _mm512_fmadd_ps(p, row[i], a[g][i]);
+    }
+  }
+  for (int g = 0; g < kG; ++g)
+    for (int i = 0; i < kF; ++i) _mm512_storeu_ps(acc + g * kD + 16 * i, a[g][i]);
+}
+
 template <int kD>
 inline void chunk_values_bf16(const c10::BFloat16* values, const int64_t* slots, int64_t n, int64_t token_stride,
                               int64_t groups, const float* probs, float* acc) {
-  constexpr int kF = kD / 16;
-  alignas(64) float rows[kChunk][kD];
-  for (int64_t t = 0; t < n; ++t) {
-    const c10::BFloat16* v = values + slots[t] * token_stride;
-    for (int i = 0; i < kF; ++i) {
-      const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * i)));
-      _mm512_store_ps(rows[t] + 16 * i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
-    }
-  }
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512 a[kF];
-    for (int i = 0; i < kF; ++i) a[i] = _mm512_loadu_ps(acc + g * kD + 16 * i);
-    for (int64_t t = 0; t < n; ++t) {
-      const __m512 p = _mm512_set1_ps(probs[g * kChunk + t]);
-      for (int i = 0; i < kF; ++i) a[i] = _mm512_fmadd_ps(p, _mm512_load_ps(rows[t] + 16 * i), a[i]);
-    }
-    for (int i = 0; i < kF; ++i) _mm512_storeu_ps(acc + g * kD + 16 * i, a[i]);
+  int64_t g = 0;
+  for (; g + 4 <= groups; g += 4)
+    chunk_values_heads<kD, 4>(values, slots, n, token_stride, probs + g * kChunk, acc + g * kD);
+  switch (groups - g) {
+    case 3: chunk_values_heads<kD, 3>(values, slots, n, token_stride, probs + g * kChunk, acc + g * kD); break;
+    case 2: chunk_values_heads<kD, 2>(values, slots, n, token_stride, probs + g * kChunk, acc + g * kD); break;
+    case 1: chunk_values_heads<kD, 1>(values, slots, n, token_stride, probs + g * kChunk, acc + g * kD); break;
+    default: break;
   }
 }
 #endif
@@ -209,8 +224,12 @@ void attend_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, co
         for (int64_t g = 0; g < groups; ++g) {
           float* sg = scores.data() + g * kChunk;
           for (int64_t t = n; t < kChunk; ++t) sg[t] = lowest;  // positions past the row: weight 0
+#if PAGEDRL_BF16_DOT  // a max is exact whatever its order: one vector's tree, not a chain of 16
+          const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(_mm512_loadu_ps(sg)));
+#else
           float new_max = running_max[g];
           for (int64_t t = 0; t < kChunk; ++t) new_max = std::max(new_max, sg[t]);
+#endif
           const float rescale = exp_nonpositive(running_max[g] - new_max);
           float chunk_sum = 0.f;
 #pragma omp simd reduction(+ : chunk_sum)
