@@ -96,6 +96,11 @@ def test_two_processes_equal_one_process(algorithm, parallel, two_processes, one
             assert one["kl_coef"] != 0.1 and two["kl_coef"] == pytest.approx(one["kl_coef"], rel=1e-6), where
         assert set(two["metrics"]) == set(one["metrics"]), where
         for name, value in one["metrics"].items():
+            if name == "rewards/accuracies" and abs(one["metrics"]["rewards/margins"]) < TOL:
+                # The policy is still its reference (DPO's step 1): every margin is float32 rounding
+                # noise (one process: a rejected reward of -4.8e-8; two: exactly 0), and the share of
+                # margins above 0 is the sign of that noise, which no two batch layouts need to share.
+                continue
             assert two["metrics"][name] == pytest.approx(value, rel=TOL, abs=TOL, nan_ok=True), f"{where}: {name}"
 
 
