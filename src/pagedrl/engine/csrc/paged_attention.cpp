@@ -63,6 +63,7 @@ inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
 }
 
 constexpr int64_t kChunk = 16;  // key positions per online-softmax update, whatever the table's block
+static_assert(kChunk == 16, "a chunk's scores are one 16-lane vector (its max, the lane sums)");
 
 #if PAGEDRL_BF16_DOT
 // Lane t of the result is the sum of the 16 lanes of v[t]: 16 horizontal sums in 45 shuffles and adds
