@@ -10,7 +10,7 @@ import platform
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_cpu_kernels import needs_bf16_dot
 
@@ -30,10 +30,14 @@ def kernels() -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 40), dim=st.sampled_from([8, 64, 576, 100]), seed=st.integers(0, 2**16))
+@example(rows=7, dim=64, seed=242).via("a normalized value on its neighbour")
+@example(rows=7, dim=576, seed=55).via("the eager code too")
 def test_rms_norm_is_the_decoders_with_its_roundings(rows, dim, seed) -> None:
     """float64 reference with the decoder's roundings (the normalized row to bf16, then times the
-    weight to bf16): within one bf16 step of it (the scale is computed in float32 in another order);
-    the decoder's eager code within the same distance."""
+    weight to bf16): the scale is computed in float32 in another order, so a normalized value near a
+    rounding boundary may land on its neighbour, one bf16 step away (up to 2^-7 relative), and the
+    product's rounding adds half a step: within 3 x 2^-8 of the reference (seed 242 of a [7, 64] row
+    and seed 55 of a [7, 576] one were 2.0 x 2^-8 off, for the eager code too)."""
     gen = torch.Generator().manual_seed(seed)
     norm = RMSNorm(dim, 1e-5).bfloat16()
     norm.weight.data = (1 + 0.3 * torch.randn(dim, generator=gen)).bfloat16()
@@ -45,7 +49,7 @@ def test_rms_norm_is_the_decoders_with_its_roundings(rows, dim, seed) -> None:
     normed = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16().double()
     exact = norm.weight.double() * normed
     for out in (got, eager):
-        assert ((out.double() - exact).abs() <= 2 * BF16_STEP * exact.abs() + 1e-30).all()
+        assert ((out.double() - exact).abs() <= 3 * BF16_STEP * exact.abs() + 1e-30).all()
 
 
 @settings(max_examples=25, deadline=None)
