@@ -135,6 +135,20 @@ def row_splits(rows: int, safe: tuple[int, ...]) -> list[int]:
     return sizes
 
 
+def _probe_operands(out_features: int, in_features: int, dtype: torch.dtype, has_bias: bool, seed: int
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """A probe's random weight [out, in] (and bias) and its `PROBE_DRAWS` draws of 1024 rows."""
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype) if has_bias else None
+    return w, b, [torch.randn(LADDER[0], in_features, generator=gen).to(dtype) for _ in range(PROBE_DRAWS)]
+
+
+def _by_small_calls(call: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`call` over `x` in 32-row calls, concatenated: what every probe compares with."""
+    return torch.cat([call(x[i:i + SMALL_ROWS]) for i in range(0, x.shape[0], SMALL_ROWS)])
+
+
 @functools.cache
 def safe_sizes(kind: str, out_features: int, in_features: int, dtype: torch.dtype, has_bias: bool,
                threads: int) -> tuple[int, ...]:
@@ -142,10 +156,7 @@ def safe_sizes(kind: str, out_features: int, in_features: int, dtype: torch.dtyp
     this shape: measured once per process, on `PROBE_DRAWS` draws of 1024 random rows each cut
     into calls of the size (a kernel that reduces in another order shows it on several rows of
     every few hundred)."""
-    gen = torch.Generator().manual_seed(0)
-    top = LADDER[0]
-    w = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).to(dtype)
-    b = torch.randn(out_features, generator=gen).to(dtype) if has_bias else None
+    w, b, draws = _probe_operands(out_features, in_features, dtype, has_bias, seed=0)
 
     def call(rows: torch.Tensor) -> torch.Tensor:
         if kind == "addmm":
@@ -155,11 +166,10 @@ def safe_sizes(kind: str, out_features: int, in_features: int, dtype: torch.dtyp
 
     safe = list(LADDER)
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
-        for _ in range(PROBE_DRAWS):
-            x = torch.randn(top, in_features, generator=gen).to(dtype)
-            reference = torch.cat([call(x[i:i + SMALL_ROWS]) for i in range(0, top, SMALL_ROWS)])
-            safe = [size for size in safe
-                    if all(torch.equal(call(x[i:i + size]), reference[i:i + size]) for i in range(0, top - size + 1, size))]
+        for x in draws:
+            reference = _by_small_calls(call, x)
+            safe = [size for size in safe if all(torch.equal(call(x[i:i + size]), reference[i:i + size])
+                                                 for i in range(0, x.shape[0] - size + 1, size))]
     return tuple(safe)
 
 
@@ -214,14 +224,10 @@ def kernel_agrees(out_features: int, in_features: int, has_bias: bool, threads: 
     do, bit for bit: both sum each output's products 32 at a time in order with the same tile
     instruction and round once (measured equal on the default model's shapes). Checked once per
     process on `PROBE_DRAWS` draws of 1024 random rows, as `safe_sizes` checks oneDNN's own sizes."""
-    gen = torch.Generator().manual_seed(1)
-    w = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).bfloat16()
-    b = torch.randn(out_features, generator=gen).bfloat16() if has_bias else None
+    w, b, draws = _probe_operands(out_features, in_features, torch.bfloat16, has_bias, seed=1)
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
-        for _ in range(PROBE_DRAWS):
-            x = torch.randn(LADDER[0], in_features, generator=gen).bfloat16()
-            reference = torch.cat([F.linear(x[i:i + SMALL_ROWS], w, b) for i in range(0, x.shape[0], SMALL_ROWS)])
-            if not torch.equal(torch.ops.pagedrl_cpu.decode_linear(x, w, b), reference):
+        for x in draws:
+            if not torch.equal(torch.ops.pagedrl_cpu.decode_linear(x, w, b), _by_small_calls(lambda r: F.linear(r, w, b), x)):
                 return False
     return True
 
