@@ -119,7 +119,8 @@ def test_decode_linear_computes_a_row_alike_in_any_batch() -> None:
 
 
 def test_decode_linear_uses_amx_where_the_cpu_has_it() -> None:
-    """The tile path is built and permitted wherever the CPU reports AMX-BF16 (this machine does)."""
+    """The tile path is built and permitted wherever the CPU reports AMX-BF16, and sets how many rows
+    the kernel takes."""
     needs_bf16_dot()
     from pagedrl.engine import cpu_routes
 
@@ -127,3 +128,28 @@ def test_decode_linear_uses_amx_where_the_cpu_has_it() -> None:
     assert torch.ops.pagedrl_cpu.decode_linear_amx() == ("amx_bf16" in flags and "amx_tile" in flags)
     expected = cpu_routes.MAX_ROWS_AMX if "amx_bf16" in flags else cpu_routes.MAX_ROWS_DOT
     assert cpu_routes.max_rows() == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_chunks_by_rows_equal_the_reference(dtype) -> None:
+    """`prefill_rows`: a step of a fresh prompt, a chunk after a cached prefix and a decode, every new
+    token's row through the row kernel, equals the reference path; a step of decodes only keeps the
+    in-place decode kernel."""
+    block_size, num_kv_heads, num_heads, head_dim = 16, 3, 9, 64
+    gen = torch.Generator().manual_seed(11)
+    cache = KVCache(1, 24, block_size, num_kv_heads, head_dim, dtype=dtype)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen).to(dtype))
+    order = torch.randperm(cache.num_blocks, generator=gen).tolist()
+    seqs = [(order[0:3], 0, 37), (order[3:6], 20, 13), (order[6:10], 50, 1)]
+    rows = sum(new for _, _, new in seqs)
+    q = torch.randn(1, rows, num_heads, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(1, rows, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    before = cache.data.clone()
+    ref = PagedAttention.build(cache, block_size, seqs, impl="reference").attend(0, q, k, v)
+    cache.data.copy_(before)
+    meta = PagedAttention.build(cache, block_size, seqs, impl="fast", prefill_rows=True)
+    assert meta.row_lens is not None and meta.groups is None
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(meta.attend(0, q, k, v).float(), ref.float(), rtol=tol, atol=tol)
+    decodes = PagedAttention.build(cache, block_size, [(order[6:10], 51, 1)], impl="fast", prefill_rows=True)
+    assert decodes.in_place and decodes.row_lens is None

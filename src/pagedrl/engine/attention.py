@@ -88,10 +88,12 @@ class PagedAttention:
         device: torch.device | str | None = None,
         impl: str = "fast",
         scale: float | None = None,
+        prefill_rows: bool = False,
     ) -> PagedAttention:
         """Metadata for sequences given as (block_table, num_computed_tokens, num_new_tokens): the
         first num_computed tokens are in the cache already, the next num_new are this step's rows.
-        The block table must cover all num_computed + num_new tokens."""
+        The block table must cover all num_computed + num_new tokens. `prefill_rows`: as
+        `from_block_tables` takes it."""
         if block_size != kv_cache.block_size:
             raise ValueError(f"block_size ({block_size}) differs from the cache's ({kv_cache.block_size})")
         if impl not in IMPLEMENTATIONS:
@@ -121,7 +123,8 @@ class PagedAttention:
         num_table_blocks = torch.tensor([len(t) for t in tables])
         block_tables = torch.zeros(len(seqs), int(num_table_blocks.max()), dtype=torch.long)
         block_tables[torch.arange(block_tables.shape[1]) < num_table_blocks[:, None]] = flat
-        return cls.from_block_tables(kv_cache, block_tables, q_lens, seq_lens, device, impl, scale)
+        return cls.from_block_tables(kv_cache, block_tables, q_lens, seq_lens, device, impl, scale,
+                                     prefill_rows=prefill_rows)
 
     @classmethod
     def from_block_tables(
@@ -135,6 +138,7 @@ class PagedAttention:
         scale: float | None = None,
         read_in_place: bool = True,
         rows: bool | None = None,
+        prefill_rows: bool = False,
     ) -> PagedAttention:
         """Metadata from block tables already in a tensor (CPU, [S, >= the blocks each sequence
         needs], padded with block 0), as the engine's persistent block table hands them over:
@@ -142,7 +146,8 @@ class PagedAttention:
         the slots' uniqueness; `build` checks its lists first and then comes here. `read_in_place`
         False keeps a CPU decode step on the gather path (see the engine's runner). `rows`: every new
         token attended alone by the row kernel, as batch-invariant mode needs (None: whether that mode
-        is on here)."""
+        is on here). `prefill_rows`: a step with prompt chunks goes to the row kernel too (where it is
+        the faster prefill: `prefill_by_rows`); steps of decodes keep the in-place decode kernel."""
         device = kv_cache.device if device is None else torch.device(device)
         block_size = kv_cache.block_size
         num_seqs = len(q_lens)
@@ -167,7 +172,8 @@ class PagedAttention:
                              "without copy-on-write?)")
         groups = row_lens = row_seqs = None
         fast_here = impl == "fast" and reads_in_place(kv_cache, device)
-        if (batch_invariant.active() if rows is None else rows) and fast_here:
+        by_rows = (batch_invariant.active() if rows is None else rows) or (prefill_rows and max_query_len > 1)
+        if by_rows and fast_here:
             row_lens = (positions + 1).to(device)
             row_seqs = None if max_query_len == 1 else seq_of_row.to(device)
         in_place = row_lens is None and read_in_place and max_query_len == 1 and fast_here
@@ -282,6 +288,17 @@ def resolve_impl(impl: str, device: torch.device | str) -> str:
 def reads_in_place(kv_cache: KVCache, device: torch.device) -> bool:
     """Whether a CPU decode step runs the in-place kernel (`cpu_kernels`): float32 or bf16, built."""
     return device.type == "cpu" and kv_cache.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
+
+
+def prefill_by_rows(kv_cache: KVCache, device: torch.device) -> bool:
+    """Whether a CPU step with prompt chunks attends each new token's row with the row kernel
+    (`cpu_kernels.paged_attention`, one pass over the keys each row sees, read where they lie) rather
+    than gather + torch's flash attention: in bf16 on a CPU without AMX, where that flash attention
+    runs its block products without tiles (64 prompts of 32-512 tokens, attention of their prefill:
+    3.6 s against 6.3 s). With AMX torch's flash attention is the faster (5.0-5.7 s against 7.3-7.5 s
+    for the whole prefill; `bench/RESULTS.md`), and float32 was not measured: both keep it."""
+    return (reads_in_place(kv_cache, device) and kv_cache.dtype == torch.bfloat16
+            and not cpu_kernels.decode_linear_amx())
 
 
 def chunk_tokens_for(kv_cache: KVCache, device: torch.device) -> int | None:

@@ -16,7 +16,9 @@ read them as they lie:
   against oneDNN's 30, 27 against 38 at 64 rows, 46 against 51 at 128; oneDNN is ahead from about
   200 rows (`MAX_ROWS_AMX` = 128; `bench/bench_decode_linear.py`);
 - without AMX (AVX512-BF16 only), dot products of each weight row with every input row: 18-20 ms at
-  one row, as fast as oneDNN at four (`MAX_ROWS_DOT` = 3).
+  one row. Against oneDNN with AMX it is as fast at four rows; against oneDNN without AMX (its
+  AVX512-BF16 kernel: a CPU such as AMD's Zen 4) 1.5-1.9x at 1-8 rows, 1.3-1.4x at 16, 1.1-1.2x at
+  32, even at 48-64 (`MAX_ROWS_DOT` = 32; the crossover that counts is oneDNN's on the same CPU).
 
 The model runner routes the decoder here around a step's forward and vocabulary projection, for a
 bf16 model the engine owns (weights in bf16, no autocast). Projections of prefill chunks (hundreds of
@@ -37,7 +39,7 @@ from pagedrl.engine import cpu_kernels
 from pagedrl.model.routed import Routes, routed_to
 
 MAX_ROWS_AMX = 128  # measured crossovers with oneDNN's bf16 kernel (see above)
-MAX_ROWS_DOT = 3
+MAX_ROWS_DOT = 32  # no AMX here, and none in oneDNN's kernel either
 
 
 @functools.cache

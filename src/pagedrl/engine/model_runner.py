@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pagedrl.engine.attention import PagedAttention, resolve_impl
+from pagedrl.engine.attention import PagedAttention, prefill_by_rows, resolve_impl
 from pagedrl.engine.cast_weights import CastWeights
 from pagedrl.engine.cpu_memory import keep_freed_memory
 from pagedrl.engine.cpu_routes import routed_step, usable
@@ -59,6 +59,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.kv_manager = kv_manager
         self.block_size = block_size
+        # Prompt chunks through the row kernel where it is the faster prefill; not for a trainer's
+        # rollouts, whose attention must be the kernel its recompute runs.
+        self.prefill_rows = autocast_dtype is None and kv_cache is not None and prefill_by_rows(kv_cache, model.device)
         self._logits: torch.Tensor | None = None  # see `project`
         self.lora: LoRASlots | None = None  # set by the engine when it serves adapters per request
         self.graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs: on CUDA with the kernels
@@ -145,7 +148,7 @@ class ModelRunner:
         # recompute runs: the in-place kernel's float32 softmax tripled the bf16 log-prob gap of a rollout.
         meta = PagedAttention.from_block_tables(self.kv_cache, tables, q_lens, seq_lens, device,
                                                 impl=self.attention_impl, read_in_place=self.autocast_dtype is None,
-                                                rows=invariant)
+                                                rows=invariant, prefill_rows=self.prefill_rows)
         input_ids = long_tensor(ids).to(device)[None]
         with routed_step(len(ids), self.cpu_routes and not invariant):
             hidden = self.model(input_ids, meta.positions[None], meta)[0]

@@ -5,10 +5,11 @@
 // project's machine at 1-16 rows, about half its memory bandwidth, and a decode step is mostly that.
 // Here each output feature's weight row is streamed once per step with the dot-product instruction
 // `vdpbf16ps` (32 bf16 products into 16 float32 sums per instruction) against every input row, held in
-// registers as tiles of up to 4 input rows x 4 weight rows.
+// registers as tiles of up to 2 input rows x 8 weight rows.
 //
 // Every output element is the float32 sum of its K products, accumulated 32 at a time into one vector
-// in k order and reduced at the end, whatever the tile or the number of rows; the result is rounded
+// in k order and its lanes reduced at the end by one tree (`sum_lanes16`), whatever the tile or the
+// number of rows; the result is rounded
 // to bf16 once (after the bias is added in float32). Weights are read in place (the module's own
 // tensor, any row stride), so a weight update needs nothing.
 #include <ATen/Parallel.h>
@@ -48,14 +49,16 @@ inline __m512bh load_bf16(const uint16_t* p, __mmask32 mask) {
   return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
-// out[i][j] = sum_k x[i][k] * w[j][k] for MB input rows and NB weight rows.
+// sums[i * NB + j] = sum_k x[i][k] * w[j][k] for MB input rows and NB weight rows (MB * NB <= 16).
+// Each sum's 16 lanes are reduced by `sum_lanes16` together with the tile's other sums (unused
+// places zero): one tree of additions for every output, whatever the tile, in a third of the
+// instructions one horizontal sum at a time takes (at 16-64 rows those were a third of the kernel).
 template <int MB, int NB>
-inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float (*out)[8]) {
-  __m512 acc[MB][NB];
-#pragma GCC unroll 4
-  for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float* sums) {
+  static_assert(MB * NB <= 16, "a tile's sums are one vector");
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     __m512bh wv[NB];
@@ -65,7 +68,7 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw,
     for (int i = 0; i < MB; ++i) {
       const __m512bh xv = load_bf16(x + i * ldx + k);
 #pragma GCC unroll 8
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+      for (int j = 0; j < NB; ++j) acc[i * NB + j] = _mm512_dpbf16_ps(acc[i * NB + j], xv, wv[j]);
     }
   }
   if (k < K) {  // the last K % 32 products; masked-off lanes load zeros and add nothing
@@ -77,13 +80,10 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw,
     for (int i = 0; i < MB; ++i) {
       const __m512bh xv = load_bf16(x + i * ldx + k, mask);
 #pragma GCC unroll 8
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+      for (int j = 0; j < NB; ++j) acc[i * NB + j] = _mm512_dpbf16_ps(acc[i * NB + j], xv, wv[j]);
     }
   }
-#pragma GCC unroll 4
-  for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+  _mm512_storeu_ps(sums, pagedrl_cpu::sum_lanes16(acc));
 }
 
 using pagedrl_cpu::float_to_bf16;
@@ -92,19 +92,20 @@ using pagedrl_cpu::float_to_bf16;
 template <int MB, int NB>
 void weight_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K,
                  const float* bias, uint16_t* y, int64_t ldy, int64_t n0) {
-  float sums[MB][8];
-  auto store = [&](int64_t m, int rows) {
+  alignas(64) float sums[16];
+  auto store = [&](int64_t m, int rows, int width) {
     for (int i = 0; i < rows; ++i)
-      for (int j = 0; j < NB; ++j) y[(m + i) * ldy + n0 + j] = float_to_bf16(sums[i][j] + (bias ? bias[n0 + j] : 0.f));
+      for (int j = 0; j < NB; ++j)
+        y[(m + i) * ldy + n0 + j] = float_to_bf16(sums[i * width + j] + (bias ? bias[n0 + j] : 0.f));
   };
   int64_t m = 0;
   for (; m + MB <= M; m += MB) {
     tile<MB, NB>(x + m * ldx, ldx, w + n0 * ldw, ldw, K, sums);
-    store(m, MB);
+    store(m, MB, NB);
   }
   for (; m < M; ++m) {
     tile<1, NB>(x + m * ldx, ldx, w + n0 * ldw, ldw, K, sums);
-    store(m, 1);
+    store(m, 1, NB);
   }
 }
 
@@ -306,14 +307,13 @@ at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight, const c1
   }
 #endif
   // Elsewhere (and for the last N % 16 rows) the dot-product kernel, split by weight rows: each thread
-  // streams its own part of the weights. One input row takes 8 weight rows at a time (8 independent
-  // sums in flight); more take tiles of 4 x 4.
-  const int64_t group = M == 1 ? 8 : 4, groups = (N - done) / group;
+  // streams its own part of the weights, 8 weight rows at a time (kept in L1 while every input row
+  // passes), against 2 input rows at a time (16 sums in flight; tiles of 4 x 4 load more input rows
+  // from L2 per product and measured 0-10% slower at 8-48 rows).
+  constexpr int64_t group = 8;
+  const int64_t groups = (N - done) / group;
   at::parallel_for(0, groups, 64 / group, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      if (M == 1) weight_rows<1, 8>(xp, M, ldx, wp, ldw, K, bp, yp, N, done + g * group);
-      else weight_rows<4, 4>(xp, M, ldx, wp, ldw, K, bp, yp, N, done + g * group);
-    }
+    for (int64_t g = begin; g < end; ++g) weight_rows<2, group>(xp, M, ldx, wp, ldw, K, bp, yp, N, done + g * group);
   });
   for (int64_t n = done + groups * group; n < N; ++n) weight_rows<1, 1>(xp, M, ldx, wp, ldw, K, bp, yp, N, n);
 #endif

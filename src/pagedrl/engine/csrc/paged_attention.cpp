@@ -66,23 +66,6 @@ constexpr int64_t kChunk = 16;  // key positions per online-softmax update, what
 static_assert(kChunk == 16, "a chunk's scores are one 16-lane vector (its max, the lane sums)");
 
 #if PAGEDRL_BF16_DOT
-// Lane t of the result is the sum of the 16 lanes of v[t]: 16 horizontal sums in 45 shuffles and adds
-// (pairs interleaved, then quadruples, then across the 128-bit lanes twice) where one at a time take
-// about 140. The additions of each sum happen in the same order whatever the other 15 vectors hold.
-inline __m512 sum_lanes16(__m512 v[16]) {
-  __m512 pairs[8], quads[4], halves[2];
-  for (int j = 0; j < 8; ++j)
-    pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-  for (int j = 0; j < 4; ++j)
-    quads[j] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int j = 0; j < 2; ++j)
-    halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // A chunk's scaled scores in bf16: each key row's products with the group's query rows, 32 at a time
 // with `vdpbf16ps` (exact products, float32 sums), straight from the cache with no float32 copy of the
 // key; the 16 positions' sums then come out as one vector. Positions n..15 score 0 (masked later).
@@ -103,7 +86,7 @@ inline void chunk_scores_bf16(const c10::BFloat16* q, const c10::BFloat16* keys,
       }
       sums[t] = acc;
     }
-    _mm512_storeu_ps(scores + g * kChunk, _mm512_mul_ps(sum_lanes16(sums), scaled));
+    _mm512_storeu_ps(scores + g * kChunk, _mm512_mul_ps(pagedrl_cpu::sum_lanes16(sums), scaled));
   }
 }
 // A chunk's values into each query head's accumulator, acc[g] += p[g][t] * v[t] in position order (as
