@@ -45,10 +45,14 @@ from torch.overrides import TorchFunctionMode
 
 SMALL_ROWS = 32  # a call of this many rows computes each row with the small-batch kernel
 # Larger calls tried by the probe, largest first; each is used only where it agrees with 32-row calls.
-# None below 256: a kernel of another reduction order shows on a row or two of 64 or 128, which a
-# probe can miss (a 64-row call that passed on one draw of random rows failed on the next).
-LADDER = (1024, 768, 512, 384, 256)
+# Below 256 a kernel of another reduction order can show on only a row or two of 64 or 128 (with AMX a
+# 64-row call that passed on one draw of random rows failed on the next): those sizes must agree on
+# SMALL_PROBE_DRAWS draws. Where oneDNN's kernel has no AMX (AVX512-BF16) every row count computes a
+# row alike, and a 64-sequence decode step takes one call a projection instead of two.
+LADDER = (1024, 768, 512, 384, 256, 192, 128, 64)
+SMALL_CALL = 256  # sizes below it are the small ones
 PROBE_DRAWS = 2
+SMALL_PROBE_DRAWS = 8
 
 _state = threading.local()
 
@@ -135,13 +139,13 @@ def row_splits(rows: int, safe: tuple[int, ...]) -> list[int]:
     return sizes
 
 
-def _probe_operands(out_features: int, in_features: int, dtype: torch.dtype, has_bias: bool, seed: int
-                    ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
-    """A probe's random weight [out, in] (and bias) and its `PROBE_DRAWS` draws of 1024 rows."""
+def _probe_operands(out_features: int, in_features: int, dtype: torch.dtype, has_bias: bool, seed: int,
+                    draws: int = PROBE_DRAWS) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """A probe's random weight [out, in] (and bias) and its `draws` draws of 1024 rows."""
     gen = torch.Generator().manual_seed(seed)
     w = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).to(dtype)
     b = torch.randn(out_features, generator=gen).to(dtype) if has_bias else None
-    return w, b, [torch.randn(LADDER[0], in_features, generator=gen).to(dtype) for _ in range(PROBE_DRAWS)]
+    return w, b, [torch.randn(LADDER[0], in_features, generator=gen).to(dtype) for _ in range(draws)]
 
 
 def _by_small_calls(call: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -155,8 +159,9 @@ def safe_sizes(kind: str, out_features: int, in_features: int, dtype: torch.dtyp
     """The `LADDER` sizes at which one call computes every row as 32-row calls do, for a product of
     this shape: measured once per process, on `PROBE_DRAWS` draws of 1024 random rows each cut
     into calls of the size (a kernel that reduces in another order shows it on several rows of
-    every few hundred)."""
-    w, b, draws = _probe_operands(out_features, in_features, dtype, has_bias, seed=0)
+    every few hundred); the sizes below `SMALL_CALL` on `SMALL_PROBE_DRAWS` in all, the further
+    draws of 256 rows."""
+    w, b, draws = _probe_operands(out_features, in_features, dtype, has_bias, seed=0, draws=SMALL_PROBE_DRAWS)
 
     def call(rows: torch.Tensor) -> torch.Tensor:
         if kind == "addmm":
@@ -166,10 +171,15 @@ def safe_sizes(kind: str, out_features: int, in_features: int, dtype: torch.dtyp
 
     safe = list(LADDER)
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
-        for x in draws:
+        for drawn, x in enumerate(draws):
+            if drawn >= PROBE_DRAWS:  # the small sizes only, on a quarter of the rows
+                if all(size >= SMALL_CALL for size in safe):
+                    break
+                x = x[:SMALL_CALL]
             reference = _by_small_calls(call, x)
-            safe = [size for size in safe if all(torch.equal(call(x[i:i + size]), reference[i:i + size])
-                                                 for i in range(0, x.shape[0] - size + 1, size))]
+            safe = [size for size in safe if (drawn >= PROBE_DRAWS and size >= SMALL_CALL)
+                    or all(torch.equal(call(x[i:i + size]), reference[i:i + size])
+                           for i in range(0, x.shape[0] - size + 1, size))]
     return tuple(safe)
 
 
