@@ -13,8 +13,9 @@ to make every operation whose result depends on the batch compute the same bits 
   among 300 (measured on the default model's projections, bf16 on AMX). Here every product is cut
   into calls whose kernel computes each row as a 32-row call does (`row_splits`): larger calls only
   at sizes a probe has shown to agree with 32-row calls for this weight's shape, dtype and thread
-  count (`safe_sizes`), so a trainer's forward keeps most of the large-call speed; the rows left
-  (all of a decode step's) in 32-row calls, the last one padded, or where the CPU has AMX in one
+  count (`safe_sizes`, 64 to 1024 rows), so a trainer's forward keeps most of the large-call speed
+  and, where oneDNN has no AMX, a decode step its one call a projection; the rows left
+  (with AMX, all of a decode step's) in 32-row calls, the last one padded, or where the CPU has AMX in one
   call of the engine's own kernel (`engine/csrc/decode_linear.cpp`), which sums each output's
   products as a 32-row oneDNN call does whatever the number of rows (a probe checks it per shape,
   `kernel_agrees`): a 64-sequence decode step's 211 projections of the default model take 23 ms
