@@ -92,19 +92,19 @@ template <int MB, int NB>
 void weight_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K,
                  const float* bias, uint16_t* y, int64_t ldy, int64_t n0) {
   alignas(64) float sums[16];
-  auto store = [&](int64_t m, int rows, int width) {
+  auto store = [&](int64_t m, int rows) {
     for (int i = 0; i < rows; ++i)
       for (int j = 0; j < NB; ++j)
-        y[(m + i) * ldy + n0 + j] = float_to_bf16(sums[i * width + j] + (bias ? bias[n0 + j] : 0.f));
+        y[(m + i) * ldy + n0 + j] = float_to_bf16(sums[i * NB + j] + (bias ? bias[n0 + j] : 0.f));
   };
   int64_t m = 0;
   for (; m + MB <= M; m += MB) {
     tile<MB, NB>(x + m * ldx, ldx, w + n0 * ldw, ldw, K, sums);
-    store(m, MB, NB);
+    store(m, MB);
   }
   for (; m < M; ++m) {
     tile<1, NB>(x + m * ldx, ldx, w + n0 * ldw, ldw, K, sums);
-    store(m, 1, NB);
+    store(m, 1);
   }
 }
 
