@@ -1,10 +1,13 @@
-"""The engine's bf16 decode projections (`engine/csrc/decode_linear.cpp`) against oneDNN's (`F.linear`),
-on the default model's 211 projections (30 layers of q, k, v, o, gate, up, down and the LM head:
+"""The engine's bf16 decode projections (`engine/csrc/decode_linear.cpp`) against oneDNN's (`F.linear`,
+which lays out the weights anew at every call) and oneDNN's on weights packed once (`oneDNN packed`,
+what `engine/cpu_routes.PackedWeights` runs where there is no AMX), on the default model's 211 projections (30 layers of q, k, v, o, gate, up, down and the LM head:
 270 MB of bf16 weights, read once per pass as a decode step reads them), at the row counts of decode
 steps. Both sides in one process, turns alternating, best of `--rounds`; weights of the model's
 shapes drawn at random (the kernels' speed does not depend on the values).
 
     .venv/bin/python bench/bench_decode_linear.py [--rows 1,4,16,32,64,80] [--threads 2]
+
+(`oneDNN packed` stops at MAX_ROWS_PACKED rows: above it the engine calls `F.linear`.)
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagedrl.engine import cpu_kernels
+from pagedrl.engine import cpu_kernels, cpu_routes
 
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # (out, in)
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
@@ -37,20 +40,28 @@ def main() -> None:
     megabytes = sum(w.numel() * 2 for w in weights) / 1e6
     print(f"{len(weights)} projections, {megabytes:.0f} MB of bf16 weights; {args.threads} threads; "
           f"AMX {'yes' if amx else 'no'}")
-    print("| rows | oneDNN (ms) | pagedrl (ms) | ratio | pagedrl GB/s |")
-    print("|---|---|---|---|---|")
-    sides = {"oneDNN": F.linear, "pagedrl": torch.ops.pagedrl_cpu.decode_linear}
+    packed = cpu_routes.PackedWeights()
+    for w in weights:
+        packed.packed(w)
+    print("| rows | oneDNN (ms) | oneDNN packed (ms) | pagedrl kernel (ms) | oneDNN / kernel | packed / kernel |")
+    print("|---|---|---|---|---|---|")
+    sides = {"oneDNN": F.linear, "packed": packed.few_rows, "pagedrl": torch.ops.pagedrl_cpu.decode_linear}
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {k for _, k in LAYER}}
         best = dict.fromkeys(sides, float("inf"))
-        for _ in range(args.rounds):
-            for name, product in sides.items():
-                start = time.perf_counter()
-                for w in weights:
-                    product(inputs[w.shape[1]], w, None)
-                best[name] = min(best[name], time.perf_counter() - start)
-        print(f"| {rows} | {best['oneDNN'] * 1e3:.1f} | {best['pagedrl'] * 1e3:.1f} | "
-              f"{best['oneDNN'] / best['pagedrl']:.2f}x | {megabytes / 1e3 / best['pagedrl']:.1f} |")
+        with torch.inference_mode():
+            for _ in range(args.rounds):
+                for name, product in sides.items():
+                    if name == "packed" and rows > cpu_routes.MAX_ROWS_PACKED:
+                        continue
+                    start = time.perf_counter()
+                    for w in weights:
+                        product(inputs[w.shape[1]], w, None)
+                    best[name] = min(best[name], time.perf_counter() - start)
+        packed_ms = f"{best['packed'] * 1e3:.1f}" if best["packed"] < float("inf") else "-"
+        packed_ratio = f"{best['packed'] / best['pagedrl']:.2f}x" if best["packed"] < float("inf") else "-"
+        print(f"| {rows} | {best['oneDNN'] * 1e3:.1f} | {packed_ms} | {best['pagedrl'] * 1e3:.1f} | "
+              f"{best['oneDNN'] / best['pagedrl']:.2f}x | {packed_ratio} |")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny import FAMILIES
 
-from pagedrl.engine import cpu_kernels
+from pagedrl.engine import cpu_kernels, cpu_routes
 from pagedrl.engine.attention import PagedAttention
 from pagedrl.engine.kv_cache import KVCache
 from pagedrl.engine.llm import LLM
@@ -51,19 +51,21 @@ def operands(shape: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Ten
 
 @settings(max_examples=30, deadline=None)
 @given(shape=st.sampled_from(SHAPES), rows=st.integers(1, 1100), offset=st.integers(0, 100),
-       under_autocast=st.booleans(), amx=st.booleans(), seed=st.integers(0, 2**16))
-def test_a_rows_product_does_not_depend_on_the_batch(shape, rows, offset, under_autocast, amx, seed) -> None:
+       under_autocast=st.booleans(), amx=st.booleans(), packed=st.booleans(), seed=st.integers(0, 2**16))
+def test_a_rows_product_does_not_depend_on_the_batch(shape, rows, offset, under_autocast, amx, packed, seed) -> None:
     """bf16 (or float32 masters under bf16 autocast, as a trainer runs): any slice of rows gets the
     bits those rows get in 32-row calls, here 48- or 300-row products get other bits for some rows.
     Both ways: the engine's AMX kernel in one call (where the CPU has AMX), and oneDNN cut into
-    calls (`amx` False: as on a CPU without it)."""
+    calls (`amx` False: as on a CPU without it), on a packed copy of a bf16 weight (`packed`, where
+    the probe finds it computes as the plain calls do) or not."""
     x, w, _ = operands(shape, seed)
     if not under_autocast:
         x, w = x.bfloat16(), w.bfloat16()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=under_autocast):
         reference = torch.cat([F.linear(x[i:i + 32], w) for i in range(0, x.shape[0], 32)])
         with batch_invariant.scope(), mock.patch.object(cpu_kernels, "decode_linear_amx",
-                                                        cpu_kernels.decode_linear_amx if amx else lambda: False):
+                                                        cpu_kernels.decode_linear_amx if amx else lambda: False), \
+                mock.patch.object(cpu_routes, "packs_weights", lambda: packed):
             part = F.linear(x[offset:offset + rows], w)
             layer = torch.nn.Linear(shape[1], shape[0], bias=False)
             layer.weight.data = w

@@ -151,6 +151,36 @@ def test_decode_steps_route_small_bf16_products(monkeypatch) -> None:
     assert x.grad is not None and len(calls) == 3
 
 
+def test_packed_weights_give_torch_s_products_and_follow_weight_changes() -> None:
+    """oneDNN's kernel on its packed copy: the same bits as `F.linear` at any decode-sized row count;
+    a weight written in place, or a cleared cache (the engine's weight-version bump), is packed again;
+    more rows than MAX_ROWS_PACKED pass through."""
+    torch.manual_seed(0)
+    packed = cpu_routes.PackedWeights()
+    layer = Linear(96, 40).bfloat16()
+    with torch.no_grad():
+        for rows in (1, 3, 17, 64, cpu_routes.MAX_ROWS_PACKED):
+            x = torch.randn(1, rows, 96).bfloat16()
+            with cpu_routes.routed_step(rows, on=True, packed=packed):
+                got = layer(x)
+            assert torch.equal(got, torch.nn.functional.linear(x, layer.weight, layer.bias))
+        first = packed.packed(layer.weight)
+        assert packed.packed(layer.weight) is first and packed.nbytes >= layer.weight.numel() * 2
+        layer.weight.mul_(-1)  # an in-place update: its version counter moves
+        x = torch.randn(4, 96).bfloat16()
+        with cpu_routes.routed_step(4, on=True, packed=packed):
+            assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        assert packed.packed(layer.weight) is not first
+        again = packed.packed(layer.weight)
+        packed.clear()
+        assert packed.nbytes == 0 and packed.packed(layer.weight) is not again
+        too_many = torch.randn(cpu_routes.MAX_ROWS_PACKED + 1, 96).bfloat16()
+        assert packed.few_rows(too_many, layer.weight, layer.bias) is None
+        assert packed.few_rows(too_many[:2].float(), layer.weight.float(), None) is None  # float32: torch's
+    del layer  # a weight that dies takes its packed copy with it
+    assert packed.nbytes == 0
+
+
 def test_routes_are_for_bf16_models_the_engine_owns() -> None:
     model = torch.nn.Linear(8, 8)
     assert not cpu_routes.usable(model, None)  # float32

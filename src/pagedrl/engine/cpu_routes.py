@@ -15,10 +15,13 @@ read them as they lie:
   tensor, and the step's rows the right one (packed per call, a few KB): 14-16 ms for 1-16 rows
   against oneDNN's 30, 27 against 38 at 64 rows, 46 against 51 at 128; oneDNN is ahead from about
   200 rows (`MAX_ROWS_AMX` = 128; `bench/bench_decode_linear.py`);
-- without AMX (AVX512-BF16 only), dot products of each weight row with every input row: 18-20 ms at
-  one row. Against oneDNN with AMX it is as fast at four rows; against oneDNN without AMX (its
-  AVX512-BF16 kernel: a CPU such as AMD's Zen 4) 1.5-1.9x at 1-8 rows, 1.3-1.4x at 16, 1.1-1.2x at
-  32, even at 48-64 (`MAX_ROWS_DOT` = 32; the crossover that counts is oneDNN's on the same CPU).
+- without AMX (AVX512-BF16 only, e.g. AMD's Zen 4), oneDNN's own kernel is the fastest once its
+  layout is made once instead of on every call: `PackedWeights` keeps each weight's blocked copy
+  (oneDNN's reorder, the same numbers as `F.linear`'s) for the runner's weight version. Against the
+  engine's dot-product kernel on that CPU (`bench/bench_decode_linear.py`): 21 against 23 ms at one
+  row, 20 against 32 at four, 33 against 52 at 16, 92 against 120 (`F.linear`) at 64. The copies
+  cost the weights' size in memory again (270 MB for the default model). The dot-product kernel
+  serves where oneDNN cannot pack (`MAX_ROWS_DOT` = 32).
 
 The model runner routes the decoder here around a step's forward and vocabulary projection, for a
 bf16 model the engine owns (weights in bf16, no autocast). Projections of prefill chunks (hundreds of
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -40,11 +44,22 @@ from pagedrl.model.routed import Routes, routed_to
 
 MAX_ROWS_AMX = 128  # measured crossovers with oneDNN's bf16 kernel (see above)
 MAX_ROWS_DOT = 32  # no AMX here, and none in oneDNN's kernel either
+MAX_ROWS_PACKED = 256  # oneDNN with its weights packed once against oneDNN packing them per call
+PACK_FOR_ROWS = 64  # the row count oneDNN is told to expect when it chooses its layout
+
+
+@functools.cache
+def packs_weights() -> bool:
+    """Whether decode-sized products go to oneDNN with packed weights: a CPU with AVX512-BF16 and no
+    AMX (where it was measured the faster at every row count), and a torch built with oneDNN."""
+    return (cpu_kernels.decode_linear_available() and not cpu_kernels.decode_linear_amx()
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 @functools.cache
 def max_rows() -> int:
-    """The most rows a product may have to go through the kernels here (0: not built for this CPU)."""
+    """The most rows a product may have to go through the engine's kernel here (0: not built for this
+    CPU); `PackedWeights` takes up to MAX_ROWS_PACKED."""
     if not cpu_kernels.decode_linear_available():
         return 0
     return MAX_ROWS_AMX if cpu_kernels.decode_linear_amx() else MAX_ROWS_DOT
@@ -69,6 +84,48 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     if rows.shape[0] > max_rows():
         return None
     return kernel(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+class PackedWeights:
+    """oneDNN's blocked copies of a model's bf16 weights, one per weight tensor, made at its first
+    product and kept until the weights change: `clear()` at the engine's weight-version bump, and a
+    tensor written in place (its version counter moved; an inference tensor keeps none, so `clear()`
+    is its only signal) is packed again. A runner owns one."""
+
+    def __init__(self) -> None:
+        self._packs: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+        self.routes = Routes(linear=self.few_rows, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope)
+
+    def clear(self) -> None:
+        self._packs.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the packed copies hold."""
+        return sum(packed.numel() * packed.element_size() for _, _, packed in self._packs.values())
+
+    def packed(self, weight: torch.Tensor) -> torch.Tensor:
+        key = id(weight)
+        version = -1 if weight.is_inference() else weight._version  # inference tensors keep no counter
+        entry = self._packs.get(key)
+        if entry is not None and entry[0]() is weight and entry[1] == version:
+            return entry[2]
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
+        self._packs[key] = (weakref.ref(weight, lambda _, key=key: self._packs.pop(key, None)), version, packed)
+        return packed
+
+    def few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """`few_rows` with oneDNN's kernel on the packed copy (the same numbers as `F.linear`)."""
+        if not _takes(x, weight) or (bias is not None and bias.dtype != torch.bfloat16):
+            return None
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > MAX_ROWS_PACKED:
+            return None
+        return self.product(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    def product(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """rows [M, K] @ weight.T (+ bias), bf16, on the packed copy of `weight`."""
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed(weight), bias, "none", [], "")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -109,11 +166,15 @@ def usable(model: torch.nn.Module, autocast_dtype: torch.dtype | None) -> bool:
 
 
 @contextlib.contextmanager
-def routed_step(rows: int, on: bool) -> Iterator[None]:
+def routed_step(rows: int, on: bool, packed: PackedWeights | None = None) -> Iterator[None]:
     """The decoder routed to the kernels for a step of `rows` query rows, when `on`: the row-wise
-    pieces always, the projections when the step is small enough."""
+    pieces always, the projections when the step is small enough (on `packed`'s copies when given)."""
     if not on:
         yield
         return
-    with routed_to(ROUTES if rows <= max_rows() else ROWWISE_ONLY):
+    if rows > (MAX_ROWS_PACKED if packed is not None else max_rows()):
+        routes = ROWWISE_ONLY
+    else:
+        routes = packed.routes if packed is not None else ROUTES
+    with routed_to(routes):
         yield

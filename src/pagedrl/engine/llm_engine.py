@@ -375,7 +375,11 @@ class LLMEngine:
         self.kv_cache.allocate()
 
     def bump_weight_version(self) -> int:
-        """Record a weight update: prefix KV computed under the old weights is never reused."""
+        """Record a weight update: prefix KV computed under the old weights is never reused, and the
+        runner's packed copies of the weights are made again."""
+        if self.runner.packed is not None:
+            self.runner.packed.clear()
+        batch_invariant.drop_packed_weights()
         return self.kv_manager.bump_weight_version()
 
     def lora_adapters_in_flight(self) -> tuple[list[str], list[str]]:

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from pagedrl.model import batch_invariant
+from pagedrl.model import batch_invariant, row_attention
 
 
 class AttentionMetadata(Protocol):
@@ -75,11 +75,11 @@ class DenseAttention:
         return cls(visible & causal)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if batch_invariant.active() and batch_invariant.attention_available(q.device):
+        if batch_invariant.active() and row_attention.attention_available(q.device):
             B, T = q.shape[:2]
             if self.key_tables is None or self.key_tables[:2] != (B, T):
-                self.key_tables = (B, T, batch_invariant.visible_key_tables(self.mask, B, T))
-            return batch_invariant.row_attention(q, k, v, self.mask, self.scale, self.key_tables[2])
+                self.key_tables = (B, T, row_attention.visible_key_tables(self.mask, B, T))
+            return row_attention.row_attention(q, k, v, self.mask, self.scale, self.key_tables[2])
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         groups = qh.shape[1] // kh.shape[1]
         if groups > 1:

@@ -44,6 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from pagedrl.model.row_attention import attention_available
+
 SMALL_ROWS = 32  # a call of this many rows computes each row with the small-batch kernel
 # Larger calls tried by the probe, largest first; each is used only where it agrees with 32-row calls.
 # Below 256 a kernel of another reduction order can show on only a row or two of 64 or 128 (with AMX a
@@ -243,13 +245,60 @@ def kernel_agrees(out_features: int, in_features: int, has_bias: bool, threads: 
     return True
 
 
-def _linear_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+@functools.cache
+def packed_agrees(out_features: int, in_features: int, has_bias: bool, threads: int, safe: tuple[int, ...]) -> bool:
+    """Whether oneDNN's kernel on a packed bf16 weight (`engine.cpu_routes.PackedWeights`, without
+    AMX) computes calls of 32 rows and of the `safe` sizes as `F.linear`'s 32-row calls do, bit for
+    bit: the same kernel without the per-call reorder. Checked once per process and shape."""
+    from pagedrl.engine import cpu_routes
+
+    w, b, draws = _probe_operands(out_features, in_features, torch.bfloat16, has_bias, seed=2, draws=1)
+    packed = cpu_routes.PackedWeights()
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        x = draws[0]
+        reference = _by_small_calls(lambda r: F.linear(r, w, b), x)
+        return all(torch.equal(packed.product(x[i:i + size], w, b), reference[i:i + size])
+                   for size in (SMALL_ROWS, *safe) for i in range(0, x.shape[0] - size + 1, size))
+
+
+_packed_weights: Any = None  # the process's `PackedWeights` for persistent bf16 weights (rollout twins)
+
+
+def drop_packed_weights() -> None:
+    """Forget the packed copies (an engine's weight-version bump: weights that keep no version counter,
+    inference tensors, may have changed in place)."""
+    if _packed_weights is not None:
+        _packed_weights.clear()
+
+
+def _packed_call(weight: torch.Tensor, bias: torch.Tensor | None, safe: tuple[int, ...]
+                 ) -> Callable[[torch.Tensor, slice], torch.Tensor] | None:
+    """Calls on a packed copy of `weight` where that computes as `F.linear` does (a rollout engine's
+    decode step: 64 rows at 0.75x the time of a call that reorders the weight), else None."""
+    global _packed_weights
+    from pagedrl.engine import cpu_routes
+
+    if weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16) or not cpu_routes.packs_weights():
+        return None
+    if not packed_agrees(weight.shape[0], weight.shape[1], bias is not None, torch.get_num_threads(), safe):
+        return None
+    if _packed_weights is None:
+        _packed_weights = cpu_routes.PackedWeights()
+    packs = _packed_weights
+    return lambda chunk, _: packs.product(chunk, weight, bias)
+
+
+def _linear_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 persistent: bool = False) -> torch.Tensor:
+    """`persistent`: `weight` outlives the call (not a cast made for it), so a packed copy of it pays."""
     N, K, threads = weight.shape[0], weight.shape[1], torch.get_num_threads()
     safe = safe_sizes("linear", N, K, rows.dtype, bias is not None, threads)
     rest = None
     if _amx_product(rows, weight, bias) and kernel_agrees(N, K, bias is not None, threads):
         rest = lambda chunk: torch.ops.pagedrl_cpu.decode_linear(chunk, weight, bias)  # noqa: E731
-    return _chunked(rows, lambda chunk, _: F.linear(chunk, weight, bias), safe, rest)
+    call = (_packed_call(weight, bias, safe) if persistent and rest is None else None) or (
+        lambda chunk, _: F.linear(chunk, weight, bias))
+    return _chunked(rows, call, safe, rest)
 
 
 class _Linear(torch.autograd.Function):
@@ -300,12 +349,13 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if x.device.type != "cpu" or x.numel() == 0:
         return F.linear(x, weight, bias)
     # Operands lowered as autocast would lower them: autocast then leaves the chunks' calls alone.
+    given = weight
     x, weight, bias = _lowered(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (rows, weight, bias)):
         out = _Linear.apply(rows, weight, bias)
     else:  # inference (the engine): no autograd node to build
-        out = _linear_rows(rows, weight, bias)
+        out = _linear_rows(rows, weight, bias, persistent=weight is given)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -336,77 +386,3 @@ class _RowChunkedMatmuls(TorchFunctionMode):
         if func is torch.mm and "out" not in kwargs:
             return invariant_mm(*args, **kwargs)
         return func(*args, **kwargs)
-
-
-# -- attention -------------------------------------------------------------------------------------
-
-KeyTables = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
-
-
-def visible_key_tables(mask: torch.Tensor | None, batch: int, seq_len: int) -> KeyTables:
-    """From a dense attention mask (boolean [B, T, T], True = may attend; None = causal), where the
-    kernel finds the keys each query row sees, in column order (= position order in a packed or
-    padded batch), as indices into the batch flattened to B*T rows: (tables, lengths [B*T],
-    row_seqs). Causal: one table per batch row, row_seqs naming it. Masked: one table per query row
-    [B*T, most keys any row sees], row_seqs None."""
-    if mask is None:
-        tables = torch.arange(batch * seq_len).view(batch, seq_len)
-        lengths = torch.arange(1, seq_len + 1).repeat(batch)
-        return tables, lengths, torch.arange(batch).repeat_interleave(seq_len)
-    mask = mask.expand(batch, seq_len, seq_len).cpu()
-    lengths = mask.sum(-1).reshape(-1)
-    where = mask.reshape(batch * seq_len, seq_len).nonzero()  # (row, key column), rows in order, keys ascending
-    rank = torch.arange(where.shape[0]) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
-    tables = torch.zeros(batch * seq_len, int(lengths.max()), dtype=torch.long)
-    tables[where[:, 0], rank] = where[:, 1] + (where[:, 0] // seq_len) * seq_len
-    return tables, lengths, None
-
-
-class _RowAttention(torch.autograd.Function):
-    """Forward and backward by the row kernel: each row visits only the keys it sees (a dense
-    backward over a packed batch of groups walked every pair of tokens, most of them masked, and
-    was a quarter of a GRPO training pass)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, tables, lengths, row_seqs, scale):  # type: ignore[no-untyped-def]
-        from pagedrl.engine import cpu_kernels
-
-        B, T, Hq, D = q.shape
-        Hkv = k.shape[2]
-        rows, keys, values = q.reshape(B * T, Hq, D), k.reshape(B * T, 1, Hkv, D), v.reshape(B * T, 1, Hkv, D)
-        out, lse = cpu_kernels.paged_attention(rows, keys, values, tables, lengths, scale, row_seqs, with_lse=True)
-        ctx.save_for_backward(rows, keys, values, out, lse, tables, lengths, row_seqs)
-        ctx.scale, ctx.shapes = scale, (q.shape, k.shape)
-        return out.view(B, T, Hq, D)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[no-untyped-def]
-        from pagedrl.engine import cpu_kernels
-
-        rows, keys, values, out, lse, tables, lengths, row_seqs = ctx.saved_tensors
-        q_shape, k_shape = ctx.shapes
-        dq, dk, dv = cpu_kernels.paged_attention_backward(grad_out.reshape(rows.shape), rows, keys, values, out, lse,
-                                                          tables, lengths, ctx.scale, row_seqs)
-        return dq.view(q_shape), dk.view(k_shape), dv.view(k_shape), None, None, None, None
-
-
-def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  scale: float | None, tables: KeyTables | None = None) -> torch.Tensor:
-    """Dense attention (q [B, T, Hq, D], k and v [B, T, Hkv, D], `mask` as `DenseAttention`'s)
-    computed row by row as the engine's paged attention computes a decoded token, in the autocast
-    dtype when one is active. `tables`: `visible_key_tables(mask, B, T)`, when the caller keeps it."""
-    B, T, _, D = q.shape
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
-    key_tables, lengths, row_seqs = tables if tables is not None else visible_key_tables(mask, B, T)
-    with torch.autocast("cpu", enabled=False):
-        return _RowAttention.apply(q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype).contiguous(),
-                                   key_tables, lengths, row_seqs, scale if scale is not None else D ** -0.5)
-
-
-def attention_available(device: torch.device) -> bool:
-    """Whether the row kernel runs here (a CPU where it was built)."""
-    if device.type != "cpu":
-        return False
-    from pagedrl.engine import cpu_kernels
-
-    return cpu_kernels.available()

@@ -13,6 +13,7 @@ import torch
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model import batch_invariant
+from pagedrl.model.row_attention import attention_available
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import Algorithm
 from pagedrl.train.data import PromptOnly
@@ -40,10 +41,10 @@ def choose_batch_invariance(asked: bool | None, bf16: bool, device: torch.device
     if asked and device.type != "cpu":
         raise ValueError(f"batch_invariant: true runs on a CPU only; this policy is on {device}")
     if asked is not None:
-        if asked and not batch_invariant.attention_available(device):
+        if asked and not attention_available(device):
             raise ValueError("batch_invariant: true needs the CPU attention kernel, which could not be built here")
         return asked
-    return bf16 and batch_invariant.attention_available(device)
+    return bf16 and attention_available(device)
 
 
 class OnlineAlgorithm(Algorithm):
