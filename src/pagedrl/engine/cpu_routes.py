@@ -95,6 +95,9 @@ class PackedWeights:
     def __init__(self) -> None:
         self._packs: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
         self.routes = Routes(linear=self.few_rows, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope)
+        # A trainer's bf16 twin under autocast (its greedy evaluations): the products only, the rest
+        # is the decoder's own code on float32 norms.
+        self.products_only = Routes(linear=self.few_rows, rms_norm=_not_taken, silu_mul=_not_taken, rope=_not_taken)
 
     def clear(self) -> None:
         self._packs.clear()
@@ -115,7 +118,10 @@ class PackedWeights:
         return packed
 
     def few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """`few_rows` with oneDNN's kernel on the packed copy (the same numbers as `F.linear`)."""
+        """`few_rows` with oneDNN's kernel on the packed copy (the same numbers as `F.linear`; under
+        bf16 autocast the rows are cast as autocast casts them)."""
+        if x.dtype == torch.float32 and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
+            x = x.to(torch.bfloat16)
         if not _takes(x, weight) or (bias is not None and bias.dtype != torch.bfloat16):
             return None
         rows = x.reshape(-1, x.shape[-1])
@@ -126,6 +132,17 @@ class PackedWeights:
     def product(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows [M, K] @ weight.T (+ bias), bf16, on the packed copy of `weight`."""
         return torch.ops.mkldnn._linear_pointwise(rows, self.packed(weight), bias, "none", [], "")
+
+
+@functools.cache
+def packed_weights() -> PackedWeights:
+    """The process's packed copies, shared by every runner and by batch-invariant products: one copy
+    of each weight, however many engines read it."""
+    return PackedWeights()
+
+
+def _not_taken(*args: torch.Tensor | float) -> None:
+    return None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -166,13 +183,17 @@ def usable(model: torch.nn.Module, autocast_dtype: torch.dtype | None) -> bool:
 
 
 @contextlib.contextmanager
-def routed_step(rows: int, on: bool, packed: PackedWeights | None = None) -> Iterator[None]:
+def routed_step(rows: int, on: bool, packed: PackedWeights | None = None, products_only: bool = False
+                ) -> Iterator[None]:
     """The decoder routed to the kernels for a step of `rows` query rows, when `on`: the row-wise
-    pieces always, the projections when the step is small enough (on `packed`'s copies when given)."""
-    if not on:
+    pieces always (unless `products_only`), the projections when the step is small enough (on
+    `packed`'s copies when given)."""
+    if not on or (products_only and (packed is None or rows > MAX_ROWS_PACKED)):
         yield
         return
-    if rows > (MAX_ROWS_PACKED if packed is not None else max_rows()):
+    if products_only:
+        routes = packed.products_only
+    elif rows > (MAX_ROWS_PACKED if packed is not None else max_rows()):
         routes = ROWWISE_ONLY
     else:
         routes = packed.routes if packed is not None else ROUTES

@@ -379,7 +379,6 @@ class LLMEngine:
         runner's packed copies of the weights are made again."""
         if self.runner.packed is not None:
             self.runner.packed.clear()
-        batch_invariant.drop_packed_weights()
         return self.kv_manager.bump_weight_version()
 
     def lora_adapters_in_flight(self) -> tuple[list[str], list[str]]:

@@ -24,7 +24,7 @@ import torch
 from pagedrl.engine.attention import PagedAttention, prefill_by_rows, resolve_impl
 from pagedrl.engine.cast_weights import CastWeights
 from pagedrl.engine.cpu_memory import keep_freed_memory
-from pagedrl.engine.cpu_routes import PackedWeights, packs_weights, routed_step, usable
+from pagedrl.engine.cpu_routes import packed_weights, packs_weights, routed_step, usable
 from pagedrl.engine.cpu_threads import bind_threads
 from pagedrl.engine.cuda_graphs import DecodeGraphs
 from pagedrl.engine.host_tensors import long_tensor
@@ -53,8 +53,11 @@ class ModelRunner:
         self.attention_impl = resolve_impl(attention_impl, model.device)
         self.autocast_dtype = autocast_dtype
         self.cpu_routes = usable(model, autocast_dtype)  # bf16 on a CPU: the engine's own kernels
-        # Without AMX, decode-sized products on oneDNN's layout of the weights, made once a version.
-        self.packed = PackedWeights() if self.cpu_routes and packs_weights() else None
+        # Without AMX, decode-sized products on oneDNN's layout of the weights, made once a version: for
+        # a bf16 model the engine owns, and for the bf16 twin of a trainer's steps that need not be
+        # batch-invariant (greedy evaluations; its rollouts get them through `batch_invariant`).
+        self.twin_products = self.cast is not None and autocast_dtype == torch.bfloat16
+        self.packed = packed_weights() if (self.cpu_routes or self.twin_products) and packs_weights() else None
         self.on_cpu = model.device.type == "cpu"
         if self.on_cpu:
             keep_freed_memory()
@@ -152,7 +155,8 @@ class ModelRunner:
                                                 impl=self.attention_impl, read_in_place=self.autocast_dtype is None,
                                                 rows=invariant, prefill_rows=self.prefill_rows)
         input_ids = long_tensor(ids).to(device)[None]
-        with routed_step(len(ids), self.cpu_routes and not invariant, self.packed):
+        with routed_step(len(ids), (self.cpu_routes or self.twin_products) and not invariant, self.packed,
+                         products_only=not self.cpu_routes):
             hidden = self.model(input_ids, meta.positions[None], meta)[0]
             if not row_index:
                 return ForwardResult(hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32), [])

@@ -261,30 +261,17 @@ def packed_agrees(out_features: int, in_features: int, has_bias: bool, threads: 
                    for size in (SMALL_ROWS, *safe) for i in range(0, x.shape[0] - size + 1, size))
 
 
-_packed_weights: Any = None  # the process's `PackedWeights` for persistent bf16 weights (rollout twins)
-
-
-def drop_packed_weights() -> None:
-    """Forget the packed copies (an engine's weight-version bump: weights that keep no version counter,
-    inference tensors, may have changed in place)."""
-    if _packed_weights is not None:
-        _packed_weights.clear()
-
-
 def _packed_call(weight: torch.Tensor, bias: torch.Tensor | None, safe: tuple[int, ...]
                  ) -> Callable[[torch.Tensor, slice], torch.Tensor] | None:
     """Calls on a packed copy of `weight` where that computes as `F.linear` does (a rollout engine's
     decode step: 64 rows at 0.75x the time of a call that reorders the weight), else None."""
-    global _packed_weights
     from pagedrl.engine import cpu_routes
 
     if weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16) or not cpu_routes.packs_weights():
         return None
     if not packed_agrees(weight.shape[0], weight.shape[1], bias is not None, torch.get_num_threads(), safe):
         return None
-    if _packed_weights is None:
-        _packed_weights = cpu_routes.PackedWeights()
-    packs = _packed_weights
+    packs = cpu_routes.packed_weights()
     return lambda chunk, _: packs.product(chunk, weight, bias)
 
 
