@@ -25,9 +25,10 @@ read them as they lie:
 
 The model runner routes the decoder here around a step's forward and vocabulary projection, for a
 bf16 model the engine owns (weights in bf16, no autocast). Projections of prefill chunks (hundreds of
-rows) stay with oneDNN. A trainer's rollouts (autocast
-over float32 masters) and batch-invariant engines keep torch's kernels: their numbers must be the ones
-the trainer computes.
+rows) stay with oneDNN. A trainer's rollouts (autocast over float32 masters) and batch-invariant
+engines keep torch's kernels, whose numbers are the ones the trainer computes; packed weights give
+those same numbers, so the bf16 twin of a trainer's rollout engine runs its products on them too
+(its batch-invariant steps through `model/batch_invariant.py`, where a probe confirms it).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class PackedWeights:
     """oneDNN's blocked copies of a model's bf16 weights, one per weight tensor, made at its first
     product and kept until the weights change: `clear()` at the engine's weight-version bump, and a
     tensor written in place (its version counter moved; an inference tensor keeps none, so `clear()`
-    is its only signal) is packed again. A runner owns one."""
+    is its only signal) is packed again. One per process (`packed_weights()`)."""
 
     def __init__(self) -> None:
         self._packs: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
