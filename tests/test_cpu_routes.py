@@ -152,18 +152,24 @@ def test_decode_steps_route_small_bf16_products(monkeypatch) -> None:
 
 
 def test_packed_weights_give_torch_s_products_and_follow_weight_changes() -> None:
-    """oneDNN's kernel on its packed copy: the same bits as `F.linear` at any decode-sized row count;
-    a weight written in place, or a cleared cache (the engine's weight-version bump), is packed again;
-    more rows than MAX_ROWS_PACKED pass through."""
+    """oneDNN's kernel on its packed copy: the same bits as `F.linear` at any row count (a bf16
+    engine's steps of 1-2 rows go to the dot-product kernel instead, where it is built); a weight
+    written in place, or a cleared cache (the engine's weight-version bump), is packed again."""
     torch.manual_seed(0)
     packed = cpu_routes.PackedWeights()
     layer = Linear(96, 40).bfloat16()
     with torch.no_grad():
-        for rows in (1, 3, 17, 64, cpu_routes.MAX_ROWS_PACKED):
+        for rows in (1, 3, 17, 64, 300):
             x = torch.randn(1, rows, 96).bfloat16()
-            with cpu_routes.routed_step(rows, on=True, packed=packed):
+            with cpu_routes.routed_step(rows, on=True, packed=packed, products_only=True):
                 got = layer(x)
             assert torch.equal(got, torch.nn.functional.linear(x, layer.weight, layer.bias))
+            with cpu_routes.routed_step(rows, on=True, packed=packed):
+                engine = layer(x)
+            if rows <= cpu_routes.MAX_ROWS_OVER_PACKED and cpu_kernels.decode_linear_available():
+                assert torch.equal(engine, torch.ops.pagedrl_cpu.decode_linear(x[0], layer.weight, layer.bias)[None])
+            else:
+                assert torch.equal(engine, got)
         first = packed.packed(layer.weight)
         assert packed.packed(layer.weight) is first and packed.nbytes >= layer.weight.numel() * 2
         layer.weight.mul_(-1)  # an in-place update: its version counter moves
@@ -174,9 +180,9 @@ def test_packed_weights_give_torch_s_products_and_follow_weight_changes() -> Non
         again = packed.packed(layer.weight)
         packed.clear()
         assert packed.nbytes == 0 and packed.packed(layer.weight) is not again
-        too_many = torch.randn(cpu_routes.MAX_ROWS_PACKED + 1, 96).bfloat16()
-        assert packed.few_rows(too_many, layer.weight, layer.bias) is None
-        assert packed.few_rows(too_many[:2].float(), layer.weight.float(), None) is None  # float32: torch's
+        assert packed.linear(x.float(), layer.weight.float(), None) is None  # float32: torch's
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 rows under bf16 autocast: cast as it casts
+            assert torch.equal(packed.linear(x.float(), layer.weight, layer.bias), layer(x.float()))
     del layer  # a weight that dies takes its packed copy with it
     assert packed.nbytes == 0
 

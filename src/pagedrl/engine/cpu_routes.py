@@ -15,13 +15,15 @@ read them as they lie:
   tensor, and the step's rows the right one (packed per call, a few KB): 14-16 ms for 1-16 rows
   against oneDNN's 30, 27 against 38 at 64 rows, 46 against 51 at 128; oneDNN is ahead from about
   200 rows (`MAX_ROWS_AMX` = 128; `bench/bench_decode_linear.py`);
-- without AMX (AVX512-BF16 only, e.g. AMD's Zen 4), oneDNN's own kernel is the fastest once its
-  layout is made once instead of on every call: `PackedWeights` keeps each weight's blocked copy
-  (oneDNN's reorder, the same numbers as `F.linear`'s) for the runner's weight version. Against the
-  engine's dot-product kernel on that CPU (`bench/bench_decode_linear.py`): 21 against 23 ms at one
-  row, 20 against 32 at four, 33 against 52 at 16, 92 against 120 (`F.linear`) at 64. The copies
-  cost the weights' size in memory again (270 MB for the default model). The dot-product kernel
-  serves where oneDNN cannot pack (`MAX_ROWS_DOT` = 32).
+- without AMX (AVX512-BF16 only, e.g. AMD's Zen 4), oneDNN's own kernel is the fastest from 3 rows
+  up once its layout is made once instead of on every call: `PackedWeights` keeps each weight's
+  blocked copy (oneDNN's reorder; the same numbers as `F.linear`'s) until the weights change. 2
+  threads, `bench/bench_decode_linear.py`: 15.8-16.2 ms at 4-6 rows against the engine's
+  dot-product kernel's 17.7-18.6 and `F.linear`'s 28.7-33.4; 26 / 62 / 175 ms at 16 / 64 / 256 rows
+  against `F.linear`'s 38 / 82 / 196; still 1.38 against 1.40 s at a 2048-row prefill chunk. At 1-2
+  rows (a chat stream) the dot-product kernel stays ahead (14.2-15.6 ms against 17.9-18.3) and takes
+  them (`MAX_ROWS_OVER_PACKED`). The copies cost the weights' size in memory again (270 MB for the
+  default model).
 
 The model runner routes the decoder here around a step's forward and vocabulary projection, for a
 bf16 model the engine owns (weights in bf16, no autocast). Projections of prefill chunks (hundreds of
@@ -45,7 +47,7 @@ from pagedrl.model.routed import Routes, routed_to
 
 MAX_ROWS_AMX = 128  # measured crossovers with oneDNN's bf16 kernel (see above)
 MAX_ROWS_DOT = 32  # no AMX here, and none in oneDNN's kernel either
-MAX_ROWS_PACKED = 256  # oneDNN with its weights packed once against oneDNN packing them per call
+MAX_ROWS_OVER_PACKED = 2  # where the dot-product kernel beats oneDNN on packed weights (no AMX)
 PACK_FOR_ROWS = 64  # the row count oneDNN is told to expect when it chooses its layout
 
 
@@ -60,7 +62,8 @@ def packs_weights() -> bool:
 @functools.cache
 def max_rows() -> int:
     """The most rows a product may have to go through the engine's kernel here (0: not built for this
-    CPU); `PackedWeights` takes up to MAX_ROWS_PACKED."""
+    CPU); where `packs_weights()`, `PackedWeights` takes the products of any size above
+    MAX_ROWS_OVER_PACKED."""
     if not cpu_kernels.decode_linear_available():
         return 0
     return MAX_ROWS_AMX if cpu_kernels.decode_linear_amx() else MAX_ROWS_DOT
@@ -95,10 +98,10 @@ class PackedWeights:
 
     def __init__(self) -> None:
         self._packs: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
-        self.routes = Routes(linear=self.few_rows, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope)
+        self.routes = Routes(linear=self.engine_linear, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope)
         # A trainer's bf16 twin under autocast (its greedy evaluations): the products only, the rest
         # is the decoder's own code on float32 norms.
-        self.products_only = Routes(linear=self.few_rows, rms_norm=_not_taken, silu_mul=_not_taken, rope=_not_taken)
+        self.products_only = Routes(linear=self.linear, rms_norm=_not_taken, silu_mul=_not_taken, rope=_not_taken)
 
     def clear(self) -> None:
         self._packs.clear()
@@ -118,17 +121,23 @@ class PackedWeights:
         self._packs[key] = (weakref.ref(weight, lambda _, key=key: self._packs.pop(key, None)), version, packed)
         return packed
 
-    def few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """`few_rows` with oneDNN's kernel on the packed copy (the same numbers as `F.linear`; under
-        bf16 autocast the rows are cast as autocast casts them)."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """A projection on oneDNN's kernel and the packed copy (the same numbers as `F.linear`; under
+        bf16 autocast the rows are cast as autocast casts them), or None for what it does not take."""
         if x.dtype == torch.float32 and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
             x = x.to(torch.bfloat16)
         if not _takes(x, weight) or (bias is not None and bias.dtype != torch.bfloat16):
             return None
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] > MAX_ROWS_PACKED:
-            return None
         return self.product(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    def engine_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """A bf16 engine's projection: 1-2 rows on the dot-product kernel, more on the packed copy."""
+        if x.numel() <= MAX_ROWS_OVER_PACKED * x.shape[-1]:
+            out = few_rows(x, weight, bias)
+            if out is not None:
+                return out
+        return self.linear(x, weight, bias)
 
     def product(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows [M, K] @ weight.T (+ bias), bf16, on the packed copy of `weight`."""
@@ -187,16 +196,14 @@ def usable(model: torch.nn.Module, autocast_dtype: torch.dtype | None) -> bool:
 def routed_step(rows: int, on: bool, packed: PackedWeights | None = None, products_only: bool = False
                 ) -> Iterator[None]:
     """The decoder routed to the kernels for a step of `rows` query rows, when `on`: the row-wise
-    pieces always (unless `products_only`), the projections when the step is small enough (on
-    `packed`'s copies when given)."""
-    if not on or (products_only and (packed is None or rows > MAX_ROWS_PACKED)):
+    pieces always (unless `products_only`), the projections on `packed`'s copies when given, else on
+    the engine's kernel when the step is small enough."""
+    if not on or (products_only and packed is None):
         yield
         return
-    if products_only:
-        routes = packed.products_only
-    elif rows > (MAX_ROWS_PACKED if packed is not None else max_rows()):
-        routes = ROWWISE_ONLY
+    if packed is not None:
+        routes = packed.products_only if products_only else packed.routes
     else:
-        routes = packed.routes if packed is not None else ROUTES
+        routes = ROUTES if rows <= max_rows() else ROWWISE_ONLY
     with routed_to(routes):
         yield

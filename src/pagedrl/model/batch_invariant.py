@@ -272,8 +272,7 @@ def _packed_call(weight: torch.Tensor, bias: torch.Tensor | None, safe: tuple[in
     if not packed_agrees(weight.shape[0], weight.shape[1], bias is not None, torch.get_num_threads(), safe):
         return None
     packs = cpu_routes.packed_weights()
-    return lambda chunk, _: (packs.product(chunk, weight, bias) if chunk.shape[0] <= cpu_routes.MAX_ROWS_PACKED
-                             else F.linear(chunk, weight, bias))
+    return lambda chunk, _: packs.product(chunk, weight, bias)
 
 
 def _linear_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
