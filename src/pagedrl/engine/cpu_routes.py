@@ -53,8 +53,9 @@ PACK_FOR_ROWS = 64  # the row count oneDNN is told to expect when it chooses its
 
 @functools.cache
 def packs_weights() -> bool:
-    """Whether decode-sized products go to oneDNN with packed weights: a CPU with AVX512-BF16 and no
-    AMX (where it was measured the faster at every row count), and a torch built with oneDNN."""
+    """Whether bf16 products of more than MAX_ROWS_OVER_PACKED rows go to oneDNN with packed weights: a
+    CPU with AVX512-BF16 and no AMX (where that was measured the faster from 3 rows to a 2048-row
+    prefill chunk), and a torch built with oneDNN."""
     return (cpu_kernels.decode_linear_available() and not cpu_kernels.decode_linear_amx()
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
@@ -117,7 +118,7 @@ class PackedWeights:
         entry = self._packs.get(key)
         if entry is not None and entry[0]() is weight and entry[1] == version:
             return entry[2]
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_FOR_ROWS)
         self._packs[key] = (weakref.ref(weight, lambda _, key=key: self._packs.pop(key, None)), version, packed)
         return packed
 
