@@ -12,7 +12,9 @@ Three implementations compute the same thing:
 - `reference`: one sequence at a time, keys gathered into a contiguous tensor, an explicit causal
   mask, softmax, matmul. Slow and obviously right; the tests hold the fast path to it.
 - `fast`: on a CPU, a step of decodes only runs `cpu_kernels.paged_decode`, which reads each
-  sequence's keys and values from its blocks where they lie (one pass over them). Other steps, and
+  sequence's keys and values from its blocks where they lie (one pass over them); in bf16 without
+  AMX a step with prompt chunks runs `cpu_kernels.paged_prefill` (a prompt's rows in tiles over the
+  blocks where they lie; `prefill_by_rows`). Other steps, and
   decodes where that kernel is not built: sequences in groups, each group attended in one batched op. A group's keys and values
   are gathered block-wise with one `index_select` apiece into a reused buffer, then handed to
   `scaled_dot_product_attention` as strided [S, Hkv, L, D] views (no transpose copy, no keys
@@ -78,6 +80,7 @@ class PagedAttention:
     row_lens: torch.Tensor | None = field(default=None, repr=False)
     row_seqs: torch.Tensor | None = field(default=None, repr=False)
     kernels: bool = False  # the CPU kernels serve this cache: its KV writes take one `store_kv` call a layer
+    tiles: bool = False  # a CPU bf16 step with prompt chunks: `cpu_kernels.paged_prefill` attends them in tiles
 
     @classmethod
     def build(
@@ -146,8 +149,9 @@ class PagedAttention:
         the slots' uniqueness; `build` checks its lists first and then comes here. `read_in_place`
         False keeps a CPU decode step on the gather path (see the engine's runner). `rows`: every new
         token attended alone by the row kernel, as batch-invariant mode needs (None: whether that mode
-        is on here). `prefill_rows`: a step with prompt chunks goes to the row kernel too (where it is
-        the faster prefill: `prefill_by_rows`); steps of decodes keep the in-place decode kernel."""
+        is on here). `prefill_rows`: a step with prompt chunks goes to the CPU kernels too (where they
+        are the faster prefill: `prefill_by_rows`), to the prefill tiles in bf16 where the CPU has the
+        bf16 dot products, else to the row kernel; steps of decodes keep the in-place decode kernel."""
         device = kv_cache.device if device is None else torch.device(device)
         block_size = kv_cache.block_size
         num_seqs = len(q_lens)
@@ -172,17 +176,20 @@ class PagedAttention:
                              "without copy-on-write?)")
         groups = row_lens = row_seqs = None
         fast_here = impl == "fast" and reads_in_place(kv_cache, device)
-        by_rows = (batch_invariant.active() if rows is None else rows) or (prefill_rows and max_query_len > 1)
+        invariant = batch_invariant.active() if rows is None else rows
+        prompts = prefill_rows and max_query_len > 1
+        tiles = prompts and not invariant and fast_here and prefill_in_tiles(kv_cache)
+        by_rows = invariant or (prompts and not tiles)
         if by_rows and fast_here:
             row_lens = (positions + 1).to(device)
             row_seqs = None if max_query_len == 1 else seq_of_row.to(device)
         in_place = row_lens is None and read_in_place and max_query_len == 1 and fast_here
-        if impl == "fast" and row_lens is None and not in_place:
+        if impl == "fast" and row_lens is None and not in_place and not tiles:
             groups = plan_groups(q_lens, seq_lens, block_tables, block_size, device, kv_cache.dtype,
                                  chunk_tokens_for(kv_cache, device), query_start_loc)
         return cls(kv_cache, slot_mapping.to(device), query_start_loc.to(device), seq_lens_t.to(device),
                    block_tables.to(device), positions.to(device), impl, scale, groups, max_query_len, in_place,
-                   row_lens, row_seqs, fast_here)
+                   row_lens, row_seqs, fast_here, tiles)
 
     @property
     def num_seqs(self) -> int:
@@ -256,6 +263,9 @@ class PagedAttention:
         if self.row_lens is not None:  # each new token's row alone, over its positions up to its own
             return cpu_kernels.paged_attention(q, key_cache, value_cache, self.block_tables, self.row_lens, scale,
                                                self.row_seqs)[0]
+        if self.tiles:  # prompt chunks: a sequence's consecutive rows together
+            return cpu_kernels.paged_prefill(q, key_cache, value_cache, self.block_tables, self.query_start_loc,
+                                             self.seq_lens, scale)
         if self.in_place:
             return cpu_kernels.paged_decode(q, key_cache, value_cache, self.block_tables, self.seq_lens, scale)
         if self.groups is None:  # metadata built by hand rather than by `build`: plan once, keep it
@@ -291,14 +301,25 @@ def reads_in_place(kv_cache: KVCache, device: torch.device) -> bool:
 
 
 def prefill_by_rows(kv_cache: KVCache, device: torch.device) -> bool:
-    """Whether a CPU step with prompt chunks attends each new token's row with the row kernel
-    (`cpu_kernels.paged_attention`, one pass over the keys each row sees, read where they lie) rather
-    than gather + torch's flash attention: in bf16 on a CPU without AMX, where that flash attention
-    runs its block products without tiles (64 prompts of 32-512 tokens, attention of their prefill:
-    3.6 s against 6.3 s). With AMX torch's flash attention is the faster (5.0-5.7 s against 7.3-7.5 s
-    for the whole prefill; `bench/RESULTS.md`), and float32 was not measured: both keep it."""
+    """Whether a CPU step with prompt chunks goes to the CPU kernels (the prefill tiles where
+    `prefill_in_tiles`, else each new token's row through the row kernel, `cpu_kernels.paged_attention`:
+    one pass over the keys each row sees, read where they lie) rather than gather + torch's flash
+    attention: in bf16 on a CPU without AMX, where that flash attention runs its block products without
+    tiles (64 prompts of 32-512 tokens, attention of their prefill: rows 3.6 s, tiles 1.2 s, flash
+    attention 6.3 s). With AMX torch's flash attention is the faster (5.0-5.7 s against 7.3-7.5 s for the
+    whole prefill through rows; `bench/RESULTS.md`), and float32 was not measured: both keep it."""
     return (reads_in_place(kv_cache, device) and kv_cache.dtype == torch.bfloat16
             and not cpu_kernels.decode_linear_amx())
+
+
+def prefill_in_tiles(kv_cache: KVCache) -> bool:
+    """Whether prompt chunks that go to the CPU kernels take the prefill tiles (`csrc/prefill_tiles.cpp`:
+    a prompt's rows 16 at a time against each chunk of keys laid out once, 64 prompts of 32-512 tokens
+    36-41 ms a layer against the row kernel's 70-75; `bench/RESULTS.md`): a bf16 cache of a head size
+    the kernel is built for, and a build with the bf16 dot-product instructions. Batch-invariant steps
+    keep the row kernel."""
+    return (kv_cache.dtype == torch.bfloat16 and kv_cache.head_dim in cpu_kernels.PREFILL_HEAD_DIMS
+            and cpu_kernels.decode_linear_available())
 
 
 def chunk_tokens_for(kv_cache: KVCache, device: torch.device) -> int | None:

@@ -10,6 +10,9 @@ where they lie, through tables, one row at a time. Two uses:
   else is in the batch, so a token decoded by the engine and the same token in a trainer's packed
   forward get the same bits; with its backward for the trainer.
 
+`paged_prefill` (`csrc/prefill_tiles.cpp`): a step's prompt chunks in bf16, a sequence's consecutive rows
+in tiles over each chunk of keys (the row routine both share: `csrc/attention_rows.h`).
+
 `decode_linear` (`csrc/decode_linear.cpp`): a bf16 linear layer's product for the rows of a decode
 step, with AMX tiles or AVX512-BF16 dot products; `rms_norm`, `silu_mul` and `rope` (`csrc/rowwise.cpp`):
 the decoder's row-wise pieces in one pass each. The engine routes its bf16 steps to them
@@ -34,10 +37,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "decode_linear.cpp",
-                                                                "rowwise.cpp", "threads.cpp")]
-HEADERS = [Path(__file__).parent / "csrc" / "cpu_math.h"]  # shared by the sources: part of the build's key
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prefill_tiles.cpp",
+                                                                "decode_linear.cpp", "rowwise.cpp", "threads.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "attention_rows.h")]  # shared by the sources: part of the build's key
 DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
+PREFILL_HEAD_DIMS = (16, 32, 64, 96, 128)  # the head sizes `paged_prefill` is compiled for
 # The machine's own vector instructions, `omp simd` loops vectorized, and OpenMP for `at::parallel_for`
 # (header code: without -fopenmp it runs on one thread). libgomp.so.1 resolves to the one torch already
 # loaded, so there is one thread pool. No -ffast-math: float32 arithmetic in the kernel's order.
@@ -108,6 +112,15 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     return paged_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)[0]
 
 
+def paged_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [N, Hq, D] bf16, sequence s owning rows query_start_loc[s]:query_start_loc[s + 1], its last at
+    position seq_lens[s] - 1 → [N, Hq, D], each row attended causally over its sequence's keys, in
+    tiles of a prompt's consecutive rows (`csrc/prefill_tiles.cpp`). Needs `decode_linear_available()`
+    (the bf16 dot-product instructions)."""
+    return _ops().paged_prefill(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
+
+
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
                     row_lens: torch.Tensor, scale: float, row_seqs: torch.Tensor | None = None,
                     with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,10 +142,16 @@ def paged_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, keys: torc
                                                           scale)
 
 
-def _rows(row_seqs: torch.Tensor | None) -> torch.Tensor:
-    """The kernel loaded, and `row_seqs` as the op takes it (empty: row r is sequence r)."""
+def _ops():  # noqa: ANN202 (torch's op namespace)
+    """The kernels' ops, loaded."""
     if not _load():
         raise RuntimeError("the CPU paged-attention kernel is not built here (see the warning above)")
+    return torch.ops.pagedrl_cpu
+
+
+def _rows(row_seqs: torch.Tensor | None) -> torch.Tensor:
+    """The kernel loaded, and `row_seqs` as the op takes it (empty: row r is sequence r)."""
+    _ops()
     return _NO_ROWS if row_seqs is None else row_seqs
 
 

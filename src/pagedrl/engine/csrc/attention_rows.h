@@ -1,0 +1,261 @@
+// One query row's attention over keys and values read through a table, kChunk positions at a time with
+// an online softmax (running max and sum, the accumulator rescaled when the max grows), in float32 whatever
+// the dtype. The routine of the row kernel (`paged_attention.cpp`), and of the prefill tiles
+// (`prefill_tiles.cpp`) for rows too few to tile: both files include it.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+
+#include "cpu_math.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define PAGEDRL_BF16_DOT 1
+#else
+#define PAGEDRL_BF16_DOT 0
+#endif
+
+namespace pagedrl_cpu {
+
+// Runs work(thread_state, i) for i in [0, n), each i taken by whichever thread is free next, in order:
+// items listed largest first finish together (a static split of rows of 32 to 512 keys leaves one
+// thread waiting on the other). make_state() builds a thread's scratch once.
+template <typename MakeState, typename Work>
+void run_largest_first(int64_t n, MakeState&& make_state, Work&& work) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(n, at::get_num_threads())), 1, [&](int64_t, int64_t) {
+    auto state = make_state();
+    for (int64_t i = next++; i < n; i = next++) work(state, i);
+  });
+}
+
+// A row of head_dim values as float32: a bf16 is the top half of a float32's bits (a shift the
+// compiler vectorizes, where c10::BFloat16's conversion is a call per element).
+inline void load_row(const float* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) dst[d] = src[d];
+}
+
+inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) {
+    const uint32_t widened = static_cast<uint32_t>(bits[d]) << 16;
+    float value;
+    std::memcpy(&value, &widened, sizeof(value));  // not a store through a uint32_t*: no aliasing trap
+    dst[d] = value;
+  }
+}
+
+constexpr int64_t kChunk = 16;  // key positions per online-softmax update, whatever the table's block
+static_assert(kChunk == 16, "a chunk's scores are one 16-lane vector (its max, the lane sums)");
+
+#if PAGEDRL_BF16_DOT
+// A chunk's scaled scores in bf16: each key row's products with the group's query rows, 32 at a time
+// with `vdpbf16ps` (exact products, float32 sums), straight from the cache with no float32 copy of the
+// key; the 16 positions' sums then come out as one vector. Positions n..15 score 0 (masked later).
+template <int kD>
+inline void chunk_scores_bf16(const c10::BFloat16* q, const c10::BFloat16* keys, const int64_t* slots, int64_t n,
+                              int64_t token_stride, int64_t groups, float scale, float* scores) {
+  constexpr int kVec = kD / 32;
+  const __m512 scaled = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512bh qv[kVec];
+    for (int i = 0; i < kVec; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q + g * kD + 32 * i);
+    __m512 sums[16];
+    for (int64_t t = 0; t < kChunk; ++t) {
+      __m512 acc = _mm512_setzero_ps();
+      if (t < n) {
+        const c10::BFloat16* k = keys + slots[t] * token_stride;
+        for (int i = 0; i < kVec; ++i) acc = _mm512_dpbf16_ps(acc, qv[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
+      }
+      sums[t] = acc;
+    }
+    _mm512_storeu_ps(scores + g * kChunk, _mm512_mul_ps(pagedrl_cpu::sum_lanes16(sums), scaled));
+  }
+}
+// A chunk's values into each query head's accumulator, acc[g] += p[g][t] * v[t] in position order (as
+// the portable loop adds them): each value row widened to float32 in registers once and added to up
+// to four heads' accumulators, all held in registers across the chunk (the heads share every row,
+// and their FMA chains run side by side).
+template <int kD, int kG>
+inline void chunk_values_heads(const c10::BFloat16* values, const int64_t* slots, int64_t n, int64_t token_stride,
+                               const float* probs, float* acc) {
+  constexpr int kF = kD / 16;
+  __m512 a[kG][kF];
+  for (int g = 0; g < kG; ++g)
+    for (int i = 0; i < kF; ++i) a[g][i] = _mm512_loadu_ps(acc + g * kD + 16 * i);
+  for (int64_t t = 0; t < n; ++t) {
+    const c10::BFloat16* v = values + slots[t] * token_stride;
+    __m512 row[kF];
+    for (int i = 0; i < kF; ++i) {
+      const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * i)));
+      row[i] = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    }
+    for (int g = 0; g < kG; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * kChunk + t]);
+      for (int i = 0; i < kF; ++i) a[g][i] = _mm512_fmadd_ps(p, row[i], a[g][i]);
+    }
+  }
+  for (int g = 0; g < kG; ++g)
+    for (int i = 0; i < kF; ++i) _mm512_storeu_ps(acc + g * kD + 16 * i, a[g][i]);
+}
+
+template <int kD>
+inline void chunk_values_bf16(const c10::BFloat16* values, const int64_t* slots, int64_t n, int64_t token_stride,
+                              int64_t groups, const float* probs, float* acc) {
+  int64_t g = 0;
+  for (; g + 4 <= groups; g += 4)
+    chunk_values_heads<kD, 4>(values, slots, n, token_stride, probs + g * kChunk, acc + g * kD);
+  switch (groups - g) {
+    case 3: chunk_values_heads<kD, 3>(values, slots, n, token_stride, probs + g * kChunk, acc + g * kD); break;
+    case 2: chunk_values_heads<kD, 2>(values, slots, n, token_stride, probs + g * kChunk, acc + g * kD); break;
+    case 1: chunk_values_heads<kD, 1>(values, slots, n, token_stride, probs + g * kChunk, acc + g * kD); break;
+    default: break;
+  }
+}
+#endif
+
+// What `attend_row` writes between calls, allocated once per thread.
+struct RowScratch {
+  RowScratch(int64_t groups, int64_t head_dim)
+      : query(groups * head_dim), acc(groups * head_dim), scores(groups * kChunk), running_max(groups),
+        running_sum(groups), row(head_dim) {}
+  std::vector<float> query, acc, scores, running_max, running_sum, row;
+  int64_t slots[kChunk];
+};
+
+// Row r (q, out and lse indexed by it) attends with the G query heads of KV head h over the first `len`
+// positions of `table` (entry i holds table_block consecutive slots). kD: head_dim fixed at compile time
+// (0: read at run time). With it and the chunk fixed every inner loop has a constant trip count and
+// vectorizes whole: 4x faster than run-time-sized loops.
+template <typename T, int kD>
+inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t r, int64_t h, int64_t len,
+                       T* out, float* lse, int64_t num_heads, int64_t groups, int64_t head_dim_rt, int64_t token_stride,
+                       int64_t table_block, float scale, RowScratch& w) {
+  const int64_t head_dim = kD ? kD : head_dim_rt;
+  const bool chunk_in_one_entry = table_block % kChunk == 0;
+  // Below every score, yet finite: exp(lowest - max) is 0 without an infinity in the arithmetic.
+  const float lowest = -std::numeric_limits<float>::max();
+  std::vector<float>& query = w.query;
+  std::vector<float>& acc = w.acc;
+  std::vector<float>& scores = w.scores;
+  std::vector<float>& running_max = w.running_max;
+  std::vector<float>& running_sum = w.running_sum;
+  std::vector<float>& row = w.row;
+  int64_t* slots = w.slots;
+  for (int64_t g = 0; g < groups; ++g) {
+    float* qg = query.data() + g * head_dim;
+    load_row(q + (r * num_heads + h * groups + g) * head_dim, qg, head_dim);
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) qg[d] *= scale;
+    running_max[g] = lowest;
+    running_sum[g] = 0.f;
+  }
+  std::fill(acc.begin(), acc.end(), 0.f);
+  for (int64_t first = 0; first < len; first += kChunk) {
+    const int64_t n = std::min(kChunk, len - first);  // a partial last chunk: its first n positions
+    if (chunk_in_one_entry) {
+      const int64_t base = table[first / table_block] * table_block + first % table_block;
+      for (int64_t t = 0; t < n; ++t) slots[t] = base + t;
+    } else {
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t p = first + t;
+        slots[t] = table[p / table_block] * table_block + p % table_block;
+      }
+    }
+#if PAGEDRL_BF16_DOT
+    // The keys and values two chunks ahead asked for now, while this one computes: a chunk is
+    // one block in a scattered table, so the hardware's stream prefetcher starts cold at each
+    // (one chunk ahead: 1.05 ms a layer of 64 decodes; two: 0.98; four: 0.99).
+    if (chunk_in_one_entry && first + 2 * kChunk < len) {
+      const int64_t next = first + 2 * kChunk;
+      const int64_t base = table[next / table_block] * table_block + next % table_block;
+      const int64_t m = std::min(kChunk, len - next);
+      for (int64_t t = 0; t < m; ++t) {
+        const char* key = reinterpret_cast<const char*>(kc + (base + t) * token_stride + h * head_dim);
+        const char* value = reinterpret_cast<const char*>(vc + (base + t) * token_stride + h * head_dim);
+        for (int64_t line = 0; line < head_dim * static_cast<int64_t>(sizeof(T)); line += 64) {
+          _mm_prefetch(key + line, _MM_HINT_T0);
+          _mm_prefetch(value + line, _MM_HINT_T0);
+        }
+      }
+    }
+    if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0) {
+      chunk_scores_bf16<kD>(q + (r * num_heads + h * groups) * head_dim, kc + h * head_dim, slots, n,
+                            token_stride, groups, scale, scores.data());
+    } else
+#endif
+    {
+      for (int64_t t = 0; t < n; ++t) {
+        load_row(kc + slots[t] * token_stride + h * head_dim, row.data(), head_dim);
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* qg = query.data() + g * head_dim;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
+          scores[g * kChunk + t] = dot;
+        }
+      }
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      float* sg = scores.data() + g * kChunk;
+      for (int64_t t = n; t < kChunk; ++t) sg[t] = lowest;  // positions past the row: weight 0
+#if PAGEDRL_BF16_DOT  // a max is exact whatever its order: one vector's tree, not a chain of 16
+      const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(_mm512_loadu_ps(sg)));
+#else
+      float new_max = running_max[g];
+      for (int64_t t = 0; t < kChunk; ++t) new_max = std::max(new_max, sg[t]);
+#endif
+      const float rescale = exp_nonpositive(running_max[g] - new_max);
+      float chunk_sum = 0.f;
+#pragma omp simd reduction(+ : chunk_sum)
+      for (int64_t t = 0; t < kChunk; ++t) {
+        sg[t] = exp_nonpositive(sg[t] - new_max);
+        chunk_sum += sg[t];
+      }
+      running_sum[g] = running_sum[g] * rescale + chunk_sum;
+      running_max[g] = new_max;
+      float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) ag[d] *= rescale;
+    }
+#if PAGEDRL_BF16_DOT
+    if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0) {
+      chunk_values_bf16<kD>(vc + h * head_dim, slots, n, token_stride, groups, scores.data(), acc.data());
+    } else
+#endif
+    {
+      for (int64_t t = 0; t < n; ++t) {
+        load_row(vc + slots[t] * token_stride + h * head_dim, row.data(), head_dim);
+        const float* v = row.data();
+        for (int64_t g = 0; g < groups; ++g) {
+          const float p = scores[g * kChunk + t];
+          float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * v[d];
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t head = h * groups + g;
+    T* o = out + (r * num_heads + head) * head_dim;
+    const float inv = 1.f / running_sum[g];
+    for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d] * inv);
+    if (lse) lse[r * num_heads + head] = running_max[g] + std::log(running_sum[g]);
+  }
+}
+
+}  // namespace pagedrl_cpu

@@ -1,0 +1,69 @@
+"""The prefill tiles (`csrc/prefill_tiles.cpp`, `cpu_kernels.paged_prefill`): a step's prompt chunks
+attended a sequence's consecutive rows at a time, held to float64 attention over the same cache."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_cpu_kernels import needs_bf16_dot
+
+from pagedrl.engine import cpu_kernels
+
+
+def float64_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: list[list[int]],
+                      q_lens: list[int], seq_lens: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row over its sequence's keys up to its own position, in float64: the output and, per row and
+    head, the probability-weighted mean of |v| (what rounding the probabilities can move it by)."""
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    groups = q.shape[1] // num_kv_heads
+    keys = key_cache.reshape(-1, num_kv_heads, head_dim).double().repeat_interleave(groups, dim=1)
+    values = value_cache.reshape(-1, num_kv_heads, head_dim).double().repeat_interleave(groups, dim=1)
+    out, spread, row = torch.empty(q.shape, dtype=torch.float64), torch.empty(q.shape[:2], dtype=torch.float64), 0
+    for table, q_len, seq_len in zip(tables, q_lens, seq_lens, strict=True):
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(seq_len)])
+        k, v = keys[slots], values[slots]  # [L, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", q[row:row + q_len].double(), k) * scale
+        position = torch.arange(seq_len - q_len, seq_len)[:, None]
+        probs = scores.masked_fill(torch.arange(seq_len)[None, :] > position, float("-inf")).softmax(-1)
+        out[row:row + q_len] = torch.einsum("hqk,khd->qhd", probs, v)
+        spread[row:row + q_len] = torch.einsum("hqk,khd->qhd", probs, v.abs()).amax(-1)
+        row += q_len
+    return out, spread
+
+
+@settings(max_examples=40, deadline=None)
+@given(chunks=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 70)), min_size=1, max_size=5),
+       block_size=st.sampled_from([8, 16, 32]), heads=st.sampled_from([(9, 3), (4, 4), (8, 2), (4, 1), (16, 2)]),
+       head_dim=st.sampled_from(cpu_kernels.PREFILL_HEAD_DIMS), seed=st.integers(0, 2**16))
+def test_prefill_tiles_equal_float64_attention(chunks, block_size, heads, head_dim, seed) -> None:
+    """Sequences of (cached, new) tokens: fresh prompts, chunks after a cached prefix, single rows (the
+    row routine); tables scattered, blocks smaller than, equal to and larger than a chunk of keys. Each
+    output is within bf16's rounding of the exact one (half a step of the output, and of the
+    probability-weighted |v| for the probabilities the values are multiplied by in bf16): a masking,
+    table or tiling slip is off by far more."""
+    needs_bf16_dot()
+    num_heads, num_kv_heads = heads
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    q_lens = [new for _, new in chunks]
+    seq_lens = [cached + new for cached, new in chunks]
+    need = [-(-n // block_size) for n in seq_lens]
+    free = list(range(sum(need) + 3))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in need]
+    shape = (sum(need) + 3, block_size, num_kv_heads, head_dim)
+    key_cache, value_cache = (torch.randn(shape, generator=gen).bfloat16() for _ in range(2))
+    q = (torch.randn(sum(q_lens), num_heads, head_dim, generator=gen) * 2).bfloat16()
+    padded = torch.zeros(len(tables), max(need), dtype=torch.long)
+    for s, table in enumerate(tables):
+        padded[s, :len(table)] = torch.tensor(table)
+    starts = torch.tensor([0] + q_lens).cumsum(0)
+    scale = head_dim ** -0.5
+    out = cpu_kernels.paged_prefill(q, key_cache, value_cache, padded, starts, torch.tensor(seq_lens), scale)
+    exact, spread = float64_attention(q, key_cache, value_cache, tables, q_lens, seq_lens, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    bound = exact.abs() * 2.0**-8 + spread[..., None] * 2.0**-8 + 1e-5
+    assert ((out.double() - exact).abs() <= bound).all()
