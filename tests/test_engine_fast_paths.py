@@ -3,6 +3,8 @@
 - Sampler rows whose processing is a no-op (greedy, or temperature 1 with no cut, penalty or ban)
   skip it: tokens and log-probs are bit-for-bit those of the full path, and every other kind of
   row still takes the full path.
+- A step of plain greedy rows on a CPU takes `greedy_pick`: the full path's tokens, its log-probs
+  to a float32 rounding; rows that are not finite go the full way.
 - The sampler's reused log-softmax buffer never leaks into what it returns.
 - The runner's logits projection into a reused buffer equals the model's own `logits`, and a model
   that overrides `logits` is respected.
@@ -78,6 +80,41 @@ def test_rows_that_change_the_logits_take_the_full_path(params: SamplingParams, 
     mixed, full = sample(rows, logits, False), sample(rows, logits, True)
     assert torch.equal(mixed.token_ids, full.token_ids)
     assert torch.equal(mixed.processed_logprobs, full.processed_logprobs)
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 49152])
+def test_plain_greedy_rows_take_the_kernel_with_the_full_paths_tokens(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, vocab, generator=gen) * 4
+    logits[2, 7] = logits[2, 30] = logits[2].max() + 1  # equal maxima: the first is the pick
+    logits[3, -1] = logits[3].max() + 1  # the maximum in the last column
+    rows = [SamplingRow(SamplingParams(temperature=0.0)) for _ in range(6)]
+    picks = []
+    real = sampler._greedy_pick
+
+    def spy(x: torch.Tensor):  # noqa: ANN202
+        picks.append(real(x))
+        return picks[-1]
+
+    with mock.patch.object(sampler, "_greedy_pick", spy):
+        fast = sample(rows, logits, False)
+    assert len(picks) == 1 and picks[0] is not None
+    full = sample(rows, logits, True)
+    assert torch.equal(fast.token_ids, full.token_ids) and fast.token_ids[2] == 7 and fast.token_ids[3] == vocab - 1
+    exact = torch.log_softmax(logits.double(), -1).gather(1, fast.token_ids[:, None]).squeeze(1)
+    for got in (fast.processed_logprobs, fast.raw_logprobs):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), exact, rtol=0, atol=2e-6)
+    # as close to the exact value as torch's float32 log_softmax is, or closer (its own sum of a 49k
+    # row is ~5e-6 off)
+    assert (fast.processed_logprobs.double() - exact).abs().max() <= (full.processed_logprobs.double() - exact).abs().max() + 2e-6
+    logits[1, 3] = float("nan")  # not finite: torch's answer, bit for bit
+    with mock.patch.object(sampler, "_greedy_pick", spy):
+        odd = sample(rows, logits, False)
+    assert len(picks) == 2 and picks[1] is None
+    full = sample(rows, logits, True)
+    assert torch.equal(odd.token_ids, full.token_ids)
+    assert torch.equal(odd.processed_logprobs.nan_to_num(), full.processed_logprobs.nan_to_num())
 
 
 def test_reused_log_softmax_buffer_is_never_returned() -> None:

@@ -12,7 +12,10 @@ Choices worth knowing:
   least likely member of that set. The kept set therefore never depends on sort order.
 - Greedy rows (temperature 0) take the argmax of the penalised logits, ignore top-k/top-p/min-p,
   and draw no randomness. Their processed log-prob is the log-softmax of the penalised logits
-  (temperature 1) at the argmax: the distribution the argmax was read from.
+  (temperature 1) at the argmax: the distribution the argmax was read from. A CPU step of greedy
+  rows that change nothing and want no alternatives takes `greedy_pick` (the argmax and its
+  log-prob in two reads of the logits, no [S, V] log-softmax written; the same tokens, log-probs
+  within a float32 rounding of it).
 - Random rows use the exponential race argmax(p / E), E = -log U ~ Exp(1) with U drawn from the
   row's own generator (or one shared generator for rows without a seed), so a seeded request
   draws the same tokens whatever else is in the batch and whichever row it sits in.
@@ -34,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedrl.engine import cpu_kernels
 from pagedrl.engine.grammar import bitmask_bias
 from pagedrl.engine.sampling_params import SamplingParams
 
@@ -218,7 +222,6 @@ class Sampler:
             raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got shape {tuple(logits.shape)}")
         logits = logits.float()
         vocab, device = logits.shape[1], logits.device
-        raw = self._log_softmax(logits)
         # One pass over the rows: whether any changes its logits, which rows draw (from their own
         # generator or the shared one), whether any wants alternatives.
         unchanged, seeded, shared, wants_top, passed = True, [], [], False, None
@@ -232,6 +235,12 @@ class Sampler:
                 (shared if row.generator is None else seeded).append(i)
             if p.logprobs is not None:
                 wants_top = True
+        if unchanged and not (seeded or shared or wants_top):
+            picked = _greedy_pick(logits)
+            if picked is not None:
+                return SamplerOutput(token_ids=picked[0], processed_logprobs=picked[1],
+                                     raw_logprobs=picked[1].clone(), top_logprobs=[None] * len(rows))
+        raw = self._log_softmax(logits)
         if unchanged:
             # Processing would return these very logits (dividing by 1.0 is exact), so the drawn-from
             # distribution is the raw one: skip two [S, V] passes that would recompute it bit for bit.
@@ -356,6 +365,16 @@ class Sampler:
         if every:
             return winners
         return first_argmax(logp).index_copy(0, torch.tensor(drawn, device=device), winners)
+
+
+def _greedy_pick(logits: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Each row's argmax (the first of equal maxima) and its log-softmax, from the CPU kernel; None
+    where it does not serve (not a CPU, not built, autograd on) or a row is not finite (the full path
+    then gives torch's answer for NaN and infinities)."""
+    if logits.device.type != "cpu" or logits.requires_grad or not cpu_kernels.available():
+        return None
+    tokens, logp = torch.ops.pagedrl_cpu.greedy_pick(logits.contiguous())
+    return (tokens, logp) if bool(torch.isfinite(logp).all()) else None
 
 
 def first_argmax(x: Tensor) -> Tensor:
