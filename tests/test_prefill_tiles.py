@@ -36,7 +36,7 @@ def float64_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 
 @settings(max_examples=40, deadline=None)
 @given(chunks=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 70)), min_size=1, max_size=5),
-       block_size=st.sampled_from([8, 16, 32]), heads=st.sampled_from([(9, 3), (4, 4), (8, 2), (4, 1), (16, 2)]),
+       block_size=st.sampled_from([8, 16, 32]), heads=st.sampled_from([(9, 3), (4, 4), (8, 2), (4, 1), (16, 2), (50, 1)]),
        head_dim=st.sampled_from(cpu_kernels.PREFILL_HEAD_DIMS), seed=st.integers(0, 2**16))
 def test_prefill_tiles_equal_float64_attention(chunks, block_size, heads, head_dim, seed) -> None:
     """Sequences of (cached, new) tokens: fresh prompts, chunks after a cached prefix, single rows (the

@@ -77,8 +77,17 @@ def kernel(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 def _takes(*tensors: torch.Tensor) -> bool:
     """The kernels' terms: bf16 CPU tensors, and no gradient recorded (they have no backward; the
-    runner runs in inference mode)."""
-    return not torch.is_grad_enabled() and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+    runner runs in inference mode). Asked some 300 times a decode step: a plain loop over `is`
+    and `is_cpu` (0.6 us for two tensors, where a generator over `device.type` took 2.2)."""
+    if torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t.dtype is not _BF16 or not t.is_cpu:
+            return False
+    return True
+
+
+_BF16 = torch.bfloat16
 
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -13,8 +13,9 @@
 // against float64 4.1e-4 against the row kernel's 3.3e-4 (both round the output to bf16). The engine's
 // prefill does not need a trainer's bits: batch-invariant mode keeps the row kernel.
 //
-// Tiles of too few query heads (a decode in a mixed step) take the row routine. Tiles are handed out
-// largest first to whichever thread is free: their costs differ by the length of the prefix they read.
+// Tiles of too few query heads (a decode in a mixed step), and every row of a model with more than 48
+// query heads a KV head, take the row routine. Tiles are handed out largest first to whichever thread
+// is free: their costs differ by the length of the prefix they read.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -271,7 +272,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache, const
         [&](std::unique_ptr<Scratch>& w, int64_t i) {
           const Tile& tile = tiles[i];
           const int64_t* seq_table = tp + tile.seq * stride;
-          if (tile.rows * groups < kMinTileHeads) {
+          if (tile.rows * groups < kMinTileHeads || groups > kTileHeads) {
             for (int64_t r = 0; r < tile.rows; ++r)
               pagedrl_cpu::attend_row<bf16, kD>(qp, kp, vp, seq_table, tile.first_row + r, tile.head,
                                                 tile.first_pos + r + 1, op, nullptr, num_heads, groups, kD,

