@@ -1,6 +1,7 @@
 """The engine's bf16 decode projections (`engine/csrc/decode_linear.cpp`) against oneDNN's (`F.linear`,
 which lays out the weights anew at every call) and oneDNN's on weights packed once (`oneDNN packed`,
-what `engine/cpu_routes.PackedWeights` runs where there is no AMX), on the default model's 211 projections (30 layers of q, k, v, o, gate, up, down and the LM head:
+what `engine/cpu_routes.PackedWeights` runs for products that must equal a trainer's) and the
+k-pairs kernel on its packed copy (`engine/csrc/pair_linear.cpp`, a bf16 engine's products where there is no AMX), on the default model's 211 projections (30 layers of q, k, v, o, gate, up, down and the LM head:
 270 MB of bf16 weights, read once per pass as a decode step reads them), at the row counts of decode
 steps. Both sides in one process, turns alternating, best of `--rounds`; weights of the model's
 shapes drawn at random (the kernels' speed does not depend on the values).
@@ -41,9 +42,16 @@ def main() -> None:
     packed = cpu_routes.PackedWeights()
     for w in weights:
         packed.packed(w)
-    print("| rows | oneDNN (ms) | oneDNN packed (ms) | pagedrl kernel (ms) | oneDNN / kernel | packed / kernel |")
-    print("|---|---|---|---|---|---|")
+    pairs = cpu_routes.pairs_available()
+    if pairs:
+        for w in weights:
+            packed.packed(w, "pairs")
+    print("| rows | oneDNN (ms) | oneDNN packed (ms) | pagedrl kernel (ms) | pagedrl k-pairs (ms) | packed / kernel "
+          "| packed / k-pairs |")
+    print("|---|---|---|---|---|---|---|")
     sides = {"oneDNN": F.linear, "packed": packed.product, "pagedrl": torch.ops.pagedrl_cpu.decode_linear}
+    if pairs:
+        sides["pairs"] = packed.pairs_product
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {k for _, k in LAYER}}
         best = dict.fromkeys(sides, float("inf"))
@@ -54,8 +62,10 @@ def main() -> None:
                     for w in weights:
                         product(inputs[w.shape[1]], w, None)
                     best[name] = min(best[name], time.perf_counter() - start)
+        pair_ms = f"{best['pairs'] * 1e3:.1f}" if pairs else "-"
+        pair_ratio = f"{best['packed'] / best['pairs']:.2f}x" if pairs else "-"
         print(f"| {rows} | {best['oneDNN'] * 1e3:.1f} | {best['packed'] * 1e3:.1f} | {best['pagedrl'] * 1e3:.1f} | "
-              f"{best['oneDNN'] / best['pagedrl']:.2f}x | {best['packed'] / best['pagedrl']:.2f}x |")
+              f"{pair_ms} | {best['packed'] / best['pagedrl']:.2f}x | {pair_ratio} |")
 
 
 if __name__ == "__main__":

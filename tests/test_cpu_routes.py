@@ -152,9 +152,10 @@ def test_decode_steps_route_small_bf16_products(monkeypatch) -> None:
 
 
 def test_packed_weights_give_torch_s_products_and_follow_weight_changes() -> None:
-    """oneDNN's kernel on its packed copy: the same bits as `F.linear` at any row count (a bf16
-    engine's steps of 1-2 rows go to the dot-product kernel instead, where it is built); a weight
-    written in place, or a cleared cache (the engine's weight-version bump), is packed again."""
+    """oneDNN's kernel on its packed copy: the same bits as `F.linear` at any row count; a bf16
+    engine's own steps take the k-pairs kernel on its copy where it is built (else 1-2 rows the
+    dot-product kernel); a weight written in place, or a cleared cache (the engine's weight-version
+    bump), is packed again."""
     torch.manual_seed(0)
     packed = cpu_routes.PackedWeights()
     layer = Linear(96, 40).bfloat16()
@@ -166,7 +167,10 @@ def test_packed_weights_give_torch_s_products_and_follow_weight_changes() -> Non
             assert torch.equal(got, torch.nn.functional.linear(x, layer.weight, layer.bias))
             with cpu_routes.routed_step(rows, on=True, packed=packed):
                 engine = layer(x)
-            if rows <= cpu_routes.MAX_ROWS_OVER_PACKED and cpu_kernels.decode_linear_available():
+            if cpu_routes.pairs_available():  # every row count on the k-pairs copy
+                want = torch.ops.pagedrl_cpu.pair_linear(x[0], packed.packed(layer.weight, "pairs"), 40, layer.bias)
+                assert torch.equal(engine, want[None])
+            elif rows <= cpu_routes.MAX_ROWS_OVER_PACKED and cpu_kernels.decode_linear_available():
                 assert torch.equal(engine, torch.ops.pagedrl_cpu.decode_linear(x[0], layer.weight, layer.bias)[None])
             else:
                 assert torch.equal(engine, got)
@@ -174,8 +178,12 @@ def test_packed_weights_give_torch_s_products_and_follow_weight_changes() -> Non
         assert packed.packed(layer.weight) is first and packed.nbytes >= layer.weight.numel() * 2
         layer.weight.mul_(-1)  # an in-place update: its version counter moves
         x = torch.randn(4, 96).bfloat16()
-        with cpu_routes.routed_step(4, on=True, packed=packed):
+        with cpu_routes.routed_step(4, on=True, packed=packed, products_only=True):
             assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        if cpu_routes.pairs_available():  # the k-pairs copy follows the update too
+            with cpu_routes.routed_step(4, on=True, packed=packed):
+                exact = x.double() @ layer.weight.double().t() + layer.bias.double()
+                assert (layer(x).double() - exact).abs().max() <= exact.abs().max() * 2.0**-7
         assert packed.packed(layer.weight) is not first
         again = packed.packed(layer.weight)
         packed.clear()

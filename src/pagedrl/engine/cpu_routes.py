@@ -4,7 +4,7 @@ Row-wise pieces (`csrc/rowwise.cpp`), every step: RMSNorm, SiLU(gate) * up and t
 each one call and one pass over its rows where eager torch makes five to ten (a third of a 2048-token
 prefill chunk's time went to them, and some 25 operator calls a layer of a one-row decode step).
 
-Projections (`csrc/decode_linear.cpp`), decode-sized steps:
+Projections (`csrc/decode_linear.cpp`, `csrc/pair_linear.cpp`):
 A decode step feeds one row per sequence, so each of the model's matmuls is a pass over its weights
 with little arithmetic: the step's speed is how fast the weights stream through the cores. On this
 project's CPU (AMX and AVX512-BF16), oneDNN's bf16 kernel runs the default model's 211 projections
@@ -15,19 +15,20 @@ read them as they lie:
   tensor, and the step's rows the right one (packed per call, a few KB): 14-16 ms for 1-16 rows
   against oneDNN's 30, 27 against 38 at 64 rows, 46 against 51 at 128; oneDNN is ahead from about
   200 rows (`MAX_ROWS_AMX` = 128; `bench/bench_decode_linear.py`);
-- without AMX (AVX512-BF16 only, e.g. AMD's Zen 4), oneDNN's own kernel is the fastest from 3 rows
-  up once its layout is made once instead of on every call: `PackedWeights` keeps each weight's
-  blocked copy (oneDNN's reorder; the same numbers as `F.linear`'s) until the weights change. 2
-  threads, `bench/bench_decode_linear.py`: 15.8-16.2 ms at 4-6 rows against the engine's
-  dot-product kernel's 17.7-18.6 and `F.linear`'s 28.7-33.4; 26 / 62 / 175 ms at 16 / 64 / 256 rows
-  against `F.linear`'s 38 / 82 / 196; still 1.38 against 1.40 s at a 2048-row prefill chunk. At 1-2
-  rows (a chat stream) the dot-product kernel stays ahead (14.2-15.6 ms against 17.9-18.3) and takes
-  them (`MAX_ROWS_OVER_PACKED`). The copies cost the weights' size in memory again (270 MB for the
-  default model).
+- without AMX (AVX512-BF16 only, e.g. AMD's Zen 4), the k-pairs kernel (`csrc/pair_linear.cpp`) on its
+  own copy of each weight, laid out once as [N / 32][K / 2][32][2] so that a panel of 32 output
+  features streams from first byte to last while up to 12 rows' sums stay in registers. 2 threads,
+  `bench/bench_decode_linear.py`: 9.4 / 13.8 / 20.1 / 51.9 / 96.9 ms at 1 / 4 / 16 / 64 / 128 rows
+  against oneDNN on its own packed copy's 21.5 / 23.1 / 31.4 / 60.7 / 104.4 (at one row the weights
+  stream at 28 GB/s, the memory's speed) and on a 2048-row prefill chunk level with it. Its rows are
+  batch-invariant (each output one float32 chain in k order). oneDNN's packed copies
+  (`PackedWeights`, oneDNN's reorder; the same numbers as `F.linear`'s) stay for products that must
+  equal a trainer's. Either copy costs the weights' size in memory again (270 MB for the default
+  model).
 
 The model runner routes the decoder here around a step's forward and vocabulary projection, for a
-bf16 model the engine owns (weights in bf16, no autocast). Projections of prefill chunks (hundreds of
-rows) stay with oneDNN. A trainer's rollouts (autocast over float32 masters) and batch-invariant
+bf16 model the engine owns (weights in bf16, no autocast). With AMX, projections of prefill chunks
+(hundreds of rows) stay with oneDNN; without, every step's take the k-pairs kernel. A trainer's rollouts (autocast over float32 masters) and batch-invariant
 engines keep torch's kernels, whose numbers are the ones the trainer computes; packed weights give
 those same numbers, so the bf16 twin of a trainer's rollout engine runs its products on them too
 (its batch-invariant steps through `model/batch_invariant.py`, where a probe confirms it).
@@ -101,13 +102,15 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 
 class PackedWeights:
-    """oneDNN's blocked copies of a model's bf16 weights, one per weight tensor, made at its first
-    product and kept until the weights change: `clear()` at the engine's weight-version bump, and a
-    tensor written in place (its version counter moved; an inference tensor keeps none, so `clear()`
-    is its only signal) is packed again. One per process (`packed_weights()`)."""
+    """Copies of a model's bf16 weights in a kernel's own layout, one per weight tensor and layout, made
+    at its first product and kept until the weights change: `clear()` at the engine's weight-version
+    bump, and a tensor written in place (its version counter moved; an inference tensor keeps none, so
+    `clear()` is its only signal) is packed again. Two layouts: oneDNN's blocked one (`"onednn"`, the
+    same numbers as `F.linear`'s, for products that must equal a trainer's) and k-pairs (`"pairs"`,
+    `csrc/pair_linear.cpp`, a bf16 engine's own steps). One per process (`packed_weights()`)."""
 
     def __init__(self) -> None:
-        self._packs: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+        self._packs: dict[tuple[int, str], tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
         self.routes = Routes(linear=self.engine_linear, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope)
         # A trainer's bf16 twin under autocast (its greedy evaluations): the products only, the rest
         # is the decoder's own code on float32 norms.
@@ -121,13 +124,16 @@ class PackedWeights:
         """Memory the packed copies hold."""
         return sum(packed.numel() * packed.element_size() for _, _, packed in self._packs.values())
 
-    def packed(self, weight: torch.Tensor) -> torch.Tensor:
-        key = id(weight)
+    def packed(self, weight: torch.Tensor, layout: str = "onednn") -> torch.Tensor:
+        key = (id(weight), layout)
         version = -1 if weight.is_inference() else weight._version  # inference tensors keep no counter
         entry = self._packs.get(key)
         if entry is not None and entry[0]() is weight and entry[1] == version:
             return entry[2]
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_FOR_ROWS)
+        if layout == "pairs":
+            packed = torch.ops.pagedrl_cpu.pack_pairs(weight.detach())
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_FOR_ROWS)
         self._packs[key] = (weakref.ref(weight, lambda _, key=key: self._packs.pop(key, None)), version, packed)
         return packed
 
@@ -142,7 +148,16 @@ class PackedWeights:
         return self.product(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
     def engine_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """A bf16 engine's projection: 1-2 rows on the dot-product kernel, more on the packed copy."""
+        """A bf16 engine's projection: on the k-pairs copy where that kernel is built (every row count),
+        else 1-2 rows on the dot-product kernel and more on oneDNN's packed copy."""
+        if pairs_available() and x.shape[-1] % 2 == 0:
+            if not _takes(x, weight) or (bias is not None and bias.dtype != torch.bfloat16):
+                return None
+            rows = x.reshape(-1, x.shape[-1])
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
+            out = torch.ops.pagedrl_cpu.pair_linear(rows, self.packed(weight, "pairs"), weight.shape[0], bias)
+            return out.view(*x.shape[:-1], weight.shape[0])
         if x.numel() <= MAX_ROWS_OVER_PACKED * x.shape[-1]:
             out = few_rows(x, weight, bias)
             if out is not None:
@@ -152,6 +167,18 @@ class PackedWeights:
     def product(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows [M, K] @ weight.T (+ bias), bf16, on the packed copy of `weight`."""
         return torch.ops.mkldnn._linear_pointwise(rows, self.packed(weight), bias, "none", [], "")
+
+    def pairs_product(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """rows [M, K] @ weight.T (+ bias), bf16, on the k-pairs copy of `weight`."""
+        return torch.ops.pagedrl_cpu.pair_linear(rows, self.packed(weight, "pairs"), weight.shape[0], bias)
+
+
+@functools.cache
+def pairs_available() -> bool:
+    """Whether a bf16 engine's products take the k-pairs kernel: built (AVX512-BF16) on a CPU without
+    AMX (with AMX the tile kernel of `csrc/decode_linear.cpp` and oneDNN's are the ones measured)."""
+    return (cpu_kernels.decode_linear_available() and not cpu_kernels.decode_linear_amx()
+            and bool(torch.ops.pagedrl_cpu.pair_linear_available()))
 
 
 @functools.cache

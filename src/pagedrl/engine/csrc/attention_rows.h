@@ -127,43 +127,61 @@ inline void chunk_values_bf16(const c10::BFloat16* values, const int64_t* slots,
 }
 #endif
 
-// What `attend_row` writes between calls, allocated once per thread.
+// What `attend_row` writes between calls, allocated once per thread and grown to the most heads a
+// call attends.
 struct RowScratch {
-  RowScratch(int64_t groups, int64_t head_dim)
-      : query(groups * head_dim), acc(groups * head_dim), scores(groups * kChunk), running_max(groups),
-        running_sum(groups), row(head_dim) {}
+  void fit(int64_t heads, int64_t head_dim) {
+    if (static_cast<int64_t>(query.size()) >= heads * head_dim && static_cast<int64_t>(running_max.size()) >= heads &&
+        static_cast<int64_t>(row.size()) >= head_dim)
+      return;
+    query.resize(heads * head_dim);
+    acc.resize(heads * head_dim);
+    scores.resize(heads * kChunk);
+    running_max.resize(heads);
+    running_sum.resize(heads);
+    row.resize(head_dim);
+  }
   std::vector<float> query, acc, scores, running_max, running_sum, row;
   int64_t slots[kChunk];
 };
 
-// Row r (q, out and lse indexed by it) attends with the G query heads of KV head h over the first `len`
-// positions of `table` (entry i holds table_block consecutive slots). kD: head_dim fixed at compile time
-// (0: read at run time). With it and the chunk fixed every inner loop has a constant trip count and
-// vectorizes whole: 4x faster than run-time-sized loops.
+// Row r (q, out and lse indexed by it) attends with the G query heads of each of the KV heads
+// h0 .. h0 + kv_heads - 1 over the first `len` positions of `table` (entry i holds table_block
+// consecutive slots). kD: head_dim fixed at compile time (0: read at run time). With it and the chunk
+// fixed every inner loop has a constant trip count and vectorizes whole: 4x faster than run-time-sized
+// loops. A head's result is the same bit for bit whichever heads it is attended with: each head keeps
+// its own running max, sum and accumulator, updated in the same order. Why take several: a slot holds
+// every KV head's row side by side, so a row of all the heads reads each block's keys and values as
+// one contiguous run (a decode step of 64 rows: 2.0 ms a layer one head at a time, 1.0 all heads).
 template <typename T, int kD>
-inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t r, int64_t h, int64_t len,
-                       T* out, float* lse, int64_t num_heads, int64_t groups, int64_t head_dim_rt, int64_t token_stride,
-                       int64_t table_block, float scale, RowScratch& w) {
+inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t r, int64_t h0,
+                       int64_t kv_heads, int64_t len, T* out, float* lse, int64_t num_heads, int64_t groups,
+                       int64_t head_dim_rt, int64_t token_stride, int64_t table_block, float scale, RowScratch& w) {
   const int64_t head_dim = kD ? kD : head_dim_rt;
+  const int64_t heads = kv_heads * groups;  // query heads attended here, h0 * groups onward
   const bool chunk_in_one_entry = table_block % kChunk == 0;
   // Below every score, yet finite: exp(lowest - max) is 0 without an infinity in the arithmetic.
   const float lowest = -std::numeric_limits<float>::max();
-  std::vector<float>& query = w.query;
-  std::vector<float>& acc = w.acc;
-  std::vector<float>& scores = w.scores;
-  std::vector<float>& running_max = w.running_max;
-  std::vector<float>& running_sum = w.running_sum;
-  std::vector<float>& row = w.row;
+  w.fit(heads, head_dim);
+  float* query = w.query.data();
+  float* acc = w.acc.data();
+  float* scores = w.scores.data();
+  float* running_max = w.running_max.data();
+  float* running_sum = w.running_sum.data();
+  float* row = w.row.data();
   int64_t* slots = w.slots;
-  for (int64_t g = 0; g < groups; ++g) {
-    float* qg = query.data() + g * head_dim;
-    load_row(q + (r * num_heads + h * groups + g) * head_dim, qg, head_dim);
+  const T* q_row = q + (r * num_heads + h0 * groups) * head_dim;
+  for (int64_t g = 0; g < heads; ++g) {
+    float* qg = query + g * head_dim;
+    load_row(q_row + g * head_dim, qg, head_dim);
 #pragma omp simd
     for (int64_t d = 0; d < head_dim; ++d) qg[d] *= scale;
     running_max[g] = lowest;
     running_sum[g] = 0.f;
   }
-  std::fill(acc.begin(), acc.end(), 0.f);
+  std::fill(acc, acc + heads * head_dim, 0.f);
+  // The bytes of one slot this row reads: its heads' rows, side by side.
+  const int64_t run_bytes = kv_heads * head_dim * static_cast<int64_t>(sizeof(T));
   for (int64_t first = 0; first < len; first += kChunk) {
     const int64_t n = std::min(kChunk, len - first);  // a partial last chunk: its first n positions
     if (chunk_in_one_entry) {
@@ -176,41 +194,47 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
       }
     }
 #if PAGEDRL_BF16_DOT
-    // The keys and values two chunks ahead asked for now, while this one computes: a chunk is
-    // one block in a scattered table, so the hardware's stream prefetcher starts cold at each
-    // (one chunk ahead: 1.05 ms a layer of 64 decodes; two: 0.98; four: 0.99).
+    // The keys and values two chunks ahead asked for now, into L2, while this one computes: a chunk
+    // is one block in a scattered table, so the hardware's stream prefetcher starts cold at each.
+    // A decode layer of 64 rows of 96-576 keys, all heads a row, 2 threads: no prefetch 1.8-2.9 ms,
+    // into L1 1.8-2.2 (it evicts the chunk at work), into L2 1.4-1.7; one chunk ahead 1.5-1.8, four 1.6.
     if (chunk_in_one_entry && first + 2 * kChunk < len) {
       const int64_t next = first + 2 * kChunk;
       const int64_t base = table[next / table_block] * table_block + next % table_block;
       const int64_t m = std::min(kChunk, len - next);
       for (int64_t t = 0; t < m; ++t) {
-        const char* key = reinterpret_cast<const char*>(kc + (base + t) * token_stride + h * head_dim);
-        const char* value = reinterpret_cast<const char*>(vc + (base + t) * token_stride + h * head_dim);
-        for (int64_t line = 0; line < head_dim * static_cast<int64_t>(sizeof(T)); line += 64) {
-          _mm_prefetch(key + line, _MM_HINT_T0);
-          _mm_prefetch(value + line, _MM_HINT_T0);
+        const char* key = reinterpret_cast<const char*>(kc + (base + t) * token_stride + h0 * head_dim);
+        const char* value = reinterpret_cast<const char*>(vc + (base + t) * token_stride + h0 * head_dim);
+        for (int64_t line = 0; line < run_bytes; line += 64) {
+          _mm_prefetch(key + line, _MM_HINT_T1);
+          _mm_prefetch(value + line, _MM_HINT_T1);
         }
       }
     }
-    if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0) {
-      chunk_scores_bf16<kD>(q + (r * num_heads + h * groups) * head_dim, kc + h * head_dim, slots, n,
-                            token_stride, groups, scale, scores.data());
-    } else
 #endif
-    {
+    for (int64_t hh = 0; hh < kv_heads; ++hh) {
+      const int64_t h = h0 + hh;
+      float* head_scores = scores + hh * groups * kChunk;
+#if PAGEDRL_BF16_DOT
+      if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0) {
+        chunk_scores_bf16<kD>(q_row + hh * groups * head_dim, kc + h * head_dim, slots, n, token_stride, groups,
+                              scale, head_scores);
+        continue;
+      }
+#endif
       for (int64_t t = 0; t < n; ++t) {
-        load_row(kc + slots[t] * token_stride + h * head_dim, row.data(), head_dim);
+        load_row(kc + slots[t] * token_stride + h * head_dim, row, head_dim);
         for (int64_t g = 0; g < groups; ++g) {
-          const float* qg = query.data() + g * head_dim;
+          const float* qg = query + (hh * groups + g) * head_dim;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
-          scores[g * kChunk + t] = dot;
+          head_scores[g * kChunk + t] = dot;
         }
       }
     }
-    for (int64_t g = 0; g < groups; ++g) {
-      float* sg = scores.data() + g * kChunk;
+    for (int64_t g = 0; g < heads; ++g) {
+      float* sg = scores + g * kChunk;
       for (int64_t t = n; t < kChunk; ++t) sg[t] = lowest;  // positions past the row: weight 0
 #if PAGEDRL_BF16_DOT  // a max is exact whatever its order: one vector's tree, not a chain of 16
       const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(_mm512_loadu_ps(sg)));
@@ -227,30 +251,33 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
       }
       running_sum[g] = running_sum[g] * rescale + chunk_sum;
       running_max[g] = new_max;
-      float* ag = acc.data() + g * head_dim;
+      float* ag = acc + g * head_dim;
 #pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) ag[d] *= rescale;
     }
+    for (int64_t hh = 0; hh < kv_heads; ++hh) {
+      const int64_t h = h0 + hh;
+      const float* head_probs = scores + hh * groups * kChunk;
+      float* head_acc = acc + hh * groups * head_dim;
 #if PAGEDRL_BF16_DOT
-    if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0) {
-      chunk_values_bf16<kD>(vc + h * head_dim, slots, n, token_stride, groups, scores.data(), acc.data());
-    } else
+      if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0) {
+        chunk_values_bf16<kD>(vc + h * head_dim, slots, n, token_stride, groups, head_probs, head_acc);
+        continue;
+      }
 #endif
-    {
       for (int64_t t = 0; t < n; ++t) {
-        load_row(vc + slots[t] * token_stride + h * head_dim, row.data(), head_dim);
-        const float* v = row.data();
+        load_row(vc + slots[t] * token_stride + h * head_dim, row, head_dim);
         for (int64_t g = 0; g < groups; ++g) {
-          const float p = scores[g * kChunk + t];
-          float* ag = acc.data() + g * head_dim;
+          const float p = head_probs[g * kChunk + t];
+          float* ag = head_acc + g * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * v[d];
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * row[d];
         }
       }
     }
   }
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t head = h * groups + g;
+  for (int64_t g = 0; g < heads; ++g) {
+    const int64_t head = h0 * groups + g;
     T* o = out + (r * num_heads + head) * head_dim;
     const float inv = 1.f / running_sum[g];
     for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d] * inv);

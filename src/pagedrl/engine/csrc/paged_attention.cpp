@@ -40,9 +40,11 @@ namespace {
 using pagedrl_cpu::exp_nonpositive;
 using pagedrl_cpu::load_row;
 
-// Work items are (row, KV head) pairs, each `attend_row`. (Handed out largest first, as the prefill tiles
-// are, a decode step of 64 rows of 96-576 keys took as long: it waits on memory, which a thread left
-// alone has to itself.)
+// Work items are rows, each with all its KV heads, when there are rows enough to keep every thread busy
+// (a slot's heads lie side by side: one contiguous read of each block); else (row, KV head) pairs, so
+// that a single decode still spreads over the threads. Either way each head's result is the same.
+// (Handed out largest first, as the prefill tiles are, a decode step of 64 rows of 96-576 keys took as
+// long: it waits on memory, which a thread left alone has to itself.)
 template <typename T, int kD>
 void attend_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* row_seqs,
                  const int64_t* row_lens, T* out, float* lse, int64_t num_rows, int64_t num_heads,
@@ -50,13 +52,15 @@ void attend_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, co
   const int64_t head_dim = kD ? kD : head_dim_rt;
   const int64_t groups = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // one slot
-  at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    pagedrl_cpu::RowScratch scratch(groups, head_dim);
+  const int64_t per_item = num_rows >= 4 * at::get_num_threads() ? num_kv_heads : 1;  // KV heads an item takes
+  const int64_t items_per_row = num_kv_heads / per_item;
+  at::parallel_for(0, num_rows * items_per_row, 1, [&](int64_t begin, int64_t end) {
+    pagedrl_cpu::RowScratch scratch;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t r = item / items_per_row, h0 = item % items_per_row * per_item;
       const int64_t* table = tables + (row_seqs ? row_seqs[r] : r) * table_stride;
-      pagedrl_cpu::attend_row<T, kD>(q, kc, vc, table, r, h, row_lens[r], out, lse, num_heads, groups, head_dim,
-                                     token_stride, table_block, scale, scratch);
+      pagedrl_cpu::attend_row<T, kD>(q, kc, vc, table, r, h0, per_item, row_lens[r], out, lse, num_heads, groups,
+                                     head_dim, token_stride, table_block, scale, scratch);
     }
   });
 }

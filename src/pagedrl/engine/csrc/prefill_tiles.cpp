@@ -268,13 +268,13 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache, const
       pagedrl_cpu::RowScratch row;
     };
     pagedrl_cpu::run_largest_first(
-        static_cast<int64_t>(tiles.size()), [&] { return std::make_unique<Scratch>(Scratch{{}, {groups, kD}}); },
+        static_cast<int64_t>(tiles.size()), [&] { return std::make_unique<Scratch>(); },
         [&](std::unique_ptr<Scratch>& w, int64_t i) {
           const Tile& tile = tiles[i];
           const int64_t* seq_table = tp + tile.seq * stride;
           if (tile.rows * groups < kMinTileHeads || groups > kTileHeads) {
             for (int64_t r = 0; r < tile.rows; ++r)
-              pagedrl_cpu::attend_row<bf16, kD>(qp, kp, vp, seq_table, tile.first_row + r, tile.head,
+              pagedrl_cpu::attend_row<bf16, kD>(qp, kp, vp, seq_table, tile.first_row + r, tile.head, 1,
                                                 tile.first_pos + r + 1, op, nullptr, num_heads, groups, kD,
                                                 token_stride, table_block, s, w->row);
           } else {
