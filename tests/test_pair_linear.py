@@ -79,3 +79,65 @@ def test_pair_linear_names_what_does_not_fit() -> None:
         ops.pair_linear(torch.randn(3, 64).bfloat16(), packed, 40, torch.randn(41).bfloat16())
     with pytest.raises(RuntimeError, match="bf16"):
         ops.pair_linear(torch.randn(3, 64), packed, 40, None)
+
+
+def test_gate_up_is_the_products_and_silu_mul_apart() -> None:
+    """An MLP's silu(x @ gate.T) * (x @ up.T) in one pass: the same bits as the two k-pairs products and
+    `silu_mul`, at tile edges (6 rows a tile) and a partial block; a gate or up weight written in
+    place is packed again; shapes it does not take (features not a multiple of 32, gradients
+    recorded) are left to the decoder's own code."""
+    needs_bf16_dot()
+    from pagedrl.engine import cpu_routes
+
+    if not cpu_routes.pairs_available():
+        pytest.skip("the k-pairs kernel is for CPUs without AMX")
+    ops = torch.ops.pagedrl_cpu
+    packed = cpu_routes.PackedWeights()
+    gen = torch.Generator().manual_seed(5)
+    gate = (torch.randn(96, 64, generator=gen) / 8).bfloat16()
+    up = torch.randn(96, 64, generator=gen).bfloat16()
+    with torch.no_grad():
+        for rows in (1, 5, 6, 7, 100, 203):
+            x = torch.randn(rows, 64, generator=gen).bfloat16()
+            apart = ops.silu_mul(pair_linear(x, gate, None), pair_linear(x, up, None))
+            assert torch.equal(packed.gate_up(x, gate, up), apart)
+        up.mul_(-1)
+        assert torch.equal(packed.gate_up(x, gate, up), ops.silu_mul(pair_linear(x, gate, None), pair_linear(x, up, None)))
+        assert packed.gate_up(x, gate[:40], up[:40]) is None
+    assert packed.gate_up(x, gate, up) is None  # gradients recorded: the decoder's code
+
+
+def test_the_mlp_takes_the_fused_route_only_for_plain_projections() -> None:
+    """A bf16 engine's MLP step: one fused call where gate and up are plain projections without bias,
+    with the result of the unfused step; an adapter's layer (LoRA) keeps its own forward."""
+    needs_bf16_dot()
+    from pagedrl.engine import cpu_routes
+    from pagedrl.model.config import ModelConfig
+    from pagedrl.model.decoder import MLP
+    from pagedrl.model.lora import LoRALinear
+
+    if not cpu_routes.pairs_available():
+        pytest.skip("the k-pairs kernel is for CPUs without AMX")
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    mlp = MLP(cfg).bfloat16()
+    x = torch.randn(3, 64).bfloat16()
+    packed = cpu_routes.PackedWeights()
+    calls = []
+    fused = packed.gate_up
+    packed.routes = cpu_routes.Routes(linear=packed.engine_linear, rms_norm=cpu_routes.rms_norm,
+                                      silu_mul=cpu_routes.silu_mul, rope=cpu_routes.rope,
+                                      gate_up=lambda *a: calls.append(1) or fused(*a))
+    with torch.no_grad():
+        with cpu_routes.routed_step(3, on=True, packed=packed):
+            got = mlp(x)
+        assert calls == [1]
+        ops = torch.ops.pagedrl_cpu
+        hidden = ops.silu_mul(pair_linear(x, mlp.gate_proj.weight, None), pair_linear(x, mlp.up_proj.weight, None))
+        assert torch.equal(got, pair_linear(hidden, mlp.down_proj.weight, None))
+        mlp.gate_proj = LoRALinear(mlp.gate_proj, 4, 8.0, 0.0, torch.Generator().manual_seed(1)).bfloat16()
+        torch.nn.init.normal_(mlp.gate_proj.lora_B.weight)
+        with cpu_routes.routed_step(3, on=True, packed=packed):
+            adapted = mlp(x)
+        assert calls == [1] and not torch.equal(adapted, got)

@@ -110,8 +110,9 @@ class PackedWeights:
     `csrc/pair_linear.cpp`, a bf16 engine's own steps). One per process (`packed_weights()`)."""
 
     def __init__(self) -> None:
-        self._packs: dict[tuple[int, str], tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
-        self.routes = Routes(linear=self.engine_linear, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope)
+        self._packs: dict[tuple[int, str], tuple[weakref.ref[torch.Tensor], tuple, torch.Tensor]] = {}
+        self.routes = Routes(linear=self.engine_linear, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope,
+                             gate_up=self.gate_up)
         # A trainer's bf16 twin under autocast (its greedy evaluations): the products only, the rest
         # is the decoder's own code on float32 norms.
         self.products_only = Routes(linear=self.linear, rms_norm=_not_taken, silu_mul=_not_taken, rope=_not_taken)
@@ -124,14 +125,21 @@ class PackedWeights:
         """Memory the packed copies hold."""
         return sum(packed.numel() * packed.element_size() for _, _, packed in self._packs.values())
 
-    def packed(self, weight: torch.Tensor, layout: str = "onednn") -> torch.Tensor:
+    def packed(self, weight: torch.Tensor, layout: str = "onednn", up: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight`'s copy in `layout`; for `"gate_up"`, an MLP's gate weight and its `up` weight in one
+        copy, interleaved 32 rows at a time (kept while both are unchanged)."""
         key = (id(weight), layout)
-        version = -1 if weight.is_inference() else weight._version  # inference tensors keep no counter
+        version = (-1 if weight.is_inference() else weight._version,  # inference tensors keep no counter
+                   None if up is None else (id(up), -1 if up.is_inference() else up._version))
         entry = self._packs.get(key)
         if entry is not None and entry[0]() is weight and entry[1] == version:
             return entry[2]
         if layout == "pairs":
             packed = torch.ops.pagedrl_cpu.pack_pairs(weight.detach())
+        elif layout == "gate_up":
+            features, inputs = weight.shape
+            both = torch.stack([weight.detach().reshape(-1, 32, inputs), up.detach().reshape(-1, 32, inputs)], 1)
+            packed = torch.ops.pagedrl_cpu.pack_pairs(both.reshape(2 * features, inputs))
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_FOR_ROWS)
         self._packs[key] = (weakref.ref(weight, lambda _, key=key: self._packs.pop(key, None)), version, packed)
@@ -163,6 +171,20 @@ class PackedWeights:
             if out is not None:
                 return out
         return self.linear(x, weight, bias)
+
+    def gate_up(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+        """A bf16 engine's silu(x @ gate.T) * (x @ up.T) in one pass of the k-pairs kernel: the same
+        bits as the two products and `silu_mul` apart, without writing and reading the two products
+        (a 2048-row prefill chunk: 2 x 6 MB a layer). None where that kernel is not built, or for
+        shapes it does not take (features not a multiple of 32, an odd input size)."""
+        if (not pairs_available() or x.shape[-1] % 2 or gate.shape != up.shape or gate.shape[0] % 32
+                or not _takes(x, gate, up)):
+            return None
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.ops.pagedrl_cpu.pair_silu_mul(rows, self.packed(gate, "gate_up", up))
+        return out.view(*x.shape[:-1], gate.shape[0])
 
     def product(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows [M, K] @ weight.T (+ bias), bf16, on the packed copy of `weight`."""

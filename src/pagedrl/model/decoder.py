@@ -77,8 +77,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
         routes = routed.current()
+        if (routes is not None and routes.gate_up is not None and type(self.gate_proj) is Linear
+                and type(self.up_proj) is Linear and self.gate_proj.bias is None and self.up_proj.bias is None):
+            hidden = routes.gate_up(x, self.gate_proj.weight, self.up_proj.weight)  # (an adapter's layer: not taken)
+            if hidden is not None:
+                return self.down_proj(hidden)
+        gate, up = self.gate_proj(x), self.up_proj(x)
         fused = routes.silu_mul(gate, up) if routes is not None else None
         return self.down_proj(fused if fused is not None else F.silu(gate) * up)
 

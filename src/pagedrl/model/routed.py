@@ -29,6 +29,9 @@ class Routes:
     rms_norm: Callable[[Tensor, Tensor, float], Tensor | None]  # (x, weight, eps)
     silu_mul: Callable[[Tensor, Tensor], Tensor | None]  # (gate, up) -> silu(gate) * up
     rope: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor] | None]  # (q, k, cos, sin)
+    # (x, gate weight, up weight) -> silu(x @ gate.T) * (x @ up.T): an MLP's two products and their
+    # product in one pass, for plain projections without bias (None: no such route).
+    gate_up: Callable[[Tensor, Tensor, Tensor], Tensor | None] | None = None
 
 
 _routed = threading.local()

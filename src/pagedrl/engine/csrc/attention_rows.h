@@ -202,14 +202,11 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
       const int64_t next = first + 2 * kChunk;
       const int64_t base = table[next / table_block] * table_block + next % table_block;
       const int64_t m = std::min(kChunk, len - next);
-      for (int64_t t = 0; t < m; ++t) {
-        const char* key = reinterpret_cast<const char*>(kc + (base + t) * token_stride + h0 * head_dim);
-        const char* value = reinterpret_cast<const char*>(vc + (base + t) * token_stride + h0 * head_dim);
-        for (int64_t line = 0; line < run_bytes; line += 64) {
-          _mm_prefetch(key + line, _MM_HINT_T1);
-          _mm_prefetch(value + line, _MM_HINT_T1);
+      for (const T* cache : {kc, vc})
+        for (int64_t t = 0; t < m; ++t) {
+          const char* run = reinterpret_cast<const char*>(cache + (base + t) * token_stride + h0 * head_dim);
+          for (int64_t line = 0; line < run_bytes; line += 64) _mm_prefetch(run + line, _MM_HINT_T1);
         }
-      }
     }
 #endif
     for (int64_t hh = 0; hh < kv_heads; ++hh) {

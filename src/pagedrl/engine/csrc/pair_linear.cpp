@@ -19,6 +19,8 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -87,7 +89,83 @@ void panel_rows(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* pa
   if (m < rows) tiles[rows - m](x + m * ldx, ldx, panel, pairs, bias, y + m * ldy, ldy, cols);
 }
 
+constexpr int kMaxGateRows = 6;  // a gate-and-up tile: 6 rows x 2 panels = 24 sums
+
+// out[0:MR, 0:32] = bf16(silu(bf16(x @ gate))) * bf16(x @ up), rounded as `silu_mul` (`rowwise.cpp`)
+// rounds the two products it is given: the same bits as the unfused products and `silu_mul`.
+template <int MR>
+void gate_up_tile(const uint16_t* x, int64_t ldx, const uint16_t* gate, const uint16_t* up, int64_t pairs,
+                  uint16_t* y, int64_t ldy, int64_t) {
+  __m512 g[MR][2], u[MR][2];
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) g[i][0] = g[i][1] = u[i][0] = u[i][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh g0 = (__m512bh)_mm512_loadu_si512(gate + p * 64);
+    const __m512bh g1 = (__m512bh)_mm512_loadu_si512(gate + p * 64 + 32);
+    const __m512bh u0 = (__m512bh)_mm512_loadu_si512(up + p * 64);
+    const __m512bh u1 = (__m512bh)_mm512_loadu_si512(up + p * 64 + 32);
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * ldx + 2 * p, sizeof(pair));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      g[i][0] = _mm512_dpbf16_ps(g[i][0], a, g0);
+      g[i][1] = _mm512_dpbf16_ps(g[i][1], a, g1);
+      u[i][0] = _mm512_dpbf16_ps(u[i][0], a, u0);
+      u[i][1] = _mm512_dpbf16_ps(u[i][1], a, u1);
+    }
+  }
+  const __m512 one = _mm512_set1_ps(1.f);
+  auto widen = [](__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); };
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i)
+    for (int half = 0; half < 2; ++half) {
+      const __m512 gv = widen(pagedrl_cpu::round_bf16x16(g[i][half]));
+      const __m512 e = pagedrl_cpu::exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
+      const __mmask16 positive = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ);
+      const __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(positive, e, one), _mm512_add_ps(one, e));
+      const __m512 silu = widen(pagedrl_cpu::round_bf16x16(_mm512_mul_ps(gv, sigmoid)));
+      const __m512 uv = widen(pagedrl_cpu::round_bf16x16(u[i][half]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * ldy + 16 * half),
+                          pagedrl_cpu::round_bf16x16(_mm512_mul_ps(silu, uv)));
+    }
+}
+
+void gate_up_rows(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* gate, const uint16_t* up,
+                  int64_t pairs, uint16_t* y, int64_t ldy) {
+  using Tile = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, int64_t, uint16_t*, int64_t,
+                        int64_t);
+  static constexpr Tile tiles[kMaxGateRows + 1] = {nullptr,         gate_up_tile<1>, gate_up_tile<2>, gate_up_tile<3>,
+                                                   gate_up_tile<4>, gate_up_tile<5>, gate_up_tile<6>};
+  int64_t m = 0;
+  for (; m + kMaxGateRows <= rows; m += kMaxGateRows)
+    gate_up_tile<kMaxGateRows>(x + m * ldx, ldx, gate, up, pairs, y + m * ldy, ldy, 0);
+  if (m < rows) tiles[rows - m](x + m * ldx, ldx, gate, up, pairs, y + m * ldy, ldy, 0);
+}
+
 #endif  // PAGEDRL_PAIR_LINEAR
+
+// Work items (block of rows, panel) for M rows of K inputs over `panels` panels, handed to
+// work(m0, rows, panel) across the threads. Blocks of equal size (in whole tiles of `tile` rows):
+// threads split the items evenly, so they split the rows evenly (128 rows as 96 + 32 left one thread
+// a quarter of the work: 0.7x oneDNN's time, 1.1x when even). Panels innermost: a thread's items walk
+// the panels of one row block (its pairs stay in L2), each weight panel read once per row block;
+// where every row's pairs fit in L2 (a decode step's rows), panels outermost instead: each weight
+// panel streams from memory once for all the blocks (the vocabulary projection of 128-256 rows:
+// 0.86x oneDNN's speed the other way round).
+template <typename Work>
+void over_tiles(int64_t M, int64_t K, int64_t panels, int64_t tile, Work&& work) {
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t block_rows = ((M + blocks - 1) / blocks + tile - 1) / tile * tile;
+  const bool panels_outer = M * K * static_cast<int64_t>(sizeof(uint16_t)) <= (512 << 10);
+  at::parallel_for(0, blocks * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = panels_outer ? item % blocks : item / panels, p = panels_outer ? item / blocks : item % panels;
+      const int64_t m0 = b * block_rows, rows = std::min(block_rows, M - m0);
+      if (rows > 0) work(m0, rows, p);
+    }
+  });
+}
 
 // weight [N, K] bf16 -> [ceil(N / 32), ceil(K / 2), 32, 2] bf16, zeros past N and K.
 at::Tensor pack_pairs(const at::Tensor& weight) {
@@ -134,24 +212,36 @@ at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const int64_t ldx = x.stride(0);
-  // Work items are (block of up to kRowBlock rows, panel), panels innermost: a thread's items walk the
-  // panels of one row block (its pairs stay in L2) and each weight panel is read once per row block.
-  // Blocks of equal size (in whole tiles): threads split the items evenly, so they split the rows evenly
-  // (128 rows as 96 + 32 left one thread a quarter of the work: 0.7x oneDNN's time, 1.1x when even).
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t block_rows = ((M + blocks - 1) / blocks + kMaxRows - 1) / kMaxRows * kMaxRows;
-  // Where every row's pairs fit in L2 (a decode step's rows), panels outermost instead: each weight panel
-  // streams from memory once for all the blocks (the vocabulary projection of 128-256 rows: 0.86x
-  // oneDNN's speed the other way round).
-  const bool panels_outer = M * K * static_cast<int64_t>(sizeof(uint16_t)) <= (512 << 10);
-  at::parallel_for(0, blocks * panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = panels_outer ? item % blocks : item / panels, p = panels_outer ? item / blocks : item % panels;
-      const int64_t m0 = b * block_rows, rows = std::min(block_rows, M - m0);
-      if (rows <= 0) continue;
-      panel_rows(xp + m0 * ldx, ldx, rows, wp + p * pairs * kPanel * 2, pairs, bp ? bp + p * kPanel : nullptr,
-                 yp + m0 * N + p * kPanel, N, std::min(kPanel, N - p * kPanel));
-    }
+  over_tiles(M, K, panels, kMaxRows, [&](int64_t m0, int64_t rows, int64_t p) {
+    panel_rows(xp + m0 * ldx, ldx, rows, wp + p * pairs * kPanel * 2, pairs, bp ? bp + p * kPanel : nullptr,
+               yp + m0 * N + p * kPanel, N, std::min(kPanel, N - p * kPanel));
+  });
+#endif
+  return y;
+}
+
+// An MLP's bf16(silu(x @ gate.T)) * (x @ up.T) in one pass: x [M, K] bf16 (rows contiguous), packed =
+// pack_pairs of the gate and up weights [F, K] interleaved 32 rows at a time (F a multiple of 32) ->
+// [M, F] bf16. No bias (an MLP with biases takes the products and `silu_mul` apart).
+at::Tensor pair_silu_mul(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(PAGEDRL_PAIR_LINEAR, "pair_silu_mul: this build has no AVX512-BF16 instructions");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "pair_silu_mul: x [M, K] bf16 with contiguous rows expected, got ", x.sizes());
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(0) % 2 == 0 && packed.size(2) == kPanel && packed.size(3) == 2,
+              "pair_silu_mul: gate and up weights from pack_pairs, interleaved 32 rows at a time, expected");
+  const int64_t M = x.size(0), K = x.size(1), pairs = packed.size(1), panels = packed.size(0) / 2, F = panels * kPanel;
+  TORCH_CHECK(K % 2 == 0 && pairs == K / 2, "pair_silu_mul: x [", M, ", ", K, "] does not fit packed weights of ",
+              pairs, " pairs");
+  at::Tensor y = at::empty({M, F}, x.options());
+#if PAGEDRL_PAIR_LINEAR
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
+  const int64_t ldx = x.stride(0), panel_size = pairs * kPanel * 2;
+  over_tiles(M, K, panels, kMaxGateRows, [&](int64_t m0, int64_t rows, int64_t p) {
+    gate_up_rows(xp + m0 * ldx, ldx, rows, wp + 2 * p * panel_size, wp + (2 * p + 1) * panel_size, pairs,
+                 yp + m0 * F + p * kPanel, F);
   });
 #endif
   return y;
@@ -162,7 +252,11 @@ at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 TORCH_LIBRARY_FRAGMENT(pagedrl_cpu, m) {
   m.def("pack_pairs(Tensor weight) -> Tensor", &pack_pairs);
   m.def("pair_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("pair_silu_mul(Tensor x, Tensor packed) -> Tensor");
   m.def("pair_linear_available() -> bool", &pair_linear_available);
 }
 
-TORCH_LIBRARY_IMPL(pagedrl_cpu, CPU, m) { m.impl("pair_linear", &pair_linear); }
+TORCH_LIBRARY_IMPL(pagedrl_cpu, CPU, m) {
+  m.impl("pair_linear", &pair_linear);
+  m.impl("pair_silu_mul", &pair_silu_mul);
+}
