@@ -96,11 +96,17 @@ def test_decode_linear_is_the_float32_sum_rounded_once(rows, out_features, in_fe
     wide = torch.randn(out_features, in_features + (7 if strided else 0), generator=gen).bfloat16()
     weight = wide[:, :in_features]
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
-    out = torch.ops.pagedrl_cpu.decode_linear(x, weight, b)
-    exact = x.double() @ weight.double().t() + (b.double() if bias else 0.0)
+    assert_float32_sum_rounded_once(torch.ops.pagedrl_cpu.decode_linear(x, weight, b), x, weight, b)
+
+
+def assert_float32_sum_rounded_once(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                    bias: torch.Tensor | None) -> None:
+    """out = x @ weight.T (+ bias) in bf16, each output within half a bf16 step of the exact (float64)
+    value plus float32's accumulation error over the row's K products."""
+    exact = x.double() @ weight.double().t() + (bias.double() if bias is not None else 0.0)
     magnitude = x.double().abs() @ weight.double().abs().t()
-    bound = exact.abs() * 2.0**-8 + magnitude * in_features * 2.0**-24 + 1e-30
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    bound = exact.abs() * 2.0**-8 + magnitude * x.shape[1] * 2.0**-24 + 1e-30
+    assert out.dtype == torch.bfloat16 and out.shape == exact.shape
     assert ((out.double() - exact).abs() <= bound).all()
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cpu_kernels import needs_bf16_dot
+from test_cpu_kernels import assert_float32_sum_rounded_once, needs_bf16_dot
 
 from pagedrl.engine import cpu_kernels
 
@@ -38,12 +38,7 @@ def test_pair_linear_is_the_float32_sum_rounded_once(rows, out_features, pairs, 
     x = wide[:, :in_features]
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
-    out = pair_linear(x, weight, b)
-    exact = x.double() @ weight.double().t() + (b.double() if bias else 0.0)
-    magnitude = x.double().abs() @ weight.double().abs().t()
-    bound = exact.abs() * 2.0**-8 + magnitude * in_features * 2.0**-24 + 1e-30
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
-    assert ((out.double() - exact).abs() <= bound).all()
+    assert_float32_sum_rounded_once(pair_linear(x, weight, b), x, weight, b)
 
 
 def test_pair_linear_computes_a_row_alike_in_any_batch() -> None:
