@@ -161,11 +161,7 @@ class PackedWeights:
         if pairs_available() and x.shape[-1] % 2 == 0:
             if not _takes(x, weight) or (bias is not None and bias.dtype != torch.bfloat16):
                 return None
-            rows = x.reshape(-1, x.shape[-1])
-            if rows.stride(-1) != 1:
-                rows = rows.contiguous()
-            out = torch.ops.pagedrl_cpu.pair_linear(rows, self.packed(weight, "pairs"), weight.shape[0], bias)
-            return out.view(*x.shape[:-1], weight.shape[0])
+            return self.pairs_product(_unit_stride_rows(x), weight, bias).view(*x.shape[:-1], weight.shape[0])
         if x.numel() <= MAX_ROWS_OVER_PACKED * x.shape[-1]:
             out = few_rows(x, weight, bias)
             if out is not None:
@@ -180,10 +176,7 @@ class PackedWeights:
         if (not pairs_available() or x.shape[-1] % 2 or gate.shape != up.shape or gate.shape[0] % 32
                 or not _takes(x, gate, up)):
             return None
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = torch.ops.pagedrl_cpu.pair_silu_mul(rows, self.packed(gate, "gate_up", up))
+        out = torch.ops.pagedrl_cpu.pair_silu_mul(_unit_stride_rows(x), self.packed(gate, "gate_up", up))
         return out.view(*x.shape[:-1], gate.shape[0])
 
     def product(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -193,6 +186,12 @@ class PackedWeights:
     def pairs_product(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows [M, K] @ weight.T (+ bias), bf16, on the k-pairs copy of `weight`."""
         return torch.ops.pagedrl_cpu.pair_linear(rows, self.packed(weight, "pairs"), weight.shape[0], bias)
+
+
+def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, features] whose rows the k-pairs kernels read in place (each row's values adjacent)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 @functools.cache

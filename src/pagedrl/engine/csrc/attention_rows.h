@@ -127,13 +127,9 @@ inline void chunk_values_bf16(const c10::BFloat16* values, const int64_t* slots,
 }
 #endif
 
-// What `attend_row` writes between calls, allocated once per thread and grown to the most heads a
-// call attends.
+// What `attend_row` writes between calls, allocated once per thread and sized by each call.
 struct RowScratch {
-  void fit(int64_t heads, int64_t head_dim) {
-    if (static_cast<int64_t>(query.size()) >= heads * head_dim && static_cast<int64_t>(running_max.size()) >= heads &&
-        static_cast<int64_t>(row.size()) >= head_dim)
-      return;
+  void fit(int64_t heads, int64_t head_dim) {  // a resize to the size held does nothing
     query.resize(heads * head_dim);
     acc.resize(heads * head_dim);
     scores.resize(heads * kChunk);

@@ -69,12 +69,24 @@ inline __m512 exp_nonpositive16(__m512 x) {
 }
 
 // 16 bf16 values widened to float32, and float32 rounded to bf16 (nearest, ties to even).
+inline __m512 widen_bf16x16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+
 inline __m512 load_bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  return widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 inline __m256i round_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+// bf16(bf16(silu(gate)) * up) for 16 bf16 values of each (widened): what `silu_mul` stores, and what
+// the fused gate-and-up product stores from its two rounded sums (the same bits by construction).
+inline __m256i silu_mul_bf16x16(__m512 gate, __m512 up) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gate)));
+  const __mmask16 positive = _mm512_cmp_ps_mask(gate, _mm512_setzero_ps(), _CMP_GE_OQ);
+  const __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(positive, e, one), _mm512_add_ps(one, e));
+  const __m512 silu = widen_bf16x16(round_bf16x16(_mm512_mul_ps(gate, sigmoid)));
+  return round_bf16x16(_mm512_mul_ps(silu, up));
+}
 
 // Lane t of the result is the sum of the 16 lanes of v[t]: 16 horizontal sums in 45 shuffles and adds
 // (pairs interleaved, then quadruples, then across the 128-bit lanes twice) where one at a time take

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -70,23 +71,29 @@ inline void panel_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, in
   }
 }
 
-template <int MR>
-void tile_rows(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t pairs, const float* bias, uint16_t* y,
-               int64_t ldy, int64_t cols) {
-  panel_tile<MR>(x, ldx, panel, pairs, bias, y, ldy, cols);
+// tile(m, n) with the count n (1..N) as a compile-time constant.
+template <int N, typename Tile>
+void tail_tile(int64_t m, int64_t n, Tile& tile) {
+  if constexpr (N > 0) {
+    if (n == N) tile(m, std::integral_constant<int, N>{});
+    else tail_tile<N - 1>(m, n, tile);
+  }
 }
 
-// Rows [0, rows) of x against one panel, kMaxRows at a time and the rest in one smaller tile.
+// Rows [0, rows) in tiles of kMax rows and one smaller tile for the rest: tile(m, n) for the n rows from m.
+template <int kMax, typename Tile>
+void over_rows(int64_t rows, Tile&& tile) {
+  int64_t m = 0;
+  for (; m + kMax <= rows; m += kMax) tile(m, std::integral_constant<int, kMax>{});
+  if (m < rows) tail_tile<kMax - 1>(m, rows - m, tile);
+}
+
+// Rows [0, rows) of x against one panel.
 void panel_rows(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* panel, int64_t pairs,
                 const float* bias, uint16_t* y, int64_t ldy, int64_t cols) {
-  using Tile = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const float*, uint16_t*, int64_t, int64_t);
-  static constexpr Tile tiles[kMaxRows + 1] = {nullptr,        tile_rows<1>,  tile_rows<2>, tile_rows<3>, tile_rows<4>,
-                                               tile_rows<5>,   tile_rows<6>,  tile_rows<7>, tile_rows<8>, tile_rows<9>,
-                                               tile_rows<10>,  tile_rows<11>, tile_rows<12>};
-  int64_t m = 0;
-  for (; m + kMaxRows <= rows; m += kMaxRows)
-    panel_tile<kMaxRows>(x + m * ldx, ldx, panel, pairs, bias, y + m * ldy, ldy, cols);
-  if (m < rows) tiles[rows - m](x + m * ldx, ldx, panel, pairs, bias, y + m * ldy, ldy, cols);
+  over_rows<kMaxRows>(rows, [&](int64_t m, auto n) {
+    panel_tile<decltype(n)::value>(x + m * ldx, ldx, panel, pairs, bias, y + m * ldy, ldy, cols);
+  });
 }
 
 constexpr int kMaxGateRows = 6;  // a gate-and-up tile: 6 rows x 2 panels = 24 sums
@@ -95,7 +102,7 @@ constexpr int kMaxGateRows = 6;  // a gate-and-up tile: 6 rows x 2 panels = 24 s
 // rounds the two products it is given: the same bits as the unfused products and `silu_mul`.
 template <int MR>
 void gate_up_tile(const uint16_t* x, int64_t ldx, const uint16_t* gate, const uint16_t* up, int64_t pairs,
-                  uint16_t* y, int64_t ldy, int64_t) {
+                  uint16_t* y, int64_t ldy) {
   __m512 g[MR][2], u[MR][2];
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i) g[i][0] = g[i][1] = u[i][0] = u[i][1] = _mm512_setzero_ps();
@@ -115,32 +122,20 @@ void gate_up_tile(const uint16_t* x, int64_t ldx, const uint16_t* gate, const ui
       u[i][1] = _mm512_dpbf16_ps(u[i][1], a, u1);
     }
   }
-  const __m512 one = _mm512_set1_ps(1.f);
-  auto widen = [](__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); };
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i)
     for (int half = 0; half < 2; ++half) {
-      const __m512 gv = widen(pagedrl_cpu::round_bf16x16(g[i][half]));
-      const __m512 e = pagedrl_cpu::exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
-      const __mmask16 positive = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ);
-      const __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(positive, e, one), _mm512_add_ps(one, e));
-      const __m512 silu = widen(pagedrl_cpu::round_bf16x16(_mm512_mul_ps(gv, sigmoid)));
-      const __m512 uv = widen(pagedrl_cpu::round_bf16x16(u[i][half]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * ldy + 16 * half),
-                          pagedrl_cpu::round_bf16x16(_mm512_mul_ps(silu, uv)));
+      const __m512 gv = pagedrl_cpu::widen_bf16x16(pagedrl_cpu::round_bf16x16(g[i][half]));
+      const __m512 uv = pagedrl_cpu::widen_bf16x16(pagedrl_cpu::round_bf16x16(u[i][half]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * ldy + 16 * half), pagedrl_cpu::silu_mul_bf16x16(gv, uv));
     }
 }
 
 void gate_up_rows(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* gate, const uint16_t* up,
                   int64_t pairs, uint16_t* y, int64_t ldy) {
-  using Tile = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, int64_t, uint16_t*, int64_t,
-                        int64_t);
-  static constexpr Tile tiles[kMaxGateRows + 1] = {nullptr,         gate_up_tile<1>, gate_up_tile<2>, gate_up_tile<3>,
-                                                   gate_up_tile<4>, gate_up_tile<5>, gate_up_tile<6>};
-  int64_t m = 0;
-  for (; m + kMaxGateRows <= rows; m += kMaxGateRows)
-    gate_up_tile<kMaxGateRows>(x + m * ldx, ldx, gate, up, pairs, y + m * ldy, ldy, 0);
-  if (m < rows) tiles[rows - m](x + m * ldx, ldx, gate, up, pairs, y + m * ldy, ldy, 0);
+  over_rows<kMaxGateRows>(rows, [&](int64_t m, auto n) {
+    gate_up_tile<decltype(n)::value>(x + m * ldx, ldx, gate, up, pairs, y + m * ldy, ldy);
+  });
 }
 
 #endif  // PAGEDRL_PAIR_LINEAR

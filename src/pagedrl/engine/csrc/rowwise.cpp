@@ -77,17 +77,8 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
     int64_t i = begin;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     using namespace pagedrl_cpu;
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (; i + 16 <= end; i += 16) {
-      const __m512 g = load_bf16x16(gp + i);
-      const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-      const __mmask16 positive = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
-      const __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(positive, e, one), _mm512_add_ps(one, e));
-      const __m512 silu = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16x16(_mm512_mul_ps(g, sigmoid))), 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + i),
-                          round_bf16x16(_mm512_mul_ps(silu, load_bf16x16(up_ + i))));
-    }
+    for (; i + 16 <= end; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + i), silu_mul_bf16x16(load_bf16x16(gp + i), load_bf16x16(up_ + i)));
 #endif
     for (; i < end; ++i) {  // the same arithmetic, one value at a time
       const float g = bf16_to_float(gp[i]);
