@@ -111,6 +111,7 @@ class PackedWeights:
 
     def __init__(self) -> None:
         self._packs: dict[tuple[int, str], tuple[weakref.ref[torch.Tensor], tuple, torch.Tensor]] = {}
+        self.generation = 0  # moves at every `clear()`: what a list of copies kept elsewhere checks
         self.routes = Routes(linear=self.engine_linear, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope,
                              gate_up=self.gate_up)
         # A trainer's bf16 twin under autocast (its greedy evaluations): the products only, the rest
@@ -119,6 +120,7 @@ class PackedWeights:
 
     def clear(self) -> None:
         self._packs.clear()
+        self.generation += 1
 
     @property
     def nbytes(self) -> int:

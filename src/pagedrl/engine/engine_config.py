@@ -22,7 +22,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     attention_impl: str = "auto"  # triton on CUDA, fast elsewhere; or "reference": the obviously-right loop
-    enforce_eager: bool = False  # no CUDA graphs for decode steps (vLLM's name)
+    enforce_eager: bool = False  # decode steps through the modules: no CUDA graphs, no CPU program (vLLM's name)
     autocast_dtype: torch.dtype | None = None  # run the model under torch.autocast in this dtype (a trainer's bf16)
     # Under autocast, keep low-precision copies of the projection weights, made once per weight change
     # (`cast_weights`); off where the module's parameters are swapped between steps (FSDP2's gathers).

@@ -3,8 +3,9 @@
 The runner flattens every scheduled sequence's new tokens into one row, builds the paged attention
 metadata once (which computes the tokens' positions, read by both the rotary embedding and the
 cache writes), runs the model and projects to the vocabulary only the rows that are sampled (and the
-prompt rows whose log-probs were asked for). On CUDA a step that only decodes replays a CUDA graph
-instead (`cuda_graphs`), unless `enforce_eager` or a LoRA adapter runs in it (`multi_lora`).
+prompt rows whose log-probs were asked for). A step that only decodes replays a CUDA graph instead on
+CUDA (`cuda_graphs`), and runs as one straight program of the engine's kernels for a bf16 model on a
+CPU (`cpu_decode`), unless `enforce_eager` or a LoRA adapter runs in it (`multi_lora`).
 
 The forward runs in the precision it is given: with `autocast_dtype` under `torch.autocast`, as a
 trainer's bf16 autocast runs the same module, so rollouts are sampled from the numbers training
@@ -16,11 +17,13 @@ their float32 weights, made once per weight change rather than cast anew at ever
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pagedrl.engine import cpu_decode
 from pagedrl.engine.attention import PagedAttention, prefill_by_rows, resolve_impl
 from pagedrl.engine.cast_weights import CastWeights
 from pagedrl.engine.cpu_memory import keep_freed_memory
@@ -58,6 +61,10 @@ class ModelRunner:
         # batch-invariant (greedy evaluations; its rollouts get them through `batch_invariant`).
         self.twin_products = self.cast is not None and autocast_dtype == torch.bfloat16
         self.packed = packed_weights() if (self.cpu_routes or self.twin_products) and packs_weights() else None
+        # bf16 decode steps on a CPU as one straight run of the kernels, outside the modules (`cpu_decode`).
+        self.program = (cpu_decode.DecodeProgram(model, self.packed)
+                        if self.cpu_routes and self.packed is not None and not enforce_eager
+                        and cpu_decode.supports(model) else None)
         self.on_cpu = model.device.type == "cpu"
         if self.on_cpu:
             keep_freed_memory()
@@ -155,13 +162,19 @@ class ModelRunner:
                                                 impl=self.attention_impl, read_in_place=self.autocast_dtype is None,
                                                 rows=invariant, prefill_rows=self.prefill_rows)
         input_ids = long_tensor(ids).to(device)[None]
+        if self.program is not None and meta.in_place and not invariant and self.lora is None:
+            return self.result(self.program.run(input_ids[0], meta), row_index, rows, self.program.logits)
         with routed_step(len(ids), (self.cpu_routes or self.twin_products) and not invariant, self.packed,
                          products_only=not self.cpu_routes):
-            hidden = self.model(input_ids, meta.positions[None], meta)[0]
-            if not row_index:
-                return ForwardResult(hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32), [])
-            picked = hidden if len(row_index) == hidden.shape[0] else hidden[torch.tensor(row_index, device=device)]
-            return ForwardResult(self.project(picked), rows)
+            return self.result(self.model(input_ids, meta.positions[None], meta)[0], row_index, rows, self.project)
+
+    def result(self, hidden: torch.Tensor, row_index: list[int], rows: list[tuple[Sequence, int]],
+               project: Callable[[torch.Tensor], torch.Tensor]) -> ForwardResult:
+        """The logits of the rows that are sampled or scored, from the step's hidden states."""
+        if not row_index:
+            return ForwardResult(hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32), [])
+        picked = hidden if len(row_index) == hidden.shape[0] else hidden[torch.tensor(row_index, device=hidden.device)]
+        return ForwardResult(project(picked), rows)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's `logits(hidden)`. For a plain float32 `CausalLM` head the same product is

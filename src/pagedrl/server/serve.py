@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--enforce-eager", action="store_true", help="on CUDA, run decode steps without CUDA graphs")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps through the model's modules: no CUDA graphs on CUDA, "
+                        "no straight program of the kernels on a CPU")
     p.add_argument("--batch-invariant", action="store_true",
                    help="on a CPU, a request's log-probs and seeded samples do not depend on the requests it shares "
                         "steps with (slower)")

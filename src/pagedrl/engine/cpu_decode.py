@@ -1,0 +1,136 @@
+"""A bf16 decode step on a CPU as one straight run of the engine's kernels: the decoder's forward
+for steps where every sequence feeds one token, written out as the calls it makes.
+
+Why: at one sequence a decode step is short enough that Python around the kernels counts. The
+default model's one-row forward took 12.9 ms through the decoder's modules (module calls, the routes'
+checks, packed-copy lookups, views: some 25 Python-level calls a layer around its 8 kernels) and
+9.2 ms as this program: the same kernels in the same order on the same copies of the weights, so
+the same bits (tested against the modules for every family). It is what a compiled forward would
+be here, and `torch.compile` of this very program (inductor) was measured: no faster than running it
+as written (8.6-8.8 ms against 7.5-9.2 in the same run), 15 s of compiling on 2 cores, and with
+the layers' caches as views of one buffer (as the engine keeps them) each call cloned the whole
+KV cache (5 s a step); so the program runs as written, compiling nothing (bench/RESULTS.md).
+
+It covers what the decoder's routes cover on the k-pairs kernels (`cpu_routes.pairs_available`):
+a plain `CausalLM` whose projections are all the decoder's own `Linear` (an adapter's layer is not),
+with or without biases and q/k norms. `enforce_eager=True` runs every step through the modules.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from pagedrl.engine import cpu_routes
+from pagedrl.engine.attention import PagedAttention
+from pagedrl.model.decoder import CausalLM
+from pagedrl.model.rope import rope_cos_sin
+from pagedrl.model.routed import Linear
+
+_ops = torch.ops.pagedrl_cpu
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """Whether `model`'s decode steps can run as the program: a bf16 `CausalLM` on the CPU whose
+    projections are all plain `Linear` (LoRA layers keep their own forward), on a CPU where the
+    k-pairs kernels run, with input sizes those kernels take (even)."""
+    if type(model) is not CausalLM or not cpu_routes.pairs_available():
+        return False
+    cfg = model.config
+    projections = [model.lm_head]
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return (model.dtype == torch.bfloat16 and model.device.type == "cpu" and cfg.hidden_act == "silu"
+            and all(type(m) is Linear for m in projections)
+            and cfg.hidden_size % 2 == 0 and (cfg.num_attention_heads * cfg.head_dim) % 2 == 0
+            and cfg.intermediate_size % 2 == 0)
+
+
+class DecodeProgram:
+    """The decoder's forward for a step of one-token rows (`run`) and its vocabulary projection
+    (`logits`) over `packed`'s k-pairs copies of the weights, listed once per weight version."""
+
+    def __init__(self, model: CausalLM, packed: cpu_routes.PackedWeights) -> None:
+        self.model, self.packed = model, packed
+        cfg = model.config
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        # The fused gate-and-up pass where the routes take it (`PackedWeights.gate_up`).
+        self.fused_mlp = not cfg.mlp_bias and cfg.intermediate_size % 32 == 0
+        self.weights = [p for p in model.parameters()]
+        self._tracked = [w for w in self.weights if not w.is_inference()]  # inference tensors keep no counter
+        self._fingerprint: tuple[int, ...] | None = None
+        self._layers: list[tuple] = []
+        self._head: tuple | None = None
+
+    def _fingerprint_now(self) -> tuple[int, ...]:
+        """What the listed copies depend on: the packed cache's generation (cleared at a weight-version
+        bump) and every weight's in-place write counter."""
+        return (self.packed.generation, *(w._version for w in self._tracked))
+
+    def _refresh(self) -> None:
+        """The weights and their packed copies, one tuple a layer, listed again when they changed."""
+        fingerprint = self._fingerprint_now()
+        if fingerprint == self._fingerprint:
+            return
+        pack = self.packed.packed
+        layers = []
+        for layer in self.model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = [(pack(m.weight, "pairs"), m.weight.shape[0], m.bias)
+                           for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
+            if self.fused_mlp:
+                mlp_weights = (pack(mlp.gate_proj.weight, "gate_up", mlp.up_proj.weight),)
+            else:
+                mlp_weights = tuple((pack(m.weight, "pairs"), m.weight.shape[0], m.bias)
+                                    for m in (mlp.gate_proj, mlp.up_proj))
+            down = (pack(mlp.down_proj.weight, "pairs"), mlp.down_proj.weight.shape[0], mlp.down_proj.bias)
+            qk_norms = None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+            layers.append((layer.input_layernorm.weight, *projections, qk_norms, layer.post_attention_layernorm.weight,
+                           mlp_weights, down))
+        head = self.model.lm_head
+        self._layers = layers
+        self._head = (pack(head.weight, "pairs"), head.weight.shape[0], head.bias)
+        self._fingerprint = self._fingerprint_now()  # packing may have moved the generation
+
+    def run(self, input_ids: torch.Tensor, meta: PagedAttention) -> torch.Tensor:
+        """input_ids [N] (sequence s's new token in row s) → final hidden states [N, hidden], keys and
+        values written to the cache, for metadata that reads the cache in place (`meta.in_place`)."""
+        self._refresh()
+        n, heads, kv_heads, head_dim, eps = input_ids.shape[0], self.heads, self.kv_heads, self.head_dim, self.eps
+        backbone = self.model.model
+        x = F.embedding(input_ids, backbone.embed_tokens.weight)
+        cos, sin = rope_cos_sin(meta.positions[None], backbone.inv_freq, x.dtype)
+        cache = meta.kv_cache
+        scale = meta.scale if meta.scale is not None else 1.0 / math.sqrt(head_dim)
+        for index, (norm1, q_proj, k_proj, v_proj, o_proj, qk_norms, norm2, mlp, down) in enumerate(self._layers):
+            key_cache, value_cache = cache.key_cache[index], cache.value_cache[index]
+            h = _ops.rms_norm(x, norm1, eps)
+            q = _ops.pair_linear(h, *q_proj).view(1, n, heads, head_dim)
+            k = _ops.pair_linear(h, *k_proj).view(1, n, kv_heads, head_dim)
+            v = _ops.pair_linear(h, *v_proj).view(n, kv_heads, head_dim)
+            if qk_norms is not None:
+                q, k = _ops.rms_norm(q, qk_norms[0], eps), _ops.rms_norm(k, qk_norms[1], eps)
+            q, k = _ops.rope(q, k, cos, sin)
+            _ops.store_kv(k[0], v, key_cache, value_cache, meta.slot_mapping)
+            out = _ops.paged_attention(q[0], key_cache, value_cache, meta.block_tables, _NO_ROWS, meta.seq_lens,
+                                       scale, False)[0]
+            x = x + _ops.pair_linear(out.view(n, heads * head_dim), *o_proj)
+            h = _ops.rms_norm(x, norm2, eps)
+            if len(mlp) == 1:
+                hidden = _ops.pair_silu_mul(h, mlp[0])
+            else:
+                hidden = _ops.silu_mul(_ops.pair_linear(h, *mlp[0]), _ops.pair_linear(h, *mlp[1]))
+            x = x + _ops.pair_linear(hidden, *down)
+        return _ops.rms_norm(x, backbone.norm.weight, eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] → float32 logits [N, vocab], as `CausalLM.logits` computes them routed."""
+        assert self._head is not None, "run() lists the weights first"
+        return _ops.pair_linear(hidden, *self._head).float()
+
+
+_NO_ROWS = torch.empty(0, dtype=torch.long)  # paged_attention's row_seqs: row r is sequence r

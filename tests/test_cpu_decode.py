@@ -1,0 +1,93 @@
+"""bf16 decode steps as one straight run of the kernels (`engine/cpu_decode.py`): the same tokens
+and the same log-probs, bit for bit, as the decoder's modules routed to the same kernels
+(`enforce_eager=True`), for every family; the program follows weights written in place and a
+weight-version bump; what it does not cover runs through the modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_precision import peaked
+from tiny import FAMILIES
+
+from pagedrl.engine import cpu_decode, cpu_routes
+from pagedrl.engine.llm import LLM
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.model.lora import LoRAConfig, apply_lora
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=2)
+
+
+def engines(model: torch.nn.Module) -> tuple[LLM, LLM, list[int]]:
+    """An engine with the program and one without, on the same module (no prefix caching: every
+    prompt computed under the weights of its call), and a counter of the program's steps."""
+    args = dict(kv_cache_tokens=512, max_num_batched_tokens=37, enable_prefix_caching=False)
+    llm = LLM.from_module(model, **args)
+    eager = LLM.from_module(model, enforce_eager=True, **args)
+    assert eager.engine.runner.program is None
+    program = llm.engine.runner.program
+    steps: list[int] = []
+    if program is not None:
+        run = program.run
+
+        def counted(input_ids, meta):  # noqa: ANN001, ANN202
+            steps.append(input_ids.shape[0])
+            return run(input_ids, meta)
+
+        program.run = counted
+    return llm, eager, steps
+
+
+def outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float], list]]:
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].processed_logprobs, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_program_gives_the_modules_bits(family) -> None:
+    """Biases (llama-mha-tied-bias, qwen2), q/k norms (qwen3), tied heads, GQA and MHA: every decode
+    step of a mixed batch (prompts of 3 to 45 tokens, chunked at 37) runs the program where the
+    k-pairs kernels are built, and its tokens, log-probs and top alternatives equal the modules'."""
+    model = peaked(family, 3).to(torch.bfloat16)
+    prompts = [torch.randint(3, 211, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 45, 18)]
+    llm, eager, steps = engines(model)
+    if not cpu_routes.pairs_available():  # the modules on oneDNN or the dot-product kernel
+        assert llm.engine.runner.program is None
+        return
+    assert outputs(llm, prompts) == outputs(eager, prompts)
+    assert steps and max(steps) == len(prompts) and min(steps) >= 1
+
+
+def test_the_program_follows_weight_updates() -> None:
+    """A weight written in place (its version counter moves) and one given new data under a
+    weight-version bump are both read by the next step, as the modules read them."""
+    model = peaked("smollm2-like", 4).to(torch.bfloat16)
+    prompts = [[5, 9, 30, 31], list(range(40, 61))]
+    llm, eager, steps = engines(model)
+    if llm.engine.runner.program is None:
+        assert not cpu_routes.pairs_available()
+        return
+    before = outputs(llm, prompts)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(-3)
+    after = outputs(llm, prompts)
+    assert after == outputs(eager, prompts) and after != before
+    weight = model.model.layers[0].self_attn.v_proj.weight
+    version = weight._version
+    weight.data = weight.data * 2  # new data under the same counter: the bump is what tells
+    assert weight._version == version
+    llm.engine.bump_weight_version()
+    bumped = outputs(llm, prompts)
+    assert bumped == outputs(eager, prompts) and bumped != after
+    assert len(steps) >= 3 * GREEDY.max_tokens - 3
+
+
+def test_what_the_program_does_not_cover_runs_through_the_modules() -> None:
+    """A LoRA layer (its own forward), a float32 model, `enforce_eager`: no program."""
+    model = peaked("llama-gqa-untied", 5)
+    assert not cpu_decode.supports(model)  # float32
+    bf16 = model.to(torch.bfloat16)
+    assert cpu_decode.supports(bf16) == cpu_routes.pairs_available()
+    lora = apply_lora(peaked("llama-gqa-untied", 5), LoRAConfig(r=4, target_modules=["q_proj"])).to(torch.bfloat16)
+    assert not cpu_decode.supports(lora)
+    assert LLM.from_module(lora, kv_cache_tokens=256).engine.runner.program is None
