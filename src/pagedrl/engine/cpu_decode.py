@@ -100,6 +100,10 @@ class DecodeProgram:
         """input_ids [N] (sequence s's new token in row s) → final hidden states [N, hidden], keys and
         values written to the cache, for metadata that reads the cache in place (`meta.in_place`)."""
         self._refresh()
+        return self.forward(input_ids, meta)
+
+    def forward(self, input_ids: torch.Tensor, meta: PagedAttention) -> torch.Tensor:
+        """`run` on the weights as last listed (what a compiler would trace)."""
         n, heads, kv_heads, head_dim, eps = input_ids.shape[0], self.heads, self.kv_heads, self.head_dim, self.eps
         backbone = self.model.model
         x = F.embedding(input_ids, backbone.embed_tokens.weight)
