@@ -5,11 +5,14 @@ Why: at one sequence a decode step is short enough that Python around the kernel
 default model's one-row forward took 12.9 ms through the decoder's modules (module calls, the routes'
 checks, packed-copy lookups, views: some 25 Python-level calls a layer around its 8 kernels) and
 9.2 ms as this program: the same kernels in the same order on the same copies of the weights, so
-the same bits (tested against the modules for every family). It is what a compiled forward would
-be here, and `torch.compile` of this very program (inductor) was measured: no faster than running it
-as written (8.6-8.8 ms against 7.5-9.2 in the same run), 15 s of compiling on 2 cores, and with
-the layers' caches as views of one buffer (as the engine keeps them) each call cloned the whole
-KV cache (5 s a step); so the program runs as written, compiling nothing (bench/RESULTS.md).
+the same bits (tested against the modules for every family). Whole steps, `bench/bench_decode_program.py`:
+1.33x / 1.17x / 1.12x faster at 1 / 16 / 64 sequences.
+
+It is what a compiled forward would be here, and `torch.compile` (inductor) of this very program was
+measured (bench/RESULTS.md): with each layer's cache a tensor of its own it ran no faster than as
+written (8.6-8.8 ms against 7.5-9.2, after 15 s of compiling on 2 cores); with the layers' caches as
+views of one buffer, as the engine keeps them, every call copied the whole KV cache around the cache
+writes (7.3 s a step, after 29 s of compiling). So the program runs as written and compiles nothing.
 
 It covers what the decoder's routes cover on the k-pairs kernels (`cpu_routes.pairs_available`):
 a plain `CausalLM` whose projections are all the decoder's own `Linear` (an adapter's layer is not),
