@@ -25,6 +25,8 @@ def engines(model: torch.nn.Module) -> tuple[LLM, LLM, list[int]]:
     llm = LLM.from_module(model, **args)
     eager = LLM.from_module(model, enforce_eager=True, **args)
     assert eager.engine.runner.program is None
+    assert eager.engine.runner.decode_path() == "decode steps through the model's modules"
+    assert ("one program" in llm.engine.runner.decode_path()) == (llm.engine.runner.program is not None)
     program = llm.engine.runner.program
     steps: list[int] = []
     if program is not None:

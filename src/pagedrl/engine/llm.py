@@ -77,7 +77,8 @@ class LLM:
         if enable_lora and _module is not None:
             raise ValueError("enable_lora: adapters per request need a model the engine owns (LLM(model, ...)); "
                              "a module training owns would have its projections replaced")
-        if _module is None:
+        owned = _module is None
+        if owned:
             from pagedrl.model.loader import load_model
 
             loaded = load_model(model, device=device, dtype=dtype, adapter=adapter, revision=revision)
@@ -90,6 +91,8 @@ class LLM:
         else:
             self.precision = Precision(_module.dtype, "the module's own")
         self.engine = LLMEngine(_module, tokenizer, config, eos_token_ids=_eos_token_ids)
+        if owned:
+            logger.info("pagedrl engine: %s", self.engine.runner.decode_path())
         self._ids = itertools.count()
 
     @classmethod

@@ -81,6 +81,14 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, kv_cache, block_size, max_num_seqs,
                                        max_model_len or model.config.max_model_len, self.precision)
 
+    def decode_path(self) -> str:
+        """How steps that only decode run, for the start-up line."""
+        if self.graphs is not None:
+            return f"decode steps replay CUDA graphs ({len(self.graphs.sizes)} batch sizes)"
+        if self.program is not None:
+            return "decode steps as one program of the CPU kernels (enforce_eager: through the modules)"
+        return "decode steps through the model's modules"
+
     def precision(self) -> contextlib.AbstractContextManager[Any]:
         """Autocast as the trainer runs it, without its weight-cast cache (a cached copy would be
         stale after the next optimizer step, and freed memory inside a CUDA graph)."""
