@@ -63,8 +63,7 @@ class DecodeProgram:
         self.eps = cfg.rms_norm_eps
         # The fused gate-and-up pass where the routes take it (`PackedWeights.gate_up`).
         self.fused_mlp = not cfg.mlp_bias and cfg.intermediate_size % 32 == 0
-        self.weights = [p for p in model.parameters()]
-        self._tracked = [w for w in self.weights if not w.is_inference()]  # inference tensors keep no counter
+        self._tracked: list[torch.Tensor] = []  # the weights whose write counters are checked
         self._fingerprint: tuple[int, ...] | None = None
         self._layers: list[tuple] = []
         self._head: tuple | None = None
@@ -80,6 +79,9 @@ class DecodeProgram:
         if fingerprint == self._fingerprint:
             return
         pack = self.packed.packed
+        # Listed anew with the copies: a parameter replaced (under a weight-version bump) is tracked in
+        # its predecessor's place. Inference tensors keep no counter; the bump is their only signal.
+        self._tracked = [w for w in self.model.parameters() if not w.is_inference()]
         layers = []
         for layer in self.model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
