@@ -26,7 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from pagedrl.engine import cpu_routes
+from pagedrl.engine import cpu_kernels, cpu_routes
 from pagedrl.engine.attention import PagedAttention
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.rope import rope_cos_sin
@@ -124,9 +124,8 @@ class DecodeProgram:
             if qk_norms is not None:
                 q, k = _ops.rms_norm(q, qk_norms[0], eps), _ops.rms_norm(k, qk_norms[1], eps)
             q, k = _ops.rope(q, k, cos, sin)
-            _ops.store_kv(k[0], v, key_cache, value_cache, meta.slot_mapping)
-            out = _ops.paged_attention(q[0], key_cache, value_cache, meta.block_tables, _NO_ROWS, meta.seq_lens,
-                                       scale, False)[0]
+            cpu_kernels.store_kv(k[0], v, key_cache, value_cache, meta.slot_mapping)
+            out = cpu_kernels.paged_decode(q[0], key_cache, value_cache, meta.block_tables, meta.seq_lens, scale)
             x = x + _ops.pair_linear(out.view(n, heads * head_dim), *o_proj)
             h = _ops.rms_norm(x, norm2, eps)
             if len(mlp) == 1:
@@ -141,5 +140,3 @@ class DecodeProgram:
         assert self._head is not None, "run() lists the weights first"
         return _ops.pair_linear(hidden, *self._head).float()
 
-
-_NO_ROWS = torch.empty(0, dtype=torch.long)  # paged_attention's row_seqs: row r is sequence r

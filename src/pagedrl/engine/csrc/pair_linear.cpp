@@ -41,6 +41,13 @@ constexpr int64_t kRowBlock = 96;  // input rows a work item takes (their pairs 
 
 #if PAGEDRL_PAIR_LINEAR
 
+// A row's pair of inputs (x[2p], x[2p + 1]) in every lane: what `vdpbf16ps` multiplies a panel's pair by.
+inline __m512bh row_pair(const uint16_t* row, int64_t p) {
+  int32_t pair;
+  std::memcpy(&pair, row + 2 * p, sizeof(pair));
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+
 // y[0:MR, 0:cols] = x[0:MR] @ panel (+ bias): one panel, MR input rows, all of K.
 template <int MR>
 inline void panel_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t pairs, const float* bias,
@@ -53,9 +60,7 @@ inline void panel_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, in
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + p * 64 + 32);
 #pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) {
-      int32_t pair;
-      std::memcpy(&pair, x + i * ldx + 2 * p, sizeof(pair));
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      const __m512bh a = row_pair(x + i * ldx, p);
       lo[i] = _mm512_dpbf16_ps(lo[i], a, w0);
       hi[i] = _mm512_dpbf16_ps(hi[i], a, w1);
     }
@@ -113,9 +118,7 @@ void gate_up_tile(const uint16_t* x, int64_t ldx, const uint16_t* gate, const ui
     const __m512bh u1 = (__m512bh)_mm512_loadu_si512(up + p * 64 + 32);
 #pragma GCC unroll 6
     for (int i = 0; i < MR; ++i) {
-      int32_t pair;
-      std::memcpy(&pair, x + i * ldx + 2 * p, sizeof(pair));
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      const __m512bh a = row_pair(x + i * ldx, p);
       g[i][0] = _mm512_dpbf16_ps(g[i][0], a, g0);
       g[i][1] = _mm512_dpbf16_ps(g[i][1], a, g1);
       u[i][0] = _mm512_dpbf16_ps(u[i][0], a, u0);
