@@ -99,6 +99,9 @@ class TrainConfig:
     # only costs time, so it is off here.
     gradient_checkpointing: bool = False
     bf16: bool | None = None  # None: where the device computes bf16 natively (CUDA; CPUs with AVX512-BF16, AMX, Arm BF16)
+    # bf16 runs: offset the float32 masters once by under half a bf16 step, so that the bf16 copies
+    # every forward computes with move with the masters (train/dither.py). False: plain autocast, as TRL.
+    bf16_dither: bool = True
     use_cpu: bool = False
     # Under torchrun: shard parameters, gradients and optimizer state with FSDP2 instead of
     # replicating them with DDP. transformers' spelling: "full_shard" (ZeRO-3) or "shard_grad_op"

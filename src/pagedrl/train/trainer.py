@@ -45,6 +45,7 @@ from pagedrl.train.distributed import (
     gather_objects,
     init_distributed,
 )
+from pagedrl.train.dither import dither_for_run
 from pagedrl.train.interrupt import StopFlag, TrainingInterrupted
 from pagedrl.train.logging import RunLogger
 from pagedrl.train.metrics import Metric, MetricTotals, as_metric
@@ -342,6 +343,7 @@ class Trainer:
         lines = [
             f"pagedrl {a.name}: {params / 1e6:.2f}M trainable parameters on {d.device} "
             f"({'bfloat16 autocast' if self.bf16 else 'float32'}: {c.precision_reason(d.device)}"
+            f"{', dithered masters' if self.bf16 and c.bf16_dither else ''}"
             f"{', activation checkpointing' if c.gradient_checkpointing else ''})",
             f"  examples per step   {a.examples_per_step} = {c.per_device_train_batch_size} per micro-batch "
             f"x {c.gradient_accumulation_steps} accumulation steps x {d.world_size} process(es)",
@@ -382,4 +384,5 @@ def start_run(config: TrainConfig, needs: str) -> tuple[DistInfo, Any]:
     if loaded.tokenizer is None:
         raise ValueError(f"model: {loaded.path} has no tokenizer.json; {needs} the model's tokenizer")
     adapters.attach_lora(config, loaded.model)  # use_peft: adapters on the frozen base (train/adapters.py)
+    dither_for_run(config, dist.device, loaded.model)  # bf16: before any reference copy is taken
     return dist, loaded

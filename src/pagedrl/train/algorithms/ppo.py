@@ -347,6 +347,7 @@ def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
 def run_ppo(config: PPOConfig, progress: bool = True) -> Path:
     """Train `config.model` with PPO; returns `output_dir/final`."""
     from pagedrl.model.resolve import resolve_model_path
+    from pagedrl.train.dither import dither_for_run
     from pagedrl.train.trainer import Trainer, start_run
 
     dist, loaded = start_run(config, "PPO needs")
@@ -366,6 +367,7 @@ def run_ppo(config: PPOConfig, progress: bool = True) -> Path:
     critic = load_critic(config.critic_init, policy_path, rm_path, dist.device, config.seed)
     if critic is not None and config.use_peft:
         lora_critic(config, critic, loaded.model)
+    dither_for_run(config, dist.device, critic)  # the policy's were dithered in start_run
     algorithm = PPO(config, loaded.model, loaded.tokenizer, dist, critic=critic, reward_model=reward_model,
                     eos_token_ids=loaded.eos_token_ids, generation_config=loaded.generation_config or None)
     return Trainer(config, algorithm, dist, progress=progress).train()

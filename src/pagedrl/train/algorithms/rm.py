@@ -113,6 +113,7 @@ def run_rm(config: RewardConfig, dataset: Dataset | None = None, eval_dataset: D
     from pagedrl.model.resolve import resolve_model_path
     from pagedrl.train.checkpointing import seed_everything
     from pagedrl.train.distributed import init_distributed
+    from pagedrl.train.dither import dither_for_run
     from pagedrl.train.trainer import Trainer
 
     dist = init_distributed(config.use_cpu)
@@ -123,5 +124,6 @@ def run_rm(config: RewardConfig, dataset: Dataset | None = None, eval_dataset: D
     head_rng = torch.Generator().manual_seed(config.seed)
     model = load_sequence_scorer(path, device=dist.device, dtype=torch.float32, generator=head_rng)
     attach_lora(config, model, SEQ_CLS, modules_to_save=["score"])  # use_peft: the head trains whole
+    dither_for_run(config, dist.device, model)
     algorithm = RewardModeling(config, model, Tokenizer.from_folder(path), dist, dataset, eval_dataset)
     return Trainer(config, algorithm, dist, progress=progress).train()
