@@ -83,14 +83,16 @@ def main() -> None:
     results = {way: run(way, args.steps, args.lr) for way in ("float32", "bf16", "bf16 dithered")}
     start = results["float32"][0]
     print(f"\nafter {args.steps} steps (start: masters {start[0]:.4f}, bf16 copy {start[1]:.4f} on the trained batch)")
-    print(f"{'training':>14}  {'what a run computes with':>26}  trained batch  held out  progress kept")
+    print(f"{'training':>14}  {'what a run computes with':>26}  trained batch  held out  progress kept  "
+          "copy - masters, steps 1..N (trained batch)")
     for way, rows in results.items():
         i = 0 if way == "float32" else 1  # a float32 run computes with its masters; a bf16 run with their copy
         gained = start[0] - rows[-1][i]
         reference = start[0] - results["float32"][-1][0]
+        gaps = [row[1] - row[0] for row in rows[1:]]
         print(f"{way:>14}  {'float32 masters' if i == 0 else 'bf16 copy of the masters':>26}  "
-              f"{rows[-1][i]:13.4f}  {rows[-1][i + 2]:8.4f}  {gained / reference:12.0%}")
-
+              f"{rows[-1][i]:13.4f}  {rows[-1][i + 2]:8.4f}  {gained / reference:12.0%}  "
+              f"{min(gaps):+.4f} .. {max(gaps):+.4f}, mean |gap| {sum(map(abs, gaps)) / len(gaps):.4f}")
 
 if __name__ == "__main__":
     main()
