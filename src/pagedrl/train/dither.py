@@ -16,8 +16,9 @@ half a bf16 step (within the step on each side, so a weight already on a bf16 va
 same value: a bf16 checkpoint computes with exactly its own numbers). From then on a master's
 position within its step is uniform, so its rounded copy moves as the master does on average. In
 the same measurement the dithered copy stayed within 0.009 nats of its masters at every step, and
-the draw cost 0.002 nats before any step. The masters, checkpoints included, keep the offsets: a saved model loaded in
-bf16 computes what was trained. Seeded, so every rank and every rerun draws the same offsets.
+the draw cost 0.002 nats before any step. The masters, checkpoints included, keep the offsets: a
+saved model loaded in bf16 computes what was trained. Seeded, so every rank and every rerun draws
+the same offsets.
 """
 
 from __future__ import annotations
@@ -55,19 +56,15 @@ def dither_offsets(values: torch.Tensor, generator: torch.Generator) -> torch.Te
 
 
 @torch.no_grad()
-def dither_masters(model: nn.Module, seed: int) -> int:
+def dither_masters(model: nn.Module, seed: int) -> None:
     """Add fixed sub-half-step offsets to `model`'s trainable float32 matrices (norm and bias
     vectors are not cast by autocast; frozen weights, e.g. a LoRA run's base, never move). The
-    draw depends on `seed` and each parameter's name only. Returns how many values moved."""
-    moved = 0
+    draw depends on `seed` and each parameter's name only."""
     for name, p in model.named_parameters():
         if not p.requires_grad or p.dim() < 2 or p.dtype != torch.float32:
             continue
         generator = torch.Generator().manual_seed((seed + _SEED_OFFSET + _name_hash(name)) % 2**63)
-        offsets = dither_offsets(p.detach().cpu(), generator).to(p.device)
-        p.add_(offsets)
-        moved += int((offsets != 0).sum())
-    return moved
+        p.add_(dither_offsets(p.detach().cpu(), generator).to(p.device))
 
 
 def dither_for_run(config: Any, device: torch.device, *models: nn.Module | None) -> None:
