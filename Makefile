@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONSTRAINTS ?= constraints.txt
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test test-isa lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,19 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/python -m pytest
+	$(MAKE) --no-print-directory test-isa
+
+# The tests whose path depends on the CPU's instructions (marked `isa`), run again as each CPU class
+# below this machine's would see them (torch, oneDNN, MKL and pagedrl's kernels capped alike; see
+# src/pagedrl/kernels/isa.py). CPU_CLASSES=avx2 picks classes by hand.
+CPU_CLASSES ?=
+test-isa: $(STAMP)
+	@$(BIN)/python -m pagedrl.kernels.isa
+	@classes="$(CPU_CLASSES)"; [ -n "$$classes" ] || classes=$$($(BIN)/python -m pagedrl.kernels.isa below); \
+	[ -n "$$classes" ] || echo "no CPU class below this one: the suite above ran the isa tests on it"; \
+	for cls in $$classes; do \
+		$(BIN)/python -m pagedrl.kernels.isa run $$cls -- $(BIN)/python -m pytest -m isa -rs || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV)

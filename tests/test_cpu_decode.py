@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_class import needs, needs_not
 from test_engine_precision import peaked
 from tiny import FAMILIES
 
@@ -14,6 +15,8 @@ from pagedrl.engine import cpu_decode, cpu_routes
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.lora import LoRAConfig, apply_lora
+
+pytestmark = pytest.mark.isa  # its paths follow the CPU class: `make test-isa` runs it as each lower one
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=2)
 
@@ -25,7 +28,7 @@ def engines(model: torch.nn.Module) -> tuple[LLM, LLM, list[int]]:
     llm = LLM.from_module(model, **args)
     eager = LLM.from_module(model, enforce_eager=True, **args)
     assert eager.engine.runner.program is None
-    assert eager.engine.runner.decode_path() == "decode steps through the model's modules"
+    assert eager.engine.runner.decode_path().startswith("decode steps through the model's modules")
     assert ("one program" in llm.engine.runner.decode_path()) == (llm.engine.runner.program is not None)
     program = llm.engine.runner.program
     steps: list[int] = []
@@ -40,6 +43,14 @@ def engines(model: torch.nn.Module) -> tuple[LLM, LLM, list[int]]:
     return llm, eager, steps
 
 
+def needs_program() -> None:
+    """The program runs on the k-pairs kernels: AVX512-BF16 without AMX (with AMX, the modules on
+    the tile kernel; below AVX512-BF16, the modules on torch's kernels)."""
+    needs("avx512_bf16", "the bf16 decode program")
+    needs_not("amx", "the bf16 decode program")
+    assert cpu_routes.pairs_available()
+
+
 def outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float], list]]:
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].processed_logprobs, o.outputs[0].logprobs) for o in outs]
@@ -50,12 +61,10 @@ def test_the_program_gives_the_modules_bits(family) -> None:
     """Biases (llama-mha-tied-bias, qwen2), q/k norms (qwen3), tied heads, GQA and MHA: every decode
     step of a mixed batch (prompts of 3 to 45 tokens, chunked at 37) runs the program where the
     k-pairs kernels are built, and its tokens, log-probs and top alternatives equal the modules'."""
+    needs_program()
     model = peaked(family, 3).to(torch.bfloat16)
     prompts = [torch.randint(3, 211, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 45, 18)]
     llm, eager, steps = engines(model)
-    if not cpu_routes.pairs_available():  # the modules on oneDNN or the dot-product kernel
-        assert llm.engine.runner.program is None
-        return
     assert outputs(llm, prompts) == outputs(eager, prompts)
     assert steps and max(steps) == len(prompts) and min(steps) >= 1
 
@@ -63,12 +72,10 @@ def test_the_program_gives_the_modules_bits(family) -> None:
 def test_the_program_follows_weight_updates() -> None:
     """A weight written in place (its version counter moves) and one given new data under a
     weight-version bump are both read by the next step, as the modules read them."""
+    needs_program()
     model = peaked("smollm2-like", 4).to(torch.bfloat16)
     prompts = [[5, 9, 30, 31], list(range(40, 61))]
     llm, eager, steps = engines(model)
-    if llm.engine.runner.program is None:
-        assert not cpu_routes.pairs_available()
-        return
     before = outputs(llm, prompts)
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight.mul_(-3)

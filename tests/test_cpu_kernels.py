@@ -8,12 +8,15 @@ import random
 
 import pytest
 import torch
+from cpu_class import needs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedrl.engine import cpu_kernels
 from pagedrl.engine.attention import PagedAttention
 from pagedrl.engine.kv_cache import KVCache
+
+pytestmark = pytest.mark.isa  # its paths follow the CPU class: `make test-isa` runs it as each lower one
 
 
 def test_the_kernel_builds_here() -> None:
@@ -76,8 +79,8 @@ def test_the_kernel_can_be_turned_off(monkeypatch) -> None:
 
 def needs_bf16_dot() -> None:
     """Decided inside the test, not at collection: the kernels build into the test session's cache."""
-    if not cpu_kernels.decode_linear_available():
-        pytest.skip("this CPU has no AVX512-BF16 (the engine keeps oneDNN's kernel)")
+    needs("avx512_bf16", "the bf16 dot-product kernel")
+    assert cpu_kernels.decode_linear_available()
 
 
 @settings(max_examples=40, deadline=None)
@@ -124,15 +127,22 @@ def test_decode_linear_computes_a_row_alike_in_any_batch() -> None:
         assert torch.equal(whole[row:row + 1], torch.ops.pagedrl_cpu.decode_linear(x[row:row + 1], weight, None))
 
 
-def test_decode_linear_uses_amx_where_the_cpu_has_it() -> None:
-    """The tile path is built and permitted wherever the CPU reports AMX-BF16, and sets how many rows
-    the kernel takes."""
-    needs_bf16_dot()
+def test_the_kernels_are_built_for_the_process_s_cpu_class() -> None:
+    """Each path exactly where the class has its instructions, on every class (a `PAGEDRL_CPU_ISA`
+    cap included: the build leaves out what is above it): the bf16 dot products from AVX512-BF16, the
+    AMX tiles with AMX, the k-pairs kernel between, oneDNN's packed bf16 weights from AVX512; and the
+    tile path sets how many rows the kernel takes."""
     from pagedrl.engine import cpu_routes
+    from pagedrl.kernels import isa
 
-    flags = open("/proc/cpuinfo").read().split()
-    assert torch.ops.pagedrl_cpu.decode_linear_amx() == ("amx_bf16" in flags and "amx_tile" in flags)
-    expected = cpu_routes.MAX_ROWS_AMX if "amx_bf16" in flags else cpu_routes.MAX_ROWS_DOT
+    assert cpu_kernels.available()
+    assert cpu_kernels.decode_linear_available() == isa.at_least("avx512_bf16")
+    assert cpu_kernels.decode_linear_amx() == isa.at_least("amx")
+    assert cpu_routes.pairs_available() == (isa.at_least("avx512_bf16") and not isa.at_least("amx"))
+    assert cpu_routes.onednn_packs_bf16() == isa.at_least("avx512")
+    assert cpu_routes.packs_weights() == cpu_routes.pairs_available()
+    expected = (cpu_routes.MAX_ROWS_AMX if isa.at_least("amx") else
+                cpu_routes.MAX_ROWS_DOT if isa.at_least("avx512_bf16") else 0)
     assert cpu_routes.max_rows() == expected
 
 

@@ -10,6 +10,7 @@ import platform
 
 import pytest
 import torch
+from cpu_class import needs
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_cpu_kernels import needs_bf16_dot
@@ -18,6 +19,8 @@ from pagedrl.engine import cpu_kernels, cpu_routes
 from pagedrl.model.decoder import MLP, RMSNorm
 from pagedrl.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from pagedrl.model.routed import Linear, routed_to
+
+pytestmark = pytest.mark.isa  # its paths follow the CPU class: `make test-isa` runs it as each lower one
 
 BF16_STEP = 2.0**-8  # a bf16 rounding is at most half a step of 2^-7 relative
 
@@ -156,6 +159,7 @@ def test_packed_weights_give_torch_s_products_and_follow_weight_changes() -> Non
     engine's own steps take the k-pairs kernel on its copy where it is built (else 1-2 rows the
     dot-product kernel); a weight written in place, or a cleared cache (the engine's weight-version
     bump), is packed again."""
+    needs("avx512", "oneDNN's packed bf16 weights")
     torch.manual_seed(0)
     packed = cpu_routes.PackedWeights()
     layer = Linear(96, 40).bfloat16()

@@ -15,6 +15,8 @@ from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.config import ModelConfig
 from pagedrl.model.decoder import CausalLM
 
+pytestmark = pytest.mark.isa  # its paths follow the CPU class: `make test-isa` runs it as each lower one
+
 
 def test_autocast_dtype_must_be_a_low_precision_float() -> None:
     with pytest.raises(ValueError, match="autocast_dtype"):

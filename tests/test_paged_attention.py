@@ -23,6 +23,8 @@ from pagedrl.engine.kv_cache import DEFAULT_CPU_BYTES, DEFAULT_CPU_TOKENS, KVCac
 from pagedrl.model.config import ModelConfig
 from pagedrl.model.decoder import CausalLM
 
+pytestmark = pytest.mark.isa  # its paths follow the CPU class: `make test-isa` runs it as each lower one
+
 BLOCK = 4
 
 

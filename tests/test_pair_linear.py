@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_class import needs_not
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cpu_kernels import assert_float32_sum_rounded_once, needs_bf16_dot
 
 from pagedrl.engine import cpu_kernels
+
+pytestmark = pytest.mark.isa  # its paths follow the CPU class: `make test-isa` runs it as each lower one
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -84,8 +87,8 @@ def test_gate_up_is_the_products_and_silu_mul_apart() -> None:
     needs_bf16_dot()
     from pagedrl.engine import cpu_routes
 
-    if not cpu_routes.pairs_available():
-        pytest.skip("the k-pairs kernel is for CPUs without AMX")
+    needs_not("amx", "the k-pairs route")
+    assert cpu_routes.pairs_available()
     ops = torch.ops.pagedrl_cpu
     packed = cpu_routes.PackedWeights()
     gen = torch.Generator().manual_seed(5)
@@ -111,8 +114,8 @@ def test_the_mlp_takes_the_fused_route_only_for_plain_projections() -> None:
     from pagedrl.model.decoder import MLP
     from pagedrl.model.lora import LoRALinear
 
-    if not cpu_routes.pairs_available():
-        pytest.skip("the k-pairs kernel is for CPUs without AMX")
+    needs_not("amx", "the k-pairs route")
+    assert cpu_routes.pairs_available()
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2)

@@ -8,9 +8,12 @@ import torch
 from tiny import FAMILIES
 
 from pagedrl.engine.llm import LLM
+from pagedrl.kernels import isa
 from pagedrl.model import precision
 from pagedrl.model.precision import FORCE_ENV, choose_precision, cpu_bf16_native, resolve_dtype
 from pagedrl.train.config import SFTConfig
+
+pytestmark = pytest.mark.isa  # its paths follow the CPU class: `make test-isa` runs it as each lower one
 
 
 @pytest.fixture()
@@ -38,8 +41,21 @@ def test_cuda_keeps_bf16(monkeypatch) -> None:
     assert choose_precision("cuda:1").dtype == torch.bfloat16
 
 
+def test_a_class_without_bf16_instructions_means_float32_without_a_probe(unforced) -> None:
+    """An AVX2 or AVX512 CPU (or one capped to it) computes in float32 whatever oneDNN offers."""
+    for name in ("avx2", "avx512"):
+        unforced.setattr(isa, "cpu_class", lambda name=name: name)
+        unforced.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+        unforced.setattr(precision, "probe_bf16_speedup", lambda: 9.0)
+        precision._probe.cache_clear()
+        native, why = cpu_bf16_native()
+        assert not native and f"CPU class {name}" in why and choose_precision("cpu").dtype == torch.float32
+
+
 def test_the_probe_decides_when_onednn_says_yes(unforced) -> None:
-    """oneDNN also says yes on an AVX512 CPU that only emulates bf16: the timed matmul settles it."""
+    """oneDNN also says yes on an AVX512 CPU that only emulates bf16: the timed matmul settles it (a
+    class with the instructions, so that the probe is what is asked)."""
+    unforced.setattr(isa, "cpu_class", lambda: "avx512_bf16")
     unforced.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     unforced.setattr(precision, "probe_bf16_speedup", lambda: 0.4)
     native, why = cpu_bf16_native()
@@ -50,6 +66,7 @@ def test_the_probe_decides_when_onednn_says_yes(unforced) -> None:
 
 
 def test_no_onednn_bf16_means_float32_without_a_probe(unforced) -> None:
+    unforced.setattr(isa, "cpu_class", lambda: "avx512_bf16")
     unforced.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
 
     def never() -> float:

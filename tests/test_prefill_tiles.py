@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cpu_kernels import needs_bf16_dot
 
 from pagedrl.engine import cpu_kernels
+
+pytestmark = pytest.mark.isa  # its paths follow the CPU class: `make test-isa` runs it as each lower one
 
 
 def float64_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: list[list[int]],

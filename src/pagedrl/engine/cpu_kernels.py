@@ -18,7 +18,8 @@ step, with AMX tiles or AVX512-BF16 dot products; `rms_norm`, `silu_mul` and `ro
 the decoder's row-wise pieces in one pass each. The engine routes its bf16 steps to them
 (`engine/cpu_routes.py`).
 
-They are compiled with `-O3 -march=native` through torch's extension builder (ninja and the system's C++
+They are compiled with `-O3 -march=native` (less the instructions above a `PAGEDRL_CPU_ISA` cap:
+`kernels/isa.py`) through torch's extension builder (ninja and the system's C++
 compiler) into pagedrl's cache directory, so only the first start pays
 (about 10 s); where it cannot be built, the engine keeps the gather path and says so once.
 `PAGEDRL_CPU_KERNELS=0` turns the kernels off.
@@ -35,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from pagedrl.kernels import isa
+
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prefill_tiles.cpp",
@@ -43,10 +46,14 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "attention_rows.h")]  # shared by the sources: part of the build's key
 DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
 PREFILL_HEAD_DIMS = (16, 32, 64, 96, 128)  # the head sizes `paged_prefill` is compiled for
-# The machine's own vector instructions, `omp simd` loops vectorized, and OpenMP for `at::parallel_for`
-# (header code: without -fopenmp it runs on one thread). libgomp.so.1 resolves to the one torch already
-# loaded, so there is one thread pool. No -ffast-math: float32 arithmetic in the kernel's order.
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
+
+
+def cflags() -> list[str]:
+    """The machine's own vector instructions (less those above the process's CPU class), `omp simd`
+    loops vectorized, and OpenMP for `at::parallel_for` (header code: without -fopenmp it runs on one
+    thread). libgomp.so.1 resolves to the one torch already loaded, so there is one thread pool. No
+    -ffast-math: float32 arithmetic in the kernel's order."""
+    return ["-O3", *isa.build_flags(), "-mprefer-vector-width=512", "-fopenmp"]
 
 
 def build_dir() -> Path:
@@ -54,7 +61,7 @@ def build_dir() -> Path:
     from pagedrl.model.default import cache_dir
 
     text = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    key = hashlib.sha256(text + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + torch.__version__.encode() + " ".join(cflags()).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"paged_attention-{key}"
 
 
@@ -76,7 +83,7 @@ def _load() -> bool:
         cached = (folder / "pagedrl_paged_attention.so").is_file()
         start = time.perf_counter()
         load(name="pagedrl_paged_attention", sources=[str(p) for p in SOURCES], build_directory=str(folder),
-             extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+             extra_cflags=cflags(), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         if not cached:
             logger.info("built the CPU paged-attention kernel in %.1f s (kept in %s for later starts)",
                         time.perf_counter() - start, folder)

@@ -44,6 +44,7 @@ from collections.abc import Iterator
 import torch
 
 from pagedrl.engine import cpu_kernels
+from pagedrl.kernels import isa
 from pagedrl.model.routed import Routes, routed_to
 
 MAX_ROWS_AMX = 128  # measured crossovers with oneDNN's bf16 kernel (see above)
@@ -53,12 +54,19 @@ PACK_FOR_ROWS = 64  # the row count oneDNN is told to expect when it chooses its
 
 
 @functools.cache
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN can lay bf16 weights out in its blocked layout here: a torch built with oneDNN, on
+    a CPU of class AVX512 or above (its reorder refuses bf16 without AVX512BW/VL/DQ)."""
+    return (isa.at_least("avx512") and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+@functools.cache
 def packs_weights() -> bool:
     """Whether bf16 products of more than MAX_ROWS_OVER_PACKED rows go to oneDNN with packed weights: a
     CPU with AVX512-BF16 and no AMX (where that was measured the faster from 3 rows to a 2048-row
-    prefill chunk), and a torch built with oneDNN."""
-    return (cpu_kernels.decode_linear_available() and not cpu_kernels.decode_linear_amx()
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    prefill chunk)."""
+    return cpu_kernels.decode_linear_available() and not cpu_kernels.decode_linear_amx() and onednn_packs_bf16()
 
 
 @functools.cache

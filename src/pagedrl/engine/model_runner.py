@@ -35,6 +35,7 @@ from pagedrl.engine.kv_cache import KVCache
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.multi_lora import LoRASlots
 from pagedrl.engine.sequence import Sequence, wants_prompt_logprobs
+from pagedrl.kernels import isa
 from pagedrl.model.decoder import CausalLM
 
 
@@ -86,7 +87,10 @@ class ModelRunner:
         if self.graphs is not None:
             return f"decode steps replay CUDA graphs ({len(self.graphs.sizes)} batch sizes)"
         if self.program is not None:
-            return "decode steps as one program of the CPU kernels (enforce_eager: through the modules)"
+            return (f"decode steps as one program of the CPU kernels on CPU class {isa.describe()} "
+                    "(enforce_eager: through the modules)")
+        if self.on_cpu:
+            return f"decode steps through the model's modules (CPU class {isa.describe()})"
         return "decode steps through the model's modules"
 
     def precision(self) -> contextlib.AbstractContextManager[Any]:

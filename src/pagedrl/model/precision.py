@@ -5,8 +5,9 @@ AVX512-BF16 or AMX, Arm with BF16): there a bf16 matmul runs ~2.4x as fast as fl
 half the bytes, as vLLM's CPU backend assumes. Elsewhere bf16 is emulated and several times slower
 than float32, so float32 is chosen.
 
-The answer comes from what torch reports (oneDNN's bf16 support, the CPU capability it dispatches
-to), confirmed by a micro-probe: a bf16 matmul timed against a float32 one, once per process. The
+The answer comes from the CPU class (`kernels/isa.py`: an x86 CPU below AVX512-BF16 has no bf16
+instructions, whatever oneDNN offers), what torch reports (oneDNN's bf16 support, the CPU capability
+it dispatches to), and a micro-probe: a bf16 matmul timed against a float32 one, once per process. The
 probe is what decides, because oneDNN also says yes on an AVX512 CPU that only emulates bf16; the
 hardware's name is never read. `PAGEDRL_CPU_BF16=1` / `=0` forces the answer (a CPU without native
 bf16 can be simulated that way, and a test suite can pin float32).
@@ -20,6 +21,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from pagedrl.kernels import isa
 
 FORCE_ENV = "PAGEDRL_CPU_BF16"
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # what `--dtype` takes, as vLLM spells them
@@ -67,6 +70,8 @@ def cpu_bf16_native() -> tuple[bool, str]:
 @functools.cache
 def _probe() -> tuple[bool, str]:
     capability = torch.backends.cpu.get_cpu_capability()
+    if isa.cpu_class() in isa.CLASSES and not isa.at_least("avx512_bf16"):
+        return False, f"CPU class {isa.describe()}: no bf16 instructions (capability {capability})"
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return False, f"CPU without bf16 support in oneDNN (capability {capability})"
     speedup = probe_bf16_speedup()

@@ -128,7 +128,10 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k
 // -sum_v exp(l_v) * l_v of each row of finite log-probs l [R, V] (float32): a trainer's entropy metric
 // in one read of the rows, where torch makes a [R, V] copy for exp and another for the product (400 MB
 // for a 1024-row chunk of a 49k vocabulary, fresh pages a step could not reuse). Log-probs are <= 0,
-// which exp_nonpositive wants; a row's sums run in 16 lanes, added at the end.
+// which exp_nonpositive wants. Each term is rounded to float32 once and summed in float64 (16 lanes under
+// AVX512, added at the end; in order elsewhere), so the result is within the terms' own rounding
+// (exp's 2e-7 and the product's half ulp, relative to sum |p * l|) of the exact entropy whatever the
+// vocabulary's size or the CPU class: a float32 sum of 49k terms could drift by thousands of ulps.
 at::Tensor entropy_from_logprobs(const at::Tensor& logp) {
   TORCH_CHECK(logp.scalar_type() == at::kFloat && logp.dim() == 2 && logp.is_contiguous(),
               "entropy_from_logprobs: contiguous float32 [rows, vocab] expected");
@@ -140,17 +143,22 @@ at::Tensor entropy_from_logprobs(const at::Tensor& logp) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = lp + r * V;
       int64_t v = 0;
-      float total = 0.f;
+      double total = 0.0;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-      __m512 acc = _mm512_setzero_ps();
+      __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
       for (; v + 16 <= V; v += 16) {
         const __m512 l = _mm512_loadu_ps(row + v);
-        acc = _mm512_fmadd_ps(pagedrl_cpu::exp_nonpositive16(l), l, acc);
+        const __m512 term = _mm512_mul_ps(pagedrl_cpu::exp_nonpositive16(l), l);
+        low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(term)));
+        high = _mm512_add_pd(high, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(term), 1))));
       }
-      total = _mm512_reduce_add_ps(acc);
+      total = _mm512_reduce_add_pd(_mm512_add_pd(low, high));
 #endif
-      for (; v < V; ++v) total += exp_nonpositive(row[v]) * row[v];
-      op[r] = -total;
+      for (; v < V; ++v) {
+        const float term = exp_nonpositive(row[v]) * row[v];
+        total += static_cast<double>(term);
+      }
+      op[r] = static_cast<float>(-total);
     }
   });
   return out;
