@@ -235,5 +235,7 @@ def test_ctrl_c_in_a_training_stage_resumes_from_its_checkpoint(demo, tmp_path) 
         run_demo(resumed, progress=False)
     assert "resuming from" in (out / "logs" / "grpo.log").read_text()
     steps = [r["step"] for r in read_metrics(out / "grpo" / "metrics.jsonl") if "loss" in r]
-    assert steps[:2] == [1, 2] and steps == sorted(set(steps))
+    # step 1 once, then on from 2 for as long as the 1.8-second budget lasts (on a loaded machine step 1
+    # can spend it all: how many steps follow is the machine's speed, not the resume's correctness)
+    assert steps == list(range(1, len(steps) + 1))
     assert (out / "report.md").is_file()
