@@ -243,3 +243,19 @@ def test_a_grammar_that_fails_mid_way_ends_its_own_request_only(llm) -> None:
     assert finished["fine"].finish_reason == "length" and len(finished["fine"].token_ids) == 8
     assert finished["other"].finish_reason == "stop" and finished["other"].text in ("ab", "cd")
     assert engine.kv_manager.num_blocks_used == 0
+
+
+def test_a_grammar_that_fails_alone_in_its_step_ends_its_request_only(llm) -> None:
+    """The same when no other sequence shares the step: nothing is left to sample, and the step
+    returns rather than indexing the logits with an empty list."""
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=8, structured_outputs=compact(regex="[a-z]+")),
+                       request_id="alone")
+
+    def fail(row: torch.Tensor) -> None:
+        raise RuntimeError("the grammar of structured_outputs.regex failed: lexer fuel exhausted")
+
+    engine.requests["alone"].seqs[0].grammar.fill_bitmask = fail
+    finished = [out for _ in range(4) if engine.has_unfinished_requests() for out in engine.step() if out.finished]
+    assert [(out.request_id, out.outputs[0].finish_reason) for out in finished] == [("alone", "abort")]
+    assert not engine.has_unfinished_requests() and engine.kv_manager.num_blocks_used == 0

@@ -9,7 +9,9 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
+from pagedrl.engine.grammar import GrammarCompiler
 from pagedrl.server.errors import ApiError
 from pagedrl.server.inputs import chat_prompt_ids
 from pagedrl.server.protocol import ChatCompletionRequest, ChatMessage
@@ -77,6 +79,36 @@ def test_required_and_named_constraints_and_their_readers() -> None:
     first = reader.feed('{"city":', False)
     assert first[0] == "" and [c.name for c in first[1]] == ["get_weather"] and first[2] == '{"city":'
     assert reader.feed('"Oslo"}', True) == ("", [], '"Oslo"}') and reader.finish_reason("stop") == "tool_calls"
+
+
+class Corner(BaseModel):
+    x: int
+
+
+class Box(BaseModel):
+    corner: Corner
+
+
+class Link(BaseModel):
+    label: str
+    next: Link | None = None
+
+
+def test_required_keeps_each_tools_defs_apart(default_tokenizer) -> None:
+    """pydantic writes nested models under `$defs` and a recursive one as `#/$defs/Link`; a bare `#`
+    is the tool's own root. Inside the required array of calls each still reaches its own tool's."""
+    tools = [{"type": "function", "function": {"name": name, "parameters": schema}} for name, schema in (
+        ("box", Box.model_json_schema()), ("link", Link.model_json_schema()),
+        ("nest", {"type": "object", "properties": {"me": {"$ref": "#"}}}))]
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                                "tool_choice": "required"})
+    compiler = GrammarCompiler(default_tokenizer.backend.to_str(), 49152, [default_tokenizer.eos_token_id])
+    matcher = compiler.matcher(tool_constraint(tool_plan(req, None, False), True))
+    text = ('[{"name":"box","parameters":{"corner":{"x":1}}},{"name":"link","parameters":{"label":"a","next":'
+            '{"label":"b","next":null}}},{"name":"nest","parameters":{"me":{"me":{}}}}]')
+    for token in default_tokenizer.encode(text):
+        matcher.accept(token)
+    assert matcher.is_accepting
 
 
 @pytest.mark.parametrize(("body", "param"), [

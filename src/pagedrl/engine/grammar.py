@@ -8,8 +8,10 @@ and triton at run time, outlines-core has no general grammars).
 
 One `GrammarCompiler` per engine turns `StructuredOutputsParams` into a checked grammar (cached by
 the constraint's text, so equal constraints compile once) and hands each constrained sequence its
-own `TokenMatcher`. The matcher lives on the sequence and advances on every token it appends; a
-preempted sequence keeps its tokens and therefore its matcher, so recompute needs no replay.
+own `TokenMatcher`. A constraint that compiles but could never be met (a schema no finite value
+matches, a grammar that fails at its first mask) is refused here too, before any request holds it.
+The matcher lives on the sequence and advances on every token it appends; a preempted sequence keeps
+its tokens and therefore its matcher, so recompute needs no replay.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedrl.engine.structured_outputs import StructuredOutputsParams, grammar_text
+from pagedrl.engine.structured_outputs import StructuredOutputsParams, grammar_text, unenforceable
 
 CACHE_SIZE = 256  # compiled constraints kept (a few kilobytes each)
 
@@ -173,6 +175,7 @@ class GrammarCompiler:
         try:
             grammar = grammar_text(params)
             matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            reason = unenforceable(params)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # a panic in the Rust library is a BaseException; it is still bad input
@@ -182,4 +185,20 @@ class GrammarCompiler:
             raise ValueError(f"structured_outputs.{kind} is invalid: {message}") from None
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{kind} is invalid: {matcher.get_error().strip()}")
+        if reason is None:
+            reason = _first_mask_fails(matcher)
+        if reason is not None:
+            raise ValueError(f"structured_outputs.{kind} cannot be enforced: {reason}")
         return matcher
+
+
+def _first_mask_fails(matcher: Any) -> str | None:
+    """Why the grammar cannot even start (an llguidance limit hit at once, e.g. a grammar too large
+    for its parser), or None: asked now, so such a constraint is a 400 and not a request ended in
+    the engine at its first step."""
+    probe = matcher.deep_copy()
+    probe.compute_bitmask()
+    if not probe.is_error():
+        return None
+    error = probe.get_error().strip().splitlines()
+    return f"its grammar fails before the first token ({error[0] if error else 'no reason given'})"

@@ -7,6 +7,9 @@ drawn-from distribution (and its processed log-probs) is the constrained one.
 
 A `grammar` is Lark, as llguidance reads it (`start: "yes" | "no"`), or GBNF (`root ::= ...`, the
 format of llama.cpp and of vLLM's xgrammar back-end), which is converted to Lark.
+
+A `json` schema is read as vLLM's default back-end reads it: an object allows only the properties it
+lists unless it says `additionalProperties` (`json_schema.py` says why); `json_object` is any object.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+
+from pagedrl.engine.json_schema import endless_ref, strict_objects
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -97,6 +102,24 @@ def _lark_literal(text: str) -> str:
     return json.dumps(text)
 
 
+def compiled_schema(params: StructuredOutputsParams) -> Any:
+    """The JSON schema of a `json` constraint as it is compiled: objects allow only the properties
+    they list unless they say otherwise (`json_schema.strict_objects`, vLLM's default reading)."""
+    return strict_objects(json.loads(params.json) if isinstance(params.json, str) else params.json)
+
+
+def unenforceable(params: StructuredOutputsParams) -> str | None:
+    """Why a constraint that compiles could still never be met (a `json` schema no finite value
+    matches), as the end of an error message; None when nothing is known against it."""
+    if params.kind != "json":
+        return None
+    ref = endless_ref(compiled_schema(params))
+    if ref is None:
+        return None
+    return (f"no finite JSON value matches it: {ref!r} refers back to itself with no way out (a value there "
+            "would have to contain another one, without end)")
+
+
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The constraint as an llguidance grammar (not yet checked: `grammar.GrammarCompiler` does that)."""
     from llguidance import LLMatcher
@@ -105,8 +128,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     kind = params.kind
     options = {"whitespace_flexible": not params.disable_any_whitespace}
     if kind == "json":
-        schema = json.loads(params.json) if isinstance(params.json, str) else params.json
-        return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        return LLMatcher.grammar_from_json_schema(compiled_schema(params), defaults=options)
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
     if kind == "regex":

@@ -6,6 +6,9 @@
 At most one constraint per request; `structured_outputs.disable_any_whitespace` may accompany a
 `response_format`. Every error names the field the client sent: a bad schema in `response_format`
 is reported as `response_format.json_schema.schema`, not under the engine's name for it.
+
+A `json_schema` is read as vLLM reads it by default: an object allows only the properties it lists
+unless it says `additionalProperties` (`engine/json_schema.py` says why); `json_object` is any object.
 """
 
 from __future__ import annotations

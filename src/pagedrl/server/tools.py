@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedrl.engine.json_schema import relocated
 from pagedrl.engine.structured_outputs import StructuredOutputsParams
 from pagedrl.server.errors import bad_request
 from pagedrl.server.protocol import ChatCompletionRequest, ChatTool
@@ -97,15 +98,22 @@ def check_tool_schemas(plan: ToolPlan, compile_check: Any) -> None:
 
 def tool_constraint(plan: ToolPlan | None, parallel_tool_calls: bool) -> StructuredOutputsParams | None:
     """The decoding constraint of `required` (a JSON array of calls) or a named function (its
-    arguments object); None for `auto` and `none`."""
+    arguments object); None for `auto` and `none`. Like every JSON schema constraint, the tools'
+    schemas allow only the properties they list unless they say otherwise (`engine/json_schema.py`):
+    a call ends once the model has filled in what the schema lists, where a small model free to add
+    keys goes on adding them until max_tokens."""
     if plan is None or plan.mode in ("auto", "none"):
         return None
     if plan.mode == "named":
         return StructuredOutputsParams(json=plan.parameters(plan.name), disable_any_whitespace=True)
+    # Each tool's schema sits under $defs, its own `#...` pointers (pydantic's `#/$defs/Model`, a
+    # recursive `#`) rewritten to start there, so they mean what they meant in the tool alone.
+    defs = {f"tool{i}": relocated(plan.parameters(t.function.name), f"#/$defs/tool{i}")
+            for i, t in enumerate(plan.tools)}
     calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                               "parameters": plan.parameters(t.function.name)},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in plan.tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+                                               "parameters": {"$ref": f"#/$defs/tool{i}"}},
+              "required": ["name", "parameters"], "additionalProperties": False} for i, t in enumerate(plan.tools)]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
