@@ -275,10 +275,10 @@ class LLMEngine:
                     logger.warning("request %s ended: %s", seqs[i].request_id, reason)
                     self.finish(seqs[i], "abort")
                 keep = [i for i in range(len(seqs)) if i not in failed]
-                logits = logits[torch.tensor(keep, device=logits.device)]
-                seqs, masks = [seqs[i] for i in keep], [masks[i] for i in keep]
-                if not seqs:
+                if not keep:  # (an empty index list would be a float tensor, not an index)
                     return
+                logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+                seqs, masks = [seqs[i] for i in keep], [masks[i] for i in keep]
         rows = [s.sampling_row or self.sampling_row(s, masks[i]) for i, s in enumerate(seqs)]
         out = self.sampler(logits, rows)
         now = time.monotonic()
