@@ -37,6 +37,7 @@ class ServerProcess:
     proc: subprocess.Popen
     base_url: str
     log_path: Path
+    api_key: str | None = None  # its --api-key, which /metrics asks for
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -44,7 +45,8 @@ class ServerProcess:
     def metrics(self) -> dict[str, float]:
         """The /metrics samples without labels' model_name, e.g. {'pagedrl:num_requests_running': 0.0,
         'pagedrl:request_success_total{finished_reason="abort"}': 3.0}."""
-        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        text = httpx.get(self.base_url + "/metrics", headers=headers, timeout=10).text
         out = {}
         for line in text.splitlines():
             if line.startswith("#") or not line.strip():
@@ -81,7 +83,8 @@ def running_server(model_dir: Path, log_dir: Path, *args: str) -> Iterator[Serve
     cmd = [*pagedrl_command(), "serve", str(model_dir), "--port", str(port), "--no-access-log", *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    api_key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path, api_key)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:

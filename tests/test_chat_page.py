@@ -1,11 +1,14 @@
 """The chat page at `/` of a real `pagedrl serve` process, in a headless Chromium (skipped, with the
 reason, where Playwright or Chromium is missing): a streamed answer appears token by token, Stop ends
-it, the log-prob view shows the API's own numbers, the page asks nothing of any other host, and text
-from the model that looks like HTML stays text."""
+it, the log-prob view shows the API's own numbers (not the stop token's), the page asks nothing of any
+other host, and text from the model that looks like HTML stays text. Over plain HTTP: the headers that
+keep the page from being framed or sniffed, and its icon."""
 
 from __future__ import annotations
 
 import json
+import re
+import struct
 
 import httpx
 import pytest
@@ -21,6 +24,46 @@ def server(tiny_train_model, tmp_path_factory):
 
 def last_answer(page):
     return page.locator(".assistant").last
+
+
+def test_the_page_is_sent_with_its_policy_as_headers_and_has_an_icon(server) -> None:
+    r = httpx.get(server.base_url + "/")
+    policy = r.headers["content-security-policy"]
+    directives = {d.strip() for d in policy.split(";")}
+    meta = re.search(r'http-equiv="Content-Security-Policy"\s+content="([^"]+)"', r.text).group(1)
+    assert {d.strip() for d in meta.split(";")} <= directives  # the header holds the page's own policy, and
+    assert "frame-ancestors 'none'" in directives and "frame-ancestors" not in meta  # what only a header can
+    assert r.headers["x-content-type-options"] == "nosniff" and r.headers["x-frame-options"] == "DENY"
+    icon = httpx.get(server.base_url + "/favicon.ico")
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/x-icon"
+    reserved, kind, count = struct.unpack_from("<HHH", icon.content)
+    width, height, _, _, _, bits, size, offset = struct.unpack_from("<BBBBHHII", icon.content, 6)
+    assert (reserved, kind, count, width, height, bits) == (0, 1, 1, 16, 16, 32)
+    assert offset + size == len(icon.content)
+    assert "/favicon.ico" not in httpx.get(server.base_url + "/openapi.json").json()["paths"]
+
+
+def test_the_stop_token_ends_its_chunk_as_the_page_expects(server, tiny_train_model) -> None:
+    """What the log-prob view relies on, from the server: the token that stops an answer (here one of
+    stop_token_ids, as the end-of-sequence token does) is the last log-prob entry of the chunk that
+    carries finish_reason "stop", whose stop_reason is then no string."""
+    from pagedrl.model.tokenizer import Tokenizer
+
+    request = {"messages": [{"role": "user", "content": "count to five"}], "temperature": 1, "seed": 5,
+               "max_tokens": 8, "logprobs": True, "ignore_eos": True}
+    answer = httpx.post(server.base_url + "/v1/chat/completions", json=request, timeout=60).json()
+    names = [e["token"] for e in answer["choices"][0]["logprobs"]["content"]]
+    tokenizer = Tokenizer.from_folder(tiny_train_model)
+    ids = {tokenizer.token_name(i): i for i in range(tokenizer.vocab_size)}
+    stop = next(i for i, name in enumerate(names) if i > 0 and name not in names[:i])  # its first time
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", timeout=60, json={
+            **request, "stream": True, "stop_token_ids": [ids[names[stop]]]}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    choices = [c for e in events for c in e["choices"]]
+    last = choices[-1]
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == ids[names[stop]]
+    assert last["logprobs"]["content"][-1]["token"] == names[stop]
+    assert [e["token"] for c in choices if c["logprobs"] for e in c["logprobs"]["content"]] == names[:stop + 1]
 
 
 def test_an_answer_streams_in_and_stop_ends_it(server) -> None:
@@ -83,6 +126,42 @@ def test_the_log_prob_view_shows_the_apis_numbers(server) -> None:
         spans.nth(0).dispatch_event("mousemove", {"clientX": 5, "clientY": 5})  # a newline token has no box to hover
         tip = page.locator("#tip").inner_text()
         assert json.dumps(expected[0]["top_logprobs"][1]["token"]) in tip  # the alternatives are listed
+        assert problems == []
+
+
+def test_the_end_of_sequence_token_is_not_shown_as_part_of_the_answer(server) -> None:
+    """A scripted stream as the server sends one that the model ended (the tiny model never does): the
+    last chunk carries `<|im_end|>`'s log-prob, no text, finish_reason "stop" and no stop string. The
+    view shows the answer's tokens only; an answer a stop string ended keeps all of its tokens."""
+
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
+
+    def stream(stop_reason) -> str:
+        chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None, "stop_reason": None}]}]
+        for token in ("one", " two"):
+            chunks.append({"choices": [{"index": 0, "delta": {"content": token}, "finish_reason": None,
+                                        "logprobs": {"content": [entry(token, -0.5)]}, "stop_reason": None}]})
+        last = "<|im_end|>" if stop_reason is None else ","
+        chunks.append({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop",
+                                    "logprobs": {"content": [entry(last, -0.25)]}, "stop_reason": stop_reason}]})
+        return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+    bodies = [stream(None), stream(",")]
+    with open_page(server.base_url + "/") as (page, problems):
+        page.route("**/v1/chat/completions", lambda route: route.fulfill(status=200, body=bodies.pop(0),
+                                                                          content_type="text/event-stream"))
+        page.goto(server.base_url + "/")
+        page.wait_for_function("document.querySelector('#model').options.length > 0")
+        page.check("#show_logprobs")
+        for n, expected in ((1, ["one", " two"]), (2, ["one", " two", ","])):
+            page.fill("#input", "count")
+            page.press("#input", "Enter")
+            page.wait_for_function(f"document.querySelectorAll('.assistant .stats')[{n - 1}]?.textContent"
+                                   ".includes('finish')")
+            assert last_answer(page).locator(".body").text_content() == "one two"
+            assert last_answer(page).locator(".tok").all_text_contents() == expected
         assert problems == []
 
 

@@ -158,6 +158,24 @@ def test_an_empty_dataset_is_an_error(tok, tmp_path) -> None:
         load_examples(tmp_path / "missing.jsonl", convert(tok))
 
 
+def test_a_utf8_bom_before_the_first_row_is_read_as_utf8(tok, tmp_path) -> None:
+    """Notepad and Excel write UTF-8 with a BOM; it is no part of the first row (and only there is it one)."""
+    rows = ['{"prompt": "a", "completion": "b"}', '{"prompt": "c", "completion": "d"}']
+    plain = tmp_path / "plain.jsonl"
+    write_jsonl(plain, rows)
+    marked = tmp_path / "bom.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    ids = [[(e.prompt_ids, e.completion_ids) for e in load_examples(f, convert(tok))[0]] for f in (marked, plain)]
+    assert ids[0] == ids[1]
+    blank_first = tmp_path / "bom-blank.jsonl"
+    blank_first.write_bytes(b"\xef\xbb\xbf\n" + plain.read_bytes())
+    assert load_examples(blank_first, convert(tok))[1].rows == 2
+    later = tmp_path / "bom-later.jsonl"
+    later.write_bytes(plain.read_bytes() + b"\xef\xbb\xbf" + rows[0].encode() + b"\n")
+    with pytest.raises(DataError, match=r"bom-later\.jsonl:3: row: invalid JSON"):
+        load_examples(later, convert(tok))
+
+
 def test_language_modeling_rows_train_on_every_token(tok) -> None:
     examples, _ = load_examples([{"text": "hello there"}, {"messages": CHAT_PROMPT + CHAT_COMPLETION}], convert(tok))
     assert examples[0].prompt_ids == [] and examples[0].completion_ids == tok.encode("hello there<|im_end|>")

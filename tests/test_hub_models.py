@@ -1,7 +1,8 @@
 """Models named by Hugging Face Hub id, resolved from a real huggingface_hub cache in a temporary
 HF_HOME with HF_HUB_OFFLINE=1: a model folder, a revision (tag and commit), a GGUF file in a
 repository, an adapter whose base is a Hub id, a trainer config naming one, the offline-miss error,
-and a local folder of the same name winning over the cache."""
+a machine without a network answered from the cache at once, and a local folder of the same name
+winning over the cache."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pagedrl.model.adapter import read_adapter_config, save_adapter
 from pagedrl.model.checkpoint import CheckpointError, load_causal_lm
 from pagedrl.model.loader import load_model
 from pagedrl.model.lora import LoRAConfig, apply_lora, lora_layers
-from pagedrl.model.resolve import HUB_FILES, hub_cache_dir, resolve_model_path
+from pagedrl.model.resolve import HUB_FILES, HUB_PROBE_TIMEOUT_S, hub_cache_dir, resolve_model_path
 
 REPO = "tinyorg/tiny-chat"
 PROMPT = "the cat sat on the mat"
@@ -96,6 +97,35 @@ def test_an_uncached_id_offline_is_one_error_naming_the_id_and_the_cache(hub) ->
     assert "someorg/not-cached" in message and str(hub) in message and "HF_HUB_OFFLINE" in message
     with pytest.raises(CheckpointError, match="no such folder or file"):
         resolve_model_path("./not/a/folder")  # a path, not an id: the folder error as before
+
+
+def test_without_a_network_the_cache_answers_at_once(hub, monkeypatch) -> None:
+    """HF_HUB_OFFLINE unset on a machine whose name lookups hang (no network): a cached id resolves and
+    an uncached one fails after the Hub probe's timeout, not after huggingface_hub's timeouts and retries."""
+    import socket
+    import threading
+    import time
+
+    import huggingface_hub.constants
+
+    released = threading.Event()
+
+    def hanging_lookup(*args, **kwargs):
+        released.wait(30)
+        raise socket.gaierror(socket.EAI_AGAIN, "no network")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket, "getaddrinfo", hanging_lookup)
+    try:
+        start = time.monotonic()
+        assert resolve_model_path(REPO).name == commit_hash("v1")
+        with pytest.raises(CheckpointError, match="someorg/not-cached.*the Hub could not be reached"):
+            resolve_model_path("someorg/not-cached")
+        assert time.monotonic() - start < 2 * HUB_PROBE_TIMEOUT_S + 3
+    finally:
+        released.set()
 
 
 def test_a_local_folder_of_the_same_name_wins(hub, versions, tmp_path, monkeypatch) -> None:

@@ -50,6 +50,22 @@ def test_models_health_and_tokenizer_endpoints(server, client, model_name, offli
     assert text == offline.tokenizer.decode(tok["tokens"])
 
 
+def test_tokenize_renders_tools_as_the_chat_route_does(server, model_name):
+    """The tools a chat request shows the model count in /tokenize as in the chat route: the tiny model's
+    context is too short for the tools' preamble, so the count compared is the one its 400 names."""
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+    plain = httpx.post(server.base_url + "/tokenize", json={"messages": CHAT}).json()["count"]
+    counted = httpx.post(server.base_url + "/tokenize", json={"messages": CHAT, "tools": tools}).json()["count"]
+    chat = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+        "model": model_name, "messages": CHAT, "tools": tools, "tool_choice": "none", "max_tokens": 1}).json()
+    assert chat["error"]["code"] == "context_length_exceeded"
+    assert counted > plain and f"prompt is {counted} tokens" in chat["error"]["message"]
+    with_prompt = httpx.post(server.base_url + "/tokenize", json={"prompt": PROMPT, "tools": tools})
+    assert with_prompt.status_code == 400 and with_prompt.json()["error"]["param"] == "tools"
+
+
 def test_the_chat_page_is_served_at_the_root_and_calls_only_its_own_server(server):
     """`/` is the chat page: one self-contained file whose every fetch, link and source is relative
     (so it only ever talks to the server it came from), pinned by its Content-Security-Policy, and

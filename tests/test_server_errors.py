@@ -129,8 +129,20 @@ def test_missing_or_wrong_api_key_is_401(server, still_serving):
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
-    assert httpx.get(server.base_url + "/health").status_code == 200  # health and metrics need no key
-    assert httpx.get(server.base_url + "/metrics").status_code == 200
+    assert httpx.get(server.base_url + "/health").status_code == 200  # health needs no key
+    assert httpx.get(server.base_url + "/metrics").status_code == 401  # its labels name the served model
+
+
+def test_no_route_tells_the_served_names_without_the_key(server, http, still_serving):
+    """/v1/models asks for the key, so nothing reachable without it lists what the server serves:
+    /tokenize and /detokenize (vLLM's, outside /v1) answer an unknown model's 404 without the names."""
+    for route, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        anonymous = error_of(httpx.post(server.base_url + route, json={**body, "model": "nope"}), 404)
+        assert anonymous["code"] == "model_not_found" and "tiny" not in anonymous["message"]
+        known = error_of(http.post(route, json={**body, "model": "nope"}), 404)
+        assert "'tiny'" in known["message"]  # with the key, as /v1/models would tell
+        assert httpx.post(server.base_url + route, json={**body, "model": "tiny"}).status_code == 200
+    assert "tiny" in http.get("/metrics").text
 
 
 def test_unknown_model_and_route_are_404(client, http, still_serving):
@@ -185,6 +197,8 @@ def test_the_served_schema_and_the_validation_agree(http, still_serving):
         return jsonschema_rs.validator_for(schema).is_valid(body)
 
     vocab = doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] + 1
+    chat = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f"}}]
     cases = [  # (route, schema, body, accepted)
         ("/detokenize", "DetokenizeRequest", {"tokens": [5.0, 7]}, True),  # JSON Schema: 5.0 is an integer
         ("/detokenize", "DetokenizeRequest", {"tokens": [vocab - 1]}, True),
@@ -202,6 +216,19 @@ def test_the_served_schema_and_the_validation_agree(http, still_serving):
          True),
         ("/v1/completions", "CompletionRequest", {"model": "tiny", "prompt": PROMPT, "max_tokens": 1,
                                                   "stop_token_ids": [vocab + 5]}, True),
+        # max_tokens is 16 unless given, as in vLLM: a min_tokens above it needs a max_tokens
+        ("/v1/completions", "CompletionRequest", {"model": "tiny", "prompt": PROMPT, "min_tokens": 17}, False),
+        ("/v1/completions", "CompletionRequest", {"model": "tiny", "prompt": PROMPT, "min_tokens": 16}, True),
+        ("/v1/completions", "CompletionRequest", {"model": "tiny", "prompt": PROMPT, "min_tokens": 17,
+                                                  "max_tokens": 18}, True),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "min_tokens": 20}, True),
+        # without --enable-auto-tool-choice, tools without a tool_choice (i.e. "auto") are refused, as by vLLM
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "tools": tools}, False),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "tools": tools, "tool_choice": "auto"},
+         False),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "tools": [], "max_tokens": 2}, True),
+        ("/tokenize", "TokenizeRequest", {"prompt": "hi", "tools": tools}, False),
+        ("/tokenize", "TokenizeRequest", {"messages": chat, "tools": tools}, True),
     ]
     for route, model, body, accepted in cases:
         assert valid(model, body) == accepted, (model, body)

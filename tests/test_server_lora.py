@@ -5,6 +5,8 @@ each answer with the merged checkpoint's greedy text, and `/v1/load_lora_adapter
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,6 +19,9 @@ from server_process import pagedrl_command, running_server
 
 from pagedrl.cli import main
 from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.server.errors import ApiError
+from pagedrl.server.lora_routes import UnloadLoRAAdapterRequest, adapter_to_unload
+from pagedrl.server.served_models import LoRAModule, ServedModels
 
 BODY = {"ignore_eos": True}
 
@@ -105,6 +110,37 @@ def test_adapters_load_and_unload_at_run_time(client, server, setup, tmp_path, t
     assert complete(client, "base", PROMPTS[1]) == texts[None][1]
 
 
+def test_adapter_names_are_checked_and_a_bad_config_names_its_file(server, setup, tmp_path) -> None:
+    adapters, _ = setup
+    url = server.base_url + "/v1"
+    for name in ("x" * 10_000, "two words", "a,b", "-flag", ""):
+        r = httpx.post(url + "/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapters["peft8"])})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", name
+    r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "org/peft8-v1.2", "lora_path": str(adapters["peft8"])})
+    assert r.status_code == 200  # a Hub-style id is a fine name
+    assert httpx.post(url + "/unload_lora_adapter", json={"lora_name": "org/peft8-v1.2"}).status_code == 200
+    latin1 = shutil.copytree(adapters["peft8"], tmp_path / "latin1")
+    config = json.loads((latin1 / "adapter_config.json").read_text())
+    (latin1 / "adapter_config.json").write_bytes(json.dumps({**config, "revision": "café"},
+                                                            ensure_ascii=False).encode("latin-1"))
+    r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "latin1", "lora_path": str(latin1)})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and str(latin1 / "adapter_config.json") in message and "not UTF-8" in message
+
+
+def test_an_adapter_is_unloaded_by_name_or_by_id(server) -> None:
+    url = server.base_url + "/v1"
+    assert httpx.post(url + "/unload_lora_adapter", json={}).status_code == 400
+    r = httpx.post(url + "/unload_lora_adapter", json={"lora_int_id": 999})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "lora_int_id"
+    served = ServedModels("base", read=lambda lora: None)
+    a, b = served.load(LoRAModule("a", "/a")), served.load(LoRAModule("b", "/b"))
+    assert adapter_to_unload(served, UnloadLoRAAdapterRequest(lora_int_id=b.lora_int_id)) == "b"
+    assert adapter_to_unload(served, UnloadLoRAAdapterRequest(lora_name="a", lora_int_id=a.lora_int_id)) == "a"
+    with pytest.raises(ApiError, match="'a' cannot be found"):  # both given: they must agree
+        adapter_to_unload(served, UnloadLoRAAdapterRequest(lora_name="a", lora_int_id=b.lora_int_id))
+
+
 def test_an_adapter_that_does_not_fit_stops_the_server_at_start(tiny_train_model, setup, tmp_path) -> None:
     big = pagedrl_adapter(tiny_train_model, tmp_path / "r16", 16, ["q_proj"], seed=5)
     cmd = [*pagedrl_command(), "serve", str(tiny_train_model), "--enable-lora", "--max-lora-rank", "8",
@@ -120,5 +156,7 @@ def test_lora_flags_are_checked_before_loading(capsys) -> None:
     assert "a name is given twice" in capsys.readouterr().err
     assert main(["serve", "--enable-lora", "--lora-modules", "no-equals-sign"]) == 2
     assert "'no-equals-sign' is not name=path" in capsys.readouterr().err
+    assert main(["serve", "--enable-lora", "--lora-modules", "two words=/x"]) == 2
+    assert "LoRA adapter name 'two words'" in capsys.readouterr().err
     assert main(["serve", "--enable-lora", "--max-loras", "0"]) == 2
     assert "--max-loras must be positive" in capsys.readouterr().err

@@ -83,8 +83,12 @@ def read_adapter_config(folder: str | Path) -> LoRAConfig:
     path = Path(folder) / ADAPTER_CONFIG
     if not path.is_file():
         raise CheckpointError(f"{folder}: no {ADAPTER_CONFIG}; not a PEFT adapter folder")
+    data = path.read_bytes()
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(data)  # JSON is UTF-8 (json.loads also reads a BOM, UTF-16 and UTF-32)
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}: {e.reason}); "
+                              "JSON files are UTF-8, so save it again as UTF-8 (a Latin-1 editor?)") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):

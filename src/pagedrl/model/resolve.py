@@ -8,7 +8,8 @@ A model is named the way transformers, TRL and vLLM users name it, tried in this
 4. a Hugging Face Hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`, at `revision`), or a GGUF file in a Hub
    repository (`org/repo/file.gguf`): resolved with `huggingface_hub`, so its cache layout,
    `HF_HOME` / `HF_HUB_CACHE`, `HF_HUB_OFFLINE` and `HF_TOKEN` mean what they mean for those tools, and a
-   cache they already filled is used as is. Only the files pagedrl reads are fetched.
+   cache they already filled is used as is. Only the files pagedrl reads are fetched. Without a
+   network the cache alone answers at once: the Hub is asked only after its host took a connection.
 
 A Hub repository may hold a model or a LoRA adapter (PEFT's format): both resolve to their snapshot
 folder, and an adapter's `base_model_name_or_path` resolves the same way.
@@ -18,7 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
+import threading
 from pathlib import Path
+from urllib.parse import urlsplit
+from urllib.request import getproxies, proxy_bypass
 
 from pagedrl.model.adapter import read_adapter_config
 from pagedrl.model.checkpoint import CheckpointError
@@ -31,6 +36,9 @@ HUB_FILES = ("config.json", "generation_config.json", "model*.safetensors", "mod
              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
              "additional_chat_templates/*.jinja", "adapter_config.json", "adapter_model.safetensors")
 _TRUE = {"1", "on", "yes", "true"}
+# How long the Hub's host (or the proxy to it) has to take a TCP connection before the cache alone
+# answers: without a network, huggingface_hub's own timeouts and retries held a request 23.5 s.
+HUB_PROBE_TIMEOUT_S = 2.0
 
 
 def hub_cache_dir() -> Path:
@@ -47,6 +55,31 @@ def hub_cache_dir() -> Path:
 
 def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+
+
+def hub_reachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Whether the Hub ($HF_ENDPOINT, or the proxy the environment routes it through) takes a TCP
+    connection within `timeout_s`. The probe runs in a thread of its own, so a name lookup that hangs
+    (getaddrinfo has no timeout) costs `timeout_s` too, not the resolver's."""
+    endpoint = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = endpoint.hostname or "", endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    proxy = getproxies().get(endpoint.scheme)
+    if proxy and not proxy_bypass(host):
+        via = urlsplit(proxy if "://" in proxy else "http://" + proxy)
+        host, port = via.hostname or "", via.port or (443 if via.scheme == "https" else 80)
+    done, answered = threading.Event(), []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            answered.append(True)
+        except (OSError, UnicodeError):
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=probe, name="hub-probe", daemon=True).start()
+    return done.wait(timeout_s) and bool(answered)
 
 
 def is_repo_id(name: str) -> bool:
@@ -83,13 +116,14 @@ def from_hub(repo_id: str, revision: str | None = None, filename: str | None = N
     )
 
     cache, offline = hub_cache_dir(), hub_offline()
+    unreachable = not offline and not hub_reachable()
     what = repo_id + (f"/{filename}" if filename else "") + (f" at revision {revision!r}" if revision else "")
     try:
         if filename is not None:
             return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache,
-                                        local_files_only=offline))
-        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=offline,
-                                      allow_patterns=list(HUB_FILES)))
+                                        local_files_only=offline or unreachable))
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache,
+                                      local_files_only=offline or unreachable, allow_patterns=list(HUB_FILES)))
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
         raise CheckpointError(f"{what}: not a local folder or file, and not in the Hugging Face cache {cache} "

@@ -14,7 +14,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -31,14 +30,8 @@ from pagedrl.engine.async_engine import (
 )
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
-from pagedrl.server.errors import ApiError, bad_request, from_value_error, read_json
-from pagedrl.server.inputs import (
-    DEFAULT_MAX_N,
-    chat_inputs,
-    chat_prompt_ids,
-    completion_inputs,
-    tokenizer_config,
-)
+from pagedrl.server.errors import ApiError, from_value_error, read_json
+from pagedrl.server.inputs import DEFAULT_MAX_N, chat_inputs, completion_inputs
 from pagedrl.server.logprobs import TokenText
 from pagedrl.server.lora_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, lora_router
 from pagedrl.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -49,13 +42,8 @@ from pagedrl.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
-    DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-    TokenizerInfoResponse,
     VersionResponse,
 )
 from pagedrl.server.responses import (
@@ -67,9 +55,18 @@ from pagedrl.server.responses import (
 )
 from pagedrl.server.served_models import LoRAModule, ServedModels
 from pagedrl.server.structured import structured_outputs
+from pagedrl.server.tokenize_routes import DetokenizeRequest, TokenizeRequest, tokenize_router
 from pagedrl.server.tools import check_tool_schemas, tool_plan
+from pagedrl.server.ui_routes import ui_router
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+# What /openapi.json adds to ChatCompletionRequest on a server without auto tool choice: tools without a
+# tool_choice mean "auto" (OpenAI's and vLLM's default), which such a server refuses, as vLLM's does.
+TOOLS_NEED_A_CHOICE = {
+    "description": 'This server has no auto tool choice (--enable-auto-tool-choice): tools need a tool_choice '
+                   'other than "auto" ("none", "required" or a named function)',
+    "anyOf": [{"properties": {"tools": {"not": {"type": "array", "minItems": 1}}}},
+              {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": ["auto", None]}}}}]}
 
 
 class EventStreamResponse(StreamingResponse):
@@ -147,9 +144,11 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
               ui: bool = True, tool_call_parser: str | None = "hermes", enable_auto_tool_choice: bool = False,
               lora_modules: Sequence[LoRAModule] = (), allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
-    With `ui`, `/` answers with the chat page (`server/ui/chat.html`), a static file that calls the
-    API like any client (and needs the API key like any client). Tool calls (`server/tools.py`):
-    `tool_choice` "auto" needs `enable_auto_tool_choice` and reads calls with `tool_call_parser`.
+    With `ui`, `/` answers with the chat page (`server/ui_routes.py`), a static file that calls the
+    API like any client (and needs the API key like any client). With `api_key`, every route that
+    would tell the served names (`/v1/...`, `/metrics`) asks for it; the others name none without it.
+    Tool calls (`server/tools.py`): `tool_choice` "auto" needs `enable_auto_tool_choice` and reads calls
+    with `tool_call_parser`.
     On an engine built with `enable_lora`, each of `lora_modules` is served under its name (a request's
     `model` picks it; one that does not fit raises ValueError here), and with `allow_runtime_lora_updating`
     adapters are loaded and unloaded at run time (`server/lora_routes.py`)."""
@@ -185,11 +184,15 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
     async def on_unexpected(request: Request, e: Exception) -> Response:
         return ApiError(500, f"internal error: {e!r}", "server_error").response()
 
-    async def check_api_key(request: Request) -> None:
+    def authorized(request: Request) -> bool:
+        """Whether the request may do what the API key guards (always, on a server without one)."""
         if api_key is None:
-            return
+            return True
         given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+
+    async def check_api_key(request: Request) -> None:
+        if not authorized(request):
             raise ApiError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
@@ -268,11 +271,9 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
     app.include_router(v1)
 
     if ui:
-        page = (Path(__file__).parent / "ui" / "chat.html").read_bytes()
-
-        @app.get("/", include_in_schema=False)
-        async def chat_page() -> Response:
-            return Response(page, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
+        app.include_router(ui_router())
+    app.include_router(tokenize_router(tokenizer, served, max_model_len, engine.vocab_size, max_request_body_bytes,
+                                       authorized))
 
     @app.get("/health", response_model=None, response_class=Response, responses={
         200: {"description": "The engine is running (empty body)", "content": {}}, **errors(503)})
@@ -281,55 +282,21 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
             raise ApiError(503, "the engine is not running", "server_error", code="engine_unavailable")
         return Response(status_code=200)
 
-    @app.get("/metrics", response_model=None, response_class=Response, responses={200: {
-        "description": "Prometheus text exposition", "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
+    # its model_name labels name the served model and adapters: behind the API key where there is one
+    @app.get("/metrics", response_model=None, response_class=Response, dependencies=[Depends(check_api_key)],
+             responses={200: {"description": "Prometheus text exposition",
+                              "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}, **errors(401)})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.post("/tokenize", response_model=None, openapi_extra=request_body(TokenizeRequest),
-              responses={200: {"model": TokenizeResponse, "description": "The prompt's token ids"},
-                         **errors(400, 404, 413)})
-    async def tokenize(request: Request) -> Response:
-        req = await read_json(request, TokenizeRequest, max_request_body_bytes)
-        check_model(req.model)
-        if tokenizer is None:
-            raise bad_request("this model has no tokenizer")
-        if (req.prompt is None) == (req.messages is None):
-            raise bad_request("give exactly one of prompt or messages", param="prompt")
-        if req.messages is not None:
-            ids = chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt)
-        else:
-            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        return json_response(TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids))
-
-    @app.post("/detokenize", response_model=None, openapi_extra=request_body(DetokenizeRequest),
-              responses={200: {"model": DetokenizeResponse, "description": "The text of the token ids"},
-                         **errors(400, 404, 413)})
-    async def detokenize(request: Request) -> Response:
-        req = await read_json(request, DetokenizeRequest, max_request_body_bytes)
-        check_model(req.model)
-        if tokenizer is None:
-            raise bad_request("this model has no tokenizer")
-        vocab = engine.vocab_size
-        for i, t in enumerate(req.tokens):
-            if not 0 <= t < vocab:
-                raise bad_request(f"token {i} is {t}, outside the vocabulary [0, {vocab})", param=f"tokens.{i}")
-        return json_response(DetokenizeResponse(prompt=tokenizer.decode(req.tokens)))
 
     @app.get("/version", response_model=None,
              responses={200: {"model": VersionResponse, "description": "The pagedrl version"}})
     async def version() -> Response:
         return json_response(VersionResponse(version=pagedrl.__version__))
 
-    @app.get("/tokenizer_info", response_model=None, responses={
-        200: {"model": TokenizerInfoResponse, "description": "The tokenizer's configuration "
-              "(tokenizer_config.json's keys, as vLLM answers)"}, **errors(404)})
-    async def tokenizer_info() -> Response:
-        if tokenizer is None:
-            raise ApiError(404, "this model has no tokenizer", "not_found_error")
-        return json_response(TokenizerInfoResponse(**tokenizer_config(tokenizer, max_model_len)))
-
-    install_openapi(app, request_models, vocab_size=engine.vocab_size)
+    auto_tools = enable_auto_tool_choice and tool_call_parser is not None
+    install_openapi(app, request_models, vocab_size=engine.vocab_size,
+                    rules={} if auto_tools else {"ChatCompletionRequest": TOOLS_NEED_A_CHOICE})
     app.state.draining = Draining()
     app.add_middleware(DrainGate, draining=app.state.draining)
     return app

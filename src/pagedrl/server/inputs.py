@@ -12,7 +12,13 @@ from typing import Any
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.chat_template import select_chat_template
 from pagedrl.server.errors import bad_request, from_value_error
-from pagedrl.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
+from pagedrl.server.protocol import (
+    COMPLETION_MAX_TOKENS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingRequest,
+)
 from pagedrl.server.structured import structured_outputs
 from pagedrl.server.tools import (
     ToolPlan,
@@ -70,6 +76,10 @@ def completion_inputs(req: CompletionRequest,
     if not prompts:
         raise bad_request("prompt must not be empty", param="prompt")
     max_tokens = req.max_tokens
+    if "max_tokens" not in req.model_fields_set and req.min_tokens > COMPLETION_MAX_TOKENS:
+        raise bad_request(f"min_tokens ({req.min_tokens}) exceeds max_tokens, which is {COMPLETION_MAX_TOKENS} on "
+                          "/v1/completions unless given (as in OpenAI's API and vLLM); give max_tokens (null: up to "
+                          "the context)", param="min_tokens")
     if req.echo and max_tokens == 0:
         max_tokens = 1  # the prompt alone: the engine still makes a token, which the answer leaves out
     params = sampling_params(req, max_tokens, req.logprobs, max_n=max_n)

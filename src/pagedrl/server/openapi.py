@@ -62,9 +62,11 @@ def bound_token_ids(node: Any, vocab_size: int) -> None:
             todo.extend(item)
 
 
-def install(app: FastAPI, request_models: list[type[BaseModel]], vocab_size: int | None = None) -> None:
+def install(app: FastAPI, request_models: list[type[BaseModel]], vocab_size: int | None = None,
+            rules: dict[str, dict[str, Any]] | None = None) -> None:
     """Generate the document once, with the request models among its component schemas (token ids
-    bounded by `vocab_size` when given)."""
+    bounded by `vocab_size` when given). `rules` adds to a model's schema what holds on this server
+    only (one that refuses tools without a tool_choice says so), in its `allOf`."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -76,6 +78,8 @@ def install(app: FastAPI, request_models: list[type[BaseModel]], vocab_size: int
                 schemas.setdefault(name, schema)
             if vocab_size is not None:
                 bound_token_ids(schemas, vocab_size)
+            for name, rule in (rules or {}).items():
+                schemas[name].setdefault("allOf", []).append(rule)
             app.openapi_schema = doc
         return app.openapi_schema
 

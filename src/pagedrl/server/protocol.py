@@ -120,13 +120,18 @@ class SamplingRequest(OpenAIBase):
     guided_whitespace_pattern: SkipJsonSchema[str | None] = None  # refused rather than ignored; not in the schema
 
 
+COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default on /v1/completions
+
+
 class CompletionRequest(SamplingRequest):
-    # max_tokens 0 (the prompt alone) only with echo
-    model_config = ConfigDict(json_schema_extra={"anyOf": [
-        {"properties": {"max_tokens": {"not": {"const": 0}}}}, {"required": ["echo"], "properties": {"echo": {"const": True}}}]})
+    # max_tokens 0 (the prompt alone) only with echo; min_tokens over the default max_tokens only with a
+    # max_tokens (as in vLLM; that min_tokens <= a given max_tokens is beyond what a schema can say)
+    model_config = ConfigDict(json_schema_extra={"allOf": [{"anyOf": [
+        {"properties": {"max_tokens": {"not": {"const": 0}}}}, {"required": ["echo"], "properties": {"echo": {"const": True}}}]},
+        {"anyOf": [{"required": ["max_tokens"]}, {"properties": {"min_tokens": {"maximum": COMPLETION_MAX_TOKENS}}}]}]})
     prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
-    max_tokens: Annotated[int, Field(ge=0), INTEGRAL] | None = 16  # 0 only with echo: the prompt alone
+    max_tokens: Annotated[int, Field(ge=0), INTEGRAL] | None = COMPLETION_MAX_TOKENS  # 0 only with echo
     logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: SkipJsonSchema[str | None] = None  # not supported: refused, and not in the schema
@@ -210,23 +215,6 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-
-
-class TokenizeRequest(OpenAIBase):
-    """vLLM's /tokenize: a `prompt` (text) or chat `messages`, exactly one of them."""
-
-    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
-    model: str | None = None
-    # left out, not null: a default that is not validated, so an explicit null is refused as the schema says
-    prompt: str = Field(None, validate_default=False)
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] = Field(None, validate_default=False)
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-
-class DetokenizeRequest(OpenAIBase):
-    model: str | None = None
-    tokens: list[TokenId]
 
 
 # ---------------------------------------------------------------------------- responses
@@ -372,25 +360,8 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
 class VersionResponse(BaseModel):
     version: str
-
-
-class TokenizerInfoResponse(BaseModel):
-    """The tokenizer's configuration, equivalent to its tokenizer_config.json (vLLM's /tokenizer_info)."""
-
-    model_config = ConfigDict(extra="allow")
-    tokenizer_class: str
 
 
 class ErrorInfo(BaseModel):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +21,23 @@ from pagedrl.server.errors import ApiError
 # vLLM's switch for the load/unload endpoints: they read any folder the server can, so they are off
 # unless asked for (also `--allow-runtime-lora-updating`).
 RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+# An adapter's name is what requests send as `model`, what /v1/models lists and what the metrics'
+# `running_lora_adapters` label joins with commas: a Hub-style id fits (`org/sql-lora`, `v1.2`), but no
+# spaces, commas, quotes or control characters, nothing `name=path` would split, and no unbounded length.
+MAX_ADAPTER_NAME_CHARS = 256
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._:/@+-]*$"
+_ADAPTER_NAME = re.compile(ADAPTER_NAME_PATTERN)
+
+
+def check_adapter_name(name: str) -> None:
+    """Refuse (ValueError) a name that breaks the rule above, saying which part of it does."""
+    if not name or len(name) > MAX_ADAPTER_NAME_CHARS:
+        raise ValueError(f"a LoRA adapter name has 1 to {MAX_ADAPTER_NAME_CHARS} characters; got {len(name)}")
+    if not _ADAPTER_NAME.match(name):
+        raise ValueError(f"LoRA adapter name {name[:60]!r}: a letter, digit or _ first, then only those and "
+                         ". : / @ + - (no spaces, commas or quotes)")
 
 
 def runtime_updating_from_env() -> bool:
@@ -54,6 +72,10 @@ def parse_lora_module(text: str) -> LoRAModule:
         module = LoRAModule(name.strip(), path.strip())
     if not module.name or not module.path:
         raise ValueError(f"--lora-modules: {text!r} needs both a name and a path")
+    try:
+        check_adapter_name(module.name)
+    except ValueError as e:
+        raise ValueError(f"--lora-modules: {e}") from None
     return module
 
 
@@ -70,14 +92,16 @@ class ServedModels:
     def lora_enabled(self) -> bool:
         return self.read is not None
 
-    def resolve(self, model: str | None) -> LoRARequest | None:
-        """The adapter a request's `model` names (None: the base); 404 for a name not served."""
+    def resolve(self, model: str | None, disclose: bool = True) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base); 404 for a name not served, which
+        lists the served names only if `disclose` (a client that could read /v1/models anyway)."""
         if model is None or model == self.base_name:
             return None
         lora = self.adapters.get(model)
         if lora is None:
             served = ", ".join(repr(n) for n in [self.base_name, *self.adapters])
-            raise ApiError(404, f"the model '{model}' does not exist; this server serves {served}",
+            listing = f"; this server serves {served}" if disclose else ""
+            raise ApiError(404, f"the model '{model}' does not exist{listing}",
                            "not_found_error", param="model", code="model_not_found")
         return lora
 
@@ -85,6 +109,7 @@ class ServedModels:
         """A LoRARequest for `module` under a fresh id, not yet checked nor served."""
         if not self.lora_enabled:
             raise ValueError("LoRA adapters need --enable-lora")
+        check_adapter_name(module.name)
         if module.name == self.base_name:
             raise ValueError(f"LoRA adapter name {module.name!r} is the base model's name")
         lora = LoRARequest(module.name, self._next_id, module.path, module.base_model_name)

@@ -16,6 +16,7 @@ the trainer prints at start.
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -99,6 +100,8 @@ def read_rows(dataset: str | Path | Sequence[Mapping[str, Any]], report: DataRep
             raise DataError(f"dataset: file {path} does not exist")
         with path.open("rb") as f:
             for number, raw in enumerate(f, start=1):
+                if number == 1:  # a BOM before the first row is how some editors (Notepad, Excel) mark UTF-8
+                    raw = raw.removeprefix(codecs.BOM_UTF8)
                 if not raw.strip():
                     continue
                 report.rows += 1
