@@ -1,7 +1,7 @@
-"""The engine's bf16 decode projections (`engine/csrc/decode_linear.cpp`) against oneDNN's (`F.linear`,
+"""The engine's bf16 decode projections (`kernels/csrc/decode_linear.cpp`) against oneDNN's (`F.linear`,
 which lays out the weights anew at every call) and oneDNN's on weights packed once (`oneDNN packed`,
-what `engine/cpu_routes.PackedWeights` runs for products that must equal a trainer's) and the
-k-pairs kernel on its packed copy (`engine/csrc/pair_linear.cpp`, a bf16 engine's products where there is no AMX), on the default model's 211 projections (30 layers of q, k, v, o, gate, up, down and the LM head:
+what `engine/products.PackedWeights` runs for products that must equal a trainer's) and the
+k-pairs kernel on its packed copy (`kernels/csrc/pair_linear.cpp`, a bf16 engine's products where there is no AMX), on the default model's 211 projections (30 layers of q, k, v, o, gate, up, down and the LM head:
 270 MB of bf16 weights, read once per pass as a decode step reads them), at the row counts of decode
 steps. Both sides in one process, turns alternating, best of `--rounds`; weights of the model's
 shapes drawn at random (the kernels' speed does not depend on the values).
@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagedrl.engine import cpu_kernels, cpu_routes
+from pagedrl.kernels import ops, products
 
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # (out, in)
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if not cpu_kernels.decode_linear_available():
+    if not ops.decode_linear_available():
         raise SystemExit("the engine's decode kernel is not built for this CPU (no AVX512-BF16)")
     amx = torch.ops.pagedrl_cpu.decode_linear_amx()
     gen = torch.Generator().manual_seed(0)
@@ -39,10 +39,10 @@ def main() -> None:
     megabytes = sum(w.numel() * 2 for w in weights) / 1e6
     print(f"{len(weights)} projections, {megabytes:.0f} MB of bf16 weights; {args.threads} threads; "
           f"AMX {'yes' if amx else 'no'}")
-    packed = cpu_routes.PackedWeights()
+    packed = products.PackedWeights()
     for w in weights:
         packed.packed(w)
-    pairs = cpu_routes.pairs_available()
+    pairs = products.pairs_available()
     if pairs:
         for w in weights:
             packed.packed(w, "pairs")

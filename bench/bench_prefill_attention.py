@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from pagedrl.engine import cpu_kernels
 from pagedrl.engine.attention import PagedAttention
 from pagedrl.engine.kv_cache import KVCache
+from pagedrl.kernels import ops
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if not cpu_kernels.decode_linear_available():
+    if not ops.decode_linear_available():
         raise SystemExit("the prefill tiles need the CPU kernels built with AVX512-BF16; not here")
     rng = random.Random(0)
     gen = torch.Generator().manual_seed(0)
@@ -56,8 +56,8 @@ def main() -> None:
     seqs = [(tables[s, :n].tolist(), 0, q_len) for s, (n, q_len) in enumerate(zip(need, q_lens, strict=True))]
     flash = PagedAttention.build(cache, BLOCK, seqs, impl="fast")  # no prefill_rows: gather + SDPA
     ways = {
-        "prefill tiles": lambda: cpu_kernels.paged_prefill(q, key_cache, value_cache, tables, starts, lens, scale),
-        "row kernel": lambda: cpu_kernels.paged_attention(q, key_cache, value_cache, tables, row_lens, scale,
+        "prefill tiles": lambda: ops.paged_prefill(q, key_cache, value_cache, tables, starts, lens, scale),
+        "row kernel": lambda: ops.paged_attention(q, key_cache, value_cache, tables, row_lens, scale,
                                                           row_seqs)[0],
         "gather + flash attention": lambda: flash._attend_fast(q, key_cache, value_cache, scale),
     }

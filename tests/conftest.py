@@ -26,7 +26,7 @@ def threads_unbound() -> Iterator[None]:
     """Engines leave torch's threads where the kernel puts them: a bound test process would hand its
     narrowed core set to every server and torchrun worker it starts (`test_cpu_threads.py` binds in
     processes of its own)."""
-    from pagedrl.engine.cpu_threads import ENV
+    from pagedrl.kernels.threads import ENV
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV, "nobind")

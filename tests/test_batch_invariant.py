@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny import FAMILIES
 
-from pagedrl.engine import cpu_kernels, cpu_routes
 from pagedrl.engine.attention import PagedAttention
 from pagedrl.engine.kv_cache import KVCache
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.kernels import ops, products
 from pagedrl.model import batch_invariant
 from pagedrl.model.attention import DenseAttention
 from pagedrl.model.config import ModelConfig
@@ -69,9 +69,9 @@ def test_a_rows_product_does_not_depend_on_the_batch(packed, shape, rows, offset
         x, w = x.bfloat16(), w.bfloat16()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=under_autocast):
         reference = torch.cat([F.linear(x[i:i + 32], w) for i in range(0, x.shape[0], 32)])
-        with batch_invariant.scope(), mock.patch.object(cpu_kernels, "decode_linear_amx",
-                                                        cpu_kernels.decode_linear_amx if amx else lambda: False), \
-                mock.patch.object(cpu_routes, "packs_weights", lambda: packed):
+        with batch_invariant.scope(), mock.patch.object(ops, "decode_linear_amx",
+                                                        ops.decode_linear_amx if amx else lambda: False), \
+                mock.patch.object(products, "packs_weights", lambda: packed):
             part = F.linear(x[offset:offset + rows], w)
             layer = torch.nn.Linear(shape[1], shape[0], bias=False)
             layer.weight.data = w

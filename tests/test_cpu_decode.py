@@ -11,9 +11,10 @@ from cpu_class import needs, needs_not
 from test_engine_precision import peaked
 from tiny import FAMILIES
 
-from pagedrl.engine import cpu_decode, cpu_routes
+from pagedrl.engine import cpu_decode
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.kernels import products
 from pagedrl.model.lora import LoRAConfig, apply_lora
 
 pytestmark = pytest.mark.isa  # its paths follow the CPU class: `make test-isa` runs it as each lower one
@@ -48,7 +49,7 @@ def needs_program() -> None:
     the tile kernel; below AVX512-BF16, the modules on torch's kernels)."""
     needs("avx512_bf16", "the bf16 decode program")
     needs_not("amx", "the bf16 decode program")
-    assert cpu_routes.pairs_available()
+    assert products.pairs_available()
 
 
 def outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float], list]]:
@@ -96,7 +97,7 @@ def test_what_the_program_does_not_cover_runs_through_the_modules() -> None:
     model = peaked("llama-gqa-untied", 5)
     assert not cpu_decode.supports(model)  # float32
     bf16 = model.to(torch.bfloat16)
-    assert cpu_decode.supports(bf16) == cpu_routes.pairs_available()
+    assert cpu_decode.supports(bf16) == products.pairs_available()
     lora = apply_lora(peaked("llama-gqa-untied", 5), LoRAConfig(r=4, target_modules=["q_proj"])).to(torch.bfloat16)
     assert not cpu_decode.supports(lora)
     assert LLM.from_module(lora, kv_cache_tokens=256).engine.runner.program is None

@@ -1,4 +1,4 @@
-"""The CPU decode kernel that reads the KV cache's blocks in place (`engine/cpu_kernels.py`), held to
+"""The CPU decode kernel that reads the KV cache's blocks in place (`kernels/ops.py`), held to
 the reference path: grouped-query heads, partial last blocks, shared prefix blocks, the block sizes
 and head sizes it compiles fixed and those it reads at run time, float32 and bf16."""
 
@@ -12,17 +12,17 @@ from cpu_class import needs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedrl.engine import cpu_kernels
 from pagedrl.engine.attention import PagedAttention
 from pagedrl.engine.kv_cache import KVCache
+from pagedrl.kernels import ops
 
 pytestmark = pytest.mark.isa  # its paths follow the CPU class: `make test-isa` runs it as each lower one
 
 
 def test_the_kernel_builds_here() -> None:
     """ninja is a dependency and the machine has a C++ compiler: the engine's decode reads in place."""
-    assert cpu_kernels.available()
-    assert cpu_kernels.build_dir().is_dir()
+    assert ops.available()
+    assert ops.build_dir().is_dir()
 
 
 def decode_step(block_size: int, lengths: list[int], heads: tuple[int, int], head_dim: int, dtype: torch.dtype,
@@ -71,7 +71,7 @@ def test_in_place_decode_equals_the_reference_in_bf16(head_dim) -> None:
 
 
 def test_the_kernel_can_be_turned_off(monkeypatch) -> None:
-    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+    monkeypatch.setenv(ops.DISABLE_ENV, "0")
     ref, out, in_place = decode_step(16, [5, 40], (4, 2), 64, torch.float32, seed=1)
     assert not in_place  # the gather path instead
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -80,7 +80,7 @@ def test_the_kernel_can_be_turned_off(monkeypatch) -> None:
 def needs_bf16_dot() -> None:
     """Decided inside the test, not at collection: the kernels build into the test session's cache."""
     needs("avx512_bf16", "the bf16 dot-product kernel")
-    assert cpu_kernels.decode_linear_available()
+    assert ops.decode_linear_available()
 
 
 @settings(max_examples=40, deadline=None)
@@ -132,18 +132,17 @@ def test_the_kernels_are_built_for_the_process_s_cpu_class() -> None:
     cap included: the build leaves out what is above it): the bf16 dot products from AVX512-BF16, the
     AMX tiles with AMX, the k-pairs kernel between, oneDNN's packed bf16 weights from AVX512; and the
     tile path sets how many rows the kernel takes."""
-    from pagedrl.engine import cpu_routes
-    from pagedrl.kernels import isa
+    from pagedrl.kernels import isa, products
 
-    assert cpu_kernels.available()
-    assert cpu_kernels.decode_linear_available() == isa.at_least("avx512_bf16")
-    assert cpu_kernels.decode_linear_amx() == isa.at_least("amx")
-    assert cpu_routes.pairs_available() == (isa.at_least("avx512_bf16") and not isa.at_least("amx"))
-    assert cpu_routes.onednn_packs_bf16() == isa.at_least("avx512")
-    assert cpu_routes.packs_weights() == cpu_routes.pairs_available()
-    expected = (cpu_routes.MAX_ROWS_AMX if isa.at_least("amx") else
-                cpu_routes.MAX_ROWS_DOT if isa.at_least("avx512_bf16") else 0)
-    assert cpu_routes.max_rows() == expected
+    assert ops.available()
+    assert ops.decode_linear_available() == isa.at_least("avx512_bf16")
+    assert ops.decode_linear_amx() == isa.at_least("amx")
+    assert products.pairs_available() == (isa.at_least("avx512_bf16") and not isa.at_least("amx"))
+    assert products.onednn_packs_bf16() == isa.at_least("avx512")
+    assert products.packs_weights() == products.pairs_available()
+    expected = (products.MAX_ROWS_AMX if isa.at_least("amx") else
+                products.MAX_ROWS_DOT if isa.at_least("avx512_bf16") else 0)
+    assert products.max_rows() == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -164,7 +163,7 @@ def test_prompt_chunks_by_rows_equal_the_reference(dtype) -> None:
     ref = PagedAttention.build(cache, block_size, seqs, impl="reference").attend(0, q, k, v)
     cache.data.copy_(before)
     meta = PagedAttention.build(cache, block_size, seqs, impl="fast", prefill_rows=True)
-    tiles = dtype == torch.bfloat16 and cpu_kernels.decode_linear_available()
+    tiles = dtype == torch.bfloat16 and ops.decode_linear_available()
     assert meta.tiles == tiles and (meta.row_lens is None) == tiles and meta.groups is None
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(meta.attend(0, q, k, v).float(), ref.float(), rtol=tol, atol=tol)

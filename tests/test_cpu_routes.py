@@ -15,7 +15,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_cpu_kernels import needs_bf16_dot
 
-from pagedrl.engine import cpu_kernels, cpu_routes
+from pagedrl.engine import cpu_routes
+from pagedrl.kernels import ops, products
 from pagedrl.model.decoder import MLP, RMSNorm
 from pagedrl.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from pagedrl.model.routed import Linear, routed_to
@@ -28,7 +29,7 @@ BF16_STEP = 2.0**-8  # a bf16 rounding is at most half a step of 2^-7 relative
 @pytest.fixture(autouse=True, scope="module")
 def kernels() -> None:
     """Built (or loaded) inside the test session's cache; the machine has a C++ compiler."""
-    assert cpu_kernels.available()
+    assert ops.available()
 
 
 @settings(max_examples=25, deadline=None)
@@ -129,10 +130,10 @@ def test_decode_steps_route_small_bf16_products(monkeypatch) -> None:
         calls.append(args[0].shape[0])
         return torch.ops.pagedrl_cpu.decode_linear(*args)
 
-    monkeypatch.setattr(cpu_routes, "kernel", counted)
+    monkeypatch.setattr(products, "kernel", counted)
     torch.manual_seed(0)
     layer = Linear(96, 40).bfloat16()
-    most = cpu_routes.max_rows()
+    most = products.max_rows()
     with torch.no_grad():
         for rows in (1, most, most + 1):
             x = torch.randn(1, rows, 96).bfloat16()
@@ -161,7 +162,7 @@ def test_packed_weights_give_torch_s_products_and_follow_weight_changes() -> Non
     bump), is packed again."""
     needs("avx512", "oneDNN's packed bf16 weights")
     torch.manual_seed(0)
-    packed = cpu_routes.PackedWeights()
+    packed = products.PackedWeights()
     layer = Linear(96, 40).bfloat16()
     with torch.no_grad():
         for rows in (1, 3, 17, 64, 300):
@@ -171,10 +172,10 @@ def test_packed_weights_give_torch_s_products_and_follow_weight_changes() -> Non
             assert torch.equal(got, torch.nn.functional.linear(x, layer.weight, layer.bias))
             with cpu_routes.routed_step(rows, on=True, packed=packed):
                 engine = layer(x)
-            if cpu_routes.pairs_available():  # every row count on the k-pairs copy
+            if products.pairs_available():  # every row count on the k-pairs copy
                 want = torch.ops.pagedrl_cpu.pair_linear(x[0], packed.packed(layer.weight, "pairs"), 40, layer.bias)
                 assert torch.equal(engine, want[None])
-            elif rows <= cpu_routes.MAX_ROWS_OVER_PACKED and cpu_kernels.decode_linear_available():
+            elif rows <= products.MAX_ROWS_OVER_PACKED and ops.decode_linear_available():
                 assert torch.equal(engine, torch.ops.pagedrl_cpu.decode_linear(x[0], layer.weight, layer.bias)[None])
             else:
                 assert torch.equal(engine, got)
@@ -184,7 +185,7 @@ def test_packed_weights_give_torch_s_products_and_follow_weight_changes() -> Non
         x = torch.randn(4, 96).bfloat16()
         with cpu_routes.routed_step(4, on=True, packed=packed, products_only=True):
             assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
-        if cpu_routes.pairs_available():  # the k-pairs copy follows the update too
+        if products.pairs_available():  # the k-pairs copy follows the update too
             with cpu_routes.routed_step(4, on=True, packed=packed):
                 exact = x.double() @ layer.weight.double().t() + layer.bias.double()
                 assert (layer(x).double() - exact).abs().max() <= exact.abs().max() * 2.0**-7
@@ -204,12 +205,12 @@ def test_routes_are_for_bf16_models_the_engine_owns() -> None:
     assert not cpu_routes.usable(model, None)  # float32
     assert not cpu_routes.usable(model, torch.bfloat16)  # a trainer's autocast rollouts
     assert not cpu_routes.usable(model.bfloat16(), torch.bfloat16)
-    assert cpu_routes.usable(model, None) == cpu_kernels.available()
+    assert cpu_routes.usable(model, None) == ops.available()
 
 
 def test_glibc_keeps_freed_memory_unless_told_not_to(monkeypatch) -> None:
     """On glibc the settings are accepted; `PAGEDRL_KEEP_FREED=0` leaves the defaults."""
-    from pagedrl.engine import cpu_memory
+    from pagedrl.kernels import memory as cpu_memory
 
     cpu_memory.keep_freed_memory.cache_clear()
     monkeypatch.setenv("PAGEDRL_KEEP_FREED", "0")
@@ -221,7 +222,7 @@ def test_glibc_keeps_freed_memory_unless_told_not_to(monkeypatch) -> None:
 
 KEPT_MEMORY_PROBE = """
 import resource, sys, torch
-from pagedrl.engine.cpu_memory import keep_freed_memory
+from pagedrl.kernels.memory import keep_freed_memory
 keep = sys.argv[1] == "keep"
 assert keep_freed_memory(every_block=True) == keep  # as a trainer sets it
 def faults(n):  # page faults while writing a fresh n-float tensor

@@ -1,4 +1,4 @@
-"""The engine's OpenMP threads bound to cores (`engine/cpu_threads.py`): the plan for each setting,
+"""The engine's OpenMP threads bound to cores (`kernels/threads.py`): the plan for each setting,
 bad settings named, and a real engine in a process of its own, whose threads end up on the planned
 cores (read back from /proc)."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pagedrl.engine.cpu_threads import ENV, parse_cores, planned_cores
+from pagedrl.kernels.threads import ENV, parse_cores, planned_cores
 
 
 def test_the_plan_for_each_setting() -> None:

@@ -8,10 +8,10 @@ import pytest
 import torch
 from tiny import FAMILIES
 
-from pagedrl.engine import cpu_routes
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.llm_engine import EngineConfig
 from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.kernels import products
 from pagedrl.model.config import ModelConfig
 from pagedrl.model.decoder import CausalLM
 
@@ -135,7 +135,7 @@ def test_autocast_engine_reads_bf16_copies_refreshed_per_weight_change() -> None
     llm.bump_weight_version()
     after = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0]
     assert cast.num_refreshes == 1
-    if cpu_routes.packs_weights():  # a CPU without AMX: the twin's products ran on packed copies
+    if products.packs_weights():  # a CPU without AMX: the twin's products ran on packed copies
         assert llm.engine.runner.packed is not None and llm.engine.runner.packed.nbytes >= cast.nbytes // 2
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         logp = torch.log_softmax(model.logits(model(torch.tensor([prompt + after.token_ids])))[0, len(prompt) - 1:-1], -1)

@@ -1,4 +1,4 @@
-"""The k-pairs product of a bf16 engine's projections (`engine/csrc/pair_linear.cpp`): every output the
+"""The k-pairs product of a bf16 engine's projections (`kernels/csrc/pair_linear.cpp`): every output the
 float32 sum of its products rounded once (against float64), a row's outputs alike in any batch, the
 layout's edges (features past a panel of 32, rows past a tile of 12, a block of 96) and its errors."""
 
@@ -11,14 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cpu_kernels import assert_float32_sum_rounded_once, needs_bf16_dot
 
-from pagedrl.engine import cpu_kernels
+from pagedrl.kernels import ops
 
 pytestmark = pytest.mark.isa  # its paths follow the CPU class: `make test-isa` runs it as each lower one
 
 
 @pytest.fixture(autouse=True, scope="module")
 def kernels() -> None:
-    assert cpu_kernels.available()
+    assert ops.available()
 
 
 def pair_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -85,12 +85,12 @@ def test_gate_up_is_the_products_and_silu_mul_apart() -> None:
     place is packed again; shapes it does not take (features not a multiple of 32, gradients
     recorded) are left to the decoder's own code."""
     needs_bf16_dot()
-    from pagedrl.engine import cpu_routes
+    from pagedrl.kernels import products
 
     needs_not("amx", "the k-pairs route")
-    assert cpu_routes.pairs_available()
+    assert products.pairs_available()
     ops = torch.ops.pagedrl_cpu
-    packed = cpu_routes.PackedWeights()
+    packed = products.PackedWeights()
     gen = torch.Generator().manual_seed(5)
     gate = (torch.randn(96, 64, generator=gen) / 8).bfloat16()
     up = torch.randn(96, 64, generator=gen).bfloat16()
@@ -110,23 +110,22 @@ def test_the_mlp_takes_the_fused_route_only_for_plain_projections() -> None:
     with the result of the unfused step; an adapter's layer (LoRA) keeps its own forward."""
     needs_bf16_dot()
     from pagedrl.engine import cpu_routes
+    from pagedrl.kernels import products
     from pagedrl.model.config import ModelConfig
     from pagedrl.model.decoder import MLP
     from pagedrl.model.lora import LoRALinear
 
     needs_not("amx", "the k-pairs route")
-    assert cpu_routes.pairs_available()
+    assert products.pairs_available()
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2)
     mlp = MLP(cfg).bfloat16()
     x = torch.randn(3, 64).bfloat16()
-    packed = cpu_routes.PackedWeights()
+    packed = products.PackedWeights()
     calls = []
     fused = packed.gate_up
-    packed.routes = cpu_routes.Routes(linear=packed.engine_linear, rms_norm=cpu_routes.rms_norm,
-                                      silu_mul=cpu_routes.silu_mul, rope=cpu_routes.rope,
-                                      gate_up=lambda *a: calls.append(1) or fused(*a))
+    packed.gate_up = lambda *a: calls.append(1) or fused(*a)  # what the engine's routes call
     with torch.no_grad():
         with cpu_routes.routed_step(3, on=True, packed=packed):
             got = mlp(x)

@@ -1,4 +1,4 @@
-"""The prefill tiles (`csrc/prefill_tiles.cpp`, `cpu_kernels.paged_prefill`): a step's prompt chunks
+"""The prefill tiles (`csrc/prefill_tiles.cpp`, `ops.paged_prefill`): a step's prompt chunks
 attended a sequence's consecutive rows at a time, held to float64 attention over the same cache."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cpu_kernels import needs_bf16_dot
 
-from pagedrl.engine import cpu_kernels
+from pagedrl.kernels import ops
 
 pytestmark = pytest.mark.isa  # its paths follow the CPU class: `make test-isa` runs it as each lower one
 
@@ -40,7 +40,7 @@ def float64_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 @settings(max_examples=40, deadline=None)
 @given(chunks=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 70)), min_size=1, max_size=5),
        block_size=st.sampled_from([8, 16, 32]), heads=st.sampled_from([(9, 3), (4, 4), (8, 2), (4, 1), (16, 2), (50, 1)]),
-       head_dim=st.sampled_from(cpu_kernels.PREFILL_HEAD_DIMS), seed=st.integers(0, 2**16))
+       head_dim=st.sampled_from(ops.PREFILL_HEAD_DIMS), seed=st.integers(0, 2**16))
 def test_prefill_tiles_equal_float64_attention(chunks, block_size, heads, head_dim, seed) -> None:
     """Sequences of (cached, new) tokens: fresh prompts, chunks after a cached prefix, single rows (the
     row routine); tables scattered, blocks smaller than, equal to and larger than a chunk of keys. Each
@@ -65,7 +65,7 @@ def test_prefill_tiles_equal_float64_attention(chunks, block_size, heads, head_d
         padded[s, :len(table)] = torch.tensor(table)
     starts = torch.tensor([0] + q_lens).cumsum(0)
     scale = head_dim ** -0.5
-    out = cpu_kernels.paged_prefill(q, key_cache, value_cache, padded, starts, torch.tensor(seq_lens), scale)
+    out = ops.paged_prefill(q, key_cache, value_cache, padded, starts, torch.tensor(seq_lens), scale)
     exact, spread = float64_attention(q, key_cache, value_cache, tables, q_lens, seq_lens, scale)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     bound = exact.abs() * 2.0**-8 + spread[..., None] * 2.0**-8 + 1e-5

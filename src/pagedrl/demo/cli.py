@@ -76,7 +76,7 @@ def run_demo(plan: DemoPlan, progress: bool = True) -> Path:
     """Run every unfinished stage, then write the report; returns report.md's path."""
     from pagedrl.demo.monitor import Monitor
     from pagedrl.demo.report import write_report
-    from pagedrl.engine.cpu_memory import keep_freed_memory
+    from pagedrl.kernels.memory import keep_freed_memory
 
     check_plan(plan)
     # A training process from its first stage: what the engine stages free serves the trainers' blocks.

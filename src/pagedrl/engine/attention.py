@@ -11,9 +11,9 @@ fresh prompt, a chunk of a prompt whose prefix is cached, and a one-token decode
 Three implementations compute the same thing:
 - `reference`: one sequence at a time, keys gathered into a contiguous tensor, an explicit causal
   mask, softmax, matmul. Slow and obviously right; the tests hold the fast path to it.
-- `fast`: on a CPU, a step of decodes only runs `cpu_kernels.paged_decode`, which reads each
+- `fast`: on a CPU, a step of decodes only runs `ops.paged_decode`, which reads each
   sequence's keys and values from its blocks where they lie (one pass over them); in bf16 without
-  AMX a step with prompt chunks runs `cpu_kernels.paged_prefill` (a prompt's rows in tiles over the
+  AMX a step with prompt chunks runs `ops.paged_prefill` (a prompt's rows in tiles over the
   blocks where they lie; `prefill_by_rows`). Other steps, and
   decodes where that kernel is not built: sequences in groups, each group attended in one batched op. A group's keys and values
   are gathered block-wise with one `index_select` apiece into a reused buffer, then handed to
@@ -25,7 +25,7 @@ Three implementations compute the same thing:
   gathered is still in cache when it is read (`attention_groups`); on a GPU there is one group
   per kind. Every index and additive mask is built once per step, not once per layer.
   In batch-invariant mode (`model/batch_invariant.py`) every step, prefill or decode, runs
-  `cpu_kernels.paged_attention` one query row at a time, so a token gets the bits a trainer's
+  `ops.paged_attention` one query row at a time, so a token gets the bits a trainer's
   packed forward computes for it.
 - `triton`: the kernels of `triton_attention`, which read keys and values through the block table
   where they lie; what the engine runs on a GPU (on a CPU only under Triton's interpreter).
@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagedrl.engine import cpu_kernels
 from pagedrl.engine.attention_groups import QueryGroup, plan_groups
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
+from pagedrl.kernels import ops
 from pagedrl.model import batch_invariant
 
 IMPLEMENTATIONS = ("fast", "reference", "triton")
@@ -74,13 +74,13 @@ class PagedAttention:
     scale: float | None = None
     groups: list[QueryGroup] | None = field(default=None, repr=False)
     max_query_len: int | None = None  # the largest q_len; the triton impl sizes its grid by it
-    in_place: bool = False  # a CPU step of decodes only: `cpu_kernels.paged_decode` reads the blocks where they lie
+    in_place: bool = False  # a CPU step of decodes only: `ops.paged_decode` reads the blocks where they lie
     # Batch-invariant mode: each new token's key count, for the row kernel, and its sequence (row_seqs
     # None: row r is sequence r). None: the other paths.
     row_lens: torch.Tensor | None = field(default=None, repr=False)
     row_seqs: torch.Tensor | None = field(default=None, repr=False)
     kernels: bool = False  # the CPU kernels serve this cache: its KV writes take one `store_kv` call a layer
-    tiles: bool = False  # a CPU bf16 step with prompt chunks: `cpu_kernels.paged_prefill` attends them in tiles
+    tiles: bool = False  # a CPU bf16 step with prompt chunks: `ops.paged_prefill` attends them in tiles
 
     @classmethod
     def build(
@@ -221,7 +221,7 @@ class PagedAttention:
                                                    self.seq_lens, self.query_start_loc, max_query_len, scale)
             return out.to(q.dtype)[None]
         if self.kernels:
-            cpu_kernels.store_kv(k[0].to(key_cache.dtype), v[0].to(value_cache.dtype), key_cache, value_cache,
+            ops.store_kv(k[0].to(key_cache.dtype), v[0].to(value_cache.dtype), key_cache, value_cache,
                                  self.slot_mapping)
         else:
             key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, k[0].to(key_cache.dtype))
@@ -261,13 +261,13 @@ class PagedAttention:
     def _attend_fast(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      scale: float) -> torch.Tensor:
         if self.row_lens is not None:  # each new token's row alone, over its positions up to its own
-            return cpu_kernels.paged_attention(q, key_cache, value_cache, self.block_tables, self.row_lens, scale,
+            return ops.paged_attention(q, key_cache, value_cache, self.block_tables, self.row_lens, scale,
                                                self.row_seqs)[0]
         if self.tiles:  # prompt chunks: a sequence's consecutive rows together
-            return cpu_kernels.paged_prefill(q, key_cache, value_cache, self.block_tables, self.query_start_loc,
+            return ops.paged_prefill(q, key_cache, value_cache, self.block_tables, self.query_start_loc,
                                              self.seq_lens, scale)
         if self.in_place:
-            return cpu_kernels.paged_decode(q, key_cache, value_cache, self.block_tables, self.seq_lens, scale)
+            return ops.paged_decode(q, key_cache, value_cache, self.block_tables, self.seq_lens, scale)
         if self.groups is None:  # metadata built by hand rather than by `build`: plan once, keep it
             self.groups = plan_groups(self.query_start_loc.diff().tolist(), self.seq_lens.tolist(),
                                       self.block_tables.cpu(), key_cache.shape[1], q.device, key_cache.dtype,
@@ -296,20 +296,20 @@ def resolve_impl(impl: str, device: torch.device | str) -> str:
 
 
 def reads_in_place(kv_cache: KVCache, device: torch.device) -> bool:
-    """Whether a CPU decode step runs the in-place kernel (`cpu_kernels`): float32 or bf16, built."""
-    return device.type == "cpu" and kv_cache.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
+    """Whether a CPU decode step runs the in-place kernel (`kernels/ops.py`): float32 or bf16, built."""
+    return device.type == "cpu" and kv_cache.dtype in (torch.float32, torch.bfloat16) and ops.available()
 
 
 def prefill_by_rows(kv_cache: KVCache, device: torch.device) -> bool:
     """Whether a CPU step with prompt chunks goes to the CPU kernels (the prefill tiles where
-    `prefill_in_tiles`, else each new token's row through the row kernel, `cpu_kernels.paged_attention`:
+    `prefill_in_tiles`, else each new token's row through the row kernel, `ops.paged_attention`:
     one pass over the keys each row sees, read where they lie) rather than gather + torch's flash
     attention: in bf16 on a CPU without AMX, where that flash attention runs its block products without
     tiles (64 prompts of 32-512 tokens, attention of their prefill: rows 3.6 s, tiles 1.2 s, flash
     attention 6.3 s). With AMX torch's flash attention is the faster (5.0-5.7 s against 7.3-7.5 s for the
     whole prefill through rows; `bench/RESULTS.md`), and float32 was not measured: both keep it."""
     return (reads_in_place(kv_cache, device) and kv_cache.dtype == torch.bfloat16
-            and not cpu_kernels.decode_linear_amx())
+            and not ops.decode_linear_amx())
 
 
 def prefill_in_tiles(kv_cache: KVCache) -> bool:
@@ -318,8 +318,8 @@ def prefill_in_tiles(kv_cache: KVCache) -> bool:
     36-41 ms a layer against the row kernel's 70-75; `bench/RESULTS.md`): a bf16 cache of a head size
     the kernel is built for, and a build with the bf16 dot-product instructions. Batch-invariant steps
     keep the row kernel."""
-    return (kv_cache.dtype == torch.bfloat16 and kv_cache.head_dim in cpu_kernels.PREFILL_HEAD_DIMS
-            and cpu_kernels.decode_linear_available())
+    return (kv_cache.dtype == torch.bfloat16 and kv_cache.head_dim in ops.PREFILL_HEAD_DIMS
+            and ops.decode_linear_available())
 
 
 def chunk_tokens_for(kv_cache: KVCache, device: torch.device) -> int | None:

@@ -14,7 +14,7 @@ written (8.6-8.8 ms against 7.5-9.2, after 15 s of compiling on 2 cores); with t
 views of one buffer, as the engine keeps them, every call copied the whole KV cache around the cache
 writes (7.3 s a step, after 29 s of compiling). So the program runs as written and compiles nothing.
 
-It covers what the decoder's routes cover on the k-pairs kernels (`cpu_routes.pairs_available`):
+It covers what the decoder's routes cover on the k-pairs kernels (`products.pairs_available`):
 a plain `CausalLM` whose projections are all the decoder's own `Linear` (an adapter's layer is not),
 with or without biases and q/k norms. `enforce_eager=True` runs every step through the modules.
 """
@@ -26,8 +26,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from pagedrl.engine import cpu_kernels, cpu_routes
 from pagedrl.engine.attention import PagedAttention
+from pagedrl.kernels import ops, products
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.rope import rope_cos_sin
 from pagedrl.model.routed import Linear
@@ -39,7 +39,7 @@ def supports(model: torch.nn.Module) -> bool:
     """Whether `model`'s decode steps can run as the program: a bf16 `CausalLM` on the CPU whose
     projections are all plain `Linear` (LoRA layers keep their own forward), on a CPU where the
     k-pairs kernels run, with input sizes those kernels take (even)."""
-    if type(model) is not CausalLM or not cpu_routes.pairs_available():
+    if type(model) is not CausalLM or not products.pairs_available():
         return False
     cfg = model.config
     projections = [model.lm_head]
@@ -56,7 +56,7 @@ class DecodeProgram:
     """The decoder's forward for a step of one-token rows (`run`) and its vocabulary projection
     (`logits`) over `packed`'s k-pairs copies of the weights, listed once per weight version."""
 
-    def __init__(self, model: CausalLM, packed: cpu_routes.PackedWeights) -> None:
+    def __init__(self, model: CausalLM, packed: products.PackedWeights) -> None:
         self.model, self.packed = model, packed
         cfg = model.config
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -124,8 +124,8 @@ class DecodeProgram:
             if qk_norms is not None:
                 q, k = _ops.rms_norm(q, qk_norms[0], eps), _ops.rms_norm(k, qk_norms[1], eps)
             q, k = _ops.rope(q, k, cos, sin)
-            cpu_kernels.store_kv(k[0], v, key_cache, value_cache, meta.slot_mapping)
-            out = cpu_kernels.paged_decode(q[0], key_cache, value_cache, meta.block_tables, meta.seq_lens, scale)
+            ops.store_kv(k[0], v, key_cache, value_cache, meta.slot_mapping)
+            out = ops.paged_decode(q[0], key_cache, value_cache, meta.block_tables, meta.seq_lens, scale)
             x = x + _ops.pair_linear(out.view(n, heads * head_dim), *o_proj)
             h = _ops.rms_norm(x, norm2, eps)
             if len(mlp) == 1:

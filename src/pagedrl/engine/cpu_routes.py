@@ -1,222 +1,30 @@
-"""The engine's own CPU kernels for the decoder's pieces in its bf16 steps (`model/routed.py`).
+"""The decoder's pieces routed to the CPU kernels (`kernels/`) around a bf16 engine step (`model/routed.py`).
 
-Row-wise pieces (`csrc/rowwise.cpp`), every step: RMSNorm, SiLU(gate) * up and the rotary embedding,
-each one call and one pass over its rows where eager torch makes five to ten (a third of a 2048-token
-prefill chunk's time went to them, and some 25 operator calls a layer of a one-row decode step).
-
-Projections (`csrc/decode_linear.cpp`, `csrc/pair_linear.cpp`):
-A decode step feeds one row per sequence, so each of the model's matmuls is a pass over its weights
-with little arithmetic: the step's speed is how fast the weights stream through the cores. On this
-project's CPU (AMX and AVX512-BF16), oneDNN's bf16 kernel runs the default model's 211 projections
-(270 MB) at 30-35 ms a step for 1-16 rows (2 threads), half the memory bandwidth: its AMX kernel
-wants the weights in its own blocked layout and reorders them on every call. The engine's kernels
-read them as they lie:
-- with AMX, the weights are the tile multiply's left operand, 16 rows x 32 columns straight from the
-  tensor, and the step's rows the right one (packed per call, a few KB): 14-16 ms for 1-16 rows
-  against oneDNN's 30, 27 against 38 at 64 rows, 46 against 51 at 128; oneDNN is ahead from about
-  200 rows (`MAX_ROWS_AMX` = 128; `bench/bench_decode_linear.py`);
-- without AMX (AVX512-BF16 only, e.g. AMD's Zen 4), the k-pairs kernel (`csrc/pair_linear.cpp`) on its
-  own copy of each weight, laid out once as [N / 32][K / 2][32][2] so that a panel of 32 output
-  features streams from first byte to last while up to 12 rows' sums stay in registers. 2 threads,
-  `bench/bench_decode_linear.py`: 9.4 / 13.8 / 20.1 / 51.9 / 96.9 ms at 1 / 4 / 16 / 64 / 128 rows
-  against oneDNN on its own packed copy's 21.5 / 23.1 / 31.4 / 60.7 / 104.4 (at one row the weights
-  stream at 28 GB/s, the memory's speed) and on a 2048-row prefill chunk level with it. Its rows are
-  batch-invariant (each output one float32 chain in k order). oneDNN's packed copies
-  (`PackedWeights`, oneDNN's reorder; the same numbers as `F.linear`'s) stay for products that must
-  equal a trainer's. Either copy costs the weights' size in memory again (270 MB for the default
-  model).
+Row-wise pieces (`kernels/csrc/rowwise.cpp`), every step: RMSNorm, SiLU(gate) * up and the rotary
+embedding, each one call and one pass over its rows where eager torch makes five to ten (a third of a
+2048-token prefill chunk's time went to them, and some 25 operator calls a layer of a one-row decode
+step). Projections go to the kernels' own products on copies of the weights in their layouts
+(`kernels/products.py` says what was measured).
 
 The model runner routes the decoder here around a step's forward and vocabulary projection, for a
 bf16 model the engine owns (weights in bf16, no autocast). With AMX, projections of prefill chunks
-(hundreds of rows) stay with oneDNN; without, every step's take the k-pairs kernel. A trainer's rollouts (autocast over float32 masters) and batch-invariant
-engines keep torch's kernels, whose numbers are the ones the trainer computes; packed weights give
-those same numbers, so the bf16 twin of a trainer's rollout engine runs its products on them too
-(its batch-invariant steps through `model/batch_invariant.py`, where a probe confirms it).
+(hundreds of rows) stay with oneDNN; without, every step's take the k-pairs kernel. A trainer's
+rollouts (autocast over float32 masters) and batch-invariant engines keep torch's kernels, whose
+numbers are the ones the trainer computes; packed weights give those same numbers, so the bf16 twin
+of a trainer's rollout engine runs its products on them too (its batch-invariant steps through
+`model/batch_invariant.py`, where a probe confirms it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import weakref
 from collections.abc import Iterator
 
 import torch
 
-from pagedrl.engine import cpu_kernels
-from pagedrl.kernels import isa
+from pagedrl.kernels import ops
+from pagedrl.kernels.products import PackedWeights, few_rows, max_rows, takes
 from pagedrl.model.routed import Routes, routed_to
-
-MAX_ROWS_AMX = 128  # measured crossovers with oneDNN's bf16 kernel (see above)
-MAX_ROWS_DOT = 32  # no AMX here, and none in oneDNN's kernel either
-MAX_ROWS_OVER_PACKED = 2  # where the dot-product kernel beats oneDNN on packed weights (no AMX)
-PACK_FOR_ROWS = 64  # the row count oneDNN is told to expect when it chooses its layout
-
-
-@functools.cache
-def onednn_packs_bf16() -> bool:
-    """Whether oneDNN can lay bf16 weights out in its blocked layout here: a torch built with oneDNN, on
-    a CPU of class AVX512 or above (its reorder refuses bf16 without AVX512BW/VL/DQ)."""
-    return (isa.at_least("avx512") and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-@functools.cache
-def packs_weights() -> bool:
-    """Whether bf16 products of more than MAX_ROWS_OVER_PACKED rows go to oneDNN with packed weights: a
-    CPU with AVX512-BF16 and no AMX (where that was measured the faster from 3 rows to a 2048-row
-    prefill chunk)."""
-    return cpu_kernels.decode_linear_available() and not cpu_kernels.decode_linear_amx() and onednn_packs_bf16()
-
-
-@functools.cache
-def max_rows() -> int:
-    """The most rows a product may have to go through the engine's kernel here (0: not built for this
-    CPU); where `packs_weights()`, `PackedWeights` takes the products of any size above
-    MAX_ROWS_OVER_PACKED."""
-    if not cpu_kernels.decode_linear_available():
-        return 0
-    return MAX_ROWS_AMX if cpu_kernels.decode_linear_amx() else MAX_ROWS_DOT
-
-
-def kernel(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """rows [M, K] bf16 @ weight [N, K].T (+ bias) -> [M, N] bf16 (`csrc/decode_linear.cpp`)."""
-    return torch.ops.pagedrl_cpu.decode_linear(rows, weight, bias)
-
-
-def _takes(*tensors: torch.Tensor) -> bool:
-    """The kernels' terms: bf16 CPU tensors, and no gradient recorded (they have no backward; the
-    runner runs in inference mode). Asked some 300 times a decode step: a plain loop over `is`
-    and `is_cpu` (0.6 us for two tensors, where a generator over `device.type` took 2.2)."""
-    if torch.is_grad_enabled():
-        return False
-    for t in tensors:
-        if t.dtype is not _BF16 or not t.is_cpu:
-            return False
-    return True
-
-
-_BF16 = torch.bfloat16
-
-
-def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """A projection's product through the kernel when it has at most `max_rows()` rows."""
-    if not _takes(x, weight) or weight.stride(-1) != 1 or (bias is not None and bias.dtype != torch.bfloat16):
-        return None
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > max_rows():
-        return None
-    return kernel(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
-
-
-class PackedWeights:
-    """Copies of a model's bf16 weights in a kernel's own layout, one per weight tensor and layout, made
-    at its first product and kept until the weights change: `clear()` at the engine's weight-version
-    bump, and a tensor written in place (its version counter moved; an inference tensor keeps none, so
-    `clear()` is its only signal) is packed again. Two layouts: oneDNN's blocked one (`"onednn"`, the
-    same numbers as `F.linear`'s, for products that must equal a trainer's) and k-pairs (`"pairs"`,
-    `csrc/pair_linear.cpp`, a bf16 engine's own steps). One per process (`packed_weights()`)."""
-
-    def __init__(self) -> None:
-        self._packs: dict[tuple[int, str], tuple[weakref.ref[torch.Tensor], tuple, torch.Tensor]] = {}
-        self.generation = 0  # moves at every `clear()`: what a list of copies kept elsewhere checks
-        self.routes = Routes(linear=self.engine_linear, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope,
-                             gate_up=self.gate_up)
-        # A trainer's bf16 twin under autocast (its greedy evaluations): the products only, the rest
-        # is the decoder's own code on float32 norms.
-        self.products_only = Routes(linear=self.linear, rms_norm=_not_taken, silu_mul=_not_taken, rope=_not_taken)
-
-    def clear(self) -> None:
-        self._packs.clear()
-        self.generation += 1
-
-    @property
-    def nbytes(self) -> int:
-        """Memory the packed copies hold."""
-        return sum(packed.numel() * packed.element_size() for _, _, packed in self._packs.values())
-
-    def packed(self, weight: torch.Tensor, layout: str = "onednn", up: torch.Tensor | None = None) -> torch.Tensor:
-        """`weight`'s copy in `layout`; for `"gate_up"`, an MLP's gate weight and its `up` weight in one
-        copy, interleaved 32 rows at a time (kept while both are unchanged)."""
-        key = (id(weight), layout)
-        version = (-1 if weight.is_inference() else weight._version,  # inference tensors keep no counter
-                   None if up is None else (id(up), -1 if up.is_inference() else up._version))
-        entry = self._packs.get(key)
-        if entry is not None and entry[0]() is weight and entry[1] == version:
-            return entry[2]
-        if layout == "pairs":
-            packed = torch.ops.pagedrl_cpu.pack_pairs(weight.detach())
-        elif layout == "gate_up":
-            features, inputs = weight.shape
-            both = torch.stack([weight.detach().reshape(-1, 32, inputs), up.detach().reshape(-1, 32, inputs)], 1)
-            packed = torch.ops.pagedrl_cpu.pack_pairs(both.reshape(2 * features, inputs))
-        else:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_FOR_ROWS)
-        self._packs[key] = (weakref.ref(weight, lambda _, key=key: self._packs.pop(key, None)), version, packed)
-        return packed
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """A projection on oneDNN's kernel and the packed copy (the same numbers as `F.linear`; under
-        bf16 autocast the rows are cast as autocast casts them), or None for what it does not take."""
-        if x.dtype == torch.float32 and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
-            x = x.to(torch.bfloat16)
-        if not _takes(x, weight) or (bias is not None and bias.dtype != torch.bfloat16):
-            return None
-        rows = x.reshape(-1, x.shape[-1])
-        return self.product(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
-
-    def engine_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """A bf16 engine's projection: on the k-pairs copy where that kernel is built (every row count),
-        else 1-2 rows on the dot-product kernel and more on oneDNN's packed copy."""
-        if pairs_available() and x.shape[-1] % 2 == 0:
-            if not _takes(x, weight) or (bias is not None and bias.dtype != torch.bfloat16):
-                return None
-            return self.pairs_product(_unit_stride_rows(x), weight, bias).view(*x.shape[:-1], weight.shape[0])
-        if x.numel() <= MAX_ROWS_OVER_PACKED * x.shape[-1]:
-            out = few_rows(x, weight, bias)
-            if out is not None:
-                return out
-        return self.linear(x, weight, bias)
-
-    def gate_up(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-        """A bf16 engine's silu(x @ gate.T) * (x @ up.T) in one pass of the k-pairs kernel: the same
-        bits as the two products and `silu_mul` apart, without writing and reading the two products
-        (a 2048-row prefill chunk: 2 x 6 MB a layer). None where that kernel is not built, or for
-        shapes it does not take (features not a multiple of 32, an odd input size)."""
-        if (not pairs_available() or x.shape[-1] % 2 or gate.shape != up.shape or gate.shape[0] % 32
-                or not _takes(x, gate, up)):
-            return None
-        out = torch.ops.pagedrl_cpu.pair_silu_mul(_unit_stride_rows(x), self.packed(gate, "gate_up", up))
-        return out.view(*x.shape[:-1], gate.shape[0])
-
-    def product(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """rows [M, K] @ weight.T (+ bias), bf16, on the packed copy of `weight`."""
-        return torch.ops.mkldnn._linear_pointwise(rows, self.packed(weight), bias, "none", [], "")
-
-    def pairs_product(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """rows [M, K] @ weight.T (+ bias), bf16, on the k-pairs copy of `weight`."""
-        return torch.ops.pagedrl_cpu.pair_linear(rows, self.packed(weight, "pairs"), weight.shape[0], bias)
-
-
-def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
-    """x as [rows, features] whose rows the k-pairs kernels read in place (each row's values adjacent)."""
-    rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
-@functools.cache
-def pairs_available() -> bool:
-    """Whether a bf16 engine's products take the k-pairs kernel: built (AVX512-BF16) on a CPU without
-    AMX (with AMX the tile kernel of `csrc/decode_linear.cpp` and oneDNN's are the ones measured)."""
-    return (cpu_kernels.decode_linear_available() and not cpu_kernels.decode_linear_amx()
-            and bool(torch.ops.pagedrl_cpu.pair_linear_available()))
-
-
-@functools.cache
-def packed_weights() -> PackedWeights:
-    """The process's packed copies, shared by every runner and by batch-invariant products: one copy
-    of each weight, however many engines read it."""
-    return PackedWeights()
 
 
 def _not_taken(*args: torch.Tensor | float) -> None:
@@ -224,26 +32,37 @@ def _not_taken(*args: torch.Tensor | float) -> None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    if not _takes(x, weight) or not x.is_contiguous():
+    if not takes(x, weight) or not x.is_contiguous():
         return None
     return torch.ops.pagedrl_cpu.rms_norm(x, weight, eps)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-    if not _takes(gate, up) or not gate.is_contiguous() or not up.is_contiguous():
+    if not takes(gate, up) or not gate.is_contiguous() or not up.is_contiguous():
         return None
     return torch.ops.pagedrl_cpu.silu_mul(gate, up)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
          ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if not _takes(q, k, cos, sin) or not all(t.is_contiguous() for t in (q, k, cos, sin)):
+    if not takes(q, k, cos, sin) or not all(t.is_contiguous() for t in (q, k, cos, sin)):
         return None
     return torch.ops.pagedrl_cpu.rope(q, k, cos, sin)
 
 
 def no_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     return None
+
+
+def engine_routes(packed: PackedWeights) -> Routes:
+    """A bf16 engine's own steps: every piece on the kernels, the products on `packed`'s copies."""
+    return Routes(linear=packed.engine_linear, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope, gate_up=packed.gate_up)
+
+
+def products_only_routes(packed: PackedWeights) -> Routes:
+    """A trainer's bf16 twin under autocast (its greedy evaluations): the products only, on
+    `packed`'s oneDNN copies; the rest is the decoder's own code on float32 norms."""
+    return Routes(linear=packed.linear, rms_norm=_not_taken, silu_mul=_not_taken, rope=_not_taken)
 
 
 ROUTES = Routes(linear=few_rows, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope)
@@ -257,7 +76,7 @@ def usable(model: torch.nn.Module, autocast_dtype: torch.dtype | None) -> bool:
     weight = next(model.parameters(), None)
     if weight is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or autocast_dtype is not None:
         return False
-    return cpu_kernels.available()
+    return ops.available()
 
 
 @contextlib.contextmanager
@@ -270,7 +89,7 @@ def routed_step(rows: int, on: bool, packed: PackedWeights | None = None, produc
         yield
         return
     if packed is not None:
-        routes = packed.products_only if products_only else packed.routes
+        routes = products_only_routes(packed) if products_only else engine_routes(packed)
     else:
         routes = ROUTES if rows <= max_rows() else ROWWISE_ONLY
     with routed_to(routes):

@@ -26,9 +26,7 @@ import torch
 from pagedrl.engine import cpu_decode
 from pagedrl.engine.attention import PagedAttention, prefill_by_rows, resolve_impl
 from pagedrl.engine.cast_weights import CastWeights
-from pagedrl.engine.cpu_memory import keep_freed_memory
-from pagedrl.engine.cpu_routes import packed_weights, packs_weights, routed_step, usable
-from pagedrl.engine.cpu_threads import bind_threads
+from pagedrl.engine.cpu_routes import routed_step, usable
 from pagedrl.engine.cuda_graphs import DecodeGraphs
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
@@ -36,6 +34,9 @@ from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.multi_lora import LoRASlots
 from pagedrl.engine.sequence import Sequence, wants_prompt_logprobs
 from pagedrl.kernels import isa
+from pagedrl.kernels.memory import keep_freed_memory
+from pagedrl.kernels.products import packed_weights, packs_weights
+from pagedrl.kernels.threads import bind_threads
 from pagedrl.model.decoder import CausalLM
 
 

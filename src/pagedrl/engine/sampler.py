@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedrl.engine import cpu_kernels
 from pagedrl.engine.grammar import bitmask_bias
 from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.kernels import ops
 
 NEG_INF = float("-inf")
 PerRow = float | int | Tensor
@@ -371,7 +371,7 @@ def _greedy_pick(logits: Tensor) -> tuple[Tensor, Tensor] | None:
     """Each row's argmax (the first of equal maxima) and its log-softmax, from the CPU kernel; None
     where it does not serve (not a CPU, not built, autograd on) or a row is not finite (the full path
     then gives torch's answer for NaN and infinities)."""
-    if logits.device.type != "cpu" or logits.requires_grad or not cpu_kernels.available():
+    if logits.device.type != "cpu" or logits.requires_grad or not ops.available():
         return None
     tokens, logp = torch.ops.pagedrl_cpu.greedy_pick(logits.contiguous())
     return (tokens, logp) if bool(torch.isfinite(logp).all()) else None

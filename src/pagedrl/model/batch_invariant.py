@@ -16,12 +16,12 @@ to make every operation whose result depends on the batch compute the same bits 
   count (`safe_sizes`, 64 to 1024 rows), so a trainer's forward keeps most of the large-call speed
   and, where oneDNN has no AMX, a decode step its one call a projection; the rows left
   (with AMX, all of a decode step's) in 32-row calls, the last one padded, or where the CPU has AMX in one
-  call of the engine's own kernel (`engine/csrc/decode_linear.cpp`), which sums each output's
+  call of the engine's own kernel (`kernels/csrc/decode_linear.cpp`), which sums each output's
   products as a 32-row oneDNN call does whatever the number of rows (a probe checks it per shape,
   `kernel_agrees`): a 64-sequence decode step's 211 projections of the default model take 23 ms
   that way against 52 ms in two 32-row calls.
 - **Attention.** Each query row is attended alone, its keys taken in chunks of 16 positions from
-  wherever they lie (`engine/cpu_kernels.paged_attention`): the engine reads them from the KV
+  wherever they lie (`kernels/ops.paged_attention`): the engine reads them from the KV
   cache's blocks, the trainer from its packed batch through a table of the tokens each row sees.
   The trainer's backward is the same kernel's: each row recomputes its probabilities from the
   forward's log-sum-exp over the keys it saw.
@@ -226,9 +226,9 @@ def _amx_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return False
     if rows.stride(-1) != 1 or weight.stride(-1) != 1 or rows.shape[-1] % 32 or weight.shape[0] < 16:
         return False
-    from pagedrl.engine import cpu_kernels
+    from pagedrl.kernels import ops
 
-    return cpu_kernels.decode_linear_amx()
+    return ops.decode_linear_amx()
 
 
 @functools.cache
@@ -247,13 +247,13 @@ def kernel_agrees(out_features: int, in_features: int, has_bias: bool, threads: 
 
 @functools.cache
 def packed_agrees(out_features: int, in_features: int, has_bias: bool, threads: int, safe: tuple[int, ...]) -> bool:
-    """Whether oneDNN's kernel on a packed bf16 weight (`engine.cpu_routes.PackedWeights`, without
+    """Whether oneDNN's kernel on a packed bf16 weight (`engine.products.PackedWeights`, without
     AMX) computes calls of 32 rows and of the `safe` sizes as `F.linear`'s 32-row calls do, bit for
     bit: the same kernel without the per-call reorder. Checked once per process and shape."""
-    from pagedrl.engine import cpu_routes
+    from pagedrl.kernels import products
 
     w, b, draws = _probe_operands(out_features, in_features, torch.bfloat16, has_bias, seed=2, draws=1)
-    packed = cpu_routes.PackedWeights()
+    packed = products.PackedWeights()
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
         x = draws[0]
         reference = _by_small_calls(lambda r: F.linear(r, w, b), x)
@@ -265,13 +265,13 @@ def _packed_call(weight: torch.Tensor, bias: torch.Tensor | None, safe: tuple[in
                  ) -> Callable[[torch.Tensor, slice], torch.Tensor] | None:
     """Calls on a packed copy of `weight` where that computes as `F.linear` does (a rollout engine's
     decode step: 64 rows at 0.75x the time of a call that reorders the weight), else None."""
-    from pagedrl.engine import cpu_routes
+    from pagedrl.kernels import products
 
-    if weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16) or not cpu_routes.packs_weights():
+    if weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16) or not products.packs_weights():
         return None
     if not packed_agrees(weight.shape[0], weight.shape[1], bias is not None, torch.get_num_threads(), safe):
         return None
-    packs = cpu_routes.packed_weights()
+    packs = products.packed_weights()
     return lambda chunk, _: packs.product(chunk, weight, bias)
 
 

@@ -1,5 +1,5 @@
 """The attention half of batch-invariant computation (`model/batch_invariant.py`): each query row
-attended alone by the engine's row kernel (`engine/cpu_kernels.paged_attention`), its keys taken 16
+attended alone by the engine's row kernel (`kernels/ops.paged_attention`), its keys taken 16
 positions at a time from wherever they lie, forward and backward. The engine reads them from the KV
 cache's blocks, a trainer from its packed batch through a table of the tokens each row sees, so a
 decoded token and the trainer's recompute of it get the same bits."""
@@ -37,23 +37,23 @@ class _RowAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, tables, lengths, row_seqs, scale):  # type: ignore[no-untyped-def]
-        from pagedrl.engine import cpu_kernels
+        from pagedrl.kernels import ops
 
         B, T, Hq, D = q.shape
         Hkv = k.shape[2]
         rows, keys, values = q.reshape(B * T, Hq, D), k.reshape(B * T, 1, Hkv, D), v.reshape(B * T, 1, Hkv, D)
-        out, lse = cpu_kernels.paged_attention(rows, keys, values, tables, lengths, scale, row_seqs, with_lse=True)
+        out, lse = ops.paged_attention(rows, keys, values, tables, lengths, scale, row_seqs, with_lse=True)
         ctx.save_for_backward(rows, keys, values, out, lse, tables, lengths, row_seqs)
         ctx.scale, ctx.shapes = scale, (q.shape, k.shape)
         return out.view(B, T, Hq, D)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[no-untyped-def]
-        from pagedrl.engine import cpu_kernels
+        from pagedrl.kernels import ops
 
         rows, keys, values, out, lse, tables, lengths, row_seqs = ctx.saved_tensors
         q_shape, k_shape = ctx.shapes
-        dq, dk, dv = cpu_kernels.paged_attention_backward(grad_out.reshape(rows.shape), rows, keys, values, out, lse,
+        dq, dk, dv = ops.paged_attention_backward(grad_out.reshape(rows.shape), rows, keys, values, out, lse,
                                                           tables, lengths, ctx.scale, row_seqs)
         return dq.view(q_shape), dk.view(k_shape), dv.view(k_shape), None, None, None, None
 
@@ -75,6 +75,6 @@ def attention_available(device: torch.device) -> bool:
     """Whether the row kernel runs here (a CPU where it was built)."""
     if device.type != "cpu":
         return False
-    from pagedrl.engine import cpu_kernels
+    from pagedrl.kernels import ops
 
-    return cpu_kernels.available()
+    return ops.available()

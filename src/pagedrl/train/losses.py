@@ -140,9 +140,9 @@ def entropy_from_logprobs(logp: Tensor) -> Tensor:
     with pagedrl's kernels one read of the rows (`csrc/rowwise.cpp`), where torch's exp and product
     write two [N, V] copies (400 MB for a 1024-row chunk of a 49k vocabulary)."""
     if logp.device.type == "cpu" and logp.dtype == torch.float32 and logp.dim() == 2 and not logp.requires_grad:
-        from pagedrl.engine import cpu_kernels
+        from pagedrl.kernels import ops
 
-        if cpu_kernels.available():
+        if ops.available():
             return torch.ops.pagedrl_cpu.entropy_from_logprobs(logp.contiguous())
     return -torch.linalg.vecdot(logp.exp(), logp)
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedrl.engine.cpu_memory import keep_freed_memory
+from pagedrl.kernels.memory import keep_freed_memory
 from pagedrl.train import adapters
 from pagedrl.train import checkpointing as ckpt
 from pagedrl.train.algorithm import Algorithm

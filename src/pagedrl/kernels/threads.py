@@ -32,7 +32,7 @@ import threading
 
 import torch
 
-from pagedrl.engine import cpu_kernels
+from pagedrl.kernels import ops
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def bind_threads() -> list[int] | None:
 def _bind() -> list[int] | None:
     cores = planned_cores(os.environ.get(ENV, ""), torch.get_num_threads(), os.sched_getaffinity(0),
                           int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    if cores is None or not cpu_kernels.available():
+    if cores is None or not ops.available():
         return None
     if len(cores) != torch.get_num_threads():
         torch.set_num_threads(len(cores))

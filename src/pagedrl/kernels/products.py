@@ -1,0 +1,199 @@
+"""The engine's own products for a CPU's bf16 projections, and the copies of the weights they read.
+
+Products of `csrc/decode_linear.cpp` and `csrc/pair_linear.cpp`, and what they were measured against. A
+decode step feeds one row per sequence, so each of the model's matmuls is a pass over its weights
+with little arithmetic: the step's speed is how fast the weights stream through the cores. On this
+project's CPU (AMX and AVX512-BF16), oneDNN's bf16 kernel runs the default model's 211 projections
+(270 MB) at 30-35 ms a step for 1-16 rows (2 threads), half the memory bandwidth: its AMX kernel
+wants the weights in its own blocked layout and reorders them on every call. The engine's kernels
+read them as they lie:
+- with AMX, the weights are the tile multiply's left operand, 16 rows x 32 columns straight from the
+  tensor, and the step's rows the right one (packed per call, a few KB): 14-16 ms for 1-16 rows
+  against oneDNN's 30, 27 against 38 at 64 rows, 46 against 51 at 128; oneDNN is ahead from about
+  200 rows (`MAX_ROWS_AMX` = 128; `bench/bench_decode_linear.py`);
+- without AMX (AVX512-BF16 only, e.g. AMD's Zen 4), the k-pairs kernel (`csrc/pair_linear.cpp`) on its
+  own copy of each weight, laid out once as [N / 32][K / 2][32][2] so that a panel of 32 output
+  features streams from first byte to last while up to 12 rows' sums stay in registers. 2 threads,
+  `bench/bench_decode_linear.py`: 9.4 / 13.8 / 20.1 / 51.9 / 96.9 ms at 1 / 4 / 16 / 64 / 128 rows
+  against oneDNN on its own packed copy's 21.5 / 23.1 / 31.4 / 60.7 / 104.4 (at one row the weights
+  stream at 28 GB/s, the memory's speed) and on a 2048-row prefill chunk level with it. Its rows are
+  batch-invariant (each output one float32 chain in k order). oneDNN's packed copies
+  (`PackedWeights`, oneDNN's reorder; the same numbers as `F.linear`'s) stay for products that must
+  equal a trainer's. Either copy costs the weights' size in memory again (270 MB for the default
+  model).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+from pagedrl.kernels import isa, ops
+
+MAX_ROWS_AMX = 128  # measured crossovers with oneDNN's bf16 kernel (see above)
+MAX_ROWS_DOT = 32  # no AMX here, and none in oneDNN's kernel either
+MAX_ROWS_OVER_PACKED = 2  # where the dot-product kernel beats oneDNN on packed weights (no AMX)
+PACK_FOR_ROWS = 64  # the row count oneDNN is told to expect when it chooses its layout
+
+
+@functools.cache
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN can lay bf16 weights out in its blocked layout here: a torch built with oneDNN, on
+    a CPU of class AVX512 or above (its reorder refuses bf16 without AVX512BW/VL/DQ)."""
+    return (isa.at_least("avx512") and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+@functools.cache
+def packs_weights() -> bool:
+    """Whether bf16 products of more than MAX_ROWS_OVER_PACKED rows go to oneDNN with packed weights: a
+    CPU with AVX512-BF16 and no AMX (where that was measured the faster from 3 rows to a 2048-row
+    prefill chunk)."""
+    return ops.decode_linear_available() and not ops.decode_linear_amx() and onednn_packs_bf16()
+
+
+@functools.cache
+def max_rows() -> int:
+    """The most rows a product may have to go through the engine's kernel here (0: not built for this
+    CPU); where `packs_weights()`, `PackedWeights` takes the products of any size above
+    MAX_ROWS_OVER_PACKED."""
+    if not ops.decode_linear_available():
+        return 0
+    return MAX_ROWS_AMX if ops.decode_linear_amx() else MAX_ROWS_DOT
+
+
+def kernel(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [M, K] bf16 @ weight [N, K].T (+ bias) -> [M, N] bf16 (`csrc/decode_linear.cpp`)."""
+    return torch.ops.pagedrl_cpu.decode_linear(rows, weight, bias)
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """The kernels' terms: bf16 CPU tensors, and no gradient recorded (they have no backward; the
+    runner runs in inference mode). Asked some 300 times a decode step: a plain loop over `is`
+    and `is_cpu` (0.6 us for two tensors, where a generator over `device.type` took 2.2)."""
+    if torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t.dtype is not _BF16 or not t.is_cpu:
+            return False
+    return True
+
+
+_BF16 = torch.bfloat16
+
+
+def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A projection's product through the kernel when it has at most `max_rows()` rows."""
+    if not takes(x, weight) or weight.stride(-1) != 1 or (bias is not None and bias.dtype != torch.bfloat16):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > max_rows():
+        return None
+    return kernel(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+class PackedWeights:
+    """Copies of a model's bf16 weights in a kernel's own layout, one per weight tensor and layout, made
+    at its first product and kept until the weights change: `clear()` at the engine's weight-version
+    bump, and a tensor written in place (its version counter moved; an inference tensor keeps none, so
+    `clear()` is its only signal) is packed again. Two layouts: oneDNN's blocked one (`"onednn"`, the
+    same numbers as `F.linear`'s, for products that must equal a trainer's) and k-pairs (`"pairs"`,
+    `csrc/pair_linear.cpp`, a bf16 engine's own steps). One per process (`packed_weights()`)."""
+
+    def __init__(self) -> None:
+        self._packs: dict[tuple[int, str], tuple[weakref.ref[torch.Tensor], tuple, torch.Tensor]] = {}
+        self.generation = 0  # moves at every `clear()`: what a list of copies kept elsewhere checks
+
+    def clear(self) -> None:
+        self._packs.clear()
+        self.generation += 1
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the packed copies hold."""
+        return sum(packed.numel() * packed.element_size() for _, _, packed in self._packs.values())
+
+    def packed(self, weight: torch.Tensor, layout: str = "onednn", up: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight`'s copy in `layout`; for `"gate_up"`, an MLP's gate weight and its `up` weight in one
+        copy, interleaved 32 rows at a time (kept while both are unchanged)."""
+        key = (id(weight), layout)
+        version = (-1 if weight.is_inference() else weight._version,  # inference tensors keep no counter
+                   None if up is None else (id(up), -1 if up.is_inference() else up._version))
+        entry = self._packs.get(key)
+        if entry is not None and entry[0]() is weight and entry[1] == version:
+            return entry[2]
+        if layout == "pairs":
+            packed = torch.ops.pagedrl_cpu.pack_pairs(weight.detach())
+        elif layout == "gate_up":
+            features, inputs = weight.shape
+            both = torch.stack([weight.detach().reshape(-1, 32, inputs), up.detach().reshape(-1, 32, inputs)], 1)
+            packed = torch.ops.pagedrl_cpu.pack_pairs(both.reshape(2 * features, inputs))
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_FOR_ROWS)
+        self._packs[key] = (weakref.ref(weight, lambda _, key=key: self._packs.pop(key, None)), version, packed)
+        return packed
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """A projection on oneDNN's kernel and the packed copy (the same numbers as `F.linear`; under
+        bf16 autocast the rows are cast as autocast casts them), or None for what it does not take."""
+        if x.dtype == torch.float32 and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
+            x = x.to(torch.bfloat16)
+        if not takes(x, weight) or (bias is not None and bias.dtype != torch.bfloat16):
+            return None
+        rows = x.reshape(-1, x.shape[-1])
+        return self.product(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    def engine_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """A bf16 engine's projection: on the k-pairs copy where that kernel is built (every row count),
+        else 1-2 rows on the dot-product kernel and more on oneDNN's packed copy."""
+        if pairs_available() and x.shape[-1] % 2 == 0:
+            if not takes(x, weight) or (bias is not None and bias.dtype != torch.bfloat16):
+                return None
+            return self.pairs_product(_unit_stride_rows(x), weight, bias).view(*x.shape[:-1], weight.shape[0])
+        if x.numel() <= MAX_ROWS_OVER_PACKED * x.shape[-1]:
+            out = few_rows(x, weight, bias)
+            if out is not None:
+                return out
+        return self.linear(x, weight, bias)
+
+    def gate_up(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+        """A bf16 engine's silu(x @ gate.T) * (x @ up.T) in one pass of the k-pairs kernel: the same
+        bits as the two products and `silu_mul` apart, without writing and reading the two products
+        (a 2048-row prefill chunk: 2 x 6 MB a layer). None where that kernel is not built, or for
+        shapes it does not take (features not a multiple of 32, an odd input size)."""
+        if (not pairs_available() or x.shape[-1] % 2 or gate.shape != up.shape or gate.shape[0] % 32
+                or not takes(x, gate, up)):
+            return None
+        out = torch.ops.pagedrl_cpu.pair_silu_mul(_unit_stride_rows(x), self.packed(gate, "gate_up", up))
+        return out.view(*x.shape[:-1], gate.shape[0])
+
+    def product(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """rows [M, K] @ weight.T (+ bias), bf16, on the packed copy of `weight`."""
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed(weight), bias, "none", [], "")
+
+    def pairs_product(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """rows [M, K] @ weight.T (+ bias), bf16, on the k-pairs copy of `weight`."""
+        return torch.ops.pagedrl_cpu.pair_linear(rows, self.packed(weight, "pairs"), weight.shape[0], bias)
+
+
+def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, features] whose rows the k-pairs kernels read in place (each row's values adjacent)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+@functools.cache
+def pairs_available() -> bool:
+    """Whether a bf16 engine's products take the k-pairs kernel: built (AVX512-BF16) on a CPU without
+    AMX (with AMX the tile kernel of `csrc/decode_linear.cpp` and oneDNN's are the ones measured)."""
+    return (ops.decode_linear_available() and not ops.decode_linear_amx()
+            and bool(torch.ops.pagedrl_cpu.pair_linear_available()))
+
+
+@functools.cache
+def packed_weights() -> PackedWeights:
+    """The process's packed copies, shared by every runner and by batch-invariant products: one copy
+    of each weight, however many engines read it."""
+    return PackedWeights()
