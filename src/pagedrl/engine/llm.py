@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -14,6 +16,7 @@ from pagedrl.engine.llm_engine import EngineConfig, LLMEngine
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.outputs import RequestOutput
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
+from pagedrl.model import batch_invariant
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.precision import Precision
 
@@ -184,6 +187,13 @@ class LLM:
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
+
+    @contextlib.contextmanager
+    def batch_invariance_suspended(self) -> Iterator[None]:
+        """Steps at full speed for a while, not batch-invariant: a trainer's greedy evaluations, whose
+        numbers no trainer recomputes."""
+        with batch_invariant.suspended(self.engine.runner.model):
+            yield
 
     def sleep(self) -> None:
         """Release the KV cache memory until the next request (vLLM's sleep mode, level 1)."""

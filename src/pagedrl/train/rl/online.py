@@ -12,7 +12,6 @@ import torch
 
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.model import batch_invariant
 from pagedrl.model.row_attention import attention_available
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import Algorithm
@@ -132,7 +131,7 @@ class OnlineAlgorithm(Algorithm):
             return None
         rows = self.eval_rows[self.dist.rank::self.dist.world_size]  # the loop gathers whole weights if sharded
         max_tokens = self.config.eval_max_tokens or self.config.max_completion_length
-        with batch_invariant.suspended(self.llm.engine.runner.model):  # no trainer recomputes these numbers
+        with self.llm.batch_invariance_suspended():  # no trainer recomputes these numbers
             values = greedy_scores(self.llm, rows, self.eval_reward, max_tokens)
         self.llm.sleep()
         correct, total, scored = all_reduce_sum(score_sums(values), self.dist).tolist()  # over every rank's share
