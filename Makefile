@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONSTRAINTS ?= constraints.txt
 
-.PHONY: setup demo test test-isa lint clean
+.PHONY: setup demo test test-isa docs lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ test-isa: $(STAMP)
 	for cls in $$classes; do \
 		$(BIN)/python -m pagedrl.kernels.isa run $$cls -- $(BIN)/python -m pytest -m isa -rs || exit 1; \
 	done
+
+# The documentation site (mkdocs.yml: docs/ and bench/RESULTS.md) into site/; --strict fails on a
+# broken link or anchor, as tests/test_docs.py does.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV)
