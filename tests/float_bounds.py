@@ -6,9 +6,12 @@ gamma(n - 1) times the sum of the terms' magnitudes."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 U = 2.0**-24  # float32's unit roundoff: half an ulp, relative
+BF16 = 2.0**-8  # bf16's: a rounding to bf16 (8 significant bits) is exact to within 2^-8, relative
 EXP_ERROR = 2e-7  # relative error of the exponentials in play (torch's vectorised exp, the kernels' polynomial)
 
 
@@ -22,17 +25,91 @@ def sum_bound(magnitudes: torch.Tensor, terms: int, dim: int = -1) -> torch.Tens
     return gamma(max(terms - 1, 1)) * magnitudes.double().abs().sum(dim)
 
 
-def log_softmax_bound(logits: torch.Tensor, picked: torch.Tensor, summed: int | None = None) -> torch.Tensor:
-    """Bound on |float32 log_softmax(logits)[r, picked[r]] - exact| for rows of float32 logits [R, V],
-    computed as (x - m) - log(sum exp(x - m)) with the sum's partial sums in float32 over at most
-    `summed` terms each (any order; None: the whole row). Terms: the subtraction x_i - m, each
-    exponential's argument (relative error up to U |x_j - m|) and value (EXP_ERROR), the sum (relative
-    gamma), the log and the final subtraction (U each, relative to their values)."""
+def matmul_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Bound on a float32 x @ w.T's error, [..., K] x [N, K]: gamma(K) times the products' magnitudes."""
+    return gamma(x.shape[-1]) * (x.double().abs() @ w.double().abs().T)
+
+
+def log_softmax_bounds(logits: torch.Tensor, summed: int | None = None) -> torch.Tensor:
+    """Bound on |float32 log_softmax(logits) - exact| per element, for rows of float32 logits [R, V]
+    (entries at -inf, cut by a sampler, are skipped and stay -inf), computed as (x - m) - log(sum
+    exp(x - m)) with the sum's partial sums in float32 over at most `summed` terms each (any order;
+    None: the whole row). Terms: the subtraction x_i - m, each exponential's argument (relative error
+    up to U |x_j - m|) and value (EXP_ERROR), the sum (relative gamma), the log and the final
+    subtraction (U each, relative to their values)."""
     x = logits.double()
-    m = x.max(-1, keepdim=True).values
-    shifted = (x - m).abs()
-    log_sum = torch.logsumexp(x - m, -1)
-    value = (x.gather(1, picked[:, None]).squeeze(1) - m.squeeze(1) - log_sum).abs()
-    relative_sum = gamma(max((summed or x.shape[-1]) - 1, 1)) + EXP_ERROR + U * shifted.max(-1).values
-    return (U * shifted.gather(1, picked[:, None]).squeeze(1) + relative_sum * (1 + 2 * relative_sum)
-            + U * log_sum.abs() + U * value) * 1.001
+    kept = torch.isfinite(x)
+    m = x.masked_fill(~kept, -torch.inf).max(-1, keepdim=True).values
+    shifted = (x - m).abs().masked_fill(~kept, 0)
+    log_sum = torch.logsumexp(x - m, -1, keepdim=True)
+    terms = kept.sum(-1, keepdim=True) if summed is None else torch.full_like(m, summed)
+    relative_sum = (terms - 1).clamp(min=1) * U / (1 - terms * U) + EXP_ERROR + U * shifted.max(-1, keepdim=True).values
+    value = (x - m - log_sum).abs().masked_fill(~kept, 0)
+    bound = (U * shifted + relative_sum * (1 + 2 * relative_sum) + U * log_sum.abs() + U * value) * 1.001
+    return bound.masked_fill(~kept, 0)
+
+
+def log_softmax_bound(logits: torch.Tensor, picked: torch.Tensor, summed: int | None = None) -> torch.Tensor:
+    """`log_softmax_bounds` at one picked entry per row [R]."""
+    return log_softmax_bounds(logits, summed).gather(1, picked[:, None]).squeeze(1)
+
+
+def logprob_bounds(logits: torch.Tensor, error: torch.Tensor | float, temperature: float = 1.0,
+                   summed: int | None = None) -> torch.Tensor:
+    """Bound on |float32 log_softmax(computed / temperature) - exact log_softmax(logits / temperature)|
+    per element [R, V], for computed logits within `error` (per element, or one number) of `logits`
+    (exact, float64): log-sum-exp moves by at most the largest error of its inputs, so each log-prob
+    by its own and that one; the division rounds once; then log_softmax's own roundings."""
+    x = logits.double() / temperature
+    kept = torch.isfinite(x)
+    error = (torch.as_tensor(error, dtype=torch.float64) / temperature).expand_as(x).masked_fill(~kept, 0)
+    if temperature != 1.0:
+        error = error + U * x.abs().masked_fill(~kept, 0)
+    largest = error.max(-1, keepdim=True).values
+    return (error + largest).masked_fill(~kept, 0) + log_softmax_bounds(x, summed)
+
+
+def entropy_bound(logp: torch.Tensor, error: torch.Tensor, summed: int | None = None) -> torch.Tensor:
+    """Bound on |float32 -sum_j exp(l_j) l_j - the exact entropy| per row, for computed log-probs l
+    within `error` [R, V] of exact ones `logp` (float64; -inf entries skipped): each term moves by
+    p_j |1 + log p_j| times its log-prob's error (first order), is off by an exp's error and a
+    product's rounding, and their float32 sum by gamma(summed - 1) of their magnitudes."""
+    kept = torch.isfinite(logp)
+    lp = logp.double().masked_fill(~kept, 0)
+    p = lp.exp().masked_fill(~kept, 0)
+    terms = (p * lp).abs()
+    n = int(kept.sum(-1).max()) if summed is None else summed
+    moved = (p * (1 + lp).abs() * error.double().masked_fill(~kept, 0)).sum(-1)
+    return (moved * 1.01 + terms.sum(-1) * (EXP_ERROR + U) * (1 + gamma(n)) + sum_bound(terms, n)
+            + U * terms.sum(-1)) * 1.001
+
+
+def cut_decided(scaled: torch.Tensor, error: torch.Tensor | float, top_k: int = 0, top_p: float = 1.0,
+                min_p: float = 0.0) -> torch.Tensor:
+    """Per row [R]: whether any float32 logits within `error` of exact temperature-scaled ones
+    `scaled` [R, V] keep the same top-k / top-p / min-p set (the sampler's rule: the k largest, then
+    the fewest largest whose probabilities reach p, then those within a factor min_p of the top): the
+    logits either side of each cut further apart than both can move, the mass before each sorted
+    position further from p than the logits' errors (each probability within a factor exp(±2E)),
+    softmax's and the cumulative sum's roundings can move it, the top's ratio further from min_p."""
+    x = scaled.double()
+    V = x.shape[-1]
+    E = (torch.as_tensor(error, dtype=torch.float64).expand_as(x)).max(-1).values
+    ordered = x.sort(-1, descending=True).values
+    k = V if top_k <= 0 or top_k >= V else top_k
+    decided = torch.ones(x.shape[0], dtype=torch.bool)
+    if k < V:
+        decided &= ordered[:, k - 1] - ordered[:, k] > 2 * E
+    if top_p < 1.0:
+        mass = torch.softmax(ordered[:, :k], -1).cumsum(-1)
+        spread = ordered[:, 0] - ordered[:, k - 1]
+        move = mass * (torch.expm1(2 * E) + 2 * EXP_ERROR + 2 * gamma(V) + U * spread)[:, None]
+        decided &= ((mass - top_p).abs() > move).all(-1)
+        cut = (mass < top_p).sum(-1).clamp(max=k - 1)
+        inside = cut + 1 < V
+        gap = ordered.gather(1, cut[:, None])[:, 0] - ordered.gather(1, (cut + 1).clamp(max=V - 1)[:, None])[:, 0]
+        decided &= ~inside | (gap > 2 * E)
+    if min_p > 0.0:
+        shifted = x - x.max(-1, keepdim=True).values
+        decided &= ((shifted - math.log(min_p)).abs() > 2 * E[:, None] + EXP_ERROR + U * shifted.abs()).all(-1)
+    return decided

@@ -1,0 +1,300 @@
+"""How far a float32 (or bf16) forward of the decoder can be from the exact one, on a given model and
+batch: what the reference tests (pagedrl's dense, paged and kernel paths, transformers, PEFT, TRL)
+compare their logits and log-probs within.
+
+A worst-case bound through a whole model is useless: pushed through operator norms, element-wise
+magnitudes and the cancellations of random weights it grows ~20x per layer (0.1 on logits of ~1 after
+two layers, where float32 is 3e-7 off), too loose to catch a bug. So this follows the probabilistic
+rounding error analysis of Higham and Mary (SIAM J. Sci. Comput. 41, 2019): every rounding is an
+independent error of mean zero, bounded by its worst case. Each step of a float64 forward over the
+model's own weights adds, per element, its own worst-case float32 error (gamma(K) of a sum's terms'
+magnitudes, a unit roundoff per stored result, a library function's error...) with a random sign;
+`PROBES` such forwards carry those errors through the model as it carries them (its own derivative,
+with signs, no norms). A result's error is then a sum of independent terms whose variance the probes
+estimate; by Hoeffding's inequality it exceeds `SIGMAS` times that standard deviation with probability
+below 2 exp(-SIGMAS^2 / 2) = 3e-8 per value, and the real roundings are several times smaller than
+their worst case besides (a sum of K terms is ~sqrt(K) U off, not K U). Nothing depends on the CPU:
+a class that sums in other orders draws other signs from the same bounds.
+
+On the tiny test models the bound is ~1e-5 of logits of ~1 in float32 (float32 is 3e-7 off); a wrong
+sign, a dropped term or an off-by-one position moves logits by 1e-2 or more, so no bug hides in it."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from float_bounds import BF16, EXP_ERROR, U, cut_decided, gamma, logprob_bounds
+
+PROBES = 32  # perturbed forwards: an RMS over 32 is below 0.6 of the true deviation with probability 1e-3
+SIGMAS = 6.0  # standard deviations a bound spans
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a run rounds. Sums accumulate in float32 (torch's CPU kernels, oneDNN and the project's
+    kernels all do); results are stored at unit roundoff `store` (those of products, attention and
+    the MLP's gate: bf16 under autocast or in a bf16 module) or `keep` (norms, rotations and the
+    residual stream: float32 under autocast); a product's inputs kept wider than it computes in are
+    rounded (`cast`) once. `autocast`: float32 masters under bf16 autocast, whose linear layers compute
+    with bf16 copies of the weights (each implementation rounds them alike, so the exact forward takes
+    the copies too)."""
+
+    store: float = U
+    keep: float = U
+    cast: float = 0.0
+    autocast: bool = False
+
+
+FLOAT32 = Precision()
+BFLOAT16 = Precision(store=BF16, keep=BF16)  # a bf16 module
+AUTOCAST = Precision(store=BF16, keep=U, cast=BF16, autocast=True)
+
+
+class Probed:
+    """A result on the exact forward (`exact`) and on the perturbed ones (`samples`, [PROBES, ...]):
+    anything computed from it probe by probe (a log_softmax, a gather, a sum over tokens, a loss)
+    carries its own error estimate."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values = values  # [1 + PROBES, ...], float64; row 0 unperturbed
+
+    @property
+    def exact(self) -> torch.Tensor:
+        return self.values[0]
+
+    def map(self, fn) -> Probed:  # type: ignore[no-untyped-def]
+        return Probed(torch.stack([fn(v) for v in self.values]))
+
+    def bound(self) -> torch.Tensor:
+        """SIGMAS standard deviations of the perturbed results about the exact one, per value."""
+        return SIGMAS * (self.values[1:] - self.values[0]).pow(2).mean(0).sqrt()
+
+
+class Rounding:
+    """Adds, to each probe's result of a step, its worst-case error times a random sign (probe 0 exact)."""
+
+    def __init__(self, precision: Precision, seed: int = 0) -> None:
+        self.precision = precision
+        self.store, self.keep, self.cast = precision.store, precision.keep, precision.cast
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, value: torch.Tensor, bound: torch.Tensor | float) -> torch.Tensor:
+        """value + sign * bound, a sign per element."""
+        signs = torch.randint(0, 2, value.shape, generator=self.generator, dtype=torch.float64).mul_(2).sub_(1)
+        signs[0] = 0
+        return value + signs * bound
+
+
+def logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+           precision: Precision = FLOAT32, freq_error: torch.Tensor | float = 0.0,
+           head: torch.nn.Module | None = None, positions: torch.Tensor | None = None,
+           allowed: torch.Tensor | None = None, seed: int = 0) -> Probed:
+    """The logits [B, T, V] of a pagedrl `CausalLM` on a batch, exact and perturbed; or what another
+    `head` makes of the last hidden states (a `SequenceScorer`'s `score`: [B, T, 1]). The batch is
+    padded as `model(ids, attention_mask=...)` takes it, or packed as a trainer packs it (its
+    `positions` and its attention mask `allowed` [B, T, T]). `freq_error`: how far an
+    implementation's rotary frequencies may be from the model's buffer (transformers forms its own in
+    float32)."""
+    rounding = Rounding(precision, seed)
+    with one_thread(), torch.no_grad():
+        last = cast(hidden(model, input_ids, attention_mask, rounding, freq_error, positions, allowed), rounding)
+        return Probed(linear(last, model.lm_head if head is None else head, rounding))
+
+
+def hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                  precision: Precision = FLOAT32, positions: torch.Tensor | None = None,
+                  allowed: torch.Tensor | None = None, seed: int = 0) -> Probed:
+    """The final normed hidden states [B, T, hidden], exact and perturbed (as `logits` takes a batch)."""
+    with one_thread(), torch.no_grad():
+        return Probed(hidden(model, input_ids, attention_mask, Rounding(precision, seed), 0.0, positions, allowed))
+
+
+def sampled_logprobs(rows: Probed, tokens: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
+                     top_p: float = 1.0, min_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows of logits [N, V] (exact and perturbed) and a token each [N]: the token's exact
+    log-prob under the distribution the sampler draws from (its own `processed_logprobs`, run in
+    float64 on each probe), and the bound of a float32 one's (an engine's or a trainer's): the
+    logits' errors as the probes carry them, plus the division's and log_softmax's own roundings.
+    Where the truncation is not decided (float32 rounding may keep other tokens: logits of a tiny
+    random model are nearly tied) the bound is infinite."""
+    from pagedrl.engine.sampler import process_logits, processed_logprobs
+
+    settings = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    logit_error = rows.bound()
+    scaled = rows.exact / temperature
+    decided = cut_decided(scaled, logit_error / temperature + U * scaled.abs(), top_k, top_p, min_p)
+    values = rows.map(lambda v: processed_logprobs(v, tokens, **settings))
+    kept = torch.isfinite(process_logits(rows.exact, **settings))
+    own = logprob_bounds(rows.exact.masked_fill(~kept, -math.inf), 0.0, temperature).gather(1, tokens[:, None])[:, 0]
+    return values.exact, (values.bound() + own).masked_fill(~decided, math.inf)
+
+
+def completion_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int], precision: Precision = FLOAT32,
+                        **sampling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sampled_logprobs` of a completion's tokens after its prompt, one forward of the two."""
+    probed = logits(model, torch.tensor([prompt + completion]), precision=precision)
+    rows = probed.map(lambda v: v[0, len(prompt) - 1:-1])
+    return sampled_logprobs(rows, torch.tensor(completion), **sampling)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Tensors of a few hundred thousand float64s: one thread is fastest, most of all on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+           rounding: Rounding, freq_error: torch.Tensor | float = 0.0,
+           positions: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The final normed hidden states [1 + PROBES, B, T, hidden]: what the head (or a value head) reads."""
+    cfg = model.config
+    inner = model.model
+    ids = input_ids if input_ids.dim() == 2 else input_ids[None]
+    B, T = ids.shape
+    index = torch.arange(T)
+    if allowed is None:
+        keep = torch.ones(B, T, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        positions = (keep.long().cumsum(-1) - 1).clamp(min=0)
+        allowed = (index[None, :] <= index[:, None])[None] & keep[:, None, :]
+        if cfg.sliding_window is not None:
+            allowed &= (index[:, None] - index[None, :] < cfg.sliding_window)[None]
+        allowed |= torch.diag_embed(~keep)  # a padding query sees itself alone (its output is ignored)
+    assert positions is not None and bool((positions <= index).all())
+    freq = inner.inv_freq.double()
+    # An implementation's angle is pos * freq in float32 (a rounding) at a position up to the token's
+    # index (transformers counts from the row's start, pagedrl from its first real token: rotary
+    # attention depends only on differences) with its own frequencies; its cos and sin are each
+    # within a library function's error of the exact ones, or rounded to the store dtype.
+    angles = (positions.double()[..., None] * freq).expand(1 + PROBES, B, T, -1)
+    turn = index[:, None].double() * (torch.as_tensor(freq_error, dtype=torch.float64) + U * freq)
+    angles = rounding(angles, turn)
+    table = rounding(angles.cos(), EXP_ERROR + rounding.keep), rounding(angles.sin(), EXP_ERROR + rounding.keep)
+    x = inner.embed_tokens.weight.double()[ids].expand(1 + PROBES, B, T, -1)
+    for layer in inner.layers:
+        h = rms_norm(x, layer.input_layernorm, rounding)
+        x = add(x, attention(cast(h, rounding), layer.self_attn, table, allowed, rounding), rounding)
+        h = cast(rms_norm(x, layer.post_attention_layernorm, rounding), rounding)
+        mlp = layer.mlp
+        x = add(x, linear(silu_mul(linear(h, mlp.gate_proj, rounding), linear(h, mlp.up_proj, rounding), rounding),
+                          mlp.down_proj, rounding), rounding)
+    return rms_norm(x, inner.norm, rounding)
+
+
+def gammas(n: torch.Tensor) -> torch.Tensor:
+    """float32's gamma(n) for a tensor of counts."""
+    return n * U / (1 - n * U)
+
+
+def weight(t: torch.Tensor, rounding: Rounding, cast: bool = True) -> torch.Tensor:
+    return (t.detach().bfloat16() if rounding.precision.autocast and cast else t.detach()).double()
+
+
+def add(a: torch.Tensor, b: torch.Tensor, rounding: Rounding) -> torch.Tensor:
+    value = a + b
+    return rounding(value, rounding.keep * value.abs())
+
+
+def cast(x: torch.Tensor, rounding: Rounding) -> torch.Tensor:
+    """A kept value rounded once for the products that read it (autocast; a no-op otherwise)."""
+    return rounding(x, rounding.cast * x.abs()) if rounding.cast else x
+
+
+def linear(x: torch.Tensor, layer: torch.nn.Module, rounding: Rounding) -> torch.Tensor:
+    """x W^T + b (+ s (x A^T) B^T for a LoRA layer) on an input in the product's dtype: a float32 sum
+    of K products and the bias is off by gamma(K + 1) of its terms' magnitudes, the output's store by
+    a unit of it."""
+    w = weight(layer.weight, rounding)
+    bias = getattr(layer, "bias", None)
+    value, magnitude = x @ w.T, x.abs() @ w.abs().T
+    if bias is not None:
+        value, magnitude = value + weight(bias, rounding), magnitude + weight(bias, rounding).abs()
+    store = rounding.store
+    value = rounding(value, gamma(w.shape[1] + 1) * magnitude + store * value.abs())
+    if hasattr(layer, "lora_A") and not layer.disabled:
+        a = linear(x, layer.lora_A, rounding)
+        up = weight(layer.lora_B.weight, rounding) * layer.scaling
+        magnitude = a.abs() @ up.abs().T + value.abs()
+        value = value + a @ up.T
+        value = rounding(value, gamma(up.shape[1] + 2) * magnitude + store * value.abs())
+    return value
+
+
+def rms_norm(x: torch.Tensor, norm: torch.nn.Module, rounding: Rounding, stored: bool = False) -> torch.Tensor:
+    """g * x / sqrt(mean(x^2) + eps), in float32. The scale is one number per row, so is its error:
+    squares, a sum of D, a mean and the epsilon (gamma(D + 2), relative), half of it after the square
+    root, which is within a library function's error. Then the scaling (U), its rounding to the
+    input's dtype (a stored one's: `stored`, else a kept one's) and the product with g (kept)."""
+    g = weight(norm.weight, rounding, cast=False)
+    r = (x.pow(2).mean(-1, keepdim=True) + norm.eps).rsqrt()
+    r = rounding(r, r * (gamma(x.shape[-1] + 2) / 2 + EXP_ERROR))
+    value = g * x * r
+    return rounding(value, value.abs() * (U + (rounding.store if stored else rounding.keep) + rounding.keep))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: Rounding) -> torch.Tensor:
+    """RoPE on x [P, B, T, heads, D] with the (perturbed) cos and sin [P, B, T, D/2]: each element a
+    sum of two products, kept (a unit of the products' magnitudes, a unit of the result)."""
+    half = x.shape[-1] // 2
+    c, s = cos[..., None, :], sin[..., None, :]
+    a, b = x[..., :half], x[..., half:]
+    value = torch.cat((a * c - b * s, b * c + a * s), -1)
+    magnitude = torch.cat((a.abs() * c.abs() + b.abs() * s.abs(), b.abs() * c.abs() + a.abs() * s.abs()), -1)
+    return rounding(value, rounding.keep * (magnitude + value.abs()))
+
+
+def attention(x: torch.Tensor, attn: torch.nn.Module, table: tuple[torch.Tensor, torch.Tensor],
+              allowed: torch.Tensor, rounding: Rounding) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v per head, then o_proj."""
+    P, B, T, _ = x.shape
+    H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q = linear(x, attn.q_proj, rounding).view(P, B, T, H, D)
+    k = linear(x, attn.k_proj, rounding).view(P, B, T, Hkv, D)
+    v = linear(x, attn.v_proj, rounding).view(P, B, T, Hkv, D)
+    if attn.q_norm is not None:
+        q, k = rms_norm(q, attn.q_norm, rounding, stored=True), rms_norm(k, attn.k_norm, rounding, stored=True)
+    q, k = cast(rotate(q, *table, rounding), rounding), cast(rotate(k, *table, rounding), rounding)
+    groups = H // Hkv
+    k, v = k.repeat_interleave(groups, 3), v.repeat_interleave(groups, 3)
+    scale = D**-0.5
+    mask = allowed[None, :, None]  # [1, B, 1, T, T]
+    store = rounding.store
+    # A dot product of D terms and the scaling: gamma(D + 1) of the terms' magnitudes, bounded by the
+    # norms' product (which a rotary position shift keeps).
+    scores = scale * torch.einsum("pbihd,pbjhd->pbhij", q, k)
+    norms = torch.einsum("pbih,pbjh->pbhij", q.norm(dim=-1), k.norm(dim=-1))
+    scores = rounding(scores, gamma(D + 1) * scale * norms).masked_fill(~mask, -math.inf)
+    keys = mask.sum(-1, keepdim=True)
+    shifted = scores - scores.amax(-1, keepdim=True)
+    spread = shifted.abs().masked_fill(~mask, 0)
+    # Each exponential: its argument s_j - m (U |s_j - m|), the exp, and a rescale of the running sums
+    # per later key (an online softmax in blocks as small as one key: an exp of the max's change, U of
+    # that change, a product). The sum of them (gamma(keys - 1)) and the division err alike for the
+    # whole row; p rounds for the product with v.
+    rescales = keys - 1
+    terms = shifted.exp()
+    terms = rounding(terms, terms * (U * spread + EXP_ERROR + rescales * (EXP_ERROR + U) + U * spread.amax(-1, keepdim=True)))
+    total = terms.sum(-1, keepdim=True)
+    total = rounding(total, total * (gammas(keys - 1) + U))
+    p = terms / total
+    p = rounding(p, store * p)
+    out = p @ v.transpose(2, 3)  # [P, B, H, T, D]
+    out = rounding(out, (gammas(keys) + store) * (p @ v.transpose(2, 3).abs()) + store * out.abs())
+    return linear(out.transpose(2, 3).reshape(P, B, T, H * D), attn.o_proj, rounding)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, rounding: Rounding) -> torch.Tensor:
+    """silu(g) * u: silu's value g / (1 + exp(-g)) is within an exp's error and three roundings, its
+    store a unit; the product's store a unit."""
+    silu = torch.nn.functional.silu(gate)
+    silu = rounding(silu, silu.abs() * (EXP_ERROR + 3 * U + rounding.store))
+    value = silu * up
+    return rounding(value, value.abs() * rounding.store)
