@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import decoder_bound
 import pytest
 import torch
+from float_bounds import EXP_ERROR, U, gamma
 from preference_data import preference_rows, rm_trainer
 from test_trainer_accumulation import assert_grads_close, step_grads
 from tiny import BASE, hf_model
@@ -58,15 +60,25 @@ def test_step_loss_equals_trl_formula_on_transformers_scores(tiny_train_model, t
     algorithm.save_model(tmp_path / "saved")
     hf = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "saved"), dtype=torch.float32)
     seqs = [p.prompt_ids + p.chosen_ids for p in pairs] + [p.prompt_ids + p.rejected_ids for p in pairs]
-    scores = hf_scores(hf, seqs, algorithm.pad_id)
-    chosen, rejected = scores.chunk(2)
-    margin = torch.tensor([p.margin for p in pairs])
-    expected = -torch.nn.functional.logsigmoid(chosen - rejected - margin).mean()
-    expected = expected + 0.1 * torch.mean((chosen + rejected) ** 2)
-    assert float(loss.detach()) == pytest.approx(float(expected), abs=1e-5)
-    with torch.no_grad():
-        torch.testing.assert_close(answer_scores(algorithm.model, batch), scores, atol=1e-5, rtol=0)
-    assert float(metrics["accuracy"].total) / 6 == pytest.approx(float((chosen > rejected).float().mean()))
+    exact = exact_scores(algorithm.model, seqs, algorithm.pad_id, hf)
+    margin = torch.tensor([p.margin for p in pairs], dtype=torch.float64)
+
+    def formula(scores: torch.Tensor) -> torch.Tensor:
+        chosen, rejected = scores.chunk(2)
+        return -torch.nn.functional.logsigmoid(chosen - rejected - margin).mean() + 0.1 * torch.mean((chosen + rejected) ** 2)
+
+    # The loss's own float32 roundings on top of its scores' errors: the differences, logsigmoid (an
+    # exp and a log), the squares, the sums over 6 pairs and the divisions.
+    chosen, rejected = exact.exact.chunk(2)
+    terms = torch.nn.functional.logsigmoid(chosen - rejected - margin).abs() + 0.1 * (chosen + rejected) ** 2
+    own = (2 * EXP_ERROR + gamma(8)) * terms.mean() + 2 * U * (chosen.abs() + rejected.abs() + margin).mean()
+    expected = exact.map(formula)
+    assert abs(float(loss.detach()) - float(expected.exact)) <= float(expected.bound()) + float(own)
+    for got in (answer_scores(algorithm.model, batch).detach(), hf_scores(hf, seqs, algorithm.pad_id)):
+        assert ((got.double() - exact.exact).abs() <= exact.bound()).all()
+    bound = exact.bound()
+    assert ((chosen - rejected).abs() > bound[:6] + bound[6:]).all()  # each comparison decided in float32
+    assert float(metrics["accuracy"].total) / 6 == pytest.approx(float((chosen > rejected).double().mean()))
 
 
 def hf_scores(hf, seqs: list[list[int]], pad_id: int) -> torch.Tensor:
@@ -75,6 +87,20 @@ def hf_scores(hf, seqs: list[list[int]], pad_id: int) -> torch.Tensor:
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
     with torch.no_grad():
         return hf(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
+
+
+def exact_scores(model, seqs: list[list[int]], pad_id: int, hf) -> decoder_bound.Probed:
+    """The scores [N] of a `SequenceScorer` at each sequence's last token that is not the pad token,
+    exact and on `decoder_bound`'s perturbed forwards: what any float32 forward of them is within
+    the bound of (~1e-5 of scores of ~0.1 here), transformers' (`hf`, whose rotary frequencies are
+    its own float32 ones) included."""
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    at = torch.tensor([score_index(s, pad_id) for s in seqs])
+    freq_error = (hf.model.rotary_emb.inv_freq.double() - model.model.inv_freq.double()).abs()
+    probed = decoder_bound.logits(model, ids, mask, freq_error=freq_error, head=model.score)
+    return probed.map(lambda v: v[torch.arange(len(seqs)), at, 0])
 
 
 def test_reward_model_learns_a_held_out_preference(tiny_train_model, tmp_path) -> None:
@@ -108,9 +134,10 @@ def test_checkpoint_loads_in_transformers_with_the_same_scores(trained_rm) -> No
     rows = preference_rows(7, seed=9, chat_every=2)
     pairs = [(r["prompt"], r["chosen"]) for r in rows] + [(r["prompt"], r["rejected"]) for r in rows]
     ours = torch.tensor(rm.score(pairs, batch_size=3))
-    theirs = hf_scores(hf, [rm.encode(*p) for p in pairs], rm.pad_token_id)
-    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
-    torch.testing.assert_close(torch.tensor(rm.score(pairs, batch_size=len(pairs))), ours, atol=1e-5, rtol=0)
+    seqs = [rm.encode(*p) for p in pairs]
+    exact = exact_scores(rm.network, seqs, rm.pad_token_id, hf)
+    for got in (ours, hf_scores(hf, seqs, rm.pad_token_id), torch.tensor(rm.score(pairs, batch_size=len(pairs)))):
+        assert ((got.double() - exact.exact).abs() <= exact.bound()).all()
     assert ours.std() > 1e-3  # trained scores that differ, so equality means something
 
 
@@ -124,10 +151,11 @@ def test_pad_token_equal_to_eos_is_skipped_as_transformers_does(tmp_path) -> Non
     ours = load_sequence_scorer(tmp_path / "hf", new_head=False)
     seqs = [[5, 6, 7, 2], [8, 9, 2, 10, 11], [12, 2, 2]]
     assert [score_index(s, 2) for s in seqs] == [2, 4, 0]
-    expected = hf_scores(hf, seqs, pad_id=2)
+    exact = exact_scores(ours, seqs, 2, hf)
     with torch.no_grad():
         got = torch.stack([ours.scores(ours(torch.tensor([s]))[0, score_index(s, 2)]) for s in seqs])
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    for scores in (got, hf_scores(hf, seqs, pad_id=2)):
+        assert ((scores.double() - exact.exact).abs() <= exact.bound()).all()
 
 
 def test_bad_arguments_are_named(trained_rm, tiny_train_model) -> None:
