@@ -4,12 +4,15 @@ TRL's as two padded rows), the same loss and metrics."""
 
 from __future__ import annotations
 
+import decoder_bound
 import pytest
 import torch
+from float_bounds import gamma, log_softmax_bounds
 from preference_data import dpo_trainer, preference_rows
 from tiny_train import build_model_dir
 
 from pagedrl.train.algorithms.dpo import answer_logps
+from pagedrl.train.losses import dpo_loss
 
 PAIRS = 4  # one TRL micro-batch, one of ours
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -40,7 +43,67 @@ def trl_first_batch(model_dir, ref_dir, rows, tmp_path, **settings):
     with torch.no_grad():
         chosen, rejected = trainer.compute_ref_log_probs(trainer.model, batch)  # the policy's own log-probs
     metrics = {k: v[0] for k, v in trainer._metrics["train"].items()}
-    return features, float(loss.detach()), torch.cat([chosen, rejected]), metrics
+    return features, float(loss.detach()), torch.cat([chosen, rejected]), metrics, policy.model.rotary_emb.inv_freq
+
+
+def exact_first_batch(policy, reference, pairs, freq, loss_type: str, beta: float, smoothing: float):
+    """The batch's answer log-probs [2n] (chosen first) and, in `METRICS` order after the loss, its
+    metrics (the accuracy's per-pair margins apart), each exact (float64 forwards of both models,
+    `decoder_bound`) and on perturbed forwards, where each answer's sum also carries its tokens' own
+    log_softmax roundings and the sum's (any order); the policy's and the reference's forwards round
+    independently, even where the reference is the policy itself."""
+    n = len(pairs)
+    seqs = [p.prompt_ids + p.chosen_ids for p in pairs] + [p.prompt_ids + p.rejected_ids for p in pairs]
+    starts = [len(p.prompt_ids) for p in pairs] * 2
+    width = max(map(len, seqs))
+    ids = torch.tensor([q + [0] * (width - len(q)) for q in seqs])
+    mask = torch.tensor([[1] * len(q) + [0] * (width - len(q)) for q in seqs])
+    freq_error = (freq.double() - policy.model.inv_freq.double()).abs()  # transformers' float32 frequencies
+
+    def answers(model, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[1 + PROBES, 2n] sums of log-probs; [1 + PROBES, tokens] vocabulary means of the logits and
+        their magnitudes' means [tokens], chosen answers' tokens first."""
+        probed = decoder_bound.logits(model, ids, mask, freq_error=freq_error, seed=seed)
+        g = torch.Generator().manual_seed(seed + 100)
+        sums, means, sizes = [], [], []
+        for i, (q, start) in enumerate(zip(seqs, starts, strict=True)):
+            rows, targets = probed.values[:, i, start - 1:len(q) - 1], torch.tensor(q[start:])
+            logp = torch.log_softmax(rows, -1).gather(-1, targets.expand(rows.shape[0], -1)[..., None])[..., 0]
+            own = log_softmax_bounds(rows[0]).gather(1, targets[:, None]).sum() + gamma(len(q)) * logp[0].abs().sum()
+            signs = torch.randint(0, 2, (rows.shape[0],), generator=g).double() * 2 - 1
+            signs[0] = 0
+            sums.append(logp.sum(-1) + signs * own)
+            means.append(rows.mean(-1))
+            sizes.append(rows[0].abs().mean(-1))
+        return torch.stack(sums, -1), torch.cat(means, -1), torch.cat(sizes)
+
+    pol, logit_means, logit_sizes = answers(policy, 0)
+    ref = answers(reference, 1)[0]
+    lengths = torch.tensor([len(p.chosen_ids) for p in pairs] + [len(p.rejected_ids) for p in pairs]).double()
+    split = sum(len(p.chosen_ids) for p in pairs)
+
+    def outcome(pi: torch.Tensor, r: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+        out = dpo_loss(*pi.chunk(2), *r.chunk(2), beta=beta, loss_type=loss_type, label_smoothing=smoothing,
+                       chosen_lengths=lengths[:n], rejected_lengths=lengths[n:])
+        margins = out.chosen_rewards - out.rejected_rewards
+        return torch.cat([torch.stack([out.losses.mean(), out.chosen_rewards.mean(), out.rejected_rewards.mean(),
+                                       margins.mean(), pi[:n].mean(), pi[n:].mean(), means[:split].mean(),
+                                       means[split:].mean()]), margins])
+
+    values = decoder_bound.Probed(torch.stack([outcome(*v) for v in zip(pol, ref, logit_means, strict=True)]))
+    # Each in float32 besides: a chain of a few roundings (differences, beta, the loss's exp and log,
+    # means over n pairs, over the answers' tokens and over a 300-token vocabulary) on values of at
+    # most the log-probs' size (times the loss's slope) or the logits'.
+    pi = pol[0].clone().requires_grad_()
+    (slope,) = torch.autograd.grad(outcome(pi, ref[0], logit_means[0])[0], pi)
+    size = pol[0].abs() + ref[0].abs()
+    sizes = torch.cat([torch.stack([(slope.abs() * size).sum() + values.exact[0].abs(), beta * size[:n].mean(),
+                                    beta * size[n:].mean(), 2 * beta * size.mean(), pol[0, :n].abs().mean(),
+                                    pol[0, n:].abs().mean(), logit_sizes[:split].mean(), logit_sizes[split:].mean()]),
+                       beta * (size[:n] + size[n:])])
+    chains = torch.full_like(sizes, gamma(16))
+    chains[6:8] = gamma(300 + len(logit_sizes))  # the vocabulary means, then the mean over tokens
+    return decoder_bound.Probed(pol), values.exact, values.bound() + chains * sizes
 
 
 @pytest.mark.parametrize(("loss_type", "precompute", "other_ref", "chat"), [
@@ -54,7 +117,7 @@ def test_first_batch_equals_trl_dpo_trainer(tiny_train_model, other_model, tmp_p
     rows = preference_rows(8, seed=3, chat_every=1 if chat else 0)
     ref_dir = other_model if other_ref else None
     smoothing = 0.2 if loss_type == "robust" else 0.0
-    features, trl_loss, trl_logps, trl_metrics = trl_first_batch(
+    features, trl_loss, trl_logps, trl_metrics, freq = trl_first_batch(
         tiny_train_model, ref_dir, rows, tmp_path, beta=0.3, loss_type=[loss_type], label_smoothing=smoothing,
         precompute_ref_log_probs=precompute)
 
@@ -73,16 +136,29 @@ def test_first_batch_equals_trl_dpo_trainer(tiny_train_model, other_model, tmp_p
         assert (pair.prompt_ids, pair.chosen_ids, pair.rejected_ids) == (
             feature["prompt_ids"], feature["chosen_ids"], feature["rejected_ids"])
 
+    # Ours and TRL's against the exact values, within float32's bounds (~2e-4 on sums of ~10 tokens'
+    # log-probs; an answer token predicted from the wrong row moves a sum by ~1).
+    policy = load_model(tiny_train_model).model
+    logps, expected, bound = exact_first_batch(policy, reference if other_ref else policy, pairs, freq, loss_type,
+                                               0.3, smoothing)
     batch = algorithm.collate(examples)
     with torch.no_grad():
         ours_logps = answer_logps(algorithm.model, batch).logps
-    torch.testing.assert_close(ours_logps, trl_logps, atol=1e-4, rtol=0)
+    for got in (ours_logps, trl_logps):
+        assert ((got.double() - logps.exact).abs() <= logps.bound()).all()
     loss, metrics = algorithm.loss(trainer.handle, batch, torch.tensor(float(PAIRS)))
-    assert float(loss.detach()) == pytest.approx(trl_loss, abs=1e-4)
-    for name in METRICS:
+    for got in (float(loss.detach()), trl_loss):
+        assert abs(got - float(expected[0])) <= float(bound[0])
+    named = [m for m in METRICS if m != "rewards/accuracies"]
+    for i, name in enumerate(named, start=1):
         m = metrics[name]
-        assert float(m.total) / float(m.weight) == pytest.approx(trl_metrics[name], abs=1e-4), name
+        for got in (float(m.total) / float(m.weight), trl_metrics[name]):
+            assert abs(got - float(expected[i])) <= float(bound[i]), name
     if other_ref:
         assert abs(trl_metrics["rewards/margins"]) > 1e-3  # a reference that differs, so the rewards count
-    else:
-        assert trl_metrics["rewards/margins"] == 0.0  # the reference is the starting policy
+        margins, margin_bound = expected[len(named) + 1:], bound[len(named) + 1:]
+        assert (margins.abs() > margin_bound).all()  # each pair's comparison decided in float32
+        accuracy = float((margins > 0).double().mean())
+        assert float(metrics["rewards/accuracies"].total) / PAIRS == accuracy == trl_metrics["rewards/accuracies"]
+    # else the reference is the starting policy: every margin is 0 but for rounding (checked above
+    # within its bound), and whether a reward exceeds another is float32's choice
