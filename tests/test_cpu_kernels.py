@@ -4,6 +4,7 @@ and head sizes it compiles fixed and those it reads at run time, float32 and bf1
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -169,3 +170,29 @@ def test_prompt_chunks_by_rows_equal_the_reference(dtype) -> None:
     torch.testing.assert_close(meta.attend(0, q, k, v).float(), ref.float(), rtol=tol, atol=tol)
     decodes = PagedAttention.build(cache, block_size, [(order[6:10], 51, 1)], impl="fast", prefill_rows=True)
     assert decodes.in_place and decodes.row_lens is None
+
+
+def test_a_killed_build_s_lock_is_cleared_and_a_live_one_waited_for(tmp_path, monkeypatch) -> None:
+    """torch's builder waits for ever on a lock a killed build left: the lock of a dead builder, or of
+    none named and old, is removed; a live builder's lock is waited for."""
+    import subprocess
+    import sys
+    import threading
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    (tmp_path / ops.BUILDER_FILE).write_text(dead.stdout.strip())
+    ops.wait_for_builder(tmp_path, poll=0.01)
+    assert not lock.exists()
+    lock.touch()
+    (tmp_path / ops.BUILDER_FILE).unlink()
+    monkeypatch.setattr(ops, "STALE_LOCK_SECONDS", -1.0)  # no builder named: old enough
+    ops.wait_for_builder(tmp_path, poll=0.01)
+    assert not lock.exists()
+    lock.touch()
+    (tmp_path / ops.BUILDER_FILE).write_text(str(os.getpid()))  # alive: waited for until released
+    threading.Timer(0.2, lock.unlink).start()
+    ops.wait_for_builder(tmp_path, poll=0.01)
+    assert not lock.exists()

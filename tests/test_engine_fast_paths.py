@@ -146,16 +146,24 @@ def tiny_model() -> CausalLM:
 
 
 def test_projection_into_the_reused_buffer_equals_the_models_logits() -> None:
+    """More rows than the float32 kernel takes: torch's product into a buffer kept across steps; a
+    decode step's few rows: the kernel's product of the same head."""
+    from pagedrl.kernels import products
+
     model = tiny_model()
     runner = ModelRunner(model, kv_cache=None, kv_manager=None, block_size=16)
-    hidden = torch.randn(7, model.config.hidden_size)
+    most = products.MAX_ROWS_FLOAT
+    hidden = torch.randn(most + 7, model.config.hidden_size)
     with torch.inference_mode():
         big = runner.project(hidden)
         assert torch.equal(big, model.logits(hidden))
         buffer = runner._logits
-        small = runner.project(hidden[:3])
+        small = runner.project(hidden[:most + 3])
         assert runner._logits is buffer  # fewer rows reuse the buffer
-        assert torch.equal(small, model.logits(hidden[:3]))
+        assert torch.equal(small, model.logits(hidden[:most + 3]))
+        few = runner.project(hidden[:3])
+        assert runner.float_routes
+        assert torch.equal(few, torch.ops.pagedrl_cpu.float_linear(hidden[:3], model.lm_head.weight, None))
 
 
 def test_positions_are_computed_once_per_step(monkeypatch) -> None:

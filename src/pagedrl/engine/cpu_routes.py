@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from pagedrl.kernels import ops
-from pagedrl.kernels.products import PackedWeights, few_rows, max_rows, takes
+from pagedrl.kernels.products import PackedWeights, few_rows, float_rows, max_rows, takes
 from pagedrl.model.routed import Routes, routed_to
 
 
@@ -69,26 +69,34 @@ ROUTES = Routes(linear=few_rows, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope
 ROWWISE_ONLY = Routes(linear=no_product, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope)
 
 
-def usable(model: torch.nn.Module, autocast_dtype: torch.dtype | None) -> bool:
-    """Whether a runner's steps may use the kernels: a bf16 model on the CPU, run without autocast,
-    with the kernels built (a batch-invariant step is excluded step by step: the flag can be set
-    after the runner is made)."""
+# A float32 step's routes: the products of a few rows on the float32 kernel; norms, SiLU and the
+# rotary embedding stay torch's (the row-wise kernels are bf16 ones).
+FLOAT_ROUTES = Routes(linear=float_rows, rms_norm=_not_taken, silu_mul=_not_taken, rope=_not_taken)
+
+
+def usable(model: torch.nn.Module, autocast_dtype: torch.dtype | None, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a runner's steps may use the kernels: a model of `dtype` on the CPU, run without
+    autocast, with the kernels built (a batch-invariant step is excluded step by step: the flag can be
+    set after the runner is made)."""
     weight = next(model.parameters(), None)
-    if weight is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or autocast_dtype is not None:
+    if weight is None or weight.device.type != "cpu" or weight.dtype != dtype or autocast_dtype is not None:
         return False
     return ops.available()
 
 
 @contextlib.contextmanager
-def routed_step(rows: int, on: bool, packed: PackedWeights | None = None, products_only: bool = False
-                ) -> Iterator[None]:
-    """The decoder routed to the kernels for a step of `rows` query rows, when `on`: the row-wise
-    pieces always (unless `products_only`), the projections on `packed`'s copies when given, else on
-    the engine's kernel when the step is small enough."""
-    if not on or (products_only and packed is None):
+def routed_step(rows: int, on: bool, packed: PackedWeights | None = None, products_only: bool = False,
+                float32: bool = False) -> Iterator[None]:
+    """The decoder routed to the kernels for a step of `rows` query rows, when `on`: for a float32
+    model (`float32`) the products of a few rows (`float_rows`); else the row-wise pieces always (unless
+    `products_only`), the projections on `packed`'s copies when given, else on the engine's kernel
+    when the step is small enough."""
+    if not on or (products_only and packed is None and not float32):
         yield
         return
-    if packed is not None:
+    if float32:
+        routes = FLOAT_ROUTES
+    elif packed is not None:
         routes = products_only_routes(packed) if products_only else engine_routes(packed)
     else:
         routes = ROUTES if rows <= max_rows() else ROWWISE_ONLY

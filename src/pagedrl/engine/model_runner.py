@@ -33,9 +33,9 @@ from pagedrl.engine.kv_cache import KVCache
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.multi_lora import LoRASlots
 from pagedrl.engine.sequence import Sequence, wants_prompt_logprobs
-from pagedrl.kernels import isa
+from pagedrl.kernels import isa, products
 from pagedrl.kernels.memory import keep_freed_memory
-from pagedrl.kernels.products import packed_weights, packs_weights
+from pagedrl.kernels.products import float_rows, packed_weights, packs_weights
 from pagedrl.kernels.threads import bind_threads
 from pagedrl.model.decoder import CausalLM
 
@@ -58,6 +58,7 @@ class ModelRunner:
         self.attention_impl = resolve_impl(attention_impl, model.device)
         self.autocast_dtype = autocast_dtype
         self.cpu_routes = usable(model, autocast_dtype)  # bf16 on a CPU: the engine's own kernels
+        self.float_routes = usable(model, autocast_dtype, torch.float32)  # float32: its products of a few rows
         # Without AMX, decode-sized products on oneDNN's layout of the weights, made once a version: for
         # a bf16 model the engine owns, and for the bf16 twin of a trainer's steps that need not be
         # batch-invariant (greedy evaluations; its rollouts get them through `batch_invariant`).
@@ -90,6 +91,9 @@ class ModelRunner:
         if self.program is not None:
             return (f"decode steps as one program of the CPU kernels on CPU class {isa.describe()} "
                     "(enforce_eager: through the modules)")
+        if self.float_routes:
+            return (f"decode steps through the model's modules, products of up to {products.MAX_ROWS_FLOAT} rows on "
+                    f"the float32 kernel ({torch.ops.pagedrl_cpu.float_linear_lanes()} lanes; CPU class {isa.describe()})")
         if self.on_cpu:
             return f"decode steps through the model's modules (CPU class {isa.describe()})"
         return "decode steps through the model's modules"
@@ -177,8 +181,8 @@ class ModelRunner:
         input_ids = long_tensor(ids).to(device)[None]
         if self.program is not None and meta.in_place and not invariant and self.lora is None:
             return self.result(self.program.run(input_ids[0], meta), row_index, rows, self.program.logits)
-        with routed_step(len(ids), (self.cpu_routes or self.twin_products) and not invariant, self.packed,
-                         products_only=not self.cpu_routes):
+        with routed_step(len(ids), (self.cpu_routes or self.twin_products or self.float_routes) and not invariant,
+                         self.packed, products_only=not self.cpu_routes, float32=self.float_routes):
             return self.result(self.model(input_ids, meta.positions[None], meta)[0], row_index, rows, self.project)
 
     def result(self, hidden: torch.Tensor, row_index: list[int], rows: list[tuple[Sequence, int]],
@@ -201,6 +205,10 @@ class ModelRunner:
                  and not self.model.model.batch_invariant)
         if not plain:
             return self.model.logits(hidden)
+        if self.float_routes:
+            few = float_rows(hidden, head.weight, None)
+            if few is not None:
+                return few
         rows, vocab = hidden.shape[0], head.weight.shape[0]
         if self._logits is None or self._logits.shape[0] < rows or self._logits.shape[1] != vocab:
             self._logits = None

@@ -41,7 +41,7 @@ from pagedrl.kernels import isa
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prefill_tiles.cpp",
-                                                                "decode_linear.cpp", "pair_linear.cpp", "rowwise.cpp",
+                                                                "decode_linear.cpp", "pair_linear.cpp", "rowwise.cpp", "float_linear.cpp",
                                                                 "threads.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "attention_rows.h")]  # shared by the sources: part of the build's key
 DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
@@ -82,6 +82,8 @@ def _load() -> bool:
         folder.mkdir(parents=True, exist_ok=True)
         cached = (folder / "pagedrl_paged_attention.so").is_file()
         start = time.perf_counter()
+        wait_for_builder(folder)
+        (folder / BUILDER_FILE).write_text(str(os.getpid()))
         load(name="pagedrl_paged_attention", sources=[str(p) for p in SOURCES], build_directory=str(folder),
              extra_cflags=cflags(), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         if not cached:
@@ -92,6 +94,41 @@ def _load() -> bool:
         logger.warning("the CPU paged-attention kernel could not be built (%s); decode steps gather each "
                        "sequence's blocks instead", str(e).strip().splitlines()[-1] if str(e).strip() else e)
         return False
+
+
+BUILDER_FILE = "builder.pid"  # the process that last started a build here
+STALE_LOCK_SECONDS = 900  # a lock with no builder named, older than this, is a killed build's
+
+
+def wait_for_builder(folder: Path, poll: float = 0.5) -> None:
+    """Wait while another process builds into `folder`, and clear the lock a killed build left (torch's
+    builder waits on it for ever): stale when the process named in `builder.pid` is gone, or, with no
+    process named, when it is older than STALE_LOCK_SECONDS."""
+    lock = folder / "lock"
+    while lock.exists():
+        try:
+            pid = int((folder / BUILDER_FILE).read_text())
+        except (OSError, ValueError):
+            pid = None
+        try:
+            stale = not _alive(pid) if pid is not None else time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS
+        except FileNotFoundError:
+            return  # released while we looked
+        if stale:
+            logger.warning("removing the lock of a kernel build that did not finish (%s)", lock)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(poll)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 @functools.cache

@@ -1,0 +1,72 @@
+"""The engine's float32 decode projections (`kernels/csrc/float_linear.cpp`) against torch's `F.linear`
+(MKL's float32 GEMM), on the default model's 211 projections (30 layers of q, k, v, o, gate, up, down
+and the LM head: 540 MB of float32 weights, read once per pass as a decode step reads them), at the
+row counts of decode steps; and the machine's memory copy bandwidth, the speed a pass over the
+weights could reach. Both sides in one process, turns alternating, best of `--rounds`; weights of the
+model's shapes drawn at random (the speed does not depend on the values).
+
+    .venv/bin/python bench/bench_float_linear.py [--rows 1,2,4,8,16,32,64] [--threads 2]
+    .venv/bin/python -m pagedrl.kernels.isa run avx2 -- .venv/bin/python bench/bench_float_linear.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagedrl.kernels import isa, ops
+
+LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # (out, in)
+LAYERS, VOCAB, HIDDEN = 30, 49152, 576
+
+
+def copy_bandwidth(megabytes: int = 512, rounds: int = 5) -> float:
+    """GB/s of a large tensor copy (read and write counted), best of `rounds`."""
+    src = torch.ones(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not ops.available():
+        raise SystemExit("the engine's CPU kernels could not be built here")
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen) for _ in range(LAYERS) for n, k in LAYER]
+    weights.append(torch.randn(VOCAB, HIDDEN, generator=gen))
+    nbytes = sum(w.numel() * 4 for w in weights)
+    print(f"{len(weights)} projections, {nbytes / 1e6:.0f} MB of float32 weights; {args.threads} threads; CPU class "
+          f"{isa.describe()}; torch capability {torch.backends.cpu.get_cpu_capability()}; kernel lanes "
+          f"{torch.ops.pagedrl_cpu.float_linear_lanes()}; memory copy {copy_bandwidth():.1f} GB/s")
+    print("| rows | torch F.linear (ms) | pagedrl float_linear (ms) | torch / pagedrl | pagedrl weights GB/s |")
+    print("|---|---|---|---|---|")
+    sides = {"torch": F.linear, "pagedrl": torch.ops.pagedrl_cpu.float_linear}
+    for rows in (int(r) for r in args.rows.split(",")):
+        inputs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in LAYER}}
+        best = dict.fromkeys(sides, float("inf"))
+        with torch.inference_mode():
+            for _ in range(args.rounds):
+                for name, product in sides.items():
+                    start = time.perf_counter()
+                    for w in weights:
+                        product(inputs[w.shape[1]], w, None)
+                    best[name] = min(best[name], time.perf_counter() - start)
+        print(f"| {rows} | {best['torch'] * 1e3:.1f} | {best['pagedrl'] * 1e3:.1f} | "
+              f"{best['torch'] / best['pagedrl']:.2f}x | {nbytes / best['pagedrl'] / 1e9:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
