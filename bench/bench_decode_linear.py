@@ -1,6 +1,6 @@
 """The engine's bf16 decode projections (`kernels/csrc/decode_linear.cpp`) against oneDNN's (`F.linear`,
 which lays out the weights anew at every call) and oneDNN's on weights packed once (`oneDNN packed`,
-what `engine/products.PackedWeights` runs for products that must equal a trainer's) and the
+what `kernels/products.PackedWeights` runs for products that must equal a trainer's) and the
 k-pairs kernel on its packed copy (`kernels/csrc/pair_linear.cpp`, a bf16 engine's products where there is no AMX), on the default model's 211 projections (30 layers of q, k, v, o, gate, up, down and the LM head:
 270 MB of bf16 weights, read once per pass as a decode step reads them), at the row counts of decode
 steps. Both sides in one process, turns alternating, best of `--rounds`; weights of the model's
