@@ -111,5 +111,6 @@ def cut_decided(scaled: torch.Tensor, error: torch.Tensor | float, top_k: int = 
         decided &= ~inside | (gap > 2 * E)
     if min_p > 0.0:
         shifted = x - x.max(-1, keepdim=True).values
-        decided &= ((shifted - math.log(min_p)).abs() > 2 * E[:, None] + EXP_ERROR + U * shifted.abs()).all(-1)
+        apart = (shifted - math.log(min_p)).abs() > 2 * E[:, None] + EXP_ERROR + U * shifted.abs()
+        decided &= (apart | ~torch.isfinite(shifted)).all(-1)
     return decided

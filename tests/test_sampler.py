@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from float_bounds import U, cut_decided, log_softmax_bound, logprob_bounds
 
 from pagedrl.engine.sampler import (
     Sampler,
@@ -67,12 +68,39 @@ def ref_logprobs(probs):
     return [math.log(p) if p > 0 else -math.inf for p in probs]
 
 
-def assert_logprobs_close(actual, expected, tol=1e-5):
-    for a, e in zip(actual, expected, strict=True):
+def penalty_error(logits, prompt, output, presence, frequency, repetition):
+    """Per token, a bound on float32 `apply_penalties`' error: the repetition's product or division,
+    the frequency's product and two subtractions, a rounding each of values at most these."""
+    scale = max(repetition, 1 / repetition)
+    return [4 * U * (abs(x) * scale + abs(frequency) * output.count(t) + abs(presence)) for t, x in enumerate(logits)]
+
+
+def bounds_of(expected, logits, temperature=1.0, error=0.0):
+    """Per token, float32's bound on a log-prob of the row the reference keeps (-inf where it cuts a
+    token): the logits' own errors (`error`: a penalty's roundings) and the row's roundings (the
+    temperature's division, log_softmax over the kept tokens: `float_bounds.logprob_bounds`)."""
+    kept = torch.tensor([e > -math.inf for e in expected])
+    x = torch.tensor(logits, dtype=torch.float64).masked_fill(~kept, -math.inf)[None]
+    return logprob_bounds(x, torch.tensor(error, dtype=torch.float64), temperature or 1.0)[0].tolist()
+
+
+def assert_logprobs_close(actual, expected, logits, temperature=1.0, error=0.0):
+    """Float32 log-probs against the float64 reference, within float32's bound (`bounds_of`)."""
+    for a, e, b in zip(actual, expected, bounds_of(expected, logits, temperature, error), strict=True):
         if e == -math.inf:
             assert a == -math.inf
         else:
-            assert abs(a - e) < tol, (a, e)
+            assert abs(a - e) <= b, (a, e, b)
+
+
+def decided(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, banned=(), error=0.0):
+    """Whether float32 keeps the tokens float64 keeps (`float_bounds.cut_decided` on the scaled row)."""
+    if temperature == 0:
+        return True
+    z = torch.tensor(logits, dtype=torch.float64) / temperature
+    z[list(banned)] = -math.inf
+    scaled_error = torch.tensor(error, dtype=torch.float64) / temperature + U * z.abs().masked_fill(z.isinf(), 0)
+    return bool(cut_decided(z[None], scaled_error, top_k, top_p, min_p)[0])
 
 
 def random_settings(gen, vocab):
@@ -91,7 +119,7 @@ def test_temperature_only_is_a_scaled_softmax():
     got = processed_logprobs(logits, ids, temperature=torch.tensor([0.5, 2.0]))
     for row, t, tok, g in zip(logits.tolist(), [0.5, 2.0], ids.tolist(), got.tolist(), strict=True):
         probs, _ = ref_probs(row, temperature=t)
-        assert abs(g - math.log(probs[tok])) < 1e-6
+        assert abs(g - math.log(probs[tok])) <= logprob_bounds(torch.tensor([row], dtype=torch.float64), 0.0, t)[0, tok]
 
 
 def test_top_k_keeps_ties_at_the_kth_value():
@@ -99,7 +127,7 @@ def test_top_k_keeps_ties_at_the_kth_value():
     out = process_logits(logits, top_k=2).tolist()[0]
     assert [v > -math.inf for v in out] == [True, False, True, True, False]
     assert_logprobs_close(torch.log_softmax(torch.tensor(out), -1).tolist(),
-                          ref_logprobs(ref_probs(logits[0].tolist(), top_k=2)[0]))
+                          ref_logprobs(ref_probs(logits[0].tolist(), top_k=2)[0]), logits[0].tolist())
 
 
 @pytest.mark.parametrize("top_p, kept", [
@@ -113,7 +141,7 @@ def test_top_p_cumulative_cut_keeps_ties_at_the_boundary(top_p, kept):
     out = process_logits(logits, top_p=top_p)[0]
     assert (out > -math.inf).tolist() == kept
     expected, _ = ref_probs(logits[0].tolist(), top_p=top_p)
-    assert_logprobs_close(torch.log_softmax(out, -1).tolist(), ref_logprobs(expected))
+    assert_logprobs_close(torch.log_softmax(out, -1).tolist(), ref_logprobs(expected), logits[0].tolist())
 
 
 def test_top_p_is_computed_after_temperature_and_top_k():
@@ -132,7 +160,7 @@ def test_min_p_compares_to_the_most_likely_token():
     out = process_logits(logits, min_p=0.25)[0]
     assert (out > -math.inf).tolist() == [True, True, True, False]  # 0.1 < 0.25 * 0.5
     expected, _ = ref_probs(logits[0].tolist(), min_p=0.25)
-    assert_logprobs_close(torch.log_softmax(out, -1).tolist(), ref_logprobs(expected))
+    assert_logprobs_close(torch.log_softmax(out, -1).tolist(), ref_logprobs(expected), logits[0].tolist())
 
 
 def test_random_rows_with_mixed_settings_match_reference():
@@ -144,11 +172,11 @@ def test_random_rows_with_mixed_settings_match_reference():
     batched = {key: torch.tensor([s[key] for s in settings]) for key in settings[0]}
     logp = torch.log_softmax(process_logits(logits, **batched), -1)
     for i, s in enumerate(settings):
-        expected, margin = ref_probs(logits[i].tolist(), **s)
-        if margin < 1e-4:  # too close to a cut for float32 to decide like float64
+        expected, _ = ref_probs(logits[i].tolist(), **s)
+        if not decided(logits[i].tolist(), **s):  # too close to a cut for float32 to decide like float64
             continue
         checked += 1
-        assert_logprobs_close(logp[i].tolist(), ref_logprobs(expected))
+        assert_logprobs_close(logp[i].tolist(), ref_logprobs(expected), logits[i].tolist(), s["temperature"])
     assert checked > 48
 
 
@@ -181,7 +209,8 @@ def test_penalties_follow_vllm_formulas(device):
     for i in range(2):
         expected = ref_penalise(logits[i].tolist(), prompts[i], outputs[i], presence[i], frequency[i],
                                 repetition[i])
-        assert got[i].tolist() == pytest.approx(expected, abs=1e-6)
+        bound = penalty_error(logits[i].tolist(), prompts[i], outputs[i], presence[i], frequency[i], repetition[i])
+        assert all(abs(g - e) <= b for g, e, b in zip(got[i].tolist(), expected, bound, strict=True))
 
 
 def test_token_counts_rejects_ids_outside_the_vocabulary():
@@ -205,7 +234,7 @@ def test_processed_logprobs_gradient_is_the_truncated_softmax_gradient():
     processed_logprobs(logits, ids, temperature, top_k, top_p).sum().backward()
     q = torch.softmax(process_logits(logits.detach(), temperature, top_k, top_p), -1)
     expected = (torch.nn.functional.one_hot(ids, 10) - q) / temperature[:, None]
-    assert torch.allclose(logits.grad, expected, atol=1e-12)
+    assert torch.allclose(logits.grad, expected, atol=1e-12)  # float64, a few operations on values below 1
 
 
 # ------------------------------------------------------------------ the sampler
@@ -231,20 +260,23 @@ def test_sampler_distribution_matches_reference_end_to_end(device):
         pen = dict(presence_penalty=0.3, frequency_penalty=-0.2, repetition_penalty=1.4) if i % 3 == 0 else {}
         prompt, output, banned = [i % vocab, 3], [1, 1, (2 * i) % vocab], [(i + 5) % vocab] if i % 2 else []
         rows.append(SamplingRow(SamplingParams(**s, **pen), prompt, output, banned_token_ids=banned))
-        penalised = ref_penalise(logits[i].tolist(), prompt, output, pen.get("presence_penalty", 0.0),
-                                 pen.get("frequency_penalty", 0.0), pen.get("repetition_penalty", 1.0))
-        cases.append(ref_probs(penalised, **s, banned=banned))
+        penalties = (pen.get("presence_penalty", 0.0), pen.get("frequency_penalty", 0.0),
+                     pen.get("repetition_penalty", 1.0))
+        penalised = ref_penalise(logits[i].tolist(), prompt, output, *penalties)
+        error = penalty_error(logits[i].tolist(), prompt, output, *penalties)
+        cases.append((ref_probs(penalised, **s, banned=banned)[0], penalised, error, s, banned))
     out, dists = full_processed(Sampler(), logits.to(device), rows)
     raw = torch.log_softmax(logits.double(), -1)
     checked = 0
-    for i, (expected, margin) in enumerate(cases):
+    for i, (expected, penalised, error, s, banned) in enumerate(cases):
         tok = int(out.token_ids[i])
         assert expected[tok] > 0, "sampled a token outside the kept set"
-        assert abs(out.raw_logprobs[i].item() - raw[i, tok].item()) < 1e-5
-        assert abs(out.processed_logprobs[i].item() - dists[i][tok]) < 1e-6
-        if margin >= 1e-4:
+        assert abs(out.raw_logprobs[i].item() - raw[i, tok].item()) <= log_softmax_bound(logits[i:i + 1], out.token_ids[i:i + 1])
+        bounds = bounds_of(ref_logprobs(expected), penalised, s["temperature"], error)
+        assert abs(out.processed_logprobs[i].item() - dists[i][tok]) <= 2 * bounds[tok]  # two float32 ones
+        if decided(penalised, **s, banned=banned, error=error):
             checked += 1
-            assert_logprobs_close(dists[i], ref_logprobs(expected))
+            assert_logprobs_close(dists[i], ref_logprobs(expected), penalised, s["temperature"], error)
     assert checked > 18
 
 
@@ -262,7 +294,18 @@ def test_sampled_logprob_equals_trainer_recompute(device):
                                   for k, d in [("temperature", 1.0), ("top_k", 0), ("top_p", 1.0),
                                                ("min_p", 0.0)]})
     assert torch.isfinite(out.processed_logprobs).all()
-    assert torch.allclose(out.processed_logprobs, recompute, atol=1e-5, rtol=0)
+    # two float32 computations of each row's log-prob: within twice float32's bound of it, where the
+    # kept set is decided (elsewhere the sampler and the trainer might keep other tokens)
+    checked = 0
+    for i, s in enumerate(settings):
+        row = logits[i].tolist()
+        if not decided(row, **s):
+            continue
+        checked += 1
+        kept = process_logits(logits[i:i + 1].double(), **{k: v for k, v in s.items()})[0]
+        bound = bounds_of(torch.log_softmax(kept, -1).tolist(), row, s["temperature"])[int(out.token_ids[i])]
+        assert abs(out.processed_logprobs[i].item() - recompute[i].item()) <= 2 * bound
+    assert checked > 30
     # Penalised rows agree too when the trainer is handed the penalised logits.
     p = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.5, frequency_penalty=0.5)
     row = SamplingRow(p, [1, 2, 3], [3, 3, 7])
@@ -271,7 +314,11 @@ def test_sampled_logprob_equals_trainer_recompute(device):
                                 token_counts([[3, 3, 7]], vocab, device), torch.tensor([0.0], device=device),
                                 torch.tensor([0.5], device=device), torch.tensor([1.5], device=device))
     again = processed_logprobs(penalised, single.token_ids, 0.8, 0, 0.9)
-    assert torch.allclose(single.processed_logprobs, again, atol=1e-5, rtol=0)
+    exact = ref_penalise(logits[0].tolist(), [1, 2, 3], [3, 3, 7], 0.0, 0.5, 1.5)
+    error = penalty_error(logits[0].tolist(), [1, 2, 3], [3, 3, 7], 0.0, 0.5, 1.5)
+    assert decided(exact, 0.8, top_p=0.9, error=error)
+    bound = bounds_of(ref_logprobs(ref_probs(exact, 0.8, top_p=0.9)[0]), exact, 0.8, error)[int(single.token_ids[0])]
+    assert abs(single.processed_logprobs.item() - again.item()) <= 2 * bound
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -311,7 +358,8 @@ def test_greedy_picks_the_first_argmax_and_consumes_no_randomness():
     out = Sampler(shared)(logits, rows)
     assert out.token_ids.tolist() == [1, 0]
     assert torch.equal(own.get_state(), own_state) and torch.equal(shared.get_state(), shared_state)
-    assert torch.allclose(out.processed_logprobs, torch.log_softmax(logits, -1).max(-1).values)
+    assert (out.processed_logprobs - torch.log_softmax(logits, -1).max(-1).values).abs().double().le(
+        2 * log_softmax_bound(logits, out.token_ids)).all()  # two float32 log_softmaxes of the rows
 
 
 def test_greedy_applies_penalties_and_bans_first():
@@ -330,8 +378,8 @@ def chi_square(counts, probs, draws):
 def test_empirical_frequencies_match_the_processed_distribution(seeded):
     logits = torch.tensor([1.2, 0.9, 0.4, 0.3, -0.5, -1.0, -3.0, 0.35])
     settings = dict(temperature=0.8, top_k=6, top_p=0.9, min_p=0.1)
-    expected, margin = ref_probs(logits.tolist(), **settings)
-    assert margin > 1e-3
+    expected, _ = ref_probs(logits.tolist(), **settings)
+    assert decided(logits.tolist(), **settings)
     draws = 4000 if seeded else 20000
     params = SamplingParams(**settings)
     rows = [SamplingRow(params, generator=make_generator(i) if seeded else None) for i in range(draws)]
@@ -349,8 +397,9 @@ def test_banned_ids_are_never_sampled():
     out = Sampler(torch.Generator().manual_seed(8))(logits.expand(draws, -1), rows)
     assert set(out.token_ids.tolist()) == {2, 3, 5}
     expected, _ = ref_probs(logits.tolist(), temperature=1.5, banned=[0, 1, 4])
-    assert_logprobs_close(out.processed_logprobs[:5].tolist(),
-                          [math.log(expected[t]) for t in out.token_ids[:5].tolist()])
+    bounds = bounds_of(ref_logprobs(expected), logits.tolist(), 1.5)
+    for got, t in zip(out.processed_logprobs[:5].tolist(), out.token_ids[:5].tolist(), strict=True):
+        assert abs(got - math.log(expected[t])) <= bounds[t]
 
 
 def test_bad_bans_raise():
@@ -373,10 +422,13 @@ def test_top_logprobs_raw_and_processed_modes():
     out = Sampler()(logits, rows)
     raw = torch.log_softmax(logits[0].double(), -1).tolist()
     assert list(out.top_logprobs[0]) == [0, 1, 2]
-    assert list(out.top_logprobs[0].values()) == pytest.approx(raw[:3], abs=1e-6)
+    raw_bounds = bounds_of(raw, logits[0].tolist())
+    assert all(abs(g - e) <= b for g, e, b in zip(out.top_logprobs[0].values(), raw[:3], raw_bounds[:3], strict=True))
     processed = ref_logprobs(ref_probs(logits[0].tolist(), temperature=0.5, top_k=2)[0])
     # Truncated tokens show -inf; which one fills the third place is not specified.
     assert list(out.top_logprobs[1])[:2] == [0, 1]
-    assert_logprobs_close(list(out.top_logprobs[1].values()), processed[:3])
+    bounds = bounds_of(processed, logits[0].tolist(), 0.5)
+    for got, e, b in zip(out.top_logprobs[1].values(), processed[:3], bounds[:3], strict=True):
+        assert got == e == -math.inf or abs(got - e) <= b
     assert out.top_logprobs[2] == {} and out.top_logprobs[3] is None
     assert len(set(out.token_ids.tolist())) == 1  # same seed, same logits: same token
