@@ -23,6 +23,13 @@ LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
 
 
+def projection_weights(dtype: torch.dtype, gen: torch.Generator) -> list[torch.Tensor]:
+    """Random weights of the default model's 211 projections, in `dtype`."""
+    weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(LAYERS) for n, k in LAYER]
+    weights.append(torch.randn(VOCAB, HIDDEN, generator=gen).to(dtype))
+    return weights
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4,16,32,64,80")
@@ -34,8 +41,7 @@ def main() -> None:
         raise SystemExit("the engine's decode kernel is not built for this CPU (no AVX512-BF16)")
     amx = torch.ops.pagedrl_cpu.decode_linear_amx()
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen).bfloat16() for _ in range(LAYERS) for n, k in LAYER]
-    weights.append(torch.randn(VOCAB, HIDDEN, generator=gen).bfloat16())
+    weights = projection_weights(torch.bfloat16, gen)
     megabytes = sum(w.numel() * 2 for w in weights) / 1e6
     print(f"{len(weights)} projections, {megabytes:.0f} MB of bf16 weights; {args.threads} threads; "
           f"AMX {'yes' if amx else 'no'}")

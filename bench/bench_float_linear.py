@@ -16,11 +16,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+from bench_decode_linear import LAYER, projection_weights
 
 from pagedrl.kernels import isa, ops
-
-LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # (out, in)
-LAYERS, VOCAB, HIDDEN = 30, 49152, 576
 
 
 def copy_bandwidth(megabytes: int = 512, rounds: int = 5) -> float:
@@ -45,8 +43,7 @@ def main() -> None:
     if not ops.available():
         raise SystemExit("the engine's CPU kernels could not be built here")
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen) for _ in range(LAYERS) for n, k in LAYER]
-    weights.append(torch.randn(VOCAB, HIDDEN, generator=gen))
+    weights = projection_weights(torch.float32, gen)
     nbytes = sum(w.numel() * 4 for w in weights)
     print(f"{len(weights)} projections, {nbytes / 1e6:.0f} MB of float32 weights; {args.threads} threads; CPU class "
           f"{isa.describe()}; torch capability {torch.backends.cpu.get_cpu_capability()}; kernel lanes "
