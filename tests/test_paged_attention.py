@@ -10,9 +10,11 @@ from __future__ import annotations
 import random
 from unittest import mock
 
+import decoder_bound
 import pytest
 import torch
 import torch.nn.functional as F
+from float_bounds import attention_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny import FAMILIES, hf_model
@@ -44,6 +46,29 @@ def run_both(cache: KVCache, seqs, q, k, v, layer: int = 0) -> tuple[torch.Tenso
     fast = PagedAttention.build(cache, BLOCK, seqs, impl="fast").attend(layer, q, k, v)
     assert torch.equal(cache.data, after_ref)
     return ref, fast
+
+
+def exact_attention(cache: KVCache, seqs, q: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each new query's attention over its sequence's keys and values as the cache holds them after
+    the step, exact, and float32's bound on any computation of it (`float_bounds.attention_bound`: a
+    wrong key or a missing mask moves outputs of ~1 by 1e-1, the bound is ~1e-5)."""
+    keys, values = cache.key_cache[layer].flatten(0, 1), cache.value_cache[layer].flatten(0, 1)
+    heads, groups = q.shape[2], q.shape[2] // keys.shape[1]
+    out, bound = torch.zeros(q.shape, dtype=torch.float64), torch.zeros(q.shape, dtype=torch.float64)
+    row = 0
+    for table, c, n in seqs:
+        slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(c + n)])
+        for t in range(n):
+            seen = slots[:c + t + 1]
+            for h in range(heads):
+                out[0, row, h], bound[0, row, h] = attention_bound(q[0, row, h], keys[seen, h // groups],
+                                                                   values[seen, h // groups])
+            row += 1
+    return out, bound
+
+
+def assert_within(got: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> None:
+    assert ((got.double() - exact).abs() <= bound).all()
 
 
 def random_qkv(n: int, heads: int, kv_heads: int, dim: int, gen: torch.Generator):
@@ -87,7 +112,9 @@ def check_fast_equals_reference(shapes, heads, seed) -> None:
     q, k, v = random_qkv(sum(n for _, n in shapes), num_heads, num_kv_heads, 8, gen)
     ref, fast = run_both(cache, seqs, q, k, v, layer=1)
     assert ref.shape == q.shape
-    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    exact, bound = exact_attention(cache, seqs, q, layer=1)
+    assert_within(ref, exact, bound)
+    assert_within(fast, exact, bound)
 
 
 @pytest.mark.parametrize("shapes", [
@@ -104,7 +131,9 @@ def test_fast_path_equals_reference_on_batch_layouts(shapes) -> None:
     seqs = [(t, c, n) for t, (c, n) in zip(tables, shapes, strict=True)]
     q, k, v = random_qkv(sum(n for _, n in shapes), 9, 3, 16, gen)
     ref, fast = run_both(cache, seqs, q, k, v)
-    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    exact, bound = exact_attention(cache, seqs, q)
+    assert_within(ref, exact, bound)
+    assert_within(fast, exact, bound)
 
 
 @pytest.mark.parametrize("impl", ["reference", "fast"])
@@ -117,13 +146,14 @@ def test_fresh_prefills_equal_plain_causal_attention(impl: str) -> None:
     seqs = [(t, 0, n) for t, n in zip(scattered_tables(lengths, 32, rng), lengths, strict=True)]
     q, k, v = random_qkv(sum(lengths), 6, 2, 8, gen)
     out = PagedAttention.build(cache, BLOCK, seqs, impl=impl).attend(0, q, k, v)
+    _, bound = exact_attention(cache, seqs, q)
     start = 0
     for n in lengths:
         sl = slice(start, start + n)
         qh, kh, vh = (t[:, sl].transpose(1, 2).double() for t in (q, k, v))
         kh, vh = kh.repeat_interleave(3, 1), vh.repeat_interleave(3, 1)
         expected = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2)
-        torch.testing.assert_close(out[:, sl].double(), expected, atol=1e-5, rtol=1e-5)
+        assert_within(out[:, sl], expected, bound[:, sl])
         start += n
 
 
@@ -338,6 +368,7 @@ def test_chunked_prefill_and_decode_match_dense_logits(family: str, impl: str) -
     tokens = [torch.randint(3, cfg.vocab_size, (20,)).tolist(), torch.randint(3, cfg.vocab_size, (19,)).tolist()]
     schedules = [[5, 7, 1, 1, 1, 1, 1, 1, 1, 1], [9, 1, 1, 2, 3, 1, 1, 1]]
     tables = scattered_tables([20, 19], 40, random.Random(6))
+    exact = [decoder_bound.logits(model, torch.tensor([t])) for t in tokens]  # causal: every prefix's last row
     done = [0, 0]
     with torch.no_grad():
         for step in range(max(len(s) for s in schedules)):
@@ -346,7 +377,9 @@ def test_chunked_prefill_and_decode_match_dense_logits(family: str, impl: str) -
             for i, logits in zip(active, paged_step(model, cache, batch, impl), strict=True):
                 done[i] += schedules[i][step]
                 expected = dense_last_logits(model, tokens[i][:done[i]])
-                torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+                row, bound = exact[i].exact[0, done[i] - 1], exact[i].bound()[0, done[i] - 1]
+                assert_within(logits, row, bound)  # the paged forward and the dense one, within float32's
+                assert_within(expected, row, bound)  # bound (~5e-5; a stale or misplaced key: 1e-2)
     assert done == [20, 19]
 
 
@@ -364,7 +397,9 @@ def test_prefix_blocks_shared_after_copy_on_write_match_dense_logits() -> None:
         paged_step(model, cache, [(first, [6, 2, 9], 0, 10)], "fast")
         cache.copy_blocks([(9, 4)])
         batch = [(first, [6, 2, 9, 13], 10, 3), (second, [6, 2, 4, 1], 10, 4)]
+        exact = [decoder_bound.logits(model, torch.tensor([t])) for t in (first, second)]
         for impl in ("reference", "fast"):
             got = paged_step(model, cache, batch, impl)
-            torch.testing.assert_close(got[0], dense_last_logits(model, first), atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(got[1], dense_last_logits(model, second), atol=1e-4, rtol=1e-4)
+            for logits, tokens, probed in zip(got, (first, second), exact, strict=True):
+                for row in (logits, dense_last_logits(model, tokens)):
+                    assert_within(row, probed.exact[0, -1], probed.bound()[0, -1])
