@@ -25,6 +25,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from float_bounds import BF16, EXP_ERROR, U, cut_decided, gamma, logprob_bounds
@@ -114,19 +115,23 @@ def hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
 
 
 def sampled_logprobs(rows: Probed, tokens: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
-                     top_p: float = 1.0, min_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     top_p: float = 1.0, min_p: float = 0.0, allowed: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """For rows of logits [N, V] (exact and perturbed) and a token each [N]: the token's exact
     log-prob under the distribution the sampler draws from (its own `processed_logprobs`, run in
     float64 on each probe), and the bound of a float32 one's (an engine's or a trainer's): the
     logits' errors as the probes carry them, plus the division's and log_softmax's own roundings.
-    Where the truncation is not decided (float32 rounding may keep other tokens: logits of a tiny
+    `allowed` [N, V]: a structured output's mask, applied first. Where the truncation is not decided (float32 rounding may keep other tokens: logits of a tiny
     random model are nearly tied) the bound is infinite."""
     from pagedrl.engine.sampler import process_logits, processed_logprobs
 
-    settings = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    settings = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, allowed=allowed)
     logit_error = rows.bound()
     scaled = rows.exact / temperature
-    decided = cut_decided(scaled, logit_error / temperature + U * scaled.abs(), top_k, top_p, min_p)
+    if allowed is not None:
+        scaled = scaled.masked_fill(~allowed, -math.inf)
+        logit_error = logit_error.masked_fill(~allowed, 0)
+    decided = cut_decided(scaled, logit_error / temperature + U * scaled.abs().nan_to_num(posinf=0), top_k, top_p, min_p)
     values = rows.map(lambda v: processed_logprobs(v, tokens, **settings))
     kept = torch.isfinite(process_logits(rows.exact, **settings))
     own = logprob_bounds(rows.exact.masked_fill(~kept, -math.inf), 0.0, temperature).gather(1, tokens[:, None])[:, 0]
@@ -134,7 +139,7 @@ def sampled_logprobs(rows: Probed, tokens: torch.Tensor, temperature: float = 1.
 
 
 def completion_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int], precision: Precision = FLOAT32,
-                        **sampling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        **sampling: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """`sampled_logprobs` of a completion's tokens after its prompt, one forward of the two."""
     probed = logits(model, torch.tensor([prompt + completion]), precision=precision)
     rows = probed.map(lambda v: v[0, len(prompt) - 1:-1])

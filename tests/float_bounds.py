@@ -102,7 +102,7 @@ def cut_decided(scaled: torch.Tensor, error: torch.Tensor | float, top_k: int = 
         decided &= ordered[:, k - 1] - ordered[:, k] > 2 * E
     if top_p < 1.0:
         mass = torch.softmax(ordered[:, :k], -1).cumsum(-1)
-        spread = ordered[:, 0] - ordered[:, k - 1]
+        spread = (ordered[:, :1] - ordered[:, :k]).masked_fill(ordered[:, :k].isinf(), 0).max(-1).values
         move = mass * (torch.expm1(2 * E) + 2 * EXP_ERROR + 2 * gamma(V) + U * spread)[:, None]
         decided &= ((mass - top_p).abs() > move).all(-1)
         cut = (mass < top_p).sum(-1).clamp(max=k - 1)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import re
 
+import decoder_bound
 import jsonschema_rs
 import pytest
 import torch
+from float_bounds import EXP_ERROR, gamma, logprob_bounds
 
 from pagedrl.engine.grammar import unpack_bitmask
 from pagedrl.engine.llm import LLM
@@ -122,9 +124,17 @@ def test_processed_logprobs_are_the_masked_distribution(llm, loaded) -> None:
     allowed = torch.stack(allowed)
     tokens = torch.tensor(comp.token_ids)
     dense = processed_logprobs(logits, tokens, temperature=0.8, top_p=0.9, allowed=allowed)
-    assert torch.allclose(torch.tensor(comp.processed_logprobs), dense, atol=1e-4)
     raw = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
-    assert torch.allclose(torch.tensor(comp.raw_logprobs), raw, atol=1e-4)
+    # the engine's and the dense recompute's, within float32's bound of the exact log-probs
+    # (`decoder_bound`; infinite where float32 could move the top-p cut, so not all of them)
+    exact, bound = decoder_bound.completion_logprobs(model, prompt, comp.token_ids, temperature=0.8, top_p=0.9,
+                                                     allowed=allowed)
+    assert torch.isfinite(bound).float().mean() >= 0.9
+    for got in (torch.tensor(comp.processed_logprobs), dense):
+        assert ((got.double() - exact).abs() <= bound).all()
+    exact, bound = decoder_bound.completion_logprobs(model, prompt, comp.token_ids)
+    for got in (torch.tensor(comp.raw_logprobs), raw):
+        assert ((got.double() - exact).abs() <= bound).all()
     for row, entry in enumerate(comp.logprobs):
         for token, lp in entry.items():
             assert bool(allowed[row, token]) or lp.logprob == NEG_INF
@@ -149,13 +159,19 @@ def test_sampler_mask_renormalises_over_allowed_tokens_only() -> None:
         out = sampler(logits, rows)
         drawn[torch.arange(3), out.token_ids] = True
     assert not (drawn & ~allowed).any()  # a refused token is never drawn
-    for i, top in enumerate(out.top_logprobs):
+    for i, (top, temperature) in enumerate(zip(out.top_logprobs, (1.0, 1.0, 0.5), strict=True)):  # greedy: unscaled
         values = torch.tensor([top[t] for t in range(vocab)])
         assert torch.isneginf(values[~allowed[i]]).all()
-        assert torch.isclose(values[allowed[i]].exp().sum(), torch.tensor(1.0), atol=1e-5)
-    expected = torch.log_softmax((logits / 0.5).masked_fill(~allowed, NEG_INF), -1)
-    assert torch.allclose(torch.tensor([out.top_logprobs[2][t] for t in range(vocab)])[allowed[2]],
-                          expected[2][allowed[2]], atol=1e-5)
+        # float32 log-probs within their bounds, then a float32 exp each and a sum of them
+        masked = logits[i:i + 1].double().masked_fill(~allowed[i:i + 1], NEG_INF)
+        bound = logprob_bounds(masked, 0.0, temperature)[0][allowed[i]]
+        p = torch.softmax(masked[0] / temperature, -1)[allowed[i]]
+        n = int(allowed[i].sum())
+        assert abs(values[allowed[i]].exp().double().sum() - 1) <= (p * (torch.expm1(bound) + EXP_ERROR)).sum() + gamma(n)
+    expected = torch.log_softmax((logits.double() / 0.5).masked_fill(~allowed, NEG_INF), -1)
+    bound = logprob_bounds(logits.double().masked_fill(~allowed, NEG_INF), 0.0, 0.5)
+    got = torch.tensor([out.top_logprobs[2][t] for t in range(vocab)])
+    assert ((got.double() - expected[2])[allowed[2]].abs() <= bound[2][allowed[2]]).all()
     assert int(out.token_ids[0]) == int(logits[0].masked_fill(~allowed[0], NEG_INF).argmax())
 
 
@@ -172,7 +188,18 @@ def test_seeded_constrained_request_is_batch_invariant_and_survives_preemption(l
     assert crowded_llm.stats()["num_preemptions"] > 0
     got = crowd[3].outputs[0]
     assert got.token_ids == alone.token_ids and got.text == alone.text
-    assert torch.allclose(torch.tensor(got.processed_logprobs), torch.tensor(alone.processed_logprobs), atol=1e-5)
+    # two float32 computations of the same masked log-probs: within twice the bound of the exact ones
+    matcher = crowded_llm.engine.grammar_compiler().matcher(so)
+    bits = torch.zeros(crowded_llm.engine.grammar_compiler().words, dtype=torch.int32)
+    allowed = []
+    for t in got.token_ids:
+        matcher.fill_bitmask(bits)
+        allowed.append(unpack_bitmask(bits[None], crowded_llm.vocab_size)[0].clone())
+        matcher.accept(t)
+    _, bound = decoder_bound.completion_logprobs(loaded.model, crowd[3].prompt_token_ids, got.token_ids,
+                                                 allowed=torch.stack(allowed))
+    assert ((torch.tensor(got.processed_logprobs) - torch.tensor(alone.processed_logprobs)).abs().double()
+            <= 2 * bound).all()
     assert crowd[1].outputs[0].text in ("one", "two")
     for comp in crowd[2].outputs:  # n = 2: each fork has its own matcher
         assert comp.finish_reason == "stop" and jsonschema_rs.validator_for(SCHEMAS[2]).is_valid(json.loads(comp.text))
