@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from pagedrl.kernels import ops
+
 STARTUP_TIMEOUT_S = 90.0
 SHUTDOWN_TIMEOUT_S = 30.0
 
@@ -78,6 +80,9 @@ class ServerProcess:
 
 @contextmanager
 def running_server(model_dir: Path, log_dir: Path, *args: str) -> Iterator[ServerProcess]:
+    # The CPU kernels built (once a session, into its cache) before the server starts, which then
+    # loads them: a build inside the server, on a loaded machine, could outlast STARTUP_TIMEOUT_S.
+    ops.available()
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     cmd = [*pagedrl_command(), "serve", str(model_dir), "--port", str(port), "--no-access-log", *args]

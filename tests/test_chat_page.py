@@ -78,6 +78,13 @@ def test_an_answer_streams_in_and_stop_ends_it(server) -> None:
         page.evaluate("""() => { window.seen = []; new MutationObserver(() => {
             const b = document.querySelectorAll('.assistant .body'); if (b.length) window.seen.push(b[b.length-1].textContent);
         }).observe(document.querySelector('#log'), {subtree: true, childList: true, characterData: true}); }""")
+        # Answers reach the page at 4 KB/s (some ten chunks a second), as over a slow link: the text
+        # grows in steps, and an answer is still streaming when Stop is clicked, however fast the
+        # server generates (a loaded machine's network stack could hand a fast answer over in one piece).
+        network = page.context.new_cdp_session(page)
+        network.send("Network.enable")
+        network.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0,
+                                                          "downloadThroughput": 4000, "uploadThroughput": -1})
         page.fill("#input", "hello there")
         page.press("#input", "Enter")
         page.wait_for_function("document.querySelector('.assistant .stats').textContent.includes('finish')")
