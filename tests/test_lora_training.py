@@ -9,10 +9,12 @@ import json
 import shutil
 from pathlib import Path
 
+import decoder_bound
 import peft
 import pytest
 import torch
 import transformers
+from float_bounds import gamma
 from preference_data import preference_rows
 from test_ppo import ppo_config, rows_of
 from test_trainer_resume import Interrupted, interrupt_at, metric_rows
@@ -61,6 +63,22 @@ def assert_only_adapters_changed(module: torch.nn.Module, before: dict[str, torc
     assert not frozen, frozen
 
 
+def transformers_freq_error(model, hf) -> torch.Tensor:
+    return (hf.model.rotary_emb.inv_freq.double() - model.model.inv_freq.double()).abs()
+
+
+def exact_answer_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pair batch's per-answer sums of log-probs, exact (`decoder_bound` on the packed rows), and
+    float32's bound on any computation of them: each token's bound, and the sum's own (any order)."""
+    probed = decoder_bound.logits(model, batch.input_ids, positions=batch.positions, allowed=batch.meta.mask)
+    rows = probed.map(lambda v: v.reshape(-1, v.shape[-1])[batch.predict_at])
+    logp, bound = decoder_bound.sampled_logprobs(rows, batch.targets)
+    answers = 2 * batch.num_pairs
+    sums = logp.new_zeros(answers).index_add(0, batch.answer_of, logp)
+    sizes = logp.new_zeros(answers).index_add(0, batch.answer_of, logp.abs())
+    return sums, logp.new_zeros(answers).index_add(0, batch.answer_of, bound) + gamma(len(logp)) * sizes
+
+
 def sft_trainer(model_dir: Path, out: Path, **fields) -> Trainer:
     config = SFTConfig(**{**LORA, "model": str(model_dir), "output_dir": str(out), "max_steps": 4,
                           "per_device_train_batch_size": 4, **fields})
@@ -87,7 +105,9 @@ def test_sft_trains_the_adapter_only_resumes_exactly_and_saves_what_peft_loads(t
     with torch.no_grad():
         ref = peft_model(input_ids=ids).logits
         ours = straight.module.eval().logits(straight.module(ids))
-    assert float((ref - ours).abs().max()) <= 1e-4
+    probed = decoder_bound.logits(straight.module, ids, freq_error=transformers_freq_error(straight.module, hf))
+    for got in (ref, ours):  # within float32's bound (~5e-5) of the exact logits of the adapted model
+        assert ((got.double() - probed.exact).abs() <= probed.bound()).all()
     # Interrupted after step 3, resumed from checkpoint-2: the same metrics, the same adapter.
     first = sft_trainer(tiny_train_model, tmp_path / "b", **fields)
     interrupt_at(first, 3)
@@ -119,7 +139,9 @@ def test_reward_model_trains_adapter_and_whole_head_and_peft_scores_the_same(tin
     with torch.no_grad():
         ref = peft_model(input_ids=ids).logits[0, 0]
         ours = model.eval().scores(model(ids))[0, -1]
-    assert abs(float(ref - ours)) <= 1e-4
+    probed = decoder_bound.logits(model, ids, freq_error=transformers_freq_error(model, hf), head=model.score)
+    for got in (ref, ours):  # within float32's bound of the exact score of the adapted model
+        assert abs(float(got) - float(probed.exact[0, -1, 0])) <= float(probed.bound()[0, -1, 0])
 
 
 def test_dpo_uses_the_base_as_reference_without_a_copy(tiny_train_model, tmp_path) -> None:
@@ -141,8 +163,10 @@ def test_dpo_uses_the_base_as_reference_without_a_copy(tiny_train_model, tmp_pat
     batch = algorithm.collate(algorithm.examples[:4])
     with torch.no_grad():
         expected = answer_logps(base, batch).logps
-    assert torch.allclose(algorithm.reference_logps(batch), expected, atol=1e-5)
-    assert not torch.allclose(answer_logps(loaded.model.eval(), batch).logps, expected, atol=1e-3)
+    exact, bound = exact_answer_logps(base, batch)
+    for got in (algorithm.reference_logps(batch), expected):
+        assert ((got.double() - exact).abs() <= bound).all()
+    assert ((answer_logps(loaded.model.eval(), batch).logps.double() - exact).abs() > bound).any()  # trained away
 
 
 @pytest.fixture()
