@@ -146,6 +146,20 @@ def completion_logprobs(model: torch.nn.Module, prompt: list[int], completion: l
     return sampled_logprobs(rows, torch.tensor(completion), **sampling)  # type: ignore[arg-type]
 
 
+def answer_logprob_sums(model: torch.nn.Module, batch: Any, freq_error: torch.Tensor | float = 0.0
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pair batch's (`train/algorithms/pair_batch.py`) per-answer sums of log-probs, exact (on its
+    packed rows) and float32's bound on any computation of them: each token's bound, and the sum's
+    own (any order: gamma(tokens) of the terms' magnitudes)."""
+    probed = logits(model, batch.input_ids, positions=batch.positions, allowed=batch.meta.mask, freq_error=freq_error)
+    rows = probed.map(lambda v: v.reshape(-1, v.shape[-1])[batch.predict_at])
+    logp, bound = sampled_logprobs(rows, batch.targets)
+    answers = 2 * batch.num_pairs
+    sums = logp.new_zeros(answers).index_add(0, batch.answer_of, logp)
+    sizes = logp.new_zeros(answers).index_add(0, batch.answer_of, logp.abs())
+    return sums, logp.new_zeros(answers).index_add(0, batch.answer_of, bound) + gamma(len(logp)) * sizes
+
+
 @contextlib.contextmanager
 def one_thread() -> Iterator[None]:
     """Tensors of a few hundred thousand float64s: one thread is fastest, most of all on a busy machine."""

@@ -116,15 +116,17 @@ def cut_decided(scaled: torch.Tensor, error: torch.Tensor | float, top_k: int = 
     return decided
 
 
-def attention_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                    store: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """For one float32 query q [D] over float32 keys k [n, D] and values v [n, Dv]: the exact
     softmax(q k^T scale) v (float64) and a bound on a float32 computation's error, in any order and
     any blocking of the keys. Scores: a dot product and the scaling (gamma(D + 1) of the terms'
     magnitudes), each probability moving by at most a factor exp(its score's error + the largest);
     each exponential's argument (U |s_j - m|), value (EXP_ERROR) and a rescale of the running sums
     per later key (an online softmax in blocks as small as one key); the sum of them and the
-    division; then the output's sum of n products (gamma(n) of their magnitudes)."""
+    division; then the output's sum of n products (gamma(n) of their magnitudes). `store`: the unit
+    roundoff of a narrower dtype the probabilities are cast to for that product and the output is
+    stored in (float16's 2^-11), else 0: float32 throughout."""
     q, k, v = q.double(), k.double(), v.double()
     n, D = k.shape
     scale = D**-0.5 if scale is None else scale
@@ -133,6 +135,6 @@ def attention_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     p = torch.softmax(scores, 0)
     spread = scores.max() - scores
     rounded = U * spread + EXP_ERROR + (n - 1) * (EXP_ERROR + U) + U * spread.max()
-    moved = torch.expm1(score_error + score_error.max()) + rounded + rounded.max() + gamma(n) + U
+    moved = torch.expm1(score_error + score_error.max()) + rounded + rounded.max() + gamma(n) + U + store
     out = p @ v
-    return out, ((p * moved) @ v.abs() + gamma(n) * (p @ v.abs())) * 1.001
+    return out, ((p * moved) @ v.abs() + gamma(n) * (p @ v.abs()) + store * out.abs()) * 1.001

@@ -14,7 +14,6 @@ import peft
 import pytest
 import torch
 import transformers
-from float_bounds import gamma
 from preference_data import preference_rows
 from test_ppo import ppo_config, rows_of
 from test_trainer_resume import Interrupted, interrupt_at, metric_rows
@@ -65,18 +64,6 @@ def assert_only_adapters_changed(module: torch.nn.Module, before: dict[str, torc
 
 def transformers_freq_error(model, hf) -> torch.Tensor:
     return (hf.model.rotary_emb.inv_freq.double() - model.model.inv_freq.double()).abs()
-
-
-def exact_answer_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pair batch's per-answer sums of log-probs, exact (`decoder_bound` on the packed rows), and
-    float32's bound on any computation of them: each token's bound, and the sum's own (any order)."""
-    probed = decoder_bound.logits(model, batch.input_ids, positions=batch.positions, allowed=batch.meta.mask)
-    rows = probed.map(lambda v: v.reshape(-1, v.shape[-1])[batch.predict_at])
-    logp, bound = decoder_bound.sampled_logprobs(rows, batch.targets)
-    answers = 2 * batch.num_pairs
-    sums = logp.new_zeros(answers).index_add(0, batch.answer_of, logp)
-    sizes = logp.new_zeros(answers).index_add(0, batch.answer_of, logp.abs())
-    return sums, logp.new_zeros(answers).index_add(0, batch.answer_of, bound) + gamma(len(logp)) * sizes
 
 
 def sft_trainer(model_dir: Path, out: Path, **fields) -> Trainer:
@@ -163,7 +150,7 @@ def test_dpo_uses_the_base_as_reference_without_a_copy(tiny_train_model, tmp_pat
     batch = algorithm.collate(algorithm.examples[:4])
     with torch.no_grad():
         expected = answer_logps(base, batch).logps
-    exact, bound = exact_answer_logps(base, batch)
+    exact, bound = decoder_bound.answer_logprob_sums(base, batch)
     for got in (algorithm.reference_logps(batch), expected):
         assert ((got.double() - exact).abs() <= bound).all()
     assert ((answer_logps(loaded.model.eval(), batch).logps.double() - exact).abs() > bound).any()  # trained away

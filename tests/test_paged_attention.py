@@ -48,7 +48,8 @@ def run_both(cache: KVCache, seqs, q, k, v, layer: int = 0) -> tuple[torch.Tenso
     return ref, fast
 
 
-def exact_attention(cache: KVCache, seqs, q: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def exact_attention(cache: KVCache, seqs, q: torch.Tensor, layer: int = 0, block: int = BLOCK, store: float = 0.0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each new query's attention over its sequence's keys and values as the cache holds them after
     the step, exact, and float32's bound on any computation of it (`float_bounds.attention_bound`: a
     wrong key or a missing mask moves outputs of ~1 by 1e-1, the bound is ~1e-5)."""
@@ -57,12 +58,12 @@ def exact_attention(cache: KVCache, seqs, q: torch.Tensor, layer: int = 0) -> tu
     out, bound = torch.zeros(q.shape, dtype=torch.float64), torch.zeros(q.shape, dtype=torch.float64)
     row = 0
     for table, c, n in seqs:
-        slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(c + n)])
+        slots = torch.tensor([table[p // block] * block + p % block for p in range(c + n)])
         for t in range(n):
             seen = slots[:c + t + 1]
             for h in range(heads):
                 out[0, row, h], bound[0, row, h] = attention_bound(q[0, row, h], keys[seen, h // groups],
-                                                                   values[seen, h // groups])
+                                                                   values[seen, h // groups], store=store)
             row += 1
     return out, bound
 
