@@ -83,41 +83,11 @@ class Rounding:
         self.store, self.keep, self.cast = precision.store, precision.keep, precision.cast
         self.generator = torch.Generator().manual_seed(seed)
 
-    def signs(self, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-        """A random sign per element, 0 on probe 0 (the exact forward)."""
-        signs = torch.randint(0, 2, shape, generator=self.generator, dtype=torch.float64).mul_(2).sub_(1)
-        signs[0] = 0
-        return signs
-
     def __call__(self, value: torch.Tensor, bound: torch.Tensor | float) -> torch.Tensor:
         """value + sign * bound, a sign per element."""
-        bound = bound.detach() if isinstance(bound, torch.Tensor) else bound
-        return value + self.signs(value.shape) * bound
-
-    # What `gradient_bound` replaces to carry the backward's roundings too: here, plain float64.
-
-    def weight(self, t: torch.Tensor, cast: bool = True) -> torch.Tensor:
-        """A parameter as the computation reads it (a bf16 copy under autocast)."""
-        return (t.detach().bfloat16() if self.precision.autocast and cast else t.detach()).double()
-
-    def product(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [P, ..., K] @ w^T for a weight w [N, K] (or one per probe, [P, N, K])."""
-        return x @ w.T if w.dim() == 2 else torch.einsum("p...k,pnk->p...n", x, w)
-
-    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """a [..., M, K] @ b [..., K, N], batched (attention's two products)."""
-        return a @ b
-
-    def embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return table[ids].expand(1 + PROBES, *ids.shape, -1) if table.dim() == 2 else table[:, ids]
-
-    def backward_noise(self, x: torch.Tensor, bound) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        """x, through which a backward adds sign * bound(gradient) to x's gradient (no backward here)."""
-        return x
-
-    def tap(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """x, and a cell that holds x's gradient once a backward has passed it (none here)."""
-        return x, []
+        signs = torch.randint(0, 2, value.shape, generator=self.generator, dtype=torch.float64).mul_(2).sub_(1)
+        signs[0] = 0
+        return value + signs * bound
 
 
 def logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -227,12 +197,10 @@ def hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torc
     turn = index[:, None].double() * (torch.as_tensor(freq_error, dtype=torch.float64) + U * freq)
     angles = rounding(angles, turn)
     table = rounding(angles.cos(), EXP_ERROR + rounding.keep), rounding(angles.sin(), EXP_ERROR + rounding.keep)
-    x = rounding.embed(rounding.weight(inner.embed_tokens.weight, cast=False), ids)
+    x = inner.embed_tokens.weight.double()[ids].expand(1 + PROBES, B, T, -1)
     for layer in inner.layers:
-        x = rounding.backward_noise(x, lambda g: U * g.abs())  # the gradients of its two readers, added
         h = rms_norm(x, layer.input_layernorm, rounding)
         x = add(x, attention(cast(h, rounding), layer.self_attn, table, allowed, rounding), rounding)
-        x = rounding.backward_noise(x, lambda g: U * g.abs())
         h = cast(rms_norm(x, layer.post_attention_layernorm, rounding), rounding)
         mlp = layer.mlp
         x = add(x, linear(silu_mul(linear(h, mlp.gate_proj, rounding), linear(h, mlp.up_proj, rounding), rounding),
@@ -246,7 +214,7 @@ def gammas(n: torch.Tensor) -> torch.Tensor:
 
 
 def weight(t: torch.Tensor, rounding: Rounding, cast: bool = True) -> torch.Tensor:
-    return rounding.weight(t, cast)
+    return (t.detach().bfloat16() if rounding.precision.autocast and cast else t.detach()).double()
 
 
 def add(a: torch.Tensor, b: torch.Tensor, rounding: Rounding) -> torch.Tensor:
@@ -265,18 +233,17 @@ def linear(x: torch.Tensor, layer: torch.nn.Module, rounding: Rounding) -> torch
     a unit of it."""
     w = weight(layer.weight, rounding)
     bias = getattr(layer, "bias", None)
-    value = rounding.product(x, w)
-    magnitude = Rounding.product(rounding, x.detach().abs(), w.detach().abs())
+    value, magnitude = x @ w.T, x.abs() @ w.abs().T
     if bias is not None:
-        value, magnitude = value + weight(bias, rounding), magnitude + weight(bias, rounding).detach().abs()
+        value, magnitude = value + weight(bias, rounding), magnitude + weight(bias, rounding).abs()
     store = rounding.store
-    value = rounding(value, gamma(w.shape[-1] + 1) * magnitude + store * value.abs())
+    value = rounding(value, gamma(w.shape[1] + 1) * magnitude + store * value.abs())
     if hasattr(layer, "lora_A") and not layer.disabled:
         a = linear(x, layer.lora_A, rounding)
         up = weight(layer.lora_B.weight, rounding) * layer.scaling
-        magnitude = Rounding.product(rounding, a.detach().abs(), up.detach().abs()) + value.detach().abs()
-        value = value + rounding.product(a, up)
-        value = rounding(value, gamma(up.shape[-1] + 2) * magnitude + store * value.abs())
+        magnitude = a.abs() @ up.abs().T + value.abs()
+        value = value + a @ up.T
+        value = rounding(value, gamma(up.shape[1] + 2) * magnitude + store * value.abs())
     return value
 
 
@@ -286,19 +253,9 @@ def rms_norm(x: torch.Tensor, norm: torch.nn.Module, rounding: Rounding, stored:
     root, which is within a library function's error. Then the scaling (U), its rounding to the
     input's dtype (a stored one's: `stored`, else a kept one's) and the product with g (kept)."""
     g = weight(norm.weight, rounding, cast=False)
-    D = x.shape[-1]
-    if g.dim() > 1:  # one per probe
-        g = g.view(g.shape[0], *[1] * (x.dim() - 2), D)
-
-    def backward(dx: torch.Tensor) -> torch.Tensor:  # dx = r g dy - x r^3 / D sum(x g dy): sums of D
-        gdy = g.detach() * cell[0]
-        xd, rd = x.detach(), r.detach()
-        return gamma(D + 4) * (rd * gdy.abs() + xd.abs() * rd.pow(3) / D * (xd * gdy).abs().sum(-1, keepdim=True))
-
-    x = rounding.backward_noise(x, backward)
     r = (x.pow(2).mean(-1, keepdim=True) + norm.eps).rsqrt()
-    r = rounding(r, r * (gamma(D + 2) / 2 + EXP_ERROR))
-    value, cell = rounding.tap(g * x * r)
+    r = rounding(r, r * (gamma(x.shape[-1] + 2) / 2 + EXP_ERROR))
+    value = g * x * r
     return rounding(value, value.abs() * (U + (rounding.store if stored else rounding.keep) + rounding.keep))
 
 
@@ -307,8 +264,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: Roun
     sum of two products, kept (a unit of the products' magnitudes, a unit of the result)."""
     half = x.shape[-1] // 2
     c, s = cos[..., None, :], sin[..., None, :]
-    # backward: the opposite rotation, two products and a sum per element
-    x = rounding.backward_noise(x, lambda g: 3 * U * (g.abs() + torch.cat((g[..., half:], g[..., :half]), -1).abs()))
     a, b = x[..., :half], x[..., half:]
     value = torch.cat((a * c - b * s, b * c + a * s), -1)
     magnitude = torch.cat((a.abs() * c.abs() + b.abs() * s.abs(), b.abs() * c.abs() + a.abs() * s.abs()), -1)
@@ -333,18 +288,10 @@ def attention(x: torch.Tensor, attn: torch.nn.Module, table: tuple[torch.Tensor,
     store = rounding.store
     # A dot product of D terms and the scaling: gamma(D + 1) of the terms' magnitudes, bounded by the
     # norms' product (which a rotary position shift keeps).
-    q, k, v = (t.transpose(2, 3) for t in (q, k, v))  # [P, B, H, T, D]
-
-    def softmax_backward(ds: torch.Tensor) -> torch.Tensor:  # ds = p (dp - sum p dp), p as recomputed
-        pd, dp = p.detach(), cell[0]
-        row = (pd * dp.abs()).sum(-1, keepdim=True)
-        return ((gammas(keys + 2) + relative.detach()) * pd * (dp.abs() + row)).masked_fill(~mask, 0)
-
-    scores = scale * rounding.matmul(q, k.transpose(-1, -2))
-    norms = q.detach().norm(dim=-1)[..., :, None] * k.detach().norm(dim=-1)[..., None, :]
-    scores = rounding(scores, gamma(D + 1) * scale * norms)
+    scores = scale * torch.einsum("pbihd,pbjhd->pbhij", q, k)
+    norms = torch.einsum("pbih,pbjh->pbhij", q.norm(dim=-1), k.norm(dim=-1))
+    scores = rounding(scores, gamma(D + 1) * scale * norms).masked_fill(~mask, -math.inf)
     keys = mask.sum(-1, keepdim=True)
-    scores = rounding.backward_noise(scores, softmax_backward).masked_fill(~mask, -math.inf)
     shifted = scores - scores.amax(-1, keepdim=True)
     spread = shifted.abs().masked_fill(~mask, 0)
     # Each exponential: its argument s_j - m (U |s_j - m|), the exp, and a rescale of the running sums
@@ -353,23 +300,19 @@ def attention(x: torch.Tensor, attn: torch.nn.Module, table: tuple[torch.Tensor,
     # whole row; p rounds for the product with v.
     rescales = keys - 1
     terms = shifted.exp()
-    relative = U * spread + EXP_ERROR + rescales * (EXP_ERROR + U) + U * spread.amax(-1, keepdim=True)
-    terms = rounding(terms, terms * relative)
+    terms = rounding(terms, terms * (U * spread + EXP_ERROR + rescales * (EXP_ERROR + U) + U * spread.amax(-1, keepdim=True)))
     total = terms.sum(-1, keepdim=True)
     total = rounding(total, total * (gammas(keys - 1) + U))
     p = terms / total
     p = rounding(p, store * p)
-    p, cell = rounding.tap(p)
-    out = rounding.matmul(p, v)  # [P, B, H, T, D]
-    out = rounding(out, (gammas(keys) + store) * (p.detach() @ v.detach().abs()) + store * out.abs())
+    out = p @ v.transpose(2, 3)  # [P, B, H, T, D]
+    out = rounding(out, (gammas(keys) + store) * (p @ v.transpose(2, 3).abs()) + store * out.abs())
     return linear(out.transpose(2, 3).reshape(P, B, T, H * D), attn.o_proj, rounding)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, rounding: Rounding) -> torch.Tensor:
     """silu(g) * u: silu's value g / (1 + exp(-g)) is within an exp's error and three roundings, its
     store a unit; the product's store a unit."""
-    gate = rounding.backward_noise(gate, lambda g: (EXP_ERROR + 6 * U) * g.abs())  # dy u silu'(g): exp, products
-    up = rounding.backward_noise(up, lambda g: 3 * U * g.abs())  # dy silu(g)
     silu = torch.nn.functional.silu(gate)
     silu = rounding(silu, silu.abs() * (EXP_ERROR + 3 * U + rounding.store))
     value = silu * up

@@ -125,13 +125,13 @@ def attention_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     each exponential's argument (U |s_j - m|), value (EXP_ERROR) and a rescale of the running sums
     per later key (an online softmax in blocks as small as one key); the sum of them and the
     division; then the output's sum of n products (gamma(n) of their magnitudes). `store`: the unit
-    roundoff of a narrower dtype the scaled query, the scores, the probabilities and the output may
-    be rounded to between the float32 sums (float16's 2^-11, bf16's 2^-8), else 0: float32 throughout."""
+    roundoff of a narrower dtype the probabilities are cast to for that product and the output is
+    stored in (float16's 2^-11), else 0: float32 throughout."""
     q, k, v = q.double(), k.double(), v.double()
     n, D = k.shape
     scale = D**-0.5 if scale is None else scale
     scores = scale * (k @ q)
-    score_error = (gamma(D + 1) + 2 * store) * scale * (k.abs() @ q.abs())  # a narrow dtype: q scaled, scores
+    score_error = gamma(D + 1) * scale * (k.abs() @ q.abs())
     p = torch.softmax(scores, 0)
     spread = scores.max() - scores
     rounded = U * spread + EXP_ERROR + (n - 1) * (EXP_ERROR + U) + U * spread.max()

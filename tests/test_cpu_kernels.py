@@ -10,10 +10,8 @@ import random
 import pytest
 import torch
 from cpu_class import needs
-from float_bounds import BF16
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_paged_attention import exact_attention
 
 from pagedrl.engine.attention import PagedAttention
 from pagedrl.engine.kv_cache import KVCache
@@ -29,9 +27,8 @@ def test_the_kernel_builds_here() -> None:
 
 
 def decode_step(block_size: int, lengths: list[int], heads: tuple[int, int], head_dim: int, dtype: torch.dtype,
-                seed: int, shared_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor, torch.Tensor]:
-    """Reference and in-place outputs of one all-decode step over random caches and scattered tables,
-    and the exact attention with its bound in the cache's dtype (`float_bounds.attention_bound`)."""
+                seed: int, shared_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Reference and in-place outputs of one all-decode step over random caches and scattered tables."""
     num_heads, num_kv_heads = heads
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -52,17 +49,7 @@ def decode_step(block_size: int, lengths: list[int], heads: tuple[int, int], hea
     ref = PagedAttention.build(cache, block_size, seqs, impl="reference").attend(0, q, k, v)
     cache.data.copy_(before)
     meta = PagedAttention.build(cache, block_size, seqs, impl="fast")
-    out = meta.attend(0, q, k, v)[0].float()
-    exact, bound = exact_attention(cache, seqs, q, block=block_size, store=STORE[dtype])
-    return ref[0].float(), out, meta.in_place, exact[0], bound[0]
-
-
-STORE = {torch.float32: 0.0, torch.bfloat16: BF16}
-
-
-def assert_within(exact: torch.Tensor, bound: torch.Tensor, *outputs: torch.Tensor) -> None:
-    for out in outputs:
-        assert ((out.double() - exact).abs() <= bound).all()
+    return ref[0].float(), meta.attend(0, q, k, v)[0].float(), meta.in_place
 
 
 @settings(max_examples=60, deadline=None)
@@ -71,24 +58,24 @@ def assert_within(exact: torch.Tensor, bound: torch.Tensor, *outputs: torch.Tens
        head_dim=st.sampled_from([64, 24]), seed=st.integers(0, 2**16), shared=st.booleans())
 def test_in_place_decode_equals_the_reference_in_float32(lengths, block_size, heads, head_dim, seed, shared) -> None:
     shared = shared and min(lengths) > block_size  # a shared block must be a full one
-    ref, out, in_place, exact, bound = decode_step(block_size, lengths, heads, head_dim, torch.float32, seed, shared)
+    ref, out, in_place = decode_step(block_size, lengths, heads, head_dim, torch.float32, seed, shared)
     assert in_place
-    assert_within(exact, bound, ref, out)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_in_place_decode_equals_the_reference_in_bf16(head_dim) -> None:
-    ref, out, in_place, exact, bound = decode_step(16, [1, 15, 16, 17, 100, 250], (9, 3), head_dim, torch.bfloat16,
-                                                   seed=3)
+    ref, out, in_place = decode_step(16, [1, 15, 16, 17, 100, 250], (9, 3), head_dim, torch.bfloat16, seed=3)
     assert in_place
-    assert_within(exact, bound, ref, out)  # bf16 roundings between float32 sums (the reference rounds most)
+    # both round the output to bf16 once (a step of 2^-8 relative); the kernel accumulates in float32
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
 
 
 def test_the_kernel_can_be_turned_off(monkeypatch) -> None:
     monkeypatch.setenv(ops.DISABLE_ENV, "0")
-    ref, out, in_place, exact, bound = decode_step(16, [5, 40], (4, 2), 64, torch.float32, seed=1)
+    ref, out, in_place = decode_step(16, [5, 40], (4, 2), 64, torch.float32, seed=1)
     assert not in_place  # the gather path instead
-    assert_within(exact, bound, ref, out)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def needs_bf16_dot() -> None:
@@ -179,9 +166,8 @@ def test_prompt_chunks_by_rows_equal_the_reference(dtype) -> None:
     meta = PagedAttention.build(cache, block_size, seqs, impl="fast", prefill_rows=True)
     tiles = dtype == torch.bfloat16 and ops.decode_linear_available()
     assert meta.tiles == tiles and (meta.row_lens is None) == tiles and meta.groups is None
-    out = meta.attend(0, q, k, v)
-    exact, bound = exact_attention(cache, seqs, q, block=block_size, store=STORE[dtype])
-    assert_within(exact, bound, ref, out)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(meta.attend(0, q, k, v).float(), ref.float(), rtol=tol, atol=tol)
     decodes = PagedAttention.build(cache, block_size, [(order[6:10], 51, 1)], impl="fast", prefill_rows=True)
     assert decodes.in_place and decodes.row_lens is None
 
