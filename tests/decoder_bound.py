@@ -6,15 +6,16 @@ A worst-case bound through a whole model is useless: pushed through operator nor
 magnitudes and the cancellations of random weights it grows ~20x per layer (0.1 on logits of ~1 after
 two layers, where float32 is 3e-7 off), too loose to catch a bug. So this follows the probabilistic
 rounding error analysis of Higham and Mary (SIAM J. Sci. Comput. 41, 2019): every rounding is an
-independent error of mean zero, bounded by its worst case. Each step of a float64 forward over the
-model's own weights adds, per element, its own worst-case float32 error (gamma(K) of a sum's terms'
-magnitudes, a unit roundoff per stored result, a library function's error...) with a random sign;
-`PROBES` such forwards carry those errors through the model as it carries them (its own derivative,
-with signs, no norms). A result's error is then a sum of independent terms whose variance the probes
-estimate; by Hoeffding's inequality it exceeds `SIGMAS` times that standard deviation with probability
-below 2 exp(-SIGMAS^2 / 2) = 3e-8 per value, and the real roundings are several times smaller than
-their worst case besides (a sum of K terms is ~sqrt(K) U off, not K U). Nothing depends on the CPU:
-a class that sums in other orders draws other signs from the same bounds.
+independent error of mean zero and at most a unit roundoff. A float32 sum of K terms then errs by
+at most sqrt(K) U times its terms' magnitudes in standard deviation (its worst case, gamma(K) ~ K U,
+needs every rounding to line up); a stored result by U of itself; a library function (exp, rsqrt,
+cos) by its worst-case error, counted whole since it need not average out. Each step of a float64
+forward over the model's own weights adds, per element, such an error with a random sign; `PROBES`
+such forwards carry them through the model as it carries them (its own derivative, with signs, no
+norms). A result's error is then a sum of independent bounded terms whose variance the probes bound
+from above; by Hoeffding's inequality it exceeds `SIGMAS` times that standard deviation with
+probability below 2 exp(-SIGMAS^2 / 2) = 3e-8 per value. Nothing depends on the CPU: a class that
+sums in other orders draws other roundings from the same distribution.
 
 On the tiny test models the bound is ~1e-5 of logits of ~1 in float32 (float32 is 3e-7 off); a wrong
 sign, a dropped term or an off-by-one position moves logits by 1e-2 or more, so no bug hides in it."""
@@ -208,9 +209,10 @@ def hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torc
     return rms_norm(x, inner.norm, rounding)
 
 
-def gammas(n: torch.Tensor) -> torch.Tensor:
-    """float32's gamma(n) for a tensor of counts."""
-    return n * U / (1 - n * U)
+def summed(n: int | torch.Tensor) -> float | torch.Tensor:
+    """The standard deviation of a float32 sum of n terms' error, per unit of the terms' magnitudes:
+    sqrt(n) U (Higham and Mary's model, see the module's docstring)."""
+    return (n.double().clamp(min=1).sqrt() if isinstance(n, torch.Tensor) else math.sqrt(max(n, 1))) * U
 
 
 def weight(t: torch.Tensor, rounding: Rounding, cast: bool = True) -> torch.Tensor:
@@ -229,7 +231,7 @@ def cast(x: torch.Tensor, rounding: Rounding) -> torch.Tensor:
 
 def linear(x: torch.Tensor, layer: torch.nn.Module, rounding: Rounding) -> torch.Tensor:
     """x W^T + b (+ s (x A^T) B^T for a LoRA layer) on an input in the product's dtype: a float32 sum
-    of K products and the bias is off by gamma(K + 1) of its terms' magnitudes, the output's store by
+    of K products and the bias is off by summed(K + 1) of its terms' magnitudes, the output's store by
     a unit of it."""
     w = weight(layer.weight, rounding)
     bias = getattr(layer, "bias", None)
@@ -237,24 +239,24 @@ def linear(x: torch.Tensor, layer: torch.nn.Module, rounding: Rounding) -> torch
     if bias is not None:
         value, magnitude = value + weight(bias, rounding), magnitude + weight(bias, rounding).abs()
     store = rounding.store
-    value = rounding(value, gamma(w.shape[1] + 1) * magnitude + store * value.abs())
+    value = rounding(value, summed(w.shape[1] + 1) * magnitude + store * value.abs())
     if hasattr(layer, "lora_A") and not layer.disabled:
         a = linear(x, layer.lora_A, rounding)
         up = weight(layer.lora_B.weight, rounding) * layer.scaling
         magnitude = a.abs() @ up.abs().T + value.abs()
         value = value + a @ up.T
-        value = rounding(value, gamma(up.shape[1] + 2) * magnitude + store * value.abs())
+        value = rounding(value, summed(up.shape[1] + 2) * magnitude + store * value.abs())
     return value
 
 
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module, rounding: Rounding, stored: bool = False) -> torch.Tensor:
     """g * x / sqrt(mean(x^2) + eps), in float32. The scale is one number per row, so is its error:
-    squares, a sum of D, a mean and the epsilon (gamma(D + 2), relative), half of it after the square
+    squares, a sum of D, a mean and the epsilon (summed(D + 2), relative), half of it after the square
     root, which is within a library function's error. Then the scaling (U), its rounding to the
     input's dtype (a stored one's: `stored`, else a kept one's) and the product with g (kept)."""
     g = weight(norm.weight, rounding, cast=False)
     r = (x.pow(2).mean(-1, keepdim=True) + norm.eps).rsqrt()
-    r = rounding(r, r * (gamma(x.shape[-1] + 2) / 2 + EXP_ERROR))
+    r = rounding(r, r * (summed(x.shape[-1] + 2) / 2 + EXP_ERROR))
     value = g * x * r
     return rounding(value, value.abs() * (U + (rounding.store if stored else rounding.keep) + rounding.keep))
 
@@ -286,27 +288,27 @@ def attention(x: torch.Tensor, attn: torch.nn.Module, table: tuple[torch.Tensor,
     scale = D**-0.5
     mask = allowed[None, :, None]  # [1, B, 1, T, T]
     store = rounding.store
-    # A dot product of D terms and the scaling: gamma(D + 1) of the terms' magnitudes, bounded by the
+    # A dot product of D terms and the scaling: summed(D + 1) of the terms' magnitudes, bounded by the
     # norms' product (which a rotary position shift keeps).
     scores = scale * torch.einsum("pbihd,pbjhd->pbhij", q, k)
     norms = torch.einsum("pbih,pbjh->pbhij", q.norm(dim=-1), k.norm(dim=-1))
-    scores = rounding(scores, gamma(D + 1) * scale * norms).masked_fill(~mask, -math.inf)
+    scores = rounding(scores, summed(D + 1) * scale * norms).masked_fill(~mask, -math.inf)
     keys = mask.sum(-1, keepdim=True)
     shifted = scores - scores.amax(-1, keepdim=True)
     spread = shifted.abs().masked_fill(~mask, 0)
     # Each exponential: its argument s_j - m (U |s_j - m|), the exp, and a rescale of the running sums
     # per later key (an online softmax in blocks as small as one key: an exp of the max's change, U of
-    # that change, a product). The sum of them (gamma(keys - 1)) and the division err alike for the
+    # that change, a product). The sum of them (summed(keys - 1)) and the division err alike for the
     # whole row; p rounds for the product with v.
     rescales = keys - 1
     terms = shifted.exp()
     terms = rounding(terms, terms * (U * spread + EXP_ERROR + rescales * (EXP_ERROR + U) + U * spread.amax(-1, keepdim=True)))
     total = terms.sum(-1, keepdim=True)
-    total = rounding(total, total * (gammas(keys - 1) + U))
+    total = rounding(total, total * (summed(keys - 1) + U))
     p = terms / total
     p = rounding(p, store * p)
     out = p @ v.transpose(2, 3)  # [P, B, H, T, D]
-    out = rounding(out, (gammas(keys) + store) * (p @ v.transpose(2, 3).abs()) + store * out.abs())
+    out = rounding(out, (summed(keys) + store) * (p @ v.transpose(2, 3).abs()) + store * out.abs())
     return linear(out.transpose(2, 3).reshape(P, B, T, H * D), attn.o_proj, rounding)
 
 

@@ -63,7 +63,7 @@ def real(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def exact(ours: CausalLM, hf: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> decoder_bound.Probed:
     """The model's exact logits (adapters as they are switched) and float32's bound on any forward's
-    (`decoder_bound`, ~5e-5 here; an adapter's scaling or a transposed factor moves them by 1e-2),
+    (`decoder_bound`, ~1e-5 here; an adapter's scaling or a transposed factor moves them by 1e-2),
     transformers' own float32 rotary frequencies included."""
     freq_error = (hf.base_model.model.model.rotary_emb.inv_freq if isinstance(hf, peft.PeftModel)
                   else hf.model.rotary_emb.inv_freq).double() - ours.model.inv_freq.double()

@@ -25,7 +25,7 @@ def padded_batch(vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]
 def assert_float32_forwards(ours: CausalLM, hf: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
                             *logits: torch.Tensor) -> None:
     """Each float32 forward's logits are as near the exact ones (float64, `decoder_bound`) as float32
-    rounding lets any forward be, on real tokens: ~5e-5 here, where float32 is ~3e-7 off and a wrong
+    rounding lets any forward be, on real tokens: ~1e-5 here, where float32 is ~3e-7 off and a wrong
     rotation sign moves them by 6e-3, a mask off by one by 0.4. transformers forms its rotary
     frequencies in float32 itself, up to 2 units off the model's."""
     freq_error = (hf.model.rotary_emb.inv_freq.double() - ours.model.inv_freq.double()).abs()

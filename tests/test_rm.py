@@ -92,7 +92,7 @@ def hf_scores(hf, seqs: list[list[int]], pad_id: int) -> torch.Tensor:
 def exact_scores(model, seqs: list[list[int]], pad_id: int, hf) -> decoder_bound.Probed:
     """The scores [N] of a `SequenceScorer` at each sequence's last token that is not the pad token,
     exact and on `decoder_bound`'s perturbed forwards: what any float32 forward of them is within
-    the bound of (~1e-5 of scores of ~0.1 here), transformers' (`hf`, whose rotary frequencies are
+    the bound of (~5e-6 of scores of ~0.1 here), transformers' (`hf`, whose rotary frequencies are
     its own float32 ones) included."""
     width = max(map(len, seqs))
     ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
