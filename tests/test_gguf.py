@@ -7,6 +7,7 @@ import json
 import threading
 from pathlib import Path
 
+import decoder_bound
 import gguf
 import numpy as np
 import pytest
@@ -159,6 +160,15 @@ def test_tiny_config_and_generation_config(tiny_hf, tiny_converted: Path) -> Non
     assert gen == {"bos_token_id": 0, "eos_token_id": [1, 2]}  # EOS and end-of-turn both stop generation
 
 
+def assert_float32_forwards(ours: torch.nn.Module, hf: torch.nn.Module, ids: torch.Tensor, *logits: torch.Tensor) -> None:
+    """Each float32 forward's logits within float32's bound of the exact ones (`decoder_bound`, with
+    transformers' own float32 rotary frequencies): the weights agree, so do the functions."""
+    freq_error = (hf.model.rotary_emb.inv_freq.double() - ours.model.inv_freq.double()).abs()
+    probed = decoder_bound.logits(ours, ids, freq_error=freq_error)
+    for got in logits:
+        assert ((got.double() - probed.exact).abs() <= probed.bound()).all()
+
+
 def test_tiny_logits_match_transformers_reading_the_gguf(tiny_gguf: Path, tiny_converted: Path) -> None:
     direct = transformers.AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name,
                                                                dtype=torch.float32).eval()
@@ -167,8 +177,7 @@ def test_tiny_logits_match_transformers_reading_the_gguf(tiny_gguf: Path, tiny_c
     ids = torch.randint(0, len(TOKENS), (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = direct(ids).logits
-        assert (folder(ids).logits - want).abs().max() <= 1e-5
-        assert (ours.logits(ours(ids)) - want).abs().max() <= 1e-5
+        assert_float32_forwards(ours, folder, ids, want, folder(ids).logits, ours.logits(ours(ids)))
 
 
 TEXTS = ["the cat in the hat", " the  cat\n\nin 12 34", "<|begin|>hi<|end|>", "a <think> b", "héllo wörld 🐈",
@@ -324,8 +333,7 @@ def test_default_model_logits_match_transformers_gguf(default_model_dir: Path, d
     ours = smollm2_pagedrl
     with torch.no_grad():
         want = smollm2_from_gguf(ids).logits
-        assert (folder(ids).logits - want).abs().max() <= 1e-4
-        assert (ours.logits(ours(ids)) - want).abs().max() <= 1e-4
+        assert_float32_forwards(ours, folder, ids, want, folder(ids).logits, ours.logits(ours(ids)))
 
 
 @pytest.mark.slow
