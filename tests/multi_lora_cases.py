@@ -1,15 +1,20 @@
 """Adapters for the multi-LoRA tests: three of different ranks and targets on the tiny model, one of
-them saved by `peft` itself, and each one's greedy tokens from its merged checkpoint."""
+them saved by `peft` itself, and each one's greedy tokens from its merged checkpoint; copies of an
+adapter with NaN, infinite or overflowing numbers."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.model.adapter import save_adapter
+from pagedrl.model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_adapter
 from pagedrl.model.loader import load_model
 from pagedrl.model.lora import LoRAConfig, apply_lora, lora_layers
 
@@ -67,3 +72,25 @@ def merged_greedy(base: Path, adapters: dict[str, Path], prompts: list[str] = PR
     distinct = {tuple(map(tuple, tokens)) for tokens in out.values()}
     assert len(distinct) == len(out), "every adapter must change what the base generates"
     return out
+
+
+def rewrite_adapter(good: Path, folder: Path, tensors: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                    **config: Any) -> Path:
+    """A copy of the adapter `good` with each tensor passed through `tensors(name, tensor)` and `config`
+    merged into its adapter_config.json (json writes NaN and Infinity as Python reads them back)."""
+    folder.mkdir(parents=True)
+    raw = json.loads((good / ADAPTER_CONFIG).read_text())
+    (folder / ADAPTER_CONFIG).write_text(json.dumps({**raw, **config}))
+    state = load_file(str(good / ADAPTER_WEIGHTS))
+    if tensors is not None:
+        state = {name: tensors(name, t) for name, t in state.items()}
+    save_file(state, str(folder / ADAPTER_WEIGHTS))
+    return folder
+
+
+def nan_in_first_lora_a(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """What a fine-tune that diverged saves: NaN in its weights (here one, in the first lora_A)."""
+    if name.endswith("layers.0.self_attn.q_proj.lora_A.weight"):
+        tensor = tensor.clone()
+        tensor[0, 0] = float("nan")
+    return tensor

@@ -1,18 +1,32 @@
 """Many adapters in one engine (`LLM(enable_lora=True)`): a batch mixing the base and three adapters of
 different ranks runs in the same steps and gives, per request, the greedy tokens of that adapter's
 merged checkpoint; fewer slots than adapters evict and reload without changing a token; prefix hits
-never cross adapters; adapters that do not fit are refused by name."""
+never cross adapters; adapters that do not fit, or hold NaN, are refused by name, and a NaN that gets
+into a slot anyway reaches none of the step's other requests."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
-from multi_lora_cases import GREEDY, MAX_RANK, PROMPTS, make_adapters, merged_greedy
+from multi_lora_cases import (
+    GREEDY,
+    MAX_RANK,
+    PROMPTS,
+    make_adapters,
+    merged_greedy,
+    nan_in_first_lora_a,
+    rewrite_adapter,
+)
 
 from pagedrl import LoRARequest
+from pagedrl.engine import multi_lora
 from pagedrl.engine.llm import LLM
+from pagedrl.engine.lora_step import BASE, StepSlots
+from pagedrl.engine.multi_lora import LoRASlots
+from pagedrl.engine.outputs import CompletionOutput
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.adapter import save_adapter
 from pagedrl.model.config import ModelConfig
@@ -153,3 +167,114 @@ def test_full_modules_and_a_module_training_owns_are_refused(tiny_train_model, t
         llm.generate("hello", GREEDY, use_tqdm=False, lora_request=LoRARequest("with_head", 1, str(tmp_path / "with_head")))
     with pytest.raises(ValueError, match="a module training owns"):
         LLM.from_module(model, enable_lora=True)
+
+
+def test_adapters_with_nan_or_infinite_numbers_are_refused_by_name(tiny_train_model, adapters, tmp_path) -> None:
+    llm = LLM(str(tiny_train_model), dtype=torch.float32, kv_cache_tokens=512, enable_lora=True, max_lora_rank=MAX_RANK)
+    good = adapters["qv2"]
+    broken = {
+        "nan_a": (rewrite_adapter(good, tmp_path / "nan_a", nan_in_first_lora_a),
+                  r"'nan_a' .*q_proj' lora_A holds 1 NaN or infinite values"),
+        "inf_b": (rewrite_adapter(good, tmp_path / "inf_b", lambda n, t: t * math.inf if "lora_B" in n else t),
+                  r"'inf_b' .*lora_B holds \d+ NaN or infinite values"),
+        "nan_alpha": (rewrite_adapter(good, tmp_path / "nan_alpha", lora_alpha=math.nan),
+                      r"'nan_alpha': .*lora_alpha: must be a finite number > 0, got nan"),
+        "inf_alpha": (rewrite_adapter(good, tmp_path / "inf_alpha", lora_alpha=math.inf),
+                      r"'inf_alpha': .*lora_alpha: must be a finite number > 0, got inf"),
+        "nan_r": (rewrite_adapter(good, tmp_path / "nan_r", r=math.nan), r"'nan_r': .*lora_r: must be an integer"),
+        "overflow": (rewrite_adapter(good, tmp_path / "overflow", lora_alpha=1e300),
+                     r"'overflow' .*overflows torch.float32 once lora_B is scaled by lora_alpha / r = 5e\+299"),
+    }
+    for i, (name, (folder, reason)) in enumerate(broken.items()):
+        with pytest.raises(ValueError, match=reason):
+            llm.generate("hello", GREEDY, use_tqdm=False, lora_request=LoRARequest(name, i + 1, str(folder)))
+    assert not llm.engine.has_unfinished_requests() and llm.engine.lora.num_slot_loads == 0
+
+
+def test_a_nan_in_a_resident_slot_reaches_none_of_the_other_requests(tiny_train_model, adapters, merged,
+                                                                     caplog) -> None:
+    """The load check is passed by: a NaN written into a slot's weights. The base's and the other
+    adapters' requests of the same steps get the same tokens and log-probs; the poisoned adapter's own
+    requests end with finish_reason "error", naming it, each with one warning."""
+    llm = LLM(str(tiny_train_model), dtype=torch.float32, kv_cache_tokens=2048, enable_lora=True, max_loras=3,
+              max_lora_rank=MAX_RANK, enable_prefix_caching=False)
+    loras = requests(adapters)
+    for name in ("qv2", "all4", "peft8"):  # slots 0, 1 and 2
+        llm.generate(PROMPTS[0], GREEDY, use_tqdm=False, lora_request=loras[name])
+    names = [None, "qv2", "peft8"]
+    batch = [(name, i) for i, _ in enumerate(PROMPTS) for name in names]
+
+    def run(keys: list[tuple[str | None, int]]) -> dict[tuple[str | None, int], CompletionOutput]:
+        outs = llm.generate([PROMPTS[i] for _, i in keys], GREEDY, use_tqdm=False,
+                            lora_request=[None if name is None else loras[name] for name, _ in keys])
+        return {key: out.outputs[0] for key, out in zip(keys, outs, strict=True)}
+
+    clean = run(batch)
+    slots = llm.engine.lora
+    slot, rank = slots.resident.index(loras["all4"].lora_int_id), slots.max_lora_rank
+    layers = slots.layers
+    with torch.no_grad():  # one NaN on each side of the product: in an A and in a (s·B)ᵀ
+        layers["model.layers.0.self_attn.q_proj"].lora_a[slot * rank, 0] = math.nan
+        layers["model.layers.1.mlp.down_proj"].lora_bt[slot * rank, 0] = math.nan
+    idle = run(batch)  # its slot lies between the two the step uses
+    assert slots.num_slot_loads == 3
+    beside = run(batch + [("all4", i) for i, _ in enumerate(PROMPTS)])  # its requests in the same steps
+    for key in batch:
+        want = clean[key]
+        assert want.token_ids == merged[key[0]][key[1]], key
+        # the very same steps: the very same numbers
+        assert (idle[key].token_ids, idle[key].processed_logprobs, idle[key].raw_logprobs) == \
+            (want.token_ids, want.processed_logprobs, want.raw_logprobs), key
+        # steps with the poisoned adapter's rows too (fewer after the first): the same up to float rounding
+        out = beside[key]
+        assert out.token_ids == want.token_ids and out.finish_reason == "length", key
+        assert out.processed_logprobs == pytest.approx(want.processed_logprobs, abs=1e-5), key
+        assert out.raw_logprobs == pytest.approx(want.raw_logprobs, abs=1e-5), key
+    for i, _ in enumerate(PROMPTS):
+        out = beside[("all4", i)]
+        assert out.finish_reason == "error" and out.token_ids == [] and out.text == ""
+        assert "with LoRA adapter 'all4' are NaN or infinite at output token 0" in out.error
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "ended:" in r.getMessage()]
+    assert len(warned) == len(PROMPTS) and all("'all4'" in r.getMessage() for r in warned)
+
+
+@pytest.mark.parametrize("token_slot", [
+    [0, 1, 2, 3, 0, 0, BASE, 2],  # decode: grouped, about even, one entry per slot
+    [BASE, BASE, 3, 3, 3],  # one adapter beside the base
+    [0, 3],  # slots 1 and 2 in the range, without tokens
+    [0, 1] * 10 + [0] * 20 + [2, 3],  # one group much longer: split into entries
+    [BASE] * 5 + [3, 0] * 15 + [3] * 10,  # ... and the range's empty slots left out
+    [1] * 40 + [0, 2, BASE, 3],  # a prompt's run, in place, beside grouped decode tokens
+    [BASE] * 3 + [2] * 33 + [1] * 2 + [2] * 5 + [0] * 32,  # runs and a grouped rest of the same slots
+])
+@pytest.mark.parametrize("scratch_from", [0, 1 << 30])  # the buffers kept across calls, or fresh ones
+def test_each_token_gets_its_own_slots_update_and_nothing_from_another_slot(token_slot, scratch_from,
+                                                                           monkeypatch) -> None:
+    monkeypatch.setattr(multi_lora, "SCRATCH_MIN_NUMEL", scratch_from)
+    model = torch.nn.Module()
+    model.q_proj = torch.nn.Linear(8, 5)
+    slots = LoRASlots(model, max_loras=4, max_lora_rank=3)
+    layer, g = slots.layers["q_proj"], torch.Generator().manual_seed(0)
+    layer.lora_a.copy_(torch.randn(layer.lora_a.shape, generator=g))
+    layer.lora_bt.copy_(torch.randn(layer.lora_bt.shape, generator=g))
+    layer.ranks = [3] * 4
+    x = torch.randn(len(token_slot), 8, generator=g)
+    with torch.no_grad():
+        want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        for t, s in enumerate(token_slot):
+            if s != BASE:
+                want[t] += x[t] @ layer.lora_a[3 * s:3 * s + 3].t() @ layer.lora_bt[3 * s:3 * s + 3]
+        slots.step = StepSlots.plan(torch.tensor(token_slot), torch.device("cpu"))
+        got = model.q_proj(x)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        for stack in (layer.lora_a, layer.lora_bt):
+            for poisoned in range(4):
+                kept = stack.clone()
+                stack[3 * poisoned + 1, 2] = math.nan
+                again = model.q_proj(x)
+                stack.copy_(kept)
+                for t, s in enumerate(token_slot):
+                    if s == poisoned:
+                        assert again[t].isnan().any()
+                    else:
+                        assert torch.equal(again[t], got[t]), (poisoned, t)

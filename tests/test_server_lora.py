@@ -1,11 +1,13 @@
 """Adapters chosen per request on a real `pagedrl serve --enable-lora` process, through the `openai`
 client: the request's `model` picks the adapter, concurrent requests to the base and two adapters
 each answer with the merged checkpoint's greedy text, and `/v1/load_lora_adapter` /
-`/v1/unload_lora_adapter` change what is served without a restart."""
+`/v1/unload_lora_adapter` change what is served without a restart; an adapter with NaN is refused
+at start and at run time, and one whose numbers overflow fails its own requests, no others."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +16,16 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from multi_lora_cases import GREEDY, MAX_RANK, PROMPTS, make_adapters, merged_greedy, pagedrl_adapter
+from multi_lora_cases import (
+    GREEDY,
+    MAX_RANK,
+    PROMPTS,
+    make_adapters,
+    merged_greedy,
+    nan_in_first_lora_a,
+    pagedrl_adapter,
+    rewrite_adapter,
+)
 from server_process import pagedrl_command, running_server
 
 from pagedrl.cli import main
@@ -160,3 +171,60 @@ def test_lora_flags_are_checked_before_loading(capsys) -> None:
     assert "LoRA adapter name 'two words'" in capsys.readouterr().err
     assert main(["serve", "--enable-lora", "--max-loras", "0"]) == 2
     assert "--max-loras must be positive" in capsys.readouterr().err
+
+
+def test_adapters_with_nan_are_refused_at_start_and_at_run_time(server, setup, tmp_path, tiny_train_model) -> None:
+    adapters, _ = setup
+    diverged = rewrite_adapter(adapters["qv2"], tmp_path / "diverged", nan_in_first_lora_a)
+    cmd = [*pagedrl_command(), "serve", str(tiny_train_model), "--enable-lora", "--max-loras", "2",
+           "--max-lora-rank", str(MAX_RANK), "--lora-modules", f"good={adapters['qv2']}", f"bad={diverged}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    named = [line for line in done.stderr.splitlines() if "LoRA adapter 'bad'" in line]
+    assert len(named) == 1 and "lora_A holds 1 NaN or infinite values" in named[0], done.stderr
+
+    url = server.base_url + "/v1/load_lora_adapter"
+    r = httpx.post(url, json={"lora_name": "diverged", "lora_path": str(diverged)})
+    assert r.status_code == 400
+    assert "LoRA adapter 'diverged'" in r.json()["error"]["message"]
+    assert "lora_A holds 1 NaN or infinite values" in r.json()["error"]["message"]
+    alpha = rewrite_adapter(adapters["qv2"], tmp_path / "alpha", lora_alpha=math.nan)
+    r = httpx.post(url, json={"lora_name": "alpha", "lora_path": str(alpha)})
+    assert r.status_code == 400
+    assert "'alpha'" in r.json()["error"]["message"]
+    assert "lora_alpha: must be a finite number > 0, got nan" in r.json()["error"]["message"]
+    assert {"diverged", "alpha"}.isdisjoint(m["id"] for m in httpx.get(server.base_url + "/v1/models").json()["data"])
+
+
+def test_requests_whose_logits_overflow_fail_alone(server, setup, tmp_path) -> None:
+    """An adapter of finite numbers too large for float32 passes the load check, and its requests' logits
+    go NaN: each answers an error naming it (500, or an error event that ends its stream), never a 200 of
+    garbage, while requests to the base and to another adapter beside it answer as ever."""
+    adapters, texts = setup
+    huge = rewrite_adapter(adapters["qv2"], tmp_path / "huge", lambda name, t: t * 1e30)
+    url = server.base_url + "/v1"
+    assert httpx.post(url + "/load_lora_adapter", json={"lora_name": "huge", "lora_path": str(huge)}).status_code == 200
+    errors_before = server.metrics().get('pagedrl:request_success_total{finished_reason="error"}', 0.0)
+
+    def ask(model: str) -> httpx.Response:
+        body = {"model": model, "prompt": PROMPTS[0], "max_tokens": GREEDY.max_tokens, "temperature": 0, **BODY}
+        return httpx.post(url + "/completions", json=body, timeout=120)
+
+    with ThreadPoolExecutor(3) as pool:  # side by side, in the same steps
+        base, good, bad = pool.map(ask, ["base", "qv2", "huge"])
+    assert base.status_code == 200 and base.json()["choices"][0]["text"] == texts[None][0]
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == texts["qv2"][0]
+    assert bad.status_code == 500
+    error = bad.json()["error"]
+    assert error["type"] == "server_error" and error["code"] == "generation_error"
+    assert "with LoRA adapter 'huge' are NaN or infinite at output token 0" in error["message"]
+
+    body = {"model": "huge", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", url + "/chat/completions", json=body, timeout=120) as stream:
+        assert stream.status_code == 200  # the headers went out before the first step
+        events = [line.removeprefix("data: ") for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "generation_error" and "'huge'" in error["message"]
+    assert not any('"finish_reason":"error"' in event for event in events)
+    assert server.metrics()['pagedrl:request_success_total{finished_reason="error"}'] == errors_before + 2

@@ -53,6 +53,11 @@ class RequestAborted(RuntimeError):
     """The request ended without finishing: the server aborted it (shutdown or an engine error)."""
 
 
+class RequestFailed(RuntimeError):
+    """The engine ended the request with finish_reason "error" (its logits went NaN or infinite): not a
+    reason to retry, as an abort is, and never a 200 with what was sampled from garbage (HTTP 500)."""
+
+
 class EngineDead(RequestAborted):
     """The engine thread stopped (shut down or crashed); no request can be served."""
 
@@ -69,7 +74,7 @@ class RequestStream:
     last: RequestOutput | None = None
     done: bool = False
     error: BaseException | None = None
-    finish_reason: str | None = None  # of the first sample; "abort" when it did not finish
+    finish_reason: str | None = None  # of the first sample; "abort" if not finished, "error" if it failed
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None
@@ -320,6 +325,10 @@ class AsyncEngine:
         for out in outputs:
             stream = self.streams.get(out.request_id)
             if stream is None:  # aborted while the step ran
+                continue
+            error = next((c.error or "the engine failed" for c in out.outputs if c.finish_reason == "error"), None)
+            if error is not None:  # the whole call fails, as in vLLM: its other samples are aborted
+                self._end_stream(stream, "error", RequestFailed(f"request {out.request_id}: {error}"))
                 continue
             stream.put(out, now)
             if out.finished:

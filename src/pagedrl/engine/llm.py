@@ -129,7 +129,9 @@ class LLM:
                  use_tqdm: bool = True, lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
                  ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts. `lora_request`:
-        one adapter for every prompt, or one (or None, the base) per prompt."""
+        one adapter for every prompt, or one (or None, the base) per prompt. A sample whose logits go NaN
+        or infinite ends there with finish_reason "error" (its `error` says why, and a warning is logged),
+        as vLLM marks it; the other prompts are not affected."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from math import isfinite
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.model_runner import ModelRunner
 from pagedrl.engine.multi_lora import LoRASlots
-from pagedrl.engine.output_processor import logprob_entry, make_output, record_prompt_logprob
+from pagedrl.engine.output_processor import logits_error, logprob_entry, make_output, record_prompt_logprob
 from pagedrl.engine.outputs import RequestOutput
 from pagedrl.engine.sampler import Sampler, SamplingRow
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -288,6 +289,11 @@ class LLMEngine:
         tokens, raw, processed = host[0].long().tolist(), host[1].tolist(), host[2].tolist()
         for i, seq in enumerate(seqs):
             token = tokens[i]
+            if not isfinite(raw[i]):  # NaN or infinite logits: vLLM's finish_reason "error"; the batch goes on
+                seq.error = logits_error(seq)
+                logger.warning("request %s ended: %s", seq.request_id, seq.error)
+                self.finish(seq, "error")
+                continue
             entry = None
             if seq.params.logprobs is not None:
                 processed_mode = seq.params.logprobs_mode == "processed_logprobs"

@@ -41,6 +41,14 @@ def logprob_entry(token: int, chosen: float, top: dict[int, float] | None,
     return entry
 
 
+def logits_error(seq: Sequence) -> str:
+    """Why `seq` cannot go on: its logits hold NaN or infinities (overflow, or NaN weights, e.g. its
+    LoRA adapter's), so the token drawn from them would be garbage and its log-prob NaN."""
+    lora = "" if seq.lora is None else f" with LoRA adapter {seq.lora.lora_name!r}"
+    return (f"the model's logits{lora} are NaN or infinite at output token {seq.num_output_tokens}; "
+            "no token can be sampled from them")
+
+
 def record_prompt_logprob(seq: Sequence, pos: int, logits: torch.Tensor) -> None:
     """The entry of prompt token `pos + 1` from the logits of row `pos`: its log-prob, and the
     `prompt_logprobs` best alternatives when asked for."""
@@ -68,7 +76,7 @@ def completion_output(seq: Sequence, delta: bool) -> CompletionOutput | None:
     if not delta:
         return CompletionOutput(seq.index, seq.text, seq.token_ids[seq.num_prompt_tokens:], seq.cumulative_logprob,
                                 seq.logprobs[:] if seq.params.logprobs is not None else None, seq.finish_reason,
-                                seq.stop_reason, seq.processed_logprobs[:], seq.raw_logprobs[:])
+                                seq.stop_reason, seq.processed_logprobs[:], seq.raw_logprobs[:], seq.error)
     if seq.finish_sent:
         return None
     finished = seq.finish_reason is not None
@@ -82,7 +90,7 @@ def completion_output(seq: Sequence, delta: bool) -> CompletionOutput | None:
     return CompletionOutput(seq.index, text[chars_sent:end_chars], seq.token_ids[num_prompt + start:],
                             seq.cumulative_logprob, seq.logprobs[start:] if seq.params.logprobs is not None else None,
                             seq.finish_reason, seq.stop_reason, seq.processed_logprobs[start:],
-                            seq.raw_logprobs[start:])
+                            seq.raw_logprobs[start:], seq.error)
 
 
 def make_output(req: Request) -> RequestOutput | None:

@@ -30,6 +30,8 @@ class CompletionOutput:
     # (after temperature and truncation), and the raw log-softmax one.
     processed_logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)
+    # With finish_reason "error": why the engine could not go on (a server answers it with an error).
+    error: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -45,7 +47,7 @@ class CompletionOutput:
         self.processed_logprobs.extend(delta.processed_logprobs)
         self.raw_logprobs.extend(delta.raw_logprobs)
         self.cumulative_logprob = delta.cumulative_logprob
-        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        self.finish_reason, self.stop_reason, self.error = delta.finish_reason, delta.stop_reason, delta.error
 
 
 @dataclass(slots=True)

@@ -79,6 +79,8 @@ class Sequence:
     sampling_row: SamplingRow | None = None
     # The LoRA adapter it runs with (None: the base model); its forks run with it too.
     lora: LoRARequest | None = None
+    # Why it ended with finish_reason "error" (its logits went NaN or infinite): carried to its output.
+    error: str | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -50,8 +50,8 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or self.r < 1:
             raise ValueError(f"lora_r: must be an integer >= 1, got {self.r!r}")
-        if self.lora_alpha <= 0:
-            raise ValueError(f"lora_alpha: must be > 0, got {self.lora_alpha}")
+        if not math.isfinite(self.lora_alpha) or self.lora_alpha <= 0:  # NaN passes `<= 0`: every update NaN
+            raise ValueError(f"lora_alpha: must be a finite number > 0, got {self.lora_alpha}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"lora_dropout: must lie in [0, 1), got {self.lora_dropout}")
         names = self.resolved_targets()

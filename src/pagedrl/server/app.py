@@ -26,6 +26,7 @@ from pagedrl.engine.async_engine import (
     EngineDead,
     EngineOverloaded,
     RequestAborted,
+    RequestFailed,
     RequestGroup,
 )
 from pagedrl.engine.lora_request import LoRARequest
@@ -132,6 +133,8 @@ async def final_outputs_unless_disconnected(request: Request, group: RequestGrou
         raise ApiError(499, "the client closed the request", code="client_closed_request")
     except RequestAborted as e:
         raise ApiError(503, str(e), "server_error", code="request_aborted") from None
+    except RequestFailed as e:  # not worth a retry, unlike an abort: vLLM answers 500 too
+        raise ApiError(500, str(e), "server_error", code="generation_error") from None
     finally:
         gone.cancel()
         collect.cancel()
@@ -227,7 +230,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
 
     @v1.post("/completions", response_model=None, openapi_extra=request_body(CompletionRequest),
              responses={**json_or_events(CompletionResponse, "The completions, or a stream of CompletionChunk"),
-                        **errors(400, 401, 404, 413, 499, 503)})
+                        **errors(400, 401, 404, 413, 499, 500, 503)})
     async def completions(request: Request) -> Response:
         req = await read_json(request, CompletionRequest, max_request_body_bytes)
         lora = check_model(req.model)
@@ -246,7 +249,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
     @v1.post("/chat/completions", response_model=None, openapi_extra=request_body(ChatCompletionRequest),
              responses={**json_or_events(ChatCompletionResponse,
                                          "The chat completion, or a stream of ChatCompletionChunk"),
-                        **errors(400, 401, 404, 413, 499, 503)})
+                        **errors(400, 401, 404, 413, 499, 500, 503)})
     async def chat_completions(request: Request) -> Response:
         req = await read_json(request, ChatCompletionRequest, max_request_body_bytes)
         lora = check_model(req.model)

@@ -25,6 +25,7 @@ ERROR_DESCRIPTIONS = {
     404: "Unknown model or route",
     413: "Request body over the server's limit",
     499: "The client closed the connection before the answer was ready",
+    500: "The engine could not finish the request: its logits went NaN or infinite (`code` generation_error)",
     503: "Overloaded (retry after `Retry-After` seconds), shutting down, or the engine has stopped",
 }
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pagedrl.engine.async_engine import RequestAborted, RequestGroup
+from pagedrl.engine.async_engine import RequestAborted, RequestFailed, RequestGroup
 from pagedrl.engine.outputs import CompletionOutput, RequestOutput
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.server.logprobs import (
@@ -139,7 +139,9 @@ def has_news(c: CompletionOutput) -> bool:
 
 
 def error_event(e: Exception) -> bytes:
-    body = ErrorResponse(error=ErrorInfo(message=str(e), type="server_error", code="request_aborted"))
+    """The last event of a stream that could not finish (then `[DONE]`), with the code a whole response has."""
+    code = "generation_error" if isinstance(e, RequestFailed) else "request_aborted"
+    body = ErrorResponse(error=ErrorInfo(message=str(e), type="server_error", code=code))
     return sse(body.model_dump_json())
 
 
@@ -176,7 +178,7 @@ async def completion_stream(group: RequestGroup, request_id: str, model: str, pa
             chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[],
                                     usage=stream_usage(group, echo.prompt_only))
             yield sse(chunk.model_dump_json())
-    except RequestAborted as e:
+    except (RequestAborted, RequestFailed) as e:
         yield error_event(e)
     finally:
         group.abort()
@@ -230,7 +232,7 @@ async def chat_stream(group: RequestGroup, request_id: str, model: str, params: 
             body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                        usage=stream_usage(group))
             yield sse(body.model_dump_json())
-    except RequestAborted as e:
+    except (RequestAborted, RequestFailed) as e:
         yield error_event(e)
     finally:
         group.abort()
