@@ -32,8 +32,6 @@ from pagedrl.model.decoder import CausalLM
 from pagedrl.model.rope import rope_cos_sin
 from pagedrl.model.routed import Linear
 
-_ops = torch.ops.pagedrl_cpu
-
 
 def supports(model: torch.nn.Module) -> bool:
     """Whether `model`'s decode steps can run as the program: a bf16 `CausalLM` on the CPU whose
@@ -117,26 +115,26 @@ class DecodeProgram:
         scale = meta.scale if meta.scale is not None else 1.0 / math.sqrt(head_dim)
         for index, (norm1, q_proj, k_proj, v_proj, o_proj, qk_norms, norm2, mlp, down) in enumerate(self._layers):
             key_cache, value_cache = cache.key_cache[index], cache.value_cache[index]
-            h = _ops.rms_norm(x, norm1, eps)
-            q = _ops.pair_linear(h, *q_proj).view(1, n, heads, head_dim)
-            k = _ops.pair_linear(h, *k_proj).view(1, n, kv_heads, head_dim)
-            v = _ops.pair_linear(h, *v_proj).view(n, kv_heads, head_dim)
+            h = ops.rms_norm(x, norm1, eps)
+            q = ops.pair_linear(h, *q_proj).view(1, n, heads, head_dim)
+            k = ops.pair_linear(h, *k_proj).view(1, n, kv_heads, head_dim)
+            v = ops.pair_linear(h, *v_proj).view(n, kv_heads, head_dim)
             if qk_norms is not None:
-                q, k = _ops.rms_norm(q, qk_norms[0], eps), _ops.rms_norm(k, qk_norms[1], eps)
-            q, k = _ops.rope(q, k, cos, sin)
+                q, k = ops.rms_norm(q, qk_norms[0], eps), ops.rms_norm(k, qk_norms[1], eps)
+            q, k = ops.rope(q, k, cos, sin)
             ops.store_kv(k[0], v, key_cache, value_cache, meta.slot_mapping)
             out = ops.paged_decode(q[0], key_cache, value_cache, meta.block_tables, meta.seq_lens, scale)
-            x = x + _ops.pair_linear(out.view(n, heads * head_dim), *o_proj)
-            h = _ops.rms_norm(x, norm2, eps)
+            x = x + ops.pair_linear(out.view(n, heads * head_dim), *o_proj)
+            h = ops.rms_norm(x, norm2, eps)
             if len(mlp) == 1:
-                hidden = _ops.pair_silu_mul(h, mlp[0])
+                hidden = ops.pair_silu_mul(h, mlp[0])
             else:
-                hidden = _ops.silu_mul(_ops.pair_linear(h, *mlp[0]), _ops.pair_linear(h, *mlp[1]))
-            x = x + _ops.pair_linear(hidden, *down)
-        return _ops.rms_norm(x, backbone.norm.weight, eps)
+                hidden = ops.silu_mul(ops.pair_linear(h, *mlp[0]), ops.pair_linear(h, *mlp[1]))
+            x = x + ops.pair_linear(hidden, *down)
+        return ops.rms_norm(x, backbone.norm.weight, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → float32 logits [N, vocab], as `CausalLM.logits` computes them routed."""
         assert self._head is not None, "run() lists the weights first"
-        return _ops.pair_linear(hidden, *self._head).float()
+        return ops.pair_linear(hidden, *self._head).float()
 

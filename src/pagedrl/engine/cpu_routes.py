@@ -34,20 +34,20 @@ def _not_taken(*args: torch.Tensor | float) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     if not takes(x, weight) or not x.is_contiguous():
         return None
-    return torch.ops.pagedrl_cpu.rms_norm(x, weight, eps)
+    return ops.rms_norm(x, weight, eps)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     if not takes(gate, up) or not gate.is_contiguous() or not up.is_contiguous():
         return None
-    return torch.ops.pagedrl_cpu.silu_mul(gate, up)
+    return ops.silu_mul(gate, up)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
          ) -> tuple[torch.Tensor, torch.Tensor] | None:
     if not takes(q, k, cos, sin) or not all(t.is_contiguous() for t in (q, k, cos, sin)):
         return None
-    return torch.ops.pagedrl_cpu.rope(q, k, cos, sin)
+    return ops.rope(q, k, cos, sin)
 
 
 def no_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

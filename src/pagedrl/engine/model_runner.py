@@ -33,7 +33,7 @@ from pagedrl.engine.kv_cache import KVCache
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.multi_lora import LoRASlots
 from pagedrl.engine.sequence import Sequence, wants_prompt_logprobs
-from pagedrl.kernels import isa, products
+from pagedrl.kernels import isa, ops, products
 from pagedrl.kernels.memory import keep_freed_memory
 from pagedrl.kernels.products import float_rows, packed_weights, packs_weights
 from pagedrl.kernels.threads import bind_threads
@@ -93,7 +93,7 @@ class ModelRunner:
                     "(enforce_eager: through the modules)")
         if self.float_routes:
             return (f"decode steps through the model's modules, products of up to {products.MAX_ROWS_FLOAT} rows on "
-                    f"the float32 kernel ({torch.ops.pagedrl_cpu.float_linear_lanes()} lanes; CPU class {isa.describe()})")
+                    f"the float32 kernel ({ops.float_linear_lanes()} lanes; CPU class {isa.describe()})")
         if self.on_cpu:
             return f"decode steps through the model's modules (CPU class {isa.describe()})"
         return "decode steps through the model's modules"

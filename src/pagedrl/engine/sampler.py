@@ -373,7 +373,7 @@ def _greedy_pick(logits: Tensor) -> tuple[Tensor, Tensor] | None:
     then gives torch's answer for NaN and infinities)."""
     if logits.device.type != "cpu" or logits.requires_grad or not ops.available():
         return None
-    tokens, logp = torch.ops.pagedrl_cpu.greedy_pick(logits.contiguous())
+    tokens, logp = ops.greedy_pick(logits.contiguous())
     return (tokens, logp) if bool(torch.isfinite(logp).all()) else None
 
 

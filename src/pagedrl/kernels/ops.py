@@ -41,6 +41,10 @@ from pagedrl.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
+# The one name of the C++ ops' namespace in the project: every call into them goes through a function
+# of this module. Its attributes resolve once the library is loaded (`available()`).
+_OPS = torch.ops.pagedrl_cpu
+
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prefill_tiles.cpp",
                                                                 "decode_linear.cpp", "pair_linear.cpp", "rowwise.cpp", "float_linear.cpp",
                                                                 "threads.cpp")]
@@ -133,20 +137,20 @@ def _alive(pid: int) -> bool:
 @functools.cache
 def decode_linear_available() -> bool:
     """Whether the kernels are built and this build has the bf16 dot-product instructions."""
-    return available() and bool(torch.ops.pagedrl_cpu.decode_linear_available())
+    return available() and bool(_OPS.decode_linear_available())
 
 
 @functools.cache
 def decode_linear_amx() -> bool:
     """Whether `decode_linear` runs on AMX tiles here (any number of rows at near oneDNN's speed)."""
-    return decode_linear_available() and bool(torch.ops.pagedrl_cpu.decode_linear_amx())
+    return decode_linear_available() and bool(_OPS.decode_linear_amx())
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """A step's new keys and values [N, Hkv, D] into their cache slots, in one call (no thread pool
     below 256 tokens)."""
-    torch.ops.pagedrl_cpu.store_kv(k, v, key_cache, value_cache, slot_mapping)
+    _OPS.store_kv(k, v, key_cache, value_cache, slot_mapping)
 
 
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -173,7 +177,7 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     [slots / B, B, Hkv, D]. Returns [N, Hq, D] and, with `with_lse`, each row's log-sum-exp of its
     scaled scores [N, Hq] in float32 (else an empty tensor)."""
     seqs = _rows(row_seqs)
-    return torch.ops.pagedrl_cpu.paged_attention(q, key_cache, value_cache, tables, seqs, row_lens, scale, with_lse)
+    return _OPS.paged_attention(q, key_cache, value_cache, tables, seqs, row_lens, scale, with_lse)
 
 
 def paged_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -182,15 +186,14 @@ def paged_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, keys: torc
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dkeys, dvalues) of `paged_attention` given dO, its output and log-sum-exp."""
     seqs = _rows(row_seqs)
-    return torch.ops.pagedrl_cpu.paged_attention_backward(grad_out, q, keys, values, out, lse, tables, seqs, row_lens,
-                                                          scale)
+    return _OPS.paged_attention_backward(grad_out, q, keys, values, out, lse, tables, seqs, row_lens, scale)
 
 
 def _ops():  # noqa: ANN202 (torch's op namespace)
     """The kernels' ops, loaded."""
     if not _load():
         raise RuntimeError("the CPU paged-attention kernel is not built here (see the warning above)")
-    return torch.ops.pagedrl_cpu
+    return _OPS
 
 
 def _rows(row_seqs: torch.Tensor | None) -> torch.Tensor:
@@ -200,3 +203,81 @@ def _rows(row_seqs: torch.Tensor | None) -> torch.Tensor:
 
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)
+
+
+# ------------------------------------------------------------------ products and row-wise pieces
+# Thin typed faces of the ops, one per op, so that a caller's types and a kernel's terms are read in one
+# place. They check nothing: their callers (`products.py`, `engine/cpu_routes.py`, the decode program)
+# decide per call whether the kernel takes the tensors, and a decode step makes some 300 of these
+# calls, where one more Python check each would show. Each needs the kernels loaded (`available()`).
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] bf16 @ weight [N, K].T (+ bias) → [M, N] bf16 with AMX tiles or AVX512-BF16 dot products,
+    the weights read as they lie (`csrc/decode_linear.cpp`; `decode_linear_available()`)."""
+    return _OPS.decode_linear(x, weight, bias)
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 (rows of unit stride) @ weight [N, K].T (+ bias) → [M, N] float32, each output one
+    chain in k order, so a row's outputs are alike in any batch (`csrc/float_linear.cpp`)."""
+    return _OPS.float_linear(x, weight, bias)
+
+
+def float_linear_lanes() -> int:
+    """The vector width (float32 lanes) `float_linear` was built with here: 8 (AVX2) or 16 (AVX512)."""
+    return int(_OPS.float_linear_lanes())
+
+
+def pair_linear_available() -> bool:
+    """Whether this build has the k-pairs kernels (`csrc/pair_linear.cpp`: AVX512-BF16)."""
+    return bool(_OPS.pair_linear_available())
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] laid out as [N / 32][K / 2][32][2], what `pair_linear` reads: a panel of 32
+    output features streams from first byte to last."""
+    return _OPS.pack_pairs(weight)
+
+
+def pair_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] bf16 (rows of unit stride) @ the weight `packed` by `pack_pairs` (its `n` output features)
+    (+ bias) → [M, n] bf16."""
+    return _OPS.pair_linear(x, packed, n, bias)
+
+
+def pair_silu_mul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) in one pass over `packed`: gate and up interleaved 32 rows at a time,
+    then packed by `pack_pairs` → [M, features] bf16 (the same bits as the two products and `silu_mul`)."""
+    return _OPS.pair_silu_mul(x, packed)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each bf16 row of a contiguous x, times weight, in one pass (`csrc/rowwise.cpp`)."""
+    return _OPS.rms_norm(x, weight, eps)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of contiguous bf16 tensors in one pass."""
+    return _OPS.silu_mul(gate, up)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding of contiguous bf16 q and k at the positions `cos` and `sin` were made for."""
+    return _OPS.rope(q, k, cos, sin)
+
+
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """Each row's Shannon entropy from contiguous float32 log-probs [N, V], in one read of the rows."""
+    return _OPS.entropy_from_logprobs(logp)
+
+
+def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax (the first of equal maxima) and its log-softmax value, from contiguous float32
+    logits [N, V] in one pass (a greedy step's sampling without a [N, V] log-softmax)."""
+    return _OPS.greedy_pick(logits)
+
+
+def bind_threads(cores: list[int]) -> list[bool]:
+    """Pin the intra-op pool's thread i to cores[i] (`csrc/threads.cpp`); whether each one took."""
+    return [bool(done) for done in _OPS.bind_threads(cores)]

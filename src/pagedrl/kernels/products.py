@@ -67,7 +67,7 @@ def max_rows() -> int:
 
 def kernel(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """rows [M, K] bf16 @ weight [N, K].T (+ bias) -> [M, N] bf16 (`csrc/decode_linear.cpp`)."""
-    return torch.ops.pagedrl_cpu.decode_linear(rows, weight, bias)
+    return ops.decode_linear(rows, weight, bias)
 
 
 def takes(*tensors: torch.Tensor) -> bool:
@@ -107,7 +107,7 @@ def float_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
         return None
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    return torch.ops.pagedrl_cpu.float_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return ops.float_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
 _F32 = torch.float32
@@ -144,11 +144,11 @@ class PackedWeights:
         if entry is not None and entry[0]() is weight and entry[1] == version:
             return entry[2]
         if layout == "pairs":
-            packed = torch.ops.pagedrl_cpu.pack_pairs(weight.detach())
+            packed = ops.pack_pairs(weight.detach())
         elif layout == "gate_up":
             features, inputs = weight.shape
             both = torch.stack([weight.detach().reshape(-1, 32, inputs), up.detach().reshape(-1, 32, inputs)], 1)
-            packed = torch.ops.pagedrl_cpu.pack_pairs(both.reshape(2 * features, inputs))
+            packed = ops.pack_pairs(both.reshape(2 * features, inputs))
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_FOR_ROWS)
         self._packs[key] = (weakref.ref(weight, lambda _, key=key: self._packs.pop(key, None)), version, packed)
@@ -185,7 +185,7 @@ class PackedWeights:
         if (not pairs_available() or x.shape[-1] % 2 or gate.shape != up.shape or gate.shape[0] % 32
                 or not takes(x, gate, up)):
             return None
-        out = torch.ops.pagedrl_cpu.pair_silu_mul(_unit_stride_rows(x), self.packed(gate, "gate_up", up))
+        out = ops.pair_silu_mul(_unit_stride_rows(x), self.packed(gate, "gate_up", up))
         return out.view(*x.shape[:-1], gate.shape[0])
 
     def product(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -194,7 +194,7 @@ class PackedWeights:
 
     def pairs_product(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows [M, K] @ weight.T (+ bias), bf16, on the k-pairs copy of `weight`."""
-        return torch.ops.pagedrl_cpu.pair_linear(rows, self.packed(weight, "pairs"), weight.shape[0], bias)
+        return ops.pair_linear(rows, self.packed(weight, "pairs"), weight.shape[0], bias)
 
 
 def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
@@ -208,7 +208,7 @@ def pairs_available() -> bool:
     """Whether a bf16 engine's products take the k-pairs kernel: built (AVX512-BF16) on a CPU without
     AMX (with AMX the tile kernel of `csrc/decode_linear.cpp` and oneDNN's are the ones measured)."""
     return (ops.decode_linear_available() and not ops.decode_linear_amx()
-            and bool(torch.ops.pagedrl_cpu.pair_linear_available()))
+            and ops.pair_linear_available())
 
 
 @functools.cache

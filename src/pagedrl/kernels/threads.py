@@ -93,7 +93,7 @@ def _bind() -> list[int] | None:
         return None
     if len(cores) != torch.get_num_threads():
         torch.set_num_threads(len(cores))
-    done = torch.ops.pagedrl_cpu.bind_threads(cores)
+    done = ops.bind_threads(cores)
     if not all(done):
         logger.warning("could not bind every thread to its core (%s); threads left where they are", cores)
         return None

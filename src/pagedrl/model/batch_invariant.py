@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from pagedrl.kernels import ops
 from pagedrl.model.row_attention import attention_available
 
 SMALL_ROWS = 32  # a call of this many rows computes each row with the small-batch kernel
@@ -226,8 +227,6 @@ def _amx_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return False
     if rows.stride(-1) != 1 or weight.stride(-1) != 1 or rows.shape[-1] % 32 or weight.shape[0] < 16:
         return False
-    from pagedrl.kernels import ops
-
     return ops.decode_linear_amx()
 
 
@@ -240,7 +239,7 @@ def kernel_agrees(out_features: int, in_features: int, has_bias: bool, threads: 
     w, b, draws = _probe_operands(out_features, in_features, torch.bfloat16, has_bias, seed=1)
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
         for x in draws:
-            if not torch.equal(torch.ops.pagedrl_cpu.decode_linear(x, w, b), _by_small_calls(lambda r: F.linear(r, w, b), x)):
+            if not torch.equal(ops.decode_linear(x, w, b), _by_small_calls(lambda r: F.linear(r, w, b), x)):
                 return False
     return True
 
@@ -282,7 +281,7 @@ def _linear_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     safe = safe_sizes("linear", N, K, rows.dtype, bias is not None, threads)
     rest = None
     if _amx_product(rows, weight, bias) and kernel_agrees(N, K, bias is not None, threads):
-        rest = lambda chunk: torch.ops.pagedrl_cpu.decode_linear(chunk, weight, bias)  # noqa: E731
+        rest = lambda chunk: ops.decode_linear(chunk, weight, bias)  # noqa: E731
     call = (_packed_call(weight, bias, safe) if persistent and rest is None else None) or (
         lambda chunk, _: F.linear(chunk, weight, bias))
     return _chunked(rows, call, safe, rest)

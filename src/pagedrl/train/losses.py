@@ -143,7 +143,7 @@ def entropy_from_logprobs(logp: Tensor) -> Tensor:
         from pagedrl.kernels import ops
 
         if ops.available():
-            return torch.ops.pagedrl_cpu.entropy_from_logprobs(logp.contiguous())
+            return ops.entropy_from_logprobs(logp.contiguous())
     return -torch.linalg.vecdot(logp.exp(), logp)
 
 
