@@ -39,7 +39,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not ops.decode_linear_available():
         raise SystemExit("the engine's decode kernel is not built for this CPU (no AVX512-BF16)")
-    amx = torch.ops.pagedrl_cpu.decode_linear_amx()
+    amx = ops.decode_linear_amx()
     gen = torch.Generator().manual_seed(0)
     weights = projection_weights(torch.bfloat16, gen)
     megabytes = sum(w.numel() * 2 for w in weights) / 1e6
@@ -55,7 +55,7 @@ def main() -> None:
     print("| rows | oneDNN (ms) | oneDNN packed (ms) | pagedrl kernel (ms) | pagedrl k-pairs (ms) | packed / kernel "
           "| packed / k-pairs |")
     print("|---|---|---|---|---|---|---|")
-    sides = {"oneDNN": F.linear, "packed": packed.product, "pagedrl": torch.ops.pagedrl_cpu.decode_linear}
+    sides = {"oneDNN": F.linear, "packed": packed.product, "pagedrl": ops.decode_linear}
     if pairs:
         sides["pairs"] = packed.pairs_product
     for rows in (int(r) for r in args.rows.split(",")):

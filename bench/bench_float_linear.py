@@ -47,10 +47,10 @@ def main() -> None:
     nbytes = sum(w.numel() * 4 for w in weights)
     print(f"{len(weights)} projections, {nbytes / 1e6:.0f} MB of float32 weights; {args.threads} threads; CPU class "
           f"{isa.describe()}; torch capability {torch.backends.cpu.get_cpu_capability()}; kernel lanes "
-          f"{torch.ops.pagedrl_cpu.float_linear_lanes()}; memory copy {copy_bandwidth():.1f} GB/s")
+          f"{ops.float_linear_lanes()}; memory copy {copy_bandwidth():.1f} GB/s")
     print("| rows | torch F.linear (ms) | pagedrl float_linear (ms) | torch / pagedrl | pagedrl weights GB/s |")
     print("|---|---|---|---|---|")
-    sides = {"torch": F.linear, "pagedrl": torch.ops.pagedrl_cpu.float_linear}
+    sides = {"torch": F.linear, "pagedrl": ops.float_linear}
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in LAYER}}
         best = dict.fromkeys(sides, float("inf"))
