@@ -1,4 +1,4 @@
-// The decoder's row-wise pieces, each one pass over its rows, for the engine's bf16 steps on a CPU:
+// The decoder's row-wise pieces, each one pass over its rows, for the engine's bf16 and float32 steps on a CPU:
 // RMSNorm, SiLU(gate) * up, and the rotary embedding of queries and keys; greedy decoding's pick from
 // the logits; and a trainer's entropy of its log-probs.
 //
@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <tuple>
 
@@ -37,39 +38,94 @@ void check_bf16(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous(), "rowwise: ", name, " must be contiguous bf16");
 }
 
-// weight * bf16(x * rsqrt(mean(x^2) + eps)), each row of x [..., D].
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_bf16(x, "x");
-  check_bf16(weight, "weight");
+// The element types the row-wise kernels take: bf16 (each value widened to float32, the results rounded
+// back where the decoder's own code rounds) and float32 (the same arithmetic, where every rounding back
+// is to float32 and so no rounding at all).
+struct Bf16 {
+  using Bits = uint16_t;
+  static const Bits* in(const at::Tensor& t) { return bits(t); }
+  static Bits* out(at::Tensor& t) { return bits_out(t); }
+  static float widen(Bits b) { return bf16_to_float(b); }
+  static Bits store(float v) { return float_to_bf16(v); }
+  static float round(float v) { return bf16_to_float(float_to_bf16(v)); }
+};
+
+struct F32 {
+  using Bits = float;
+  static const Bits* in(const at::Tensor& t) { return t.data_ptr<float>(); }
+  static Bits* out(at::Tensor& t) { return t.data_ptr<float>(); }
+  static float widen(Bits b) { return b; }
+  static Bits store(float v) { return v; }
+  static float round(float v) { return v; }
+};
+
+// Whether the tensors are all contiguous float32 (the float32 kernels) or else all contiguous bf16
+// (checked, naming `name` when not).
+bool all_float32(std::initializer_list<const at::Tensor*> tensors, const char* name) {
+  bool f32 = true;
+  for (const auto* t : tensors) f32 = f32 && t->scalar_type() == at::kFloat && t->is_contiguous();
+  if (!f32)
+    for (const auto* t : tensors) check_bf16(*t, name);
+  return f32;
+}
+
+// weight * round(x * rsqrt(mean(x^2) + eps)), each row of x [..., D].
+template <typename T>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y, double eps) {
   const int64_t D = x.size(-1), R = x.numel() / D;
-  TORCH_CHECK(weight.numel() == D, "rms_norm: weight of ", D, " expected");
-  at::Tensor y = at::empty_like(x);
-  const uint16_t* xp = bits(x);
-  const uint16_t* wp = bits(weight);
-  uint16_t* yp = bits_out(y);
+  const typename T::Bits* xp = T::in(x);
+  const typename T::Bits* wp = T::in(weight);
+  typename T::Bits* yp = T::out(y);
   const float epsilon = static_cast<float>(eps);
   at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* row = xp + r * D;
+      const typename T::Bits* row = xp + r * D;
       float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
-      for (int64_t d = 0; d < D; ++d) squares += bf16_to_float(row[d]) * bf16_to_float(row[d]);
+      for (int64_t d = 0; d < D; ++d) squares += T::widen(row[d]) * T::widen(row[d]);
       const float scale = 1.f / std::sqrt(squares / static_cast<float>(D) + epsilon);
-      uint16_t* out = yp + r * D;
+      typename T::Bits* out = yp + r * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d)
-        out[d] = float_to_bf16(bf16_to_float(wp[d]) * bf16_to_float(float_to_bf16(bf16_to_float(row[d]) * scale)));
+      for (int64_t d = 0; d < D; ++d) out[d] = T::store(T::widen(wp[d]) * T::round(T::widen(row[d]) * scale));
     }
   });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const bool f32 = all_float32({&x, &weight}, "x and weight");
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(weight.numel() == D, "rms_norm: weight of ", D, " expected");
+  at::Tensor y = at::empty_like(x);
+  if (f32)
+    rms_norm_rows<F32>(x, weight, y, eps);
+  else
+    rms_norm_rows<Bf16>(x, weight, y, eps);
   return y;
 }
 
-// bf16(silu(gate)) * up, elementwise.
+// round(silu(g)) * u, one value: sigmoid from exp(-|g|) <= 1, so no overflow either way.
+template <typename T>
+inline float silu_times(float g, float u) {
+  const float e = exp_nonpositive(-std::fabs(g));
+  const float sigmoid = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+  return T::round(g * sigmoid) * u;
+}
+
+// round(silu(gate)) * up, elementwise.
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  check_bf16(gate, "gate");
-  check_bf16(up, "up");
+  const bool f32 = all_float32({&gate, &up}, "gate and up");
   TORCH_CHECK(gate.sizes() == up.sizes(), "silu_mul: gate and up must have one shape");
   at::Tensor y = at::empty_like(gate);
+  if (f32) {
+    const float* gp = gate.data_ptr<float>();
+    const float* up_ = up.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, gate.numel(), 4096, [&](int64_t begin, int64_t end) {
+#pragma omp simd
+      for (int64_t i = begin; i < end; ++i) yp[i] = silu_times<F32>(gp[i], up_[i]);
+    });
+    return y;
+  }
   const uint16_t* gp = bits(gate);
   const uint16_t* up_ = bits(up);
   uint16_t* yp = bits_out(y);
@@ -80,48 +136,48 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
     for (; i + 16 <= end; i += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + i), silu_mul_bf16x16(load_bf16x16(gp + i), load_bf16x16(up_ + i)));
 #endif
-    for (; i < end; ++i) {  // the same arithmetic, one value at a time
-      const float g = bf16_to_float(gp[i]);
-      const float e = exp_nonpositive(-std::fabs(g));  // exp(-|g|) <= 1: no overflow either way
-      const float sigmoid = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
-      yp[i] = float_to_bf16(bf16_to_float(float_to_bf16(g * sigmoid)) * bf16_to_float(up_[i]));
-    }
+    for (; i < end; ++i)  // the same arithmetic, one value at a time
+      yp[i] = float_to_bf16(silu_times<Bf16>(bf16_to_float(gp[i]), bf16_to_float(up_[i])));
   });
   return y;
 }
 
 // x [T, H, D] rotated by position: x * cos + rotate_half(x) * sin, cos/sin [T, D] (HF's half layout).
-void rotate(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_t* y, int64_t T, int64_t H,
-            int64_t D) {
+template <typename T>
+void rotate(const typename T::Bits* x, const typename T::Bits* cos, const typename T::Bits* sin,
+            typename T::Bits* y, int64_t tokens, int64_t H, int64_t D) {
   const int64_t half = D / 2;
-  at::parallel_for(0, T * H, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens * H, 64, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / H;
-      const uint16_t* row = x + item * D;
-      const uint16_t* c = cos + t * D;
-      const uint16_t* s = sin + t * D;
-      uint16_t* out = y + item * D;
+      const typename T::Bits* row = x + item * D;
+      const typename T::Bits* c = cos + t * D;
+      const typename T::Bits* s = sin + t * D;
+      typename T::Bits* out = y + item * D;
 #pragma omp simd
       for (int64_t d = 0; d < half; ++d)
-        out[d] = float_to_bf16(bf16_to_float(row[d]) * bf16_to_float(c[d]) -
-                               bf16_to_float(row[d + half]) * bf16_to_float(s[d]));
+        out[d] = T::store(T::widen(row[d]) * T::widen(c[d]) - T::widen(row[d + half]) * T::widen(s[d]));
 #pragma omp simd
       for (int64_t d = half; d < D; ++d)
-        out[d] = float_to_bf16(bf16_to_float(row[d]) * bf16_to_float(c[d]) +
-                               bf16_to_float(row[d - half]) * bf16_to_float(s[d]));
+        out[d] = T::store(T::widen(row[d]) * T::widen(c[d]) + T::widen(row[d - half]) * T::widen(s[d]));
     }
   });
 }
 
 std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                         const at::Tensor& sin) {
-  for (const auto* t : {&q, &k, &cos, &sin}) check_bf16(*t, "q, k, cos and sin");
+  const bool f32 = all_float32({&q, &k, &cos, &sin}, "q, k, cos and sin");
   const int64_t D = q.size(-1), T = cos.numel() / D;
   TORCH_CHECK(k.size(-1) == D && sin.numel() == cos.numel() && D % 2 == 0, "rope: shapes");
   TORCH_CHECK(q.numel() % (T * D) == 0 && k.numel() % (T * D) == 0, "rope: one cos/sin row per token");
   at::Tensor qo = at::empty_like(q), ko = at::empty_like(k);
-  rotate(bits(q), bits(cos), bits(sin), bits_out(qo), T, q.numel() / (T * D), D);
-  rotate(bits(k), bits(cos), bits(sin), bits_out(ko), T, k.numel() / (T * D), D);
+  if (f32) {
+    rotate<F32>(F32::in(q), F32::in(cos), F32::in(sin), F32::out(qo), T, q.numel() / (T * D), D);
+    rotate<F32>(F32::in(k), F32::in(cos), F32::in(sin), F32::out(ko), T, k.numel() / (T * D), D);
+  } else {
+    rotate<Bf16>(bits(q), bits(cos), bits(sin), bits_out(qo), T, q.numel() / (T * D), D);
+    rotate<Bf16>(bits(k), bits(cos), bits(sin), bits_out(ko), T, k.numel() / (T * D), D);
+  }
   return {qo, ko};
 }
 
