@@ -1,8 +1,11 @@
-"""bf16 decode steps through the decoder's modules (`enforce_eager=True`) against the same steps as
-one straight program of the kernels (`engine/cpu_decode.py`), and that program under `torch.compile`.
+"""Decode steps through the decoder's modules (`enforce_eager=True`) against the same steps as one
+straight program of the kernels (`engine/cpu_decode.py`), and that program under `torch.compile`.
+`--dtype float32` measures the float32 engine (the float32 kernel and the row-wise kernels' float32
+forms); its side `modules-torch` is the modules with torch's own norms, SiLU and rotary embedding
+(the float32 engine before the row-wise kernels took float32).
 
 Each side runs in its own process, turns alternating `--rounds` times, best turn counted (a shared
-machine only slows a turn down): the default model in bf16, 2 threads, `--rows` sequences of 128
+machine only slows a turn down): the default model in `--dtype` (bf16), `--threads` (2), `--rows` sequences of 128
 prompt tokens decoding together, the median of 60 decode steps after 20 (whole `LLMEngine.step`
 calls: scheduling, forward, sampling, outputs; `compiled`: 5 after 3). Greedy tokens of the sides are compared.
 
@@ -12,6 +15,7 @@ buffer, as it allocates them.
 
     .venv/bin/python bench/bench_decode_program.py --rows 1,16,64 --rounds 3
     .venv/bin/python bench/bench_decode_program.py --rows 1 --rounds 1 --sides modules,program,compiled
+    .venv/bin/python bench/bench_decode_program.py --dtype float32 --sides modules-torch,modules,program
 """
 
 from __future__ import annotations
@@ -25,16 +29,21 @@ import time
 import torch
 
 
-def worker(side: str, rows: int) -> dict:
+def worker(side: str, rows: int, dtype: str, threads: int) -> dict:
     from pagedrl import LLM, SamplingParams
+    from pagedrl.engine import cpu_routes
+    from pagedrl.model.routed import Routes
 
-    torch.set_num_threads(2)
-    llm = LLM(dtype=torch.bfloat16, kv_cache_bytes=1 << 30, enable_prefix_caching=False,
-              enforce_eager=side == "modules")
+    torch.set_num_threads(threads)
+    if side == "modules-torch":  # torch's own row-wise pieces in a float32 step
+        none = cpu_routes._not_taken
+        cpu_routes.FLOAT_ROUTES = Routes(linear=cpu_routes.float_rows, rms_norm=none, silu_mul=none, rope=none)
+    llm = LLM(dtype=getattr(torch, dtype), kv_cache_bytes=1 << 30, enable_prefix_caching=False,
+              enforce_eager=side.startswith("modules"))
     engine = llm.engine
     program = engine.runner.program
-    if side != "modules" and program is None:
-        raise SystemExit("no decode program here (a CPU without AVX512-BF16, or AMX)")
+    if not side.startswith("modules") and program is None:
+        raise SystemExit("no decode program here (bf16 on a CPU without AVX512-BF16, or AMX)")
     compile_s = None
     if side == "compiled":
         register_fakes()
@@ -79,10 +88,12 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sides", default="modules,program")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--worker", nargs=2, metavar=("SIDE", "ROWS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker[0], int(args.worker[1]))))
+        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.dtype, args.threads)))
         return
     sides = args.sides.split(",")
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -90,8 +101,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         for rows in rows_list:
             for side in sides if round_ % 2 == 0 else sides[::-1]:
-                out = subprocess.run([sys.executable, __file__, "--worker", side, str(rows)], capture_output=True,
-                                     text=True, check=True).stdout.strip().splitlines()[-1]
+                out = subprocess.run([sys.executable, __file__, "--worker", side, str(rows), "--dtype", args.dtype,
+                                      "--threads", str(args.threads)], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
                 got = json.loads(out)
                 print(f"round {round_ + 1}, {rows} rows, {side}: {got['ms']:.2f} ms a step"
                       + (f" (compile {got['compile_s']:.1f} s)" if got["compile_s"] is not None else ""), flush=True)

@@ -1,5 +1,5 @@
-"""bf16 decode steps as one straight run of the kernels (`engine/cpu_decode.py`): the same tokens
-and the same log-probs, bit for bit, as the decoder's modules routed to the same kernels
+"""bf16 and float32 decode steps as one straight run of the kernels (`engine/cpu_decode.py`): the same
+tokens and the same log-probs, bit for bit, as the decoder's modules routed to the same kernels
 (`enforce_eager=True`), for every family; the program follows weights written in place and a
 weight-version bump; what it does not cover runs through the modules."""
 
@@ -14,7 +14,7 @@ from tiny import FAMILIES
 from pagedrl.engine import cpu_decode
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.kernels import products
+from pagedrl.kernels import ops, products
 from pagedrl.model.lora import LoRAConfig, apply_lora
 
 pytestmark = pytest.mark.isa  # its paths follow the CPU class: `make test-isa` runs it as each lower one
@@ -44,12 +44,18 @@ def engines(model: torch.nn.Module) -> tuple[LLM, LLM, list[int]]:
     return llm, eager, steps
 
 
-def needs_program() -> None:
-    """The program runs on the k-pairs kernels: AVX512-BF16 without AMX (with AMX, the modules on
-    the tile kernel; below AVX512-BF16, the modules on torch's kernels)."""
-    needs("avx512_bf16", "the bf16 decode program")
-    needs_not("amx", "the bf16 decode program")
-    assert products.pairs_available()
+def needs_program(dtype: torch.dtype) -> None:
+    """The bf16 program runs on the k-pairs kernels: AVX512-BF16 without AMX (with AMX, the modules
+    on the tile kernel; below AVX512-BF16, the modules on torch's kernels). The float32 one runs on
+    every class the kernels build for."""
+    assert ops.available()
+    if dtype == torch.bfloat16:
+        needs("avx512_bf16", "the bf16 decode program")
+        needs_not("amx", "the bf16 decode program")
+        assert products.pairs_available()
+
+
+DTYPES = [torch.bfloat16, torch.float32]
 
 
 def outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float], list]]:
@@ -57,24 +63,26 @@ def outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[fl
     return [(o.outputs[0].token_ids, o.outputs[0].processed_logprobs, o.outputs[0].logprobs) for o in outs]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_the_program_gives_the_modules_bits(family) -> None:
+def test_the_program_gives_the_modules_bits(family, dtype) -> None:
     """Biases (llama-mha-tied-bias, qwen2), q/k norms (qwen3), tied heads, GQA and MHA: every decode
     step of a mixed batch (prompts of 3 to 45 tokens, chunked at 37) runs the program where the
-    k-pairs kernels are built, and its tokens, log-probs and top alternatives equal the modules'."""
-    needs_program()
-    model = peaked(family, 3).to(torch.bfloat16)
+    kernels are built, and its tokens, log-probs and top alternatives equal the modules'."""
+    needs_program(dtype)
+    model = peaked(family, 3).to(dtype)
     prompts = [torch.randint(3, 211, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 45, 18)]
     llm, eager, steps = engines(model)
     assert outputs(llm, prompts) == outputs(eager, prompts)
     assert steps and max(steps) == len(prompts) and min(steps) >= 1
 
 
-def test_the_program_follows_weight_updates() -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_program_follows_weight_updates(dtype) -> None:
     """A weight written in place (its version counter moves) and one given new data under a
     weight-version bump are both read by the next step, as the modules read them."""
-    needs_program()
-    model = peaked("smollm2-like", 4).to(torch.bfloat16)
+    needs_program(dtype)
+    model = peaked("smollm2-like", 4).to(dtype)
     prompts = [[5, 9, 30, 31], list(range(40, 61))]
     llm, eager, steps = engines(model)
     before = outputs(llm, prompts)
@@ -90,12 +98,18 @@ def test_the_program_follows_weight_updates() -> None:
     bumped = outputs(llm, prompts)
     assert bumped == outputs(eager, prompts) and bumped != after
     assert len(steps) >= 3 * GREEDY.max_tokens - 3
+    replaced = model.model.layers[-1].self_attn.o_proj
+    replaced.weight = torch.nn.Parameter(replaced.weight.detach() * -1, requires_grad=False)  # a new tensor
+    llm.engine.bump_weight_version()
+    swapped = outputs(llm, prompts)
+    assert swapped == outputs(eager, prompts) and swapped != bumped
 
 
 def test_what_the_program_does_not_cover_runs_through_the_modules() -> None:
-    """A LoRA layer (its own forward), a float32 model, `enforce_eager`: no program."""
+    """A LoRA layer (its own forward), a float16 model, `enforce_eager`: no program."""
     model = peaked("llama-gqa-untied", 5)
-    assert not cpu_decode.supports(model)  # float32
+    assert cpu_decode.supports(model) == ops.available()  # float32
+    assert not cpu_decode.supports(peaked("llama-gqa-untied", 5).half())
     bf16 = model.to(torch.bfloat16)
     assert cpu_decode.supports(bf16) == products.pairs_available()
     lora = apply_lora(peaked("llama-gqa-untied", 5), LoRAConfig(r=4, target_modules=["q_proj"])).to(torch.bfloat16)

@@ -1,5 +1,7 @@
-"""A bf16 decode step on a CPU as one straight run of the engine's kernels: the decoder's forward
-for steps where every sequence feeds one token, written out as the calls it makes.
+"""A decode step on a CPU as one straight run of the engine's kernels: the decoder's forward for steps
+where every sequence feeds one token, written out as the calls it makes. bf16 on the k-pairs
+kernels; float32 on the float32 kernel (`csrc/float_linear.cpp`, the weights as they lie) and the
+row-wise kernels' float32 forms, the very calls a float32 step's routes make (`cpu_routes.FLOAT_ROUTES`).
 
 Why: at one sequence a decode step is short enough that Python around the kernels counts. The
 default model's one-row forward took 12.9 ms through the decoder's modules (module calls, the routes'
@@ -14,14 +16,16 @@ written (8.6-8.8 ms against 7.5-9.2, after 15 s of compiling on 2 cores); with t
 views of one buffer, as the engine keeps them, every call copied the whole KV cache around the cache
 writes (7.3 s a step, after 29 s of compiling). So the program runs as written and compiles nothing.
 
-It covers what the decoder's routes cover on the k-pairs kernels (`products.pairs_available`):
-a plain `CausalLM` whose projections are all the decoder's own `Linear` (an adapter's layer is not),
-with or without biases and q/k norms. `enforce_eager=True` runs every step through the modules.
+It covers what the decoder's routes cover on the k-pairs kernels (`products.pairs_available`) or
+the float32 kernel: a plain `CausalLM` whose projections are all the decoder's own `Linear` (an
+adapter's layer is not), with or without biases and q/k norms. `enforce_eager=True` runs every step
+through the modules.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,33 +38,47 @@ from pagedrl.model.routed import Linear
 
 
 def supports(model: torch.nn.Module) -> bool:
-    """Whether `model`'s decode steps can run as the program: a bf16 `CausalLM` on the CPU whose
-    projections are all plain `Linear` (LoRA layers keep their own forward), on a CPU where the
-    k-pairs kernels run, with input sizes those kernels take (even)."""
-    if type(model) is not CausalLM or not products.pairs_available():
+    """Whether `model`'s decode steps can run as the program: a bf16 or float32 `CausalLM` on the CPU
+    whose projections are all plain `Linear` (LoRA layers keep their own forward); for bf16, on a CPU
+    where the k-pairs kernels run, with input sizes those kernels take (even)."""
+    if type(model) is not CausalLM or model.device.type != "cpu" or not ops.available():
         return False
     cfg = model.config
     projections = [model.lm_head]
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         projections += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    return (model.dtype == torch.bfloat16 and model.device.type == "cpu" and cfg.hidden_act == "silu"
-            and all(type(m) is Linear for m in projections)
+    if cfg.hidden_act != "silu" or not all(type(m) is Linear for m in projections):
+        return False
+    if model.dtype == torch.float32:
+        return True
+    return (model.dtype == torch.bfloat16 and products.pairs_available()
             and cfg.hidden_size % 2 == 0 and (cfg.num_attention_heads * cfg.head_dim) % 2 == 0
             and cfg.intermediate_size % 2 == 0)
 
 
-class DecodeProgram:
-    """The decoder's forward for a step of one-token rows (`run`) and its vocabulary projection
-    (`logits`) over `packed`'s k-pairs copies of the weights, listed once per weight version."""
+def float_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A float32 step's projection as its route computes it (`products.float_rows`): the float32 kernel
+    up to `MAX_ROWS_FLOAT` rows, torch's (MKL) above."""
+    if x.shape[0] <= products.MAX_ROWS_FLOAT:
+        return ops.float_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
-    def __init__(self, model: CausalLM, packed: products.PackedWeights) -> None:
-        self.model, self.packed = model, packed
+
+class DecodeProgram:
+    """The decoder's forward for a step of one-token rows (`run`) and, for bf16, its vocabulary
+    projection (`logits`) over `packed`'s k-pairs copies of the weights, listed once per weight
+    version; a float32 model's (`packed` None) over its weights as they lie."""
+
+    def __init__(self, model: CausalLM, packed: products.PackedWeights | None,
+                 weight_version: Callable[[], int] = lambda: 0) -> None:
+        self.model, self.packed, self.weight_version = model, packed, weight_version
+        self.float32 = packed is None
         cfg = model.config
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         # The fused gate-and-up pass where the routes take it (`PackedWeights.gate_up`).
-        self.fused_mlp = not cfg.mlp_bias and cfg.intermediate_size % 32 == 0
+        self.fused_mlp = not self.float32 and not cfg.mlp_bias and cfg.intermediate_size % 32 == 0
         self._tracked: list[torch.Tensor] = []  # the weights whose write counters are checked
         self._fingerprint: tuple[int, ...] | None = None
         self._layers: list[tuple] = []
@@ -68,15 +86,17 @@ class DecodeProgram:
 
     def _fingerprint_now(self) -> tuple[int, ...]:
         """What the listed copies depend on: the packed cache's generation (cleared at a weight-version
-        bump) and every weight's in-place write counter."""
-        return (self.packed.generation, *(w._version for w in self._tracked))
+        bump), the engine's weight version (a float32 model's parameters may be replaced under it) and
+        every weight's in-place write counter."""
+        generation = -1 if self.packed is None else self.packed.generation
+        return (generation, self.weight_version(), *(w._version for w in self._tracked))
 
     def _refresh(self) -> None:
         """The weights and their packed copies, one tuple a layer, listed again when they changed."""
         fingerprint = self._fingerprint_now()
         if fingerprint == self._fingerprint:
             return
-        pack = self.packed.packed
+        pack = self._pack
         # Listed anew with the copies: a parameter replaced (under a weight-version bump) is tracked in
         # its predecessor's place. Inference tensors keep no counter; the bump is their only signal.
         self._tracked = [w for w in self.model.parameters() if not w.is_inference()]
@@ -99,6 +119,10 @@ class DecodeProgram:
         self._head = (pack(head.weight, "pairs"), head.weight.shape[0], head.bias)
         self._fingerprint = self._fingerprint_now()  # packing may have moved the generation
 
+    def _pack(self, weight: torch.Tensor, layout: str, *more: torch.Tensor) -> torch.Tensor:
+        """`weight`'s copy in `layout` (bf16); a float32 model's products read the weight itself."""
+        return weight if self.packed is None else self.packed.packed(weight, layout, *more)
+
     def run(self, input_ids: torch.Tensor, meta: PagedAttention) -> torch.Tensor:
         """input_ids [N] (sequence s's new token in row s) → final hidden states [N, hidden], keys and
         values written to the cache, for metadata that reads the cache in place (`meta.in_place`)."""
@@ -107,6 +131,8 @@ class DecodeProgram:
 
     def forward(self, input_ids: torch.Tensor, meta: PagedAttention) -> torch.Tensor:
         """`run` on the weights as last listed (what a compiler would trace)."""
+        if self.float32:
+            return self.forward_float32(input_ids, meta)
         n, heads, kv_heads, head_dim, eps = input_ids.shape[0], self.heads, self.kv_heads, self.head_dim, self.eps
         backbone = self.model.model
         x = F.embedding(input_ids, backbone.embed_tokens.weight)
@@ -133,8 +159,36 @@ class DecodeProgram:
             x = x + ops.pair_linear(hidden, *down)
         return ops.rms_norm(x, backbone.norm.weight, eps)
 
+    def forward_float32(self, input_ids: torch.Tensor, meta: PagedAttention) -> torch.Tensor:
+        """`forward` of a float32 model: the calls `cpu_routes.FLOAT_ROUTES` makes through the modules,
+        so the same numbers."""
+        n, heads, kv_heads, head_dim, eps = input_ids.shape[0], self.heads, self.kv_heads, self.head_dim, self.eps
+        backbone = self.model.model
+        x = F.embedding(input_ids, backbone.embed_tokens.weight)
+        cos, sin = rope_cos_sin(meta.positions[None], backbone.inv_freq, x.dtype)
+        cache = meta.kv_cache
+        scale = meta.scale if meta.scale is not None else 1.0 / math.sqrt(head_dim)
+        for index, (norm1, q_proj, k_proj, v_proj, o_proj, qk_norms, norm2, mlp, down) in enumerate(self._layers):
+            key_cache, value_cache = cache.key_cache[index], cache.value_cache[index]
+            h = ops.rms_norm(x, norm1, eps)
+            q = float_product(h, q_proj[0], q_proj[2]).view(1, n, heads, head_dim)
+            k = float_product(h, k_proj[0], k_proj[2]).view(1, n, kv_heads, head_dim)
+            v = float_product(h, v_proj[0], v_proj[2]).view(n, kv_heads, head_dim)
+            if qk_norms is not None:
+                q, k = ops.rms_norm(q, qk_norms[0], eps), ops.rms_norm(k, qk_norms[1], eps)
+            q, k = ops.rope(q, k, cos, sin)
+            ops.store_kv(k[0], v, key_cache, value_cache, meta.slot_mapping)
+            out = ops.paged_decode(q[0], key_cache, value_cache, meta.block_tables, meta.seq_lens, scale)
+            x = x + float_product(out.view(n, heads * head_dim), o_proj[0], o_proj[2])
+            h = ops.rms_norm(x, norm2, eps)
+            (gate, _, gate_bias), (up, _, up_bias) = mlp
+            x = x + float_product(ops.silu_mul(float_product(h, gate, gate_bias), float_product(h, up, up_bias)),
+                                  down[0], down[2])
+        return ops.rms_norm(x, backbone.norm.weight, eps)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] → float32 logits [N, vocab], as `CausalLM.logits` computes them routed."""
+        """hidden [N, hidden] → float32 logits [N, vocab], as `CausalLM.logits` computes them routed (bf16;
+        a float32 model's are the runner's `project`)."""
         assert self._head is not None, "run() lists the weights first"
         return ops.pair_linear(hidden, *self._head).float()
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from pagedrl.kernels import ops
-from pagedrl.kernels.products import PackedWeights, few_rows, float_rows, max_rows, takes
+from pagedrl.kernels.products import PackedWeights, few_rows, float_rows, max_rows, takes, takes_float32
 from pagedrl.model.routed import Routes, routed_to
 
 
@@ -69,9 +69,28 @@ ROUTES = Routes(linear=few_rows, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope
 ROWWISE_ONLY = Routes(linear=no_product, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope)
 
 
-# A float32 step's routes: the products of a few rows on the float32 kernel; norms, SiLU and the
-# rotary embedding stay torch's (the row-wise kernels are bf16 ones).
-FLOAT_ROUTES = Routes(linear=float_rows, rms_norm=_not_taken, silu_mul=_not_taken, rope=_not_taken)
+def rms_norm32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    if not takes_float32(x, weight) or not x.is_contiguous():
+        return None
+    return ops.rms_norm(x, weight, eps)
+
+
+def silu_mul32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    if not takes_float32(gate, up) or not gate.is_contiguous() or not up.is_contiguous():
+        return None
+    return ops.silu_mul(gate, up)
+
+
+def rope32(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not takes_float32(q, k, cos, sin) or not all(t.is_contiguous() for t in (q, k, cos, sin)):
+        return None
+    return ops.rope(q, k, cos, sin)
+
+
+# A float32 step's routes: the products of a few rows on the float32 kernel, norms, SiLU and the rotary
+# embedding on the row-wise kernels' float32 forms (one call each where eager torch makes three to six).
+FLOAT_ROUTES = Routes(linear=float_rows, rms_norm=rms_norm32, silu_mul=silu_mul32, rope=rope32)
 
 
 def usable(model: torch.nn.Module, autocast_dtype: torch.dtype | None, dtype: torch.dtype = torch.bfloat16) -> bool:

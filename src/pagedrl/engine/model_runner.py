@@ -64,10 +64,13 @@ class ModelRunner:
         # batch-invariant (greedy evaluations; its rollouts get them through `batch_invariant`).
         self.twin_products = self.cast is not None and autocast_dtype == torch.bfloat16
         self.packed = packed_weights() if (self.cpu_routes or self.twin_products) and packs_weights() else None
-        # bf16 decode steps on a CPU as one straight run of the kernels, outside the modules (`cpu_decode`).
-        self.program = (cpu_decode.DecodeProgram(model, self.packed)
-                        if self.cpu_routes and self.packed is not None and not enforce_eager
-                        and cpu_decode.supports(model) else None)
+        # Decode steps on a CPU as one straight run of the kernels, outside the modules (`cpu_decode`): bf16
+        # ones on the k-pairs copies,
+        # float32 ones on the float32 kernel and the row-wise kernels' float32 forms.
+        program = (self.cpu_routes and self.packed is not None) or self.float_routes
+        self.program = (cpu_decode.DecodeProgram(model, self.packed if self.cpu_routes else None,
+                                                 lambda: kv_manager.weight_version)
+                        if program and not enforce_eager and cpu_decode.supports(model) else None)
         self.on_cpu = model.device.type == "cpu"
         if self.on_cpu:
             keep_freed_memory()
@@ -88,6 +91,10 @@ class ModelRunner:
         """How steps that only decode run, for the start-up line."""
         if self.graphs is not None:
             return f"decode steps replay CUDA graphs ({len(self.graphs.sizes)} batch sizes)"
+        if self.program is not None and self.program.float32:
+            return (f"decode steps as one program of the CPU kernels, products of up to {products.MAX_ROWS_FLOAT} "
+                    f"rows on the float32 kernel ({ops.float_linear_lanes()} lanes; CPU class {isa.describe()}; "
+                    "enforce_eager: through the modules)")
         if self.program is not None:
             return (f"decode steps as one program of the CPU kernels on CPU class {isa.describe()} "
                     "(enforce_eager: through the modules)")
@@ -180,7 +187,8 @@ class ModelRunner:
                                                 rows=invariant, prefill_rows=self.prefill_rows)
         input_ids = long_tensor(ids).to(device)[None]
         if self.program is not None and meta.in_place and not invariant and self.lora is None:
-            return self.result(self.program.run(input_ids[0], meta), row_index, rows, self.program.logits)
+            return self.result(self.program.run(input_ids[0], meta), row_index, rows,
+                               self.project if self.program.float32 else self.program.logits)
         with routed_step(len(ids), (self.cpu_routes or self.twin_products or self.float_routes) and not invariant,
                          self.packed, products_only=not self.cpu_routes, float32=self.float_routes):
             return self.result(self.model(input_ids, meta.positions[None], meta)[0], row_index, rows, self.project)

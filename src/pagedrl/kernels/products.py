@@ -85,6 +85,16 @@ def takes(*tensors: torch.Tensor) -> bool:
 _BF16 = torch.bfloat16
 
 
+def takes_float32(*tensors: torch.Tensor) -> bool:
+    """`takes` for the row-wise kernels' float32 forms (a float32 engine's steps)."""
+    if torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t.dtype is not _F32 or not t.is_cpu:
+            return False
+    return True
+
+
 def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """A projection's product through the kernel when it has at most `max_rows()` rows."""
     if not takes(x, weight) or weight.stride(-1) != 1 or (bias is not None and bias.dtype != torch.bfloat16):
