@@ -65,8 +65,7 @@ class ModelRunner:
         self.twin_products = self.cast is not None and autocast_dtype == torch.bfloat16
         self.packed = packed_weights() if (self.cpu_routes or self.twin_products) and packs_weights() else None
         # Decode steps on a CPU as one straight run of the kernels, outside the modules (`cpu_decode`): bf16
-        # ones on the k-pairs copies,
-        # float32 ones on the float32 kernel and the row-wise kernels' float32 forms.
+        # ones on the k-pairs copies, float32 ones on the float32 kernel and the row-wise kernels' float32 forms.
         program = (self.cpu_routes and self.packed is not None) or self.float_routes
         self.program = (cpu_decode.DecodeProgram(model, self.packed if self.cpu_routes else None,
                                                  lambda: kv_manager.weight_version)
