@@ -137,7 +137,7 @@ def correctness() -> dict[str, Any]:
     from tiny import FAMILIES, hf_model
 
     from pagedrl.engine.llm import LLM
-    from pagedrl.engine.sampler import processed_logprobs
+    from pagedrl.engine.logits_processing import processed_logprobs
     from pagedrl.engine.sampling_params import SamplingParams
     from pagedrl.model.config import ModelConfig
     from pagedrl.model.decoder import CausalLM

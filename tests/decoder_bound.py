@@ -124,7 +124,7 @@ def sampled_logprobs(rows: Probed, tokens: torch.Tensor, temperature: float = 1.
     logits' errors as the probes carry them, plus the division's and log_softmax's own roundings.
     `allowed` [N, V]: a structured output's mask, applied first. Where the truncation is not decided (float32 rounding may keep other tokens: logits of a tiny
     random model are nearly tied) the bound is infinite."""
-    from pagedrl.engine.sampler import process_logits, processed_logprobs
+    from pagedrl.engine.logits_processing import process_logits, processed_logprobs
 
     settings = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, allowed=allowed)
     logit_error = rows.bound()

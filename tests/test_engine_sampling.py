@@ -10,7 +10,7 @@ import torch
 from test_engine_greedy import engine_for, prompts
 from tiny import FAMILIES, hf_model
 
-from pagedrl.engine.sampler import processed_logprobs
+from pagedrl.engine.logits_processing import processed_logprobs
 from pagedrl.engine.sampling_params import SamplingParams
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from float_bounds import U
 
-from pagedrl.engine.sampler import processed_logprobs
+from pagedrl.engine.logits_processing import processed_logprobs
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.loader import load_model
 from pagedrl.train.algorithms.grpo import GRPO, run_grpo

@@ -11,15 +11,8 @@ import pytest
 import torch
 from float_bounds import U, cut_decided, log_softmax_bound, logprob_bounds
 
-from pagedrl.engine.sampler import (
-    Sampler,
-    SamplingRow,
-    apply_penalties,
-    make_generator,
-    process_logits,
-    processed_logprobs,
-    token_counts,
-)
+from pagedrl.engine.logits_processing import apply_penalties, process_logits, processed_logprobs, token_counts
+from pagedrl.engine.sampler import Sampler, SamplingRow, make_generator
 from pagedrl.engine.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -19,7 +19,8 @@ from float_bounds import EXP_ERROR, gamma, logprob_bounds
 
 from pagedrl.engine.grammar import unpack_bitmask
 from pagedrl.engine.llm import LLM
-from pagedrl.engine.sampler import NEG_INF, Sampler, SamplingRow, processed_logprobs
+from pagedrl.engine.logits_processing import NEG_INF, processed_logprobs
+from pagedrl.engine.sampler import Sampler, SamplingRow
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.engine.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 from pagedrl.model.loader import load_model

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pagedrl.engine.sampler import processed_log_softmax
+from pagedrl.engine.logits_processing import processed_log_softmax
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.train.losses import entropy_from_logits, entropy_from_logprobs
 
