@@ -104,17 +104,13 @@ class Run:
         return sum(self.kv_live) / max(1, sum(self.kv_slots))
 
 
-def _live_per_block(engine: Any, running: list[Any]) -> tuple[int, list[tuple[Any, list[int]]]]:
+def _live_per_block(engine: Any) -> tuple[int, list[tuple[Any, list[int]]]]:
     """Distinct live tokens in the blocks the running sequences hold (a shared block counts once),
     and each sequence's block table."""
-    block_size = engine.config.block_size
+    block_size = engine.block_size
     filled: dict[int, int] = {}
-    tables = []
-    for seq in running:
-        if seq.seq_id not in engine.kv_manager:
-            continue
-        table = engine.kv_manager.block_table(seq.seq_id)
-        tables.append((seq, table))
+    tables = engine.block_tables()
+    for seq, table in tables:
         for i, b in enumerate(table):
             filled[b] = max(filled.get(b, 0), min(block_size, seq.num_computed_tokens - i * block_size))
     return sum(max(0, v) for v in filled.values()), tables
@@ -124,20 +120,20 @@ def run_pagedrl(llm: LLM, workload: list[Request], seed: int = 0) -> Run:
     """`LLM.generate` over the workload (greedy; an n-sample request samples at temperature 1);
     each step also samples the KV cache's occupancy and keeps a snapshot of its fullest step."""
     engine = llm.engine
-    block_size = engine.config.block_size
+    block_size = engine.block_size
     run = Run(0.0, 0, 0, [])
     request_of: dict[str, int] = {}
     step = engine.step
 
     def step_and_sample():
         outs = step()
-        running = engine.scheduler.running
-        live, tables = _live_per_block(engine, running)
+        live, tables = _live_per_block(engine)
+        stats = engine.stats()
+        used = stats["num_blocks_used"]
         run.kv_live.append(live)
-        run.kv_slots.append(engine.kv_manager.num_blocks_used * block_size)
-        if run.snapshot is None or engine.kv_manager.num_blocks_used > run.snapshot.blocks_used:
-            run.snapshot = KVSnapshot(len(run.kv_live), block_size, engine.kv_manager.num_blocks_total,
-                                      engine.kv_manager.num_blocks_used, [
+        run.kv_slots.append(used * block_size)
+        if run.snapshot is None or used > run.snapshot.blocks_used:
+            run.snapshot = KVSnapshot(len(run.kv_live), block_size, stats["num_blocks_total"], used, [
                 SeqBlocks(request_of.get(seq.request_id, -1), seq.index, list(table), seq.num_computed_tokens,
                           seq.num_prompt_tokens + seq.params.max_tokens, seq.num_prompt_tokens)
                 for seq, table in tables])
@@ -223,8 +219,8 @@ def peak_blocks(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> i
     ids = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished_requests():
         engine.step()
-        peak = max(peak, engine.kv_manager.num_blocks_used)
-    assert all(rid not in engine.requests for rid in ids)
+        peak = max(peak, engine.stats()["num_blocks_used"])
+    assert not engine.has_unfinished_requests(), ids
     return peak
 
 

@@ -7,10 +7,8 @@ abort, stop) through a queue that the engine thread applies between steps, and t
 hands each step's outputs back with `loop.call_soon_threadsafe`. A forward pass
 therefore never blocks the event loop, and an abort frees the request's blocks before the next step.
 
-A stream keeps one pending output, not a queue: a CUMULATIVE output replaces the pending one (it
-carries everything so far), a DELTA output is merged into it (the cost of what it adds), so a
-consumer that falls behind loses nothing and slow clients cannot make memory grow beyond what they
-have not read yet. Servers ask for DELTA, so no step rebuilds what was already sent.
+Each request's outputs go to its `RequestStream` (`engine/request_stream.py`), which keeps one pending
+output, merging DELTA outputs; servers ask for DELTA, so no step rebuilds what was already sent.
 
 Admission is bounded in sequences, not requests (a request with `n` samples counts `n`): at most
 `max_num_seqs + max_waiting_requests` sequences are in flight; beyond that `submit` raises
@@ -27,13 +25,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from pagedrl.engine.engine_stats import EngineStats
 from pagedrl.engine.llm_engine import LLMEngine
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.outputs import RequestOutput
+from pagedrl.engine.request_stream import RequestAborted, RequestFailed, RequestGroup, RequestStream
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
+from pagedrl.engine.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -49,122 +49,8 @@ class EngineOverloaded(RuntimeError):
     """The waiting queue is full; the caller should retry later (HTTP 503)."""
 
 
-class RequestAborted(RuntimeError):
-    """The request ended without finishing: the server aborted it (shutdown or an engine error)."""
-
-
-class RequestFailed(RuntimeError):
-    """The engine ended the request with finish_reason "error" (its logits went NaN or infinite): not a
-    reason to retry, as an abort is, and never a 200 with what was sampled from garbage (HTTP 500)."""
-
-
 class EngineDead(RequestAborted):
     """The engine thread stopped (shut down or crashed); no request can be served."""
-
-
-@dataclass(eq=False)
-class RequestStream:
-    """One engine request as seen from the event loop: the latest output and per-request timings."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    notify: asyncio.Event
-    arrival: float = field(default_factory=time.monotonic)
-    pending: RequestOutput | None = None
-    last: RequestOutput | None = None
-    done: bool = False
-    error: BaseException | None = None
-    finish_reason: str | None = None  # of the first sample; "abort" if not finished, "error" if it failed
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finish_time: float | None = None
-    inter_token_latencies: list[float] = field(default_factory=list)
-    num_generation_tokens: int = 0
-    num_seqs: int = 1  # the request's samples: what it counts against the admission bound
-    delta: bool = False  # outputs are DELTA: merge them, do not replace
-
-    def put(self, out: RequestOutput, now: float) -> None:
-        num = sum(len(c.token_ids) for c in out.outputs)
-        if self.delta:
-            num += self.num_generation_tokens
-        if num > self.num_generation_tokens:
-            if self.first_token_time is None:
-                self.first_token_time = now
-            else:
-                self.inter_token_latencies.append(now - self.last_token_time)
-            self.last_token_time = now
-            self.num_generation_tokens = num
-        if self.delta and self.pending is not None:
-            self.pending.add(out)
-        else:
-            self.pending = out
-        self.last = out
-        if out.finished:
-            self.end(out.outputs[0].finish_reason, now)
-        self.notify.set()
-
-    def end(self, finish_reason: str | None, now: float, error: BaseException | None = None) -> None:
-        self.done = True
-        self.finish_reason = finish_reason
-        self.finish_time = now
-        self.error = error
-        self.notify.set()
-
-    @property
-    def finished(self) -> bool:
-        """Ended with a final output (not aborted, not failed)."""
-        return self.last is not None and self.last.finished
-
-
-class RequestGroup:
-    """The engine requests of one API call (one per prompt), iterated together.
-
-    `async for updates in group` yields lists of `(prompt_index, latest RequestOutput)`; iteration
-    ends when every request has finished, and raises `RequestAborted` if one ended otherwise.
-    """
-
-    def __init__(self, engine: AsyncEngine, streams: list[RequestStream], notify: asyncio.Event) -> None:
-        self.engine = engine
-        self.streams = streams
-        self.notify = notify
-
-    def __aiter__(self) -> RequestGroup:
-        return self
-
-    async def __anext__(self) -> list[tuple[int, RequestOutput]]:
-        while True:
-            ready = []
-            for i, s in enumerate(self.streams):
-                if s.pending is not None:
-                    ready.append((i, s.pending))
-                    s.pending = None
-            if ready:
-                return ready
-            for s in self.streams:
-                if s.done and not s.finished:
-                    raise s.error or RequestAborted(f"request {s.request_id} was aborted")
-            if all(s.done for s in self.streams):
-                raise StopAsyncIteration
-            self.notify.clear()
-            await self.notify.wait()
-
-    async def final_outputs(self) -> list[RequestOutput]:
-        """Wait for every request to finish and return the final outputs, in prompt order (DELTA outputs
-        merged into whole ones)."""
-        whole: dict[int, RequestOutput] = {}
-        async for updates in self:
-            for i, out in updates:
-                if i in whole and self.streams[i].delta:
-                    whole[i].add(out)
-                else:
-                    whole[i] = out
-        return [whole.get(i, s.last) for i, s in enumerate(self.streams)]
-
-    def abort(self) -> None:
-        """Abort every request of the group that has not ended (idempotent)."""
-        for s in self.streams:
-            if not s.done:
-                self.engine.abort(s.request_id)
 
 
 class AsyncEngine:
@@ -221,6 +107,25 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
+
+    def metrics_snapshot(self) -> EngineStats:
+        """The engine's numbers and its adapters' residency (what `/metrics` exports), read from the
+        event loop while the engine thread steps."""
+        return self.engine.metrics_snapshot()
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.lora_enabled
+
+    def read_lora(self, request: LoRARequest) -> object:
+        """Read and check an adapter before it is served (ValueError naming what does not fit); safe
+        off the engine thread."""
+        return self.engine.read_lora(request)
+
+    def check_structured_output(self, spec: StructuredOutputsParams) -> None:
+        """ValueError naming the field when `spec` does not compile; cached, so a repeat costs nothing.
+        Safe off the engine thread (a first compile builds the tokenizer's tables: run it in a worker)."""
+        self.engine.grammar_compiler().check(spec)
 
     # Fixed when the engine is built, so safe to read from the event loop.
     @property

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pagedrl.engine.engine_config import EngineConfig
+from pagedrl.engine.engine_stats import EngineStats, engine_stats
 from pagedrl.engine.grammar import GrammarCompiler, StepBitmasks
 from pagedrl.engine.kv_cache import KVCache, num_blocks_for_budget
 from pagedrl.engine.kv_cache_manager import KVCacheManager
@@ -24,13 +25,14 @@ from pagedrl.engine.model_runner import ModelRunner
 from pagedrl.engine.multi_lora import LoRASlots
 from pagedrl.engine.output_processor import logits_error, logprob_entry, make_output, record_prompt_logprob
 from pagedrl.engine.outputs import RequestOutput
+from pagedrl.engine.request_checks import check_fits, check_num_seqs, encode_prompt
 from pagedrl.engine.sampler import Sampler, SamplingRow
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.engine.scheduler import Scheduler
 from pagedrl.engine.sequence import Request, Sequence
+from pagedrl.engine.stop_checker import check_stop
 from pagedrl.model import batch_invariant
 from pagedrl.model.decoder import CausalLM
-from pagedrl.model.tokenizer import find_stop_string
 
 logger = logging.getLogger(__name__)
 
@@ -117,44 +119,16 @@ class LLMEngine:
         return request_id
 
     def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        vocab = self.model.config.vocab_size
-        for i, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab})")
-        return ids
+        """The prompt's token ids, checked against the vocabulary (`request_checks.encode_prompt`)."""
+        return encode_prompt(prompt, self.tokenizer, self.model.config.vocab_size)
 
     def check_num_seqs(self, params: SamplingParams) -> None:
-        """The n samples of a request run side by side, forked from one prompt, so n is bounded by the
-        sequences one step runs (and forking never loops over more)."""
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}), the sequences "
-                             "one engine step runs; ask for fewer samples or raise max_num_seqs")
+        check_num_seqs(params, self.config.max_num_seqs)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        self.check_num_seqs(params)
-        limit = self.max_model_len
-        if num_prompt_tokens >= limit:
-            raise ValueError(f"prompt is {num_prompt_tokens} tokens, but the model's context "
-                             f"(max_model_len) is {limit} tokens")
-        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limit:
-            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = "
-                             f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len {limit}")
-        total = num_prompt_tokens + (params.max_tokens or limit - num_prompt_tokens)
-        if not self.kv_manager.can_ever_fit(total):
-            raise ValueError(f"prompt + max_tokens = {total} tokens can never fit in the KV cache of "
-                             f"{self.kv_manager.num_blocks_total * self.block_size} tokens; raise kv_cache_tokens")
+        """ValueError unless the request fits one step, the context and the KV cache."""
+        check_num_seqs(params, self.config.max_num_seqs)
+        check_fits(num_prompt_tokens, params, self.max_model_len, self.kv_manager, self.block_size)
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The engine's grammar compiler for structured outputs (its tokenizer tables are built once)."""
@@ -304,7 +278,9 @@ class LLMEngine:
                 seq.grammar.accept(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self.check_stop(seq, token)
+            stop = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
+            if stop is not None:
+                self.finish(seq, *stop)
         self.generation_tokens += len(seqs)
 
     def sampling_row(self, seq: Sequence, token_bitmask: torch.Tensor | None) -> SamplingRow:
@@ -318,27 +294,6 @@ class LLMEngine:
         if not p.has_penalties and seq.grammar is None and not banned:
             seq.sampling_row = row
         return row
-
-    def check_stop(self, seq: Sequence, token: int) -> None:
-        p = seq.params
-        delta = ""
-        if seq.detokenizer is not None:
-            delta = seq.detokenizer.step(token)
-            seq.text += delta
-        if not p.ignore_eos and token in self.eos_token_ids:
-            self.finish(seq, "stop")
-        elif token in p.stop_token_ids:
-            self.finish(seq, "stop", token)
-        elif p.stop and delta and (hit := find_stop_string(seq.text, p.stop, len(delta))) is not None:
-            at, stop = hit
-            seq.text = seq.text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
-            self.finish(seq, "stop", stop, flush=False)
-        elif seq.grammar is not None and seq.grammar.is_stopped:
-            self.finish(seq, "stop")  # the structured output is complete: only EOS could follow
-        elif p.max_tokens is not None and len(seq.token_ids) - len(seq.prompt_token_ids) >= p.max_tokens:
-            self.finish(seq, "length")
-        elif len(seq.token_ids) >= self.max_model_len:
-            self.finish(seq, "length")
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None, flush: bool = True) -> None:
         if flush and seq.detokenizer is not None:
@@ -360,6 +315,29 @@ class LLMEngine:
     def vocab_size(self) -> int:
         """Token ids run over [0, vocab_size)."""
         return self.model.config.vocab_size
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Built with `enable_lora`: requests may name adapters."""
+        return self.lora is not None
+
+    def read_lora(self, request: LoRARequest) -> object:
+        """Read `request`'s adapter from disk and check it against the model and the slots (ValueError
+        naming what does not fit); changes nothing, so it is safe off the engine thread."""
+        if self.lora is None:
+            raise ValueError("lora_request: this engine was built without enable_lora=True")
+        return self.lora.read(request)
+
+    def decode_path(self) -> str:
+        """How steps that only decode run (CUDA graphs, the CPU kernels' program, the modules), for a
+        start-up line."""
+        return self.runner.decode_path()
+
+    def block_tables(self) -> list[tuple[Sequence, list[int]]]:
+        """Each running sequence that holds blocks, with a copy of its block table: a picture of how
+        the requests share the KV cache (the demo draws one)."""
+        return [(seq, list(self.kv_manager.block_table(seq.seq_id))) for seq in list(self.scheduler.running)
+                if seq.seq_id in self.kv_manager]
 
     def reseed(self, seed: int) -> None:
         """Restart the random stream of requests without a seed of their own (a trainer does this
@@ -387,28 +365,11 @@ class LLMEngine:
             self.runner.packed.clear()
         return self.kv_manager.bump_weight_version()
 
-    def lora_adapters_in_flight(self) -> tuple[list[str], list[str]]:
-        """The names of the adapters running and waiting (readable from another thread: copies)."""
-        def names(seqs: list[Sequence]) -> list[str]:
-            return sorted({seq.lora.lora_name for seq in seqs if seq.lora is not None})
-
-        return names(list(self.scheduler.running)), names(list(self.scheduler.waiting))
+    def metrics_snapshot(self) -> EngineStats:
+        """The engine's numbers and its adapters' residency now (readable from another thread while
+        requests run: plain ints and copied lists, no locks)."""
+        return engine_stats(self)
 
     def stats(self) -> dict[str, float]:
-        """Counters readable from another thread while requests run (plain ints, no locks)."""
-        kv = self.kv_manager
-        return {
-            "num_blocks_total": kv.num_blocks_total,
-            "num_blocks_used": kv.num_blocks_used,
-            "num_blocks_cached": kv.num_blocks_cached,
-            "kv_cache_usage_perc": kv.usage,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting),
-            "prompt_tokens": self.prompt_tokens,
-            "generation_tokens": self.generation_tokens,
-            "num_forked_blocks": self.num_forked_blocks,
-            "weight_version": kv.weight_version,
-        }
+        """The numbers of `metrics_snapshot()` by name, without the adapters."""
+        return engine_stats(self, with_lora=False).counters()

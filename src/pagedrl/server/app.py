@@ -155,8 +155,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
     On an engine built with `enable_lora`, each of `lora_modules` is served under its name (a request's
     `model` picks it; one that does not fit raises ValueError here), and with `allow_runtime_lora_updating`
     adapters are loaded and unloaded at run time (`server/lora_routes.py`)."""
-    slots = engine.engine.lora
-    served = ServedModels(served_model_name, read=None if slots is None else slots.read)
+    served = ServedModels(served_model_name, read=engine.read_lora if engine.lora_enabled else None)
     for module in lora_modules:
         served.load(module)
     metrics = ServerMetrics(engine, served_model_name)
@@ -255,7 +254,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
         lora = check_model(req.model)
         plan = tool_plan(req, tool_call_parser, enable_auto_tool_choice)
         if plan is not None:  # schemas compile off the event loop (cached: a repeated tool costs nothing)
-            await asyncio.to_thread(check_tool_schemas, plan, engine.engine.grammar_compiler().check)
+            await asyncio.to_thread(check_tool_schemas, plan, engine.check_structured_output)
         prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan)
         group = await submit([prompt_ids], params, {"logprobs": "top_logprobs", **structured_outputs(req)[1]}, lora)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -1,6 +1,6 @@
 """Prometheus metrics under vLLM's names with the prefix `pagedrl:`, so vLLM dashboards work unchanged.
 
-Two sources: engine counters and gauges are read from `LLMEngine.stats()` at scrape time (one source
+Two sources: engine counters and gauges are read from `AsyncEngine.metrics_snapshot()` at scrape time (one source
 of truth, nothing to keep in sync), and per-request latencies are observed when a request ends, from
 the timings its stream recorded on the event loop (what a client sees, queueing included).
 """
@@ -13,7 +13,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pagedrl.engine.async_engine import AsyncEngine, RequestStream
+from pagedrl.engine.async_engine import AsyncEngine
+from pagedrl.engine.request_stream import RequestStream
 
 PREFIX = "pagedrl:"
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
@@ -46,29 +47,24 @@ class EngineCollector:
         return c
 
     def collect(self):
-        s = self.engine.stats()
+        s = self.engine.metrics_snapshot()
         yield self._gauge("num_requests_running", "Number of requests in model execution batches.",
-                          s["num_requests_running"])
+                          s.num_requests_running)
         yield self._gauge("num_requests_waiting", "Number of requests waiting to be processed.",
-                          s["num_requests_waiting"])
-        yield self._gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                          s["kv_cache_usage_perc"])
-        yield self._gauge("num_blocks_used", "KV-cache blocks held by live requests.", s["num_blocks_used"])
-        yield self._gauge("num_blocks_total", "KV-cache blocks in total.", s["num_blocks_total"])
+                          s.num_requests_waiting)
+        yield self._gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage_perc)
+        yield self._gauge("num_blocks_used", "KV-cache blocks held by live requests.", s.num_blocks_used)
+        yield self._gauge("num_blocks_total", "KV-cache blocks in total.", s.num_blocks_total)
         yield self._counter("prefix_cache_queries", "Prefix cache queries, in number of queried tokens.",
-                            s["prefix_cache_queries"])
-        yield self._counter("prefix_cache_hits", "Prefix cache hits, in number of queried tokens.",
-                            s["prefix_cache_hits"])
-        yield self._counter("num_preemptions", "Cumulative number of preemptions from the engine.",
-                            s["num_preemptions"])
-        yield self._counter("prompt_tokens", "Number of prefill tokens processed.", s["prompt_tokens"])
-        yield self._counter("generation_tokens", "Number of generation tokens processed.", s["generation_tokens"])
-        engine = self.engine.engine
-        if engine.lora is not None:  # vLLM's info gauge: the adapters in the labels, the time as the value
-            running, waiting = engine.lora_adapters_in_flight()
+                            s.prefix_cache_queries)
+        yield self._counter("prefix_cache_hits", "Prefix cache hits, in number of queried tokens.", s.prefix_cache_hits)
+        yield self._counter("num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions)
+        yield self._counter("prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
+        yield self._counter("generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
+        if s.lora is not None:  # vLLM's info gauge: the adapters in the labels, the time as the value
             info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on lora requests.",
                                      labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
-            info.add_metric([",".join(running), ",".join(waiting), str(engine.config.max_loras)], time.time())
+            info.add_metric([",".join(s.lora.running), ",".join(s.lora.waiting), str(s.lora.max_loras)], time.time())
             yield info
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pagedrl.engine.async_engine import RequestAborted, RequestFailed, RequestGroup
 from pagedrl.engine.outputs import CompletionOutput, RequestOutput
+from pagedrl.engine.request_stream import RequestAborted, RequestFailed, RequestGroup
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.server.logprobs import (
     TextOffsets,

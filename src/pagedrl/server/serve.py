@@ -158,14 +158,15 @@ def build_server(args: argparse.Namespace) -> Any:
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                     lora_modules=[parse_lora_module(m) for m in args.lora_modules],
                     allow_runtime_lora_updating=args.allow_runtime_lora_updating)
-    if engine.lora is not None:
+    stats = engine.metrics_snapshot()
+    if stats.lora is not None:
         logger.info("LoRA: %d slots of rank up to %d on every decoder projection (%.1f MiB)", args.max_loras,
-                    args.max_lora_rank, engine.lora.nbytes / 2**20)
+                    args.max_lora_rank, stats.lora.nbytes / 2**20)
     for lora in app.state.served.adapters.values():
         logger.info("LoRA adapter %s from %s (id %d)", lora.lora_name, lora.lora_path, lora.lora_int_id)
     logger.info("serving %s (%s, %s on %s): %d KV blocks of %d tokens, max_model_len %d; %s", name, loaded.path,
-                loaded.precision.describe(), loaded.model.device, engine.kv_cache.num_blocks, args.block_size,
-                engine.max_model_len, engine.runner.decode_path())
+                loaded.precision.describe(), loaded.model.device, stats.num_blocks_total, engine.block_size,
+                engine.max_model_len, engine.decode_path())
     if not args.no_ui:
         logger.info("chat page at http://%s:%d/ (--no-ui turns it off)", args.host, args.port)
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

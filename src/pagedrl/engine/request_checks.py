@@ -1,0 +1,56 @@
+"""What a request must satisfy before it is queued: its prompt in the vocabulary, its samples within
+one step, prompt plus completion within the context and the KV cache. Each failure is a ValueError
+naming the setting to change (HTTP 400 on the server). Nothing here changes engine state, so the
+server runs these checks on its event loop or a worker thread while the engine thread steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedrl.engine.kv_cache_manager import KVCacheManager
+from pagedrl.engine.sampling_params import SamplingParams
+
+
+def encode_prompt(prompt: str | list[int], tokenizer: Any, vocab_size: int) -> list[int]:
+    """A text prompt's token ids (through `tokenizer`), or a list of ids checked against the vocabulary."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple)):
+        ids = list(prompt)
+    else:
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("prompt is empty (no tokens)")
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise ValueError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def check_num_seqs(params: SamplingParams, max_num_seqs: int) -> None:
+    """The n samples of a request run side by side, forked from one prompt, so n is bounded by the
+    sequences one step runs (and forking never loops over more)."""
+    if params.n > max_num_seqs:
+        raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({max_num_seqs}), the sequences "
+                         "one engine step runs; ask for fewer samples or raise max_num_seqs")
+
+
+def check_fits(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, kv_manager: KVCacheManager,
+               block_size: int) -> None:
+    """Prompt and completion within the context (`max_model_len`) and within the whole KV cache (a
+    sequence that can never fit would wait for ever)."""
+    limit = max_model_len
+    if num_prompt_tokens >= limit:
+        raise ValueError(f"prompt is {num_prompt_tokens} tokens, but the model's context "
+                         f"(max_model_len) is {limit} tokens")
+    if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limit:
+        raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = "
+                         f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len {limit}")
+    total = num_prompt_tokens + (params.max_tokens or limit - num_prompt_tokens)
+    if not kv_manager.can_ever_fit(total):
+        raise ValueError(f"prompt + max_tokens = {total} tokens can never fit in the KV cache of "
+                         f"{kv_manager.num_blocks_total * block_size} tokens; raise kv_cache_tokens")
