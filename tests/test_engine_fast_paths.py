@@ -167,12 +167,14 @@ def test_projection_into_the_reused_buffer_equals_the_models_logits() -> None:
 
 
 def test_positions_are_computed_once_per_step(monkeypatch) -> None:
-    """The model's rotary embedding reads the very positions tensor the attention metadata built."""
+    """The model's rotary embedding reads the very positions tensor the attention metadata built (the
+    modules' steps: a decode program reads `meta.positions` itself)."""
     from pagedrl.engine import model_runner
     from pagedrl.engine.llm import LLM
     from pagedrl.engine.sampling_params import SamplingParams
 
-    llm = LLM.from_module(tiny_model(), block_size=4, kv_cache_tokens=256, max_num_batched_tokens=6)
+    llm = LLM.from_module(tiny_model(), block_size=4, kv_cache_tokens=256, max_num_batched_tokens=6,
+                          enforce_eager=True)
     built, seen = [], []
     real_build = model_runner.PagedAttention.from_block_tables
     monkeypatch.setattr(model_runner.PagedAttention, "from_block_tables",
