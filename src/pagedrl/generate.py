@@ -6,31 +6,29 @@ import argparse
 import sys
 import time
 
-from pagedrl.model.precision import DTYPE_CHOICES, DTYPE_HELP
+from pagedrl.engine.engine_args import EngineArgs, add_engine_arguments
+
+# --seed is the requests' sampling seed here (the engine's, for requests without one, stays 0), and
+# adapters chosen per request need a server: a LoRA adapter is folded in with --adapter.
+ENGINE_SKIP = ("seed", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 def generate_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pagedrl generate", description="Generate text with the paged engine.")
-    parser.add_argument("model", nargs="?", default=None,
-                        help="Hugging Face folder or Hub id, .gguf file or 'smollm2-135m-instruct' (default)")
-    parser.add_argument("--revision", default=None, help="the branch, tag or commit of a Hub id MODEL")
-    parser.add_argument("--adapter", default=None, metavar="PATH",
-                        help="a LoRA adapter folder or Hub id (PEFT's format)")
-    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
-    parser.add_argument("--kv-cache-tokens", type=int, default=None)
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    sampling = parser.add_argument_group("the prompts and their sampling")
+    sampling.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    sampling.add_argument("--max-tokens", type=int, default=128)
+    sampling.add_argument("--temperature", type=float, default=0.0)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--seed", type=int, default=None, help="the requests' sampling seed (default: none)")
+    sampling.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    add_engine_arguments(parser, skip=ENGINE_SKIP)
     args = parser.parse_args(argv)
 
     from pagedrl import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, adapter=args.adapter, revision=args.revision, kv_cache_tokens=args.kv_cache_tokens,
-              dtype=args.dtype)
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, skip=ENGINE_SKIP))
     load_s = time.perf_counter() - t0
     print(f"[precision: {llm.precision.describe()}]", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

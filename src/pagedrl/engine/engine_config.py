@@ -1,39 +1,71 @@
-"""The engine's settings, vLLM's names where vLLM has one, checked before anything is built."""
+"""The engine's settings, vLLM's names where vLLM has one, checked before anything is built.
+
+Each field carries its default and its help text once (`setting`): `EngineArgs`
+(`engine/engine_args.py`) adds what loading a model takes, and from there come `LLM`'s keyword
+arguments, `pagedrl serve`'s flags and their `--help`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from pagedrl.engine.attention import resolve_impl
+from pagedrl.engine.attention import IMPLEMENTATIONS, resolve_impl
+from pagedrl.engine.kv_cache import DEFAULT_CPU_BYTES, DEFAULT_CPU_TOKENS
+
+
+def setting(default: Any, help: str, group: str, *, cli: bool = True, choices: tuple[str, ...] | None = None,
+            metavar: str | None = None) -> Any:
+    """A dataclass field with its help text and where it shows in `--help` (`group`); `cli=False` for
+    what only Python callers can pass (a dtype object, a trainer's choices)."""
+    return field(default=default, metadata={"help": help, "group": group, "cli": cli, "choices": choices,
+                                            "metavar": metavar})
 
 
 @dataclass
 class EngineConfig:
-    block_size: int = 16
-    kv_cache_tokens: int | None = None  # budget in tokens; or
-    kv_cache_bytes: int | None = None  # budget in bytes; default on CUDA: a share of free memory
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    max_model_len: int | None = None
-    seed: int = 0
-    attention_impl: str = "auto"  # triton on CUDA, fast elsewhere; or "reference": the obviously-right loop
-    enforce_eager: bool = False  # decode steps through the modules: no CUDA graphs, no CPU program (vLLM's name)
-    autocast_dtype: torch.dtype | None = None  # run the model under torch.autocast in this dtype (a trainer's bf16)
-    # Under autocast, keep low-precision copies of the projection weights, made once per weight change
-    # (`cast_weights`); off where the module's parameters are swapped between steps (FSDP2's gathers).
-    cast_weights: bool = True
-    # Many LoRA adapters chosen per request (`multi_lora`): slots on the device, highest rank, CPU copies kept.
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None  # default: max_loras
-    # A request's numbers do not depend on what else runs in its steps (`model/batch_invariant.py`; CPU).
-    batch_invariant: bool = False
+    block_size: int = setting(16, "tokens per KV-cache block: prefixes are shared in whole blocks", "cache")
+    kv_cache_tokens: int | None = setting(
+        None, "KV-cache size in tokens (default: kv_cache_bytes if given; else on CUDA gpu_memory_utilization of "
+              f"the free memory, on a CPU {DEFAULT_CPU_BYTES >> 30} GiB and at most {DEFAULT_CPU_TOKENS} tokens)",
+        "cache")
+    kv_cache_bytes: int | None = setting(None, "KV-cache size in bytes, when kv_cache_tokens is not given", "cache")
+    gpu_memory_utilization: float = setting(
+        0.9, "on CUDA without a size given, the share of the GPU's memory the engine may fill", "cache")
+    enable_prefix_caching: bool = setting(
+        True, "reuse the KV blocks of a prompt prefix seen before (content-hashed blocks)", "cache")
+    max_num_seqs: int = setting(256, "sequences per engine step at most", "scheduler")
+    max_num_batched_tokens: int = setting(2048, "tokens per engine step at most", "scheduler")
+    enable_chunked_prefill: bool = setting(
+        True, "split a long prompt over several steps, beside the running sequences' decode tokens", "scheduler")
+    max_model_len: int | None = setting(
+        None, "the longest sequence (prompt + completion) served (default and at most: the model's context)",
+        "model")
+    seed: int = setting(0, "seed of the random stream of requests that carry no seed of their own", "model")
+    attention_impl: str = setting(
+        "auto", "paged attention: auto (triton on CUDA, fast elsewhere), fast, triton, or reference (the "
+                "obviously-right loop)", "execution", choices=("auto", *IMPLEMENTATIONS))
+    enforce_eager: bool = setting(
+        False, "run decode steps through the model's modules: no CUDA graphs on CUDA, no straight program of "
+               "the kernels on a CPU", "execution")
+    autocast_dtype: torch.dtype | None = setting(
+        None, "run the model under torch.autocast in this dtype (torch.bfloat16 or torch.float16; a trainer's "
+              "bf16 rollouts)", "execution", cli=False)
+    cast_weights: bool = setting(
+        True, "under autocast, keep low-precision copies of the projection weights, made once per weight "
+              "change (off where the parameters are swapped between steps: FSDP2's gathers)", "execution",
+        cli=False)
+    batch_invariant: bool = setting(
+        False, "on a CPU, a request's log-probs and seeded samples do not depend on the requests it shares "
+               "steps with (slower; model/batch_invariant.py)", "execution")
+    enable_lora: bool = setting(
+        False, "serve LoRA adapters chosen per request beside the base model, many in the same step", "lora")
+    max_loras: int = setting(1, "adapters resident at once (and in one step)", "lora")
+    max_lora_rank: int = setting(16, "the highest adapter rank served", "lora")
+    max_cpu_loras: int | None = setting(
+        None, "adapters kept in memory off the slots (default: max_loras); others are read again", "lora")
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
+import inspect
 import itertools
 import logging
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
+from dataclasses import fields
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
-from pagedrl.engine.llm_engine import EngineConfig, LLMEngine
+from pagedrl.engine.engine_args import EngineArgs, ordered_fields
+from pagedrl.engine.llm_engine import LLMEngine
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.outputs import RequestOutput
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -40,6 +43,18 @@ def final_only(params: list[SamplingParams]) -> list[SamplingParams]:
     return out
 
 
+def engine_args_from(model: str | None, engine_args: dict[str, Any]) -> EngineArgs:
+    """`LLM`'s keyword arguments as `EngineArgs`; a name that is not a field is a TypeError that says
+    which field was probably meant."""
+    names = [f.name for f in fields(EngineArgs)]
+    for name in engine_args:
+        if name not in names:
+            guess = difflib.get_close_matches(name, names, n=1)
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}"
+                            + (f"; did you mean {guess[0]!r}?" if guess else "; see EngineArgs for the fields"))
+    return EngineArgs(model=model, **engine_args)
+
+
 class LLM:
     """An engine plus a model. `LLM()` loads the embedded default; `LLM("org/name", revision=...)` a
     Hugging Face Hub id (or a local folder, a .gguf file: `model/resolve.py`); `LLM(model, adapter=folder)` a
@@ -53,50 +68,43 @@ class LLM:
 
     `batch_invariant=True` (CPU): a request's numbers do not depend on what else runs in its steps
     (`model/batch_invariant.py`): its log-probs, and so its seeded samples, are the same alone or
-    among a hundred others, at some cost in speed."""
+    among a hundred others, at some cost in speed.
 
-    def __init__(self, model: str | None = None, *, adapter: str | None = None, revision: str | None = None,
-                 tokenizer: Any = None,
-                 device: str | None = None,
-                 dtype: torch.dtype | str | None = None, kv_cache_tokens: int | None = None,
-                 kv_cache_bytes: int | None = None, block_size: int = 16, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, max_model_len: int | None = None, seed: int = 0,
-                 gpu_memory_utilization: float = 0.9, attention_impl: str = "auto", enforce_eager: bool = False,
-                 autocast_dtype: torch.dtype | None = None, cast_weights: bool = True, enable_lora: bool = False,
-                 max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
-                 batch_invariant: bool = False, _module: CausalLM | None = None,
-                 _eos_token_ids: list[int] | None = None) -> None:
-        config = EngineConfig(block_size=block_size, kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=kv_cache_bytes,
-                              gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens,
-                              enable_prefix_caching=enable_prefix_caching,
-                              enable_chunked_prefill=enable_chunked_prefill, max_model_len=max_model_len, seed=seed,
-                              attention_impl=attention_impl, enforce_eager=enforce_eager,
-                              autocast_dtype=autocast_dtype, cast_weights=cast_weights, enable_lora=enable_lora,
-                              max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-                              batch_invariant=batch_invariant)
+    Every setting is a field of `EngineArgs` (`engine/engine_args.py`: the KV cache, scheduling, LoRA,
+    the model's precision), passed by name; `LLM.from_engine_args(args)` takes a whole one."""
+
+    def __init__(self, model: str | None = None, *, tokenizer: Any = None, _module: CausalLM | None = None,
+                 _eos_token_ids: list[int] | None = None, **engine_args: Any) -> None:
+        """`engine_args`: any field of `EngineArgs` by name (the signature lists them)."""
+        args = self.engine_args = engine_args_from(model, engine_args)
+        config = args.engine_config()
         config.validate()  # before a model is loaded (the engine checks it again, for its other callers)
-        if enable_lora and _module is not None:
+        if args.enable_lora and _module is not None:
             raise ValueError("enable_lora: adapters per request need a model the engine owns (LLM(model, ...)); "
                              "a module training owns would have its projections replaced")
         owned = _module is None
         if owned:
             from pagedrl.model.loader import load_model
 
-            loaded = load_model(model, device=device, dtype=dtype, adapter=adapter, revision=revision)
+            loaded = load_model(args.model, device=args.device, dtype=args.dtype, adapter=args.adapter,
+                                revision=args.revision)
             _module, tokenizer, _eos_token_ids = loaded.model, loaded.tokenizer, loaded.eos_token_ids
             self.precision = loaded.precision
             logger.info("pagedrl engine: %s on %s", self.precision.describe(), _module.device)
-        elif autocast_dtype is not None:
-            self.precision = Precision(autocast_dtype, f"autocast over {str(_module.dtype).removeprefix('torch.')} "
-                                                       "weights, as the trainer computes")
+        elif args.autocast_dtype is not None:
+            self.precision = Precision(args.autocast_dtype, "autocast over "
+                                       f"{str(_module.dtype).removeprefix('torch.')} weights, as the trainer computes")
         else:
             self.precision = Precision(_module.dtype, "the module's own")
         self.engine = LLMEngine(_module, tokenizer, config, eos_token_ids=_eos_token_ids)
         if owned:
-            logger.info("pagedrl engine: %s", self.engine.runner.decode_path())
+            logger.info("pagedrl engine: %s", self.engine.decode_path())
         self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, tokenizer: Any = None) -> LLM:
+        """The engine `args` describe (vLLM's `LLMEngine.from_engine_args`)."""
+        return cls(tokenizer=tokenizer, **{f.name: getattr(args, f.name) for f in fields(args)})
 
     @classmethod
     def from_module(cls, model: CausalLM, tokenizer: Any = None, eos_token_ids: list[int] | None = None,
@@ -214,3 +222,20 @@ class LLM:
     def bump_weight_version(self) -> int:
         """Call after an optimizer step changed the weights this engine reads."""
         return self.engine.bump_weight_version()
+
+
+def _signature() -> inspect.Signature:
+    """`LLM.__init__`'s signature as `help()` and editors show it: every EngineArgs field by name."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                                annotation="str | None"),
+              inspect.Parameter("tokenizer", keyword, default=None, annotation="Any")]
+    params += [inspect.Parameter(f.name, keyword, default=f.default, annotation=f.type)
+               for f in ordered_fields() if f.name != "model"]
+    params += [inspect.Parameter("_module", keyword, default=None, annotation="CausalLM | None"),
+               inspect.Parameter("_eos_token_ids", keyword, default=None, annotation="list[int] | None")]
+    return inspect.Signature(params, return_annotation="None")
+
+
+LLM.__init__.__signature__ = _signature()

@@ -14,11 +14,12 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 from typing import Any
 
-from pagedrl.model.precision import DTYPE_CHOICES, DTYPE_HELP
+from pagedrl.engine.engine_args import EngineArgs, add_engine_arguments, cli_fields, flag
 from pagedrl.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedrl.server.inputs import DEFAULT_MAX_N
 from pagedrl.server.served_models import RUNTIME_UPDATING_ENV, parse_lora_module, runtime_updating_from_env
@@ -28,58 +29,36 @@ logger = logging.getLogger("pagedrl.server")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The engine's flags from `EngineArgs` (one per field, vLLM's names), then the server's own."""
     p = argparse.ArgumentParser(prog="pagedrl serve", description="Serve a model over an OpenAI-compatible API.")
-    p.add_argument("model", nargs="?", default=None,
-                   help="Hugging Face folder or Hub id, .gguf file or 'smollm2-135m-instruct' (default)")
-    p.add_argument("--revision", default=None, help="the branch, tag or commit of a Hub id MODEL")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("PAGEDRL_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDRL_API_KEY, else none)")
-    p.add_argument("--adapter", default=None, metavar="PATH",
-                   help="a LoRA adapter folder or Hub id (PEFT's format, e.g. a trainer's final/ with use_peft) folded into "
-                        "MODEL's weights at load; without MODEL, the base the adapter names")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model id clients use (default: the adapter's PATH if given, else MODEL)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per engine step at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step at most")
-    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="run decode steps through the model's modules: no CUDA graphs on CUDA, "
-                        "no straight program of the kernels on a CPU")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="on a CPU, a request's log-probs and seeded samples do not depend on the requests it shares "
-                        "steps with (slower)")
-    p.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="sequences (a request with n samples counts n) that may wait beyond --max-num-seqs; "
-                        "more are answered 503")
-    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
-    p.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
-                   help="samples one request may ask for (n); more are answered 400 (default: OpenAI's 128)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
-    p.add_argument("--no-ui", action="store_true", help="do not serve the chat page at /")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='answer tool_choice "auto" (the default when a request has tools), reading the model\'s '
-                        "calls with --tool-call-parser")
-    p.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
-                   help="the format the model writes its tool calls in (default: hermes, <tool_call> JSON blocks)")
-    lora = p.add_argument_group("LoRA adapters chosen per request (by the request's model field)")
-    lora.add_argument("--enable-lora", action="store_true",
-                      help="serve LoRA adapters beside the base model, many in the same engine step")
+    groups = add_engine_arguments(p)
+    server = p.add_argument_group("the server")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--api-key", default=os.environ.get("PAGEDRL_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDRL_API_KEY, else none)")
+    server.add_argument("--served-model-name", default=None,
+                        help="the model id clients use (default: the adapter's PATH if given, else MODEL)")
+    server.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="sequences (a request with n samples counts n) that may wait beyond --max-num-seqs; "
+                             "more are answered 503")
+    server.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+    server.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                        help="samples one request may ask for (n); more are answered 400 (default: OpenAI's 128)")
+    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
+    server.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    server.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    server.add_argument("--no-ui", action="store_true", help="do not serve the chat page at /")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='answer tool_choice "auto" (the default when a request has tools), reading the '
+                             "model's calls with --tool-call-parser")
+    server.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                        help="the format the model writes its tool calls in (default: hermes, <tool_call> JSON "
+                             "blocks)")
+    lora = groups["lora"]
     lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                       help='adapters to serve: name=path, or JSON {"name": ..., "path": ..., "base_model_name": ...}')
-    lora.add_argument("--max-loras", type=int, default=1, help="adapters resident at once (and in one step)")
-    lora.add_argument("--max-lora-rank", type=int, default=16, help="the highest adapter rank served")
-    lora.add_argument("--max-cpu-loras", type=int, default=None,
-                      help="adapters kept in memory off the slots (default: --max-loras); others are read again")
     lora.add_argument("--allow-runtime-lora-updating", action="store_true", default=runtime_updating_from_env(),
                       help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (they read any folder this "
                            f"process can; also ${RUNTIME_UPDATING_ENV}=true)")
@@ -137,19 +116,15 @@ def build_server(args: argparse.Namespace) -> Any:
     import uvicorn
 
     from pagedrl.engine.async_engine import AsyncEngine
-    from pagedrl.engine.llm_engine import EngineConfig, LLMEngine
+    from pagedrl.engine.llm_engine import LLMEngine
     from pagedrl.model.default import DEFAULT_MODEL
     from pagedrl.model.loader import load_model
     from pagedrl.server.app import build_app
 
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype, adapter=args.adapter,
-                        revision=args.revision)
-    config = EngineConfig(block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=args.max_model_len, seed=args.seed, enforce_eager=args.enforce_eager,
-                          enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                          max_cpu_loras=args.max_cpu_loras, batch_invariant=args.batch_invariant)
-    engine = LLMEngine(loaded.model, loaded.tokenizer, config, eos_token_ids=loaded.eos_token_ids)
+    engine_args = EngineArgs.from_cli_args(args)
+    loaded = load_model(engine_args.model, device=engine_args.device, dtype=engine_args.dtype,
+                        adapter=engine_args.adapter, revision=engine_args.revision)
+    engine = LLMEngine(loaded.model, loaded.tokenizer, engine_args.engine_config(), eos_token_ids=loaded.eos_token_ids)
     name = args.served_model_name or args.adapter or args.model or DEFAULT_MODEL
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
     app = build_app(async_engine, served_model_name=name,
@@ -193,6 +168,18 @@ def lora_arguments_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def engine_arguments_problem(args: argparse.Namespace) -> str | None:
+    """What the engine's own check says of its flags, before the model loads, naming the flags."""
+    try:
+        EngineArgs.from_cli_args(args).engine_config().validate()
+    except ValueError as e:
+        message = str(e)
+        for f in cli_fields():
+            message = re.sub(rf"(?<![\w-]){f.name}\b", flag(f.name), message)
+        return message
+    return None
+
+
 def _exit_now(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
@@ -206,7 +193,7 @@ def serve_main(argv: list[str]) -> int:
     if args.max_waiting_requests < 0:
         print("pagedrl serve: --max-waiting-requests must be non-negative", file=sys.stderr)
         return 2
-    problem = lora_arguments_problem(args)
+    problem = lora_arguments_problem(args) or engine_arguments_problem(args)
     if problem:
         print(f"pagedrl serve: {problem}", file=sys.stderr)
         return 2

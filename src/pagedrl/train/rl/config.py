@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pagedrl.engine.engine_args import engine_field
 from pagedrl.engine.sampling_params import MIN_TEMPERATURE
 from pagedrl.train.config import TrainConfig, _require
 
@@ -26,11 +27,15 @@ class OnlineConfig(TrainConfig):
     top_p: float = 1.0
     top_k: int = 0
     min_p: float | None = None
-    kv_cache_tokens: int | None = None  # the rollout engine's KV budget (None: one step's rollout at once)
-    # Rollouts and training compute each token's numbers alike, bit for bit, whatever the batch
-    # (`model/batch_invariant.py`); None: on where training runs in bf16 on a CPU (there the
-    # sampled log-probs are otherwise ~3e-2 from the trainer's), off elsewhere. CPU only.
-    batch_invariant: bool | None = None
+    # The rollout engine's settings: EngineArgs' fields (engine/engine_args.py, where their help is
+    # kept), with a trainer's defaults; `rl/online.py` makes the rest of the rollout engine's.
+    kv_cache_tokens: int | None = engine_field(
+        "kv_cache_tokens", help="the rollout engine's KV budget in tokens (default: one step's rollout at once)")
+    batch_invariant: bool | None = engine_field(
+        "batch_invariant", default=None,
+        help="rollouts and training compute each token's numbers alike, bit for bit, whatever the batch "
+             "(model/batch_invariant.py); default: on where training runs in bf16 on a CPU (there the sampled "
+             "log-probs are otherwise ~3e-2 from the trainer's), off elsewhere. CPU only")
     # Rewards: built-in names (numeric_match, last_integer_match, exact_match, format,
     # overlong_penalty) or "file.py:function"; empty means the task's own verifier.
     reward_funcs: list[str] = field(default_factory=list)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pagedrl.engine.engine_args import EngineArgs
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.row_attention import attention_available
@@ -31,6 +32,19 @@ def rollout_kv_tokens(config: OnlineConfig, prompts_per_rollout: int, block_size
     prompt = config.max_prompt_length or 512
     completions = prompts_per_rollout * config.num_generations
     return prompts_per_rollout * prompt + completions * (config.max_completion_length + block_size)
+
+
+def rollout_engine_args(config: OnlineConfig, prompts_per_rollout: int, bf16: bool, batch_invariant: bool
+                        ) -> EngineArgs:
+    """The rollout engine's settings: the config's engine fields (`kv_cache_tokens`, `batch_invariant`
+    as chosen), the rest what a rollout on the policy's own tensors needs: room for one rollout's
+    completions in a step, the trainer's bf16 autocast, and under FSDP2 (whose gathers swap the
+    parameters between steps) neither CUDA graphs nor cast copies of the weights."""
+    sharded = config.fsdp_reshard_after_forward is not None
+    return EngineArgs(kv_cache_tokens=config.kv_cache_tokens or rollout_kv_tokens(config, prompts_per_rollout),
+                      seed=config.seed, max_num_seqs=max(256, prompts_per_rollout * config.num_generations),
+                      autocast_dtype=torch.bfloat16 if bf16 else None, enforce_eager=sharded, cast_weights=not sharded,
+                      batch_invariant=batch_invariant)
 
 
 def choose_batch_invariance(asked: bool | None, bf16: bool, device: torch.device) -> bool:
@@ -74,7 +88,6 @@ class OnlineAlgorithm(Algorithm):
             self.reward_funcs[0] if self.reward_funcs else
             ("last_integer_match", last_integer_match) if self.source.task else None)
         self.eval_rows = self.source.eval_rows() if self.eval_reward is not None else []
-        completions = prompts_per_rollout * config.num_generations
         # The engine runs on the policy's parameters themselves: no sync; under the trainer's bf16
         # autocast when it trains under one, so rollouts are drawn from the numbers training computes
         # (the projections from bf16 copies made once per optimizer step: `engine/cast_weights.py`).
@@ -83,13 +96,9 @@ class OnlineAlgorithm(Algorithm):
         device = next(policy.parameters()).device
         self.bf16 = bf16 = config.use_bf16(device)
         self.batch_invariant = choose_batch_invariance(config.batch_invariant, bf16, device)
+        self.engine_args = rollout_engine_args(config, prompts_per_rollout, bf16, self.batch_invariant)
         self.llm = LLM.from_module(policy, tokenizer, eos_token_ids=eos_token_ids,
-                                   kv_cache_tokens=config.kv_cache_tokens or rollout_kv_tokens(config, prompts_per_rollout),
-                                   seed=config.seed, max_num_seqs=max(256, completions),
-                                   autocast_dtype=torch.bfloat16 if bf16 else None,
-                                   enforce_eager=config.fsdp_reshard_after_forward is not None,
-                                   cast_weights=config.fsdp_reshard_after_forward is None,
-                                   batch_invariant=self.batch_invariant)  # the engine sets the policy's flag
+                                   **self.engine_args.config_kwargs())  # the engine sets the policy's flag
         self.sampling = SamplingParams(n=config.num_generations, temperature=config.temperature, top_p=config.top_p,
                                        top_k=config.top_k, min_p=config.min_p or 0.0,
                                        max_tokens=config.max_completion_length, seed=None)

@@ -1,0 +1,124 @@
+"""Every setting of an engine and what loading its model takes, in one dataclass with vLLM's field
+names, so that a new engine option is added in one place and reaches every way of starting one:
+
+- `LLM(model, **fields)` takes the fields as keyword arguments (its signature is made from them);
+- `pagedrl serve` and `pagedrl generate` make their engine flags from them (`add_engine_arguments`:
+  the field's name with dashes, its type, default and help, grouped as in vLLM's `--help`);
+- a trainer's rollout engine is described by one (`train/rl/online.py`), and the trainer configs'
+  engine fields take their defaults and help from here (`engine_field`).
+
+`tests/test_engine_args.py` checks the three against each other and against the pages of `docs/`
+that list them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+from dataclasses import dataclass, fields
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+import torch
+
+from pagedrl.engine.engine_config import EngineConfig, setting
+from pagedrl.model.precision import DTYPE_CHOICES, DTYPE_HELP
+
+# `--help`'s sections, in order: the fields' `group`s.
+GROUPS = {
+    "model": "the model",
+    "cache": "the KV cache",
+    "scheduler": "scheduling",
+    "execution": "execution",
+    "lora": "LoRA adapters chosen per request (by the request's model field)",
+}
+
+
+@dataclass
+class EngineArgs(EngineConfig):
+    """An engine's settings (`EngineConfig`) and its model's: the name, where it is read from and the
+    precision its weights are loaded in."""
+
+    model: str | None = setting(
+        None, "Hugging Face folder or Hub id, .gguf file or 'smollm2-135m-instruct' (default)", "model")
+    revision: str | None = setting(None, "the branch, tag or commit of a Hub id model", "model")
+    adapter: str | None = setting(
+        None, "a LoRA adapter folder or Hub id (PEFT's format, e.g. a trainer's final/ with use_peft) folded into "
+              "the model's weights at load; without a model, the base the adapter names", "model", metavar="PATH")
+    device: str | None = setting(None, "cpu, cuda, cuda:1, ... (default: cuda if available)", "model")
+    dtype: torch.dtype | str = setting("auto", DTYPE_HELP, "model", choices=DTYPE_CHOICES)
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's part (what `LLMEngine` takes), without the model's."""
+        return EngineConfig(**self.config_kwargs())
+
+    def config_kwargs(self) -> dict[str, Any]:
+        """The engine's settings by name, without the model's: what `LLM.from_module` takes beside a
+        module that is the model."""
+        return {f.name: getattr(self, f.name) for f in fields(EngineConfig)}
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, skip: tuple[str, ...] = ()) -> EngineArgs:
+        """The fields `add_engine_arguments(parser, skip)` put on the parser, read back from the parsed
+        flags (the others keep their defaults)."""
+        return cls(**{f.name: getattr(args, f.name) for f in cli_fields() if f.name not in skip})
+
+
+def ordered_fields() -> list[dataclasses.Field]:
+    """EngineArgs' fields group by group (`GROUPS`), the model's own first in the model's group."""
+    own = [f for f in fields(EngineArgs) if f.name not in {g.name for g in fields(EngineConfig)}]
+    rest = [f for f in fields(EngineArgs) if f not in own]
+    return sorted(own + rest, key=lambda f: list(GROUPS).index(f.metadata["group"]))
+
+
+def cli_fields() -> list[dataclasses.Field]:
+    """The fields that are flags (the others take Python objects or are a trainer's to choose)."""
+    return [f for f in ordered_fields() if f.metadata["cli"]]
+
+
+def flag(name: str) -> str:
+    """A field's flag: vLLM's spelling, dashes for underscores."""
+    return "--" + name.replace("_", "-")
+
+
+def _scalar_type(hint: Any) -> type:
+    """int, float or str from a field's type (`int | None` is int)."""
+    if get_origin(hint) in (Union, types.UnionType):
+        arms = [a for a in get_args(hint) if a is not type(None)]
+        return _scalar_type(arms[0]) if len(arms) == 1 else str
+    return hint if hint in (int, float, str) else str
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
+                         ) -> dict[str, argparse._ArgumentGroup]:
+    """Add a flag per field of `cli_fields()` but those in `skip` (`model` is the positional MODEL);
+    returns the groups by name, for a command to add its own flags beside them."""
+    hints = get_type_hints(EngineArgs)
+    groups = {name: parser.add_argument_group(title) for name, title in GROUPS.items()}
+    for f in cli_fields():
+        if f.name in skip:
+            continue
+        meta, group = f.metadata, groups[f.metadata["group"]]
+        if f.name == "model":
+            group.add_argument("model", nargs="?", default=f.default, help=meta["help"])
+            continue
+        kind = hints[f.name]
+        if kind is bool:  # on by default: vLLM's --no-... form turns it off
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            group.add_argument(flag(f.name), action=action, default=f.default,
+                               help=meta["help"] + (" (default: on)" if f.default else ""))
+            continue
+        help_text = meta["help"]
+        if f.default is not None and "default" not in help_text:
+            help_text += f" (default: {f.default})"
+        group.add_argument(flag(f.name), type=_scalar_type(kind), default=f.default, choices=meta["choices"],
+                           metavar=meta["metavar"], help=help_text)
+    return groups
+
+
+def engine_field(name: str, **changes: Any) -> Any:
+    """A dataclass field that repeats EngineArgs' `name` (its default and help, with `changes`): a
+    trainer config's engine setting, declared where its meaning is kept."""
+    original = next(f for f in fields(EngineArgs) if f.name == name)
+    metadata = {**original.metadata, **{k: v for k, v in changes.items() if k != "default"}}
+    return dataclasses.field(default=changes.get("default", original.default), metadata=metadata)
