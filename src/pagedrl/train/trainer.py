@@ -96,7 +96,7 @@ class Trainer:
         self.bf16 = config.use_bf16(self.dist.device)
         self.total_steps = total_steps(config, algorithm)
         self.warmup_steps = config.num_warmup_steps(self.total_steps)
-        self.optimizer, self.scheduler = build_optimizer(self.module, config, self.warmup_steps, self.total_steps)
+        self.optimizer, self.lr_scheduler = build_optimizer(self.module, config, self.warmup_steps, self.total_steps)
         self.output_dir = Path(config.output_dir)
         self.progress = progress
         self.step = 0
@@ -145,7 +145,7 @@ class Trainer:
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
         norm = self.parallel.clip_grad_norm(params, max_norm)
         self.optimizer.step()
-        self.scheduler.step()
+        self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
@@ -210,7 +210,7 @@ class Trainer:
         self.stop.step = step
         started = time.perf_counter()
         result = self.accumulate(step)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.lr_scheduler.get_last_lr()[0]
         grad_norm = self.optimizer_step()
         self.step, self.weight_version = step, self.weight_version + 1
         self.algorithm.after_optimizer_step(step)
@@ -275,7 +275,7 @@ class Trainer:
             "step": self.step,
             "weight_version": self.weight_version,
             "optimizer": optimizer if optimizer is not None else self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": self.lr_scheduler.state_dict(),
             "algorithm": self.algorithm.state_dict(),
             "window": self.window.state_dict(),
             "running": dict(self.running),
@@ -325,7 +325,7 @@ class Trainer:
         with self.parallel.loading():
             self.algorithm.load_model(folder)
         self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.lr_scheduler.load_state_dict(state["scheduler"])
         self.algorithm.load_state_dict(state["algorithm"])
         self.window.load_state_dict(state["window"])
         self.running = dict(state["running"])
