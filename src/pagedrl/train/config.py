@@ -68,6 +68,11 @@ class TrainConfig:
     lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
     warmup_steps: int = 0  # wins over warmup_ratio when > 0
     warmup_ratio: float = 0.0
+    # True: transformers' warm-up, whose first step trains at learning rate 0. False: step s of a
+    # w-step warm-up trains at (s+1)/(w+1) of the peak, for runs of a few costly steps (a demo's
+    # GRPO step is a rollout of seconds to a minute) where a step that only fills Adam's moments is
+    # a step lost, while a first step at the full rate is Adam's sign step on one noisy batch.
+    warmup_starts_at_zero: bool = True
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999

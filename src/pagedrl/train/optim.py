@@ -28,15 +28,17 @@ def decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def lr_lambda(kind: str, warmup: int, total: int):
+def lr_lambda(kind: str, warmup: int, total: int, from_zero: bool = True):
     """Multiplier of the peak learning rate at step s (0-based): linear warm-up over `warmup` steps,
-    then constant, linear to 0 or cosine to 0 at `total`, as transformers' schedules."""
+    then constant, linear to 0 or cosine to 0 at `total`, as transformers' schedules. `from_zero`
+    False: the warm-up's steps train at 1/(warmup+1) .. warmup/(warmup+1) instead of 0 ..
+    (warmup-1)/warmup (`TrainConfig.warmup_starts_at_zero`)."""
     if kind not in ("linear", "cosine", "constant"):
         raise ValueError(f"lr_scheduler_type: expected linear, cosine or constant, got {kind!r}")
 
     def f(step: int) -> float:
         if step < warmup:
-            return step / max(1, warmup)
+            return step / max(1, warmup) if from_zero else (step + 1) / (warmup + 1)
         if kind == "constant":
             return 1.0
         progress = (step - warmup) / max(1, total - warmup)
@@ -62,5 +64,6 @@ def build_optimizer(module: nn.Module, config: TrainConfig, warmup_steps: int,
     optimizer = torch.optim.AdamW(
         decay_groups(module, config.weight_decay), lr=config.learning_rate,
         betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config.lr_scheduler_type, warmup_steps, total))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config.lr_scheduler_type, warmup_steps, total,
+                                                                    config.warmup_starts_at_zero))
     return optimizer, scheduler
