@@ -9,6 +9,7 @@ import re
 import pytest
 
 from pagedrl.cli import main
+from pagedrl.demo.calibrate import MAX_STEPS, MIN_STEPS, measure, size_quick
 from pagedrl.demo.cli import STAGES, run_demo
 from pagedrl.demo.plan import DemoPlan
 from pagedrl.demo.report import fmt
@@ -37,6 +38,8 @@ def demo(tiny_train_model, tmp_path_factory):
         mp.setattr(rewards, "last_integer_match", parity)
         mp.setitem(rewards.BUILTINS, "last_integer_match", parity)
         plan = tiny_plan(tiny_train_model, tmp_path_factory.mktemp("demo") / "out")
+        # As `pagedrl demo --quick` runs: measured, then each method's steps sized for 0.03 minutes.
+        plan = size_quick(plan, measure(plan, eval_problems=8, train_batch=(2, 16)), budget_minutes=plan.budget_minutes)
         report = run_demo(plan, progress=False)
     return plan, report
 
@@ -55,6 +58,7 @@ def test_every_stage_finishes_and_the_report_is_self_contained(demo) -> None:
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 3 and "<img" in page and "src=\"http" not in page
     assert "| models in memory | 1 | 2 | 4 |" in md  # GRPO (beta 0), DPO (policy + reference), RLHF's four
+    assert "CPU class" in md and "Calibration: " in md and "Calibrated at start" in md
 
 
 def test_report_numbers_are_the_logged_ones(demo) -> None:
@@ -83,9 +87,14 @@ def test_report_numbers_are_the_logged_ones(demo) -> None:
         assert row[("GRPO", "DPO", "RLHF").index(method)].strip() == f"{fmt(base)} -> {fmt(evals[-1]['eval/accuracy'])}"
     for folder, config in (("grpo", plan.grpo()), ("dpo", plan.dpo()), ("rm", plan.rm()), ("ppo", plan.ppo())):
         rows = read_metrics(out / folder / "metrics.jsonl")
-        # Each method stopped on its budget (eval_on_start off: the base model is evaluated once).
-        assert max(r["train_time"] for r in rows) >= 60 * config.max_train_minutes - 0.5
+        # Each method stopped on its budget, its steps (at least its minimum) unless the minutes cap came
+        # first (eval_on_start off: the base model is evaluated once), and was evaluated at its last step.
+        assert MIN_STEPS[folder] <= config.max_steps <= MAX_STEPS[folder]
+        last = max(r["step"] for r in rows)
+        assert last == config.max_steps or max(r["train_time"] for r in rows) >= 60 * config.max_train_minutes - 0.5
         assert all(r["step"] > 0 for r in rows if "eval/accuracy" in r)
+        if folder != "rm":
+            assert max(r["step"] for r in rows if "eval/accuracy" in r) == last
     grpo_rows = read_metrics(out / "grpo" / "metrics.jsonl")
     steps = max(r["step"] for r in grpo_rows)
     assert data["methods"]["GRPO"]["optimizer steps"] == steps >= 1

@@ -29,6 +29,8 @@ TRAINED = ("grpo", "dpo", "rm", "ppo")
 def stage_estimates(plan: DemoPlan) -> dict[str, float]:
     """Seconds each stage is expected to take on an idle 2-core CPU: only the progress line's ETA
     uses them (it is corrected as stages finish)."""
+    if plan.calibration is not None:
+        return dict(plan.calibration["predicted_stage_seconds"])
     budget = 60 * plan.budget_minutes
     evals = plan.num_eval * plan.completion_tokens / 800  # one held-out evaluation at ~800 tokens/s
     along = 1 if plan.quick else 4  # evaluations per method
@@ -90,9 +92,10 @@ def run_demo(plan: DemoPlan, progress: bool = True) -> Path:
     try:
         for name in todo:
             index = STAGES.index(name) + 1
-            budget = plan.stage_config(name).max_train_minutes if name in TRAINED else None
-            monitor.begin(name, index, len(STAGES), plan.out / name / "metrics.jsonl" if budget else None,
-                          60 * budget if budget else None)
+            config = plan.stage_config(name) if name in TRAINED else None
+            steps = getattr(plan, f"{name}_max_steps") if config is not None else 0
+            monitor.begin(name, index, len(STAGES), plan.out / name / "metrics.jsonl" if config else None,
+                          None if config is None or steps else 60 * config.max_train_minutes, steps or None)
             start = time.perf_counter()
             with open(logs / f"{name}.log", "a", encoding="utf-8") as log, contextlib.redirect_stdout(log):
                 result = stage_work(name, plan)()
@@ -110,13 +113,18 @@ def run_demo(plan: DemoPlan, progress: bool = True) -> Path:
 
 def demo_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pagedrl demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the 5-minute form: fewer requests and problems, "
-                        "a training minute per method")
+    parser.add_argument("--quick", action="store_true", help="the short form (about 7 minutes on a "
+                        "2-core CPU): fewer requests and problems, each method's steps sized to this machine")
     parser.add_argument("--output-dir", default=None, help="where everything goes (default runs/demo or "
                         "runs/demo-quick, with -seedS for another --seed); run again to resume")
     parser.add_argument("--budget-minutes", type=float, default=None,
                         help="training minutes per method, evaluations excluded (default 10, quick 1)")
     parser.add_argument("--model", default=None, help="a known model name or a Hugging Face folder")
+    parser.add_argument("--no-calibrate", action="store_true", help="quick form: skip the measurement at start "
+                        "and train each method for its minutes, whatever steps they hold")
+    parser.add_argument("--target-minutes", type=float, default=6.5, help="quick form: the whole demo's minutes the "
+                        "calibration sizes the plan for (default 6.5); a slow machine still gets each method's "
+                        "minimum steps, in more minutes")
     parser.add_argument("--seed", type=int, default=None, help="seeds sampling, training and the task's problems "
                         "(default 0); another seed is another draw of everything the verdict rests on")
     args = parser.parse_args(argv)
@@ -133,6 +141,13 @@ def demo_main(argv: list[str]) -> int:
     chosen = choose_precision("cuda" if torch.cuda.is_available() else "cpu")
     print(f"pagedrl demo: precision {chosen.describe()}; {FORCE_ENV}=0 forces float32", file=sys.stderr)
     start = time.perf_counter()
+    if args.quick and not args.no_calibrate:
+        from pagedrl.demo.calibrate import calibrated, summary_line
+
+        print("pagedrl demo: calibrating (a few seconds: one evaluation group, one rollout round, one training "
+              "pass)", file=sys.stderr)
+        plan = calibrated(plan, args.target_minutes, args.budget_minutes)
+        print(f"pagedrl demo: {summary_line(plan)}", file=sys.stderr)
     try:
         report = run_demo(plan, progress=True)
     except KeyboardInterrupt:

@@ -57,6 +57,7 @@ class Monitor:
         self.stage, self.index, self.count = "", 0, 0
         self.metrics: Path | None = None
         self.budget: float | None = None
+        self.max_steps: int | None = None
         self.peak = 0
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -70,10 +71,12 @@ class Monitor:
         self._thread.start()
 
     def begin(self, stage: str, index: int, count: int, metrics: Path | None = None,
-              budget_seconds: float | None = None) -> None:
+              budget_seconds: float | None = None, max_steps: int | None = None) -> None:
+        """A stage starts; a trained one shows its step against `max_steps` (a step budget) or its
+        training time against `budget_seconds`."""
         with self._lock:
             self.stage, self.index, self.count = stage, index, count
-            self.metrics, self.budget = metrics, budget_seconds
+            self.metrics, self.budget, self.max_steps = metrics, budget_seconds, max_steps
             self.peak = rss_bytes()
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
@@ -99,9 +102,11 @@ class Monitor:
         parts = []
         if self.metrics is not None:
             step, train, acc = last_rows(self.metrics)
-            parts.append(f"step {step}")
+            parts.append(f"step {step}/{self.max_steps}" if self.max_steps else f"step {step}")
             if train is not None and self.budget:
                 parts.append(f"trained {train / 60:.1f}/{self.budget / 60:.1f} min")
+            elif train is not None:
+                parts.append(f"trained {train / 60:.1f} min")
             if acc is not None:
                 parts.append(f"accuracy {acc:.3f}")
         self._bar.total = max(round(self.estimate), round(elapsed) + 1)

@@ -86,6 +86,22 @@ class DemoPlan:
     # answer. Without it the quick form's seed 1 collapsed (0.219 -> 0.008: its few steps with any
     # gradient were each driven by one or two correct samples); with it, 0.469 after 2 steps.
     grpo_dynamic_sampling: bool = False
+    rm_batch_pairs: int = 8
+    # Step budgets (0: none, the minutes decide). The quick form sets them from a measurement of the
+    # machine at start (`demo/calibrate.py`, kept in `calibration`): each method trains for its steps,
+    # its minutes capped at twice their prediction, so a slow CPU gets as many steps as a fast one
+    # (in more minutes) instead of one or two.
+    grpo_max_steps: int = 0
+    dpo_max_steps: int = 0
+    rm_max_steps: int = 0
+    ppo_max_steps: int = 0
+    calibration: dict[str, Any] | None = None
+    # Warm-up of the online methods' learning rates: GRPO's first steps at 1/3 and 2/3 of its rate,
+    # PPO's first at half. At the full rate a first step is Adam's sign step (every weight moves by
+    # the learning rate) on one batch of a few correct samples: on an AVX2 CPU in float32 the quick
+    # demo's only GRPO step took held-out accuracy from 0.188 to 0.086 (bench/RESULTS.md, "Demo").
+    grpo_warmup_steps: int = 2
+    ppo_warmup_steps: int = 1
     report_to: tuple[str, ...] = ("jsonl",)
 
     @classmethod
@@ -117,9 +133,15 @@ class DemoPlan:
         config.resume_from_checkpoint = True if resume else None
         return config
 
-    def _common(self, stage: str, minutes: float, eval_steps: int) -> dict[str, Any]:
-        return dict(model=self.model, output_dir=str(self.out / stage), seed=self.seed, max_steps=1_000_000,
-                    max_train_minutes=minutes, lr_scheduler_type="constant", logging_steps=1, save_steps=1_000_000,
+    def _common(self, stage: str, minutes: float, eval_steps: int, warmup: int = 0) -> dict[str, Any]:
+        steps = getattr(self, f"{stage}_max_steps")
+        if steps:  # a step budget, with a minutes cap
+            from pagedrl.demo.calibrate import stage_caps
+
+            minutes = stage_caps(self)[stage] if self.calibration is not None else 2 * minutes
+        return dict(model=self.model, output_dir=str(self.out / stage), seed=self.seed,
+                    max_steps=steps or 1_000_000, max_train_minutes=minutes, lr_scheduler_type="constant",
+                    warmup_steps=warmup, warmup_starts_at_zero=False, logging_steps=1, save_steps=1_000_000,
                     eval_steps=eval_steps, eval_on_start=False, report_to=list(self.report_to))
 
     def _task(self) -> dict[str, Any]:
@@ -129,7 +151,8 @@ class DemoPlan:
 
     def grpo(self) -> GRPOConfig:
         completions = self.grpo_prompts_per_step * self.num_generations
-        return GRPOConfig(**self._common("grpo", self.budget_minutes, self.grpo_eval_steps), **self._task(),
+        return GRPOConfig(**self._common("grpo", self.budget_minutes, self.grpo_eval_steps, self.grpo_warmup_steps),
+                          **self._task(),
                           num_generations=self.num_generations, per_device_train_batch_size=completions,
                           gradient_accumulation_steps=1, temperature=self.rollout_temperature,
                           learning_rate=self.grpo_learning_rate, dynamic_sampling=self.grpo_dynamic_sampling,
@@ -142,12 +165,13 @@ class DemoPlan:
 
     def rm(self) -> RewardConfig:
         return RewardConfig(**self._common("rm", self.budget_minutes * self.rm_share, 1_000_000),
-                            dataset=str(self.out / "pairs" / "pairs.jsonl"), per_device_train_batch_size=8,
+                            dataset=str(self.out / "pairs" / "pairs.jsonl"), per_device_train_batch_size=self.rm_batch_pairs,
                             learning_rate=2e-5, center_rewards_coefficient=0.01, max_length=256)
 
     def ppo(self) -> PPOConfig:
         completions = self.ppo_prompts_per_step * self.ppo_generations
-        return PPOConfig(**self._common("ppo", self.budget_minutes * (1 - self.rm_share), self.ppo_eval_steps),
+        return PPOConfig(**self._common("ppo", self.budget_minutes * (1 - self.rm_share), self.ppo_eval_steps,
+                                         self.ppo_warmup_steps),
                          **self._task(), num_generations=self.ppo_generations,
                          per_device_train_batch_size=completions, gradient_accumulation_steps=1, num_mini_batches=1,
                          num_ppo_epochs=1, temperature=self.rollout_temperature,

@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 
+from pagedrl.demo.calibrate import describe as describe_calibration
 from pagedrl.demo.pictures import accuracy_picture, kv_picture, throughput_picture
 from pagedrl.demo.plan import DemoPlan
 from pagedrl.demo.verdict import rankings, verdict_lines
+from pagedrl.kernels.isa import describe as describe_isa
 from pagedrl.train.logging import read_metrics
 from pagedrl.train.significance import compare, wilson_interval
 
@@ -156,7 +158,9 @@ def collect(plan: DemoPlan) -> dict[str, Any]:
         outcomes[name] = {"before": base_outcomes, "after": after}
         tests[name] = compare([v >= 1.0 for v in base_outcomes], [v >= 1.0 for v in after])
     significance = {name: t.to_dict() for name, t in tests.items()}
-    verdict = verdict_lines(methods, tests, curves, plan.budget_minutes)
+    budgets = {name: m["training time (min)"] for name, m in methods.items()} if plan.grpo_max_steps \
+        else plan.budget_minutes
+    verdict = verdict_lines(methods, tests, curves, budgets)
     n = len(base_outcomes)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"{cpu_name()}, {os.cpu_count()} cores"
     return {"plan": json.loads(plan.to_json()), "paged": paged, "pairs": pairs, "methods": methods, "curves": curves,
@@ -165,7 +169,8 @@ def collect(plan: DemoPlan) -> dict[str, Any]:
             "verdict": verdict,
             "stages": {k: {"seconds": v["seconds"], "peak_memory_bytes": v["peak_memory_bytes"]} for k, v in stage.items()},
             "machine": f"{platform.system()} {platform.machine()}, {device}, torch {torch.__version__}, "
-                       f"{torch.get_num_threads()} threads"}
+                       f"{torch.get_num_threads()} threads",
+            "cpu_class": describe_isa(), "calibration": describe_calibration(plan)}
 
 
 def fmt(value: Any) -> str:
@@ -229,13 +234,15 @@ def write_report(plan: DemoPlan) -> Path:
               "kv_cache": kv_picture(data["paged"]["snapshot"], out / "kv_cache.png"),
               "throughput": throughput_picture(data["paged"], out / "throughput.png")}
     p, pairs = data["paged"], data["pairs"]
-    intro = (f"`pagedrl demo{' --quick' if plan.quick else ''}` on {plan.model}, {data['machine']}. "
-             f"Every number below was measured in this run.")
+    intro = (f"`pagedrl demo{' --quick' if plan.quick else ''}` on {plan.model}, {data['machine']}; CPU class "
+             f"{data['cpu_class']}. Every number below was measured in this run.")
     part1 = (f"{p['num_requests']} requests ({p['num_sequences']} sequences: mixed lengths, plus {p['prefix']['n']} "
              f"samples of one long prompt), {p['prompt_tokens']} prompt and {p['output_tokens']} output tokens, "
              f"greedy with ignore_eos, through both engines in the same process.")
-    part2 = (f"From the same model, {plan.budget_minutes:g} training minutes per method (evaluations excluded; "
-             f"RLHF's minutes are shared by its reward model and PPO). Held-out accuracy on {data['plan']['num_eval']} "
+    budget = (f"each method's optimizer steps chosen by the calibration below for about {plan.budget_minutes:.2g} "
+              f"training minutes each (the table gives the minutes they took; evaluations excluded)"
+              if plan.grpo_max_steps else f"{plan.budget_minutes:g} training minutes per method (evaluations excluded")
+    part2 = (f"From the same model, {budget}; RLHF's are shared by its reward model and PPO. Held-out accuracy on {data['plan']['num_eval']} "
              f"problems, greedy, with the engine, with 95% Wilson intervals; before -> after is tested on the same "
              f"problems with McNemar's exact test (p < 0.05: significant). The pairs for DPO and the reward model: "
              f"{pairs['completions']:.0f} completions sampled from the base model ({plan.pair_generations} per prompt "
@@ -245,7 +252,9 @@ def write_report(plan: DemoPlan) -> Path:
              f"{plan.pairs_per_prompt} per prompt).")
     sections = [
         ("Paged attention, measured", part1, [paged_table(p)], ["throughput", "kv_cache"]),
-        ("Alignment, side by side: GRPO vs DPO vs RLHF", part2, [method_table(data)], ["accuracy"]),
+        ("Alignment, side by side: GRPO vs DPO vs RLHF", part2 + (f" Calibration: {data['calibration']}"
+                                                                  if data["calibration"] else ""),
+         [method_table(data)], ["accuracy"]),
         ("Verdict", "Computed from the numbers above.", [], []),
     ]
     md = [f"# pagedrl demo\n\n{intro}\n"]

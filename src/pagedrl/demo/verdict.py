@@ -60,20 +60,23 @@ def rankings(methods: Mapping[str, Mapping[str, Any]], tests: Mapping[str, Paire
 
 
 def verdict_lines(methods: Mapping[str, Mapping[str, Any]], tests: Mapping[str, PairedComparison],
-                  curves: Mapping[str, Sequence[tuple[float, float]]], budget_minutes: float) -> list[str]:
-    """The verdict under the tables, one sentence per line."""
+                  curves: Mapping[str, Sequence[tuple[float, float]]],
+                  budget_minutes: float | Mapping[str, float]) -> list[str]:
+    """The verdict under the tables, one sentence per line. `budget_minutes`: the methods' common
+    budget, or each method's training minutes where the budgets were steps."""
     lines = []
     for name, t in tests.items():
+        minutes_had = budget_minutes if isinstance(budget_minutes, float | int) else budget_minutes[name]
         before, after = t.correct_before / t.n, t.correct_after / t.n
         line = (f"{name}: {before:.1%} -> {after:.1%} on {t.n} problems ({t.fixed} fixed, {t.broken} broken; "
                 f"McNemar p = {t.p_value:.2g}): {t.verdict}.")
         if not t.significant:
             minutes = minutes_needed(t, curves[name])
             needed = "" if minutes is None else f"{minutes:.1f}" if minutes < 10 else f"{minutes:.0f}"
-            line += (f" Its curve does not rise within its {budget_minutes:g} minutes, so more of the same would not "
+            line += (f" Its curve does not rise within its {minutes_had:.2g} minutes, so more of the same would not "
                      "be expected to help; its settings would have to change." if minutes is None else
                      f" Along the least-squares trend of its own evaluations it would need about {needed} "
-                     f"training minutes to be significant (it had {budget_minutes:g}); a trend through noisy "
+                     f"training minutes to be significant (it had {minutes_had:.2g}); a trend through noisy "
                      "points, a guide rather than a promise.")
         lines.append(line)
     for key, r in rankings(methods, tests).items():
