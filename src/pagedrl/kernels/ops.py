@@ -16,7 +16,8 @@ in tiles over each chunk of keys (the row routine both share: `csrc/attention_ro
 `decode_linear` (`csrc/decode_linear.cpp`): a bf16 linear layer's product for the rows of a decode
 step, with AMX tiles or AVX512-BF16 dot products; `rms_norm`, `silu_mul` and `rope` (`csrc/rowwise.cpp`):
 the decoder's row-wise pieces in one pass each. The engine routes its bf16 steps to them
-(`engine/cpu_routes.py`).
+(`engine/cpu_routes.py`). `gguf_linear` (`csrc/gguf_linear.cpp`): a GGUF weight's product with the
+weight kept quantized (the bits of `float_linear` on the dequantized weight).
 
 They are compiled with `-O3 -march=native` (less the instructions above a `PAGEDRL_CPU_ISA` cap:
 `kernels/isa.py`) through torch's extension builder (ninja and the system's C++
@@ -47,7 +48,7 @@ _OPS = torch.ops.pagedrl_cpu
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prefill_tiles.cpp",
                                                                 "decode_linear.cpp", "pair_linear.cpp", "rowwise.cpp", "float_linear.cpp",
-                                                                "threads.cpp")]
+                                                                "gguf_linear.cpp", "threads.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "attention_rows.h")]  # shared by the sources: part of the build's key
 DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
 PREFILL_HEAD_DIMS = (16, 32, 64, 96, 128)  # the head sizes `paged_prefill` is compiled for
@@ -222,6 +223,21 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """x [M, K] float32 (rows of unit stride) @ weight [N, K].T (+ bias) → [M, N] float32, each output one
     chain in k order, so a row's outputs are alike in any batch (`csrc/float_linear.cpp`)."""
     return _OPS.float_linear(x, weight, bias)
+
+
+def gguf_dequantize(blocks: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    """A GGUF weight's rows of blocks [N, row_bytes] uint8 of GGML type `ggml_type` (Q8_0, Q4_0, Q4_1,
+    Q4_K, Q5_K, Q6_K) → float32 [N, k], each value the bits `gguf.quants.dequantize` gives
+    (`csrc/gguf_linear.cpp`)."""
+    return _OPS.gguf_dequantize(blocks, ggml_type, k)
+
+
+def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, k] float32 (rows of unit stride) @ the GGUF weight `blocks` [N, row_bytes].T (+ bias) → [M, N]
+    float32 with the weights kept quantized: each output the bits `float_linear` gives on the dequantized
+    weight."""
+    return _OPS.gguf_linear(x, blocks, ggml_type, k, bias)
 
 
 def float_linear_lanes() -> int:

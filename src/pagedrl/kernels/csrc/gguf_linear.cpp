@@ -1,0 +1,460 @@
+// GGUF weights kept quantized: a block-quantized weight (GGML's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, its
+// blocks as the file stores them) dequantized, or multiplied by a decode step's few float32 rows.
+//
+// Why: at a few rows a projection is a pass over its weights, so a step runs at the speed the weights
+// stream. Q4_1 is 0.5625 bytes a weight against float32's 4: the default model's projections stream 7x
+// fewer bytes per step when they stay quantized.
+//
+// The numbers: every dequantized value is computed as `gguf.quants.dequantize` (the package's numpy
+// code, the project's oracle) computes it: half scales widened to float32, then the same float32
+// operations in the same order, each rounded (torch builds extensions in ISO C++, where GCC contracts no
+// a * b + c into a fused multiply-add, so `d * q + m` is a product rounded, then a sum rounded). And every
+// output of `gguf_linear` is the float32 number `float_linear` (`float_linear.cpp`) gives on the
+// dequantized weights: its K products summed in the build's W lanes in k order, the lanes added by the
+// same fixed tree, then the bias. A block holds 32 or 256 values, so K is a multiple of W and no tail
+// arises. So a quantized engine's tokens are the dequantized float32 engine's, bit for bit.
+//
+// The weights stream once per step: for one or two input rows each weight block is dequantized in
+// registers and at once multiplied into the rows' sums; for more rows a tile's weight rows are
+// dequantized once into a buffer, which every pair of input rows then reads as `float_linear` would.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Optional.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <memory>
+
+#if defined(__AVX512F__) || defined(__FMA__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// ------------------------------------------------------------------ float_linear's arithmetic, as it is
+// These four pieces must stay the operations of `float_linear.cpp` (tests/test_gguf_linear.py pins it).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kWeightRows = 8;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+constexpr int kWeightRows = 4;
+#else
+constexpr int kLanes = 4;
+constexpr int kWeightRows = 4;
+#endif
+constexpr int kInputRows = 2;
+static_assert(32 % kLanes == 0, "a block's values must fill whole vectors");
+
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Vec fused(Vec x, Vec w, Vec acc) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_fmadd_ps((__m512)x, (__m512)w, (__m512)acc);
+#elif defined(__FMA__) && defined(__AVX__)
+  return (Vec)_mm256_fmadd_ps((__m256)x, (__m256)w, (__m256)acc);
+#else
+  return x * w + acc;
+#endif
+}
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float sum_lanes(Vec v) {
+  float lanes[kLanes];
+  std::memcpy(lanes, &v, sizeof(v));
+  for (int width = kLanes / 2; width >= 1; width /= 2)
+    for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+  return lanes[0];
+}
+
+// ------------------------------------------------------------------ the block formats (ggml-common.h)
+inline float half(const uint8_t* p) {  // an IEEE half, exactly (subnormals, inf and NaN included)
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int e = 113;
+    uint32_t m = man;
+    while (!(m & 0x400u)) { m <<= 1; --e; }
+    bits = sign | (static_cast<uint32_t>(e) << 23) | ((m & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// Each format as a block's header read once (`Block`) and its values in vectors of the lanes, `chunk(c)`
+// holding values [c W, c W + W): byte lanes widened to int32, to float32, then gguf's operations.
+typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// Byte lanes widened to int32 and a float broadcast as single instructions (GCC's generic forms of these
+// build the vectors lane by lane).
+inline Ints widen(const uint8_t* p) {  // kLanes unsigned bytes
+#if defined(__AVX512F__)
+  return (Ints)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  return (Ints)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  Ints v;
+  for (int i = 0; i < kLanes; ++i) v[i] = p[i];
+  return v;
+#endif
+}
+
+inline Ints widen_signed(const uint8_t* p) {  // kLanes signed bytes
+#if defined(__AVX512F__)
+  return (Ints)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  return (Ints)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  Ints v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<int8_t>(p[i]);
+  return v;
+#endif
+}
+
+inline Vec splat(float v) {  // a broadcast (not 0 + v, which would turn -0 into +0)
+#if defined(__AVX512F__)
+  return (Vec)_mm512_set1_ps(v);
+#elif defined(__AVX__)
+  return (Vec)_mm256_set1_ps(v);
+#else
+  Vec out;
+  for (int i = 0; i < kLanes; ++i) out[i] = v;
+  return out;
+#endif
+}
+
+inline Vec to_float(Ints v) { return __builtin_convertvector(v, Vec); }
+
+struct Q8_0 {  // d, then 32 int8: x * d
+  static constexpr int kType = 8, kValues = 32, kBytes = 34;
+  struct Block {
+    const uint8_t* q;
+    Vec d;
+    explicit Block(const uint8_t* b) : q(b + 2), d(splat(half(b))) {}
+    Vec chunk(int c) const { return to_float(widen_signed(q + c * kLanes)) * d; }
+  };
+};
+
+// Q4_0 and Q4_1: 16 bytes of nibbles, value i being nibble i / 16 of byte i % 16.
+inline Ints nibbles32(const uint8_t* q, int c) {
+  const int start = c * kLanes;
+  return (widen(q + start % 16) >> (4 * (start / 16))) & 15;
+}
+
+// With AVX512 a block's 16 possible values are computed once, each as gguf computes it, into one
+// register, and every value is then looked up there by its nibble (vpermps reads an index's low 4 bits).
+#if defined(__AVX512F__)
+inline Vec iota() { return (Vec)_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+inline Vec lookup(const uint8_t* q, int c, Vec table) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  return (Vec)_mm512_permutexvar_ps(c == 0 ? bytes : _mm512_srli_epi32(bytes, 4), (__m512)table);
+}
+#endif
+
+struct Q4_0 {  // d, nibbles: (q - 8) * d
+  static constexpr int kType = 2, kValues = 32, kBytes = 18;
+  struct Block {
+    const uint8_t* q;
+    Vec d;
+    explicit Block(const uint8_t* b) : q(b + 2), d(splat(half(b))) {
+#if defined(__AVX512F__)
+      d = d * (iota() - 8);
+#endif
+    }
+#if defined(__AVX512F__)
+    Vec chunk(int c) const { return lookup(q, c, d); }
+#else
+    Vec chunk(int c) const { return d * to_float(nibbles32(q, c) - 8); }
+#endif
+  };
+};
+
+struct Q4_1 {  // d, m, nibbles: d * q + m (a product rounded, then a sum rounded)
+  static constexpr int kType = 3, kValues = 32, kBytes = 20;
+  struct Block {
+    const uint8_t* q;
+    Vec d, m;
+    explicit Block(const uint8_t* b) : q(b + 4), d(splat(half(b))), m(splat(half(b + 2))) {
+#if defined(__AVX512F__)
+      const Vec p = d * iota();
+      d = p + m;
+#endif
+    }
+#if defined(__AVX512F__)
+    Vec chunk(int c) const { return lookup(q, c, d); }
+#else
+    Vec chunk(int c) const {
+      const Vec p = d * to_float(nibbles32(q, c));
+      return p + m;
+    }
+#endif
+  };
+};
+
+// Q4_K and Q5_K: eight 6-bit scales and mins packed in 12 bytes (gguf's `Q4_K.get_scale_min`), each
+// widened as d * scale and dmin * min for its 32 values; 128 bytes of nibbles, sub-block 2c + h being
+// nibble h of bytes [32c, 32c + 32).
+struct ScalesMins {
+  float ds[8], dm[8];
+  const uint8_t* q;
+  ScalesMins(const uint8_t* b, const uint8_t* qs) : q(qs) {
+    const float d = half(b), dmin = half(b + 2);
+    const uint8_t* s = b + 4;
+    for (int j = 0; j < 4; ++j) {
+      ds[j] = d * static_cast<float>(s[j] & 63);
+      dm[j] = dmin * static_cast<float>(s[j + 4] & 63);
+      ds[j + 4] = d * static_cast<float>((s[j + 8] & 15) | ((s[j] >> 2) & 0x30));
+      dm[j + 4] = dmin * static_cast<float>((s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30));
+    }
+  }
+  Ints nibbles(int start) const {
+    const int j = start / 32;
+    return (widen(q + 32 * (j / 2) + start % 32) >> (4 * (j % 2))) & 15;
+  }
+};
+
+struct Q4_K {  // d, dmin, scales, nibbles: ds * q - dm
+  static constexpr int kType = 12, kValues = 256, kBytes = 144;
+  struct Block : ScalesMins {
+    explicit Block(const uint8_t* b) : ScalesMins(b, b + 16) {}
+    Vec chunk(int c) const {
+      const int start = c * kLanes, j = start / 32;
+      const Vec p = splat(ds[j]) * to_float(nibbles(start));
+      return p - splat(dm[j]);
+    }
+  };
+};
+
+struct Q5_K {  // d, dmin, scales, 32 bytes of fifth bits (bit j of byte i for sub-block j), nibbles
+  static constexpr int kType = 13, kValues = 256, kBytes = 176;
+  struct Block : ScalesMins {
+    const uint8_t* qh;
+    explicit Block(const uint8_t* b) : ScalesMins(b, b + 48), qh(b + 16) {}
+    Vec chunk(int c) const {
+      const int start = c * kLanes, j = start / 32;
+      const Ints v = nibbles(start) | (((widen(qh + start % 32) >> j) & 1) << 4);
+      const Vec p = splat(ds[j]) * to_float(v);
+      return p - splat(dm[j]);
+    }
+  };
+};
+
+struct Q6_K {  // 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales (one per 16 values), d
+  static constexpr int kType = 14, kValues = 256, kBytes = 210;
+  struct Block {
+    const uint8_t* b;
+    float ds[16];
+    explicit Block(const uint8_t* p) : b(p) {
+      const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+      const float d = half(p + 208);
+      for (int j = 0; j < 16; ++j) ds[j] = d * static_cast<float>(sc[j]);
+    }
+    Vec chunk(int c) const {  // value 128 h + 32 s + i: ql[64h + 32(s % 2) + i] >> 4(s / 2), qh[32h + i] >> 2s
+      const int start = c * kLanes, h = start / 128, s = start % 128 / 32, i = start % 32;
+      const Ints lo = (widen(b + 64 * h + 32 * (s % 2) + i) >> (4 * (s / 2))) & 15;
+      const Ints hi = (widen(b + 128 + 32 * h + i) >> (2 * s)) & 3;
+      return splat(ds[start / 16]) * to_float((lo | (hi << 4)) - 32);
+    }
+  };
+};
+
+template <class T>
+inline void dequant(const uint8_t* b, float* out) {
+  const typename T::Block blk(b);
+#pragma GCC unroll 16
+  for (int c = 0; c < T::kValues / kLanes; ++c) {
+    const Vec v = blk.chunk(c);
+    std::memcpy(out + c * kLanes, &v, sizeof(v));
+  }
+}
+
+const char* type_name(int64_t type) {  // GGML's numbering (gguf.GGMLQuantizationType)
+  static const char* names[] = {"F32",     "F16",    "Q4_0",   "Q4_1",    "Q4_2",  "Q4_3",   "Q5_0",  "Q5_1",
+                                "Q8_0",    "Q8_1",   "Q2_K",   "Q3_K",    "Q4_K",  "Q5_K",   "Q6_K",  "Q8_K",
+                                "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S",  "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS",
+                                "I8",      "I16",    "I32",    "I64",     "F64",   "IQ1_M",  "BF16"};
+  return type >= 0 && type < static_cast<int64_t>(sizeof(names) / sizeof(names[0])) ? names[type] : "unknown";
+}
+
+constexpr const char* kSupported = "Q8_0 (8), Q4_0 (2), Q4_1 (3), Q4_K (12), Q5_K (13), Q6_K (14)";
+
+// Calls f with a value of the block format `type`.
+template <class F>
+void with_type(const char* op, int64_t type, F&& f) {
+  switch (type) {
+    case Q8_0::kType: return f(Q8_0{});
+    case Q4_0::kType: return f(Q4_0{});
+    case Q4_1::kType: return f(Q4_1{});
+    case Q4_K::kType: return f(Q4_K{});
+    case Q5_K::kType: return f(Q5_K{});
+    case Q6_K::kType: return f(Q6_K{});
+    default:
+      TORCH_CHECK(false, op, ": GGML type ", type, " (", type_name(type), ") is not supported; supported: ",
+                  kSupported);
+  }
+}
+
+template <class T>
+void check_blocks(const char* op, const at::Tensor& blocks, int64_t K) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.stride(1) == 1, op,
+              ": blocks must be uint8 [N, row_bytes] with contiguous rows, got ", blocks.scalar_type(), " ",
+              blocks.sizes());
+  TORCH_CHECK(K > 0 && K % T::kValues == 0, op, ": K = ", K, " is not a positive multiple of ", type_name(T::kType),
+              "'s block of ", T::kValues, " values");
+  TORCH_CHECK(blocks.size(1) == K / T::kValues * T::kBytes, op, ": ", type_name(T::kType), " rows of K = ", K,
+              " values take ", K / T::kValues * T::kBytes, " bytes, got ", blocks.size(1));
+}
+
+at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t K) {
+  at::Tensor out;
+  with_type("gguf_dequantize", type, [&](auto t) {
+    using T = decltype(t);
+    check_blocks<T>("gguf_dequantize", blocks, K);
+    const int64_t N = blocks.size(0), ld = blocks.stride(0), per_row = K / T::kValues;
+    out = at::empty({N, K}, blocks.options().dtype(at::kFloat));
+    const uint8_t* src = blocks.data_ptr<uint8_t>();
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n)
+        for (int64_t b = 0; b < per_row; ++b) dequant<T>(src + n * ld + b * T::kBytes, dst + n * K + b * T::kValues);
+    });
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------ the product
+// One or two input rows against NB weight rows: each block of the NB rows dequantized in registers and
+// at once multiplied into the MB x NB sums.
+template <class T, int MB, int NB>
+inline void fused_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, int64_t K, const float* bias,
+                       float* y, int64_t ldy) {
+  Vec acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = Vec{};
+  for (int64_t b = 0, k0 = 0; k0 < K; ++b, k0 += T::kValues) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {  // each sum still takes its products in k order
+      const typename T::Block blk(w + j * ldw + b * T::kBytes);
+#pragma GCC unroll 16
+      for (int c = 0; c < T::kValues / kLanes; ++c) {
+        const Vec wv = blk.chunk(c);
+#pragma GCC unroll 2
+        for (int i = 0; i < MB; ++i) acc[i][j] = fused(load(x + i * ldx + k0 + c * kLanes), wv, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) y[i * ldy + j] = sum_lanes(acc[i][j]) + (bias ? bias[j] : 0.f);
+}
+
+// float_linear's tile on float32 weight rows (K a multiple of the lanes: no tail).
+template <int MB, int NB>
+inline void float_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, const float* bias,
+                       float* y, int64_t ldy) {
+  Vec acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = Vec{};
+  for (int64_t k = 0; k < K; k += kLanes) {
+    Vec wv[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) wv[j] = load(w + j * ldw + k);
+#pragma GCC unroll 2
+    for (int i = 0; i < MB; ++i) {
+      const Vec xv = load(x + i * ldx + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) acc[i][j] = fused(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) y[i * ldy + j] = sum_lanes(acc[i][j]) + (bias ? bias[j] : 0.f);
+}
+
+// Weight rows [n0, n0 + NB) against every input row. `rows` is scratch for NB dequantized rows.
+template <class T, int NB>
+void weight_rows(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t ldw, int64_t K, const float* bias,
+                 float* y, int64_t ldy, int64_t n0, float* rows) {
+  const uint8_t* wn = w + n0 * ldw;
+  const float* bn = bias ? bias + n0 : nullptr;
+  if (M <= kInputRows) {
+    if (M == kInputRows)
+      fused_tile<T, kInputRows, NB>(x, ldx, wn, ldw, K, bn, y + n0, ldy);
+    else
+      fused_tile<T, 1, NB>(x, ldx, wn, ldw, K, bn, y + n0, ldy);
+    return;
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int64_t b = 0; b < K / T::kValues; ++b) dequant<T>(wn + j * ldw + b * T::kBytes, rows + j * K + b * T::kValues);
+  int64_t m = 0;
+  for (; m + kInputRows <= M; m += kInputRows)
+    float_tile<kInputRows, NB>(x + m * ldx, ldx, rows, K, K, bn, y + m * ldy + n0, ldy);
+  for (; m < M; ++m) float_tile<1, NB>(x + m * ldx, ldx, rows, K, K, bn, y + m * ldy + n0, ldy);
+}
+
+// x [M, K] float32 (rows of unit stride), blocks [N, row_bytes] uint8 of GGML type `type`, bias [N] or
+// none -> [M, N] float32.
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t K,
+                       const c10::optional<at::Tensor>& bias) {
+  at::Tensor y;
+  with_type("gguf_linear", type, [&](auto t) {
+    using T = decltype(t);
+    check_blocks<T>("gguf_linear", blocks, K);
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == K && x.stride(1) == 1,
+                "gguf_linear: x must be float32 [M, ", K, "] with contiguous rows, got ", x.scalar_type(), " ",
+                x.sizes());
+    const int64_t M = x.size(0), N = blocks.size(0);
+    at::Tensor bias_c;
+    if (bias.has_value() && bias->defined()) {
+      TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat,
+                  "gguf_linear: float32 bias [", N, "] expected");
+      bias_c = bias->contiguous();
+    }
+    y = at::empty({M, N}, x.options());
+    const float* xp = x.data_ptr<float>();
+    const uint8_t* wp = blocks.data_ptr<uint8_t>();
+    const float* bp = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
+    float* yp = y.data_ptr<float>();
+    const int64_t ldx = x.stride(0), ldw = blocks.stride(0), groups = N / kWeightRows;
+    const size_t scratch = M > kInputRows ? static_cast<size_t>(kWeightRows * K) : 0;  // uninitialized
+    at::parallel_for(0, groups, 64 / kWeightRows, [&](int64_t begin, int64_t end) {
+      std::unique_ptr<float[]> rows(new float[scratch]);
+      for (int64_t g = begin; g < end; ++g)
+        weight_rows<T, kWeightRows>(xp, M, ldx, wp, ldw, K, bp, yp, N, g * kWeightRows, rows.get());
+    });
+    std::unique_ptr<float[]> rows(new float[scratch]);
+    for (int64_t n = groups * kWeightRows; n < N; ++n) weight_rows<T, 1>(xp, M, ldx, wp, ldw, K, bp, yp, N, n, rows.get());
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedrl_cpu, m) {
+  m.def("gguf_dequantize(Tensor blocks, int type, int K) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor blocks, int type, int K, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedrl_cpu, CPU, m) {
+  m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("gguf_linear", &gguf_linear);
+}
