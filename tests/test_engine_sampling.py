@@ -157,3 +157,22 @@ def test_what_callers_read_and_reseeding(hf) -> None:
     assert draw(5) == first  # the same stream again
     assert draw(6) != first
     assert llm.stats()["prompt_tokens"] == 3 * sum(len(p) for p in batch)
+
+
+def test_a_step_observer_sees_every_step_until_removed(hf) -> None:
+    """`add_step_observer`: called once per step with the engine and that step's outputs (the
+    finished requests among them); removing it stops the calls."""
+    llm = engine_for(hf)
+    seen: list[tuple[int, list[str]]] = []
+    stop = llm.engine.add_step_observer(lambda engine, outputs: seen.append(
+        (len(engine.block_tables()), [o.request_id for o in outputs if o.finished])))
+    before = llm.engine.num_steps
+    outs = llm.generate(prompts(hf.config.vocab_size)[:3], SamplingParams(max_tokens=5, ignore_eos=True),
+                        use_tqdm=False)
+    assert len(seen) == llm.engine.num_steps - before > 0
+    assert sorted(rid for _, done in seen for rid in done) == sorted(o.request_id for o in outs)
+    assert max(n for n, _ in seen) > 0
+    stop()
+    calls = len(seen)
+    llm.generate(prompts(hf.config.vocab_size)[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(seen) == calls

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from pagedrl.engine.llm import LLM
+from pagedrl.engine.llm_engine import LLMEngine
+from pagedrl.engine.outputs import RequestOutput
 from pagedrl.engine.sampling_params import SamplingParams
 
 
@@ -118,43 +120,39 @@ def _live_per_block(engine: Any) -> tuple[int, list[tuple[Any, list[int]]]]:
 
 def run_pagedrl(llm: LLM, workload: list[Request], seed: int = 0) -> Run:
     """`LLM.generate` over the workload (greedy; an n-sample request samples at temperature 1);
-    each step also samples the KV cache's occupancy and keeps a snapshot of its fullest step."""
+    a step observer samples the KV cache's occupancy after each step and keeps a snapshot of its
+    fullest step."""
     engine = llm.engine
     block_size = engine.block_size
     run = Run(0.0, 0, 0, [])
-    request_of: dict[str, int] = {}
-    step = engine.step
+    owners: list[str] = []  # the snapshot's sequences' request ids, made workload indices at the end
 
-    def step_and_sample():
-        outs = step()
+    def sample(engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         live, tables = _live_per_block(engine)
         stats = engine.stats()
         used = stats["num_blocks_used"]
         run.kv_live.append(live)
         run.kv_slots.append(used * block_size)
         if run.snapshot is None or used > run.snapshot.blocks_used:
+            owners[:] = [seq.request_id for seq, _ in tables]
             run.snapshot = KVSnapshot(len(run.kv_live), block_size, stats["num_blocks_total"], used, [
-                SeqBlocks(request_of.get(seq.request_id, -1), seq.index, list(table), seq.num_computed_tokens,
+                SeqBlocks(-1, seq.index, list(table), seq.num_computed_tokens,
                           seq.num_prompt_tokens + seq.params.max_tokens, seq.num_prompt_tokens)
                 for seq, table in tables])
-        return outs
 
     params = [SamplingParams(n=r.n, temperature=1.0 if r.n > 1 else 0.0, seed=seed, max_tokens=r.max_tokens,
                              ignore_eos=True) for r in workload]
-    add = engine.add_request
-
-    def add_and_remember(prompt, p, request_id=None, **kw):
-        rid = add(prompt, p, request_id=request_id, **kw)
-        request_of[rid] = len(request_of)
-        return rid
-
-    engine.step, engine.add_request = step_and_sample, add_and_remember
+    stop_observing = engine.add_step_observer(sample)
     try:
         start = time.perf_counter()
         outs = llm.generate([r.prompt for r in workload], params, use_tqdm=False)
         run.seconds = time.perf_counter() - start
     finally:
-        del engine.step, engine.add_request
+        stop_observing()
+    request_of = {o.request_id: i for i, o in enumerate(outs)}  # generate answers in workload order
+    if run.snapshot is not None:
+        for s, rid in zip(run.snapshot.seqs, owners, strict=True):
+            s.request = request_of.get(rid, -1)
     run.outputs = [list(c.token_ids) for o in outs for c in o.outputs]
     assert all(len(c.token_ids) == r.max_tokens for o, r in zip(outs, workload, strict=True) for c in o.outputs), \
         "ignore_eos must hold"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from math import isfinite
 from typing import Any
 
@@ -35,6 +36,8 @@ from pagedrl.model import batch_invariant
 from pagedrl.model.decoder import CausalLM
 
 logger = logging.getLogger(__name__)
+# Called after each step with the engine and that step's outputs (`LLMEngine.add_step_observer`).
+StepObserver = Callable[["LLMEngine", list[RequestOutput]], None]
 
 
 class LLMEngine:
@@ -81,6 +84,7 @@ class LLMEngine:
         self.num_forked_blocks = 0  # prompt blocks shared by n > 1 samples instead of recomputed
         self._grammars: GrammarCompiler | None = None  # built by the first structured-output request
         self._bitmasks: StepBitmasks | None = None  # grammar masks of one step, in a buffer kept
+        self._step_observers: list[StepObserver] = []
         self.runner.capture_graphs()  # on CUDA unless enforce_eager: decode graphs recorded at start-up
 
     # ------------------------------------------------------------------ requests
@@ -214,7 +218,16 @@ class LLMEngine:
                 outputs.append(out)
             if out.finished if out is not None else req.is_finished:
                 del self.requests[rid]
+        for observe in self._step_observers:
+            observe(self, outputs)
         return outputs
+
+    def add_step_observer(self, observe: StepObserver) -> Callable[[], None]:
+        """Call `observe(engine, outputs)` after every step that ran a batch, before `step()` returns,
+        so a caller can sample the cache (`block_tables()`, `stats()`) while `LLM.generate` drives the
+        steps, without wrapping the engine's methods. Returns the function that removes it again."""
+        self._step_observers.append(observe)
+        return lambda: self._step_observers.remove(observe)
 
     def fork_if_needed(self, seq: Sequence) -> list[Sequence]:
         """The first time a request's prompt is in, it becomes `n` sequences sharing its blocks."""
