@@ -33,8 +33,14 @@ inline uint16_t float_to_bf16(float value) {
 // with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (relative error below 2e-7, about
 // one float32 ulp). A loop of std::exp stays scalar without -ffast-math, and it was most of the kernel.
 inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // below, exp underflows to a denormal; the rounding toward 0 is harmless here
-  const float n = std::nearbyint(x * 1.44269504088896341f);
+  // Below -87 exp underflows to a denormal; the rounding toward 0 is harmless here. A plain select, not
+  // std::max: GCC reads std::max's reference as control flow and left such loops scalar for AVX2.
+  x = x < -87.0f ? -87.0f : x;
+  // x log2(e) rounded to the nearest integer, ties to even, as nearbyint would: adding 1.5 * 2^23 leaves
+  // no fraction bits, and taking it away again is exact. std::nearbyint itself compiled to a libm call
+  // per value when built for AVX2 (no vector loop: 700 us for SiLU of a 48 x 1536 step, 30 with this).
+  const float shifted = x * 1.44269504088896341f + 12582912.0f;
+  const float n = shifted - 12582912.0f;
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 split in two for exactness
   float p = 1.f / 720.f;
   p = p * r + 1.f / 120.f;
