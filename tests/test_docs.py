@@ -1,6 +1,7 @@
 """The documentation: the site builds with mkdocs in strict mode (so a broken link or anchor between
-pages fails), every relative link and #anchor in README.md and docs/*.md resolves, and every
-`pagedrl <command>` the pages name is a command `pagedrl --help` lists."""
+pages fails) and offline, with its API reference read from the docstrings; every relative link and
+#anchor in README.md and docs/*.md resolves, and every `pagedrl <command>` the pages name is a command
+`pagedrl --help` lists. tests/test_docs_examples.py runs the pages' examples."""
 
 from __future__ import annotations
 
@@ -104,6 +105,9 @@ def test_site_builds_strict(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "site" / "index.html").exists()
     assert (tmp_path / "site" / "results" / "index.html").exists()
+    reference = (tmp_path / "site" / "reference" / "index.html").read_text(encoding="utf-8")
+    for name in ("LLM", "SamplingParams", "LoRARequest", "EngineArgs", "LLMEngine", "GRPOConfig"):
+        assert re.search(rf'id="pagedrl\.[\w.]*\.{name}"', reference), f"the API reference lacks {name}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
