@@ -356,6 +356,9 @@ inline void fused_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t ld
 #pragma GCC unroll 8
     for (int j = 0; j < NB; ++j) {  // each sum still takes its products in k order
       const typename T::Block blk(w + j * ldw + b * T::kBytes);
+      // A tile reads its rows' few hundred bytes each, too short for the hardware's prefetcher to start:
+      // the next tile's same blocks are fetched while these are summed.
+      __builtin_prefetch(w + (NB + j) * ldw + b * T::kBytes);
 #pragma GCC unroll 16
       for (int c = 0; c < T::kValues / kLanes; ++c) {
         const Vec wv = blk.chunk(c);
@@ -404,7 +407,10 @@ void weight_rows(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64
     return;
   }
   for (int j = 0; j < NB; ++j)
-    for (int64_t b = 0; b < K / T::kValues; ++b) dequant<T>(wn + j * ldw + b * T::kBytes, rows + j * K + b * T::kValues);
+    for (int64_t b = 0; b < K / T::kValues; ++b) {
+      __builtin_prefetch(wn + (NB + j) * ldw + b * T::kBytes);  // as in fused_tile
+      dequant<T>(wn + j * ldw + b * T::kBytes, rows + j * K + b * T::kValues);
+    }
   int64_t m = 0;
   for (; m + kInputRows <= M; m += kInputRows)
     float_tile<kInputRows, NB>(x + m * ldx, ldx, rows, K, K, bn, y + m * ldy + n0, ldy);
