@@ -121,6 +121,8 @@ def test_the_measurement_runs_on_the_tiny_model(tiny_train_model, tmp_path) -> N
     assert m.cpu_class and m.precision == "float32"  # the suite runs as a CPU without native bf16
     sized = size_quick(plan, m, budget_minutes=0.01)
     assert steps(sized) == MIN_STEPS  # a hundredth of a minute holds no method's minimum
+    # Whatever it gives up, it only ever makes smaller (8 problems stay 8, never 96).
+    assert sized.num_eval == 8 and size_quick(plan, machine(0.01)).num_eval == 8
     assert "CPU class" in calibrate.describe(sized)
 
 

@@ -238,8 +238,8 @@ def size_quick(plan: DemoPlan, m: Measurement, target_minutes: float = 6.5,
     are sampled from. Past that it takes longer than
     the target rather than fewer steps: a method's minimum steps are what make its verdict mean
     something."""
-    levers = [dict(dpo_batch_pairs=4), dict(ppo_prompts_per_step=2), dict(grpo_along=False), dict(num_eval=96),
-              dict(pair_prompts=32)]
+    levers = [dict(dpo_batch_pairs=min(4, plan.dpo_batch_pairs)), dict(ppo_prompts_per_step=min(2, plan.ppo_prompts_per_step)),
+              dict(grpo_along=False), dict(num_eval=min(96, plan.num_eval)), dict(pair_prompts=min(32, plan.pair_prompts))]
     fields: dict[str, Any] = {}
     while True:
         along = fields.get("grpo_along", True)
@@ -281,6 +281,7 @@ def describe(plan: DemoPlan) -> str:
     if c is None:
         return ""
     m = c["measured"]
+    minutes = {k: getattr(plan, f"{k}_max_steps") * c["step_seconds"][k] / 60 for k in MIN_STEPS}
     return (f"CPU class {m['cpu_class']}, training in {m['precision']}. Calibrated at start in {m['seconds']:.0f} s "
             f"(load average {m['load_average']:.1f}): a greedy pass over {m['eval_problems']} held-out problems took "
             f"{m['eval_seconds']:.1f} s; {m['sampled_completions']} completions sampled at once {m['sample_seconds']:.1f} s "
@@ -292,8 +293,10 @@ def describe(plan: DemoPlan) -> str:
             f"{plan.dpo_max_steps} steps of {plan.dpo_batch_pairs} pairs ({c['step_seconds']['dpo']:.1f} s), the reward "
             f"model {plan.rm_max_steps} steps of {plan.rm_batch_pairs} pairs ({c['step_seconds']['rm']:.1f} s), PPO "
             f"{plan.ppo_max_steps} steps of {plan.ppo_prompts_per_step} prompts x {plan.ppo_generations} "
-            f"({c['step_seconds']['ppo']:.0f} s); about {plan.budget_minutes:.2f} training minutes per method, each "
-            f"stage capped at {CAP:g}x its prediction.")
+            f"({c['step_seconds']['ppo']:.0f} s); predicted training minutes GRPO {minutes['grpo']:.2g}, DPO "
+            f"{minutes['dpo']:.2g}, RLHF {minutes['rm'] + minutes['ppo']:.2g} (the share of each: "
+            f"{plan.budget_minutes:.2g}, raised to its minimum steps), each stage capped at {CAP:g}x its prediction."
+            + (f" Given up to fit: {', '.join(c['given up'])}." if c["given up"] else ""))
 
 
 def calibrated(plan: DemoPlan, target_minutes: float = 6.5, budget_minutes: float | None = None) -> DemoPlan:

@@ -239,8 +239,8 @@ def write_report(plan: DemoPlan) -> Path:
     part1 = (f"{p['num_requests']} requests ({p['num_sequences']} sequences: mixed lengths, plus {p['prefix']['n']} "
              f"samples of one long prompt), {p['prompt_tokens']} prompt and {p['output_tokens']} output tokens, "
              f"greedy with ignore_eos, through both engines in the same process.")
-    budget = (f"each method's optimizer steps chosen by the calibration below for about {plan.budget_minutes:.2g} "
-              f"training minutes each (the table gives the minutes they took; evaluations excluded)"
+    budget = ("each method's optimizer steps chosen by the calibration below (the table gives the minutes they "
+              "took; evaluations excluded)"
               if plan.grpo_max_steps else f"{plan.budget_minutes:g} training minutes per method (evaluations excluded")
     part2 = (f"From the same model, {budget}; RLHF's are shared by its reward model and PPO. Held-out accuracy on {data['plan']['num_eval']} "
              f"problems, greedy, with the engine, with 95% Wilson intervals; before -> after is tested on the same "
