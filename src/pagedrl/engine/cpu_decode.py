@@ -57,9 +57,10 @@ def supports(model: torch.nn.Module) -> bool:
             and cfg.intermediate_size % 2 == 0)
 
 
-def float_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def float_product(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """A float32 step's projection as its route computes it (`products.float_rows`): the float32 kernel
-    up to `MAX_ROWS_FLOAT` rows, torch's (MKL) above."""
+    up to `MAX_ROWS_FLOAT` rows, torch's (MKL) above. `n`, the output features, is the k-pairs
+    product's argument, unused: the program calls both alike."""
     if x.shape[0] <= products.MAX_ROWS_FLOAT:
         return ops.float_linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -130,10 +131,10 @@ class DecodeProgram:
         return self.forward(input_ids, meta)
 
     def forward(self, input_ids: torch.Tensor, meta: PagedAttention) -> torch.Tensor:
-        """`run` on the weights as last listed (what a compiler would trace)."""
-        if self.float32:
-            return self.forward_float32(input_ids, meta)
+        """`run` on the weights as last listed (what a compiler would trace). A float32 model's products
+        are the calls `cpu_routes.FLOAT_ROUTES` makes through the modules, so the same numbers."""
         n, heads, kv_heads, head_dim, eps = input_ids.shape[0], self.heads, self.kv_heads, self.head_dim, self.eps
+        product = float_product if self.float32 else ops.pair_linear
         backbone = self.model.model
         x = F.embedding(input_ids, backbone.embed_tokens.weight)
         cos, sin = rope_cos_sin(meta.positions[None], backbone.inv_freq, x.dtype)
@@ -142,48 +143,21 @@ class DecodeProgram:
         for index, (norm1, q_proj, k_proj, v_proj, o_proj, qk_norms, norm2, mlp, down) in enumerate(self._layers):
             key_cache, value_cache = cache.key_cache[index], cache.value_cache[index]
             h = ops.rms_norm(x, norm1, eps)
-            q = ops.pair_linear(h, *q_proj).view(1, n, heads, head_dim)
-            k = ops.pair_linear(h, *k_proj).view(1, n, kv_heads, head_dim)
-            v = ops.pair_linear(h, *v_proj).view(n, kv_heads, head_dim)
+            q = product(h, *q_proj).view(1, n, heads, head_dim)
+            k = product(h, *k_proj).view(1, n, kv_heads, head_dim)
+            v = product(h, *v_proj).view(n, kv_heads, head_dim)
             if qk_norms is not None:
                 q, k = ops.rms_norm(q, qk_norms[0], eps), ops.rms_norm(k, qk_norms[1], eps)
             q, k = ops.rope(q, k, cos, sin)
             ops.store_kv(k[0], v, key_cache, value_cache, meta.slot_mapping)
             out = ops.paged_decode(q[0], key_cache, value_cache, meta.block_tables, meta.seq_lens, scale)
-            x = x + ops.pair_linear(out.view(n, heads * head_dim), *o_proj)
+            x = x + product(out.view(n, heads * head_dim), *o_proj)
             h = ops.rms_norm(x, norm2, eps)
             if len(mlp) == 1:
                 hidden = ops.pair_silu_mul(h, mlp[0])
             else:
-                hidden = ops.silu_mul(ops.pair_linear(h, *mlp[0]), ops.pair_linear(h, *mlp[1]))
-            x = x + ops.pair_linear(hidden, *down)
-        return ops.rms_norm(x, backbone.norm.weight, eps)
-
-    def forward_float32(self, input_ids: torch.Tensor, meta: PagedAttention) -> torch.Tensor:
-        """`forward` of a float32 model: the calls `cpu_routes.FLOAT_ROUTES` makes through the modules,
-        so the same numbers."""
-        n, heads, kv_heads, head_dim, eps = input_ids.shape[0], self.heads, self.kv_heads, self.head_dim, self.eps
-        backbone = self.model.model
-        x = F.embedding(input_ids, backbone.embed_tokens.weight)
-        cos, sin = rope_cos_sin(meta.positions[None], backbone.inv_freq, x.dtype)
-        cache = meta.kv_cache
-        scale = meta.scale if meta.scale is not None else 1.0 / math.sqrt(head_dim)
-        for index, (norm1, q_proj, k_proj, v_proj, o_proj, qk_norms, norm2, mlp, down) in enumerate(self._layers):
-            key_cache, value_cache = cache.key_cache[index], cache.value_cache[index]
-            h = ops.rms_norm(x, norm1, eps)
-            q = float_product(h, q_proj[0], q_proj[2]).view(1, n, heads, head_dim)
-            k = float_product(h, k_proj[0], k_proj[2]).view(1, n, kv_heads, head_dim)
-            v = float_product(h, v_proj[0], v_proj[2]).view(n, kv_heads, head_dim)
-            if qk_norms is not None:
-                q, k = ops.rms_norm(q, qk_norms[0], eps), ops.rms_norm(k, qk_norms[1], eps)
-            q, k = ops.rope(q, k, cos, sin)
-            ops.store_kv(k[0], v, key_cache, value_cache, meta.slot_mapping)
-            out = ops.paged_decode(q[0], key_cache, value_cache, meta.block_tables, meta.seq_lens, scale)
-            x = x + float_product(out.view(n, heads * head_dim), o_proj[0], o_proj[2])
-            h = ops.rms_norm(x, norm2, eps)
-            (gate, _, gate_bias), (up, _, up_bias) = mlp
-            x = x + float_product(ops.silu_mul(float_product(h, gate, gate_bias), float_product(h, up, up_bias)),
-                                  down[0], down[2])
+                hidden = ops.silu_mul(product(h, *mlp[0]), product(h, *mlp[1]))
+            x = x + product(hidden, *down)
         return ops.rms_norm(x, backbone.norm.weight, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
