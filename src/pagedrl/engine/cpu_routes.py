@@ -18,7 +18,7 @@ of a trainer's rollout engine runs its products on them too (its batch-invariant
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -31,23 +31,30 @@ def _not_taken(*args: torch.Tensor | float) -> None:
     return None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    if not takes(x, weight) or not x.is_contiguous():
-        return None
-    return ops.rms_norm(x, weight, eps)
+def rowwise(takes_them: Callable[..., bool]) -> tuple[Callable, Callable, Callable]:
+    """RMSNorm, SiLU x up and rope routed to the row-wise kernels for tensors `takes_them` accepts
+    (bf16 or float32), each None (the decoder's own code) for any other."""
+
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        if not takes_them(x, weight) or not x.is_contiguous():
+            return None
+        return ops.rms_norm(x, weight, eps)
+
+    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+        if not takes_them(gate, up) or not gate.is_contiguous() or not up.is_contiguous():
+            return None
+        return ops.silu_mul(gate, up)
+
+    def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not takes_them(q, k, cos, sin) or not all(t.is_contiguous() for t in (q, k, cos, sin)):
+            return None
+        return ops.rope(q, k, cos, sin)
+
+    return rms_norm, silu_mul, rope
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-    if not takes(gate, up) or not gate.is_contiguous() or not up.is_contiguous():
-        return None
-    return ops.silu_mul(gate, up)
-
-
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-         ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if not takes(q, k, cos, sin) or not all(t.is_contiguous() for t in (q, k, cos, sin)):
-        return None
-    return ops.rope(q, k, cos, sin)
+rms_norm, silu_mul, rope = rowwise(takes)
 
 
 def no_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -69,23 +76,7 @@ ROUTES = Routes(linear=few_rows, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope
 ROWWISE_ONLY = Routes(linear=no_product, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope)
 
 
-def rms_norm32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    if not takes_float32(x, weight) or not x.is_contiguous():
-        return None
-    return ops.rms_norm(x, weight, eps)
-
-
-def silu_mul32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-    if not takes_float32(gate, up) or not gate.is_contiguous() or not up.is_contiguous():
-        return None
-    return ops.silu_mul(gate, up)
-
-
-def rope32(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if not takes_float32(q, k, cos, sin) or not all(t.is_contiguous() for t in (q, k, cos, sin)):
-        return None
-    return ops.rope(q, k, cos, sin)
+rms_norm32, silu_mul32, rope32 = rowwise(takes_float32)
 
 
 # A float32 step's routes: the products of a few rows on the float32 kernel, norms, SiLU and the rotary

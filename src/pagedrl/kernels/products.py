@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -70,29 +71,24 @@ def kernel(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return ops.decode_linear(rows, weight, bias)
 
 
-def takes(*tensors: torch.Tensor) -> bool:
-    """The kernels' terms: bf16 CPU tensors, and no gradient recorded (they have no backward; the
-    runner runs in inference mode). Asked some 300 times a decode step: a plain loop over `is`
-    and `is_cpu` (0.6 us for two tensors, where a generator over `device.type` took 2.2)."""
-    if torch.is_grad_enabled():
-        return False
-    for t in tensors:
-        if t.dtype is not _BF16 or not t.is_cpu:
+def _takes_of(dtype: torch.dtype) -> Callable[..., bool]:
+    """The kernels' terms for tensors of `dtype`: CPU tensors, and no gradient recorded (they have no
+    backward; the runner runs in inference mode). Asked some 300 times a decode step: a plain loop over
+    `is` and `is_cpu` (0.6 us for two tensors, where a generator over `device.type` took 2.2)."""
+
+    def takes(*tensors: torch.Tensor) -> bool:
+        if torch.is_grad_enabled():
             return False
-    return True
+        for t in tensors:
+            if t.dtype is not dtype or not t.is_cpu:
+                return False
+        return True
+
+    return takes
 
 
-_BF16 = torch.bfloat16
-
-
-def takes_float32(*tensors: torch.Tensor) -> bool:
-    """`takes` for the row-wise kernels' float32 forms (a float32 engine's steps)."""
-    if torch.is_grad_enabled():
-        return False
-    for t in tensors:
-        if t.dtype is not _F32 or not t.is_cpu:
-            return False
-    return True
+takes = _takes_of(torch.bfloat16)  # the bf16 kernels'
+takes_float32 = _takes_of(torch.float32)  # the row-wise kernels' float32 forms (a float32 engine's steps)
 
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
