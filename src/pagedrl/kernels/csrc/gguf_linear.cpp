@@ -28,6 +28,8 @@
 #include <string>
 #include <memory>
 
+#include "float_lanes.h"
+
 #if defined(__AVX512F__) || defined(__FMA__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -35,45 +37,15 @@
 namespace {
 
 // ------------------------------------------------------------------ float_linear's arithmetic, as it is
-// These four pieces must stay the operations of `float_linear.cpp` (tests/test_gguf_linear.py pins it).
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-constexpr int kWeightRows = 8;
-#elif defined(__AVX__)
-constexpr int kLanes = 8;
-constexpr int kWeightRows = 4;
-#else
-constexpr int kLanes = 4;
-constexpr int kWeightRows = 4;
-#endif
-constexpr int kInputRows = 2;
+// From `float_lanes.h`, the very operations of `float_linear.cpp` (tests/test_gguf_linear.py pins it).
+using pagedrl_cpu::fused;
+using pagedrl_cpu::kInputRows;
+using pagedrl_cpu::kLanes;
+using pagedrl_cpu::kWeightRows;
+using pagedrl_cpu::load;
+using pagedrl_cpu::sum_lanes;
+using pagedrl_cpu::Vec;
 static_assert(32 % kLanes == 0, "a block's values must fill whole vectors");
-
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline Vec fused(Vec x, Vec w, Vec acc) {
-#if defined(__AVX512F__)
-  return (Vec)_mm512_fmadd_ps((__m512)x, (__m512)w, (__m512)acc);
-#elif defined(__FMA__) && defined(__AVX__)
-  return (Vec)_mm256_fmadd_ps((__m256)x, (__m256)w, (__m256)acc);
-#else
-  return x * w + acc;
-#endif
-}
-
-inline Vec load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline float sum_lanes(Vec v) {
-  float lanes[kLanes];
-  std::memcpy(lanes, &v, sizeof(v));
-  for (int width = kLanes / 2; width >= 1; width /= 2)
-    for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
-  return lanes[0];
-}
 
 // ------------------------------------------------------------------ the block formats (ggml-common.h)
 inline float half(const uint8_t* p) {  // an IEEE half, exactly (subnormals, inf and NaN included)
