@@ -264,7 +264,7 @@ def test_sampler_distribution_matches_reference_end_to_end(device):
     for i, (expected, penalised, error, s, banned) in enumerate(cases):
         tok = int(out.token_ids[i])
         assert expected[tok] > 0, "sampled a token outside the kept set"
-        assert abs(out.raw_logprobs[i].item() - raw[i, tok].item()) <= log_softmax_bound(logits[i:i + 1], out.token_ids[i:i + 1])
+        assert abs(out.raw_logprobs[i].item() - raw[i, tok].item()) <= log_softmax_bound(logits[i:i + 1], out.token_ids[i:i + 1].cpu())
         bounds = bounds_of(ref_logprobs(expected), penalised, s["temperature"], error)
         assert abs(out.processed_logprobs[i].item() - dists[i][tok]) <= 2 * bounds[tok]  # two float32 ones
         if decided(penalised, **s, banned=banned, error=error):
