@@ -96,7 +96,11 @@ def test_concurrent_mixed_requests_all_end_and_free_every_block(server):
     assert after["pagedrl:kv_cache_usage_perc"] == 0
     aborted = after['pagedrl:request_success_total{finished_reason="abort"}'] - \
         before['pagedrl:request_success_total{finished_reason="abort"}']
-    assert aborted >= 20  # every cancelled stream was aborted, not run to its end
+    # A cancelled stream ends as an abort, or as "length" when the engine generated its last token before
+    # the hang-up reached the server (a busy event loop can take longer to see it than the tiny model
+    # takes for LONG tokens): both are correct ends, and the sum below counts each request once.
+    # `test_disconnect_aborts_the_request_at_once` pins that a hang-up aborts, on a quiet server.
+    assert aborted >= 1
     finished = after['pagedrl:request_success_total{finished_reason="length"}'] - \
         before['pagedrl:request_success_total{finished_reason="length"}']
     # a request cancelled before its body reached the server is never seen by it
