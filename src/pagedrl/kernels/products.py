@@ -119,6 +119,22 @@ def float_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 _F32 = torch.float32
 
 
+def quantized_rows(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int,
+                   bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A GGUF weight's product kept quantized (`csrc/gguf_linear.cpp`) on the rows `float_rows` takes:
+    at most `MAX_ROWS_FLOAT`, float32, no gradient recorded. Its outputs are the bits `float_rows` gives on
+    the dequantized weight, so a quantized engine's tokens are the dequantized float32 engine's."""
+    if (torch.is_grad_enabled() or x.dtype is not _F32 or not x.is_cpu or not blocks.is_cpu
+            or (bias is not None and bias.dtype is not _F32)):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > MAX_ROWS_FLOAT:
+        return None
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return ops.gguf_linear(rows, blocks, ggml_type, k, bias).view(*x.shape[:-1], blocks.shape[0])
+
+
 class PackedWeights:
     """Copies of a model's bf16 weights in a kernel's own layout, one per weight tensor and layout, made
     at its first product and kept until the weights change: `clear()` at the engine's weight-version
