@@ -194,7 +194,9 @@ def dequantize(blocks: torch.Tensor, ggml_type: int, k: int,
     row_bytes = k // fmt.values * fmt.nbytes
     if blocks.shape[1] != row_bytes:
         raise ValueError(f"{fmt.name} rows of k = {k} values take {row_bytes} bytes "
-                         f"({k // fmt.values} blocks of {fmt.nbytes}), got {blocks.shape[1]}")
+                         f"({fmt.nbytes} a block of {fmt.values}), got {blocks.shape[1]}")
     n = blocks.shape[0]
+    if n == 0:  # no rows: nothing to slice (an empty slice's strides do not allow a view as halves)
+        return blocks.new_empty((0, k), dtype=out_dtype)
     out = fmt.decode(blocks.reshape(-1, fmt.nbytes)).reshape(n, k)
     return out if out_dtype == torch.float32 else out.to(out_dtype)
