@@ -94,6 +94,24 @@ def test_every_k_quant_scale_byte_value(qtype) -> None:
     assert same_bits(ours(raw, qtype), expected(raw, qtype))
 
 
+def test_a_cpu_that_flushes_subnormals_gives_the_same_bits() -> None:
+    """Every scale is a multiple of 2^-24 (the smallest half), so no product or sum is a float32
+    subnormal: with subnormals flushed to zero (as on a device built for speed) the values are the
+    same, edge and arbitrary scales included."""
+    cases = [(qtype, draw_blocks(qtype, 16, 4, int(qtype), scales)) for qtype in BLOCK_TYPES + FLOAT_TYPES
+             for scales in ("edge", "raw")]
+    wanted = [expected(raw, qtype) for qtype, raw in cases]  # before: the flag would flush numpy's too
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        assert torch.tensor([1e-39]).mul(1.0).item() == 0.0  # flushing is on
+        got = [ours(raw, qtype) for qtype, raw in cases]
+    finally:
+        torch.set_flush_denormal(False)
+    for (qtype, _), out, want in zip(cases, got, wanted, strict=True):
+        assert same_bits(out, want), qtype.name
+
+
 @functools.cache
 def default_model_tensors() -> tuple[gguf.ReaderTensor, ...]:
     """The default model's first and last layers and its tensors outside the layers (the embedding,

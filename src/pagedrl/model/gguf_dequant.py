@@ -9,12 +9,13 @@ the same code runs on both, with no numpy and no host round trip.
 The numbers: every value has the float32 bits `gguf.quants.dequantize` (the package's numpy code, the
 project's oracle) gives, because each format below is gguf's numpy code transcribed operation by
 operation: half scales widened to float32 exactly (subnormals, inf and NaN included), the same integer
-unpacking, then the same float32 products and sums in the same order, each a separate tensor operation
-and so rounded on its own (`d * q + m` is a product rounded, then a sum rounded). Every scale is a
-multiple of 2^-24 (the smallest half), so no product or sum is a float32 subnormal and a device that
-flushes subnormals gives the same bits. Run eagerly: a compiler that fuses `d * q + m` into one fused
-multiply-add rounds once and changes the low bits. Which NaN comes out of inf * 0 is not part of the
-contract (its payload follows the hardware), only that it is a NaN.
+unpacking, then the same float32 products and sums in the same order. Every product is exact: a half
+has 11 significant bits, a scale at most 7 and a quant at most 5 (23 together, float32 keeps 24), and
+none comes near float32's range. So the one rounding is the final sum of Q4_1 (`d * q + m`) and the
+K-quants (`d * q - dm`), rounded once whether a device adds a rounded product or fuses the two into one
+multiply-add. And each scale is a multiple of 2^-24 (the smallest half), so no product or sum is a
+float32 subnormal: a device that flushes subnormals gives the same bits. Which NaN comes out of
+inf * 0 is not part of the contract (its payload follows the hardware), only that it is a NaN.
 """
 
 from __future__ import annotations
