@@ -1,8 +1,9 @@
 """GGUF dequantization as tensor operations (`model/gguf_dequant.py`): every value the float32 bits of
 `gguf.quants.dequantize` (the package's own numpy code is the oracle) on random blocks with normal,
-edge and arbitrary scales and on every tensor of the default model; the bits of the C++ kernels
-(`ops.gguf_dequantize`); no host-only operation (the same code on the meta device, and on CUDA where
-there is one); the narrow output types; and the refusals."""
+edge and arbitrary scales and on the default model's tensors of every type in its file; the bits of the
+C++ kernels (`ops.gguf_dequantize`); the same bits with subnormals flushed; no host-only operation (the
+same code on the meta device, and on CUDA where there is one); bytes at any offset and stride; the
+narrow output types; and the refusals."""
 
 from __future__ import annotations
 

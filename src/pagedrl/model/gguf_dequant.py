@@ -121,7 +121,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:  # 128 bytes low nibbles, 64 of high
     return (d * q).reshape(n, QK_K)
 
 
-def _f32(b: torch.Tensor) -> torch.Tensor:
+def _f32(b: torch.Tensor) -> torch.Tensor:  # the bytes viewed, as gguf's `data.view(np.float32)`
     return _aligned(b, 4).view(torch.float32)
 
 
@@ -185,7 +185,8 @@ def dequantize(blocks: torch.Tensor, ggml_type: int, k: int,
     `out_dtype` (bf16 or fp16 for a GPU's matmul, say) converts the float32 result at the end, rounded
     to nearest even; only the float32 result is the oracle's bits, a narrower one is those bits rounded.
     Refused with a ValueError: a type not in `FORMATS`, bytes that are not uint8 [N, row_bytes], a `k`
-    that is not a whole number of blocks, and rows whose length is not `k`'s blocks."""
+    that is not a whole number of blocks, and rows whose length is not `k`'s blocks. F32 rows come back
+    as a view of contiguous, aligned bytes (as gguf's do), every other type as a new tensor."""
     fmt = format_of(ggml_type)
     if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8 or blocks.dim() != 2:
         got = f"{blocks.dtype} {tuple(blocks.shape)}" if isinstance(blocks, torch.Tensor) else type(blocks).__name__
