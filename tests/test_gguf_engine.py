@@ -86,12 +86,29 @@ def test_every_supported_type_is_kept(every_type_gguf: Path) -> None:
     assert kinds == {int(t) for t in TYPES.values()}
 
 
+def test_without_the_kernels_the_torch_dequantizer_gives_the_same_model(every_type_gguf: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU kernels are not built (and on CUDA) the weights are dequantized by `model/gguf_dequant.py`:
+    the same values, so the same logits as the float32 model of the file."""
+    from pagedrl.kernels import ops
+
+    quantized = load_model(str(every_type_gguf), quantization="gguf").model
+    plain = load_model(str(every_type_gguf), dtype="float32").model
+    ids = torch.tensor([[3, 40, 7, 99, 12, 5]])
+    monkeypatch.setattr(ops, "available", lambda: False)
+    with torch.no_grad():
+        assert torch.equal(quantized.logits(quantized(ids)), plain.logits(plain(ids)))
+        bf16 = quantized.to(torch.bfloat16)
+        assert bf16.model.embed_tokens(ids).dtype == torch.bfloat16
+        assert bf16.logits(bf16(ids)).isfinite().all()
+
+
 def test_refusals_are_one_clear_line(every_type_gguf: Path, default_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"quantization='awq' is not supported; supported: gguf"):
         load_model(quantization="awq")
     with pytest.raises(ValueError, match="needs a GGUF file; .* is a folder"):
         load_model(str(default_model_dir), quantization="gguf")
-    with pytest.raises(ValueError, match="computes in float32"):
+    with pytest.raises(ValueError, match="computes in float32 on a CPU"):
         load_model(str(every_type_gguf), quantization="gguf", dtype="bfloat16")
     with pytest.raises(ValueError, match="LoRA adapter folded in"):
         load_model(str(every_type_gguf), quantization="gguf", adapter=str(tmp_path))

@@ -24,7 +24,7 @@ from torch import nn
 
 from pagedrl.kernels import ops
 from pagedrl.kernels.products import quantized_rows
-from pagedrl.model import routed
+from pagedrl.model import gguf_dequant, routed
 
 # The GGML types kept quantized: what llama.cpp's users download most (GGMLQuantizationType values).
 SUPPORTED_TYPES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
@@ -36,13 +36,14 @@ def type_name(ggml_type: int) -> str:
     return SUPPORTED_TYPES.get(ggml_type, f"type {ggml_type}")
 
 
-def dequantize(blocks: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-    """Rows of GGUF blocks [N, row_bytes] uint8 → float32 [N, k], `gguf.quants.dequantize`'s values: the
-    CPU kernels' `gguf_dequantize`."""
-    if blocks.device.type != "cpu" or not ops.available():
-        raise RuntimeError(f"GGUF weights kept quantized ({type_name(ggml_type)}) are dequantized by the CPU "
-                           f"kernels, which do not run on {blocks.device} here")
-    return ops.gguf_dequantize(blocks, ggml_type, k)
+def dequantize(blocks: torch.Tensor, ggml_type: int, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows of GGUF blocks [N, row_bytes] uint8 → [N, k] of `dtype`, `gguf.quants.dequantize`'s float32
+    values (then rounded to `dtype`): on a CPU by the kernels' `gguf_dequantize`, elsewhere (CUDA, a CPU
+    without the kernels) by the same arithmetic in torch (`model/gguf_dequant.py`)."""
+    if blocks.device.type == "cpu" and ops.available():
+        values = ops.gguf_dequantize(blocks, ggml_type, k)
+        return values if dtype == torch.float32 else values.to(dtype)
+    return gguf_dequant.dequantize(blocks, ggml_type, k, out_dtype=dtype)
 
 
 class GGUFLinear(nn.Module):
@@ -67,9 +68,9 @@ class GGUFLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"type={type_name(self.ggml_type)}, bias={self.bias is not None}")
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight [n, k] as float32 (a fresh tensor: nothing keeps it)."""
-        return dequantize(self.qweight, self.ggml_type, self.in_features)
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [n, k] as `dtype` (a fresh tensor: nothing keeps it)."""
+        return dequantize(self.qweight, self.ggml_type, self.in_features, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routes = routed.current()
@@ -77,7 +78,7 @@ class GGUFLinear(nn.Module):
             out = routes.quantized_linear(x, self.qweight, self.ggml_type, self.in_features, self.bias)
             if out is not None:
                 return out
-        return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def rows_product(self, x: torch.Tensor) -> torch.Tensor:
         """The product a float32 engine step computes (its routes' choice: `products.quantized_rows`),
@@ -90,15 +91,23 @@ class GGUFEmbedding(nn.Module):
     """`nn.Embedding(vocab, dim)` whose table is GGUF blocks [vocab, row_bytes]: a lookup dequantizes the
     rows it reads. A tied LM head is a `GGUFLinear` over the same buffer."""
 
-    def __init__(self, blocks: torch.Tensor, ggml_type: int, embedding_dim: int) -> None:
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, embedding_dim: int,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.table = GGUFLinear(blocks, ggml_type, embedding_dim)
         self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
+        self.dtype = dtype  # of the rows it returns: the model's; `.to(dtype)` moves it as it moves floats
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        super()._apply(fn, recurse)
+        self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype
+        return self
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, type={type_name(self.table.ggml_type)}"
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)
-        rows = dequantize(self.table.qweight.index_select(0, flat), self.table.ggml_type, self.embedding_dim)
+        rows = dequantize(self.table.qweight.index_select(0, flat), self.table.ggml_type, self.embedding_dim,
+                          self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)

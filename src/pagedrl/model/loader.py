@@ -89,19 +89,19 @@ def _load_quantized(model: str | Path | None, device: torch.device, dtype: torch
     if adapter is not None:
         raise ValueError("quantization='gguf' with a LoRA adapter folded in is not supported: a quantized base "
                          "cannot hold merged weights (load the base quantized without the adapter, or drop quantization)")
-    if device.type != "cpu":
-        raise ValueError(f"quantization='gguf' runs on the CPU; device {device} is not supported yet")
-    if dtype not in (None, "auto", "float32", torch.float32):
-        raise ValueError(f"quantization='gguf' computes in float32 (its kernels' products are the float32 model's); "
-                         f"dtype={dtype!r} is not supported with it")
+    if device.type == "cpu" and dtype not in (None, "auto", "float32", torch.float32):
+        raise ValueError(f"quantization='gguf' computes in float32 on a CPU (its kernels' products are the float32 "
+                         f"model's); dtype={dtype!r} is not supported with it there")
+    precision = resolve_dtype("float32" if device.type == "cpu" else dtype, device)
     source = gguf_file(model, revision)
     if source is None:
         raise ValueError(f"quantization='gguf' needs a GGUF file; {model} is a folder (name a .gguf file, "
                          "org/repo/file.gguf, or the default model)")
     path = resolve_model_path(model, revision)  # the converted folder: config, tokenizer, generation config
     net, kept = load_gguf_quantized(source, path)
+    net = net.to(device=device, dtype=precision.dtype)
     kinds = ", ".join(f"{name} x {n}" for name, n in sorted(kept.items()))
-    loaded = LoadedModel(net, None, path, Precision(torch.float32, f"GGUF weights kept quantized: {kinds}"),
+    loaded = LoadedModel(net, None, path, Precision(precision.dtype, f"GGUF weights kept quantized: {kinds}"),
                          _generation_config(path))
     if load_tokenizer and (path / "tokenizer.json").is_file():
         loaded.tokenizer = Tokenizer.from_folder(path)
