@@ -17,6 +17,7 @@ from tiny import hf_model
 
 from pagedrl import LLM
 from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.kernels import products
 from pagedrl.model.gguf import GGUFError
 from pagedrl.model.gguf_modules import GGUFEmbedding, GGUFLinear
 from pagedrl.model.loader import load_model
@@ -54,11 +55,15 @@ def test_default_model_kept_quantized_computes_the_float32_model(default_model_d
 
 
 def generate_both(path: Path, params: SamplingParams, prompts: list[list[int]], **settings) -> list[tuple]:
+    """The quantized engine's outputs and the float32 engine's on the file dequantized, that one with every
+    step's products on its float32 kernel (the quantized kernel's sums, at any row count)."""
     outs = []
     for quantization in ("gguf", None):
         llm = LLM(str(path), quantization=quantization, dtype="float32", **settings)
         assert llm.engine.decode_path().startswith("decode steps as one program") != settings.get("enforce_eager", False)
-        result = llm.generate(prompts, params, use_tqdm=False)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(products, "MAX_ROWS_FLOAT", 1 << 30)
+            result = llm.generate(prompts, params, use_tqdm=False)
         outs.append([(c.token_ids, c.logprobs and [d[t].logprob for d, t in zip(c.logprobs, c.token_ids, strict=True)])
                      for o in result for c in o.outputs])
         llm.close()

@@ -5,15 +5,16 @@ stream from memory. The default model's GGUF stores its projections as Q4_1 (0.5
 and its embedding as Q8_0 (1.0625): kept so, the model holds about a sixth of its float32 bytes and
 a step streams a seventh as many.
 
-The numbers are the dequantized float32 model's, bit for bit, wherever the engine computes them:
-- a step's few rows (`routes.quantized_linear`, the float32 routes' `products.quantized_rows`) multiply
-  the blocks in `csrc/gguf_linear.cpp`, whose every output is the bits `float_linear` gives on the
-  dequantized weight;
-- any other product (a prefill chunk, a call outside an engine step) dequantizes the weight, whose
-  values are `gguf.quants.dequantize`'s bits, and runs torch's own product on it, as the float32 model
-  would.
-So a quantized engine's tokens and log-probs are the float32 engine's on the same GGUF
-(tests/test_gguf_engine.py).
+The numbers are the dequantized float32 model's:
+- an engine step's products (`routes.quantized_linear`, the float32 routes' `products.quantized_rows`)
+  multiply the blocks in `csrc/gguf_linear.cpp`, whose every output is the bits `float_linear` gives on
+  the dequantized weight: a float32 engine's own bits for decode steps (up to `MAX_ROWS_FLOAT` rows),
+  and for larger steps (prefill) a float32 sum in k order where the float32 engine's MKL sums in its own
+  order (the two differ by rounding; a float32 engine with every step on its kernel gives the same bits);
+- any other product (outside an engine step, on a device without the kernels) dequantizes the weight,
+  whose values are `gguf.quants.dequantize`'s bits, and runs torch's own product on it, as the float32
+  model would.
+(tests/test_gguf_engine.py)
 """
 
 from __future__ import annotations
