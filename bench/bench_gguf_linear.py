@@ -23,6 +23,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from pagedrl.kernels import isa, ops
+from pagedrl.kernels.products import quantized_rows
 from pagedrl.model.default import default_gguf_path
 
 
@@ -58,6 +59,7 @@ def cpu_name() -> str:
         return platform.processor() or "unknown CPU"
 
 
+@torch.no_grad()  # as an engine's steps run (the engine's route takes no call that records a gradient)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,16")
@@ -69,8 +71,8 @@ def main() -> None:
         raise SystemExit("the engine's CPU kernels could not be built here")
     print(f"{cpu_name()}; CPU class {isa.describe()}; kernel lanes {ops.float_linear_lanes()}")
     print("| weights | threads | rows | float_linear (ms) | gguf_linear (ms) | float / gguf | bytes a pass "
-          "(float, gguf MB) | GB/s (float, gguf) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "(float, gguf MB) | GB/s (float, gguf) | engine's route (ms) | MKL on the float weights (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
     for name in args.types.split(","):
         layers = projections(Q[name])
@@ -79,6 +81,10 @@ def main() -> None:
         sides = {
             "float": lambda xs, layers=layers: [ops.float_linear(xs[p.k], p.weight, None) for p in layers],
             "gguf": lambda xs, layers=layers: [ops.gguf_linear(xs[p.k], p.blocks, p.qtype, p.k, None) for p in layers],
+            # what a quantized engine's step runs (`products.quantized_rows`: above MAX_ROWS_QUANTIZED rows it
+            # dequantizes, then `float_linear`), and what a float32 engine's runs above MAX_ROWS_FLOAT rows
+            "route": lambda xs, layers=layers: [quantized_rows(xs[p.k], p.blocks, p.qtype, p.k, None) for p in layers],
+            "mkl": lambda xs, layers=layers: [torch.nn.functional.linear(xs[p.k], p.weight) for p in layers],
         }
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
@@ -92,7 +98,8 @@ def main() -> None:
                         best[side] = min(best[side], time.perf_counter() - start)
                 print(f"| {name} | {threads} | {rows} | {best['float'] * 1e3:.1f} | {best['gguf'] * 1e3:.1f} | "
                       f"{best['float'] / best['gguf']:.2f}x | {float_bytes / 1e6:.0f}, {gguf_bytes / 1e6:.0f} | "
-                      f"{float_bytes / best['float'] / 1e9:.1f}, {gguf_bytes / best['gguf'] / 1e9:.1f} |")
+                      f"{float_bytes / best['float'] / 1e9:.1f}, {gguf_bytes / best['gguf'] / 1e9:.1f} | "
+                      f"{best['route'] * 1e3:.1f} | {best['mkl'] * 1e3:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def run_llamacpp(folder: str, names: list[str], kind: str = "bf16") -> dict:
         port = s.getsockname()[1]
     model = LLAMA_CPP_DIR / "smollm2-135m-bf16.gguf" if kind == "bf16" else gguf_file(kind)
     server = subprocess.Popen([str(LLAMA_CPP_DIR / "llama-server"), "-m", str(model),
-                               "-t", "2", "-c", str(LLAMA_SLOTS * 640), "-np", str(LLAMA_SLOTS), "--port", str(port)],
+                               "-t", os.environ.get("OMP_NUM_THREADS", "2"), "-c", str(LLAMA_SLOTS * 640), "-np", str(LLAMA_SLOTS), "--port", str(port)],
                               stdout=sys.stderr, stderr=sys.stderr)
     try:
         for _ in range(600):
@@ -173,10 +173,11 @@ def worker(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(result))
 
 
-def launch(side: str, folder: str, workloads: str, log: Path) -> dict:
+def launch(side: str, folder: str, workloads: str, log: Path, threads: int = 2) -> dict:
     engine = side.split("-")[0]
     python = str(Path(VLLM_VENV) / "bin" / "python") if engine == "vllm" else sys.executable
-    env = dict(os.environ, OMP_NUM_THREADS="2", VLLM_CPU_KVCACHE_SPACE=str(KV_GIB), VLLM_CPU_OMP_THREADS_BIND="0-1")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE=str(KV_GIB),
+               VLLM_CPU_OMP_THREADS_BIND="0-1" if threads == 2 else "0")
     if engine == "vllm":  # its environment knows nothing of pagedrl's source tree
         env.pop("PYTHONPATH", None)
     cmd = [python, __file__, "--worker", side, "--folder", folder, "--workloads", workloads]
@@ -195,6 +196,7 @@ def main() -> None:
     ap.add_argument("--sides", default="pagedrl-bf16,vllm-bf16,pagedrl-float32")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="each engine's threads (1: a loaded machine's fairer turns)")
     ap.add_argument("--log", default="/tmp/bench_vllm_cpu.log", help="the workers' stderr")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
@@ -215,7 +217,7 @@ def main() -> None:
     tokens: dict[str, dict[str, list]] = {side: {} for side in sides}
     for r in range(args.rounds):
         for side in sides:
-            result = launch(side, folder, args.workloads, Path(args.log))
+            result = launch(side, folder, args.workloads, Path(args.log), args.threads)
             for name in result:
                 tps = result[name]["output_tokens"] / result[name]["seconds"]
                 best[side][name] = max(best[side].get(name, 0.0), tps)

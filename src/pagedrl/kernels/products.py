@@ -38,6 +38,7 @@ MAX_ROWS_DOT = 32  # no AMX here, and none in oneDNN's kernel either
 MAX_ROWS_OVER_PACKED = 2  # where the dot-product kernel beats oneDNN on packed weights (no AMX)
 PACK_FOR_ROWS = 64  # the row count oneDNN is told to expect when it chooses its layout
 MAX_ROWS_FLOAT = 32  # float32 products up to here on the engine's kernel (ahead of MKL at 1-32 rows)
+MAX_ROWS_QUANTIZED = 16  # GGUF products up to here on the blocks as they are, above on them dequantized
 
 
 @functools.cache
@@ -121,18 +122,26 @@ _F32 = torch.float32
 
 def quantized_rows(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int,
                    bias: torch.Tensor | None) -> torch.Tensor | None:
-    """A GGUF weight's product kept quantized (`csrc/gguf_linear.cpp`): float32 rows, any number of them, no
-    gradient recorded. Every output is the bits `float_linear` gives on the dequantized weight (one float32
-    chain in k order), which is `float_rows`' product up to `MAX_ROWS_FLOAT` rows; above, where a float32
-    model goes to MKL, the quantized kernel still wins (the default model's 210 projections, one thread:
-    307 against 453 ms at 128 rows, 1336 against 1516 at 512, dequantizing then MKL), and no float copy of
-    a weight is made."""
+    """A GGUF weight's product (`csrc/gguf_linear.cpp`): float32 rows, any number of them, no gradient
+    recorded. Every output is the bits `float_linear` gives on the dequantized weight (one float32 chain in
+    k order), which is `float_rows`' product up to `MAX_ROWS_FLOAT` rows; above, where a float32 model goes
+    to MKL, a float32 engine with every step on its kernel gives the same bits.
+    Up to `MAX_ROWS_QUANTIZED` rows the blocks are multiplied as they are (dequantized in registers: the
+    weights stream at their quantized size); above, the weight is dequantized (a few ms for a whole model)
+    and `float_linear` runs on it, with the same bits. The default model's 210 Q4_1 projections, one
+    thread, AVX512 (`bench/bench_gguf_linear.py`), at 1 / 8 / 16 / 64 / 256 / 1024 rows: the quantized kernel
+    5.1 / 19.3 / 43.6 / 156 / 637 / 2029 ms, `float_linear` on the float weights 18.6 / 26.6 / 39.8 / 110 /
+    413 / 1675, MKL on them 26.8 / 45.6 / 62.8 / 162 / 549 / 2128; dequantizing then `float_linear`, 68.6 at
+    33 rows against 65.6 on weights already float."""
     if (torch.is_grad_enabled() or x.dtype is not _F32 or not x.is_cpu or not blocks.is_cpu
             or (bias is not None and bias.dtype is not _F32)):
         return None
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    if rows.shape[0] > MAX_ROWS_QUANTIZED:
+        weight = ops.gguf_dequantize(blocks, ggml_type, k)
+        return ops.float_linear(rows, weight, bias).view(*x.shape[:-1], blocks.shape[0])
     return ops.gguf_linear(rows, blocks, ggml_type, k, bias).view(*x.shape[:-1], blocks.shape[0])
 
 
