@@ -121,3 +121,10 @@ class SparseMoeBlock(nn.Module):
         if recorded is not None:
             recorded.append(logits)
         return self.experts(flat, chosen, weights).view(x.shape)
+
+
+def has_sparse_layers(model: nn.Module) -> bool:
+    """Whether `model` holds a sparse layer: the engine's fast paths that assume every layer's
+    feed-forward is one SwiGLU (its CPU decode program) or a step without a host read (its CUDA
+    graphs; each sparse layer reads its experts' row counts) decline such a model."""
+    return any(isinstance(m, SparseMoeBlock) for m in model.modules())
