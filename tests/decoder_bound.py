@@ -241,7 +241,10 @@ def sparse_mlp(h: torch.Tensor, block: torch.nn.Module, rounding: Rounding) -> t
     ranked = probs[0].sort(-1, descending=True)
     error = Probed(probs).bound().gather(-1, ranked.indices)
     gap = ranked.values[..., k - 1] - ranked.values[..., k]
-    if bool((gap <= error[..., k - 1] + error[..., k]).any()):
+    # A zero row (the padding token's embedding, which transformers zeroes) gives zero whichever
+    # experts it goes to, so its ties decide nothing.
+    undecided = (gap <= error[..., k - 1] + error[..., k]) & (h[0] != 0).any(-1)
+    if bool(undecided.any()):
         raise RoutingUndecided(f"a token's top-{k} experts are within rounding of the next (gap {gap.min():.2e})")
     chosen = ranked.indices[..., :k].expand(probs.shape[0], *ranked.indices.shape[:-1], k)
     w = probs.gather(-1, chosen)

@@ -99,13 +99,15 @@ class ModelRunner:
         if self.program is not None:
             return (f"decode steps as one program of the CPU kernels on CPU class {isa.describe()} "
                     "(enforce_eager: through the modules)")
+        modules = "decode steps through the model's modules"
+        if has_sparse_layers(self.model):
+            modules += " (a mixture of experts: its sparse layers run as modules, no decode program or CUDA graphs)"
         if self.float_routes:
-            return (f"decode steps through the model's modules, products of up to {products.MAX_ROWS_FLOAT} rows on "
+            return (f"{modules}, products of up to {products.MAX_ROWS_FLOAT} rows on "
                     f"the float32 kernel ({ops.float_linear_lanes()} lanes; CPU class {isa.describe()})")
-        sparse = " (a mixture of experts' sparse layers run as modules)" if has_sparse_layers(self.model) else ""
         if self.on_cpu:
-            return f"decode steps through the model's modules{sparse} (CPU class {isa.describe()})"
-        return f"decode steps through the model's modules{sparse}"
+            return f"{modules} (CPU class {isa.describe()})"
+        return modules
 
     def precision(self) -> contextlib.AbstractContextManager[Any]:
         """Autocast as the trainer runs it, without its weight-cast cache (a cached copy would be
