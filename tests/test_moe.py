@@ -142,3 +142,34 @@ def test_router_logits_are_collected_once_per_sparse_layer() -> None:
     assert len(logits) == 1 and logits[0].shape == (3, 8)
     model(torch.tensor([[5, 6, 7]]))  # outside the block nothing is recorded
     assert len(logits) == 1
+
+
+def test_lora_on_the_feed_forward_of_a_mixture_of_experts_is_refused() -> None:
+    """PEFT maps those names onto the experts' stacked weights, which pagedrl's LoRA does not adapt."""
+    from pagedrl.model.lora import LoRAConfig, apply_lora
+
+    for targets in (["all-linear"], ["q_proj", "down_proj"]):
+        with pytest.raises(ValueError, match=r"mixture of experts.*attention projections"):
+            apply_lora(ours_from(hf_model(FAMILIES["qwen3-moe"])), LoRAConfig(r=2, target_modules=targets))
+
+
+def test_an_autocast_engine_holds_bf16_copies_of_the_experts() -> None:
+    """A trainer's rollout engine (bf16 autocast over float32 masters) casts the stacked expert weights
+    once per weight change, as it casts projections: the same numbers as autocast on the masters."""
+    from pagedrl.engine.llm import LLM
+    from pagedrl.engine.sampling_params import SamplingParams
+
+    model = ours_from(hf_model(FAMILIES["mixtral"]))
+    llm = LLM.from_module(model, kv_cache_tokens=256, autocast_dtype=torch.bfloat16)
+    cast = llm.engine.runner.cast
+    assert cast is not None
+    experts, masters = cast.twin.model.layers[0].mlp.experts, model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.bfloat16 and masters.gate_up_proj.dtype == torch.float32
+    ids = torch.randint(3, 211, (1, 23), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(cast.twin.logits(cast.twin(ids)), model.logits(model(ids)))
+    with torch.no_grad():
+        masters.down_proj.mul_(2)
+    llm.bump_weight_version()
+    llm.generate([ids[0].tolist()], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert cast.num_refreshes == 1 and torch.equal(experts.down_proj, masters.down_proj.bfloat16())
