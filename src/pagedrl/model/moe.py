@@ -8,8 +8,9 @@ transformers', so a float32 forward agrees with it to rounding and a bf16 one ro
 
 Experts run grouped: the (token, expert) assignments are sorted by expert, and each expert multiplies
 the rows sent to it in one product per weight, so the work is a loop over experts, never over tokens.
-The results come back weighted, each token's k contributions added in expert order (as transformers
-adds them), into a tensor of the input's dtype.
+The results come back in token order, weighted, and each token's k of them are summed at once (in
+float32 under Mixtral's float32 weights) and cast to the input's dtype: transformers' default
+("grouped_mm") experts path, whose one rounding a bf16 sum makes where its eager loop makes k.
 
 The weights sit as transformers 5 holds them in memory, one 3-D tensor per kind (`experts.gate_up_proj`
 [E, 2I, H], each expert's gate rows then its up rows; `experts.down_proj` [E, H, I]), so its state dict
@@ -74,8 +75,7 @@ class Experts(nn.Module):
             return torch.zeros_like(x)
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # assignments grouped by expert, tokens in order within each
-        token = order // k
-        rows = x.index_select(0, token)
+        rows = x.index_select(0, order // k)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host read per layer
         outputs, start = [], 0
         for expert, count in enumerate(counts):
@@ -85,8 +85,11 @@ class Experts(nn.Module):
             gate, up = F.linear(part, self.gate_up_proj[expert]).chunk(2, dim=-1)
             outputs.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
             start += count
-        weighted = torch.cat(outputs) * weights.reshape(-1).index_select(0, order)[:, None]
-        return torch.zeros_like(x).index_add(0, token, weighted.to(x.dtype))
+        grouped = torch.cat(outputs)
+        # Back in (token, choice) order, weighted, and each token's k results summed at once.
+        per_choice = torch.empty_like(grouped).index_copy(0, order, grouped)
+        weighted = per_choice * weights.reshape(-1, 1)
+        return weighted.view(n, k, -1).sum(dim=1).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, hidden={self.down_proj.shape[1]}, intermediate={self.intermediate_size}"
