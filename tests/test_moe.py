@@ -173,3 +173,37 @@ def test_an_autocast_engine_holds_bf16_copies_of_the_experts() -> None:
     llm.bump_weight_version()
     llm.generate([ids[0].tolist()], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     assert cast.num_refreshes == 1 and torch.equal(experts.down_proj, masters.down_proj.bfloat16())
+
+
+@pytest.mark.isa
+def test_a_bf16_engines_expert_products_on_the_kernels() -> None:
+    """`Routes.experts` of a bf16 engine (the k-pairs kernels, gate and up in one pass): each expert's
+    output within bf16 rounding of the exact one, as torch's bf16 products are (the hidden values
+    rounded once, the sums in float32, the outputs rounded once: a few units of 2^-8 of the terms'
+    magnitudes); experts without rows are skipped."""
+    from cpu_class import needs, needs_not
+
+    from pagedrl.kernels.products import PackedWeights
+    from pagedrl.model.moe import Experts
+
+    needs("avx512_bf16", "the k-pairs kernels")
+    needs_not("amx", "the k-pairs kernels")
+    torch.manual_seed(0)
+    experts = Experts(8, 64, 96).bfloat16()
+    counts = [5, 0, 7, 3, 33, 5, 6, 1]
+    rows = torch.randn(sum(counts), 64).bfloat16()
+    with torch.inference_mode():
+        got, ref = PackedWeights().experts(rows, counts, experts.gate_up_proj, experts.down_proj), \
+            experts.grouped(rows, counts)
+    x, gate_up, down = rows.double(), experts.gate_up_proj.double(), experts.down_proj.double()
+    exact, magnitude, start = [], [], 0
+    for e, count in enumerate(counts):
+        gate, up = (x[start:start + count] @ gate_up[e].T).chunk(2, -1)
+        hidden = torch.nn.functional.silu(gate) * up
+        exact.append(hidden @ down[e].T)
+        magnitude.append(hidden.abs() @ down[e].abs().T)
+        start += count
+    exact, magnitude = torch.cat(exact), torch.cat(magnitude)
+    for out in (got, ref):
+        assert out.shape == exact.shape
+        assert ((out.double() - exact).abs() <= 4 * 2**-8 * magnitude).all()

@@ -63,7 +63,8 @@ def no_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 def engine_routes(packed: PackedWeights) -> Routes:
     """A bf16 engine's own steps: every piece on the kernels, the products on `packed`'s copies."""
-    return Routes(linear=packed.engine_linear, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope, gate_up=packed.gate_up)
+    return Routes(linear=packed.engine_linear, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope, gate_up=packed.gate_up,
+                  experts=packed.experts)
 
 
 def products_only_routes(packed: PackedWeights) -> Routes:

@@ -15,8 +15,9 @@ float32 under Mixtral's float32 weights) and cast to the input's dtype: transfor
 The weights sit as transformers 5 holds them in memory, one 3-D tensor per kind (`experts.gate_up_proj`
 [E, 2I, H], each expert's gate rows then its up rows; `experts.down_proj` [E, H, I]), so its state dict
 loads unrenamed; checkpoints on disk hold one 2-D tensor per expert (`model/expert_weights.py`).
-The router is a plain `nn.Linear` and the experts' products are torch's: the engine's kernels never
-take them, so a routing decision is the same computation in a rollout and in the trainer's recompute.
+The router is a plain `nn.Linear`, which the engine's kernels never take: a routing decision is the
+same computation in a rollout and in the trainer's recompute. The experts' products may go to the
+engine's kernels as its other projections do (`Routes.experts`, a bf16 engine's own steps).
 
 `collect_router_logits()` records each sparse layer's router logits, the input of the load-balancing
 loss (`train/router_loss.py`).
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedrl.model import routed
 from pagedrl.model.config import ModelConfig
 
 _recording = threading.local()
@@ -77,6 +79,19 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)  # assignments grouped by expert, tokens in order within each
         rows = x.index_select(0, order // k)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host read per layer
+        routes = routed.current()
+        grouped = None
+        if routes is not None and routes.experts is not None:
+            grouped = routes.experts(rows, counts, self.gate_up_proj, self.down_proj)
+        if grouped is None:
+            grouped = self.grouped(rows, counts)
+        # Back in (token, choice) order, weighted, and each token's k results summed at once.
+        per_choice = torch.empty_like(grouped).index_copy(0, order, grouped)
+        weighted = per_choice * weights.reshape(-1, 1)
+        return weighted.view(n, k, -1).sum(dim=1).to(x.dtype)
+
+    def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows grouped by expert, `counts[e]` of them expert e's → each expert's SwiGLU of its rows."""
         outputs, start = [], 0
         for expert, count in enumerate(counts):
             if count == 0:
@@ -85,11 +100,7 @@ class Experts(nn.Module):
             gate, up = F.linear(part, self.gate_up_proj[expert]).chunk(2, dim=-1)
             outputs.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
             start += count
-        grouped = torch.cat(outputs)
-        # Back in (token, choice) order, weighted, and each token's k results summed at once.
-        per_choice = torch.empty_like(grouped).index_copy(0, order, grouped)
-        weighted = per_choice * weights.reshape(-1, 1)
-        return weighted.view(n, k, -1).sum(dim=1).to(x.dtype)
+        return torch.cat(outputs)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, hidden={self.down_proj.shape[1]}, intermediate={self.intermediate_size}"
