@@ -15,9 +15,9 @@ float32 under Mixtral's float32 weights) and cast to the input's dtype: transfor
 The weights sit as transformers 5 holds them in memory, one 3-D tensor per kind (`experts.gate_up_proj`
 [E, 2I, H], each expert's gate rows then its up rows; `experts.down_proj` [E, H, I]), so its state dict
 loads unrenamed; checkpoints on disk hold one 2-D tensor per expert (`model/expert_weights.py`).
-The router is a plain `nn.Linear`, which the engine's kernels never take: a routing decision is the
-same computation in a rollout and in the trainer's recompute. The experts' products may go to the
-engine's kernels as its other projections do (`Routes.experts`, a bf16 engine's own steps).
+The router (`gate`) is a projection like the others, and the experts' products go to the engine's
+kernels as they do (`Routes.experts`, a bf16 engine's own steps). A trainer's rollouts compute both
+as its recompute does, so their routing decisions are the trainer's own.
 
 `collect_router_logits()` records each sparse layer's router logits, the input of the load-balancing
 loss (`train/router_loss.py`).
@@ -36,6 +36,7 @@ from torch import nn
 
 from pagedrl.model import routed
 from pagedrl.model.config import ModelConfig
+from pagedrl.model.routed import Linear
 
 _recording = threading.local()
 
@@ -114,7 +115,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.renormalise = cfg.norm_topk_prob
         self.weights_in_input_dtype = cfg.model_type == "qwen3_moe"
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
