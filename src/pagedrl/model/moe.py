@@ -9,15 +9,17 @@ transformers', so a float32 forward agrees with it to rounding and a bf16 one ro
 Experts run grouped: the (token, expert) assignments are sorted by expert, and each expert multiplies
 the rows sent to it in one product per weight, so the work is a loop over experts, never over tokens.
 The results come back in token order, weighted, and each token's k of them are summed at once (in
-float32 under Mixtral's float32 weights) and cast to the input's dtype: transformers' default
-("grouped_mm") experts path, whose one rounding a bf16 sum makes where its eager loop makes k.
+float32 under Mixtral's float32 weights) and cast to the input's dtype, as transformers' default
+("grouped_mm") experts path does: in bf16, one rounding of each token's sum where its eager loop
+rounds after every add.
 
 The weights sit as transformers 5 holds them in memory, one 3-D tensor per kind (`experts.gate_up_proj`
 [E, 2I, H], each expert's gate rows then its up rows; `experts.down_proj` [E, H, I]), so its state dict
 loads unrenamed; checkpoints on disk hold one 2-D tensor per expert (`model/expert_weights.py`).
 The router (`gate`) is a projection like the others, and the experts' products go to the engine's
-kernels as they do (`Routes.experts`, a bf16 engine's own steps). A trainer's rollouts compute both
-as its recompute does, so their routing decisions are the trainer's own.
+kernels as they do (`Routes.experts`, a bf16 engine's own steps). A trainer's rollouts take products
+with `F.linear`'s numbers and no expert route (`engine/cpu_routes.py`), so their routing decisions
+are computed as the trainer's recompute computes them.
 
 `collect_router_logits()` records each sparse layer's router logits, the input of the load-balancing
 loss (`train/router_loss.py`).
