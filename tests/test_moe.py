@@ -175,6 +175,40 @@ def test_an_autocast_engine_holds_bf16_copies_of_the_experts() -> None:
     assert cast.num_refreshes == 1 and torch.equal(experts.down_proj, masters.down_proj.bfloat16())
 
 
+def exact_experts(rows: torch.Tensor, counts: list[int], experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's SwiGLU of its rows in float64, and the magnitudes of its output sums."""
+    x, gate_up, down = rows.double(), experts.gate_up_proj.double(), experts.down_proj.double()
+    exact, magnitude, start = [], [], 0
+    for e, count in enumerate(counts):
+        gate, up = (x[start:start + count] @ gate_up[e].T).chunk(2, -1)
+        hidden = torch.nn.functional.silu(gate) * up
+        exact.append(hidden @ down[e].T)
+        magnitude.append(hidden.abs() @ down[e].abs().T)
+        start += count
+    return torch.cat(exact), torch.cat(magnitude)
+
+
+@pytest.mark.isa
+def test_a_float32_engines_expert_products_on_the_kernel() -> None:
+    """`Routes.experts` of a float32 engine (the float32 kernel up to 32 rows an expert, MKL above):
+    within float32 rounding of the exact outputs (sums of 96 terms: ~1e-6 of their magnitudes), as
+    torch's products are."""
+    from pagedrl.kernels import ops
+    from pagedrl.kernels.products import float_experts
+    from pagedrl.model.moe import Experts
+
+    assert ops.available()
+    torch.manual_seed(1)
+    experts = Experts(8, 64, 96)
+    counts = [5, 0, 7, 3, 40, 5, 6, 1]
+    rows = torch.randn(sum(counts), 64)
+    with torch.inference_mode():
+        got, ref = float_experts(rows, counts, experts.gate_up_proj, experts.down_proj), experts.grouped(rows, counts)
+    exact, magnitude = exact_experts(rows, counts, experts)
+    for out in (got, ref):
+        assert ((out.double() - exact).abs() <= 1e-5 * magnitude).all()
+
+
 @pytest.mark.isa
 def test_a_bf16_engines_expert_products_on_the_kernels() -> None:
     """`Routes.experts` of a bf16 engine (the k-pairs kernels, gate and up in one pass): each expert's
@@ -195,15 +229,7 @@ def test_a_bf16_engines_expert_products_on_the_kernels() -> None:
     with torch.inference_mode():
         got, ref = PackedWeights().experts(rows, counts, experts.gate_up_proj, experts.down_proj), \
             experts.grouped(rows, counts)
-    x, gate_up, down = rows.double(), experts.gate_up_proj.double(), experts.down_proj.double()
-    exact, magnitude, start = [], [], 0
-    for e, count in enumerate(counts):
-        gate, up = (x[start:start + count] @ gate_up[e].T).chunk(2, -1)
-        hidden = torch.nn.functional.silu(gate) * up
-        exact.append(hidden @ down[e].T)
-        magnitude.append(hidden.abs() @ down[e].abs().T)
-        start += count
-    exact, magnitude = torch.cat(exact), torch.cat(magnitude)
+    exact, magnitude = exact_experts(rows, counts, experts)
     for out in (got, ref):
         assert out.shape == exact.shape
         assert ((out.double() - exact).abs() <= 4 * 2**-8 * magnitude).all()

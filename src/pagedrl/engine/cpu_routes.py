@@ -23,7 +23,15 @@ from collections.abc import Callable, Iterator
 import torch
 
 from pagedrl.kernels import ops
-from pagedrl.kernels.products import PackedWeights, few_rows, float_rows, max_rows, takes, takes_float32
+from pagedrl.kernels.products import (
+    PackedWeights,
+    few_rows,
+    float_experts,
+    float_rows,
+    max_rows,
+    takes,
+    takes_float32,
+)
 from pagedrl.model.routed import Routes, routed_to
 
 
@@ -80,9 +88,10 @@ ROWWISE_ONLY = Routes(linear=no_product, rms_norm=rms_norm, silu_mul=silu_mul, r
 rms_norm32, silu_mul32, rope32 = rowwise(takes_float32)
 
 
-# A float32 step's routes: the products of a few rows on the float32 kernel, norms, SiLU and the rotary
-# embedding on the row-wise kernels' float32 forms (one call each where eager torch makes three to six).
-FLOAT_ROUTES = Routes(linear=float_rows, rms_norm=rms_norm32, silu_mul=silu_mul32, rope=rope32)
+# A float32 step's routes: the products of a few rows on the float32 kernel (a mixture of experts' too,
+# expert by expert), norms, SiLU and the rotary embedding on the row-wise kernels' float32 forms (one
+# call each where eager torch makes three to six).
+FLOAT_ROUTES = Routes(linear=float_rows, rms_norm=rms_norm32, silu_mul=silu_mul32, rope=rope32, experts=float_experts)
 
 
 def usable(model: torch.nn.Module, autocast_dtype: torch.dtype | None, dtype: torch.dtype = torch.bfloat16) -> bool:

@@ -116,6 +116,33 @@ def float_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return ops.float_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
+def float_experts(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor
+                  ) -> torch.Tensor | None:
+    """A float32 step's mixture-of-experts products (`Routes.experts`): each expert's products as
+    `float_rows` takes them (its rows on the float32 kernel up to `MAX_ROWS_FLOAT`, MKL's above; an
+    expert sees a share of a decode step's rows, so mostly the kernel), the stacked weights read as
+    they lie."""
+    if (torch.is_grad_enabled() or rows.dtype is not _F32 or gate_up.dtype is not _F32 or down.dtype is not _F32
+            or not rows.is_cpu or not gate_up.is_cpu):
+        return None
+    rows = _unit_stride_rows(rows)
+    width = down.shape[-1]
+    outputs, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            part = rows[start:start + count]
+            both = _float_product(part, gate_up[expert])
+            hidden = torch.nn.functional.silu(both[:, :width]) * both[:, width:]
+            outputs.append(_float_product(hidden, down[expert]))
+            start += count
+    return torch.cat(outputs)
+
+
+def _float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    out = float_rows(x, weight, None)
+    return torch.nn.functional.linear(x, weight) if out is None else out
+
+
 _F32 = torch.float32
 
 
