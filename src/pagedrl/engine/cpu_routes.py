@@ -29,6 +29,7 @@ from pagedrl.kernels.products import (
     float_experts,
     float_rows,
     max_rows,
+    quantized_rows,
     takes,
     takes_float32,
 )
@@ -88,10 +89,11 @@ ROWWISE_ONLY = Routes(linear=no_product, rms_norm=rms_norm, silu_mul=silu_mul, r
 rms_norm32, silu_mul32, rope32 = rowwise(takes_float32)
 
 
-# A float32 step's routes: the products of a few rows on the float32 kernel (a mixture of experts' too,
-# expert by expert), norms, SiLU and the rotary embedding on the row-wise kernels' float32 forms (one
-# call each where eager torch makes three to six).
-FLOAT_ROUTES = Routes(linear=float_rows, rms_norm=rms_norm32, silu_mul=silu_mul32, rope=rope32, experts=float_experts)
+# A float32 step's routes: the products of a few rows on the float32 kernel (GGUF weights kept quantized
+# on its quantized twin, same bits; a mixture of experts' expert by expert), norms, SiLU and the rotary
+# embedding on the row-wise kernels' float32 forms (one call each where eager torch makes three to six).
+FLOAT_ROUTES = Routes(linear=float_rows, rms_norm=rms_norm32, silu_mul=silu_mul32, rope=rope32,
+                      quantized_linear=quantized_rows, experts=float_experts)
 
 
 def usable(model: torch.nn.Module, autocast_dtype: torch.dtype | None, dtype: torch.dtype = torch.bfloat16) -> bool:

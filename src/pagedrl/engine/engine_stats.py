@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from pagedrl.engine.llm_engine import LLMEngine
     from pagedrl.engine.sequence import Sequence
@@ -46,6 +48,7 @@ class EngineStats:
     generation_tokens: int
     num_forked_blocks: int  # prompt blocks shared by n > 1 samples instead of recomputed
     weight_version: int
+    weight_bytes: int  # what the model's weights hold in memory (GGUF blocks where kept quantized)
     lora: LoRAResidency | None = None  # None: built without enable_lora
 
     def counters(self) -> dict[str, float]:
@@ -73,4 +76,10 @@ def engine_stats(engine: LLMEngine, with_lora: bool = True) -> EngineStats:
         prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
         num_preemptions=scheduler.num_preemptions, prompt_tokens=engine.prompt_tokens,
         generation_tokens=engine.generation_tokens, num_forked_blocks=engine.num_forked_blocks,
-        weight_version=kv.weight_version, lora=lora)
+        weight_version=kv.weight_version, weight_bytes=engine.weight_bytes, lora=lora)
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers, each tensor once (a tied head counted with its embedding)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from pagedrl.engine.engine_config import EngineConfig
-from pagedrl.engine.engine_stats import EngineStats, engine_stats
+from pagedrl.engine.engine_stats import EngineStats, engine_stats, model_bytes
 from pagedrl.engine.grammar import GrammarCompiler, StepBitmasks
 from pagedrl.engine.kv_cache import KVCache, num_blocks_for_budget
 from pagedrl.engine.kv_cache_manager import KVCacheManager
@@ -71,6 +71,7 @@ class LLMEngine:
         self.lora = LoRASlots(self.runner.model, c.max_loras, c.max_lora_rank, c.max_cpu_loras) \
             if c.enable_lora else None
         self.runner.lora = self.lora
+        self.weight_bytes = model_bytes(model)
         self.sampler = Sampler(torch.Generator(device=model.device).manual_seed(self.config.seed))
         eos = set(eos_token_ids or []) | set(cfg.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:

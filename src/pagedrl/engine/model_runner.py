@@ -38,6 +38,7 @@ from pagedrl.kernels.memory import keep_freed_memory
 from pagedrl.kernels.products import float_rows, packed_weights, packs_weights
 from pagedrl.kernels.threads import bind_threads
 from pagedrl.model.decoder import CausalLM
+from pagedrl.model.gguf_modules import GGUFLinear
 from pagedrl.model.moe import has_sparse_layers
 
 
@@ -216,6 +217,9 @@ class ModelRunner:
                  and hidden.dim() == 2 and hidden.device.type == "cpu" and self.autocast_dtype is None
                  and not self.model.model.batch_invariant)
         if not plain:
+            if (type(head) is GGUFLinear and self.float_routes and type(self.model).logits is CausalLM.logits
+                    and not self.model.model.batch_invariant):
+                return head.rows_product(hidden)  # the product its float32 step route computes
             return self.model.logits(hidden)
         if self.float_routes:
             few = float_rows(hidden, head.weight, None)

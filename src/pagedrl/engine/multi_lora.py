@@ -43,6 +43,7 @@ from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.lora_step import BASE, Grouped, StepSlots
 from pagedrl.model.adapter import ADAPTER_CONFIG, is_adapter_folder, read_adapter_config, read_adapter_weights
 from pagedrl.model.checkpoint import CheckpointError
+from pagedrl.model.gguf_modules import GGUFLinear
 from pagedrl.model.lora import LAYER_PROJECTIONS, LoRALinear
 
 if TYPE_CHECKING:
@@ -212,6 +213,9 @@ class LoRASlots:
         if any(isinstance(m, LoRALinear) for m in model.modules()):
             raise ValueError("enable_lora: the model already carries a trained adapter; merge it first or serve "
                              "it on its own")
+        if any(isinstance(m, GGUFLinear) for m in model.modules()):
+            raise ValueError("enable_lora: adapters per request on GGUF weights kept quantized are not supported "
+                             "yet; serve the GGUF without --quantization (dequantized at load) to use adapters")
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.dtype = next(model.parameters()).dtype

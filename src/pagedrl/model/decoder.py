@@ -188,11 +188,13 @@ class CausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The precision the model computes in: its final norm's (a quantized model's projections hold
+        GGUF blocks, not floats)."""
+        return self.model.norm.weight.dtype
 
 
 def default_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:

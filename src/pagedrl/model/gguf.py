@@ -162,7 +162,7 @@ def _read_config(meta: _Metadata, tensors: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
-def _hf_name(name: str, source: str) -> str:
+def hf_name(name: str, source: str) -> str:
     stem, _, suffix = name.rpartition(".")
     if stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
@@ -186,7 +186,7 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _read_weights(tensors: dict[str, Any], cfg: ModelConfig, source: str) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for name, t in tensors.items():
-        hf = _hf_name(name, source)
+        hf = hf_name(name, source)
         try:
             w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         except NotImplementedError as e:
@@ -273,7 +273,7 @@ def _generation_config(meta: _Metadata) -> dict[str, Any]:
     return gen
 
 
-def _open(gguf_path: Path) -> gguf.GGUFReader:
+def open_gguf(gguf_path: Path) -> gguf.GGUFReader:
     if not gguf_path.is_file():
         raise FileNotFoundError(f"{gguf_path}: GGUF file not found")
     with open(gguf_path, "rb") as f:
@@ -299,7 +299,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, overwrite: bool 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
-    reader = _open(gguf_path)
+    reader = open_gguf(gguf_path)
     meta = _Metadata(reader, str(gguf_path))
     tensors = {t.name: t for t in reader.tensors}
     cfg = _read_config(meta, tensors)

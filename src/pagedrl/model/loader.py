@@ -14,9 +14,10 @@ import torch
 from pagedrl.model.adapter import is_adapter_folder
 from pagedrl.model.checkpoint import CheckpointError, load_causal_lm
 from pagedrl.model.decoder import CausalLM
+from pagedrl.model.gguf_quantized import load_gguf_quantized
 from pagedrl.model.merge import merged_causal_lm
 from pagedrl.model.precision import Precision, resolve_dtype
-from pagedrl.model.resolve import adapter_base, resolve_model_path
+from pagedrl.model.resolve import adapter_base, gguf_file, resolve_model_path
 from pagedrl.model.tokenizer import Tokenizer
 
 
@@ -37,12 +38,16 @@ class LoadedModel:
 
 def load_model(model: str | Path | None = None, device: str | torch.device | None = None,
                dtype: torch.dtype | str | None = None, load_tokenizer: bool = True,
-               adapter: str | Path | None = None, revision: str | None = None) -> LoadedModel:
+               adapter: str | Path | None = None, revision: str | None = None,
+               quantization: str | None = None) -> LoadedModel:
     """`model` (at `revision` if it is a Hub id) with, if given, a LoRA `adapter` (a folder or a Hub
     id) folded into its weights (`model` None: the base the adapter names; `model` an adapter: the
     same); the tokenizer is the adapter folder's when it holds one. `dtype` None or "auto": the
-    device's default (`model/precision.py`)."""
+    device's default (`model/precision.py`). `quantization="gguf"`: a GGUF's quantized weights stay
+    quantized (`model/gguf_quantized.py`)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if quantization is not None:
+        return _load_quantized(model, device, dtype, load_tokenizer, adapter, revision, quantization)
     precision = resolve_dtype(dtype, device)
     path = None if model is None and adapter is not None else resolve_model_path(model, revision)
     if adapter is None and path is not None and is_adapter_folder(path):
@@ -58,11 +63,46 @@ def load_model(model: str | Path | None = None, device: str | torch.device | Non
     tokenizer_dir = tokenizer_dir or path
     tokenizer = Tokenizer.from_folder(tokenizer_dir) if load_tokenizer and (tokenizer_dir / "tokenizer.json").is_file() \
         else None
+    return LoadedModel(net, tokenizer, path, precision, _generation_config(path))
+
+
+def _generation_config(path: Path) -> dict[str, Any]:
     gen_path = path / "generation_config.json"
-    gen: dict[str, Any] = {}
-    if gen_path.is_file():
-        try:
-            gen = json.loads(gen_path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{gen_path}: not valid JSON ({e})") from None
-    return LoadedModel(net, tokenizer, path, precision, gen)
+    if not gen_path.is_file():
+        return {}
+    try:
+        return json.loads(gen_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{gen_path}: not valid JSON ({e})") from None
+
+
+QUANTIZATIONS = ("gguf",)
+
+
+def _load_quantized(model: str | Path | None, device: torch.device, dtype: torch.dtype | str | None,
+                    load_tokenizer: bool, adapter: str | Path | None, revision: str | None,
+                    quantization: str) -> LoadedModel:
+    """A GGUF with its quantized weights kept quantized; each setting it cannot honour refused in one line."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r} is not supported; supported: {', '.join(QUANTIZATIONS)} "
+                         "(a GGUF file's own quant types kept quantized)")
+    if adapter is not None:
+        raise ValueError("quantization='gguf' with a LoRA adapter folded in is not supported: a quantized base "
+                         "cannot hold merged weights (load the base quantized without the adapter, or drop quantization)")
+    if device.type == "cpu" and dtype not in (None, "auto", "float32", torch.float32):
+        raise ValueError(f"quantization='gguf' computes in float32 on a CPU (its kernels' products are the float32 "
+                         f"model's); dtype={dtype!r} is not supported with it there")
+    precision = resolve_dtype("float32" if device.type == "cpu" else dtype, device)
+    source = gguf_file(model, revision)
+    if source is None:
+        raise ValueError(f"quantization='gguf' needs a GGUF file; {model} is a folder (name a .gguf file, "
+                         "org/repo/file.gguf, or the default model)")
+    path = resolve_model_path(model, revision)  # the converted folder: config, tokenizer, generation config
+    net, kept = load_gguf_quantized(source, path)
+    net = net.to(device=device, dtype=precision.dtype)
+    kinds = ", ".join(f"{name} x {n}" for name, n in sorted(kept.items()))
+    loaded = LoadedModel(net, None, path, Precision(precision.dtype, f"GGUF weights kept quantized: {kinds}"),
+                         _generation_config(path))
+    if load_tokenizer and (path / "tokenizer.json").is_file():
+        loaded.tokenizer = Tokenizer.from_folder(path)
+    return loaded

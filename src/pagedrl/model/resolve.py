@@ -27,7 +27,7 @@ from urllib.request import getproxies, proxy_bypass
 
 from pagedrl.model.adapter import read_adapter_config
 from pagedrl.model.checkpoint import CheckpointError
-from pagedrl.model.default import DEFAULT_MODEL, resolve_default_model
+from pagedrl.model.default import DEFAULT_MODEL, default_gguf_path, resolve_default_model
 from pagedrl.model.gguf import ensure_converted
 from pagedrl.paths import cache_dir
 
@@ -163,6 +163,18 @@ def resolve_model_path(model: str | Path | None, revision: str | None = None) ->
         return from_hub(name, revision)
     raise CheckpointError(f"{path}: no such folder or file (expected a Hugging Face folder, a Hub id such as "
                           f"HuggingFaceTB/SmolLM2-135M-Instruct, a .gguf file or {DEFAULT_MODEL!r})")
+
+
+def gguf_file(model: str | Path | None, revision: str | None = None) -> Path | None:
+    """The GGUF file a model argument names (the embedded default's, a local `.gguf`, or `org/repo/file.gguf`
+    from the Hub), or None for a model that is a folder."""
+    if model is None or str(model) == DEFAULT_MODEL:
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    if path.exists():
+        return path if path.suffix == ".gguf" and path.is_file() else None
+    in_repo = hub_gguf(str(model))
+    return None if in_repo is None else from_hub(in_repo[0], revision, filename=in_repo[1])
 
 
 def converted_gguf(path: Path) -> Path:

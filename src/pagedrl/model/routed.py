@@ -32,6 +32,9 @@ class Routes:
     # (x, gate weight, up weight) -> silu(x @ gate.T) * (x @ up.T): an MLP's two products and their
     # product in one pass, for plain projections without bias (None: no such route).
     gate_up: Callable[[Tensor, Tensor, Tensor], Tensor | None] | None = None
+    # (x, GGUF blocks [N, row_bytes] uint8, GGML type, input features, bias): a projection whose weight
+    # stays quantized (`model/gguf_modules.py`; None: no such route, the weight is dequantized).
+    quantized_linear: Callable[[Tensor, Tensor, int, int, Tensor | None], Tensor | None] | None = None
     # (rows grouped by expert, each expert's row count, stacked gate_up [E, 2I, H], stacked down [E, H, I])
     # -> down(silu(gate) * up) of each expert over its rows, in their order: a mixture of experts'
     # products (`model/moe.py`; None: no such route).

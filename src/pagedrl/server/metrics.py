@@ -55,6 +55,8 @@ class EngineCollector:
         yield self._gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage_perc)
         yield self._gauge("num_blocks_used", "KV-cache blocks held by live requests.", s.num_blocks_used)
         yield self._gauge("num_blocks_total", "KV-cache blocks in total.", s.num_blocks_total)
+        yield self._gauge("model_weight_bytes", "Bytes the model's weights hold in memory (GGUF blocks where kept "
+                          "quantized).", s.weight_bytes)
         yield self._counter("prefix_cache_queries", "Prefix cache queries, in number of queried tokens.",
                             s.prefix_cache_queries)
         yield self._counter("prefix_cache_hits", "Prefix cache hits, in number of queried tokens.", s.prefix_cache_hits)

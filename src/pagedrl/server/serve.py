@@ -123,7 +123,8 @@ def build_server(args: argparse.Namespace) -> Any:
 
     engine_args = EngineArgs.from_cli_args(args)
     loaded = load_model(engine_args.model, device=engine_args.device, dtype=engine_args.dtype,
-                        adapter=engine_args.adapter, revision=engine_args.revision)
+                        adapter=engine_args.adapter, revision=engine_args.revision,
+                        quantization=engine_args.quantization)
     engine = LLMEngine(loaded.model, loaded.tokenizer, engine_args.engine_config(), eos_token_ids=loaded.eos_token_ids)
     name = args.served_model_name or args.adapter or args.model or DEFAULT_MODEL
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
@@ -139,9 +140,9 @@ def build_server(args: argparse.Namespace) -> Any:
                     args.max_lora_rank, stats.lora.nbytes / 2**20)
     for lora in app.state.served.adapters.values():
         logger.info("LoRA adapter %s from %s (id %d)", lora.lora_name, lora.lora_path, lora.lora_int_id)
-    logger.info("serving %s (%s, %s on %s): %d KV blocks of %d tokens, max_model_len %d; %s", name, loaded.path,
-                loaded.precision.describe(), loaded.model.device, stats.num_blocks_total, engine.block_size,
-                engine.max_model_len, engine.decode_path())
+    logger.info("serving %s (%s, %s on %s): weights %.1f MiB, %d KV blocks of %d tokens, max_model_len %d; %s",
+                name, loaded.path, loaded.precision.describe(), loaded.model.device, stats.weight_bytes / 2**20,
+                stats.num_blocks_total, engine.block_size, engine.max_model_len, engine.decode_path())
     if not args.no_ui:
         logger.info("chat page at http://%s:%d/ (--no-ui turns it off)", args.host, args.port)
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

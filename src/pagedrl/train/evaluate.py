@@ -65,10 +65,12 @@ def eval_main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the task's seed (GRPO uses its config seed)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    parser.add_argument("--quantization", choices=("gguf",), default=None,
+                        help="gguf: a .gguf model's quantized weights stay quantized (see `pagedrl serve --help`)")
     args = parser.parse_args(argv)
 
     task = ArithmeticTask(tuple(args.operations), args.low, args.high, args.num_problems, seed=args.seed)
-    llm = LLM(args.model, revision=args.revision, dtype=args.dtype)
+    llm = LLM(args.model, revision=args.revision, dtype=args.dtype, quantization=args.quantization)
     print(f"[precision: {llm.precision.describe()}]", file=sys.stderr)
     rows, _ = load_examples(task.eval_rows(), PromptRows(llm.tokenizer, None))
     t0 = time.perf_counter()

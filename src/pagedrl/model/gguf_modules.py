@@ -1,0 +1,114 @@
+"""A projection and an embedding whose weights stay GGUF blocks in memory.
+
+Why: a decode step of a few sequences reads every weight once, so its speed is the speed the weights
+stream from memory. The default model's GGUF stores its projections as Q4_1 (0.5625 bytes a weight)
+and its embedding as Q8_0 (1.0625): kept so, the model holds about a sixth of its float32 bytes and
+a step streams a seventh as many.
+
+The numbers are the dequantized float32 model's:
+- an engine step's products (`routes.quantized_linear`, the float32 routes' `products.quantized_rows`)
+  multiply the blocks in `csrc/gguf_linear.cpp`, whose every output is the bits `float_linear` gives on
+  the dequantized weight: a float32 engine's own bits for decode steps (up to `MAX_ROWS_FLOAT` rows),
+  and for larger steps (prefill) a float32 sum in k order where the float32 engine's MKL sums in its own
+  order (the two differ by rounding; a float32 engine with every step on its kernel gives the same bits);
+- any other product (outside an engine step, on a device without the kernels) dequantizes the weight,
+  whose values are `gguf.quants.dequantize`'s bits, and runs torch's own product on it, as the float32
+  model would.
+(tests/test_gguf_engine.py)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedrl.kernels import ops
+from pagedrl.kernels.products import quantized_rows
+from pagedrl.model import gguf_dequant, routed
+
+# The GGML types kept quantized: what llama.cpp's users download most (GGMLQuantizationType values).
+SUPPORTED_TYPES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+# Values a block holds and its bytes, per type (ggml-common.h).
+BLOCK_SHAPES = {8: (32, 34), 2: (32, 18), 3: (32, 20), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+
+
+def type_name(ggml_type: int) -> str:
+    return SUPPORTED_TYPES.get(ggml_type, f"type {ggml_type}")
+
+
+def dequantize(blocks: torch.Tensor, ggml_type: int, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows of GGUF blocks [N, row_bytes] uint8 → [N, k] of `dtype`, `gguf.quants.dequantize`'s float32
+    values (then rounded to `dtype`): on a CPU by the kernels' `gguf_dequantize`, elsewhere (CUDA, a CPU
+    without the kernels) by the same arithmetic in torch (`model/gguf_dequant.py`)."""
+    if blocks.device.type == "cpu" and ops.available():
+        values = ops.gguf_dequantize(blocks, ggml_type, k)
+        return values if dtype == torch.float32 else values.to(dtype)
+    return gguf_dequant.dequantize(blocks, ggml_type, k, out_dtype=dtype)
+
+
+class GGUFLinear(nn.Module):
+    """`nn.Linear(k, n)` whose weight is the GGUF blocks `qweight` [n, row_bytes] (uint8, a buffer: no
+    gradient flows into it), with an optional float bias."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if ggml_type not in SUPPORTED_TYPES:
+            raise ValueError(f"GGML type {ggml_type} is not kept quantized; supported: {', '.join(SUPPORTED_TYPES.values())}")
+        values, size = BLOCK_SHAPES[ggml_type]
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or in_features % values \
+                or blocks.shape[1] != in_features // values * size:
+            raise ValueError(f"{type_name(ggml_type)} blocks of {in_features} inputs must be uint8 [rows, "
+                             f"{in_features // values * size}], got {blocks.dtype} {list(blocks.shape)}")
+        self.register_buffer("qweight", blocks)
+        self.ggml_type = ggml_type
+        self.in_features, self.out_features = in_features, blocks.shape[0]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"type={type_name(self.ggml_type)}, bias={self.bias is not None}")
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [n, k] as `dtype` (a fresh tensor: nothing keeps it)."""
+        return dequantize(self.qweight, self.ggml_type, self.in_features, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routes = routed.current()
+        if routes is not None and routes.quantized_linear is not None:
+            out = routes.quantized_linear(x, self.qweight, self.ggml_type, self.in_features, self.bias)
+            if out is not None:
+                return out
+        return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def rows_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The product a float32 engine step computes (its routes' choice: `products.quantized_rows`),
+        for callers outside the routed scope: the decode program and the vocabulary projection."""
+        out = quantized_rows(x, self.qweight, self.ggml_type, self.in_features, self.bias)
+        return out if out is not None else F.linear(x, self.dequantized(), self.bias)
+
+
+class GGUFEmbedding(nn.Module):
+    """`nn.Embedding(vocab, dim)` whose table is GGUF blocks [vocab, row_bytes]: a lookup dequantizes the
+    rows it reads. A tied LM head is a `GGUFLinear` over the same buffer."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, embedding_dim: int,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.table = GGUFLinear(blocks, ggml_type, embedding_dim)
+        self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
+        self.dtype = dtype  # of the rows it returns: the model's; `.to(dtype)` moves it as it moves floats
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        super()._apply(fn, recurse)
+        self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype
+        return self
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={type_name(self.table.ggml_type)}"
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = input_ids.reshape(-1)
+        rows = dequantize(self.table.qweight.index_select(0, flat), self.table.ggml_type, self.embedding_dim,
+                          self.dtype)
+        return rows.view(*input_ids.shape, self.embedding_dim)

@@ -1,0 +1,88 @@
+"""A GGUF file loaded with its quantized weights kept quantized (`quantization="gguf"`).
+
+The model is the one `model/gguf.py` converts (same config, tokenizer, names and rotary layout), built
+on the meta device so that no float32 copy of a quantized weight is ever made: each projection and the
+embedding become `GGUFLinear` / `GGUFEmbedding` over the file's own blocks (the q/k rows un-permuted
+as whole rows of blocks, which is what llama.cpp's permutation moves), norms and other float tensors
+load as float32. A tied LM head multiplies the embedding's blocks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from torch import nn
+
+from pagedrl.model.checkpoint import read_folder_config
+from pagedrl.model.decoder import CausalLM
+from pagedrl.model.gguf import GGUFError, hf_name, open_gguf
+from pagedrl.model.gguf_modules import SUPPORTED_TYPES, GGUFEmbedding, GGUFLinear
+from pagedrl.model.rope import rope_inv_freq
+
+_FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), int(GGMLQuantizationType.BF16)}
+
+
+def unpermute_rotary_rows(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """`gguf.unpermute_rotary` on whole rows (of blocks): per head, rows [pair, half] → [half, pair]."""
+    n = rows.shape[0]
+    return rows.reshape(n_heads, n // n_heads // 2, 2, -1).transpose(1, 2).reshape(n, -1).contiguous()
+
+
+def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[CausalLM, Counter[str]]:
+    """The CPU model of `gguf_path` with its quantized weights kept so (config and names from its
+    converted `folder`), and how many tensors of each type it keeps."""
+    gguf_path, source = Path(gguf_path), str(gguf_path)
+    cfg = read_folder_config(Path(folder))
+    reader = open_gguf(gguf_path)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    kept: Counter[str] = Counter()
+    floats: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name, source)
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        ggml_type = int(t.tensor_type)
+        shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims innermost first
+        if ggml_type in _FLOAT_TYPES:
+            value = gguf_dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+            floats[name] = torch.from_numpy(np.array(value, dtype=np.float32))
+            continue
+        if ggml_type not in SUPPORTED_TYPES or leaf != "weight" or not isinstance(module, (nn.Linear, nn.Embedding)):
+            what = t.tensor_type.name if ggml_type not in SUPPORTED_TYPES else f"a quantized {leaf}"
+            raise GGUFError(f"{source}: tensor {t.name!r} is {what}, which quantization='gguf' does not keep "
+                            f"quantized (supported: {', '.join(SUPPORTED_TYPES.values())}); without "
+                            "quantization the file loads dequantized")
+        blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(shape[0], -1)
+        if ".attn_q." in t.name:
+            blocks = unpermute_rotary_rows(blocks, cfg.num_attention_heads)
+        elif ".attn_k." in t.name:
+            blocks = unpermute_rotary_rows(blocks, cfg.num_key_value_heads)
+        parent_name, _, child = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        replacement: nn.Module = GGUFEmbedding(blocks, ggml_type, shape[1]) if isinstance(module, nn.Embedding) \
+            else GGUFLinear(blocks, ggml_type, shape[1])
+        setattr(parent, child, replacement)
+        kept[t.tensor_type.name] += 1
+    embed = model.model.embed_tokens
+    if cfg.tie_word_embeddings and "lm_head.weight" not in floats and isinstance(model.lm_head, nn.Linear):
+        if isinstance(embed, GGUFEmbedding):
+            model.lm_head = GGUFLinear(embed.table.qweight, embed.table.ggml_type, embed.embedding_dim)
+        elif "model.embed_tokens.weight" in floats:
+            floats["lm_head.weight"] = floats["model.embed_tokens.weight"]
+    for name, value in floats.items():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        setattr(module, leaf, nn.Parameter(value, requires_grad=False))
+    if cfg.tie_word_embeddings and isinstance(model.lm_head, nn.Linear) and isinstance(embed, nn.Embedding):
+        model.lm_head.weight = embed.weight
+    model.model.inv_freq = rope_inv_freq(*model.model.rope)
+    missing = [n for n, v in [*model.named_parameters(), *model.named_buffers()] if v.is_meta]
+    if missing:
+        raise GGUFError(f"{source}: no tensor for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    return model.eval(), kept
