@@ -204,9 +204,79 @@ def hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torc
         x = add(x, attention(cast(h, rounding), layer.self_attn, table, allowed, rounding), rounding)
         h = cast(rms_norm(x, layer.post_attention_layernorm, rounding), rounding)
         mlp = layer.mlp
-        x = add(x, linear(silu_mul(linear(h, mlp.gate_proj, rounding), linear(h, mlp.up_proj, rounding), rounding),
-                          mlp.down_proj, rounding), rounding)
+        if hasattr(mlp, "experts"):
+            x = add(x, sparse_mlp(h, mlp, rounding), rounding)
+        else:
+            x = add(x, swiglu(h, mlp.gate_proj, mlp.up_proj, mlp.down_proj, rounding), rounding)
     return rms_norm(x, inner.norm, rounding)
+
+
+def swiglu(h: torch.Tensor, gate: Any, up: Any, down: Any, rounding: Rounding) -> torch.Tensor:
+    """down(silu(gate(h)) * up(h)): the dense feed-forward, and each expert's."""
+    return linear(silu_mul(linear(h, gate, rounding), linear(h, up, rounding), rounding), down, rounding)
+
+
+class RoutingUndecided(AssertionError):
+    """A token's k-th and (k+1)-th router probabilities lie within float rounding of each other, so
+    implementations may pick different experts for it: no bound holds for this draw."""
+
+
+def sparse_mlp(h: torch.Tensor, block: torch.nn.Module, rounding: Rounding) -> torch.Tensor:
+    """A mixture-of-experts block (`model/moe.py`): the router's float32 softmax (each exponential within
+    its argument's rounding and an exp's error, the sum summed(E) of itself, the division a unit), the
+    exact forward's top k (a float32 forward makes the same choice where the k-th and (k+1)-th
+    probabilities are further apart than their bounds; `RoutingUndecided` where not), the weights
+    renormalised (a sum of k and a division) and, for Qwen3-MoE, stored; each chosen expert's SwiGLU,
+    its product with the weight (stored in float32 for Mixtral, in the product's dtype for
+    Qwen3-MoE), cast to the input's dtype and added up (a kept rounding per add)."""
+    logits = linear(h, block.gate, rounding)
+    shifted = logits - logits.amax(-1, keepdim=True)
+    terms = shifted.exp()
+    terms = rounding(terms, terms * (EXP_ERROR + U * shifted.abs()))
+    total = terms.sum(-1, keepdim=True)
+    total = rounding(total, total * summed(logits.shape[-1]))
+    probs = terms / total
+    probs = rounding(probs, U * probs)
+    k = block.top_k
+    ranked = probs[0].sort(-1, descending=True)
+    error = Probed(probs).bound().gather(-1, ranked.indices)
+    gap = ranked.values[..., k - 1] - ranked.values[..., k]
+    # A zero row (the padding token's embedding, which transformers zeroes) gives zero whichever
+    # experts it goes to, so its ties decide nothing.
+    undecided = (gap <= error[..., k - 1] + error[..., k]) & (h[0] != 0).any(-1)
+    if bool(undecided.any()):
+        raise RoutingUndecided(f"a token's top-{k} experts are within rounding of the next (gap {gap.min():.2e})")
+    chosen = ranked.indices[..., :k].expand(probs.shape[0], *ranked.indices.shape[:-1], k)
+    w = probs.gather(-1, chosen)
+    if block.renormalise:
+        w = w / w.sum(-1, keepdim=True)
+        w = rounding(w, w * (summed(k) + U))
+    if block.weights_in_input_dtype:
+        w = rounding(w, w * rounding.store)
+    experts = block.experts
+    size = experts.intermediate_size
+    outputs = []
+    for e in range(experts.num_experts):
+        gate_up, down = experts.gate_up_proj[e], experts.down_proj[e]
+        outputs.append(swiglu(h, Weight(gate_up[:size]), Weight(gate_up[size:]), Weight(down), rounding))
+    every = torch.stack(outputs, -2)  # [P, B, T, E, hidden]
+    picked = every.gather(-2, chosen[..., None].expand(*chosen.shape, every.shape[-1]))
+    product = picked * w[..., None]
+    product_unit = rounding.store if block.weights_in_input_dtype else U
+    product = rounding(product, product.abs() * (product_unit + rounding.keep))
+    out = product[..., 0, :]
+    for j in range(1, k):
+        out = out + product[..., j, :]
+        out = rounding(out, rounding.keep * out.abs())
+    return out
+
+
+@dataclass(frozen=True)
+class Weight:
+    """An expert's projection as `linear` reads a layer: a weight, no bias."""
+
+    weight: torch.Tensor
+    bias: None = None
 
 
 def summed(n: int | torch.Tensor) -> float | torch.Tensor:

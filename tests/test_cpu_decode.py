@@ -9,7 +9,7 @@ import pytest
 import torch
 from cpu_class import needs, needs_not
 from test_engine_precision import peaked
-from tiny import FAMILIES
+from tiny import FAMILIES, MOE_FAMILIES
 
 from pagedrl.engine import cpu_decode
 from pagedrl.engine.llm import LLM
@@ -68,12 +68,17 @@ def outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[fl
 def test_the_program_gives_the_modules_bits(family, dtype) -> None:
     """Biases (llama-mha-tied-bias, qwen2), q/k norms (qwen3), tied heads, GQA and MHA: every decode
     step of a mixed batch (prompts of 3 to 45 tokens, chunked at 37) runs the program where the
-    kernels are built, and its tokens, log-probs and top alternatives equal the modules'."""
+    kernels are built, and its tokens, log-probs and top alternatives equal the modules'. A mixture
+    of experts (mixtral, qwen3-moe) is not the program's: its steps run through the modules."""
     needs_program(dtype)
     model = peaked(family, 3).to(dtype)
     prompts = [torch.randint(3, 211, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 45, 18)]
     llm, eager, steps = engines(model)
     assert outputs(llm, prompts) == outputs(eager, prompts)
+    if family in MOE_FAMILIES:
+        assert llm.engine.runner.program is None and not steps
+        assert "sparse layers run as modules" in llm.engine.runner.decode_path()
+        return
     assert steps and max(steps) == len(prompts) and min(steps) >= 1
 
 
@@ -106,7 +111,8 @@ def test_the_program_follows_weight_updates(dtype) -> None:
 
 
 def test_what_the_program_does_not_cover_runs_through_the_modules() -> None:
-    """A LoRA layer (its own forward), a float16 model, `enforce_eager`: no program."""
+    """A LoRA layer (its own forward), a float16 model, a mixture of experts, `enforce_eager`: no program."""
+    assert not cpu_decode.supports(peaked("mixtral", 5)) and not cpu_decode.supports(peaked("qwen3-moe", 5))
     model = peaked("llama-gqa-untied", 5)
     assert cpu_decode.supports(model) == ops.available()  # float32
     assert not cpu_decode.supports(peaked("llama-gqa-untied", 5).half())

@@ -8,7 +8,7 @@ import decoder_bound
 import pytest
 import torch
 from test_engine_greedy import engine_for, prompts
-from tiny import FAMILIES, hf_model
+from tiny import FAMILIES, MOE_FAMILIES, hf_model
 
 from pagedrl.engine.logits_processing import processed_logprobs
 from pagedrl.engine.sampling_params import SamplingParams
@@ -34,6 +34,17 @@ def test_seeded_requests_reproduce_across_batch_compositions(hf) -> None:
 def test_processed_logprobs_equal_dense_recompute(hf) -> None:
     """The logprob contract: what the engine reports for each sampled token is the log-prob under the
     distribution it was drawn from, which the training forward reproduces with the same settings."""
+    assert_logprob_contract(hf)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_processed_logprobs_equal_dense_recompute_with_experts(family: str) -> None:
+    """The contract for a mixture of experts, whose rows are grouped by expert differently in the
+    engine's batches and in the training forward."""
+    assert_logprob_contract(hf_model(FAMILIES[family]))
+
+
+def assert_logprob_contract(hf) -> None:
     model_llm = engine_for(hf)
     model = model_llm.engine.model
     params = SamplingParams(temperature=0.7, top_p=0.8, top_k=50, max_tokens=16, seed=3, n=2, ignore_eos=True)

@@ -102,7 +102,23 @@ def test_packed_group_gives_the_logps_of_separate_sequences(tiny_train_model) ->
 
 
 def test_first_step_ratio_is_one_and_engine_agrees_with_trainer(tiny_train_model, prompts_file) -> None:
-    algo = grpo(tiny_train_model, prompts_file, temperature=0.7, top_p=0.9, top_k=20)
+    assert_first_step_ratio_is_one(tiny_train_model, prompts_file)
+
+
+@pytest.mark.parametrize("architecture", ["MixtralForCausalLM", "Qwen3MoeForCausalLM"])
+def test_a_mixture_of_experts_first_step_ratio_is_one(tmp_path, prompts_file, architecture: str) -> None:
+    """The same for a mixture of experts (8 experts, 2 a token): the engine's rollouts group tokens by
+    expert in other batches than the trainer's packed recompute, with the same log-probs."""
+    from tiny_train import build_model_dir
+
+    moe = dict(num_local_experts=8) if architecture == "MixtralForCausalLM" else \
+        dict(num_experts=8, moe_intermediate_size=32)
+    model_dir = build_model_dir(tmp_path / "moe", architectures=[architecture], num_experts_per_tok=2, **moe)
+    assert_first_step_ratio_is_one(model_dir, prompts_file)
+
+
+def assert_first_step_ratio_is_one(model_dir, prompts_file) -> None:
+    algo = grpo(model_dir, prompts_file, temperature=0.7, top_p=0.9, top_k=20)
     batches = algo.step_batches(1)
     total = torch.tensor(float(sum(algo.count(b) for b in batches)))
     for b in batches:

@@ -76,7 +76,8 @@ def assert_within(probed: decoder_bound.Probed, mask: torch.Tensor, *logits: tor
 
 
 @pytest.mark.parametrize("family,targets", [("llama-gqa-untied", None), ("qwen2-bias-tied", ["all-linear"]),
-                                            ("smollm2-like", ["k_proj", "o_proj", "down_proj"])])
+                                            ("smollm2-like", ["k_proj", "o_proj", "down_proj"]),
+                                            ("mixtral", None), ("qwen3-moe", ["q_proj", "k_proj", "v_proj", "o_proj"])])
 def test_adapter_saved_here_gives_peft_logits(tmp_path, family, targets) -> None:
     hf = hf_model(FAMILIES[family])
     ours = pagedrl_from(hf)

@@ -52,7 +52,7 @@ def test_logits_match_transformers_on_padded_batch(family: str) -> None:
     assert_float32_forwards(ours, hf, ids, mask, ref, out)
 
 
-@pytest.mark.parametrize("family", ["llama3-rope", "qwen3-qknorm", "qwen2-bias-tied"])
+@pytest.mark.parametrize("family", ["llama3-rope", "qwen3-qknorm", "qwen2-bias-tied", "mixtral", "qwen3-moe"])
 def test_family_switches_really_change_the_model(family: str) -> None:
     """The reference comparison would be vacuous if a switch were parsed but ignored."""
     raw = FAMILIES[family]
@@ -63,9 +63,15 @@ def test_family_switches_really_change_the_model(family: str) -> None:
         assert cfg.qk_norm and cfg.head_dim == 24 != cfg.hidden_size // cfg.num_attention_heads
     if family == "qwen2-bias-tied":
         assert cfg.attention_bias and cfg.tie_word_embeddings
+    if family in ("mixtral", "qwen3-moe"):
+        sparse = [type(layer.mlp).__name__ for layer in CausalLM(cfg).model.layers]
+        assert cfg.num_experts == 8 and cfg.num_experts_per_tok == 2
+        assert sparse == (["SparseMoeBlock"] * 2 if family == "mixtral" else ["SparseMoeBlock", "MLP"])
+        assert cfg.norm_topk_prob == (family == "mixtral")
 
 
-@pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen2-bias-tied", "qwen3-qknorm", "llama3-rope"])
+@pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen2-bias-tied", "qwen3-qknorm", "llama3-rope", "mixtral",
+                                    "qwen3-moe"])
 def test_pagedrl_saves_transformers_loads(tmp_path, family: str) -> None:
     hf = hf_model(FAMILIES[family])
     ours = pagedrl_from(hf)
@@ -78,7 +84,7 @@ def test_pagedrl_saves_transformers_loads(tmp_path, family: str) -> None:
     assert_float32_forwards(ours, back, ids, mask, ref, out)
 
 
-@pytest.mark.parametrize("family", ["smollm2-like", "mistral", "llama-linear-rope"])
+@pytest.mark.parametrize("family", ["smollm2-like", "mistral", "llama-linear-rope", "mixtral", "qwen3-moe"])
 def test_transformers_saves_sharded_pagedrl_loads(tmp_path, family: str) -> None:
     hf = hf_model(FAMILIES[family])
     hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")

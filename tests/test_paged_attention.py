@@ -358,7 +358,7 @@ def dense_last_logits(model: CausalLM, tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("impl", ["reference", "fast"])
-@pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen3-qknorm", "llama-mha-tied-bias"])
+@pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen3-qknorm", "llama-mha-tied-bias", "mixtral", "qwen3-moe"])
 def test_chunked_prefill_and_decode_match_dense_logits(family: str, impl: str) -> None:
     """Two prompts in flight together, on different schedules: chunks of 5 then 7 then single-token
     decodes for one, a 9-token prefill then a mix for the other; blocks scattered."""

@@ -39,7 +39,7 @@ def reference_logps(hf, prompt: list[int], answer: list[int]) -> float:
     return float(token[max(len(prompt) - 1, 0):].sum())
 
 
-@pytest.mark.parametrize("family", ["llama-gqa-untied", "mistral", "qwen3-qknorm"])
+@pytest.mark.parametrize("family", ["llama-gqa-untied", "mistral", "qwen3-qknorm", "mixtral", "qwen3-moe"])
 def test_packed_pairs_equal_separate_sequences_in_transformers(family, tmp_path) -> None:
     raw = dict(FAMILIES[family])
     if family == "mistral":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_train import arithmetic_rows, sft_trainer
+from tiny_train import arithmetic_rows, build_model_dir, sft_trainer
 
 
 def step_grads(trainer) -> tuple[float, dict[str, torch.Tensor], dict[str, float]]:
@@ -45,11 +45,35 @@ def test_accumulated_gradient_equals_one_batch(tiny_train_model, tmp_path, one_b
 def test_step_loss_and_gradient_equal_transformers(tiny_train_model, one_batch) -> None:
     """Reference: LlamaForCausalLM with labels -100 on prompt and padding (mean over the batch's
     completion tokens) on the same 8 rows, in the order our epoch stream served them."""
+    trainer, loss, grads, _ = one_batch
+    transformers_step(trainer, tiny_train_model, loss, grads)
+
+
+MOE = {"mixtral": dict(architectures=["MixtralForCausalLM"], num_local_experts=8),
+       "qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], num_experts=8, moe_intermediate_size=32,
+                         mlp_only_layers=[1])}
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_moe_step_with_router_loss_equals_transformers(tmp_path, family: str) -> None:
+    """A mixture of experts with `output_router_logits`: the loss (cross-entropy plus the coefficient
+    times the router's load-balancing loss, ~0.04 of it here) and every gradient, the router's
+    included, equal transformers' on the same rows; `aux_loss` is transformers' `aux_loss`."""
+    model_dir = build_model_dir(tmp_path / "model", num_experts_per_tok=2, output_router_logits=True,
+                                router_aux_loss_coef=0.02, **MOE[family])
+    trainer = sft_trainer(model_dir, tmp_path / "run", per_device_train_batch_size=8)
+    loss, grads, metrics = step_grads(trainer)
+    hf_out = transformers_step(trainer, model_dir, loss, grads)
+    assert metrics["aux_loss"] == pytest.approx(hf_out.aux_loss.item(), abs=1e-6)
+    assert 0.02 * hf_out.aux_loss.item() > 1e-2  # the term is there to be checked
+
+
+def transformers_step(trainer, model_dir, loss: float, grads: dict[str, torch.Tensor]):
+    """transformers' loss and gradients on the trainer's first step, checked equal to `loss` and `grads`."""
     from transformers import AutoModelForCausalLM
 
-    trainer, loss, grads, _ = one_batch
     examples = [trainer.algorithm.examples[i] for i in first_step_indices(trainer)]
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_train_model), dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     width = max(len(e.input_ids) for e in examples)
     pad = trainer.algorithm.pad_id
     ids = torch.tensor([e.input_ids + [pad] * (width - len(e.input_ids)) for e in examples])
@@ -61,6 +85,7 @@ def test_step_loss_and_gradient_equal_transformers(tiny_train_model, one_batch) 
     assert abs(out.loss.item() - loss) < 1e-5
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
     assert_grads_close({n: g for n, g in grads.items() if n in hf_grads}, hf_grads)
+    return out
 
 
 def first_step_indices(trainer) -> list[int]:

@@ -30,7 +30,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "smollm2-like": dict(BASE, architectures=["LlamaForCausalLM"], model_type="llama", num_key_value_heads=1,
                          tie_word_embeddings=True, rope_parameters={"rope_type": "default",
                                                                     "rope_theta": 100000.0}),
+    # Mixtures of experts: 8 experts, 2 per token. Qwen3-MoE's second layer is dense (mlp_only_layers)
+    # and its top-2 weights are not renormalised, so both of the family's switches are exercised.
+    "mixtral": dict(BASE, architectures=["MixtralForCausalLM"], model_type="mixtral", num_key_value_heads=2,
+                    num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
+    "qwen3-moe": dict(BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_key_value_heads=2,
+                      head_dim=24, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      mlp_only_layers=[1], norm_topk_prob=False),
 }
+MOE_FAMILIES = ("mixtral", "qwen3-moe")
 
 
 def hf_model(raw: dict[str, Any], seed: int = 0):

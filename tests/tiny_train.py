@@ -35,8 +35,9 @@ def build_tokenizer(folder: Path) -> None:
 
 def build_model_dir(folder: Path, seed: int = 0, tied: bool = True, max_position_embeddings: int = 256,
                     hidden_size: int = 64, intermediate_size: int = 96, num_attention_heads: int = 4,
-                    std: float = 0.02) -> Path:
-    """Tokenizer + a random 2-layer decoder (HF-style init: normal(0, std), norms at 1)."""
+                    std: float = 0.02, **config: object) -> Path:
+    """Tokenizer + a random 2-layer decoder (HF-style init: normal(0, std), norms at 1); `config`:
+    config.json fields over the Llama defaults (another architecture's, e.g. a mixture of experts)."""
     import torch
 
     from pagedrl.model.checkpoint import save_checkpoint
@@ -51,6 +52,7 @@ def build_model_dir(folder: Path, seed: int = 0, tied: bool = True, max_position
                num_key_value_heads=2,
                max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5, tie_word_embeddings=tied,
                bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    raw.update(config)
     torch.manual_seed(seed)
     model = CausalLM(ModelConfig.from_dict(raw))
     with torch.no_grad():

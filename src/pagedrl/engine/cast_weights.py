@@ -9,7 +9,8 @@ bf16 projection weights (32 prompts, 64 greedy tokens each, 2 threads).
 
 So the engine runs on a twin of the module: it shares every tensor autocast leaves in float32
 (embeddings, norms, buffers: the same tensors, not copies) and holds a bf16 copy of each tensor
-autocast would cast (the weights and biases of the projections and of the LM head, the adapters').
+autocast would cast (the weights and biases of the projections and of the LM head, the adapters', a
+mixture of experts' router and stacked expert weights).
 A cast is a deterministic rounding, so the twin under autocast computes exactly what the trainer's
 autocast computes from the masters. The copies are refreshed once per change of the masters: each
 step compares the masters' in-place version counters (bumped by an optimizer step, a checkpoint
@@ -26,8 +27,10 @@ import torch
 from torch import nn
 
 from pagedrl.model.lora import LoRALinear
+from pagedrl.model.moe import Experts
 
 PROJECTIONS = (nn.Linear, LoRALinear)
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # a mixture of experts' stacked projections, cast as autocast casts them
 
 
 class CastWeights:
@@ -38,9 +41,9 @@ class CastWeights:
         self.copies: list[torch.Tensor] = []
         made: dict[int, nn.Parameter] = {}
         for module in self.twin.modules():
-            if not isinstance(module, PROJECTIONS):
+            if not isinstance(module, (*PROJECTIONS, Experts)):
                 continue
-            for name in ("weight", "bias"):
+            for name in EXPERT_WEIGHTS if isinstance(module, Experts) else ("weight", "bias"):
                 master = getattr(module, name, None)
                 if master is None:
                     continue

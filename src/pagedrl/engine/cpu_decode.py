@@ -34,17 +34,21 @@ from pagedrl.engine.attention import PagedAttention
 from pagedrl.kernels import ops, products
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.gguf_modules import GGUFLinear
+from pagedrl.model.moe import has_sparse_layers
 from pagedrl.model.rope import rope_cos_sin
 from pagedrl.model.routed import Linear
 
 
 def supports(model: torch.nn.Module) -> bool:
-    """Whether `model`'s decode steps can run as the program: a bf16 or float32 `CausalLM` on the CPU
-    whose projections are all plain `Linear` (LoRA layers keep their own forward); for bf16, on a CPU
+    """Whether `model`'s decode steps can run as the program: a bf16 or float32 dense `CausalLM` on the
+    CPU whose projections are all plain `Linear` (LoRA layers keep their own forward; a mixture of
+    experts' sparse layers, `model/moe.py`, theirs); for bf16, on a CPU
     where the k-pairs kernels run, with input sizes those kernels take (even)."""
     if type(model) is not CausalLM or model.device.type != "cpu" or not ops.available():
         return False
     cfg = model.config
+    if has_sparse_layers(model):  # rows routed to experts: the modules run them
+        return False
     projections = [model.lm_head]
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp

@@ -26,6 +26,7 @@ from pagedrl.kernels import ops
 from pagedrl.kernels.products import (
     PackedWeights,
     few_rows,
+    float_experts,
     float_rows,
     max_rows,
     quantized_rows,
@@ -71,7 +72,8 @@ def no_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 def engine_routes(packed: PackedWeights) -> Routes:
     """A bf16 engine's own steps: every piece on the kernels, the products on `packed`'s copies."""
-    return Routes(linear=packed.engine_linear, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope, gate_up=packed.gate_up)
+    return Routes(linear=packed.engine_linear, rms_norm=rms_norm, silu_mul=silu_mul, rope=rope, gate_up=packed.gate_up,
+                  experts=packed.experts)
 
 
 def products_only_routes(packed: PackedWeights) -> Routes:
@@ -88,10 +90,10 @@ rms_norm32, silu_mul32, rope32 = rowwise(takes_float32)
 
 
 # A float32 step's routes: the products of a few rows on the float32 kernel (GGUF weights kept quantized
-# on its quantized twin, same bits), norms, SiLU and the rotary embedding on the row-wise kernels'
-# float32 forms (one call each where eager torch makes three to six).
+# on its quantized twin, same bits; a mixture of experts' expert by expert), norms, SiLU and the rotary
+# embedding on the row-wise kernels' float32 forms (one call each where eager torch makes three to six).
 FLOAT_ROUTES = Routes(linear=float_rows, rms_norm=rms_norm32, silu_mul=silu_mul32, rope=rope32,
-                      quantized_linear=quantized_rows)
+                      quantized_linear=quantized_rows, experts=float_experts)
 
 
 def usable(model: torch.nn.Module, autocast_dtype: torch.dtype | None, dtype: torch.dtype = torch.bfloat16) -> bool:

@@ -39,6 +39,7 @@ from pagedrl.kernels.products import float_rows, packed_weights, packs_weights
 from pagedrl.kernels.threads import bind_threads
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.gguf_modules import GGUFLinear
+from pagedrl.model.moe import has_sparse_layers
 
 
 @dataclass
@@ -83,7 +84,8 @@ class ModelRunner:
         self._logits: torch.Tensor | None = None  # see `project`
         self.lora: LoRASlots | None = None  # set by the engine when it serves adapters per request
         self.graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs: on CUDA with the kernels
-        if not enforce_eager and model.device.type == "cuda" and self.attention_impl == "triton":
+        if (not enforce_eager and model.device.type == "cuda" and self.attention_impl == "triton"
+                and not has_sparse_layers(model)):
             self.graphs = DecodeGraphs(model, kv_cache, block_size, max_num_seqs,
                                        max_model_len or model.config.max_model_len, self.precision)
 
@@ -98,12 +100,15 @@ class ModelRunner:
         if self.program is not None:
             return (f"decode steps as one program of the CPU kernels on CPU class {isa.describe()} "
                     "(enforce_eager: through the modules)")
+        modules = "decode steps through the model's modules"
+        if has_sparse_layers(self.model):
+            modules += " (a mixture of experts: its sparse layers run as modules, no decode program or CUDA graphs)"
         if self.float_routes:
-            return (f"decode steps through the model's modules, products of up to {products.MAX_ROWS_FLOAT} rows on "
+            return (f"{modules}, products of up to {products.MAX_ROWS_FLOAT} rows on "
                     f"the float32 kernel ({ops.float_linear_lanes()} lanes; CPU class {isa.describe()})")
         if self.on_cpu:
-            return f"decode steps through the model's modules (CPU class {isa.describe()})"
-        return "decode steps through the model's modules"
+            return f"{modules} (CPU class {isa.describe()})"
+        return modules
 
     def precision(self) -> contextlib.AbstractContextManager[Any]:
         """Autocast as the trainer runs it, without its weight-cast cache (a cached copy would be

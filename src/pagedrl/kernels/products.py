@@ -117,6 +117,33 @@ def float_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return ops.float_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
+def float_experts(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor
+                  ) -> torch.Tensor | None:
+    """A float32 step's mixture-of-experts products (`Routes.experts`): each expert's products as
+    `float_rows` takes them (its rows on the float32 kernel up to `MAX_ROWS_FLOAT`, MKL's above; an
+    expert sees a share of a decode step's rows, so mostly the kernel), the stacked weights read as
+    they lie."""
+    if (torch.is_grad_enabled() or rows.dtype is not _F32 or gate_up.dtype is not _F32 or down.dtype is not _F32
+            or not rows.is_cpu or not gate_up.is_cpu):
+        return None
+    rows = _unit_stride_rows(rows)
+    width = down.shape[-1]
+    outputs, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            part = rows[start:start + count]
+            both = _float_product(part, gate_up[expert])
+            hidden = torch.nn.functional.silu(both[:, :width]) * both[:, width:]
+            outputs.append(_float_product(hidden, down[expert]))
+            start += count
+    return torch.cat(outputs)
+
+
+def _float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    out = float_rows(x, weight, None)
+    return torch.nn.functional.linear(x, weight) if out is None else out
+
+
 _F32 = torch.float32
 
 
@@ -181,6 +208,12 @@ class PackedWeights:
             features, inputs = weight.shape
             both = torch.stack([weight.detach().reshape(-1, 32, inputs), up.detach().reshape(-1, 32, inputs)], 1)
             packed = ops.pack_pairs(both.reshape(2 * features, inputs))
+        elif layout == "expert_pairs":  # a stack [E, N, K] of experts' weights, each as "pairs"
+            packed = torch.stack([ops.pack_pairs(w) for w in weight.detach()])
+        elif layout == "expert_gate_up":  # [E, 2I, K]: each expert's gate rows then up rows, each as "gate_up"
+            experts, features, inputs = weight.shape
+            w = weight.detach().reshape(experts, 2, features // 64, 32, inputs).transpose(1, 2)
+            packed = torch.stack([ops.pack_pairs(both.reshape(features, inputs)) for both in w])
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_FOR_ROWS)
         self._packs[key] = (weakref.ref(weight, lambda _, key=key: self._packs.pop(key, None)), version, packed)
@@ -219,6 +252,25 @@ class PackedWeights:
             return None
         out = ops.pair_silu_mul(_unit_stride_rows(x), self.packed(gate, "gate_up", up))
         return out.view(*x.shape[:-1], gate.shape[0])
+
+    def experts(self, rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor
+                ) -> torch.Tensor | None:
+        """A bf16 engine's mixture-of-experts products (`Routes.experts`): each expert's gate and up in one
+        pass of the k-pairs kernel (as `gate_up`) and its down product, on copies of the stacked weights
+        laid out once per change. None where that kernel is not built, or for an expert width it does
+        not take (a multiple of 32)."""
+        width = down.shape[-1]
+        if not pairs_available() or rows.shape[-1] % 2 or width % 32 or not takes(rows, gate_up, down):
+            return None
+        fused, packed_down = self.packed(gate_up, "expert_gate_up"), self.packed(down, "expert_pairs")
+        rows = _unit_stride_rows(rows)
+        outputs, start = [], 0
+        for expert, count in enumerate(counts):
+            if count:
+                hidden = ops.pair_silu_mul(rows[start:start + count], fused[expert])
+                outputs.append(ops.pair_linear(hidden, packed_down[expert], down.shape[1], None))
+                start += count
+        return torch.cat(outputs)
 
     def product(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows [M, K] @ weight.T (+ bias), bf16, on the packed copy of `weight`."""

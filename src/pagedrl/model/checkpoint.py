@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from pagedrl.model import expert_weights
 from pagedrl.model.config import ConfigError, ModelConfig
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.precision import choose_precision
@@ -71,10 +72,17 @@ def read_state_dict(folder: Path, dtype: torch.dtype = torch.float32,
 
 def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
                  origins: dict[str, str] | None = None) -> None:
-    """Copy a state dict into the model, checking names and shapes against the config first."""
-    origins = origins or {}
+    """Copy a state dict into the model, checking names and shapes against the config first. A
+    mixture of experts' per-expert tensors are stacked as the model holds them (`model/expert_weights.py`)."""
+    origins = origins if origins is not None else {}
     expected = model.state_dict()
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    config = getattr(model, "config", None)
+    tied = getattr(config, "tie_word_embeddings", False)
+    if isinstance(config, ModelConfig):
+        try:
+            state = expert_weights.from_disk(state, config, origins)
+        except ValueError as e:
+            raise CheckpointError(f"{source}: {e}") from None
     for name, tensor in state.items():
         if name not in expected:
             if name.endswith("rotary_emb.inv_freq"):
@@ -141,6 +149,7 @@ def save_checkpoint(model: CausalLM, folder: str | Path, *, tokenizer_dir: str |
         tensors = state if state is not None else model.state_dict()
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()
                    if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+        tensors = expert_weights.to_disk(tensors, model.config)  # one tensor per expert, as published
         write_safetensors(tensors, tmp, max_shard_bytes)
         gen = {"bos_token_id": model.config.bos_token_id, "eos_token_id": model.config.eos_token_id}
         gen.update(generation_config or {})

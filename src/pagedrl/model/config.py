@@ -1,8 +1,8 @@
 """Model configuration: a Hugging Face `config.json` read into one typed dataclass.
 
-Every supported family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) is the same decoder
-with a few switches, so one dataclass holds them all; the switches are derived from the
-`architectures` entry and the fields that family publishes.
+Every supported family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, and the mixture-of-experts
+Mixtral and Qwen3-MoE) is the same decoder with a few switches, so one dataclass holds them all; the
+switches are derived from the `architectures` entry and the fields that family publishes.
 """
 
 from __future__ import annotations
@@ -23,7 +23,11 @@ ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "MistralForCausalLM": ("mistral", False, False),
     "Qwen2ForCausalLM": ("qwen2", True, False),
     "Qwen3ForCausalLM": ("qwen3", False, True),
+    "MixtralForCausalLM": ("mixtral", False, False),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
 }
+# Families whose sliding window applies only with `use_sliding_window` (transformers drops it otherwise).
+SLIDING_WHEN_ASKED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Roles built on the same backbone; the suffix tells which head sits on top.
 REWARD_ARCHITECTURE_SUFFIX = "ForSequenceClassification"
 
@@ -54,6 +58,17 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     torch_dtype: str = "float32"
+    # Mixture of experts (0 experts: every layer dense). Mixtral: every layer sparse, the top-k weights
+    # renormalised, experts of `intermediate_size`; Qwen3-MoE: layers chosen by `decoder_sparse_step`
+    # and `mlp_only_layers`, experts of `moe_intermediate_size`, renormalised if `norm_topk_prob`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -72,6 +87,16 @@ class ModelConfig:
         if self.eos_token_id is None:
             return []
         return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """Each expert's hidden width: Qwen3-MoE's `moe_intermediate_size`, Mixtral's `intermediate_size`."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` routes its tokens to experts, as transformers decides it."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def max_model_len(self) -> int:
@@ -110,11 +135,13 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         scaling = None if rope_type in (None, "default") else {**rope, "rope_type": rope_type}
         sliding = raw.get("sliding_window")
-        if base in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+        if base in SLIDING_WHEN_ASKED and not raw.get("use_sliding_window", False):
             sliding = None
         attention_bias = raw.get("attention_bias", bias_default) if base != "Qwen2ForCausalLM" else True
+        if base == "MixtralForCausalLM":
+            attention_bias = False  # transformers' Mixtral has no attention bias whatever the config says
         known = set(cls.__dataclass_fields__) | {
-            "architectures", "rope_parameters", "use_sliding_window", "model_type",
+            "architectures", "rope_parameters", "use_sliding_window", "model_type", *MOE_FIELDS,
         }
         cfg = cls(
             architecture=arch,
@@ -140,6 +167,7 @@ class ModelConfig:
             pad_token_id=raw.get("pad_token_id"),
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             extra={k: v for k, v in raw.items() if k not in known},
+            **moe_fields(raw, base, source),
         )
         cfg.validate(source)
         return cfg
@@ -158,6 +186,10 @@ class ModelConfig:
             raise ConfigError(
                 f"{source}: rope type {self.rope_scaling['rope_type']!r} is not supported (linear, llama3)"
             )
+
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"{source}: field 'num_experts_per_tok' must lie in 1..{self.num_experts}, "
+                              f"got {self.num_experts_per_tok!r}")
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -198,10 +230,66 @@ class ModelConfig:
         )
         if self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
-            if self.model_type in ("qwen2", "qwen3"):
+            if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
                 out["use_sliding_window"] = True
-        elif self.model_type == "mistral":
+        elif self.model_type in ("mistral", "mixtral"):
             out["sliding_window"] = None
+        if self.model_type == "qwen3_moe" and self.sliding_window is None:
+            out["use_sliding_window"] = False
+        out.update(self.moe_dict())
         return out
+
+    def moe_dict(self) -> dict[str, Any]:
+        """The family's mixture-of-experts fields under its own names (none for a dense family)."""
+        common = dict(num_experts_per_tok=self.num_experts_per_tok, router_aux_loss_coef=self.router_aux_loss_coef,
+                      output_router_logits=self.output_router_logits)
+        if self.model_type == "mixtral":
+            return dict(common, num_local_experts=self.num_experts, router_jitter_noise=0.0)
+        if self.model_type == "qwen3_moe":
+            return dict(common, num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+                        norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
+                        mlp_only_layers=list(self.mlp_only_layers))
+        return {}
+
+
+# config.json fields the mixture-of-experts families publish (read by `moe_fields`, not kept as extras).
+MOE_FIELDS = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "output_router_logits",
+              "router_jitter_noise")
+
+
+def moe_fields(raw: dict[str, Any], base: str, source: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Mixtral or Qwen3-MoE config.json (none for a dense family),
+    each checked; what pagedrl does not compute is refused by name rather than silently ignored."""
+    if base not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+
+    def count(name: str, value: Any, least: int = 1) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ConfigError(f"{source}: field {name!r} must be an integer >= {least}, got {value!r}")
+        return value
+
+    mixtral = base == "MixtralForCausalLM"
+    # Qwen3-MoE's is `num_experts` (transformers also writes `num_local_experts` beside it), Mixtral's the other.
+    name = "num_local_experts" if mixtral or "num_experts" not in raw else "num_experts"
+    experts = count(name, raw.get(name, 8 if mixtral else 128), least=0 if not mixtral else 1)
+    fields: dict[str, Any] = dict(
+        num_experts=experts,
+        num_experts_per_tok=count("num_experts_per_tok", raw.get("num_experts_per_tok", 2 if mixtral else 8)),
+        router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)),
+        output_router_logits=bool(raw.get("output_router_logits", False)),
+    )
+    if mixtral:
+        if float(raw.get("router_jitter_noise") or 0.0) != 0.0:
+            raise ConfigError(f"{source}: field 'router_jitter_noise' ({raw['router_jitter_noise']!r}) is not "
+                              "supported (only 0: no noise on the router's input in training)")
+        return fields
+    layers = raw.get("mlp_only_layers") or []
+    if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        raise ConfigError(f"{source}: field 'mlp_only_layers' must be a list of layer indices, got {layers!r}")
+    return dict(fields, moe_intermediate_size=count("moe_intermediate_size", raw.get("moe_intermediate_size", 768)),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                decoder_sparse_step=count("decoder_sparse_step", raw.get("decoder_sparse_step", 1)),
+                mlp_only_layers=list(layers))
 
 

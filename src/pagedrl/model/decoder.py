@@ -1,5 +1,6 @@
 """The Llama-family decoder, top to bottom as in the papers: embed, N × (RMSNorm → attention with
-RoPE and GQA → residual → RMSNorm → SwiGLU → residual), RMSNorm, LM head.
+RoPE and GQA → residual → RMSNorm → SwiGLU, or a sparse mixture of SwiGLU experts (`model/moe.py`)
+where the config routes that layer → residual), RMSNorm, LM head.
 
 Module names match Hugging Face's so a checkpoint's state dict loads with no renaming. Attention is
 delegated to an explicit metadata object (`pagedrl.model.attention`), which is how the same weights
@@ -15,6 +16,7 @@ from torch import nn
 from pagedrl.model import batch_invariant, routed
 from pagedrl.model.attention import AttentionMetadata, DenseAttention
 from pagedrl.model.config import ModelConfig
+from pagedrl.model.moe import SparseMoeBlock
 from pagedrl.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from pagedrl.model.routed import Linear
 
@@ -104,7 +106,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(cfg) if cfg.sparse_layer(layer) else MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)

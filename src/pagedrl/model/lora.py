@@ -26,12 +26,15 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from pagedrl.model.moe import has_sparse_layers
+
 ALL_LINEAR = "all-linear"
 # PEFT's defaults for the Llama family (llama, mistral, qwen2, qwen3): the query and value projections.
 DEFAULT_TARGETS = ("q_proj", "v_proj")
 # Projections of the decoder layers, the ones "all-linear" means (never an output head).
 LAYER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 HEADS = ("lm_head", "score", "value_head")
+FEED_FORWARD = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -152,6 +155,11 @@ def apply_lora(model: nn.Module, config: LoRAConfig, generator: torch.Generator 
     if getattr(model, "lora_config", None) is not None:
         raise ValueError("apply_lora: the model already carries an adapter")
     targets = set(config.resolved_targets())
+    feed_forward = sorted(targets & set(FEED_FORWARD))
+    if feed_forward and has_sparse_layers(model):
+        raise ValueError(f"lora_target_modules: {feed_forward} on a mixture of experts is not supported (PEFT would "
+                         "adapt the experts' weights under those names too); target the attention projections "
+                         "(q_proj, k_proj, v_proj, o_proj)")
     wrapped = [name for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and name.rpartition(".")[2] in targets]
     if not wrapped:

@@ -1,5 +1,5 @@
 """The decoder's pieces an inference step may hand to other kernels: projections, RMSNorm,
-SiLU(gate) * up and the rotary embedding.
+SiLU(gate) * up, the rotary embedding and a mixture of experts' products.
 
 Why here, and not a `TorchFunctionMode` around the forward: a mode sees every torch call of the step
 (about 50 a layer), and on a one-row decode step of the default model that Python round trip cost
@@ -35,6 +35,10 @@ class Routes:
     # (x, GGUF blocks [N, row_bytes] uint8, GGML type, input features, bias): a projection whose weight
     # stays quantized (`model/gguf_modules.py`; None: no such route, the weight is dequantized).
     quantized_linear: Callable[[Tensor, Tensor, int, int, Tensor | None], Tensor | None] | None = None
+    # (rows grouped by expert, each expert's row count, stacked gate_up [E, 2I, H], stacked down [E, H, I])
+    # -> down(silu(gate) * up) of each expert over its rows, in their order: a mixture of experts'
+    # products (`model/moe.py`; None: no such route).
+    experts: Callable[[Tensor, list[int], Tensor, Tensor], Tensor | None] | None = None
 
 
 _routed = threading.local()

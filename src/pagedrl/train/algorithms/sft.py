@@ -11,10 +11,16 @@ the whole step (all micro-batches, all ranks), as transformers' `num_items_in_ba
 accumulation and DDP give the gradient of one big batch. Metrics, under TRL's names: `loss`,
 `mean_token_accuracy` (token-weighted), `num_tokens` (tokens seen since the start, prompt
 included), `entropy` (mean over label positions).
+
+A mixture of experts whose config sets `output_router_logits` adds, in training, its router
+load-balancing loss times `router_aux_loss_coef` (`train/router_loss.py`) over the micro-batch's
+real tokens, as transformers adds it to the loss; as TRL, each micro-batch's counts for one over the
+step's micro-batches (all ranks), and it is logged as `aux_loss`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +30,7 @@ import torch
 
 from pagedrl.model.attention import DenseAttention
 from pagedrl.model.decoder import default_positions
+from pagedrl.model.moe import collect_router_logits
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import OfflineAlgorithm
 from pagedrl.train.config import SFTConfig
@@ -32,6 +39,7 @@ from pagedrl.train.distributed import DistInfo
 from pagedrl.train.logprobs import target_logprobs
 from pagedrl.train.losses import sft_loss
 from pagedrl.train.metrics import Metric
+from pagedrl.train.router_loss import load_balancing_loss
 
 
 @dataclass
@@ -42,6 +50,7 @@ class SFTBatch:
     predict_at: torch.Tensor  # [N] flat indices into [B*T] of positions whose next token is a label
     targets: torch.Tensor  # [N]
     num_tokens: int  # real (non-padding) tokens
+    token_mask: torch.Tensor | None = None  # [B, T] real tokens of a padded batch (None: no padding)
 
 
 def label_mask(example: PromptCompletion, completion_only: bool) -> list[bool]:
@@ -80,10 +89,11 @@ def collate_sft(examples: Sequence[PromptCompletion], pad_id: int, device: torch
         positions = default_positions(input_ids, mask)
         padded = bool((mask == 0).any())
         meta = DenseAttention.causal(mask.to(device)) if padded else DenseAttention(None)
+        token_mask = mask.bool().to(device) if padded else None
     return SFTBatch(input_ids.to(device), positions.to(device), meta,
                     torch.tensor(predict, dtype=torch.long, device=device),
                     torch.tensor(targets, dtype=torch.long, device=device),
-                    sum(len(ex.input_ids) for ex in examples))
+                    sum(len(ex.input_ids) for ex in examples), token_mask if not packing else None)
 
 
 class SFT(OfflineAlgorithm):
@@ -116,18 +126,26 @@ class SFT(OfflineAlgorithm):
         return float(batch.targets.numel())
 
     def loss(self, model: Any, batch: SFTBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-        out = target_logprobs(model, batch.input_ids, batch.positions, batch.meta, batch.predict_at, batch.targets,
-                              entropy=True, correct=True)
+        cfg = self.model.config
+        balance = bool(cfg.num_experts and cfg.output_router_logits and self.model.training)
+        with collect_router_logits() if balance else contextlib.nullcontext() as router_logits:
+            out = target_logprobs(model, batch.input_ids, batch.positions, batch.meta, batch.predict_at,
+                                  batch.targets, entropy=True, correct=True)
         n = batch.targets.numel()
         loss = sft_loss(out.logps[None], torch.ones(1, n, dtype=torch.bool, device=out.logps.device),
                         num_items_in_batch=global_count)
         assert out.correct is not None and out.entropy is not None
         correct, entropy = out.correct.sum(), out.entropy.sum()
-        return loss, {
+        metrics: dict[str, Any] = {
             "mean_token_accuracy": Metric.mean(correct, n),
             "entropy": Metric.mean(entropy, n),
             "num_tokens": Metric.cumulative(batch.num_tokens),
         }
+        if balance and router_logits:
+            aux = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, batch.token_mask)
+            loss = loss + cfg.router_aux_loss_coef * aux / (self.accumulation * self.dist.world_size)
+            metrics["aux_loss"] = Metric.mean(aux.detach())
+        return loss, metrics
 
     def summary_lines(self) -> list[str]:
         mode = "packed into one row per micro-batch" if self.packing else "padded"

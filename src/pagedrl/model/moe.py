@@ -1,0 +1,147 @@
+"""The sparse mixture-of-experts block of Mixtral and Qwen3-MoE: a router picks k of E SwiGLU experts
+per token and the block returns their outputs weighted by the router's probabilities.
+
+router: logits = x Wᵀ (the `gate` projection) → softmax over the experts, in float32 → the top k →
+renormalised to sum to one (Mixtral always; Qwen3-MoE if `norm_topk_prob`) → Qwen3-MoE rounds the
+weights to the activations' dtype, Mixtral keeps them in float32. The order and the casts are
+transformers', so a float32 forward agrees with it to rounding and a bf16 one rounds alike.
+
+Experts run grouped: the (token, expert) assignments are sorted by expert, and each expert multiplies
+the rows sent to it in one product per weight, so the work is a loop over experts, never over tokens.
+The results come back in token order, weighted, and each token's k of them are summed at once (in
+float32 under Mixtral's float32 weights) and cast to the input's dtype, as transformers' default
+("grouped_mm") experts path does: in bf16, one rounding of each token's sum where its eager loop
+rounds after every add.
+
+The weights sit as transformers 5 holds them in memory, one 3-D tensor per kind (`experts.gate_up_proj`
+[E, 2I, H], each expert's gate rows then its up rows; `experts.down_proj` [E, H, I]), so its state dict
+loads unrenamed; checkpoints on disk hold one 2-D tensor per expert (`model/expert_weights.py`).
+The router (`gate`) is a projection like the others, and the experts' products go to the engine's
+kernels as they do (`Routes.experts`, a bf16 engine's own steps). A trainer's rollouts take products
+with `F.linear`'s numbers and no expert route (`engine/cpu_routes.py`), so their routing decisions
+are computed as the trainer's recompute computes them.
+
+`collect_router_logits()` records each sparse layer's router logits, the input of the load-balancing
+loss (`train/router_loss.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedrl.model import routed
+from pagedrl.model.config import ModelConfig
+from pagedrl.model.routed import Linear
+
+_recording = threading.local()
+
+
+@contextlib.contextmanager
+def collect_router_logits() -> Iterator[list[torch.Tensor]]:
+    """A list that receives, in layer order, the router logits [tokens, experts] of every sparse layer
+    run on this thread inside the block. Gradient checkpointing's recompute runs in the backward,
+    outside the block, so nothing is recorded twice."""
+    previous = getattr(_recording, "logits", None)
+    _recording.logits = collected = []
+    try:
+        yield collected
+    finally:
+        _recording.logits = previous
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts in two 3-D tensors; `forward` runs each expert once over the rows routed to it."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each expert's projections drawn as an `nn.Linear` of its shape draws them (fan-in uniform)."""
+        with torch.no_grad():
+            for weight in (self.gate_up_proj, self.down_proj):
+                bound = 1.0 / math.sqrt(weight.shape[-1])
+                weight.uniform_(-bound, bound)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H]; experts [N, k] (each row's chosen experts); weights [N, k] → [N, H] in x's dtype."""
+        n, k = experts.shape
+        if n == 0:
+            return torch.zeros_like(x)
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)  # assignments grouped by expert, tokens in order within each
+        rows = x.index_select(0, order // k)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host read per layer
+        routes = routed.current()
+        grouped = None
+        if routes is not None and routes.experts is not None:
+            grouped = routes.experts(rows, counts, self.gate_up_proj, self.down_proj)
+        if grouped is None:
+            grouped = self.grouped(rows, counts)
+        # Back in (token, choice) order, weighted, and each token's k results summed at once.
+        per_choice = torch.empty_like(grouped).index_copy(0, order, grouped)
+        weighted = per_choice * weights.reshape(-1, 1)
+        return weighted.view(n, k, -1).sum(dim=1).to(x.dtype)
+
+    def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows grouped by expert, `counts[e]` of them expert e's → each expert's SwiGLU of its rows."""
+        outputs, start = [], 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            part = rows[start:start + count]
+            gate, up = F.linear(part, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            outputs.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
+            start += count
+        return torch.cat(outputs)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, hidden={self.down_proj.shape[1]}, intermediate={self.intermediate_size}"
+
+
+class SparseMoeBlock(nn.Module):
+    """Router and experts: the feed-forward part of a sparse decoder layer (transformers' `mlp`)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalise = cfg.norm_topk_prob
+        self.weights_in_input_dtype = cfg.model_type == "qwen3_moe"
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, H] → (router logits [N, E], chosen experts [N, k], their weights [N, k])."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalise:
+            top = top / top.sum(dim=-1, keepdim=True)
+        if self.weights_in_input_dtype:
+            top = top.to(logits.dtype)
+        return logits, chosen, top
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        logits, chosen, weights = self.route(flat)
+        recorded = getattr(_recording, "logits", None)
+        if recorded is not None:
+            recorded.append(logits)
+        return self.experts(flat, chosen, weights).view(x.shape)
+
+
+def has_sparse_layers(model: nn.Module) -> bool:
+    """Whether `model` holds a sparse layer: the engine's fast paths that assume every layer's
+    feed-forward is one SwiGLU (its CPU decode program) or a step without a host read (its CUDA
+    graphs; each sparse layer reads its experts' row counts) decline such a model."""
+    return any(isinstance(m, SparseMoeBlock) for m in model.modules())

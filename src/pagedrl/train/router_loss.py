@@ -1,0 +1,36 @@
+"""The load-balancing auxiliary loss of a mixture of experts (Switch Transformer, Fedus et al. 2021,
+eqs. 4-6), as transformers' `load_balancing_loss_func` computes it for Mixtral and Qwen3-MoE.
+
+A router that sends every token to the same few experts trains those and starves the rest; the loss
+is E · Σ_e f_e · P_e, with f_e the share of (token, choice) assignments that went to expert e (each
+token counted k times, so Σ f_e = k) and P_e the mean router probability of e, both over the tokens
+of every sparse layer together (padding excluded). It is smallest when both are uniform. Only P_e
+carries a gradient (the top-k choice has none), as in transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+    """router_logits: each sparse layer's [tokens, E] (`model/moe.collect_router_logits`); mask: the
+    tokens that count ([tokens] or any shape of that many elements; None: all). The softmax runs in
+    float32 whatever the logits' dtype."""
+    device = router_logits[0].device
+    assignments = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        chosen = torch.topk(probs, top_k, dim=-1).indices
+        weight = (torch.ones(probs.shape[0], device=device) if mask is None
+                  else mask.reshape(-1).to(device=device, dtype=torch.float32))
+        assignments = assignments + torch.zeros_like(assignments).scatter_add(
+            0, chosen.reshape(-1), weight.repeat_interleave(top_k))
+        prob_sum = prob_sum + (probs * weight[:, None]).sum(0)
+        rows = rows + weight.sum()
+    return (assignments / rows * (prob_sum / rows)).sum() * num_experts
