@@ -22,7 +22,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import torch
 
 from pagedrl.engine.engine_config import EngineConfig, setting
-from pagedrl.model.precision import DTYPE_CHOICES, DTYPE_HELP
+from pagedrl.model.precision import DTYPE_CHOICES, DTYPE_HELP, QUANTIZATIONS
 
 # `--help`'s sections, in order: the fields' `group`s.
 GROUPS = {
@@ -50,7 +50,7 @@ class EngineArgs(EngineConfig):
     quantization: str | None = setting(
         None, "gguf: a .gguf model's quantized weights stay quantized in memory (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, "
               "Q6_K; float32 on a CPU, the same tokens as the file dequantized; on CUDA dequantized per product in "
-              "the model's dtype); default: dequantized at load", "model", choices=("gguf",))
+              "the model's dtype); default: dequantized at load", "model", choices=QUANTIZATIONS)
 
     def engine_config(self) -> EngineConfig:
         """The engine's part (what `LLMEngine` takes), without the model's."""

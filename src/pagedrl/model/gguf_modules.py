@@ -27,14 +27,10 @@ from pagedrl.kernels import ops
 from pagedrl.kernels.products import quantized_rows
 from pagedrl.model import gguf_dequant, routed
 
-# The GGML types kept quantized: what llama.cpp's users download most (GGMLQuantizationType values).
-SUPPORTED_TYPES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
-# Values a block holds and its bytes, per type (ggml-common.h).
-BLOCK_SHAPES = {8: (32, 34), 2: (32, 18), 3: (32, 20), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
-
-
-def type_name(ggml_type: int) -> str:
-    return SUPPORTED_TYPES.get(ggml_type, f"type {ggml_type}")
+# The GGML types kept quantized: what llama.cpp's users download most (GGMLQuantizationType values; their
+# block shapes are `gguf_dequant.FORMATS`', which the CPU kernels share).
+SUPPORTED_TYPES = {t: gguf_dequant.FORMATS[t].name for t in (8, 2, 3, 12, 13, 14)}
+type_name = gguf_dequant.type_name
 
 
 def dequantize(blocks: torch.Tensor, ggml_type: int, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -55,7 +51,8 @@ class GGUFLinear(nn.Module):
         super().__init__()
         if ggml_type not in SUPPORTED_TYPES:
             raise ValueError(f"GGML type {ggml_type} is not kept quantized; supported: {', '.join(SUPPORTED_TYPES.values())}")
-        values, size = BLOCK_SHAPES[ggml_type]
+        fmt = gguf_dequant.FORMATS[ggml_type]
+        values, size = fmt.values, fmt.nbytes
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or in_features % values \
                 or blocks.shape[1] != in_features // values * size:
             raise ValueError(f"{type_name(ggml_type)} blocks of {in_features} inputs must be uint8 [rows, "

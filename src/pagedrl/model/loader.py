@@ -16,8 +16,8 @@ from pagedrl.model.checkpoint import CheckpointError, load_causal_lm
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.gguf_quantized import load_gguf_quantized
 from pagedrl.model.merge import merged_causal_lm
-from pagedrl.model.precision import Precision, resolve_dtype
-from pagedrl.model.resolve import adapter_base, gguf_file, resolve_model_path
+from pagedrl.model.precision import QUANTIZATIONS, Precision, resolve_dtype
+from pagedrl.model.resolve import adapter_base, resolve_gguf, resolve_model_path
 from pagedrl.model.tokenizer import Tokenizer
 
 
@@ -76,9 +76,6 @@ def _generation_config(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{gen_path}: not valid JSON ({e})") from None
 
 
-QUANTIZATIONS = ("gguf",)
-
-
 def _load_quantized(model: str | Path | None, device: torch.device, dtype: torch.dtype | str | None,
                     load_tokenizer: bool, adapter: str | Path | None, revision: str | None,
                     quantization: str) -> LoadedModel:
@@ -93,11 +90,11 @@ def _load_quantized(model: str | Path | None, device: torch.device, dtype: torch
         raise ValueError(f"quantization='gguf' computes in float32 on a CPU (its kernels' products are the float32 "
                          f"model's); dtype={dtype!r} is not supported with it there")
     precision = resolve_dtype("float32" if device.type == "cpu" else dtype, device)
-    source = gguf_file(model, revision)
-    if source is None:
+    found = resolve_gguf(model, revision)
+    if found is None:
         raise ValueError(f"quantization='gguf' needs a GGUF file; {model} is a folder (name a .gguf file, "
                          "org/repo/file.gguf, or the default model)")
-    path = resolve_model_path(model, revision)  # the converted folder: config, tokenizer, generation config
+    source, path = found  # the file, and its converted folder: config, tokenizer, generation config
     net, kept = load_gguf_quantized(source, path)
     net = net.to(device=device, dtype=precision.dtype)
     kinds = ", ".join(f"{name} x {n}" for name, n in sorted(kept.items()))

@@ -165,16 +165,19 @@ def resolve_model_path(model: str | Path | None, revision: str | None = None) ->
                           f"HuggingFaceTB/SmolLM2-135M-Instruct, a .gguf file or {DEFAULT_MODEL!r})")
 
 
-def gguf_file(model: str | Path | None, revision: str | None = None) -> Path | None:
-    """The GGUF file a model argument names (the embedded default's, a local `.gguf`, or `org/repo/file.gguf`
-    from the Hub), or None for a model that is a folder."""
+def resolve_gguf(model: str | Path | None, revision: str | None = None) -> tuple[Path, Path] | None:
+    """(the GGUF file, its converted folder) for a model argument that names one (the embedded default's, a
+    local `.gguf`, or `org/repo/file.gguf` from the Hub), each looked up once; None for a folder."""
     if model is None or str(model) == DEFAULT_MODEL:
-        return default_gguf_path()
+        return default_gguf_path(), resolve_default_model()
     path = Path(model).expanduser()
     if path.exists():
-        return path if path.suffix == ".gguf" and path.is_file() else None
+        return (path, converted_gguf(path)) if path.suffix == ".gguf" and path.is_file() else None
     in_repo = hub_gguf(str(model))
-    return None if in_repo is None else from_hub(in_repo[0], revision, filename=in_repo[1])
+    if in_repo is None:
+        return None
+    source = from_hub(in_repo[0], revision, filename=in_repo[1])
+    return source, converted_gguf(source)
 
 
 def converted_gguf(path: Path) -> Path:

@@ -11,7 +11,7 @@ from typing import Any
 
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.model.precision import DTYPE_CHOICES, DTYPE_HELP
+from pagedrl.model.precision import DTYPE_CHOICES, DTYPE_HELP, QUANTIZATIONS
 from pagedrl.train.data import PromptOnly, PromptRows, load_examples
 from pagedrl.train.rl.arithmetic import ArithmeticTask
 from pagedrl.train.rl.rewards import RewardFunc, last_integer_match, score
@@ -65,7 +65,7 @@ def eval_main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the task's seed (GRPO uses its config seed)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
-    parser.add_argument("--quantization", choices=("gguf",), default=None,
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="gguf: a .gguf model's quantized weights stay quantized (see `pagedrl serve --help`)")
     args = parser.parse_args(argv)
 
