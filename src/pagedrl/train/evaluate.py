@@ -1,5 +1,6 @@
 """`pagedrl eval`: held-out accuracy of any checkpoint on the built-in arithmetic task, with the
-paged engine (greedy), the same measurement GRPO logs as `eval/accuracy`."""
+paged engine (greedy), the same measurement GRPO logs as `eval/accuracy`; with `--perplexity FILE`
+also its perplexity on a text (`train/perplexity.py`), what a precision or quantization costs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.precision import DTYPE_CHOICES, DTYPE_HELP, QUANTIZATIONS
 from pagedrl.train.data import PromptOnly, PromptRows, load_examples
+from pagedrl.train.perplexity import perplexity_of_file
 from pagedrl.train.rl.arithmetic import ArithmeticTask
 from pagedrl.train.rl.rewards import RewardFunc, last_integer_match, score
 from pagedrl.train.rl.rollout import completion_for
@@ -61,17 +63,33 @@ def eval_main(argv: list[str]) -> int:
     parser.add_argument("--operations", default="+", help="operations to draw from, e.g. '+-'")
     parser.add_argument("--low", type=int, default=10)
     parser.add_argument("--high", type=int, default=99)
-    parser.add_argument("--num-problems", type=int, default=256, help="held-out problems (the task's eval set)")
+    parser.add_argument("--num-problems", type=int, default=256,
+                        help="held-out problems (the task's eval set); 0: no arithmetic accuracy")
     parser.add_argument("--seed", type=int, default=0, help="the task's seed (GRPO uses its config seed)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="gguf: a .gguf model's quantized weights stay quantized (see `pagedrl serve --help`)")
+    parser.add_argument("--perplexity", metavar="FILE", default=None,
+                        help="also the model's perplexity on the text in FILE (e.g. examples/data/perplexity.txt)")
+    parser.add_argument("--window", type=int, default=1024, help="--perplexity: tokens per window (context included)")
+    parser.add_argument("--stride", type=int, default=512, help="--perplexity: new tokens scored per window")
     args = parser.parse_args(argv)
+    if args.num_problems < 0:
+        parser.error(f"--num-problems must be >= 0, got {args.num_problems}")
 
-    task = ArithmeticTask(tuple(args.operations), args.low, args.high, args.num_problems, seed=args.seed)
     llm = LLM(args.model, revision=args.revision, dtype=args.dtype, quantization=args.quantization)
     print(f"[precision: {llm.precision.describe()}]", file=sys.stderr)
+    if args.perplexity is not None:
+        t0 = time.perf_counter()
+        try:
+            result = perplexity_of_file(llm, args.perplexity, args.window, args.stride)
+        except ValueError as e:
+            parser.error(str(e))
+        print(f"{result.describe()} on {args.perplexity} ({time.perf_counter() - t0:.1f} s)")
+    if args.num_problems == 0:
+        return 0
+    task = ArithmeticTask(tuple(args.operations), args.low, args.high, args.num_problems, seed=args.seed)
     rows, _ = load_examples(task.eval_rows(), PromptRows(llm.tokenizer, None))
     t0 = time.perf_counter()
     correct, _, scored = score_sums(greedy_scores(llm, rows, ("last_integer_match", last_integer_match),
