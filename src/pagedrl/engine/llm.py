@@ -21,6 +21,7 @@ from pagedrl.engine.outputs import RequestOutput
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.model import batch_invariant
 from pagedrl.model.decoder import CausalLM
+from pagedrl.model.footprint import footprint
 from pagedrl.model.precision import Precision
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ class LLM:
             self.precision = Precision(_module.dtype, "the module's own")
         self.engine = LLMEngine(_module, tokenizer, config, eos_token_ids=_eos_token_ids)
         if owned:
+            fp = footprint(_module.config, _module.dtype)
+            logger.info("pagedrl engine: %s", fp.describe(self.engine.weight_bytes))
             logger.info("pagedrl engine: %s", self.engine.decode_path())
         self._ids = itertools.count()
 

@@ -66,8 +66,10 @@ def cflags() -> list[str]:
 
 
 def build_dir() -> Path:
-    """Keyed by the source, torch's version and the compiler flags: a change builds anew."""
-    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    """Keyed by the source, torch's version and the compiler flags: a change builds anew. And by where
+    the sources lie: torch's build file names them by path, so two checkouts of one source sharing a
+    cache would each find the other's build stale and rebuild it (a minute each time) in turn."""
+    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS) + str(SOURCES[0].resolve().parent).encode()
     key = hashlib.sha256(text + torch.__version__.encode() + " ".join(cflags()).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"paged_attention-{key}"
 

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from pagedrl.model import expert_weights
 from pagedrl.model.config import ConfigError, ModelConfig
 from pagedrl.model.decoder import CausalLM
+from pagedrl.model.footprint import check_fits, footprint
 from pagedrl.model.precision import choose_precision
 from pagedrl.model.rope import rope_inv_freq
 from pagedrl.model.staging import staged_folder
@@ -71,9 +72,10 @@ def read_state_dict(folder: Path, dtype: torch.dtype = torch.float32,
 
 
 def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
-                 origins: dict[str, str] | None = None) -> None:
+                 origins: dict[str, str] | None = None, assign: bool = False) -> None:
     """Copy a state dict into the model, checking names and shapes against the config first. A
-    mixture of experts' per-expert tensors are stacked as the model holds them (`model/expert_weights.py`)."""
+    mixture of experts' per-expert tensors are stacked as the model holds them (`model/expert_weights.py`).
+    `assign`: the state's tensors become the model's (a model built on the meta device)."""
     origins = origins if origins is not None else {}
     expected = model.state_dict()
     config = getattr(model, "config", None)
@@ -97,7 +99,7 @@ def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source:
     if missing:
         raise CheckpointError(f"{source}: missing tensors: {', '.join(missing[:5])}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-    model.load_state_dict(state, strict=False)
+    model.load_state_dict(state, strict=False, assign=assign)
 
 
 def read_folder_config(folder: Path) -> ModelConfig:
@@ -118,17 +120,23 @@ def load_causal_lm(folder: str | Path, device: str | torch.device = "cpu",
     folder = Path(folder)
     cfg = read_folder_config(folder)
     dtype = dtype or default_dtype(device)
+    device = torch.device(device)
+    fp = footprint(cfg, dtype)
+    check_fits(fp, device, str(folder))
+    if device.type != "cpu":
+        check_fits(fp, torch.device("cpu"), f"{folder} (read into host memory first)")
+    # Built on the meta device so no time goes into random initialisation of weights we overwrite, and
+    # no memory: the tensors read from the files (in the precision the model will hold) become its
+    # parameters, so loading holds the weights once, not a float32 copy beside them. The rope buffer
+    # is recomputed and the tie restored, since assigning replaces both.
     with torch.device("meta"):
         model = CausalLM(cfg)
-    # Built on the meta device so no time goes into random initialisation of weights we overwrite;
-    # the rope buffer is recomputed and the tie restored, since to_empty() rebuilds both.
-    model = model.to_empty(device="cpu")
+    origins: dict[str, str] = {}
+    load_weights(model, read_state_dict(folder, dtype=dtype, origins=origins), str(folder), origins, assign=True)
     model.model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    origins: dict[str, str] = {}
-    load_weights(model, read_state_dict(folder, origins=origins), str(folder), origins)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device).eval()
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:

@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 from pagedrl.engine.engine_args import EngineArgs, add_engine_arguments, cli_fields, flag
+from pagedrl.model.footprint import footprint
 from pagedrl.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedrl.server.inputs import DEFAULT_MAX_N
 from pagedrl.server.served_models import RUNTIME_UPDATING_ENV, parse_lora_module, runtime_updating_from_env
@@ -140,8 +141,9 @@ def build_server(args: argparse.Namespace) -> Any:
                     args.max_lora_rank, stats.lora.nbytes / 2**20)
     for lora in app.state.served.adapters.values():
         logger.info("LoRA adapter %s from %s (id %d)", lora.lora_name, lora.lora_path, lora.lora_int_id)
-    logger.info("serving %s (%s, %s on %s): weights %.1f MiB, %d KV blocks of %d tokens, max_model_len %d; %s",
-                name, loaded.path, loaded.precision.describe(), loaded.model.device, stats.weight_bytes / 2**20,
+    logger.info("serving %s (%s, %s on %s): %s; %d KV blocks of %d tokens, max_model_len %d; %s",
+                name, loaded.path, loaded.precision.describe(), loaded.model.device,
+                footprint(loaded.model.config, loaded.model.dtype).describe(stats.weight_bytes),
                 stats.num_blocks_total, engine.block_size, engine.max_model_len, engine.decode_path())
     if not args.no_ui:
         logger.info("chat page at http://%s:%d/ (--no-ui turns it off)", args.host, args.port)
