@@ -22,7 +22,7 @@ from test_gguf_linear import EDGE_HALVES, SCALE_OFFSETS, random_blocks, same_bit
 from pagedrl.kernels import ops
 from pagedrl.model.gguf_dequant import FORMATS, dequantize
 
-BLOCK_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+BLOCK_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 # The CPU always; a GPU where this machine has one (the functions are the same tensor operations there).
 DEVICES = ("cpu", *(("cuda",) if torch.cuda.is_available() else ()))
@@ -217,9 +217,10 @@ def test_a_narrow_output_is_the_oracle_s_bits_rounded(dtype) -> None:
 
 def test_wrong_operands_are_refused_with_the_reason() -> None:
     raw = torch.zeros(4, 40, dtype=torch.uint8)  # 4 rows of two Q4_1 blocks: k = 64
-    with pytest.raises(ValueError, match=r"GGML type 6 \(Q5_0\) cannot be dequantized; supported: F32 \(0\), "
-                                         r"F16 \(1\), Q4_0 \(2\), Q4_1 \(3\), Q8_0 \(8\), Q4_K \(12\)"):
-        dequantize(raw, int(Q.Q5_0), 64)
+    with pytest.raises(ValueError, match=r"GGML type 10 \(Q2_K\) cannot be dequantized; supported: F32 \(0\), "
+                                         r"F16 \(1\), Q4_0 \(2\), Q4_1 \(3\), Q5_0 \(6\), Q5_1 \(7\), Q8_0 \(8\), "
+                                         r"Q4_K \(12\)"):
+        dequantize(raw, int(Q.Q2_K), 64)
     with pytest.raises(ValueError, match=r"GGML type 99 \(unknown\) cannot be dequantized; supported: F32"):
         dequantize(raw, 99, 64)
     with pytest.raises(ValueError, match=r"k = 48 is not a whole number of Q4_1 blocks of 32 values"):

@@ -23,8 +23,8 @@ from pagedrl.model.gguf_modules import GGUFEmbedding, GGUFLinear
 from pagedrl.model.loader import load_model
 
 # Every supported type in one model; sizes that K-quants' 256-value blocks divide.
-TYPES = {"attn_q": Q.Q4_K, "attn_k": Q.Q5_K, "attn_v": Q.Q6_K, "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_0,
-         "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_K, "token_embd": Q.Q8_0}
+TYPES = {"attn_q": Q.Q4_K, "attn_k": Q.Q5_K, "attn_v": Q.Q6_K, "attn_output": Q.Q5_0, "ffn_gate": Q.Q4_0,
+         "ffn_up": Q.Q4_1, "ffn_down": Q.Q5_1, "token_embd": Q.Q8_0}
 WIDE = dict(TINY, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
             tie_word_embeddings=True)
 
@@ -140,5 +140,5 @@ def test_refusals_are_one_clear_line(every_type_gguf: Path, default_model_dir: P
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(GGUFError, match=r"'blk.0.ffn_down.weight' is Q2_K, which quantization='gguf' does not keep "
-                                        r"quantized \(supported: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K\)"):
+                                        r"quantized \(supported: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K\)"):
         load_model(str(path), quantization="gguf")

@@ -20,8 +20,9 @@ from pagedrl.kernels import ops
 
 pytestmark = pytest.mark.isa  # the product's lanes follow the CPU class: `make test-isa` runs it as each lower one
 
-TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-SCALE_OFFSETS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+SCALE_OFFSETS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2),
+                 Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 # Half-precision scales at the edges: ±0, the smallest and largest subnormals, the largest finite, ±inf, NaN.
 EDGE_HALVES = (0x0000, 0x8000, 0x0001, 0x83FF, 0x03FF, 0x7BFF, 0xBC00, 0x7C00, 0xFC00, 0x7E00, 0xFE01)
 
@@ -155,8 +156,8 @@ def test_a_row_s_outputs_do_not_depend_on_its_batch() -> None:
 def test_wrong_operands_are_refused_with_the_reason() -> None:
     raw = torch.zeros(4, 40, dtype=torch.uint8)  # 4 rows of two Q4_1 blocks: K = 64
     x = torch.randn(3, 64)
-    with pytest.raises(RuntimeError, match=r"GGML type 6 \(Q5_0\) is not supported; supported: Q8_0 \(8\), Q4_0"):
-        ops.gguf_linear(x, raw, int(Q.Q5_0), 64, None)
+    with pytest.raises(RuntimeError, match=r"GGML type 10 \(Q2_K\) is not supported; supported: Q8_0 \(8\), Q4_0"):
+        ops.gguf_linear(x, raw, int(Q.Q2_K), 64, None)
     with pytest.raises(RuntimeError, match=r"GGML type 99 \(unknown\) is not supported; supported: Q8_0"):
         ops.gguf_dequantize(raw, 99, 64)
     with pytest.raises(RuntimeError, match=r"K = 48 is not a positive multiple of Q4_1's block of 32 values"):

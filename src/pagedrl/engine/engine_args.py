@@ -48,8 +48,8 @@ class EngineArgs(EngineConfig):
     device: str | None = setting(None, "cpu, cuda, cuda:1, ... (default: cuda if available)", "model")
     dtype: torch.dtype | str = setting("auto", DTYPE_HELP, "model", choices=DTYPE_CHOICES)
     quantization: str | None = setting(
-        None, "gguf: a .gguf model's quantized weights stay quantized in memory (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, "
-              "Q6_K; float32 on a CPU, the same tokens as the file dequantized; on CUDA dequantized per product in "
+        None, "gguf: a .gguf model's quantized weights stay quantized in memory (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+              "Q4_K, Q5_K, Q6_K; float32 on a CPU, the same tokens as the file dequantized; on CUDA dequantized per product in "
               "the model's dtype); default: dequantized at load", "model", choices=QUANTIZATIONS)
 
     def engine_config(self) -> EngineConfig:

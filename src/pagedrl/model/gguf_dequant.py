@@ -11,7 +11,7 @@ project's oracle) gives, because each format below is gguf's numpy code transcri
 operation: half scales widened to float32 exactly (subnormals, inf and NaN included), the same integer
 unpacking, then the same float32 products and sums in the same order. Every product is exact: a half
 has 11 significant bits, a scale at most 7 and a quant at most 5 (23 together, float32 keeps 24), and
-none comes near float32's range. So the one rounding is the final sum of Q4_1 (`d * q + m`) and the
+none comes near float32's range. So the one rounding is the final sum of Q4_1 and Q5_1 (`d * q + m`) and the
 K-quants (`d * q - dm`), rounded once whether a device adds a rounded product or fuses the two into one
 multiply-add. And each scale is a multiple of 2^-24 (the smallest half), so no product or sum is a
 float32 subnormal: a device that flushes subnormals gives the same bits. Which NaN comes out of
@@ -71,6 +71,26 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:  # d, m, 16 bytes of nibbles: (d * q
     d, m = _half(b, 0), _half(b, 2)
     qs = _nibbles(b[:, 4:], n, 16).reshape(n, -1).to(torch.float32)
     return (d * qs) + m
+
+
+def _fifth_bits(b: torch.Tensor, offset: int) -> torch.Tensor:
+    """Q5_0's and Q5_1's fifth bits: bit i of the little-endian uint32 at `offset`, for value i: [B, 32]."""
+    bits = _shifted(b[:, offset:offset + 4], 8, 1) & 0x01  # [B, shift, byte]: value 8 * byte + shift
+    return bits.transpose(-1, -2).reshape(b.shape[0], 32)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:  # d, fifth bits, 16 bytes of nibbles: d * (q - 16)
+    n = b.shape[0]
+    d = _half(b, 0)
+    q = (_nibbles(b[:, 6:], n, 16).reshape(n, -1) | (_fifth_bits(b, 2) << 4)).to(torch.int8) - 16
+    return d * q.to(torch.float32)
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:  # d, m, fifth bits, 16 bytes of nibbles: (d * q) + m
+    n = b.shape[0]
+    d, m = _half(b, 0), _half(b, 2)
+    q = (_nibbles(b[:, 8:], n, 16).reshape(n, -1) | (_fifth_bits(b, 4) << 4)).to(torch.float32)
+    return (d * q) + m
 
 
 def _scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,6 +169,8 @@ FORMATS: dict[int, Format] = {
     1: Format("F16", 1, 2, _f16),
     2: Format("Q4_0", 32, 18, _q4_0),
     3: Format("Q4_1", 32, 20, _q4_1),
+    6: Format("Q5_0", 32, 22, _q5_0),
+    7: Format("Q5_1", 32, 24, _q5_1),
     8: Format("Q8_0", 32, 34, _q8_0),
     12: Format("Q4_K", QK_K, 144, _q4_k),
     13: Format("Q5_K", QK_K, 176, _q5_k),

@@ -1,4 +1,4 @@
-// GGUF weights kept quantized: a block-quantized weight (GGML's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, its
+// GGUF weights kept quantized: a block-quantized weight (GGML's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, its
 // blocks as the file stores them) dequantized, or multiplied by a decode step's few float32 rows.
 //
 // Why: at a few rows a projection is a pass over its weights, so a step runs at the speed the weights
@@ -184,6 +184,47 @@ struct Q4_1 {  // d, m, nibbles: d * q + m (a product rounded, then a sum rounde
   };
 };
 
+// Q5_0 and Q5_1: Q4_0's and Q4_1's nibbles with a fifth bit each, bit i of a little-endian uint32 for
+// value i. What llama.cpp's Q4_K_M and Q5_K_M fall back to for rows that 256 does not divide.
+typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+inline Ints fifth_bits(uint32_t qh, int c) {
+  Words shifts, word = {};
+  for (int i = 0; i < kLanes; ++i) shifts[i] = c * kLanes + i;
+  word += qh;  // a broadcast
+  return (Ints)((word >> shifts) & 1u);
+}
+
+inline uint32_t read_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+struct Q5_0 {  // d, fifth bits, nibbles: (q - 16) * d
+  static constexpr int kType = 6, kValues = 32, kBytes = 22;
+  struct Block {
+    const uint8_t* q;
+    uint32_t qh;
+    Vec d;
+    explicit Block(const uint8_t* b) : q(b + 6), qh(read_u32(b + 2)), d(splat(half(b))) {}
+    Vec chunk(int c) const { return d * to_float((nibbles32(q, c) | (fifth_bits(qh, c) << 4)) - 16); }
+  };
+};
+
+struct Q5_1 {  // d, m, fifth bits, nibbles: d * q + m (a product rounded, then a sum rounded)
+  static constexpr int kType = 7, kValues = 32, kBytes = 24;
+  struct Block {
+    const uint8_t* q;
+    uint32_t qh;
+    Vec d, m;
+    explicit Block(const uint8_t* b) : q(b + 8), qh(read_u32(b + 4)), d(splat(half(b))), m(splat(half(b + 2))) {}
+    Vec chunk(int c) const {
+      const Vec p = d * to_float(nibbles32(q, c) | (fifth_bits(qh, c) << 4));
+      return p + m;
+    }
+  };
+};
+
 // Q4_K and Q5_K: eight 6-bit scales and mins packed in 12 bytes (gguf's `Q4_K.get_scale_min`), each
 // widened as d * scale and dmin * min for its 32 values; 128 bytes of nibbles, sub-block 2c + h being
 // nibble h of bytes [32c, 32c + 32).
@@ -269,7 +310,7 @@ const char* type_name(int64_t type) {  // GGML's numbering (gguf.GGMLQuantizatio
   return type >= 0 && type < static_cast<int64_t>(sizeof(names) / sizeof(names[0])) ? names[type] : "unknown";
 }
 
-constexpr const char* kSupported = "Q8_0 (8), Q4_0 (2), Q4_1 (3), Q4_K (12), Q5_K (13), Q6_K (14)";
+constexpr const char* kSupported = "Q8_0 (8), Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q4_K (12), Q5_K (13), Q6_K (14)";
 
 // Calls f with a value of the block format `type`.
 template <class F>
@@ -278,6 +319,8 @@ void with_type(const char* op, int64_t type, F&& f) {
     case Q8_0::kType: return f(Q8_0{});
     case Q4_0::kType: return f(Q4_0{});
     case Q4_1::kType: return f(Q4_1{});
+    case Q5_0::kType: return f(Q5_0{});
+    case Q5_1::kType: return f(Q5_1{});
     case Q4_K::kType: return f(Q4_K{});
     case Q5_K::kType: return f(Q5_K{});
     case Q6_K::kType: return f(Q6_K{});
