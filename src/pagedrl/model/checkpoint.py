@@ -20,7 +20,6 @@ from pagedrl.model import expert_weights
 from pagedrl.model.config import ConfigError, ModelConfig
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.precision import choose_precision
-from pagedrl.model.rope import rope_inv_freq
 from pagedrl.model.staging import staged_folder
 
 WEIGHTS_NAME = "model.safetensors"
@@ -123,7 +122,7 @@ def load_causal_lm(folder: str | Path, device: str | torch.device = "cpu",
     # Built on the meta device so no time goes into random initialisation of weights we overwrite;
     # the rope buffer is recomputed and the tie restored, since to_empty() rebuilds both.
     model = model.to_empty(device="cpu")
-    model.model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    model.model.reset_rope()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     origins: dict[str, str] = {}

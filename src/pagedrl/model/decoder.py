@@ -152,6 +152,12 @@ class Backbone(nn.Module):
     # policy whose rollouts must carry the trainer's own bits.
     batch_invariant = False
 
+    def reset_rope(self) -> None:
+        """The rotary frequencies recomputed in float32 on the CPU (after `to_empty`, which leaves them garbage)."""
+        self.inv_freq = rope_inv_freq(*self.rope)
+        if self.local_rope is not None:
+            self.local_inv_freq = rope_inv_freq(*self.local_rope)
+
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         """`.to(torch.bfloat16)` casts every buffer; the rotary frequencies stay float32 (in bf16
         each is off by up to 0.2%, which at position 1000 turns the fastest pair by up to 2 radians)."""

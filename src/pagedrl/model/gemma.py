@@ -33,7 +33,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 class GemmaRules:
     """The per-layer rules of a Gemma 2/3 model, under transformers' field names."""
 
-    query_pre_attn_scalar: float
+    query_pre_attn_scalar: int | float  # (kept as given: transformers' config insists on an int)
     sliding_window: int | None
     layer_types: tuple[str, ...]
     local_rope_theta: float | None = None  # Gemma 3: the sliding layers' rotary base (no scaling)
@@ -87,7 +87,7 @@ def gemma_fields(raw: dict[str, Any], base: str, source: str) -> dict[str, Any]:
     if scaling is not None:
         scaling.pop("rope_theta", None)
     rules = GemmaRules(
-        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+        query_pre_attn_scalar=_positive(raw, "query_pre_attn_scalar", 256, source),
         sliding_window=window if SLIDING in types else None,
         layer_types=tuple(types),
         local_rope_theta=local_theta,
@@ -100,14 +100,18 @@ def gemma_fields(raw: dict[str, Any], base: str, source: str) -> dict[str, Any]:
 
 
 def _cap(raw: dict[str, Any], name: str, default: float | None, source: str) -> float | None:
+    value = raw.get(name, default)
+    return None if value is None else float(_positive(raw, name, default, source))
+
+
+def _positive(raw: dict[str, Any], name: str, default: float | None, source: str) -> int | float:
     from pagedrl.model.config import ConfigError
 
     value = raw.get(name, default)
-    if value is None:
-        return None
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ConfigError(f"{source}: field {name!r} must be a positive number or null, got {value!r}")
-    return float(value)
+        raise ConfigError(f"{source}: field {name!r} must be a positive number{' or null' if default is None else ''}, "
+                          f"got {value!r}")
+    return value
 
 
 def gemma_dict(cfg: Any) -> dict[str, Any]:
