@@ -1,8 +1,9 @@
 """Model configuration: a Hugging Face `config.json` read into one typed dataclass.
 
-Every supported family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, and the mixture-of-experts
-Mixtral and Qwen3-MoE) is the same decoder with a few switches, so one dataclass holds them all; the
-switches are derived from the `architectures` entry and the fields that family publishes.
+Every supported family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, the mixture-of-experts
+Mixtral and Qwen3-MoE, Gemma 2/3 with the rules of `model/gemma.py`) is the same decoder with a few
+switches, so one dataclass holds them all; the switches are derived from the `architectures` entry
+and the fields that family publishes.
 """
 
 from __future__ import annotations
