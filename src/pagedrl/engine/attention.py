@@ -259,19 +259,19 @@ class PagedAttention:
         flat_values = value_cache.reshape(-1, num_kv_heads, head_dim)
         starts = self.query_start_loc.tolist()
         out = torch.empty_like(q)
-        for s, (seq_len, table) in enumerate(zip(self.seq_lens.tolist(), self.block_tables.tolist(), strict=True)):
+        for s, seq_len in enumerate(self.seq_lens.tolist()):
             first, last = starts[s], starts[s + 1]
             q_len = last - first
             start = 0 if window is None else max(0, seq_len - q_len - window + 1)  # keys no query sees: skipped
-            slots = torch.tensor([table[p // block_size] * block_size + p % block_size
-                                  for p in range(start, seq_len)], device=q.device)
+            key_positions = torch.arange(start, seq_len, device=q.device)
+            slots = self.block_tables[s, key_positions // block_size] * block_size + key_positions % block_size
             keys = flat_keys[slots].float().repeat_interleave(groups, dim=1)  # [seq_len, Hq, D]
             values = flat_values[slots].float().repeat_interleave(groups, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[first:last].float(), keys) * scale
             if self.softcap is not None:
                 scores = torch.tanh(scores / self.softcap) * self.softcap
             query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-            key_pos = torch.arange(start, seq_len, device=q.device)[None, :]
+            key_pos = key_positions[None, :]
             hidden = key_pos > query_pos
             if window is not None:
                 hidden |= query_pos - key_pos >= window

@@ -1,16 +1,22 @@
-"""The first batch of SFT and DPO on a tiny Gemma 3 model against transformers' own class on the
-same saved weights: loss and every parameter's gradient, with a 4-token window that the rows cross."""
+"""A saved tiny Gemma 3 folder (the trainers' tokenizer, a 4-token window the rows cross): the first
+batch of SFT and DPO against transformers' own class on the same weights (loss and every parameter's
+gradient), and `pagedrl serve` answering with the offline engine's greedy tokens."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
 from preference_data import dpo_trainer, preference_rows
+from server_process import running_server
 from tiny_train import build_model_dir, sft_trainer
 
+from pagedrl.engine.llm import LLM
+from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.checkpoint import load_causal_lm
+from pagedrl.model.loader import load_model
 from pagedrl.train.algorithms.sft import collate_sft
 
 GEMMA3 = dict(architectures=["Gemma3ForCausalLM"], sliding_window=4, head_dim=16, query_pre_attn_scalar=24,
@@ -87,3 +93,16 @@ def test_dpo_first_batch_equals_transformers(gemma_dirs, tmp_path) -> None:
     assert alg.config.loss_type in ("sigmoid", ["sigmoid"]) and abs(float(loss.detach()) - float(ref.detach())) < 1e-5
     assert abs(float(loss.detach()) - float(torch.log(torch.tensor(2.0)))) > 1e-4  # the reference differs
     assert_gradients_equal(alg.model, policy)
+
+
+def test_serve_answers_with_the_offline_engines_tokens(gemma_dirs, tmp_path) -> None:
+    prompt = "the cat sat on the mat and a dog ran in the park"
+    loaded = load_model(gemma_dirs[0], device="cpu")
+    offline = LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, kv_cache_tokens=512)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = offline.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+    with running_server(gemma_dirs[0], tmp_path, "--kv-cache-tokens", "512") as server:
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == expected and r.json()["usage"]["completion_tokens"] == 6
