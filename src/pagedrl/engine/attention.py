@@ -10,7 +10,8 @@ fresh prompt, a chunk of a prompt whose prefix is cached, and a one-token decode
 
 Three implementations compute the same thing:
 - `reference`: one sequence at a time, keys gathered into a contiguous tensor, an explicit causal
-  mask, softmax, matmul. Slow and obviously right; the tests hold the fast path to it.
+  mask, softmax, matmul (`reference_attention`). Slow and obviously right; the tests hold the fast
+  path to it. A layer with a sliding window or soft-capped scores (Gemma) takes it under any impl.
 - `fast`: on a CPU, a step of decodes only runs `ops.paged_decode`, which reads each
   sequence's keys and values from its blocks where they lie (one pass over them); in bf16 without
   AMX a step with prompt chunks runs `ops.paged_prefill` (a prompt's rows in tiles over the
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 from pagedrl.engine.attention_groups import QueryGroup, plan_groups
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
+from pagedrl.engine.reference_attention import reference_attention
 from pagedrl.kernels import ops
 from pagedrl.model import batch_invariant
 
@@ -251,33 +253,8 @@ class PagedAttention:
 
     def _attend_reference(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           scale: float, window: int | None = None) -> torch.Tensor:
-        """One sequence at a time, in float32, every step spelled out. `window`: a query sees only
-        the keys less than that many positions back; the scores are soft-capped if `softcap` is set."""
-        block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-        groups = q.shape[1] // num_kv_heads
-        flat_keys = key_cache.reshape(-1, num_kv_heads, head_dim)
-        flat_values = value_cache.reshape(-1, num_kv_heads, head_dim)
-        starts = self.query_start_loc.tolist()
-        out = torch.empty_like(q)
-        for s, seq_len in enumerate(self.seq_lens.tolist()):
-            first, last = starts[s], starts[s + 1]
-            q_len = last - first
-            start = 0 if window is None else max(0, seq_len - q_len - window + 1)  # keys no query sees: skipped
-            key_positions = torch.arange(start, seq_len, device=q.device)
-            slots = self.block_tables[s, key_positions // block_size] * block_size + key_positions % block_size
-            keys = flat_keys[slots].float().repeat_interleave(groups, dim=1)  # [seq_len, Hq, D]
-            values = flat_values[slots].float().repeat_interleave(groups, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", q[first:last].float(), keys) * scale
-            if self.softcap is not None:
-                scores = torch.tanh(scores / self.softcap) * self.softcap
-            query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-            key_pos = key_positions[None, :]
-            hidden = key_pos > query_pos
-            if window is not None:
-                hidden |= query_pos - key_pos >= window
-            scores = scores.masked_fill(hidden, float("-inf"))
-            out[first:last] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(out.dtype)
-        return out
+        return reference_attention(q, key_cache, value_cache, self.seq_lens, self.query_start_loc, self.block_tables,
+                                   scale, window, self.softcap)
 
     def _attend_fast(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      scale: float) -> torch.Tensor:
