@@ -144,3 +144,13 @@ def test_lora_adapter_loads_in_peft_with_the_same_logits(tmp_path, family: str) 
     real = mask.bool()
     assert float((ours_logits(ours, ids, mask) - ref)[real].abs().max()) < 1e-5
     assert float((base - ref)[real].abs().max()) > 1e-2  # the adapter changes the model
+
+
+def test_rollouts_leave_batch_invariance_off_and_refuse_it_by_name() -> None:
+    """The row kernel of batch-invariant mode attends over every key, uncapped: not for Gemma."""
+    from pagedrl.train.rl.online import choose_batch_invariance
+
+    cpu = torch.device("cpu")
+    assert not choose_batch_invariance(None, True, cpu, layer_rules=True)
+    with pytest.raises(ValueError, match="batch_invariant: true is not implemented"):
+        choose_batch_invariance(True, True, cpu, layer_rules=True)
