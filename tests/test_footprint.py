@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import FAMILIES, MOE_FAMILIES, hf_model
+from tiny import FAMILIES, GEMMA_FAMILIES, MOE_FAMILIES, hf_model
 
 from pagedrl.model import footprint as fp_module
 from pagedrl.model.checkpoint import load_causal_lm
@@ -14,9 +14,9 @@ from pagedrl.model.config import ModelConfig
 from pagedrl.model.footprint import DoesNotFit, footprint
 
 
-@pytest.mark.parametrize("family", ["llama-mha-tied-bias", "qwen3-qknorm", *MOE_FAMILIES])
+@pytest.mark.parametrize("family", ["llama-mha-tied-bias", "qwen3-qknorm", *MOE_FAMILIES, "gemma3"])
 def test_parameters_are_transformers_count_and_active_ones_the_routed_share(family) -> None:
-    raw = FAMILIES[family]
+    raw = {**FAMILIES, **GEMMA_FAMILIES}[family]
     cfg = ModelConfig.from_dict(raw)
     fp = footprint(cfg, torch.bfloat16)
     assert fp.parameters == hf_model(raw).num_parameters()

@@ -56,3 +56,17 @@ def hf_model(raw: dict[str, Any], seed: int = 0):
             if name.endswith("bias") or "norm" in name:
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
     return model
+
+# Gemma 2/3: windows of 8 tokens, so short test sequences cross them; layers sliding, full, sliding.
+# Kept apart from FAMILIES: their windowed layers take the engine's reference attention, which the
+# fast-path and batch-invariant suites do not cover (tests/test_gemma.py holds their checks).
+GEMMA_BASE = dict(BASE, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                  query_pre_attn_scalar=24, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh")
+GEMMA_FAMILIES: dict[str, dict[str, Any]] = {
+    "gemma3": dict(GEMMA_BASE, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
+    "gemma2": dict(GEMMA_BASE, architectures=["Gemma2ForCausalLM"], model_type="gemma2",
+                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+}

@@ -10,7 +10,8 @@ fresh prompt, a chunk of a prompt whose prefix is cached, and a one-token decode
 
 Three implementations compute the same thing:
 - `reference`: one sequence at a time, keys gathered into a contiguous tensor, an explicit causal
-  mask, softmax, matmul. Slow and obviously right; the tests hold the fast path to it.
+  mask, softmax, matmul (`reference_attention`). Slow and obviously right; the tests hold the fast
+  path to it. A layer with a sliding window or soft-capped scores (Gemma) takes it under any impl.
 - `fast`: on a CPU, a step of decodes only runs `ops.paged_decode`, which reads each
   sequence's keys and values from its blocks where they lie (one pass over them); in bf16 without
   AMX a step with prompt chunks runs `ops.paged_prefill` (a prompt's rows in tiles over the
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 from pagedrl.engine.attention_groups import QueryGroup, plan_groups
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
+from pagedrl.engine.reference_attention import reference_attention
 from pagedrl.kernels import ops
 from pagedrl.model import batch_invariant
 
@@ -81,6 +83,11 @@ class PagedAttention:
     row_seqs: torch.Tensor | None = field(default=None, repr=False)
     kernels: bool = False  # the CPU kernels serve this cache: its KV writes take one `store_kv` call a layer
     tiles: bool = False  # a CPU bf16 step with prompt chunks: `ops.paged_prefill` attends them in tiles
+    # Per-layer rules (Gemma, `model/gemma.py`): each layer's sliding window (None: every cached key)
+    # and a tanh cap on the scores. A layer with either runs `reference` whatever `impl` says: the
+    # other paths' kernels attend over every cached key, uncapped.
+    windows: tuple[int | None, ...] | None = None
+    softcap: float | None = None
 
     @classmethod
     def build(
@@ -210,6 +217,10 @@ class PagedAttention:
                              f"({num_kv_heads}) and head_dim must be {head_dim}; got {tuple(q.shape)}")
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
         queries = q[0].to(key_cache.dtype)
+        window = self.windows[layer] if self.windows is not None else None
+        if window is not None or self.softcap is not None:
+            self._store(k, v, key_cache, value_cache)
+            return self._attend_reference(queries, key_cache, value_cache, scale, window).to(q.dtype)[None]
         if self.impl == "triton":
             from pagedrl.engine import triton_attention
 
@@ -220,13 +231,7 @@ class PagedAttention:
             out = triton_attention.paged_attention(queries, key_cache, value_cache, self.block_tables,
                                                    self.seq_lens, self.query_start_loc, max_query_len, scale)
             return out.to(q.dtype)[None]
-        if self.kernels:
-            ops.store_kv(k[0].to(key_cache.dtype), v[0].to(value_cache.dtype), key_cache, value_cache,
-                                 self.slot_mapping)
-        else:
-            key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, k[0].to(key_cache.dtype))
-            value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping,
-                                                                     v[0].to(value_cache.dtype))
+        self._store(k, v, key_cache, value_cache)
         if self.impl == "reference":
             out = self._attend_reference(queries, key_cache, value_cache, scale)
         elif self.impl == "fast":
@@ -235,28 +240,21 @@ class PagedAttention:
             raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {self.impl!r}")
         return out.to(q.dtype)[None]
 
+    def _store(self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+        """The new tokens' keys and values into their cache slots."""
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        if self.kernels:
+            ops.store_kv(k[0].to(key_cache.dtype), v[0].to(value_cache.dtype), key_cache, value_cache,
+                                 self.slot_mapping)
+        else:
+            key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, k[0].to(key_cache.dtype))
+            value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping,
+                                                                     v[0].to(value_cache.dtype))
+
     def _attend_reference(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                          scale: float) -> torch.Tensor:
-        """One sequence at a time, in float32, every step spelled out."""
-        block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-        groups = q.shape[1] // num_kv_heads
-        flat_keys = key_cache.reshape(-1, num_kv_heads, head_dim)
-        flat_values = value_cache.reshape(-1, num_kv_heads, head_dim)
-        starts = self.query_start_loc.tolist()
-        out = torch.empty_like(q)
-        for s, (seq_len, table) in enumerate(zip(self.seq_lens.tolist(), self.block_tables.tolist(), strict=True)):
-            first, last = starts[s], starts[s + 1]
-            q_len = last - first
-            slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(seq_len)],
-                                 device=q.device)
-            keys = flat_keys[slots].float().repeat_interleave(groups, dim=1)  # [seq_len, Hq, D]
-            values = flat_values[slots].float().repeat_interleave(groups, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", q[first:last].float(), keys) * scale
-            query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-            key_pos = torch.arange(seq_len, device=q.device)[None, :]
-            scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
-            out[first:last] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(out.dtype)
-        return out
+                          scale: float, window: int | None = None) -> torch.Tensor:
+        return reference_attention(q, key_cache, value_cache, self.seq_lens, self.query_start_loc, self.block_tables,
+                                   scale, window, self.softcap)
 
     def _attend_fast(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      scale: float) -> torch.Tensor:

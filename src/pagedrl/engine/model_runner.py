@@ -85,7 +85,8 @@ class ModelRunner:
         self.lora: LoRASlots | None = None  # set by the engine when it serves adapters per request
         self.graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs: on CUDA with the kernels
         if (not enforce_eager and model.device.type == "cuda" and self.attention_impl == "triton"
-                and not has_sparse_layers(model)):
+                and not has_sparse_layers(model) and model.config.gemma is None):
+            # (Gemma's windowed or soft-capped layers attend through the reference path: host reads)
             self.graphs = DecodeGraphs(model, kv_cache, block_size, max_num_seqs,
                                        max_model_len or model.config.max_model_len, self.precision)
 
@@ -212,7 +213,8 @@ class ModelRunner:
         SmolLM2's vocabulary) is mapped anew on every step by the C allocator, and its page faults
         cost a CPU about a fifth of the projection itself. The result is valid until the next step."""
         head = getattr(self.model, "lm_head", None)
-        plain = (type(self.model).logits is CausalLM.logits and isinstance(head, torch.nn.Linear)
+        plain = (getattr(self.model.config, "gemma", None) is None  # (Gemma 2 soft-caps its logits)
+                 and type(self.model).logits is CausalLM.logits and isinstance(head, torch.nn.Linear)
                  and head.bias is None and head.weight.dtype == torch.float32 and hidden.dtype == torch.float32
                  and hidden.dim() == 2 and hidden.device.type == "cpu" and self.autocast_dtype is None
                  and not self.model.model.batch_invariant)

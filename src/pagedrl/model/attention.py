@@ -32,6 +32,12 @@ class DenseAttention:
     scale: float | None = None
     # Batch-invariant mode's tables of the keys each row sees, made once per batch shape: (B, T, tables).
     key_tables: Any = field(default=None, repr=False, compare=False)
+    # Per-layer rules (Gemma, `model/gemma.py`): each layer's sliding window (None: all keys), the
+    # positions the windows are measured in ([B, T]), and a tanh cap on the scores.
+    windows: tuple[int | None, ...] | None = None
+    key_positions: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    softcap: float | None = None
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def causal(cls, attention_mask: torch.Tensor | None = None, sliding_window: int | None = None,
@@ -74,7 +80,25 @@ class DenseAttention:
                 visible |= (anc[..., :, None] == seg[..., None, :]) & (anc[..., :, None] >= 0)
         return cls(visible & causal)
 
+    def layer_mask(self, layer: int, T: int, device: torch.device) -> torch.Tensor | None:
+        """The mask of `layer`: the batch's, narrowed to the layer's window when it has one (by
+        position, so packed segments and padded rows are measured as transformers measures them)."""
+        window = self.windows[layer] if self.windows is not None else None
+        if window is None:
+            return self.mask
+        if window not in self._window_masks:
+            if self.key_positions is None:
+                raise ValueError("a sliding-window layer needs the tokens' positions (key_positions)")
+            pos = self.key_positions
+            near = (pos[:, :, None] - pos[:, None, :]) < window
+            idx = torch.arange(T, device=device)
+            base = self.mask if self.mask is not None else (idx[None, :] <= idx[:, None])[None]
+            self._window_masks[window] = (base if base.dim() == 3 else base[:, 0]) & near
+        return self._window_masks[window]
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.windows is not None or self.softcap is not None:
+            return self._attend_with_rules(layer, q, k, v)
         if batch_invariant.active() and row_attention.attention_available(q.device):
             B, T = q.shape[:2]
             if self.key_tables is None or self.key_tables[:2] != (B, T):
@@ -91,3 +115,31 @@ class DenseAttention:
             mask = self.mask if self.mask.dim() == 4 else self.mask[:, None]
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
         return out.transpose(1, 2)
+
+    def _attend_with_rules(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Per-layer windows and soft-capped scores, spelled out as transformers' eager attention
+        computes them (a fused kernel has no tanh cap); the softmax in float32."""
+        if batch_invariant.active():
+            raise NotImplementedError("batch-invariant attention with per-layer sliding windows (Gemma) "
+                                      "is not implemented")
+        B, T = q.shape[:2]
+        mask = self.layer_mask(layer, T, q.device)
+        qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        groups = qh.shape[1] // kh.shape[1]
+        if groups > 1:
+            kh = kh.repeat_interleave(groups, dim=1)
+            vh = vh.repeat_interleave(groups, dim=1)
+        mask = mask if mask is None or mask.dim() == 4 else mask[:, None]
+        if self.softcap is None:  # windows only: the fused kernel takes the mask
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+            return out.transpose(1, 2)
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        scores = torch.matmul(qh, kh.transpose(2, 3)) * scale
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is None:
+            idx = torch.arange(T, device=q.device)
+            mask = (idx[None, :] <= idx[:, None])[None, None]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, vh).transpose(1, 2)

@@ -21,7 +21,6 @@ from pagedrl.model.config import ConfigError, ModelConfig
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.footprint import check_fits, footprint
 from pagedrl.model.precision import choose_precision
-from pagedrl.model.rope import rope_inv_freq
 from pagedrl.model.staging import staged_folder
 
 WEIGHTS_NAME = "model.safetensors"
@@ -133,7 +132,7 @@ def load_causal_lm(folder: str | Path, device: str | torch.device = "cpu",
         model = CausalLM(cfg)
     origins: dict[str, str] = {}
     load_weights(model, read_state_dict(folder, dtype=dtype, origins=origins), str(folder), origins, assign=True)
-    model.model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    model.model.reset_rope()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device=device).eval()

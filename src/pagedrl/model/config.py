@@ -1,8 +1,9 @@
 """Model configuration: a Hugging Face `config.json` read into one typed dataclass.
 
-Every supported family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, and the mixture-of-experts
-Mixtral and Qwen3-MoE) is the same decoder with a few switches, so one dataclass holds them all; the
-switches are derived from the `architectures` entry and the fields that family publishes.
+Every supported family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, the mixture-of-experts
+Mixtral and Qwen3-MoE, Gemma 2/3 with the rules of `model/gemma.py`) is the same decoder with a few
+switches, so one dataclass holds them all; the switches are derived from the `architectures` entry
+and the fields that family publishes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pagedrl.model.gemma import GEMMA_FIELDS, GemmaRules, gemma_dict, gemma_fields
 
 
 class ConfigError(ValueError):
@@ -25,6 +28,8 @@ ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "Qwen3ForCausalLM": ("qwen3", False, True),
     "MixtralForCausalLM": ("mixtral", False, False),
     "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
+    "Gemma2ForCausalLM": ("gemma2", False, False),
+    "Gemma3ForCausalLM": ("gemma3_text", False, True),
 }
 # Families whose sliding window applies only with `use_sliding_window` (transformers drops it otherwise).
 SLIDING_WHEN_ASKED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -69,6 +74,8 @@ class ModelConfig:
     mlp_only_layers: list[int] = field(default_factory=list)
     router_aux_loss_coef: float = 0.001
     output_router_logits: bool = False
+    # Gemma 2/3: per-layer windows, attention scale, soft-capping, the sandwich norms (`model/gemma.py`).
+    gemma: GemmaRules | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -141,9 +148,9 @@ class ModelConfig:
         if base == "MixtralForCausalLM":
             attention_bias = False  # transformers' Mixtral has no attention bias whatever the config says
         known = set(cls.__dataclass_fields__) | {
-            "architectures", "rope_parameters", "use_sliding_window", "model_type", *MOE_FIELDS,
+            "architectures", "rope_parameters", "use_sliding_window", "model_type", *MOE_FIELDS, *GEMMA_FIELDS,
         }
-        cfg = cls(
+        fields = dict(
             architecture=arch,
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
@@ -169,11 +176,13 @@ class ModelConfig:
             extra={k: v for k, v in raw.items() if k not in known},
             **moe_fields(raw, base, source),
         )
+        fields.update(gemma_fields(raw, base, source))
+        cfg = cls(**fields)
         cfg.validate(source)
         return cfg
 
     def validate(self, source: str = "config.json") -> None:
-        if self.hidden_act not in ("silu", "swish"):
+        if self.hidden_act not in ("silu", "swish") and not (self.gemma and self.hidden_act == "gelu_pytorch_tanh"):
             raise ConfigError(f"{source}: hidden_act {self.hidden_act!r} is not supported (only silu)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
@@ -237,6 +246,8 @@ class ModelConfig:
         if self.model_type == "qwen3_moe" and self.sliding_window is None:
             out["use_sliding_window"] = False
         out.update(self.moe_dict())
+        if self.gemma is not None:
+            out.update(gemma_dict(self))
         return out
 
     def moe_dict(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedrl.model import batch_invariant, routed
+from pagedrl.model import batch_invariant, gemma, routed
 from pagedrl.model.attention import AttentionMetadata, DenseAttention
 from pagedrl.model.config import ModelConfig
 from pagedrl.model.moe import SparseMoeBlock
@@ -54,8 +54,8 @@ class Attention(nn.Module):
         o_bias = bias and cfg.model_type != "qwen2"
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = norm_for(cfg)(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = norm_for(cfg)(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -77,8 +77,11 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.tanh_gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma's gate; the fused routes are SiLU's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tanh_gelu:
+            return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
         routes = routed.current()
         if (routes is not None and routes.gate_up is not None and type(self.gate_proj) is Linear
                 and type(self.up_proj) is Linear and self.gate_proj.bias is None and self.up_proj.bias is None):
@@ -100,15 +103,29 @@ def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
+def norm_for(cfg: ModelConfig) -> type[nn.Module]:
+    """Gemma's RMSNorm scales by (1 + weight); every other family's by weight."""
+    return gemma.GemmaRMSNorm if cfg.gemma is not None else RMSNorm
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = norm_for(cfg)
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(cfg) if cfg.sparse_layer(layer) else MLP(cfg)
+        # Gemma: a norm on each sublayer's output too (post_attention_layernorm then norms attention's).
+        self.sandwich = cfg.gemma is not None
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, meta))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -120,14 +137,26 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = norm_for(cfg)(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", rope_inv_freq(*self.rope), persistent=False)
+        self.rules = cfg.gemma
+        # Gemma 3's sliding layers rotate by a base of their own, unscaled.
+        self.local_rope = None if self.rules is None or self.rules.local_rope_theta is None else (
+            cfg.head_dim, self.rules.local_rope_theta, None)
+        if self.local_rope is not None:
+            self.register_buffer("local_inv_freq", rope_inv_freq(*self.local_rope), persistent=False)
         self.gradient_checkpointing = False
 
     # Batch-invariant matmuls and attention in every forward (`model/batch_invariant.py`): set on a
     # policy whose rollouts must carry the trainer's own bits.
     batch_invariant = False
+
+    def reset_rope(self) -> None:
+        """The rotary frequencies recomputed in float32 on the CPU (after `to_empty`, which leaves them garbage)."""
+        self.inv_freq = rope_inv_freq(*self.rope)
+        if self.local_rope is not None:
+            self.local_inv_freq = rope_inv_freq(*self.local_rope)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         """`.to(torch.bfloat16)` casts every buffer; the rotary frequencies stay float32 (in bf16
@@ -135,13 +164,22 @@ class Backbone(nn.Module):
         super()._apply(fn, recurse)
         if self.inv_freq.dtype != torch.float32 and self.inv_freq.device.type != "meta":
             self.inv_freq = rope_inv_freq(*self.rope).to(self.inv_freq.device)
+            if self.local_rope is not None:
+                self.local_inv_freq = rope_inv_freq(*self.local_rope).to(self.inv_freq.device)
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         with batch_invariant.scope(self.batch_invariant):
             x = self.embed_tokens(input_ids)
             cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-            for layer in self.layers:
+            ropes = [(cos, sin)] * len(self.layers)
+            if self.rules is not None:
+                x = gemma.embed_scale(x, x.shape[-1])
+                meta = gemma.with_layer_rules(meta, self.rules, positions)
+                if self.local_rope is not None:
+                    local = rope_cos_sin(positions, self.local_inv_freq, x.dtype)
+                    ropes = [local if kind == gemma.SLIDING else (cos, sin) for kind in self.rules.layer_types]
+            for layer, (cos, sin) in zip(self.layers, ropes, strict=True):
                 if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                     x = torch.utils.checkpoint.checkpoint(batch_invariant.scoped(layer, self.batch_invariant),
                                                           x, cos, sin, meta, use_reentrant=False)
@@ -184,7 +222,8 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with batch_invariant.scope(self.model.batch_invariant):
-            return self.lm_head(hidden).float()
+            logits = self.lm_head(hidden).float()
+        return gemma.soft_cap(logits, self.config.gemma.final_logit_softcapping) if self.config.gemma else logits
 
     @property
     def device(self) -> torch.device:

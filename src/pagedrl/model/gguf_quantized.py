@@ -22,7 +22,6 @@ from pagedrl.model.checkpoint import read_folder_config
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.gguf import GGUFError, hf_name, open_gguf
 from pagedrl.model.gguf_modules import SUPPORTED_TYPES, GGUFEmbedding, GGUFLinear
-from pagedrl.model.rope import rope_inv_freq
 
 _FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), int(GGMLQuantizationType.BF16)}
 
@@ -81,7 +80,7 @@ def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[Caus
         setattr(module, leaf, nn.Parameter(value, requires_grad=False))
     if cfg.tie_word_embeddings and isinstance(model.lm_head, nn.Linear) and isinstance(embed, nn.Embedding):
         model.lm_head.weight = embed.weight
-    model.model.inv_freq = rope_inv_freq(*model.model.rope)
+    model.model.reset_rope()
     missing = [n for n, v in [*model.named_parameters(), *model.named_buffers()] if v.is_meta]
     if missing:
         raise GGUFError(f"{source}: no tensor for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")

@@ -34,7 +34,6 @@ from pagedrl.model.checkpoint import (
 )
 from pagedrl.model.config import REWARD_ARCHITECTURE_SUFFIX, ConfigError, ModelConfig
 from pagedrl.model.decoder import Backbone, default_positions
-from pagedrl.model.rope import rope_inv_freq
 
 SCORE_WEIGHT = "score.weight"
 # What transformers writes for a one-label classifier; `num_labels` alone is not a saved field.
@@ -116,7 +115,7 @@ def load_sequence_scorer(folder: str | Path, device: str | torch.device = "cpu",
     with torch.device("meta"):
         model = SequenceScorer(cfg)
     model = model.to_empty(device="cpu")
-    model.model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    model.model.reset_rope()
     if fresh_head:
         std = float(cfg.extra.get("initializer_range", 0.02))
         state[SCORE_WEIGHT] = torch.randn(1, cfg.hidden_size, generator=generator) * std

@@ -47,17 +47,21 @@ def rollout_engine_args(config: OnlineConfig, prompts_per_rollout: int, bf16: bo
                       batch_invariant=batch_invariant)
 
 
-def choose_batch_invariance(asked: bool | None, bf16: bool, device: torch.device) -> bool:
+def choose_batch_invariance(asked: bool | None, bf16: bool, device: torch.device, layer_rules: bool = False) -> bool:
     """`batch_invariant` as configured, or by default on where training runs in bf16 on a CPU that
     has the row kernel: there bf16's roundings otherwise put the rollout's log-probs ~3e-2 from the
-    trainer's, in float32 they are 3e-6 apart without it."""
+    trainer's, in float32 they are 3e-6 apart without it. `layer_rules`: a model with per-layer
+    sliding windows or soft-capping (Gemma), which the row kernel does not implement: off."""
+    if asked and layer_rules:
+        raise ValueError("batch_invariant: true is not implemented for per-layer sliding windows or soft-capped "
+                         "attention (Gemma); leave it unset or false")
     if asked and device.type != "cpu":
         raise ValueError(f"batch_invariant: true runs on a CPU only; this policy is on {device}")
     if asked is not None:
         if asked and not attention_available(device):
             raise ValueError("batch_invariant: true needs the CPU attention kernel, which could not be built here")
         return asked
-    return bf16 and attention_available(device)
+    return not layer_rules and bf16 and attention_available(device)
 
 
 class OnlineAlgorithm(Algorithm):
@@ -95,7 +99,8 @@ class OnlineAlgorithm(Algorithm):
         # hold their addresses.
         device = next(policy.parameters()).device
         self.bf16 = bf16 = config.use_bf16(device)
-        self.batch_invariant = choose_batch_invariance(config.batch_invariant, bf16, device)
+        layer_rules = getattr(getattr(policy, "config", None), "gemma", None) is not None
+        self.batch_invariant = choose_batch_invariance(config.batch_invariant, bf16, device, layer_rules)
         self.engine_args = rollout_engine_args(config, prompts_per_rollout, bf16, self.batch_invariant)
         self.llm = LLM.from_module(policy, tokenizer, eos_token_ids=eos_token_ids,
                                    **self.engine_args.config_kwargs())  # the engine sets the policy's flag

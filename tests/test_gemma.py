@@ -1,0 +1,156 @@
+"""Gemma 3 and Gemma 2 against transformers' own classes, on tiny models whose 8-token sliding window
+the test sequences cross: logits, the config and checkpoint both ways, the engine's greedy tokens
+(chunked prefill, preemption) and log-probs, a LoRA adapter through PEFT, and the first batch of
+SFT and DPO (loss and gradients)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import peft
+import pytest
+import torch
+import transformers
+from test_engine_greedy import GREEDY, MAX_NEW, engine_for, prompts, reference, strip_eos
+from tiny import GEMMA_FAMILIES, hf_model
+
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.model.checkpoint import load_causal_lm, save_checkpoint
+from pagedrl.model.config import ConfigError, ModelConfig
+from pagedrl.model.decoder import CausalLM
+from pagedrl.model.lora import LoRAConfig, apply_lora, lora_layers
+
+FAMILIES = sorted(GEMMA_FAMILIES)
+
+
+def ours_from(hf: torch.nn.Module) -> CausalLM:
+    model = CausalLM(ModelConfig.from_dict(hf.config.to_dict()))
+    model.load_state_dict(hf.state_dict())  # strict: the four norms a layer, q/k norms, nothing else
+    return model.eval()
+
+
+def padded_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """30 tokens a row (the window is 8), one row padded on the left, one on the right."""
+    ids = torch.randint(3, vocab, (3, 30), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 30, dtype=torch.long)
+    mask[1, :6] = 0
+    mask[2, 21:] = 0
+    return ids, mask
+
+
+def ours_logits(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.logits(model(ids, attention_mask=mask))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_equal_transformers_and_the_window_matters(family: str) -> None:
+    hf = hf_model(GEMMA_FAMILIES[family])
+    ours = ours_from(hf)
+    ids, mask = padded_batch(hf.config.vocab_size)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert float((ours_logits(ours, ids, mask) - ref)[real].abs().max()) < 1e-5
+    # The same weights seeing every key in every layer: far off, so the windows above were applied.
+    wide = dataclasses.replace(ours.config.gemma, sliding_window=1000)
+    ours.model.rules = wide
+    assert float((ours_logits(ours, ids, mask) - ref)[real].abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_and_checkpoint_round_trip_through_transformers(tmp_path, family: str) -> None:
+    """A checkpoint written here loads in transformers with the same logits, and back here equal;
+    the context is not cut to the window (only the sliding layers are)."""
+    hf = hf_model(GEMMA_FAMILIES[family])
+    ours = ours_from(hf)
+    assert ours.config.max_model_len == 256 and ours.config.gemma.window(1) is None
+    save_checkpoint(ours, tmp_path / "m")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
+    assert type(back) is type(hf) and back.config.layer_types == hf.config.layer_types
+    again = load_causal_lm(tmp_path / "m", dtype=torch.float32).eval()
+    assert dataclasses.replace(again.config, extra={}) == dataclasses.replace(ours.config, extra={})
+    ids, mask = padded_batch(hf.config.vocab_size)
+    with torch.no_grad():
+        ref, got = hf(input_ids=ids, attention_mask=mask).logits, back(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(ref, got)
+    assert torch.equal(ours_logits(again, ids, mask), ours_logits(ours, ids, mask))
+
+
+def test_bad_gemma_fields_are_named() -> None:
+    raw = GEMMA_FAMILIES["gemma3"]
+    with pytest.raises(ConfigError, match="'layer_types'"):
+        ModelConfig.from_dict(dict(raw, layer_types=["sliding_attention"]))
+    with pytest.raises(ConfigError, match="'use_bidirectional_attention'"):
+        ModelConfig.from_dict(dict(raw, use_bidirectional_attention=True))
+    with pytest.raises(ConfigError, match="'attn_logit_softcapping'"):
+        ModelConfig.from_dict(dict(GEMMA_FAMILIES["gemma2"], attn_logit_softcapping=-1))
+    # The Hub's older flat fields: a pattern of 6 and the local base beside the global rope.
+    old = {k: v for k, v in raw.items() if k not in ("layer_types", "rope_parameters")}
+    cfg = ModelConfig.from_dict(dict(old, num_hidden_layers=7, sliding_window_pattern=6, rope_theta=1e6,
+                                     rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    assert [cfg.gemma.window(i) for i in range(7)] == [8] * 5 + [None, 8]
+    assert (cfg.rope_theta, cfg.gemma.local_rope_theta, cfg.rope_scaling) == (1e6, 1e4, {"rope_type": "linear",
+                                                                                          "factor": 8.0})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_greedy_equals_generate_through_chunks_and_preemption(family: str) -> None:
+    """Prompts of 3-37 tokens, 12 new each, prefilled 7 tokens a step in 4-token blocks, in a cache
+    so small that requests are preempted and recomputed."""
+    hf = hf_model(GEMMA_FAMILIES[family])
+    batch = prompts(hf.config.vocab_size)[:4]
+    expected = reference(hf, batch)
+    longest = max(len(p) for p in batch) + MAX_NEW
+    llm = engine_for(hf, block_size=4, kv_cache_tokens=longest + 8, max_num_batched_tokens=7)
+    got = [o.outputs[0].token_ids for o in llm.generate(batch + batch, GREEDY, use_tqdm=False)]
+    assert [strip_eos(g) for g in got] == [strip_eos(e) for e in expected + expected]
+    assert llm.stats()["num_preemptions"] >= 3 and llm.stats()["num_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_logprobs_equal_the_dense_forward(family: str) -> None:
+    """The log-probs the engine reports for what it sampled are the dense float32 forward's."""
+    ours = ours_from(hf_model(GEMMA_FAMILIES[family]))
+    llm = engine_for(hf_model(GEMMA_FAMILIES[family]), kv_cache_tokens=512, max_num_batched_tokens=9)
+    batch = prompts(ours.config.vocab_size)[:3]
+    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=0)
+    for prompt, out in zip(batch, llm.generate(batch, params, use_tqdm=False), strict=True):
+        comp = out.outputs[0]
+        ids = torch.tensor([prompt + comp.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(ours.logits(ours(ids))[0, len(prompt) - 1:-1], -1)
+        dense = logp.gather(1, torch.tensor(comp.token_ids)[:, None])[:, 0]
+        assert float((torch.tensor(comp.processed_logprobs) - dense).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_adapter_loads_in_peft_with_the_same_logits(tmp_path, family: str) -> None:
+    from pagedrl.model.adapter import save_adapter
+
+    hf = hf_model(GEMMA_FAMILIES[family])
+    ours = ours_from(hf)
+    apply_lora(ours, LoRAConfig(r=4, lora_alpha=8, target_modules=["all-linear"]), torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, layer in lora_layers(ours):
+            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * 0.1)
+    ours.eval()
+    save_adapter(ours, tmp_path / "adapter")
+    ids, mask = padded_batch(hf.config.vocab_size)
+    with torch.no_grad():
+        base = hf(input_ids=ids, attention_mask=mask).logits
+        ref = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert float((ours_logits(ours, ids, mask) - ref)[real].abs().max()) < 1e-5
+    assert float((base - ref)[real].abs().max()) > 1e-2  # the adapter changes the model
+
+
+def test_rollouts_leave_batch_invariance_off_and_refuse_it_by_name() -> None:
+    """The row kernel of batch-invariant mode attends over every key, uncapped: not for Gemma."""
+    from pagedrl.train.rl.online import choose_batch_invariance
+
+    cpu = torch.device("cpu")
+    assert not choose_batch_invariance(None, True, cpu, layer_rules=True)
+    with pytest.raises(ValueError, match="batch_invariant: true is not implemented"):
+        choose_batch_invariance(True, True, cpu, layer_rules=True)

@@ -1,0 +1,108 @@
+"""A saved tiny Gemma 3 folder (the trainers' tokenizer, a 4-token window the rows cross): the first
+batch of SFT and DPO against transformers' own class on the same weights (loss and every parameter's
+gradient), and `pagedrl serve` answering with the offline engine's greedy tokens."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from preference_data import dpo_trainer, preference_rows
+from server_process import running_server
+from tiny_train import build_model_dir, sft_trainer
+
+from pagedrl.engine.llm import LLM
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.model.checkpoint import load_causal_lm
+from pagedrl.model.loader import load_model
+from pagedrl.train.algorithms.sft import collate_sft
+
+GEMMA3 = dict(architectures=["Gemma3ForCausalLM"], sliding_window=4, head_dim=16, query_pre_attn_scalar=24,
+              layer_types=["sliding_attention", "full_attention"], hidden_activation="gelu_pytorch_tanh",
+              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
+
+
+@pytest.fixture(scope="module")
+def gemma_dirs(tmp_path_factory) -> tuple[str, str]:
+    """A policy and a different reference, both Gemma 3 with the trainers' tokenizer."""
+    root = tmp_path_factory.mktemp("gemma")
+    return (str(build_model_dir(root / "policy", seed=0, **GEMMA3)),
+            str(build_model_dir(root / "reference", seed=1, **GEMMA3)))
+
+
+def theirs(folder: str) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def answer_logp(model: torch.nn.Module, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """Σ log p(answer token | everything before it) from transformers' forward of one unpadded row."""
+    ids = torch.tensor([prompt + answer])
+    logp = F.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1:-1].float(), -1)
+    return logp.gather(1, torch.tensor(answer)[:, None]).sum()
+
+
+def assert_gradients_equal(ours: torch.nn.Module, hf: torch.nn.Module) -> None:
+    grads = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        assert p.grad is not None, name
+        assert float((p.grad - grads[name].grad).abs().max()) < 1e-5, name
+
+
+def test_sft_first_batch_equals_transformers(gemma_dirs, tmp_path) -> None:
+    trainer = sft_trainer(gemma_dirs[0], tmp_path / "out", packing=False)
+    alg = trainer.algorithm
+    examples = alg.examples[:4]
+    assert max(len(ex.input_ids) for ex in examples) > 2 * 4  # the window is crossed
+    batch = alg.collate(examples)
+    count = torch.tensor(alg.count(batch))
+    loss, _ = alg.loss(alg.model, batch, count)
+    loss.backward()
+    hf = theirs(gemma_dirs[0])
+    ref = -sum(answer_logp(hf, ex.prompt_ids, ex.input_ids[len(ex.prompt_ids):]) for ex in examples) / count
+    ref.backward()
+    assert abs(float(loss.detach()) - float(ref.detach())) < 1e-5
+    assert_gradients_equal(alg.model, hf)
+    # Packed into one row (positions restart per example, so each window is counted in its own example).
+    with torch.no_grad():
+        packed, _ = alg.loss(alg.model, collate_sft(examples, alg.pad_id, alg.device, packing=True), count)
+    assert abs(float(packed) - float(ref)) < 1e-5
+
+
+def test_dpo_first_batch_equals_transformers(gemma_dirs, tmp_path) -> None:
+    trainer = dpo_trainer(gemma_dirs[0], tmp_path / "out", rows=preference_rows(8), reference=load_causal_lm(gemma_dirs[1],
+                                                                                   dtype=torch.float32))
+    alg = trainer.algorithm
+    examples = alg.examples[:4]
+    pairs = [getattr(e, "pair", e) for e in examples]
+    batch = alg.collate(examples)
+    loss, _ = alg.loss(alg.model, batch, torch.tensor(alg.count(batch)))
+    loss.backward()
+    policy, reference = theirs(gemma_dirs[0]), theirs(gemma_dirs[1])
+    beta = alg.config.beta
+    ref = 0.0
+    for p in pairs:
+        with torch.no_grad():
+            ref_margin = answer_logp(reference, p.prompt_ids, p.chosen_ids) - answer_logp(reference, p.prompt_ids,
+                                                                                          p.rejected_ids)
+        margin = answer_logp(policy, p.prompt_ids, p.chosen_ids) - answer_logp(policy, p.prompt_ids, p.rejected_ids)
+        ref = ref - F.logsigmoid(beta * (margin - ref_margin)) / len(pairs)
+    ref.backward()
+    assert alg.config.loss_type in ("sigmoid", ["sigmoid"]) and abs(float(loss.detach()) - float(ref.detach())) < 1e-5
+    assert abs(float(loss.detach()) - float(torch.log(torch.tensor(2.0)))) > 1e-4  # the reference differs
+    assert_gradients_equal(alg.model, policy)
+
+
+def test_serve_answers_with_the_offline_engines_tokens(gemma_dirs, tmp_path) -> None:
+    prompt = "the cat sat on the mat and a dog ran in the park"
+    loaded = load_model(gemma_dirs[0], device="cpu")
+    offline = LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, kv_cache_tokens=512)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = offline.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+    with running_server(gemma_dirs[0], tmp_path, "--kv-cache-tokens", "512") as server:
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == expected and r.json()["usage"]["completion_tokens"] == 6
