@@ -37,8 +37,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3-moe": dict(BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_key_value_heads=2,
                       head_dim=24, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       mlp_only_layers=[1], norm_topk_prob=False),
+    # Phi-3 with fused qkv_proj / gate_up_proj, Phi-4-mini's partial rotation (0.75 of each head) and
+    # LongRoPE: the attention factor (max / original = 4) everywhere, the long factors from position 64 on,
+    # which the engine tests' longest prompt (61 tokens) crosses while it generates.
+    "phi3-longrope": dict(BASE, architectures=["Phi3ForCausalLM"], model_type="phi3", num_key_value_heads=2,
+                          partial_rotary_factor=0.75, original_max_position_embeddings=64,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                           "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5],
+                                           "long_factor": [2.0, 2.7, 3.4, 4.1, 4.8, 5.5]}),
 }
 MOE_FAMILIES = ("mixtral", "qwen3-moe")
+FUSED_FAMILIES = ("phi3-longrope",)  # one qkv_proj and one gate_up_proj a layer: no CPU decode program
 
 
 def hf_model(raw: dict[str, Any], seed: int = 0):

@@ -123,7 +123,7 @@ def load_causal_lm(folder: str | Path, device: str | torch.device = "cpu",
     # Built on the meta device so no time goes into random initialisation of weights we overwrite;
     # the rope buffer is recomputed and the tie restored, since to_empty() rebuilds both.
     model = model.to_empty(device="cpu")
-    model.model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    model.model.inv_freq = rope_inv_freq(*model.model.rope)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     origins: dict[str, str] = {}

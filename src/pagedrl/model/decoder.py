@@ -16,8 +16,9 @@ from torch import nn
 from pagedrl.model import batch_invariant, routed
 from pagedrl.model.attention import AttentionMetadata, DenseAttention
 from pagedrl.model.config import ModelConfig
+from pagedrl.model.fused import FusedAttention, FusedMLP
 from pagedrl.model.moe import SparseMoeBlock
-from pagedrl.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from pagedrl.model.rope import longrope_of, rope_cos_sin, rope_inv_freq, rotate
 from pagedrl.model.routed import Linear
 
 
@@ -90,23 +91,14 @@ class MLP(nn.Module):
         return self.down_proj(fused if fused is not None else F.silu(gate) * up)
 
 
-def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries and keys rotated by their positions (through a route when one takes them)."""
-    routes = routed.current()
-    if routes is not None:
-        out = routes.rope(q, k, cos, sin)
-        if out is not None:
-            return out
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = FusedAttention(cfg, layer) if cfg.fused_projections else Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(cfg) if cfg.sparse_layer(layer) else MLP(cfg)
+        self.mlp: MLP | SparseMoeBlock | FusedMLP = (
+            SparseMoeBlock(cfg) if cfg.sparse_layer(layer) else FusedMLP(cfg) if cfg.fused_projections else MLP(cfg))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
@@ -121,7 +113,8 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rope = (cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.longrope = longrope_of(cfg.rope_scaling, cfg.max_position_embeddings)
         self.register_buffer("inv_freq", rope_inv_freq(*self.rope), persistent=False)
         self.gradient_checkpointing = False
 
@@ -140,7 +133,7 @@ class Backbone(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         with batch_invariant.scope(self.batch_invariant):
             x = self.embed_tokens(input_ids)
-            cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+            cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype, self.longrope)
             for layer in self.layers:
                 if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                     x = torch.utils.checkpoint.checkpoint(batch_invariant.scoped(layer, self.batch_invariant),

@@ -116,7 +116,7 @@ def load_sequence_scorer(folder: str | Path, device: str | torch.device = "cpu",
     with torch.device("meta"):
         model = SequenceScorer(cfg)
     model = model.to_empty(device="cpu")
-    model.model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    model.model.inv_freq = rope_inv_freq(*model.model.rope)
     if fresh_head:
         std = float(cfg.extra.get("initializer_range", 0.02))
         state[SCORE_WEIGHT] = torch.randn(1, cfg.hidden_size, generator=generator) * std
