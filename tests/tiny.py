@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -56,6 +57,7 @@ def hf_model(raw: dict[str, Any], seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
+    raw = copy.deepcopy(raw)  # transformers completes the rope parameters in place
     cfg = transformers.AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "architectures"})
     cfg.architectures = raw["architectures"]
     cls = getattr(transformers, raw["architectures"][0])
@@ -65,3 +67,20 @@ def hf_model(raw: dict[str, Any], seed: int = 0):
             if name.endswith("bias") or "norm" in name:
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
     return model
+
+
+def freq_error(hf, ours):
+    """How far transformers' float32 rotary frequencies are from a pagedrl model's (`decoder_bound`'s
+    `freq_error`); LongRoPE's: the larger of the short and the long set's error per pair (transformers'
+    buffer holds the set of its last forward, so both are formed here as it forms them)."""
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rotary = next(m for m in hf.modules() if type(m).__name__.endswith("RotaryEmbedding"))  # under PEFT too
+    ours_freq = ours.model.inv_freq.double()
+    if getattr(rotary, "rope_type", None) != "longrope":
+        return (rotary.inv_freq.double() - ours_freq).abs()
+    init = ROPE_INIT_FUNCTIONS["longrope"]
+    longest = rotary.config.rope_parameters["original_max_position_embeddings"] + 1
+    sets = torch.stack([init(rotary.config)[0], init(rotary.config, seq_len=longest)[0]]).double()
+    return (sets - ours_freq).abs().amax(0)
