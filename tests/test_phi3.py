@@ -119,7 +119,7 @@ def test_first_sft_and_dpo_batches_equal_transformers(phi3_folder, tmp_path) -> 
     rows = logits.reshape(-1, logits.shape[-1])[batch.predict_at]
     ref = -torch.log_softmax(rows, -1).gather(-1, batch.targets[:, None]).mean()
     ref.backward()
-    assert abs(float(loss) - float(ref)) < 1e-5
+    assert abs(loss.item() - ref.item()) < 1e-5
     assert_gradients_equal(model, hf)
 
     # DPO (sigmoid, beta 0.3, the reference a copy of the starting policy): log 2 per pair, the
@@ -132,8 +132,8 @@ def test_first_sft_and_dpo_batches_equal_transformers(phi3_folder, tmp_path) -> 
     model = algorithm.model.train()
     loss, _ = algorithm.loss(model, algorithm.collate(pairs), torch.tensor(4.0))
     loss.backward()
-    margins = torch.stack([sequence_logps(hf, p.prompt_ids, p.chosen_ids) - sequence_logps(hf, p.prompt_ids, p.rejected_ids)
-                           for p in pairs])
+    margins = torch.stack([sequence_logps(hf, p.prompt_ids, p.chosen_ids)
+                           - sequence_logps(hf, p.prompt_ids, p.rejected_ids) for p in pairs])
     ref = -torch.nn.functional.logsigmoid(0.3 * (margins - margins.detach())).mean()
     ref.backward()
     assert abs(float(loss) - math.log(2)) < 1e-5 and abs(float(ref) - math.log(2)) < 1e-5

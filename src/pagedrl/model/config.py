@@ -1,8 +1,9 @@
 """Model configuration: a Hugging Face `config.json` read into one typed dataclass.
 
 Every supported family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, Phi-3 with its fused
-projections, and the mixture-of-experts Mixtral and Qwen3-MoE) is the same decoder with a few switches, so one dataclass holds them all; the
-switches are derived from the `architectures` entry and the fields that family publishes.
+projections, and the mixture-of-experts Mixtral and Qwen3-MoE) is the same decoder with a few
+switches, so one dataclass holds them all; the switches are derived from the `architectures` entry
+and the fields that family publishes.
 """
 
 from __future__ import annotations
@@ -317,14 +318,12 @@ def moe_fields(raw: dict[str, Any], base: str, source: str) -> dict[str, Any]:
                 mlp_only_layers=list(layers))
 
 
-
-
 def phi3_fields(raw: dict[str, Any], rope: dict[str, Any], scaling: dict[str, Any] | None,
                 source: str) -> dict[str, Any]:
-    """Phi-3's rope fields as transformers' Phi3Config reads them (`scaling` completed in place): `partial_rotary_factor` from the rope
-    parameters or the top level; rope types "su" and "yarn" (older Phi-3 configs) meaning "longrope";
-    LongRoPE's `original_max_position_embeddings` always the top-level field (default 4096), which
-    transformers puts over the rope parameters' own. Dropouts (`resid_pdrop`, `embd_pdrop`,
+    """Phi-3's rope fields as transformers' Phi3Config reads them (`scaling` completed in place):
+    `partial_rotary_factor` from the rope parameters or the top level; rope types "su" and "yarn"
+    (older Phi-3 configs) meaning "longrope"; LongRoPE's `original_max_position_embeddings` always the
+    top-level field (default 4096), which transformers puts over the rope parameters' own. Dropouts (`resid_pdrop`, `embd_pdrop`,
     `attention_dropout`) stay as extras: pagedrl computes without dropout, as the published configs
     set them (0), and writes them back."""
     partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
