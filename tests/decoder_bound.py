@@ -190,6 +190,9 @@ def hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torc
         allowed |= torch.diag_embed(~keep)  # a padding query sees itself alone (its output is ignored)
     assert positions is not None and bool((positions <= index).all())
     freq = inner.inv_freq.double()
+    longrope = getattr(inner, "longrope", None)
+    if longrope is not None:  # LongRoPE: each position's frequency set (short, then long from the original length on)
+        freq = torch.where((positions >= longrope.original_max_position_embeddings)[..., None], freq[1], freq[0])
     # An implementation's angle is pos * freq in float32 (a rounding) at a position up to the token's
     # index (transformers counts from the row's start, pagedrl from its first real token: rotary
     # attention depends only on differences) with its own frequencies; its cos and sin are each
@@ -198,6 +201,8 @@ def hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torc
     turn = index[:, None].double() * (torch.as_tensor(freq_error, dtype=torch.float64) + U * freq)
     angles = rounding(angles, turn)
     table = rounding(angles.cos(), EXP_ERROR + rounding.keep), rounding(angles.sin(), EXP_ERROR + rounding.keep)
+    if longrope is not None:  # cos and sin scaled by the attention factor (a product, kept)
+        table = tuple(rounding(t * longrope.attention_factor, U * t.abs() * longrope.attention_factor) for t in table)
     x = inner.embed_tokens.weight.double()[ids].expand(1 + PROBES, B, T, -1)
     for layer in inner.layers:
         h = rms_norm(x, layer.input_layernorm, rounding)
@@ -206,6 +211,9 @@ def hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torc
         mlp = layer.mlp
         if hasattr(mlp, "experts"):
             x = add(x, sparse_mlp(h, mlp, rounding), rounding)
+        elif hasattr(mlp, "gate_up_proj"):  # Phi-3's fused gate and up rows
+            gate, up = linear(h, mlp.gate_up_proj, rounding).chunk(2, dim=-1)
+            x = add(x, linear(silu_mul(gate, up, rounding), mlp.down_proj, rounding), rounding)
         else:
             x = add(x, swiglu(h, mlp.gate_proj, mlp.up_proj, mlp.down_proj, rounding), rounding)
     return rms_norm(x, inner.norm, rounding)
@@ -334,6 +342,9 @@ def rms_norm(x: torch.Tensor, norm: torch.nn.Module, rounding: Rounding, stored:
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: Rounding) -> torch.Tensor:
     """RoPE on x [P, B, T, heads, D] with the (perturbed) cos and sin [P, B, T, D/2]: each element a
     sum of two products, kept (a unit of the products' magnitudes, a unit of the result)."""
+    if 2 * cos.shape[-1] < x.shape[-1]:  # a partial rotation: the first features turn, the rest pass
+        turned = 2 * cos.shape[-1]
+        return torch.cat((rotate(x[..., :turned], cos, sin, rounding), x[..., turned:]), -1)
     half = x.shape[-1] // 2
     c, s = cos[..., None, :], sin[..., None, :]
     a, b = x[..., :half], x[..., half:]
@@ -347,9 +358,13 @@ def attention(x: torch.Tensor, attn: torch.nn.Module, table: tuple[torch.Tensor,
     """softmax(q k^T / sqrt(D)) v per head, then o_proj."""
     P, B, T, _ = x.shape
     H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    q = linear(x, attn.q_proj, rounding).view(P, B, T, H, D)
-    k = linear(x, attn.k_proj, rounding).view(P, B, T, Hkv, D)
-    v = linear(x, attn.v_proj, rounding).view(P, B, T, Hkv, D)
+    if hasattr(attn, "qkv_proj"):  # Phi-3's fused query, key and value rows
+        q, k, v = linear(x, attn.qkv_proj, rounding).split((H * D, Hkv * D, Hkv * D), dim=-1)
+        q, k, v = q.reshape(P, B, T, H, D), k.reshape(P, B, T, Hkv, D), v.reshape(P, B, T, Hkv, D)
+    else:
+        q = linear(x, attn.q_proj, rounding).view(P, B, T, H, D)
+        k = linear(x, attn.k_proj, rounding).view(P, B, T, Hkv, D)
+        v = linear(x, attn.v_proj, rounding).view(P, B, T, Hkv, D)
     if attn.q_norm is not None:
         q, k = rms_norm(q, attn.q_norm, rounding, stored=True), rms_norm(k, attn.k_norm, rounding, stored=True)
     q, k = cast(rotate(q, *table, rounding), rounding), cast(rotate(k, *table, rounding), rounding)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from cpu_class import needs, needs_not
 from test_engine_precision import peaked
-from tiny import FAMILIES, MOE_FAMILIES
+from tiny import FAMILIES, FUSED_FAMILIES, MOE_FAMILIES
 
 from pagedrl.engine import cpu_decode
 from pagedrl.engine.llm import LLM
@@ -69,7 +69,8 @@ def test_the_program_gives_the_modules_bits(family, dtype) -> None:
     """Biases (llama-mha-tied-bias, qwen2), q/k norms (qwen3), tied heads, GQA and MHA: every decode
     step of a mixed batch (prompts of 3 to 45 tokens, chunked at 37) runs the program where the
     kernels are built, and its tokens, log-probs and top alternatives equal the modules'. A mixture
-    of experts (mixtral, qwen3-moe) is not the program's: its steps run through the modules."""
+    of experts (mixtral, qwen3-moe) and fused projections (phi3) are not the program's: their steps
+    run through the modules."""
     needs_program(dtype)
     model = peaked(family, 3).to(dtype)
     prompts = [torch.randint(3, 211, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 45, 18)]
@@ -78,6 +79,10 @@ def test_the_program_gives_the_modules_bits(family, dtype) -> None:
     if family in MOE_FAMILIES:
         assert llm.engine.runner.program is None and not steps
         assert "sparse layers run as modules" in llm.engine.runner.decode_path()
+        return
+    if family in FUSED_FAMILIES:
+        assert llm.engine.runner.program is None and not steps
+        assert "fused qkv_proj and gate_up_proj" in llm.engine.runner.decode_path()
         return
     assert steps and max(steps) == len(prompts) and min(steps) >= 1
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 from float_bounds import gamma
-from tiny import FAMILIES, hf_model
+from tiny import FAMILIES, freq_error, hf_model
 
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
@@ -65,9 +65,7 @@ def exact(ours: CausalLM, hf: torch.nn.Module, ids: torch.Tensor, mask: torch.Te
     """The model's exact logits (adapters as they are switched) and float32's bound on any forward's
     (`decoder_bound`, ~1e-5 here; an adapter's scaling or a transposed factor moves them by 1e-2),
     transformers' own float32 rotary frequencies included."""
-    freq_error = (hf.base_model.model.model.rotary_emb.inv_freq if isinstance(hf, peft.PeftModel)
-                  else hf.model.rotary_emb.inv_freq).double() - ours.model.inv_freq.double()
-    return decoder_bound.logits(ours, ids, mask, freq_error=freq_error.abs())
+    return decoder_bound.logits(ours, ids, mask, freq_error=freq_error(hf, ours))
 
 
 def assert_within(probed: decoder_bound.Probed, mask: torch.Tensor, *logits: torch.Tensor) -> None:
@@ -77,7 +75,8 @@ def assert_within(probed: decoder_bound.Probed, mask: torch.Tensor, *logits: tor
 
 @pytest.mark.parametrize("family,targets", [("llama-gqa-untied", None), ("qwen2-bias-tied", ["all-linear"]),
                                             ("smollm2-like", ["k_proj", "o_proj", "down_proj"]),
-                                            ("mixtral", None), ("qwen3-moe", ["q_proj", "k_proj", "v_proj", "o_proj"])])
+                                            ("mixtral", None), ("qwen3-moe", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+                                            ("phi3-longrope", ["all-linear"])])
 def test_adapter_saved_here_gives_peft_logits(tmp_path, family, targets) -> None:
     hf = hf_model(FAMILIES[family])
     ours = pagedrl_from(hf)

@@ -6,7 +6,7 @@ import decoder_bound
 import pytest
 import torch
 import transformers
-from tiny import FAMILIES, hf_model
+from tiny import FAMILIES, freq_error, hf_model
 
 from pagedrl.model.checkpoint import load_causal_lm, save_checkpoint
 from pagedrl.model.config import ModelConfig
@@ -28,8 +28,7 @@ def assert_float32_forwards(ours: CausalLM, hf: torch.nn.Module, ids: torch.Tens
     rounding lets any forward be, on real tokens: ~1e-5 here, where float32 is ~3e-7 off and a wrong
     rotation sign moves them by 6e-3, a mask off by one by 0.4. transformers forms its rotary
     frequencies in float32 itself, up to 2 units off the model's."""
-    freq_error = (hf.model.rotary_emb.inv_freq.double() - ours.model.inv_freq.double()).abs()
-    probed = decoder_bound.logits(ours, ids, mask, freq_error=freq_error)
+    probed = decoder_bound.logits(ours, ids, mask, freq_error=freq_error(hf, ours))
     real = mask.bool()[..., None]
     for got in logits:
         assert ((got.double() - probed.exact).abs() <= probed.bound())[real.expand_as(got)].all()
@@ -71,7 +70,7 @@ def test_family_switches_really_change_the_model(family: str) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen2-bias-tied", "qwen3-qknorm", "llama3-rope", "mixtral",
-                                    "qwen3-moe"])
+                                    "qwen3-moe", "phi3-longrope"])
 def test_pagedrl_saves_transformers_loads(tmp_path, family: str) -> None:
     hf = hf_model(FAMILIES[family])
     ours = pagedrl_from(hf)
@@ -84,7 +83,8 @@ def test_pagedrl_saves_transformers_loads(tmp_path, family: str) -> None:
     assert_float32_forwards(ours, back, ids, mask, ref, out)
 
 
-@pytest.mark.parametrize("family", ["smollm2-like", "mistral", "llama-linear-rope", "mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["smollm2-like", "mistral", "llama-linear-rope", "mixtral", "qwen3-moe",
+                                    "phi3-longrope"])
 def test_transformers_saves_sharded_pagedrl_loads(tmp_path, family: str) -> None:
     hf = hf_model(FAMILIES[family])
     hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")

@@ -9,7 +9,7 @@ import random
 import decoder_bound
 import pytest
 import torch
-from tiny import FAMILIES, hf_model
+from tiny import FAMILIES, freq_error, hf_model
 
 from pagedrl.model.checkpoint import load_causal_lm
 from pagedrl.train.algorithms.dpo import answer_logps
@@ -39,7 +39,8 @@ def reference_logps(hf, prompt: list[int], answer: list[int]) -> float:
     return float(token[max(len(prompt) - 1, 0):].sum())
 
 
-@pytest.mark.parametrize("family", ["llama-gqa-untied", "mistral", "qwen3-qknorm", "mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["llama-gqa-untied", "mistral", "qwen3-qknorm", "mixtral", "qwen3-moe",
+                                    "phi3-longrope"])
 def test_packed_pairs_equal_separate_sequences_in_transformers(family, tmp_path) -> None:
     raw = dict(FAMILIES[family])
     if family == "mistral":
@@ -56,8 +57,7 @@ def test_packed_pairs_equal_separate_sequences_in_transformers(family, tmp_path)
     expected += [reference_logps(hf, p.prompt_ids, p.rejected_ids) for p in pairs]
     # both within float32's bound of the exact sums (`decoder_bound`, ~1e-3 on sums of ~50 over ~10
     # tokens; a key outside the window or another answer's token moves them by 1e-2 or more)
-    freq_error = (hf.model.rotary_emb.inv_freq.double() - ours.model.inv_freq.double()).abs()
-    exact, bound = decoder_bound.answer_logprob_sums(ours, batch, freq_error)
+    exact, bound = decoder_bound.answer_logprob_sums(ours, batch, freq_error(hf, ours))
     for logps in (got.logps, torch.tensor(expected)):
         assert ((logps.double() - exact).abs() <= bound).all()
     assert got.mean_logits.shape == batch.targets.shape

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -37,8 +38,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3-moe": dict(BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_key_value_heads=2,
                       head_dim=24, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       mlp_only_layers=[1], norm_topk_prob=False),
+    # Phi-3 with fused qkv_proj / gate_up_proj, Phi-4-mini's partial rotation (0.75 of each head) and
+    # LongRoPE: the attention factor (max / original = 4) everywhere, the long factors from position 64 on,
+    # which the engine tests' longest prompt (61 tokens) crosses while it generates.
+    "phi3-longrope": dict(BASE, architectures=["Phi3ForCausalLM"], model_type="phi3", num_key_value_heads=2,
+                          partial_rotary_factor=0.75, original_max_position_embeddings=64,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                           "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5],
+                                           "long_factor": [2.0, 2.7, 3.4, 4.1, 4.8, 5.5]}),
 }
 MOE_FAMILIES = ("mixtral", "qwen3-moe")
+FUSED_FAMILIES = ("phi3-longrope",)  # one qkv_proj and one gate_up_proj a layer: no CPU decode program
 
 
 def hf_model(raw: dict[str, Any], seed: int = 0):
@@ -47,6 +57,7 @@ def hf_model(raw: dict[str, Any], seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
+    raw = copy.deepcopy(raw)  # transformers completes the rope parameters in place
     cfg = transformers.AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "architectures"})
     cfg.architectures = raw["architectures"]
     cls = getattr(transformers, raw["architectures"][0])
@@ -56,6 +67,24 @@ def hf_model(raw: dict[str, Any], seed: int = 0):
             if name.endswith("bias") or "norm" in name:
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
     return model
+
+
+def freq_error(hf, ours):
+    """How far transformers' float32 rotary frequencies are from a pagedrl model's (`decoder_bound`'s
+    `freq_error`); LongRoPE's: the larger of the short and the long set's error per pair (transformers'
+    buffer holds the set of its last forward, so both are formed here as it forms them)."""
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rotary = next(m for m in hf.modules() if type(m).__name__.endswith("RotaryEmbedding"))  # under PEFT too
+    ours_freq = ours.model.inv_freq.double()
+    if getattr(rotary, "rope_type", None) != "longrope":
+        return (rotary.inv_freq.double() - ours_freq).abs()
+    init = ROPE_INIT_FUNCTIONS["longrope"]
+    longest = rotary.config.rope_parameters["original_max_position_embeddings"] + 1
+    sets = torch.stack([init(rotary.config)[0], init(rotary.config, seq_len=longest)[0]]).double()
+    return (sets - ours_freq).abs().amax(0)
+
 
 # Gemma 2/3: windows of 8 tokens, so short test sequences cross them; layers sliding, full, sliding.
 # Kept apart from FAMILIES: their windowed layers take the engine's reference attention, which the

@@ -42,12 +42,14 @@ from pagedrl.model.routed import Linear
 def supports(model: torch.nn.Module) -> bool:
     """Whether `model`'s decode steps can run as the program: a bf16 or float32 dense `CausalLM` on the
     CPU whose projections are all plain `Linear` (LoRA layers keep their own forward; a mixture of
-    experts' sparse layers, `model/moe.py`, theirs); for bf16, on a CPU
-    where the k-pairs kernels run, with input sizes those kernels take (even)."""
+    experts' sparse layers, `model/moe.py`, theirs; Phi-3's fused projections, `model/fused.py`,
+    theirs); for bf16, on a CPU where the k-pairs kernels run, with input sizes those kernels take (even)."""
     if type(model) is not CausalLM or model.device.type != "cpu" or not ops.available():
         return False
     cfg = model.config
     if has_sparse_layers(model):  # rows routed to experts: the modules run them
+        return False
+    if cfg.fused_projections:  # Phi-3's qkv_proj and gate_up_proj (`model/fused.py`): the modules run them
         return False
     projections = [model.lm_head]
     for layer in model.model.layers:

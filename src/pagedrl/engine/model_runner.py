@@ -104,6 +104,8 @@ class ModelRunner:
         modules = "decode steps through the model's modules"
         if has_sparse_layers(self.model):
             modules += " (a mixture of experts: its sparse layers run as modules, no decode program or CUDA graphs)"
+        elif getattr(getattr(self.model, "config", None), "fused_projections", False):
+            modules += " (fused qkv_proj and gate_up_proj: no decode program)"
         if self.float_routes:
             return (f"{modules}, products of up to {products.MAX_ROWS_FLOAT} rows on "
                     f"the float32 kernel ({ops.float_linear_lanes()} lanes; CPU class {isa.describe()})")

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pagedrl.model.checkpoint import CheckpointError
-from pagedrl.model.lora import LoRAConfig, adapter_config, adapter_state_dict, apply_lora
+from pagedrl.model.lora import LoRAConfig, adapter_config, adapter_state_dict, apply_lora, lora_layers
 from pagedrl.model.staging import staged_folder
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -38,8 +38,9 @@ def is_adapter_folder(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def peft_config_dict(config: LoRAConfig) -> dict[str, Any]:
-    """`adapter_config.json` as PEFT writes it for this adapter."""
+def peft_config_dict(config: LoRAConfig, held: set[str] | None = None) -> dict[str, Any]:
+    """`adapter_config.json` as PEFT writes it for this adapter; `held`: the projection names the model
+    adapted ("all-linear" names the Llama layout's and Phi-3's fused ones; a file lists those it has)."""
     return {
         "peft_type": "LORA",
         "task_type": config.task_type,
@@ -48,7 +49,7 @@ def peft_config_dict(config: LoRAConfig) -> dict[str, Any]:
         "r": config.r,
         "lora_alpha": config.lora_alpha,
         "lora_dropout": config.lora_dropout,
-        "target_modules": config.resolved_targets(),
+        "target_modules": [t for t in config.resolved_targets() if held is None or t in held],
         "modules_to_save": list(config.modules_to_save) or None,
         "inference_mode": True,
         "init_lora_weights": True,
@@ -63,7 +64,8 @@ def write_adapter(model: nn.Module, folder: Path, tokenizer: Any = None) -> None
     if config is None:
         raise ValueError("write_adapter: the model carries no LoRA adapter")
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / ADAPTER_CONFIG).write_text(json.dumps(peft_config_dict(config), indent=2) + "\n")
+    held = {name.rpartition(".")[2] for name, _ in lora_layers(model)}
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(peft_config_dict(config, held), indent=2) + "\n")
     tensors = {PEFT_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in adapter_state_dict(model).items()}
     save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     if tokenizer is not None:

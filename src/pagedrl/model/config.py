@@ -1,7 +1,8 @@
 """Model configuration: a Hugging Face `config.json` read into one typed dataclass.
 
-Every supported family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, the mixture-of-experts
-Mixtral and Qwen3-MoE, Gemma 2/3 with the rules of `model/gemma.py`) is the same decoder with a few
+Every supported family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, Phi-3 with its fused
+projections, the mixture-of-experts Mixtral and Qwen3-MoE, Gemma 2/3 with the rules of
+`model/gemma.py`) is the same decoder with a few
 switches, so one dataclass holds them all; the switches are derived from the `architectures` entry
 and the fields that family publishes.
 """
@@ -28,6 +29,7 @@ ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "Qwen3ForCausalLM": ("qwen3", False, True),
     "MixtralForCausalLM": ("mixtral", False, False),
     "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
+    "Phi3ForCausalLM": ("phi3", False, False),
     "Gemma2ForCausalLM": ("gemma2", False, False),
     "Gemma3ForCausalLM": ("gemma3_text", False, True),
 }
@@ -59,6 +61,7 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     hidden_act: str = "silu"
+    partial_rotary_factor: float = 1.0  # the share of each head the rotary embedding turns (Phi-4-mini: 0.75)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -94,6 +97,16 @@ class ModelConfig:
         if self.eos_token_id is None:
             return []
         return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The features of each head the rotary embedding turns (its first ones), as transformers rounds it."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def fused_projections(self) -> bool:
+        """Whether the layers hold one `qkv_proj` and one `gate_up_proj` (Phi-3, `model/fused.py`)."""
+        return self.model_type == "phi3"
 
     @property
     def expert_intermediate_size(self) -> int:
@@ -145,11 +158,12 @@ class ModelConfig:
         if base in SLIDING_WHEN_ASKED and not raw.get("use_sliding_window", False):
             sliding = None
         attention_bias = raw.get("attention_bias", bias_default) if base != "Qwen2ForCausalLM" else True
-        if base == "MixtralForCausalLM":
-            attention_bias = False  # transformers' Mixtral has no attention bias whatever the config says
+        if base in ("MixtralForCausalLM", "Phi3ForCausalLM"):
+            attention_bias = False  # transformers' Mixtral and Phi-3 have no attention bias whatever the config says
         known = set(cls.__dataclass_fields__) | {
             "architectures", "rope_parameters", "use_sliding_window", "model_type", *MOE_FIELDS, *GEMMA_FIELDS,
         }
+        phi3 = phi3_fields(raw, rope, scaling, source) if base == "Phi3ForCausalLM" else {}
         fields = dict(
             architecture=arch,
             vocab_size=need("vocab_size"),
@@ -165,7 +179,7 @@ class ModelConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(attention_bias),
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)) and base != "Phi3ForCausalLM",
             qk_norm=qk_norm,
             sliding_window=sliding,
             hidden_act=raw.get("hidden_act", "silu"),
@@ -175,6 +189,7 @@ class ModelConfig:
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             extra={k: v for k, v in raw.items() if k not in known},
             **moe_fields(raw, base, source),
+            **phi3,
         )
         fields.update(gemma_fields(raw, base, source))
         cfg = cls(**fields)
@@ -191,10 +206,15 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"{source}: head_dim ({self.head_dim}) must be even for rotary embeddings")
-        if self.rope_scaling and self.rope_scaling["rope_type"] not in ("linear", "llama3"):
+        if self.rope_scaling and self.rope_scaling["rope_type"] not in ("linear", "llama3", "longrope"):
             raise ConfigError(
-                f"{source}: rope type {self.rope_scaling['rope_type']!r} is not supported (linear, llama3)"
+                f"{source}: rope type {self.rope_scaling['rope_type']!r} is not supported (linear, llama3, longrope)"
             )
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2 or not self.rotary_dim:
+            raise ConfigError(f"{source}: field 'partial_rotary_factor' ({self.partial_rotary_factor!r}) must lie in "
+                              f"(0, 1] and turn an even number of each head's {self.head_dim} features")
+        if self.rope_scaling and self.rope_scaling["rope_type"] == "longrope":
+            validate_longrope(self.rope_scaling, self.rotary_dim, source)
 
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"{source}: field 'num_experts_per_tok' must lie in 1..{self.num_experts}, "
@@ -226,7 +246,9 @@ class ModelConfig:
             head_dim=self.head_dim,
             rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.rope_theta,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})},
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {}),
+                             **({"partial_rotary_factor": self.partial_rotary_factor}
+                                if self.partial_rotary_factor != 1.0 else {})},
             max_position_embeddings=self.max_position_embeddings,
             tie_word_embeddings=self.tie_word_embeddings,
             attention_bias=self.attention_bias,
@@ -248,6 +270,9 @@ class ModelConfig:
         out.update(self.moe_dict())
         if self.gemma is not None:
             out.update(gemma_dict(self))
+        if self.rope_scaling and self.rope_scaling["rope_type"] == "longrope":
+            # transformers' Phi-3 takes the top-level field over the rope parameters' (default 4096).
+            out["original_max_position_embeddings"] = self.rope_scaling["original_max_position_embeddings"]
         return out
 
     def moe_dict(self) -> dict[str, Any]:
@@ -304,3 +329,36 @@ def moe_fields(raw: dict[str, Any], base: str, source: str) -> dict[str, Any]:
                 mlp_only_layers=list(layers))
 
 
+def phi3_fields(raw: dict[str, Any], rope: dict[str, Any], scaling: dict[str, Any] | None,
+                source: str) -> dict[str, Any]:
+    """Phi-3's rope fields as transformers' Phi3Config reads them (`scaling` completed in place):
+    `partial_rotary_factor` from the rope parameters or the top level; rope types "su" and "yarn"
+    (older Phi-3 configs) meaning "longrope"; LongRoPE's `original_max_position_embeddings` always the
+    top-level field (default 4096), which transformers puts over the rope parameters' own. Dropouts (`resid_pdrop`, `embd_pdrop`,
+    `attention_dropout`) stay as extras: pagedrl computes without dropout, as the published configs
+    set them (0), and writes them back."""
+    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)):
+        raise ConfigError(f"{source}: field 'partial_rotary_factor' must be a number, got {partial!r}")
+    fields: dict[str, Any] = dict(partial_rotary_factor=float(partial))
+    if scaling is not None:
+        if scaling["rope_type"] in ("su", "yarn"):
+            scaling["rope_type"] = "longrope"
+        if scaling["rope_type"] == "longrope":
+            scaling["original_max_position_embeddings"] = raw.get("original_max_position_embeddings", 4096)
+            scaling.pop("partial_rotary_factor", None)  # the field's
+    return fields
+
+
+def validate_longrope(scaling: dict[str, Any], rotary_dim: int, source: str) -> None:
+    """LongRoPE's parameters: a factor per rotary pair in each set, and the original context length."""
+    original = scaling.get("original_max_position_embeddings")
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise ConfigError(f"{source}: field 'original_max_position_embeddings' must be a positive integer "
+                          f"for rope type 'longrope', got {original!r}")
+    for name in ("short_factor", "long_factor"):
+        factors = scaling.get(name)
+        if (not isinstance(factors, list) or len(factors) != rotary_dim // 2
+                or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors)):
+            raise ConfigError(f"{source}: rope field {name!r} must be a list of {rotary_dim // 2} positive numbers "
+                              f"(one per rotary pair), got {factors!r}")

@@ -16,8 +16,9 @@ from torch import nn
 from pagedrl.model import batch_invariant, gemma, routed
 from pagedrl.model.attention import AttentionMetadata, DenseAttention
 from pagedrl.model.config import ModelConfig
+from pagedrl.model.fused import FusedAttention, FusedMLP
 from pagedrl.model.moe import SparseMoeBlock
-from pagedrl.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from pagedrl.model.rope import longrope_of, rope_cos_sin, rope_inv_freq, rotate
 from pagedrl.model.routed import Linear
 
 
@@ -93,16 +94,6 @@ class MLP(nn.Module):
         return self.down_proj(fused if fused is not None else F.silu(gate) * up)
 
 
-def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries and keys rotated by their positions (through a route when one takes them)."""
-    routes = routed.current()
-    if routes is not None:
-        out = routes.rope(q, k, cos, sin)
-        if out is not None:
-            return out
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-
 def norm_for(cfg: ModelConfig) -> type[nn.Module]:
     """Gemma's RMSNorm scales by (1 + weight); every other family's by weight."""
     return gemma.GemmaRMSNorm if cfg.gemma is not None else RMSNorm
@@ -113,9 +104,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm = norm_for(cfg)
         self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = FusedAttention(cfg, layer) if cfg.fused_projections else Attention(cfg, layer)
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(cfg) if cfg.sparse_layer(layer) else MLP(cfg)
+        self.mlp: MLP | SparseMoeBlock | FusedMLP = (
+            SparseMoeBlock(cfg) if cfg.sparse_layer(layer) else FusedMLP(cfg) if cfg.fused_projections else MLP(cfg))
         # Gemma: a norm on each sublayer's output too (post_attention_layernorm then norms attention's).
         self.sandwich = cfg.gemma is not None
         if self.sandwich:
@@ -138,7 +130,8 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = norm_for(cfg)(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rope = (cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.longrope = longrope_of(cfg.rope_scaling, cfg.max_position_embeddings)
         self.register_buffer("inv_freq", rope_inv_freq(*self.rope), persistent=False)
         self.rules = cfg.gemma
         # Gemma 3's sliding layers rotate by a base of their own, unscaled.
@@ -171,7 +164,7 @@ class Backbone(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         with batch_invariant.scope(self.batch_invariant):
             x = self.embed_tokens(input_ids)
-            cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+            cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype, self.longrope)
             ropes = [(cos, sin)] * len(self.layers)
             if self.rules is not None:
                 x = gemma.embed_scale(x, x.shape[-1])

@@ -31,10 +31,12 @@ from pagedrl.model.moe import has_sparse_layers
 ALL_LINEAR = "all-linear"
 # PEFT's defaults for the Llama family (llama, mistral, qwen2, qwen3): the query and value projections.
 DEFAULT_TARGETS = ("q_proj", "v_proj")
-# Projections of the decoder layers, the ones "all-linear" means (never an output head).
-LAYER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Projections of the decoder layers, the ones "all-linear" means (never an output head): the Llama
+# layout's seven, Phi-3's fused `qkv_proj` and `gate_up_proj` (`model/fused.py`; PEFT names no default there).
+LAYER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
+                     "down_proj")
 HEADS = ("lm_head", "score", "value_head")
-FEED_FORWARD = ("gate_proj", "up_proj", "down_proj")
+FEED_FORWARD = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass
@@ -163,7 +165,10 @@ def apply_lora(model: nn.Module, config: LoRAConfig, generator: torch.Generator 
     wrapped = [name for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and name.rpartition(".")[2] in targets]
     if not wrapped:
-        raise ValueError(f"lora_target_modules: no layer of the model is named {sorted(targets)}")
+        present = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+                         & set(LAYER_PROJECTIONS), key=LAYER_PROJECTIONS.index)
+        raise ValueError(f"lora_target_modules: no layer of the model is named {sorted(targets)}; its projections "
+                         f"are {', '.join(present)}")
     model.requires_grad_(False)
     for name in wrapped:
         base = model.get_submodule(name)

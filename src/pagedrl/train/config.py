@@ -119,7 +119,7 @@ class TrainConfig:
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.05
-    lora_target_modules: list[str] | None = None  # None: q_proj, v_proj (PEFT's default); [all-linear]: all 7
+    lora_target_modules: list[str] | None = None  # None: q_proj, v_proj (PEFT's default); [all-linear]: every projection
 
     def __post_init__(self) -> None:
         self.validate()

@@ -1,0 +1,165 @@
+"""Phi-3 (`Phi3ForCausalLM`): what the family-parametrized reference tests do not cover on their own.
+LongRoPE past the original length against transformers' cached decoding, the config's rules as
+transformers' Phi3Config reads them, the first SFT and DPO batches' losses and gradients against
+transformers, the log-prob contract, and `pagedrl serve` on a Phi-3 folder."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import decoder_bound
+import httpx
+import pytest
+import torch
+import transformers
+from preference_data import dpo_trainer, preference_rows
+from tiny import FAMILIES, freq_error, hf_model
+from tiny_train import build_model_dir, sft_trainer
+
+from pagedrl.model.config import ConfigError, ModelConfig
+from pagedrl.model.decoder import CausalLM
+
+PHI3 = FAMILIES["phi3-longrope"]
+
+
+def ours_from(hf: torch.nn.Module) -> CausalLM:
+    model = CausalLM(ModelConfig.from_dict(hf.config.to_dict()))
+    model.load_state_dict(hf.state_dict(), strict=True)
+    return model.eval()
+
+
+def test_past_the_original_length_the_logits_are_transformers_cached_decoding() -> None:
+    """transformers switches to the long factors for the tokens decoded past position 63 and keeps the
+    cached keys as they were; pagedrl's one forward over 80 tokens, which rotates each position by its
+    own set, gives the same logits at every position (within float32's bound, ~1e-5). transformers' one
+    forward over all 80 (the long set everywhere) falls outside that bound: the comparison tells the rules apart."""
+    hf = hf_model(PHI3)
+    ours = ours_from(hf)
+    ids = torch.randint(3, 211, (1, 80), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out = hf(input_ids=ids[:, :60], use_cache=True)
+        steps = [out.logits]
+        for t in range(60, 80):
+            out = hf(input_ids=ids[:, t:t + 1], cache=out.past_key_values, use_cache=True)
+            steps.append(out.logits)
+        ref = torch.cat(steps, 1)
+        got = ours.logits(ours(ids))
+    probed = decoder_bound.logits(ours, ids, freq_error=freq_error(hf, ours))
+    for logits in (ref, got):
+        assert ((logits.double() - probed.exact).abs() <= probed.bound()).all()
+    with torch.no_grad():
+        whole = hf(input_ids=ids).logits
+    assert ((whole.double() - probed.exact).abs() > probed.bound()).any()
+
+
+def test_config_as_transformers_reads_it() -> None:
+    raw = dict(PHI3, rope_parameters=None, rope_scaling=dict(PHI3["rope_parameters"], type="su",
+                                                               original_max_position_embeddings=999))
+    del raw["rope_scaling"]["rope_type"]
+    cfg = ModelConfig.from_dict(raw)
+    # "su" is LongRoPE; the top-level original length wins over the rope parameters' (transformers' rule)
+    assert cfg.rope_scaling["rope_type"] == "longrope" and cfg.rope_scaling["original_max_position_embeddings"] == 64
+    assert cfg.rotary_dim == 12 and cfg.head_dim == 16 and cfg.fused_projections
+    back = transformers.Phi3Config(**{k: v for k, v in cfg.to_dict().items() if k != "model_type"})
+    assert back.rope_parameters["partial_rotary_factor"] == 0.75
+    assert back.rope_parameters["original_max_position_embeddings"] == 64
+    assert back.rope_parameters["short_factor"] == PHI3["rope_parameters"]["short_factor"]
+    plain = ModelConfig.from_dict(dict(PHI3, rope_parameters=None, partial_rotary_factor=1.0, sliding_window=2047,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0))
+    assert plain.rope_scaling is None and plain.rotary_dim == 16 and plain.max_model_len == 256
+    assert ModelConfig.from_dict(dict(PHI3, max_position_embeddings=4096, sliding_window=2047)).max_model_len == 2047
+    assert plain.to_dict()["resid_pdrop"] == 0.0  # kept and written back
+    for change, field in [(dict(partial_rotary_factor=1.5), "partial_rotary_factor"),
+                          (dict(rope_parameters=dict(PHI3["rope_parameters"], short_factor=[1.0])), "short_factor"),
+                          (dict(original_max_position_embeddings=0), "original_max_position_embeddings")]:
+        with pytest.raises(ConfigError, match=field):
+            ModelConfig.from_dict(dict(PHI3, **change))
+
+
+@pytest.fixture(scope="module")
+def phi3_folder(tmp_path_factory):
+    """A tiny Phi-3 folder with a tokenizer (LongRoPE, partial rotation; rows stay within the original
+    length, where transformers' one-forward rule and pagedrl's per-position one agree)."""
+    fields = {k: PHI3[k] for k in ("architectures", "partial_rotary_factor", "original_max_position_embeddings",
+                                   "rope_parameters")}
+    return build_model_dir(tmp_path_factory.mktemp("phi3") / "model", std=0.05, **fields)
+
+
+def assert_gradients_equal(ours: CausalLM, hf: torch.nn.Module) -> None:
+    """Parameter by parameter under the same names (the fused ones included), within 1e-5."""
+    theirs = dict(hf.named_parameters())
+    compared = 0
+    for name, p in ours.named_parameters():
+        if name in theirs:
+            assert p.grad is not None and theirs[name].grad is not None, name
+            assert float((p.grad - theirs[name].grad).abs().max()) < 1e-5, name
+            assert float(p.grad.abs().max()) > 1e-4, name  # a gradient that is there to compare
+            compared += 1
+    assert compared == len(theirs)
+
+
+def sequence_logps(hf: torch.nn.Module, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + answer])
+    logps = torch.log_softmax(hf(input_ids=ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return logps[max(len(prompt) - 1, 0):].sum()
+
+
+def test_first_sft_and_dpo_batches_equal_transformers(phi3_folder, tmp_path) -> None:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(phi3_folder, dtype=torch.float32).train()
+    # SFT: the mean negative log-likelihood of the completion tokens of a padded batch of four rows
+    algorithm = sft_trainer(phi3_folder, tmp_path / "sft").algorithm
+    batch = algorithm.collate(algorithm.examples[:4])
+    model = algorithm.model.train()
+    loss, _ = algorithm.loss(model, batch, torch.tensor(float(batch.targets.numel())))
+    loss.backward()
+    lengths = [len(e.input_ids) for e in algorithm.examples[:4]]
+    mask = torch.tensor([[1] * n + [0] * (batch.input_ids.shape[1] - n) for n in lengths])
+    logits = hf(input_ids=batch.input_ids, attention_mask=mask).logits
+    rows = logits.reshape(-1, logits.shape[-1])[batch.predict_at]
+    ref = -torch.log_softmax(rows, -1).gather(-1, batch.targets[:, None]).mean()
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-5
+    assert_gradients_equal(model, hf)
+
+    # DPO (sigmoid, beta 0.3, the reference a copy of the starting policy): log 2 per pair, the
+    # gradient that of -beta/2 (chosen - rejected) log-probs, each answer scored on prompt + answer alone
+    hf.zero_grad()
+    trainer = dpo_trainer(phi3_folder, tmp_path / "dpo", preference_rows(8, seed=3), beta=0.3,
+                          per_device_train_batch_size=4)
+    algorithm = trainer.algorithm
+    pairs = algorithm.examples[:4]
+    model = algorithm.model.train()
+    loss, _ = algorithm.loss(model, algorithm.collate(pairs), torch.tensor(4.0))
+    loss.backward()
+    margins = torch.stack([sequence_logps(hf, p.prompt_ids, p.chosen_ids)
+                           - sequence_logps(hf, p.prompt_ids, p.rejected_ids) for p in pairs])
+    ref = -torch.nn.functional.logsigmoid(0.3 * (margins - margins.detach())).mean()
+    ref.backward()
+    assert abs(float(loss) - math.log(2)) < 1e-5 and abs(float(ref) - math.log(2)) < 1e-5
+    assert_gradients_equal(model, hf)
+
+
+def test_log_prob_contract() -> None:
+    from test_engine_sampling import assert_logprob_contract
+
+    assert_logprob_contract(hf_model(PHI3))
+
+
+def test_serve_answers_as_the_engine_generates(phi3_folder, tmp_path) -> None:
+    from server_process import running_server
+
+    from pagedrl.engine.llm import LLM
+    from pagedrl.engine.sampling_params import SamplingParams
+    from pagedrl.model.loader import load_model
+
+    loaded = load_model(str(phi3_folder), device="cpu")
+    offline = LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
+                              kv_cache_tokens=1024)
+    ref = offline.generate("the cat sat", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0].text
+    with running_server(phi3_folder, tmp_path, "--kv-cache-tokens", "1024") as server:
+        body = dict(model=str(phi3_folder), prompt="the cat sat", max_tokens=8, temperature=0, ignore_eos=True)
+        reply = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).json()
+        assert reply["choices"][0]["text"] == ref, json.dumps(reply)
+        assert "fused qkv_proj and gate_up_proj" in server.log()
