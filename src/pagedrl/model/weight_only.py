@@ -55,32 +55,37 @@ class QuantizationError(ValueError):
     """A weight the rule cannot hold: named, with why."""
 
 
-def _checked(w: torch.Tensor, name: str, method: str) -> np.ndarray:
+def _checked(w: torch.Tensor, name: str, method: str) -> torch.Tensor:
     if w.dim() != 2 or w.shape[1] % GROUP:
         raise QuantizationError(f"quantization={method!r}: {name} has {w.shape[-1]} inputs, which groups of {GROUP} "
                                 "do not divide")
-    values = w.detach().to("cpu", torch.float64).numpy()
-    if not np.isfinite(values).all():
+    values = w.detach().to("cpu", torch.float64)
+    if not torch.isfinite(values).all():
         raise QuantizationError(f"quantization={method!r}: {name} holds inf or NaN")
     return values
 
 
-def _half(x: np.ndarray, name: str, method: str, what: str) -> np.ndarray:
-    """x rounded once to half precision (numpy's float64 -> float16 is correctly rounded), refused beyond it."""
-    if np.abs(x).max(initial=0.0) > HALF_MAX:
-        raise QuantizationError(f"quantization={method!r}: {name}'s {what} {np.abs(x).max():.4g} is beyond a half's "
+def _half(x: torch.Tensor, name: str, method: str, what: str) -> np.ndarray:
+    """x (float64) rounded once to half precision (numpy's float64 -> float16 is correctly rounded, where
+    torch's goes through float32), refused beyond a half's range."""
+    biggest = float(x.abs().max()) if x.numel() else 0.0
+    if biggest > HALF_MAX:
+        raise QuantizationError(f"quantization={method!r}: {name}'s {what} {biggest:.4g} is beyond a half's "
                                 f"range ({HALF_MAX:.0f})")
-    return x.astype(np.float16)
+    return x.numpy().astype(np.float16)
+
+
+def _wide(half: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(half.astype(np.float64))
 
 
 def int8_rule(w: torch.Tensor, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
     """(q [n, k] int8, s [n] float16): the int8 rule (module docstring) on w [n, k]."""
     values = _checked(w, name, "int8")
-    s = _half(np.abs(values).max(axis=1) / 127.0, name, "int8", "scale")
-    s64 = s.astype(np.float64)[:, None]
-    safe = np.where(s64 == 0, 1.0, s64)
-    q = np.where(s64 == 0, 0.0, np.clip(np.rint(values / safe), -127, 127))
-    return q.astype(np.int8), s
+    s = _half(values.abs().amax(dim=1) / 127.0, name, "int8", "scale")
+    s64 = _wide(s)[:, None]
+    q = torch.where(s64 == 0, 0.0, (values / torch.where(s64 == 0, 1.0, s64)).round().clamp(-127, 127))
+    return q.to(torch.int8).numpy(), s
 
 
 def int4_rule(w: torch.Tensor, name: str = "weight") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -88,13 +93,12 @@ def int4_rule(w: torch.Tensor, name: str = "weight") -> tuple[np.ndarray, np.nda
     values = _checked(w, name, "int4")
     n, k = values.shape
     groups = values.reshape(n, k // GROUP, GROUP)
-    m = _half(groups.min(axis=2), name, "int4", "group minimum")
-    m64 = m.astype(np.float64)[..., None]
-    d = _half((groups.max(axis=2) - m.astype(np.float64)) / 15.0, name, "int4", "group scale")
-    d64 = d.astype(np.float64)[..., None]
-    safe = np.where(d64 == 0, 1.0, d64)
-    q = np.where(d64 == 0, 0.0, np.clip(np.rint((groups - m64) / safe), 0, 15))
-    return q.reshape(n, k).astype(np.uint8), d, m
+    m = _half(groups.amin(dim=2), name, "int4", "group minimum")
+    m64 = _wide(m)
+    d = _half((groups.amax(dim=2) - m64) / 15.0, name, "int4", "group scale")
+    d64, m64 = _wide(d)[..., None], m64[..., None]
+    q = torch.where(d64 == 0, 0.0, ((groups - m64) / torch.where(d64 == 0, 1.0, d64)).round().clamp(0, 15))
+    return q.reshape(n, k).to(torch.uint8).numpy(), d, m
 
 
 def int8_blocks(w: torch.Tensor, name: str = "weight") -> torch.Tensor:
