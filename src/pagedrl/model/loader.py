@@ -100,7 +100,7 @@ def _load_quantized(model: str | Path | None, device: torch.device, dtype: torch
             raise ValueError(f"quantization={quantization!r}: {path} is a LoRA adapter; a quantized base cannot hold "
                              "merged weights (name the base model, or drop quantization)")
         net = load_causal_lm(path, device="cpu", dtype=torch.float32)
-        reason = describe(quantization, quantize_weights(net, quantization))
+        reason = describe(quantization, quantize_weights(net, quantization), device)
     else:
         found = resolve_gguf(model, revision)
         if found is None:

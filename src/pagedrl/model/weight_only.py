@@ -160,8 +160,9 @@ def quantize_weights(model: CausalLM, method: str) -> Counter[str]:
     return kept
 
 
-def describe(method: str, kept: Counter[str]) -> str:
+def describe(method: str, kept: Counter[str], device: torch.device) -> str:
     """The start-up line's account of what was quantized and which kernel multiplies it."""
     kinds = ", ".join(f"{name} x {n}" for name, n in sorted(kept.items()))
-    return (f"{method} weight-only, made at load: {kinds} (Q4_1 / Q8_0 block layouts, multiplied by the GGUF "
-            "kernels in float32 on a CPU)")
+    how = ("multiplied by the GGUF block kernels in float32" if device.type == "cpu"
+           else "dequantized per product in the model's dtype")
+    return f"{method} weight-only, made at load: {kinds} (in Q4_1 / Q8_0 block layouts, {how})"

@@ -66,7 +66,8 @@ def eval_main(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                        help="gguf: a .gguf model's quantized weights stay quantized (see `pagedrl serve --help`)")
+                        help="gguf: a .gguf model's quantized weights stay quantized; int8 / int4: weight-only "
+                        "quantization made at load (see `pagedrl serve --help`)")
     args = parser.parse_args(argv)
 
     task = ArithmeticTask(tuple(args.operations), args.low, args.high, args.num_problems, seed=args.seed)
