@@ -21,7 +21,7 @@ with the row's one scale repeated in each of its blocks: 1.0625 bytes a weight w
 tensor holds 1 + 4/k, for kernels that exist and were measured. Chosen by measurement, the default
 model's 210 projections on one thread of an AVX512-BF16 CPU (no AMX; `bench/bench_weight_only.py`,
 bench/RESULTS.md): torch's own `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` take float32
-rows 10-60x slower than the GGUF kernels; on bf16 rows the int4 one is level with Q4_1 at one row and
+rows 12-70x slower than the GGUF kernels; on bf16 rows the int4 one is level with Q4_1 at one row and
 the int8 one slower than Q8_0, and from 16 rows both lose to the bf16 engine's float kernel.
 
 The numbers (tests/test_weight_only.py): the quantized model computes the float32 model whose weights
