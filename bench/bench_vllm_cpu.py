@@ -25,12 +25,16 @@ GGUF weights kept quantized, both engines on one file: `pagedrl-q4_1` (`quantiza
 `llamacpp-q4_1` on the default model's own Q4_1 GGUF; `pagedrl-q8_0` and `llamacpp-q8_0` on its Q8_0
 requantization (`bench/gguf_requantize.py`, written next to llama.cpp's build on first use);
 `pagedrl-q4_k_m` and `llamacpp-q4_k_m` on llama.cpp's own Q4_K_M of the bf16 GGUF (`llama-quantize`).
+Weight-only quantization made at load (`model/weight_only.py`): `pagedrl-int8` and `pagedrl-int4`
+(`quantization="int8"` / `"int4"`, float32) on the folder.
 
     bash bench/vllm_cpu_env.sh                                    # once: /work/.vllm-cpu
     bash bench/llamacpp_env.sh                                    # once: /work/.llama.cpp
     .venv/bin/python bench/bench_vllm_cpu.py                      # pagedrl bf16 and float32 against vLLM bf16
     .venv/bin/python bench/bench_vllm_cpu.py --sides pagedrl-bf16,vllm-bf16,llamacpp-bf16 --rounds 3
     .venv/bin/python bench/bench_vllm_cpu.py --sides pagedrl-q4_1,llamacpp-q4_1,pagedrl-float32 --workloads single
+    .venv/bin/python bench/bench_vllm_cpu.py --sides pagedrl-int4,pagedrl-q4_1,pagedrl-int8,pagedrl-q8_0,pagedrl-float32 \
+        --workloads single --threads 1 --rounds 3
 """
 
 from __future__ import annotations
@@ -100,6 +104,8 @@ def run_pagedrl(folder: str, dtype: str, names: list[str]) -> dict:
                     enable_prefix_caching=False)
     if dtype in GGUF_KINDS:
         llm = LLM(str(gguf_file(dtype)), quantization="gguf", dtype="float32", **settings)
+    elif dtype in ("int8", "int4"):
+        llm = LLM(folder, quantization=dtype, dtype="float32", **settings)
     else:
         llm = LLM(folder, dtype=getattr(torch, dtype), **settings)
 
@@ -181,7 +187,7 @@ def timed(generate, vocab: int, names: list[str]) -> dict:  # noqa: ANN001 (eith
 def worker(args: argparse.Namespace) -> None:
     names = args.workloads.split(",")
     engine, dtype = args.worker.split("-")
-    dtype = {"bf16": "bfloat16", "float32": "float32", **{k: k for k in GGUF_KINDS}}[dtype]
+    dtype = {"bf16": "bfloat16", "float32": "float32", "int8": "int8", "int4": "int4", **{k: k for k in GGUF_KINDS}}[dtype]
     if engine == "llamacpp":
         result = run_llamacpp(args.folder, names, "bf16" if dtype == "bfloat16" else dtype)
     else:

@@ -50,7 +50,10 @@ class EngineArgs(EngineConfig):
     quantization: str | None = setting(
         None, "gguf: a .gguf model's quantized weights stay quantized in memory (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
               "Q4_K, Q5_K, Q6_K; float32 on a CPU, the same tokens as the file dequantized; on CUDA dequantized per product in "
-              "the model's dtype); default: dequantized at load", "model", choices=QUANTIZATIONS)
+              "the model's dtype); int8 / int4: weight-only quantization made at load of a model that is not "
+              "quantized (int8 one scale per output channel, int4 groups of 32 with a scale and a minimum; the "
+              "same tokens as the float32 model of the dequantized weights); default: none (a GGUF dequantized "
+              "at load)", "model", choices=QUANTIZATIONS)
 
     def engine_config(self) -> EngineConfig:
         """The engine's part (what `LLMEngine` takes), without the model's."""

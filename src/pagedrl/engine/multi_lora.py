@@ -215,7 +215,7 @@ class LoRASlots:
                              "it on its own")
         if any(isinstance(m, GGUFLinear) for m in model.modules()):
             raise ValueError("enable_lora: adapters per request on GGUF weights kept quantized are not supported "
-                             "yet; serve the GGUF without --quantization (dequantized at load) to use adapters")
+                             "yet (nor on int8 / int4 ones); serve the model without --quantization to use adapters")
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.dtype = next(model.parameters()).dtype

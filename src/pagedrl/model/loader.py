@@ -19,6 +19,7 @@ from pagedrl.model.merge import merged_causal_lm
 from pagedrl.model.precision import QUANTIZATIONS, Precision, resolve_dtype
 from pagedrl.model.resolve import adapter_base, resolve_gguf, resolve_model_path
 from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.model.weight_only import WEIGHT_ONLY, describe, quantize_weights
 
 
 @dataclass
@@ -44,7 +45,8 @@ def load_model(model: str | Path | None = None, device: str | torch.device | Non
     id) folded into its weights (`model` None: the base the adapter names; `model` an adapter: the
     same); the tokenizer is the adapter folder's when it holds one. `dtype` None or "auto": the
     device's default (`model/precision.py`). `quantization="gguf"`: a GGUF's quantized weights stay
-    quantized (`model/gguf_quantized.py`)."""
+    quantized (`model/gguf_quantized.py`); `"int8"` / `"int4"`: the float weights quantized at load
+    (`model/weight_only.py`)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if quantization is not None:
         return _load_quantized(model, device, dtype, load_tokenizer, adapter, revision, quantization)
@@ -79,27 +81,36 @@ def _generation_config(path: Path) -> dict[str, Any]:
 def _load_quantized(model: str | Path | None, device: torch.device, dtype: torch.dtype | str | None,
                     load_tokenizer: bool, adapter: str | Path | None, revision: str | None,
                     quantization: str) -> LoadedModel:
-    """A GGUF with its quantized weights kept quantized; each setting it cannot honour refused in one line."""
+    """A GGUF with its quantized weights kept quantized, or any model's weights quantized at load to int8 /
+    int4; each setting it cannot honour refused in one line."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r} is not supported; supported: {', '.join(QUANTIZATIONS)} "
-                         "(a GGUF file's own quant types kept quantized)")
+                         "(gguf: a GGUF file's own quant types kept quantized; int8, int4: weight-only, made at load)")
     if adapter is not None:
-        raise ValueError("quantization='gguf' with a LoRA adapter folded in is not supported: a quantized base "
-                         "cannot hold merged weights (load the base quantized without the adapter, or drop quantization)")
+        raise ValueError(f"quantization={quantization!r} with a LoRA adapter folded in is not supported: a quantized "
+                         "base cannot hold merged weights (load the base quantized without the adapter, or drop "
+                         "quantization)")
     if device.type == "cpu" and dtype not in (None, "auto", "float32", torch.float32):
-        raise ValueError(f"quantization='gguf' computes in float32 on a CPU (its kernels' products are the float32 "
-                         f"model's); dtype={dtype!r} is not supported with it there")
+        raise ValueError(f"quantization={quantization!r} computes in float32 on a CPU (its kernels' products are the "
+                         f"float32 model's); dtype={dtype!r} is not supported with it there")
     precision = resolve_dtype("float32" if device.type == "cpu" else dtype, device)
-    found = resolve_gguf(model, revision)
-    if found is None:
-        raise ValueError(f"quantization='gguf' needs a GGUF file; {model} is a folder (name a .gguf file, "
-                         "org/repo/file.gguf, or the default model)")
-    source, path = found  # the file, and its converted folder: config, tokenizer, generation config
-    net, kept = load_gguf_quantized(source, path)
+    if quantization in WEIGHT_ONLY:
+        path = resolve_model_path(model, revision)
+        if is_adapter_folder(path):
+            raise ValueError(f"quantization={quantization!r}: {path} is a LoRA adapter; a quantized base cannot hold "
+                             "merged weights (name the base model, or drop quantization)")
+        net = load_causal_lm(path, device="cpu", dtype=torch.float32)
+        reason = describe(quantization, quantize_weights(net, quantization), device)
+    else:
+        found = resolve_gguf(model, revision)
+        if found is None:
+            raise ValueError(f"quantization='gguf' needs a GGUF file; {model} is a folder (name a .gguf file, "
+                             "org/repo/file.gguf, or the default model; int8 / int4 quantize a folder at load)")
+        source, path = found  # the file, and its converted folder: config, tokenizer, generation config
+        net, kept = load_gguf_quantized(source, path)
+        reason = "GGUF weights kept quantized: " + ", ".join(f"{name} x {n}" for name, n in sorted(kept.items()))
     net = net.to(device=device, dtype=precision.dtype)
-    kinds = ", ".join(f"{name} x {n}" for name, n in sorted(kept.items()))
-    loaded = LoadedModel(net, None, path, Precision(precision.dtype, f"GGUF weights kept quantized: {kinds}"),
-                         _generation_config(path))
+    loaded = LoadedModel(net, None, path, Precision(precision.dtype, reason), _generation_config(path))
     if load_tokenizer and (path / "tokenizer.json").is_file():
         loaded.tokenizer = Tokenizer.from_folder(path)
     return loaded

@@ -69,7 +69,8 @@ def eval_main(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                        help="gguf: a .gguf model's quantized weights stay quantized (see `pagedrl serve --help`)")
+                        help="gguf: a .gguf model's quantized weights stay quantized; int8 / int4: weight-only "
+                        "quantization made at load (see `pagedrl serve --help`)")
     parser.add_argument("--perplexity", metavar="FILE", default=None,
                         help="also the model's perplexity on the text in FILE (e.g. examples/data/perplexity.txt)")
     parser.add_argument("--window", type=int, default=1024, help="--perplexity: tokens per window (context included)")
