@@ -214,12 +214,12 @@ def test_grpo_rollouts_on_the_quantized_base_keep_the_logprob_contract(tiny_trai
     log-probs and the trainer's recompute are both within float32's bound of the exact log-probs of
     the float model whose weights are the dequantized base plus the adapters (merged)."""
     rows = [{"prompt": [{"role": "user", "content": f"what is {a} plus {b}"}], "answer": a + b}
-            for a in range(4) for b in range(2)]
+            for a in range(2) for b in range(2)]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "rewards.py").write_text(REWARDS)
     config = GRPOConfig(**{**QLORA, "model": str(tiny_train_model), "dataset": str(tmp_path / "prompts.jsonl"),
                            "output_dir": str(tmp_path / "out"), "num_generations": 4,
-                           "per_device_train_batch_size": 8, "max_completion_length": 8, "temperature": 0.7,
+                           "per_device_train_batch_size": 8, "max_completion_length": 6, "temperature": 0.7,
                            "reward_funcs": [f"{tmp_path}/rewards.py:token_sum"], "beta": 0.1})
     seed_everything(0)
     loaded = load_model(config.model, device="cpu", dtype=torch.float32)
