@@ -307,3 +307,29 @@ def test_a_projection_that_is_not_a_plain_linear_is_refused(tiny_train_model) ->
     with pytest.raises(ValueError, match=r"^load_in_4bit: .*q_proj \(GGUFLinear\)") as e:
         quantize_projections(model, QuantizedBase(4))
     assert "\n" not in str(e.value)
+
+
+def test_merge_of_a_qlora_adapter_dequantizes_then_merges(tiny_train_model, tmp_path) -> None:
+    """`pagedrl merge --load-in-4bit`: the float folder computes what the trained QLoRA module computes;
+    merged into the float weights instead, it differs by the base's quantization error."""
+    from pagedrl.merge import merge_main
+    from pagedrl.model.adapter import save_adapter
+
+    config = SFTConfig(**{**QLORA, "model": str(tiny_train_model), "output_dir": str(tmp_path),
+                          "lora_target_modules": ["q_proj", "v_proj"]})
+    model = load_model(config.model, device="cpu", dtype=torch.float32).model
+    attach_lora(config, model)
+    randomize_adapters(model)
+    save_adapter(model, tmp_path / "adapter")
+    ids = torch.tensor([[5, 17, 42, 9, 77, 31, 8]])
+    with torch.no_grad():
+        trained = model.eval().logits(model(ids))
+    logits = {}
+    for flags in (["--load-in-4bit"], []):
+        out = tmp_path / f"merged{len(flags)}"
+        assert merge_main([str(tiny_train_model), str(tmp_path / "adapter"), str(out), *flags]) == 0
+        merged = load_model(out, device="cpu", dtype=torch.float32).model.eval()
+        with torch.no_grad():
+            logits[len(flags)] = merged.logits(merged(ids))
+    assert torch.allclose(logits[1], trained, rtol=0, atol=2e-5 * float(trained.abs().max()))
+    assert (logits[0] - trained).abs().max() > 1e-3

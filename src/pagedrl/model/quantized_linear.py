@@ -169,3 +169,15 @@ def quantize_projections(model: nn.Module, spec: QuantizedBase) -> list[str]:
 
 def quantized_layers(model: nn.Module) -> list[QuantizedLinear]:
     return [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+
+
+def dequantize_projections(model: nn.Module) -> None:
+    """Replace every quantized projection of `model` (in place) by a float32 Linear holding its
+    dequantized weight: a merged QLoRA model's untargeted projections, as the adapter was trained on."""
+    for name, m in list(model.named_modules()):
+        if isinstance(m, QuantizedLinear):
+            linear = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+            linear.weight = nn.Parameter(m.dequantized(torch.float32), requires_grad=False)
+            linear.bias = m.bias
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, linear)
