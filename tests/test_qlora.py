@@ -333,3 +333,16 @@ def test_merge_of_a_qlora_adapter_dequantizes_then_merges(tiny_train_model, tmp_
             logits[len(flags)] = merged.logits(merged(ids))
     assert torch.allclose(logits[1], trained, rtol=0, atol=2e-5 * float(trained.abs().max()))
     assert (logits[0] - trained).abs().max() > 1e-3
+
+
+def test_a_ppo_critic_started_from_the_policy_shares_its_quantized_base(tiny_train_model, tmp_path) -> None:
+    from pagedrl.train.rl.config import PPOConfig
+    from pagedrl.train.rl.critic import load_critic, lora_critic
+
+    config = PPOConfig(**{**QLORA, "model": str(tiny_train_model), "output_dir": str(tmp_path), "critic": "policy"})
+    policy = load_model(tiny_train_model, device="cpu", dtype=torch.float32).model
+    attach_lora(config, policy)
+    critic = load_critic("policy", tiny_train_model, None, torch.device("cpu"), 0)
+    lora_critic(config, critic, policy)
+    ours, theirs = quantized_layers(policy), quantized_layers(critic)
+    assert len(ours) == len(theirs) == 2 * 7 and all(a.qweight is b.qweight for a, b in zip(ours, theirs, strict=True))
