@@ -10,6 +10,8 @@ on the same held-out problems every `--eval-steps` steps and at the end.
 - full fine-tuning: every weight trained, learning rate 1e-5 (examples/grpo_arithmetic.yaml).
 - LoRA: `use_peft`, r 16, alpha 32, dropout 0.05 (TRL's defaults) on all seven projections of every
   layer, learning rate 1e-4 (LoRA's usual ~10x the full fine-tuning rate).
+- QLoRA: the same adapters on a base held in NF4 (`load_in_4bit`); `--configs lora,qlora` compares
+  it with LoRA (goal: peak memory at least 250 MB lower).
 
 Each run is its own process with one torch thread, so each peak resident memory (`ru_maxrss`) is
 its own. The two processes alternate, one optimizer step (or evaluation) at a time, passing a turn
@@ -19,7 +21,7 @@ clock (the trainer's start moves forward by it), so `max_train_minutes` and `tra
 own work only.
 
   OMP_NUM_THREADS=1 .venv/bin/python bench/bench_lora_grpo.py [--minutes 4] [--eval-steps 2] [--num-eval 128]
-      [--lora-learning-rate 1e-4] [--configs full,lora]
+      [--lora-learning-rate 1e-4] [--max-steps N] [--configs full,lora | lora,qlora]
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ CONFIGS = {
     "full": dict(learning_rate=1e-5),
     "lora": dict(learning_rate=1e-4, use_peft=True, lora_r=16, lora_alpha=32, lora_dropout=0.05,
                  lora_target_modules=["all-linear"]),
+    # QLoRA: the same adapters on a base whose projections are held in NF4 (`load_in_4bit`)
+    "qlora": dict(learning_rate=1e-4, use_peft=True, lora_r=16, lora_alpha=32, lora_dropout=0.05,
+                  lora_target_modules=["all-linear"], load_in_4bit=True),
 }
 
 
@@ -91,7 +96,8 @@ def taking_turns(trainer: Any, turns: Turns) -> None:
         setattr(trainer, name, in_turn)
 
 
-def run(name: str, minutes: float, eval_steps: int, num_eval: int, out: Path, turns: Turns) -> dict:
+def run(name: str, minutes: float, eval_steps: int, num_eval: int, out: Path, turns: Turns,
+        max_steps: int = 1000) -> dict:
     import torch
 
     from pagedrl.train.algorithms.grpo import GRPO
@@ -102,8 +108,9 @@ def run(name: str, minutes: float, eval_steps: int, num_eval: int, out: Path, tu
     config = GRPOConfig(dataset="arithmetic", output_dir=str(out), num_generations=G,
                         per_device_train_batch_size=16, gradient_accumulation_steps=PROMPTS * G // 16,
                         max_completion_length=LENGTH, temperature=1.0, lr_scheduler_type="constant",
-                        max_steps=1000, max_train_minutes=minutes, beta=0.0, logging_steps=1, eval_steps=eval_steps,
-                        save_steps=100_000, report_to=["jsonl"], task_num_eval=num_eval, seed=0, **CONFIGS[name])
+                        max_steps=max_steps, max_train_minutes=minutes, beta=0.0, logging_steps=1, eval_steps=eval_steps,
+                        save_steps=100_000, report_to=["jsonl"], task_num_eval=num_eval, seed=0, bf16=False,
+                        **CONFIGS[name])
     dist, loaded = start_run(config, "GRPO needs")  # as run_grpo, with the trainer in reach
     algorithm = GRPO(config, loaded.model, loaded.tokenizer, dist, eos_token_ids=loaded.eos_token_ids,
                      generation_config=loaded.generation_config or None)
@@ -117,17 +124,17 @@ def run(name: str, minutes: float, eval_steps: int, num_eval: int, out: Path, tu
     steps = [r for r in rows if "step_time" in r]
     evals = [(r["train_time"] / 60, r["eval/accuracy"], r["step"]) for r in rows if "eval/accuracy" in r]
     saved = sum(f.stat().st_size for f in final.iterdir() if f.suffix == ".safetensors")
-    trained = {"full": "every weight", "lora": "adapters only"}[name]
+    trained = {"full": "every weight", "lora": "adapters only", "qlora": "adapters, NF4"}[name]
     return {"step": [r["step_time"] for r in steps], "generate": [r["rollout/seconds"] for r in steps],
             "reward": [r["reward"] for r in steps], "evals": evals, "saved_mib": saved / 2**20, "trained": trained}
 
 
 def worker(name: str, args: argparse.Namespace) -> None:
-    CONFIGS["lora"]["learning_rate"] = args.lora_learning_rate
+    CONFIGS["lora"]["learning_rate"] = CONFIGS["qlora"]["learning_rate"] = args.lora_learning_rate
     others = [c for c in args.configs.split(",") if c != name]
     turns = Turns(Path(args.turns), name, others[0] if others else None)
     with tempfile.TemporaryDirectory() as tmp:
-        data = run(name, args.minutes, args.eval_steps, args.num_eval, Path(tmp) / "out", turns)
+        data = run(name, args.minutes, args.eval_steps, args.num_eval, Path(tmp) / "out", turns, args.max_steps)
     data["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(args.result).write_text(json.dumps(data))
 
@@ -145,6 +152,8 @@ def main() -> None:
     parser.add_argument("--eval-steps", type=int, default=2)
     parser.add_argument("--num-eval", type=int, default=128, help="held-out problems")
     parser.add_argument("--lora-learning-rate", type=float, default=CONFIGS["lora"]["learning_rate"])
+    parser.add_argument("--max-steps", type=int, default=1000, help="also stop after this many steps "
+                        "(the same step count for both runs)")
     parser.add_argument("--configs", default="full,lora")
     parser.add_argument("--worker", default=None)
     parser.add_argument("--result", default=None)
@@ -162,6 +171,7 @@ def main() -> None:
         procs = {name: subprocess.Popen([sys.executable, __file__, "--worker", name, "--configs", args.configs,
                                          "--minutes", str(args.minutes), "--eval-steps", str(args.eval_steps),
                                          "--num-eval", str(args.num_eval), "--turns", tmp,
+                                         "--max-steps", str(args.max_steps),
                                          "--lora-learning-rate", str(args.lora_learning_rate),
                                          "--result", f"{tmp}/{name}.json"], env=env)
                  for name in names}
@@ -199,6 +209,14 @@ def main() -> None:
         gap = 100 * (full["evals"][-1][1] - lora["evals"][-1][1])
         print(f"final held-out accuracy: full {full['evals'][-1][1]:.3f}, LoRA {lora['evals'][-1][1]:.3f}; "
               f"full - LoRA = {gap:+.1f} points (goal: within 5)")
+    if {"lora", "qlora"} <= results.keys():
+        lora, qlora = results["lora"], results["qlora"]
+        saved = (lora["peak_rss_mib"] - qlora["peak_rss_mib"]) * 2**20 / 1e6
+        print(f"\npeak memory: LoRA {lora['peak_rss_mib']:.0f} MiB, QLoRA {qlora['peak_rss_mib']:.0f} MiB, "
+              f"QLoRA / LoRA {qlora['peak_rss_mib'] / lora['peak_rss_mib']:.2f}, {saved:.0f} MB lower (goal >= 250)")
+        print(f"median step (QLoRA / LoRA): {statistics.median(qlora['step']) / statistics.median(lora['step']):.2f}x")
+        print(f"final held-out accuracy: LoRA {lora['evals'][-1][1]:.3f} at step {lora['evals'][-1][2]}, "
+              f"QLoRA {qlora['evals'][-1][1]:.3f} at step {qlora['evals'][-1][2]}")
 
 
 if __name__ == "__main__":

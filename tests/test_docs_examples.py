@@ -55,6 +55,7 @@ EXCLUDED: dict[tuple[str, str], str] = {
     ("docs/getting-started.md", "make setup"): "reinstalls the environment the suite runs in",
     ("docs/gpu.md", "pip install torch"): "a GPU machine's set-up: downloads and replaces torch",
     ("docs/lora.md", "use_peft=true learning_rate=1e-4"): TRAINS,
+    ("docs/lora.md", "use_peft=true load_in_4bit=true"): TRAINS,
     ("docs/lora.md", "--adapter runs/grpo/final"): TRAINED + "; `serve` runs until stopped",
     ("docs/lora.md", 'adapter="runs/grpo/final"'): TRAINED,
     ("docs/lora.md", "--lora-modules math="): TRAINED + "; a server that runs until stopped",

@@ -27,6 +27,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from pagedrl.model.moe import has_sparse_layers
+from pagedrl.model.quantized_linear import QuantizedLinear
 
 ALL_LINEAR = "all-linear"
 # PEFT's defaults for the Llama family (llama, mistral, qwen2, qwen3): the query and value projections.
@@ -80,18 +81,27 @@ class LoRAConfig:
 
 
 class LoRALinear(nn.Module):
-    """y = x Wᵀ + b + s · B(A(dropout(x))), with W and b frozen (the base layer's own tensors)."""
+    """y = x Wᵀ + b + s · B(A(dropout(x))), with W and b frozen (the base layer's own tensors).
 
-    def __init__(self, base: nn.Linear, r: int, lora_alpha: float, lora_dropout: float,
+    On a quantized base (QLoRA, `model/quantized_linear.py`) the base is kept whole as `base_layer`
+    (PEFT's name), whose product dequantizes W on the fly; `weight` and `bias` are then None."""
+
+    def __init__(self, base: nn.Linear | QuantizedLinear, r: int, lora_alpha: float, lora_dropout: float,
                  generator: torch.Generator | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight
-        self.bias = base.bias
-        self.weight.requires_grad_(False)
-        if self.bias is not None:
-            self.bias.requires_grad_(False)
-        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.base_layer: QuantizedLinear | None = None
+        if isinstance(base, QuantizedLinear):
+            self.base_layer = base.requires_grad_(False)
+            self.weight, self.bias = None, None
+            kw = {"device": base.qweight.device, "dtype": torch.float32}
+        else:
+            self.weight = base.weight
+            self.bias = base.bias
+            self.weight.requires_grad_(False)
+            if self.bias is not None:
+                self.bias.requires_grad_(False)
+            kw = {"device": base.weight.device, "dtype": base.weight.dtype}
         self.lora_A = nn.Linear(self.in_features, r, bias=False, **kw)
         self.lora_B = nn.Linear(r, self.out_features, bias=False, **kw)
         with torch.no_grad():
@@ -104,7 +114,7 @@ class LoRALinear(nn.Module):
         self.disabled = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight, self.bias) if self.base_layer is None else self.base_layer(x)
         if self.disabled:
             return out
         if self.dropout > 0 and self.training and torch.is_grad_enabled():
@@ -128,7 +138,15 @@ class LoRALinear(nn.Module):
         return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
 
     def merged(self) -> nn.Linear:
-        """A plain Linear holding W + s·B A (the base tensors themselves, updated in place)."""
+        """A plain Linear holding W + s·B A (the base tensors themselves, updated in place; a quantized
+        base is dequantized first, as PEFT merges into a 4-bit layer, and the result stays float)."""
+        if self.base_layer is not None:
+            base = self.base_layer
+            linear = nn.Linear(self.in_features, self.out_features, bias=base.bias is not None, device="meta")
+            weight = base.dequantized(torch.float32) + self.delta_weight().detach().float()
+            linear.weight = nn.Parameter(weight, requires_grad=False)
+            linear.bias = base.bias
+            return linear
         with torch.no_grad():
             self.weight.add_(self.delta_weight().to(self.weight.dtype))
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
@@ -163,7 +181,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, generator: torch.Generator 
                          "adapt the experts' weights under those names too); target the attention projections "
                          "(q_proj, k_proj, v_proj, o_proj)")
     wrapped = [name for name, m in model.named_modules()
-               if isinstance(m, nn.Linear) and name.rpartition(".")[2] in targets]
+               if isinstance(m, (nn.Linear, QuantizedLinear)) and name.rpartition(".")[2] in targets]
     if not wrapped:
         present = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
                          & set(LAYER_PROJECTIONS), key=LAYER_PROJECTIONS.index)

@@ -5,6 +5,11 @@ The adapter is folded into the base weights (W + s·B A) once at load time, so s
 costs exactly what serving its base costs. A causal-LM adapter gives a `CausalLM`; a SEQ_CLS one
 (a `pagedrl rm --use_peft` reward model, a PPO critic) gives a `SequenceScorer` whose `score` head
 is the adapter's. When no base is named, the adapter's `base_model_name_or_path` is used.
+
+A QLoRA adapter (trained with `load_in_4bit` / `load_in_8bit`) records, as PEFT's does, only its float
+base; given `quantized` (how the base was held), the base's projections are quantized and dequantized
+again before the adapter is added, as PEFT merges into a quantized layer: the merged model computes
+what the trained one computed. Without it the adapter is added to the float weights.
 """
 
 from __future__ import annotations
@@ -18,23 +23,33 @@ from pagedrl.model.adapter import load_adapter, read_adapter_config
 from pagedrl.model.checkpoint import CheckpointError, default_dtype, load_causal_lm, save_checkpoint
 from pagedrl.model.heads import SequenceScorer, load_sequence_scorer, save_sequence_scorer
 from pagedrl.model.lora import merge_lora
+from pagedrl.model.quantized_linear import QuantizedBase, dequantize_projections, quantize_projections
 from pagedrl.model.resolve import adapter_base, resolve_model_path
 
 
+def _fold(model: torch.nn.Module, adapter: Path, quantized: QuantizedBase | None) -> torch.nn.Module:
+    """`model` with the adapter folded in (on its dequantized base under `quantized`)."""
+    if quantized is not None:
+        quantize_projections(model, quantized)
+    load_adapter(model, adapter)
+    merge_lora(model)
+    dequantize_projections(model)
+    return model
+
+
 def merged_causal_lm(base: str | Path | None, adapter: str | Path, device: str | torch.device = "cpu",
-                     dtype: torch.dtype | None = None) -> torch.nn.Module:
+                     dtype: torch.dtype | None = None, quantized: QuantizedBase | None = None) -> torch.nn.Module:
     """The base causal LM with the adapter folded in (computed in float32, then cast to `dtype`)."""
     adapter = resolve_model_path(adapter)
     config = read_adapter_config(adapter)
     if config.task_type != "CAUSAL_LM":
         raise CheckpointError(f"{adapter}: a {config.task_type} adapter (a reward model or critic), not a causal LM's")
     model = load_causal_lm(adapter_base(adapter, base), device=device, dtype=torch.float32)
-    load_adapter(model, adapter)
-    return merge_lora(model).to(dtype or default_dtype(device)).eval()
+    return _fold(model, adapter, quantized).to(dtype or default_dtype(device)).eval()
 
 
 def merged_scorer(base: str | Path | None, adapter: str | Path, device: str | torch.device = "cpu",
-                  dtype: torch.dtype | None = None) -> SequenceScorer:
+                  dtype: torch.dtype | None = None, quantized: QuantizedBase | None = None) -> SequenceScorer:
     """The base backbone with the adapter folded in and the adapter's `score` head."""
     adapter = resolve_model_path(adapter)
     config = read_adapter_config(adapter)
@@ -43,11 +58,11 @@ def merged_scorer(base: str | Path | None, adapter: str | Path, device: str | to
     # The base's own head (if a classifier) or a placeholder one: the adapter's `score` replaces it.
     model = load_sequence_scorer(adapter_base(adapter, base), device=device, dtype=torch.float32,
                                  generator=torch.Generator().manual_seed(0))
-    load_adapter(model, adapter)
-    return merge_lora(model).to(dtype or default_dtype(device)).eval()
+    return _fold(model, adapter, quantized).to(dtype or default_dtype(device)).eval()
 
 
-def merge_adapter(base: str | Path | None, adapter: str | Path, out: str | Path, revision: str | None = None) -> Path:
+def merge_adapter(base: str | Path | None, adapter: str | Path, out: str | Path, revision: str | None = None,
+                  quantized: QuantizedBase | None = None) -> Path:
     """Write base (at `revision` if a Hub id) + adapter as one Hugging Face folder at `out`, published
     whole or not at all (`save_checkpoint` stages it), with the adapter's tokenizer files if it has
     them, else the base's."""
@@ -55,12 +70,12 @@ def merge_adapter(base: str | Path | None, adapter: str | Path, out: str | Path,
     base_path = adapter_base(adapter, base, revision)
     tokenizer_dir = adapter if (adapter / "tokenizer.json").is_file() else base_path
     if read_adapter_config(adapter).task_type == "SEQ_CLS":
-        scorer = merged_scorer(base_path, adapter, dtype=torch.float32)
+        scorer = merged_scorer(base_path, adapter, dtype=torch.float32, quantized=quantized)
         return save_sequence_scorer(scorer, out, tokenizer_dir=tokenizer_dir)
     generation = base_path / "generation_config.json"
     try:
         extra = json.loads(generation.read_text()) if generation.is_file() else None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{generation}: not valid JSON ({e})") from None
-    model = merged_causal_lm(base_path, adapter, dtype=torch.float32)
+    model = merged_causal_lm(base_path, adapter, dtype=torch.float32, quantized=quantized)
     return save_checkpoint(model, out, tokenizer_dir=tokenizer_dir, generation_config=extra)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pagedrl.model.lora import LoRAConfig, adapter_config, apply_lora, disable_adapter
+from pagedrl.model.quantized_linear import quantize_projections, quantized_layers
 from pagedrl.train.config import TrainConfig
 
 CAUSAL_LM, SEQ_CLS = "CAUSAL_LM", "SEQ_CLS"
@@ -34,9 +35,13 @@ def lora_config(config: TrainConfig, task_type: str = CAUSAL_LM, modules_to_save
 
 def attach_lora(config: TrainConfig, model: nn.Module, task_type: str = CAUSAL_LM,
                 modules_to_save: Sequence[str] = (), seed_offset: int = 0) -> nn.Module:
-    """With `use_peft`: adapters on `model` (in place), base frozen; without it `model` as it is."""
+    """With `use_peft`: adapters on `model` (in place), base frozen (and, with `load_in_4bit` /
+    `load_in_8bit`, its projections quantized first: QLoRA); without it `model` as it is."""
     if not config.use_peft:
         return model
+    spec = config.quantized_base
+    if spec is not None and not quantized_layers(model):
+        quantize_projections(model, spec)
     generator = torch.Generator().manual_seed(config.seed + 7919 * (1 + seed_offset))
     return apply_lora(model, lora_config(config, task_type, modules_to_save), generator)
 
@@ -57,11 +62,18 @@ def describe(model: nn.Module) -> str:
     c = adapter_config(model)
     assert c is not None
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    quantized = quantized_layers(model)
+    held = sum(layer.in_features * layer.out_features for layer in quantized)
+    total = sum(p.numel() for p in model.parameters()) + held
     extra = f" + {', '.join(c.modules_to_save)} (whole)" if c.modules_to_save else ""
+    base = "the base frozen"
+    if quantized:
+        nbytes = sum(b.numel() * b.element_size() for layer in quantized for b in layer.buffers())
+        base += (f", its {len(quantized)} projections quantized ({quantized[0].storage}: "
+                 f"{nbytes / 2**20:.1f} MiB for {held / 1e6:.1f}M weights)")
     return (f"lora: r={c.r}, alpha={c.lora_alpha:g} (scaling {c.scaling:g}), dropout {c.lora_dropout:g} on "
             f"{', '.join(c.resolved_targets())}{extra}; {trained / 1e6:.2f}M of {total / 1e6:.1f}M parameters trained, "
-            "the base frozen")
+            f"{base}")
 
 
 def summary(module: nn.Module) -> list[str]:

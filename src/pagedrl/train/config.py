@@ -25,10 +25,13 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 import torch
 import yaml
 
+from pagedrl.model.bnb_quant import QUANT_TYPES
 from pagedrl.model.lora import ALL_LINEAR, LAYER_PROJECTIONS
 from pagedrl.model.precision import choose_precision
+from pagedrl.model.quantized_linear import QuantizedBase
 
 REPORTERS: tuple[str, ...] = ("none", "jsonl", "tensorboard")
+COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # bnb_4bit_compute_dtype
 # transformers' TrainingArguments `fsdp` options understood here; `auto_wrap` (one unit per decoder
 # layer) is what sharding always does, so it may be named or left out.
 FSDP_OPTIONS: tuple[str, ...] = ("full_shard", "shard_grad_op", "auto_wrap")
@@ -120,6 +123,13 @@ class TrainConfig:
     lora_alpha: int = 32
     lora_dropout: float = 0.05
     lora_target_modules: list[str] | None = None  # None: q_proj, v_proj (PEFT's default); [all-linear]: every projection
+    # QLoRA (TRL's ModelConfig names, with use_peft): the frozen base's decoder projections held in
+    # bitsandbytes' 4-bit blocks (nf4, or fp4) or LLM.int8's int8 rows; the adapters train in float32.
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+    bnb_4bit_quant_type: str = "nf4"
+    use_bnb_nested_quant: bool = False  # double quantization of the 4-bit block maxima
+    bnb_4bit_compute_dtype: str | None = None  # None: the run's precision (bf16 autocast or float32)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -158,10 +168,29 @@ class TrainConfig:
             bad = [t for t in self.lora_target_modules if t not in (*LAYER_PROJECTIONS, ALL_LINEAR)]
             _require(not bad and bool(self.lora_target_modules), "lora_target_modules",
                      f"{bad or 'empty'}: expected decoder projections ({', '.join(LAYER_PROJECTIONS)}) or {ALL_LINEAR}")
+        quantized = "load_in_4bit" if self.load_in_4bit else "load_in_8bit" if self.load_in_8bit else None
+        _require(not (self.load_in_4bit and self.load_in_8bit), "load_in_4bit",
+                 "load_in_4bit and load_in_8bit are both true; choose one")
+        _require(quantized is None or self.use_peft, str(quantized),
+                 "a quantized base only trains adapters; set use_peft: true (QLoRA)")
+        _require(quantized is None or not options, str(quantized),
+                 f"a quantized base under FSDP (fsdp={self.fsdp!r}) is not supported; use DDP (leave fsdp unset)")
+        _require(self.bnb_4bit_quant_type in QUANT_TYPES, "bnb_4bit_quant_type",
+                 f"unknown {self.bnb_4bit_quant_type!r}; expected one of {', '.join(QUANT_TYPES)}")
+        _require(self.bnb_4bit_compute_dtype in (None, *COMPUTE_DTYPES), "bnb_4bit_compute_dtype",
+                 f"unknown {self.bnb_4bit_compute_dtype!r}; expected null or one of {', '.join(COMPUTE_DTYPES)}")
         _require(not (self.use_peft and options), "fsdp",
                  "LoRA (use_peft) under FSDP2 is not supported; use DDP (leave fsdp unset) with use_peft")
         unknown = [r for r in self.report_to if r not in REPORTERS]
         _require(not unknown, "report_to", f"unknown {unknown}; expected some of {', '.join(REPORTERS)}")
+
+    @property
+    def quantized_base(self) -> QuantizedBase | None:
+        """How the frozen base is held under load_in_4bit / load_in_8bit; None for a float base."""
+        if not (self.load_in_4bit or self.load_in_8bit):
+            return None
+        dtype = getattr(torch, self.bnb_4bit_compute_dtype) if self.bnb_4bit_compute_dtype else None
+        return QuantizedBase(4 if self.load_in_4bit else 8, self.bnb_4bit_quant_type, self.use_bnb_nested_quant, dtype)
 
     def use_bf16(self, device: str | Any) -> bool:
         """Whether to compute in bfloat16 on `device` (a torch.device or its string): `bf16` when

@@ -34,6 +34,7 @@ from pagedrl.model.heads import (
     save_sequence_scorer,
 )
 from pagedrl.model.lora import adapter_config
+from pagedrl.model.quantized_linear import quantize_projections
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.adapters import SEQ_CLS, attach_lora
 from pagedrl.train.config import TrainConfig
@@ -148,8 +149,13 @@ def lora_critic(config: TrainConfig, critic: SequenceScorer, policy: CausalLM) -
     """LoRA on a critic of its own: adapters on a frozen backbone, the value head trained whole. A
     critic started from the policy holds the same base weights, so it takes the policy's frozen
     tensors themselves: one copy of the base in memory for policy, reference and critic."""
-    base = dict(policy.model.named_parameters())
-    own = dict(critic.model.named_parameters())
+    spec = config.quantized_base
+    if spec is not None and config.use_peft:  # QLoRA: the same float weights quantize to the policy's bytes
+        quantize_projections(critic.model, spec)
+    # (an adapted quantized projection keeps its base as `base_layer`, PEFT's name)
+    base = {n.replace(".base_layer.", "."): t for n, t in
+            [*policy.model.named_parameters(), *policy.model.named_buffers()]}
+    own = {**dict(critic.model.named_parameters()), **dict(critic.model.named_buffers())}
     if all(n in base and base[n].shape == p.shape and torch.equal(base[n], p) for n, p in own.items()):
         for name in own:
             module_name, _, attr = name.rpartition(".")
