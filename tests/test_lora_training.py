@@ -193,6 +193,17 @@ def test_grpo_trains_the_adapter_with_the_base_as_reference(tiny_train_model, pr
     assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0.0  # the policy leaves the base after one step
 
 
+def test_a_bf16_grpo_step_recomputes_the_adapter_dropout_as_its_forward_ran(tiny_train_model, prompts_file) -> None:
+    """Under bf16 autocast the policy's forward is batch-invariant (its rollouts' bits) and each adapter's
+    dropped input is checkpointed: the recompute, in backward, must multiply as the forward did (it ran
+    outside the invariant scope, saved other tensors, and the step failed)."""
+    trainer = grpo_trainer(tiny_train_model, prompts_file, bf16=True, max_steps=1, gradient_checkpointing=True)
+    assert trainer.algorithm.model.model.batch_invariant and trainer.config.lora_dropout > 0
+    before = snapshot(trainer.algorithm.model)
+    trainer.train()
+    assert_only_adapters_changed(trainer.algorithm.model, before)
+
+
 def test_an_adapter_step_makes_the_prefix_cache_miss(tiny_train_model, prompts_file) -> None:
     trainer = grpo_trainer(tiny_train_model, prompts_file)
     algorithm, llm = trainer.algorithm, trainer.algorithm.llm

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from pagedrl.model import batch_invariant
 from pagedrl.model.moe import has_sparse_layers
 from pagedrl.model.quantized_linear import QuantizedLinear
 
@@ -120,8 +121,11 @@ class LoRALinear(nn.Module):
         if self.dropout > 0 and self.training and torch.is_grad_enabled():
             # Checkpointed: backward redraws the same mask (the RNG state is kept) instead of holding
             # a dropped copy of x per adapted projection: without it LoRA held more activation
-            # memory than full fine-tuning (x itself is shared by q, k and v).
-            a = torch.utils.checkpoint.checkpoint(self.dropped_down, x, use_reentrant=False)
+            # memory than full fine-tuning (x itself is shared by q, k and v). The recompute runs in
+            # backward, outside the forward's batch-invariant scope: it is re-entered, or the recompute
+            # would multiply differently and save other tensors than the forward did.
+            a = torch.utils.checkpoint.checkpoint(batch_invariant.scoped(self.dropped_down, batch_invariant.active()),
+                                                  x, use_reentrant=False)
         else:
             a = self.lora_A(x)
         # out + s·B(a) in one fused op: on a CPU decode step the adapter's cost is mostly op count.
