@@ -79,6 +79,18 @@ def test_round_trip_is_the_rule_computed_by_hand(method: str) -> None:
         assert not hand[2, 32:64].any() and (hand[3, :32] == np.float32(0.75)).all()
 
 
+def assert_engine_equals_twin(llm: LLM, twin: torch.nn.Module, prompts: list[list[int]],
+                              params: SamplingParams) -> None:
+    """The quantized engine's tokens and log-probs are those of an engine on its float32 twin, both
+    running the decode program."""
+    quantized = outputs(llm, prompts, params)
+    llm.close()
+    plain = LLM.from_module(twin, eos_token_ids=[2])
+    assert plain.engine.decode_path().startswith("decode steps as one program")
+    assert quantized == outputs(plain, prompts, params)
+    plain.close()
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("weight-only") / "tiny"
@@ -128,12 +140,7 @@ def test_engine_computes_the_dequantized_float32_model(tiny_folder: Path, method
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0, ignore_eos=True)
     llm = LLM(str(tiny_folder), quantization=method, dtype="float32")
     assert llm.engine.decode_path().startswith("decode steps as one program")
-    quantized = outputs(llm, prompts, params)
-    llm.close()
-    plain = LLM.from_module(twin, eos_token_ids=[2])
-    assert plain.engine.decode_path().startswith("decode steps as one program")
-    assert quantized == outputs(plain, prompts, params)
-    plain.close()
+    assert_engine_equals_twin(llm, twin, prompts, params)
 
 
 def test_default_model_int4_greedy_and_bytes(default_model_dir: Path) -> None:
@@ -146,12 +153,7 @@ def test_default_model_int4_greedy_and_bytes(default_model_dir: Path) -> None:
     assert llm.engine.weight_bytes <= 0.2 * float_bytes
     prompts = [[1, 504, 3303, 314, 253, 1345, 30, 2]]
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0, ignore_eos=True)
-    quantized = outputs(llm, prompts, params)
-    llm.close()
-    plain = LLM.from_module(twin, eos_token_ids=[2])
-    assert plain.engine.decode_path().startswith("decode steps as one program")
-    assert quantized == outputs(plain, prompts, params)
-    plain.close()
+    assert_engine_equals_twin(llm, twin, prompts, params)
 
 
 def test_refusals_are_one_clear_line(tiny_folder: Path, tmp_path: Path) -> None:
