@@ -117,8 +117,6 @@ def test_refusals_are_one_clear_line(every_type_gguf: Path, default_model_dir: P
         load_model(str(every_type_gguf), quantization="gguf", dtype="bfloat16")
     with pytest.raises(ValueError, match="LoRA adapter folded in"):
         load_model(str(every_type_gguf), quantization="gguf", adapter=str(tmp_path))
-    with pytest.raises(ValueError, match="adapters per request on GGUF weights kept quantized are not supported"):
-        LLM(str(every_type_gguf), quantization="gguf", enable_lora=True)
     # a quant type that is not kept quantized: named, with the supported list
     path = tmp_path / "q2k.gguf"
     reader = gguf.GGUFReader(every_type_gguf)

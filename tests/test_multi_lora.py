@@ -260,7 +260,7 @@ def test_each_token_gets_its_own_slots_update_and_nothing_from_another_slot(toke
     layer.ranks = [3] * 4
     x = torch.randn(len(token_slot), 8, generator=g)
     with torch.no_grad():
-        want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        want = torch.nn.functional.linear(x, layer.base.weight, layer.base.bias)
         for t, s in enumerate(token_slot):
             if s != BASE:
                 want[t] += x[t] @ layer.lora_a[3 * s:3 * s + 3].t() @ layer.lora_bt[3 * s:3 * s + 3]

@@ -104,6 +104,8 @@ def dequantized_twin(model: torch.nn.Module) -> torch.nn.Module:
     for name, module in list(twin.named_modules()):
         parent_name, _, child = name.rpartition(".")
         parent = twin.get_submodule(parent_name) if parent_name else twin
+        if isinstance(model.get_submodule(parent_name) if parent_name else model, GGUFEmbedding):
+            continue  # the embedding's own table: replaced with it
         if isinstance(module, GGUFEmbedding):
             setattr(parent, child, torch.nn.Embedding.from_pretrained(module.table.dequantized(), freeze=True))
         elif isinstance(module, GGUFLinear) and name != "lm_head":
@@ -118,10 +120,11 @@ def dequantized_twin(model: torch.nn.Module) -> torch.nn.Module:
     return twin
 
 
-def outputs(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[tuple]:
+def outputs(llm: LLM, prompts: list[list[int]], params: SamplingParams, lora_request: list | None = None) -> list[tuple]:
+    """Each sample's tokens and log-probs (`lora_request`: one adapter or None per prompt)."""
     with pytest.MonkeyPatch.context() as mp:  # the float32 engine's products on its kernel at any row count
         mp.setattr(products, "MAX_ROWS_FLOAT", 1 << 30)
-        result = llm.generate(prompts, params, use_tqdm=False)
+        result = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     return [(c.token_ids, [d[t].logprob for d, t in zip(c.logprobs, c.token_ids, strict=True)])
             for o in result for c in o.outputs]
 
@@ -176,5 +179,3 @@ def test_refusals_are_one_clear_line(tiny_folder: Path, tmp_path: Path) -> None:
         int8_blocks(torch.full((1, 32), 1.0e9), "w")
     with pytest.raises(QuantizationError, match="quantization='int4': w holds inf or NaN"):
         int4_blocks(torch.full((1, 32), float("nan")), "w")
-    with pytest.raises(ValueError, match="adapters per request on GGUF weights kept quantized are not supported"):
-        LLM(str(tiny_folder), quantization="int8", enable_lora=True)

@@ -1,7 +1,9 @@
 """Many LoRA adapters in one engine, chosen per request, all in the same step (Punica, S-LoRA).
 
 Every decoder projection of the engine's model becomes a `SlotLinear`: the base matmul runs once
-for the whole batch, then each token gets the low-rank update of its own adapter's slot, through
+for the whole batch, as the projection it wraps computes it (the decoder's `Linear` through the step's
+routes, or a `GGUFLinear` whose weight stays quantized, GGUF or int8 / int4 made at load, on the block
+kernels), then each token gets the low-rank update of its own adapter's slot, through
 that slot's A and B only (`lora_step`): a prompt's run of tokens in place, the scattered rest
 gathered by slot into one batch, a few ops per projection whatever the mix. A loop over the step's
 adapters (a gather, two small matmuls and a scatter each) cost 29% of the throughput at four
@@ -36,7 +38,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedrl.engine.lora_request import LoRARequest
@@ -53,14 +54,21 @@ SCRATCH_MIN_NUMEL = 1 << 19  # updates this large go into buffers kept across st
 
 
 class SlotLinear(nn.Module):
-    """A base projection (its own weight and bias tensors) plus the adapters resident in the slots."""
+    """A base projection plus the adapters resident in the slots.
 
-    def __init__(self, base: nn.Linear, slots: LoRASlots) -> None:
+    The base is the module it replaces, kept whole as `base` and computing its own product: the
+    decoder's `Linear` through the step's routes (the engine's kernels), or a `GGUFLinear` whose weight
+    stays quantized (GGUF blocks, int8 / int4 made at load) on the block kernels. So a token without an
+    adapter gets the very numbers it gets from an engine built without `enable_lora`, and an adapter on
+    a quantized base adds its update (x Aᵀ (s·B)ᵀ, in float) to the quantized product, never to a
+    dequantized copy of the weight."""
+
+    def __init__(self, base: nn.Module, slots: LoRASlots) -> None:
         super().__init__()
+        self.base = base
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight, self.bias = base.weight, base.bias
         self.slots = slots
-        kw = {"dtype": base.weight.dtype, "device": base.weight.device}
+        kw = {"dtype": slots.dtype, "device": slots.device}
         # Every slot's A stacked [slots * max rank, in], and its (s·B)ᵀ [slots * max rank, out]; rows past
         # an adapter's rank, and whole slots whose adapter leaves this projection alone, hold zeros.
         # Plain attributes, not buffers: not part of the state dict, nor of a checkpoint.
@@ -81,7 +89,7 @@ class SlotLinear(nn.Module):
         return span[2], span[3]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = self.base(x)
         step = self.slots.step
         if step is None or not any(self.ranks[step.lo:step.hi]):
             return out
@@ -119,7 +127,7 @@ class SlotLinear(nn.Module):
             flat.index_add_(0, g.tokens, own)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, slots={len(self.ranks)}"
+        return f"slots={len(self.ranks)}"
 
 
 class AdapterNotFound(ValueError):
@@ -213,20 +221,21 @@ class LoRASlots:
         if any(isinstance(m, LoRALinear) for m in model.modules()):
             raise ValueError("enable_lora: the model already carries a trained adapter; merge it first or serve "
                              "it on its own")
-        if any(isinstance(m, GGUFLinear) for m in model.modules()):
-            raise ValueError("enable_lora: adapters per request on GGUF weights kept quantized are not supported "
-                             "yet (nor on int8 / int4 ones); serve the model without --quantization to use adapters")
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.layers: dict[str, SlotLinear] = {}
         for name, module in list(model.named_modules()):
-            if isinstance(module, nn.Linear) and name.rpartition(".")[2] in LAYER_PROJECTIONS:
-                parent, _, child = name.rpartition(".")
-                layer = SlotLinear(module, self)
-                setattr(model.get_submodule(parent), child, layer)
-                self.layers[name] = layer
+            if name.rpartition(".")[2] not in LAYER_PROJECTIONS:
+                continue
+            if not isinstance(module, (nn.Linear, GGUFLinear)):
+                raise ValueError(f"enable_lora: {name} is a {type(module).__name__}; adapters per request are built on "
+                                 "float projections and on GGUF / int8 / int4 ones kept quantized only")
+            parent, _, child = name.rpartition(".")
+            layer = SlotLinear(module, self)
+            setattr(model.get_submodule(parent), child, layer)
+            self.layers[name] = layer
         self.resident: list[int | None] = [None] * max_loras  # lora_int_id per slot
         self.last_used = [0] * max_loras  # step counter at the slot's last use (LRU)
         self.cpu: OrderedDict[int, AdapterWeights] = OrderedDict()  # most recently used last
