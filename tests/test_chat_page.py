@@ -2,24 +2,55 @@
 reason, where Playwright or Chromium is missing): a streamed answer appears token by token, Stop ends
 it, the log-prob view shows the API's own numbers (not the stop token's), the page asks nothing of any
 other host, and text from the model that looks like HTML stays text. Over plain HTTP: the headers that
-keep the page from being framed or sniffed, and its icon."""
+keep the page from being framed or sniffed, and its icon. The server runs as `pagedrl serve --quantization
+int4 --enable-lora --lora-modules` would: the page and its API on a base kept quantized, with an adapter
+that answers as the same engine in process does."""
 
 from __future__ import annotations
 
 import json
 import re
 import struct
+from pathlib import Path
 
 import httpx
 import pytest
 from browser import open_page
+from multi_lora_cases import pagedrl_adapter
 from server_process import running_server
 
 
 @pytest.fixture(scope="module")
-def server(tiny_train_model, tmp_path_factory):
-    with running_server(tiny_train_model, tmp_path_factory.mktemp("serve-ui"), "--kv-cache-tokens", "4096") as s:
+def adapter(tiny_train_model, tmp_path_factory) -> Path:
+    return pagedrl_adapter(tiny_train_model, tmp_path_factory.mktemp("ui-adapter") / "qv2", 2, ["q_proj", "v_proj"], seed=1)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_train_model, adapter, tmp_path_factory):
+    with running_server(tiny_train_model, tmp_path_factory.mktemp("serve-ui"), "--kv-cache-tokens", "4096",
+                        "--quantization", "int4", "--enable-lora", "--max-lora-rank", "2",
+                        "--lora-modules", f"qv2={adapter}") as s:
         yield s
+
+
+def test_an_int4_base_and_its_adapter_answer_as_the_engine_in_process(server, tiny_train_model, adapter) -> None:
+    from pagedrl import LLM, LoRARequest
+    from pagedrl.engine.sampling_params import SamplingParams
+
+    assert "int4 weight-only" in server.log()
+    messages = [{"role": "user", "content": "count to five"}]
+    llm = LLM(str(tiny_train_model), quantization="int4", enable_lora=True, max_lora_rank=2, kv_cache_tokens=1024)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    qv2 = LoRARequest("qv2", 1, str(adapter))
+    want = [o.outputs[0].text for o in llm.chat([messages, messages], params, use_tqdm=False, lora_request=[None, qv2])]
+    llm.close()
+    assert want[0] != want[1]
+    models = [m["id"] for m in httpx.get(server.base_url + "/v1/models").json()["data"]]
+    assert models[1] == "qv2"
+    got = [httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": messages, "temperature": 0, "max_tokens": 12, "ignore_eos": True,
+    }).json()["choices"][0]["message"]["content"] for model in models]
+    assert got == want
 
 
 def last_answer(page):
@@ -198,6 +229,7 @@ def test_the_model_picker_sends_the_chosen_model(server) -> None:
     """Two models listed (the served one and an adapter, as a multi-adapter server lists them): the
     chosen one is the request's `model`, and a refusal is shown as the API's error, as text."""
     served = httpx.get(server.base_url + "/v1/models").json()
+    served["data"] = served["data"][:1]  # the base only (this server's own adapter left out)
     listed = {"object": "list", "data": [*served["data"], {"id": "sql-adapter", "object": "model",
                                                            "parent": served["data"][0]["id"]}]}
     sent = []
