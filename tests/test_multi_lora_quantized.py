@@ -39,7 +39,8 @@ def mixed_batch(loras: list[LoRARequest], vocab: int) -> tuple[list[list[int]], 
     return [p for p in prompts for _ in range(3)], [*loras, None] * len(prompts)
 
 
-def assert_each_request_as_on_the_twin(quantized: LLM, twin: LLM, loras: list[LoRARequest], vocab: int) -> None:
+def assert_each_request_as_on_the_twin(quantized: LLM, twin: LLM, loras: list[LoRARequest], vocab: int) -> list:
+    """The quantized engine's outputs of the mixed batch, checked against the twin's; returned."""
     layers = quantized.engine.lora.layers
     assert layers and all(type(layer.base) is GGUFLinear for layer in layers.values())
     prompts, chosen = mixed_batch(loras, vocab)
@@ -48,6 +49,7 @@ def assert_each_request_as_on_the_twin(quantized: LLM, twin: LLM, loras: list[Lo
     assert got == want
     by_choice = [tuple(tuple(tokens) for tokens, _ in got[i::3]) for i in range(3)]
     assert len(set(by_choice)) == 3, by_choice  # A, B and the base each generate their own
+    return got
 
 
 def test_int4_base_serves_each_request_its_adapter(tiny_folder: Path, tmp_path: Path) -> None:  # noqa: F811
@@ -55,7 +57,10 @@ def test_int4_base_serves_each_request_its_adapter(tiny_folder: Path, tmp_path: 
     quantized = LLM(str(tiny_folder), quantization="int4", **LORA)
     twin = save_checkpoint(dequantized_twin(load_model(str(tiny_folder), quantization="int4").model), tmp_path / "twin")
     vocab = quantized.engine.model.config.vocab_size
-    assert_each_request_as_on_the_twin(quantized, LLM(str(twin), **LORA), loras, vocab)
+    got = assert_each_request_as_on_the_twin(quantized, LLM(str(twin), **LORA), loras, vocab)
+    # the base's requests: the very numbers of an engine built without enable_lora (its decode program)
+    plain = LLM(str(tiny_folder), quantization="int4", dtype="float32")
+    assert outputs(plain, mixed_batch(loras, vocab)[0][2::3], PARAMS) == got[2::3]
 
 
 def test_gguf_base_kept_quantized_serves_each_request_its_adapter(every_type_gguf: Path,  # noqa: F811
