@@ -88,8 +88,8 @@ def _load_quantized(model: str | Path | None, device: torch.device, dtype: torch
                          "(gguf: a GGUF file's own quant types kept quantized; int8, int4: weight-only, made at load)")
     if adapter is not None:
         raise ValueError(f"quantization={quantization!r} with a LoRA adapter folded in is not supported: a quantized "
-                         "base cannot hold merged weights (load the base quantized without the adapter, or drop "
-                         "quantization)")
+                         "base cannot hold merged weights (serve the adapter per request on the quantized base with enable_lora / "
+                         "--enable-lora, or drop quantization)")
     if device.type == "cpu" and dtype not in (None, "auto", "float32", torch.float32):
         raise ValueError(f"quantization={quantization!r} computes in float32 on a CPU (its kernels' products are the "
                          f"float32 model's); dtype={dtype!r} is not supported with it there")
@@ -98,7 +98,8 @@ def _load_quantized(model: str | Path | None, device: torch.device, dtype: torch
         path = resolve_model_path(model, revision)
         if is_adapter_folder(path):
             raise ValueError(f"quantization={quantization!r}: {path} is a LoRA adapter; a quantized base cannot hold "
-                             "merged weights (name the base model, or drop quantization)")
+                             "merged weights (name the base model and serve the adapter per request with enable_lora / --enable-lora, "
+                             "or drop quantization)")
         net = load_causal_lm(path, device="cpu", dtype=torch.float32)
         reason = describe(quantization, quantize_weights(net, quantization), device)
     else:
