@@ -248,3 +248,33 @@ def test_ctrl_c_in_a_training_stage_resumes_from_its_checkpoint(demo, tmp_path) 
     # can spend it all: how many steps follow is the machine's speed, not the resume's correctness)
     assert steps == list(range(1, len(steps) + 1))
     assert (out / "report.md").is_file()
+
+
+def test_the_engine_stage_runs_quantized_and_says_so(tiny_train_model, tmp_path, monkeypatch, capsys) -> None:
+    """`--quantization` reaches the plan (and so plan.json), the engine stage loads its weights as serve
+    does, and the report's table names what ran on each side."""
+    import pagedrl.demo.cli as demo_cli
+    from pagedrl.demo.engine_stage import measure_paged
+    from pagedrl.demo.report import paged_table
+
+    plans = []
+
+    def stop_at_once(plan, progress=True):
+        plans.append(plan)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo_cli, "run_demo", stop_at_once)
+    assert main(["demo", "--quick", "--no-calibrate", "--model", str(tiny_train_model), "--quantization", "int4",
+                 "--output-dir", str(tmp_path / "out")]) == 130
+    assert plans[0].quantization == "int4" and json.loads(plans[0].to_json())["quantization"] == "int4"
+    assert "the engine stage runs --quantization int4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--quantization", "nf4"])
+    assert "invalid choice: 'nf4' (choose from 'gguf', 'int8', 'int4')" in capsys.readouterr().err
+
+    result = measure_paged(tiny_plan(tiny_train_model, tmp_path / "paged", quantization="int4"))
+    assert result["quantization"] == "int4" and "int4 weight-only" in result["precision"]
+    assert result["output_tokens"] > 0
+    rows = {row[0]: row for row in paged_table(result)}
+    assert "precision (both sides)" not in rows
+    assert rows["weights"][1] == "float (not quantized)" and rows["weights"][2].startswith("--quantization int4: float32")

@@ -21,6 +21,19 @@ from pagedrl.model.checkpoint import save_checkpoint
 from pagedrl.model.gguf_modules import GGUFLinear
 from pagedrl.model.loader import load_model
 
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny models' steps are a few small torch ops per projection (an adapter's update): on a shared
+    2-core machine a second thread only waits at each op's barrier (an `index_add_` of a few rows
+    measured 0.1 s at two threads against 3 us at one). The numbers compared do not depend on it: both
+    sides of every comparison run in the same setting."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
 LORA = dict(dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=4)
 

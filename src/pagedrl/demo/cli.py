@@ -1,4 +1,4 @@
-"""`pagedrl demo [--quick] [--output-dir D] [--budget-minutes M] [--model M] [--seed S]`: paged attention measured
+"""`pagedrl demo [--quick] [--output-dir D] [--budget-minutes M] [--model M] [--quantization Q] [--seed S]`: paged attention measured
 live, then GRPO vs DPO vs RLHF from the same model with the same training budget, and a report.
 
 Stages run in order; each one's numbers land in `stages/<name>.json` only when it has finished, so
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedrl.demo.plan import DemoPlan
+from pagedrl.model.precision import QUANTIZATIONS
 
 STAGES = ("paged", "pairs", "grpo", "dpo", "rm", "ppo")
 TRAINED = ("grpo", "dpo", "rm", "ppo")
@@ -125,6 +126,9 @@ def demo_main(argv: list[str]) -> int:
     parser.add_argument("--target-minutes", type=float, default=6.5, help="quick form: the whole demo's minutes the "
                         "calibration sizes the plan for (default 6.5); a slow machine still gets each method's "
                         "minimum steps, in more minutes")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                        help="the engine stage's weights, as serve --quantization loads them (gguf: a GGUF model's "
+                        "own blocks; int8, int4: made at load); the training stages train the float model")
     parser.add_argument("--seed", type=int, default=None, help="seeds sampling, training and the task's problems "
                         "(default 0); another seed is another draw of everything the verdict rests on")
     args = parser.parse_args(argv)
@@ -133,13 +137,17 @@ def demo_main(argv: list[str]) -> int:
         return 2
     default_dir = ("runs/demo-quick" if args.quick else "runs/demo") + (f"-seed{args.seed}" if args.seed else "")
     plan = DemoPlan.preset(args.quick, output_dir=args.output_dir or default_dir,
-                           budget_minutes=args.budget_minutes, model=args.model, seed=args.seed)
+                           budget_minutes=args.budget_minutes, model=args.model, seed=args.seed,
+                           quantization=args.quantization)
     import torch
 
     from pagedrl.model.precision import FORCE_ENV, choose_precision
 
     chosen = choose_precision("cuda" if torch.cuda.is_available() else "cpu")
     print(f"pagedrl demo: precision {chosen.describe()}; {FORCE_ENV}=0 forces float32", file=sys.stderr)
+    if plan.quantization is not None:
+        print(f"pagedrl demo: the engine stage runs --quantization {plan.quantization} (in float32 on a CPU); "
+              "the training stages train the float model", file=sys.stderr)
     start = time.perf_counter()
     if args.quick and not args.no_calibrate:
         from pagedrl.demo.calibrate import calibrated, summary_line

@@ -1,6 +1,8 @@
 """The demo's first stage: one workload (mixed-length requests and an n-sample request from one long
 prompt) through pagedrl's engine and transformers' static batches, then the prefix-sharing count.
-Returns plain numbers (written to `stages/paged.json`) and the KV snapshot the picture is drawn from."""
+Returns plain numbers (written to `stages/paged.json`) and the KV snapshot the picture is drawn from.
+With `--quantization` the engine's weights are loaded as `serve --quantization` loads them; the
+transformers peer keeps the float weights, and the report says which ran."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def measure_paged(plan: DemoPlan) -> dict[str, Any]:
     from pagedrl.model.loader import load_model
     from pagedrl.model.resolve import resolve_model_path
 
-    loaded = load_model(plan.model)
+    loaded = load_model(plan.model, quantization=plan.quantization)
     model, tokenizer = loaded.model, loaded.tokenizer
     workload = demo_workload(plan, model.config.vocab_size)
     block_size = 16
@@ -50,7 +52,8 @@ def measure_paged(plan: DemoPlan) -> dict[str, Any]:
     preemptions = llm.stats()["num_preemptions"]
     del llm
     gc.collect()
-    hf, pad = load_transformers_model(resolve_model_path(plan.model), model.dtype)  # the same precision
+    # the same precision; a quantized engine's peer runs the float weights (transformers keeps none quantized)
+    hf, pad = load_transformers_model(resolve_model_path(plan.model), model.dtype)
     run_transformers(hf, workload[1:3], 2, pad)  # warm-up
     peer, peer_kv = run_transformers(hf, workload, plan.hf_batch_size, pad)
     del hf
@@ -59,7 +62,7 @@ def measure_paged(plan: DemoPlan) -> dict[str, Any]:
     assert ours.snapshot is not None
     return {
         "num_requests": len(workload), "num_sequences": sum(r.n for r in workload),
-        "precision": loaded.precision.describe(),
+        "precision": loaded.precision.describe(), "quantization": plan.quantization,
         "prompt_tokens": ours.prompt_tokens, "output_tokens": ours.output_tokens,
         "pagedrl_seconds": ours.seconds, "pagedrl_output_tps": ours.output_tps, "pagedrl_steps": len(ours.kv_live),
         "pagedrl_preemptions": preemptions, "pagedrl_kv_utilisation": ours.kv_utilisation,

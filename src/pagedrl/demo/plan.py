@@ -27,6 +27,10 @@ class DemoPlan:
     quick: bool = False
     budget_minutes: float = 10.0  # training minutes per method (evaluations excluded)
     seed: int = 0
+    # The engine stage's weights (`serve`'s `--quantization`: gguf, int8, int4; None: as the model loads).
+    # The alignment stages train and evaluate the float model: their held-out accuracies are compared
+    # with the base's, and a base quantized for serving is not what the trainers update.
+    quantization: str | None = None
     # Part 1: paged attention. Mixed-length requests (prompt 16-512 and output 16-256 tokens, times
     # `scale`) plus one request sampling `n_samples` completions of one long prompt.
     num_requests: int = 24

@@ -210,7 +210,9 @@ def paged_table(p: dict[str, Any]) -> list[list[str]]:
          ""],
         [f"peak KV blocks, n={s['n']} samples of one {s['prompt_tokens']}-token prompt", f"{s['unshared']} (no sharing)",
          f"{s['shared']} (prompt blocks forked; ideal {s['ideal']})", f"{s['unshared'] / s['shared']:.2f}x"],
-        *([["precision (both sides)", "", p["precision"], ""]] if "precision" in p else []),
+        *([["precision (both sides)", "", p["precision"], ""]] if "precision" in p and not p.get("quantization") else []),
+        *([["weights", "float (not quantized)", f"--quantization {p['quantization']}: {p['precision']}", ""]]
+          if p.get("quantization") else []),
     ]
 
 
