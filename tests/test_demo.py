@@ -253,6 +253,8 @@ def test_ctrl_c_in_a_training_stage_resumes_from_its_checkpoint(demo, tmp_path) 
 def test_the_engine_stage_runs_quantized_and_says_so(tiny_train_model, tmp_path, monkeypatch, capsys) -> None:
     """`--quantization` reaches the plan (and so plan.json), the engine stage loads its weights as serve
     does, and the report's table names what ran on each side."""
+    import torch
+
     import pagedrl.demo.cli as demo_cli
     from pagedrl.demo.engine_stage import measure_paged
     from pagedrl.demo.report import paged_table
@@ -272,7 +274,12 @@ def test_the_engine_stage_runs_quantized_and_says_so(tiny_train_model, tmp_path,
         main(["demo", "--quantization", "nf4"])
     assert "invalid choice: 'nf4' (choose from 'gguf', 'int8', 'int4')" in capsys.readouterr().err
 
-    result = measure_paged(tiny_plan(tiny_train_model, tmp_path / "paged", quantization="int4"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model's small ops: a second thread of a shared machine only waits
+    try:
+        result = measure_paged(tiny_plan(tiny_train_model, tmp_path / "paged", quantization="int4"))
+    finally:
+        torch.set_num_threads(threads)
     assert result["quantization"] == "int4" and "int4 weight-only" in result["precision"]
     assert result["output_tokens"] > 0
     rows = {row[0]: row for row in paged_table(result)}
