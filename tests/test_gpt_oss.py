@@ -7,17 +7,19 @@ load (transformers' own dequantization as the oracle, bit for bit)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import peft
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_engine_greedy import GREEDY, MAX_NEW, engine_for, prompts, reference, strip_eos
 from tiny import GPT_OSS_FAMILIES, hf_model
 
 from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.model.checkpoint import load_causal_lm, save_checkpoint
+from pagedrl.model import mxfp4
+from pagedrl.model.checkpoint import CheckpointError, load_causal_lm, save_checkpoint
 from pagedrl.model.config import ConfigError, ModelConfig
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.lora import LoRAConfig, apply_lora, lora_layers
@@ -187,3 +189,70 @@ def test_lora_on_attention_loads_in_peft_and_experts_are_refused(tmp_path) -> No
     real = mask.bool()
     assert float((ours_logits(ours, ids, mask) - ref)[real].abs().max()) < 1e-5
     assert float((base - ref)[real].abs().max()) > 1e-2  # the adapter changes the model
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_dequantizes_as_transformers_bit_for_bit(dtype: torch.dtype) -> None:
+    """Every code and every scale (0..255, the extremes included), against transformers' own function."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.arange(240, dtype=torch.int32).remainder(256).to(torch.uint8).view(3, 40, 2)
+    scales[0, :8] = torch.arange(240, 256, dtype=torch.int32).to(torch.uint8).view(8, 2)
+    got, ref = mxfp4.dequantize(blocks, scales, dtype), convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+    assert got.shape == ref.shape == (3, 64, 40) and got.dtype == dtype
+    assert torch.equal(bits(got), bits(ref))
+
+
+def mxfp4_checkpoint(folder, hf: torch.nn.Module) -> None:
+    """`hf` saved, its experts' weights replaced by random MXFP4 blocks and scales (as the published
+    checkpoints hold them: [E, out, in / 32, 16] and [E, out, in / 32]) and the config naming MXFP4."""
+    hf.save_pretrained(folder)
+    state = load_file(str(folder / "model.safetensors"))
+    g = torch.Generator().manual_seed(5)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = state.pop(name).shape
+        state[name + "_blocks"] = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=g,
+                                                dtype=torch.uint8)
+        state[name + "_scales"] = torch.randint(118, 124, (experts, outputs, inputs // 32), generator=g,
+                                                dtype=torch.uint8)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_an_mxfp4_checkpoint_loads_as_transformers_loads_it(tmp_path) -> None:
+    """The experts dequantized to the bits transformers' loader gives them, the logits equal, and what
+    pagedrl saves from it a float checkpoint (no quantization_config) that loads back the same."""
+    mxfp4_checkpoint(tmp_path / "mx", hf_model(RAW))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mx", dtype=torch.float32).eval()
+    ours = load_causal_lm(tmp_path / "mx", dtype=torch.float32)
+    for mine, hf_layer in zip(ours.model.layers, theirs.model.layers, strict=True):
+        for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(bits(getattr(mine.mlp.experts, name)), bits(getattr(hf_layer.mlp.experts, name)))
+    ids, mask = padded_batch(RAW["vocab_size"])
+    with torch.no_grad():
+        ref = theirs(input_ids=ids, attention_mask=mask).logits
+    assert float((ours_logits(ours, ids, mask) - ref)[mask.bool()].abs().max()) < 1e-5
+    save_checkpoint(ours, tmp_path / "saved")
+    assert "quantization_config" not in json.loads((tmp_path / "saved" / "config.json").read_text())
+    again = load_causal_lm(tmp_path / "saved", dtype=torch.float32)
+    assert torch.equal(ours_logits(again, ids, mask), ours_logits(ours, ids, mask))
+    bf16 = load_causal_lm(tmp_path / "mx", dtype=torch.bfloat16)  # dequantized straight into bf16
+    assert torch.equal(bf16.model.layers[0].mlp.experts.down_proj, ours.model.layers[0].mlp.experts.down_proj.bfloat16())
+
+
+def test_an_incomplete_mxfp4_pair_is_named(tmp_path) -> None:
+    mxfp4_checkpoint(tmp_path / "mx", hf_model(RAW))
+    state = load_file(str(tmp_path / "mx" / "model.safetensors"))
+    del state["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(state, str(tmp_path / "mx" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.experts\.down_proj_blocks' \(MXFP4\) has no"):
+        load_causal_lm(tmp_path / "mx", dtype=torch.float32)
