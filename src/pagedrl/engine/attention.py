@@ -84,7 +84,7 @@ class PagedAttention:
     row_seqs: torch.Tensor | None = field(default=None, repr=False)
     kernels: bool = False  # the CPU kernels serve this cache: its KV writes take one `store_kv` call a layer
     tiles: bool = False  # a CPU bf16 step with prompt chunks: `ops.paged_prefill` attends them in tiles
-    # Per-layer rules (Gemma, `model/gemma.py`): each layer's sliding window (None: every cached key)
+    # Per-layer rules (Gemma, `model/gemma.py`; gpt-oss's windows): each layer's sliding window (None: every cached key)
     # and a tanh cap on the scores. A layer with either runs `reference` whatever `impl` says: the
     # other paths' kernels attend over every cached key, uncapped.
     windows: tuple[int | None, ...] | None = None

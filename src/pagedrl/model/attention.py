@@ -34,7 +34,7 @@ class DenseAttention:
     scale: float | None = None
     # Batch-invariant mode's tables of the keys each row sees, made once per batch shape: (B, T, tables).
     key_tables: Any = field(default=None, repr=False, compare=False)
-    # Per-layer rules (Gemma, `model/gemma.py`): each layer's sliding window (None: all keys), the
+    # Per-layer rules (Gemma, `model/gemma.py`; gpt-oss's windows): each layer's sliding window (None: all keys), the
     # positions the windows are measured in ([B, T]), and a tanh cap on the scores.
     windows: tuple[int | None, ...] | None = None
     key_positions: torch.Tensor | None = field(default=None, repr=False, compare=False)

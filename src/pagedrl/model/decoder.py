@@ -1,6 +1,7 @@
 """The Llama-family decoder, top to bottom as in the papers: embed, N × (RMSNorm → attention with
 RoPE and GQA → residual → RMSNorm → SwiGLU, or a sparse mixture of SwiGLU experts (`model/moe.py`)
-where the config routes that layer → residual), RMSNorm, LM head.
+where the config routes that layer → residual), RMSNorm, LM head. Gemma's rules (`model/gemma.py`) and
+gpt-oss's (`model/gpt_oss.py`: attention sinks, per-layer windows) are switches on the same modules.
 
 Module names match Hugging Face's so a checkpoint's state dict loads with no renaming. Attention is
 delegated to an explicit metadata object (`pagedrl.model.attention`), which is how the same weights
