@@ -68,3 +68,26 @@ def test_serve_answers_the_openai_client_with_the_offline_engines_tokens(gpt_oss
             out = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=6,
                                             temperature=0, extra_body={"ignore_eos": True})
     assert out.choices[0].text == expected and out.usage.completion_tokens == 6
+
+
+def test_grpo_rollouts_carry_the_trainers_log_probs(gpt_oss_dirs, tmp_path) -> None:
+    """GRPO's first step: the engine's rollouts (paged, sinks and windows through the reference
+    attention) and the trainer's packed recompute (each group's completions sharing one prompt) give
+    every sampled token the same log-prob within float32 rounding; the loss is finite."""
+    import json
+
+    from test_grpo import REWARDS, grpo
+
+    rows = [{"prompt": [{"role": "user", "content": f"what is {a} plus {b}"}], "answer": a + b}
+            for a in range(4) for b in range(2)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    algo = grpo(gpt_oss_dirs[0], prompts, temperature=1.0)
+    batches = algo.step_batches(1)
+    total = torch.tensor(float(sum(algo.count(b) for b in batches)))
+    for b in batches:
+        with torch.no_grad():
+            trainer = b.to_padded(algo.token_logps(algo.model, b).logps)
+        assert float((trainer - b.sampling_logps).abs()[b.mask].max()) < 1e-5
+        assert torch.isfinite(algo.loss(algo.model, b, total)[0])
