@@ -98,6 +98,24 @@ def test_the_block_and_its_gradients_equal_transformers() -> None:
         torch.testing.assert_close(p.grad, theirs.get_parameter(name).grad, atol=2e-6, rtol=1e-5, msg=name)
 
 
+def test_the_norm_rounds_as_transformers_float32_norm_in_bf16() -> None:
+    """transformers keeps gpt-oss's norms in float32 (`_keep_in_fp32_modules`): on bf16 input its
+    output is the float32 product rounded once; pagedrl's bf16 norm gives the same bits (the Llama
+    family's order, rounding the normalised input first, does not)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    from pagedrl.model.decoder import RMSNorm
+
+    ours = ours_from(hf_model(RAW)).to(torch.bfloat16).model.layers[0].input_layernorm
+    theirs, llama = GptOssRMSNorm(64, eps=1e-5), RMSNorm(64, 1e-5).bfloat16()
+    with torch.no_grad():
+        theirs.weight.copy_(ours.weight.float())
+        llama.weight.copy_(ours.weight)
+        x = torch.randn(7, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+        assert torch.equal(bits(ours(x)), bits(theirs(x)))
+        assert not torch.equal(bits(llama(x)), bits(theirs(x)))
+
+
 def test_config_and_checkpoint_round_trip_through_transformers(tmp_path) -> None:
     """A checkpoint written here holds transformers' own tensor names, loads in transformers with the
     same logits, and back here equal; the context is not cut to the window (only the sliding layers are)."""

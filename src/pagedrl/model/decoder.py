@@ -98,7 +98,9 @@ class MLP(nn.Module):
 
 
 def norm_for(cfg: ModelConfig) -> type[nn.Module]:
-    """Gemma's RMSNorm scales by (1 + weight); every other family's by weight."""
+    """Gemma's RMSNorm scales by (1 + weight); every other family's by weight (gpt-oss's in float32)."""
+    if cfg.gpt_oss is not None:
+        return gpt_oss.GptOssRMSNorm
     return gemma.GemmaRMSNorm if cfg.gemma is not None else RMSNorm
 
 

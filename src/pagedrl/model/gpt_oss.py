@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 GPT_OSS_ARCHITECTURE = "GptOssForCausalLM"
 # config.json fields this family publishes that `gpt_oss_fields` reads (not kept as extras).
@@ -110,6 +111,22 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     gate = gate.clamp(min=None, max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class GptOssRMSNorm(nn.Module):
+    """RMSNorm whose weight multiplies the float32 normalised input, rounded once: transformers keeps
+    gpt-oss's norms in float32 (`_keep_in_fp32_modules`), so in bf16 its norm rounds once where the
+    Llama family's rounds the normalised input to bf16 before the product. Same in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
 
 
 def with_layer_windows(meta: Any, rules: GptOssRules, positions: torch.Tensor) -> Any:
