@@ -138,6 +138,18 @@ def test_config_and_checkpoint_round_trip_through_transformers(tmp_path) -> None
     assert torch.equal(ours_logits(again, ids, mask), ours_logits(ours, ids, mask))
 
 
+def test_footprint_counts_as_transformers_and_the_routed_share() -> None:
+    """Parameters as transformers counts them (sinks, biases and the router's included); the active
+    ones: all but the 2 of 4 experts a token skips in each layer, their biases with them."""
+    from pagedrl.model.footprint import footprint
+
+    cfg = ModelConfig.from_dict(RAW)
+    fp = footprint(cfg, torch.bfloat16)
+    assert fp.parameters == hf_model(RAW).num_parameters()
+    per_expert = 3 * 64 * 32 + 2 * 32 + 64  # gate, up, down and their biases
+    assert fp.active_parameters == fp.parameters - 2 * (4 - 2) * per_expert
+
+
 def test_bad_fields_are_named() -> None:
     with pytest.raises(ConfigError, match="'layer_types'"):
         ModelConfig.from_dict(dict(RAW, layer_types=["sliding_attention"]))
