@@ -166,7 +166,7 @@ class ModelConfig:
             attention_bias = False  # transformers' Mixtral and Phi-3 have no attention bias whatever the config says
         known = set(cls.__dataclass_fields__) | {
             "architectures", "rope_parameters", "use_sliding_window", "model_type", *MOE_FIELDS, *GEMMA_FIELDS,
-            *GPT_OSS_FIELDS,
+            *(GPT_OSS_FIELDS if base == "GptOssForCausalLM" else ()),  # (another family keeps its quantization_config)
         }
         phi3 = phi3_fields(raw, rope, scaling, source) if base == "Phi3ForCausalLM" else {}
         fields = dict(
