@@ -286,3 +286,18 @@ def test_an_incomplete_mxfp4_pair_is_named(tmp_path) -> None:
     save_file(state, str(tmp_path / "mx" / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.experts\.down_proj_blocks' \(MXFP4\) has no"):
         load_causal_lm(tmp_path / "mx", dtype=torch.float32)
+
+
+def test_an_autocast_engine_casts_the_experts_weights_and_keeps_their_biases() -> None:
+    """A trainer's rollout engine (bf16 autocast over float32 masters) holds bf16 copies of the stacked
+    expert weights and shares their float32 biases (autocast adds those in float32, as transformers'
+    `x @ W + b` does): the twin computes the masters' autocast numbers exactly."""
+    from pagedrl.engine.cast_weights import CastWeights
+
+    model = ours_from(hf_model(RAW))
+    twin = CastWeights(model, torch.bfloat16).twin
+    experts, masters = twin.model.layers[0].mlp.experts, model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.bfloat16 and experts.gate_up_proj_bias is masters.gate_up_proj_bias
+    ids, mask = padded_batch(RAW["vocab_size"])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(twin.logits(twin(ids, attention_mask=mask)), model.logits(model(ids, attention_mask=mask)))
