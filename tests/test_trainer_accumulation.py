@@ -51,7 +51,10 @@ def test_step_loss_and_gradient_equal_transformers(tiny_train_model, one_batch) 
 
 MOE = {"mixtral": dict(architectures=["MixtralForCausalLM"], num_local_experts=8),
        "qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], num_experts=8, moe_intermediate_size=32,
-                         mlp_only_layers=[1])}
+                         mlp_only_layers=[1]),
+       # gpt-oss: its router's bias and top-k-then-softmax rule, sinks, a 4-token window the rows cross.
+       "gpt-oss": dict(architectures=["GptOssForCausalLM"], num_local_experts=4, intermediate_size=32, sliding_window=4,
+                       layer_types=["sliding_attention", "full_attention"], head_dim=16)}
 
 
 @pytest.mark.parametrize("family", sorted(MOE))

@@ -52,7 +52,7 @@ FUSED_FAMILIES = ("phi3-longrope",)  # one qkv_proj and one gate_up_proj a layer
 
 
 def hf_model(raw: dict[str, Any], seed: int = 0):
-    """A transformers model with random weights (biases and norms randomised too, so they count)."""
+    """A transformers model with random weights (biases, norms and attention sinks randomised too, so they count)."""
     import torch
     import transformers
 
@@ -66,6 +66,8 @@ def hf_model(raw: dict[str, Any], seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn_like(p))
     return model
 
 
@@ -98,4 +100,16 @@ GEMMA_FAMILIES: dict[str, dict[str, Any]] = {
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
     "gemma2": dict(GEMMA_BASE, architectures=["Gemma2ForCausalLM"], model_type="gemma2",
                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+}
+
+
+# gpt-oss: 4 experts, 2 per token, attention sinks, layers sliding (window 8) then full, YaRN stretching an
+# original context of 64 by 4 (its ramp blends the second rotary pair), and a SwiGLU clamp low enough to bite on these
+# weights. Kept apart from FAMILIES for the reason Gemma is (its layers take the reference attention).
+GPT_OSS_FAMILIES: dict[str, dict[str, Any]] = {
+    "gpt-oss": dict(BASE, architectures=["GptOssForCausalLM"], model_type="gpt_oss", num_key_value_heads=2,
+                    head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"], swiglu_limit=0.3, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
 }

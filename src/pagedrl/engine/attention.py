@@ -11,7 +11,8 @@ fresh prompt, a chunk of a prompt whose prefix is cached, and a one-token decode
 Three implementations compute the same thing:
 - `reference`: one sequence at a time, keys gathered into a contiguous tensor, an explicit causal
   mask, softmax, matmul (`reference_attention`). Slow and obviously right; the tests hold the fast
-  path to it. A layer with a sliding window or soft-capped scores (Gemma) takes it under any impl.
+  path to it. A layer with a sliding window or soft-capped scores (Gemma) or attention sinks
+  (gpt-oss) takes it under any impl.
 - `fast`: on a CPU, a step of decodes only runs `ops.paged_decode`, which reads each
   sequence's keys and values from its blocks where they lie (one pass over them); in bf16 without
   AMX a step with prompt chunks runs `ops.paged_prefill` (a prompt's rows in tiles over the
@@ -83,7 +84,7 @@ class PagedAttention:
     row_seqs: torch.Tensor | None = field(default=None, repr=False)
     kernels: bool = False  # the CPU kernels serve this cache: its KV writes take one `store_kv` call a layer
     tiles: bool = False  # a CPU bf16 step with prompt chunks: `ops.paged_prefill` attends them in tiles
-    # Per-layer rules (Gemma, `model/gemma.py`): each layer's sliding window (None: every cached key)
+    # Per-layer rules (Gemma, `model/gemma.py`; gpt-oss's windows): each layer's sliding window (None: every cached key)
     # and a tanh cap on the scores. A layer with either runs `reference` whatever `impl` says: the
     # other paths' kernels attend over every cached key, uncapped.
     windows: tuple[int | None, ...] | None = None
@@ -202,8 +203,10 @@ class PagedAttention:
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [1, N, Hq, D], k and v [1, N, Hkv, D] for this step's new tokens → [1, N, Hq, D]."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [1, N, Hq, D], k and v [1, N, Hkv, D] for this step's new tokens → [1, N, Hq, D]; `sinks`:
+        as `AttentionMetadata.attend`."""
         key_cache, value_cache = self.kv_cache.key_cache[layer], self.kv_cache.value_cache[layer]
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
         num_rows = self.slot_mapping.shape[0]
@@ -218,9 +221,9 @@ class PagedAttention:
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
         queries = q[0].to(key_cache.dtype)
         window = self.windows[layer] if self.windows is not None else None
-        if window is not None or self.softcap is not None:
+        if window is not None or self.softcap is not None or sinks is not None:
             self._store(k, v, key_cache, value_cache)
-            return self._attend_reference(queries, key_cache, value_cache, scale, window).to(q.dtype)[None]
+            return self._attend_reference(queries, key_cache, value_cache, scale, window, sinks).to(q.dtype)[None]
         if self.impl == "triton":
             from pagedrl.engine import triton_attention
 
@@ -252,9 +255,9 @@ class PagedAttention:
                                                                      v[0].to(value_cache.dtype))
 
     def _attend_reference(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                          scale: float, window: int | None = None) -> torch.Tensor:
+                          scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         return reference_attention(q, key_cache, value_cache, self.seq_lens, self.query_start_loc, self.block_tables,
-                                   scale, window, self.softcap)
+                                   scale, window, self.softcap, sinks)
 
     def _attend_fast(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      scale: float) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Paged attention one sequence at a time, in float32, every step spelled out: the `reference`
 implementation the tests hold the others to, and the path a layer with a sliding window or
-soft-capped scores (Gemma, `model/gemma.py`) takes, since the other paths' kernels attend over every
-cached key, uncapped."""
+soft-capped scores (Gemma, `model/gemma.py`) or attention sinks (gpt-oss, `model/gpt_oss.py`) takes,
+since the other paths' kernels attend over every cached key, uncapped, without a sink."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import torch
 
 def reference_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_tables: torch.Tensor,
-                        scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                        scale: float, window: int | None = None, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, Hq, D] of a step's new tokens (sequence s owns rows query_start_loc[s]:[s + 1], the last
     of its seq_lens[s] positions) → [N, Hq, D]. `window`: a query sees only the keys less than that
-    many positions back (the others are not even read); `softcap`: scores become cap · tanh(s / cap)."""
+    many positions back (the others are not even read); `softcap`: scores become cap · tanh(s / cap);
+    `sinks` [Hq]: each head's logit joins every query's softmax as one more column, dropped after it."""
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     groups = q.shape[1] // num_kv_heads
     flat_keys = key_cache.reshape(-1, num_kv_heads, head_dim)
@@ -36,5 +38,10 @@ def reference_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         if window is not None:
             hidden |= query_pos - key_pos[None, :] >= window
         scores = scores.masked_fill(hidden, float("-inf"))
-        out[first:last] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(out.dtype)
+        if sinks is not None:
+            column = sinks.float()[:, None, None].expand(-1, q_len, 1)
+            probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[first:last] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
     return out

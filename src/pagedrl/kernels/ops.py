@@ -33,6 +33,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -243,6 +244,13 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int,
     float32 with the weights kept quantized: each output the bits `float_linear` gives on the dequantized
     weight."""
     return _OPS.gguf_linear(x, blocks, ggml_type, k, bias)
+
+
+def gguf_linear_op() -> Callable[..., torch.Tensor]:
+    """`gguf_linear`'s op itself, for a caller that has checked its arguments and calls it some 200 times
+    a step (the decode program): torch's overload, without the packet's dispatch."""
+    op = _OPS.gguf_linear
+    return getattr(op, "default", op)
 
 
 def float_linear_lanes() -> int:

@@ -37,8 +37,24 @@ MAX_ROWS_AMX = 128  # measured crossovers with oneDNN's bf16 kernel (see above)
 MAX_ROWS_DOT = 32  # no AMX here, and none in oneDNN's kernel either
 MAX_ROWS_OVER_PACKED = 2  # where the dot-product kernel beats oneDNN on packed weights (no AMX)
 PACK_FOR_ROWS = 64  # the row count oneDNN is told to expect when it chooses its layout
-MAX_ROWS_FLOAT = 32  # float32 products up to here on the engine's kernel (ahead of MKL at 1-32 rows)
-MAX_ROWS_QUANTIZED = 16  # GGUF products up to here on the blocks as they are, above on them dequantized
+# float32 products up to this many rows on the engine's kernel, MKL's above, by CPU class. 2 threads,
+# the default model's 210 projections (`bench/bench_gguf_linear.py`), ms, kernel / MKL: on AVX512-BF16
+# (AMD Zen 4) 37 / 64 at 33 rows, 71 / 102 at 64, 444 / 552 at 512, 1794 / 2218 at 2048 (a prefill chunk);
+# capped to AVX2 51 / 60 at 32, 65 / 66 at 40, 96 / 93 at 64, 747 / 558 at 512. AMX (an Intel Xeon, where
+# MKL is at home) keeps the 32 measured there.
+MAX_ROWS_FLOAT_BY_CLASS = {"avx2": 32, "avx512": 2048, "avx512_bf16": 2048, "amx": 32}
+# GGUF products up to this many rows on the blocks as they are, above on them dequantized (then
+# `float_linear`; the same bits). Q4_1, 2 threads, ms, blocks / dequantized: AVX512-BF16 46 / 35 at 33
+# rows; capped to AVX2 34 / 65 at 24, 86 / 100 at 64, 300 / 410 at 256, 629 / 767 at 512.
+MAX_ROWS_QUANTIZED_BY_CLASS = {"avx2": 256, "avx512": 16, "avx512_bf16": 16, "amx": 16}
+
+
+def _by_class(table: dict[str, int]) -> int:
+    return table.get(isa.cpu_class(), min(table.values()))
+
+
+MAX_ROWS_FLOAT = _by_class(MAX_ROWS_FLOAT_BY_CLASS)
+MAX_ROWS_QUANTIZED = _by_class(MAX_ROWS_QUANTIZED_BY_CLASS)
 
 
 @functools.cache
@@ -105,7 +121,8 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 def float_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """A float32 projection's product through `csrc/float_linear.cpp` when it has at most
     `MAX_ROWS_FLOAT` rows and no gradient is recorded (the kernel has no backward): the weights read
-    as they lie, at 1.1-2.3x MKL's speed from 1 to 32 rows (`bench/bench_float_linear.py`)."""
+    as they lie, at 1.1-2.3x MKL's speed from 1 to 32 rows (`bench/bench_float_linear.py`), and on
+    AVX512 at 1.2-1.7x to a 2048-row prefill chunk."""
     if (torch.is_grad_enabled() or x.dtype is not _F32 or weight.dtype is not _F32 or not x.is_cpu or not weight.is_cpu
             or weight.stride(-1) != 1 or (bias is not None and bias.dtype is not _F32)):
         return None

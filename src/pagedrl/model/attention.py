@@ -18,8 +18,10 @@ from pagedrl.model import batch_invariant, row_attention
 
 
 class AttentionMetadata(Protocol):
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] for the new tokens. Returns [B, T, Hq, D]."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] for the new tokens. Returns [B, T, Hq, D]. `sinks`
+        [Hq] (gpt-oss): a logit per head that joins each query's softmax and is dropped after it."""
         ...
 
 
@@ -32,7 +34,7 @@ class DenseAttention:
     scale: float | None = None
     # Batch-invariant mode's tables of the keys each row sees, made once per batch shape: (B, T, tables).
     key_tables: Any = field(default=None, repr=False, compare=False)
-    # Per-layer rules (Gemma, `model/gemma.py`): each layer's sliding window (None: all keys), the
+    # Per-layer rules (Gemma, `model/gemma.py`; gpt-oss's windows): each layer's sliding window (None: all keys), the
     # positions the windows are measured in ([B, T]), and a tanh cap on the scores.
     windows: tuple[int | None, ...] | None = None
     key_positions: torch.Tensor | None = field(default=None, repr=False, compare=False)
@@ -96,9 +98,10 @@ class DenseAttention:
             self._window_masks[window] = (base if base.dim() == 3 else base[:, 0]) & near
         return self._window_masks[window]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.windows is not None or self.softcap is not None:
-            return self._attend_with_rules(layer, q, k, v)
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if self.windows is not None or self.softcap is not None or sinks is not None:
+            return self._attend_with_rules(layer, q, k, v, sinks)
         if batch_invariant.active() and row_attention.attention_available(q.device):
             B, T = q.shape[:2]
             if self.key_tables is None or self.key_tables[:2] != (B, T):
@@ -116,12 +119,13 @@ class DenseAttention:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
         return out.transpose(1, 2)
 
-    def _attend_with_rules(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Per-layer windows and soft-capped scores, spelled out as transformers' eager attention
-        computes them (a fused kernel has no tanh cap); the softmax in float32."""
+    def _attend_with_rules(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-layer windows, soft-capped scores and sinks, spelled out as transformers' eager attention
+        computes them (a fused kernel has neither a tanh cap nor a sink column); the softmax in float32."""
         if batch_invariant.active():
-            raise NotImplementedError("batch-invariant attention with per-layer sliding windows (Gemma) "
-                                      "is not implemented")
+            raise NotImplementedError("batch-invariant attention with per-layer sliding windows or sinks "
+                                      "(Gemma, gpt-oss) is not implemented")
         B, T = q.shape[:2]
         mask = self.layer_mask(layer, T, q.device)
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -130,7 +134,7 @@ class DenseAttention:
             kh = kh.repeat_interleave(groups, dim=1)
             vh = vh.repeat_interleave(groups, dim=1)
         mask = mask if mask is None or mask.dim() == 4 else mask[:, None]
-        if self.softcap is None:  # windows only: the fused kernel takes the mask
+        if self.softcap is None and sinks is None:  # windows only: the fused kernel takes the mask
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=self.scale)
             return out.transpose(1, 2)
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
@@ -141,5 +145,9 @@ class DenseAttention:
             idx = torch.arange(T, device=q.device)
             mask = (idx[None, :] <= idx[:, None])[None, None]
         scores = scores.masked_fill(~mask, float("-inf"))
-        probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+        if sinks is not None:  # one more column per head, in the softmax and not after it
+            column = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+            probs = torch.cat([scores, column], dim=-1).softmax(-1, dtype=torch.float32)[..., :-1].to(q.dtype)
+        else:
+            probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, vh).transpose(1, 2)

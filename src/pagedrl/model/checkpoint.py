@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from pagedrl.model import expert_weights
+from pagedrl.model import expert_weights, mxfp4
 from pagedrl.model.config import ConfigError, ModelConfig
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.footprint import check_fits, footprint
@@ -56,18 +56,24 @@ def weight_files(folder: Path) -> list[Path]:
 
 def read_state_dict(folder: Path, dtype: torch.dtype = torch.float32,
                     origins: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
-    """All tensors of a folder; `origins`, if given, receives the file each tensor came from."""
+    """All tensors of a folder, the floating ones in `dtype`; MXFP4 pairs (`W_blocks`, `W_scales`: gpt-oss's
+    published experts) dequantized into `W` in `dtype` (`model/mxfp4.py`). `origins`, if given,
+    receives the file each tensor came from."""
     state: dict[str, torch.Tensor] = {}
+    origins = origins if origins is not None else {}
     for path in weight_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    state[name] = f.get_tensor(name).to(dtype)
-                    if origins is not None:
-                        origins[name] = str(path)
+                    tensor = f.get_tensor(name)
+                    state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                    origins[name] = str(path)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors file (truncated or corrupt?): {e}") from None
-    return state
+    try:
+        return mxfp4.dequantize_state(state, dtype, origins, str(folder))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,

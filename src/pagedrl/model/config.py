@@ -2,7 +2,7 @@
 
 Every supported family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, Phi-3 with its fused
 projections, the mixture-of-experts Mixtral and Qwen3-MoE, Gemma 2/3 with the rules of
-`model/gemma.py`) is the same decoder with a few
+`model/gemma.py`, gpt-oss with those of `model/gpt_oss.py`) is the same decoder with a few
 switches, so one dataclass holds them all; the switches are derived from the `architectures` entry
 and the fields that family publishes.
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedrl.model.gemma import GEMMA_FIELDS, GemmaRules, gemma_dict, gemma_fields
+from pagedrl.model.gpt_oss import GPT_OSS_FIELDS, GptOssRules, gpt_oss_dict, gpt_oss_fields
 
 
 class ConfigError(ValueError):
@@ -32,6 +33,7 @@ ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "Phi3ForCausalLM": ("phi3", False, False),
     "Gemma2ForCausalLM": ("gemma2", False, False),
     "Gemma3ForCausalLM": ("gemma3_text", False, True),
+    "GptOssForCausalLM": ("gpt_oss", True, False),
 }
 # Families whose sliding window applies only with `use_sliding_window` (transformers drops it otherwise).
 SLIDING_WHEN_ASKED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -79,6 +81,8 @@ class ModelConfig:
     output_router_logits: bool = False
     # Gemma 2/3: per-layer windows, attention scale, soft-capping, the sandwich norms (`model/gemma.py`).
     gemma: GemmaRules | None = None
+    # gpt-oss: per-layer windows and the experts' clamped SwiGLU (`model/gpt_oss.py`); attention sinks.
+    gpt_oss: GptOssRules | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -162,6 +166,7 @@ class ModelConfig:
             attention_bias = False  # transformers' Mixtral and Phi-3 have no attention bias whatever the config says
         known = set(cls.__dataclass_fields__) | {
             "architectures", "rope_parameters", "use_sliding_window", "model_type", *MOE_FIELDS, *GEMMA_FIELDS,
+            *(GPT_OSS_FIELDS if base == "GptOssForCausalLM" else ()),  # (another family keeps its quantization_config)
         }
         phi3 = phi3_fields(raw, rope, scaling, source) if base == "Phi3ForCausalLM" else {}
         fields = dict(
@@ -192,6 +197,7 @@ class ModelConfig:
             **phi3,
         )
         fields.update(gemma_fields(raw, base, source))
+        fields.update(gpt_oss_fields(raw, base, source))
         cfg = cls(**fields)
         cfg.validate(source)
         return cfg
@@ -206,15 +212,16 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"{source}: head_dim ({self.head_dim}) must be even for rotary embeddings")
-        if self.rope_scaling and self.rope_scaling["rope_type"] not in ("linear", "llama3", "longrope"):
-            raise ConfigError(
-                f"{source}: rope type {self.rope_scaling['rope_type']!r} is not supported (linear, llama3, longrope)"
-            )
+        if self.rope_scaling and self.rope_scaling["rope_type"] not in ("linear", "llama3", "longrope", "yarn"):
+            raise ConfigError(f"{source}: rope type {self.rope_scaling['rope_type']!r} is not supported "
+                              "(linear, llama3, longrope, yarn)")
         if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2 or not self.rotary_dim:
             raise ConfigError(f"{source}: field 'partial_rotary_factor' ({self.partial_rotary_factor!r}) must lie in "
                               f"(0, 1] and turn an even number of each head's {self.head_dim} features")
         if self.rope_scaling and self.rope_scaling["rope_type"] == "longrope":
             validate_longrope(self.rope_scaling, self.rotary_dim, source)
+        if self.rope_scaling and self.rope_scaling["rope_type"] == "yarn":
+            validate_yarn(self.rope_scaling, source)
 
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"{source}: field 'num_experts_per_tok' must lie in 1..{self.num_experts}, "
@@ -270,6 +277,8 @@ class ModelConfig:
         out.update(self.moe_dict())
         if self.gemma is not None:
             out.update(gemma_dict(self))
+        if self.gpt_oss is not None:
+            out.update(gpt_oss_dict(self))
         if self.rope_scaling and self.rope_scaling["rope_type"] == "longrope":
             # transformers' Phi-3 takes the top-level field over the rope parameters' (default 4096).
             out["original_max_position_embeddings"] = self.rope_scaling["original_max_position_embeddings"]
@@ -281,6 +290,8 @@ class ModelConfig:
                       output_router_logits=self.output_router_logits)
         if self.model_type == "mixtral":
             return dict(common, num_local_experts=self.num_experts, router_jitter_noise=0.0)
+        if self.model_type == "gpt_oss":
+            return dict(common, num_local_experts=self.num_experts)
         if self.model_type == "qwen3_moe":
             return dict(common, num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
                         norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
@@ -348,6 +359,15 @@ def phi3_fields(raw: dict[str, Any], rope: dict[str, Any], scaling: dict[str, An
             scaling["original_max_position_embeddings"] = raw.get("original_max_position_embeddings", 4096)
             scaling.pop("partial_rotary_factor", None)  # the field's
     return fields
+
+
+def validate_yarn(scaling: dict[str, Any], source: str) -> None:
+    """YaRN's parameters: the stretch and the original context length it is measured from."""
+    for name in ("factor", "original_max_position_embeddings"):
+        value = scaling.get(name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ConfigError(f"{source}: rope field {name!r} must be a positive number for rope type 'yarn', "
+                              f"got {value!r}")
 
 
 def validate_longrope(scaling: dict[str, Any], rotary_dim: int, source: str) -> None:

@@ -1,6 +1,7 @@
 """The Llama-family decoder, top to bottom as in the papers: embed, N × (RMSNorm → attention with
 RoPE and GQA → residual → RMSNorm → SwiGLU, or a sparse mixture of SwiGLU experts (`model/moe.py`)
-where the config routes that layer → residual), RMSNorm, LM head.
+where the config routes that layer → residual), RMSNorm, LM head. Gemma's rules (`model/gemma.py`) and
+gpt-oss's (`model/gpt_oss.py`: attention sinks, per-layer windows) are switches on the same modules.
 
 Module names match Hugging Face's so a checkpoint's state dict loads with no renaming. Attention is
 delegated to an explicit metadata object (`pagedrl.model.attention`), which is how the same weights
@@ -13,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedrl.model import batch_invariant, gemma, routed
+from pagedrl.model import batch_invariant, gemma, gpt_oss, routed
 from pagedrl.model.attention import AttentionMetadata, DenseAttention
 from pagedrl.model.config import ModelConfig
 from pagedrl.model.fused import FusedAttention, FusedMLP
 from pagedrl.model.moe import SparseMoeBlock
-from pagedrl.model.rope import longrope_of, rope_cos_sin, rope_inv_freq, rotate
+from pagedrl.model.rope import longrope_of, rope_attention_factor, rope_cos_sin, rope_inv_freq, rotate
 from pagedrl.model.routed import Linear
 
 
@@ -59,6 +60,8 @@ class Attention(nn.Module):
             self.k_norm = norm_for(cfg)(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # gpt-oss: a learned logit per head that joins each query's softmax (`model/gpt_oss.py`).
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if cfg.gpt_oss is not None else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         B, T, _ = x.shape
@@ -68,7 +71,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, k, cos, sin)
-        out = meta.attend(self.layer, q, k, v)
+        out = meta.attend(self.layer, q, k, v) if self.sinks is None else meta.attend(self.layer, q, k, v, self.sinks)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -95,7 +98,9 @@ class MLP(nn.Module):
 
 
 def norm_for(cfg: ModelConfig) -> type[nn.Module]:
-    """Gemma's RMSNorm scales by (1 + weight); every other family's by weight."""
+    """Gemma's RMSNorm scales by (1 + weight); every other family's by weight (gpt-oss's in float32)."""
+    if cfg.gpt_oss is not None:
+        return gpt_oss.GptOssRMSNorm
     return gemma.GemmaRMSNorm if cfg.gemma is not None else RMSNorm
 
 
@@ -132,8 +137,10 @@ class Backbone(nn.Module):
         self.norm = norm_for(cfg)(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = (cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         self.longrope = longrope_of(cfg.rope_scaling, cfg.max_position_embeddings)
+        self.rope_factor = rope_attention_factor(cfg.rope_scaling)  # YaRN's scale of cos and sin
         self.register_buffer("inv_freq", rope_inv_freq(*self.rope), persistent=False)
         self.rules = cfg.gemma
+        self.gpt_oss = cfg.gpt_oss
         # Gemma 3's sliding layers rotate by a base of their own, unscaled.
         self.local_rope = None if self.rules is None or self.rules.local_rope_theta is None else (
             cfg.head_dim, self.rules.local_rope_theta, None)
@@ -164,8 +171,10 @@ class Backbone(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         with batch_invariant.scope(self.batch_invariant):
             x = self.embed_tokens(input_ids)
-            cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype, self.longrope)
+            cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype, self.longrope, self.rope_factor)
             ropes = [(cos, sin)] * len(self.layers)
+            if self.gpt_oss is not None:
+                meta = gpt_oss.with_layer_windows(meta, self.gpt_oss, positions)
             if self.rules is not None:
                 x = gemma.embed_scale(x, x.shape[-1])
                 meta = gemma.with_layer_rules(meta, self.rules, positions)

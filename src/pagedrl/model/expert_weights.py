@@ -9,7 +9,10 @@ In memory the model holds them as transformers 5 does (`model/moe.py`): `layers.
 [E, 2I, H] (expert e's gate rows, then its up rows), `layers.L.mlp.experts.down_proj` [E, H, I] and
 `layers.L.mlp.gate.weight`. `from_disk` stacks the per-expert tensors (and passes the in-memory names
 through, so a state dict taken from a transformers model loads too); `to_disk` splits them again, so
-what pagedrl saves is what transformers' `from_pretrained` and vLLM read. Dense models pass through.
+what pagedrl saves is what transformers' `from_pretrained` and vLLM read. Dense models pass through, and
+so does gpt-oss, whose checkpoints hold each layer's experts stacked as its model holds them
+(`experts.gate_up_proj`, `experts.down_proj` and their biases; published ones as MXFP4 pairs,
+dequantized when read: `model/mxfp4.py`).
 """
 
 from __future__ import annotations

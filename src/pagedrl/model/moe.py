@@ -1,10 +1,12 @@
-"""The sparse mixture-of-experts block of Mixtral and Qwen3-MoE: a router picks k of E SwiGLU experts
-per token and the block returns their outputs weighted by the router's probabilities.
+"""The sparse mixture-of-experts block of Mixtral, Qwen3-MoE and gpt-oss: a router picks k of E SwiGLU
+experts per token and the block returns their outputs weighted by the router's probabilities.
 
 router: logits = x Wᵀ (the `gate` projection) → softmax over the experts, in float32 → the top k →
 renormalised to sum to one (Mixtral always; Qwen3-MoE if `norm_topk_prob`) → Qwen3-MoE rounds the
-weights to the activations' dtype, Mixtral keeps them in float32. The order and the casts are
-transformers', so a float32 forward agrees with it to rounding and a bf16 one rounds alike.
+weights to the activations' dtype, Mixtral keeps them in float32. gpt-oss's router (`router`, a
+projection with a bias) takes the top k of the logits first and softmaxes those k alone, in the logits'
+dtype. The order and the casts are transformers', so a float32 forward agrees with it to rounding and
+a bf16 one rounds alike.
 
 Experts run grouped: the (token, expert) assignments are sorted by expert, and each expert multiplies
 the rows sent to it in one product per weight, so the work is a loop over experts, never over tokens.
@@ -16,6 +18,8 @@ rounds after every add.
 The weights sit as transformers 5 holds them in memory, one 3-D tensor per kind (`experts.gate_up_proj`
 [E, 2I, H], each expert's gate rows then its up rows; `experts.down_proj` [E, H, I]), so its state dict
 loads unrenamed; checkpoints on disk hold one 2-D tensor per expert (`model/expert_weights.py`).
+gpt-oss's experts (`ClampedSwiGLUExperts`) sit in its own layout, on disk as in memory: transposed,
+gate and up columns interleaved, with biases, and its clamped SwiGLU (`model/gpt_oss.py`).
 The router (`gate`) is a projection like the others, and the experts' products go to the engine's
 kernels as they do (`Routes.experts`, a bf16 engine's own steps). A trainer's rollouts take products
 with `F.linear`'s numbers and no expert route (`engine/cpu_routes.py`), so their routing decisions
@@ -59,6 +63,8 @@ def collect_router_logits() -> Iterator[list[torch.Tensor]]:
 class Experts(nn.Module):
     """E SwiGLU experts in two 3-D tensors; `forward` runs each expert once over the rows routed to it."""
 
+    routable = True  # the layout and activation `Routes.experts` computes
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
@@ -84,7 +90,7 @@ class Experts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host read per layer
         routes = routed.current()
         grouped = None
-        if routes is not None and routes.experts is not None:
+        if routes is not None and routes.experts is not None and self.routable:
             grouped = routes.experts(rows, counts, self.gate_up_proj, self.down_proj)
         if grouped is None:
             grouped = self.grouped(rows, counts)
@@ -109,19 +115,77 @@ class Experts(nn.Module):
         return f"experts={self.num_experts}, hidden={self.down_proj.shape[1]}, intermediate={self.intermediate_size}"
 
 
+class ClampedSwiGLUExperts(Experts):
+    """gpt-oss's E experts, as transformers holds them: `gate_up_proj` [E, H, 2I] (gate and up columns
+    interleaved) and `down_proj` [E, I, H], multiplied from the right, each with a bias ([E, 2I], [E, H]),
+    and the clamped SwiGLU between. No route takes them (`Routes.experts` computes the other layout and
+    activation); under autocast the products run in bf16 and the biases are added in float32, as
+    transformers' `x @ W + b` does."""
+
+    routable = False
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float) -> None:
+        nn.Module.__init__(self)  # (the parent's tensors have other shapes)
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Fan-in uniform, the fan-in being each weight's rows here; biases zero."""
+        with torch.no_grad():
+            for weight in (self.gate_up_proj, self.down_proj):
+                bound = 1.0 / math.sqrt(weight.shape[-2])
+                weight.uniform_(-bound, bound)
+            self.gate_up_proj_bias.zero_()
+            self.down_proj_bias.zero_()
+
+    def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        from pagedrl.model.gpt_oss import clamped_swiglu
+
+        outputs, start = [], 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            part = rows[start:start + count]
+            gate_up = part @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
+            hidden = clamped_swiglu(gate_up, self.alpha, self.limit)
+            outputs.append(hidden @ self.down_proj[expert] + self.down_proj_bias[expert])
+            start += count
+        return torch.cat(outputs)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, hidden={self.down_proj.shape[2]}, intermediate={self.intermediate_size}, "
+                f"alpha={self.alpha}, limit={self.limit}")
+
+
 class SparseMoeBlock(nn.Module):
-    """Router and experts: the feed-forward part of a sparse decoder layer (transformers' `mlp`)."""
+    """Router and experts: the feed-forward part of a sparse decoder layer (transformers' `mlp`). The
+    router is `gate` (Mixtral, Qwen3-MoE) or `router` with a bias (gpt-oss), as transformers names it."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.renormalise = cfg.norm_topk_prob
         self.weights_in_input_dtype = cfg.model_type == "qwen3_moe"
-        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
+        self.softmax_of_top_k = cfg.gpt_oss is not None
+        if cfg.gpt_oss is not None:
+            self.router = Linear(cfg.hidden_size, cfg.num_experts, bias=True)
+            self.experts: Experts = ClampedSwiGLUExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size,
+                                                         cfg.gpt_oss.swiglu_alpha, cfg.gpt_oss.swiglu_limit)
+        else:
+            self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+            self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, H] → (router logits [N, E], chosen experts [N, k], their weights [N, k])."""
+        if self.softmax_of_top_k:
+            logits = self.router(x)
+            top, chosen = torch.topk(logits, self.top_k, dim=-1)
+            return logits, chosen, torch.softmax(top, dim=-1, dtype=top.dtype)
         logits = self.gate(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, chosen = torch.topk(probs, self.top_k, dim=-1)

@@ -1,5 +1,5 @@
-"""Rotary position embeddings, with the `linear`, `llama3` and `longrope` frequency scalings, over all
-of a head or its first `rotary_dim` features (a partial rotation, Phi-4-mini's)."""
+"""Rotary position embeddings, with the `linear`, `llama3`, `longrope` and `yarn` frequency scalings, over
+all of a head or its first `rotary_dim` features (a partial rotation, Phi-4-mini's)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return (inv_freq / factors).float()
     if kind == "linear":
         return (inv_freq / float(scaling["factor"])).float()
+    if kind == "yarn":
+        return yarn_inv_freq(inv_freq, head_dim, theta, scaling).float()
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -76,11 +78,51 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     raise ValueError(f"unsupported rope_type {kind!r}")
 
 
+def yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (Peng et al. 2023) as transformers computes it: the pairs that turn many times within the
+    original context keep their frequency, those that turn less than once are divided by `factor`, and
+    a linear ramp between `beta_fast` and `beta_slow` rotations blends the band between (its ends
+    rounded outward unless `truncate` is false, as gpt-oss sets it)."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:  # the pair index that turns `rotations` times
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What YaRN multiplies cos and sin by: `attention_factor`, else 0.1 ln(factor) + 1 (with DeepSeek's
+    `mscale` / `mscale_all_dim`, the ratio of two such), as transformers derives it; 1 for other kinds
+    (LongRoPE carries its own, `LongRope`)."""
+    if not scaling or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale()
+
+
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
-                 longrope: LongRope | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 longrope: LongRope | None = None, factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape positions.shape + [rotary dim]: the angles in float32 as transformers forms
     them, their exact cos and sin rounded once to `dtype` (LongRoPE: each position's frequency set,
-    `LongRope`, and the product with the attention factor before the rounding).
+    `LongRope`, and the product with the attention factor before the rounding; YaRN's `factor` likewise).
 
     Why not torch's cos on a CPU: it hands float32 and float64 alike to a vector math library whose
     worker threads round differently from the calling thread, and how many threads share a call
@@ -96,7 +138,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
         sin = torch.where(long, long_sin, short_sin) * longrope.attention_factor
         cos, sin = cos.to(dtype), sin.to(dtype)
     else:
-        cos, sin = (t.to(dtype) for t in _cos_sin(positions, inv_freq))
+        cos, sin = (t.to(dtype) if factor == 1.0 else (t * factor).to(dtype) for t in _cos_sin(positions, inv_freq))
     return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 

@@ -35,7 +35,7 @@ class OnlineConfig(TrainConfig):
         "batch_invariant", default=None,
         help="rollouts and training compute each token's numbers alike, bit for bit, whatever the batch "
              "(model/batch_invariant.py); default: on where training runs in bf16 on a CPU (there the sampled "
-             "log-probs are otherwise ~3e-2 from the trainer's), off elsewhere and for Gemma. CPU only")
+             "log-probs are otherwise ~3e-2 from the trainer's), off elsewhere and for Gemma and gpt-oss. CPU only")
     # Rewards: built-in names (numeric_match, last_integer_match, exact_match, format,
     # overlong_penalty) or "file.py:function"; empty means the task's own verifier.
     reward_funcs: list[str] = field(default_factory=list)

@@ -1,0 +1,93 @@
+"""A saved tiny gpt-oss folder (the trainers' tokenizer, a 4-token window the rows cross): the first
+batch of DPO against transformers' own class on the same weights (loss and every parameter's gradient;
+SFT with the router's load-balancing loss is `test_trainer_accumulation.py`'s), and `pagedrl serve`
+answering the OpenAI client with the offline engine's greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from preference_data import dpo_trainer, preference_rows
+from server_process import running_server
+from test_gemma_saved import answer_logp, assert_gradients_equal, theirs
+from tiny_train import build_model_dir
+
+from pagedrl.engine.llm import LLM
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.model.checkpoint import load_causal_lm
+from pagedrl.model.loader import load_model
+
+GPT_OSS = dict(architectures=["GptOssForCausalLM"], sliding_window=4, head_dim=16, num_local_experts=4,
+               num_experts_per_tok=2, intermediate_size=32, layer_types=["sliding_attention", "full_attention"])
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dirs(tmp_path_factory) -> tuple[str, str]:
+    """A policy and a different reference, both gpt-oss with the trainers' tokenizer."""
+    root = tmp_path_factory.mktemp("gpt-oss")
+    return (str(build_model_dir(root / "policy", seed=0, **GPT_OSS)),
+            str(build_model_dir(root / "reference", seed=1, **GPT_OSS)))
+
+
+def test_dpo_first_batch_equals_transformers(gpt_oss_dirs, tmp_path) -> None:
+    trainer = dpo_trainer(gpt_oss_dirs[0], tmp_path / "out", rows=preference_rows(8),
+                          reference=load_causal_lm(gpt_oss_dirs[1], dtype=torch.float32))
+    alg = trainer.algorithm
+    examples = alg.examples[:4]
+    pairs = [getattr(e, "pair", e) for e in examples]
+    assert max(len(p.prompt_ids) + len(p.chosen_ids) for p in pairs) > 2 * 4  # the window is crossed
+    batch = alg.collate(examples)
+    loss, _ = alg.loss(alg.model, batch, torch.tensor(alg.count(batch)))
+    loss.backward()
+    policy, reference = theirs(gpt_oss_dirs[0]), theirs(gpt_oss_dirs[1])
+    beta = alg.config.beta
+    ref = 0.0
+    for p in pairs:
+        with torch.no_grad():
+            ref_margin = answer_logp(reference, p.prompt_ids, p.chosen_ids) - answer_logp(reference, p.prompt_ids,
+                                                                                          p.rejected_ids)
+        margin = answer_logp(policy, p.prompt_ids, p.chosen_ids) - answer_logp(policy, p.prompt_ids, p.rejected_ids)
+        ref = ref - F.logsigmoid(beta * (margin - ref_margin)) / len(pairs)
+    ref.backward()
+    assert abs(float(loss.detach()) - float(ref.detach())) < 1e-5
+    assert abs(float(loss.detach()) - float(torch.log(torch.tensor(2.0)))) > 1e-4  # the reference differs
+    assert_gradients_equal(alg.model, policy)
+
+
+def test_serve_answers_the_openai_client_with_the_offline_engines_tokens(gpt_oss_dirs, tmp_path) -> None:
+    import openai
+
+    prompt = "the cat sat on the mat and a dog ran in the park"
+    loaded = load_model(gpt_oss_dirs[0], device="cpu")
+    offline = LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, kv_cache_tokens=512)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = offline.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+    with running_server(gpt_oss_dirs[0], tmp_path, "--kv-cache-tokens", "512") as server:
+        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            out = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=6,
+                                            temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == expected and out.usage.completion_tokens == 6
+
+
+def test_grpo_rollouts_carry_the_trainers_log_probs(gpt_oss_dirs, tmp_path) -> None:
+    """GRPO's first step: the engine's rollouts (paged, sinks and windows through the reference
+    attention) and the trainer's packed recompute (each group's completions sharing one prompt) give
+    every sampled token the same log-prob within float32 rounding; the loss is finite."""
+    import json
+
+    from test_grpo import REWARDS, grpo
+
+    rows = [{"prompt": [{"role": "user", "content": f"what is {a} plus {b}"}], "answer": a + b}
+            for a in range(4) for b in range(2)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    algo = grpo(gpt_oss_dirs[0], prompts, temperature=1.0)
+    batches = algo.step_batches(1)
+    total = torch.tensor(float(sum(algo.count(b) for b in batches)))
+    for b in batches:
+        with torch.no_grad():
+            trainer = b.to_padded(algo.token_logps(algo.model, b).logps)
+        assert float((trainer - b.sampling_logps).abs()[b.mask].max()) < 1e-5
+        assert torch.isfinite(algo.loss(algo.model, b, total)[0])
