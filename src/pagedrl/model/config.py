@@ -2,7 +2,8 @@
 
 Every supported family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, Phi-3 with its fused
 projections, the mixture-of-experts Mixtral and Qwen3-MoE, Gemma 2/3 with the rules of
-`model/gemma.py`) is the same decoder with a few
+`model/gemma.py`, DeepSeek-V3 / Kimi K2 with latent attention and the routing of `model/deepseek.py`) is the
+same decoder with a few
 switches, so one dataclass holds them all; the switches are derived from the `architectures` entry
 and the fields that family publishes.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedrl.model.deepseek import DEEPSEEK_ARCHITECTURES, DEEPSEEK_FIELDS, DeepseekRules, deepseek_dict, deepseek_fields
 from pagedrl.model.gemma import GEMMA_FIELDS, GemmaRules, gemma_dict, gemma_fields
 
 
@@ -32,6 +34,7 @@ ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "Phi3ForCausalLM": ("phi3", False, False),
     "Gemma2ForCausalLM": ("gemma2", False, False),
     "Gemma3ForCausalLM": ("gemma3_text", False, True),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", False, False),
 }
 # Families whose sliding window applies only with `use_sliding_window` (transformers drops it otherwise).
 SLIDING_WHEN_ASKED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -79,6 +82,8 @@ class ModelConfig:
     output_router_logits: bool = False
     # Gemma 2/3: per-layer windows, attention scale, soft-capping, the sandwich norms (`model/gemma.py`).
     gemma: GemmaRules | None = None
+    # DeepSeek-V3: latent attention's shapes, the routing rule, the dense first layers (`model/deepseek.py`).
+    deepseek: DeepseekRules | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -115,8 +120,18 @@ class ModelConfig:
 
     def sparse_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` routes its tokens to experts, as transformers decides it."""
+        if self.deepseek is not None:
+            return layer >= self.deepseek.first_k_dense_replace
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def kv_cache_layout(self) -> tuple[int, int, bool]:
+        """(heads, features per head, whether values are cached apart from keys) of one layer's cache
+        entry for one token: keys and values of every KV head; with latent attention, the latent alone."""
+        if self.deepseek is not None:
+            return 1, self.deepseek.latent_width, False
+        return self.num_key_value_heads, self.head_dim, True
 
     @property
     def max_model_len(self) -> int:
@@ -162,6 +177,7 @@ class ModelConfig:
             attention_bias = False  # transformers' Mixtral and Phi-3 have no attention bias whatever the config says
         known = set(cls.__dataclass_fields__) | {
             "architectures", "rope_parameters", "use_sliding_window", "model_type", *MOE_FIELDS, *GEMMA_FIELDS,
+            *(DEEPSEEK_FIELDS if base in DEEPSEEK_ARCHITECTURES else ()),
         }
         phi3 = phi3_fields(raw, rope, scaling, source) if base == "Phi3ForCausalLM" else {}
         fields = dict(
@@ -192,6 +208,7 @@ class ModelConfig:
             **phi3,
         )
         fields.update(gemma_fields(raw, base, source))
+        fields.update(deepseek_fields(raw, base, scaling, source))
         cfg = cls(**fields)
         cfg.validate(source)
         return cfg
@@ -206,9 +223,10 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"{source}: head_dim ({self.head_dim}) must be even for rotary embeddings")
-        if self.rope_scaling and self.rope_scaling["rope_type"] not in ("linear", "llama3", "longrope"):
+        kinds = ("linear", "llama3", "longrope", "yarn") if self.deepseek else ("linear", "llama3", "longrope")
+        if self.rope_scaling and self.rope_scaling["rope_type"] not in kinds:
             raise ConfigError(
-                f"{source}: rope type {self.rope_scaling['rope_type']!r} is not supported (linear, llama3, longrope)"
+                f"{source}: rope type {self.rope_scaling['rope_type']!r} is not supported ({', '.join(kinds)})"
             )
         if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2 or not self.rotary_dim:
             raise ConfigError(f"{source}: field 'partial_rotary_factor' ({self.partial_rotary_factor!r}) must lie in "
@@ -270,6 +288,8 @@ class ModelConfig:
         out.update(self.moe_dict())
         if self.gemma is not None:
             out.update(gemma_dict(self))
+        if self.deepseek is not None:
+            out.update(deepseek_dict(self))
         if self.rope_scaling and self.rope_scaling["rope_type"] == "longrope":
             # transformers' Phi-3 takes the top-level field over the rope parameters' (default 4096).
             out["original_max_position_embeddings"] = self.rope_scaling["original_max_position_embeddings"]
