@@ -70,6 +70,17 @@ def read_state_dict(folder: Path, dtype: torch.dtype = torch.float32,
     return state
 
 
+def without_next_token_layers(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's published checkpoints carry its multi-token-prediction module as layers past the
+    last (`model.layers.61.*`); transformers skips them on load, and so does pagedrl (it decodes one
+    token a step)."""
+    def beyond(name: str) -> bool:
+        parts = name.split(".")
+        return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
+
+    return {k: v for k, v in state.items() if not beyond(k)}
+
+
 def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
                  origins: dict[str, str] | None = None, assign: bool = False) -> None:
     """Copy a state dict into the model, checking names and shapes against the config first. A
@@ -80,6 +91,8 @@ def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source:
     config = getattr(model, "config", None)
     tied = getattr(config, "tie_word_embeddings", False)
     if isinstance(config, ModelConfig):
+        if config.deepseek is not None:
+            state = without_next_token_layers(state, config.num_hidden_layers)
         try:
             state = expert_weights.from_disk(state, config, origins)
         except ValueError as e:

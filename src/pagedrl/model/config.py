@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedrl.model.deepseek import DEEPSEEK_ARCHITECTURES, DEEPSEEK_FIELDS, DeepseekRules, deepseek_dict, deepseek_fields
+from pagedrl.model.deepseek import (
+    DEEPSEEK_ARCHITECTURES,
+    DEEPSEEK_FIELDS,
+    DeepseekRules,
+    deepseek_dict,
+    deepseek_fields,
+)
 from pagedrl.model.gemma import GEMMA_FIELDS, GemmaRules, gemma_dict, gemma_fields
 
 

@@ -10,6 +10,7 @@ serve dense training batches and the paged engine.
 from __future__ import annotations
 
 import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
