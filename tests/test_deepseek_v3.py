@@ -92,3 +92,69 @@ def test_checkpoints_round_trip_through_transformers(tmp_path, family: str) -> N
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
     ids, mask = padded_batch(hf.config.vocab_size)
     assert max_gap(ours, back, ids, mask) < 1e-5
+
+
+def test_the_paged_cache_holds_one_latent_per_token_and_layer() -> None:
+    """layers × (kv_lora_rank + qk_rope_head_dim) × 4 bytes a token in float32, in the engine's cache
+    and in the start-up line, beside every head's keys and values in full."""
+    from pagedrl.engine.llm import LLM
+    from pagedrl.model.footprint import footprint
+
+    cfg = ModelConfig.from_dict(DEEPSEEK_FAMILIES["deepseek-v3"])
+    latent = 3 * (32 + 8) * 4
+    full = 3 * 4 * ((16 + 8) + 12) * 4  # layers × heads × (key, value features) × bytes
+    fp = footprint(cfg, torch.float32)
+    assert (fp.kv_bytes_per_token, fp.full_kv_bytes_per_token) == (latent, full)
+    assert f"latent attention: {latent} bytes a token against {full}" in fp.describe()
+    cache = LLM.from_module(CausalLM(cfg).eval(), kv_cache_tokens=64, block_size=8).engine.kv_cache
+    assert cache.nbytes == latent * 64 and cache.data.shape == (3, 1, 8, 8, 1, 40)
+    assert cache.value_cache[1].data_ptr() == cache.key_cache[1].data_ptr()  # no value tensor
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def greedy_case(request):
+    from test_engine_greedy import prompts, reference
+
+    hf = hf_model(DEEPSEEK_FAMILIES[request.param])
+    batch = prompts(hf.config.vocab_size)[:4]  # two of them share a 20-token prefix
+    return hf, batch, reference(hf, batch)
+
+
+def test_engine_greedy_equals_generate_with_prefix_sharing_chunks_and_preemption(greedy_case) -> None:
+    """transformers' `generate` tokens: twice through a roomy cache (the second pass reads the first's
+    cached prefixes), then prompts prefilled 7 tokens a step in 4-token blocks, in a cache so small
+    that requests are preempted and recomputed."""
+    from test_engine_greedy import GREEDY, MAX_NEW, engine_for, strip_eos
+
+    hf, batch, expected = greedy_case
+    llm = engine_for(hf, kv_cache_tokens=1024)
+    for _ in range(2):
+        got = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+        assert [strip_eos(g) for g in got] == [strip_eos(e) for e in expected]
+    assert llm.stats()["prefix_cache_hits"] > 0
+    longest = max(len(p) for p in batch) + MAX_NEW
+    llm = engine_for(hf, block_size=4, kv_cache_tokens=longest + 8, max_num_batched_tokens=7)
+    got = [o.outputs[0].token_ids for o in llm.generate(batch + batch, GREEDY, use_tqdm=False)]
+    assert [strip_eos(g) for g in got] == [strip_eos(e) for e in expected + expected]
+    assert llm.stats()["num_preemptions"] >= 3 and llm.stats()["num_blocks_used"] == 0
+
+
+def test_engine_logprobs_equal_the_trainers_recompute() -> None:
+    """The log-probs the engine reports for what it sampled (n=2 forks the prompt's latents) are the
+    dense float32 forward's, which is what a trainer recomputes."""
+    from test_engine_greedy import engine_for, prompts
+
+    from pagedrl.engine.sampling_params import SamplingParams
+
+    hf = hf_model(DEEPSEEK_FAMILIES["deepseek-v3"])
+    ours = ours_from(hf)
+    llm = engine_for(hf, kv_cache_tokens=512, max_num_batched_tokens=9, block_size=4)
+    batch = prompts(ours.config.vocab_size)[:3]
+    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=0, n=2)
+    for prompt, out in zip(batch, llm.generate(batch, params, use_tqdm=False), strict=True):
+        for comp in out.outputs:
+            ids = torch.tensor([prompt + comp.token_ids])
+            with torch.no_grad():
+                logp = torch.log_softmax(ours.logits(ours(ids))[0, len(prompt) - 1:-1], -1)
+            dense = logp.gather(1, torch.tensor(comp.token_ids)[:, None])[:, 0]
+            assert float((torch.tensor(comp.processed_logprobs) - dense).abs().max()) < 1e-5

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +45,7 @@ import torch.nn.functional as F
 from pagedrl.engine.attention_groups import QueryGroup, plan_groups
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
-from pagedrl.engine.reference_attention import reference_attention
+from pagedrl.engine.reference_attention import latent_attention, reference_attention
 from pagedrl.kernels import ops
 from pagedrl.model import batch_invariant
 
@@ -238,6 +239,20 @@ class PagedAttention:
             out = self._attend_fast(queries, key_cache, value_cache, scale)
         else:
             raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {self.impl!r}")
+        return out.to(q.dtype)[None]
+
+    def attend_latent(self, layer: int, q: torch.Tensor, latent: torch.Tensor,
+                      expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Multi-head latent attention (`model/mla.py`) on a cache of latents (`KVCache(values=False)`):
+        q [1, N, H, Dk] and latent [1, N, W] of this step's new tokens; the latents go into their
+        slots, then `latent_attention` up-projects the cached ones through `expand` and attends
+        (whatever `impl` says: the one path for latents). Returns [1, N, H, Dv]."""
+        cache = self.kv_cache.key_cache[layer]
+        if self.kv_cache.values or latent.shape[0] != 1 or latent.shape[-1] != cache.shape[-1]:
+            raise ValueError(f"attend_latent needs a cache of latents of width {latent.shape[-1]}, got {self.kv_cache}")
+        cache.view(-1, cache.shape[-1]).index_copy_(0, self.slot_mapping, latent[0].to(cache.dtype))
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        out = latent_attention(q[0], cache, expand, self.seq_lens, self.query_start_loc, self.block_tables, scale)
         return out.to(q.dtype)[None]
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
