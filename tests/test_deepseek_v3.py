@@ -158,3 +158,51 @@ def test_engine_logprobs_equal_the_trainers_recompute() -> None:
                 logp = torch.log_softmax(ours.logits(ours(ids))[0, len(prompt) - 1:-1], -1)
             dense = logp.gather(1, torch.tensor(comp.token_ids)[:, None])[:, 0]
             assert float((torch.tensor(comp.processed_logprobs) - dense).abs().max()) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def deepseek_folder(tmp_path_factory):
+    """A tiny DeepSeek-V3 folder with a tokenizer (the first of 3 layers dense, routed and shared experts)."""
+    from tiny_train import build_model_dir
+
+    fields = {k: v for k, v in DEEPSEEK_FAMILIES["deepseek-v3"].items()
+              if k not in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "model_type")}
+    return build_model_dir(tmp_path_factory.mktemp("deepseek") / "model", std=0.05, **fields)
+
+
+def test_first_sft_and_dpo_batches_equal_transformers(deepseek_folder, tmp_path) -> None:
+    """As `test_phi3`'s: the SFT loss of a padded batch and the DPO loss of packed pairs (prompt shared
+    by both answers), their gradients parameter by parameter within 1e-5 of transformers' (experts,
+    router, latent projections and norms included). transformers' DeepSeek-V3 adds no router loss."""
+    from preference_data import dpo_trainer, preference_rows
+    from test_phi3 import assert_gradients_equal, sequence_logps
+    from tiny_train import sft_trainer
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(deepseek_folder, dtype=torch.float32).train()
+    algorithm = sft_trainer(deepseek_folder, tmp_path / "sft").algorithm
+    batch = algorithm.collate(algorithm.examples[:4])
+    model = algorithm.model.train()
+    loss, _ = algorithm.loss(model, batch, torch.tensor(float(batch.targets.numel())))
+    loss.backward()
+    lengths = [len(e.input_ids) for e in algorithm.examples[:4]]
+    mask = torch.tensor([[1] * n + [0] * (batch.input_ids.shape[1] - n) for n in lengths])
+    logits = hf(input_ids=batch.input_ids, attention_mask=mask).logits
+    rows = logits.reshape(-1, logits.shape[-1])[batch.predict_at]
+    ref = -torch.log_softmax(rows, -1).gather(-1, batch.targets[:, None]).mean()
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-5
+    assert_gradients_equal(model, hf)
+
+    hf.zero_grad()
+    trainer = dpo_trainer(deepseek_folder, tmp_path / "dpo", preference_rows(8, seed=3), beta=0.3,
+                          per_device_train_batch_size=4)
+    pairs = trainer.algorithm.examples[:4]
+    model = trainer.algorithm.model.train()
+    loss, _ = trainer.algorithm.loss(model, trainer.algorithm.collate(pairs), torch.tensor(4.0))
+    loss.backward()
+    margins = torch.stack([sequence_logps(hf, p.prompt_ids, p.chosen_ids)
+                           - sequence_logps(hf, p.prompt_ids, p.rejected_ids) for p in pairs])
+    ref = -torch.nn.functional.logsigmoid(0.3 * (margins - margins.detach())).mean()
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-5
+    assert_gradients_equal(model, hf)
