@@ -206,3 +206,58 @@ def test_first_sft_and_dpo_batches_equal_transformers(deepseek_folder, tmp_path)
     ref.backward()
     assert abs(loss.item() - ref.item()) < 1e-5
     assert_gradients_equal(model, hf)
+
+
+ATTENTION_PROJECTIONS = ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_adapter_loads_in_peft_with_the_same_logits_and_generation(tmp_path, family: str) -> None:
+    """Adapters on every attention projection (compressed or plain queries) that PEFT loads onto
+    transformers' model with the same logits; the engine, running the adapted model (its kv_b_proj
+    adapter up-projecting cached latents), generates PEFT's greedy tokens."""
+    import peft
+
+    from pagedrl.engine.llm import LLM
+    from pagedrl.engine.sampling_params import SamplingParams
+    from pagedrl.model.adapter import save_adapter
+    from pagedrl.model.lora import LoRAConfig, apply_lora, lora_layers
+
+    hf = hf_model(DEEPSEEK_FAMILIES[family])
+    ours = ours_from(hf)
+    apply_lora(ours, LoRAConfig(r=4, lora_alpha=8, target_modules=ATTENTION_PROJECTIONS),
+               torch.Generator().manual_seed(0))
+    adapted = {name.rpartition(".")[2] for name, _ in lora_layers(ours)}
+    assert adapted == set(ATTENTION_PROJECTIONS) - ({"q_proj"} if hf.config.q_lora_rank else {"q_a_proj", "q_b_proj"})
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, layer in lora_layers(ours):
+            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * 0.1)
+    ours.eval()
+    save_adapter(ours, tmp_path / "adapter")
+    ids, mask = padded_batch(hf.config.vocab_size)
+    with torch.no_grad():
+        base = hf(input_ids=ids, attention_mask=mask).logits
+    theirs = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    assert max_gap(ours, theirs, ids, mask) < 1e-5
+    with torch.no_grad():
+        ref = theirs(input_ids=ids, attention_mask=mask).logits
+    assert float((base - ref)[mask.bool()].abs().max()) > 1e-2  # the adapter changes the model
+    prompt = ids[0, :15].tolist()
+    with torch.no_grad():
+        expected = theirs.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, 15, dtype=torch.long),
+                                   max_new_tokens=8, do_sample=False, pad_token_id=0)[0, 15:].tolist()
+    llm = LLM.from_module(ours, kv_cache_tokens=128, block_size=4)
+    got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0].token_ids
+    assert got[:len(expected)] == expected
+
+
+def test_lora_on_the_experts_and_adapters_per_request_are_refused_by_name() -> None:
+    from pagedrl.engine.multi_lora import LoRASlots
+    from pagedrl.model.lora import LoRAConfig, apply_lora
+
+    ours = ours_from(hf_model(DEEPSEEK_FAMILIES["deepseek-v3"]))
+    with pytest.raises(ValueError, match=r"mixture of experts .* \(q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj"):
+        apply_lora(ours, LoRAConfig(r=4, lora_alpha=8, target_modules=["q_a_proj", "gate_proj"]))
+    with pytest.raises(ValueError, match="enable_lora: adapters per request on latent attention"):
+        LoRASlots(ours)

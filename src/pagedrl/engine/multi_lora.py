@@ -213,6 +213,10 @@ class LoRASlots:
         if any(isinstance(m, LoRALinear) for m in model.modules()):
             raise ValueError("enable_lora: the model already carries a trained adapter; merge it first or serve "
                              "it on its own")
+        if getattr(getattr(model, "config", None), "deepseek", None) is not None:
+            raise ValueError("enable_lora: adapters per request on latent attention (DeepSeek-V3) are not supported "
+                             "yet (its kv_b_proj up-projects cached tokens, not the step's rows); merge the adapter "
+                             "into the weights to serve it")
         if any(isinstance(m, GGUFLinear) for m in model.modules()):
             raise ValueError("enable_lora: adapters per request on GGUF weights kept quantized are not supported "
                              "yet (nor on int8 / int4 ones); serve the model without --quantization to use adapters")

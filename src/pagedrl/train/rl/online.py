@@ -51,10 +51,11 @@ def choose_batch_invariance(asked: bool | None, bf16: bool, device: torch.device
     """`batch_invariant` as configured, or by default on where training runs in bf16 on a CPU that
     has the row kernel: there bf16's roundings otherwise put the rollout's log-probs ~3e-2 from the
     trainer's, in float32 they are 3e-6 apart without it. `layer_rules`: a model with per-layer
-    sliding windows or soft-capping (Gemma), which the row kernel does not implement: off."""
+    sliding windows or soft-capping (Gemma), or latent attention (DeepSeek-V3), which the row kernel
+    does not implement: off."""
     if asked and layer_rules:
         raise ValueError("batch_invariant: true is not implemented for per-layer sliding windows or soft-capped "
-                         "attention (Gemma); leave it unset or false")
+                         "attention (Gemma), nor for latent attention (DeepSeek-V3); leave it unset or false")
     if asked and device.type != "cpu":
         raise ValueError(f"batch_invariant: true runs on a CPU only; this policy is on {device}")
     if asked is not None:
@@ -99,7 +100,8 @@ class OnlineAlgorithm(Algorithm):
         # hold their addresses.
         device = next(policy.parameters()).device
         self.bf16 = bf16 = config.use_bf16(device)
-        layer_rules = getattr(getattr(policy, "config", None), "gemma", None) is not None
+        config_of = getattr(policy, "config", None)
+        layer_rules = getattr(config_of, "gemma", None) is not None or getattr(config_of, "deepseek", None) is not None
         self.batch_invariant = choose_batch_invariance(config.batch_invariant, bf16, device, layer_rules)
         self.engine_args = rollout_engine_args(config, prompts_per_rollout, bf16, self.batch_invariant)
         self.llm = LLM.from_module(policy, tokenizer, eos_token_ids=eos_token_ids,
