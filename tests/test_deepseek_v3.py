@@ -74,7 +74,8 @@ def test_the_config_as_transformers_reads_it() -> None:
     assert torch.equal(hf.model.rotary_emb.inv_freq, ours_from(hf).model.inv_freq)
     for change, field in [(dict(n_group=3), "n_group"), (dict(topk_group=5), "topk_group"),
                           (dict(num_key_value_heads=2), "num_key_value_heads"),
-                          (dict(qk_rope_head_dim=7), "qk_rope_head_dim"), (dict(q_lora_rank=0), "q_lora_rank")]:
+                          (dict(qk_rope_head_dim=7), "qk_rope_head_dim"), (dict(q_lora_rank=0), "q_lora_rank"),
+                          (dict(quantization_config={"quant_method": "fp8"}), "quantization_config")]:
         with pytest.raises(ConfigError, match=field):
             ModelConfig.from_dict(dict(DEEPSEEK_FAMILIES["deepseek-v3"], **change))
 

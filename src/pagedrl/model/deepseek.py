@@ -89,6 +89,11 @@ def deepseek_fields(raw: dict[str, Any], base: str, scaling: dict[str, Any] | No
             raise ConfigError(f"{source}: field {name!r} must be an integer >= {least}, got {value!r}")
         return value
 
+    quantized = raw.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+        raise ConfigError(f"{source}: field 'quantization_config' ({method!r}) is not supported: pagedrl reads "
+                          "float weights (load a bf16 conversion of the checkpoint)")
     q_lora = raw.get("q_lora_rank", 1536)
     if q_lora is not None:
         q_lora = count("q_lora_rank", 1536)
