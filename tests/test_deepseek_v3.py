@@ -123,8 +123,9 @@ def greedy_case(request):
 
 def test_engine_greedy_equals_generate_with_prefix_sharing_chunks_and_preemption(greedy_case) -> None:
     """transformers' `generate` tokens: twice through a roomy cache (the second pass reads the first's
-    cached prefixes), then prompts prefilled 7 tokens a step in 4-token blocks, in a cache so small
-    that requests are preempted and recomputed."""
+    cached prefixes), the up-projection folded into the queries (the default impl); then through the
+    `reference` impl, which up-projects the cached latents, with prompts prefilled 7 tokens a step in
+    4-token blocks, in a cache so small that requests are preempted and recomputed."""
     from test_engine_greedy import GREEDY, MAX_NEW, engine_for, strip_eos
 
     hf, batch, expected = greedy_case
@@ -134,25 +135,29 @@ def test_engine_greedy_equals_generate_with_prefix_sharing_chunks_and_preemption
         assert [strip_eos(g) for g in got] == [strip_eos(e) for e in expected]
     assert llm.stats()["prefix_cache_hits"] > 0
     longest = max(len(p) for p in batch) + MAX_NEW
-    llm = engine_for(hf, block_size=4, kv_cache_tokens=longest + 8, max_num_batched_tokens=7)
+    llm = engine_for(hf, block_size=4, kv_cache_tokens=longest + 8, max_num_batched_tokens=7,
+                     attention_impl="reference")
     got = [o.outputs[0].token_ids for o in llm.generate(batch + batch, GREEDY, use_tqdm=False)]
     assert [strip_eos(g) for g in got] == [strip_eos(e) for e in expected + expected]
     assert llm.stats()["num_preemptions"] >= 3 and llm.stats()["num_blocks_used"] == 0
 
 
 def test_engine_logprobs_equal_the_trainers_recompute() -> None:
-    """The log-probs the engine reports for what it sampled (n=2 forks the prompt's latents) are the
-    dense float32 forward's, which is what a trainer recomputes."""
+    """The log-probs the engine reports for what it sampled (n=2 forks the prompt's latents), through
+    the folded up-projection and through the expanded latents (`reference`), are the dense float32
+    forward's, which is what a trainer recomputes."""
     from test_engine_greedy import engine_for, prompts
 
     from pagedrl.engine.sampling_params import SamplingParams
 
     hf = hf_model(DEEPSEEK_FAMILIES["deepseek-v3"])
     ours = ours_from(hf)
-    llm = engine_for(hf, kv_cache_tokens=512, max_num_batched_tokens=9, block_size=4)
     batch = prompts(ours.config.vocab_size)[:3]
     params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=0, n=2)
-    for prompt, out in zip(batch, llm.generate(batch, params, use_tqdm=False), strict=True):
+    outputs = [llm.generate(batch, params, use_tqdm=False) for llm in
+               (engine_for(hf, kv_cache_tokens=512, max_num_batched_tokens=9, block_size=4, attention_impl=impl)
+                for impl in ("fast", "reference"))]
+    for prompt, out in zip(batch + batch, outputs[0] + outputs[1], strict=True):
         for comp in out.outputs:
             ids = torch.tensor([prompt + comp.token_ids])
             with torch.no_grad():

@@ -10,9 +10,10 @@ value; the key is [that part, the shared rotated part]. Scores are scaled by `so
 
 What a cache needs per token and layer is therefore the latent alone, kv_lora_rank + qk_rope_head_dim
 numbers (576 for DeepSeek-V3, against 2 × 128 heads × 192 = 49,152 for its keys and values in full):
-a paged cache whose metadata has `attend_latent` (`engine/attention.py`) is handed the latent and
-the up-projection, and stores the former; any other metadata (a training batch) gets the expanded
-keys and values through `attend`, as every other family's layer hands them over.
+a paged cache whose metadata has `attend_latent` (`engine/attention.py`) is handed the latent, the
+up-projection and its weight cut per head (`absorbed`), and stores the former; any other metadata (a
+training batch) gets the expanded keys and values through `attend`, as every other family's layer
+hands them over.
 
 The rotation: with `rope_interleave` (the family's default) each rotary pair is two adjacent features
 (x0, x1), (x2, x3), …, and the output is laid out as transformers lays it out, the pairs' first
@@ -70,11 +71,21 @@ class LatentAttention(nn.Module):
         latent = torch.cat((kv_nope, k_rot[:, :, 0]), dim=-1)  # [B, T, kv_lora_rank + qk_rope_head_dim]
         attend_latent = getattr(meta, "attend_latent", None)
         if attend_latent is not None:
-            out = attend_latent(self.layer, q, latent, self.expand)
+            out = attend_latent(self.layer, q, latent, self.expand, self.absorbed())
         else:
             k, v = self.expand(latent)
             out = meta.attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.v_dim))
+
+    def absorbed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`kv_b_proj`'s weight cut per head into its key rows [heads, qk_nope_head_dim, kv_lora_rank] and
+        value rows [heads, v_head_dim, kv_lora_rank] (views), for a cache that attends over latents
+        without expanding them; None where kv_b_proj is not a plain float projection (an adapter,
+        quantized weights): there the cached latents are expanded through the module."""
+        if type(self.kv_b_proj) is not Linear:
+            return None
+        weight = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        return weight[:, :self.nope], weight[:, self.nope:]
 
     def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents [..., kv_lora_rank + qk_rope_head_dim] → keys [..., heads, qk_head_dim] and values
