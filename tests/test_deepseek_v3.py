@@ -83,7 +83,8 @@ def test_the_config_as_transformers_reads_it() -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_checkpoints_round_trip_through_transformers(tmp_path, family: str) -> None:
     """transformers' folder loads in pagedrl; pagedrl's folder holds the very tensor names transformers
-    writes (experts one by one, the router's bias) and transformers loads it with the same logits."""
+    writes (experts one by one, the router's bias) and transformers loads it with the same logits;
+    loaded in bf16, the router keeps its float32 tensors."""
     hf = hf_model(DEEPSEEK_FAMILIES[family])
     hf.save_pretrained(tmp_path / "hf")
     ours = load_causal_lm(tmp_path / "hf").eval()
@@ -93,6 +94,12 @@ def test_checkpoints_round_trip_through_transformers(tmp_path, family: str) -> N
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
     ids, mask = padded_batch(hf.config.vocab_size)
     assert max_gap(ours, back, ids, mask) < 1e-5
+    # In bf16 the router stays float32, as transformers keeps it (`_keep_in_fp32_modules_strict`).
+    half = load_causal_lm(tmp_path / "hf", dtype=torch.bfloat16)
+    gate, theirs = half.model.layers[2].mlp.gate, hf.model.layers[2].mlp.gate
+    assert torch.equal(gate.weight, theirs.weight) and torch.equal(gate.e_score_correction_bias,
+                                                                   theirs.e_score_correction_bias)
+    assert half.model.layers[2].mlp.experts.down_proj.dtype == torch.bfloat16
 
 
 def test_the_paged_cache_holds_one_latent_per_token_and_layer() -> None:

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from pagedrl.model import expert_weights
 from pagedrl.model.config import ConfigError, ModelConfig
 from pagedrl.model.decoder import CausalLM
+from pagedrl.model.deepseek import ROUTER_FLOAT32
 from pagedrl.model.footprint import check_fits, footprint
 from pagedrl.model.precision import choose_precision
 from pagedrl.model.staging import staged_folder
@@ -55,14 +56,15 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def read_state_dict(folder: Path, dtype: torch.dtype = torch.float32,
-                    origins: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
-    """All tensors of a folder; `origins`, if given, receives the file each tensor came from."""
+                    origins: dict[str, str] | None = None, float32: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """All tensors of a folder; `origins`, if given, receives the file each tensor came from. Tensors
+    whose names end with one of `float32` are read in float32 whatever `dtype` says (DeepSeek's router)."""
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    state[name] = f.get_tensor(name).to(dtype)
+                    state[name] = f.get_tensor(name).to(torch.float32 if name.endswith(float32) else dtype)
                     if origins is not None:
                         origins[name] = str(path)
         except (SafetensorError, OSError, RuntimeError) as e:
@@ -144,7 +146,9 @@ def load_causal_lm(folder: str | Path, device: str | torch.device = "cpu",
     with torch.device("meta"):
         model = CausalLM(cfg)
     origins: dict[str, str] = {}
-    load_weights(model, read_state_dict(folder, dtype=dtype, origins=origins), str(folder), origins, assign=True)
+    float32 = ROUTER_FLOAT32 if cfg.deepseek is not None else ()
+    load_weights(model, read_state_dict(folder, dtype=dtype, origins=origins, float32=float32), str(folder), origins,
+                 assign=True)
     model.model.reset_rope()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -145,9 +145,14 @@ def deepseek_dict(cfg: Any) -> dict[str, Any]:
     )
 
 
+# The router's tensors, held in float32 in a model of any precision (transformers'
+# `_keep_in_fp32_modules_strict`): the correction bias moves choices by differences bf16 cannot hold.
+ROUTER_FLOAT32 = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
+
+
 class TopkRouter(nn.Module):
     """DeepSeek's router (transformers' `mlp.gate`): a float32 weight and the correction bias, a buffer
-    that the checkpoint carries and no gradient moves."""
+    that the checkpoint carries and no gradient moves. Both stay float32 when the model is cast."""
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
@@ -158,6 +163,16 @@ class TopkRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        """`.to(torch.bfloat16)` moves the router's tensors but leaves them float32 (`ROUTER_FLOAT32`)."""
+        kept = [t.data if t.dtype == torch.float32 else None for t in (self.weight, self.e_score_correction_bias)]
+        super()._apply(fn, recurse)
+        for name, before in zip(("weight", "e_score_correction_bias"), kept, strict=True):
+            now = getattr(self, name)
+            if before is not None and now.dtype != torch.float32 and now.is_floating_point():
+                now.data = before.to(now.device)
+        return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, H] → (router logits [N, E], chosen experts [N, k], their weights [N, k]), in float32."""
