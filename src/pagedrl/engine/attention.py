@@ -31,10 +31,8 @@ Three implementations compute the same thing:
 - `triton`: the kernels of `triton_attention`, which read keys and values through the block table
   where they lie; what the engine runs on a GPU (on a CPU only under Triton's interpreter).
 
-A model with multi-head latent attention (DeepSeek-V3) caches latents, not keys and values, and its
-layers call `attend_latent` instead: the up-projection folded into the queries and the latents
-attended as the keys and values of one head by the paths above, or (`reference`, an adapter on the
-up-projection) the latents up-projected and attended one sequence at a time (`latent_attention`).
+A model with multi-head latent attention (DeepSeek-V3) caches latents, not keys and values; its
+layers call `attend_latent` (`engine/latent_attention.py`).
 """
 
 from __future__ import annotations
@@ -47,10 +45,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagedrl.engine import latent_attention
 from pagedrl.engine.attention_groups import QueryGroup, plan_groups
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
-from pagedrl.engine.reference_attention import latent_attention, reference_attention
+from pagedrl.engine.reference_attention import reference_attention
 from pagedrl.kernels import ops
 from pagedrl.model import batch_invariant
 
@@ -249,33 +248,8 @@ class PagedAttention:
     def attend_latent(self, layer: int, q: torch.Tensor, latent: torch.Tensor,
                       expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                       absorbed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Multi-head latent attention (`model/mla.py`) on a cache of latents (`KVCache(values=False)`):
-        q [1, N, H, Dk] and latent [1, N, W] of this step's new tokens → [1, N, H, Dv].
-
-        With `absorbed` (kv_b_proj's key rows [H, Dnope, R] and value rows [H, Dv, R]) and an impl
-        other than `reference`, the up-projection is folded into the queries as vLLM's MLA backend
-        folds it: each head's unrotated query becomes q_nope W_UK [R], so its score against a latent
-        c is q_nope · (W_UK c); the latents are then keys of one KV head (W wide) and their first R
-        features its values, attended by the paths every family takes (the CPU kernels, the Triton
-        kernels), and the output is turned back by W_UV. Nothing is up-projected per cached token.
-        Otherwise (the `reference` impl, an adapter on kv_b_proj) `latent_attention` up-projects the
-        cached latents through `expand` and attends, as transformers computes it."""
-        cache = self.kv_cache.key_cache[layer]
-        if self.kv_cache.values or latent.shape[0] != 1 or latent.shape[-1] != cache.shape[-1]:
-            raise ValueError(f"attend_latent needs a cache of latents of width {latent.shape[-1]}, got {self.kv_cache}")
-        if absorbed is not None and self.impl != "reference":
-            keys, values = absorbed
-            nope, rank = keys.shape[1], keys.shape[2]
-            # per head: [N, Dnope] @ [Dnope, R], one batched product over the heads
-            q_latent = torch.matmul(q[0, :, :, :nope].transpose(0, 1), keys.to(q.dtype)).transpose(0, 1)
-            as_kv = latent[:, :, None]  # one KV head; its values are the keys' first `rank` features
-            out = self.attend(layer, torch.cat((q_latent, q[0, :, :, nope:]), dim=-1)[None], as_kv, as_kv)
-            per_head = out[0, :, :, :rank].transpose(0, 1)  # [H, N, R]
-            return torch.matmul(per_head, values.to(out.dtype).transpose(1, 2)).transpose(0, 1)[None]
-        cache.view(-1, cache.shape[-1]).index_copy_(0, self.slot_mapping, latent[0].to(cache.dtype))
-        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-        out = latent_attention(q[0], cache, expand, self.seq_lens, self.query_start_loc, self.block_tables, scale)
-        return out.to(q.dtype)[None]
+        """Multi-head latent attention (`model/mla.py`) on a cache of latents: `engine/latent_attention.py`."""
+        return latent_attention.attend_latent(self, layer, q, latent, expand, absorbed)
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         """The new tokens' keys and values into their cache slots."""

@@ -1,12 +1,9 @@
 """Paged attention one sequence at a time, in float32, every step spelled out: the `reference`
 implementation the tests hold the others to, and the path a layer with a sliding window or
 soft-capped scores (Gemma, `model/gemma.py`) takes, since the other paths' kernels attend over every
-cached key, uncapped; and the attention of a cache of latents (DeepSeek-V3's, `latent_attention`).
-"""
+cached key, uncapped."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -40,32 +37,4 @@ def reference_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             hidden |= query_pos - key_pos[None, :] >= window
         scores = scores.masked_fill(hidden, float("-inf"))
         out[first:last] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(out.dtype)
-    return out
-
-
-def latent_attention(q: torch.Tensor, latent_cache: torch.Tensor,
-                     expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], seq_lens: torch.Tensor,
-                     query_start_loc: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """Multi-head latent attention over a cache of latents (`model/mla.py`): q [N, H, Dk] of a step's
-    new tokens → [N, H, Dv]. Every sequence's cached latents [keys, 1, W] are read through its block
-    table, all of the step's in one gather, and up-projected by `expand` (the layer's `kv_b_proj`, an
-    adapter on it included) in one call into keys [keys, H, Dk] and values [keys, H, Dv]; then each
-    sequence's queries attend causally over its own, in float32 as `reference_attention` does."""
-    block_size, width = latent_cache.shape[1], latent_cache.shape[-1]
-    flat = latent_cache.reshape(-1, width)
-    lens, starts = seq_lens.tolist(), query_start_loc.tolist()
-    positions = [torch.arange(n, device=q.device) for n in lens]
-    slots = torch.cat([block_tables[s, pos // block_size] * block_size + pos % block_size
-                       for s, pos in enumerate(positions)])
-    keys, values = expand(flat[slots])
-    out = q.new_empty(q.shape[0], q.shape[1], values.shape[-1])
-    offset = 0
-    for s, (seq_len, key_pos) in enumerate(zip(lens, positions, strict=True)):
-        first, last = starts[s], starts[s + 1]
-        k, v = keys[offset:offset + seq_len].float(), values[offset:offset + seq_len].float()
-        scores = torch.einsum("qhd,khd->hqk", q[first:last].float(), k) * scale
-        query_pos = torch.arange(seq_len - (last - first), seq_len, device=q.device)[:, None]
-        scores = scores.masked_fill(key_pos[None, :] > query_pos, float("-inf"))
-        out[first:last] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(out.dtype)
-        offset += seq_len
     return out
