@@ -75,7 +75,7 @@ def test_logits_equal_transformers_and_every_rule_matters() -> None:
     torch.testing.assert_close(ours.model.inv_freq, hf.model.rotary_emb.inv_freq, atol=0, rtol=1e-6)
     plain = hf.model.rotary_emb.compute_default_rope_parameters(hf.config)[0]
     assert bool((ours.model.inv_freq[1:2] < 0.9 * plain[1:2]).all()) and torch.equal(ours.model.inv_freq[:1], plain[:1])
-    ours.model.rope_factor = 1.0
+    ours.model.attention_factor = 1.0
     assert float((ours_logits(ours, ids, mask) - ref)[real].abs().max()) > 1e-4
 
 

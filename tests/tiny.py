@@ -68,6 +68,9 @@ def hf_model(raw: dict[str, Any], seed: int = 0):
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
             elif name.endswith("sinks"):
                 p.copy_(torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's router: a bias that steers the choice
+                b.copy_(torch.randn_like(b) * 0.05)
     return model
 
 
@@ -112,4 +115,24 @@ GPT_OSS_FAMILIES: dict[str, dict[str, Any]] = {
                     layer_types=["sliding_attention", "full_attention"], swiglu_limit=0.3, tie_word_embeddings=False,
                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
+}
+
+# DeepSeek-V3 (Kimi K2's architecture): latent attention (a 32-wide latent and 8 rotated features),
+# 8 routed experts in 4 groups (2 groups eligible, 2 experts a token), one shared expert, the first
+# of 3 layers dense. The second keeps queries uncompressed (q_lora_rank null), rotates in halves
+# (rope_interleave false) and stretches the context with yarn, whose mscale changes the softmax scale.
+# Kept apart from FAMILIES: latent attention takes the engine's own path (tests/test_deepseek_v3.py).
+DEEPSEEK_BASE = dict(BASE, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32,
+                     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_group=4,
+                     topk_group=2, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                     first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                     tie_word_embeddings=False)
+DEEPSEEK_FAMILIES: dict[str, dict[str, Any]] = {
+    "deepseek-v3": dict(DEEPSEEK_BASE, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                        rope_interleave=True),
+    "deepseek-v3-yarn": dict(DEEPSEEK_BASE, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                             q_lora_rank=None, rope_interleave=False,
+                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                              "original_max_position_embeddings": 64, "mscale": 1.0,
+                                              "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1}),
 }

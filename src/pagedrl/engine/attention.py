@@ -31,17 +31,22 @@ Three implementations compute the same thing:
   packed forward computes for it.
 - `triton`: the kernels of `triton_attention`, which read keys and values through the block table
   where they lie; what the engine runs on a GPU (on a CPU only under Triton's interpreter).
+
+A model with multi-head latent attention (DeepSeek-V3) caches latents, not keys and values; its
+layers call `attend_latent` (`engine/latent_attention.py`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from pagedrl.engine import latent_attention
 from pagedrl.engine.attention_groups import QueryGroup, plan_groups
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
@@ -242,6 +247,12 @@ class PagedAttention:
         else:
             raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {self.impl!r}")
         return out.to(q.dtype)[None]
+
+    def attend_latent(self, layer: int, q: torch.Tensor, latent: torch.Tensor,
+                      expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                      absorbed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Multi-head latent attention (`model/mla.py`) on a cache of latents: `engine/latent_attention.py`."""
+        return latent_attention.attend_latent(self, layer, q, latent, expand, absorbed)
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         """The new tokens' keys and values into their cache slots."""

@@ -52,6 +52,8 @@ def supports(model: torch.nn.Module) -> bool:
         return False
     if cfg.fused_projections:  # Phi-3's qkv_proj and gate_up_proj (`model/fused.py`): the modules run them
         return False
+    if cfg.deepseek is not None:  # latent attention (`model/mla.py`): the modules run it
+        return False
     projections = [model.lm_head]
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp

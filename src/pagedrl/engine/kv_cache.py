@@ -5,6 +5,10 @@ at position p lives in block `table[p // block_size]` at offset `p % block_size`
 is what lets sequences share prefix blocks and lets memory be handed out and taken back one block
 at a time. Which block belongs to whom is the block pool's business, not this file's: here are only
 the tensors, their size, and the copy that copy-on-write needs.
+
+A model with multi-head latent attention (DeepSeek-V3, `model/mla.py`) caches one latent per token
+and layer instead of keys and values: a cache of one "head" as wide as the latent, with no value
+tensor (`values=False`; `value_cache` is then `key_cache`), in the same blocks and block tables.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import torch
 
 
 class KVCache:
-    """Per layer a key and a value tensor of shape [num_blocks, block_size, num_kv_heads, head_dim].
+    """Per layer a key and a value tensor of shape [num_blocks, block_size, num_kv_heads, head_dim]
+    (without `values`, one tensor: a latent attention's latents).
 
-    All of them are views into one allocation ([layers, 2, blocks, block_size, heads, dim]) so a
+    All of them are views into one allocation ([layers, 2 or 1, blocks, block_size, heads, dim]) so a
     block can be copied in every layer with a single indexing op. Memory starts zeroed: padded
     block-table entries and not-yet-written slots are read (then masked) by the attention ops, and
     masking cannot undo a NaN left by uninitialised memory.
@@ -33,6 +38,7 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        values: bool = True,
     ) -> None:
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -43,10 +49,11 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.data = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+        self.values = values
+        self.data = torch.zeros(num_layers, self.tensors, num_blocks, block_size, num_kv_heads, head_dim,
                                 dtype=dtype, device=device)
         self.key_cache: list[torch.Tensor] = [self.data[i, 0] for i in range(num_layers)]
-        self.value_cache: list[torch.Tensor] = [self.data[i, 1] for i in range(num_layers)]
+        self.value_cache: list[torch.Tensor] = [self.data[i, self.tensors - 1] for i in range(num_layers)]
         self._scratch: torch.Tensor | None = None
 
     @classmethod
@@ -62,11 +69,16 @@ class KVCache:
         memory_fraction: float | None = None,
     ) -> KVCache:
         """A cache shaped for a `ModelConfig`, sized by exactly one budget (see `num_blocks_for`)."""
-        shape = dict(num_layers=config.num_hidden_layers, block_size=block_size,
-                     num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim)
+        heads, head_dim, values = config.kv_cache_layout
+        shape = dict(num_layers=config.num_hidden_layers, block_size=block_size, num_kv_heads=heads, head_dim=head_dim)
         num_blocks = cls.num_blocks_for(**shape, dtype=dtype, device=device, max_tokens=max_tokens,
-                                        max_bytes=max_bytes, memory_fraction=memory_fraction)
-        return cls(**shape, num_blocks=num_blocks, dtype=dtype, device=device)
+                                        max_bytes=max_bytes, memory_fraction=memory_fraction, values=values)
+        return cls(**shape, num_blocks=num_blocks, dtype=dtype, device=device, values=values)
+
+    @property
+    def tensors(self) -> int:
+        """Tensors a layer caches: keys and values, or a latent attention's latents alone."""
+        return 2 if self.values else 1
 
     @property
     def device(self) -> torch.device:
@@ -76,14 +88,14 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes the cache holds when allocated (whether or not it is released right now)."""
         return self.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
-                                    self.dtype) * self.num_blocks
+                                    self.dtype, self.values) * self.num_blocks
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        """Keys and values of one block in every layer: the unit the budget is divided by."""
+                        dtype: torch.dtype, values: bool = True) -> int:
+        """Keys and values (or latents) of one block in every layer: the unit the budget is divided by."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+        return (2 if values else 1) * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
     @classmethod
     def num_blocks_for(
@@ -98,6 +110,7 @@ class KVCache:
         max_tokens: int | None = None,
         max_bytes: int | None = None,
         memory_fraction: float | None = None,
+        values: bool = True,
     ) -> int:
         """How many blocks a budget buys. Give exactly one of: `max_tokens` (rounded up to whole
         blocks), `max_bytes` (rounded down), or `memory_fraction` of the CUDA device's currently
@@ -106,7 +119,7 @@ class KVCache:
                                       ("memory_fraction", memory_fraction)) if v is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of max_tokens, max_bytes, memory_fraction; got {given or 'none'}")
-        per_block = cls.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        per_block = cls.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype, values)
         if max_tokens is not None:
             _require_positive_int("max_tokens", max_tokens)
             return math.ceil(max_tokens / block_size)
@@ -152,10 +165,10 @@ class KVCache:
     def allocate(self) -> None:
         if self.allocated:
             return
-        self.data = torch.zeros(self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+        self.data = torch.zeros(self.num_layers, self.tensors, self.num_blocks, self.block_size, self.num_kv_heads,
                                 self.head_dim, dtype=self.dtype, device=self.data.device)
         self.key_cache = [self.data[i, 0] for i in range(self.num_layers)]
-        self.value_cache = [self.data[i, 1] for i in range(self.num_layers)]
+        self.value_cache = [self.data[i, self.tensors - 1] for i in range(self.num_layers)]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy block `src` onto block `dst` in every layer, keys and values (copy-on-write of a
@@ -175,7 +188,8 @@ class KVCache:
 
     def __repr__(self) -> str:
         return (f"KVCache(layers={self.num_layers}, blocks={self.num_blocks}, block_size={self.block_size}, "
-                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{'' if self.values else ', latent'}, "
+                f"dtype={self.dtype}, "
                 f"device={self.device}, {self.nbytes / 2**20:.1f} MiB)")
 
 
@@ -202,15 +216,15 @@ def num_blocks_for_budget(
     rather than a fraction of host RAM, which a CPU could not fill at its speed)."""
     if tokens is not None and nbytes is not None:
         raise ValueError(f"give at most one of tokens ({tokens}) and nbytes ({nbytes})")
-    shape = dict(num_layers=config.num_hidden_layers, block_size=block_size,
-                 num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=dtype, device=device)
+    heads, head_dim, values = config.kv_cache_layout
+    shape = dict(num_layers=config.num_hidden_layers, block_size=block_size, num_kv_heads=heads, head_dim=head_dim,
+                 dtype=dtype, device=device, values=values)
     if tokens is not None or nbytes is not None:
         return KVCache.num_blocks_for(**shape, max_tokens=tokens, max_bytes=nbytes)
     if torch.device(device).type == "cuda":
         return KVCache.num_blocks_for(**shape, memory_fraction=gpu_memory_utilization)
     by_tokens = KVCache.num_blocks_for(**shape, max_tokens=DEFAULT_CPU_TOKENS)
-    per_block = KVCache.bytes_per_block(config.num_hidden_layers, block_size, config.num_key_value_heads,
-                                        config.head_dim, dtype)
+    per_block = KVCache.bytes_per_block(config.num_hidden_layers, block_size, heads, head_dim, dtype, values)
     return max(1, min(by_tokens, DEFAULT_CPU_BYTES // per_block))
 
 

@@ -57,8 +57,8 @@ class LLMEngine:
         num_blocks = num_blocks_for_budget(cfg, bs, model.device, kv_dtype, tokens=self.config.kv_cache_tokens,
                                            nbytes=self.config.kv_cache_bytes,
                                            gpu_memory_utilization=self.config.gpu_memory_utilization)
-        self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, bs, cfg.num_key_value_heads, cfg.head_dim,
-                                kv_dtype, model.device)
+        heads, head_dim, values = cfg.kv_cache_layout  # keys and values, or latent attention's latents
+        self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, bs, heads, head_dim, kv_dtype, model.device, values)
         self.kv_manager = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching)
         c = self.config
         self.scheduler = Scheduler(self.kv_manager, c.max_num_seqs, c.max_num_batched_tokens,

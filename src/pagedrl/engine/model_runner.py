@@ -85,8 +85,10 @@ class ModelRunner:
         self.lora: LoRASlots | None = None  # set by the engine when it serves adapters per request
         self.graphs: DecodeGraphs | None = None  # decode steps from CUDA graphs: on CUDA with the kernels
         if (not enforce_eager and model.device.type == "cuda" and self.attention_impl == "triton"
-                and not has_sparse_layers(model) and model.config.gemma is None):
-            # (Gemma's windowed or soft-capped layers attend through the reference path: host reads)
+                and not has_sparse_layers(model) and model.config.gemma is None
+                and getattr(model.config, "deepseek", None) is None):
+            # (Gemma's windowed or soft-capped layers and DeepSeek's latent attention attend through
+            # the reference path: host reads)
             self.graphs = DecodeGraphs(model, kv_cache, block_size, max_num_seqs,
                                        max_model_len or model.config.max_model_len, self.precision)
 
@@ -104,6 +106,8 @@ class ModelRunner:
         modules = "decode steps through the model's modules"
         if has_sparse_layers(self.model):
             modules += " (a mixture of experts: its sparse layers run as modules, no decode program or CUDA graphs)"
+        elif getattr(getattr(self.model, "config", None), "deepseek", None) is not None:
+            modules += " (latent attention: no decode program)"
         elif getattr(getattr(self.model, "config", None), "fused_projections", False):
             modules += " (fused qkv_proj and gate_up_proj: no decode program)"
         if self.float_routes:

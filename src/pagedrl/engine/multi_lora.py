@@ -221,6 +221,10 @@ class LoRASlots:
         if any(isinstance(m, LoRALinear) for m in model.modules()):
             raise ValueError("enable_lora: the model already carries a trained adapter; merge it first or serve "
                              "it on its own")
+        if getattr(getattr(model, "config", None), "deepseek", None) is not None:
+            raise ValueError("enable_lora: adapters per request on latent attention (DeepSeek-V3) are not supported "
+                             "yet (its kv_b_proj up-projects cached tokens, not the step's rows); merge the adapter "
+                             "into the weights to serve it")
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.dtype = next(model.parameters()).dtype

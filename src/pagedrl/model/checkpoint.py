@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from pagedrl.model import expert_weights, mxfp4
 from pagedrl.model.config import ConfigError, ModelConfig
 from pagedrl.model.decoder import CausalLM
+from pagedrl.model.deepseek import ROUTER_FLOAT32
 from pagedrl.model.footprint import check_fits, footprint
 from pagedrl.model.precision import choose_precision
 from pagedrl.model.staging import staged_folder
@@ -55,10 +56,11 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def read_state_dict(folder: Path, dtype: torch.dtype = torch.float32,
-                    origins: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
-    """All tensors of a folder, the floating ones in `dtype`; MXFP4 pairs (`W_blocks`, `W_scales`: gpt-oss's
-    published experts) dequantized into `W` in `dtype` (`model/mxfp4.py`). `origins`, if given,
-    receives the file each tensor came from."""
+                    origins: dict[str, str] | None = None, float32: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """All tensors of a folder, the floating ones in `dtype` except those whose names end with one of
+    `float32`, read in float32 whatever `dtype` says (DeepSeek's router); MXFP4 pairs (`W_blocks`,
+    `W_scales`: gpt-oss's published experts) dequantized into `W` in `dtype` (`model/mxfp4.py`).
+    `origins`, if given, receives the file each tensor came from."""
     state: dict[str, torch.Tensor] = {}
     origins = origins if origins is not None else {}
     for path in weight_files(folder):
@@ -66,7 +68,9 @@ def read_state_dict(folder: Path, dtype: torch.dtype = torch.float32,
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     tensor = f.get_tensor(name)
-                    state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                    if tensor.is_floating_point():
+                        tensor = tensor.to(torch.float32 if name.endswith(float32) else dtype)
+                    state[name] = tensor
                     origins[name] = str(path)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors file (truncated or corrupt?): {e}") from None
@@ -74,6 +78,17 @@ def read_state_dict(folder: Path, dtype: torch.dtype = torch.float32,
         return mxfp4.dequantize_state(state, dtype, origins, str(folder))
     except ValueError as e:
         raise CheckpointError(str(e)) from None
+
+
+def without_next_token_layers(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's published checkpoints carry its multi-token-prediction module as layers past the
+    last (`model.layers.61.*`); transformers skips them on load, and so does pagedrl (it decodes one
+    token a step)."""
+    def beyond(name: str) -> bool:
+        parts = name.split(".")
+        return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
+
+    return {k: v for k, v in state.items() if not beyond(k)}
 
 
 def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
@@ -86,6 +101,8 @@ def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source:
     config = getattr(model, "config", None)
     tied = getattr(config, "tie_word_embeddings", False)
     if isinstance(config, ModelConfig):
+        if config.deepseek is not None:
+            state = without_next_token_layers(state, config.num_hidden_layers)
         try:
             state = expert_weights.from_disk(state, config, origins)
         except ValueError as e:
@@ -137,7 +154,9 @@ def load_causal_lm(folder: str | Path, device: str | torch.device = "cpu",
     with torch.device("meta"):
         model = CausalLM(cfg)
     origins: dict[str, str] = {}
-    load_weights(model, read_state_dict(folder, dtype=dtype, origins=origins), str(folder), origins, assign=True)
+    float32 = ROUTER_FLOAT32 if cfg.deepseek is not None else ()
+    load_weights(model, read_state_dict(folder, dtype=dtype, origins=origins, float32=float32), str(folder), origins,
+                 assign=True)
     model.model.reset_rope()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -2,7 +2,8 @@
 
 Every supported family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, Phi-3 with its fused
 projections, the mixture-of-experts Mixtral and Qwen3-MoE, Gemma 2/3 with the rules of
-`model/gemma.py`, gpt-oss with those of `model/gpt_oss.py`) is the same decoder with a few
+`model/gemma.py`, gpt-oss with those of `model/gpt_oss.py`, DeepSeek-V3 / Kimi K2 with latent attention and
+the routing of `model/deepseek.py`) is the same decoder with a few
 switches, so one dataclass holds them all; the switches are derived from the `architectures` entry
 and the fields that family publishes.
 """
@@ -14,6 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedrl.model.deepseek import (
+    DEEPSEEK_ARCHITECTURES,
+    DEEPSEEK_FIELDS,
+    DeepseekRules,
+    deepseek_dict,
+    deepseek_fields,
+)
 from pagedrl.model.gemma import GEMMA_FIELDS, GemmaRules, gemma_dict, gemma_fields
 from pagedrl.model.gpt_oss import GPT_OSS_FIELDS, GptOssRules, gpt_oss_dict, gpt_oss_fields
 
@@ -34,6 +42,7 @@ ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "Gemma2ForCausalLM": ("gemma2", False, False),
     "Gemma3ForCausalLM": ("gemma3_text", False, True),
     "GptOssForCausalLM": ("gpt_oss", True, False),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", False, False),
 }
 # Families whose sliding window applies only with `use_sliding_window` (transformers drops it otherwise).
 SLIDING_WHEN_ASKED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -83,6 +92,8 @@ class ModelConfig:
     gemma: GemmaRules | None = None
     # gpt-oss: per-layer windows and the experts' clamped SwiGLU (`model/gpt_oss.py`); attention sinks.
     gpt_oss: GptOssRules | None = None
+    # DeepSeek-V3: latent attention's shapes, the routing rule, the dense first layers (`model/deepseek.py`).
+    deepseek: DeepseekRules | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -119,8 +130,18 @@ class ModelConfig:
 
     def sparse_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` routes its tokens to experts, as transformers decides it."""
+        if self.deepseek is not None:
+            return layer >= self.deepseek.first_k_dense_replace
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def kv_cache_layout(self) -> tuple[int, int, bool]:
+        """(heads, features per head, whether values are cached apart from keys) of one layer's cache
+        entry for one token: keys and values of every KV head; with latent attention, the latent alone."""
+        if self.deepseek is not None:
+            return 1, self.deepseek.latent_width, False
+        return self.num_key_value_heads, self.head_dim, True
 
     @property
     def max_model_len(self) -> int:
@@ -167,6 +188,7 @@ class ModelConfig:
         known = set(cls.__dataclass_fields__) | {
             "architectures", "rope_parameters", "use_sliding_window", "model_type", *MOE_FIELDS, *GEMMA_FIELDS,
             *(GPT_OSS_FIELDS if base == "GptOssForCausalLM" else ()),  # (another family keeps its quantization_config)
+            *(DEEPSEEK_FIELDS if base in DEEPSEEK_ARCHITECTURES else ()),
         }
         phi3 = phi3_fields(raw, rope, scaling, source) if base == "Phi3ForCausalLM" else {}
         fields = dict(
@@ -198,6 +220,7 @@ class ModelConfig:
         )
         fields.update(gemma_fields(raw, base, source))
         fields.update(gpt_oss_fields(raw, base, source))
+        fields.update(deepseek_fields(raw, base, scaling, source))
         cfg = cls(**fields)
         cfg.validate(source)
         return cfg
@@ -279,6 +302,8 @@ class ModelConfig:
             out.update(gemma_dict(self))
         if self.gpt_oss is not None:
             out.update(gpt_oss_dict(self))
+        if self.deepseek is not None:
+            out.update(deepseek_dict(self))
         if self.rope_scaling and self.rope_scaling["rope_type"] == "longrope":
             # transformers' Phi-3 takes the top-level field over the rope parameters' (default 4096).
             out["original_max_position_embeddings"] = self.rope_scaling["original_max_position_embeddings"]

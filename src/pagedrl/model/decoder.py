@@ -10,6 +10,8 @@ serve dense training batches and the paged engine.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,7 +20,8 @@ from pagedrl.model import batch_invariant, gemma, gpt_oss, routed
 from pagedrl.model.attention import AttentionMetadata, DenseAttention
 from pagedrl.model.config import ModelConfig
 from pagedrl.model.fused import FusedAttention, FusedMLP
-from pagedrl.model.moe import SparseMoeBlock
+from pagedrl.model.mla import LatentAttention
+from pagedrl.model.moe import DeepseekMoE, SparseMoeBlock
 from pagedrl.model.rope import longrope_of, rope_attention_factor, rope_cos_sin, rope_inv_freq, rotate
 from pagedrl.model.routed import Linear
 
@@ -76,11 +79,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        # DeepSeek's shared experts: a width of their own
+        width = cfg.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = Linear(cfg.hidden_size, width, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, width, bias=cfg.mlp_bias)
+        self.down_proj = Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
         self.tanh_gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma's gate; the fused routes are SiLU's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,15 +109,23 @@ def norm_for(cfg: ModelConfig) -> type[nn.Module]:
     return gemma.GemmaRMSNorm if cfg.gemma is not None else RMSNorm
 
 
+def sparse_block(cfg: ModelConfig) -> SparseMoeBlock | DeepseekMoE:
+    """A sparse layer's feed-forward: DeepSeek's routed and shared experts, or Mixtral's and Qwen3-MoE's."""
+    if cfg.deepseek is None:
+        return SparseMoeBlock(cfg)
+    return DeepseekMoE(cfg, MLP(cfg, cfg.expert_intermediate_size * cfg.deepseek.n_shared_experts))
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         norm = norm_for(cfg)
         self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = FusedAttention(cfg, layer) if cfg.fused_projections else Attention(cfg, layer)
+        self.self_attn = (FusedAttention(cfg, layer) if cfg.fused_projections
+                          else LatentAttention(cfg, layer, norm) if cfg.deepseek else Attention(cfg, layer))
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: MLP | SparseMoeBlock | FusedMLP = (
-            SparseMoeBlock(cfg) if cfg.sparse_layer(layer) else FusedMLP(cfg) if cfg.fused_projections else MLP(cfg))
+        self.mlp: MLP | SparseMoeBlock | FusedMLP | DeepseekMoE = (
+            sparse_block(cfg) if cfg.sparse_layer(layer) else FusedMLP(cfg) if cfg.fused_projections else MLP(cfg))
         # Gemma: a norm on each sublayer's output too (post_attention_layernorm then norms attention's).
         self.sandwich = cfg.gemma is not None
         if self.sandwich:
@@ -137,7 +150,9 @@ class Backbone(nn.Module):
         self.norm = norm_for(cfg)(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = (cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         self.longrope = longrope_of(cfg.rope_scaling, cfg.max_position_embeddings)
-        self.rope_factor = rope_attention_factor(cfg.rope_scaling)  # YaRN's scale of cos and sin
+        self.attention_factor = rope_attention_factor(cfg.rope_scaling)
+        # Latent attention's softmax scale (qk_head_dim^-1/2, yarn's mscale²), handed to whatever attends.
+        self.softmax_scale = cfg.deepseek.softmax_scale if cfg.deepseek is not None else None
         self.register_buffer("inv_freq", rope_inv_freq(*self.rope), persistent=False)
         self.rules = cfg.gemma
         self.gpt_oss = cfg.gpt_oss
@@ -171,7 +186,9 @@ class Backbone(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         with batch_invariant.scope(self.batch_invariant):
             x = self.embed_tokens(input_ids)
-            cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype, self.longrope, self.rope_factor)
+            cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype, self.longrope, self.attention_factor)
+            if self.softmax_scale is not None and hasattr(meta, "scale"):
+                meta = dataclasses.replace(meta, scale=self.softmax_scale)
             ropes = [(cos, sin)] * len(self.layers)
             if self.gpt_oss is not None:
                 meta = gpt_oss.with_layer_windows(meta, self.gpt_oss, positions)

@@ -35,6 +35,7 @@ class DiskNames(NamedTuple):
 DISK_NAMES = {
     "mixtral": DiskNames("block_sparse_moe", "w1", "w3", "w2"),
     "qwen3_moe": DiskNames("mlp", "gate_proj", "up_proj", "down_proj"),
+    "deepseek_v3": DiskNames("mlp", "gate_proj", "up_proj", "down_proj"),  # (shared_experts: one MLP, as is)
 }
 _FUSED = re.compile(r"^(?P<prefix>.*\.)mlp\.experts\.(?P<kind>gate_up_proj|down_proj)$")
 

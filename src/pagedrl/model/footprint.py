@@ -29,8 +29,11 @@ class Footprint:
     parameters: int  # each tensor once (a tied head is its embedding)
     active_parameters: int  # what one token's forward multiplies by: all but the experts it is not routed to
     weight_bytes: int  # the parameters in the precision they will be held in
-    kv_bytes_per_token: int  # keys and values of every layer for one cached token
+    kv_bytes_per_token: int  # keys and values (latent attention: latents) of every layer for one cached token
     dtype: torch.dtype
+    # Latent attention (DeepSeek-V3): what the same token's keys and values would take cached in full,
+    # every head's (qk_nope + qk_rope features of key, v_head_dim of value); None for the other families.
+    full_kv_bytes_per_token: int | None = None
 
     def describe(self, held_bytes: int | None = None) -> str:
         """One line for a start-up log; `held_bytes`: what the loaded weights really hold (quantized
@@ -39,8 +42,11 @@ class Footprint:
                   if self.active_parameters != self.parameters else "")
         weights = (f"{self.weight_bytes / GiB:.2f} GiB of weights in {str(self.dtype).removeprefix('torch.')}"
                    if held_bytes is None else f"{held_bytes / GiB:.2f} GiB of weights held")
+        latent = ("" if self.full_kv_bytes_per_token is None else
+                  f" (latent attention: {self.kv_bytes_per_token} bytes a token against "
+                  f"{self.full_kv_bytes_per_token} for every head's keys and values)")
         return (f"{self.parameters / 1e6:,.1f}M parameters{active}, {weights}, "
-                f"{self.kv_bytes_per_token / 1024:.1f} KiB of KV cache per token")
+                f"{self.kv_bytes_per_token / 1024:.1f} KiB of KV cache per token{latent}")
 
 
 def footprint(cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> Footprint:
@@ -61,8 +67,13 @@ def footprint(cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype | None
             idle += (cfg.num_experts - top_k) * per_expert
     element = torch.empty(0, dtype=dtype).element_size()
     kv_element = torch.empty(0, dtype=kv_dtype or dtype).element_size()
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_element
-    return Footprint(parameters, parameters - idle, parameters * element, kv, dtype)
+    heads, head_dim, values = cfg.kv_cache_layout
+    kv = (2 if values else 1) * cfg.num_hidden_layers * heads * head_dim * kv_element
+    full = None
+    if cfg.deepseek is not None:
+        per_head = cfg.deepseek.qk_head_dim + cfg.deepseek.v_head_dim
+        full = cfg.num_hidden_layers * cfg.num_attention_heads * per_head * kv_element
+    return Footprint(parameters, parameters - idle, parameters * element, kv, dtype, full)
 
 
 def available_bytes(device: torch.device) -> tuple[int, str] | None:

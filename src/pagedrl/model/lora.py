@@ -35,8 +35,9 @@ ALL_LINEAR = "all-linear"
 DEFAULT_TARGETS = ("q_proj", "v_proj")
 # Projections of the decoder layers, the ones "all-linear" means (never an output head): the Llama
 # layout's seven, Phi-3's fused `qkv_proj` and `gate_up_proj` (`model/fused.py`; PEFT names no default there).
-LAYER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
-                     "down_proj")
+# (q_a_proj … kv_b_proj: latent attention's, DeepSeek-V3's `model/mla.py`)
+LAYER_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "k_proj", "v_proj",
+                     "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
 HEADS = ("lm_head", "score", "value_head")
 FEED_FORWARD = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 
@@ -181,9 +182,11 @@ def apply_lora(model: nn.Module, config: LoRAConfig, generator: torch.Generator 
     targets = set(config.resolved_targets())
     feed_forward = sorted(targets & set(FEED_FORWARD))
     if feed_forward and has_sparse_layers(model):
+        attention = sorted({n.rpartition(".")[2] for n, m in model.named_modules()
+                            if isinstance(m, nn.Linear) and ".self_attn." in n}, key=LAYER_PROJECTIONS.index)
         raise ValueError(f"lora_target_modules: {feed_forward} on a mixture of experts is not supported (PEFT would "
                          "adapt the experts' weights under those names too); target the attention projections "
-                         "(q_proj, k_proj, v_proj, o_proj)")
+                         f"({', '.join(attention)})")
     wrapped = [name for name, m in model.named_modules()
                if isinstance(m, (nn.Linear, QuantizedLinear)) and name.rpartition(".")[2] in targets]
     if not wrapped:

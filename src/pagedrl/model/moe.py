@@ -204,8 +204,30 @@ class SparseMoeBlock(nn.Module):
         return self.experts(flat, chosen, weights).view(x.shape)
 
 
+class DeepseekMoE(nn.Module):
+    """DeepSeek-V3's sparse feed-forward (`model/deepseek.py` has the routing rule): routed experts
+    weighted by `gate`, plus the shared experts every token goes through."""
+
+    def __init__(self, cfg: ModelConfig, shared: nn.Module) -> None:
+        super().__init__()
+        from pagedrl.model.deepseek import TopkRouter
+
+        self.top_k = cfg.num_experts_per_tok
+        self.gate = TopkRouter(cfg)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
+        self.shared_experts = shared
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.gate(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        _, chosen, weights = self.route(flat)
+        return self.experts(flat, chosen, weights).view(x.shape) + self.shared_experts(x)
+
+
 def has_sparse_layers(model: nn.Module) -> bool:
     """Whether `model` holds a sparse layer: the engine's fast paths that assume every layer's
     feed-forward is one SwiGLU (its CPU decode program) or a step without a host read (its CUDA
     graphs; each sparse layer reads its experts' row counts) decline such a model."""
-    return any(isinstance(m, SparseMoeBlock) for m in model.modules())
+    return any(isinstance(m, (SparseMoeBlock, DeepseekMoE)) for m in model.modules())

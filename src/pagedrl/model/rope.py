@@ -1,5 +1,5 @@
-"""Rotary position embeddings, with the `linear`, `llama3`, `longrope` and `yarn` frequency scalings, over
-all of a head or its first `rotary_dim` features (a partial rotation, Phi-4-mini's)."""
+"""Rotary position embeddings, with the `linear`, `llama3`, `longrope` and `yarn` frequency scalings, over all
+of a head or its first `rotary_dim` features (a partial rotation, Phi-4-mini's)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     if kind == "linear":
         return (inv_freq / float(scaling["factor"])).float()
     if kind == "yarn":
-        return yarn_inv_freq(inv_freq, head_dim, theta, scaling).float()
+        return yarn_inv_freq(head_dim, theta, scaling)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -78,51 +78,50 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     raise ValueError(f"unsupported rope_type {kind!r}")
 
 
-def yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
-    """YaRN (Peng et al. 2023) as transformers computes it: the pairs that turn many times within the
-    original context keep their frequency, those that turn less than once are divided by `factor`, and
-    a linear ramp between `beta_fast` and `beta_slow` rotations blends the band between (its ends
-    rounded outward unless `truncate` is false, as gpt-oss sets it)."""
-    factor = float(scaling["factor"])
-    original = float(scaling["original_max_position_embeddings"])
-    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+def yarn_inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN's frequencies as transformers' `_compute_yarn_parameters` forms them, in float32: the fast pairs
+    (more than `beta_fast` turns over the original context) kept, the slow ones (under `beta_slow`)
+    divided by `factor`, a linear ramp between (its ends rounded outward unless `truncate` is false, as gpt-oss
+    sets it)."""
+    factor, original = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
-    def correction_dim(rotations: float) -> float:  # the pair index that turns `rotations` times
-        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
     if scaling.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
-        high += 0.001  # (transformers' guard against a zero-width ramp)
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+        high += 0.001
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1.0 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
-    """What YaRN multiplies cos and sin by: `attention_factor`, else 0.1 ln(factor) + 1 (with DeepSeek's
-    `mscale` / `mscale_all_dim`, the ratio of two such), as transformers derives it; 1 for other kinds
-    (LongRoPE carries its own, `LongRope`)."""
+    """What YaRN multiplies cos and sin by (1 for the other scalings; LongRoPE's is `LongRope`'s):
+    the config's `attention_factor`, else mscale(factor, mscale) / mscale(factor, mscale_all_dim), as
+    transformers derives it."""
     if not scaling or scaling["rope_type"] != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
-    factor = float(scaling["factor"])
 
-    def mscale(scale: float = 1.0) -> float:
-        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
-    return mscale()
+    factor, m, m_all = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
-                 longrope: LongRope | None = None, factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                 longrope: LongRope | None = None,
+                 attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape positions.shape + [rotary dim]: the angles in float32 as transformers forms
     them, their exact cos and sin rounded once to `dtype` (LongRoPE: each position's frequency set,
-    `LongRope`, and the product with the attention factor before the rounding; YaRN's `factor` likewise).
+    `LongRope`, and the product with the attention factor before the rounding; YaRN's `attention_factor` likewise).
 
     Why not torch's cos on a CPU: it hands float32 and float64 alike to a vector math library whose
     worker threads round differently from the calling thread, and how many threads share a call
@@ -137,8 +136,10 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
         cos = torch.where(long, long_cos, short_cos) * longrope.attention_factor
         sin = torch.where(long, long_sin, short_sin) * longrope.attention_factor
         cos, sin = cos.to(dtype), sin.to(dtype)
+    elif attention_factor != 1.0:  # YaRN's
+        cos, sin = ((t * attention_factor).to(dtype) for t in _cos_sin(positions, inv_freq))
     else:
-        cos, sin = (t.to(dtype) if factor == 1.0 else (t * factor).to(dtype) for t in _cos_sin(positions, inv_freq))
+        cos, sin = (t.to(dtype) for t in _cos_sin(positions, inv_freq))
     return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
