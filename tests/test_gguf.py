@@ -47,7 +47,9 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+              "mlp.experts.down_proj": "ffn_down_exps"}
 QUANTIZED = ("ffn_up", "ffn_down")  # Q8_0, so the dequantisation path is exercised too
 
 
@@ -57,7 +59,32 @@ def gguf_name(hf: str) -> str:
     if hf in top:
         return top[hf]
     _, _, layer, *rest = hf.split(".")
+    if rest[-1] in ("gate_up_proj", "down_proj"):  # a mixture of experts' stacked experts (no `.weight`)
+        rest.append("weight")
     return f"blk.{layer}.{GGUF_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
+
+
+def llama_cpp_tensors(model: torch.nn.Module, arch: str) -> dict[str, np.ndarray]:
+    """The model's tensors under llama.cpp's names, as its converter lays them out: q/k rows permuted in
+    `llama` (its `LlamaModel.permute`; Qwen's heads rotate in halves there, unpermuted), a mixture of
+    experts' experts stacked [experts, rows, columns] per projection (`ffn_gate_exps`, `ffn_up_exps`,
+    `ffn_down_exps`, as its `Qwen2MoeModel` stacks them)."""
+    cfg = model.config
+    out: dict[str, np.ndarray] = {}
+    for name, p in model.state_dict().items():
+        data = p.detach().numpy().astype(np.float32)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            stem = gguf_name(name.replace("gate_up_proj", "down_proj")).removesuffix("down_exps.weight")
+            gate, up = np.split(data, 2, axis=1)
+            out[stem + "gate_exps.weight"], out[stem + "up_exps.weight"] = np.ascontiguousarray(gate), np.ascontiguousarray(up)
+            continue
+        target = gguf_name(name)
+        if arch == "llama" and ".attn_q." in target:
+            data = llama_cpp_permute(data, cfg.num_attention_heads)
+        elif arch == "llama" and ".attn_k." in target:
+            data = llama_cpp_permute(data, cfg.num_key_value_heads)
+        out[target] = data
+    return out
 
 
 def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", pre: str = "llama-bpe",
@@ -79,7 +106,15 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if getattr(cfg, "num_experts", None):
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre(pre)
@@ -91,13 +126,7 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
     w.add_eot_token_id(2)
     w.add_add_bos_token(add_bos)
     w.add_chat_template(TEMPLATE)
-    for name, p in model.state_dict().items():
-        data = p.detach().numpy().astype(np.float32)
-        target = gguf_name(name)
-        if ".attn_q." in target:
-            data = llama_cpp_permute(data, cfg.num_attention_heads)
-        elif ".attn_k." in target:
-            data = llama_cpp_permute(data, cfg.num_key_value_heads)
+    for target, data in llama_cpp_tensors(model, arch).items():
         kind = target.split(".")[-2]
         if target.endswith(".weight") and kind in types:
             qtype = types[kind]
@@ -106,6 +135,7 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
             except NotImplementedError:
                 values = gguf.constants.GGML_QUANT_SIZES[qtype][0]
                 blocks = random_blocks(qtype, data.shape[0], data.shape[1] // values, rng, edges=False)
+                assert data.ndim == 2, "random K-quant blocks for 2-D tensors only"
             w.add_tensor(target, blocks, raw_dtype=qtype)
         else:
             w.add_tensor(target, data)

@@ -1,10 +1,12 @@
 """GGUF (llama.cpp) to a Hugging Face folder, so one loader serves both.
 
-A GGUF carries the same model as a Hugging Face folder, spelled differently: sizes under `llama.*`
-metadata keys, tensors under llama.cpp names, most of them quantized, the q/k projection rows
-permuted for llama.cpp's rotary layout, and the tokenizer as arrays of tokens, merges and token types
-instead of a tokenizer.json. `convert_gguf` undoes each of these and writes float32 safetensors with
-config, tokenizer and generation config beside them.
+A GGUF carries the same model as a Hugging Face folder, spelled differently: sizes under `<arch>.*`
+metadata keys, tensors under llama.cpp names, most of them quantized, a mixture of experts' experts as
+one 3-D tensor per projection, the q/k projection rows permuted for llama.cpp's rotary layout (in the
+`llama` architecture only: llama.cpp rotates Qwen's heads in halves, as transformers does), and the
+tokenizer as arrays of tokens, merges and token types instead of a tokenizer.json. `convert_gguf`
+undoes each of these and writes float32 safetensors with config, tokenizer and generation config
+beside them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ try:
 except ImportError:  # Windows: no advisory locks; the atomic rename alone still prevents torn folders
     fcntl = None  # type: ignore[assignment]
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# llama.cpp's `general.architecture` -> the transformers architecture it was converted from. Llama's
+# converter permutes the q/k rows (its `permute`); the others keep transformers' layout.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+ROTARY_PERMUTED = ("LlamaForCausalLM",)
 CONVERSION_MARKER = "pagedrl-conversion.json"  # written last: a folder without it is unfinished
 CONVERSION_FORMAT = 1
 
@@ -47,6 +54,13 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+    # The experts, one [experts, rows, columns] tensor a projection (`_split_experts`).
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -138,12 +152,13 @@ def _read_config(meta: _Metadata, tensors: dict[str, Any]) -> ModelConfig:
         raise GGUFError(f"{meta.source}: {p}rope.scaling.type {scaling_type!r} is not supported (linear, none)")
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{meta.source}: tensor 'token_embd.weight' is missing")
+    layers = int(meta.need(p + "block_count"))
     cfg = ModelConfig(
-        architecture="LlamaForCausalLM",
+        architecture=ARCHITECTURES[arch],
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
         intermediate_size=int(meta.need(p + "feed_forward_length")),
-        num_hidden_layers=int(meta.need(p + "block_count")),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=int(kv_heads),
         head_dim=head_dim,
@@ -153,13 +168,30 @@ def _read_config(meta: _Metadata, tensors: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=int(meta.get(p + "context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
         torch_dtype="float32",
+        **_experts_config(meta, p, tensors, layers),
     )
     cfg.validate(meta.source)
     return cfg
+
+
+def _experts_config(meta: _Metadata, p: str, tensors: dict[str, Any], layers: int) -> dict[str, Any]:
+    """A mixture of experts' fields (none for a dense file). Layers without expert tensors are dense
+    (Qwen3-MoE's `mlp_only_layers`); llama.cpp always renormalises the chosen experts' weights in
+    `qwen3moe`, so `norm_topk_prob` is true, as transformers reads such a file."""
+    experts = meta.get(p + "expert_count")
+    if not experts:
+        return {}
+    if p != "qwen3moe.":
+        raise GGUFError(f"{meta.source}: a {p[:-1]!r} file with experts ({p}expert_count={experts}, Mixtral's "
+                        "layout) is not supported; supported mixtures of experts: qwen3moe")
+    return dict(num_experts=int(experts), num_experts_per_tok=int(meta.need(p + "expert_used_count")),
+                moe_intermediate_size=int(meta.need(p + "expert_feed_forward_length")), norm_topk_prob=True,
+                mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in tensors])
 
 
 def hf_name(name: str, source: str) -> str:
@@ -169,7 +201,8 @@ def hf_name(name: str, source: str) -> str:
     m = _LAYER_NAME.fullmatch(name)
     if m and m.group(2) in _LAYER_TENSORS:
         return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
-    raise GGUFError(f"{source}: tensor {name!r} has no Hugging Face counterpart in a llama model")
+    raise GGUFError(f"{source}: tensor {name!r} has no Hugging Face counterpart in the architectures "
+                    f"pagedrl reads from GGUF ({', '.join(SUPPORTED_ARCHITECTURES)})")
 
 
 def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -185,6 +218,7 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _read_weights(tensors: dict[str, Any], cfg: ModelConfig, source: str) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
+    permuted = cfg.architecture in ROTARY_PERMUTED
     for name, t in tensors.items():
         hf = hf_name(name, source)
         try:
@@ -192,11 +226,26 @@ def _read_weights(tensors: dict[str, Any], cfg: ModelConfig, source: str) -> dic
         except NotImplementedError as e:
             raise GGUFError(f"{source}: tensor {name!r}: {e}") from None
         w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
-        if ".attn_q." in name:
+        if permuted and ".attn_q." in name:
             w = unpermute_rotary(w, cfg.num_attention_heads)
-        elif ".attn_k." in name:
+        elif permuted and ".attn_k." in name:
             w = unpermute_rotary(w, cfg.num_key_value_heads)
         out[hf] = np.ascontiguousarray(w)
+    return _split_experts(out)
+
+
+def _split_experts(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each layer's `ffn_{gate,up,down}_exps` ([experts, rows, columns]) as one tensor per expert and
+    projection, the layout Qwen3-MoE checkpoints publish (`expert_weights`), which transformers reads
+    and the loader stacks back."""
+    out: dict[str, np.ndarray] = {}
+    for name, w in state.items():
+        stem, _, proj = name.removesuffix(".weight").rpartition(".")
+        if not stem.endswith(".mlp.experts") or w.ndim != 3:
+            out[name] = w
+            continue
+        for e in range(w.shape[0]):
+            out[f"{stem}.{e}.{proj}.weight"] = np.ascontiguousarray(w[e])
     return out
 
 
@@ -290,7 +339,7 @@ def open_gguf(gguf_path: Path) -> gguf.GGUFReader:
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
-    """Write the Hugging Face folder for a llama-architecture GGUF at `out_dir` and return it.
+    """Write the Hugging Face folder for a GGUF (llama, qwen2, qwen3, qwen3moe) at `out_dir` and return it.
 
     Everything is written to a temporary sibling and renamed into place at the end, so `out_dir`
     either does not exist or is complete, whatever happens to this process. An existing `out_dir` is

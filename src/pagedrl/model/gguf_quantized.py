@@ -3,8 +3,8 @@
 The model is the one `model/gguf.py` converts (same config, tokenizer, names and rotary layout), built
 on the meta device so that no float32 copy of a quantized weight is ever made: each projection and the
 embedding become `GGUFLinear` / `GGUFEmbedding` over the file's own blocks (the q/k rows un-permuted
-as whole rows of blocks, which is what llama.cpp's permutation moves), norms and other float tensors
-load as float32. A tied LM head multiplies the embedding's blocks.
+as whole rows of blocks in the `llama` architecture, which is what llama.cpp's permutation moves), norms
+and other float tensors load as float32. A tied LM head multiplies the embedding's blocks.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 
 from pagedrl.model.checkpoint import read_folder_config
 from pagedrl.model.decoder import CausalLM
-from pagedrl.model.gguf import GGUFError, hf_name, open_gguf
+from pagedrl.model.gguf import ROTARY_PERMUTED, GGUFError, hf_name, open_gguf
 from pagedrl.model.gguf_modules import SUPPORTED_TYPES, GGUFEmbedding, GGUFLinear
 
 _FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), int(GGMLQuantizationType.BF16)}
@@ -42,7 +42,12 @@ def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[Caus
         model = CausalLM(cfg)
     kept: Counter[str] = Counter()
     floats: dict[str, torch.Tensor] = {}
+    permuted = cfg.architecture in ROTARY_PERMUTED
     for t in reader.tensors:
+        if t.name.endswith("_exps.weight"):
+            raise GGUFError(f"{source}: tensor {t.name!r} holds a mixture of experts' experts, which "
+                            "quantization='gguf' does not keep quantized yet; without quantization the file "
+                            "loads dequantized")
         name = hf_name(t.name, source)
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
@@ -58,9 +63,9 @@ def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[Caus
                             f"quantized (supported: {', '.join(SUPPORTED_TYPES.values())}); without "
                             "quantization the file loads dequantized")
         blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(shape[0], -1)
-        if ".attn_q." in t.name:
+        if permuted and ".attn_q." in t.name:
             blocks = unpermute_rotary_rows(blocks, cfg.num_attention_heads)
-        elif ".attn_k." in t.name:
+        elif permuted and ".attn_k." in t.name:
             blocks = unpermute_rotary_rows(blocks, cfg.num_key_value_heads)
         parent_name, _, child = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
