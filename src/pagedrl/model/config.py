@@ -24,6 +24,7 @@ from pagedrl.model.deepseek import (
 )
 from pagedrl.model.gemma import GEMMA_FIELDS, GemmaRules, gemma_dict, gemma_fields
 from pagedrl.model.gpt_oss import GPT_OSS_FIELDS, GptOssRules, gpt_oss_dict, gpt_oss_fields
+from pagedrl.model.rope_fields import phi3_fields, validate_longrope, validate_yarn
 
 
 class ConfigError(ValueError):
@@ -363,47 +364,3 @@ def moe_fields(raw: dict[str, Any], base: str, source: str) -> dict[str, Any]:
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                 decoder_sparse_step=count("decoder_sparse_step", raw.get("decoder_sparse_step", 1)),
                 mlp_only_layers=list(layers))
-
-
-def phi3_fields(raw: dict[str, Any], rope: dict[str, Any], scaling: dict[str, Any] | None,
-                source: str) -> dict[str, Any]:
-    """Phi-3's rope fields as transformers' Phi3Config reads them (`scaling` completed in place):
-    `partial_rotary_factor` from the rope parameters or the top level; rope types "su" and "yarn"
-    (older Phi-3 configs) meaning "longrope"; LongRoPE's `original_max_position_embeddings` always the
-    top-level field (default 4096), which transformers puts over the rope parameters' own. Dropouts (`resid_pdrop`, `embd_pdrop`,
-    `attention_dropout`) stay as extras: pagedrl computes without dropout, as the published configs
-    set them (0), and writes them back."""
-    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if isinstance(partial, bool) or not isinstance(partial, (int, float)):
-        raise ConfigError(f"{source}: field 'partial_rotary_factor' must be a number, got {partial!r}")
-    fields: dict[str, Any] = dict(partial_rotary_factor=float(partial))
-    if scaling is not None:
-        if scaling["rope_type"] in ("su", "yarn"):
-            scaling["rope_type"] = "longrope"
-        if scaling["rope_type"] == "longrope":
-            scaling["original_max_position_embeddings"] = raw.get("original_max_position_embeddings", 4096)
-            scaling.pop("partial_rotary_factor", None)  # the field's
-    return fields
-
-
-def validate_yarn(scaling: dict[str, Any], source: str) -> None:
-    """YaRN's parameters: the stretch and the original context length it is measured from."""
-    for name in ("factor", "original_max_position_embeddings"):
-        value = scaling.get(name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise ConfigError(f"{source}: rope field {name!r} must be a positive number for rope type 'yarn', "
-                              f"got {value!r}")
-
-
-def validate_longrope(scaling: dict[str, Any], rotary_dim: int, source: str) -> None:
-    """LongRoPE's parameters: a factor per rotary pair in each set, and the original context length."""
-    original = scaling.get("original_max_position_embeddings")
-    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
-        raise ConfigError(f"{source}: field 'original_max_position_embeddings' must be a positive integer "
-                          f"for rope type 'longrope', got {original!r}")
-    for name in ("short_factor", "long_factor"):
-        factors = scaling.get(name)
-        if (not isinstance(factors, list) or len(factors) != rotary_dim // 2
-                or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors)):
-            raise ConfigError(f"{source}: rope field {name!r} must be a list of {rotary_dim // 2} positive numbers "
-                              f"(one per rotary pair), got {factors!r}")
