@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
-from tiny import DEEPSEEK_FAMILIES, hf_model
+from tiny import DEEPSEEK_FAMILIES, hf_model, ours_from, ours_logits, padded_batch
 
 from pagedrl.model.checkpoint import load_causal_lm, save_checkpoint
 from pagedrl.model.config import ConfigError, ModelConfig
@@ -19,23 +19,7 @@ from pagedrl.model.decoder import CausalLM
 FAMILIES = sorted(DEEPSEEK_FAMILIES)
 
 
-def ours_from(hf: torch.nn.Module) -> CausalLM:
-    model = CausalLM(ModelConfig.from_dict(hf.config.to_dict()))
-    model.load_state_dict(hf.state_dict())  # strict: transformers' names, the router's bias buffer included
-    return model.eval()
 
-
-def padded_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(3, vocab, (3, 24), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(3, 24, dtype=torch.long)
-    mask[1, :5] = 0
-    mask[2, 17:] = 0
-    return ids, mask
-
-
-def ours_logits(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    with torch.no_grad():
-        return model.logits(model(ids, attention_mask=mask))
 
 
 def max_gap(ours: CausalLM, hf: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> float:
@@ -50,7 +34,7 @@ def test_logits_equal_transformers_and_the_routing_rules_matter(family: str) -> 
     every group eligible, are far off, so both were applied (and chose differently)."""
     hf = hf_model(DEEPSEEK_FAMILIES[family])
     ours = ours_from(hf)
-    ids, mask = padded_batch(hf.config.vocab_size)
+    ids, mask = padded_batch(hf.config.vocab_size, length=24, left=5, right=17)
     assert max_gap(ours, hf, ids, mask) < 1e-5
     routers = [layer.mlp.gate for layer in ours.model.layers[1:]]
     for router in routers:
@@ -92,7 +76,7 @@ def test_checkpoints_round_trip_through_transformers(tmp_path, family: str) -> N
     names = [set(safe_open(str(tmp_path / d / "model.safetensors"), "pt").keys()) for d in ("hf", "ours")]
     assert names[0] == names[1] and "model.layers.2.mlp.gate.e_score_correction_bias" in names[1]
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
-    ids, mask = padded_batch(hf.config.vocab_size)
+    ids, mask = padded_batch(hf.config.vocab_size, length=24, left=5, right=17)
     assert max_gap(ours, back, ids, mask) < 1e-5
     # In bf16 the router stays float32, as transformers keeps it (`_keep_in_fp32_modules_strict`).
     half = load_causal_lm(tmp_path / "hf", dtype=torch.bfloat16)
@@ -248,7 +232,7 @@ def test_lora_adapter_loads_in_peft_with_the_same_logits_and_generation(tmp_path
             layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * 0.1)
     ours.eval()
     save_adapter(ours, tmp_path / "adapter")
-    ids, mask = padded_batch(hf.config.vocab_size)
+    ids, mask = padded_batch(hf.config.vocab_size, length=24, left=5, right=17)
     with torch.no_grad():
         base = hf(input_ids=ids, attention_mask=mask).logits
     theirs = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()

@@ -15,37 +15,19 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 from test_engine_greedy import GREEDY, MAX_NEW, engine_for, prompts, reference, strip_eos
-from tiny import GPT_OSS_FAMILIES, hf_model
+from tiny import GPT_OSS_FAMILIES, hf_model, ours_from, ours_logits, padded_batch
 
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model import mxfp4
 from pagedrl.model.checkpoint import CheckpointError, load_causal_lm, save_checkpoint
 from pagedrl.model.config import ConfigError, ModelConfig
-from pagedrl.model.decoder import CausalLM
 from pagedrl.model.lora import LoRAConfig, apply_lora, lora_layers
 from pagedrl.model.moe import SparseMoeBlock
 
 RAW = GPT_OSS_FAMILIES["gpt-oss"]
 
 
-def ours_from(hf: torch.nn.Module) -> CausalLM:
-    model = CausalLM(ModelConfig.from_dict(hf.config.to_dict()))
-    model.load_state_dict(hf.state_dict())  # strict: sinks, biases, router, stacked experts, nothing else
-    return model.eval()
 
-
-def padded_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """30 tokens a row (the window is 8), one row padded on the left, one on the right."""
-    ids = torch.randint(3, vocab, (3, 30), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(3, 30, dtype=torch.long)
-    mask[1, :6] = 0
-    mask[2, 21:] = 0
-    return ids, mask
-
-
-def ours_logits(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model.logits(model(ids, attention_mask=mask))
 
 
 def test_logits_equal_transformers_and_every_rule_matters() -> None:

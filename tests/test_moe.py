@@ -11,19 +11,13 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
-from tiny import FAMILIES, MOE_FAMILIES, hf_model
+from tiny import FAMILIES, MOE_FAMILIES, hf_model, ours_from
 
 from pagedrl.model.checkpoint import CheckpointError, load_causal_lm, load_weights, save_checkpoint
 from pagedrl.model.config import ConfigError, ModelConfig
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.moe import SparseMoeBlock, collect_router_logits
 from pagedrl.train.router_loss import load_balancing_loss
-
-
-def ours_from(hf: torch.nn.Module) -> CausalLM:
-    model = CausalLM(ModelConfig.from_dict(hf.config.to_dict()))
-    model.load_state_dict(hf.state_dict())  # strict: every name transformers holds, and no other
-    return model.eval()
 
 
 def saved_names(path) -> set[str]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 from preference_data import dpo_trainer, preference_rows
-from tiny import FAMILIES, freq_error, hf_model
+from tiny import FAMILIES, freq_error, hf_model, ours_from
 from tiny_train import build_model_dir, sft_trainer
 
 from pagedrl.model.config import ConfigError, ModelConfig
@@ -22,11 +22,6 @@ from pagedrl.model.decoder import CausalLM
 
 PHI3 = FAMILIES["phi3-longrope"]
 
-
-def ours_from(hf: torch.nn.Module) -> CausalLM:
-    model = CausalLM(ModelConfig.from_dict(hf.config.to_dict()))
-    model.load_state_dict(hf.state_dict(), strict=True)
-    return model.eval()
 
 
 def test_past_the_original_length_the_logits_are_transformers_cached_decoding() -> None:

@@ -74,6 +74,36 @@ def hf_model(raw: dict[str, Any], seed: int = 0):
     return model
 
 
+def ours_from(hf):
+    """pagedrl's model of a transformers model: its config read back, its state dict loaded strictly (every
+    name transformers holds, the families' norms, sinks, routers and buffers included, and no other)."""
+    from pagedrl.model.config import ModelConfig
+    from pagedrl.model.decoder import CausalLM
+
+    model = CausalLM(ModelConfig.from_dict(hf.config.to_dict()))
+    model.load_state_dict(hf.state_dict())
+    return model.eval()
+
+
+def padded_batch(vocab: int, length: int = 30, left: int = 6, right: int = 21):
+    """Three rows of `length` random tokens: one whole, one padded on the left (`left` pads), one on the
+    right (from `right` on); long enough to cross the tiny families' windows of 8."""
+    import torch
+
+    ids = torch.randint(3, vocab, (3, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, length, dtype=torch.long)
+    mask[1, :left] = 0
+    mask[2, right:] = 0
+    return ids, mask
+
+
+def ours_logits(model, ids, mask=None):
+    import torch
+
+    with torch.no_grad():
+        return model.logits(model(ids, attention_mask=mask))
+
+
 def freq_error(hf, ours):
     """How far transformers' float32 rotary frequencies are from a pagedrl model's (`decoder_bound`'s
     `freq_error`); LongRoPE's: the larger of the short and the long set's error per pair (transformers'
