@@ -168,41 +168,20 @@ def deepseek_folder(tmp_path_factory):
 
 
 def test_first_sft_and_dpo_batches_equal_transformers(deepseek_folder, tmp_path) -> None:
-    """As `test_phi3`'s: the SFT loss of a padded batch and the DPO loss of packed pairs (prompt shared
-    by both answers), their gradients parameter by parameter within 1e-5 of transformers' (experts,
-    router, latent projections and norms included). transformers' DeepSeek-V3 adds no router loss."""
-    from preference_data import dpo_trainer, preference_rows
-    from test_phi3 import assert_gradients_equal, sequence_logps
-    from tiny_train import sft_trainer
+    """The SFT loss of a padded batch and the DPO loss of four pairs against another DeepSeek-V3 folder,
+    their gradients parameter by parameter within 1e-5 of transformers' (experts, router, latent
+    projections and norms included). transformers' DeepSeek-V3 adds no router loss."""
+    from first_batches import (
+        assert_first_dpo_batch_equals_transformers,
+        assert_first_sft_batch_equals_transformers,
+    )
+    from tiny_train import build_model_dir
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(deepseek_folder, dtype=torch.float32).train()
-    algorithm = sft_trainer(deepseek_folder, tmp_path / "sft").algorithm
-    batch = algorithm.collate(algorithm.examples[:4])
-    model = algorithm.model.train()
-    loss, _ = algorithm.loss(model, batch, torch.tensor(float(batch.targets.numel())))
-    loss.backward()
-    lengths = [len(e.input_ids) for e in algorithm.examples[:4]]
-    mask = torch.tensor([[1] * n + [0] * (batch.input_ids.shape[1] - n) for n in lengths])
-    logits = hf(input_ids=batch.input_ids, attention_mask=mask).logits
-    rows = logits.reshape(-1, logits.shape[-1])[batch.predict_at]
-    ref = -torch.log_softmax(rows, -1).gather(-1, batch.targets[:, None]).mean()
-    ref.backward()
-    assert abs(loss.item() - ref.item()) < 1e-5
-    assert_gradients_equal(model, hf)
-
-    hf.zero_grad()
-    trainer = dpo_trainer(deepseek_folder, tmp_path / "dpo", preference_rows(8, seed=3), beta=0.3,
-                          per_device_train_batch_size=4)
-    pairs = trainer.algorithm.examples[:4]
-    model = trainer.algorithm.model.train()
-    loss, _ = trainer.algorithm.loss(model, trainer.algorithm.collate(pairs), torch.tensor(4.0))
-    loss.backward()
-    margins = torch.stack([sequence_logps(hf, p.prompt_ids, p.chosen_ids)
-                           - sequence_logps(hf, p.prompt_ids, p.rejected_ids) for p in pairs])
-    ref = -torch.nn.functional.logsigmoid(0.3 * (margins - margins.detach())).mean()
-    ref.backward()
-    assert abs(loss.item() - ref.item()) < 1e-5
-    assert_gradients_equal(model, hf)
+    fields = {k: v for k, v in DEEPSEEK_FAMILIES["deepseek-v3"].items()
+              if k not in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "model_type")}
+    reference = build_model_dir(tmp_path / "reference", seed=1, std=0.05, **fields)
+    assert_first_sft_batch_equals_transformers(deepseek_folder, tmp_path / "sft")
+    assert_first_dpo_batch_equals_transformers(deepseek_folder, reference, tmp_path / "dpo")
 
 
 ATTENTION_PROJECTIONS = ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]

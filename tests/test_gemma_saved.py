@@ -7,15 +7,17 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-import torch.nn.functional as F
-import transformers
-from preference_data import dpo_trainer, preference_rows
+from first_batches import (
+    answer_logp,
+    assert_first_dpo_batch_equals_transformers,
+    assert_gradients_equal,
+    theirs,
+)
 from server_process import running_server
 from tiny_train import build_model_dir, sft_trainer
 
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.model.checkpoint import load_causal_lm
 from pagedrl.model.loader import load_model
 from pagedrl.train.algorithms.sft import collate_sft
 
@@ -31,24 +33,6 @@ def gemma_dirs(tmp_path_factory) -> tuple[str, str]:
     root = tmp_path_factory.mktemp("gemma")
     return (str(build_model_dir(root / "policy", seed=0, **GEMMA3)),
             str(build_model_dir(root / "reference", seed=1, **GEMMA3)))
-
-
-def theirs(folder: str) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-
-
-def answer_logp(model: torch.nn.Module, prompt: list[int], answer: list[int]) -> torch.Tensor:
-    """Σ log p(answer token | everything before it) from transformers' forward of one unpadded row."""
-    ids = torch.tensor([prompt + answer])
-    logp = F.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1:-1].float(), -1)
-    return logp.gather(1, torch.tensor(answer)[:, None]).sum()
-
-
-def assert_gradients_equal(ours: torch.nn.Module, hf: torch.nn.Module) -> None:
-    grads = dict(hf.named_parameters())
-    for name, p in ours.named_parameters():
-        assert p.grad is not None, name
-        assert float((p.grad - grads[name].grad).abs().max()) < 1e-5, name
 
 
 def test_sft_first_batch_equals_transformers(gemma_dirs, tmp_path) -> None:
@@ -72,27 +56,8 @@ def test_sft_first_batch_equals_transformers(gemma_dirs, tmp_path) -> None:
 
 
 def test_dpo_first_batch_equals_transformers(gemma_dirs, tmp_path) -> None:
-    trainer = dpo_trainer(gemma_dirs[0], tmp_path / "out", rows=preference_rows(8), reference=load_causal_lm(gemma_dirs[1],
-                                                                                   dtype=torch.float32))
-    alg = trainer.algorithm
-    examples = alg.examples[:4]
-    pairs = [getattr(e, "pair", e) for e in examples]
-    batch = alg.collate(examples)
-    loss, _ = alg.loss(alg.model, batch, torch.tensor(alg.count(batch)))
-    loss.backward()
-    policy, reference = theirs(gemma_dirs[0]), theirs(gemma_dirs[1])
-    beta = alg.config.beta
-    ref = 0.0
-    for p in pairs:
-        with torch.no_grad():
-            ref_margin = answer_logp(reference, p.prompt_ids, p.chosen_ids) - answer_logp(reference, p.prompt_ids,
-                                                                                          p.rejected_ids)
-        margin = answer_logp(policy, p.prompt_ids, p.chosen_ids) - answer_logp(policy, p.prompt_ids, p.rejected_ids)
-        ref = ref - F.logsigmoid(beta * (margin - ref_margin)) / len(pairs)
-    ref.backward()
-    assert alg.config.loss_type in ("sigmoid", ["sigmoid"]) and abs(float(loss.detach()) - float(ref.detach())) < 1e-5
-    assert abs(float(loss.detach()) - float(torch.log(torch.tensor(2.0)))) > 1e-4  # the reference differs
-    assert_gradients_equal(alg.model, policy)
+    assert_first_dpo_batch_equals_transformers(gemma_dirs[0], gemma_dirs[1], tmp_path / "out",
+                                               longer_than=2 * 4)  # the window (4) is crossed
 
 
 def test_serve_answers_with_the_offline_engines_tokens(gemma_dirs, tmp_path) -> None:

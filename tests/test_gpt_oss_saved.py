@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from preference_data import dpo_trainer, preference_rows
+from first_batches import assert_first_dpo_batch_equals_transformers
 from server_process import running_server
-from test_gemma_saved import answer_logp, assert_gradients_equal, theirs
 from tiny_train import build_model_dir
 
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.model.checkpoint import load_causal_lm
 from pagedrl.model.loader import load_model
 
 GPT_OSS = dict(architectures=["GptOssForCausalLM"], sliding_window=4, head_dim=16, num_local_experts=4,
@@ -31,28 +28,8 @@ def gpt_oss_dirs(tmp_path_factory) -> tuple[str, str]:
 
 
 def test_dpo_first_batch_equals_transformers(gpt_oss_dirs, tmp_path) -> None:
-    trainer = dpo_trainer(gpt_oss_dirs[0], tmp_path / "out", rows=preference_rows(8),
-                          reference=load_causal_lm(gpt_oss_dirs[1], dtype=torch.float32))
-    alg = trainer.algorithm
-    examples = alg.examples[:4]
-    pairs = [getattr(e, "pair", e) for e in examples]
-    assert max(len(p.prompt_ids) + len(p.chosen_ids) for p in pairs) > 2 * 4  # the window is crossed
-    batch = alg.collate(examples)
-    loss, _ = alg.loss(alg.model, batch, torch.tensor(alg.count(batch)))
-    loss.backward()
-    policy, reference = theirs(gpt_oss_dirs[0]), theirs(gpt_oss_dirs[1])
-    beta = alg.config.beta
-    ref = 0.0
-    for p in pairs:
-        with torch.no_grad():
-            ref_margin = answer_logp(reference, p.prompt_ids, p.chosen_ids) - answer_logp(reference, p.prompt_ids,
-                                                                                          p.rejected_ids)
-        margin = answer_logp(policy, p.prompt_ids, p.chosen_ids) - answer_logp(policy, p.prompt_ids, p.rejected_ids)
-        ref = ref - F.logsigmoid(beta * (margin - ref_margin)) / len(pairs)
-    ref.backward()
-    assert abs(float(loss.detach()) - float(ref.detach())) < 1e-5
-    assert abs(float(loss.detach()) - float(torch.log(torch.tensor(2.0)))) > 1e-4  # the reference differs
-    assert_gradients_equal(alg.model, policy)
+    assert_first_dpo_batch_equals_transformers(gpt_oss_dirs[0], gpt_oss_dirs[1], tmp_path / "out",
+                                               longer_than=2 * 4)  # the window (4) is crossed
 
 
 def test_serve_answers_the_openai_client_with_the_offline_engines_tokens(gpt_oss_dirs, tmp_path) -> None:

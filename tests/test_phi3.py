@@ -6,19 +6,20 @@ transformers, the log-prob contract, and `pagedrl serve` on a Phi-3 folder."""
 from __future__ import annotations
 
 import json
-import math
 
 import decoder_bound
 import httpx
 import pytest
 import torch
 import transformers
-from preference_data import dpo_trainer, preference_rows
+from first_batches import (
+    assert_first_dpo_batch_equals_transformers,
+    assert_first_sft_batch_equals_transformers,
+)
 from tiny import FAMILIES, freq_error, hf_model, ours_from
-from tiny_train import build_model_dir, sft_trainer
+from tiny_train import build_model_dir
 
 from pagedrl.model.config import ConfigError, ModelConfig
-from pagedrl.model.decoder import CausalLM
 
 PHI3 = FAMILIES["phi3-longrope"]
 
@@ -81,58 +82,17 @@ def phi3_folder(tmp_path_factory):
     return build_model_dir(tmp_path_factory.mktemp("phi3") / "model", std=0.05, **fields)
 
 
-def assert_gradients_equal(ours: CausalLM, hf: torch.nn.Module) -> None:
-    """Parameter by parameter under the same names (the fused ones included), within 1e-5."""
-    theirs = dict(hf.named_parameters())
-    compared = 0
-    for name, p in ours.named_parameters():
-        if name in theirs:
-            assert p.grad is not None and theirs[name].grad is not None, name
-            assert float((p.grad - theirs[name].grad).abs().max()) < 1e-5, name
-            assert float(p.grad.abs().max()) > 1e-4, name  # a gradient that is there to compare
-            compared += 1
-    assert compared == len(theirs)
+@pytest.fixture(scope="module")
+def phi3_reference(tmp_path_factory):
+    """Another Phi-3 folder (other weights): DPO's reference."""
+    fields = {k: PHI3[k] for k in ("architectures", "partial_rotary_factor", "original_max_position_embeddings",
+                                   "rope_parameters")}
+    return build_model_dir(tmp_path_factory.mktemp("phi3-ref") / "model", seed=1, std=0.05, **fields)
 
 
-def sequence_logps(hf: torch.nn.Module, prompt: list[int], answer: list[int]) -> torch.Tensor:
-    ids = torch.tensor([prompt + answer])
-    logps = torch.log_softmax(hf(input_ids=ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
-    return logps[max(len(prompt) - 1, 0):].sum()
-
-
-def test_first_sft_and_dpo_batches_equal_transformers(phi3_folder, tmp_path) -> None:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(phi3_folder, dtype=torch.float32).train()
-    # SFT: the mean negative log-likelihood of the completion tokens of a padded batch of four rows
-    algorithm = sft_trainer(phi3_folder, tmp_path / "sft").algorithm
-    batch = algorithm.collate(algorithm.examples[:4])
-    model = algorithm.model.train()
-    loss, _ = algorithm.loss(model, batch, torch.tensor(float(batch.targets.numel())))
-    loss.backward()
-    lengths = [len(e.input_ids) for e in algorithm.examples[:4]]
-    mask = torch.tensor([[1] * n + [0] * (batch.input_ids.shape[1] - n) for n in lengths])
-    logits = hf(input_ids=batch.input_ids, attention_mask=mask).logits
-    rows = logits.reshape(-1, logits.shape[-1])[batch.predict_at]
-    ref = -torch.log_softmax(rows, -1).gather(-1, batch.targets[:, None]).mean()
-    ref.backward()
-    assert abs(loss.item() - ref.item()) < 1e-5
-    assert_gradients_equal(model, hf)
-
-    # DPO (sigmoid, beta 0.3, the reference a copy of the starting policy): log 2 per pair, the
-    # gradient that of -beta/2 (chosen - rejected) log-probs, each answer scored on prompt + answer alone
-    hf.zero_grad()
-    trainer = dpo_trainer(phi3_folder, tmp_path / "dpo", preference_rows(8, seed=3), beta=0.3,
-                          per_device_train_batch_size=4)
-    algorithm = trainer.algorithm
-    pairs = algorithm.examples[:4]
-    model = algorithm.model.train()
-    loss, _ = algorithm.loss(model, algorithm.collate(pairs), torch.tensor(4.0))
-    loss.backward()
-    margins = torch.stack([sequence_logps(hf, p.prompt_ids, p.chosen_ids)
-                           - sequence_logps(hf, p.prompt_ids, p.rejected_ids) for p in pairs])
-    ref = -torch.nn.functional.logsigmoid(0.3 * (margins - margins.detach())).mean()
-    ref.backward()
-    assert abs(float(loss) - math.log(2)) < 1e-5 and abs(float(ref) - math.log(2)) < 1e-5
-    assert_gradients_equal(model, hf)
+def test_first_sft_and_dpo_batches_equal_transformers(phi3_folder, phi3_reference, tmp_path) -> None:
+    assert_first_sft_batch_equals_transformers(phi3_folder, tmp_path / "sft")
+    assert_first_dpo_batch_equals_transformers(phi3_folder, phi3_reference, tmp_path / "dpo")
 
 
 def test_log_prob_contract() -> None:

@@ -1,0 +1,90 @@
+"""The first SFT and DPO batches of a saved tiny folder against transformers' own class on the same weights:
+the loss, and every parameter's gradient under the same name, within 1e-5 (the families' reference tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+from preference_data import dpo_trainer, preference_rows
+from tiny_train import sft_trainer
+
+from pagedrl.model.checkpoint import load_causal_lm
+
+TOLERANCE = 1e-5
+
+
+def theirs(folder: str | Path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
+
+
+def answer_logp(model: torch.nn.Module, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """Σ log p(answer token | everything before it) from transformers' forward of one unpadded row."""
+    ids = torch.tensor([prompt + answer])
+    logp = F.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1:-1].float(), -1)
+    return logp.gather(1, torch.tensor(answer)[:, None]).sum()
+
+
+def assert_gradients_equal(ours: torch.nn.Module, hf: torch.nn.Module) -> None:
+    """Parameter by parameter under the same names (fused and stacked ones included), each one there, not
+    zero, and within TOLERANCE of transformers'."""
+    grads = dict(hf.named_parameters())
+    compared = 0
+    for name, p in ours.named_parameters():
+        if name in grads:
+            assert p.grad is not None and grads[name].grad is not None, name
+            assert float((p.grad - grads[name].grad).abs().max()) < TOLERANCE, name
+            assert float(p.grad.abs().max()) > 1e-4, name  # a gradient that is there to compare
+            compared += 1
+    assert compared == len(grads)
+
+
+def assert_first_sft_batch_equals_transformers(folder: str | Path, out: Path, **sft: object) -> None:
+    """The mean negative log-likelihood of the completion tokens of a right-padded batch of four rows."""
+    hf = theirs(folder)
+    algorithm = sft_trainer(folder, out, **sft).algorithm
+    examples = algorithm.examples[:4]
+    batch = algorithm.collate(examples)
+    model = algorithm.model.train()
+    loss, _ = algorithm.loss(model, batch, torch.tensor(float(batch.targets.numel())))
+    loss.backward()
+    mask = torch.tensor([[1] * len(e.input_ids) + [0] * (batch.input_ids.shape[1] - len(e.input_ids))
+                         for e in examples])
+    logits = hf(input_ids=batch.input_ids, attention_mask=mask).logits
+    rows = logits.reshape(-1, logits.shape[-1])[batch.predict_at]
+    ref = -torch.log_softmax(rows, -1).gather(-1, batch.targets[:, None]).mean()
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < TOLERANCE
+    assert_gradients_equal(model, hf)
+
+
+def assert_first_dpo_batch_equals_transformers(folder: str | Path, reference: str | Path, out: Path,
+                                               beta: float = 0.3, longer_than: int = 0) -> None:
+    """DPO's sigmoid loss of four pairs against a different reference model: -log σ(β (policy margin -
+    reference margin)), each answer scored on prompt + answer alone; not log 2, so the reference counts.
+    `longer_than`: some pair's prompt and chosen answer are longer (a window of half that is crossed)."""
+    trainer = dpo_trainer(folder, out, preference_rows(8, seed=3), beta=beta, per_device_train_batch_size=4,
+                          reference=load_causal_lm(reference, dtype=torch.float32))
+    algorithm = trainer.algorithm
+    examples = algorithm.examples[:4]
+    pairs = [getattr(e, "pair", e) for e in examples]
+    assert max(len(p.prompt_ids) + len(p.chosen_ids) for p in pairs) > longer_than
+    model = algorithm.model.train()
+    batch = algorithm.collate(examples)
+    loss, _ = algorithm.loss(model, batch, torch.tensor(algorithm.count(batch)))
+    loss.backward()
+    policy, frozen = theirs(folder), theirs(reference)
+
+    def margin(m: torch.nn.Module, p) -> torch.Tensor:
+        return answer_logp(m, p.prompt_ids, p.chosen_ids) - answer_logp(m, p.prompt_ids, p.rejected_ids)
+
+    with torch.no_grad():
+        reference_margins = torch.stack([margin(frozen, p) for p in pairs])
+    ref = -F.logsigmoid(beta * (torch.stack([margin(policy, p) for p in pairs]) - reference_margins)).mean()
+    ref.backward()
+    assert algorithm.config.loss_type in ("sigmoid", ["sigmoid"])
+    assert abs(loss.item() - ref.item()) < TOLERANCE
+    assert abs(loss.item() - float(torch.log(torch.tensor(2.0)))) > 1e-4  # the reference differs from the policy
+    assert_gradients_equal(model, policy)
