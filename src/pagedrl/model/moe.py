@@ -101,18 +101,23 @@ class Experts(nn.Module):
 
     def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows grouped by expert, `counts[e]` of them expert e's → each expert's SwiGLU of its rows."""
-        outputs, start = [], 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            part = rows[start:start + count]
-            gate, up = F.linear(part, self.gate_up_proj[expert]).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
-            start += count
-        return torch.cat(outputs)
+        return torch.cat([self.expert(e, part) for e, part in by_expert(rows, counts)])
+
+    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[e])
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, hidden={self.down_proj.shape[1]}, intermediate={self.intermediate_size}"
+
+
+def by_expert(rows: torch.Tensor, counts: list[int]) -> Iterator[tuple[int, torch.Tensor]]:
+    """(expert, its rows) for each expert that has any, from rows grouped by expert (`counts[e]` expert e's)."""
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            yield e, rows[start:start + count]
+            start += count
 
 
 class ClampedSwiGLUExperts(Experts):
@@ -143,19 +148,11 @@ class ClampedSwiGLUExperts(Experts):
             self.gate_up_proj_bias.zero_()
             self.down_proj_bias.zero_()
 
-    def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         from pagedrl.model.gpt_oss import clamped_swiglu
 
-        outputs, start = [], 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            part = rows[start:start + count]
-            gate_up = part @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
-            hidden = clamped_swiglu(gate_up, self.alpha, self.limit)
-            outputs.append(hidden @ self.down_proj[expert] + self.down_proj_bias[expert])
-            start += count
-        return torch.cat(outputs)
+        hidden = clamped_swiglu(rows @ self.gate_up_proj[e] + self.gate_up_proj_bias[e], self.alpha, self.limit)
+        return hidden @ self.down_proj[e] + self.down_proj_bias[e]
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.down_proj.shape[2]}, intermediate={self.intermediate_size}, "
