@@ -28,12 +28,13 @@ compiler) into pagedrl's cache directory, so only the first start pays
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -94,8 +95,9 @@ def _load() -> bool:
         start = time.perf_counter()
         wait_for_builder(folder)
         (folder / BUILDER_FILE).write_text(str(os.getpid()))
-        load(name="pagedrl_paged_attention", sources=[str(p) for p in SOURCES], build_directory=str(folder),
-             extra_cflags=cflags(), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        with pinned_ninja():
+            load(name="pagedrl_paged_attention", sources=[str(p) for p in SOURCES], build_directory=str(folder),
+                 extra_cflags=cflags(), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         if not cached:
             logger.info("built the CPU paged-attention kernel in %.1f s (kept in %s for later starts)",
                         time.perf_counter() - start, folder)
@@ -104,6 +106,28 @@ def _load() -> bool:
         logger.warning("the CPU paged-attention kernel could not be built (%s); decode steps gather each "
                        "sequence's blocks instead", str(e).strip().splitlines()[-1] if str(e).strip() else e)
         return False
+
+
+@contextlib.contextmanager
+def pinned_ninja() -> Iterator[None]:
+    """The pinned `ninja` (a dependency) first on PATH while torch's builder runs it. The builder runs
+    whichever `ninja` PATH names first, and two of them (the environment's and a system one) each read the
+    other's build log as stale and rebuild every object: a minute in each process whose PATH differs (a
+    server, a script started with the environment's bin folder first) over a cache another built."""
+    try:
+        import ninja
+    except ImportError:  # the builder then finds a system one, or says it needs one
+        yield
+        return
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *([before] if before else [])])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
 
 
 BUILDER_FILE = "builder.pid"  # the process that last started a build here
