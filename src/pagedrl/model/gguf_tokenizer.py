@@ -1,0 +1,106 @@
+"""A GGUF's tokenizer (arrays of tokens, merges and token types, and the name of llama.cpp's pre-tokenizer
+split) rebuilt as the `tokenizers` pipeline of the model's original tokenizer.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gguf
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+from pagedrl.model.gguf_metadata import GGUFError, Metadata
+from pagedrl.model.tokenizer import Tokenizer
+
+# How llama.cpp's `tokenizer.ggml.pre` splits text before BPE, rebuilt as `tokenizers` pre-tokenizers.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_TOKENIZER_FAMILIES = {
+    "default": "gpt2", "gpt2": "gpt2",  # old files without the field: GPT-2's split, as transformers assumes
+    "smollm": "digits", "starcoder": "digits", "refact": "digits", "codeshell": "digits",
+    "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3", "smaug-bpe": "llama3",
+    "qwen2": "qwen2",
+}
+
+
+
+def _byte_level(use_regex: bool) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=use_regex)
+
+
+def _pre_tokenizer(pre: str, source: str) -> tuple[Any, Any, bool]:
+    """(pre-tokenizer, normalizer, ignore_merges) as the model's original tokenizer.json has them."""
+    family = _PRE_TOKENIZER_FAMILIES.get(pre)
+    if family == "gpt2":
+        return _byte_level(True), None, False
+    if family == "digits":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level(True)]), None, False
+    if family in ("llama3", "qwen2"):
+        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT if family == "llama3" else _QWEN2_SPLIT), behavior="isolated")
+        seq = pre_tokenizers.Sequence([split, _byte_level(False)])
+        return seq, (normalizers.NFC() if family == "qwen2" else None), family == "llama3"
+    raise GGUFError(f"{source}: tokenizer.ggml.pre {pre!r} is not supported; "
+                    f"supported: {', '.join(sorted(_PRE_TOKENIZER_FAMILIES))}")
+
+
+def read_tokenizer(meta: Metadata) -> Tokenizer:
+    model = meta.need("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise GGUFError(f"{meta.source}: tokenizer.ggml.model {model!r} is not supported; only 'gpt2' "
+                        "(byte-level BPE) tokenizers are")
+    tokens: list[str] = meta.need("tokenizer.ggml.tokens")
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [int(gguf.TokenType.NORMAL)] * len(tokens)
+    if len(types) != len(tokens):
+        raise GGUFError(f"{meta.source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    merges = [tuple(m.split(" ")) for m in meta.need("tokenizer.ggml.merges")]
+    bad = next((" ".join(m) for m in merges if len(m) != 2), None)
+    if bad is not None:
+        raise GGUFError(f"{meta.source}: tokenizer.ggml.merges entry {bad!r} is not two tokens separated by a space")
+    pre, normalizer, ignore_merges = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), meta.source)
+    backend = BackendTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                          fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges))
+    backend.normalizer = normalizer
+    backend.pre_tokenizer = pre
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>) are special; user-defined ones (<think>) are matched whole but kept
+    # in decoded text. Both must be added tokens or BPE would cut them into pieces.
+    backend.add_tokens([AddedToken(t, special=(k == gguf.TokenType.CONTROL), normalized=False)
+                        for t, k in zip(tokens, types, strict=True)
+                        if k in (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)])
+
+    def token(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    specials = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+                "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and specials["bos_token"] is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and specials["eos_token"] is not None
+    backend.post_processor = post_processor(specials["bos_token"] if add_bos else None,
+                                             specials["eos_token"] if add_eos else None, backend)
+    templates: dict[str, str] = {}
+    for key in meta.reader.fields:
+        if key == "tokenizer.chat_template":
+            templates["default"] = meta.get(key)
+        elif key.startswith("tokenizer.chat_template."):
+            templates[key.removeprefix("tokenizer.chat_template.")] = meta.get(key)
+    chat_template = templates.get("default") if list(templates) in (["default"], []) else templates
+    config = {"add_bos_token": add_bos, "add_eos_token": add_eos, "clean_up_tokenization_spaces": False,
+              "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048))}
+    return Tokenizer(backend, special_tokens=specials, chat_template=chat_template, config=config)
+
+
+def post_processor(bos: str | None, eos: str | None, backend: BackendTokenizer) -> Any:
+    """BOS/EOS around every encoded text when the GGUF asks for them (Llama 3 adds BOS), as in the
+    original tokenizer.json; otherwise byte-level offsets only."""
+    if bos is None and eos is None:
+        return processors.ByteLevel(trim_offsets=False)
+
+    def template(seq: str, type_id: int) -> str:
+        return " ".join(x for x in (bos and f"{bos}:{type_id}", f"${seq}:{type_id}", eos and f"{eos}:{type_id}") if x)
+
+    used = [(t, backend.token_to_id(t)) for t in dict.fromkeys(x for x in (bos, eos) if x is not None)]
+    return processors.TemplateProcessing(single=template("A", 0), pair=f"{template('A', 0)} {template('B', 1)}",
+                                         special_tokens=used)
