@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import decoder_bound
@@ -89,7 +90,8 @@ def llama_cpp_tensors(model: torch.nn.Module, arch: str) -> dict[str, np.ndarray
 
 def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", pre: str = "llama-bpe",
                     tokenizer_model: str = "gpt2", add_bos: bool = True,
-                    types: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+                    types: dict[str, gguf.GGMLQuantizationType] | None = None,
+                    vocabulary: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
     """`model` as llama.cpp would write it; `types` (default: ffn_up and ffn_down in Q8_0) maps tensor
     kinds (attn_q, token_embd, ...) to the GGML types they are stored in, the rest float32. gguf's numpy
     code has no K-quant quantizer: K-quant tensors are random blocks with small scales (the file's
@@ -117,13 +119,16 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(TOKENS)
-    w.add_token_types([3] * len(SPECIALS) + [4] * len(USER_DEFINED) + [1] * (len(TOKENS) - 4))
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
-    w.add_eot_token_id(2)
+    if vocabulary is not None:  # the caller's tokens, types, scores and ids
+        vocabulary(w)
+    else:
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(TOKENS)
+        w.add_token_types([3] * len(SPECIALS) + [4] * len(USER_DEFINED) + [1] * (len(TOKENS) - 4))
+        w.add_token_merges(MERGES)
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(1)
+        w.add_eot_token_id(2)
     w.add_add_bos_token(add_bos)
     w.add_chat_template(TEMPLATE)
     for target, data in llama_cpp_tensors(model, arch).items():
@@ -313,7 +318,7 @@ def test_missing_and_foreign_files_are_clear_errors(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(arch="gpt2"), "architecture 'gpt2' is not supported"),
-    (dict(tokenizer_model="llama"), "tokenizer.ggml.model 'llama' is not supported"),
+    (dict(tokenizer_model="t5"), "tokenizer.ggml.model 't5' is not supported"),
     (dict(pre="made-up"), "tokenizer.ggml.pre 'made-up' is not supported"),
 ])
 def test_unsupported_content_is_a_clear_error(tiny_hf, tmp_path: Path, kwargs: dict, message: str) -> None:

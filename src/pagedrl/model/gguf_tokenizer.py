@@ -47,23 +47,14 @@ def _pre_tokenizer(pre: str, source: str) -> tuple[Any, Any, bool]:
 
 def read_tokenizer(meta: Metadata) -> Tokenizer:
     model = meta.need("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise GGUFError(f"{meta.source}: tokenizer.ggml.model {model!r} is not supported; only 'gpt2' "
-                        "(byte-level BPE) tokenizers are")
+    if model not in ("gpt2", "llama"):
+        raise GGUFError(f"{meta.source}: tokenizer.ggml.model {model!r} is not supported; supported: 'gpt2' "
+                        "(byte-level BPE), 'llama' (SentencePiece BPE)")
     tokens: list[str] = meta.need("tokenizer.ggml.tokens")
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [int(gguf.TokenType.NORMAL)] * len(tokens)
     if len(types) != len(tokens):
         raise GGUFError(f"{meta.source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-    merges = [tuple(m.split(" ")) for m in meta.need("tokenizer.ggml.merges")]
-    bad = next((" ".join(m) for m in merges if len(m) != 2), None)
-    if bad is not None:
-        raise GGUFError(f"{meta.source}: tokenizer.ggml.merges entry {bad!r} is not two tokens separated by a space")
-    pre, normalizer, ignore_merges = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), meta.source)
-    backend = BackendTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                                          fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges))
-    backend.normalizer = normalizer
-    backend.pre_tokenizer = pre
-    backend.decoder = decoders.ByteLevel()
+    backend = _byte_level_bpe(meta, tokens) if model == "gpt2" else _sentencepiece_bpe(meta, tokens)
     # Control tokens (<|im_start|>) are special; user-defined ones (<think>) are matched whole but kept
     # in decoded text. Both must be added tokens or BPE would cut them into pieces.
     backend.add_tokens([AddedToken(t, special=(k == gguf.TokenType.CONTROL), normalized=False)
@@ -79,7 +70,7 @@ def read_tokenizer(meta: Metadata) -> Tokenizer:
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and specials["bos_token"] is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and specials["eos_token"] is not None
     backend.post_processor = post_processor(specials["bos_token"] if add_bos else None,
-                                             specials["eos_token"] if add_eos else None, backend)
+                                            specials["eos_token"] if add_eos else None, backend, model == "gpt2")
     templates: dict[str, str] = {}
     for key in meta.reader.fields:
         if key == "tokenizer.chat_template":
@@ -92,11 +83,65 @@ def read_tokenizer(meta: Metadata) -> Tokenizer:
     return Tokenizer(backend, special_tokens=specials, chat_template=chat_template, config=config)
 
 
-def post_processor(bos: str | None, eos: str | None, backend: BackendTokenizer) -> Any:
-    """BOS/EOS around every encoded text when the GGUF asks for them (Llama 3 adds BOS), as in the
-    original tokenizer.json; otherwise byte-level offsets only."""
+def _merges(meta: Metadata) -> list[tuple[str, ...]]:
+    merges = [tuple(m.split(" ")) for m in meta.need("tokenizer.ggml.merges")]
+    bad = next((" ".join(m) for m in merges if len(m) != 2), None)
+    if bad is not None:
+        raise GGUFError(f"{meta.source}: tokenizer.ggml.merges entry {bad!r} is not two tokens separated by a space")
+    return merges
+
+
+def _byte_level_bpe(meta: Metadata, tokens: list[str]) -> BackendTokenizer:
+    """GPT-2's byte-level BPE (Llama 3, Qwen, SmolLM2): the file's merges, its pre-tokenizer's split."""
+    pre, normalizer, ignore_merges = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), meta.source)
+    backend = BackendTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=_merges(meta),
+                                          fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges))
+    backend.normalizer = normalizer
+    backend.pre_tokenizer = pre
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(meta: Metadata, tokens: list[str]) -> BackendTokenizer:
+    """SentencePiece's BPE (Llama 2, Mistral 7B, TinyLlama, Phi-3): spaces as "▁", one prepended to the
+    text (unless `tokenizer.ggml.add_space_prefix` is false), pieces merged best score first, a byte
+    with no piece of its own spelled as its <0xXX> token. A GGUF holds the pieces and their scores, not
+    merges: each piece's ways of being two pieces become its merges, ranked by its score, as llama.cpp's
+    tokenizer merges the best-scoring pair first (and as transformers rebuilds the tokenizer from a GGUF)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if meta.get("tokenizer.ggml.merges") is not None:
+        merges = _merges(meta)
+    else:
+        scores: list[float] = meta.need("tokenizer.ggml.scores")
+        if len(scores) != len(tokens):
+            raise GGUFError(f"{meta.source}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+        merges = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
+                                                     split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
+    return backend
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces, the pieces of higher score first (ties: the longer left
+    half, then the longer right; the splits of one piece by their halves' ids)."""
+    merges: list[tuple[str, str, float]] = []
+    for piece, score in scores.items():
+        splits = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                  if piece[:i] in vocab and piece[i:] in vocab]
+        merges.extend(sorted(splits, key=lambda s: (vocab[s[0]], vocab[s[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def post_processor(bos: str | None, eos: str | None, backend: BackendTokenizer, byte_level: bool) -> Any:
+    """BOS/EOS around every encoded text when the GGUF asks for them (Llama 2 and 3 add BOS), as in the
+    original tokenizer.json; otherwise byte-level offsets only (none for SentencePiece)."""
     if bos is None and eos is None:
-        return processors.ByteLevel(trim_offsets=False)
+        return processors.ByteLevel(trim_offsets=False) if byte_level else None
 
     def template(seq: str, type_id: int) -> str:
         return " ".join(x for x in (bos and f"{bos}:{type_id}", f"${seq}:{type_id}", eos and f"{eos}:{type_id}") if x)
