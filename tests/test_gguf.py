@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 from test_gguf_linear import random_blocks
-from tiny import BASE, hf_model
+from tiny import BASE, freq_error, hf_model
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pagedrl.model import default as default_module
@@ -50,7 +50,7 @@ GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
-              "mlp.experts.down_proj": "ffn_down_exps"}
+              "mlp.experts.down_proj": "ffn_down_exps", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 QUANTIZED = ("ffn_up", "ffn_down")  # Q8_0, so the dequantisation path is exercised too
 
 
@@ -91,7 +91,7 @@ def llama_cpp_tensors(model: torch.nn.Module, arch: str) -> dict[str, np.ndarray
 def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", pre: str = "llama-bpe",
                     tokenizer_model: str = "gpt2", add_bos: bool = True,
                     types: dict[str, gguf.GGMLQuantizationType] | None = None,
-                    vocabulary: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
+                    vocabulary: Callable[[gguf.GGUFWriter], None] | None = None, pad_token_id: int | None = None) -> Path:
     """`model` as llama.cpp would write it; `types` (default: ffn_up and ffn_down in Q8_0) maps tensor
     kinds (attn_q, token_embd, ...) to the GGML types they are stored in, the rest float32. gguf's numpy
     code has no K-quant quantizer: K-quant tensors are random blocks with small scales (the file's
@@ -109,7 +109,13 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_rope_dimension_count(head_dim)
+    rope = cfg.rope_parameters or {}
+    w.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor")
+                                               or getattr(cfg, "partial_rotary_factor", None) or 1.0)))
+    if rope.get("rope_type") == "longrope":  # Phi-3 128k: the factors as tensors, as llama.cpp writes them
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     if head_dim != cfg.hidden_size // cfg.num_attention_heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -129,6 +135,8 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
         w.add_bos_token_id(0)
         w.add_eos_token_id(1)
         w.add_eot_token_id(2)
+    if pad_token_id is not None:
+        w.add_pad_token_id(pad_token_id)
     w.add_add_bos_token(add_bos)
     w.add_chat_template(TEMPLATE)
     for target, data in llama_cpp_tensors(model, arch).items():
@@ -212,8 +220,7 @@ def test_tiny_config_and_generation_config(tiny_hf, tiny_converted: Path) -> Non
 def assert_float32_forwards(ours: torch.nn.Module, hf: torch.nn.Module, ids: torch.Tensor, *logits: torch.Tensor) -> None:
     """Each float32 forward's logits within float32's bound of the exact ones (`decoder_bound`, with
     transformers' own float32 rotary frequencies): the weights agree, so do the functions."""
-    freq_error = (hf.model.rotary_emb.inv_freq.double() - ours.model.inv_freq.double()).abs()
-    probed = decoder_bound.logits(ours, ids, freq_error=freq_error)
+    probed = decoder_bound.logits(ours, ids, freq_error=freq_error(hf, ours))
     for got in logits:
         assert ((got.double() - probed.exact).abs() <= probed.bound()).all()
 

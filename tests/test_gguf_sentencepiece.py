@@ -69,12 +69,17 @@ def test_ids_equal_transformers_and_the_trained_tokenizer(spm_gguf, trained, tmp
     direct = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     for text in TEXTS:
         ids = ours.encode(text)
-        assert ids == direct.encode(text), text
         assert ids[:1] == [1]  # the file asks for BOS
-        assert ours.decode(ids, True) == direct.decode(ids, skip_special_tokens=True), text
+        # transformers' Metaspace takes a text's own first space for the prefix and puts none after a control
+        # token; llama.cpp puts one before every stretch of text, as the models' tokenizer.json normalizers do
+        if not text.startswith(" ") and "<s>" not in text:
+            assert ids == direct.encode(text), text
+            assert ours.decode(ids, True) == direct.decode(ids, skip_special_tokens=True), text
         if "<s>" not in text:  # (a control token in the text is one, and skipped)
-            # decoding drops the one space SentencePiece put before the text: a text's own leading space with it
-            assert ours.decode(ids, True) == text.removeprefix(" "), text
+            assert ours.decode(ids, True) == text, text
+    # llama.cpp's prefix: a space before the text, whatever it starts with, as the models' tokenizer.json
+    for text, spelled in (("  two", "\u2581\u2581\u2581two"), ("<s> is", "<s>\u2581\u2581is")):
+        assert "".join(ours.id_to_token(i) for i in ours.encode(text, add_special_tokens=False)) == spelled
     # Where every character has a piece, the ids are the trained tokenizer's pieces (offset in the file)
     for text in CORPUS[:6]:
         want = [tokens.index(trained.id_to_token(i)) for i in trained.encode(text).ids]

@@ -35,9 +35,13 @@ except ImportError:  # Windows: no advisory locks; the atomic rename alone still
 # llama.cpp's `general.architecture` -> the transformers architecture it was converted from. Llama's
 # converter permutes the q/k rows (its `permute`); the others keep transformers' layout.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3moe": "Qwen3MoeForCausalLM"}
+                 "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 ROTARY_PERMUTED = ("LlamaForCausalLM",)
+# Phi-3's `ffn_up` is its fused gate_up_proj (and `attn_qkv` its qkv_proj), as transformers holds them.
+FUSED_UP = ("Phi3ForCausalLM",)
+# LongRoPE's per-pair factors (Phi-3 128k): config, not weights.
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 CONVERSION_MARKER = "pagedrl-conversion.json"  # written last: a folder without it is unfinished
 CONVERSION_FORMAT = 1
 
@@ -48,6 +52,7 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused projection
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -81,9 +86,9 @@ def _read_config(meta: Metadata, tensors: dict[str, Any]) -> ModelConfig:
         kv_heads = kv_heads[0]
     head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
     rot = int(meta.get(p + "rope.dimension_count", head_dim))
-    if rot != head_dim:
+    if rot != head_dim and arch != "phi3":
         raise GGUFError(f"{meta.source}: partial rotary embeddings ({p}rope.dimension_count={rot}, "
-                        f"head_dim={head_dim}) are not supported")
+                        f"head_dim={head_dim}) are not supported in {arch!r} files (only in phi3)")
     if "rope_freqs.weight" in tensors:
         raise GGUFError(f"{meta.source}: per-frequency rope factors (tensor rope_freqs.weight, Llama 3.1 style) "
                         "are not supported")
@@ -94,9 +99,12 @@ def _read_config(meta: Metadata, tensors: dict[str, Any]) -> ModelConfig:
         rope_scaling = None
     else:
         raise GGUFError(f"{meta.source}: {p}rope.scaling.type {scaling_type!r} is not supported (linear, none)")
+    if ROPE_FACTORS[0] in tensors:
+        rope_scaling = _longrope(meta, p, tensors)
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{meta.source}: tensor 'token_embd.weight' is missing")
     layers = int(meta.need(p + "block_count"))
+    window = meta.get(p + "attention.sliding_window")
     cfg = ModelConfig(
         architecture=ARCHITECTURES[arch],
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
@@ -113,6 +121,8 @@ def _read_config(meta: Metadata, tensors: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        partial_rotary_factor=rot / head_dim,
+        sliding_window=int(window) if window else None,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
@@ -121,6 +131,20 @@ def _read_config(meta: Metadata, tensors: dict[str, Any]) -> ModelConfig:
     )
     cfg.validate(meta.source)
     return cfg
+
+
+def _longrope(meta: Metadata, p: str, tensors: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3 128k's LongRoPE: the long and short factors a rotary pair (the file's `rope_factors_*`
+    tensors) and the original context they stretch; the attention factor follows from the lengths, as
+    transformers derives it."""
+    def factors(name: str) -> list[float]:
+        if name not in tensors:
+            raise GGUFError(f"{meta.source}: tensor {name!r} is missing beside {ROPE_FACTORS[0]!r}")
+        values = dequantize(tensors[name].data, tensors[name].tensor_type).astype(np.float32).reshape(-1)
+        return [_as_float32_value(v) for v in values]
+
+    return {"rope_type": "longrope", "long_factor": factors(ROPE_FACTORS[0]), "short_factor": factors(ROPE_FACTORS[1]),
+            "original_max_position_embeddings": int(meta.need(p + "rope.scaling.original_context_length"))}
 
 
 def _experts_config(meta: Metadata, p: str, tensors: dict[str, Any], layers: int) -> dict[str, Any]:
@@ -138,13 +162,14 @@ def _experts_config(meta: Metadata, p: str, tensors: dict[str, Any], layers: int
                 mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in tensors])
 
 
-def hf_name(name: str, source: str) -> str:
+def hf_name(name: str, source: str, architecture: str = "LlamaForCausalLM") -> str:
     stem, _, suffix = name.rpartition(".")
     if stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
     m = _LAYER_NAME.fullmatch(name)
     if m and m.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
+        module = "mlp.gate_up_proj" if m.group(2) == "ffn_up" and architecture in FUSED_UP else _LAYER_TENSORS[m.group(2)]
+        return f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
     raise GGUFError(f"{source}: tensor {name!r} has no Hugging Face counterpart in the architectures "
                     f"pagedrl reads from GGUF ({', '.join(SUPPORTED_ARCHITECTURES)})")
 
@@ -164,7 +189,9 @@ def _read_weights(tensors: dict[str, Any], cfg: ModelConfig, source: str) -> dic
     out: dict[str, np.ndarray] = {}
     permuted = cfg.architecture in ROTARY_PERMUTED
     for name, t in tensors.items():
-        hf = hf_name(name, source)
+        if name in ROPE_FACTORS:
+            continue
+        hf = hf_name(name, source, cfg.architecture)
         try:
             w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         except NotImplementedError as e:

@@ -20,7 +20,7 @@ from torch import nn
 
 from pagedrl.model.checkpoint import read_folder_config
 from pagedrl.model.decoder import CausalLM
-from pagedrl.model.gguf import ROTARY_PERMUTED, GGUFError, hf_name, open_gguf
+from pagedrl.model.gguf import ROPE_FACTORS, ROTARY_PERMUTED, GGUFError, hf_name, open_gguf
 from pagedrl.model.gguf_modules import SUPPORTED_TYPES, GGUFEmbedding, GGUFLinear
 
 _FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), int(GGMLQuantizationType.BF16)}
@@ -48,7 +48,9 @@ def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[Caus
             raise GGUFError(f"{source}: tensor {t.name!r} holds a mixture of experts' experts, which "
                             "quantization='gguf' does not keep quantized yet; without quantization the file "
                             "loads dequantized")
-        name = hf_name(t.name, source)
+        if t.name in ROPE_FACTORS:  # (in the config)
+            continue
+        name = hf_name(t.name, source, cfg.architecture)
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
         ggml_type = int(t.tensor_type)

@@ -117,9 +117,12 @@ def _sentencepiece_bpe(meta: Metadata, tokens: list[str]) -> BackendTokenizer:
             raise GGUFError(f"{meta.source}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
         merges = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    # llama.cpp puts a space before the text, then spells every space "▁", as the models' own
+    # tokenizer.json files do (a normalizer: "  hi" is "▁▁▁hi", where a Metaspace pre-tokenizer
+    # would give "▁▁hi").
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
-                                                     split=False)
+    spaces = normalizers.Replace(" ", "▁")
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), spaces]) if prefix else spaces
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
     return backend
