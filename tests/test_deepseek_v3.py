@@ -242,21 +242,6 @@ def test_lora_on_the_experts_and_adapters_per_request_are_refused_by_name() -> N
 def test_serve_answers_as_the_engine_generates(deepseek_folder, tmp_path) -> None:
     """`pagedrl serve` on the DeepSeek-V3 folder answers the OpenAI client with the offline engine's
     text, and its start-up line gives the latent cache's bytes a token beside full keys and values."""
-    import openai
-    from server_process import running_server
+    from server_process import assert_serves_the_engines_text
 
-    from pagedrl.engine.llm import LLM
-    from pagedrl.engine.sampling_params import SamplingParams
-    from pagedrl.model.loader import load_model
-
-    loaded = load_model(str(deepseek_folder), device="cpu")
-    offline = LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
-                              kv_cache_tokens=1024)
-    ref = offline.generate("the cat sat", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-                           use_tqdm=False)[0].outputs[0].text
-    with running_server(deepseek_folder, tmp_path, "--kv-cache-tokens", "1024") as server:
-        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
-            reply = client.completions.create(model=str(deepseek_folder), prompt="the cat sat", max_tokens=8,
-                                              temperature=0, extra_body={"ignore_eos": True})
-        assert reply.choices[0].text == ref
-        assert "latent attention: 480 bytes a token against 1728" in server.log()
+    assert "latent attention: 480 bytes a token against 1728" in assert_serves_the_engines_text(deepseek_folder, tmp_path)

@@ -5,10 +5,7 @@ transformers, the log-prob contract, and `pagedrl serve` on a Phi-3 folder."""
 
 from __future__ import annotations
 
-import json
-
 import decoder_bound
-import httpx
 import pytest
 import torch
 import transformers
@@ -102,19 +99,6 @@ def test_log_prob_contract() -> None:
 
 
 def test_serve_answers_as_the_engine_generates(phi3_folder, tmp_path) -> None:
-    from server_process import running_server
+    from server_process import assert_serves_the_engines_text
 
-    from pagedrl.engine.llm import LLM
-    from pagedrl.engine.sampling_params import SamplingParams
-    from pagedrl.model.loader import load_model
-
-    loaded = load_model(str(phi3_folder), device="cpu")
-    offline = LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
-                              kv_cache_tokens=1024)
-    ref = offline.generate("the cat sat", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-                           use_tqdm=False)[0].outputs[0].text
-    with running_server(phi3_folder, tmp_path, "--kv-cache-tokens", "1024") as server:
-        body = dict(model=str(phi3_folder), prompt="the cat sat", max_tokens=8, temperature=0, ignore_eos=True)
-        reply = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).json()
-        assert reply["choices"][0]["text"] == ref, json.dumps(reply)
-        assert "fused qkv_proj and gate_up_proj" in server.log()
+    assert "fused qkv_proj and gate_up_proj" in assert_serves_the_engines_text(phi3_folder, tmp_path)

@@ -55,20 +55,7 @@ def moe_folder(request, tmp_path_factory) -> Path:
 
 
 def test_serve_answers_the_openai_client_as_the_engine_generates(moe_folder: Path, tmp_path: Path) -> None:
-    import openai
-    from server_process import running_server
+    from server_process import assert_serves_the_engines_text
 
-    from pagedrl.engine.llm import LLM
-    from pagedrl.engine.sampling_params import SamplingParams
-    from pagedrl.model.loader import load_model
-
-    loaded = load_model(str(moe_folder), device="cpu")
-    offline = LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, kv_cache_tokens=512)
-    ref = offline.generate("the cat sat", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-                           use_tqdm=False)[0].outputs[0].text
-    with running_server(moe_folder, tmp_path, "--kv-cache-tokens", "512") as server:
-        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
-            reply = client.completions.create(model=str(moe_folder), prompt="the cat sat", max_tokens=8,
-                                              temperature=0, extra_body={"ignore_eos": True})
-        assert reply.choices[0].text == ref
-        assert re.search(r"M parameters, [\d.]+M active per token", server.log()), server.log()
+    log = assert_serves_the_engines_text(moe_folder, tmp_path, kv_cache_tokens=512)
+    assert re.search(r"M parameters, [\d.]+M active per token", log), log
