@@ -122,7 +122,8 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
     if getattr(cfg, "num_experts", None):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
-        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "moe_intermediate_size", None):  # (Mixtral's experts are of intermediate_size)
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model(tokenizer_model)
     if vocabulary is not None:  # the caller's tokens, types, scores and ids

@@ -1,4 +1,5 @@
-"""GGUF files of the Qwen and Phi-3 families (llama.cpp's `qwen2`, `qwen3`, `qwen3moe`, `phi3`), written here
+"""GGUF files of the Qwen, Phi-3 and Mixtral families (llama.cpp's `qwen2`, `qwen3`, `qwen3moe`, `phi3`, and
+`llama` with experts), written here
 from random transformers models as llama.cpp's converter lays them out: the converted folder holds the
 original model's very tensors (read back by transformers), transformers reading the GGUF itself gives
 the same logits, and the engine keeps the file's quantized projections quantized with the tokens and
@@ -35,6 +36,9 @@ FAMILIES = {
     "qwen3-moe": ("qwen3moe", dict(QWEN, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=24,
                                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                    mlp_only_layers=[1], norm_topk_prob=True)),
+    # Mixtral: a `llama` file with experts (q/k permuted, as llama.cpp's converter does there)
+    "mixtral": ("llama", dict(FAMILY_CONFIGS["mixtral"], vocab_size=QWEN["vocab_size"], bos_token_id=0,
+                              eos_token_id=1, pad_token_id=None)),
     "phi3-4k": ("phi3", dict(QWEN, architectures=["Phi3ForCausalLM"], model_type="phi3", tie_word_embeddings=False)),
     # Phi-3 with its fused projections, a partial rotation and LongRoPE (tests/tiny.py's)
     "phi3": ("phi3", dict(FAMILY_CONFIGS["phi3-longrope"], vocab_size=QWEN["vocab_size"], bos_token_id=0,

@@ -23,6 +23,7 @@ from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
 from pagedrl.model.config import ModelConfig
+from pagedrl.model.expert_weights import DISK_NAMES
 from pagedrl.model.gguf_metadata import GGUFError, Metadata, open_gguf
 from pagedrl.model.gguf_tokenizer import read_tokenizer
 from pagedrl.model.staging import staged_folder
@@ -37,7 +38,7 @@ except ImportError:  # Windows: no advisory locks; the atomic rename alone still
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
-ROTARY_PERMUTED = ("LlamaForCausalLM",)
+ROTARY_PERMUTED = ("LlamaForCausalLM", "MixtralForCausalLM")  # (Mixtral: a `llama` file with experts)
 # Phi-3's `ffn_up` is its fused gate_up_proj (and `attn_qkv` its qkv_proj), as transformers holds them.
 FUSED_UP = ("Phi3ForCausalLM",)
 # LongRoPE's per-pair factors (Phi-3 128k): config, not weights.
@@ -106,7 +107,7 @@ def _read_config(meta: Metadata, tensors: dict[str, Any]) -> ModelConfig:
     layers = int(meta.need(p + "block_count"))
     window = meta.get(p + "attention.sliding_window")
     cfg = ModelConfig(
-        architecture=ARCHITECTURES[arch],
+        architecture="MixtralForCausalLM" if arch == "llama" and meta.get(p + "expert_count") else ARCHITECTURES[arch],
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
         intermediate_size=int(meta.need(p + "feed_forward_length")),
@@ -148,15 +149,18 @@ def _longrope(meta: Metadata, p: str, tensors: dict[str, Any]) -> dict[str, Any]
 
 
 def _experts_config(meta: Metadata, p: str, tensors: dict[str, Any], layers: int) -> dict[str, Any]:
-    """A mixture of experts' fields (none for a dense file). Layers without expert tensors are dense
-    (Qwen3-MoE's `mlp_only_layers`); llama.cpp always renormalises the chosen experts' weights in
-    `qwen3moe`, so `norm_topk_prob` is true, as transformers reads such a file."""
+    """A mixture of experts' fields (none for a dense file): Mixtral's in a `llama` file (its experts of
+    `feed_forward_length`); Qwen3-MoE's, whose layers without expert tensors are dense (`mlp_only_layers`)
+    and whose chosen experts' weights llama.cpp always renormalises, so `norm_topk_prob` is true, as
+    transformers reads such a file."""
     experts = meta.get(p + "expert_count")
     if not experts:
         return {}
+    if p == "llama.":
+        return dict(num_experts=int(experts), num_experts_per_tok=int(meta.need(p + "expert_used_count")))
     if p != "qwen3moe.":
-        raise GGUFError(f"{meta.source}: a {p[:-1]!r} file with experts ({p}expert_count={experts}, Mixtral's "
-                        "layout) is not supported; supported mixtures of experts: qwen3moe")
+        raise GGUFError(f"{meta.source}: a {p[:-1]!r} file with experts ({p}expert_count={experts}) is not "
+                        "supported; supported mixtures of experts: llama (Mixtral), qwen3moe")
     return dict(num_experts=int(experts), num_experts_per_tok=int(meta.need(p + "expert_used_count")),
                 moe_intermediate_size=int(meta.need(p + "expert_feed_forward_length")), norm_topk_prob=True,
                 mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in tensors])
@@ -202,21 +206,29 @@ def _read_weights(tensors: dict[str, Any], cfg: ModelConfig, source: str) -> dic
         elif permuted and ".attn_k." in name:
             w = unpermute_rotary(w, cfg.num_key_value_heads)
         out[hf] = np.ascontiguousarray(w)
-    return _split_experts(out)
+    return _split_experts(out, cfg)
 
 
-def _split_experts(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _split_experts(state: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Each layer's `ffn_{gate,up,down}_exps` ([experts, rows, columns]) as one tensor per expert and
-    projection, the layout Qwen3-MoE checkpoints publish (`expert_weights`), which transformers reads
-    and the loader stacks back."""
+    projection, and the router, under the names the family's checkpoints publish (`expert_weights`:
+    Mixtral's `block_sparse_moe.experts.E.w1`, Qwen3-MoE's `mlp.experts.E.gate_proj`), which transformers
+    reads and the loader stacks back."""
+    names = DISK_NAMES.get(cfg.model_type)
+    if names is None:
+        return state
+    roles = {"gate_proj": names.gate, "up_proj": names.up, "down_proj": names.down}
     out: dict[str, np.ndarray] = {}
     for name, w in state.items():
         stem, _, proj = name.removesuffix(".weight").rpartition(".")
-        if not stem.endswith(".mlp.experts") or w.ndim != 3:
+        if stem.endswith(".mlp") and proj == "gate":  # the router
+            out[f"{stem.removesuffix('mlp')}{names.block}.gate.weight"] = w
+        elif stem.endswith(".mlp.experts") and w.ndim == 3:
+            block = f"{stem.removesuffix('mlp.experts')}{names.block}.experts"
+            for e in range(w.shape[0]):
+                out[f"{block}.{e}.{roles[proj]}.weight"] = np.ascontiguousarray(w[e])
+        else:
             out[name] = w
-            continue
-        for e in range(w.shape[0]):
-            out[f"{stem}.{e}.{proj}.weight"] = np.ascontiguousarray(w[e])
     return out
 
 
@@ -233,7 +245,7 @@ def _generation_config(meta: Metadata) -> dict[str, Any]:
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
-    """Write the Hugging Face folder for a GGUF (llama, qwen2, qwen3, qwen3moe) at `out_dir` and return it.
+    """Write the Hugging Face folder for a GGUF (llama, qwen2, qwen3, qwen3moe, phi3) at `out_dir` and return it.
 
     Everything is written to a temporary sibling and renamed into place at the end, so `out_dir`
     either does not exist or is complete, whatever happens to this process. An existing `out_dir` is
