@@ -241,7 +241,7 @@ TEXTS = ["the cat in the hat", " the  cat\n\nin 12 34", "<|begin|>hi<|end|>", "a
          "x<|eot|>"]
 
 
-@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "smollm", "gpt2"])
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "smollm", "gpt2", "gpt-4o"])
 @pytest.mark.parametrize("add_bos", [True, False])
 def test_tiny_tokenizer_matches_transformers_reading_the_gguf(tiny_hf, tmp_path: Path, pre: str,
                                                              add_bos: bool) -> None:

@@ -17,11 +17,16 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k (Phi-4-mini, gpt-oss): case-aware words with their contractions, numbers of up to three digits.
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "gpt-4o": _GPT4O_SPLIT}
 _PRE_TOKENIZER_FAMILIES = {
     "default": "gpt2", "gpt2": "gpt2",  # old files without the field: GPT-2's split, as transformers assumes
     "smollm": "digits", "starcoder": "digits", "refact": "digits", "codeshell": "digits",
     "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3", "smaug-bpe": "llama3",
-    "qwen2": "qwen2",
+    "qwen2": "qwen2", "gpt-4o": "gpt-4o",
 }
 
 
@@ -37,8 +42,8 @@ def _pre_tokenizer(pre: str, source: str) -> tuple[Any, Any, bool]:
         return _byte_level(True), None, False
     if family == "digits":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level(True)]), None, False
-    if family in ("llama3", "qwen2"):
-        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT if family == "llama3" else _QWEN2_SPLIT), behavior="isolated")
+    if family in _SPLITS:
+        split = pre_tokenizers.Split(Regex(_SPLITS[family]), behavior="isolated")
         seq = pre_tokenizers.Sequence([split, _byte_level(False)])
         return seq, (normalizers.NFC() if family == "qwen2" else None), family == "llama3"
     raise GGUFError(f"{source}: tokenizer.ggml.pre {pre!r} is not supported; "
