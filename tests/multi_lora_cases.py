@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from tiny import randomise_adapter
 
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_adapter
 from pagedrl.model.loader import load_model
-from pagedrl.model.lora import LoRAConfig, apply_lora, lora_layers
+from pagedrl.model.lora import LoRAConfig, apply_lora
 
 PROMPTS = ["the cat sat on the mat", "what is two plus three", "red green blue yellow"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -28,10 +29,7 @@ def pagedrl_adapter(base: Path, folder: Path, r: int, targets: list[str], seed: 
     loaded = load_model(base, device="cpu", dtype=torch.float32)
     apply_lora(loaded.model, LoRAConfig(r=r, lora_alpha=2 * r, target_modules=targets,
                                         base_model_name_or_path=str(base)), torch.Generator().manual_seed(seed))
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for _, layer in lora_layers(loaded.model):
-            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * 0.5)
+    randomise_adapter(loaded.model, seed + 100, scale=0.5)
     return save_adapter(loaded.model, folder)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
-from tiny import DEEPSEEK_FAMILIES, hf_model, ours_from, ours_logits, padded_batch
+from tiny import DEEPSEEK_FAMILIES, hf_model, ours_from, ours_logits, padded_batch, randomise_adapter
 
 from pagedrl.model.checkpoint import load_causal_lm, save_checkpoint
 from pagedrl.model.config import ConfigError, ModelConfig
@@ -205,10 +205,7 @@ def test_lora_adapter_loads_in_peft_with_the_same_logits_and_generation(tmp_path
                torch.Generator().manual_seed(0))
     adapted = {name.rpartition(".")[2] for name, _ in lora_layers(ours)}
     assert adapted == set(ATTENTION_PROJECTIONS) - ({"q_proj"} if hf.config.q_lora_rank else {"q_a_proj", "q_b_proj"})
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for _, layer in lora_layers(ours):
-            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * 0.1)
+    randomise_adapter(ours)
     ours.eval()
     save_adapter(ours, tmp_path / "adapter")
     ids, mask = padded_batch(hf.config.vocab_size, length=24, left=5, right=17)

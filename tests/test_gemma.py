@@ -12,12 +12,12 @@ import pytest
 import torch
 import transformers
 from test_engine_greedy import GREEDY, MAX_NEW, engine_for, prompts, reference, strip_eos
-from tiny import GEMMA_FAMILIES, hf_model, ours_from, ours_logits, padded_batch
+from tiny import GEMMA_FAMILIES, hf_model, ours_from, ours_logits, padded_batch, randomise_adapter
 
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.checkpoint import load_causal_lm, save_checkpoint
 from pagedrl.model.config import ConfigError, ModelConfig
-from pagedrl.model.lora import LoRAConfig, apply_lora, lora_layers
+from pagedrl.model.lora import LoRAConfig, apply_lora
 
 FAMILIES = sorted(GEMMA_FAMILIES)
 
@@ -113,10 +113,7 @@ def test_lora_adapter_loads_in_peft_with_the_same_logits(tmp_path, family: str) 
     hf = hf_model(GEMMA_FAMILIES[family])
     ours = ours_from(hf)
     apply_lora(ours, LoRAConfig(r=4, lora_alpha=8, target_modules=["all-linear"]), torch.Generator().manual_seed(0))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for _, layer in lora_layers(ours):
-            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * 0.1)
+    randomise_adapter(ours)
     ours.eval()
     save_adapter(ours, tmp_path / "adapter")
     ids, mask = padded_batch(hf.config.vocab_size)

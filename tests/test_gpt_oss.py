@@ -15,13 +15,13 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 from test_engine_greedy import GREEDY, MAX_NEW, engine_for, prompts, reference, strip_eos
-from tiny import GPT_OSS_FAMILIES, hf_model, ours_from, ours_logits, padded_batch
+from tiny import GPT_OSS_FAMILIES, hf_model, ours_from, ours_logits, padded_batch, randomise_adapter
 
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model import mxfp4
 from pagedrl.model.checkpoint import CheckpointError, load_causal_lm, save_checkpoint
 from pagedrl.model.config import ConfigError, ModelConfig
-from pagedrl.model.lora import LoRAConfig, apply_lora, lora_layers
+from pagedrl.model.lora import LoRAConfig, apply_lora
 from pagedrl.model.moe import SparseMoeBlock
 
 RAW = GPT_OSS_FAMILIES["gpt-oss"]
@@ -188,10 +188,7 @@ def test_lora_on_attention_loads_in_peft_and_experts_are_refused(tmp_path) -> No
     ours = ours_from(hf)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
     apply_lora(ours, LoRAConfig(r=4, lora_alpha=8, target_modules=targets), torch.Generator().manual_seed(0))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for _, layer in lora_layers(ours):
-            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * 0.1)
+    randomise_adapter(ours)
     ours.eval()
     save_adapter(ours, tmp_path / "adapter")
     ids, mask = padded_batch(hf.config.vocab_size)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from hub_cache import cache_snapshot, commit_hash, folder_files
+from tiny import randomise_adapter
 
 from pagedrl.cli import main
 from pagedrl.engine.llm import LLM
@@ -20,7 +21,7 @@ from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.adapter import read_adapter_config, save_adapter
 from pagedrl.model.checkpoint import CheckpointError, load_causal_lm
 from pagedrl.model.loader import load_model
-from pagedrl.model.lora import LoRAConfig, apply_lora, lora_layers
+from pagedrl.model.lora import LoRAConfig, apply_lora
 from pagedrl.model.resolve import HUB_FILES, HUB_PROBE_TIMEOUT_S, hub_cache_dir, resolve_model_path
 
 REPO = "tinyorg/tiny-chat"
@@ -155,10 +156,7 @@ def test_an_adapter_on_a_hub_base_and_an_adapter_in_the_hub(hub, versions, tmp_p
     loaded = load_model(versions[1], device="cpu", dtype=torch.float32)
     apply_lora(loaded.model, LoRAConfig(r=2, target_modules=["all-linear"], base_model_name_or_path=REPO,
                                         revision="v2"), torch.Generator().manual_seed(0))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for _, layer in lora_layers(loaded.model):
-            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * 0.5)
+    randomise_adapter(loaded.model, 1, scale=0.5)
     folder = save_adapter(loaded.model, tmp_path / "adapter", None)
     assert json.loads((folder / "adapter_config.json").read_text())["revision"] == "v2"
     live = LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, kv_cache_tokens=512)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 from float_bounds import gamma
-from tiny import FAMILIES, freq_error, hf_model
+from tiny import FAMILIES, freq_error, hf_model, randomise_adapter
 
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
@@ -42,14 +42,6 @@ def pagedrl_from(hf: torch.nn.Module) -> CausalLM:
     model = CausalLM(ModelConfig.from_dict(hf.config.to_dict()))
     model.load_state_dict(hf.state_dict(), strict=False)
     return model.eval()
-
-
-def randomise_adapter(model: torch.nn.Module, seed: int = 3) -> None:
-    """B starts at zero (the adapter is then a no-op): draw it, so the comparison means something."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, layer in lora_layers(model):
-            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * 0.1)
 
 
 def logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import httpx
 import pytest
 import torch
 from server_process import running_server
+from tiny import randomise_adapter
 
 from pagedrl.cli import main
 from pagedrl.engine.llm import LLM
@@ -18,19 +19,12 @@ from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.adapter import save_adapter
 from pagedrl.model.heads import load_sequence_scorer
 from pagedrl.model.loader import load_model
-from pagedrl.model.lora import LoRAConfig, apply_lora, lora_layers
+from pagedrl.model.lora import LoRAConfig, apply_lora
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.rl.reward_model import RewardModel
 
 PROMPT = "the cat sat on the mat"
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-
-
-def randomise(model: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, layer in lora_layers(model):
-            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * 0.5)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +33,7 @@ def adapter(tiny_train_model, tmp_path_factory) -> tuple[Path, list[int]]:
     loaded = load_model(tiny_train_model, device="cpu", dtype=torch.float32)
     apply_lora(loaded.model, LoRAConfig(r=4, target_modules=["all-linear"], base_model_name_or_path=str(tiny_train_model)),
                torch.Generator().manual_seed(0))
-    randomise(loaded.model, 1)
+    randomise_adapter(loaded.model, 1, scale=0.5)
     folder = save_adapter(loaded.model, tmp_path_factory.mktemp("adapter") / "final", loaded.tokenizer)
     live = LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, kv_cache_tokens=1024)
     tokens = live.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
@@ -84,7 +78,7 @@ def test_a_reward_model_adapter_merges_into_a_classifier(tiny_train_model, tmp_p
     scorer = load_sequence_scorer(tiny_train_model, generator=torch.Generator().manual_seed(0))
     apply_lora(scorer, LoRAConfig(r=4, task_type="SEQ_CLS", modules_to_save=["score"],
                                   base_model_name_or_path=str(tiny_train_model)), torch.Generator().manual_seed(1))
-    randomise(scorer, 2)
+    randomise_adapter(scorer, 2, scale=0.5)
     save_adapter(scorer, tmp_path / "rm", Tokenizer.from_folder(tiny_train_model))
     ids = torch.tensor([[5, 17, 42, 9, 77, 31, 8]])
     with torch.no_grad():

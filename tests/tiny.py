@@ -104,6 +104,18 @@ def ours_logits(model, ids, mask=None):
         return model.logits(model(ids, attention_mask=mask))
 
 
+def randomise_adapter(model, seed: int = 3, scale: float = 0.1) -> None:
+    """B starts at zero (the adapter is then a no-op): draw it, so a comparison means something."""
+    import torch
+
+    from pagedrl.model.lora import lora_layers
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * scale)
+
+
 def freq_error(hf, ours):
     """How far transformers' float32 rotary frequencies are from a pagedrl model's (`decoder_bound`'s
     `freq_error`); LongRoPE's: the larger of the short and the long set's error per pair (transformers'
