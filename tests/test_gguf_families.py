@@ -22,6 +22,7 @@ from tiny import hf_model
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.checkpoint import load_causal_lm, read_folder_config
 from pagedrl.model.gguf import GGUFError, convert_gguf
+from pagedrl.model.gguf_modules import GGUFExperts
 from pagedrl.model.loader import load_model
 
 QWEN = dict(TINY, num_key_value_heads=2, tie_word_embeddings=True)
@@ -88,15 +89,18 @@ def test_transformers_reading_the_gguf_gives_the_same_logits(name: str, tmp_path
         assert_float32_forwards(ours, direct, ids, direct(ids).logits, ours.logits(ours(ids)))
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3-head24", "phi3"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3-head24", "phi3", "qwen3-moe", "mixtral"])
 def test_engine_kept_quantized_gives_the_dequantized_engines_tokens(name: str, tmp_path: Path) -> None:
     """Projections in Q8_0, Q4_0 and Q4_1, q and k among them (unpermuted in these architectures; Phi-3's
-    fused qkv and gate-up): the quantized engine's sampled and greedy tokens and log-probs are the float32
-    engine's on the same file (Phi-3's through the modules: it has no CPU decode program)."""
+    fused qkv and gate-up; the mixtures' experts, each a slice of one tensor a projection): the quantized
+    engine's sampled and greedy tokens and log-probs are the float32 engine's on the same file (Phi-3's
+    and the mixtures' through the modules: they have no CPU decode program)."""
     _, path = family_gguf(name, tmp_path, types={"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1,
                                                  "attn_qkv": Q.Q4_1, "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_1,
-                                                 "ffn_up": Q.Q4_0, "ffn_down": Q.Q8_0, "token_embd": Q.Q8_0})
-    settings = dict(enforce_eager=True) if name == "phi3" else {}
+                                                 "ffn_up": Q.Q4_0, "ffn_down": Q.Q8_0, "token_embd": Q.Q8_0,
+                                                 "ffn_gate_exps": Q.Q4_1, "ffn_up_exps": Q.Q8_0,
+                                                 "ffn_down_exps": Q.Q4_0})
+    settings = {} if name in ("qwen2", "qwen3-head24") else dict(enforce_eager=True)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(5, len(TOKENS), size=n).tolist() for n in (3, 17, 30, 9)]
     for params in (SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=7, logprobs=0, ignore_eos=True),
@@ -105,8 +109,18 @@ def test_engine_kept_quantized_gives_the_dequantized_engines_tokens(name: str, t
         assert quantized == plain
 
 
-def test_experts_under_quantization_gguf_are_refused_by_name(tmp_path: Path) -> None:
-    _, path = family_gguf("qwen3-moe", tmp_path, types={"ffn_up": Q.Q8_0})
-    with pytest.raises(GGUFError, match=r"'blk.0.ffn_gate_exps.weight' holds a mixture of experts' experts"):
-        load_model(str(path), quantization="gguf")
-    assert load_model(str(path)).model.config.num_experts == 8  # dequantized, it loads
+def test_experts_are_kept_quantized_and_mixed_types_refused_by_name(tmp_path: Path) -> None:
+    _, path = family_gguf("qwen3-moe", tmp_path, types={"ffn_gate_exps": Q.Q4_1, "ffn_up_exps": Q.Q4_1,
+                                                        "ffn_down_exps": Q.Q8_0})
+    quantized, plain = load_model(str(path), quantization="gguf").model, load_model(str(path)).model
+    experts = quantized.model.layers[0].mlp.experts
+    assert isinstance(experts, GGUFExperts) and experts.num_experts == 8
+    assert not isinstance(quantized.model.layers[1].mlp, type(quantized.model.layers[0].mlp))  # the dense layer
+    ids = torch.tensor([[3, 40, 7, 99, 12, 5, 61, 8]])
+    with torch.no_grad():
+        assert torch.equal(quantized.logits(quantized(ids)), plain.logits(plain(ids)))
+    (tmp_path / "mixed").mkdir()
+    _, mixed = family_gguf("qwen3-moe", tmp_path / "mixed", types={"ffn_gate_exps": Q.Q4_1})
+    with pytest.raises(GGUFError, match=r"model.layers.0.mlp.experts: experts of types ffn_down_exps F32, "
+                                        r"ffn_gate_exps Q4_1, ffn_up_exps F32"):
+        load_model(str(mixed), quantization="gguf")

@@ -1,4 +1,4 @@
-"""A projection and an embedding whose weights stay GGUF blocks in memory.
+"""A projection, an embedding and a mixture of experts' experts whose weights stay GGUF blocks in memory.
 
 Why: a decode step of a few sequences reads every weight once, so its speed is the speed the weights
 stream from memory. The default model's GGUF stores its projections as Q4_1 (0.5625 bytes a weight)
@@ -26,6 +26,7 @@ from torch import nn
 from pagedrl.kernels import ops
 from pagedrl.kernels.products import quantized_rows
 from pagedrl.model import gguf_dequant, routed
+from pagedrl.model.moe import Experts
 
 # The GGML types kept quantized: what llama.cpp's users download most (GGMLQuantizationType values; their
 # block shapes are `gguf_dequant.FORMATS`', which the CPU kernels share).
@@ -109,3 +110,29 @@ class GGUFEmbedding(nn.Module):
         rows = dequantize(self.table.qweight.index_select(0, flat), self.table.ggml_type, self.embedding_dim,
                           self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
+
+
+class GGUFExperts(Experts):
+    """A mixture of experts' E SwiGLU experts (Mixtral's, Qwen3-MoE's) as the GGUF file holds them: per
+    expert a gate, an up and a down projection of blocks, each a `GGUFLinear`. An expert's rows take
+    the float model's steps in its order: gate and up side by side as `gate_up_proj`'s product lays them,
+    SiLU of the first half times the second, then down; so the float32 model's bits, as for every
+    `GGUFLinear`. Not routable: the engine's expert route multiplies stacked float weights."""
+
+    routable = False
+
+    def __init__(self, gate: list[GGUFLinear], up: list[GGUFLinear], down: list[GGUFLinear]) -> None:
+        nn.Module.__init__(self)  # (no stacked float tensors)
+        if not len(gate) == len(up) == len(down) or not gate:
+            raise ValueError(f"experts need as many gate, up and down projections, got {len(gate)}, {len(up)}, "
+                             f"{len(down)}")
+        self.num_experts, self.intermediate_size = len(gate), gate[0].out_features
+        self.gate, self.up, self.down = nn.ModuleList(gate), nn.ModuleList(up), nn.ModuleList(down)
+
+    def extra_repr(self) -> str:
+        types = {type_name(m.ggml_type) for m in [*self.gate, *self.up, *self.down]}
+        return f"experts={self.num_experts}, intermediate={self.intermediate_size}, types={sorted(types)}"
+
+    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.cat([self.gate[e](rows), self.up[e](rows)], dim=-1).chunk(2, dim=-1)
+        return self.down[e](F.silu(gate) * up)

@@ -4,13 +4,17 @@ The model is the one `model/gguf.py` converts (same config, tokenizer, names and
 on the meta device so that no float32 copy of a quantized weight is ever made: each projection and the
 embedding become `GGUFLinear` / `GGUFEmbedding` over the file's own blocks (the q/k rows un-permuted
 as whole rows of blocks in the `llama` architecture, which is what llama.cpp's permutation moves), norms
-and other float tensors load as float32. A tied LM head multiplies the embedding's blocks.
+and other float tensors load as float32. A tied LM head multiplies the embedding's blocks. A mixture of
+experts' experts (llama.cpp's `ffn_*_exps`, one [experts, rows, blocks] tensor a projection) become
+`GGUFExperts`, each expert's projections over its own rows of blocks.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import re
+from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +25,7 @@ from torch import nn
 from pagedrl.model.checkpoint import read_folder_config
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.gguf import ROPE_FACTORS, ROTARY_PERMUTED, GGUFError, hf_name, open_gguf
-from pagedrl.model.gguf_modules import SUPPORTED_TYPES, GGUFEmbedding, GGUFLinear
+from pagedrl.model.gguf_modules import SUPPORTED_TYPES, GGUFEmbedding, GGUFExperts, GGUFLinear
 
 _FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), int(GGMLQuantizationType.BF16)}
 
@@ -30,6 +34,36 @@ def unpermute_rotary_rows(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
     """`gguf.unpermute_rotary` on whole rows (of blocks): per head, rows [pair, half] → [half, pair]."""
     n = rows.shape[0]
     return rows.reshape(n_heads, n // n_heads // 2, 2, -1).transpose(1, 2).reshape(n, -1).contiguous()
+
+
+_EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.weight")
+
+
+def _load_experts(block: nn.Module, tensors: dict[str, Any], floats: dict[str, torch.Tensor], name: str, source: str,
+                  kept: Counter[str]) -> None:
+    """A layer's `ffn_{gate,up,down}_exps` ([experts, rows, blocks]): kept quantized as `GGUFExperts` when
+    all three are of a kept type, read as the float model's stacked `gate_up_proj` / `down_proj` when all
+    three are float tensors."""
+    if sorted(tensors) != ["down", "gate", "up"]:
+        raise GGUFError(f"{source}: {name} has expert tensors {sorted(tensors)}; it needs gate, up and down")
+    types = {proj: int(t.tensor_type) for proj, t in tensors.items()}
+    if all(ggml_type in _FLOAT_TYPES for ggml_type in types.values()):
+        stacks = {proj: torch.from_numpy(np.array(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
+            [int(d) for d in reversed(t.shape)])) for proj, t in tensors.items()}
+        floats[f"{name}.gate_up_proj"] = torch.cat([stacks["gate"], stacks["up"]], dim=1)
+        floats[f"{name}.down_proj"] = stacks["down"]
+        return
+    if not all(ggml_type in SUPPORTED_TYPES for ggml_type in types.values()):
+        listed = ", ".join(f"ffn_{proj}_exps {tensors[proj].tensor_type.name}" for proj in sorted(types))
+        raise GGUFError(f"{source}: {name}: experts of types {listed}; quantization='gguf' keeps experts whose three "
+                        f"tensors are all of {', '.join(SUPPORTED_TYPES.values())} (or all float)")
+    projections: dict[str, list[GGUFLinear]] = {}
+    for proj, t in tensors.items():
+        count, rows, k = (int(d) for d in reversed(t.shape))
+        blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(count, rows, -1)
+        projections[proj] = [GGUFLinear(blocks[e], types[proj], k) for e in range(count)]
+        kept[t.tensor_type.name] += 1
+    block.experts = GGUFExperts(projections["gate"], projections["up"], projections["down"])
 
 
 def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[CausalLM, Counter[str]]:
@@ -43,11 +77,11 @@ def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[Caus
     kept: Counter[str] = Counter()
     floats: dict[str, torch.Tensor] = {}
     permuted = cfg.architecture in ROTARY_PERMUTED
+    experts: dict[int, dict[str, Any]] = defaultdict(dict)  # layer -> projection -> its GGUF tensor
     for t in reader.tensors:
-        if t.name.endswith("_exps.weight"):
-            raise GGUFError(f"{source}: tensor {t.name!r} holds a mixture of experts' experts, which "
-                            "quantization='gguf' does not keep quantized yet; without quantization the file "
-                            "loads dequantized")
+        if (m := _EXPERTS.fullmatch(t.name)) is not None:
+            experts[int(m["layer"])][m["proj"]] = t
+            continue
         if t.name in ROPE_FACTORS:  # (in the config)
             continue
         name = hf_name(t.name, source, cfg.architecture)
@@ -75,6 +109,8 @@ def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[Caus
             else GGUFLinear(blocks, ggml_type, shape[1])
         setattr(parent, child, replacement)
         kept[t.tensor_type.name] += 1
+    for layer, tensors in experts.items():
+        _load_experts(model.model.layers[layer].mlp, tensors, floats, f"model.layers.{layer}.mlp.experts", source, kept)
     embed = model.model.embed_tokens
     if cfg.tie_word_embeddings and "lm_head.weight" not in floats and isinstance(model.lm_head, nn.Linear):
         if isinstance(embed, GGUFEmbedding):
