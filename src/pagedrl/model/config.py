@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedrl.model.config_error import ConfigError
 from pagedrl.model.deepseek import (
     DEEPSEEK_ARCHITECTURES,
     DEEPSEEK_FIELDS,
@@ -25,11 +26,6 @@ from pagedrl.model.deepseek import (
 from pagedrl.model.gemma import GEMMA_FIELDS, GemmaRules, gemma_dict, gemma_fields
 from pagedrl.model.gpt_oss import GPT_OSS_FIELDS, GptOssRules, gpt_oss_dict, gpt_oss_fields
 from pagedrl.model.rope_fields import phi3_fields, validate_longrope, validate_yarn
-
-
-class ConfigError(ValueError):
-    """A config.json that pagedrl cannot build a model from; the message names file and field."""
-
 
 # architectures entry -> (model_type, q/k/v bias by default, q/k RMSNorm)
 ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedrl.model.config_error import ConfigError
+
 DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 # config.json fields the family publishes that `deepseek_fields` reads (not kept as extras).
 DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -78,8 +80,6 @@ def softmax_scale(qk_head_dim: int, scaling: dict[str, Any] | None) -> float:
 
 def deepseek_fields(raw: dict[str, Any], base: str, scaling: dict[str, Any] | None, source: str) -> dict[str, Any]:
     """ModelConfig fields of a DeepSeek-V3 config.json (none for another family), each checked."""
-    from pagedrl.model.config import ConfigError
-
     if base not in DEEPSEEK_ARCHITECTURES:
         return {}
 

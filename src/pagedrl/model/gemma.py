@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedrl.model.config_error import ConfigError
+
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # config.json fields these families publish that `gemma_fields` reads (not kept as extras).
 GEMMA_FIELDS = ("query_pre_attn_scalar", "layer_types", "sliding_window_pattern", "rope_local_base_freq",
@@ -53,8 +55,6 @@ def gemma_fields(raw: dict[str, Any], base: str, source: str) -> dict[str, Any]:
     """ModelConfig fields of a Gemma 2/3 config.json (none for another family): the rules, the
     activation, and the global layers' rope. The window goes into the rules, not `sliding_window`,
     which means every layer's window (and caps the context the engine serves)."""
-    from pagedrl.model.config import ConfigError
-
     if base not in GEMMA_ARCHITECTURES:
         return {}
     gemma3 = base == "Gemma3ForCausalLM"
@@ -105,8 +105,6 @@ def _cap(raw: dict[str, Any], name: str, default: float | None, source: str) -> 
 
 
 def _positive(raw: dict[str, Any], name: str, default: float | None, source: str) -> int | float:
-    from pagedrl.model.config import ConfigError
-
     value = raw.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise ConfigError(f"{source}: field {name!r} must be a positive number{' or null' if default is None else ''}, "

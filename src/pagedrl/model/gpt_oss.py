@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedrl.model.config_error import ConfigError
+
 GPT_OSS_ARCHITECTURE = "GptOssForCausalLM"
 # config.json fields this family publishes that `gpt_oss_fields` reads (not kept as extras).
 GPT_OSS_FIELDS = ("layer_types", "swiglu_limit", "swiglu_alpha", "quantization_config", "rope_scaling")
@@ -49,8 +51,6 @@ def gpt_oss_fields(raw: dict[str, Any], base: str, source: str) -> dict[str, Any
     """ModelConfig fields of a gpt-oss config.json (none for another family): the rules, the mixture of
     experts' fields and the rope (YaRN unless the config names another). The window goes into the
     rules, not `sliding_window`, which means every layer's window (and caps the context the engine serves)."""
-    from pagedrl.model.config import ConfigError
-
     if base != GPT_OSS_ARCHITECTURE:
         return {}
     layers = raw["num_hidden_layers"]

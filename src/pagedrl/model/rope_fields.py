@@ -5,11 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-def _error(message: str) -> ValueError:
-    from pagedrl.model.config import ConfigError  # (config imports this module)
-
-    return ConfigError(message)
+from pagedrl.model.config_error import ConfigError
 
 
 def phi3_fields(raw: dict[str, Any], rope: dict[str, Any], scaling: dict[str, Any] | None,
@@ -22,7 +18,7 @@ def phi3_fields(raw: dict[str, Any], rope: dict[str, Any], scaling: dict[str, An
     set them (0), and writes them back."""
     partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if isinstance(partial, bool) or not isinstance(partial, (int, float)):
-        raise _error(f"{source}: field 'partial_rotary_factor' must be a number, got {partial!r}")
+        raise ConfigError(f"{source}: field 'partial_rotary_factor' must be a number, got {partial!r}")
     fields: dict[str, Any] = dict(partial_rotary_factor=float(partial))
     if scaling is not None:
         if scaling["rope_type"] in ("su", "yarn"):
@@ -38,7 +34,7 @@ def validate_yarn(scaling: dict[str, Any], source: str) -> None:
     for name in ("factor", "original_max_position_embeddings"):
         value = scaling.get(name)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise _error(f"{source}: rope field {name!r} must be a positive number for rope type 'yarn', "
+            raise ConfigError(f"{source}: rope field {name!r} must be a positive number for rope type 'yarn', "
                               f"got {value!r}")
 
 
@@ -46,11 +42,11 @@ def validate_longrope(scaling: dict[str, Any], rotary_dim: int, source: str) -> 
     """LongRoPE's parameters: a factor per rotary pair in each set, and the original context length."""
     original = scaling.get("original_max_position_embeddings")
     if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
-        raise _error(f"{source}: field 'original_max_position_embeddings' must be a positive integer "
+        raise ConfigError(f"{source}: field 'original_max_position_embeddings' must be a positive integer "
                           f"for rope type 'longrope', got {original!r}")
     for name in ("short_factor", "long_factor"):
         factors = scaling.get(name)
         if (not isinstance(factors, list) or len(factors) != rotary_dim // 2
                 or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors)):
-            raise _error(f"{source}: rope field {name!r} must be a list of {rotary_dim // 2} positive numbers "
+            raise ConfigError(f"{source}: rope field {name!r} must be a list of {rotary_dim // 2} positive numbers "
                               f"(one per rotary pair), got {factors!r}")
