@@ -225,15 +225,39 @@ def test_lora_adapter_loads_in_peft_with_the_same_logits_and_generation(tmp_path
     assert got[:len(expected)] == expected
 
 
-def test_lora_on_the_experts_and_adapters_per_request_are_refused_by_name() -> None:
-    from pagedrl.engine.multi_lora import LoRASlots
+def test_lora_on_the_experts_is_refused_by_name() -> None:
     from pagedrl.model.lora import LoRAConfig, apply_lora
 
     ours = ours_from(hf_model(DEEPSEEK_FAMILIES["deepseek-v3"]))
     with pytest.raises(ValueError, match=r"mixture of experts .* \(q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj"):
         apply_lora(ours, LoRAConfig(r=4, lora_alpha=8, target_modules=["q_a_proj", "gate_proj"]))
-    with pytest.raises(ValueError, match="enable_lora: adapters per request on latent attention"):
-        LoRASlots(ours)
+
+
+def test_adapters_per_request_give_each_request_its_merged_checkpoints_tokens(deepseek_folder, tmp_path) -> None:
+    """`enable_lora` on latent attention: adapters on q_a_proj, q_b_proj, kv_a_proj_with_mqa and o_proj (the
+    step's rows) served side by side with the bare base in one batch, each request the greedy tokens of its
+    adapter folded into the weights; an adapter on kv_b_proj (which multiplies cached latents) refused by name."""
+    from multi_lora_cases import GREEDY, PROMPTS, merged_greedy, pagedrl_adapter
+
+    from pagedrl import LoRARequest
+    from pagedrl.engine.llm import LLM
+
+    adapters = {"q": pagedrl_adapter(deepseek_folder, tmp_path / "q", 4, ["q_a_proj", "q_b_proj"], seed=1),
+                "kvo": pagedrl_adapter(deepseek_folder, tmp_path / "kvo", 2, ["kv_a_proj_with_mqa", "o_proj"], seed=2)}
+    merged = merged_greedy(deepseek_folder, adapters)
+    llm = LLM(str(deepseek_folder), dtype=torch.float32, kv_cache_tokens=2048, enable_lora=True, max_loras=2,
+              max_lora_rank=4)
+    assert not any(name.endswith("kv_b_proj") for name in llm.engine.lora.layers)
+    requests = {"q": LoRARequest("q", 1, str(adapters["q"])), "kvo": LoRARequest("kvo", 2, str(adapters["kvo"])),
+                None: None}
+    keys = [(name, i) for i in range(len(PROMPTS)) for name in requests]
+    outs = llm.generate([PROMPTS[i] for _, i in keys], GREEDY, use_tqdm=False,
+                        lora_request=[requests[name] for name, _ in keys])
+    assert [o.outputs[0].token_ids for o in outs] == [merged[name][i] for name, i in keys]
+    up = pagedrl_adapter(deepseek_folder, tmp_path / "up", 2, ["kv_b_proj"], seed=3)
+    with pytest.raises(ValueError, match=r"adapts 'model.layers.0.self_attn.kv_b_proj': adapters per request on "
+                                         r"latent attention's kv_b_proj are not supported"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("up", 3, str(up)))
 
 
 def test_serve_answers_as_the_engine_generates(deepseek_folder, tmp_path) -> None:

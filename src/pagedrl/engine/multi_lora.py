@@ -175,6 +175,10 @@ def read_lora(request: LoRARequest, projections: dict[str, nn.Module], max_lora_
         module, sep, part = key.rpartition(".lora_")
         if not sep or part not in ("A.weight", "B.weight"):
             raise ValueError(f"{where}: tensor {key!r} is not a lora_A or lora_B weight")
+        if module not in projections and module.endswith(LATENT_UP):
+            raise ValueError(f"{where}: tensor {key!r} adapts {module!r}: adapters per request on latent attention's "
+                             "kv_b_proj are not supported (it up-projects cached latents, not the step's rows); merge "
+                             "this adapter into the weights, or train one without kv_b_proj")
         if module not in projections:
             raise ValueError(f"{where}: tensor {key!r} adapts {module!r}, which the base model does not have "
                              "(an adapter of another base model?)")
@@ -212,6 +216,9 @@ def check_finite(where: str, module: str, a: torch.Tensor, b: torch.Tensor,
                          f"{scaling:g}")
 
 
+LATENT_UP = ".kv_b_proj"  # latent attention's up-projection (DeepSeek-V3): no adapters per request
+
+
 class LoRASlots:
     """The engine's adapters: the slots on the device, the CPU copies, and the running step's grouping."""
 
@@ -221,17 +228,16 @@ class LoRASlots:
         if any(isinstance(m, LoRALinear) for m in model.modules()):
             raise ValueError("enable_lora: the model already carries a trained adapter; merge it first or serve "
                              "it on its own")
-        if getattr(getattr(model, "config", None), "deepseek", None) is not None:
-            raise ValueError("enable_lora: adapters per request on latent attention (DeepSeek-V3) are not supported "
-                             "yet (its kv_b_proj up-projects cached tokens, not the step's rows); merge the adapter "
-                             "into the weights to serve it")
+        # Latent attention's kv_b_proj multiplies the cached latents (or is folded into the queries), not
+        # the step's rows: a per-token update has nowhere to go. Its other projections take adapters.
+        latent = getattr(getattr(model, "config", None), "deepseek", None) is not None
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.layers: dict[str, SlotLinear] = {}
         for name, module in list(model.named_modules()):
-            if name.rpartition(".")[2] not in LAYER_PROJECTIONS:
+            if name.rpartition(".")[2] not in LAYER_PROJECTIONS or (latent and name.endswith(LATENT_UP)):
                 continue
             if not isinstance(module, (nn.Linear, GGUFLinear)):
                 raise ValueError(f"enable_lora: {name} is a {type(module).__name__}; adapters per request are built on "
