@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
-import decoder_bound
-import gguf
 import numpy as np
 import pytest
 import torch
 import transformers
-from test_gguf_linear import random_blocks
-from tiny import BASE, freq_error, hf_model
-from transformers.convert_slow_tokenizer import bytes_to_unicode
+from gguf_files import TINY, TOKENS, assert_float32_forwards, llama_cpp_permute, write_tiny_gguf
+from tiny import hf_model
 
 from pagedrl.model import default as default_module
 from pagedrl.model.checkpoint import load_causal_lm
@@ -29,135 +25,6 @@ from pagedrl.model.gguf import (
     unpermute_rotary,
 )
 from pagedrl.model.tokenizer import Tokenizer
-
-# -- writing tiny GGUF files the way llama.cpp's convert_hf_to_gguf.py does --------------------
-
-SPECIALS = ["<|begin|>", "<|end|>", "<|eot|>"]
-USER_DEFINED = ["<think>"]
-MERGES = ["Ġ t", "h e", "Ġt he", "a t", "Ġ c", "Ġc at", "i n", "Ġ in", "1 2"]
-TOKENS = SPECIALS + USER_DEFINED + list(bytes_to_unicode().values()) + [m.replace(" ", "") for m in MERGES]
-TEMPLATE = "{% for m in messages %}<|begin|>{{ m['role'] }}\n{{ m['content'] }}<|end|>{% endfor %}"
-TINY = dict(BASE, architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=len(TOKENS),
-            num_key_value_heads=2, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=None)
-
-
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """`LlamaModel.permute` from llama.cpp's convert_hf_to_gguf.py."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
-              "mlp.experts.down_proj": "ffn_down_exps", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
-QUANTIZED = ("ffn_up", "ffn_down")  # Q8_0, so the dequantisation path is exercised too
-
-
-def gguf_name(hf: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    if hf in top:
-        return top[hf]
-    _, _, layer, *rest = hf.split(".")
-    if rest[-1] in ("gate_up_proj", "down_proj"):  # a mixture of experts' stacked experts (no `.weight`)
-        rest.append("weight")
-    return f"blk.{layer}.{GGUF_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
-
-
-def llama_cpp_tensors(model: torch.nn.Module, arch: str) -> dict[str, np.ndarray]:
-    """The model's tensors under llama.cpp's names, as its converter lays them out: q/k rows permuted in
-    `llama` (its `LlamaModel.permute`; Qwen's heads rotate in halves there, unpermuted), a mixture of
-    experts' experts stacked [experts, rows, columns] per projection (`ffn_gate_exps`, `ffn_up_exps`,
-    `ffn_down_exps`, as its `Qwen2MoeModel` stacks them)."""
-    cfg = model.config
-    out: dict[str, np.ndarray] = {}
-    for name, p in model.state_dict().items():
-        data = p.detach().numpy().astype(np.float32)
-        if name.endswith("mlp.experts.gate_up_proj"):
-            stem = gguf_name(name.replace("gate_up_proj", "down_proj")).removesuffix("down_exps.weight")
-            gate, up = np.split(data, 2, axis=1)
-            out[stem + "gate_exps.weight"], out[stem + "up_exps.weight"] = np.ascontiguousarray(gate), np.ascontiguousarray(up)
-            continue
-        target = gguf_name(name)
-        if arch == "llama" and ".attn_q." in target:
-            data = llama_cpp_permute(data, cfg.num_attention_heads)
-        elif arch == "llama" and ".attn_k." in target:
-            data = llama_cpp_permute(data, cfg.num_key_value_heads)
-        out[target] = data
-    return out
-
-
-def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", pre: str = "llama-bpe",
-                    tokenizer_model: str = "gpt2", add_bos: bool = True,
-                    types: dict[str, gguf.GGMLQuantizationType] | None = None,
-                    vocabulary: Callable[[gguf.GGUFWriter], None] | None = None, pad_token_id: int | None = None) -> Path:
-    """`model` as llama.cpp would write it; `types` (default: ffn_up and ffn_down in Q8_0) maps tensor
-    kinds (attn_q, token_embd, ...) to the GGML types they are stored in, the rest float32. gguf's numpy
-    code has no K-quant quantizer: K-quant tensors are random blocks with small scales (the file's
-    weights are then those blocks' values, which is all a test of loading them needs)."""
-    types = {q: gguf.GGMLQuantizationType.Q8_0 for q in QUANTIZED} if types is None else types
-    rng = np.random.default_rng(0)
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), arch=arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    rope = cfg.rope_parameters or {}
-    w.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor")
-                                               or getattr(cfg, "partial_rotary_factor", None) or 1.0)))
-    if rope.get("rope_type") == "longrope":  # Phi-3 128k: the factors as tensors, as llama.cpp writes them
-        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
-        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-    if getattr(cfg, "num_experts", None):
-        w.add_expert_count(cfg.num_experts)
-        w.add_expert_used_count(cfg.num_experts_per_tok)
-        if getattr(cfg, "moe_intermediate_size", None):  # (Mixtral's experts are of intermediate_size)
-            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model(tokenizer_model)
-    if vocabulary is not None:  # the caller's tokens, types, scores and ids
-        vocabulary(w)
-    else:
-        w.add_tokenizer_pre(pre)
-        w.add_token_list(TOKENS)
-        w.add_token_types([3] * len(SPECIALS) + [4] * len(USER_DEFINED) + [1] * (len(TOKENS) - 4))
-        w.add_token_merges(MERGES)
-        w.add_bos_token_id(0)
-        w.add_eos_token_id(1)
-        w.add_eot_token_id(2)
-    if pad_token_id is not None:
-        w.add_pad_token_id(pad_token_id)
-    w.add_add_bos_token(add_bos)
-    w.add_chat_template(TEMPLATE)
-    for target, data in llama_cpp_tensors(model, arch).items():
-        kind = target.split(".")[-2]
-        if target.endswith(".weight") and kind in types:
-            qtype = types[kind]
-            try:
-                blocks = gguf.quants.quantize(data, qtype)
-            except NotImplementedError:
-                values = gguf.constants.GGML_QUANT_SIZES[qtype][0]
-                blocks = random_blocks(qtype, data.shape[0], data.shape[1] // values, rng, edges=False)
-                assert data.ndim == 2, "random K-quant blocks for 2-D tensors only"
-            w.add_tensor(target, blocks, raw_dtype=qtype)
-        else:
-            w.add_tensor(target, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -216,14 +83,6 @@ def test_tiny_config_and_generation_config(tiny_hf, tiny_converted: Path) -> Non
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["rope_theta"] == ref.rope_parameters["rope_theta"]
     gen = json.loads((tiny_converted / "generation_config.json").read_text())
     assert gen == {"bos_token_id": 0, "eos_token_id": [1, 2]}  # EOS and end-of-turn both stop generation
-
-
-def assert_float32_forwards(ours: torch.nn.Module, hf: torch.nn.Module, ids: torch.Tensor, *logits: torch.Tensor) -> None:
-    """Each float32 forward's logits within float32's bound of the exact ones (`decoder_bound`, with
-    transformers' own float32 rotary frequencies): the weights agree, so do the functions."""
-    probed = decoder_bound.logits(ours, ids, freq_error=freq_error(hf, ours))
-    for got in logits:
-        assert ((got.double() - probed.exact).abs() <= probed.bound()).all()
 
 
 def test_tiny_logits_match_transformers_reading_the_gguf(tiny_gguf: Path, tiny_converted: Path) -> None:

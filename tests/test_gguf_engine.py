@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from test_gguf import TINY, write_tiny_gguf
+from gguf_files import TINY, write_tiny_gguf
 from tiny import hf_model
 
 from pagedrl import LLM

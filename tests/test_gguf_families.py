@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
-from test_gguf import TINY, TOKENS, assert_float32_forwards, write_tiny_gguf
+from gguf_files import TINY, TOKENS, assert_float32_forwards, write_tiny_gguf
 from test_gguf_engine import generate_both
 from tiny import FAMILIES as FAMILY_CONFIGS
 from tiny import hf_model

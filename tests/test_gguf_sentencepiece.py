@@ -12,7 +12,7 @@ from pathlib import Path
 import gguf
 import pytest
 import transformers
-from test_gguf import TINY, write_tiny_gguf
+from gguf_files import TINY, write_tiny_gguf
 from tiny import hf_model
 from tokenizers import SentencePieceBPETokenizer
 

@@ -137,7 +137,7 @@ def test_a_local_folder_of_the_same_name_wins(hub, versions, tmp_path, monkeypat
 
 
 def test_a_gguf_file_in_a_hub_repository(hub, tmp_path) -> None:
-    from test_gguf import TINY, write_tiny_gguf
+    from gguf_files import TINY, write_tiny_gguf
     from tiny import hf_model
 
     local = write_tiny_gguf(tmp_path / "tiny.Q8_0.gguf", hf_model(TINY, seed=3))

@@ -104,6 +104,30 @@ def ours_logits(model, ids, mask=None):
         return model.logits(model(ids, attention_mask=mask))
 
 
+def assert_checkpoint_round_trips(ours, hf, folder):
+    """pagedrl's checkpoint of `ours` (a twin of transformers' `hf`): transformers reads it as the same class
+    with `hf`'s very logits, and pagedrl reads it back to the same config and logits. Returns
+    transformers' model of it."""
+    import dataclasses
+
+    import torch
+    import transformers
+
+    from pagedrl.model.checkpoint import load_causal_lm, save_checkpoint
+
+    save_checkpoint(ours, folder)
+    back = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert type(back) is type(hf)
+    again = load_causal_lm(folder, dtype=torch.float32).eval()
+    assert dataclasses.replace(again.config, extra={}) == dataclasses.replace(ours.config, extra={})
+    ids, mask = padded_batch(hf.config.vocab_size)
+    with torch.no_grad():
+        ref, got = hf(input_ids=ids, attention_mask=mask).logits, back(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(ref, got)
+    assert torch.equal(ours_logits(again, ids, mask), ours_logits(ours, ids, mask))
+    return back
+
+
 def randomise_adapter(model, seed: int = 3, scale: float = 0.1) -> None:
     """B starts at zero (the adapter is then a no-op): draw it, so a comparison means something."""
     import torch
