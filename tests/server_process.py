@@ -115,9 +115,10 @@ def running_server(model_dir: Path, log_dir: Path, *args: str) -> Iterator[Serve
 
 
 def assert_serves_the_engines_text(model_dir: Path, log_dir: Path, prompt: str = "the cat sat",
-                                   kv_cache_tokens: int = 1024) -> str:
+                                   kv_cache_tokens: int = 1024, max_tokens: int = 8) -> str:
     """`pagedrl serve` on `model_dir` answers the OpenAI client's greedy completion of `prompt` with the
-    offline engine's text on the same folder; returns the server's log (its start-up lines)."""
+    offline engine's text on the same folder, and counts its `max_tokens` tokens; returns the server's log
+    (its start-up lines)."""
     import openai
 
     from pagedrl.engine.llm import LLM
@@ -127,11 +128,11 @@ def assert_serves_the_engines_text(model_dir: Path, log_dir: Path, prompt: str =
     loaded = load_model(str(model_dir), device="cpu")
     offline = LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
                               kv_cache_tokens=kv_cache_tokens)
-    ref = offline.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+    ref = offline.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
                            use_tqdm=False)[0].outputs[0].text
     with running_server(model_dir, log_dir, "--kv-cache-tokens", str(kv_cache_tokens)) as server:
         with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
-            reply = client.completions.create(model=str(model_dir), prompt=prompt, max_tokens=8, temperature=0,
-                                              extra_body={"ignore_eos": True})
-        assert reply.choices[0].text == ref
+            reply = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
+                                              max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+        assert reply.choices[0].text == ref and reply.usage.completion_tokens == max_tokens
         return server.log()

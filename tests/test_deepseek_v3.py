@@ -10,7 +10,14 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
-from tiny import DEEPSEEK_FAMILIES, hf_model, ours_from, ours_logits, padded_batch, randomise_adapter
+from tiny import (
+    DEEPSEEK_FAMILIES,
+    assert_adapter_loads_in_peft,
+    hf_model,
+    ours_from,
+    ours_logits,
+    padded_batch,
+)
 
 from pagedrl.model.checkpoint import load_causal_lm, save_checkpoint
 from pagedrl.model.config import ConfigError, ModelConfig
@@ -192,11 +199,9 @@ def test_lora_adapter_loads_in_peft_with_the_same_logits_and_generation(tmp_path
     """Adapters on every attention projection (compressed or plain queries) that PEFT loads onto
     transformers' model with the same logits; the engine, running the adapted model (its kv_b_proj
     adapter up-projecting cached latents), generates PEFT's greedy tokens."""
-    import peft
 
     from pagedrl.engine.llm import LLM
     from pagedrl.engine.sampling_params import SamplingParams
-    from pagedrl.model.adapter import save_adapter
     from pagedrl.model.lora import LoRAConfig, apply_lora, lora_layers
 
     hf = hf_model(DEEPSEEK_FAMILIES[family])
@@ -205,18 +210,8 @@ def test_lora_adapter_loads_in_peft_with_the_same_logits_and_generation(tmp_path
                torch.Generator().manual_seed(0))
     adapted = {name.rpartition(".")[2] for name, _ in lora_layers(ours)}
     assert adapted == set(ATTENTION_PROJECTIONS) - ({"q_proj"} if hf.config.q_lora_rank else {"q_a_proj", "q_b_proj"})
-    randomise_adapter(ours)
-    ours.eval()
-    save_adapter(ours, tmp_path / "adapter")
-    ids, mask = padded_batch(hf.config.vocab_size, length=24, left=5, right=17)
-    with torch.no_grad():
-        base = hf(input_ids=ids, attention_mask=mask).logits
-    theirs = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
-    assert max_gap(ours, theirs, ids, mask) < 1e-5
-    with torch.no_grad():
-        ref = theirs(input_ids=ids, attention_mask=mask).logits
-    assert float((base - ref)[mask.bool()].abs().max()) > 1e-2  # the adapter changes the model
-    prompt = ids[0, :15].tolist()
+    theirs = assert_adapter_loads_in_peft(ours, hf, tmp_path / "adapter", length=24, left=5, right=17)
+    prompt = padded_batch(hf.config.vocab_size, length=24, left=5, right=17)[0][0, :15].tolist()
     with torch.no_grad():
         expected = theirs.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, 15, dtype=torch.long),
                                    max_new_tokens=8, do_sample=False, pad_token_id=0)[0, 15:].tolist()

@@ -4,7 +4,6 @@ gradient), and `pagedrl serve` answering with the offline engine's greedy tokens
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 from first_batches import (
@@ -13,12 +12,9 @@ from first_batches import (
     assert_gradients_equal,
     theirs,
 )
-from server_process import running_server
+from server_process import assert_serves_the_engines_text
 from tiny_train import build_model_dir, sft_trainer
 
-from pagedrl.engine.llm import LLM
-from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.model.loader import load_model
 from pagedrl.train.algorithms.sft import collate_sft
 
 GEMMA3 = dict(architectures=["Gemma3ForCausalLM"], sliding_window=4, head_dim=16, query_pre_attn_scalar=24,
@@ -61,13 +57,5 @@ def test_dpo_first_batch_equals_transformers(gemma_dirs, tmp_path) -> None:
 
 
 def test_serve_answers_with_the_offline_engines_tokens(gemma_dirs, tmp_path) -> None:
-    prompt = "the cat sat on the mat and a dog ran in the park"
-    loaded = load_model(gemma_dirs[0], device="cpu")
-    offline = LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, kv_cache_tokens=512)
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    expected = offline.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
-    with running_server(gemma_dirs[0], tmp_path, "--kv-cache-tokens", "512") as server:
-        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-        r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == expected and r.json()["usage"]["completion_tokens"] == 6
+    assert_serves_the_engines_text(gemma_dirs[0], tmp_path, prompt="the cat sat on the mat and a dog ran in the park",
+                                   kv_cache_tokens=512, max_tokens=6)

@@ -8,12 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from first_batches import assert_first_dpo_batch_equals_transformers
-from server_process import running_server
+from server_process import assert_serves_the_engines_text
 from tiny_train import build_model_dir
-
-from pagedrl.engine.llm import LLM
-from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.model.loader import load_model
 
 GPT_OSS = dict(architectures=["GptOssForCausalLM"], sliding_window=4, head_dim=16, num_local_experts=4,
                num_experts_per_tok=2, intermediate_size=32, layer_types=["sliding_attention", "full_attention"])
@@ -33,18 +29,8 @@ def test_dpo_first_batch_equals_transformers(gpt_oss_dirs, tmp_path) -> None:
 
 
 def test_serve_answers_the_openai_client_with_the_offline_engines_tokens(gpt_oss_dirs, tmp_path) -> None:
-    import openai
-
-    prompt = "the cat sat on the mat and a dog ran in the park"
-    loaded = load_model(gpt_oss_dirs[0], device="cpu")
-    offline = LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, kv_cache_tokens=512)
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    expected = offline.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
-    with running_server(gpt_oss_dirs[0], tmp_path, "--kv-cache-tokens", "512") as server:
-        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
-            out = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=6,
-                                            temperature=0, extra_body={"ignore_eos": True})
-    assert out.choices[0].text == expected and out.usage.completion_tokens == 6
+    assert_serves_the_engines_text(gpt_oss_dirs[0], tmp_path, prompt="the cat sat on the mat and a dog ran in the park",
+                                   kv_cache_tokens=512, max_tokens=6)
 
 
 def test_grpo_rollouts_carry_the_trainers_log_probs(gpt_oss_dirs, tmp_path) -> None:

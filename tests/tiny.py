@@ -140,6 +140,29 @@ def randomise_adapter(model, seed: int = 3, scale: float = 0.1) -> None:
             layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * scale)
 
 
+def assert_adapter_loads_in_peft(ours, hf, folder, **batch):
+    """`ours` (its LoRA layers applied) with B drawn, saved as a PEFT adapter that `peft` loads onto
+    transformers' `hf` with the same logits on a padded batch (within 1e-5), and that changes them.
+    `batch`: `padded_batch`'s sizes. Returns PEFT's model."""
+    import peft
+    import torch
+
+    from pagedrl.model.adapter import save_adapter
+
+    randomise_adapter(ours)
+    ours.eval()
+    save_adapter(ours, folder)
+    ids, mask = padded_batch(hf.config.vocab_size, **batch)
+    with torch.no_grad():
+        base = hf(input_ids=ids, attention_mask=mask).logits
+        theirs = peft.PeftModel.from_pretrained(hf, folder).eval()
+        ref = theirs(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert float((ours_logits(ours, ids, mask) - ref)[real].abs().max()) < 1e-5
+    assert float((base - ref)[real].abs().max()) > 1e-2  # the adapter changes the model
+    return theirs
+
+
 def freq_error(hf, ours):
     """How far transformers' float32 rotary frequencies are from a pagedrl model's (`decoder_bound`'s
     `freq_error`); LongRoPE's: the larger of the short and the long set's error per pair (transformers'
