@@ -1,9 +1,12 @@
 """The first SFT and DPO batches of a saved tiny folder against transformers' own class on the same weights:
-the loss, and every parameter's gradient under the same name, within 1e-5 (the families' reference tests)."""
+the loss, and every parameter's gradient under the same name, within 1e-5 (the families' reference tests);
+and TRL's own SFTTrainer and DPOTrainer on a first batch, for what only the trainers add (the router's
+load-balancing loss of a mixture of experts)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,12 +64,14 @@ def assert_first_sft_batch_equals_transformers(folder: str | Path, out: Path, **
 
 
 def assert_first_dpo_batch_equals_transformers(folder: str | Path, reference: str | Path, out: Path,
-                                               beta: float = 0.3, longer_than: int = 0) -> None:
+                                               beta: float = 0.3, longer_than: int = 0, **dpo: object) -> None:
     """DPO's sigmoid loss of four pairs against a different reference model: -log σ(β (policy margin -
     reference margin)), each answer scored on prompt + answer alone; not log 2, so the reference counts.
-    `longer_than`: some pair's prompt and chosen answer are longer (a window of half that is crossed)."""
+    `longer_than`: some pair's prompt and chosen answer are longer (a window of half that is crossed);
+    `dpo`: more DPOConfig fields (a mixture of experts: `router_aux_loss_coef=0`, the router's loss being
+    the trainers' addition, checked against TRL's in `test_moe_trl.py`)."""
     trainer = dpo_trainer(folder, out, preference_rows(8, seed=3), beta=beta, per_device_train_batch_size=4,
-                          reference=load_causal_lm(reference, dtype=torch.float32))
+                          reference=load_causal_lm(reference, dtype=torch.float32), **dpo)
     algorithm = trainer.algorithm
     examples = algorithm.examples[:4]
     pairs = [getattr(e, "pair", e) for e in examples]
@@ -88,3 +93,42 @@ def assert_first_dpo_batch_equals_transformers(folder: str | Path, reference: st
     assert abs(loss.item() - ref.item()) < TOLERANCE
     assert abs(loss.item() - float(torch.log(torch.tensor(2.0)))) > 1e-4  # the reference differs from the policy
     assert_gradients_equal(model, policy)
+
+
+def trl_first_batch(kind: str, folder: str | Path, rows: list[dict], out: Path, size: int = 4,
+                    **settings: object) -> tuple[list[dict], float, dict[str, torch.Tensor], dict[str, float]]:
+    """TRL 1.16's own SFTTrainer or DPOTrainer (`kind`) on the first `size` rows of `rows` as one micro-batch
+    of a one-micro-batch step: its tokenized rows, loss, every parameter's gradient and its metrics."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+    config, trainer_class = (SFTConfig, SFTTrainer) if kind == "sft" else (DPOConfig, DPOTrainer)
+    args = config(output_dir=str(out), per_device_train_batch_size=size, bf16=False, use_cpu=True, report_to="none",
+                  max_length=None, seed=0, **settings)
+    trainer = trainer_class(model=theirs(folder), args=args, train_dataset=Dataset.from_list(rows),
+                            processing_class=AutoTokenizer.from_pretrained(str(folder)))
+    features = [trainer.train_dataset[i] for i in range(size)]
+    batch = trainer.data_collator(features)
+    trainer.model.train()
+    if kind == "sft":  # as its loop calls it: the step's label tokens given, one micro-batch a step
+        trainer.current_gradient_accumulation_steps = 1
+        loss = trainer.compute_loss(trainer.model, batch, num_items_in_batch=(batch["labels"][:, 1:] != -100).sum())
+    else:
+        loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = {n: p.grad for n, p in trainer.model.named_parameters()}
+    return features, float(loss.detach()), grads, {k: v[0] for k, v in trainer._metrics["train"].items()}
+
+
+def ours_first_batch(algorithm: Any, size: int = 4) -> tuple[list[object], float, dict[str, torch.Tensor],
+                                                                 dict[str, float]]:
+    """pagedrl's SFT or DPO algorithm on its first `size` examples as one micro-batch of a one-micro-batch
+    step: the examples, the loss, every parameter's gradient and the metrics."""
+    examples = algorithm.examples[:size]
+    batch = algorithm.collate(examples)
+    model = algorithm.model.train()
+    loss, metrics = algorithm.loss(model, batch, torch.tensor(algorithm.count(batch)))
+    loss.backward()
+    values = {k: float(m.total) / float(m.weight) for k, m in metrics.items() if m.reduce == "mean"}
+    return examples, float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}, values

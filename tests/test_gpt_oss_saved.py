@@ -25,7 +25,8 @@ def gpt_oss_dirs(tmp_path_factory) -> tuple[str, str]:
 
 def test_dpo_first_batch_equals_transformers(gpt_oss_dirs, tmp_path) -> None:
     assert_first_dpo_batch_equals_transformers(gpt_oss_dirs[0], gpt_oss_dirs[1], tmp_path / "out",
-                                               longer_than=2 * 4)  # the window (4) is crossed
+                                               longer_than=2 * 4,  # the window (4) is crossed
+                                               router_aux_loss_coef=0.0)  # with it: test_moe_trl.py
 
 
 def test_serve_answers_the_openai_client_with_the_offline_engines_tokens(gpt_oss_dirs, tmp_path) -> None:

@@ -34,6 +34,7 @@ def test_defaults_follow_trl() -> None:
     assert (dpo.beta, dpo.loss_type, dpo.label_smoothing, dpo.learning_rate) == (0.1, "sigmoid", 0.0, 1e-6)
     assert RewardConfig().center_rewards_coefficient is None
     assert SFTConfig().learning_rate == 2e-5
+    assert SFTConfig().router_aux_loss_coef is None and DPOConfig().router_aux_loss_coef is None  # the model's
     assert TrainConfig().model == "smollm2-135m-instruct"
 
 
@@ -53,6 +54,12 @@ def test_yaml_then_overrides_with_yaml_scalar_semantics(tmp_path: Path) -> None:
 def test_later_overrides_win_and_null_clears_optionals() -> None:
     cfg = load_config(DPOConfig, None, ["beta=0.3", "beta=0.5", "max_length=null", "ref_model=runs/sft"])
     assert cfg.beta == 0.5 and cfg.max_length is None and cfg.ref_model == "runs/sft"
+
+
+def test_the_router_coefficient_is_a_number_or_null() -> None:
+    assert load_config(DPOConfig, None, ["router_aux_loss_coef=0"]).router_aux_loss_coef == 0.0
+    with pytest.raises(TrainConfigError, match="router_aux_loss_coef"):
+        load_config(SFTConfig, None, ["router_aux_loss_coef=.nan"])
 
 
 def test_text_fields_keep_the_raw_override_text() -> None:

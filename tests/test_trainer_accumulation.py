@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_train import arithmetic_rows, build_model_dir, sft_trainer
+from tiny_train import MOE, arithmetic_rows, build_model_dir, sft_trainer
 
 
 def step_grads(trainer) -> tuple[float, dict[str, torch.Tensor], dict[str, float]]:
@@ -47,14 +47,6 @@ def test_step_loss_and_gradient_equal_transformers(tiny_train_model, one_batch) 
     completion tokens) on the same 8 rows, in the order our epoch stream served them."""
     trainer, loss, grads, _ = one_batch
     transformers_step(trainer, tiny_train_model, loss, grads)
-
-
-MOE = {"mixtral": dict(architectures=["MixtralForCausalLM"], num_local_experts=8),
-       "qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], num_experts=8, moe_intermediate_size=32,
-                         mlp_only_layers=[1]),
-       # gpt-oss: its router's bias and top-k-then-softmax rule, sinks, a 4-token window the rows cross.
-       "gpt-oss": dict(architectures=["GptOssForCausalLM"], num_local_experts=4, intermediate_size=32, sliding_window=4,
-                       layer_types=["sliding_attention", "full_attention"], head_dim=16)}
 
 
 @pytest.mark.parametrize("family", sorted(MOE))

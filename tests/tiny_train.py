@@ -66,6 +66,15 @@ def build_model_dir(folder: Path, seed: int = 0, tied: bool = True, max_position
     return folder
 
 
+# config.json fields of tiny mixtures of experts (with `num_experts_per_tok`) for `build_model_dir`.
+MOE = {"mixtral": dict(architectures=["MixtralForCausalLM"], num_local_experts=8),
+       "qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], num_experts=8, moe_intermediate_size=32,
+                         mlp_only_layers=[1]),
+       # gpt-oss: its router's bias and top-k-then-softmax rule, sinks, a 4-token window the rows cross.
+       "gpt-oss": dict(architectures=["GptOssForCausalLM"], num_local_experts=4, intermediate_size=32, sliding_window=4,
+                       layer_types=["sliding_attention", "full_attention"], head_dim=16)}
+
+
 def arithmetic_rows(n: int = 16) -> list[dict]:
     """Small prompt/completion corpus: plain text and chat rows mixed (each row one kind)."""
     rows = []

@@ -125,6 +125,14 @@ class ModelConfig:
         """Each expert's hidden width: Qwen3-MoE's `moe_intermediate_size`, Mixtral's `intermediate_size`."""
         return self.moe_intermediate_size or self.intermediate_size
 
+    @property
+    def load_balancing_loss(self) -> bool:
+        """Whether the family has the router's load-balancing loss: transformers' Mixtral, Qwen3-MoE and
+        gpt-oss compute it, and their configs declare `output_router_logits`, which TRL's trainers take
+        as the sign of a mixture of experts (whatever its value). DeepSeek-V3's config declares the field
+        too, but neither its model nor its config holds the loss or a coefficient: none here either."""
+        return self.num_experts > 0 and self.model_type in ("mixtral", "qwen3_moe", "gpt_oss")
+
     def sparse_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` routes its tokens to experts, as transformers decides it."""
         if self.deepseek is not None:

@@ -216,6 +216,10 @@ class TrainConfig:
         return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * total_steps)
 
 
+def _validate_router_coef(coef: float | None) -> None:
+    _require(coef is None or math.isfinite(coef), "router_aux_loss_coef", f"must be null or a finite number, got {coef}")
+
+
 @dataclass
 class SFTConfig(TrainConfig):
     learning_rate: float = 2e-5
@@ -223,6 +227,12 @@ class SFTConfig(TrainConfig):
     completion_only_loss: bool | None = None  # None: loss on the completion when rows have one
     assistant_only_loss: bool = False  # conversational rows: loss on assistant turns only
     packing: bool = False
+    # Mixture of experts: the router load-balancing loss's weight (None: the model config's; 0: off).
+    router_aux_loss_coef: float | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        _validate_router_coef(self.router_aux_loss_coef)
 
 
 @dataclass
@@ -244,9 +254,12 @@ class DPOConfig(TrainConfig):
     label_smoothing: float = 0.0  # sigmoid: conservative DPO; robust: label flip probability
     ref_model: str | None = None  # None: a frozen copy of the starting policy
     precompute_ref_log_probs: bool = False
+    # Mixture of experts: the router load-balancing loss's weight (None: the model config's; 0: off).
+    router_aux_loss_coef: float | None = None
 
     def validate(self) -> None:
         super().validate()
+        _validate_router_coef(self.router_aux_loss_coef)
         _require(self.beta > 0, "beta", f"must be > 0, got {self.beta}")
         ls = self.label_smoothing
         if self.loss_type == "robust":

@@ -6,6 +6,11 @@ is E · Σ_e f_e · P_e, with f_e the share of (token, choice) assignments that 
 token counted k times, so Σ f_e = k) and P_e the mean router probability of e, both over the tokens
 of every sparse layer together (padding excluded). It is smallest when both are uniform. Only P_e
 carries a gradient (the top-k choice has none), as in transformers.
+
+Which runs add it, and with what weight, follows TRL's SFT and DPO trainers (`router_loss_coef`): every
+model of a family whose config declares `output_router_logits` (its value does not matter; the
+trainer's setting decides), weighted by the trainer's `router_aux_loss_coef`, or by the model's own
+when that is left unset; 0 turns it off.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from pagedrl.model.config import ModelConfig
+from pagedrl.train.config import TrainConfigError
 
 
 def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
@@ -34,3 +42,19 @@ def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int,
         prob_sum = prob_sum + (probs * weight[:, None]).sum(0)
         rows = rows + weight.sum()
     return (assignments / rows * (prob_sum / rows)).sum() * num_experts
+
+
+def router_loss_coef(requested: float | None, model: ModelConfig) -> float:
+    """The weight of the load-balancing loss in a trainer's loss, 0.0 when it is not added: TRL's rule.
+    `requested`: the trainer's `router_aux_loss_coef` (None: the model config's `router_aux_loss_coef`).
+    A non-zero weight for a model without the loss is refused by the field's name, as TRL refuses it,
+    rather than silently training without the term it asks for."""
+    if not model.load_balancing_loss:
+        if requested:
+            why = ("transformers' DeepSeek-V3 computes no router load-balancing loss" if model.deepseek is not None
+                   else "it is not a mixture of experts whose router has a load-balancing loss")
+            raise TrainConfigError("router_aux_loss_coef", f"set to {requested}, but the model "
+                                   f"({model.architecture}) has no auxiliary loss to weight: {why}; leave it "
+                                   "unset or 0")
+        return 0.0
+    return float(model.router_aux_loss_coef if requested is None else requested)

@@ -14,6 +14,13 @@ the base model itself: the policy with its adapters switched off, no copy. With
 the first step and the reference is dropped: one model in memory. When the reference is the
 starting policy that pass runs on the policy itself, before it changes, and no copy is ever made.
 
+A mixture of experts with a router load-balancing loss (Mixtral, Qwen3-MoE, gpt-oss) adds it in
+training, as TRL's DPO trainer does: times `router_aux_loss_coef` (unset: the model config's; 0: not
+added), over the policy's forward only, each micro-batch's counting for one over the step's
+micro-batches (all ranks), logged as `aux_loss`. TRL runs each answer with its own copy of the
+prompt; here the prompt is computed once and its tokens count twice (`PairBatch.token_weights`),
+which gives TRL's value. The eval loss leaves it out.
+
 Metrics under TRL's names: `rewards/chosen`, `rewards/rejected` (β·log-ratio, mean over pairs),
 `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected` (summed log-probs, mean
 over pairs), `logits/chosen`, `logits/rejected` (the vocabulary-mean logit at each answer token,
@@ -33,6 +40,7 @@ import torch
 
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.lora import disable_adapter
+from pagedrl.model.moe import collect_router_logits
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.adapters import reference_forward, uses_lora
 from pagedrl.train.algorithm import OfflineAlgorithm
@@ -43,6 +51,7 @@ from pagedrl.train.distributed import DistInfo, all_reduce_sum
 from pagedrl.train.logprobs import target_logprobs
 from pagedrl.train.losses import dpo_loss
 from pagedrl.train.metrics import Metric
+from pagedrl.train.router_loss import load_balancing_loss, router_loss_coef
 
 Dataset = str | Path | Sequence[Mapping[str, Any]]
 
@@ -93,6 +102,7 @@ class DPO(OfflineAlgorithm):
         pad = tokenizer.pad_token_id
         self.pad_id = 0 if pad is None else pad
         self.device = next(model.parameters()).device
+        self.router_coef = router_loss_coef(config.router_aux_loss_coef, model.config)
         reference = ref_model
         if reference is not None and reference.config.vocab_size != model.config.vocab_size:
             raise ValueError(f"ref_model: its vocabulary has {reference.config.vocab_size} tokens, the policy's "
@@ -159,7 +169,9 @@ class DPO(OfflineAlgorithm):
         return float(batch.num_pairs)
 
     def loss(self, model: Any, batch: PairBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-        policy = answer_logps(model, batch, with_logits=True)
+        balance = self.router_coef != 0.0 and self.model.training
+        with collect_router_logits() if balance else contextlib.nullcontext() as router_logits:
+            policy = answer_logps(model, batch, with_logits=True)
         ref = self.reference_logps(batch).to(policy.logps.dtype)
         chosen, rejected = policy.logps.chunk(2)
         ref_chosen, ref_rejected = ref.chunk(2)
@@ -184,6 +196,11 @@ class DPO(OfflineAlgorithm):
                 "logits/rejected": Metric.mean(policy.mean_logits[~is_chosen].sum(), n_rejected),
                 "num_tokens": Metric.cumulative(batch.num_tokens),
             }
+        if balance and router_logits:
+            cfg = self.model.config
+            aux = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, batch.token_weights)
+            loss = loss + self.router_coef * aux / (self.accumulation * self.dist.world_size)
+            metrics["aux_loss"] = Metric.mean(aux.detach())
         return loss, metrics
 
     def summary_lines(self) -> list[str]:

@@ -14,6 +14,10 @@ length, not in the whole micro-batch's.
 What each algorithm reads from the row:
 - DPO: the hidden states that predict an answer token (`predict_at`, `targets`, `answer_of`),
   so the LM head runs on answer positions only;
+- DPO on a mixture of experts: `token_weights`, how many of TRL's two rows hold each token (the
+  prompt 2, an answer 1, padding 0). Attention is causal, so a prompt token's router logits are the
+  same in both layouts, and the load-balancing loss (`train/router_loss.py`), whose counts and means
+  weigh each token by its mask value, equals TRL's over its two padded rows;
 - the reward model: one hidden state per answer (`score_at`), at the last token of
   `prompt + answer` that is not the pad token, as transformers' sequence classifiers read it.
 """
@@ -32,6 +36,8 @@ from pagedrl.train.data import Preference
 PROMPT, CHOSEN, REJECTED, PADDING = 0, 1, 2, 3
 # Segment → the segment it sees as its prefix: both answers see the prompt; padding sees itself only.
 PARENT = (-1, PROMPT, PROMPT, -1)
+# Segment → the rows of TRL's layout (`prompt + chosen`, `prompt + rejected`) that hold the token.
+ROWS_HOLDING = (2.0, 1.0, 1.0, 0.0)
 
 
 @dataclass
@@ -46,6 +52,7 @@ class PairBatch:
     predict_at: torch.Tensor | None = None
     targets: torch.Tensor | None = None
     answer_of: torch.Tensor | None = None
+    token_weights: torch.Tensor | None = None  # [B, T] ROWS_HOLDING of each token's segment
     # Scores (reward model): flat row of [B*T] read for each answer, chosen first.
     score_at: torch.Tensor | None = None
     margins: torch.Tensor | None = None  # [B], None when no pair has a margin
@@ -109,6 +116,7 @@ def collate_pairs(pairs: Sequence[Preference], pad_id: int, device: torch.device
         batch.predict_at = torch.tensor(predict, dtype=torch.long, device=device)
         batch.targets = torch.tensor(targets, dtype=torch.long, device=device)
         batch.answer_of = torch.tensor(answer_of, dtype=torch.long, device=device)
+        batch.token_weights = torch.tensor(ROWS_HOLDING, device=device)[seg.to(device)]
     if scores:
         batch.score_at = torch.tensor(score_at, dtype=torch.long, device=device)
         if any(p.margin is not None for p in pairs):

@@ -12,10 +12,11 @@ accumulation and DDP give the gradient of one big batch. Metrics, under TRL's na
 `mean_token_accuracy` (token-weighted), `num_tokens` (tokens seen since the start, prompt
 included), `entropy` (mean over label positions).
 
-A mixture of experts whose config sets `output_router_logits` adds, in training, its router
-load-balancing loss times `router_aux_loss_coef` (`train/router_loss.py`) over the micro-batch's
-real tokens, as transformers adds it to the loss; as TRL, each micro-batch's counts for one over the
-step's micro-batches (all ranks), and it is logged as `aux_loss`.
+A mixture of experts with a router load-balancing loss (Mixtral, Qwen3-MoE, gpt-oss) adds it in
+training, as TRL's SFT trainer does: times `router_aux_loss_coef` (unset: the model config's; 0: not
+added), over the micro-batch's real tokens, whatever the model config's `output_router_logits`
+(`train/router_loss.py`); each micro-batch's counts for one over the step's micro-batches (all
+ranks), and it is logged as `aux_loss`. The eval loss leaves it out.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from pagedrl.train.distributed import DistInfo
 from pagedrl.train.logprobs import target_logprobs
 from pagedrl.train.losses import sft_loss
 from pagedrl.train.metrics import Metric
-from pagedrl.train.router_loss import load_balancing_loss
+from pagedrl.train.router_loss import load_balancing_loss, router_loss_coef
 
 
 @dataclass
@@ -118,6 +119,11 @@ class SFT(OfflineAlgorithm):
         self.completion_only = config.completion_only_loss is not False
         self.packing = config.packing
         self.device = next(model.parameters()).device
+        self.router_coef = router_loss_coef(config.router_aux_loss_coef, model.config)
+        if model.config.load_balancing_loss:
+            # As TRL's SFT trainer, the saved config says whether the loss ran and with what weight.
+            model.config.output_router_logits = self.router_coef != 0.0
+            model.config.router_aux_loss_coef = self.router_coef
 
     def collate(self, examples: Sequence[PromptCompletion]) -> SFTBatch:
         return collate_sft(examples, self.pad_id, self.device, self.completion_only, self.packing)
@@ -127,7 +133,7 @@ class SFT(OfflineAlgorithm):
 
     def loss(self, model: Any, batch: SFTBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         cfg = self.model.config
-        balance = bool(cfg.num_experts and cfg.output_router_logits and self.model.training)
+        balance = self.router_coef != 0.0 and self.model.training
         with collect_router_logits() if balance else contextlib.nullcontext() as router_logits:
             out = target_logprobs(model, batch.input_ids, batch.positions, batch.meta, batch.predict_at,
                                   batch.targets, entropy=True, correct=True)
@@ -143,7 +149,7 @@ class SFT(OfflineAlgorithm):
         }
         if balance and router_logits:
             aux = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, batch.token_mask)
-            loss = loss + cfg.router_aux_loss_coef * aux / (self.accumulation * self.dist.world_size)
+            loss = loss + self.router_coef * aux / (self.accumulation * self.dist.world_size)
             metrics["aux_loss"] = Metric.mean(aux.detach())
         return loss, metrics
 

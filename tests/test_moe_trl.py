@@ -1,0 +1,93 @@
+"""The router load-balancing loss of a mixture of experts in SFT and DPO against TRL 1.16's own
+SFTTrainer and DPOTrainer on the same saved model and rows: the first batch's loss, every parameter's
+gradient (the router's included) and `aux_loss`, with the loss on (the model config's coefficient,
+0.5 here so that the term shows) and off (`router_aux_loss_coef=0`). TRL runs DPO's answers as two
+padded rows, each with its own prompt; pagedrl computes the prompt once and counts its tokens twice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from first_batches import TOLERANCE, ours_first_batch, trl_first_batch
+from preference_data import dpo_trainer, preference_rows
+from tiny_train import MOE, arithmetic_rows, build_model_dir, sft_trainer
+
+from pagedrl.train.algorithms.pair_batch import collate_pairs
+from pagedrl.train.config import TrainConfigError
+from pagedrl.train.data import Preference
+from pagedrl.train.router_loss import load_balancing_loss
+
+COEF = 0.5  # the model config's `router_aux_loss_coef`
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+@pytest.mark.parametrize(("family", "coef"), [("mixtral", None), ("mixtral", 0.0), ("qwen3-moe", None),
+                                              ("qwen3-moe", 0.0), ("gpt-oss", None)])
+def test_first_batch_equals_trl(tmp_path, family: str, coef: float | None, kind: str) -> None:
+    folder = build_model_dir(tmp_path / "model", num_experts_per_tok=2, router_aux_loss_coef=COEF, **MOE[family])
+    # Plain-text rows (a dataset of TRL's holds one kind).
+    plain = [r for r in arithmetic_rows() if isinstance(r["prompt"], str)]
+    rows = plain if kind == "sft" else preference_rows(8, seed=3)
+    settings = {} if coef is None else {"router_aux_loss_coef": coef}
+    features, trl_loss, trl_grads, trl_metrics = trl_first_batch(kind, folder, rows, tmp_path / "trl", **settings)
+    if kind == "sft":
+        trainer = sft_trainer(folder, tmp_path / "ours", rows=rows, per_device_train_batch_size=4, **settings)
+    else:
+        trainer = dpo_trainer(folder, tmp_path / "ours", rows, per_device_train_batch_size=4, **settings)
+    examples, loss, grads, metrics = ours_first_batch(trainer.algorithm)
+    for example, feature in zip(examples, features, strict=True):  # the same tokens
+        if kind == "sft":
+            assert example.input_ids == feature["input_ids"]
+            assert example.completion_ids == [t for t in feature["labels"] if t != -100]
+        else:
+            assert (example.prompt_ids, example.chosen_ids, example.rejected_ids) == (
+                feature["prompt_ids"], feature["chosen_ids"], feature["rejected_ids"])
+    assert abs(loss - trl_loss) < TOLERANCE
+    assert grads.keys() >= trl_grads.keys()
+    for name, g in trl_grads.items():
+        assert float((grads[name] - g).abs().max()) < TOLERANCE, name
+    if coef is None:
+        assert metrics["aux_loss"] == pytest.approx(trl_metrics["aux_loss"], abs=1e-6)
+        assert COEF * metrics["aux_loss"] > 0.1  # the term is there to be checked
+    else:
+        assert "aux_loss" not in metrics and "aux_loss" not in trl_metrics
+
+
+def test_shared_prompt_weighted_twice_equals_two_rows_in_float64() -> None:
+    """The load-balancing loss over one `[prompt, chosen, rejected]` row with the prompt's tokens weighted 2
+    equals transformers' over the two padded rows `prompt + chosen`, `prompt + rejected` (the prompt's router
+    logits repeated, as causal attention gives them), in float64 by hand."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    pair = Preference([5, 6, 7], [8, 9], [10, 11, 12, 13], "row 0")
+    batch = collate_pairs([pair, Preference([3], [4, 5, 6], [7], "row 1")], 0, torch.device("cpu"), answer_tokens=True)
+    assert batch.token_weights is not None
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.randn(batch.input_ids.numel(), 6, generator=g, dtype=torch.float64) for _ in range(2)]
+    ours = load_balancing_loss(layers, 6, 2, batch.token_weights)
+    # TRL's layout: rows chosen 0, chosen 1, rejected 0, rejected 1, padded to the longest (7 tokens).
+    width, seq = batch.input_ids.shape[1], [(0, 3, 3, 2), (1, 1, 1, 3), (0, 3, 5, 4), (1, 1, 4, 1)]
+    padded, mask = [], torch.zeros(4, 7)
+    for logits in layers:
+        rows = torch.zeros(4, 7, 6, dtype=torch.float64)
+        for r, (b, p, start, n) in enumerate(seq):
+            picked = list(range(p)) + list(range(start, start + n))
+            rows[r, :p + n] = logits[b * width + torch.tensor(picked)]
+            mask[r, :p + n] = 1
+        padded.append(rows.reshape(-1, 6))
+    ref = load_balancing_loss_func(tuple(padded), 6, 2, mask)
+    # transformers' function sums in float32; by hand in float64: E Σ_e f_e P_e over the 4 rows' real tokens.
+    real = torch.cat([p[mask.reshape(-1).bool()] for p in padded])
+    probs = real.softmax(-1)
+    f = torch.zeros(6, dtype=torch.float64).index_add(0, probs.topk(2).indices.reshape(-1),
+                                                      torch.ones(2 * len(real), dtype=torch.float64)) / len(real)
+    exact = 6 * (f * probs.mean(0)).sum()
+    assert abs(float(ours) - float(exact)) < 1e-6 and abs(float(ref) - float(exact)) < 1e-6
+
+
+def test_a_coefficient_for_a_dense_model_is_refused_by_name(tiny_train_model, tmp_path) -> None:
+    with pytest.raises(TrainConfigError, match="router_aux_loss_coef"):
+        sft_trainer(tiny_train_model, tmp_path / "sft", router_aux_loss_coef=0.01)
+    with pytest.raises(TrainConfigError, match="router_aux_loss_coef"):
+        dpo_trainer(tiny_train_model, tmp_path / "dpo", preference_rows(4), router_aux_loss_coef=0.01)
+    sft_trainer(tiny_train_model, tmp_path / "off", router_aux_loss_coef=0.0)  # 0: nothing to weight, allowed
