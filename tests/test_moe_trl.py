@@ -10,12 +10,14 @@ import pytest
 import torch
 from first_batches import TOLERANCE, ours_first_batch, trl_first_batch
 from preference_data import dpo_trainer, preference_rows
+from tiny import DEEPSEEK_FAMILIES, FAMILIES
 from tiny_train import MOE, arithmetic_rows, build_model_dir, sft_trainer
 
+from pagedrl.model.config import ModelConfig
 from pagedrl.train.algorithms.pair_batch import collate_pairs
 from pagedrl.train.config import TrainConfigError
 from pagedrl.train.data import Preference
-from pagedrl.train.router_loss import load_balancing_loss
+from pagedrl.train.router_loss import load_balancing_loss, router_loss_coef
 
 COEF = 0.5  # the model config's `router_aux_loss_coef`
 
@@ -46,6 +48,9 @@ def test_first_batch_equals_trl(tmp_path, family: str, coef: float | None, kind:
     assert grads.keys() >= trl_grads.keys()
     for name, g in trl_grads.items():
         assert float((grads[name] - g).abs().max()) < TOLERANCE, name
+    if kind == "sft":  # the config it saves says what ran, as TRL's SFT trainer leaves it
+        cfg = trainer.algorithm.model.config
+        assert (cfg.output_router_logits, cfg.router_aux_loss_coef) == ((True, COEF) if coef is None else (False, 0.0))
     if coef is None:
         assert metrics["aux_loss"] == pytest.approx(trl_metrics["aux_loss"], abs=1e-6)
         assert COEF * metrics["aux_loss"] > 0.1  # the term is there to be checked
@@ -91,3 +96,24 @@ def test_a_coefficient_for_a_dense_model_is_refused_by_name(tiny_train_model, tm
     with pytest.raises(TrainConfigError, match="router_aux_loss_coef"):
         dpo_trainer(tiny_train_model, tmp_path / "dpo", preference_rows(4), router_aux_loss_coef=0.01)
     sft_trainer(tiny_train_model, tmp_path / "off", router_aux_loss_coef=0.0)  # 0: nothing to weight, allowed
+
+
+def test_which_models_add_the_loss_and_with_what_weight() -> None:
+    """TRL's rule: a model whose config declares `output_router_logits` (transformers' Mixtral, Qwen3-MoE,
+    gpt-oss, DeepSeek-V3) has the loss, weighted by the trainer's coefficient or else by the config's
+    `router_aux_loss_coef` (0 where it declares none: DeepSeek-V3, which computes no such loss either);
+    a non-zero weight for a model without the loss is refused by the field's name."""
+    import transformers
+
+    for name, raw in [*FAMILIES.items(), *DEEPSEEK_FAMILIES.items()]:
+        ours = ModelConfig.from_dict(dict(raw, router_aux_loss_coef=0.02, output_router_logits=False))
+        theirs = transformers.AutoConfig.for_model(raw["model_type"])
+        has_loss = hasattr(theirs, "output_router_logits") and hasattr(theirs, "router_aux_loss_coef")
+        assert ours.load_balancing_loss == has_loss, name
+        assert router_loss_coef(0.0, ours) == 0.0
+        if has_loss:  # whatever the config's `output_router_logits`
+            assert (router_loss_coef(None, ours), router_loss_coef(0.3, ours)) == (0.02, 0.3)
+        else:
+            assert router_loss_coef(None, ours) == 0.0
+            with pytest.raises(TrainConfigError, match="router_aux_loss_coef"):
+                router_loss_coef(0.01, ours)
