@@ -34,7 +34,7 @@ def test_defaults_follow_trl() -> None:
     assert (dpo.beta, dpo.loss_type, dpo.label_smoothing, dpo.learning_rate) == (0.1, "sigmoid", 0.0, 1e-6)
     assert RewardConfig().center_rewards_coefficient is None
     assert SFTConfig().learning_rate == 2e-5
-    assert SFTConfig().router_aux_loss_coef is None and DPOConfig().router_aux_loss_coef is None  # the model's
+    assert SFTConfig().router_aux_loss_coef is DPOConfig().router_aux_loss_coef is grpo.router_aux_loss_coef is None
     assert TrainConfig().model == "smollm2-135m-instruct"
 
 

@@ -216,7 +216,8 @@ class TrainConfig:
         return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * total_steps)
 
 
-def _validate_router_coef(coef: float | None) -> None:
+def validate_router_coef(coef: float | None) -> None:
+    """`router_aux_loss_coef` of SFT, DPO and GRPO: the model's (None) or a number (0: off)."""
     _require(coef is None or math.isfinite(coef), "router_aux_loss_coef", f"must be null or a finite number, got {coef}")
 
 
@@ -232,7 +233,7 @@ class SFTConfig(TrainConfig):
 
     def validate(self) -> None:
         super().validate()
-        _validate_router_coef(self.router_aux_loss_coef)
+        validate_router_coef(self.router_aux_loss_coef)
 
 
 @dataclass
@@ -259,7 +260,7 @@ class DPOConfig(TrainConfig):
 
     def validate(self) -> None:
         super().validate()
-        _validate_router_coef(self.router_aux_loss_coef)
+        validate_router_coef(self.router_aux_loss_coef)
         _require(self.beta > 0, "beta", f"must be > 0, got {self.beta}")
         ls = self.label_smoothing
         if self.loss_type == "robust":

@@ -7,7 +7,7 @@ token counted k times, so Σ f_e = k) and P_e the mean router probability of e, 
 of every sparse layer together (padding excluded). It is smallest when both are uniform. Only P_e
 carries a gradient (the top-k choice has none), as in transformers.
 
-Which runs add it, and with what weight, follows TRL's SFT and DPO trainers (`router_loss_coef`): every
+Which runs add it, and with what weight, follows TRL's SFT, DPO and GRPO trainers (`router_loss_coef`): every
 model of a family whose config declares `output_router_logits` (its value does not matter; the
 trainer's setting decides), weighted by the trainer's `router_aux_loss_coef`, or by the model's own
 when that is left unset; 0 turns it off.

@@ -9,10 +9,17 @@ Under torchrun each rank samples its share of the prompts with its own engine; t
 dynamic sampling and metrics are computed over every rank's groups (`collect_rollout`), so two
 processes train on what one process with the whole batch would. The reference is frozen and
 replicated on every rank (it has no gradient or optimizer state to shard).
+
+A mixture of experts with a router load-balancing loss (Mixtral, Qwen3-MoE, gpt-oss) adds it in
+training, as TRL's GRPO trainer does: times `router_aux_loss_coef` (unset: the model config's; 0: not
+added) over each micro-batch's policy forward, divided by the step's micro-batches (all ranks), logged
+as `aux_loss`. TRL runs each completion with its own copy of the prompt; here a prompt computed once
+counts once per completion packed after it (`PackedBatch.token_weights`), which gives TRL's value.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +27,7 @@ from typing import Any
 
 import torch
 
+from pagedrl.model.moe import collect_router_logits
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.adapters import reference_forward, uses_lora
 from pagedrl.train.distributed import DistInfo
@@ -31,6 +39,7 @@ from pagedrl.train.rl.online import OnlineAlgorithm
 from pagedrl.train.rl.packing import PackedBatch, pack, split_units
 from pagedrl.train.rl.rewards import RewardFunc
 from pagedrl.train.rl.rollout import Rollout, collect_rollout
+from pagedrl.train.router_loss import load_balancing_loss, router_loss_coef
 
 TOKEN_MEAN_LOSSES = ("dapo", "bnpo")
 
@@ -53,6 +62,7 @@ class GRPO(OnlineAlgorithm):
         super().__init__(config, model, tokenizer, dist, self.prompts_per_step, eos_token_ids, reward_funcs,
                          generation_config)
         self.model = model
+        self.router_coef = router_loss_coef(config.router_aux_loss_coef, model.config)
         self.ref_model = None
         # With LoRA the reference is the base: the policy with its adapters switched off, no copy.
         self.base_is_reference = config.beta > 0 and uses_lora(model)
@@ -113,7 +123,9 @@ class GRPO(OnlineAlgorithm):
 
     def loss(self, model: Any, b: PackedBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         c = self.config
-        out_lp = self.token_logps(model, b, entropy=True)
+        balance = self.router_coef != 0.0 and self.model.training
+        with collect_router_logits() if balance else contextlib.nullcontext() as router_logits:
+            out_lp = self.token_logps(model, b, entropy=True)
         logp = b.to_padded(out_lp.logps)
         old = b.old_logps if b.old_logps is not None else logp.detach()
         out = clipped_surrogate(logp, old, b.advantages, b.mask, c.epsilon, c.epsilon_high, c.delta)
@@ -142,6 +154,11 @@ class GRPO(OnlineAlgorithm):
         metrics["clip_ratio/high_mean"] = Metric.mean(out.is_high_clipped.sum().float(), n_tok)
         metrics["clip_ratio/region_mean"] = Metric.mean(out.is_region_clipped.sum().float(), n_tok)
         metrics["num_tokens"] = Metric.cumulative(float(b.input_ids.numel()))
+        if balance and router_logits:
+            cfg = self.model.config
+            aux = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, b.token_weights)
+            loss = loss + self.router_coef * aux / (c.gradient_accumulation_steps * self.dist.world_size)
+            metrics["aux_loss"] = Metric.mean(aux.detach())
         return loss, metrics
 
     def step_metrics(self, step: int) -> dict[str, Any]:

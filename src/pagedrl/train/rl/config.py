@@ -9,7 +9,7 @@ from typing import Literal
 
 from pagedrl.engine.engine_args import engine_field
 from pagedrl.engine.sampling_params import MIN_TEMPERATURE
-from pagedrl.train.config import TrainConfig, _require
+from pagedrl.train.config import TrainConfig, _require, validate_router_coef
 
 
 @dataclass
@@ -93,9 +93,12 @@ class GRPOConfig(OnlineConfig):
     # Truncated importance sampling between engine and trainer log-probs; null disables.
     # 3.0 is TRL's vllm_importance_sampling_clip_max.
     tis_cap: float | None = 3.0
+    # Mixture of experts: the router load-balancing loss's weight (None: the model config's; 0: off).
+    router_aux_loss_coef: float | None = None
 
     def validate(self) -> None:
         super().validate()
+        validate_router_coef(self.router_aux_loss_coef)
         _require(self.num_generations >= 2, "num_generations", f"a group needs >= 2 completions, got {self.num_generations}")
         _require(self.epsilon >= 0, "epsilon", f"must be >= 0, got {self.epsilon}")
         _require(self.epsilon_high is None or self.epsilon_high >= 0, "epsilon_high", f"must be >= 0, got {self.epsilon_high}")

@@ -45,6 +45,9 @@ class PackedBatch:
     mask: torch.Tensor  # [S, L] bool: real (and not masked-out) completion tokens
     sampling_logps: torch.Tensor  # [S, L] the engine's log-probs, 0 where there is no token
     num_prompt_tokens: int = 0
+    # [1, T] how many of TRL's padded rows (prompt + one completion each) hold each token: a prompt
+    # its completions here, a completion token 1 (0 when masked out); the router loss's token weights.
+    token_weights: torch.Tensor | None = None
     # Filled by the algorithm, once per rollout.
     advantages: torch.Tensor | None = None  # [S] (GRPO) or [S, L] (PPO)
     old_logps: torch.Tensor | None = None  # [S, L] the policy's before the first update of the rollout
@@ -97,6 +100,7 @@ def pack(rollout: Rollout, units: list[Unit], device: torch.device, mask_truncat
     predict, targets, seq_of, col_of, last_at, index = [], [], [], [], [], []
     lengths, sampling, keep = [], [], []
     num_prompt = 0
+    weights: list[float] = []
     for unit in units:
         prompt_ids = rollout.prompts[unit.prompt].prompt_ids
         prompt_seg = len(parent)
@@ -106,6 +110,7 @@ def pack(rollout: Rollout, units: list[Unit], device: torch.device, mask_truncat
         ids += prompt_ids
         pos += range(p)
         seg += [prompt_seg] * p
+        weights += [float(len(unit.completions))] * p
         num_prompt += p
         for i in unit.completions:
             comp = rollout.completion_ids[i]
@@ -126,6 +131,7 @@ def pack(rollout: Rollout, units: list[Unit], device: torch.device, mask_truncat
             lengths.append(len(comp))
             sampling.append(rollout.sampling_logps[i])
             keep.append(not (mask_truncated and bool(rollout.truncated[i])))
+            weights += [float(keep[-1])] * len(comp)
     S, L = len(lengths), max(lengths) if lengths else 0
     mask = torch.zeros(S, L, dtype=torch.bool)
     sampled = torch.zeros(S, L, dtype=torch.float32)
@@ -143,4 +149,5 @@ def pack(rollout: Rollout, units: list[Unit], device: torch.device, mask_truncat
         predict_at=as_long(predict), targets=as_long(targets), seq_of=as_long(seq_of), col_of=as_long(col_of),
         last_at=as_long(last_at), completion_index=as_long(index), lengths=as_long(lengths),
         mask=mask.to(device), sampling_logps=sampled.to(device), num_prompt_tokens=num_prompt,
+        token_weights=torch.tensor([weights], dtype=torch.float32, device=device),
     )
