@@ -33,11 +33,16 @@ REWARDS = (
 
 @pytest.fixture()
 def prompts_file(tmp_path):
+    return write_prompts(tmp_path)
+
+
+def write_prompts(folder):
+    """16 arithmetic prompts (`prompts.jsonl`) and the reward functions of REWARDS (`rewards.py`) in `folder`."""
     rows = [{"prompt": [{"role": "user", "content": f"what is {a} plus {b}"}], "answer": a + b}
             for a in range(4) for b in range(4)]
-    path = tmp_path / "prompts.jsonl"
+    path = folder / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "rewards.py").write_text(REWARDS)
+    (folder / "rewards.py").write_text(REWARDS)
     return path
 
 
@@ -115,44 +120,6 @@ def test_a_mixture_of_experts_first_step_ratio_is_one(tmp_path, prompts_file, ar
         dict(num_experts=8, moe_intermediate_size=32)
     model_dir = build_model_dir(tmp_path / "moe", architectures=[architecture], num_experts_per_tok=2, **moe)
     assert_first_step_ratio_is_one(model_dir, prompts_file)
-
-
-@pytest.mark.parametrize("mask_truncated", [False, True])
-def test_a_mixture_of_experts_adds_the_router_loss_of_trls_rows(tmp_path, prompts_file, mask_truncated: bool) -> None:
-    """With a router load-balancing loss (Mixtral, the config's coefficient): each micro-batch adds the
-    coefficient times transformers' `aux_loss` over the micro-batch as TRL's GRPO trainer lays it out
-    (a row per completion: its prompt left-padded, the completion right-padded, a truncated one masked
-    out with `mask_truncated_completions`), divided by the step's micro-batches; `aux_loss` is that value."""
-    from tiny_train import build_model_dir
-    from transformers import AutoModelForCausalLM
-
-    model_dir = build_model_dir(tmp_path / "moe", architectures=["MixtralForCausalLM"], num_experts_per_tok=2,
-                                num_local_experts=8, router_aux_loss_coef=0.5)
-    algo = grpo(model_dir, prompts_file, mask_truncated_completions=mask_truncated)
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    batches = algo.step_batches(1)
-    r, total = algo.rollout, torch.tensor(float(sum(algo.count(b) for b in batches)))
-    assert r is not None and len(batches) == 2
-    assert bool(r.truncated.any()) or not mask_truncated  # something masked out
-    for b in batches:
-        with torch.no_grad():
-            loss, metrics = algo.loss(algo.model, b, total)
-            algo.router_coef = 0.0
-            without, _ = algo.loss(algo.model, b, total)
-            algo.router_coef = 0.5
-        index = b.completion_index.tolist()
-        prompts = [r.prompts[i // r.num_generations].prompt_ids for i in index]
-        answers = [r.completion_ids[i] for i in index]
-        width_p, width_c = max(map(len, prompts)), max(map(len, answers))
-        ids = torch.tensor([[0] * (width_p - len(p)) + p + c + [0] * (width_c - len(c))
-                            for p, c in zip(prompts, answers, strict=True)])
-        keep = [not (mask_truncated and bool(r.truncated[i])) for i in index]
-        mask = torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) + [int(k)] * len(c)
-                             + [0] * (width_c - len(c)) for k, p, c in zip(keep, prompts, answers, strict=True)])
-        with torch.no_grad():
-            aux = hf(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss.item()
-        assert float(metrics["aux_loss"].total) == pytest.approx(aux, abs=1e-6)
-        assert float(loss - without) == pytest.approx(0.5 * aux / 2, abs=1e-6)
 
 
 def assert_first_step_ratio_is_one(model_dir, prompts_file) -> None:

@@ -2,7 +2,8 @@
 SFTTrainer and DPOTrainer on the same saved model and rows: the first batch's loss, every parameter's
 gradient (the router's included) and `aux_loss`, with the loss on (the model config's coefficient,
 0.5 here so that the term shows) and off (`router_aux_loss_coef=0`). TRL runs DPO's answers as two
-padded rows, each with its own prompt; pagedrl computes the prompt once and counts its tokens twice."""
+padded rows, each with its own prompt; pagedrl computes the prompt once and counts its tokens twice.
+GRPO's term against transformers' over the rows TRL's GRPO trainer builds; which models have it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from first_batches import TOLERANCE, ours_first_batch, trl_first_batch
 from preference_data import dpo_trainer, preference_rows
+from test_grpo import grpo, write_prompts
 from tiny import DEEPSEEK_FAMILIES, FAMILIES
 from tiny_train import MOE, arithmetic_rows, build_model_dir, sft_trainer
 
@@ -117,3 +119,40 @@ def test_which_models_add_the_loss_and_with_what_weight() -> None:
             assert router_loss_coef(None, ours) == 0.0
             with pytest.raises(TrainConfigError, match="router_aux_loss_coef"):
                 router_loss_coef(0.01, ours)
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_grpo_adds_the_router_loss_of_trls_rows(tmp_path, mask_truncated: bool) -> None:
+    """With a router load-balancing loss (Mixtral, the config's coefficient): each micro-batch adds the
+    coefficient times transformers' `aux_loss` over the micro-batch as TRL's GRPO trainer lays it out
+    (a row per completion: its prompt left-padded, the completion right-padded, a truncated one masked
+    out with `mask_truncated_completions`), divided by the step's micro-batches; `aux_loss` is that value."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = build_model_dir(tmp_path / "moe", architectures=["MixtralForCausalLM"], num_experts_per_tok=2,
+                                num_local_experts=8, router_aux_loss_coef=0.5)
+    algo = grpo(model_dir, write_prompts(tmp_path), mask_truncated_completions=mask_truncated)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    batches = algo.step_batches(1)
+    r, total = algo.rollout, torch.tensor(float(sum(algo.count(b) for b in batches)))
+    assert r is not None and len(batches) == 2
+    assert bool(r.truncated.any()) or not mask_truncated  # something masked out
+    for b in batches:
+        with torch.no_grad():
+            loss, metrics = algo.loss(algo.model, b, total)
+            algo.router_coef = 0.0
+            without, _ = algo.loss(algo.model, b, total)
+            algo.router_coef = 0.5
+        index = b.completion_index.tolist()
+        prompts = [r.prompts[i // r.num_generations].prompt_ids for i in index]
+        answers = [r.completion_ids[i] for i in index]
+        width_p, width_c = max(map(len, prompts)), max(map(len, answers))
+        ids = torch.tensor([[0] * (width_p - len(p)) + p + c + [0] * (width_c - len(c))
+                            for p, c in zip(prompts, answers, strict=True)])
+        keep = [not (mask_truncated and bool(r.truncated[i])) for i in index]
+        mask = torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) + [int(k)] * len(c)
+                             + [0] * (width_c - len(c)) for k, p, c in zip(keep, prompts, answers, strict=True)])
+        with torch.no_grad():
+            aux = hf(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss.item()
+        assert float(metrics["aux_loss"].total) == pytest.approx(aux, abs=1e-6)
+        assert float(loss - without) == pytest.approx(0.5 * aux / 2, abs=1e-6)
