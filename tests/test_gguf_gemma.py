@@ -171,3 +171,45 @@ def test_unsupported_gemma_fields_are_named(tmp_path: Path) -> None:
                            vocabulary=yarn)
     with pytest.raises(GGUFError, match=r"yarn\.gguf: gemma3\.rope\.scaling\.type 'yarn' is not supported"):
         convert_gguf(path, tmp_path / "out")
+
+
+class _Field:
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def contents(self) -> object:
+        return self.value
+
+
+def read_gemma_config(arch: str, layers: int, **fields: object):
+    """The config of a file with these fields (a Gemma 27B's sizes but `layers` layers), no tensors needed."""
+    from types import SimpleNamespace
+
+    from pagedrl.model.gguf_gemma import gemma_config
+    from pagedrl.model.gguf_metadata import Metadata
+
+    raw = {"general.architecture": arch, f"{arch}.block_count": layers, f"{arch}.embedding_length": 4608,
+           f"{arch}.attention.head_count": 32, f"{arch}.attention.head_count_kv": 16,
+           f"{arch}.attention.key_length": 128, f"{arch}.feed_forward_length": 36864,
+           f"{arch}.attention.sliding_window": 4096, **{f"{arch}.{k}": v for k, v in fields.items()}}
+    reader = SimpleNamespace(fields={k: _Field(v) for k, v in raw.items() if v is not None})
+    return gemma_config(Metadata(reader, "x.gguf"), {"token_embd.weight": SimpleNamespace(shape=(4608, 256000))})
+
+
+def test_what_the_file_leaves_out_is_llama_cpps_rule() -> None:
+    """The attention scale: 1/sqrt(head_dim) but in the 27B models (told by their layer count), which scale
+    by 1/sqrt(hidden / heads); the layer kinds; Gemma 3's sliding base; Gemma 2's default caps."""
+    assert read_gemma_config("gemma2", 46).gemma.query_pre_attn_scalar == 4608 // 32 == 144
+    assert read_gemma_config("gemma2", 42).gemma.query_pre_attn_scalar == 128
+    assert read_gemma_config("gemma3", 62).gemma.query_pre_attn_scalar == 144
+    assert read_gemma_config("gemma3", 34).gemma.query_pre_attn_scalar == 128
+    g2 = read_gemma_config("gemma2", 4).gemma
+    assert g2.layer_types == ("sliding_attention", "full_attention") * 2
+    assert (g2.attn_logit_softcapping, g2.final_logit_softcapping, g2.local_rope_theta) == (50.0, 30.0, None)
+    g3 = read_gemma_config("gemma3", 7, **{"rope.freq_base": 1e6, "rope.freq_base_swa": 5e4})
+    assert [g3.gemma.window(i) for i in range(7)] == [4096] * 5 + [None, 4096]
+    assert (g3.rope_theta, g3.gemma.local_rope_theta, g3.gemma.final_logit_softcapping) == (1e6, 5e4, None)
+    everywhere = read_gemma_config("gemma3", 7, **{"attention.sliding_window": None}).gemma
+    assert set(everywhere.layer_types) == {"full_attention"} and everywhere.attn_logit_softcapping is None
+    with pytest.raises(GGUFError, match=r"x\.gguf: metadata field 'gemma2\.attention\.sliding_window' is missing"):
+        read_gemma_config("gemma2", 4, **{"attention.sliding_window": None})
