@@ -60,8 +60,10 @@ def llama_cpp_tensors(model: torch.nn.Module, arch: str) -> dict[str, np.ndarray
     `llama` (its `LlamaModel.permute`; Qwen's heads rotate in halves there, unpermuted), a mixture of
     experts' experts stacked [experts, rows, columns] per projection (`ffn_gate_exps`, `ffn_up_exps`,
     `ffn_down_exps`, as its `Qwen2MoeModel` stacks them); Gemma's norms plus one and its tied head left out
-    (its `Gemma2Model` / `Gemma3Model`)."""
+    (its `Gemma2Model` / `Gemma3Model`); gpt-oss's as its `GptOssModel` splits them (`gpt_oss_tensors`)."""
     cfg = model.config
+    if arch == "gpt-oss":
+        return gpt_oss_tensors(model)
     out: dict[str, np.ndarray] = {}
     for name, p in model.state_dict().items():
         data = p.detach().numpy().astype(np.float32)
@@ -80,6 +82,36 @@ def llama_cpp_tensors(model: torch.nn.Module, arch: str) -> dict[str, np.ndarray
         elif arch == "llama" and ".attn_k." in target:
             data = llama_cpp_permute(data, cfg.num_key_value_heads)
         out[target] = data
+    return out
+
+
+def gpt_oss_tensors(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """gpt-oss under llama.cpp's names: the sinks as `attn_sinks`, the router as `ffn_gate_inp`, the norm
+    before the experts as `post_attention_norm`, the interleaved `gate_up_proj` [E, H, 2I] and its bias split
+    into `ffn_gate_exps` and `ffn_up_exps` ([E, I, H]: rows are outputs), `down_proj` [E, I, H] transposed."""
+    out: dict[str, np.ndarray] = {}
+    for name, p in model.state_dict().items():
+        data = p.detach().numpy().astype(np.float32)
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if layer is None:
+            out[gguf_name(name)] = data
+        elif name.endswith("self_attn.sinks"):
+            out[f"blk.{layer}.attn_sinks.weight"] = data
+        elif ".mlp.router." in name:
+            out[f"blk.{layer}.ffn_gate_inp.{name.rsplit('.', 1)[1]}"] = data
+        elif name.endswith("post_attention_layernorm.weight"):
+            out[f"blk.{layer}.post_attention_norm.weight"] = data
+        elif name.endswith("experts.gate_up_proj"):
+            for proj, start in (("gate", 0), ("up", 1)):
+                out[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.ascontiguousarray(data[:, :, start::2].transpose(0, 2, 1))
+        elif name.endswith("experts.gate_up_proj_bias"):
+            out[f"blk.{layer}.ffn_gate_exps.bias"], out[f"blk.{layer}.ffn_up_exps.bias"] = data[:, 0::2], data[:, 1::2]
+        elif name.endswith("experts.down_proj"):
+            out[f"blk.{layer}.ffn_down_exps.weight"] = np.ascontiguousarray(data.transpose(0, 2, 1))
+        elif name.endswith("experts.down_proj_bias"):
+            out[f"blk.{layer}.ffn_down_exps.bias"] = data
+        else:
+            out[gguf_name(name)] = data
     return out
 
 
@@ -117,8 +149,14 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
     if head_dim != cfg.hidden_size // cfg.num_attention_heads and arch not in GEMMA:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if getattr(cfg, "num_experts", None):
-        w.add_expert_count(cfg.num_experts)
+    if arch == "gpt-oss":  # (its `GptOssModel`: the window, the experts' width, YaRN through `TextModel`)
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if getattr(cfg, "num_experts", None) or arch == "gpt-oss":
+        w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         if getattr(cfg, "moe_intermediate_size", None):  # (Mixtral's experts are of intermediate_size)
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)

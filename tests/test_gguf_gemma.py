@@ -105,7 +105,7 @@ def test_conversion_gives_back_the_original_model(arch: str, tmp_path: Path) -> 
     for field in ("layer_types", "sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping",
                   "final_logit_softcapping", "rope_parameters", "head_dim", "tie_word_embeddings"):
         assert getattr(back.config, field) == getattr(hf.config, field), field
-    ours = load_causal_lm(out)
+    ours = load_causal_lm(out, dtype=torch.float32)
     with torch.no_grad():
         assert float((ours.logits(ours(ids(0))) - hf(ids(0)).logits).abs().max()) < 1e-5
     assert read_folder_config(out).gemma.window(5 if arch == "gemma3" else 1) is None
@@ -118,7 +118,7 @@ def test_transformers_reading_the_gguf_gives_the_same_logits_and_greedy_tokens(a
     _, path = gemma_gguf(ASSUMED[arch], arch, tmp_path, types={"ffn_up": Q.Q8_0, "attn_q": Q.Q8_0, "attn_v": Q.Q8_0})
     direct = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
                                                                dtype=torch.float32).eval()
-    ours = load_causal_lm(convert_gguf(path, tmp_path / "hf"))
+    ours = load_causal_lm(convert_gguf(path, tmp_path / "hf"), dtype=torch.float32)
     with torch.no_grad():
         assert float((ours.logits(ours(ids(1))) - direct(ids(1)).logits).abs().max()) < 1e-5
     batch = prompts(len(TOKENS))[:4]

@@ -41,7 +41,7 @@ def table_architectures(page: Path, heading: str) -> set[str]:
 
 def table_gguf_architectures(page: Path, heading: str) -> set[str]:
     """The llama.cpp architectures (`qwen2`, `gemma3`, ...) the GGUF column of that table names."""
-    return {name for row in first_table(page, heading) for name in re.findall(r"`([a-z0-9]+)`", row[-1])}
+    return {name for row in first_table(page, heading) for name in re.findall(r"`([a-z0-9-]+)`", row[-1])}
 
 
 def architectures_under_test() -> set[str]:

@@ -71,6 +71,9 @@ def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[Caus
     converted `folder`), and how many tensors of each type it keeps."""
     gguf_path, source = Path(gguf_path), str(gguf_path)
     cfg = read_folder_config(Path(folder))
+    if cfg.gpt_oss is not None:
+        raise GGUFError(f"{source}: quantization='gguf' does not keep gpt-oss files quantized (their MXFP4 "
+                        "experts); without quantization the file loads dequantized")
     reader = open_gguf(gguf_path)
     with torch.device("meta"):
         model = CausalLM(cfg)
