@@ -147,8 +147,10 @@ def test_engine_kept_quantized_gives_the_dequantized_engines_tokens(arch: str, t
         assert quantized == plain
 
 
-def test_ids_equal_transformers_gguf_tokenizer(tmp_path: Path) -> None:
-    _, path = gemma_gguf(BITING["gemma2"], "gemma2", tmp_path)
+@pytest.mark.parametrize("arch", sorted(BITING))
+def test_ids_equal_transformers_gguf_tokenizer(arch: str, tmp_path: Path) -> None:
+    """Texts with runs of spaces and newlines, tabs, bytes no piece spells, specials and a user-defined tag."""
+    _, path = gemma_gguf(BITING[arch], arch, tmp_path)
     ours = Tokenizer.from_folder(convert_gguf(path, tmp_path / "hf"))
     direct = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in TEXTS:
