@@ -5,9 +5,9 @@ metadata keys, tensors under llama.cpp names, most of them quantized, a mixture 
 one 3-D tensor per projection, the q/k projection rows permuted for llama.cpp's rotary layout (in the
 `llama` architecture only: llama.cpp rotates Qwen's and Gemma's heads in halves, as transformers does),
 Gemma's norm weights stored as 1 + w (`model/gguf_gemma.py`), gpt-oss's gate and up split from their
-interleaving (`model/gguf_gpt_oss.py`), and the tokenizer as arrays of tokens, merges and token types instead of a tokenizer.json. `convert_gguf`
-undoes each of these and writes float32 safetensors with config, tokenizer and generation config
-beside them.
+interleaving (`model/gguf_gpt_oss.py`), and the tokenizer as arrays of tokens, merges and token types
+instead of a tokenizer.json. `convert_gguf` undoes each of these and writes float32 safetensors with
+config, tokenizer and generation config beside them.
 """
 
 from __future__ import annotations
@@ -179,14 +179,10 @@ def hf_name(name: str, source: str, architecture: str = "LlamaForCausalLM") -> s
     if stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
     m = _LAYER_NAME.fullmatch(name)
-    gemma = architecture in GEMMA_ARCHITECTURES.values()
-    if m and (m.group(2) in _LAYER_TENSORS or gemma and m.group(2) in GEMMA_LAYER_TENSORS):
-        if gemma and m.group(2) in GEMMA_LAYER_TENSORS:
-            module = GEMMA_LAYER_TENSORS[m.group(2)]
-        elif m.group(2) == "ffn_up" and architecture in FUSED_UP:
-            module = "mlp.gate_up_proj"
-        else:
-            module = _LAYER_TENSORS[m.group(2)]
+    layer_tensors = {**_LAYER_TENSORS, **GEMMA_LAYER_TENSORS} if architecture in GEMMA_ARCHITECTURES.values() \
+        else _LAYER_TENSORS
+    if m and m.group(2) in layer_tensors:
+        module = "mlp.gate_up_proj" if m.group(2) == "ffn_up" and architecture in FUSED_UP else layer_tensors[m.group(2)]
         return f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
     raise GGUFError(f"{source}: tensor {name!r} has no Hugging Face counterpart in the architectures "
                     f"pagedrl reads from GGUF ({', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -262,7 +258,7 @@ def _generation_config(meta: Metadata) -> dict[str, Any]:
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
-    """Write the Hugging Face folder for a GGUF (llama, qwen2, qwen3, qwen3moe, phi3, gemma2, gemma3, gpt-oss) at `out_dir` and return it.
+    """Write the Hugging Face folder for a GGUF (`SUPPORTED_ARCHITECTURES`) at `out_dir` and return it.
 
     Everything is written to a temporary sibling and renamed into place at the end, so `out_dir`
     either does not exist or is complete, whatever happens to this process. An existing `out_dir` is
