@@ -1,6 +1,7 @@
 """Tiny GGUF files written the way llama.cpp's convert_hf_to_gguf.py writes them, from random transformers
-models (its names, its q/k permutation in `llama` files, stacked experts, LongRoPE's factor tensors, a
-byte-level vocabulary with specials or a caller's own), for the GGUF tests; and the float32 bound their
+models (its names, its q/k permutation in `llama` files, stacked experts, LongRoPE's factor tensors, Gemma's
+norms stored as 1 + w and its metadata, a byte-level vocabulary with specials or a caller's own), for the
+GGUF tests; and the float32 bound their
 converted models are held to."""
 
 from __future__ import annotations
@@ -35,10 +36,14 @@ GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
               "mlp.experts.down_proj": "ffn_down_exps", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+# Gemma's sandwich norms (its `ffn_norm` is the one before the feed-forward, Llama's the one after attention)
+GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
+GEMMA = ("gemma2", "gemma3")
 QUANTIZED = ("ffn_up", "ffn_down")  # Q8_0, so the dequantisation path is exercised too
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, arch: str = "llama") -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     if hf in top:
@@ -46,15 +51,19 @@ def gguf_name(hf: str) -> str:
     _, _, layer, *rest = hf.split(".")
     if rest[-1] in ("gate_up_proj", "down_proj"):  # a mixture of experts' stacked experts (no `.weight`)
         rest.append("weight")
-    return f"blk.{layer}.{GGUF_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
+    module = ".".join(rest[:-1])
+    return f"blk.{layer}.{(GEMMA_NAMES if arch in GEMMA and module in GEMMA_NAMES else GGUF_NAMES)[module]}.{rest[-1]}"
 
 
 def llama_cpp_tensors(model: torch.nn.Module, arch: str) -> dict[str, np.ndarray]:
     """The model's tensors under llama.cpp's names, as its converter lays them out: q/k rows permuted in
     `llama` (its `LlamaModel.permute`; Qwen's heads rotate in halves there, unpermuted), a mixture of
     experts' experts stacked [experts, rows, columns] per projection (`ffn_gate_exps`, `ffn_up_exps`,
-    `ffn_down_exps`, as its `Qwen2MoeModel` stacks them)."""
+    `ffn_down_exps`, as its `Qwen2MoeModel` stacks them); Gemma's norms plus one and its tied head left out
+    (its `Gemma2Model` / `Gemma3Model`); gpt-oss's as its `GptOssModel` splits them (`gpt_oss_tensors`)."""
     cfg = model.config
+    if arch == "gpt-oss":
+        return gpt_oss_tensors(model)
     out: dict[str, np.ndarray] = {}
     for name, p in model.state_dict().items():
         data = p.detach().numpy().astype(np.float32)
@@ -63,12 +72,46 @@ def llama_cpp_tensors(model: torch.nn.Module, arch: str) -> dict[str, np.ndarray
             gate, up = np.split(data, 2, axis=1)
             out[stem + "gate_exps.weight"], out[stem + "up_exps.weight"] = np.ascontiguousarray(gate), np.ascontiguousarray(up)
             continue
-        target = gguf_name(name)
+        if arch in GEMMA and name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        target = gguf_name(name, arch)
+        if arch in GEMMA and target.endswith("norm.weight"):
+            data = data + np.float32(1.0)
         if arch == "llama" and ".attn_q." in target:
             data = llama_cpp_permute(data, cfg.num_attention_heads)
         elif arch == "llama" and ".attn_k." in target:
             data = llama_cpp_permute(data, cfg.num_key_value_heads)
         out[target] = data
+    return out
+
+
+def gpt_oss_tensors(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """gpt-oss under llama.cpp's names: the sinks as `attn_sinks`, the router as `ffn_gate_inp`, the norm
+    before the experts as `post_attention_norm`, the interleaved `gate_up_proj` [E, H, 2I] and its bias split
+    into `ffn_gate_exps` and `ffn_up_exps` ([E, I, H]: rows are outputs), `down_proj` [E, I, H] transposed."""
+    out: dict[str, np.ndarray] = {}
+    for name, p in model.state_dict().items():
+        data = p.detach().numpy().astype(np.float32)
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if layer is None:
+            out[gguf_name(name)] = data
+        elif name.endswith("self_attn.sinks"):
+            out[f"blk.{layer}.attn_sinks.weight"] = data
+        elif ".mlp.router." in name:
+            out[f"blk.{layer}.ffn_gate_inp.{name.rsplit('.', 1)[1]}"] = data
+        elif name.endswith("post_attention_layernorm.weight"):
+            out[f"blk.{layer}.post_attention_norm.weight"] = data
+        elif name.endswith("experts.gate_up_proj"):
+            for proj, start in (("gate", 0), ("up", 1)):
+                out[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.ascontiguousarray(data[:, :, start::2].transpose(0, 2, 1))
+        elif name.endswith("experts.gate_up_proj_bias"):
+            out[f"blk.{layer}.ffn_gate_exps.bias"], out[f"blk.{layer}.ffn_up_exps.bias"] = data[:, 0::2], data[:, 1::2]
+        elif name.endswith("experts.down_proj"):
+            out[f"blk.{layer}.ffn_down_exps.weight"] = np.ascontiguousarray(data.transpose(0, 2, 1))
+        elif name.endswith("experts.down_proj_bias"):
+            out[f"blk.{layer}.ffn_down_exps.bias"] = data
+        else:
+            out[gguf_name(name)] = data
     return out
 
 
@@ -91,20 +134,29 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = cfg.rope_parameters or {}
-    w.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor")
-                                               or getattr(cfg, "partial_rotary_factor", None) or 1.0)))
+    if arch in GEMMA:
+        gemma_metadata(w, cfg, arch)
+    else:
+        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+        w.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor")
+                                                   or getattr(cfg, "partial_rotary_factor", None) or 1.0)))
     if rope.get("rope_type") == "longrope":  # Phi-3 128k: the factors as tensors, as llama.cpp writes them
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads and arch not in GEMMA:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if getattr(cfg, "num_experts", None):
-        w.add_expert_count(cfg.num_experts)
+    if arch == "gpt-oss":  # (its `GptOssModel`: the window, the experts' width, YaRN through `TextModel`)
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if getattr(cfg, "num_experts", None) or arch == "gpt-oss":
+        w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         if getattr(cfg, "moe_intermediate_size", None):  # (Mixtral's experts are of intermediate_size)
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
@@ -142,6 +194,26 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def gemma_metadata(w: gguf.GGUFWriter, cfg, arch: str) -> None:
+    """What llama.cpp's `Gemma2Model` / `Gemma3Model` write beyond the sizes: the head size always, the
+    soft-capping, the window, and Gemma 3's global rotary base and linear scaling (the layer kinds, the
+    sliding layers' base and the attention scale it does not write: its runtime knows them)."""
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        return
+    full = cfg.rope_parameters["full_attention"]
+    w.add_rope_freq_base(full["rope_theta"])
+    if full.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    if cfg.final_logit_softcapping:
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
 
 
 def assert_float32_forwards(ours: torch.nn.Module, hf: torch.nn.Module, ids: torch.Tensor, *logits: torch.Tensor) -> None:

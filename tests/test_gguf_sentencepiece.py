@@ -27,11 +27,16 @@ TEXTS = ["the cat sat on the mat", "Hello world", "  two leading spaces", "the\n
          "ÆØÅ and ß", "end with space ", "", "<s> is text here", "x"]
 
 
-@pytest.fixture(scope="module")
-def trained() -> SentencePieceBPETokenizer:
+def train_pieces() -> SentencePieceBPETokenizer:
+    """SentencePiece's BPE trained on CORPUS (120 pieces): the vocabulary these tests write into GGUFs."""
     spm = SentencePieceBPETokenizer(add_prefix_space=True)
     spm.train_from_iterator(CORPUS, vocab_size=120, min_frequency=2, special_tokens=SPECIALS, show_progress=False)
     return spm
+
+
+@pytest.fixture(scope="module")
+def trained() -> SentencePieceBPETokenizer:
+    return train_pieces()
 
 
 def sentencepiece_vocabulary(spm: SentencePieceBPETokenizer):

@@ -1,5 +1,6 @@
 """The supported-models tables (README's and docs/models.md's) name the architectures the config reads and
-the tiny families the suite checks against transformers, no more and no fewer; and `pagedrl serve` on the
+the tiny families the suite checks against transformers, no more and no fewer, and in their GGUF column
+llama.cpp's architectures the GGUF reader reads; and `pagedrl serve` on the
 mixtures of experts answers the OpenAI client with the offline engine's text, saying its active
 parameters at start-up (the other families' serve tests sit with their reference tests)."""
 
@@ -13,23 +14,34 @@ from tiny import DEEPSEEK_FAMILIES, FAMILIES, GEMMA_FAMILIES, GPT_OSS_FAMILIES, 
 from tiny_train import build_tokenizer
 
 from pagedrl.model.config import ARCHITECTURES
+from pagedrl.model.gguf import SUPPORTED_ARCHITECTURES
 from pagedrl.model.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def table_architectures(page: Path, heading: str) -> set[str]:
-    """The `...ForCausalLM` names in the first column of the table under `heading`."""
+def first_table(page: Path, heading: str) -> list[list[str]]:
+    """The cells of the body rows of the first table under `heading`."""
     text = page.read_text(encoding="utf-8")
     section = text[text.index(heading):]
-    first_table: list[str] = []
+    lines: list[str] = []
     for line in section.splitlines()[1:]:
         if line.startswith("|"):
-            first_table.append(line)
-        elif first_table:
+            lines.append(line)
+        elif lines:
             break
-    assert first_table, f"{page.name}: no table under {heading!r}"
-    return {name for line in first_table[2:] for name in re.findall(r"`(\w+ForCausalLM)`", line.split("|")[1])}
+    assert lines, f"{page.name}: no table under {heading!r}"
+    return [line.split("|")[1:-1] for line in lines[2:]]
+
+
+def table_architectures(page: Path, heading: str) -> set[str]:
+    """The `...ForCausalLM` names in the first column of the table under `heading`."""
+    return {name for row in first_table(page, heading) for name in re.findall(r"`(\w+ForCausalLM)`", row[0])}
+
+
+def table_gguf_architectures(page: Path, heading: str) -> set[str]:
+    """The llama.cpp architectures (`qwen2`, `gemma3`, ...) the GGUF column of that table names."""
+    return {name for row in first_table(page, heading) for name in re.findall(r"`([a-z0-9-]+)`", row[-1])}
 
 
 def architectures_under_test() -> set[str]:
@@ -41,6 +53,9 @@ def test_the_tables_the_config_and_the_tiny_families_agree() -> None:
     readme = table_architectures(ROOT / "README.md", "## Supported models")
     models = table_architectures(ROOT / "docs" / "models.md", "## Supported models")
     assert readme == models == set(ARCHITECTURES) == architectures_under_test()
+    gguf_readme = table_gguf_architectures(ROOT / "README.md", "## Supported models")
+    gguf_models = table_gguf_architectures(ROOT / "docs" / "models.md", "## Supported models")
+    assert gguf_readme == gguf_models == set(SUPPORTED_ARCHITECTURES)
 
 
 @pytest.fixture(scope="module", params=MOE_FAMILIES)

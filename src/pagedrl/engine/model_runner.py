@@ -38,6 +38,7 @@ from pagedrl.kernels.memory import keep_freed_memory
 from pagedrl.kernels.products import float_rows, packed_weights, packs_weights
 from pagedrl.kernels.threads import bind_threads
 from pagedrl.model.decoder import CausalLM
+from pagedrl.model.gemma import soft_cap
 from pagedrl.model.gguf_modules import GGUFLinear
 from pagedrl.model.moe import has_sparse_layers
 
@@ -227,7 +228,9 @@ class ModelRunner:
         if not plain:
             if (type(head) is GGUFLinear and self.float_routes and type(self.model).logits is CausalLM.logits
                     and not self.model.model.batch_invariant):
-                return head.rows_product(hidden)  # the product its float32 step route computes
+                logits = head.rows_product(hidden)  # the product its float32 step route computes
+                rules = getattr(self.model.config, "gemma", None)
+                return soft_cap(logits, rules.final_logit_softcapping) if rules is not None else logits
             return self.model.logits(hidden)
         if self.float_routes:
             few = float_rows(hidden, head.weight, None)

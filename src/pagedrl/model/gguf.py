@@ -3,10 +3,11 @@
 A GGUF carries the same model as a Hugging Face folder, spelled differently: sizes under `<arch>.*`
 metadata keys, tensors under llama.cpp names, most of them quantized, a mixture of experts' experts as
 one 3-D tensor per projection, the q/k projection rows permuted for llama.cpp's rotary layout (in the
-`llama` architecture only: llama.cpp rotates Qwen's heads in halves, as transformers does), and the
-tokenizer as arrays of tokens, merges and token types instead of a tokenizer.json. `convert_gguf`
-undoes each of these and writes float32 safetensors with config, tokenizer and generation config
-beside them.
+`llama` architecture only: llama.cpp rotates Qwen's and Gemma's heads in halves, as transformers does),
+Gemma's norm weights stored as 1 + w (`model/gguf_gemma.py`), gpt-oss's gate and up split from their
+interleaving (`model/gguf_gpt_oss.py`), and the tokenizer as arrays of tokens, merges and token types
+instead of a tokenizer.json. `convert_gguf` undoes each of these and writes float32 safetensors with
+config, tokenizer and generation config beside them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from safetensors.numpy import save_file
 
 from pagedrl.model.config import ModelConfig
 from pagedrl.model.expert_weights import DISK_NAMES
+from pagedrl.model.gguf_gemma import GEMMA_ARCHITECTURES, GEMMA_LAYER_TENSORS, gemma_config, norm_offset
+from pagedrl.model.gguf_gpt_oss import GPT_OSS, gpt_oss_config, gpt_oss_state
 from pagedrl.model.gguf_metadata import GGUFError, Metadata, open_gguf
 from pagedrl.model.gguf_tokenizer import read_tokenizer
 from pagedrl.model.staging import staged_folder
@@ -36,7 +39,8 @@ except ImportError:  # Windows: no advisory locks; the atomic rename alone still
 # llama.cpp's `general.architecture` -> the transformers architecture it was converted from. Llama's
 # converter permutes the q/k rows (its `permute`); the others keep transformers' layout.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", **GEMMA_ARCHITECTURES,
+                 **GPT_OSS}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 ROTARY_PERMUTED = ("LlamaForCausalLM", "MixtralForCausalLM")  # (Mixtral: a `llama` file with experts)
 # Phi-3's `ffn_up` is its fused gate_up_proj (and `attn_qkv` its qkv_proj), as transformers holds them.
@@ -78,6 +82,10 @@ def _read_config(meta: Metadata, tensors: dict[str, Any]) -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{meta.source}: architecture {arch!r} is not supported; supported: "
                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if arch in GEMMA_ARCHITECTURES:
+        return gemma_config(meta, tensors)
+    if arch in GPT_OSS:
+        return gpt_oss_config(meta, tensors)
     p = f"{arch}."
     hidden, heads = int(meta.need(p + "embedding_length")), int(meta.need(p + "attention.head_count"))
     kv_heads = meta.get(p + "attention.head_count_kv", heads)
@@ -171,8 +179,10 @@ def hf_name(name: str, source: str, architecture: str = "LlamaForCausalLM") -> s
     if stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
     m = _LAYER_NAME.fullmatch(name)
-    if m and m.group(2) in _LAYER_TENSORS:
-        module = "mlp.gate_up_proj" if m.group(2) == "ffn_up" and architecture in FUSED_UP else _LAYER_TENSORS[m.group(2)]
+    layer_tensors = {**_LAYER_TENSORS, **GEMMA_LAYER_TENSORS} if architecture in GEMMA_ARCHITECTURES.values() \
+        else _LAYER_TENSORS
+    if m and m.group(2) in layer_tensors:
+        module = "mlp.gate_up_proj" if m.group(2) == "ffn_up" and architecture in FUSED_UP else layer_tensors[m.group(2)]
         return f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
     raise GGUFError(f"{source}: tensor {name!r} has no Hugging Face counterpart in the architectures "
                     f"pagedrl reads from GGUF ({', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -192,21 +202,24 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _read_weights(tensors: dict[str, Any], cfg: ModelConfig, source: str) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     permuted = cfg.architecture in ROTARY_PERMUTED
+    gpt_oss = cfg.architecture in GPT_OSS.values()  # (renamed and restacked as a whole: `gguf_gpt_oss`)
     for name, t in tensors.items():
         if name in ROPE_FACTORS:
             continue
-        hf = hf_name(name, source, cfg.architecture)
+        hf = name if gpt_oss else hf_name(name, source, cfg.architecture)
         try:
             w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         except NotImplementedError as e:
             raise GGUFError(f"{source}: tensor {name!r}: {e}") from None
         w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
+        if offset := norm_offset(name, cfg.architecture):
+            w = w - np.float32(offset)
         if permuted and ".attn_q." in name:
             w = unpermute_rotary(w, cfg.num_attention_heads)
         elif permuted and ".attn_k." in name:
             w = unpermute_rotary(w, cfg.num_key_value_heads)
         out[hf] = np.ascontiguousarray(w)
-    return _split_experts(out, cfg)
+    return gpt_oss_state(out, source) if gpt_oss else _split_experts(out, cfg)
 
 
 def _split_experts(state: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -245,7 +258,7 @@ def _generation_config(meta: Metadata) -> dict[str, Any]:
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
-    """Write the Hugging Face folder for a GGUF (llama, qwen2, qwen3, qwen3moe, phi3) at `out_dir` and return it.
+    """Write the Hugging Face folder for a GGUF (`SUPPORTED_ARCHITECTURES`) at `out_dir` and return it.
 
     Everything is written to a temporary sibling and renamed into place at the end, so `out_dir`
     either does not exist or is complete, whatever happens to this process. An existing `out_dir` is

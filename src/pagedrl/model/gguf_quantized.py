@@ -24,7 +24,7 @@ from torch import nn
 
 from pagedrl.model.checkpoint import read_folder_config
 from pagedrl.model.decoder import CausalLM
-from pagedrl.model.gguf import ROPE_FACTORS, ROTARY_PERMUTED, GGUFError, hf_name, open_gguf
+from pagedrl.model.gguf import ROPE_FACTORS, ROTARY_PERMUTED, GGUFError, hf_name, norm_offset, open_gguf
 from pagedrl.model.gguf_modules import SUPPORTED_TYPES, GGUFEmbedding, GGUFExperts, GGUFLinear
 
 _FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), int(GGMLQuantizationType.BF16)}
@@ -71,6 +71,9 @@ def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[Caus
     converted `folder`), and how many tensors of each type it keeps."""
     gguf_path, source = Path(gguf_path), str(gguf_path)
     cfg = read_folder_config(Path(folder))
+    if cfg.gpt_oss is not None:
+        raise GGUFError(f"{source}: quantization='gguf' does not keep gpt-oss files quantized (their MXFP4 "
+                        "experts); without quantization the file loads dequantized")
     reader = open_gguf(gguf_path)
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -91,6 +94,8 @@ def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[Caus
         shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims innermost first
         if ggml_type in _FLOAT_TYPES:
             value = gguf_dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+            if offset := norm_offset(t.name, cfg.architecture):  # (Gemma's norms, stored as 1 + w)
+                value = value - np.float32(offset)
             floats[name] = torch.from_numpy(np.array(value, dtype=np.float32))
             continue
         if ggml_type not in SUPPORTED_TYPES or leaf != "weight" or not isinstance(module, (nn.Linear, nn.Embedding)):

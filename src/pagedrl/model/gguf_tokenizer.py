@@ -22,6 +22,7 @@ _GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm
                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _SPLITS = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "gpt-4o": _GPT4O_SPLIT}
+_GEMMA = ("gemma", "gemma2", "gemma3")  # SentencePiece vocabularies read as transformers reads Gemma's
 _PRE_TOKENIZER_FAMILIES = {
     "default": "gpt2", "gpt2": "gpt2",  # old files without the field: GPT-2's split, as transformers assumes
     "smollm": "digits", "starcoder": "digits", "refact": "digits", "codeshell": "digits",
@@ -59,7 +60,10 @@ def read_tokenizer(meta: Metadata) -> Tokenizer:
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [int(gguf.TokenType.NORMAL)] * len(tokens)
     if len(types) != len(tokens):
         raise GGUFError(f"{meta.source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-    backend = _byte_level_bpe(meta, tokens) if model == "gpt2" else _sentencepiece_bpe(meta, tokens)
+    gemma = model == "llama" and meta.get("general.architecture") in _GEMMA
+    if gemma:  # (llama.cpp's converter writes Gemma's runs of "\u2581" as runs of spaces)
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    backend = _byte_level_bpe(meta, tokens) if model == "gpt2" else _sentencepiece_bpe(meta, tokens, gemma)
     # Control tokens (<|im_start|>) are special; user-defined ones (<think>) are matched whole but kept
     # in decoded text. Both must be added tokens or BPE would cut them into pieces.
     backend.add_tokens([AddedToken(t, special=(k == gguf.TokenType.CONTROL), normalized=False)
@@ -107,17 +111,20 @@ def _byte_level_bpe(meta: Metadata, tokens: list[str]) -> BackendTokenizer:
     return backend
 
 
-def _sentencepiece_bpe(meta: Metadata, tokens: list[str]) -> BackendTokenizer:
+def _sentencepiece_bpe(meta: Metadata, tokens: list[str], by_position: bool = False) -> BackendTokenizer:
     """SentencePiece's BPE (Llama 2, Mistral 7B, TinyLlama, Phi-3): spaces as "▁", one prepended to the
     text (unless `tokenizer.ggml.add_space_prefix` is false), pieces merged best score first, a byte
     with no piece of its own spelled as its <0xXX> token. A GGUF holds the pieces and their scores, not
     merges: each piece's ways of being two pieces become its merges, ranked by its score, as llama.cpp's
-    tokenizer merges the best-scoring pair first (and as transformers rebuilds the tokenizer from a GGUF)."""
+    tokenizer merges the best-scoring pair first (and as transformers rebuilds the tokenizer from a GGUF).
+    Gemma's pieces rank by their place in the vocabulary (`by_position`), as transformers ranks them: its
+    scores do not follow its merge order."""
     vocab = {t: i for i, t in enumerate(tokens)}
     if meta.get("tokenizer.ggml.merges") is not None:
         merges = _merges(meta)
     else:
-        scores: list[float] = meta.need("tokenizer.ggml.scores")
+        scores: list[float] = [-float(i) for i in range(len(tokens))] if by_position \
+            else meta.need("tokenizer.ggml.scores")
         if len(scores) != len(tokens):
             raise GGUFError(f"{meta.source}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
         merges = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))
