@@ -15,12 +15,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import re
-import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, TypeVar, get_type_hints
 
 import torch
 import yaml
@@ -29,6 +27,7 @@ from pagedrl.model.bnb_quant import QUANT_TYPES
 from pagedrl.model.lora import ALL_LINEAR, LAYER_PROJECTIONS
 from pagedrl.model.precision import choose_precision
 from pagedrl.model.quantized_linear import QuantizedBase
+from pagedrl.train.config_values import MISSING, coerce, describe
 
 REPORTERS: tuple[str, ...] = ("none", "jsonl", "tensorboard")
 COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # bnb_4bit_compute_dtype
@@ -277,53 +276,6 @@ class DPOConfig(TrainConfig):
 
 C = TypeVar("C", bound=TrainConfig)
 COMMAND_LINE = "command line"
-# PyYAML follows YAML 1.1, where `1e-5` (no dot) is a string; a float field takes it anyway.
-_FLOAT_TEXT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-_MISSING = object()
-
-
-def _describe(hint: Any) -> str:
-    origin, args = get_origin(hint), get_args(hint)
-    if origin in (Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _describe(a) for a in args)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin is list:
-        return f"a list of {_describe(args[0])}"
-    return getattr(hint, "__name__", str(hint))
-
-
-def _coerce(value: Any, hint: Any) -> Any:
-    """`value` as an instance of `hint`, or _MISSING. Only lossless conversions: int to float,
-    float text to float (see _FLOAT_TEXT), a scalar to a one-element list."""
-    origin, args = get_origin(hint), get_args(hint)
-    if hint is type(None):
-        return None if value is None else _MISSING
-    if origin in (Union, types.UnionType):
-        for arm in args:
-            out = _coerce(value, arm)
-            if out is not _MISSING:
-                return out
-        return _MISSING
-    if origin is Literal:
-        return value if any(value == a and type(value) is type(a) for a in args) else _MISSING
-    if origin is list:
-        items = value if isinstance(value, list) else [value]
-        out = [_coerce(v, args[0]) for v in items]
-        return _MISSING if any(v is _MISSING for v in out) else out
-    if hint is bool:
-        return value if isinstance(value, bool) else _MISSING
-    if hint is int:
-        return value if isinstance(value, int) and not isinstance(value, bool) else _MISSING
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        return float(value) if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()) else _MISSING
-    if hint is str:
-        return value if isinstance(value, str) else _MISSING
-    raise TypeError(f"config fields of type {hint!r} are not supported by load_config")
-
-
 def _unknown_key(cls: type, key: Any, source: str, names: Sequence[str]) -> ValueError:
     guess = difflib.get_close_matches(str(key), names, n=1)
     hint = f"; did you mean {guess[0]!r}?" if guess else f"; see {cls.__name__} for the fields"
@@ -384,11 +336,11 @@ def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: Se
     def put(key: Any, value: Any, source: str, raw: str | None = None) -> None:
         if key not in names:
             raise _unknown_key(cls, key, source, names)
-        out = _coerce(value, hints[key])
-        if out is _MISSING and raw is not None and value is not None:
-            out = _coerce(raw, hints[key])  # e.g. a str field given `2024` or `yes`
-        if out is _MISSING:
-            raise ValueError(f"{source}: {key}: expected {_describe(hints[key])}, got {value!r}")
+        out = coerce(value, hints[key])
+        if out is MISSING and raw is not None and value is not None:
+            out = coerce(raw, hints[key])  # e.g. a str field given `2024` or `yes`
+        if out is MISSING:
+            raise ValueError(f"{source}: {key}: expected {describe(hints[key])}, got {value!r}")
         values[key], sources[key] = out, source
 
     if yaml_path is not None:

@@ -1,0 +1,56 @@
+"""A config value checked against its field's type hint: the few lossless conversions YAML and
+`key=value` overrides need (an int where a float is expected, `1e-5` that YAML 1.1 reads as text, a
+scalar for a one-element list), and nothing else, so a wrong type is caught at load with its key.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from typing import Any, Literal, Union, get_args, get_origin
+
+# PyYAML follows YAML 1.1, where `1e-5` (no dot) is a string; a float field takes it anyway.
+FLOAT_TEXT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+MISSING = object()
+
+
+def describe(hint: Any) -> str:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is list:
+        return f"a list of {describe(args[0])}"
+    return getattr(hint, "__name__", str(hint))
+
+
+def coerce(value: Any, hint: Any) -> Any:
+    """`value` as an instance of `hint`, or MISSING. Only lossless conversions: int to float,
+    float text to float (see FLOAT_TEXT), a scalar to a one-element list."""
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is type(None):
+        return None if value is None else MISSING
+    if origin in (Union, types.UnionType):
+        for arm in args:
+            out = coerce(value, arm)
+            if out is not MISSING:
+                return out
+        return MISSING
+    if origin is Literal:
+        return value if any(value == a and type(value) is type(a) for a in args) else MISSING
+    if origin is list:
+        items = value if isinstance(value, list) else [value]
+        out = [coerce(v, args[0]) for v in items]
+        return MISSING if any(v is MISSING for v in out) else out
+    if hint is bool:
+        return value if isinstance(value, bool) else MISSING
+    if hint is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else MISSING
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        return float(value) if isinstance(value, str) and FLOAT_TEXT.match(value.strip()) else MISSING
+    if hint is str:
+        return value if isinstance(value, str) else MISSING
+    raise TypeError(f"config fields of type {hint!r} are not supported by load_config")
