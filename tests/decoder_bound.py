@@ -266,7 +266,10 @@ def sparse_mlp(h: torch.Tensor, block: torch.nn.Module, rounding: Rounding) -> t
     outputs = []
     for e in range(experts.num_experts):
         gate_up, down = experts.gate_up_proj[e], experts.down_proj[e]
-        outputs.append(swiglu(h, Weight(gate_up[:size]), Weight(gate_up[size:]), Weight(down), rounding))
+        gate, up = (expert_weight(experts, "gate_up_proj", e, gate_up, rows) for rows in (slice(0, size),
+                                                                                           slice(size, None)))
+        down = expert_weight(experts, "down_proj", e, down, slice(None))
+        outputs.append(swiglu(h, gate, up, down, rounding))
     every = torch.stack(outputs, -2)  # [P, B, T, E, hidden]
     picked = every.gather(-2, chosen[..., None].expand(*chosen.shape, every.shape[-1]))
     product = picked * w[..., None]
@@ -285,6 +288,27 @@ class Weight:
 
     weight: torch.Tensor
     bias: None = None
+
+
+@dataclass(frozen=True)
+class AdaptedWeight:
+    """An expert's projection with its LoRA update (`model/expert_lora.py`), as `linear` reads a LoRA layer."""
+
+    weight: torch.Tensor
+    lora_A: Weight
+    lora_B: Weight
+    scaling: float
+    bias: None = None
+    disabled: bool = False
+
+
+def expert_weight(experts: torch.nn.Module, name: str, e: int, w: torch.Tensor, rows: slice) -> Any:
+    """Expert e's projection `w` (the `rows` of its weight `name`), with that weight's adapter if one is on."""
+    adapters = getattr(experts, "adapters", {})
+    if name not in adapters or adapters[name].disabled:
+        return Weight(w[rows])
+    a, b = adapters[name].factors(e)
+    return AdaptedWeight(w[rows], Weight(a), Weight(b[rows]), adapters[name].scaling)
 
 
 def summed(n: int | torch.Tensor) -> float | torch.Tensor:

@@ -12,6 +12,7 @@ from float_bounds import U
 from pagedrl.engine.logits_processing import processed_logprobs
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.loader import load_model
+from pagedrl.train.adapters import attach_lora
 from pagedrl.train.algorithms.grpo import GRPO, run_grpo
 from pagedrl.train.data import PromptOnly
 from pagedrl.train.distributed import DistInfo
@@ -50,6 +51,7 @@ def grpo(model_dir, prompts_file, **fields) -> GRPO:
                     learning_rate=1e-3, logging_steps=1, save_steps=100)
     config = GRPOConfig(**{**defaults, **fields})
     loaded = load_model(model_dir)
+    attach_lora(config, loaded.model)  # with use_peft: as a run attaches them (train/trainer.py)
     return GRPO(config, loaded.model.train(), loaded.tokenizer, DistInfo(), eos_token_ids=loaded.eos_token_ids)
 
 
@@ -117,8 +119,27 @@ def test_a_mixture_of_experts_first_step_ratio_is_one(tmp_path, prompts_file, ar
     assert_first_step_ratio_is_one(model_dir, prompts_file)
 
 
-def assert_first_step_ratio_is_one(model_dir, prompts_file) -> None:
-    algo = grpo(model_dir, prompts_file, temperature=0.7, top_p=0.9, top_k=20)
+@pytest.mark.parametrize("architecture", ["MixtralForCausalLM", "Qwen3MoeForCausalLM"])
+def test_expert_adapters_roll_out_live_with_the_first_step_ratio_one(tmp_path, prompts_file, architecture) -> None:
+    """LoRA on the experts' weights (B drawn, so it counts): the engine rolls out from the trainer's own
+    module, adapters on, and its log-probs are the trainer's recompute's within the float32 bound."""
+    from tiny_train import build_model_dir
+
+    moe = dict(num_local_experts=8) if architecture == "MixtralForCausalLM" else \
+        dict(num_experts=8, moe_intermediate_size=32)
+    model_dir = build_model_dir(tmp_path / "moe", architectures=[architecture], num_experts_per_tok=2, **moe)
+    algo = assert_first_step_ratio_is_one(model_dir, prompts_file, use_peft=True, lora_r=4, lora_dropout=0.0,
+                                          lora_target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    assert algo.llm.engine.model is algo.model  # no merge, no copy
+    assert sum(1 for m in algo.model.modules() if type(m).__name__ == "ExpertLoRA") == 4
+
+
+def assert_first_step_ratio_is_one(model_dir, prompts_file, **fields) -> GRPO:
+    """`fields` with use_peft: the adapters' B drawn first, so the adapted model is not the base."""
+    from tiny import randomise_adapter
+
+    algo = grpo(model_dir, prompts_file, temperature=0.7, top_p=0.9, top_k=20, **fields)
+    randomise_adapter(algo.model)
     batches = algo.step_batches(1)
     total = torch.tensor(float(sum(algo.count(b) for b in batches)))
     for b in batches:
@@ -138,6 +159,7 @@ def assert_first_step_ratio_is_one(model_dir, prompts_file) -> None:
         limit = 2 * bound[decided].max() + gap.masked_fill(decided | ~b.mask, 0).max()
         assert float(metrics["sampling/sampling_logp_difference/max"].total) <= float(limit)
         assert float(metrics["clip_ratio/region_mean"].total) == 0.0  # ratio exactly 1: nothing clipped
+    return algo
 
 
 def bf16_rollout_gaps(algo: GRPO) -> tuple[torch.Tensor, list[float]]:

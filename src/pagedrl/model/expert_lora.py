@@ -62,10 +62,14 @@ class ExpertLoRA(nn.Module):
         b = self.lora_B.weight.view(self.out_features, self.r, self.num_experts)[:, :, e]
         return a, b
 
-    def update(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        """s·(x A_eᵀ) B_eᵀ: what expert e's adapter adds to its product of the rows x."""
+    def add_update(self, out: torch.Tensor, x: torch.Tensor, e: int) -> torch.Tensor:
+        """out + s·(x A_eᵀ) B_eᵀ: expert e's product `out` of the rows x [n, in] with its update, in one
+        fused op as `LoRALinear` adds its own (gpt-oss's float32 sums with a bias under autocast: added)."""
         a, b = self.factors(e)
-        return F.linear(F.linear(x, a), b) * self.scaling
+        down = F.linear(x, a)
+        if out.dtype != down.dtype:
+            return out + F.linear(down, b) * self.scaling
+        return torch.addmm(out, down, b.t(), alpha=self.scaling)
 
     def delta_weight(self) -> torch.Tensor:
         """s·B_e A_e for every expert, laid out as the weight is ([E, out, in], or [E, in, out] transposed)."""

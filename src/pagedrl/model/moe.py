@@ -119,7 +119,7 @@ class Experts(nn.Module):
         adapters = self.adapters
         if weight not in adapters or adapters[weight].disabled:
             return out
-        return out + adapters[weight].update(x, e)
+        return adapters[weight].add_update(out, x, e)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, hidden={self.down_proj.shape[1]}, intermediate={self.intermediate_size}"

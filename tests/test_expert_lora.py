@@ -1,0 +1,152 @@
+"""LoRA on a mixture of experts' stacked weights (PEFT's `target_parameters`) against PEFT on the same
+weights: logits with the adapter, adapters saved by either side loaded by the other, the first SFT
+batch's loss and gradients, the merged model, and the engine's greedy tokens."""
+
+from __future__ import annotations
+
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+from first_batches import assert_first_sft_batch_equals_peft
+from safetensors.torch import load_file
+from tiny import (
+    FAMILIES,
+    GPT_OSS_FAMILIES,
+    assert_adapter_loads_in_peft,
+    hf_model,
+    ours_from,
+    ours_logits,
+    padded_batch,
+)
+
+from pagedrl.engine.llm import LLM
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, save_adapter
+from pagedrl.model.checkpoint import save_checkpoint
+from pagedrl.model.lora import LoRAConfig, apply_lora, disable_adapter
+from pagedrl.model.merge import merge_adapter
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+TOLERANCE = 1e-5
+
+
+def adapted(family: str, targets: list[str] | None = None, parameters: list[str] = EXPERTS):
+    """transformers' tiny model of `family` and pagedrl's twin with expert adapters (B still zero)."""
+    hf = hf_model((FAMILIES | GPT_OSS_FAMILIES)[family])
+    ours = ours_from(hf)
+    config = LoRAConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, target_parameters=parameters)
+    apply_lora(ours, config, torch.Generator().manual_seed(0))
+    return hf, ours
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "gpt-oss"])
+def test_expert_adapter_gives_peft_logits_both_ways(tmp_path, family) -> None:
+    hf, ours = adapted(family)
+    assert_adapter_loads_in_peft(ours, hf, tmp_path / "ours")  # within 1e-5, and the adapter counts
+    config = json.loads((tmp_path / "ours" / ADAPTER_CONFIG).read_text())
+    assert config["target_parameters"] == EXPERTS and config["target_modules"] == [] and config["lora_dropout"] == 0
+    keys = sorted(load_file(tmp_path / "ours" / ADAPTER_WEIGHTS))
+    layer = "base_model.model.model.layers.0.mlp.experts."
+    assert [k for k in keys if k.startswith(layer)] == [f"{layer}base_layer.lora_A.weight",
+                                                        f"{layer}base_layer.lora_B.weight",
+                                                        f"{layer}lora_A.weight", f"{layer}lora_B.weight"]
+    # PEFT's own adapter, trained on attention and experts, loads here with PEFT's logits.
+    peft_config = peft.LoraConfig(r=2, lora_alpha=6, lora_dropout=0.0, target_modules=["q_proj", "o_proj"],
+                                  target_parameters=EXPERTS)
+    theirs = peft.get_peft_model(hf_model((FAMILIES | GPT_OSS_FAMILIES)[family]), peft_config)
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    theirs.save_pretrained(tmp_path / "peft")
+    fresh = ours_from(hf_model((FAMILIES | GPT_OSS_FAMILIES)[family]))
+    loaded = load_adapter(fresh, tmp_path / "peft")
+    assert sorted(loaded.target_parameters) == sorted(EXPERTS) and loaded.resolved_targets() == ["q_proj", "o_proj"]
+    ids, mask = padded_batch(hf.config.vocab_size)
+    with torch.no_grad():
+        ref = theirs.eval()(input_ids=ids, attention_mask=mask).logits
+    assert float((ours_logits(fresh.eval(), ids, mask) - ref)[mask.bool()].abs().max()) < TOLERANCE
+    with disable_adapter(fresh), theirs.disable_adapter(), torch.no_grad():
+        base = theirs(input_ids=ids, attention_mask=mask).logits
+        assert float((ours_logits(fresh, ids, mask) - base)[mask.bool()].abs().max()) < TOLERANCE
+    assert float((ref - base)[mask.bool()].abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "gpt-oss"])
+def test_pagedrl_merge_of_an_expert_adapter_equals_the_live_adapter(tmp_path, family) -> None:
+    hf, ours = adapted(family, targets=["v_proj"])
+    save_checkpoint(ours_from(hf), tmp_path / "base")
+    assert_adapter_loads_in_peft(ours, hf, tmp_path / "adapter")
+    ids, mask = padded_batch(hf.config.vocab_size)
+    live = ours_logits(ours, ids, mask)
+    merge_adapter(tmp_path / "base", tmp_path / "adapter", tmp_path / "merged")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        merged = back(input_ids=ids, attention_mask=mask).logits
+    assert float((merged - live)[mask.bool()].abs().max()) < TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "gpt-oss"])
+def test_engine_greedy_with_expert_adapters_equals_peft_greedy(tmp_path, family) -> None:
+    """The engine on the adapted module itself (how a trainer's rollouts see the live adapter) against
+    transformers + peft decoding greedily, one argmax at a time."""
+    hf, ours = adapted(family)
+    theirs = assert_adapter_loads_in_peft(ours, hf, tmp_path / "adapter")
+    ours.train()  # as a trainer holds it
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (5, 19, 33)]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in LLM.from_module(ours, kv_cache_tokens=1024).generate(prompts, greedy)]
+    want = []
+    for prompt in prompts:
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(greedy.max_tokens):
+                ids.append(int(theirs(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        want.append(ids[len(prompt):])
+    assert got == want
+    with disable_adapter(ours):
+        base = [o.outputs[0].token_ids for o in LLM.from_module(ours, kv_cache_tokens=1024).generate(prompts, greedy)]
+    assert base != got  # the adapter changes what is generated
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
+def test_first_sft_batch_with_expert_adapters_equals_peft(tmp_path, family) -> None:
+    from tiny_train import build_model_dir
+
+    moe = dict(num_local_experts=8) if family == "mixtral" else dict(num_experts=8, moe_intermediate_size=32)
+    architecture = "MixtralForCausalLM" if family == "mixtral" else "Qwen3MoeForCausalLM"
+    folder = build_model_dir(tmp_path / "model", std=0.05, architectures=[architecture], num_experts_per_tok=2, **moe)
+    assert_first_sft_batch_equals_peft(folder, tmp_path / "sft", lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                                       lora_target_modules=["q_proj", "v_proj"], lora_target_parameters=EXPERTS)
+
+
+def test_expert_adapter_settings_are_refused_by_name(tmp_path) -> None:
+    from pagedrl.train.config import SFTConfig, TrainConfigError
+
+    with pytest.raises(ValueError, match="lora_dropout"):
+        LoRAConfig(target_parameters=EXPERTS)  # PEFT's ParamWrapper has no dropout
+    with pytest.raises(TrainConfigError, match="lora_dropout"):
+        SFTConfig(output_dir=str(tmp_path), use_peft=True, lora_target_parameters=EXPERTS)
+    with pytest.raises(ValueError, match="not an expert's stacked weight"):
+        adapted("mixtral", parameters=["mlp.experts.gate_up_proj", "self_attn.q_proj.weight"])
+    with pytest.raises(ValueError, match="name no parameter"):
+        adapted("qwen3-moe", parameters=["mlp.experts.w1"])
+    hf = hf_model(FAMILIES["llama-gqa-untied"])
+    with pytest.raises(ValueError, match="none in this model"):
+        apply_lora(ours_from(hf), LoRAConfig(lora_dropout=0.0, target_parameters=EXPERTS))
+
+
+def test_adapters_per_request_refuse_expert_adapters_by_parameter(tmp_path) -> None:
+    from pagedrl import LoRARequest
+
+    hf, ours = adapted("mixtral")
+    save_checkpoint(ours_from(hf), tmp_path / "base")
+    save_adapter(ours, tmp_path / "adapter")
+    llm = LLM(str(tmp_path / "base"), dtype=torch.float32, kv_cache_tokens=512, enable_lora=True, max_lora_rank=8)
+    with pytest.raises(ValueError, match=r"target_parameters \['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'\]"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False,
+                     lora_request=LoRARequest("experts", 1, str(tmp_path / "adapter")))
