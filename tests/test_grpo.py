@@ -209,6 +209,21 @@ def test_bf16_lora_rollouts_carry_the_trainers_own_log_probs(wide_train_model, p
     assert gap.numel() > 40 and float(gap.max()) == 0.0 and max(logged) == 0.0
 
 
+def test_bf16_expert_lora_rollouts_carry_the_trainers_own_log_probs(tmp_path, prompts_file) -> None:
+    """The same on a mixture of experts with adapters on the experts' weights (B drawn): the engine's
+    twin holds bf16 copies of them, and each expert's update is the trainer's, bit for bit."""
+    from tiny import randomise_adapter
+    from tiny_train import build_model_dir
+
+    model_dir = build_model_dir(tmp_path / "moe", architectures=["MixtralForCausalLM"], num_experts_per_tok=2,
+                                num_local_experts=8)
+    algo = grpo(model_dir, prompts_file, temperature=0.7, bf16=True, seed=3, use_peft=True, lora_r=4,
+                lora_dropout=0.0, lora_target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    randomise_adapter(algo.model)
+    gap, logged = bf16_rollout_gaps(algo)
+    assert gap.numel() > 40 and float(gap.max()) == 0.0 and max(logged) == 0.0
+
+
 def test_fixed_logps_are_taken_under_the_trainers_autocast(tiny_train_model, prompts_file) -> None:
     """Under bf16 the reference's log-probs and the ratio's denominator (num_iterations > 1) come from
     the same autocast as the loss: before the first update both equal the policy's own, bit for bit
