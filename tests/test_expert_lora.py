@@ -1,5 +1,5 @@
 """LoRA on a mixture of experts' stacked weights (PEFT's `target_parameters`) against PEFT on the same
-weights: logits with the adapter, adapters saved by either side loaded by the other, the first SFT
+weights (Mixtral, Qwen3-MoE, gpt-oss, and DeepSeek-V3's routed experts): logits with the adapter, adapters saved by either side loaded by the other, the first SFT
 batch's loss and gradients, the merged model, and the engine's greedy tokens."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import transformers
 from first_batches import assert_first_sft_batch_equals_peft
 from safetensors.torch import load_file
 from tiny import (
+    DEEPSEEK_FAMILIES,
     FAMILIES,
     GPT_OSS_FAMILIES,
     assert_adapter_loads_in_peft,
@@ -31,38 +32,39 @@ from pagedrl.model.merge import merge_adapter
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 TOLERANCE = 1e-5
+ALL = FAMILIES | GPT_OSS_FAMILIES | DEEPSEEK_FAMILIES
 
 
 def adapted(family: str, targets: list[str] | None = None, parameters: list[str] = EXPERTS):
     """transformers' tiny model of `family` and pagedrl's twin with expert adapters (B still zero)."""
-    hf = hf_model((FAMILIES | GPT_OSS_FAMILIES)[family])
+    hf = hf_model(ALL[family])
     ours = ours_from(hf)
     config = LoRAConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, target_parameters=parameters)
     apply_lora(ours, config, torch.Generator().manual_seed(0))
     return hf, ours
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "gpt-oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "gpt-oss", "deepseek-v3"])
 def test_expert_adapter_gives_peft_logits_both_ways(tmp_path, family) -> None:
     hf, ours = adapted(family)
     assert_adapter_loads_in_peft(ours, hf, tmp_path / "ours")  # within 1e-5, and the adapter counts
     config = json.loads((tmp_path / "ours" / ADAPTER_CONFIG).read_text())
     assert config["target_parameters"] == EXPERTS and config["target_modules"] == [] and config["lora_dropout"] == 0
     keys = sorted(load_file(tmp_path / "ours" / ADAPTER_WEIGHTS))
-    layer = "base_model.model.model.layers.0.mlp.experts."
+    layer = next(k for k in keys if ".mlp.experts." in k).partition(".mlp.experts.")[0] + ".mlp.experts."
     assert [k for k in keys if k.startswith(layer)] == [f"{layer}base_layer.lora_A.weight",
                                                         f"{layer}base_layer.lora_B.weight",
                                                         f"{layer}lora_A.weight", f"{layer}lora_B.weight"]
     # PEFT's own adapter, trained on attention and experts, loads here with PEFT's logits.
     peft_config = peft.LoraConfig(r=2, lora_alpha=6, lora_dropout=0.0, target_modules=["q_proj", "o_proj"],
                                   target_parameters=EXPERTS)
-    theirs = peft.get_peft_model(hf_model((FAMILIES | GPT_OSS_FAMILIES)[family]), peft_config)
+    theirs = peft.get_peft_model(hf_model(ALL[family]), peft_config)
     with torch.no_grad():
         for name, p in theirs.named_parameters():
             if "lora_B" in name:
                 p.normal_(0.0, 0.1)
     theirs.save_pretrained(tmp_path / "peft")
-    fresh = ours_from(hf_model((FAMILIES | GPT_OSS_FAMILIES)[family]))
+    fresh = ours_from(hf_model(ALL[family]))
     loaded = load_adapter(fresh, tmp_path / "peft")
     assert sorted(loaded.target_parameters) == sorted(EXPERTS) and loaded.resolved_targets() == ["q_proj", "o_proj"]
     ids, mask = padded_batch(hf.config.vocab_size)
@@ -75,9 +77,9 @@ def test_expert_adapter_gives_peft_logits_both_ways(tmp_path, family) -> None:
     assert float((ref - base)[mask.bool()].abs().max()) > 1e-2
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "gpt-oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "gpt-oss", "deepseek-v3"])
 def test_pagedrl_merge_of_an_expert_adapter_equals_the_live_adapter(tmp_path, family) -> None:
-    hf, ours = adapted(family, targets=["v_proj"])
+    hf, ours = adapted(family, targets=["o_proj"])
     save_checkpoint(ours_from(hf), tmp_path / "base")
     assert_adapter_loads_in_peft(ours, hf, tmp_path / "adapter")
     ids, mask = padded_batch(hf.config.vocab_size)
@@ -89,7 +91,7 @@ def test_pagedrl_merge_of_an_expert_adapter_equals_the_live_adapter(tmp_path, fa
     assert float((merged - live)[mask.bool()].abs().max()) < TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "gpt-oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "gpt-oss", "deepseek-v3"])
 def test_engine_greedy_with_expert_adapters_equals_peft_greedy(tmp_path, family) -> None:
     """The engine on the adapted module itself (how a trainer's rollouts see the live adapter) against
     transformers + peft decoding greedily, one argmax at a time."""
