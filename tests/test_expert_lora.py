@@ -1,6 +1,6 @@
 """LoRA on a mixture of experts' stacked weights (PEFT's `target_parameters`) against PEFT on the same
 weights (Mixtral, Qwen3-MoE, gpt-oss, and DeepSeek-V3's routed experts): logits with the adapter, adapters saved by either side loaded by the other, the first SFT
-batch's loss and gradients, the merged model, and the engine's greedy tokens."""
+batch's loss and gradients, the merged model, the engine's greedy tokens, and GRPO's rollouts."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 import transformers
 from first_batches import assert_first_sft_batch_equals_peft
 from safetensors.torch import load_file
+from test_grpo import assert_first_step_ratio_is_one, bf16_rollout_gaps, grpo, write_prompts
 from tiny import (
     DEEPSEEK_FAMILIES,
     FAMILIES,
@@ -152,3 +153,33 @@ def test_adapters_per_request_refuse_expert_adapters_by_parameter(tmp_path) -> N
     with pytest.raises(ValueError, match=r"target_parameters \['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'\]"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False,
                      lora_request=LoRARequest("experts", 1, str(tmp_path / "adapter")))
+
+
+@pytest.mark.parametrize("architecture", ["MixtralForCausalLM", "Qwen3MoeForCausalLM"])
+def test_expert_adapters_roll_out_live_with_the_first_step_ratio_one(tmp_path, architecture) -> None:
+    """LoRA on the experts' weights (B drawn, so it counts): the engine rolls out from the trainer's own
+    module, adapters on, and its log-probs are the trainer's recompute's within the float32 bound."""
+    from tiny_train import build_model_dir
+
+    moe = dict(num_local_experts=8) if architecture == "MixtralForCausalLM" else \
+        dict(num_experts=8, moe_intermediate_size=32)
+    model_dir = build_model_dir(tmp_path / "moe", architectures=[architecture], num_experts_per_tok=2, **moe)
+    algo = assert_first_step_ratio_is_one(model_dir, write_prompts(tmp_path), use_peft=True, lora_r=4, lora_dropout=0.0,
+                                          lora_target_parameters=EXPERTS)
+    assert algo.llm.engine.model is algo.model  # no merge, no copy
+    assert sum(1 for m in algo.model.modules() if type(m).__name__ == "ExpertLoRA") == 4
+
+
+def test_bf16_expert_lora_rollouts_carry_the_trainers_own_log_probs(tmp_path) -> None:
+    """The same on a mixture of experts with adapters on the experts' weights (B drawn): the engine's
+    twin holds bf16 copies of them, and each expert's update is the trainer's, bit for bit."""
+    from tiny import randomise_adapter
+    from tiny_train import build_model_dir
+
+    model_dir = build_model_dir(tmp_path / "moe", architectures=["MixtralForCausalLM"], num_experts_per_tok=2,
+                                num_local_experts=8)
+    algo = grpo(model_dir, write_prompts(tmp_path), temperature=0.7, bf16=True, seed=3, use_peft=True, lora_r=4,
+                lora_dropout=0.0, lora_target_parameters=EXPERTS)
+    randomise_adapter(algo.model)
+    gap, logged = bf16_rollout_gaps(algo)
+    assert gap.numel() > 40 and float(gap.max()) == 0.0 and max(logged) == 0.0

@@ -34,11 +34,16 @@ REWARDS = (
 
 @pytest.fixture()
 def prompts_file(tmp_path):
+    return write_prompts(tmp_path)
+
+
+def write_prompts(folder):
+    """The arithmetic prompts (`prompts.jsonl`) and their reward functions (`rewards.py`) in `folder`."""
     rows = [{"prompt": [{"role": "user", "content": f"what is {a} plus {b}"}], "answer": a + b}
             for a in range(4) for b in range(4)]
-    path = tmp_path / "prompts.jsonl"
+    path = folder / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "rewards.py").write_text(REWARDS)
+    (folder / "rewards.py").write_text(REWARDS)
     return path
 
 
@@ -119,21 +124,6 @@ def test_a_mixture_of_experts_first_step_ratio_is_one(tmp_path, prompts_file, ar
     assert_first_step_ratio_is_one(model_dir, prompts_file)
 
 
-@pytest.mark.parametrize("architecture", ["MixtralForCausalLM", "Qwen3MoeForCausalLM"])
-def test_expert_adapters_roll_out_live_with_the_first_step_ratio_one(tmp_path, prompts_file, architecture) -> None:
-    """LoRA on the experts' weights (B drawn, so it counts): the engine rolls out from the trainer's own
-    module, adapters on, and its log-probs are the trainer's recompute's within the float32 bound."""
-    from tiny_train import build_model_dir
-
-    moe = dict(num_local_experts=8) if architecture == "MixtralForCausalLM" else \
-        dict(num_experts=8, moe_intermediate_size=32)
-    model_dir = build_model_dir(tmp_path / "moe", architectures=[architecture], num_experts_per_tok=2, **moe)
-    algo = assert_first_step_ratio_is_one(model_dir, prompts_file, use_peft=True, lora_r=4, lora_dropout=0.0,
-                                          lora_target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    assert algo.llm.engine.model is algo.model  # no merge, no copy
-    assert sum(1 for m in algo.model.modules() if type(m).__name__ == "ExpertLoRA") == 4
-
-
 def assert_first_step_ratio_is_one(model_dir, prompts_file, **fields) -> GRPO:
     """`fields` with use_peft: the adapters' B drawn first, so the adapted model is not the base."""
     from tiny import randomise_adapter
@@ -205,21 +195,6 @@ def test_bf16_lora_rollouts_carry_the_trainers_own_log_probs(wide_train_model, p
     too). lora_dropout 0: a dropout mask drawn in training is a difference of its own."""
     algo = grpo(wide_train_model, prompts_file, temperature=0.7, bf16=True, seed=3, use_peft=True, lora_r=8,
                 lora_dropout=0.0)
-    gap, logged = bf16_rollout_gaps(algo)
-    assert gap.numel() > 40 and float(gap.max()) == 0.0 and max(logged) == 0.0
-
-
-def test_bf16_expert_lora_rollouts_carry_the_trainers_own_log_probs(tmp_path, prompts_file) -> None:
-    """The same on a mixture of experts with adapters on the experts' weights (B drawn): the engine's
-    twin holds bf16 copies of them, and each expert's update is the trainer's, bit for bit."""
-    from tiny import randomise_adapter
-    from tiny_train import build_model_dir
-
-    model_dir = build_model_dir(tmp_path / "moe", architectures=["MixtralForCausalLM"], num_experts_per_tok=2,
-                                num_local_experts=8)
-    algo = grpo(model_dir, prompts_file, temperature=0.7, bf16=True, seed=3, use_peft=True, lora_r=4,
-                lora_dropout=0.0, lora_target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    randomise_adapter(algo.model)
     gap, logged = bf16_rollout_gaps(algo)
     assert gap.numel() > 40 and float(gap.max()) == 0.0 and max(logged) == 0.0
 
