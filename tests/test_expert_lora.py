@@ -1,6 +1,6 @@
 """LoRA on a mixture of experts' stacked weights (PEFT's `target_parameters`) against PEFT on the same
 weights (Mixtral, Qwen3-MoE, gpt-oss, and DeepSeek-V3's routed experts): logits with the adapter, adapters saved by either side loaded by the other, the first SFT
-batch's loss and gradients, the merged model, the engine's greedy tokens, and GRPO's rollouts."""
+batch's loss and gradients, the merged model, the engine's greedy tokens; SFT, GRPO and PPO runs."""
 
 from __future__ import annotations
 
@@ -183,3 +183,74 @@ def test_bf16_expert_lora_rollouts_carry_the_trainers_own_log_probs(tmp_path) ->
     randomise_adapter(algo.model)
     gap, logged = bf16_rollout_gaps(algo)
     assert gap.numel() > 40 and float(gap.max()) == 0.0 and max(logged) == 0.0
+
+
+def moe_folder(folder, architecture: str = "MixtralForCausalLM"):
+    """A tiny trainable mixture of experts (8 experts, 2 a token) with the trainers' tokenizer."""
+    from tiny_train import build_model_dir
+
+    moe = dict(num_local_experts=8) if architecture == "MixtralForCausalLM" else \
+        dict(num_experts=8, moe_intermediate_size=32)
+    return build_model_dir(folder, std=0.05, architectures=[architecture], num_experts_per_tok=2, **moe)
+
+
+def test_sft_trains_expert_adapters_resumes_exactly_and_final_loads_in_peft(tmp_path) -> None:
+    from test_lora_training import assert_only_adapters_changed, sft_trainer, snapshot
+    from test_trainer_resume import Interrupted, interrupt_at, metric_rows
+
+    from pagedrl.model.adapter import read_adapter_weights
+
+    model_dir = moe_folder(tmp_path / "model", "Qwen3MoeForCausalLM")
+    fields = dict(save_steps=2, lora_dropout=0.0, lora_target_parameters=EXPERTS)
+    straight = sft_trainer(model_dir, tmp_path / "a", **fields)
+    before = snapshot(straight.module)
+    final = straight.train()
+    assert_only_adapters_changed(straight.module, before)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    theirs = peft.PeftModel.from_pretrained(hf, final).eval()
+    ids = torch.tensor([[5, 17, 42, 9, 77, 31, 8]])
+    with torch.no_grad():
+        ref = theirs(input_ids=ids).logits
+    with theirs.disable_adapter(), torch.no_grad():
+        base = theirs(input_ids=ids).logits
+    ours = ours_logits(straight.module.eval(), ids)
+    assert float((ours - ref).abs().max()) < TOLERANCE and float((ref - base).abs().max()) > 1e-3
+    first = sft_trainer(model_dir, tmp_path / "b", **fields)
+    interrupt_at(first, 3)
+    with pytest.raises(Interrupted):
+        first.train()
+    sft_trainer(model_dir, tmp_path / "b", resume_from_checkpoint=True, **fields).train()
+    assert metric_rows(tmp_path / "b") == metric_rows(tmp_path / "a")
+    a, b = read_adapter_weights(final), read_adapter_weights(tmp_path / "b" / "final")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ppo_trains_expert_adapters_on_policy_and_critic(tmp_path) -> None:
+    from test_lora_training import assert_only_adapters_changed, snapshot
+    from test_ppo import ppo_config
+
+    from pagedrl.model.loader import load_model
+    from pagedrl.train.adapters import attach_lora
+    from pagedrl.train.algorithms.ppo import PPO
+    from pagedrl.train.checkpointing import seed_everything
+    from pagedrl.train.distributed import DistInfo
+    from pagedrl.train.rl.critic import load_critic, lora_critic
+    from pagedrl.train.trainer import Trainer
+
+    model_dir = moe_folder(tmp_path / "model")
+    config = ppo_config(model_dir, tmp_path / "ppo", reward_funcs=[f"{tmp_path}/rewards.py:has_three"],
+                        critic="policy", use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                        lora_target_parameters=EXPERTS, eval_steps=None)
+    seed_everything(config.seed)
+    loaded = load_model(model_dir, device="cpu", dtype=torch.float32)
+    attach_lora(config, loaded.model)
+    critic = load_critic("policy", model_dir, None, torch.device("cpu"), config.seed)
+    lora_critic(config, critic, loaded.model)
+    algorithm = PPO(config, loaded.model, loaded.tokenizer, DistInfo(), critic=critic,
+                    eos_token_ids=loaded.eos_token_ids)
+    policy_before, critic_before = snapshot(loaded.model), snapshot(critic)
+    final = Trainer(config, algorithm, DistInfo(), progress=False).train()
+    assert_only_adapters_changed(loaded.model, policy_before)
+    assert_only_adapters_changed(critic, critic_before, heads=("score.",))
+    for folder in (final, final / "critic"):
+        assert json.loads((folder / ADAPTER_CONFIG).read_text())["target_parameters"] == EXPERTS
