@@ -118,11 +118,7 @@ def test_engine_greedy_with_expert_adapters_equals_peft_greedy(tmp_path, family)
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
 def test_first_sft_batch_with_expert_adapters_equals_peft(tmp_path, family) -> None:
-    from tiny_train import build_model_dir
-
-    moe = dict(num_local_experts=8) if family == "mixtral" else dict(num_experts=8, moe_intermediate_size=32)
-    architecture = "MixtralForCausalLM" if family == "mixtral" else "Qwen3MoeForCausalLM"
-    folder = build_model_dir(tmp_path / "model", std=0.05, architectures=[architecture], num_experts_per_tok=2, **moe)
+    folder = moe_folder(tmp_path / "model", "MixtralForCausalLM" if family == "mixtral" else "Qwen3MoeForCausalLM")
     assert_first_sft_batch_equals_peft(folder, tmp_path / "sft", lora_r=4, lora_alpha=8, lora_dropout=0.0,
                                        lora_target_modules=["q_proj", "v_proj"], lora_target_parameters=EXPERTS)
 
@@ -159,11 +155,7 @@ def test_adapters_per_request_refuse_expert_adapters_by_parameter(tmp_path) -> N
 def test_expert_adapters_roll_out_live_with_the_first_step_ratio_one(tmp_path, architecture) -> None:
     """LoRA on the experts' weights (B drawn, so it counts): the engine rolls out from the trainer's own
     module, adapters on, and its log-probs are the trainer's recompute's within the float32 bound."""
-    from tiny_train import build_model_dir
-
-    moe = dict(num_local_experts=8) if architecture == "MixtralForCausalLM" else \
-        dict(num_experts=8, moe_intermediate_size=32)
-    model_dir = build_model_dir(tmp_path / "moe", architectures=[architecture], num_experts_per_tok=2, **moe)
+    model_dir = moe_folder(tmp_path / "moe", architecture, std=0.02)
     algo = assert_first_step_ratio_is_one(model_dir, write_prompts(tmp_path), use_peft=True, lora_r=4, lora_dropout=0.0,
                                           lora_target_parameters=EXPERTS)
     assert algo.llm.engine.model is algo.model  # no merge, no copy
@@ -174,10 +166,7 @@ def test_bf16_expert_lora_rollouts_carry_the_trainers_own_log_probs(tmp_path) ->
     """The same on a mixture of experts with adapters on the experts' weights (B drawn): the engine's
     twin holds bf16 copies of them, and each expert's update is the trainer's, bit for bit."""
     from tiny import randomise_adapter
-    from tiny_train import build_model_dir
-
-    model_dir = build_model_dir(tmp_path / "moe", architectures=["MixtralForCausalLM"], num_experts_per_tok=2,
-                                num_local_experts=8)
+    model_dir = moe_folder(tmp_path / "moe", std=0.02)
     algo = grpo(model_dir, write_prompts(tmp_path), temperature=0.7, bf16=True, seed=3, use_peft=True, lora_r=4,
                 lora_dropout=0.0, lora_target_parameters=EXPERTS)
     randomise_adapter(algo.model)
@@ -185,13 +174,13 @@ def test_bf16_expert_lora_rollouts_carry_the_trainers_own_log_probs(tmp_path) ->
     assert gap.numel() > 40 and float(gap.max()) == 0.0 and max(logged) == 0.0
 
 
-def moe_folder(folder, architecture: str = "MixtralForCausalLM"):
+def moe_folder(folder, architecture: str = "MixtralForCausalLM", std: float = 0.05):
     """A tiny trainable mixture of experts (8 experts, 2 a token) with the trainers' tokenizer."""
     from tiny_train import build_model_dir
 
     moe = dict(num_local_experts=8) if architecture == "MixtralForCausalLM" else \
         dict(num_experts=8, moe_intermediate_size=32)
-    return build_model_dir(folder, std=0.05, architectures=[architecture], num_experts_per_tok=2, **moe)
+    return build_model_dir(folder, std=std, architectures=[architecture], num_experts_per_tok=2, **moe)
 
 
 def test_sft_trains_expert_adapters_resumes_exactly_and_final_loads_in_peft(tmp_path) -> None:
