@@ -26,6 +26,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -290,25 +291,15 @@ class Weight:
     bias: None = None
 
 
-@dataclass(frozen=True)
-class AdaptedWeight:
-    """An expert's projection with its LoRA update (`model/expert_lora.py`), as `linear` reads a LoRA layer."""
-
-    weight: torch.Tensor
-    lora_A: Weight
-    lora_B: Weight
-    scaling: float
-    bias: None = None
-    disabled: bool = False
-
-
 def expert_weight(experts: torch.nn.Module, name: str, e: int, w: torch.Tensor, rows: slice) -> Any:
-    """Expert e's projection `w` (the `rows` of its weight `name`), with that weight's adapter if one is on."""
+    """Expert e's projection `w` (the `rows` of its weight `name`), with that weight's LoRA update if one is
+    on (`model/expert_lora.py`), as `linear` reads a LoRA layer."""
     adapters = getattr(experts, "adapters", {})
     if name not in adapters or adapters[name].disabled:
         return Weight(w[rows])
     a, b = adapters[name].factors(e)
-    return AdaptedWeight(w[rows], Weight(a), Weight(b[rows]), adapters[name].scaling)
+    return SimpleNamespace(weight=w[rows], bias=None, lora_A=Weight(a), lora_B=Weight(b[rows]),
+                           scaling=adapters[name].scaling, disabled=False)
 
 
 def summed(n: int | torch.Tensor) -> float | torch.Tensor:

@@ -25,6 +25,10 @@ kernels as they do (`Routes.experts`, a bf16 engine's own steps). A trainer's ro
 with `F.linear`'s numbers and no expert route (`engine/cpu_routes.py`), so their routing decisions
 are computed as the trainer's recompute computes them.
 
+LoRA on the stacked weights (PEFT's `target_parameters`, `model/expert_lora.py`) sits in `experts.adapters`:
+each expert's products take its low-rank update, and the engine's expert route, which multiplies the bare
+weights, steps aside while one is on.
+
 `collect_router_logits()` records each sparse layer's router logits, the input of the load-balancing
 loss (`train/router_loss.py`).
 """
