@@ -50,8 +50,16 @@ def test_expert_adapter_gives_peft_logits_both_ways(tmp_path, family) -> None:
     hf, ours = adapted(family)
     assert_adapter_loads_in_peft(ours, hf, tmp_path / "ours")  # within 1e-5, and the adapter counts
     config = json.loads((tmp_path / "ours" / ADAPTER_CONFIG).read_text())
-    assert config["target_parameters"] == EXPERTS and config["target_modules"] == [] and config["lora_dropout"] == 0
-    keys = sorted(load_file(tmp_path / "ours" / ADAPTER_WEIGHTS))
+    assert config["target_parameters"] == EXPERTS and config["lora_dropout"] == 0
+    # With target_modules unset, PEFT adapts the parameters alone (its default modules for the model type,
+    # Mixtral's q_proj and v_proj, do not come with them): the tensors are those PEFT makes of the same
+    # settings, under the same names and shapes.
+    assert config["target_modules"] == []
+    same = peft.get_peft_model(hf_model(ALL[family]), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                                      target_parameters=EXPERTS))
+    want = {k: tuple(v.shape) for k, v in peft.get_peft_model_state_dict(same).items()}
+    assert {k: tuple(v.shape) for k, v in load_file(tmp_path / "ours" / ADAPTER_WEIGHTS).items()} == want
+    keys = sorted(want)
     layer = next(k for k in keys if ".mlp.experts." in k).partition(".mlp.experts.")[0] + ".mlp.experts."
     assert [k for k in keys if k.startswith(layer)] == [f"{layer}base_layer.lora_A.weight",
                                                         f"{layer}base_layer.lora_B.weight",
