@@ -26,6 +26,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -266,7 +267,10 @@ def sparse_mlp(h: torch.Tensor, block: torch.nn.Module, rounding: Rounding) -> t
     outputs = []
     for e in range(experts.num_experts):
         gate_up, down = experts.gate_up_proj[e], experts.down_proj[e]
-        outputs.append(swiglu(h, Weight(gate_up[:size]), Weight(gate_up[size:]), Weight(down), rounding))
+        gate, up = (expert_weight(experts, "gate_up_proj", e, gate_up, rows) for rows in (slice(0, size),
+                                                                                           slice(size, None)))
+        down = expert_weight(experts, "down_proj", e, down, slice(None))
+        outputs.append(swiglu(h, gate, up, down, rounding))
     every = torch.stack(outputs, -2)  # [P, B, T, E, hidden]
     picked = every.gather(-2, chosen[..., None].expand(*chosen.shape, every.shape[-1]))
     product = picked * w[..., None]
@@ -285,6 +289,17 @@ class Weight:
 
     weight: torch.Tensor
     bias: None = None
+
+
+def expert_weight(experts: torch.nn.Module, name: str, e: int, w: torch.Tensor, rows: slice) -> Any:
+    """Expert e's projection `w` (the `rows` of its weight `name`), with that weight's LoRA update if one is
+    on (`model/expert_lora.py`), as `linear` reads a LoRA layer."""
+    adapters = getattr(experts, "adapters", {})
+    if name not in adapters or adapters[name].disabled:
+        return Weight(w[rows])
+    a, b = adapters[name].factors(e)
+    return SimpleNamespace(weight=w[rows], bias=None, lora_A=Weight(a), lora_B=Weight(b[rows]),
+                           scaling=adapters[name].scaling, disabled=False)
 
 
 def summed(n: int | torch.Tensor) -> float | torch.Tensor:

@@ -48,6 +48,39 @@ def assert_first_sft_batch_equals_transformers(folder: str | Path, out: Path, **
     """The mean negative log-likelihood of the completion tokens of a right-padded batch of four rows."""
     hf = theirs(folder)
     algorithm = sft_trainer(folder, out, **sft).algorithm
+    assert_first_sft_batch_equals(algorithm, hf)
+    assert_gradients_equal(algorithm.model, hf)
+
+
+def assert_first_sft_batch_equals_peft(folder: str | Path, out: Path, **sft: object) -> None:
+    """The same with `use_peft` (and `sft`'s lora fields): the adapter, its B drawn, saved and loaded by
+    peft on transformers' model; the loss and each adapter tensor's gradient under PEFT's name."""
+    import peft
+    from tiny import randomise_adapter
+
+    from pagedrl.model.adapter import PEFT_PREFIX, save_adapter
+    from pagedrl.model.expert_lora import peft_names
+    from pagedrl.train.adapters import attach_lora
+
+    trainer = sft_trainer(folder, out, use_peft=True, **sft)
+    algorithm = trainer.algorithm
+    attach_lora(trainer.config, algorithm.model)  # as a run attaches them (train/trainer.py)
+    randomise_adapter(algorithm.model)
+    save_adapter(algorithm.model, out / "adapter")
+    hf = peft.PeftModel.from_pretrained(theirs(folder), out / "adapter", is_trainable=True).train()
+    assert_first_sft_batch_equals(algorithm, hf)
+    renamed = peft_names(algorithm.model)
+    grads = {PEFT_PREFIX + renamed.get(n, n).replace(".weight", ".default.weight"): p
+             for n, p in algorithm.model.named_parameters() if p.requires_grad}
+    theirs_grads = {n: p for n, p in hf.named_parameters() if p.requires_grad}
+    assert sorted(grads) == sorted(theirs_grads)
+    for name, p in grads.items():
+        assert float((p.grad - theirs_grads[name].grad).abs().max()) < TOLERANCE, name
+        assert float(p.grad.abs().max()) > 1e-4, name
+
+
+def assert_first_sft_batch_equals(algorithm, hf: torch.nn.Module) -> None:
+    """The loss of `algorithm`'s first four rows against `hf`'s, both backpropagated."""
     examples = algorithm.examples[:4]
     batch = algorithm.collate(examples)
     model = algorithm.model.train()
@@ -60,7 +93,6 @@ def assert_first_sft_batch_equals_transformers(folder: str | Path, out: Path, **
     ref = -torch.log_softmax(rows, -1).gather(-1, batch.targets[:, None]).mean()
     ref.backward()
     assert abs(loss.item() - ref.item()) < TOLERANCE
-    assert_gradients_equal(model, hf)
 
 
 def assert_first_dpo_batch_equals_transformers(folder: str | Path, reference: str | Path, out: Path,

@@ -56,6 +56,8 @@ EXCLUDED: dict[tuple[str, str], str] = {
     ("docs/gpu.md", "pip install torch"): "a GPU machine's set-up: downloads and replaces torch",
     ("docs/lora.md", "use_peft=true learning_rate=1e-4"): TRAINS,
     ("docs/lora.md", "use_peft=true load_in_4bit=true"): TRAINS,
+    ("docs/lora.md", "lora_target_parameters=[mlp.experts"): TRAINS + "; config.yaml is the reader's own "
+                                                               "(tests/test_expert_lora.py trains tiny mixtures of experts)",
     ("docs/lora.md", "--adapter runs/grpo/final"): TRAINED + "; `serve` runs until stopped",
     ("docs/lora.md", 'adapter="runs/grpo/final"'): TRAINED,
     ("docs/lora.md", "--lora-modules math="): TRAINED + "; a server that runs until stopped",

@@ -12,6 +12,7 @@ from float_bounds import U
 from pagedrl.engine.logits_processing import processed_logprobs
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.loader import load_model
+from pagedrl.train.adapters import attach_lora
 from pagedrl.train.algorithms.grpo import GRPO, run_grpo
 from pagedrl.train.data import PromptOnly
 from pagedrl.train.distributed import DistInfo
@@ -55,6 +56,7 @@ def grpo(model_dir, prompts_file, **fields) -> GRPO:
                     learning_rate=1e-3, logging_steps=1, save_steps=100)
     config = GRPOConfig(**{**defaults, **fields})
     loaded = load_model(model_dir)
+    attach_lora(config, loaded.model)  # with use_peft: as a run attaches them (train/trainer.py)
     return GRPO(config, loaded.model.train(), loaded.tokenizer, DistInfo(), eos_token_ids=loaded.eos_token_ids)
 
 
@@ -122,8 +124,12 @@ def test_a_mixture_of_experts_first_step_ratio_is_one(tmp_path, prompts_file, ar
     assert_first_step_ratio_is_one(model_dir, prompts_file)
 
 
-def assert_first_step_ratio_is_one(model_dir, prompts_file) -> None:
-    algo = grpo(model_dir, prompts_file, temperature=0.7, top_p=0.9, top_k=20)
+def assert_first_step_ratio_is_one(model_dir, prompts_file, **fields) -> GRPO:
+    """`fields` with use_peft: the adapters' B drawn first, so the adapted model is not the base."""
+    from tiny import randomise_adapter
+
+    algo = grpo(model_dir, prompts_file, temperature=0.7, top_p=0.9, top_k=20, **fields)
+    randomise_adapter(algo.model)
     batches = algo.step_batches(1)
     total = torch.tensor(float(sum(algo.count(b) for b in batches)))
     for b in batches:
@@ -143,6 +149,7 @@ def assert_first_step_ratio_is_one(model_dir, prompts_file) -> None:
         limit = 2 * bound[decided].max() + gap.masked_fill(decided | ~b.mask, 0).max()
         assert float(metrics["sampling/sampling_logp_difference/max"].total) <= float(limit)
         assert float(metrics["clip_ratio/region_mean"].total) == 0.0  # ratio exactly 1: nothing clipped
+    return algo
 
 
 def bf16_rollout_gaps(algo: GRPO) -> tuple[torch.Tensor, list[float]]:

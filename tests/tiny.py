@@ -132,11 +132,12 @@ def randomise_adapter(model, seed: int = 3, scale: float = 0.1) -> None:
     """B starts at zero (the adapter is then a no-op): draw it, so a comparison means something."""
     import torch
 
+    from pagedrl.model.expert_lora import expert_adapters
     from pagedrl.model.lora import lora_layers
 
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for _, layer in lora_layers(model):
+        for _, layer in [*lora_layers(model), *expert_adapters(model)]:
             layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=g) * scale)
 
 

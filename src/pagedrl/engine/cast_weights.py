@@ -26,6 +26,7 @@ import itertools
 import torch
 from torch import nn
 
+from pagedrl.model.expert_lora import ExpertLoRA
 from pagedrl.model.lora import LoRALinear
 from pagedrl.model.moe import Experts
 
@@ -53,7 +54,7 @@ class CastWeights:
                     self.copies.append(made[id(master)])
                 setattr(module, name, made[id(master)])
         self.lora_pairs = [(m, t) for m, t in zip(model.modules(), self.twin.modules(), strict=True)
-                           if isinstance(m, LoRALinear)]
+                           if isinstance(m, (LoRALinear, ExpertLoRA))]
         self.versions = [m._version for m in self.masters]
         self.num_refreshes = 0
 

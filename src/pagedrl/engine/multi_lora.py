@@ -44,6 +44,7 @@ from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.lora_step import BASE, Grouped, StepSlots
 from pagedrl.model.adapter import ADAPTER_CONFIG, is_adapter_folder, read_adapter_config, read_adapter_weights
 from pagedrl.model.checkpoint import CheckpointError
+from pagedrl.model.expert_lora import ExpertLoRA
 from pagedrl.model.gguf_modules import GGUFLinear
 from pagedrl.model.lora import LAYER_PROJECTIONS, LoRALinear
 
@@ -170,6 +171,10 @@ def read_lora(request: LoRARequest, projections: dict[str, nn.Module], max_lora_
     if config.r > max_lora_rank:
         raise ValueError(f"{where}: rank {config.r} exceeds max_lora_rank {max_lora_rank}; raise max_lora_rank "
                          "(--max-lora-rank) to serve it")
+    if config.target_parameters:
+        raise ValueError(f"{where}: target_parameters {config.target_parameters} adapt a mixture of experts' weights, "
+                         "which adapters per request do not support; serve it merged (pagedrl serve --adapter, or "
+                         "pagedrl merge)")
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
         module, sep, part = key.rpartition(".lora_")
@@ -225,7 +230,7 @@ class LoRASlots:
     def __init__(self, model: nn.Module, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None) -> None:
         # The limits are checked with the rest of the engine's settings (EngineConfig.validate).
-        if any(isinstance(m, LoRALinear) for m in model.modules()):
+        if any(isinstance(m, (LoRALinear, ExpertLoRA)) for m in model.modules()):
             raise ValueError("enable_lora: the model already carries a trained adapter; merge it first or serve "
                              "it on its own")
         # Latent attention's kv_b_proj multiplies the cached latents (or is folded into the queries), not

@@ -5,9 +5,10 @@ A folder holds `adapter_config.json` (PEFT's LoraConfig: `peft_type: LORA`, `r`,
 `target_modules`, `task_type`, `base_model_name_or_path`, ...) and `adapter_model.safetensors`,
 whose keys are the adapted model's own names under `base_model.model.` without the adapter's name
 (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), and the full tensors of
-`modules_to_save` the same way (`base_model.model.score.weight`). PEFT features pagedrl does not
-implement (DoRA, rsLoRA, per-layer ranks, bias training, ...) are refused by name on load rather
-than silently ignored.
+`modules_to_save` the same way (`base_model.model.score.weight`). Adapters on a mixture of experts'
+weights (`target_parameters`) take the names of PEFT's nested wrappers (`model/expert_lora.py`).
+PEFT features pagedrl does not implement (DoRA, rsLoRA, per-layer ranks, bias training, ...) are
+refused by name on load rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pagedrl.model.checkpoint import CheckpointError
+from pagedrl.model.expert_lora import peft_names
 from pagedrl.model.lora import LoRAConfig, adapter_config, adapter_state_dict, apply_lora, lora_layers
 from pagedrl.model.staging import staged_folder
 
@@ -31,7 +33,7 @@ PEFT_PREFIX = "base_model.model."
 # PEFT options whose non-default value would change the model pagedrl builds: refused when set.
 UNSUPPORTED = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "bias": "none",
                "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
-               "lora_bias": False, "exclude_modules": None, "target_parameters": None, "trainable_token_indices": None}
+               "lora_bias": False, "exclude_modules": None, "trainable_token_indices": None}
 
 
 def is_adapter_folder(path: str | Path) -> bool:
@@ -50,6 +52,7 @@ def peft_config_dict(config: LoRAConfig, held: set[str] | None = None) -> dict[s
         "lora_alpha": config.lora_alpha,
         "lora_dropout": config.lora_dropout,
         "target_modules": [t for t in config.resolved_targets() if held is None or t in held],
+        "target_parameters": list(config.target_parameters) if config.target_parameters else None,
         "modules_to_save": list(config.modules_to_save) or None,
         "inference_mode": True,
         "init_lora_weights": True,
@@ -66,7 +69,9 @@ def write_adapter(model: nn.Module, folder: Path, tokenizer: Any = None) -> None
     folder.mkdir(parents=True, exist_ok=True)
     held = {name.rpartition(".")[2] for name, _ in lora_layers(model)}
     (folder / ADAPTER_CONFIG).write_text(json.dumps(peft_config_dict(config, held), indent=2) + "\n")
-    tensors = {PEFT_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in adapter_state_dict(model).items()}
+    renamed = peft_names(model)
+    tensors = {PEFT_PREFIX + renamed.get(k, k): v.detach().to("cpu").contiguous()
+               for k, v in adapter_state_dict(model).items()}
     save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save(folder)
@@ -104,6 +109,9 @@ def read_adapter_config(folder: str | Path) -> LoRAConfig:
     targets = raw.get("target_modules")
     if isinstance(targets, str):
         targets = [targets]
+    parameters = raw.get("target_parameters")
+    if isinstance(parameters, str):
+        parameters = [parameters]
     task = raw.get("task_type") or "CAUSAL_LM"
     if task not in ("CAUSAL_LM", "SEQ_CLS"):
         raise CheckpointError(f"{path}: task_type {task!r}; pagedrl loads CAUSAL_LM and SEQ_CLS adapters")
@@ -113,6 +121,7 @@ def read_adapter_config(folder: str | Path) -> LoRAConfig:
     try:
         return LoRAConfig(r=raw.get("r", 8), lora_alpha=float(raw.get("lora_alpha", 8)),
                           lora_dropout=float(raw.get("lora_dropout", 0.0)), target_modules=targets,
+                          target_parameters=list(parameters) if parameters else None,
                           modules_to_save=modules_to_save, task_type=task,
                           base_model_name_or_path=raw.get("base_model_name_or_path"), revision=raw.get("revision"))
     except (ValueError, TypeError) as e:
@@ -138,7 +147,8 @@ def read_adapter_weights(folder: str | Path) -> dict[str, torch.Tensor]:
 
 def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
     """Copy a saved adapter's tensors into the adapter `model` already carries (resuming)."""
-    state = read_adapter_weights(folder)
+    ours = {theirs: name for name, theirs in peft_names(model).items()}
+    state = {ours.get(k, k): v for k, v in read_adapter_weights(folder).items()}
     expected = adapter_state_dict(model)
     path = Path(folder) / ADAPTER_WEIGHTS
     for name, tensor in state.items():

@@ -10,6 +10,9 @@ The engine runs on the same module, so a rollout samples from the adapted model 
 no copy. Dropout acts only where a gradient is taken (training mode with autograd on): rollouts
 (inference mode), evaluations and the no-grad passes that fix old log-probs see the adapter whole.
 
+A mixture of experts' stacked weights take adapters too, named as PEFT's `target_parameters` name them
+(`mlp.experts.gate_up_proj`): `model/expert_lora.py`.
+
 `disable_adapter(model)` switches every adapter off for a block: DPO, GRPO and PPO use the base
 model as their reference that way, without a second copy of the weights.
 """
@@ -27,6 +30,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from pagedrl.model import batch_invariant
+from pagedrl.model.expert_lora import ExpertLoRA, apply_expert_lora, expert_adapters, merge_expert_lora
 from pagedrl.model.moe import has_sparse_layers
 from pagedrl.model.quantized_linear import QuantizedLinear
 
@@ -50,6 +54,9 @@ class LoRAConfig:
     lora_alpha: float = 32.0
     lora_dropout: float = 0.05
     target_modules: list[str] | None = None  # None: q_proj, v_proj; ["all-linear"]: every layer projection
+    # PEFT's target_parameters: a mixture of experts' stacked weights ("mlp.experts.gate_up_proj"); with
+    # target_modules None, only those (as PEFT: its default modules apply when no parameter is named).
+    target_parameters: list[str] | None = None
     modules_to_save: list[str] = field(default_factory=list)  # fully trained modules (a reward model's `score`)
     task_type: str = "CAUSAL_LM"  # or SEQ_CLS (a reward model or a critic)
     base_model_name_or_path: str | None = None
@@ -62,9 +69,15 @@ class LoRAConfig:
             raise ValueError(f"lora_alpha: must be a finite number > 0, got {self.lora_alpha}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"lora_dropout: must lie in [0, 1), got {self.lora_dropout}")
+        if self.target_parameters is not None and not self.target_parameters:
+            raise ValueError("lora_target_parameters: empty; name expert weights (mlp.experts.gate_up_proj, "
+                             "mlp.experts.down_proj) or leave it unset")
+        if self.target_parameters and self.lora_dropout:
+            raise ValueError(f"lora_dropout: must be 0 with lora_target_parameters, got {self.lora_dropout} (as in "
+                             "PEFT, a dropped input cannot be folded into an expert weight's update)")
         names = self.resolved_targets()
         unknown = [t for t in names if t not in LAYER_PROJECTIONS]
-        if unknown or not names:
+        if unknown or not (names or self.target_parameters):
             raise ValueError(f"lora_target_modules: {unknown or names} are not decoder projections; choose among "
                              f"{', '.join(LAYER_PROJECTIONS)} or {ALL_LINEAR!r}")
 
@@ -76,7 +89,7 @@ class LoRAConfig:
         """The projection names adapted, in the decoder's order."""
         targets = self.target_modules
         if targets is None:
-            return list(DEFAULT_TARGETS)
+            return [] if self.target_parameters else list(DEFAULT_TARGETS)
         if targets == ALL_LINEAR or list(targets) == [ALL_LINEAR]:
             return list(LAYER_PROJECTIONS)
         return [t for t in LAYER_PROJECTIONS if t in targets] + [t for t in targets if t not in LAYER_PROJECTIONS]
@@ -186,10 +199,11 @@ def apply_lora(model: nn.Module, config: LoRAConfig, generator: torch.Generator 
                             if isinstance(m, nn.Linear) and ".self_attn." in n}, key=LAYER_PROJECTIONS.index)
         raise ValueError(f"lora_target_modules: {feed_forward} on a mixture of experts is not supported (PEFT would "
                          "adapt the experts' weights under those names too); target the attention projections "
-                         f"({', '.join(attention)})")
+                         f"({', '.join(attention)}), and the experts with lora_target_parameters "
+                         "(mlp.experts.gate_up_proj, mlp.experts.down_proj)")
     wrapped = [name for name, m in model.named_modules()
                if isinstance(m, (nn.Linear, QuantizedLinear)) and name.rpartition(".")[2] in targets]
-    if not wrapped:
+    if targets and not wrapped:
         present = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
                          & set(LAYER_PROJECTIONS), key=LAYER_PROJECTIONS.index)
         raise ValueError(f"lora_target_modules: no layer of the model is named {sorted(targets)}; its projections "
@@ -198,6 +212,8 @@ def apply_lora(model: nn.Module, config: LoRAConfig, generator: torch.Generator 
     for name in wrapped:
         base = model.get_submodule(name)
         _set_child(model, name, LoRALinear(base, config.r, config.lora_alpha, config.lora_dropout, generator))
+    if config.target_parameters:
+        apply_expert_lora(model, config.target_parameters, config.r, config.lora_alpha, generator)
     for name in config.modules_to_save:
         try:
             model.get_submodule(name).requires_grad_(True)
@@ -215,7 +231,8 @@ def adapter_config(model: nn.Module) -> LoRAConfig | None:
 @contextlib.contextmanager
 def disable_adapter(model: nn.Module) -> Iterator[None]:
     """Within the block `model` computes as its base (every LoRA update off); restored after."""
-    layers = [m for _, m in lora_layers(model)]
+    layers: list[LoRALinear | ExpertLoRA] = [m for _, m in lora_layers(model)]
+    layers += [m for _, m in expert_adapters(model)]
     before = [m.disabled for m in layers]
     for m in layers:
         m.disabled = True
@@ -231,6 +248,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
     ordinary one (saved in HF layout, served at the base model's speed)."""
     for name, m in list(lora_layers(model)):
         _set_child(model, name, m.merged())
+    merge_expert_lora(model)
     model.lora_config = None
     return model
 

@@ -25,6 +25,10 @@ kernels as they do (`Routes.experts`, a bf16 engine's own steps). A trainer's ro
 with `F.linear`'s numbers and no expert route (`engine/cpu_routes.py`), so their routing decisions
 are computed as the trainer's recompute computes them.
 
+LoRA on the stacked weights (PEFT's `target_parameters`, `model/expert_lora.py`) sits in `experts.adapters`:
+each expert's products take its low-rank update, and the engine's expert route, which multiplies the bare
+weights, steps aside while one is on.
+
 `collect_router_logits()` records each sparse layer's router logits, the input of the load-balancing
 loss (`train/router_loss.py`).
 """
@@ -70,6 +74,7 @@ class Experts(nn.Module):
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.adapters = nn.ModuleDict()  # LoRA on the weights, by weight name (`model/expert_lora.py`)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -90,7 +95,7 @@ class Experts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host read per layer
         routes = routed.current()
         grouped = None
-        if routes is not None and routes.experts is not None and self.routable:
+        if routes is not None and routes.experts is not None and self.routable and not self.adapted():
             grouped = routes.experts(rows, counts, self.gate_up_proj, self.down_proj)
         if grouped is None:
             grouped = self.grouped(rows, counts)
@@ -104,8 +109,21 @@ class Experts(nn.Module):
         return torch.cat([self.expert(e, part) for e, part in by_expert(rows, counts)])
 
     def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[e])
+        gate, up = self.adapt(rows, F.linear(rows, self.gate_up_proj[e]), "gate_up_proj", e).chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        return self.adapt(hidden, F.linear(hidden, self.down_proj[e]), "down_proj", e)
+
+    def adapted(self) -> bool:
+        """Whether a LoRA update is on: the engine's expert route multiplies the bare weights, so it is declined."""
+        adapters = getattr(self, "adapters", None)  # (GGUF's experts hold none)
+        return bool(adapters) and any(not a.disabled for a in adapters.values())
+
+    def adapt(self, x: torch.Tensor, out: torch.Tensor, weight: str, e: int) -> torch.Tensor:
+        """`out`, expert e's product of x by `weight`, plus that weight's LoRA update if it has one on."""
+        adapters = self.adapters
+        if weight not in adapters or adapters[weight].disabled:
+            return out
+        return adapters[weight].add_update(out, x, e)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, hidden={self.down_proj.shape[1]}, intermediate={self.intermediate_size}"
@@ -137,6 +155,7 @@ class ClampedSwiGLUExperts(Experts):
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.adapters = nn.ModuleDict()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -151,8 +170,9 @@ class ClampedSwiGLUExperts(Experts):
     def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         from pagedrl.model.gpt_oss import clamped_swiglu
 
-        hidden = clamped_swiglu(rows @ self.gate_up_proj[e] + self.gate_up_proj_bias[e], self.alpha, self.limit)
-        return hidden @ self.down_proj[e] + self.down_proj_bias[e]
+        gate_up = self.adapt(rows, rows @ self.gate_up_proj[e] + self.gate_up_proj_bias[e], "gate_up_proj", e)
+        hidden = clamped_swiglu(gate_up, self.alpha, self.limit)
+        return self.adapt(hidden, hidden @ self.down_proj[e] + self.down_proj_bias[e], "down_proj", e)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.down_proj.shape[2]}, intermediate={self.intermediate_size}, "

@@ -28,7 +28,8 @@ CAUSAL_LM, SEQ_CLS = "CAUSAL_LM", "SEQ_CLS"
 def lora_config(config: TrainConfig, task_type: str = CAUSAL_LM, modules_to_save: Sequence[str] = ()) -> LoRAConfig:
     """The adapter a run's `lora_*` fields describe."""
     return LoRAConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=config.lora_target_modules, modules_to_save=list(modules_to_save),
+                      target_modules=config.lora_target_modules,
+                      target_parameters=config.lora_target_parameters, modules_to_save=list(modules_to_save),
                       task_type=task_type, base_model_name_or_path=str(config.model),
                       revision=config.revision)
 
@@ -66,13 +67,14 @@ def describe(model: nn.Module) -> str:
     held = sum(layer.in_features * layer.out_features for layer in quantized)
     total = sum(p.numel() for p in model.parameters()) + held
     extra = f" + {', '.join(c.modules_to_save)} (whole)" if c.modules_to_save else ""
+    targets = [*c.resolved_targets(), *(c.target_parameters or [])]
     base = "the base frozen"
     if quantized:
         nbytes = sum(b.numel() * b.element_size() for layer in quantized for b in layer.buffers())
         base += (f", its {len(quantized)} projections quantized ({quantized[0].storage}: "
                  f"{nbytes / 2**20:.1f} MiB for {held / 1e6:.1f}M weights)")
     return (f"lora: r={c.r}, alpha={c.lora_alpha:g} (scaling {c.scaling:g}), dropout {c.lora_dropout:g} on "
-            f"{', '.join(c.resolved_targets())}{extra}; {trained / 1e6:.2f}M of {total / 1e6:.1f}M parameters trained, "
+            f"{', '.join(targets)}{extra}; {trained / 1e6:.2f}M of {total / 1e6:.1f}M parameters trained, "
             f"{base}")
 
 

@@ -122,6 +122,9 @@ class TrainConfig:
     lora_alpha: int = 32
     lora_dropout: float = 0.05
     lora_target_modules: list[str] | None = None  # None: q_proj, v_proj (PEFT's default); [all-linear]: every projection
+    # A mixture of experts' stacked weights (PEFT's target_parameters: "mlp.experts.gate_up_proj",
+    # "mlp.experts.down_proj"); with lora_target_modules unset, only those. Needs lora_dropout: 0, as PEFT.
+    lora_target_parameters: list[str] | None = None
     # QLoRA (TRL's ModelConfig names, with use_peft): the frozen base's decoder projections held in
     # bitsandbytes' 4-bit blocks (nf4, or fp4) or LLM.int8's int8 rows; the adapters train in float32.
     load_in_4bit: bool = False
@@ -167,6 +170,11 @@ class TrainConfig:
             bad = [t for t in self.lora_target_modules if t not in (*LAYER_PROJECTIONS, ALL_LINEAR)]
             _require(not bad and bool(self.lora_target_modules), "lora_target_modules",
                      f"{bad or 'empty'}: expected decoder projections ({', '.join(LAYER_PROJECTIONS)}) or {ALL_LINEAR}")
+        _require(self.lora_target_parameters is None or bool(self.lora_target_parameters), "lora_target_parameters",
+                 "empty; name expert weights (mlp.experts.gate_up_proj, mlp.experts.down_proj) or leave it unset")
+        _require(not (self.lora_target_parameters and self.lora_dropout), "lora_dropout",
+                 f"must be 0 with lora_target_parameters, got {self.lora_dropout} (as in PEFT, a dropped input "
+                 "cannot be folded into an expert weight's update)")
         quantized = "load_in_4bit" if self.load_in_4bit else "load_in_8bit" if self.load_in_8bit else None
         _require(not (self.load_in_4bit and self.load_in_8bit), "load_in_4bit",
                  "load_in_4bit and load_in_8bit are both true; choose one")
