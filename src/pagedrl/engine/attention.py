@@ -307,6 +307,14 @@ def resolve_impl(impl: str, device: torch.device | str) -> str:
     return impl
 
 
+def uniform_windows(model: torch.nn.Module) -> tuple[int, ...] | None:
+    """Each layer's window for a model whose layers all slide over one (`ModelConfig.uniform_window`),
+    as the metadata's `windows` carries Gemma's; None for the others (Gemma and gpt-oss attach theirs)."""
+    cfg = getattr(model, "config", None)
+    window = getattr(cfg, "uniform_window", None)
+    return None if window is None else (window,) * cfg.num_hidden_layers
+
+
 def reads_in_place(kv_cache: KVCache, device: torch.device) -> bool:
     """Whether a CPU decode step runs the in-place kernel (`kernels/ops.py`): float32 or bf16, built."""
     return device.type == "cpu" and kv_cache.dtype in (torch.float32, torch.bfloat16) and ops.available()

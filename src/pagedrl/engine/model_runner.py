@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from pagedrl.engine import cpu_decode
-from pagedrl.engine.attention import PagedAttention, prefill_by_rows, resolve_impl
+from pagedrl.engine.attention import PagedAttention, prefill_by_rows, resolve_impl, uniform_windows
 from pagedrl.engine.cast_weights import CastWeights
 from pagedrl.engine.cpu_routes import routed_step, usable
 from pagedrl.engine.cuda_graphs import DecodeGraphs
@@ -72,6 +72,7 @@ class ModelRunner:
         self.program = (cpu_decode.DecodeProgram(model, self.packed if self.cpu_routes else None,
                                                  lambda: kv_manager.weight_version)
                         if program and not enforce_eager and cpu_decode.supports(model) else None)
+        self.windows = uniform_windows(model)  # every layer's window, where all share one (else None)
         self.on_cpu = model.device.type == "cpu"
         if self.on_cpu:
             keep_freed_memory()
@@ -197,6 +198,7 @@ class ModelRunner:
         meta = PagedAttention.from_block_tables(self.kv_cache, tables, q_lens, seq_lens, device,
                                                 impl=self.attention_impl, read_in_place=self.autocast_dtype is None,
                                                 rows=invariant, prefill_rows=self.prefill_rows)
+        meta.windows = self.windows
         input_ids = long_tensor(ids).to(device)[None]
         if self.program is not None and meta.in_place and not invariant and self.lora is None:
             return self.result(self.program.run(input_ids[0], meta), row_index, rows,
