@@ -29,8 +29,9 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # Mistral-7B
 
 
 def timed(fn, repeats: int) -> float:  # noqa: ANN001
-    """Median seconds of `fn()` over `repeats` runs after one warm-up."""
-    fn()
+    """Median seconds of `fn()` over `repeats` runs after three warm-ups (the first touches the cache's pages)."""
+    for _ in range(3):
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
