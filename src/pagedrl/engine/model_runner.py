@@ -88,8 +88,8 @@ class ModelRunner:
         if (not enforce_eager and model.device.type == "cuda" and self.attention_impl == "triton"
                 and not has_sparse_layers(model) and model.config.gemma is None
                 and getattr(model.config, "deepseek", None) is None):
-            # (Gemma's windowed or soft-capped layers and DeepSeek's latent attention attend through
-            # the reference path: host reads)
+            # (Gemma's per-layer rules are attached in its forward, not yet recorded in graphs; DeepSeek's
+            # latent attention reads the host. A uniform window goes in the graphs' metadata.)
             self.graphs = DecodeGraphs(model, kv_cache, block_size, max_num_seqs,
                                        max_model_len or model.config.max_model_len, self.precision)
 
