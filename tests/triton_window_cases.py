@@ -13,9 +13,14 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from tiny import FAMILIES, hf_model  # noqa: E402
 from window_batches import BLOCK, make_batch  # noqa: E402
 
 from pagedrl.engine.attention import PagedAttention  # noqa: E402
+from pagedrl.engine.llm import LLM  # noqa: E402
+from pagedrl.engine.sampling_params import SamplingParams  # noqa: E402
+from pagedrl.model.config import ModelConfig  # noqa: E402
+from pagedrl.model.decoder import CausalLM  # noqa: E402
 
 # float32: IEEE products, sums in other orders. float16: the kernel rounds probabilities to float16 before
 # the value product (2^-11 relative each) and its output once more; outputs are within a few units of 1.
@@ -41,3 +46,20 @@ def test_rules_equal_the_reference(dtype: torch.dtype, window: int | None, softc
         outs.append(meta.attend(0, q, k, v, sink).float())
     assert torch.isfinite(outs[0]).all()
     torch.testing.assert_close(outs[0], outs[1], atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_engine_with_one_window_in_every_layer_equals_reference() -> None:
+    """A tiny Mistral with a window of 24 served past it through the Triton kernel (chunked prefill of 16
+    tokens a step, blocks freed as they leave the window): the reference path's greedy tokens."""
+    hf = hf_model(dict(FAMILIES["mistral"], sliding_window=24))
+    model = CausalLM(ModelConfig.from_dict(hf.config.to_dict()))
+    model.load_state_dict(hf.state_dict(), strict=False)
+    model.eval()
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 211, (n,), generator=gen).tolist() for n in (60, 9, 41)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    outs = {}
+    for impl in ("reference", "triton"):
+        llm = LLM.from_module(model, kv_cache_tokens=512, max_num_batched_tokens=16, attention_impl=impl)
+        outs[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs["triton"] == outs["reference"]
