@@ -165,7 +165,9 @@ class KVCacheManager:
         free. A shared block that the new tokens will be written into is replaced by a fresh
         one; if it already holds computed tokens a (src, dst) copy is queued for
         `take_pending_copies`. Blocks that end up full of known tokens are then cached, hashed
-        through `block_hashes` (see `hash_blocks`), under the `salt` the sequence was first given."""
+        through `block_hashes` (see `hash_blocks`), under the `salt` the sequence was first given.
+        Under a sliding window the blocks below this step's windows are freed, even on a refusal:
+        no query of the sequence reads them again."""
         if num_computed_tokens < 0:
             raise ValueError(f"num_computed_tokens must be >= 0, got {num_computed_tokens}")
         if num_new_tokens < 0:
@@ -291,7 +293,7 @@ class KVCacheManager:
         if num_full <= seq.num_hashed_blocks:
             return
         hashes = self.hash_blocks(token_ids, num_full, block_hashes, seq.salt)
-        for i in range(seq.num_hashed_blocks, num_full):
+        for i in range(max(seq.num_hashed_blocks, seq.num_dropped), num_full):
             self.pool.cache_full_block(seq.blocks[i], hashes[i])
         seq.num_hashed_blocks = num_full
 
