@@ -61,7 +61,8 @@ def test_config_as_transformers_reads_it() -> None:
     plain = ModelConfig.from_dict(dict(PHI3, rope_parameters=None, partial_rotary_factor=1.0, sliding_window=2047,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0))
     assert plain.rope_scaling is None and plain.rotary_dim == 16 and plain.max_model_len == 256
-    assert ModelConfig.from_dict(dict(PHI3, max_position_embeddings=4096, sliding_window=2047)).max_model_len == 2047
+    mini = ModelConfig.from_dict(dict(PHI3, max_position_embeddings=4096, sliding_window=2047))
+    assert (mini.max_model_len, mini.uniform_window) == (4096, 2047)  # the window applied, not a cap
     assert plain.to_dict()["resid_pdrop"] == 0.0  # kept and written back
     for change, field in [(dict(partial_rotary_factor=1.5), "partial_rotary_factor"),
                           (dict(rope_parameters=dict(PHI3["rope_parameters"], short_factor=[1.0])), "short_factor"),

@@ -26,18 +26,30 @@ from pagedrl.model.config import ModelConfig
 from pagedrl.model.decoder import CausalLM
 
 CASES = Path(__file__).with_name("triton_interpreted_cases.py")
+WINDOW_CASES = Path(__file__).with_name("triton_window_cases.py")
 
 
 def test_kernels_equal_the_reference_under_the_interpreter() -> None:
     """GQA, head_dim 24, partial last blocks, a prefix hit, chunked prefill, query and key tiles cut
     anywhere, the KV store, the whole engine, the CUDA-graph path's padded persistent batch, and its
     recording and re-recording with CUDA's calls faked (see the cases file); float32 and float16."""
+    run_interpreted(CASES)
+
+
+def test_kernel_under_layer_rules_equals_the_reference_under_the_interpreter() -> None:
+    """Sliding windows (inside a block, a block, across blocks), soft-capped scores and attention sinks;
+    the blocks every window has left are never read (see the cases file)."""
+    run_interpreted(WINDOW_CASES)
+
+
+def run_interpreted(cases: Path) -> None:
+    """The cases file in a fresh interpreter with TRITON_INTERPRET=1; every case passes, none skipped."""
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
-                           str(CASES)],
-                          cwd=CASES.parents[1], env=env, capture_output=True, text=True, timeout=600)
+                           str(cases)],
+                          cwd=cases.parents[1], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
     summary = proc.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"\d+ passed in .*", summary), summary  # none skipped, none deselected

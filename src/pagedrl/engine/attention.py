@@ -11,8 +11,8 @@ fresh prompt, a chunk of a prompt whose prefix is cached, and a one-token decode
 Three implementations compute the same thing:
 - `reference`: one sequence at a time, keys gathered into a contiguous tensor, an explicit causal
   mask, softmax, matmul (`reference_attention`). Slow and obviously right; the tests hold the fast
-  path to it. A layer with a sliding window or soft-capped scores (Gemma) or attention sinks
-  (gpt-oss) takes it under any impl.
+  path to it. A layer with a sliding window, soft-capped scores (Gemma 2) or attention sinks
+  (gpt-oss) takes the kernels that honour them (`layer_rules`: the row kernel, the Triton kernel).
 - `fast`: on a CPU, a step of decodes only runs `ops.paged_decode`, which reads each
   sequence's keys and values from its blocks where they lie (one pass over them); in bf16 without
   AMX a step with prompt chunks runs `ops.paged_prefill` (a prompt's rows in tiles over the
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagedrl.engine import latent_attention
+from pagedrl.engine import latent_attention, layer_rules
 from pagedrl.engine.attention_groups import QueryGroup, plan_groups
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
@@ -89,11 +89,12 @@ class PagedAttention:
     row_seqs: torch.Tensor | None = field(default=None, repr=False)
     kernels: bool = False  # the CPU kernels serve this cache: its KV writes take one `store_kv` call a layer
     tiles: bool = False  # a CPU bf16 step with prompt chunks: `ops.paged_prefill` attends them in tiles
-    # Per-layer rules (Gemma, `model/gemma.py`; gpt-oss's windows): each layer's sliding window (None: every cached key)
-    # and a tanh cap on the scores. A layer with either runs `reference` whatever `impl` says: the
-    # other paths' kernels attend over every cached key, uncapped.
+    # Per-layer rules (Gemma, `model/gemma.py`; gpt-oss; a uniform window): each layer's sliding window (None:
+    # every cached key) and a tanh cap on the scores. A layer with either (or sinks) attends through
+    # `layer_rules`: the row or Triton kernel, which honour them, never the tiles, groups or decode program.
     windows: tuple[int | None, ...] | None = None
     softcap: float | None = None
+    rule_rows: tuple[torch.Tensor, torch.Tensor | None] | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -227,8 +228,7 @@ class PagedAttention:
         queries = q[0].to(key_cache.dtype)
         window = self.windows[layer] if self.windows is not None else None
         if window is not None or self.softcap is not None or sinks is not None:
-            self._store(k, v, key_cache, value_cache)
-            return self._attend_reference(queries, key_cache, value_cache, scale, window, sinks).to(q.dtype)[None]
+            return layer_rules.attend_with_rules(self, layer, queries, k, v, scale, window, sinks).to(q.dtype)[None]
         if self.impl == "triton":
             from pagedrl.engine import triton_attention
 
@@ -266,9 +266,9 @@ class PagedAttention:
                                                                      v[0].to(value_cache.dtype))
 
     def _attend_reference(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                          scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                          scale: float) -> torch.Tensor:
         return reference_attention(q, key_cache, value_cache, self.seq_lens, self.query_start_loc, self.block_tables,
-                                   scale, window, self.softcap, sinks)
+                                   scale)
 
     def _attend_fast(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      scale: float) -> torch.Tensor:
@@ -305,6 +305,14 @@ def resolve_impl(impl: str, device: torch.device | str) -> str:
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention_impl must be 'auto' or one of {IMPLEMENTATIONS}, got {impl!r}")
     return impl
+
+
+def uniform_windows(model: torch.nn.Module) -> tuple[int, ...] | None:
+    """Each layer's window for a model whose layers all slide over one (`ModelConfig.uniform_window`),
+    as the metadata's `windows` carries Gemma's; None for the others (Gemma and gpt-oss attach theirs)."""
+    cfg = getattr(model, "config", None)
+    window = getattr(cfg, "uniform_window", None)
+    return None if window is None else (window,) * cfg.num_hidden_layers
 
 
 def reads_in_place(kv_cache: KVCache, device: torch.device) -> bool:

@@ -189,7 +189,8 @@ class DecodeProgram:
                 q, k = ops.rms_norm(q, qk_norms[0], eps), ops.rms_norm(k, qk_norms[1], eps)
             q, k = ops.rope(q, k, cos, sin)
             ops.store_kv(k[0], v, key_cache, value_cache, meta.slot_mapping)
-            out = ops.paged_decode(q[0], key_cache, value_cache, meta.block_tables, meta.seq_lens, scale)
+            window = meta.windows[index] if meta.windows is not None else None  # a uniform window
+            out = ops.paged_decode(q[0], key_cache, value_cache, meta.block_tables, meta.seq_lens, scale, window)
             x = x + product(out.view(n, heads * head_dim), *o_proj)
             h = ops.rms_norm(x, norm2, eps)
             if len(mlp) == 1:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from pagedrl.engine.attention import PagedAttention
+from pagedrl.engine.attention import PagedAttention, uniform_windows
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
 
@@ -135,7 +135,7 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         meta = PagedAttention(self.kv_cache, self.slot_mapping[:size], self.query_start_loc[:size + 1],
                               self.seq_lens[:size], self.block_tables[:size], self.positions[:size],
-                              impl="triton", max_query_len=1)
+                              impl="triton", max_query_len=1, windows=uniform_windows(self.model))
         with self.precision():
             return self.model(self.input_ids[:size][None], self.positions[:size][None], meta)
 

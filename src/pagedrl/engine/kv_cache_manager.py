@@ -19,6 +19,15 @@ when they are allocated, before the forward that writes them; that forward runs 
 step can read them. So: run `take_pending_copies()` and then the forward for every successful
 `allocate_slots` of a step, and free a sequence only between steps.
 
+A model whose every layer slides over the same window (`sliding_window`) needs no key more than
+window - 1 positions behind the first query of a step: at each `allocate_slots` the blocks wholly below
+that go back to the pool (ref counts, prefix sharing and the prefix cache as for any freed block: a
+freed full block keeps its hash) and the sequence's table keeps a placeholder, `OUT_OF_WINDOW` (block 0
+in the persistent table), which no kernel reads: the attention of a windowed layer starts at the
+window's first block. So a long sequence holds about ceil(window / block_size) + 1 blocks plus its
+step's chunk, not its length. Models whose layers differ (Gemma's, gpt-oss's full layers) keep every
+block: one table serves every layer.
+
 A sequence's keys and values carry the weight version they were computed under. A sequence that
 started before `bump_weight_version()` keeps running on its old blocks, but nothing it computes
 is cached any more: its later blocks mix old and new weights and match no hash.
@@ -36,18 +45,27 @@ from pagedrl.engine.block_table import BlockTable
 from pagedrl.engine.host_tensors import long_tensor
 
 SeqId = int | str
+# The table entry of a block that fell out of every layer's window and went back to the pool: never read,
+# never freed again, never shared (its id, 0, is only what the persistent table shows).
+OUT_OF_WINDOW = KVBlock(0)
 
 
 @dataclass
 class _SeqBlocks:
     """A sequence's block table, how many of its leading full blocks are hashed, its KV version, its
-    row in the persistent `BlockTable`, and the salt of its chain hashes (its LoRA adapter)."""
+    row in the persistent `BlockTable`, the salt of its chain hashes (its LoRA adapter), and how many
+    of its leading blocks fell out of the window (`OUT_OF_WINDOW` entries)."""
 
     weight_version: int
     row: int
     blocks: list[KVBlock] = field(default_factory=list)
     num_hashed_blocks: int = 0
     salt: bytes = b""
+    num_dropped: int = 0
+
+    def held(self) -> list[KVBlock]:
+        """The blocks the sequence holds (its table less the placeholders)."""
+        return self.blocks[self.num_dropped:]
 
 
 @dataclass(frozen=True)
@@ -66,10 +84,14 @@ class ComputedBlocks:
 class KVCacheManager:
     """Block tables for every live sequence over one `BlockPool`."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._seqs: dict[SeqId, _SeqBlocks] = {}
@@ -143,7 +165,9 @@ class KVCacheManager:
         free. A shared block that the new tokens will be written into is replaced by a fresh
         one; if it already holds computed tokens a (src, dst) copy is queued for
         `take_pending_copies`. Blocks that end up full of known tokens are then cached, hashed
-        through `block_hashes` (see `hash_blocks`), under the `salt` the sequence was first given."""
+        through `block_hashes` (see `hash_blocks`), under the `salt` the sequence was first given.
+        Under a sliding window the blocks below this step's windows are freed, even on a refusal:
+        no query of the sequence reads them again."""
         if num_computed_tokens < 0:
             raise ValueError(f"num_computed_tokens must be >= 0, got {num_computed_tokens}")
         if num_new_tokens < 0:
@@ -155,6 +179,8 @@ class KVCacheManager:
             )
         bs = self.block_size
         seq = self._seqs.get(seq_id)
+        if seq is not None and self.sliding_window is not None:
+            self._drop_out_of_window(seq, num_computed_tokens)
         if computed is None and seq is not None and seq.num_hashed_blocks * bs <= num_computed_tokens < total \
                 and self._fits_in_place(seq.blocks, num_computed_tokens, total):
             # The common decode step: the new tokens go into blocks the sequence already owns alone,
@@ -211,7 +237,22 @@ class KVCacheManager:
         if first_changed < len(blocks):
             self.table.write(seq.row, first_changed, [block.block_id for block in blocks[first_changed:]])
         self._cache_full_blocks(seq, token_ids, total, block_hashes)
+        if self.sliding_window is not None:  # prefix hits below the window of this step's first query
+            self._drop_out_of_window(seq, num_computed_tokens)
         return True
+
+    def _drop_out_of_window(self, seq: _SeqBlocks, first_query: int) -> None:
+        """Free the blocks wholly below `first_query` - window + 1 (no query from this step on reads them)
+        and leave `OUT_OF_WINDOW` in their place, tail of the dropped run first freed last, as `free` does."""
+        assert self.sliding_window is not None
+        target = min(max(0, first_query - self.sliding_window + 1) // self.block_size, len(seq.blocks))
+        if target <= seq.num_dropped:
+            return
+        start = seq.num_dropped
+        self.pool.free_blocks(reversed(seq.blocks[start:target]))
+        seq.blocks[start:target] = [OUT_OF_WINDOW] * (target - start)
+        seq.num_dropped = target
+        self.table.write(seq.row, start, [OUT_OF_WINDOW.block_id] * (target - start))
 
     def _fits_in_place(self, blocks: list[KVBlock], num_computed_tokens: int, total: int) -> bool:
         """Whether tokens [num_computed_tokens, total) go into blocks of `blocks` held by this sequence alone."""
@@ -252,7 +293,7 @@ class KVCacheManager:
         if num_full <= seq.num_hashed_blocks:
             return
         hashes = self.hash_blocks(token_ids, num_full, block_hashes, seq.salt)
-        for i in range(seq.num_hashed_blocks, num_full):
+        for i in range(max(seq.num_hashed_blocks, seq.num_dropped), num_full):
             self.pool.cache_full_block(seq.blocks[i], hashes[i])
         seq.num_hashed_blocks = num_full
 
@@ -262,9 +303,9 @@ class KVCacheManager:
         if child_id in self._seqs:
             raise ValueError(f"child_id {child_id!r} is already a live sequence")
         parent = self._get(parent_id)
-        self.pool.touch(parent.blocks)
+        self.pool.touch(parent.held())
         child = _SeqBlocks(parent.weight_version, self.table.new_row(), list(parent.blocks), parent.num_hashed_blocks,
-                           parent.salt)
+                           parent.salt, parent.num_dropped)
         self.table.copy_row(parent.row, child.row)
         self._seqs[child_id] = child
 
@@ -276,7 +317,7 @@ class KVCacheManager:
         request can be aborted at any stage; its blocks are released exactly once either way."""
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
-            self.pool.free_blocks(reversed(seq.blocks))
+            self.pool.free_blocks(reversed(seq.held()))
             self.table.release(seq.row, len(seq.blocks))
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
@@ -291,7 +332,13 @@ class KVCacheManager:
         return seq_id in self._seqs
 
     def block_table(self, seq_id: SeqId) -> list[int]:
+        """The sequence's block ids, `OUT_OF_WINDOW`'s (0) for the blocks that fell out of its window."""
         return [block.block_id for block in self._get(seq_id).blocks]
+
+    def num_held_blocks(self, seq_id: SeqId) -> int:
+        """Blocks the sequence holds now (those that fell out of its window not counted)."""
+        seq = self._get(seq_id)
+        return len(seq.blocks) - seq.num_dropped
 
     def block_table_rows(self, seq_ids: Sequence[SeqId], num_blocks: int) -> torch.Tensor:
         """The first `num_blocks` block ids of each sequence's table, [len(seq_ids), num_blocks] int64,
@@ -362,6 +409,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.num_used_blocks / self.pool.num_blocks
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        """Whether a sequence of `num_tokens` tokens fits in the whole cache (else it never will)."""
-        return -(-num_tokens // self.block_size) <= self.pool.num_blocks
+    def can_ever_fit(self, num_tokens: int, step_tokens: int | None = None) -> bool:
+        """Whether a sequence of `num_tokens` tokens fits in the whole cache (else it never will). Under a
+        sliding window it holds at most the window and one step's `step_tokens` (when given) at a time."""
+        need = -(-num_tokens // self.block_size)
+        if self.sliding_window is not None and step_tokens is not None:
+            need = min(need, -(-(self.sliding_window - 1 + step_tokens) // self.block_size) + 1)
+        return need <= self.pool.num_blocks

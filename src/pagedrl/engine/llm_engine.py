@@ -59,7 +59,7 @@ class LLMEngine:
                                            gpu_memory_utilization=self.config.gpu_memory_utilization)
         heads, head_dim, values = cfg.kv_cache_layout  # keys and values, or latent attention's latents
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, bs, heads, head_dim, kv_dtype, model.device, values)
-        self.kv_manager = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching, cfg.uniform_window)
         c = self.config
         self.scheduler = Scheduler(self.kv_manager, c.max_num_seqs, c.max_num_batched_tokens,
                                    c.enable_chunked_prefill, max_loras=c.max_loras if c.enable_lora else None)
@@ -133,7 +133,8 @@ class LLMEngine:
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """ValueError unless the request fits one step, the context and the KV cache."""
         check_num_seqs(params, self.config.max_num_seqs)
-        check_fits(num_prompt_tokens, params, self.max_model_len, self.kv_manager, self.block_size)
+        check_fits(num_prompt_tokens, params, self.max_model_len, self.kv_manager, self.block_size,
+                   self.config.max_num_batched_tokens)
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The engine's grammar compiler for structured outputs (its tokenizer tables are built once)."""

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from pagedrl.engine import cpu_decode
-from pagedrl.engine.attention import PagedAttention, prefill_by_rows, resolve_impl
+from pagedrl.engine.attention import PagedAttention, prefill_by_rows, resolve_impl, uniform_windows
 from pagedrl.engine.cast_weights import CastWeights
 from pagedrl.engine.cpu_routes import routed_step, usable
 from pagedrl.engine.cuda_graphs import DecodeGraphs
@@ -73,6 +73,7 @@ class ModelRunner:
         self.program = (cpu_decode.DecodeProgram(model, self.packed if self.cpu_routes else None,
                                                  lambda: kv_manager.weight_version)
                         if program and not enforce_eager and cpu_decode.supports(model) else None)
+        self.windows = uniform_windows(model)  # every layer's window, where all share one (else None)
         self.on_cpu = model.device.type == "cpu"
         if self.on_cpu:
             keep_freed_memory()
@@ -88,8 +89,8 @@ class ModelRunner:
         if (not enforce_eager and model.device.type == "cuda" and self.attention_impl == "triton"
                 and not has_sparse_layers(model) and model.config.gemma is None
                 and getattr(model.config, "deepseek", None) is None):
-            # (Gemma's windowed or soft-capped layers and DeepSeek's latent attention attend through
-            # the reference path: host reads)
+            # (Gemma's per-layer rules are attached in its forward, not yet recorded in graphs; DeepSeek's
+            # latent attention reads the host. A uniform window goes in the graphs' metadata.)
             self.graphs = DecodeGraphs(model, kv_cache, block_size, max_num_seqs,
                                        max_model_len or model.config.max_model_len, self.precision)
 
@@ -198,6 +199,7 @@ class ModelRunner:
         meta = PagedAttention.from_block_tables(self.kv_cache, tables, q_lens, seq_lens, device,
                                                 impl=self.attention_impl, read_in_place=self.autocast_dtype is None,
                                                 rows=invariant, prefill_rows=self.prefill_rows)
+        meta.windows = self.windows
         input_ids = long_tensor(ids).to(device)[None]
         if self.program is not None and meta.in_place and not invariant and self.lora is None:
             return self.result(self.program.run(input_ids[0], meta), row_index, rows,

@@ -1,7 +1,8 @@
 """Paged attention one sequence at a time, in float32, every step spelled out: the `reference`
-implementation the tests hold the others to, and the path a layer with a sliding window or
-soft-capped scores (Gemma, `model/gemma.py`) or attention sinks (gpt-oss, `model/gpt_oss.py`) takes,
-since the other paths' kernels attend over every cached key, uncapped, without a sink."""
+implementation the tests hold the others to, with the rules of a sliding window, soft-capped scores
+(Gemma, `model/gemma.py`) and attention sinks (gpt-oss, `model/gpt_oss.py`) the kernels are held to
+there too (`engine/layer_rules.py` routes such layers to kernels that honour them, and here only where
+none runs)."""
 
 from __future__ import annotations
 

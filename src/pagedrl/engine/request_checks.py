@@ -40,9 +40,10 @@ def check_num_seqs(params: SamplingParams, max_num_seqs: int) -> None:
 
 
 def check_fits(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, kv_manager: KVCacheManager,
-               block_size: int) -> None:
+               block_size: int, step_tokens: int | None = None) -> None:
     """Prompt and completion within the context (`max_model_len`) and within the whole KV cache (a
-    sequence that can never fit would wait for ever)."""
+    sequence that can never fit would wait for ever; under a sliding window, what it holds at once:
+    the window and one step's `step_tokens`)."""
     limit = max_model_len
     if num_prompt_tokens >= limit:
         raise ValueError(f"prompt is {num_prompt_tokens} tokens, but the model's context "
@@ -51,6 +52,6 @@ def check_fits(num_prompt_tokens: int, params: SamplingParams, max_model_len: in
         raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = "
                          f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len {limit}")
     total = num_prompt_tokens + (params.max_tokens or limit - num_prompt_tokens)
-    if not kv_manager.can_ever_fit(total):
+    if not kv_manager.can_ever_fit(total, step_tokens):
         raise ValueError(f"prompt + max_tokens = {total} tokens can never fit in the KV cache of "
                          f"{kv_manager.num_blocks_total * block_size} tokens; raise kv_cache_tokens")

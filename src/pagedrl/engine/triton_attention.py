@@ -57,12 +57,12 @@ def _store_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ma
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale_log2,
+    scale_log2, window, softcap, sinks_ptr,
     stride_q_token, stride_q_head, stride_out_token, stride_out_head,
     stride_cache_block, stride_cache_token, stride_cache_head, stride_table_seq,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -84,11 +84,18 @@ def _paged_attention_kernel(
         q_pos = context + q_idx
         # Keys the tile's last real query sees: nothing past it is read.
         num_keys = context + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_SINKS:  # one more softmax column per head with no value: max starts at it, sum at 1
+            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
         table = block_tables_ptr + seq * stride_table_seq
-        for start in range(0, num_keys, TILE):
+        first_key = 0
+        if HAS_WINDOW:  # keys below the window of the tile's first query are never read
+            first_key = tl.maximum(context + q_tile * BLOCK_Q - window + 1, 0)
+        for start in range(first_key, num_keys, TILE):
             k_pos = start + tl.arange(0, TILE)
             k_ok = k_pos < num_keys
             block = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
@@ -97,7 +104,13 @@ def _paged_attention_kernel(
             kv_mask = k_ok[:, None] & dim_ok[None, :]
             k = tl.load(key_cache_ptr + offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            if HAS_SOFTCAP:  # cap · tanh(s / cap) on the natural-log scores, tanh from exp2 (sign kept)
+                x = s / (1.4426950408889634 * softcap)
+                e = tl.exp2(-2.8853900817779268 * tl.abs(x))
+                s = tl.where(x < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e) * (softcap * 1.4426950408889634)
             allowed = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
+            if HAS_WINDOW:
+                allowed = allowed & (q_pos[:, None] - k_pos[None, :] < window)
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
@@ -145,11 +158,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     max_query_len: int, scale: float, out: torch.Tensor | None = None,
-                    tile: int | None = None) -> torch.Tensor:
+                    tile: int | None = None, window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, Hq, D] (in the cache's dtype) attends causally over each sequence's cached keys →
     [N, Hq, D]. Metadata as in `PagedAttention`: block_tables [S, W], seq_lens [S] and
     query_start_loc [S + 1] on q's device; `max_query_len` the largest q_len (sizes the grid);
-    `tile` the keys read per inner iteration (default TILE_N)."""
+    `tile` the keys read per inner iteration (default TILE_N). `window`: a query at position p sees
+    keys p - window + 1 .. p, and a tile reads none below its first query's window (so a decode costs
+    O(window), and freed blocks below it are never touched); `softcap`: scores become
+    cap · tanh(s / cap); `sinks` [Hq]: a logit per head in each query's softmax denominator."""
     q = _rows(q, "q")
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     num_heads = q.shape[1]
@@ -175,9 +192,11 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         _paged_attention_kernel[grid](
             out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
             scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+            window or 0, float(softcap or 0.0), sinks if sinks is not None else q,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
             QUERIES_PER_KV=per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
             BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile or TILE_N, PRECISION=precision,
+            HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         )
     return out

@@ -185,10 +185,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_ca
 
 
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 seq_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
     """q [S, Hq, D] (one query per sequence, at its last position) over each sequence's seq_lens[s]
-    cached keys and values → [S, Hq, D]."""
-    return paged_attention(q, key_cache, value_cache, block_tables, seq_lens, scale)[0]
+    cached keys and values (its last `window` when given) → [S, Hq, D]."""
+    return paged_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, window=window)[0]
 
 
 def paged_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -202,13 +202,18 @@ def paged_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
                     row_lens: torch.Tensor, scale: float, row_seqs: torch.Tensor | None = None,
-                    with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    with_lse: bool = False, window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, Hq, D]: row r attends over the first row_lens[r] keys of sequence row_seqs[r] (row r's
     own when None), slot p of a sequence being tables[seq, p // B] * B + p % B for caches shaped
     [slots / B, B, Hkv, D]. Returns [N, Hq, D] and, with `with_lse`, each row's log-sum-exp of its
-    scaled scores [N, Hq] in float32 (else an empty tensor)."""
+    scaled scores [N, Hq] in float32 (else an empty tensor). `window`: each row sees only its last
+    `window` keys, and reads no others (the blocks below may be freed); `softcap`: scores become
+    cap · tanh(s / cap); `sinks` [Hq]: a logit per head that joins each row's softmax denominator. The
+    backward knows none of these three."""
     seqs = _rows(row_seqs)
-    return _OPS.paged_attention(q, key_cache, value_cache, tables, seqs, row_lens, scale, with_lse)
+    return _OPS.paged_attention(q, key_cache, value_cache, tables, seqs, row_lens, scale, with_lse,
+                                window or 0, softcap or 0.0, sinks)
 
 
 def paged_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -149,9 +149,24 @@ class ModelConfig:
         return self.num_key_value_heads, self.head_dim, True
 
     @property
+    def uniform_window(self) -> int | None:
+        """The sliding window every layer applies (Mistral v0.1, Phi-3-mini, Qwen2/3 with
+        `use_sliding_window` when every layer slides), or None. The engine applies it in attention and
+        frees the blocks that fell out of it. Qwen's `max_window_layers` leaves its first layers full
+        (transformers' rule: layer i slides when i >= max_window_layers, 28 by default): then the window is
+        not uniform."""
+        if not self.sliding_window:
+            return None
+        if self.architecture.replace(REWARD_ARCHITECTURE_SUFFIX, "ForCausalLM") in SLIDING_WHEN_ASKED:
+            return self.sliding_window if int(self.extra.get("max_window_layers", 28)) <= 0 else None
+        return self.sliding_window
+
+    @property
     def max_model_len(self) -> int:
-        """Longest sequence the engine serves: the context, or the sliding window if smaller."""
-        if self.sliding_window:
+        """Longest sequence the engine serves: the context. A model whose layers do not all share its
+        window (Qwen's full first layers) is still capped at the window, which the engine cannot yet
+        apply to some layers only (the dense training path would apply it to every one)."""
+        if self.sliding_window and self.uniform_window is None:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 

@@ -127,6 +127,17 @@ inline void chunk_values_bf16(const c10::BFloat16* values, const int64_t* slots,
 }
 #endif
 
+// A layer's rules for the keys a row sees (all off by default): a sliding window (a query at position p sees
+// keys p - window + 1 .. p; 0: every key), a cap on the scaled scores (s becomes cap * tanh(s / cap); 0: none)
+// and attention sinks (one logit per query head that joins the softmax's denominator only; nullptr: none).
+// The window's keys are the only ones read: the loop starts at the chunk of the window's first position,
+// so a windowed row costs O(window) whatever the sequence's length.
+struct RowRules {
+  int64_t window = 0;
+  float softcap = 0.f;
+  const float* sinks = nullptr;  // [num_heads] float32
+};
+
 // What `attend_row` writes between calls, allocated once per thread and sized by each call.
 struct RowScratch {
   void fit(int64_t heads, int64_t head_dim) {  // a resize to the size held does nothing
@@ -152,7 +163,8 @@ struct RowScratch {
 template <typename T, int kD>
 inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t r, int64_t h0,
                        int64_t kv_heads, int64_t len, T* out, float* lse, int64_t num_heads, int64_t groups,
-                       int64_t head_dim_rt, int64_t token_stride, int64_t table_block, float scale, RowScratch& w) {
+                       int64_t head_dim_rt, int64_t token_stride, int64_t table_block, float scale, RowScratch& w,
+                       const RowRules& rules = RowRules{}) {
   const int64_t head_dim = kD ? kD : head_dim_rt;
   const int64_t heads = kv_heads * groups;  // query heads attended here, h0 * groups onward
   const bool chunk_in_one_entry = table_block % kChunk == 0;
@@ -172,20 +184,27 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
     load_row(q_row + g * head_dim, qg, head_dim);
 #pragma omp simd
     for (int64_t d = 0; d < head_dim; ++d) qg[d] *= scale;
-    running_max[g] = lowest;
-    running_sum[g] = 0.f;
+    // A sink is one more column of the softmax with no value: the running max starts at its logit and
+    // the running sum at exp(sink - sink) = 1, and the accumulator at 0.
+    running_max[g] = rules.sinks ? rules.sinks[h0 * groups + g] : lowest;
+    running_sum[g] = rules.sinks ? 1.f : 0.f;
   }
   std::fill(acc, acc + heads * head_dim, 0.f);
   // The bytes of one slot this row reads: its heads' rows, side by side.
   const int64_t run_bytes = kv_heads * head_dim * static_cast<int64_t>(sizeof(T));
-  for (int64_t first = 0; first < len; first += kChunk) {
+  // The first position the row sees; chunks start at multiples of kChunk (the same chunks with or without a
+  // window), and the positions of the first chunk below `lo` are masked, never the chunks below it.
+  const int64_t lo = rules.window > 0 ? std::max<int64_t>(0, len - rules.window) : 0;
+  for (int64_t first = lo / kChunk * kChunk; first < len; first += kChunk) {
     const int64_t n = std::min(kChunk, len - first);  // a partial last chunk: its first n positions
     if (chunk_in_one_entry) {
       const int64_t base = table[first / table_block] * table_block + first % table_block;
       for (int64_t t = 0; t < n; ++t) slots[t] = base + t;
     } else {
+      // (A chunk may start in a block below the window, freed and pointing nowhere: its masked positions
+      // read the window's first key instead, a slot the row may read.)
       for (int64_t t = 0; t < n; ++t) {
-        const int64_t p = first + t;
+        const int64_t p = std::max(first + t, lo);
         slots[t] = table[p / table_block] * table_block + p % table_block;
       }
     }
@@ -228,6 +247,11 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
     }
     for (int64_t g = 0; g < heads; ++g) {
       float* sg = scores + g * kChunk;
+      if (rules.softcap > 0.f) {
+        const float cap = rules.softcap, inv_cap = 1.f / rules.softcap;
+        for (int64_t t = 0; t < n; ++t) sg[t] = cap * std::tanh(sg[t] * inv_cap);
+      }
+      for (int64_t t = 0; t < lo - first; ++t) sg[t] = lowest;  // below the window: weight 0
       for (int64_t t = n; t < kChunk; ++t) sg[t] = lowest;  // positions past the row: weight 0
 #if PAGEDRL_BF16_DOT  // a max is exact whatever its order: one vector's tree, not a chain of 16
       const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(_mm512_loadu_ps(sg)));

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -48,7 +49,8 @@ using pagedrl_cpu::load_row;
 template <typename T, int kD>
 void attend_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* row_seqs,
                  const int64_t* row_lens, T* out, float* lse, int64_t num_rows, int64_t num_heads,
-                 int64_t num_kv_heads, int64_t head_dim_rt, int64_t table_block, int64_t table_stride, float scale) {
+                 int64_t num_kv_heads, int64_t head_dim_rt, int64_t table_block, int64_t table_stride, float scale,
+                 const pagedrl_cpu::RowRules& rules) {
   const int64_t head_dim = kD ? kD : head_dim_rt;
   const int64_t groups = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // one slot
@@ -60,7 +62,7 @@ void attend_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, co
       const int64_t r = item / items_per_row, h0 = item % items_per_row * per_item;
       const int64_t* table = tables + (row_seqs ? row_seqs[r] : r) * table_stride;
       pagedrl_cpu::attend_row<T, kD>(q, kc, vc, table, r, h0, per_item, row_lens[r], out, lse, num_heads, groups,
-                                     head_dim, token_stride, table_block, scale, scratch);
+                                     head_dim, token_stride, table_block, scale, scratch, rules);
     }
   });
 }
@@ -68,10 +70,11 @@ void attend_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, co
 template <typename T>
 void dispatch(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* row_seqs,
               const int64_t* row_lens, T* out, float* lse, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
-              int64_t head_dim, int64_t table_block, int64_t table_stride, float scale) {
+              int64_t head_dim, int64_t table_block, int64_t table_stride, float scale,
+              const pagedrl_cpu::RowRules& rules) {
   auto run = [&](auto kernel) {
     kernel(q, kc, vc, tables, row_seqs, row_lens, out, lse, num_rows, num_heads, num_kv_heads, head_dim, table_block,
-           table_stride, scale);
+           table_stride, scale, rules);
   };
   if (head_dim == 64) return run(attend_rows<T, 64>);
   if (head_dim == 128) return run(attend_rows<T, 128>);
@@ -81,11 +84,14 @@ void dispatch(const T* q, const T* kc, const T* vc, const int64_t* tables, const
 // q [N, Hq, D]; key_cache, value_cache [slots / table_block, table_block, Hkv, D] (contiguous); tables
 // [S, entries] int64; row_seqs [N] int64, or empty for row r = sequence r; row_lens [N] int64 (each >= 1).
 // Returns [N, Hq, D] in q's dtype and, when with_lse, the log-sum-exp of each row's scaled scores [N, Hq]
-// (float32; what a flash-attention backward needs), else an empty tensor.
+// (float32; what a flash-attention backward needs), else an empty tensor. window > 0: row r sees only its
+// last `window` keys; softcap > 0: scores capped; sinks [Hq] float32: a logit per head in each denominator
+// (`RowRules`; the backward below knows none of them).
 std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                                                    const at::Tensor& value_cache, const at::Tensor& tables,
                                                    const at::Tensor& row_seqs, const at::Tensor& row_lens,
-                                                   double scale, bool with_lse) {
+                                                   double scale, bool with_lse, int64_t window, double softcap,
+                                                   const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "paged_attention: shapes");
   TORCH_CHECK(q.scalar_type() == key_cache.scalar_type() && q.scalar_type() == value_cache.scalar_type(),
@@ -107,15 +113,25 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
   float* lse_ptr = with_lse ? lse.data_ptr<float>() : nullptr;
   const int64_t* seq_ptr = seqs.numel() ? seqs.data_ptr<int64_t>() : nullptr;
   const float s = static_cast<float>(scale);
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_attention: window and softcap must be >= 0 (0: none)");
+  pagedrl_cpu::RowRules rules;
+  rules.window = window;
+  rules.softcap = static_cast<float>(softcap);
+  at::Tensor sink_values;
+  if (sinks.has_value() && sinks->defined()) {
+    TORCH_CHECK(sinks->numel() == num_heads, "paged_attention: one sink per query head");
+    sink_values = sinks->to(at::kFloat).contiguous();
+    rules.sinks = sink_values.data_ptr<float>();
+  }
   if (q.scalar_type() == at::kFloat) {
     dispatch<float>(qc.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
                     table.data_ptr<int64_t>(), seq_ptr, lens.data_ptr<int64_t>(), out.data_ptr<float>(), lse_ptr,
-                    num_rows, num_heads, num_kv_heads, head_dim, key_cache.size(1), table.size(1), s);
+                    num_rows, num_heads, num_kv_heads, head_dim, key_cache.size(1), table.size(1), s, rules);
   } else if (q.scalar_type() == at::kBFloat16) {
     using bf = c10::BFloat16;
     dispatch<bf>(qc.data_ptr<bf>(), key_cache.data_ptr<bf>(), value_cache.data_ptr<bf>(), table.data_ptr<int64_t>(),
                  seq_ptr, lens.data_ptr<int64_t>(), out.data_ptr<bf>(), lse_ptr, num_rows, num_heads, num_kv_heads,
-                 head_dim, key_cache.size(1), table.size(1), s);
+                 head_dim, key_cache.size(1), table.size(1), s, rules);
   } else {
     TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only, got ", q.scalar_type());
   }
@@ -283,7 +299,8 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_ca
 
 TORCH_LIBRARY(pagedrl_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor tables, Tensor row_seqs, "
-        "Tensor row_lens, float scale, bool with_lse) -> (Tensor, Tensor)");
+        "Tensor row_lens, float scale, bool with_lse, int window=0, float softcap=0., Tensor? sinks=None) "
+        "-> (Tensor, Tensor)");
   m.def("paged_attention_backward(Tensor dout, Tensor q, Tensor keys, Tensor values, Tensor out, Tensor lse, "
         "Tensor tables, Tensor row_seqs, Tensor row_lens, float scale) -> (Tensor, Tensor, Tensor)");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");

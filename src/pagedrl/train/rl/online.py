@@ -50,9 +50,9 @@ def rollout_engine_args(config: OnlineConfig, prompts_per_rollout: int, bf16: bo
 def choose_batch_invariance(asked: bool | None, bf16: bool, device: torch.device, layer_rules: bool = False) -> bool:
     """`batch_invariant` as configured, or by default on where training runs in bf16 on a CPU that
     has the row kernel: there bf16's roundings otherwise put the rollout's log-probs ~3e-2 from the
-    trainer's, in float32 they are 3e-6 apart without it. `layer_rules`: a model with per-layer
-    sliding windows, soft-capping (Gemma), attention sinks (gpt-oss) or latent attention (DeepSeek-V3),
-    which the row kernel does not implement: off."""
+    trainer's, in float32 they are 3e-6 apart without it. `layer_rules`: a model with sliding windows,
+    soft-capping (Gemma), attention sinks (gpt-oss) or latent attention (DeepSeek-V3), which the
+    trainer's packed row attention does not implement: off."""
     if asked and layer_rules:
         raise ValueError("batch_invariant: true is not implemented for per-layer sliding windows, soft-capped "
                          "attention (Gemma), attention sinks (gpt-oss) or latent attention (DeepSeek-V3); leave "
@@ -102,7 +102,9 @@ class OnlineAlgorithm(Algorithm):
         device = next(policy.parameters()).device
         self.bf16 = bf16 = config.use_bf16(device)
         config_of = getattr(policy, "config", None)
-        layer_rules = any(getattr(config_of, rules, None) is not None for rules in ("gemma", "gpt_oss", "deepseek"))
+        # (a uniform sliding window too: the trainer's packed row attention does not apply it)
+        layer_rules = any(getattr(config_of, rules, None) is not None
+                          for rules in ("gemma", "gpt_oss", "deepseek", "uniform_window"))
         self.batch_invariant = choose_batch_invariance(config.batch_invariant, bf16, device, layer_rules)
         self.engine_args = rollout_engine_args(config, prompts_per_rollout, bf16, self.batch_invariant)
         self.llm = LLM.from_module(policy, tokenizer, eos_token_ids=eos_token_ids,
