@@ -44,10 +44,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from pagedrl.engine import latent_attention, layer_rules
-from pagedrl.engine.attention_groups import QueryGroup, plan_groups
+from pagedrl.engine.attention_groups import (
+    QueryGroup,
+    decode_attention,
+    gathered_numel,
+    plan_groups,
+    prefill_attention,
+)
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.kv_cache import KVCache
 from pagedrl.engine.reference_attention import reference_attention
@@ -348,60 +353,3 @@ def chunk_tokens_for(kv_cache: KVCache, device: torch.device) -> int | None:
         return None
     per_token = kv_cache.num_kv_heads * kv_cache.head_dim * kv_cache.data.element_size()
     return max(kv_cache.block_size, CPU_GATHER_BYTES // per_token)
-
-
-def gather_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, group: QueryGroup,
-                  scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [num_seqs, num_blocks * block_size, Hkv, D]: each sequence's blocks, copied
-    whole with one `index_select` apiece (contiguous rows, the cheapest gather there is), into
-    `scratch` (2 * that many elements) when given."""
-    num_blocks_total, block_size, num_kv_heads, head_dim = key_cache.shape
-    shape = (group.num_seqs, group.num_blocks * block_size, num_kv_heads, head_dim)
-    out = []
-    for i, cache in enumerate((key_cache, value_cache)):
-        rows = cache.view(num_blocks_total, -1)
-        if scratch is None:
-            gathered = rows.index_select(0, group.block_ids)
-        else:
-            size = group.block_ids.numel() * rows.shape[1]
-            gathered = scratch[i * size:(i + 1) * size].view(-1, rows.shape[1])
-            torch.index_select(rows, 0, group.block_ids, out=gathered)
-        out.append(gathered.view(shape))
-    return out[0], out[1]
-
-
-def gathered_numel(key_cache: torch.Tensor, group: QueryGroup) -> int:
-    """Elements `gather_blocks` needs in its scratch buffer (keys and values)."""
-    return 2 * group.block_ids.numel() * key_cache[0].numel()
-
-
-def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: QueryGroup,
-                     scale: float, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """One query per sequence. The G query heads that share a KV head sit at the same position, so
-    they are attended as G queries of one head: one fused attention call over [S, Hkv, G, D]
-    queries and strided [S, Hkv, L, D] views of the gathered blocks, so keys and values are read
-    once, never copied again, never repeated per query head, and one mask row serves all of them.
-    Returns [S, Hq, D]."""
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    num_seqs, num_heads = group.num_seqs, q.shape[1]
-    queries = q if group.rows is None else q.index_select(0, group.rows)
-    queries = queries.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    keys, values = gather_blocks(key_cache, value_cache, group, scratch)
-    out = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=group.mask, scale=scale)
-    return out.reshape(num_seqs, num_heads, head_dim)
-
-
-def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: QueryGroup,
-                      scale: float, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """Several queries per sequence, padded to the group's longest; one fused attention call with
-    grouped-query heads left unexpanded. Returns [real queries, Hq, D]."""
-    num_kv_heads = key_cache.shape[2]
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    queries = q if group.rows is None else q.index_select(0, group.rows)
-    queries = queries.reshape(group.num_seqs, group.q_pad, num_heads, head_dim).transpose(1, 2)
-    keys, values = (t.transpose(1, 2) for t in gather_blocks(key_cache, value_cache, group, scratch))
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, is_causal=group.mask is None,
-                                         scale=scale, enable_gqa=num_heads != num_kv_heads)
-    out = out.transpose(1, 2).reshape(group.num_seqs * group.q_pad, num_heads, head_dim)
-    return out if group.keep is None else out.index_select(0, group.keep)

@@ -5,7 +5,9 @@ layer. Decodes (one query each) and prefills (several) are planned apart: decode
 step, and their plan is a few tensor ops whatever the batch (`_plan_decodes`), with masks read from a
 kept table; prefills pad their queries to the group's longest and may skip the mask when they are
 fresh prompts (see `QueryGroup`). On a CPU the cut keeps a group's gathered keys in cache and its
-padding small; on a GPU there is one group per kind.
+padding small; on a GPU there is one group per kind. A planned group is then attended here too: its
+blocks gathered whole (`gather_blocks`), then one fused attention call (`decode_attention`,
+`prefill_attention`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from pagedrl.engine.host_tensors import long_tensor
 
@@ -225,3 +228,60 @@ def _plan_group(members: list[int], q_lens: list[int], seq_lens: list[int], star
         rows=None if covers_batch and all_real else rows.to(device),
         keep=to_device(keep), out_rows=to_device(out_rows),
     )
+
+
+def gather_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, group: QueryGroup,
+                  scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [num_seqs, num_blocks * block_size, Hkv, D]: each sequence's blocks, copied
+    whole with one `index_select` apiece (contiguous rows, the cheapest gather there is), into
+    `scratch` (2 * that many elements) when given."""
+    num_blocks_total, block_size, num_kv_heads, head_dim = key_cache.shape
+    shape = (group.num_seqs, group.num_blocks * block_size, num_kv_heads, head_dim)
+    out = []
+    for i, cache in enumerate((key_cache, value_cache)):
+        rows = cache.view(num_blocks_total, -1)
+        if scratch is None:
+            gathered = rows.index_select(0, group.block_ids)
+        else:
+            size = group.block_ids.numel() * rows.shape[1]
+            gathered = scratch[i * size:(i + 1) * size].view(-1, rows.shape[1])
+            torch.index_select(rows, 0, group.block_ids, out=gathered)
+        out.append(gathered.view(shape))
+    return out[0], out[1]
+
+
+def gathered_numel(key_cache: torch.Tensor, group: QueryGroup) -> int:
+    """Elements `gather_blocks` needs in its scratch buffer (keys and values)."""
+    return 2 * group.block_ids.numel() * key_cache[0].numel()
+
+
+def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: QueryGroup,
+                     scale: float, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence. The G query heads that share a KV head sit at the same position, so
+    they are attended as G queries of one head: one fused attention call over [S, Hkv, G, D]
+    queries and strided [S, Hkv, L, D] views of the gathered blocks, so keys and values are read
+    once, never copied again, never repeated per query head, and one mask row serves all of them.
+    Returns [S, Hq, D]."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    num_seqs, num_heads = group.num_seqs, q.shape[1]
+    queries = q if group.rows is None else q.index_select(0, group.rows)
+    queries = queries.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    keys, values = gather_blocks(key_cache, value_cache, group, scratch)
+    out = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=group.mask, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: QueryGroup,
+                      scale: float, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Several queries per sequence, padded to the group's longest; one fused attention call with
+    grouped-query heads left unexpanded. Returns [real queries, Hq, D]."""
+    num_kv_heads = key_cache.shape[2]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    queries = q if group.rows is None else q.index_select(0, group.rows)
+    queries = queries.reshape(group.num_seqs, group.q_pad, num_heads, head_dim).transpose(1, 2)
+    keys, values = (t.transpose(1, 2) for t in gather_blocks(key_cache, value_cache, group, scratch))
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, is_causal=group.mask is None,
+                                         scale=scale, enable_gqa=num_heads != num_kv_heads)
+    out = out.transpose(1, 2).reshape(group.num_seqs * group.q_pad, num_heads, head_dim)
+    return out if group.keep is None else out.index_select(0, group.keep)

@@ -36,49 +36,13 @@ is cached any more: its later blocks mix old and new weights and match no hash.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from pagedrl.engine.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
 from pagedrl.engine.block_table import BlockTable
 from pagedrl.engine.host_tensors import long_tensor
-
-SeqId = int | str
-# The table entry of a block that fell out of every layer's window and went back to the pool: never read,
-# never freed again, never shared (its id, 0, is only what the persistent table shows).
-OUT_OF_WINDOW = KVBlock(0)
-
-
-@dataclass
-class _SeqBlocks:
-    """A sequence's block table, how many of its leading full blocks are hashed, its KV version, its
-    row in the persistent `BlockTable`, the salt of its chain hashes (its LoRA adapter), and how many
-    of its leading blocks fell out of the window (`OUT_OF_WINDOW` entries)."""
-
-    weight_version: int
-    row: int
-    blocks: list[KVBlock] = field(default_factory=list)
-    num_hashed_blocks: int = 0
-    salt: bytes = b""
-    num_dropped: int = 0
-
-    def held(self) -> list[KVBlock]:
-        """The blocks the sequence holds (its table less the placeholders)."""
-        return self.blocks[self.num_dropped:]
-
-
-@dataclass(frozen=True)
-class ComputedBlocks:
-    """What a prefix lookup found: cached blocks holding a prompt's first `num_tokens` tokens.
-
-    Nothing is held yet: pass this to `allocate_slots`, which takes the blocks and records the
-    lookup (`num_queried_tokens` looked up, `num_tokens` hit) once the allocation succeeds."""
-
-    blocks: list[KVBlock]
-    hashes: list[BlockHash]
-    num_tokens: int
-    num_queried_tokens: int
+from pagedrl.engine.seq_blocks import OUT_OF_WINDOW, ComputedBlocks, SeqBlocks, SeqId
 
 
 class KVCacheManager:
@@ -94,7 +58,7 @@ class KVCacheManager:
         self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self._seqs: dict[SeqId, _SeqBlocks] = {}
+        self._seqs: dict[SeqId, SeqBlocks] = {}
         self.table = BlockTable()  # every live sequence's block ids, kept as they change
         self._weight_version = 0
         self._pending_copies: list[tuple[int, int]] = []
@@ -190,7 +154,7 @@ class KVCacheManager:
             return True
         hits = self._check_computed(seq_id, seq, computed)
         if seq is None:
-            seq = self._seqs[seq_id] = _SeqBlocks(self._weight_version, self.table.new_row(), salt=salt)
+            seq = self._seqs[seq_id] = SeqBlocks(self._weight_version, self.table.new_row(), salt=salt)
         elif not seq.blocks:
             seq.weight_version = self._weight_version  # no keys and values yet: all computed from now on
         blocks = seq.blocks
@@ -241,7 +205,7 @@ class KVCacheManager:
             self._drop_out_of_window(seq, num_computed_tokens)
         return True
 
-    def _drop_out_of_window(self, seq: _SeqBlocks, first_query: int) -> None:
+    def _drop_out_of_window(self, seq: SeqBlocks, first_query: int) -> None:
         """Free the blocks wholly below `first_query` - window + 1 (no query from this step on reads them)
         and leave `OUT_OF_WINDOW` in their place, tail of the dropped run first freed last, as `free` does."""
         assert self.sliding_window is not None
@@ -265,7 +229,7 @@ class KVCacheManager:
         return all(blocks[i].ref_count == 1 for i in range(first, last + 1))
 
     def _check_computed(
-        self, seq_id: SeqId, seq: _SeqBlocks | None, computed: ComputedBlocks | None
+        self, seq_id: SeqId, seq: SeqBlocks | None, computed: ComputedBlocks | None
     ) -> list[KVBlock]:
         """The hit blocks of `computed`, after checking that they can still be attached."""
         if computed is None:
@@ -284,7 +248,7 @@ class KVCacheManager:
         return computed.blocks
 
     def _cache_full_blocks(
-        self, seq: _SeqBlocks, token_ids: Sequence[int], num_tokens: int, block_hashes: list[BlockHash] | None
+        self, seq: SeqBlocks, token_ids: Sequence[int], num_tokens: int, block_hashes: list[BlockHash] | None
     ) -> None:
         """Register the blocks full of the first `num_tokens` tokens not yet hashed."""
         if not self.enable_prefix_caching or seq.weight_version != self._weight_version:
@@ -304,7 +268,7 @@ class KVCacheManager:
             raise ValueError(f"child_id {child_id!r} is already a live sequence")
         parent = self._get(parent_id)
         self.pool.touch(parent.held())
-        child = _SeqBlocks(parent.weight_version, self.table.new_row(), list(parent.blocks), parent.num_hashed_blocks,
+        child = SeqBlocks(parent.weight_version, self.table.new_row(), list(parent.blocks), parent.num_hashed_blocks,
                            parent.salt, parent.num_dropped)
         self.table.copy_row(parent.row, child.row)
         self._seqs[child_id] = child
@@ -363,7 +327,7 @@ class KVCacheManager:
         """Slots of positions [start, stop)."""
         return [self.slot(seq_id, p) for p in range(start, stop)]
 
-    def _get(self, seq_id: SeqId) -> _SeqBlocks:
+    def _get(self, seq_id: SeqId) -> SeqBlocks:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise ValueError(f"unknown sequence {seq_id!r} (never allocated, or already freed)")

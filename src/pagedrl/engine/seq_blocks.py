@@ -1,0 +1,45 @@
+"""What the KV cache manager keeps per sequence (`SeqBlocks`) and what a prefix lookup hands back to it
+(`ComputedBlocks`): the records, apart from the policy that fills them (`engine/kv_cache_manager.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedrl.engine.block_pool import BlockHash, KVBlock
+
+SeqId = int | str
+# The table entry of a block that fell out of every layer's window and went back to the pool: never read,
+# never freed again, never shared (its id, 0, is only what the persistent table shows).
+OUT_OF_WINDOW = KVBlock(0)
+
+
+@dataclass
+class SeqBlocks:
+    """A sequence's block table, how many of its leading full blocks are hashed, its KV version, its
+    row in the persistent `BlockTable`, the salt of its chain hashes (its LoRA adapter), and how many
+    of its leading blocks fell out of the window (`OUT_OF_WINDOW` entries)."""
+
+    weight_version: int
+    row: int
+    blocks: list[KVBlock] = field(default_factory=list)
+    num_hashed_blocks: int = 0
+    salt: bytes = b""
+    num_dropped: int = 0
+
+    def held(self) -> list[KVBlock]:
+        """The blocks the sequence holds (its table less the placeholders)."""
+        return self.blocks[self.num_dropped:]
+
+
+@dataclass(frozen=True)
+class ComputedBlocks:
+    """What a prefix lookup found: cached blocks holding a prompt's first `num_tokens` tokens.
+
+    Nothing is held yet: pass this to `allocate_slots`, which takes the blocks and records the
+    lookup (`num_queried_tokens` looked up, `num_tokens` hit) once the allocation succeeds."""
+
+    blocks: list[KVBlock]
+    hashes: list[BlockHash]
+    num_tokens: int
+    num_queried_tokens: int
