@@ -136,8 +136,10 @@ def test_requests_arriving_while_draining_get_503_not_a_closed_connection(tiny_t
     the process exits soon after it."""
     with running_server(tiny_train_model, tmp_path, "--kv-cache-tokens", "4096", "--shutdown-timeout", "30") as s:
         answers: list = []
+        go = threading.Event()
 
         def post_new() -> None:
+            go.wait(30)  # threads started before the signal: only the request is left to send after it
             try:
                 r = httpx.post(s.base_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
                 answers.append((r.status_code, r.headers.get("connection"), r.json()))
@@ -148,12 +150,13 @@ def test_requests_arriving_while_draining_get_503_not_a_closed_connection(tiny_t
                 "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
             it = r.iter_lines()
             first = next(it)
-            s.proc.send_signal(signal.SIGTERM)
-            signalled = time.monotonic()
-            time.sleep(0.05)
             posters = [threading.Thread(target=post_new) for _ in range(16)]
             for t in posters:
                 t.start()
+            s.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            time.sleep(0.05)
+            go.set()
             lines = [first, *it]
         ended = time.monotonic()
         for t in posters:
