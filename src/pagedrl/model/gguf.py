@@ -27,7 +27,7 @@ from pagedrl.model.config import ModelConfig
 from pagedrl.model.expert_weights import DISK_NAMES
 from pagedrl.model.gguf_gemma import GEMMA_ARCHITECTURES, GEMMA_LAYER_TENSORS, gemma_config, norm_offset
 from pagedrl.model.gguf_gpt_oss import GPT_OSS, gpt_oss_config, gpt_oss_state
-from pagedrl.model.gguf_metadata import GGUFError, Metadata, open_gguf
+from pagedrl.model.gguf_metadata import GGUFError, Metadata, open_gguf, published_float
 from pagedrl.model.gguf_tokenizer import read_tokenizer
 from pagedrl.model.staging import staged_folder
 
@@ -72,11 +72,6 @@ _LAYER_TENSORS = {
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
-def _as_float32_value(x: float) -> float:
-    # GGUF stores float32; its shortest repr is the value the model was published with (1e-05, not 9.99e-06).
-    return float(str(np.float32(x)))
-
-
 def _read_config(meta: Metadata, tensors: dict[str, Any]) -> ModelConfig:
     arch = meta.need("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -103,7 +98,7 @@ def _read_config(meta: Metadata, tensors: dict[str, Any]) -> ModelConfig:
                         "are not supported")
     scaling_type = meta.get(p + "rope.scaling.type", "none")
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": _as_float32_value(meta.need(p + "rope.scaling.factor"))}
+        rope_scaling = {"rope_type": "linear", "factor": published_float(meta.need(p + "rope.scaling.factor"))}
     elif scaling_type == "none":
         rope_scaling = None
     else:
@@ -123,8 +118,8 @@ def _read_config(meta: Metadata, tensors: dict[str, Any]) -> ModelConfig:
         num_attention_heads=heads,
         num_key_value_heads=int(kv_heads),
         head_dim=head_dim,
-        rms_norm_eps=_as_float32_value(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=_as_float32_value(meta.get(p + "rope.freq_base", 10000.0)),
+        rms_norm_eps=published_float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=published_float(meta.get(p + "rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         max_position_embeddings=int(meta.get(p + "context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
@@ -150,7 +145,7 @@ def _longrope(meta: Metadata, p: str, tensors: dict[str, Any]) -> dict[str, Any]
         if name not in tensors:
             raise GGUFError(f"{meta.source}: tensor {name!r} is missing beside {ROPE_FACTORS[0]!r}")
         values = dequantize(tensors[name].data, tensors[name].tensor_type).astype(np.float32).reshape(-1)
-        return [_as_float32_value(v) for v in values]
+        return [published_float(v) for v in values]
 
     return {"rope_type": "longrope", "long_factor": factors(ROPE_FACTORS[0]), "short_factor": factors(ROPE_FACTORS[1]),
             "original_max_position_embeddings": int(meta.need(p + "rope.scaling.original_context_length"))}

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from pagedrl.model.config import ModelConfig
 from pagedrl.model.gemma import FULL, SLIDING
-from pagedrl.model.gguf_metadata import GGUFError, Metadata
+from pagedrl.model.gguf_metadata import GGUFError, Metadata, published_float
 
 GEMMA_ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # llama.cpp's names for the sandwich norms (`ffn_norm` is the norm before the feed-forward here, where
@@ -40,10 +38,6 @@ def norm_offset(name: str, architecture: str) -> float:
     return 1.0 if architecture in GEMMA_ARCHITECTURES.values() and name.endswith("norm.weight") else 0.0
 
 
-def _float(x: float) -> float:
-    return float(str(np.float32(x)))  # the value as published (GGUF stores float32)
-
-
 def gemma_config(meta: Metadata, tensors: dict[str, Any]) -> ModelConfig:
     """The model's config.json, as transformers writes it for this Gemma, from the file's metadata and
     llama.cpp's rules for what the metadata leaves out."""
@@ -59,48 +53,39 @@ def gemma_config(meta: Metadata, tensors: dict[str, Any]) -> ModelConfig:
     pattern = _SLIDING_PATTERN[arch]
     # (a Gemma 3 file without a window has global layers only: its converter writes none then)
     types = [SLIDING if window and i % pattern < pattern - 1 else FULL for i in range(layers)]
-    theta = _float(meta.get(p + "rope.freq_base", 10000.0))
+    theta = published_float(meta.get(p + "rope.freq_base", 10000.0))
     scaling_type = meta.get(p + "rope.scaling.type", "none")
     if scaling_type not in ("none", "linear"):
         raise GGUFError(f"{meta.source}: {p}rope.scaling.type {scaling_type!r} is not supported (linear, none)")
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     if scaling_type == "linear":
-        full = {"rope_type": "linear", "factor": _float(meta.need(p + "rope.scaling.factor")), "rope_theta": theta}
+        full = {"rope_type": "linear", "factor": published_float(meta.need(p + "rope.scaling.factor")), "rope_theta": theta}
     rot = int(meta.get(p + "rope.dimension_count", head_dim))
     if rot != head_dim:
         raise GGUFError(f"{meta.source}: partial rotary embeddings ({p}rope.dimension_count={rot}, "
                         f"head_dim={head_dim}) are not supported in {arch!r} files")
     if arch == "gemma3":
-        local = {"rope_type": "default", "rope_theta": _float(meta.get(p + "rope.freq_base_swa", 10000.0))}
+        local = {"rope_type": "default", "rope_theta": published_float(meta.get(p + "rope.freq_base_swa", 10000.0))}
         rope: dict[str, Any] = {FULL: full, SLIDING: local}
         caps = {"attn_logit_softcapping": None, "final_logit_softcapping": meta.get(p + "final_logit_softcapping")}
     else:
         rope = full
         caps = {"attn_logit_softcapping": meta.get(p + "attn_logit_softcapping", 50.0),
                 "final_logit_softcapping": meta.get(p + "final_logit_softcapping", 30.0)}
-    if "token_embd.weight" not in tensors:
-        raise GGUFError(f"{meta.source}: tensor 'token_embd.weight' is missing")
     raw = dict(
+        **meta.common_fields(p, tensors, eps=1e-6, context=8192),
         architectures=[GEMMA_ARCHITECTURES[arch]],
-        vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
         intermediate_size=int(meta.need(p + "feed_forward_length")),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=int(kv_heads),
         head_dim=head_dim,
-        rms_norm_eps=_float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
-        max_position_embeddings=int(meta.get(p + "context_length", 8192)),
-        tie_word_embeddings="output.weight" not in tensors,
         sliding_window=int(window) if window else None,
         layer_types=types,
         query_pre_attn_scalar=hidden // heads if (arch, layers) in _SCALED_BY_WIDTH else head_dim,
-        **{k: None if v is None else _float(v) for k, v in caps.items()},
+        **{k: None if v is None else published_float(v) for k, v in caps.items()},
         hidden_activation="gelu_pytorch_tanh",
         rope_parameters=rope,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-        torch_dtype="float32",
     )
     return ModelConfig.from_dict(raw, meta.source)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from pagedrl.model.config import ModelConfig
-from pagedrl.model.gguf_metadata import GGUFError, Metadata
+from pagedrl.model.gguf_metadata import GGUFError, Metadata, published_float
 
 GPT_OSS = {"gpt-oss": "GptOssForCausalLM"}
 _NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -27,10 +27,6 @@ _LAYER = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention
           "attn_output": "self_attn.o_proj", "ffn_gate_inp": "mlp.router"}
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
-
-
-def _float(x: float) -> float:
-    return float(str(np.float32(x)))  # the value as published (GGUF stores float32)
 
 
 def gpt_oss_config(meta: Metadata, tensors: dict[str, Any]) -> ModelConfig:
@@ -42,37 +38,28 @@ def gpt_oss_config(meta: Metadata, tensors: dict[str, Any]) -> ModelConfig:
     scaling_type = meta.get(p + "rope.scaling.type", "none")
     if scaling_type not in ("none", "yarn"):
         raise GGUFError(f"{meta.source}: {p}rope.scaling.type {scaling_type!r} is not supported (yarn, none)")
-    theta = _float(meta.get(p + "rope.freq_base", 10000.0))
+    theta = published_float(meta.get(p + "rope.freq_base", 10000.0))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     if scaling_type == "yarn":
-        rope = {"rope_type": "yarn", "rope_theta": theta, "factor": _float(meta.need(p + "rope.scaling.factor")),
-                "beta_fast": _float(meta.get(p + "rope.scaling.yarn_beta_fast", 32.0)),
-                "beta_slow": _float(meta.get(p + "rope.scaling.yarn_beta_slow", 1.0)), "truncate": False,
+        rope = {"rope_type": "yarn", "rope_theta": theta, "factor": published_float(meta.need(p + "rope.scaling.factor")),
+                "beta_fast": published_float(meta.get(p + "rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": published_float(meta.get(p + "rope.scaling.yarn_beta_slow", 1.0)), "truncate": False,
                 "original_max_position_embeddings": int(meta.need(p + "rope.scaling.original_context_length"))}
-    if "token_embd.weight" not in tensors:
-        raise GGUFError(f"{meta.source}: tensor 'token_embd.weight' is missing")
     experts = int(meta.need(p + "expert_count"))
     raw = dict(
+        **meta.common_fields(p, tensors, eps=1e-5, context=131072),
         architectures=[GPT_OSS["gpt-oss"]],
-        vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
         intermediate_size=int(meta.get(p + "expert_feed_forward_length") or meta.need(p + "feed_forward_length")),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=int(meta.get(p + "attention.head_count_kv", heads)),
         head_dim=int(meta.get(p + "attention.key_length", hidden // heads)),
-        rms_norm_eps=_float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(meta.get(p + "context_length", 131072)),
-        tie_word_embeddings="output.weight" not in tensors,
         sliding_window=window,
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
         num_local_experts=experts,
         num_experts_per_tok=int(meta.need(p + "expert_used_count")),
         rope_parameters=rope,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-        torch_dtype="float32",
     )
     return ModelConfig.from_dict(raw, meta.source)
 

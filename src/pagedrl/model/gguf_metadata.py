@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 
 
 class GGUFError(ValueError):
@@ -29,6 +30,29 @@ class Metadata:
         if value is None:
             raise GGUFError(f"{self.source}: metadata field {key!r} is missing")
         return value
+
+    def common_fields(self, prefix: str, tensors: dict[str, Any], eps: float, context: int) -> dict[str, Any]:
+        """The config.json fields every family reads alike: vocabulary (the embedding's rows), norm
+        epsilon, context, tied head (no `output.weight`), special tokens; `eps` and `context` are the
+        family's defaults where the file is silent, as llama.cpp's."""
+        if "token_embd.weight" not in tensors:
+            raise GGUFError(f"{self.source}: tensor 'token_embd.weight' is missing")
+        return dict(
+            vocab_size=int(tensors["token_embd.weight"].shape[1]),
+            rms_norm_eps=published_float(self.get(prefix + "attention.layer_norm_rms_epsilon", eps)),
+            max_position_embeddings=int(self.get(prefix + "context_length", context)),
+            tie_word_embeddings="output.weight" not in tensors,
+            bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self.get("tokenizer.ggml.eos_token_id"),
+            pad_token_id=self.get("tokenizer.ggml.padding_token_id"),
+            torch_dtype="float32",
+        )
+
+
+def published_float(x: float) -> float:
+    """GGUF stores float32; its shortest repr is the value the model was published with (1e-05, not
+    9.99e-06)."""
+    return float(str(np.float32(x)))
 
 
 def open_gguf(gguf_path: Path) -> gguf.GGUFReader:
