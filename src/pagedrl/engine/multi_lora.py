@@ -16,6 +16,9 @@ model's included, gets the very numbers it would get were that adapter sound. Th
 every token through every slot's A and zeroed the other slots' columns with a 0/1 mask, and 0 * NaN
 = NaN reached every token of the step.
 
+A mixture of experts' stacked weights take adapters per request too (PEFT's `target_parameters`): each
+experts module holds its slots' per-expert stacks and updates the rows routed to it (`expert_slots`).
+
 Residency: `max_loras` slots hold adapters on the device, stacked per projection and padded to
 `max_lora_rank` with zeros. An adapter a step needs and no slot holds takes the least recently used
 slot that the step does not need, copied in from its CPU copy; the scheduler never runs more than

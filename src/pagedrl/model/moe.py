@@ -27,7 +27,9 @@ are computed as the trainer's recompute computes them.
 
 LoRA on the stacked weights (PEFT's `target_parameters`, `model/expert_lora.py`) sits in `experts.adapters`:
 each expert's products take its low-rank update, and the engine's expert route, which multiplies the bare
-weights, steps aside while one is on.
+weights, steps aside while one is on. An engine's adapters chosen per request (`per_request`,
+`engine/expert_slots.py`) split a step's rows instead: the base's keep the route, the adapted ones take
+each expert's products and their own slot's update (`slotted`).
 
 `collect_router_logits()` records each sparse layer's router logits, the input of the load-balancing
 loss (`train/router_loss.py`).
