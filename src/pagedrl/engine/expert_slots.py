@@ -63,7 +63,8 @@ class ExpertSlots:
         if pair is None:
             s, r, (n_in, n_out) = self.slots.max_loras * self.num_experts, self.slots.max_lora_rank, self.features[weight]
             kw: dict[str, Any] = {"dtype": self.slots.dtype, "device": self.slots.device}
-            pair = self.stacks[weight] = (torch.zeros(s, n_in, r, **kw), torch.zeros(s, r, n_out, **kw))
+            with torch.inference_mode(False):  # made inside a step, written in place by later ones
+                pair = self.stacks[weight] = (torch.zeros(s, n_in, r, **kw), torch.zeros(s, r, n_out, **kw))
         return pair
 
     @torch.no_grad()
@@ -89,6 +90,9 @@ class ExpertSlots:
         step = self.slots.step
         if step is None or not any(r for ranks in self.ranks.values() for r in ranks[step.lo:step.hi]):
             return None
+        if len(step.token_slot) * k != len(order):
+            raise RuntimeError(f"experts got {len(order) // k} rows in a step of {len(step.token_slot)} tokens; "
+                               "adapters per request on experts need the step's rows as they are")
         host = order.cpu()
         slot = step.token_slot[host // k]  # each assignment's slot, BASE for the base's
         adapts = self.adapts["gate_up_proj"][slot + 1] | self.adapts["down_proj"][slot + 1]
