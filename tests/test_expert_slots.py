@@ -19,6 +19,7 @@ from tiny import hf_model, ours_from, randomise_adapter
 
 from pagedrl import LoRARequest
 from pagedrl.engine.llm import LLM
+from pagedrl.engine.multi_lora import read_lora
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.adapter import save_adapter
 from pagedrl.model.checkpoint import save_checkpoint
@@ -114,6 +115,9 @@ def test_expert_adapters_that_do_not_fit_are_refused_by_name(tmp_path) -> None:
     refused("bad", bad, r"'bad' .*layers.1.mlp.experts.down_proj' lora_B holds 1 NaN")
     out = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=LoRARequest("small", next(ids), str(small)))
     assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens  # one that fits serves
+    # Experts without stacked float weights (a GGUF file's, kept quantized) take none.
+    with pytest.raises(ValueError, match=r"'small' .*experts whose weights this base model does not hold as stacked"):
+        read_lora(LoRARequest("small", 1, str(small)), dict(llm.engine.lora.layers), 4, torch.float32, experts={})
 
 
 def test_the_server_loads_an_expert_adapter_at_start_and_answers_the_openai_client(tmp_path) -> None:
