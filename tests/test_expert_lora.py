@@ -1,6 +1,7 @@
 """LoRA on a mixture of experts' stacked weights (PEFT's `target_parameters`) against PEFT on the same
 weights (Mixtral, Qwen3-MoE, gpt-oss, and DeepSeek-V3's routed experts): logits with the adapter, adapters saved by either side loaded by the other, the first SFT
-batch's loss and gradients, the merged model, the engine's greedy tokens; SFT, GRPO and PPO runs."""
+batch's loss and gradients, the merged model, the engine's greedy tokens; SFT, GRPO and PPO runs.
+(Adapters per request on experts: tests/test_expert_slots.py.)"""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from tiny import (
 
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, save_adapter
+from pagedrl.model.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter
 from pagedrl.model.checkpoint import save_checkpoint
 from pagedrl.model.lora import LoRAConfig, apply_lora, disable_adapter
 from pagedrl.model.merge import merge_adapter
@@ -147,18 +148,6 @@ def test_expert_adapter_settings_are_refused_by_name(tmp_path) -> None:
     hf = hf_model(FAMILIES["llama-gqa-untied"])
     with pytest.raises(ValueError, match="none in this model"):
         apply_lora(ours_from(hf), LoRAConfig(lora_dropout=0.0, target_parameters=EXPERTS))
-
-
-def test_adapters_per_request_refuse_expert_adapters_by_parameter(tmp_path) -> None:
-    from pagedrl import LoRARequest
-
-    hf, ours = adapted("mixtral")
-    save_checkpoint(ours_from(hf), tmp_path / "base")
-    save_adapter(ours, tmp_path / "adapter")
-    llm = LLM(str(tmp_path / "base"), dtype=torch.float32, kv_cache_tokens=512, enable_lora=True, max_lora_rank=8)
-    with pytest.raises(ValueError, match=r"target_parameters \['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'\]"):
-        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False,
-                     lora_request=LoRARequest("experts", 1, str(tmp_path / "adapter")))
 
 
 @pytest.mark.parametrize("architecture", ["MixtralForCausalLM", "Qwen3MoeForCausalLM"])

@@ -73,6 +73,7 @@ class StepSlots:
     hi: int
     runs: list[tuple[int, int, int]] = field(default_factory=list)  # (first token, end, slot)
     grouped: Grouped | None = None
+    token_slot: torch.Tensor | None = None  # each token's slot (BASE: none), on the host: experts' rows read it
 
     @classmethod
     def plan(cls, token_slot: torch.Tensor, device: torch.device) -> StepSlots:
@@ -80,7 +81,7 @@ class StepSlots:
         num = len(token_slot)
         adapted = token_slot != BASE
         used = token_slot[adapted]
-        step = cls(int(used.min()), int(used.max()) + 1)
+        step = cls(int(used.min()), int(used.max()) + 1, token_slot=token_slot)
         change = torch.ones(num, dtype=torch.bool)
         change[1:] = token_slot[1:] != token_slot[:-1]
         starts = change.nonzero().flatten()

@@ -16,6 +16,9 @@ model's included, gets the very numbers it would get were that adapter sound. Th
 every token through every slot's A and zeroed the other slots' columns with a 0/1 mask, and 0 * NaN
 = NaN reached every token of the step.
 
+A mixture of experts' stacked weights take adapters per request too (PEFT's `target_parameters`): each
+experts module holds its slots' per-expert stacks and updates the rows routed to it (`expert_slots`).
+
 Residency: `max_loras` slots hold adapters on the device, stacked per projection and padded to
 `max_lora_rank` with zeros. An adapter a step needs and no slot holds takes the least recently used
 slot that the step does not need, copied in from its CPU copy; the scheduler never runs more than
@@ -34,12 +37,19 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from pagedrl.engine.expert_slots import (
+    ExpertPair,
+    ExpertSlots,
+    is_expert_key,
+    read_expert_tensors,
+    slot_experts,
+)
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.lora_step import BASE, Grouped, StepSlots
 from pagedrl.model.adapter import ADAPTER_CONFIG, is_adapter_folder, read_adapter_config, read_adapter_weights
@@ -137,17 +147,19 @@ class AdapterNotFound(ValueError):
 
 @dataclass
 class AdapterWeights:
-    """One adapter ready for a slot: per projection name, A [r, in] and (s·B)ᵀ [r, out]."""
+    """One adapter ready for a slot: per projection name, A [r, in] and (s·B)ᵀ [r, out]; per experts
+    module and weight, every expert's Aᵀ and (s·B)ᵀ."""
 
     request: LoRARequest
     rank: int
     tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    experts: dict[str, dict[str, ExpertPair]] = field(default_factory=dict)
 
 
 def read_lora(request: LoRARequest, projections: dict[str, nn.Module], max_lora_rank: int,
-              dtype: torch.dtype) -> AdapterWeights:
+              dtype: torch.dtype, experts: dict[str, ExpertSlots] | None = None) -> AdapterWeights:
     """Read and check `request`'s adapter against the base projections (name → module with
-    in_features/out_features). Every refusal is a ValueError naming the adapter and what does not fit."""
+    in_features/out_features) and experts modules (`engine/expert_slots.py`). Every refusal is a ValueError naming the adapter and what does not fit."""
     from pagedrl.model.resolve import resolve_model_path
 
     name = request.lora_name
@@ -171,10 +183,12 @@ def read_lora(request: LoRARequest, projections: dict[str, nn.Module], max_lora_
     if config.r > max_lora_rank:
         raise ValueError(f"{where}: rank {config.r} exceeds max_lora_rank {max_lora_rank}; raise max_lora_rank "
                          "(--max-lora-rank) to serve it")
-    if config.target_parameters:
-        raise ValueError(f"{where}: target_parameters {config.target_parameters} adapt a mixture of experts' weights, "
-                         "which adapters per request do not support; serve it merged (pagedrl serve --adapter, or "
-                         "pagedrl merge)")
+    found = read_expert_tensors(where, config, state, experts or {}, dtype)
+    expert_tensors: dict[str, dict[str, ExpertPair]] = {}
+    for module, weights in found.items():
+        for weight, (a, b, pair) in weights.items():
+            check_finite(where, f"{module}.{weight}", a, b, pair, config.scaling, dtype)
+            expert_tensors.setdefault(module, {})[weight] = pair
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
         module, sep, part = key.rpartition(".lora_")
@@ -184,6 +198,10 @@ def read_lora(request: LoRARequest, projections: dict[str, nn.Module], max_lora_
             raise ValueError(f"{where}: tensor {key!r} adapts {module!r}: adapters per request on latent attention's "
                              "kv_b_proj are not supported (it up-projects cached latents, not the step's rows); merge "
                              "this adapter into the weights, or train one without kv_b_proj")
+        if module not in projections and is_expert_key(key):
+            raise ValueError(f"{where}: tensor {key!r} adapts experts whose weights this base model does not hold "
+                             "as stacked float tensors (GGUF's quantized experts?), or has none there; merge this "
+                             "adapter into the weights")
         if module not in projections:
             raise ValueError(f"{where}: tensor {key!r} adapts {module!r}, which the base model does not have "
                              "(an adapter of another base model?)")
@@ -202,9 +220,9 @@ def read_lora(request: LoRARequest, projections: dict[str, nn.Module], max_lora_
         pair = (a.to(dtype).contiguous(), bt.to(dtype).contiguous())
         check_finite(where, module, a, b, pair, config.scaling, dtype)
         tensors[module] = pair
-    if not tensors:
+    if not tensors and not expert_tensors:
         raise ValueError(f"{where}: holds no lora_A/lora_B tensors")
-    return AdapterWeights(request, config.r, tensors)
+    return AdapterWeights(request, config.r, tensors, expert_tensors)
 
 
 def check_finite(where: str, module: str, a: torch.Tensor, b: torch.Tensor,
@@ -251,6 +269,7 @@ class LoRASlots:
             layer = SlotLinear(module, self)
             setattr(model.get_submodule(parent), child, layer)
             self.layers[name] = layer
+        self.experts = slot_experts(model, self)  # a mixture of experts' stacked weights (made at first use)
         self.resident: list[int | None] = [None] * max_loras  # lora_int_id per slot
         self.last_used = [0] * max_loras  # step counter at the slot's last use (LRU)
         self.cpu: OrderedDict[int, AdapterWeights] = OrderedDict()  # most recently used last
@@ -279,11 +298,12 @@ class LoRASlots:
     @property
     def nbytes(self) -> int:
         """Device memory the slots hold (logged at start-up: it grows with max_loras * max_lora_rank)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in (layer.lora_a, layer.lora_bt))
+        return (sum(t.numel() * t.element_size() for layer in self.layers.values() for t in (layer.lora_a, layer.lora_bt))
+                + sum(experts.nbytes for experts in self.experts.values()))
 
     def read(self, request: LoRARequest) -> AdapterWeights:
         """The adapter read from disk and checked; changes nothing (safe off the engine thread)."""
-        return read_lora(request, self.layers, self.max_lora_rank, self.dtype)
+        return read_lora(request, self.layers, self.max_lora_rank, self.dtype, self.experts)
 
     def prepare(self, request: LoRARequest) -> AdapterWeights:
         """The adapter's CPU copy, read if it is not kept; the least recently used copies go."""
@@ -335,6 +355,8 @@ class LoRASlots:
             if pair is not None:
                 layer.lora_a[rows][:r].copy_(pair[0])
                 layer.lora_bt[rows][:r].copy_(pair[1])
+        for name, experts in self.experts.items():
+            experts.load(slot, weights.experts.get(name, {}), r)
         self.resident[slot] = weights.request.lora_int_id
         self.num_slot_loads += 1
 

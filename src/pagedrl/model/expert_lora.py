@@ -89,7 +89,7 @@ def expert_adapters(model: nn.Module) -> Iterator[tuple[str, ExpertLoRA]]:
             yield name, m
 
 
-def _matches(key: str, targets: Sequence[str]) -> list[str]:
+def matches(key: str, targets: Sequence[str]) -> list[str]:
     """The targets that name parameter `key`, by PEFT's rule: the whole name, or a tail after a dot."""
     return [t for t in targets if key == t or key.endswith(f".{t}")]
 
@@ -107,7 +107,7 @@ def apply_expert_lora(model: nn.Module, targets: Sequence[str], r: int, lora_alp
     adaptable = set(expert_weight_names(model))
     used: set[str] = set()
     for key, _ in model.named_parameters():
-        hits = _matches(key, targets)
+        hits = matches(key, targets)
         if hits and key not in adaptable:
             raise ValueError(f"lora_target_parameters: {hits[0]!r} names {key}, which is not an expert's stacked "
                              f"weight; adapters on parameters are supported on {', '.join(EXPERT_WEIGHTS)} of a "
@@ -123,7 +123,7 @@ def apply_expert_lora(model: nn.Module, targets: Sequence[str], r: int, lora_alp
         if not isinstance(module, Experts):
             continue
         for weight_name, weight in module.named_parameters(recurse=False):  # PEFT's order: the module's own
-            if _matches(f"{prefix}.{weight_name}", targets):
+            if matches(f"{prefix}.{weight_name}", targets):
                 transposed = isinstance(module, ClampedSwiGLUExperts)
                 module.adapters[weight_name] = ExpertLoRA(weight, transposed, r, lora_alpha, generator)
                 count += 1

@@ -27,7 +27,9 @@ are computed as the trainer's recompute computes them.
 
 LoRA on the stacked weights (PEFT's `target_parameters`, `model/expert_lora.py`) sits in `experts.adapters`:
 each expert's products take its low-rank update, and the engine's expert route, which multiplies the bare
-weights, steps aside while one is on.
+weights, steps aside while one is on. An engine's adapters chosen per request (`per_request`,
+`engine/expert_slots.py`) split a step's rows instead: the base's keep the route, the adapted ones take
+each expert's products and their own slot's update (`slotted`).
 
 `collect_router_logits()` records each sparse layer's router logits, the input of the load-balancing
 loss (`train/router_loss.py`).
@@ -39,6 +41,7 @@ import contextlib
 import math
 import threading
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -64,10 +67,31 @@ def collect_router_logits() -> Iterator[list[torch.Tensor]]:
         _recording.logits = previous
 
 
+class SlotSplit(Protocol):
+    """A step's assignments split between rows without an adapter on these experts and rows with one,
+    chosen per request (`engine/expert_slots.py`)."""
+
+    order: torch.Tensor  # the assignments: the base's grouped by expert, then the adapted ones grouped by expert
+    num_base: int
+    base_counts: list[int]  # per expert, its base rows
+    counts: list[int]  # per expert, its adapted rows
+
+    def add(self, weight: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out`, the adapted rows' products of x by `weight`, with each row's own adapter's update."""
+        ...
+
+
+class PerRequest(Protocol):
+    def split(self, order: torch.Tensor, k: int, counts: list[int]) -> SlotSplit | None:
+        """The step's split, or None when no row of the step runs with an adapter on these experts."""
+        ...
+
+
 class Experts(nn.Module):
     """E SwiGLU experts in two 3-D tensors; `forward` runs each expert once over the rows routed to it."""
 
     routable = True  # the layout and activation `Routes.experts` computes
+    per_request: PerRequest | None = None  # an engine's adapters chosen per request (`engine/expert_slots.py`)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -91,27 +115,55 @@ class Experts(nn.Module):
             return torch.zeros_like(x)
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # assignments grouped by expert, tokens in order within each
-        rows = x.index_select(0, order // k)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host read per layer
-        routes = routed.current()
-        grouped = None
-        if routes is not None and routes.experts is not None and self.routable and not self.adapted():
-            grouped = routes.experts(rows, counts, self.gate_up_proj, self.down_proj)
-        if grouped is None:
-            grouped = self.grouped(rows, counts)
+        split = None if self.per_request is None else self.per_request.split(order, k, counts)
+        if split is None:
+            grouped = self.products(x.index_select(0, order // k), counts)
+        else:  # the base's rows as ever, then the rows whose adapters adapt these experts
+            order = split.order
+            rows = x.index_select(0, order // k)
+            base = split.num_base
+            adapted = self.slotted(rows[base:], split)
+            grouped = adapted if not base else torch.cat([self.products(rows[:base], split.base_counts), adapted])
         # Back in (token, choice) order, weighted, and each token's k results summed at once.
         per_choice = torch.empty_like(grouped).index_copy(0, order, grouped)
         weighted = per_choice * weights.reshape(-1, 1)
         return weighted.view(n, k, -1).sum(dim=1).to(x.dtype)
 
+    def products(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each expert's SwiGLU of its rows (grouped by expert): on the engine's expert route when it takes
+        them, else expert by expert."""
+        routes = routed.current()
+        grouped = None
+        if routes is not None and routes.experts is not None and self.routable and not self.adapted():
+            grouped = routes.experts(rows, counts, self.gate_up_proj, self.down_proj)
+        return self.grouped(rows, counts) if grouped is None else grouped
+
     def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows grouped by expert, `counts[e]` of them expert e's → each expert's SwiGLU of its rows."""
         return torch.cat([self.expert(e, part) for e, part in by_expert(rows, counts)])
 
+    def slotted(self, rows: torch.Tensor, split: SlotSplit) -> torch.Tensor:
+        """The rows of adapters chosen per request: every expert's gate/up product, then each row's own
+        adapter's update on them all at once, the activation, and the same for down (`split.add`)."""
+        counts = split.counts
+        gate_up = split.add("gate_up_proj", rows, torch.cat([self.gate_up_of(e, p) for e, p in by_expert(rows, counts)]))
+        hidden = self.activation(gate_up)
+        return split.add("down_proj", hidden, torch.cat([self.down_of(e, p) for e, p in by_expert(hidden, counts)]))
+
     def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        gate, up = self.adapt(rows, F.linear(rows, self.gate_up_proj[e]), "gate_up_proj", e).chunk(2, dim=-1)
-        hidden = F.silu(gate) * up
-        return self.adapt(hidden, F.linear(hidden, self.down_proj[e]), "down_proj", e)
+        hidden = self.activation(self.adapt(rows, self.gate_up_of(e, rows), "gate_up_proj", e))
+        return self.adapt(hidden, self.down_of(e, hidden), "down_proj", e)
+
+    def gate_up_of(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows, self.gate_up_proj[e])
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def down_of(self, e: int, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.down_proj[e])
 
     def adapted(self) -> bool:
         """Whether a LoRA update is on: the engine's expert route multiplies the bare weights, so it is declined."""
@@ -167,12 +219,16 @@ class ClampedSwiGLUExperts(Experts):
             self.gate_up_proj_bias.zero_()
             self.down_proj_bias.zero_()
 
-    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+    def gate_up_of(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        return rows @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         from pagedrl.model.gpt_oss import clamped_swiglu
 
-        gate_up = self.adapt(rows, rows @ self.gate_up_proj[e] + self.gate_up_proj_bias[e], "gate_up_proj", e)
-        hidden = clamped_swiglu(gate_up, self.alpha, self.limit)
-        return self.adapt(hidden, hidden @ self.down_proj[e] + self.down_proj_bias[e], "down_proj", e)
+        return clamped_swiglu(gate_up, self.alpha, self.limit)
+
+    def down_of(self, e: int, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.down_proj[e] + self.down_proj_bias[e]
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.down_proj.shape[2]}, intermediate={self.intermediate_size}, "
