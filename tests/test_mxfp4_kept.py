@@ -154,3 +154,14 @@ def test_refusals_name_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(Exception, match=r"ffn_.*_exps.weight' is F32; quantization='gguf' keeps gpt-oss's experts"):
         load_model(str(path), quantization="gguf")
     assert json.loads((floats / "config.json").read_text())["model_type"] == "gpt_oss"
+
+
+def test_a_kept_model_that_cannot_fit_is_refused_before_reading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check counts the experts as their blocks: refused, with the kept load named, where memory is short."""
+    from pagedrl.model import footprint
+
+    folder = tmp_path / "gpt-oss"
+    mxfp4_checkpoint(folder, hf_model(RAW))
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: (1024, "a test's figure"))
+    with pytest.raises(footprint.DoesNotFit, match=r"\(its MXFP4 experts kept\): the model needs"):
+        load_model(str(folder), quantization="mxfp4")

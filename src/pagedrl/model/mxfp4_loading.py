@@ -11,6 +11,7 @@ trained; a user who needs the memory asks for it.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -22,6 +23,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from pagedrl.model.checkpoint import CheckpointError, load_weights, read_folder_config, read_state_dict
 from pagedrl.model.config import ModelConfig
 from pagedrl.model.decoder import CausalLM
+from pagedrl.model.footprint import check_fits, footprint
 from pagedrl.model.gguf_gpt_oss import gpt_oss_state
 from pagedrl.model.gguf_metadata import GGUFError, open_gguf
 from pagedrl.model.mxfp4 import BLOCKS, SCALES
@@ -52,6 +54,11 @@ def load_mxfp4_kept(folder: str | Path) -> tuple[CausalLM, Counter[str]]:
     if cfg.gpt_oss is None:
         raise CheckpointError(f"{folder}: quantization='mxfp4' keeps gpt-oss's published MXFP4 experts; this is a "
                               f"{cfg.model_type} model (int8 / int4 quantize other models at load)")
+    # Refused before reading when it cannot fit: float32 less the experts' weights, plus their blocks.
+    fp = footprint(cfg, torch.float32)
+    weights = cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_intermediate_size
+    check_fits(dataclasses.replace(fp, weight_bytes=fp.weight_bytes - 4 * weights + weights * 17 // 32),
+               torch.device("cpu"), f"{folder} (its MXFP4 experts kept)")
     origins: dict[str, str] = {}
     state = read_state_dict(folder, dtype=torch.float32, origins=origins, keep_mxfp4=True)
     experts: dict[int, MXFP4Experts] = {}
