@@ -138,5 +138,5 @@ def test_refusals_are_one_clear_line(every_type_gguf: Path, default_model_dir: P
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(GGUFError, match=r"'blk.0.ffn_down.weight' is Q2_K, which quantization='gguf' does not keep "
-                                        r"quantized \(supported: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K\)"):
+                                        r"quantized \(supported: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4\)"):
         load_model(str(path), quantization="gguf")

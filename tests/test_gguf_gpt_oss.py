@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
@@ -19,8 +18,7 @@ from tiny import GPT_OSS_FAMILIES, hf_model
 
 from pagedrl import LLM
 from pagedrl.model.checkpoint import load_causal_lm
-from pagedrl.model.gguf import GGUFError, convert_gguf
-from pagedrl.model.loader import load_model
+from pagedrl.model.gguf import convert_gguf
 
 # (a GGUF carries no SwiGLU clamp: llama.cpp's runtime clamps at 7, the published models' limit)
 RAW = dict(GPT_OSS_FAMILIES["gpt-oss"], vocab_size=len(TOKENS), bos_token_id=0, eos_token_id=1, pad_token_id=None,
@@ -56,7 +54,8 @@ def test_conversion_gives_back_the_original_model(tmp_path: Path) -> None:
 
 def test_mxfp4_experts_are_the_model_with_their_dequantized_values(tmp_path: Path) -> None:
     """MXFP4 experts (the published files' format): the model whose experts are those blocks' values,
-    logits within 1e-5 and the engine's greedy tokens transformers' `generate`; kept quantized, refused."""
+    logits within 1e-5 and the engine's greedy tokens transformers' `generate` (kept quantized:
+    tests/test_mxfp4_kept.py)."""
     hf, path = gpt_oss_gguf(tmp_path, MXFP4)
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -73,5 +72,3 @@ def test_mxfp4_experts_are_the_model_with_their_dequantized_values(tmp_path: Pat
     got = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
     llm.close()
     assert [strip_eos(g, 1) for g in got] == [strip_eos(e, 1) for e in expected]
-    with pytest.raises(GGUFError, match=r"quantization='gguf' does not keep gpt-oss files quantized"):
-        load_model(str(path), quantization="gguf")

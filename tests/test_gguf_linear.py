@@ -20,9 +20,9 @@ from pagedrl.kernels import ops
 
 pytestmark = pytest.mark.isa  # the product's lanes follow the CPU class: `make test-isa` runs it as each lower one
 
-TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4)
 SCALE_OFFSETS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2),
-                 Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+                 Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.MXFP4: ()}  # (MXFP4's scale is a byte: `random_blocks`)
 # Half-precision scales at the edges: ±0, the smallest and largest subnormals, the largest finite, ±inf, NaN.
 EDGE_HALVES = (0x0000, 0x8000, 0x0001, 0x83FF, 0x03FF, 0x7BFF, 0xBC00, 0x7C00, 0xFC00, 0x7E00, 0xFE01)
 
@@ -54,6 +54,8 @@ def random_blocks(qtype: Q, rows: int, blocks: int, rng: np.random.Generator, ed
         else:
             halves = rng.uniform(-0.05, 0.05, size=(rows, blocks)).astype(np.float16).view(np.uint16)
         raw[:, :, offset:offset + 2] = halves[..., None].view(np.uint8).reshape(rows, blocks, 2)
+    if qtype == Q.MXFP4:  # an E8M0 byte: any (subnormal to inf) at the edges, else 2^-10 to 2^1
+        raw[:, :, 0] = rng.integers(0, 256, size=(rows, blocks)) if edges else rng.integers(118, 130, size=(rows, blocks))
     return raw.reshape(rows, blocks * type_size)
 
 

@@ -49,10 +49,11 @@ class EngineArgs(EngineConfig):
     dtype: torch.dtype | str = setting("auto", DTYPE_HELP, "model", choices=DTYPE_CHOICES)
     quantization: str | None = setting(
         None, "gguf: a .gguf model's quantized weights stay quantized in memory (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
-              "Q4_K, Q5_K, Q6_K; float32 on a CPU, the same tokens as the file dequantized; on CUDA dequantized per product in "
+              "Q4_K, Q5_K, Q6_K, MXFP4; float32 on a CPU, the same tokens as the file dequantized; on CUDA dequantized per product in "
               "the model's dtype); int8 / int4: weight-only quantization made at load of a model that is not "
               "quantized (int8 one scale per output channel, int4 groups of 32 with a scale and a minimum; the "
-              "same tokens as the float32 model of the dequantized weights); default: none (a GGUF dequantized "
+              "same tokens as the float32 model of the dequantized weights); mxfp4: a gpt-oss checkpoint's MXFP4 experts "
+              "stay quantized (about 4.25 bits a weight); default: none (a GGUF dequantized "
               "at load)", "model", choices=QUANTIZATIONS)
 
     def engine_config(self) -> EngineConfig:

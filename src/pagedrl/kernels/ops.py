@@ -262,7 +262,7 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def gguf_dequantize(blocks: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
     """A GGUF weight's rows of blocks [N, row_bytes] uint8 of GGML type `ggml_type` (Q8_0, Q4_0, Q4_1,
-    Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) → float32 [N, k], each value the bits `gguf.quants.dequantize` gives
+    Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4) → float32 [N, k], each value the bits `gguf.quants.dequantize` gives
     (`csrc/gguf_linear.cpp`)."""
     return _OPS.gguf_dequantize(blocks, ggml_type, k)
 

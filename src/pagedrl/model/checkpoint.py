@@ -56,11 +56,13 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def read_state_dict(folder: Path, dtype: torch.dtype = torch.float32,
-                    origins: dict[str, str] | None = None, float32: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+                    origins: dict[str, str] | None = None, float32: tuple[str, ...] = (),
+                    keep_mxfp4: bool = False) -> dict[str, torch.Tensor]:
     """All tensors of a folder, the floating ones in `dtype` except those whose names end with one of
     `float32`, read in float32 whatever `dtype` says (DeepSeek's router); MXFP4 pairs (`W_blocks`,
     `W_scales`: gpt-oss's published experts) dequantized into `W` in `dtype` (`model/mxfp4.py`).
-    `origins`, if given, receives the file each tensor came from."""
+    `origins`, if given, receives the file each tensor came from. `keep_mxfp4`: the pairs as they are
+    (`model/mxfp4_loading.py` keeps them quantized)."""
     state: dict[str, torch.Tensor] = {}
     origins = origins if origins is not None else {}
     for path in weight_files(folder):
@@ -74,6 +76,8 @@ def read_state_dict(folder: Path, dtype: torch.dtype = torch.float32,
                     origins[name] = str(path)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors file (truncated or corrupt?): {e}") from None
+    if keep_mxfp4:
+        return state
     try:
         return mxfp4.dequantize_state(state, dtype, origins, str(folder))
     except ValueError as e:

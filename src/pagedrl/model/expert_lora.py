@@ -103,7 +103,12 @@ def expert_weight_names(model: nn.Module) -> list[str]:
 def apply_expert_lora(model: nn.Module, targets: Sequence[str], r: int, lora_alpha: float,
                       generator: torch.Generator | None = None) -> int:
     """Adapters on every expert weight that `targets` names (PEFT's `target_parameters`); returns how many.
-    A target that names no parameter, or one that is not an expert's stacked weight, is refused by name."""
+    A target that names no parameter, or one that is not an expert's stacked weight, is refused by name, as
+    are experts kept in MXFP4 (their weights are blocks, not parameters: load the model without quantization)."""
+    kept = next((f"{name}.gate_up_blocks" for name, m in model.named_modules() if hasattr(m, "gate_up_blocks")), None)
+    if kept is not None and targets:
+        raise ValueError(f"lora_target_parameters: {kept} is kept in MXFP4, which takes no adapter; load the model "
+                         "without quantization='mxfp4' / 'gguf' to train its experts")
     adaptable = set(expert_weight_names(model))
     used: set[str] = set()
     for key, _ in model.named_parameters():

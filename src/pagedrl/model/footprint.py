@@ -108,5 +108,6 @@ def check_fits(fp: Footprint, device: torch.device, source: str) -> None:
     raise DoesNotFit(
         f"{source}: the model needs {fp.weight_bytes / GiB:.2f} GiB for its weights alone "
         f"({fp.parameters / 1e6:,.1f}M parameters in {dtype}) but {device} has {free[0] / GiB:.2f} GiB free "
-        f"({free[1]}); load it in less:{smaller} a GGUF of it kept quantized (--quantization gguf), or a "
+        f"({free[1]}); load it in less:{smaller} a GGUF of it kept quantized (--quantization gguf), a gpt-oss checkpoint with "
+        f"its MXFP4 experts kept (--quantization mxfp4), or a "
         f"smaller model ({CHECK_ENV}=0 loads it anyway)")

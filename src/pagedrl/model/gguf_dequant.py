@@ -141,6 +141,18 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:  # 128 bytes low nibbles, 64 of high
     return (d * q).reshape(n, QK_K)
 
 
+_MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # gguf's `kvalues`: E2M1 doubled
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:  # E8M0 byte e, 16 bytes of nibbles: kvalues[q] * 2^(e - 128)
+    # gguf's `e8m0_to_fp32_half`: the float32 bits of 2^(e - 128), a subnormal below e = 2; every product
+    # is a small integer times a power of two, exact (or inf), on any device, flushing subnormals aside.
+    e = b[:, :1].to(torch.int32)
+    d = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23).view(torch.float32)
+    q = _nibbles(b[:, 1:], b.shape[0], 16).reshape(b.shape[0], 32).to(torch.int64)
+    return d * torch.tensor(_MXFP4_VALUES, dtype=torch.float32, device=b.device)[q]
+
+
 def _f32(b: torch.Tensor) -> torch.Tensor:  # the bytes viewed, as gguf's `data.view(np.float32)`
     return _aligned(b, 4).view(torch.float32)
 
@@ -176,6 +188,7 @@ FORMATS: dict[int, Format] = {
     13: Format("Q5_K", QK_K, 176, _q5_k),
     14: Format("Q6_K", QK_K, 210, _q6_k),
     30: Format("BF16", 1, 2, _bf16),
+    39: Format("MXFP4", 32, 17, _mxfp4),
 }
 SUPPORTED = ", ".join(f"{f.name} ({t})" for t, f in FORMATS.items())
 

@@ -30,7 +30,7 @@ from pagedrl.model.moe import Experts
 
 # The GGML types kept quantized: what llama.cpp's users download most (GGMLQuantizationType values; their
 # block shapes are `gguf_dequant.FORMATS`', which the CPU kernels share).
-SUPPORTED_TYPES = {t: gguf_dequant.FORMATS[t].name for t in (8, 2, 3, 6, 7, 12, 13, 14)}
+SUPPORTED_TYPES = {t: gguf_dequant.FORMATS[t].name for t in (8, 2, 3, 6, 7, 12, 13, 14, 39)}
 type_name = gguf_dequant.type_name
 
 

@@ -71,9 +71,10 @@ def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[Caus
     converted `folder`), and how many tensors of each type it keeps."""
     gguf_path, source = Path(gguf_path), str(gguf_path)
     cfg = read_folder_config(Path(folder))
-    if cfg.gpt_oss is not None:
-        raise GGUFError(f"{source}: quantization='gguf' does not keep gpt-oss files quantized (their MXFP4 "
-                        "experts); without quantization the file loads dequantized")
+    if cfg.gpt_oss is not None:  # its MXFP4 experts kept, the rest float32 (`model/mxfp4_loading.py`)
+        from pagedrl.model.mxfp4_loading import load_gguf_gpt_oss_kept
+
+        return load_gguf_gpt_oss_kept(gguf_path, cfg)
     reader = open_gguf(gguf_path)
     with torch.device("meta"):
         model = CausalLM(cfg)

@@ -13,7 +13,8 @@ own, each computed in transformers' order (`transformers/models/gpt_oss/modeling
   (`gate_up_proj` [E, H, 2I] with gate and up columns interleaved, `down_proj` [E, I, H], a bias each).
 
 Its rotary embedding is YaRN (`model/rope.py`). Published checkpoints hold the experts' weights as
-MXFP4 blocks, dequantized at load (`model/mxfp4.py`).
+MXFP4 blocks, dequantized at load (`model/mxfp4.py`) or kept so with `quantization="mxfp4"`
+(`model/mxfp4_experts.py`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def gpt_oss_fields(raw: dict[str, Any], base: str, source: str) -> dict[str, Any
     quant = raw.get("quantization_config")
     if quant is not None and (not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4"):
         raise ConfigError(f"{source}: field 'quantization_config' names {quant!r}; only quant_method 'mxfp4' "
-                          "(the published experts' format, dequantized at load) is supported")
+                          "(the published experts' format) is supported")
 
     def number(name: str, default: float) -> float:
         value = raw.get(name, default)

@@ -16,6 +16,7 @@ from pagedrl.model.checkpoint import CheckpointError, load_causal_lm
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.gguf_quantized import load_gguf_quantized
 from pagedrl.model.merge import merged_causal_lm
+from pagedrl.model.mxfp4_loading import load_mxfp4_kept
 from pagedrl.model.precision import QUANTIZATIONS, Precision, resolve_dtype
 from pagedrl.model.resolve import adapter_base, resolve_gguf, resolve_model_path
 from pagedrl.model.tokenizer import Tokenizer
@@ -46,7 +47,7 @@ def load_model(model: str | Path | None = None, device: str | torch.device | Non
     same); the tokenizer is the adapter folder's when it holds one. `dtype` None or "auto": the
     device's default (`model/precision.py`). `quantization="gguf"`: a GGUF's quantized weights stay
     quantized (`model/gguf_quantized.py`); `"int8"` / `"int4"`: the float weights quantized at load
-    (`model/weight_only.py`)."""
+    (`model/weight_only.py`); `"mxfp4"`: a gpt-oss checkpoint's MXFP4 experts kept so (`model/mxfp4_loading.py`)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if quantization is not None:
         return _load_quantized(model, device, dtype, load_tokenizer, adapter, revision, quantization)
@@ -85,7 +86,8 @@ def _load_quantized(model: str | Path | None, device: torch.device, dtype: torch
     int4; each setting it cannot honour refused in one line."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r} is not supported; supported: {', '.join(QUANTIZATIONS)} "
-                         "(gguf: a GGUF file's own quant types kept quantized; int8, int4: weight-only, made at load)")
+                         "(gguf: a GGUF file's own quant types kept quantized; int8, int4: weight-only, made at load; "
+                         "mxfp4: gpt-oss's published MXFP4 experts kept so)")
     if adapter is not None:
         raise ValueError(f"quantization={quantization!r} with a LoRA adapter folded in is not supported: a quantized "
                          "base cannot hold merged weights (serve the adapter per request on the quantized base with enable_lora / "
@@ -102,6 +104,13 @@ def _load_quantized(model: str | Path | None, device: torch.device, dtype: torch
                              "or drop quantization)")
         net = load_causal_lm(path, device="cpu", dtype=torch.float32)
         reason = describe(quantization, quantize_weights(net, quantization), device)
+    elif quantization == "mxfp4":
+        if str(model).endswith(".gguf"):  # (resolving it would convert it to a float folder)
+            raise ValueError(f"quantization='mxfp4' keeps a gpt-oss checkpoint folder's MXFP4 experts; {model} is not "
+                             "a folder (a gpt-oss GGUF keeps them with quantization='gguf')")
+        path = resolve_model_path(model, revision)
+        net, kept = load_mxfp4_kept(path)
+        reason = "gpt-oss experts kept in MXFP4: " + ", ".join(f"{name} x {n}" for name, n in sorted(kept.items()))
     else:
         found = resolve_gguf(model, revision)
         if found is None:

@@ -27,8 +27,9 @@ from pagedrl.kernels import isa
 FORCE_ENV = "PAGEDRL_CPU_BF16"
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # what `--dtype` takes, as vLLM spells them
 # What `--quantization` takes (`model/loader.py`): a GGUF's blocks kept as they are; int8 / int4 weight-only
-# quantization made at load (`model/weight_only.py`).
-QUANTIZATIONS = ("gguf", "int8", "int4")
+# quantization made at load (`model/weight_only.py`); mxfp4: gpt-oss's published MXFP4 experts kept so
+# (`model/mxfp4_loading.py`).
+QUANTIZATIONS = ("gguf", "int8", "int4", "mxfp4")
 DTYPE_HELP = ("auto: bfloat16 on CUDA and on CPUs that compute it natively (AVX512-BF16, AMX, Arm BF16), "
               "float32 elsewhere")
 # bf16 must beat float32 by this much in the probe to count as native (emulated bf16 is ~0.1-0.5x).

@@ -1,4 +1,4 @@
-// GGUF weights kept quantized: a block-quantized weight (GGML's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, its
+// GGUF weights kept quantized: a block-quantized weight (GGML's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4, its
 // blocks as the file stores them) dequantized, or multiplied by a decode step's few float32 rows.
 //
 // Why: at a few rows a projection is a pass over its weights, so a step runs at the speed the weights
@@ -322,6 +322,45 @@ struct Q6_K {  // 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales (o
   };
 };
 
+// MXFP4 (gpt-oss's experts): an E8M0 byte e, then 16 bytes of E2M1 nibbles laid out as Q4_0's. A value is
+// gguf's `kvalues` entry (the E2M1 value doubled: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives) times
+// 2^(e - 128) (`e8m0_to_fp32_half`, a float32 subnormal below e = 2): each product is exact (or inf), the
+// very number transformers' E2M1 value times 2^(e - 127) gives. A 16-entry table per block, looked up.
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? (0x00200000u << e) : (static_cast<uint32_t>(e - 1) << 23);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+struct MXFP4 {
+  static constexpr int kType = 39, kValues = 32, kBytes = 17;
+  struct Block {
+    const uint8_t* q;
+#if defined(__AVX512F__)
+    Vec table;
+    explicit Block(const uint8_t* b) : q(b + 1) {
+      const Vec kvalues = (Vec)_mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+      table = splat(e8m0_half(b[0])) * kvalues;
+    }
+    Vec chunk(int c) const { return lookup(q, c, table); }
+#else
+    float table[16];
+    explicit Block(const uint8_t* b) : q(b + 1) {
+      static const float kvalues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+      const float d = e8m0_half(b[0]);
+      for (int i = 0; i < 16; ++i) table[i] = d * kvalues[i];
+    }
+    Vec chunk(int c) const {
+      const Ints n = nibbles32(q, c);
+      Vec v;
+      for (int i = 0; i < kLanes; ++i) v[i] = table[n[i]];
+      return v;
+    }
+#endif
+  };
+};
+
 template <class T>
 inline void dequant(const uint8_t* b, float* out) {
   const typename T::Block blk(b);
@@ -337,10 +376,11 @@ const char* type_name(int64_t type) {  // GGML's numbering (gguf.GGMLQuantizatio
                                 "Q8_0",    "Q8_1",   "Q2_K",   "Q3_K",    "Q4_K",  "Q5_K",   "Q6_K",  "Q8_K",
                                 "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S",  "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS",
                                 "I8",      "I16",    "I32",    "I64",     "F64",   "IQ1_M",  "BF16"};
+  if (type == 39) return "MXFP4";
   return type >= 0 && type < static_cast<int64_t>(sizeof(names) / sizeof(names[0])) ? names[type] : "unknown";
 }
 
-constexpr const char* kSupported = "Q8_0 (8), Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q4_K (12), Q5_K (13), Q6_K (14)";
+constexpr const char* kSupported = "Q8_0 (8), Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q4_K (12), Q5_K (13), Q6_K (14), MXFP4 (39)";
 
 // Calls f with a value of the block format `type`.
 template <class F>
@@ -354,6 +394,7 @@ void with_type(const char* op, int64_t type, F&& f) {
     case Q4_K::kType: return f(Q4_K{});
     case Q5_K::kType: return f(Q5_K{});
     case Q6_K::kType: return f(Q6_K{});
+    case MXFP4::kType: return f(MXFP4{});
     default:
       TORCH_CHECK(false, op, ": GGML type ", type, " (", type_name(type), ") is not supported; supported: ",
                   kSupported);
