@@ -142,8 +142,8 @@ class ExpertSplit:
 
 
 def slot_experts(model: torch.nn.Module, slots: LoRASlots) -> dict[str, ExpertSlots]:
-    """Every experts module with stacked float weights takes adapters per request (GGUF's quantized
-    experts hold none), by module name."""
+    """Every experts module with stacked float weights takes adapters per request (experts kept
+    quantized, GGUF's or MXFP4's, hold none), by module name."""
     return {name: ExpertSlots(m, slots) for name, m in model.named_modules()
             if isinstance(m, Experts) and all(getattr(m, w, None) is not None for w in EXPERT_WEIGHTS)}
 

@@ -200,7 +200,7 @@ def read_lora(request: LoRARequest, projections: dict[str, nn.Module], max_lora_
                              "this adapter into the weights, or train one without kv_b_proj")
         if module not in projections and is_expert_key(key):
             raise ValueError(f"{where}: tensor {key!r} adapts experts whose weights this base model does not hold "
-                             "as stacked float tensors (GGUF's quantized experts?), or has none there; merge this "
+                             "as stacked float tensors (experts kept quantized: GGUF, MXFP4?), or has none there; merge this "
                              "adapter into the weights")
         if module not in projections:
             raise ValueError(f"{where}: tensor {key!r} adapts {module!r}, which the base model does not have "
