@@ -15,22 +15,23 @@ from pagedrl.model.decoder import CausalLM
 MAX_NEW = 12
 
 
-def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
-    """Mixed lengths, with a shared 20-token prefix on half of them so prefix caching has work."""
+def prompts(vocab: int, seed: int = 0, prefix: int = 20,
+            lengths: tuple[int, ...] = (3, 17, 33, 5, 26, 41)) -> list[list[int]]:
+    """Mixed lengths, with a shared `prefix`-token prefix on half of them so prefix caching has work."""
     g = torch.Generator().manual_seed(seed)
-    shared = torch.randint(3, vocab, (20,), generator=g).tolist()
+    shared = torch.randint(3, vocab, (prefix,), generator=g).tolist()
     out = []
-    for i, n in enumerate([3, 17, 33, 5, 26, 41]):
+    for i, n in enumerate(lengths):
         tail = torch.randint(3, vocab, (n,), generator=g).tolist()
         out.append(shared + tail if i % 2 else tail)
     return out
 
 
-def reference(hf: torch.nn.Module, batch: list[list[int]]) -> list[list[int]]:
+def reference(hf: torch.nn.Module, batch: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
     outs = []
     for ids in batch:
         with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+            gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
                               attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
         outs.append(gen[0, len(ids):].tolist())
     return outs

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_greedy import engine_for, strip_eos
+from test_engine_greedy import engine_for, prompts, reference, strip_eos
 from tiny import FAMILIES, hf_model
 from window_batches import kernels_only
 
@@ -29,23 +29,11 @@ def mistral() -> torch.nn.Module:
 
 def long_prompts(vocab: int) -> list[list[int]]:
     """Prompts of 5 to 90 tokens, half of them behind one 40-token prefix (longer than the window)."""
-    g = torch.Generator().manual_seed(1)
-    shared = torch.randint(3, vocab, (40,), generator=g).tolist()
-    out = []
-    for i, n in enumerate([5, 50, 31, 17, 60, 9]):
-        tail = torch.randint(3, vocab, (n,), generator=g).tolist()
-        out.append(shared + tail if i % 2 else tail)
-    return out
+    return prompts(vocab, seed=1, prefix=40, lengths=(5, 50, 31, 17, 60, 9))
 
 
 def generated(hf: torch.nn.Module, batch: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
-    outs = []
-    for ids in batch:
-        with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
-                              attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
-        outs.append(gen[0, len(ids):].tolist())
-    return outs
+    return reference(hf, batch, max_new)
 
 
 def test_which_configs_slide_in_every_layer() -> None:
