@@ -17,7 +17,7 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
 from gguf_files import write_tiny_gguf
-from test_engine_greedy import GREEDY, MAX_NEW, prompts, strip_eos
+from test_engine_greedy import GREEDY, prompts, reference, strip_eos
 from test_gguf_engine import generate_both
 from test_gguf_sentencepiece import BYTES, SPECIALS, train_pieces
 from tiny import GEMMA_FAMILIES, hf_model
@@ -122,12 +122,7 @@ def test_transformers_reading_the_gguf_gives_the_same_logits_and_greedy_tokens(a
     with torch.no_grad():
         assert float((ours.logits(ours(ids(1))) - direct(ids(1)).logits).abs().max()) < 1e-5
     batch = prompts(len(TOKENS))[:4]
-    expected = []
-    for p in batch:
-        with torch.no_grad():
-            gen = direct.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False,
-                                  attention_mask=torch.ones(1, len(p), dtype=torch.long), pad_token_id=0)
-        expected.append(gen[0, len(p):].tolist())
+    expected = reference(direct, batch)
     llm = LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=7)
     got = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
     llm.close()
