@@ -222,3 +222,24 @@ def assert_float32_forwards(ours: torch.nn.Module, hf: torch.nn.Module, ids: tor
     probed = decoder_bound.logits(ours, ids, freq_error=freq_error(hf, ours))
     for got in logits:
         assert ((got.double() - probed.exact).abs() <= probed.bound()).all()
+
+
+def assert_file_follows(path: Path, out: Path, theirs: torch.nn.Module, vocab: int, ids: torch.Tensor) -> None:
+    """pagedrl's model converted from the GGUF at `path` (into `out`) gives `theirs`' logits on `ids` within
+    1e-5, and the engine on the file greedy-decodes `theirs`' `generate` tokens (4-token blocks, 7-token
+    chunks)."""
+    from test_engine_greedy import GREEDY, prompts, reference, strip_eos
+
+    from pagedrl import LLM
+    from pagedrl.model.checkpoint import load_causal_lm
+    from pagedrl.model.gguf import convert_gguf
+
+    ours = load_causal_lm(convert_gguf(path, out), dtype=torch.float32)
+    with torch.no_grad():
+        assert float((ours.logits(ours(ids)) - theirs(ids).logits).abs().max()) < 1e-5
+    batch = prompts(vocab)[:4]
+    expected = reference(theirs, batch)
+    llm = LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=7)
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+    llm.close()
+    assert [strip_eos(g, 1) for g in got] == [strip_eos(e, 1) for e in expected]

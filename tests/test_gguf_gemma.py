@@ -16,13 +16,11 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
-from gguf_files import write_tiny_gguf
-from test_engine_greedy import GREEDY, prompts, reference, strip_eos
+from gguf_files import assert_file_follows, write_tiny_gguf
 from test_gguf_engine import generate_both
 from test_gguf_sentencepiece import BYTES, SPECIALS, train_pieces
 from tiny import GEMMA_FAMILIES, hf_model
 
-from pagedrl import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.checkpoint import load_causal_lm, read_folder_config
 from pagedrl.model.gguf import GGUFError, convert_gguf
@@ -118,15 +116,7 @@ def test_transformers_reading_the_gguf_gives_the_same_logits_and_greedy_tokens(a
     _, path = gemma_gguf(ASSUMED[arch], arch, tmp_path, types={"ffn_up": Q.Q8_0, "attn_q": Q.Q8_0, "attn_v": Q.Q8_0})
     direct = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
                                                                dtype=torch.float32).eval()
-    ours = load_causal_lm(convert_gguf(path, tmp_path / "hf"), dtype=torch.float32)
-    with torch.no_grad():
-        assert float((ours.logits(ours(ids(1))) - direct(ids(1)).logits).abs().max()) < 1e-5
-    batch = prompts(len(TOKENS))[:4]
-    expected = reference(direct, batch)
-    llm = LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=7)
-    got = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
-    llm.close()
-    assert [strip_eos(g, 1) for g in got] == [strip_eos(e, 1) for e in expected]
+    assert_file_follows(path, tmp_path / "hf", direct, len(TOKENS), ids(1))
 
 
 @pytest.mark.parametrize("arch", sorted(BITING))

@@ -12,11 +12,9 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
-from gguf_files import TOKENS, write_tiny_gguf
-from test_engine_greedy import GREEDY, prompts, reference, strip_eos
+from gguf_files import TOKENS, assert_file_follows, write_tiny_gguf
 from tiny import GPT_OSS_FAMILIES, hf_model
 
-from pagedrl import LLM
 from pagedrl.model.checkpoint import load_causal_lm
 from pagedrl.model.gguf import convert_gguf
 
@@ -63,12 +61,4 @@ def test_mxfp4_experts_are_the_model_with_their_dequantized_values(tmp_path: Pat
                 rows = p.detach().numpy().transpose(0, 2, 1)
                 back = dequantize(quantize(rows, Q.MXFP4), Q.MXFP4).reshape(rows.shape)
                 p.copy_(torch.from_numpy(back.transpose(0, 2, 1).copy()))
-    ours = load_causal_lm(convert_gguf(path, tmp_path / "hf"), dtype=torch.float32)
-    with torch.no_grad():
-        assert float((ours.logits(ours(ids(1))) - hf(ids(1)).logits).abs().max()) < 1e-5
-    batch = prompts(len(TOKENS))[:4]
-    expected = reference(hf, batch)
-    llm = LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=7)
-    got = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
-    llm.close()
-    assert [strip_eos(g, 1) for g in got] == [strip_eos(e, 1) for e in expected]
+    assert_file_follows(path, tmp_path / "hf", hf, len(TOKENS), ids(1))
