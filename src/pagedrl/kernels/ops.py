@@ -50,7 +50,7 @@ _OPS = torch.ops.pagedrl_cpu
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prefill_tiles.cpp",
                                                                 "decode_linear.cpp", "pair_linear.cpp", "rowwise.cpp", "float_linear.cpp",
-                                                                "gguf_linear.cpp", "threads.cpp")]
+                                                                "gguf_linear.cpp", "gguf_int8_dot.cpp", "threads.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "attention_rows.h", "float_lanes.h")]  # shared by the sources: part of the build's key
 DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
 PREFILL_HEAD_DIMS = (16, 32, 64, 96, 128)  # the head sizes `paged_prefill` is compiled for
@@ -280,6 +280,26 @@ def gguf_linear_op() -> Callable[..., torch.Tensor]:
     a step (the decode program): torch's overload, without the packet's dispatch."""
     op = _OPS.gguf_linear
     return getattr(op, "default", op)
+
+
+def gguf_linear_int8(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, k] float32 (rows of unit stride) @ the Q8_0 / Q4_0 / Q4_1 weight `blocks` [N, row_bytes].T (+ bias)
+    → [M, N] float32 as llama.cpp computes it: each row quantized to 8 bits per 32 values, integer dot
+    products of the blocks, scaled in float32 (`csrc/gguf_int8_dot.cpp`)."""
+    return _OPS.gguf_linear_int8(x, blocks, ggml_type, k, bias)
+
+
+def gguf_linear_int8_op() -> Callable[..., torch.Tensor]:
+    """`gguf_linear_int8`'s op itself (as `gguf_linear_op`)."""
+    op = _OPS.gguf_linear_int8
+    return getattr(op, "default", op)
+
+
+def gguf_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 8-bit activation blocks `gguf_linear_int8` multiplies: x [M, K] float32 → (q int8 [M, K], d and s
+    float32 [M, K / 32], each a half widened: the block's scale and d * sum(q))."""
+    return _OPS.gguf_quantize_activations(x)
 
 
 def float_linear_lanes() -> int:
