@@ -26,7 +26,8 @@ GGUF weights kept quantized, both engines on one file: `pagedrl-q4_1` (`quantiza
 requantization (`bench/gguf_requantize.py`, written next to llama.cpp's build on first use);
 `pagedrl-q4_k_m` and `llamacpp-q4_k_m` on llama.cpp's own Q4_K_M of the bf16 GGUF (`llama-quantize`).
 Weight-only quantization made at load (`model/weight_only.py`): `pagedrl-int8` and `pagedrl-int4`
-(`quantization="int8"` / `"int4"`, float32) on the folder.
+(`quantization="int8"` / `"int4"`, float32) on the folder. A quantized pagedrl side with `-a8` appended
+(`pagedrl-q8_0-a8`) multiplies 8-bit activations (`activations="int8"`: llama.cpp's arithmetic).
 
     bash bench/vllm_cpu_env.sh                                    # once: /work/.vllm-cpu
     bash bench/llamacpp_env.sh                                    # once: /work/.llama.cpp
@@ -35,6 +36,7 @@ Weight-only quantization made at load (`model/weight_only.py`): `pagedrl-int8` a
     .venv/bin/python bench/bench_vllm_cpu.py --sides pagedrl-q4_1,llamacpp-q4_1,pagedrl-float32 --workloads single
     .venv/bin/python bench/bench_vllm_cpu.py --sides pagedrl-int4,pagedrl-q4_1,pagedrl-int8,pagedrl-q8_0,pagedrl-float32 \
         --workloads single --threads 1 --rounds 3
+    .venv/bin/python bench/bench_vllm_cpu.py --sides pagedrl-q8_0-a8,llamacpp-q8_0,pagedrl-q8_0 --workloads single,64x128
 """
 
 from __future__ import annotations
@@ -95,13 +97,13 @@ def gguf_file(kind: str) -> Path:
     return path
 
 
-def run_pagedrl(folder: str, dtype: str, names: list[str]) -> dict:
+def run_pagedrl(folder: str, dtype: str, names: list[str], activations: str = "float32") -> dict:
     import torch
 
     from pagedrl import LLM, SamplingParams
 
     settings = dict(max_num_seqs=256, max_num_batched_tokens=2048, kv_cache_bytes=KV_GIB << 30,
-                    enable_prefix_caching=False)
+                    enable_prefix_caching=False, activations=activations)
     if dtype in GGUF_KINDS:
         llm = LLM(str(gguf_file(dtype)), quantization="gguf", dtype="float32", **settings)
     elif dtype in ("int8", "int4"):
@@ -186,12 +188,12 @@ def timed(generate, vocab: int, names: list[str]) -> dict:  # noqa: ANN001 (eith
 
 def worker(args: argparse.Namespace) -> None:
     names = args.workloads.split(",")
-    engine, dtype = args.worker.split("-")
+    engine, dtype, *a8 = args.worker.split("-")
     dtype = {"bf16": "bfloat16", "float32": "float32", "int8": "int8", "int4": "int4", **{k: k for k in GGUF_KINDS}}[dtype]
     if engine == "llamacpp":
         result = run_llamacpp(args.folder, names, "bf16" if dtype == "bfloat16" else dtype)
     else:
-        result = run_pagedrl(args.folder, dtype, names) if engine == "pagedrl" else run_vllm(args.folder, dtype, names)
+        result = run_pagedrl(args.folder, dtype, names, "int8" if a8 else "float32") if engine == "pagedrl" else run_vllm(args.folder, dtype, names)
     print("RESULT " + json.dumps(result))
 
 

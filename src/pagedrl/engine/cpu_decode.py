@@ -77,7 +77,9 @@ class QuantizedWeight:
     ggml_type: int
     k: int
     bias: torch.Tensor | None
-    product: Callable[..., torch.Tensor]  # `ops.gguf_linear`'s op itself
+    product: Callable[..., torch.Tensor]  # `ops.gguf_linear`'s op itself (`gguf_linear_int8`'s: int8 activations)
+    max_rows: int  # the most rows `product` takes; above, `route`
+    route: Callable[..., torch.Tensor | None]  # `products.quantized_rows` (`int8_rows`)
 
 
 def float_product(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, n: int, bias: torch.Tensor | None
@@ -89,9 +91,9 @@ def float_product(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, n: in
     shorter). `n`, the output features, is the k-pairs product's argument, unused: the program calls
     both alike."""
     if type(weight) is QuantizedWeight:
-        if x.shape[0] <= products.MAX_ROWS_QUANTIZED:
+        if x.shape[0] <= weight.max_rows:
             return weight.product(x, weight.blocks, weight.ggml_type, weight.k, weight.bias)
-        return products.quantized_rows(x, weight.blocks, weight.ggml_type, weight.k, weight.bias)
+        return weight.route(x, weight.blocks, weight.ggml_type, weight.k, weight.bias)
     if x.shape[0] <= products.MAX_ROWS_FLOAT:
         return ops.float_linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -153,8 +155,11 @@ class DecodeProgram:
         """(weight or its k-pairs copy, output features, bias): a projection's arguments to the product; a
         GGUF one's, the module itself (its product reads the blocks)."""
         if type(module) is GGUFLinear:
+            int8 = module.int8_activations
             weight = QuantizedWeight(module.qweight, module.ggml_type, module.in_features, module.bias,
-                                     ops.gguf_linear_op())
+                                     ops.gguf_linear_int8_op() if int8 else ops.gguf_linear_op(),
+                                     products.MAX_ROWS_INT8 if int8 else products.MAX_ROWS_QUANTIZED,
+                                     products.int8_rows if int8 else products.quantized_rows)
             return weight, module.out_features, None
         return self._pack(module.weight, "pairs"), module.weight.shape[0], module.bias
 

@@ -88,7 +88,7 @@ class LLM:
             from pagedrl.model.loader import load_model
 
             loaded = load_model(args.model, device=args.device, dtype=args.dtype, adapter=args.adapter,
-                                revision=args.revision, quantization=args.quantization)
+                                revision=args.revision, quantization=args.quantization, activations=args.activations)
             _module, tokenizer, _eos_token_ids = loaded.model, loaded.tokenizer, loaded.eos_token_ids
             self.precision = loaded.precision
             logger.info("pagedrl engine: %s on %s", self.precision.describe(), _module.device)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedrl.kernels import ops
-from pagedrl.kernels.products import quantized_rows
+from pagedrl.kernels.products import INT8_TYPES, int8_rows, quantized_rows
 from pagedrl.model import gguf_dequant, routed
 from pagedrl.model.moe import Experts
 
@@ -62,10 +62,13 @@ class GGUFLinear(nn.Module):
         self.ggml_type = ggml_type
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # An engine's products on 8-bit activations (`use_int8_activations`): llama.cpp's arithmetic
+        self.int8_activations = False
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"type={type_name(self.ggml_type)}, bias={self.bias is not None}")
+                f"type={type_name(self.ggml_type)}, bias={self.bias is not None}"
+                + (", activations=int8" if self.int8_activations else ""))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [n, k] as `dtype` (a fresh tensor: nothing keeps it)."""
@@ -74,7 +77,8 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routes = routed.current()
         if routes is not None and routes.quantized_linear is not None:
-            out = routes.quantized_linear(x, self.qweight, self.ggml_type, self.in_features, self.bias)
+            route = int8_rows if self.int8_activations else routes.quantized_linear
+            out = route(x, self.qweight, self.ggml_type, self.in_features, self.bias)
             if out is not None:
                 return out
         return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -82,8 +86,23 @@ class GGUFLinear(nn.Module):
     def rows_product(self, x: torch.Tensor) -> torch.Tensor:
         """The product a float32 engine step computes (its routes' choice: `products.quantized_rows`),
         for callers outside the routed scope: the decode program and the vocabulary projection."""
-        out = quantized_rows(x, self.qweight, self.ggml_type, self.in_features, self.bias)
+        route = int8_rows if self.int8_activations else quantized_rows
+        out = route(x, self.qweight, self.ggml_type, self.in_features, self.bias)
         return out if out is not None else F.linear(x, self.dequantized(), self.bias)
+
+
+def use_int8_activations(model: nn.Module) -> dict[str, int]:
+    """Turn the engine's products of `model`'s Q8_0 / Q4_0 / Q4_1 projections to 8-bit activations
+    (`products.int8_rows`: llama.cpp's arithmetic, faster on a CPU, no longer the float32 model's numbers);
+    the projections turned, counted by type. Others (K-quants, MXFP4 experts) keep float32 activations."""
+    turned: dict[str, int] = {}
+    tables = {id(m.table) for m in model.modules() if isinstance(m, GGUFEmbedding)}  # lookups, not products
+    for module in model.modules():
+        if isinstance(module, GGUFLinear) and module.ggml_type in INT8_TYPES and id(module) not in tables:
+            module.int8_activations = True
+            name = type_name(module.ggml_type)
+            turned[name] = turned.get(name, 0) + 1
+    return turned
 
 
 class GGUFEmbedding(nn.Module):

@@ -14,10 +14,11 @@ import torch
 from pagedrl.model.adapter import is_adapter_folder
 from pagedrl.model.checkpoint import CheckpointError, load_causal_lm
 from pagedrl.model.decoder import CausalLM
+from pagedrl.model.gguf_modules import use_int8_activations
 from pagedrl.model.gguf_quantized import load_gguf_quantized
 from pagedrl.model.merge import merged_causal_lm
 from pagedrl.model.mxfp4_loading import load_mxfp4_kept
-from pagedrl.model.precision import QUANTIZATIONS, Precision, resolve_dtype
+from pagedrl.model.precision import ACTIVATIONS, QUANTIZATIONS, Precision, resolve_dtype
 from pagedrl.model.resolve import adapter_base, resolve_gguf, resolve_model_path
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.model.weight_only import WEIGHT_ONLY, describe, quantize_weights
@@ -41,16 +42,25 @@ class LoadedModel:
 def load_model(model: str | Path | None = None, device: str | torch.device | None = None,
                dtype: torch.dtype | str | None = None, load_tokenizer: bool = True,
                adapter: str | Path | None = None, revision: str | None = None,
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, activations: str = "float32") -> LoadedModel:
     """`model` (at `revision` if it is a Hub id) with, if given, a LoRA `adapter` (a folder or a Hub
     id) folded into its weights (`model` None: the base the adapter names; `model` an adapter: the
     same); the tokenizer is the adapter folder's when it holds one. `dtype` None or "auto": the
     device's default (`model/precision.py`). `quantization="gguf"`: a GGUF's quantized weights stay
     quantized (`model/gguf_quantized.py`); `"int8"` / `"int4"`: the float weights quantized at load
-    (`model/weight_only.py`); `"mxfp4"`: a gpt-oss checkpoint's MXFP4 experts kept so (`model/mxfp4_loading.py`)."""
+    (`model/weight_only.py`); `"mxfp4"`: a gpt-oss checkpoint's MXFP4 experts kept so (`model/mxfp4_loading.py`).
+    `activations="int8"` (with a quantization, on a CPU): the Q8_0 / Q4_0 / Q4_1 projections' engine products
+    on 8-bit activations, as llama.cpp computes them (`gguf_modules.use_int8_activations`)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations={activations!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    if activations == "int8" and (quantization is None or device.type != "cpu"):
+        raise ValueError(f"activations='int8' multiplies quantized weights on a CPU's integer dot products; it needs "
+                         f"quantization (gguf, int8 or int4) and a CPU device, got quantization={quantization!r} on "
+                         f"{device.type}")
     if quantization is not None:
-        return _load_quantized(model, device, dtype, load_tokenizer, adapter, revision, quantization)
+        loaded = _load_quantized(model, device, dtype, load_tokenizer, adapter, revision, quantization)
+        return loaded if activations == "float32" else _int8_activations(loaded)
     precision = resolve_dtype(dtype, device)
     path = None if model is None and adapter is not None else resolve_model_path(model, revision)
     if adapter is None and path is not None and is_adapter_folder(path):
@@ -77,6 +87,19 @@ def _generation_config(path: Path) -> dict[str, Any]:
         return json.loads(gen_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{gen_path}: not valid JSON ({e})") from None
+
+
+def _int8_activations(loaded: LoadedModel) -> LoadedModel:
+    """`loaded` with its Q8_0 / Q4_0 / Q4_1 projections on 8-bit activations, said in its precision's reason;
+    refused where it has none."""
+    turned = use_int8_activations(loaded.model)
+    if not turned:
+        raise ValueError(f"activations='int8': {loaded.path} has no Q8_0, Q4_0 or Q4_1 projection to multiply on "
+                         "8-bit activations (its types keep float32 activations); drop activations='int8'")
+    listed = ", ".join(f"{name} x {n}" for name, n in sorted(turned.items()))
+    reason = f"{loaded.precision.reason}; 8-bit activations (llama.cpp's arithmetic) for {listed}"
+    loaded.precision = Precision(loaded.precision.dtype, reason)
+    return loaded
 
 
 def _load_quantized(model: str | Path | None, device: torch.device, dtype: torch.dtype | str | None,

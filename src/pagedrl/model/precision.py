@@ -30,6 +30,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # what `--dtype` tak
 # quantization made at load (`model/weight_only.py`); mxfp4: gpt-oss's published MXFP4 experts kept so
 # (`model/mxfp4_loading.py`).
 QUANTIZATIONS = ("gguf", "int8", "int4", "mxfp4")
+ACTIVATIONS = ("float32", "int8")  # what a quantized model's engine products multiply the weights by
 DTYPE_HELP = ("auto: bfloat16 on CUDA and on CPUs that compute it natively (AVX512-BF16, AMX, Arm BF16), "
               "float32 elsewhere")
 # bf16 must beat float32 by this much in the probe to count as native (emulated bf16 is ~0.1-0.5x).

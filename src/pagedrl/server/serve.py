@@ -125,7 +125,8 @@ def build_server(args: argparse.Namespace) -> Any:
     engine_args = EngineArgs.from_cli_args(args)
     loaded = load_model(engine_args.model, device=engine_args.device, dtype=engine_args.dtype,
                         adapter=engine_args.adapter, revision=engine_args.revision,
-                        quantization=engine_args.quantization)
+                        quantization=engine_args.quantization,
+                        activations=engine_args.activations)
     engine = LLMEngine(loaded.model, loaded.tokenizer, engine_args.engine_config(), eos_token_ids=loaded.eos_token_ids)
     name = args.served_model_name or args.adapter or args.model or DEFAULT_MODEL
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
