@@ -25,6 +25,7 @@ through the modules.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -78,7 +79,7 @@ class QuantizedWeight:
     k: int
     bias: torch.Tensor | None
     product: Callable[..., torch.Tensor]  # `ops.gguf_linear`'s op itself (`gguf_linear_int8`'s: int8 activations)
-    max_rows: int  # the most rows `product` takes; above, `route`
+    max_rows: int  # the most rows `product` takes; above, `route` (int8 activations: any number)
     route: Callable[..., torch.Tensor | None]  # `products.quantized_rows` (`int8_rows`)
 
 
@@ -158,7 +159,7 @@ class DecodeProgram:
             int8 = module.int8_activations
             weight = QuantizedWeight(module.qweight, module.ggml_type, module.in_features, module.bias,
                                      ops.gguf_linear_int8_op() if int8 else ops.gguf_linear_op(),
-                                     products.MAX_ROWS_INT8 if int8 else products.MAX_ROWS_QUANTIZED,
+                                     sys.maxsize if int8 else products.MAX_ROWS_QUANTIZED,
                                      products.int8_rows if int8 else products.quantized_rows)
             return weight, module.out_features, None
         return self._pack(module.weight, "pairs"), module.weight.shape[0], module.bias

@@ -12,7 +12,7 @@ from typing import Any
 
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.model.precision import DTYPE_CHOICES, DTYPE_HELP, QUANTIZATIONS
+from pagedrl.model.precision import ACTIVATIONS, DTYPE_CHOICES, DTYPE_HELP, QUANTIZATIONS
 from pagedrl.train.data import PromptOnly, PromptRows, load_examples
 from pagedrl.train.perplexity import perplexity_of_file
 from pagedrl.train.rl.arithmetic import ArithmeticTask
@@ -71,6 +71,9 @@ def eval_main(argv: list[str]) -> int:
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="gguf: a .gguf model's quantized weights stay quantized; int8 / int4: weight-only "
                         "quantization made at load (see `pagedrl serve --help`)")
+    parser.add_argument("--activations", choices=ACTIVATIONS, default="float32",
+                        help="with --quantization: int8, the Q8_0 / Q4_0 / Q4_1 products on 8-bit activations "
+                        "(llama.cpp's arithmetic; see `pagedrl serve --help`)")
     parser.add_argument("--perplexity", metavar="FILE", default=None,
                         help="also the model's perplexity on the text in FILE (e.g. examples/data/perplexity.txt)")
     parser.add_argument("--window", type=int, default=1024, help="--perplexity: tokens per window (context included)")
@@ -79,7 +82,8 @@ def eval_main(argv: list[str]) -> int:
     if args.num_problems < 0:
         parser.error(f"--num-problems must be >= 0, got {args.num_problems}")
 
-    llm = LLM(args.model, revision=args.revision, dtype=args.dtype, quantization=args.quantization)
+    llm = LLM(args.model, revision=args.revision, dtype=args.dtype, quantization=args.quantization,
+              activations=args.activations)
     print(f"[precision: {llm.precision.describe()}]", file=sys.stderr)
     if args.perplexity is not None:
         t0 = time.perf_counter()
