@@ -11,6 +11,10 @@ not a multiple of 256, so llama.cpp falls back to Q5_0 for most of its projectio
 
     .venv/bin/python bench/quant_accuracy.py [--variants float32,bfloat16,q8_0,q4_k_m,int8,int4]
         [--num-problems 256]
+    .venv/bin/python bench/quant_accuracy.py --variants float32,q4_1-a8,q8_0-a8
+
+`-a8` (q4_1-a8: the default Q4_1 file; q8_0-a8): the file kept quantized with `activations="int8"`, its
+Q8_0 / Q4_0 / Q4_1 products on 8-bit activations as llama.cpp computes them.
 """
 
 from __future__ import annotations
@@ -48,10 +52,14 @@ def engine(variant: str) -> tuple[LLM, str]:
         return LLM(str(gguf_file("q8_0")), dtype="float32"), "Q4_1 requantized to Q8_0"
     if variant == "q4_k_m":
         return LLM(str(gguf_file("q4_k_m")), dtype="float32"), "llama-quantize Q4_K_M of the bf16 GGUF"
+    if variant.endswith("-a8"):
+        kind = variant.removesuffix("-a8")
+        llm = LLM(str(gguf_file(kind)), quantization="gguf", activations="int8")
+        return llm, llm.precision.describe()
     if variant in QUANTIZATIONS:
         llm = LLM(None, dtype="float32", quantization=variant)
         return llm, llm.precision.describe()
-    raise SystemExit(f"unknown variant {variant!r}: float32, bfloat16, q8_0, q4_k_m, or one of {QUANTIZATIONS}")
+    raise SystemExit(f"unknown variant {variant!r}: float32, bfloat16, q8_0, q4_k_m, q4_1-a8, q8_0-a8, or one of {QUANTIZATIONS}")
 
 
 def main() -> None:
