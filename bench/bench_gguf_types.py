@@ -8,6 +8,7 @@ A mixed file such as llama.cpp's Q4_K_M (most projections Q5_0 where 256 does no
 Q6_K and Q4_K, a Q8_0 embedding) streams at the speed of its slowest types; this says which.
 
     .venv/bin/python bench/bench_gguf_types.py [--files a.gguf,b.gguf] [--tokens 64] [--rounds 2]
+        [--activations float32|int8|both]
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ class TimedOps:
             start = time.process_time()
             out = fn(*args, **kwargs)
             key = name
-            if name == "gguf_linear":
-                key = f"{GGMLQuantizationType(int(args[2])).name} products"
+            if name in ("gguf_linear", "gguf_linear_int8"):
+                key = f"{GGMLQuantizationType(int(args[2])).name} products" + (" (int8 activations)" * name.endswith("8"))
                 self.bytes[key] += args[1].numel()
             self.seconds[key] += time.process_time() - start
             return out
@@ -59,11 +60,15 @@ def main() -> None:
     ap.add_argument("--files", default=str(default_gguf_path()))
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--activations", default="float32", help="float32, int8 (llama.cpp's arithmetic), or both: each "
+                    "file twice")
     args = ap.parse_args()
     torch.set_num_threads(1)
     assert ops.available(), "the CPU kernels are not built here"
     files = args.files.split(",")
-    engines = {f: LLM(f, quantization="gguf", kv_cache_tokens=2048) for f in files}
+    kinds = ["float32", "int8"] if args.activations == "both" else [args.activations]
+    engines = {f"{f} ({a} activations)": LLM(f, quantization="gguf", activations=a, kv_cache_tokens=2048)
+               for f in files for a in kinds}
     timed = TimedOps(ops._OPS)
     ops._OPS = timed
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
