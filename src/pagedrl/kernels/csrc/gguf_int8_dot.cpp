@@ -277,9 +277,11 @@ template <class T, int NB>
 void weight_rows(const ActivationRows& a, const uint8_t* w, int64_t ldw, int64_t n0, const float* bias, float* y,
                  int64_t ldy) {
   if (a.M == 1) return sequential_rows<T, NB>(a, w, ldw, n0, bias, y);
-  int64_t m = 0;
-  for (; m + kTileRows <= a.M; m += kTileRows) tile<T, kTileRows, NB>(a, m, w, ldw, n0, bias, y, ldy);
-  for (; m < a.M; ++m) tile<T, 1, NB>(a, m, w, ldw, n0, bias, y, ldy);
+  for (int j = 0; j < NB; ++j) {
+    int64_t m = 0;
+    for (; m + kTileRows <= a.M; m += kTileRows) tile<T, kTileRows, 1>(a, m, w, ldw, n0 + j, bias, y, ldy);
+    for (; m < a.M; ++m) tile<T, 1, 1>(a, m, w, ldw, n0 + j, bias, y, ldy);
+  }
 }
 
 template <class T, int NB>
