@@ -70,10 +70,15 @@ def generate_both(path: Path, params: SamplingParams, prompts: list[list[int]], 
     return outs
 
 
-@pytest.mark.parametrize("settings", [
-    dict(),  # decode steps as the CPU program
-    dict(enforce_eager=True, max_num_batched_tokens=24, kv_cache_tokens=160, max_num_seqs=6),  # modules, chunks, preemption
+# The engine's two ways through a quantized model: its CPU decode program, and its modules with chunked
+# prefill and preemption.
+ENGINE_PATHS = pytest.mark.parametrize("settings", [
+    dict(),
+    dict(enforce_eager=True, max_num_batched_tokens=24, kv_cache_tokens=160, max_num_seqs=6),
 ], ids=["program", "eager-chunked-preempted"])
+
+
+@ENGINE_PATHS
 def test_engine_tokens_and_logprobs_equal_the_dequantized_engine(every_type_gguf: Path, settings: dict) -> None:
     rng = np.random.default_rng(1)
     prompts = [rng.integers(5, WIDE["vocab_size"], size=n).tolist() for n in (3, 17, 40, 9, 28, 33, 5, 12)]

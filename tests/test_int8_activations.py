@@ -13,6 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_files import TINY, write_tiny_gguf
+from test_gguf_engine import ENGINE_PATHS
 from test_gguf_int8 import by_hand
 from tiny import hf_model
 
@@ -63,14 +64,12 @@ def reference(path: Path, prompts: list[list[int]]) -> list[tuple[list[int], lis
     return out
 
 
-@pytest.mark.parametrize("settings", [
-    dict(),  # decode steps as the CPU program
-    dict(enforce_eager=True, max_num_batched_tokens=24, kv_cache_tokens=160, max_num_seqs=4),  # modules, chunks, preemption
-], ids=["program", "eager-chunked-preempted"])
+@ENGINE_PATHS
 def test_engine_computes_llama_cpp_s_arithmetic(int8_gguf: Path, settings: dict) -> None:
     rng = np.random.default_rng(2)
     prompts = [rng.integers(5, WIDE["vocab_size"], size=n).tolist() for n in PROMPTS]
     llm = LLM(str(int8_gguf), quantization="gguf", activations="int8", **settings)
+    assert llm.engine.decode_path().startswith("decode steps as one program") != settings.get("enforce_eager", False)
     assert "8-bit activations (llama.cpp's arithmetic) for Q4_0 x 4, Q4_1 x 6, Q8_0 x 4" in llm.precision.describe()
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
     got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]

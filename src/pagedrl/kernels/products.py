@@ -171,6 +171,16 @@ def _float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 _F32 = torch.float32
 
 
+def _block_rows(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """`x` as the block kernels' [M, k] rows of unit stride, or None where they do not take it (a gradient
+    recorded, not float32 or not on the CPU)."""
+    if (torch.is_grad_enabled() or x.dtype is not _F32 or not x.is_cpu or not blocks.is_cpu
+            or (bias is not None and bias.dtype is not _F32)):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def quantized_rows(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int,
                    bias: torch.Tensor | None) -> torch.Tensor | None:
     """A GGUF weight's product (`csrc/gguf_linear.cpp`): float32 rows, any number of them, no gradient
@@ -184,12 +194,9 @@ def quantized_rows(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int
     5.1 / 19.3 / 43.6 / 156 / 637 / 2029 ms, `float_linear` on the float weights 18.6 / 26.6 / 39.8 / 110 /
     413 / 1675, MKL on them 26.8 / 45.6 / 62.8 / 162 / 549 / 2128; dequantizing then `float_linear`, 68.6 at
     33 rows against 65.6 on weights already float."""
-    if (torch.is_grad_enabled() or x.dtype is not _F32 or not x.is_cpu or not blocks.is_cpu
-            or (bias is not None and bias.dtype is not _F32)):
+    rows = _block_rows(x, blocks, bias)
+    if rows is None:
         return None
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
     if rows.shape[0] > MAX_ROWS_QUANTIZED:
         weight = ops.gguf_dequantize(blocks, ggml_type, k)
         return ops.float_linear(rows, weight, bias).view(*x.shape[:-1], blocks.shape[0])
@@ -201,12 +208,9 @@ def int8_rows(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int,
     """A Q8_0 / Q4_0 / Q4_1 weight's product with the rows quantized to 8 bits per 32 values, as llama.cpp
     computes it (`csrc/gguf_int8_dot.cpp`; the engine's `activations="int8"`), at any row count (decode
     steps and prefill chunks alike, as llama.cpp's CPU products)."""
-    if (torch.is_grad_enabled() or x.dtype is not _F32 or not x.is_cpu or not blocks.is_cpu
-            or (bias is not None and bias.dtype is not _F32)):
+    rows = _block_rows(x, blocks, bias)
+    if rows is None:
         return None
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
     return ops.gguf_linear_int8(rows, blocks, ggml_type, k, bias).view(*x.shape[:-1], blocks.shape[0])
 
 
