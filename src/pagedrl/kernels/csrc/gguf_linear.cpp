@@ -488,10 +488,12 @@ inline void float_tile(const float* x, int64_t ldx, const float* w, int64_t ldw,
     for (int j = 0; j < NB; ++j) y[i * ldy + j] = sum_lanes(acc[i][j]) + (bias ? bias[j] : 0.f);
 }
 
-// Weight rows [n0, n0 + NB) against every input row. `rows` is scratch for NB dequantized rows. One input
-// row reads the NB weight rows one after another, each from first byte to last: on an AMD EPYC (one
-// thread, the default model's weights from memory) the NB rows' blocks read in turn streamed Q8_0 at 8.6
-// GB/s and Q4_1 at 6.4, rows in address order 13.0 and 9.6 (two rows in turn: 8.4). Each output's sum is
+// Weight rows [n0, n0 + NB) against every input row. `rows` is scratch for NB dequantized rows. With
+// AVX512 one input row reads the NB weight rows one after another, each from first byte to last: on an
+// AMD EPYC (one thread, the default model's 210 projections from memory, `bench/bench_gguf_linear.py`)
+// the NB rows' blocks read in turn streamed Q8_0 at 8.9 GB/s, the rows in address order at 13.0 (Q4_1 level,
+// 7.4 and 7.3). With AVX2 (8 lanes) a row's one chain of multiply-adds bounds it below the memory's speed
+// (Q4_1 4.8 GB/s in address order, 7.1 in turn), so the rows are read in turn there. Each output's sum is
 // the same chain either way.
 template <class T, int NB>
 void weight_rows(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t ldw, int64_t K, const float* bias,
@@ -501,9 +503,11 @@ void weight_rows(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64
   if (M <= kInputRows) {
     if (M == kInputRows) {
       fused_tile<T, kInputRows, NB>(x, ldx, wn, ldw, K, bn, y + n0, ldy);
-    } else {  // one row: each weight row from first byte to last, the weights in address order (see above)
+    } else if (kLanes == 16) {  // one row: each weight row from first byte to last (see above)
       for (int j = 0; j < NB; ++j)
         fused_tile<T, 1, 1>(x, ldx, wn + j * ldw, ldw, K, bn ? bn + j : nullptr, y + n0 + j, ldy);
+    } else {
+      fused_tile<T, 1, NB>(x, ldx, wn, ldw, K, bn, y + n0, ldy);
     }
     return;
   }
