@@ -80,7 +80,7 @@ def activation_rows(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
 
 
 @settings(max_examples=60, deadline=None)
-@given(qtype=st.sampled_from(TYPES), rows=st.integers(1, 11), out_features=st.integers(1, 13),
+@given(qtype=st.sampled_from(TYPES), rows=st.integers(1, 27), out_features=st.integers(1, 13),
        blocks=st.integers(1, 6), bias=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_the_product_is_the_formula_summed_by_hand(qtype, rows, out_features, blocks, bias, seed) -> None:
     rng = np.random.default_rng(seed)

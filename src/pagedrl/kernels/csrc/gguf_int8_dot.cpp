@@ -131,17 +131,49 @@ inline float sum8(Floats v) {  // a fixed tree
 // ------------------------------------------------------------------ the activation blocks
 // A row's blocks: the 32 int8 values, d widened from its half, and per block the term its weight type
 // needs: Q4_0 the integer -8 * sum(q) (the nibbles' offset), Q4_1 s = half(d * sum(q)) widened.
+constexpr int kGroup = 8;  // the rows of `group_tile`: one per lane of 8 int32 sums
+
 struct ActivationRows {
   int64_t M, K, blocks;
   std::unique_ptr<int8_t[]> q;
   std::unique_ptr<float[]> d, s;
   std::unique_ptr<int32_t[]> offset;
 
+  // Groups of kGroup rows interleaved for `group_tile` (lanes = rows): per group and block, the 32 values
+  // as 8 vectors of kGroup rows' 4 consecutive values (`lanes`, and `lanes_u` the same plus 128 as unsigned
+  // bytes), and the rows' d, s and offset side by side.
+  int64_t groups;
+  std::unique_ptr<int8_t[]> lanes;
+  std::unique_ptr<uint8_t[]> lanes_u;
+  std::unique_ptr<float[]> d_rows, s_rows;
+  std::unique_ptr<int32_t[]> offset_rows;
+
   ActivationRows(const float* x, int64_t M_, int64_t ldx, int64_t K_)
       : M(M_), K(K_), blocks(K_ / 32), q(new int8_t[M_ * K_]), d(new float[M_ * (K_ / 32)]),
-        s(new float[M_ * (K_ / 32)]), offset(new int32_t[M_ * (K_ / 32)]) {
+        s(new float[M_ * (K_ / 32)]), offset(new int32_t[M_ * (K_ / 32)]), groups(M_ / kGroup) {
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < blocks; ++b) quantize(x + m * ldx + 32 * b, m * blocks + b);
+    if (groups == 0) return;
+    lanes.reset(new int8_t[groups * kGroup * K]);
+    lanes_u.reset(new uint8_t[groups * kGroup * K]);
+    d_rows.reset(new float[groups * kGroup * blocks]);
+    s_rows.reset(new float[groups * kGroup * blocks]);
+    offset_rows.reset(new int32_t[groups * kGroup * blocks]);
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t at = (g * blocks + b) * kGroup;
+        for (int i = 0; i < kGroup; ++i) {
+          const int64_t row = (g * kGroup + i) * blocks + b;
+          d_rows[at + i] = d[row];
+          s_rows[at + i] = s[row];
+          offset_rows[at + i] = offset[row];
+          for (int v = 0; v < 32; ++v) {  // value v of row i: vector v / 4, lane i, byte v % 4
+            const int64_t to = at * 32 + (v / 4) * 4 * kGroup + 4 * i + v % 4;
+            lanes[to] = q[row * 32 + v];
+            lanes_u[to] = static_cast<uint8_t>(q[row * 32 + v] + 128);
+          }
+        }
+      }
   }
 
   void quantize(const float* x, int64_t at) {
@@ -161,6 +193,26 @@ struct ActivationRows {
   }
 };
 
+inline UBytes splat_bytes(uint8_t v) {
+  UBytes out = {};
+  return out + v;
+}
+
+template <class V>
+inline V dword(V v, int i) {  // bytes [4i, 4i + 4) of v in every 4-byte lane
+  int32_t word;
+  std::memcpy(&word, reinterpret_cast<const uint8_t*>(&v) + 4 * i, 4);
+  Sums out = {};
+  return (V)(out + word);
+}
+
+// A nibble block against a group's rows: lane i sums row i's 32 products (plus init's lane i).
+inline Sums nibble_group_sum(UBytes n, Sums init, const int8_t* x) {
+  Sums out = init;
+  for (int v = 0; v < 8; ++v) out = dot(out, dword(n, v), load<Bytes>(x + 32 * v));
+  return out;
+}
+
 // ------------------------------------------------------------------ the weight formats
 // `Operand` is what a weight block contributes to every row's dot product, read once per block.
 struct Q8_0 {
@@ -172,7 +224,23 @@ struct Q8_0 {
     explicit Operand(const uint8_t* b) : w(load<Bytes>(b + 2)), size(magnitude(w)), dw(half_at(b)) {}
     Sums sum(const ActivationRows&, int64_t, Bytes x) const { return dot(Sums{}, size, signed_by(x, w)); }
     float minimum_term(const ActivationRows&, int64_t) const { return 0.f; }
+    // The group's rows at once (lane i: row i): sum((q + 128) w) - 128 sum(w), whose unsigned operand needs
+    // a dot product without saturation (VNNI); AVX2's vpmaddubsw would saturate, so there `tile` takes them.
+    Sums group_sum(const ActivationRows& a, int64_t at) const {
+      const Sums all = dot(Sums{}, splat_bytes(1), w);
+      int32_t total = 0;
+      for (int l = 0; l < 8; ++l) total += all[l];
+      Sums out = Sums{} - 128 * total;
+      const uint8_t* x = a.lanes_u.get() + at * 32;
+      for (int v = 0; v < 8; ++v) out = dot(out, load<UBytes>(x + 32 * v), dword(w, v));
+      return out;
+    }
   };
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+  static constexpr bool kGroups = true;
+#else
+  static constexpr bool kGroups = false;
+#endif
 };
 
 struct Q4_0 {
@@ -187,7 +255,11 @@ struct Q4_0 {
       return dot(init, n, x);
     }
     float minimum_term(const ActivationRows&, int64_t) const { return 0.f; }
+    Sums group_sum(const ActivationRows& a, int64_t at) const {
+      return nibble_group_sum(n, load<Sums>(a.offset_rows.get() + at), a.lanes.get() + at * 32);
+    }
   };
+  static constexpr bool kGroups = true;
 };
 
 struct Q4_1 {
@@ -198,7 +270,11 @@ struct Q4_1 {
     explicit Operand(const uint8_t* b) : n(nibbles(b + 4)), dw(half_at(b)), mw(half_at(b + 2)) {}
     Sums sum(const ActivationRows&, int64_t, Bytes x) const { return dot(Sums{}, n, x); }
     float minimum_term(const ActivationRows& a, int64_t at) const { return mw * a.s[at]; }
+    Sums group_sum(const ActivationRows& a, int64_t at) const {
+      return nibble_group_sum(n, Sums{}, a.lanes.get() + at * 32);
+    }
   };
+  static constexpr bool kGroups = true;
 };
 
 template <class F>
@@ -273,12 +349,34 @@ constexpr int kTileRows = 4;  // 16 sums + 4 activation vectors + operands of 32
 constexpr int kTileRows = 2;  // 8 sums of 16 registers
 #endif
 
+// The kGroup rows of group g against weight row n: each lane one row's sum, each weight block read once.
+// Per block and row this takes one integer dot product per 4 values and no per-row scaling (the rows'
+// scales are a vector): at 64 rows (one thread, the default model's Q4_1 projections, AVX512-VNNI, a loaded
+// machine) 258 ms against `tile`'s 317, best of 6 each.
+template <class T>
+inline void group_tile(const ActivationRows& a, int64_t g, const uint8_t* w, int64_t ldw, int64_t n,
+                       const float* bias, float* y, int64_t ldy) {
+  Floats acc = {}, minimum = {};
+  const uint8_t* row = w + n * ldw;
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const typename T::Operand op(row + b * T::kBytes);
+    const int64_t at = (g * a.blocks + b) * kGroup;
+    const Sums s = op.group_sum(a, at);
+    acc = fma8(splat8(op.dw) * load<Floats>(a.d_rows.get() + at), __builtin_convertvector(s, Floats), acc);
+    if constexpr (T::kType == Q4_1::kType) minimum = fma8(splat8(op.mw), load<Floats>(a.s_rows.get() + at), minimum);
+  }
+  const Floats out = acc + minimum + (bias ? bias[n] : 0.f);
+  for (int i = 0; i < kGroup; ++i) y[(g * kGroup + i) * ldy + n] = out[i];
+}
+
 template <class T, int NB>
 void weight_rows(const ActivationRows& a, const uint8_t* w, int64_t ldw, int64_t n0, const float* bias, float* y,
                  int64_t ldy) {
   if (a.M == 1) return sequential_rows<T, NB>(a, w, ldw, n0, bias, y);
   for (int j = 0; j < NB; ++j) {
     int64_t m = 0;
+    if (T::kGroups)
+      for (; m + kGroup <= a.M; m += kGroup) group_tile<T>(a, m / kGroup, w, ldw, n0 + j, bias, y, ldy);
     for (; m + kTileRows <= a.M; m += kTileRows) tile<T, kTileRows, 1>(a, m, w, ldw, n0 + j, bias, y, ldy);
     for (; m < a.M; ++m) tile<T, 1, 1>(a, m, w, ldw, n0 + j, bias, y, ldy);
   }
