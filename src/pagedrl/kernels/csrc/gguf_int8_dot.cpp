@@ -139,23 +139,30 @@ struct ActivationRows {
   std::unique_ptr<float[]> d, s;
   std::unique_ptr<int32_t[]> offset;
 
-  // Groups of kGroup rows interleaved for `group_tile` (lanes = rows): per group and block, the 32 values
-  // as 8 vectors of kGroup rows' 4 consecutive values (`lanes`, and `lanes_u` the same plus 128 as unsigned
-  // bytes), and the rows' d, s and offset side by side.
+  // Groups of kGroup rows interleaved for `group_tile` (lanes = rows), made only where the weight type
+  // takes them (`Lanes`): per group and block, the 32 values as 8 vectors of kGroup rows' 4 consecutive
+  // values (`lanes`, or `lanes_u` the same plus 128 as unsigned bytes), and the rows' d, s and offset side
+  // by side.
   int64_t groups;
   std::unique_ptr<int8_t[]> lanes;
   std::unique_ptr<uint8_t[]> lanes_u;
   std::unique_ptr<float[]> d_rows, s_rows;
   std::unique_ptr<int32_t[]> offset_rows;
 
-  ActivationRows(const float* x, int64_t M_, int64_t ldx, int64_t K_)
+  enum class Lanes { none, signed_bytes, unsigned_bytes };
+
+  ActivationRows(const float* x, int64_t M_, int64_t ldx, int64_t K_, Lanes kind = Lanes::none)
       : M(M_), K(K_), blocks(K_ / 32), q(new int8_t[M_ * K_]), d(new float[M_ * (K_ / 32)]),
-        s(new float[M_ * (K_ / 32)]), offset(new int32_t[M_ * (K_ / 32)]), groups(M_ / kGroup) {
+        s(new float[M_ * (K_ / 32)]), offset(new int32_t[M_ * (K_ / 32)]),
+        groups(kind == Lanes::none ? 0 : M_ / kGroup) {
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < blocks; ++b) quantize(x + m * ldx + 32 * b, m * blocks + b);
     if (groups == 0) return;
-    lanes.reset(new int8_t[groups * kGroup * K]);
-    lanes_u.reset(new uint8_t[groups * kGroup * K]);
+    const bool unsigned_bytes = kind == Lanes::unsigned_bytes;
+    if (unsigned_bytes)
+      lanes_u.reset(new uint8_t[groups * kGroup * K]);
+    else
+      lanes.reset(new int8_t[groups * kGroup * K]);
     d_rows.reset(new float[groups * kGroup * blocks]);
     s_rows.reset(new float[groups * kGroup * blocks]);
     offset_rows.reset(new int32_t[groups * kGroup * blocks]);
@@ -169,8 +176,10 @@ struct ActivationRows {
           offset_rows[at + i] = offset[row];
           for (int v = 0; v < 32; ++v) {  // value v of row i: vector v / 4, lane i, byte v % 4
             const int64_t to = at * 32 + (v / 4) * 4 * kGroup + 4 * i + v % 4;
-            lanes[to] = q[row * 32 + v];
-            lanes_u[to] = static_cast<uint8_t>(q[row * 32 + v] + 128);
+            if (unsigned_bytes)
+              lanes_u[to] = static_cast<uint8_t>(q[row * 32 + v] + 128);
+            else
+              lanes[to] = q[row * 32 + v];
           }
         }
       }
@@ -420,7 +429,9 @@ at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64
     }
     y = at::empty({M, N}, x.options());
     if (M == 0) return;
-    const ActivationRows a(x.data_ptr<float>(), M, x.stride(0), K);
+    using Lanes = ActivationRows::Lanes;
+    const Lanes kind = !T::kGroups ? Lanes::none : T::kType == Q8_0::kType ? Lanes::unsigned_bytes : Lanes::signed_bytes;
+    const ActivationRows a(x.data_ptr<float>(), M, x.stride(0), K, kind);
     const uint8_t* wp = blocks.data_ptr<uint8_t>();
     const float* bp = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
