@@ -27,9 +27,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <tuple>
+
+#include "gguf_int8_groups.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -129,60 +132,19 @@ inline float sum8(Floats v) {  // a fixed tree
 }
 
 // ------------------------------------------------------------------ the activation blocks
-// A row's blocks: the 32 int8 values, d widened from its half, and per block the term its weight type
-// needs: Q4_0 the integer -8 * sum(q) (the nibbles' offset), Q4_1 s = half(d * sum(q)) widened.
-constexpr int kGroup = 8;  // the rows of `group_tile`: one per lane of 8 int32 sums
-
+// A row's blocks: the 32 int8 values, d widened from its half, s = half(d * sum(q)) widened (Q4_1's
+// minimum term) and the integer sum(q) (Q4_0's offset -8 * sum(q), the groups' offsets).
 struct ActivationRows {
   int64_t M, K, blocks;
   std::unique_ptr<int8_t[]> q;
   std::unique_ptr<float[]> d, s;
-  std::unique_ptr<int32_t[]> offset;
+  std::unique_ptr<int32_t[]> total;
 
-  // Groups of kGroup rows interleaved for `group_tile` (lanes = rows), made only where the weight type
-  // takes them (`Lanes`): per group and block, the 32 values as 8 vectors of kGroup rows' 4 consecutive
-  // values (`lanes`, or `lanes_u` the same plus 128 as unsigned bytes), and the rows' d, s and offset side
-  // by side.
-  int64_t groups;
-  std::unique_ptr<int8_t[]> lanes;
-  std::unique_ptr<uint8_t[]> lanes_u;
-  std::unique_ptr<float[]> d_rows, s_rows;
-  std::unique_ptr<int32_t[]> offset_rows;
-
-  enum class Lanes { none, signed_bytes, unsigned_bytes };
-
-  ActivationRows(const float* x, int64_t M_, int64_t ldx, int64_t K_, Lanes kind = Lanes::none)
+  ActivationRows(const float* x, int64_t M_, int64_t ldx, int64_t K_)
       : M(M_), K(K_), blocks(K_ / 32), q(new int8_t[M_ * K_]), d(new float[M_ * (K_ / 32)]),
-        s(new float[M_ * (K_ / 32)]), offset(new int32_t[M_ * (K_ / 32)]),
-        groups(kind == Lanes::none ? 0 : M_ / kGroup) {
+        s(new float[M_ * (K_ / 32)]), total(new int32_t[M_ * (K_ / 32)]) {
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < blocks; ++b) quantize(x + m * ldx + 32 * b, m * blocks + b);
-    if (groups == 0) return;
-    const bool unsigned_bytes = kind == Lanes::unsigned_bytes;
-    if (unsigned_bytes)
-      lanes_u.reset(new uint8_t[groups * kGroup * K]);
-    else
-      lanes.reset(new int8_t[groups * kGroup * K]);
-    d_rows.reset(new float[groups * kGroup * blocks]);
-    s_rows.reset(new float[groups * kGroup * blocks]);
-    offset_rows.reset(new int32_t[groups * kGroup * blocks]);
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t at = (g * blocks + b) * kGroup;
-        for (int i = 0; i < kGroup; ++i) {
-          const int64_t row = (g * kGroup + i) * blocks + b;
-          d_rows[at + i] = d[row];
-          s_rows[at + i] = s[row];
-          offset_rows[at + i] = offset[row];
-          for (int v = 0; v < 32; ++v) {  // value v of row i: vector v / 4, lane i, byte v % 4
-            const int64_t to = at * 32 + (v / 4) * 4 * kGroup + 4 * i + v % 4;
-            if (unsigned_bytes)
-              lanes_u[to] = static_cast<uint8_t>(q[row * 32 + v] + 128);
-            else
-              lanes[to] = q[row * 32 + v];
-          }
-        }
-      }
   }
 
   void quantize(const float* x, int64_t at) {
@@ -198,29 +160,9 @@ struct ActivationRows {
     }
     d[at] = to_half(dv);
     s[at] = to_half(dv * static_cast<float>(total));
-    offset[at] = -8 * total;
+    this->total[at] = total;
   }
 };
-
-inline UBytes splat_bytes(uint8_t v) {
-  UBytes out = {};
-  return out + v;
-}
-
-template <class V>
-inline V dword(V v, int i) {  // bytes [4i, 4i + 4) of v in every 4-byte lane
-  int32_t word;
-  std::memcpy(&word, reinterpret_cast<const uint8_t*>(&v) + 4 * i, 4);
-  Sums out = {};
-  return (V)(out + word);
-}
-
-// A nibble block against a group's rows: lane i sums row i's 32 products (plus init's lane i).
-inline Sums nibble_group_sum(UBytes n, Sums init, const int8_t* x) {
-  Sums out = init;
-  for (int v = 0; v < 8; ++v) out = dot(out, dword(n, v), load<Bytes>(x + 32 * v));
-  return out;
-}
 
 // ------------------------------------------------------------------ the weight formats
 // `Operand` is what a weight block contributes to every row's dot product, read once per block.
@@ -233,23 +175,9 @@ struct Q8_0 {
     explicit Operand(const uint8_t* b) : w(load<Bytes>(b + 2)), size(magnitude(w)), dw(half_at(b)) {}
     Sums sum(const ActivationRows&, int64_t, Bytes x) const { return dot(Sums{}, size, signed_by(x, w)); }
     float minimum_term(const ActivationRows&, int64_t) const { return 0.f; }
-    // The group's rows at once (lane i: row i): sum((q + 128) w) - 128 sum(w), whose unsigned operand needs
-    // a dot product without saturation (VNNI); AVX2's vpmaddubsw would saturate, so there `tile` takes them.
-    Sums group_sum(const ActivationRows& a, int64_t at) const {
-      const Sums all = dot(Sums{}, splat_bytes(1), w);
-      int32_t total = 0;
-      for (int l = 0; l < 8; ++l) total += all[l];
-      Sums out = Sums{} - 128 * total;
-      const uint8_t* x = a.lanes_u.get() + at * 32;
-      for (int v = 0; v < 8; ++v) out = dot(out, load<UBytes>(x + 32 * v), dword(w, v));
-      return out;
-    }
   };
-#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
-  static constexpr bool kGroups = true;
-#else
-  static constexpr bool kGroups = false;
-#endif
+  static constexpr bool kGroups = gguf_int8_groups::kUnsignedBytes;  // w + 128 needs a product without saturation
+  using Strip = gguf_int8_groups::StripQ8_0;
 };
 
 struct Q4_0 {
@@ -260,15 +188,13 @@ struct Q4_0 {
     explicit Operand(const uint8_t* b) : n(nibbles(b + 2)), dw(half_at(b)) {}
     Sums sum(const ActivationRows& a, int64_t at, Bytes x) const {
       Sums init = {};
-      init[0] = a.offset[at];
+      init[0] = -8 * a.total[at];
       return dot(init, n, x);
     }
     float minimum_term(const ActivationRows&, int64_t) const { return 0.f; }
-    Sums group_sum(const ActivationRows& a, int64_t at) const {
-      return nibble_group_sum(n, load<Sums>(a.offset_rows.get() + at), a.lanes.get() + at * 32);
-    }
   };
   static constexpr bool kGroups = true;
+  using Strip = gguf_int8_groups::StripQ4_0;
 };
 
 struct Q4_1 {
@@ -279,11 +205,9 @@ struct Q4_1 {
     explicit Operand(const uint8_t* b) : n(nibbles(b + 4)), dw(half_at(b)), mw(half_at(b + 2)) {}
     Sums sum(const ActivationRows&, int64_t, Bytes x) const { return dot(Sums{}, n, x); }
     float minimum_term(const ActivationRows& a, int64_t at) const { return mw * a.s[at]; }
-    Sums group_sum(const ActivationRows& a, int64_t at) const {
-      return nibble_group_sum(n, Sums{}, a.lanes.get() + at * 32);
-    }
   };
   static constexpr bool kGroups = true;
+  using Strip = gguf_int8_groups::StripQ4_1;
 };
 
 template <class F>
@@ -351,53 +275,70 @@ inline void sequential_rows(const ActivationRows& a, const uint8_t* w, int64_t l
   }
 }
 
-// Several rows: tiles of rows against 4 weight rows, each weight block's operand read once for them all.
+// The few rows the lane groups leave: tiles of kTileRows rows against one weight row, each weight block read
+// once for them.
 #if defined(__AVX512F__)
 constexpr int kTileRows = 4;  // 16 sums + 4 activation vectors + operands of 32 registers
 #else
 constexpr int kTileRows = 2;  // 8 sums of 16 registers
 #endif
 
-// The kGroup rows of group g against weight row n: each lane one row's sum, each weight block read once.
-// Per block and row this takes one integer dot product per 4 values and no per-row scaling (the rows'
-// scales are a vector): at 64 rows (one thread, the default model's Q4_1 projections, AVX512-VNNI, a loaded
-// machine) 258 ms against `tile`'s 317, best of 6 each.
+// How many leading rows go in lane groups (`gguf_int8_groups.h`): all full groups, and a last one padded
+// with zero rows where at least kPadRows rows are left: a padded group costs what a full one costs, about
+// what 5 to 6 rows cost in tiles (one thread, AVX512-VNNI, the default model's Q8_0 and Q4_1 projections:
+// 4 rows 17 ms in tiles, 7 rows 31; a group of 16 rows 27-29).
+constexpr int64_t kPadRows = gguf_int8_groups::kLanes * 3 / 8;
+
 template <class T>
-inline void group_tile(const ActivationRows& a, int64_t g, const uint8_t* w, int64_t ldw, int64_t n,
-                       const float* bias, float* y, int64_t ldy) {
-  Floats acc = {}, minimum = {};
-  const uint8_t* row = w + n * ldw;
-  for (int64_t b = 0; b < a.blocks; ++b) {
-    const typename T::Operand op(row + b * T::kBytes);
-    const int64_t at = (g * a.blocks + b) * kGroup;
-    const Sums s = op.group_sum(a, at);
-    acc = fma8(splat8(op.dw) * load<Floats>(a.d_rows.get() + at), __builtin_convertvector(s, Floats), acc);
-    if constexpr (T::kType == Q4_1::kType) minimum = fma8(splat8(op.mw), load<Floats>(a.s_rows.get() + at), minimum);
-  }
-  const Floats out = acc + minimum + (bias ? bias[n] : 0.f);
-  for (int i = 0; i < kGroup; ++i) y[(g * kGroup + i) * ldy + n] = out[i];
+int64_t grouped_rows(int64_t M) {
+  if (!T::kGroups) return 0;
+  const int64_t full = M / gguf_int8_groups::kLanes * gguf_int8_groups::kLanes;
+  return M - full >= kPadRows ? M : full;
 }
 
-template <class T, int NB>
-void weight_rows(const ActivationRows& a, const uint8_t* w, int64_t ldw, int64_t n0, const float* bias, float* y,
-                 int64_t ldy) {
-  if (a.M == 1) return sequential_rows<T, NB>(a, w, ldw, n0, bias, y);
-  for (int j = 0; j < NB; ++j) {
-    int64_t m = 0;
-    if (T::kGroups)
-      for (; m + kGroup <= a.M; m += kGroup) group_tile<T>(a, m / kGroup, w, ldw, n0 + j, bias, y, ldy);
-    for (; m + kTileRows <= a.M; m += kTileRows) tile<T, kTileRows, 1>(a, m, w, ldw, n0 + j, bias, y, ldy);
-    for (; m < a.M; ++m) tile<T, 1, 1>(a, m, w, ldw, n0 + j, bias, y, ldy);
-  }
+// Rows [m0, M) against weight row n in tiles of kTileRows rows, then one by one.
+template <class T>
+void tile_rows(const ActivationRows& a, int64_t m0, const uint8_t* w, int64_t ldw, int64_t n, const float* bias,
+               float* y, int64_t ldy) {
+  int64_t m = m0;
+  for (; m + kTileRows <= a.M; m += kTileRows) tile<T, kTileRows, 1>(a, m, w, ldw, n, bias, y, ldy);
+  for (; m < a.M; ++m) tile<T, 1, 1>(a, m, w, ldw, n, bias, y, ldy);
 }
 
-template <class T, int NB>
+template <class T>
 void all_rows(const ActivationRows& a, const uint8_t* w, int64_t ldw, int64_t N, const float* bias, float* y) {
-  const int64_t groups = N / NB;
-  at::parallel_for(0, groups, 64 / NB, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) weight_rows<T, NB>(a, w, ldw, g * NB, bias, y, N);
+  using namespace gguf_int8_groups;
+  if (a.M == 1) {
+    at::parallel_for(0, N / 4, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) sequential_rows<T, 4>(a, w, ldw, g * 4, bias, y);
+    });
+    for (int64_t n = N / 4 * 4; n < N; ++n) sequential_rows<T, 1>(a, w, ldw, n, bias, y);
+    return;
+  }
+  const int64_t grouped = grouped_rows<T>(a.M);
+  std::unique_ptr<RowGroups> groups;
+  if (grouped > 0) groups.reset(new RowGroups(a.q.get(), a.d.get(), a.s.get(), a.total.get(), 0, grouped, a.blocks));
+  const int64_t strips = (N + kStripRows - 1) / kStripRows;
+  at::parallel_for(0, strips, 16, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<Strip> strip(grouped > 0 ? new Strip(a.blocks) : nullptr);
+    for (int64_t si = begin; si < end; ++si) {
+      const int64_t n0 = si * kStripRows;
+      const int rows = static_cast<int>(std::min<int64_t>(kStripRows, N - n0));
+      if (grouped > 0) {
+        strip->fill<typename T::Strip>(w, ldw, n0, rows);
+        for (int64_t g = 0; g < groups->groups; ++g) {
+          LaneFloats out[kStripRows];
+          group_strip<typename T::Strip>(*groups, *strip, g, out);
+          const int64_t lanes = std::min<int64_t>(kLanes, grouped - g * kLanes);
+          for (int j = 0; j < rows; ++j) {
+            const float b = bias ? bias[n0 + j] : 0.f;
+            for (int64_t l = 0; l < lanes; ++l) y[(g * kLanes + l) * N + n0 + j] = out[j][l] + b;
+          }
+        }
+      }
+      for (int j = 0; j < rows; ++j) tile_rows<T>(a, grouped, w, ldw, n0 + j, bias, y, N);
+    }
   });
-  for (int64_t n = groups * NB; n < N; ++n) weight_rows<T, 1>(a, w, ldw, n, bias, y, N);
 }
 
 void check(const at::Tensor& x, const at::Tensor& blocks, int64_t K, int bytes) {
@@ -429,13 +370,11 @@ at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64
     }
     y = at::empty({M, N}, x.options());
     if (M == 0) return;
-    using Lanes = ActivationRows::Lanes;
-    const Lanes kind = !T::kGroups ? Lanes::none : T::kType == Q8_0::kType ? Lanes::unsigned_bytes : Lanes::signed_bytes;
-    const ActivationRows a(x.data_ptr<float>(), M, x.stride(0), K, kind);
+    const ActivationRows a(x.data_ptr<float>(), M, x.stride(0), K);
     const uint8_t* wp = blocks.data_ptr<uint8_t>();
     const float* bp = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
-    all_rows<T, 4>(a, wp, blocks.stride(0), N, bp, yp);
+    all_rows<T>(a, wp, blocks.stride(0), N, bp, yp);
   });
   return y;
 }
