@@ -33,6 +33,7 @@
 #include <tuple>
 
 #include "gguf_int8_groups.h"
+#include "gguf_int8_row.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -257,21 +258,39 @@ inline void tile(const ActivationRows& a, int64_t m0, const uint8_t* w, int64_t 
 // turn (as `tile` does, which shares each activation block among them) streamed the default model's Q8_0
 // weights at 8.6 GB/s from memory; in address order at 14.6 (one thread, AMD EPYC with AVX512-VNNI, a
 // single-thread memory read at 25 GB/s).
+// With AVX512-VNNI the row's blocks go two at a time (`gguf_int8_row.h`, the input row prepared once per
+// product in `RowPairs`), the odd last block, if any, as below.
+#if defined(PAGEDRL_INT8_ROW_PAIRS)
+using RowPairs = gguf_int8_row::PairRow;
+#else
+struct RowPairs {  // nothing to prepare: every block goes one at a time
+  template <class S>
+  RowPairs(S, const int8_t*, const float*, const float*, int64_t) {}
+};
+#endif
+
 template <class T, int NB>
-inline void sequential_rows(const ActivationRows& a, const uint8_t* w, int64_t ldw, int64_t n0, const float* bias,
-                            float* y) {
+inline void sequential_rows(const ActivationRows& a, const RowPairs& pairs, const uint8_t* w, int64_t ldw,
+                            int64_t n0, const float* bias, float* y) {
   for (int j = 0; j < NB; ++j) {
     const uint8_t* row = w + (n0 + j) * ldw;
     Floats acc[2] = {};
-    float minimum = 0.f;
-    for (int64_t b = 0; b < a.blocks; ++b) {
+    float minimum = 0.f, paired = 0.f;
+    int64_t b = 0;
+#if defined(PAGEDRL_INT8_ROW_PAIRS)
+    gguf_int8_row::pair_dot<typename T::Strip>(pairs, row, &paired, &minimum);
+    b = 2 * pairs.pairs;
+#else
+    (void)pairs;
+#endif
+    for (; b < a.blocks; ++b) {
       const typename T::Operand op(row + b * T::kBytes);
       const Bytes x = load<Bytes>(a.q.get() + b * 32);
       const Sums s = op.sum(a, b, x);
       acc[b & 1] = fma8(splat8(op.dw * a.d[b]), __builtin_convertvector(s, Floats), acc[b & 1]);
       minimum += op.minimum_term(a, b);
     }
-    y[n0 + j] = sum8(acc[0] + acc[1]) + minimum + (bias ? bias[n0 + j] : 0.f);
+    y[n0 + j] = paired + sum8(acc[0] + acc[1]) + minimum + (bias ? bias[n0 + j] : 0.f);
   }
 }
 
@@ -309,10 +328,11 @@ template <class T>
 void all_rows(const ActivationRows& a, const uint8_t* w, int64_t ldw, int64_t N, const float* bias, float* y) {
   using namespace gguf_int8_groups;
   if (a.M == 1) {
+    const RowPairs pairs(typename T::Strip{}, a.q.get(), a.d.get(), a.s.get(), a.blocks);
     at::parallel_for(0, N / 4, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) sequential_rows<T, 4>(a, w, ldw, g * 4, bias, y);
+      for (int64_t g = begin; g < end; ++g) sequential_rows<T, 4>(a, pairs, w, ldw, g * 4, bias, y);
     });
-    for (int64_t n = N / 4 * 4; n < N; ++n) sequential_rows<T, 1>(a, w, ldw, n, bias, y);
+    for (int64_t n = N / 4 * 4; n < N; ++n) sequential_rows<T, 1>(a, pairs, w, ldw, n, bias, y);
     return;
   }
   const int64_t grouped = grouped_rows<T>(a.M);
