@@ -1,10 +1,11 @@
 """GGUF weights kept quantized (`kernels/csrc/gguf_linear.cpp`) against the float32 decode kernel
-(`kernels/csrc/float_linear.cpp`) on the same weights dequantized: the default model's 210 projections
+(`kernels/csrc/float_linear.cpp`) on the same weights dequantized, and the same blocks with 8-bit
+activations (`kernels/csrc/gguf_int8_dot.cpp`): the default model's 210 projections
 (30 layers of q, k, v, o, gate, up, down; the LM head apart) as its GGUF stores them (Q4_1), and the
 same weights quantized to Q8_0 by `gguf.quants.quantize`, at a decode step's row counts, on 1 and 2
 threads. A pass reads every weight once, as a decode step does: the quantized side streams the blocks,
 the float side 425 MB of float32. Both sides in one process, turns alternating, best of `--rounds`;
-both give the same bits (tests/test_gguf_linear.py).
+the float and gguf sides give the same bits (tests/test_gguf_linear.py); the int8 side rounds its inputs.
 
     .venv/bin/python bench/bench_gguf_linear.py [--rows 1,2,16] [--threads 1,2]
     .venv/bin/python -m pagedrl.kernels.isa run avx2 -- .venv/bin/python bench/bench_gguf_linear.py
@@ -71,8 +72,9 @@ def main() -> None:
         raise SystemExit("the engine's CPU kernels could not be built here")
     print(f"{cpu_name()}; CPU class {isa.describe()}; kernel lanes {ops.float_linear_lanes()}")
     print("| weights | threads | rows | float_linear (ms) | gguf_linear (ms) | float / gguf | bytes a pass "
-          "(float, gguf MB) | GB/s (float, gguf) | engine's route (ms) | MKL on the float weights (ms) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "(float, gguf MB) | GB/s (float, gguf) | engine's route (ms) | MKL on the float weights (ms) | "
+          "int8 activations (ms, GB/s, GFLOP/s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
     for name in args.types.split(","):
         layers = projections(Q[name])
@@ -81,6 +83,9 @@ def main() -> None:
         sides = {
             "float": lambda xs, layers=layers: [ops.float_linear(xs[p.k], p.weight, None) for p in layers],
             "gguf": lambda xs, layers=layers: [ops.gguf_linear(xs[p.k], p.blocks, p.qtype, p.k, None) for p in layers],
+            # the same blocks with 8-bit activations (`activations="int8"`: llama.cpp's arithmetic)
+            "int8": lambda xs, layers=layers: [ops.gguf_linear_int8(xs[p.k], p.blocks, p.qtype, p.k, None)
+                                               for p in layers],
             # what a quantized engine's step runs (`products.quantized_rows`: above MAX_ROWS_QUANTIZED rows it
             # dequantizes, then `float_linear`), and what a float32 engine's runs above MAX_ROWS_FLOAT rows
             "route": lambda xs, layers=layers: [quantized_rows(xs[p.k], p.blocks, p.qtype, p.k, None) for p in layers],
@@ -90,6 +95,7 @@ def main() -> None:
             torch.set_num_threads(threads)
             for rows in (int(r) for r in args.rows.split(",")):
                 xs = {k: torch.randn(rows, k, generator=gen) for k in {p.k for p in layers}}
+                flops = 2 * rows * sum(p.weight.numel() for p in layers)
                 best = dict.fromkeys(sides, float("inf"))
                 for _ in range(args.rounds):
                     for side, run in sides.items():
@@ -99,7 +105,8 @@ def main() -> None:
                 print(f"| {name} | {threads} | {rows} | {best['float'] * 1e3:.1f} | {best['gguf'] * 1e3:.1f} | "
                       f"{best['float'] / best['gguf']:.2f}x | {float_bytes / 1e6:.0f}, {gguf_bytes / 1e6:.0f} | "
                       f"{float_bytes / best['float'] / 1e9:.1f}, {gguf_bytes / best['gguf'] / 1e9:.1f} | "
-                      f"{best['route'] * 1e3:.1f} | {best['mkl'] * 1e3:.1f} |", flush=True)
+                      f"{best['route'] * 1e3:.1f} | {best['mkl'] * 1e3:.1f} | {best['int8'] * 1e3:.1f}, "
+                      f"{gguf_bytes / best['int8'] / 1e9:.1f}, {flops / best['int8'] / 1e9:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
