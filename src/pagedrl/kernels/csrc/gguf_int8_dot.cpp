@@ -177,7 +177,6 @@ struct Q8_0 {
     Sums sum(const ActivationRows&, int64_t, Bytes x) const { return dot(Sums{}, size, signed_by(x, w)); }
     float minimum_term(const ActivationRows&, int64_t) const { return 0.f; }
   };
-  static constexpr bool kGroups = gguf_int8_groups::kUnsignedBytes;  // w + 128 needs a product without saturation
   using Strip = gguf_int8_groups::StripQ8_0;
 };
 
@@ -194,7 +193,6 @@ struct Q4_0 {
     }
     float minimum_term(const ActivationRows&, int64_t) const { return 0.f; }
   };
-  static constexpr bool kGroups = true;
   using Strip = gguf_int8_groups::StripQ4_0;
 };
 
@@ -207,7 +205,6 @@ struct Q4_1 {
     Sums sum(const ActivationRows&, int64_t, Bytes x) const { return dot(Sums{}, n, x); }
     float minimum_term(const ActivationRows& a, int64_t at) const { return mw * a.s[at]; }
   };
-  static constexpr bool kGroups = true;
   using Strip = gguf_int8_groups::StripQ4_1;
 };
 
@@ -308,9 +305,7 @@ constexpr int kTileRows = 2;  // 8 sums of 16 registers
 // 4 rows 17 ms in tiles, 7 rows 31; a group of 16 rows 27-29).
 constexpr int64_t kPadRows = gguf_int8_groups::kLanes * 3 / 8;
 
-template <class T>
-int64_t grouped_rows(int64_t M) {
-  if (!T::kGroups) return 0;
+inline int64_t grouped_rows(int64_t M) {
   const int64_t full = M / gguf_int8_groups::kLanes * gguf_int8_groups::kLanes;
   return M - full >= kPadRows ? M : full;
 }
@@ -335,7 +330,7 @@ void all_rows(const ActivationRows& a, const uint8_t* w, int64_t ldw, int64_t N,
     for (int64_t n = N / 4 * 4; n < N; ++n) sequential_rows<T, 1>(a, pairs, w, ldw, n, bias, y);
     return;
   }
-  const int64_t grouped = grouped_rows<T>(a.M);
+  const int64_t grouped = grouped_rows(a.M);
   std::unique_ptr<RowGroups> groups;
   if (grouped > 0) groups.reset(new RowGroups(a.q.get(), a.d.get(), a.s.get(), a.total.get(), 0, grouped, a.blocks));
   const int64_t strips = (N + kStripRows - 1) / kStripRows;

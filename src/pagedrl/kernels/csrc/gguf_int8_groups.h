@@ -12,7 +12,8 @@
 // made on the fly, so one layout serves the one-row product (address order) and this one.
 //
 // The sums are exact integers (unsigned bytes <= 255 times |q| <= 127, 32 to a block); AVX2 without VNNI
-// pairs them in 16 bits with saturation, so there only nibbles (<= 15) take this path.
+// pairs them in 16 bits with saturation, so there Q8_0 keeps its signs (|w| times q signed by w, at most
+// 2 * 128 * 127 a pair) and only the nibbles (<= 15) are unsigned.
 #pragma once
 
 #include <c10/util/Half.h>
@@ -64,6 +65,26 @@ inline LaneSums lane_dot(LaneSums acc, int32_t u4, LaneSums x) {
   std::memcpy(s, &x, sizeof(s));
   for (int l = 0; l < kLanes; ++l)
     for (int i = 0; i < 4; ++i) out[l] += static_cast<int32_t>(u[i]) * static_cast<int32_t>(s[4 * l + i]);
+  return out;
+#endif
+}
+
+// acc + in each lane the sum of 4 products of signed bytes: `w4`'s (the same in every lane; `u4` holds their
+// magnitudes) and the lane's in `x`. For Q8_0 where no product takes an unsigned operand of 255 (AVX2:
+// |w| times x signed by w, pairs at most 2 * 128 * 127 in 16 bits, no saturation).
+inline LaneSums lane_dot_signed(LaneSums acc, int32_t u4, int32_t w4, LaneSums x) {
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512F__))  // 8 lanes
+  const __m256i signed_x = _mm256_sign_epi8((__m256i)x, _mm256_set1_epi32(w4));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi32(u4), signed_x);
+  return acc + (LaneSums)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#else
+  (void)u4;
+  LaneSums out = acc;
+  int8_t w[4], s[4 * kLanes];
+  std::memcpy(w, &w4, 4);
+  std::memcpy(s, &x, sizeof(s));
+  for (int l = 0; l < kLanes; ++l)
+    for (int i = 0; i < 4; ++i) out[l] += static_cast<int32_t>(w[i]) * static_cast<int32_t>(s[4 * l + i]);
   return out;
 #endif
 }
@@ -124,31 +145,42 @@ inline void unpack_nibbles(const uint8_t* q, uint8_t* u) {  // value i: nibble i
 
 // What a weight type gives the strip: its 32 values as unsigned bytes u, the scale, the minimum (Q4_1),
 // and the integer k with value = dw * (u - k) (+ mw): sum(value q) = dw * (sum(u q) - k sum(q)) (+ mw s).
+// Q8_0 with an unsigned operand up to 255 (VNNI): u = w + 128, k = 128. Without: u = |w| and the signs
+// kept (`kSigned`), k = 0.
 struct StripQ8_0 {
-  static constexpr int kBytes = 34, kOffset = 128;
-  static constexpr bool kMinimum = false;
-  static void unpack(const uint8_t* block, uint8_t* u, float* dw, float*) {
+  static constexpr int kBytes = 34, kOffset = kUnsignedBytes ? 128 : 0;
+  static constexpr bool kMinimum = false, kSigned = !kUnsignedBytes;
+  static void unpack(const uint8_t* block, uint8_t* u, uint8_t* signs, float* dw, float*) {
     *dw = half_value(block);
 #if defined(__AVX2__)
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u), _mm256_xor_si256(w, _mm256_set1_epi8(-128)));
+    if (kSigned) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u), _mm256_abs_epi8(w));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(signs), w);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u), _mm256_xor_si256(w, _mm256_set1_epi8(-128)));
+    }
 #else
-    for (int i = 0; i < 32; ++i) u[i] = block[2 + i] ^ 0x80;  // the int8 w as w + 128
+    for (int i = 0; i < 32; ++i) {
+      const int8_t w = static_cast<int8_t>(block[2 + i]);
+      u[i] = kSigned ? static_cast<uint8_t>(w < 0 ? -w : w) : static_cast<uint8_t>(block[2 + i] ^ 0x80);
+      signs[i] = block[2 + i];
+    }
 #endif
   }
 };
 struct StripQ4_0 {
   static constexpr int kBytes = 18, kOffset = 8;
-  static constexpr bool kMinimum = false;
-  static void unpack(const uint8_t* block, uint8_t* u, float* dw, float*) {
+  static constexpr bool kMinimum = false, kSigned = false;
+  static void unpack(const uint8_t* block, uint8_t* u, uint8_t*, float* dw, float*) {
     *dw = half_value(block);
     unpack_nibbles(block + 2, u);
   }
 };
 struct StripQ4_1 {
   static constexpr int kBytes = 20, kOffset = 0;
-  static constexpr bool kMinimum = true;
-  static void unpack(const uint8_t* block, uint8_t* u, float* dw, float* mw) {
+  static constexpr bool kMinimum = true, kSigned = false;
+  static void unpack(const uint8_t* block, uint8_t* u, uint8_t*, float* dw, float* mw) {
     *dw = half_value(block);
     *mw = half_value(block + 2);
     unpack_nibbles(block + 4, u);
@@ -160,19 +192,20 @@ struct StripQ4_1 {
 // their sums are not read).
 struct Strip {
   int64_t blocks;
-  std::unique_ptr<uint8_t[]> u;
+  std::unique_ptr<uint8_t[]> u, signs;
   std::unique_ptr<float[]> dw, mw;
 
   explicit Strip(int64_t blocks_)
-      : blocks(blocks_), u(new uint8_t[blocks_ * kStripRows * 32]()), dw(new float[blocks_ * kStripRows]()),
-        mw(new float[blocks_ * kStripRows]()) {}
+      : blocks(blocks_), u(new uint8_t[blocks_ * kStripRows * 32]()), signs(new uint8_t[blocks_ * kStripRows * 32]()),
+        dw(new float[blocks_ * kStripRows]()), mw(new float[blocks_ * kStripRows]()) {}
 
   template <class T>
   void fill(const uint8_t* w, int64_t ldw, int64_t n0, int rows) {
     for (int j = 0; j < rows; ++j)
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t at = b * kStripRows + j;
-        T::unpack(w + (n0 + j) * ldw + b * T::kBytes, u.get() + at * 32, dw.get() + at, mw.get() + at);
+        T::unpack(w + (n0 + j) * ldw + b * T::kBytes, u.get() + at * 32, signs.get() + at * 32, dw.get() + at,
+                  mw.get() + at);
       }
   }
 };
@@ -185,6 +218,7 @@ inline void group_strip(const RowGroups& a, const Strip& st, int64_t g, LaneFloa
     const int64_t at = (g * a.blocks + b) * kLanes;
     const int8_t* x = a.q.get() + at * 32;
     const uint8_t* u = st.u.get() + b * kStripRows * 32;
+    const uint8_t* signs = st.signs.get() + b * kStripRows * 32;
     LaneSums base = {};
     if constexpr (T::kOffset != 0) base = base - T::kOffset * load_lanes<LaneSums>(a.total.get() + at);
     LaneSums sums[kStripRows];
@@ -197,7 +231,13 @@ inline void group_strip(const RowGroups& a, const Strip& st, int64_t g, LaneFloa
       for (int j = 0; j < kStripRows; ++j) {
         int32_t u4;
         std::memcpy(&u4, u + j * 32 + 4 * v, 4);
-        sums[j] = lane_dot(sums[j], u4, xv);
+        if constexpr (T::kSigned) {
+          int32_t w4;
+          std::memcpy(&w4, signs + j * 32 + 4 * v, 4);
+          sums[j] = lane_dot_signed(sums[j], u4, w4, xv);
+        } else {
+          sums[j] = lane_dot(sums[j], u4, xv);
+        }
       }
     }
     const LaneFloats d = load_lanes<LaneFloats>(a.d.get() + at);
