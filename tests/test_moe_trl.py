@@ -3,7 +3,8 @@ SFTTrainer and DPOTrainer on the same saved model and rows: the first batch's lo
 gradient (the router's included) and `aux_loss`, with the loss on (the model config's coefficient,
 0.5 here so that the term shows) and off (`router_aux_loss_coef=0`). TRL runs DPO's answers as two
 padded rows, each with its own prompt; pagedrl computes the prompt once and counts its tokens twice.
-GRPO's term against transformers' over the rows TRL's GRPO trainer builds; which models have it."""
+GRPO's term against transformers' over the rows TRL's GRPO trainer builds; which models have it; the eval loss
+with the term, as TRL's."""
 
 from __future__ import annotations
 
@@ -156,3 +157,57 @@ def test_grpo_adds_the_router_loss_of_trls_rows(tmp_path, mask_truncated: bool) 
             aux = hf(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss.item()
         assert float(metrics["aux_loss"].total) == pytest.approx(aux, abs=1e-6)
         assert float(loss - without) == pytest.approx(0.5 * aux / 2, abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_eval_loss_holds_the_router_term_as_trls(tmp_path, kind: str) -> None:
+    """The eval loss with the router's term less the same eval without it (`router_aux_loss_coef=0`) is the
+    coefficient times the mean over the eval set's micro-batches of transformers' own `aux_loss` on those
+    micro-batches' rows (TRL's eval loss: the mean of its batches' losses, each with the term)."""
+    from first_batches import theirs
+
+    from pagedrl.model.loader import load_model
+    from pagedrl.train.algorithms.sft import SFT
+    from pagedrl.train.config import SFTConfig
+    from pagedrl.train.distributed import DistInfo
+
+    folder = build_model_dir(tmp_path / "model", num_experts_per_tok=2, router_aux_loss_coef=COEF, **MOE["mixtral"])
+
+    def algorithm(**settings: object):
+        if kind == "dpo":
+            rows = preference_rows(8, seed=3)
+            return dpo_trainer(folder, tmp_path / "dpo", rows, eval_rows=preference_rows(6, seed=4),
+                               per_device_train_batch_size=4, **settings).algorithm
+        rows = [r for r in arithmetic_rows() if isinstance(r["prompt"], str)]
+        config = SFTConfig(model=str(folder), output_dir=str(tmp_path / "sft"), per_device_train_batch_size=4,
+                           max_steps=1, seed=0, **settings)
+        loaded = load_model(config.model, device="cpu", dtype=torch.float32)
+        return SFT(config, loaded.model, loaded.tokenizer, DistInfo(), rows[:4], rows[1:])
+
+    with_term, without = algorithm(), algorithm(router_aux_loss_coef=0.0)
+    evaluated, plain = with_term.evaluate(0), without.evaluate(0)
+
+    def rows_of(example) -> list[list[int]]:  # the token rows transformers (and TRL) run for an example
+        if kind == "sft":
+            return [example.input_ids]
+        pair = getattr(example, "pair", example)
+        return [pair.prompt_ids + pair.chosen_ids, pair.prompt_ids + pair.rejected_ids]
+
+    model, size = theirs(folder).eval(), with_term.per_device
+    examples = with_term.eval_examples
+    batches = [examples[i:i + size] for i in range(0, len(examples), size)]
+    assert len(batches) >= 2 and len(examples) % size != 0  # a short last batch counts as one, as TRL's does
+    terms = []
+    for batch in batches:
+        token_rows = [r for e in batch for r in rows_of(e)]
+        if kind == "dpo":  # TRL's DPO runs every chosen row, then every rejected one
+            token_rows = token_rows[0::2] + token_rows[1::2]
+        width = max(map(len, token_rows))
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in token_rows])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in token_rows])
+        with torch.no_grad():
+            terms.append(float(model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss))
+    expected = COEF * sum(terms) / len(terms)
+    assert expected > 0.1  # the term is there to be checked
+    assert evaluated["loss"] - plain["loss"] == pytest.approx(expected, abs=1e-5)
+    assert "aux_loss" in evaluated and "aux_loss" not in plain

@@ -186,6 +186,7 @@ class OfflineAlgorithm(Algorithm):
         self.num_examples = len(self.examples)
         self.examples_per_step = per_device_batch_size * gradient_accumulation_steps * dist.world_size
         self.stream = EpochStream(self.num_examples, seed)
+        self.eval_batches = 1  # the eval set's micro-batches over all ranks, while `evaluate` runs
 
     def collate(self, examples: Sequence[Any]) -> Any:
         """Examples → one micro-batch (tensors on the model's device)."""
@@ -215,7 +216,8 @@ class OfflineAlgorithm(Algorithm):
         share = self.eval_examples[self.dist.rank::self.dist.world_size]
         batches = [self.collate(share[i:i + self.per_device]) for i in range(0, len(share), self.per_device)]
         local = sum(float(self.count(b)) for b in batches)
-        global_count = all_reduce_op([local], self.dist, "sum")[0]
+        global_count, global_batches = all_reduce_op([local, len(batches)], self.dist, "sum").tolist()
+        self.eval_batches = max(int(global_batches), 1)
         count = torch.tensor(float(global_count), device=_device_of(self.model))
         totals = MetricTotals()
         was_training = self.model.training
@@ -231,6 +233,13 @@ class OfflineAlgorithm(Algorithm):
         self.model.train(was_training)
         totals.add("loss", Metric.sum(loss_sum))
         return totals.all_reduce(self.dist).values()
+
+    def micro_batch_share(self) -> float:
+        """What one micro-batch's mean term (the router's load-balancing loss) counts for in the loss:
+        training, one over the step's micro-batches on all ranks, as TRL divides by the accumulation
+        steps; evaluating, one over the eval set's micro-batches, as TRL's eval loss is the mean of its
+        batches' losses."""
+        return 1.0 / (self.accumulation * self.dist.world_size if self.model.training else self.eval_batches)
 
     def summary_lines(self) -> list[str]:
         return self.report.lines() if self.report is not None else []

@@ -19,7 +19,9 @@ training, as TRL's DPO trainer does: times `router_aux_loss_coef` (unset: the mo
 added), over the policy's forward only, each micro-batch's counting for one over the step's
 micro-batches (all ranks), logged as `aux_loss`. TRL runs each answer with its own copy of the
 prompt; here the prompt is computed once and its tokens count twice (`PairBatch.token_weights`),
-which gives TRL's value. The eval loss leaves it out.
+which gives TRL's value. The eval loss holds it too, each eval
+micro-batch's counting for one over the eval set's micro-batches, as TRL's eval loss is the mean of its
+batches' losses.
 
 Metrics under TRL's names: `rewards/chosen`, `rewards/rejected` (β·log-ratio, mean over pairs),
 `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected` (summed log-probs, mean
@@ -169,7 +171,7 @@ class DPO(OfflineAlgorithm):
         return float(batch.num_pairs)
 
     def loss(self, model: Any, batch: PairBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-        balance = self.router_coef != 0.0 and self.model.training
+        balance = self.router_coef != 0.0
         with collect_router_logits() if balance else contextlib.nullcontext() as router_logits:
             policy = answer_logps(model, batch, with_logits=True)
         ref = self.reference_logps(batch).to(policy.logps.dtype)
@@ -199,7 +201,7 @@ class DPO(OfflineAlgorithm):
         if balance and router_logits:
             cfg = self.model.config
             aux = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, batch.token_weights)
-            loss = loss + self.router_coef * aux / (self.accumulation * self.dist.world_size)
+            loss = loss + self.router_coef * aux * self.micro_batch_share()
             metrics["aux_loss"] = Metric.mean(aux.detach())
         return loss, metrics
 

@@ -16,7 +16,9 @@ A mixture of experts with a router load-balancing loss (Mixtral, Qwen3-MoE, gpt-
 training, as TRL's SFT trainer does: times `router_aux_loss_coef` (unset: the model config's; 0: not
 added), over the micro-batch's real tokens, whatever the model config's `output_router_logits`
 (`train/router_loss.py`); each micro-batch's counts for one over the step's micro-batches (all
-ranks), and it is logged as `aux_loss`. The eval loss leaves it out.
+ranks), and it is logged as `aux_loss`. The eval loss holds it too, each eval
+micro-batch's counting for one over the eval set's micro-batches, as TRL's eval loss is the mean of its
+batches' losses.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ class SFT(OfflineAlgorithm):
 
     def loss(self, model: Any, batch: SFTBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         cfg = self.model.config
-        balance = self.router_coef != 0.0 and self.model.training
+        balance = self.router_coef != 0.0
         with collect_router_logits() if balance else contextlib.nullcontext() as router_logits:
             out = target_logprobs(model, batch.input_ids, batch.positions, batch.meta, batch.predict_at,
                                   batch.targets, entropy=True, correct=True)
@@ -149,7 +151,7 @@ class SFT(OfflineAlgorithm):
         }
         if balance and router_logits:
             aux = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, batch.token_mask)
-            loss = loss + self.router_coef * aux / (self.accumulation * self.dist.world_size)
+            loss = loss + self.router_coef * aux * self.micro_batch_share()
             metrics["aux_loss"] = Metric.mean(aux.detach())
         return loss, metrics
 
