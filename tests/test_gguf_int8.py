@@ -17,7 +17,8 @@ from tests.test_gguf_linear import random_blocks
 
 pytestmark = pytest.mark.isa  # the integer dot product follows the CPU class (VNNI, AVX2, none)
 
-TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1)
+TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
+OFFSETS = {Q.Q4_0: 8, Q.Q5_0: 16}  # the integer taken off each stored value
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -40,17 +41,23 @@ def activation_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def weight_parts(raw: np.ndarray, qtype: Q, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A weight's blocks read as integers: values [N, k] (int64; Q4_0's already less 8), dw and mw [N, k / 32]."""
+    """A weight's blocks read as integers: values [N, k] (int64; Q4_0's already less 8, Q5_0's less 16), dw
+    and mw [N, k / 32]. Q5_0 / Q5_1: bit i of the block's 32-bit `qh` is value i's fifth."""
     n, blocks = raw.shape[0], k // 32
     b = raw.reshape(n, blocks, -1)
     half = lambda at: b[:, :, at:at + 2].copy().view(np.float16)[..., 0].astype(np.float64)  # noqa: E731
     if qtype == Q.Q8_0:
         return b[:, :, 2:].view(np.int8).astype(np.int64).reshape(n, k), half(0), np.zeros((n, blocks))
-    q = b[:, :, 2:] if qtype == Q.Q4_0 else b[:, :, 4:]
+    head = 2 if qtype in (Q.Q4_0, Q.Q5_0) else 4  # past the scale (and the minimum)
+    fifth = qtype in (Q.Q5_0, Q.Q5_1)
+    q = b[:, :, head + 4 * fifth:]
     values = np.concatenate([q & 15, q >> 4], axis=-1).astype(np.int64)
-    if qtype == Q.Q4_0:
-        return (values - 8).reshape(n, k), half(0), np.zeros((n, blocks))
-    return values.reshape(n, k), half(0), half(2)
+    if fifth:
+        qh = b[:, :, head:head + 4].copy().view(np.uint32)[..., 0].astype(np.int64)
+        values |= ((qh[..., None] >> np.arange(32)) & 1) << 4
+    values -= OFFSETS.get(qtype, 0)
+    minimum = half(2) if qtype in (Q.Q4_1, Q.Q5_1) else np.zeros((n, blocks))
+    return values.reshape(n, k), half(0), minimum
 
 
 def by_hand(x: np.ndarray, raw: np.ndarray, qtype: Q, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -63,7 +70,7 @@ def by_hand(x: np.ndarray, raw: np.ndarray, qtype: Q, bias: np.ndarray | None) -
     w, dw, mw = weight_parts(raw, qtype, k)
     rows = lambda v: v.astype(np.int64).reshape(len(v), -1, 32)  # noqa: E731
     sums = np.einsum("mbi,nbi->mnb", rows(q), rows(w))
-    sizes = np.einsum("mbi,nbi->mnb", np.abs(rows(q)), np.abs(rows(w)) + (8 if qtype == Q.Q4_0 else 0))
+    sizes = np.einsum("mbi,nbi->mnb", np.abs(rows(q)), np.abs(rows(w)) + OFFSETS.get(qtype, 0))
     scale = np.abs(dw[None] * d[:, None].astype(np.float64))
     minimum = mw[None] * s[:, None].astype(np.float64)
     out = (dw[None] * d[:, None] * sums + minimum).sum(-1) + (0 if bias is None else bias.astype(np.float64))
@@ -96,6 +103,17 @@ def test_the_product_is_the_formula_summed_by_hand(qtype, rows, out_features, bl
     assert got.shape == (rows, out_features)
     bound = 4 * np.finfo(np.float32).eps * (blocks + 2) * scale + np.finfo(np.float32).tiny
     assert (np.abs(got - want) <= bound).all(), np.abs(got - want).max()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_hand_reading_of_the_blocks_is_gguf_s(qtype) -> None:
+    """The integers and scales the hand sums read (`weight_parts`) make gguf's own dequantized values."""
+    import gguf
+
+    raw = random_blocks(qtype, 5, 3, np.random.default_rng(int(qtype)), edges=False)
+    w, dw, mw = weight_parts(raw, qtype, 96)
+    values = (w.reshape(5, 3, 32) * dw[..., None] + mw[..., None]).reshape(5, 96)
+    assert np.array_equal(values.astype(np.float32), gguf.quants.dequantize(raw, qtype).reshape(5, 96))
 
 
 def test_activation_blocks_follow_llama_cpp_s_rule() -> None:

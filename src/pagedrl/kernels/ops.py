@@ -285,7 +285,7 @@ def gguf_linear_op() -> Callable[..., torch.Tensor]:
 
 def gguf_linear_int8(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int,
                      bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, k] float32 (rows of unit stride) @ the Q8_0 / Q4_0 / Q4_1 weight `blocks` [N, row_bytes].T (+ bias)
+    """x [M, k] float32 (rows of unit stride) @ the Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 weight `blocks` [N, row_bytes].T (+ bias)
     → [M, N] float32 as llama.cpp computes it: each row quantized to 8 bits per 32 values, integer dot
     products of the blocks, scaled in float32 (`csrc/gguf_int8_dot.cpp`)."""
     return _OPS.gguf_linear_int8(x, blocks, ggml_type, k, bias)

@@ -92,7 +92,7 @@ class GGUFLinear(nn.Module):
 
 
 def use_int8_activations(model: nn.Module) -> dict[str, int]:
-    """Turn the engine's products of `model`'s Q8_0 / Q4_0 / Q4_1 projections to 8-bit activations
+    """Turn the engine's products of `model`'s Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 projections to 8-bit activations
     (`products.int8_rows`: llama.cpp's arithmetic, faster on a CPU, no longer the float32 model's numbers);
     the projections turned, counted by type. Others (K-quants, MXFP4 experts) keep float32 activations."""
     turned: dict[str, int] = {}

@@ -208,15 +208,51 @@ struct Q4_1 {
   using Strip = gguf_int8_groups::StripQ4_1;
 };
 
+inline UBytes five_bits(const uint8_t* qh, const uint8_t* qs) {  // Q5_0 / Q5_1's values 0..31
+  UBytes u;
+  gguf_int8_groups::unpack_five_bits(qh, qs, reinterpret_cast<uint8_t*>(&u));
+  return u;
+}
+
+struct Q5_0 {
+  static constexpr int kType = 6, kBytes = 22;
+  struct Operand {
+    UBytes u;
+    float dw;
+    explicit Operand(const uint8_t* b) : u(five_bits(b + 2, b + 6)), dw(half_at(b)) {}
+    Sums sum(const ActivationRows& a, int64_t at, Bytes x) const {
+      Sums init = {};
+      init[0] = -16 * a.total[at];
+      return dot(init, u, x);
+    }
+    float minimum_term(const ActivationRows&, int64_t) const { return 0.f; }
+  };
+  using Strip = gguf_int8_groups::StripQ5_0;
+};
+
+struct Q5_1 {
+  static constexpr int kType = 7, kBytes = 24;
+  struct Operand {
+    UBytes u;
+    float dw, mw;
+    explicit Operand(const uint8_t* b) : u(five_bits(b + 4, b + 8)), dw(half_at(b)), mw(half_at(b + 2)) {}
+    Sums sum(const ActivationRows&, int64_t, Bytes x) const { return dot(Sums{}, u, x); }
+    float minimum_term(const ActivationRows& a, int64_t at) const { return mw * a.s[at]; }
+  };
+  using Strip = gguf_int8_groups::StripQ5_1;
+};
+
 template <class F>
 void with_type(int64_t type, F&& f) {
   switch (type) {
     case Q8_0::kType: return f(Q8_0{});
     case Q4_0::kType: return f(Q4_0{});
     case Q4_1::kType: return f(Q4_1{});
+    case Q5_0::kType: return f(Q5_0{});
+    case Q5_1::kType: return f(Q5_1{});
     default:
       TORCH_CHECK(false, "gguf_linear_int8: GGML type ", type, " has no int8 activation product; supported: Q8_0 (8), "
-                  "Q4_0 (2), Q4_1 (3)");
+                  "Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7)");
   }
 }
 
@@ -275,8 +311,10 @@ inline void sequential_rows(const ActivationRows& a, const RowPairs& pairs, cons
     float minimum = 0.f, paired = 0.f;
     int64_t b = 0;
 #if defined(PAGEDRL_INT8_ROW_PAIRS)
-    gguf_int8_row::pair_dot<typename T::Strip>(pairs, row, &paired, &minimum);
-    b = 2 * pairs.pairs;
+    if constexpr (T::Strip::kPairs) {
+      gguf_int8_row::pair_dot<typename T::Strip>(pairs, row, &paired, &minimum);
+      b = 2 * pairs.pairs;
+    }
 #else
     (void)pairs;
 #endif
@@ -368,7 +406,7 @@ void check(const at::Tensor& x, const at::Tensor& blocks, int64_t K, int bytes) 
               x.sizes());
 }
 
-// x [M, K] float32, blocks [N, row_bytes] uint8 of GGML type `type` (Q8_0, Q4_0, Q4_1), bias [N] or none
+// x [M, K] float32, blocks [N, row_bytes] uint8 of GGML type `type` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), bias [N] or none
 // -> [M, N] float32.
 at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t K,
                             const c10::optional<at::Tensor>& bias) {

@@ -143,13 +143,34 @@ inline void unpack_nibbles(const uint8_t* q, uint8_t* u) {  // value i: nibble i
 #endif
 }
 
-// What a weight type gives the strip: its 32 values as unsigned bytes u, the scale, the minimum (Q4_1),
-// and the integer k with value = dw * (u - k) (+ mw): sum(value q) = dw * (sum(u q) - k sum(q)) (+ mw s).
+// Q5_0 / Q5_1's 32 values 0..31: the nibbles (as `unpack_nibbles`) with bit i of the 32-bit `qh` as value
+// i's fifth bit.
+inline void unpack_five_bits(const uint8_t* qh, const uint8_t* qs, uint8_t* u) {
+  uint32_t high;
+  std::memcpy(&high, qh, 4);
+#if defined(__AVX2__)  // each byte its bit of `high`: spread the 4 bytes, set all other bits, compare to all-ones
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(high)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                        _mm256_set1_epi64x(-1));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), low = _mm_set1_epi8(15);
+  const __m256i n = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(u), _mm256_or_si256(n, _mm256_and_si256(set, _mm256_set1_epi8(16))));
+#else
+  unpack_nibbles(qs, u);
+  for (int i = 0; i < 32; ++i) u[i] |= static_cast<uint8_t>(((high >> i) & 1) << 4);
+#endif
+}
+
+// What a weight type gives the strip: its 32 values as unsigned bytes u, the scale, the minimum (Q4_1,
+// Q5_1), and the integer k with value = dw * (u - k) (+ mw): sum(value q) = dw * (sum(u q) - k sum(q))
+// (+ mw s). `kPairs`: the one-row product takes it two blocks a step (`gguf_int8_row.h`).
 // Q8_0 with an unsigned operand up to 255 (VNNI): u = w + 128, k = 128. Without: u = |w| and the signs
 // kept (`kSigned`), k = 0.
 struct StripQ8_0 {
   static constexpr int kBytes = 34, kOffset = kUnsignedBytes ? 128 : 0;
-  static constexpr bool kMinimum = false, kSigned = !kUnsignedBytes;
+  static constexpr bool kMinimum = false, kSigned = !kUnsignedBytes, kPairs = true;
   static void unpack(const uint8_t* block, uint8_t* u, uint8_t* signs, float* dw, float*) {
     *dw = half_value(block);
 #if defined(__AVX2__)
@@ -171,7 +192,7 @@ struct StripQ8_0 {
 };
 struct StripQ4_0 {
   static constexpr int kBytes = 18, kOffset = 8;
-  static constexpr bool kMinimum = false, kSigned = false;
+  static constexpr bool kMinimum = false, kSigned = false, kPairs = true;
   static void unpack(const uint8_t* block, uint8_t* u, uint8_t*, float* dw, float*) {
     *dw = half_value(block);
     unpack_nibbles(block + 2, u);
@@ -179,11 +200,29 @@ struct StripQ4_0 {
 };
 struct StripQ4_1 {
   static constexpr int kBytes = 20, kOffset = 0;
-  static constexpr bool kMinimum = true, kSigned = false;
+  static constexpr bool kMinimum = true, kSigned = false, kPairs = true;
   static void unpack(const uint8_t* block, uint8_t* u, uint8_t*, float* dw, float* mw) {
     *dw = half_value(block);
     *mw = half_value(block + 2);
     unpack_nibbles(block + 4, u);
+  }
+};
+
+struct StripQ5_0 {
+  static constexpr int kBytes = 22, kOffset = 16;
+  static constexpr bool kMinimum = false, kSigned = false, kPairs = false;
+  static void unpack(const uint8_t* block, uint8_t* u, uint8_t*, float* dw, float*) {
+    *dw = half_value(block);
+    unpack_five_bits(block + 2, block + 6, u);
+  }
+};
+struct StripQ5_1 {
+  static constexpr int kBytes = 24, kOffset = 0;
+  static constexpr bool kMinimum = true, kSigned = false, kPairs = false;
+  static void unpack(const uint8_t* block, uint8_t* u, uint8_t*, float* dw, float* mw) {
+    *dw = half_value(block);
+    *mw = half_value(block + 2);
+    unpack_five_bits(block + 4, block + 8, u);
   }
 };
 

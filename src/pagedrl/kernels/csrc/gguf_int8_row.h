@@ -38,7 +38,8 @@ struct PairRow {
 
   template <class T>
   PairRow(T, const int8_t* q_row, const float* d, const float* s, int64_t blocks)
-      : pairs(blocks / 2), q(q_row), scales(d), start(new int32_t[blocks / 2 * 16]()) {
+      : pairs(T::kPairs ? blocks / 2 : 0), q(q_row), scales(d), start(new int32_t[pairs * 16]()) {
+    if (!T::kPairs) return;  // its blocks go one at a time
     constexpr bool nibbles = T::kBytes != 34;
     if (nibbles) {
       reordered.reset(new int8_t[pairs * 64]);
