@@ -180,67 +180,40 @@ struct Q8_0 {
   using Strip = gguf_int8_groups::StripQ8_0;
 };
 
-struct Q4_0 {
-  static constexpr int kType = 2, kBytes = 18;
-  struct Operand {
-    UBytes n;
-    float dw;
-    explicit Operand(const uint8_t* b) : n(nibbles(b + 2)), dw(half_at(b)) {}
-    Sums sum(const ActivationRows& a, int64_t at, Bytes x) const {
-      Sums init = {};
-      init[0] = -8 * a.total[at];
-      return dot(init, n, x);
-    }
-    float minimum_term(const ActivationRows&, int64_t) const { return 0.f; }
-  };
-  using Strip = gguf_int8_groups::StripQ4_0;
-};
-
-struct Q4_1 {
-  static constexpr int kType = 3, kBytes = 20;
-  struct Operand {
-    UBytes n;
-    float dw, mw;
-    explicit Operand(const uint8_t* b) : n(nibbles(b + 4)), dw(half_at(b)), mw(half_at(b + 2)) {}
-    Sums sum(const ActivationRows&, int64_t, Bytes x) const { return dot(Sums{}, n, x); }
-    float minimum_term(const ActivationRows& a, int64_t at) const { return mw * a.s[at]; }
-  };
-  using Strip = gguf_int8_groups::StripQ4_1;
-};
-
 inline UBytes five_bits(const uint8_t* qh, const uint8_t* qs) {  // Q5_0 / Q5_1's values 0..31
   UBytes u;
   gguf_int8_groups::unpack_five_bits(qh, qs, reinterpret_cast<uint8_t*>(&u));
   return u;
 }
 
-struct Q5_0 {
-  static constexpr int kType = 6, kBytes = 22;
-  struct Operand {
-    UBytes u;
-    float dw;
-    explicit Operand(const uint8_t* b) : u(five_bits(b + 2, b + 6)), dw(half_at(b)) {}
-    Sums sum(const ActivationRows& a, int64_t at, Bytes x) const {
-      Sums init = {};
-      init[0] = -16 * a.total[at];
-      return dot(init, u, x);
-    }
-    float minimum_term(const ActivationRows&, int64_t) const { return 0.f; }
-  };
-  using Strip = gguf_int8_groups::StripQ5_0;
-};
-
-struct Q5_1 {
-  static constexpr int kType = 7, kBytes = 24;
+// Q4_0, Q4_1, Q5_0, Q5_1: values that are unsigned bytes u (nibbles, or 5 bits), the value dw * (u - k)
+// (Q4_0 k = 8, Q5_0 16) or dw * u + mw (the `_1` types); the block holds the scale, the minimum, (5 bits)
+// the 32 fifth bits, then the nibbles. `S`: its strip type (`gguf_int8_groups.h`), which says which.
+template <int Type, class S>
+struct UnsignedType {
+  static constexpr int kType = Type, kBytes = S::kBytes;
+  static constexpr bool kFive = S::kBytes == 22 || S::kBytes == 24;
+  static constexpr int kHead = S::kMinimum ? 4 : 2;
   struct Operand {
     UBytes u;
     float dw, mw;
-    explicit Operand(const uint8_t* b) : u(five_bits(b + 4, b + 8)), dw(half_at(b)), mw(half_at(b + 2)) {}
-    Sums sum(const ActivationRows&, int64_t, Bytes x) const { return dot(Sums{}, u, x); }
-    float minimum_term(const ActivationRows& a, int64_t at) const { return mw * a.s[at]; }
+    explicit Operand(const uint8_t* b)
+        : u(kFive ? five_bits(b + kHead, b + kHead + 4) : nibbles(b + kHead)), dw(half_at(b)),
+          mw(S::kMinimum ? half_at(b + 2) : 0.f) {}
+    Sums sum(const ActivationRows& a, int64_t at, Bytes x) const {
+      Sums init = {};
+      if constexpr (S::kOffset != 0) init[0] = -S::kOffset * a.total[at];
+      return dot(init, u, x);
+    }
+    float minimum_term(const ActivationRows& a, int64_t at) const { return S::kMinimum ? mw * a.s[at] : 0.f; }
   };
-  using Strip = gguf_int8_groups::StripQ5_1;
+  using Strip = S;
 };
+
+using Q4_0 = UnsignedType<2, gguf_int8_groups::StripQ4_0>;
+using Q4_1 = UnsignedType<3, gguf_int8_groups::StripQ4_1>;
+using Q5_0 = UnsignedType<6, gguf_int8_groups::StripQ5_0>;
+using Q5_1 = UnsignedType<7, gguf_int8_groups::StripQ5_1>;
 
 template <class F>
 void with_type(int64_t type, F&& f) {
