@@ -15,6 +15,7 @@
 //   Q8_0 weights: dw * dx * sum(w q)
 //   Q4_0 weights: dw * dx * sum((n - 8) q)
 //   Q4_1 weights: dw * dx * sum(n q) + mw * s
+//   Q5_0 / Q5_1 weights: as Q4_0 / Q4_1 with 5-bit n (n - 16 for Q5_0)
 // (dw, mw the weight block's half scale and minimum, dx, s the activation block's halves widened), and the
 // blocks' terms are summed in float32 (a fixed order; llama.cpp's own order is its own).
 #include <ATen/Parallel.h>
@@ -25,9 +26,9 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <tuple>
@@ -134,7 +135,7 @@ inline float sum8(Floats v) {  // a fixed tree
 
 // ------------------------------------------------------------------ the activation blocks
 // A row's blocks: the 32 int8 values, d widened from its half, s = half(d * sum(q)) widened (Q4_1's
-// minimum term) and the integer sum(q) (Q4_0's offset -8 * sum(q), the groups' offsets).
+// and Q5_1's minimum term) and the integer sum(q) (the offsets: Q4_0's -8 * sum(q), Q5_0's -16 * sum(q)).
 struct ActivationRows {
   int64_t M, K, blocks;
   std::unique_ptr<int8_t[]> q;
