@@ -344,7 +344,7 @@ void all_rows(const ActivationRows& a, const uint8_t* w, int64_t ldw, int64_t N,
   }
   const int64_t grouped = grouped_rows(a.M);
   std::unique_ptr<RowGroups> groups;
-  if (grouped > 0) groups.reset(new RowGroups(a.q.get(), a.d.get(), a.s.get(), a.total.get(), 0, grouped, a.blocks));
+  if (grouped > 0) groups.reset(new RowGroups(a.q.get(), a.d.get(), a.s.get(), a.total.get(), grouped, a.blocks));
   const int64_t strips = (N + kStripRows - 1) / kStripRows;
   at::parallel_for(0, strips, 16, [&](int64_t begin, int64_t end) {
     std::unique_ptr<Strip> strip(grouped > 0 ? new Strip(a.blocks) : nullptr);

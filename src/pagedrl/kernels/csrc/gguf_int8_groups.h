@@ -96,8 +96,8 @@ inline V load_lanes(const void* p) {
   return v;
 }
 
-// Rows [first, first + count) of the activation blocks interleaved kLanes rows to a group (rows past the
-// end are zeros: d = s = 0, no term): per group and block, the 32 values as 8 vectors of the lanes' 4
+// The first `count` rows of the activation blocks interleaved kLanes rows to a group (rows past the end are
+// zeros: d = s = 0, no term): per group and block, the 32 values as 8 vectors of the lanes' 4
 // consecutive values, then the lanes' d, s and integer sum of q side by side.
 struct RowGroups {
   int64_t groups, blocks;
@@ -105,13 +105,13 @@ struct RowGroups {
   std::unique_ptr<float[]> d, s;
   std::unique_ptr<int32_t[]> total;
 
-  RowGroups(const int8_t* q_rows, const float* d_rows, const float* s_rows, const int32_t* totals, int64_t first,
-            int64_t count, int64_t blocks_)
+  RowGroups(const int8_t* q_rows, const float* d_rows, const float* s_rows, const int32_t* totals, int64_t count,
+            int64_t blocks_)
       : groups((count + kLanes - 1) / kLanes), blocks(blocks_),
         q(new int8_t[groups * blocks_ * 32 * kLanes]()), d(new float[groups * blocks_ * kLanes]()),
         s(new float[groups * blocks_ * kLanes]()), total(new int32_t[groups * blocks_ * kLanes]()) {
     for (int64_t r = 0; r < count; ++r) {
-      const int64_t g = r / kLanes, lane = r % kLanes, row = first + r;
+      const int64_t g = r / kLanes, lane = r % kLanes, row = r;
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t at = (g * blocks + b) * kLanes + lane, from = row * blocks + b;
         d[at] = d_rows[from];
