@@ -51,8 +51,8 @@ _OPS = torch.ops.pagedrl_cpu
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prefill_tiles.cpp",
                                                                 "decode_linear.cpp", "pair_linear.cpp", "rowwise.cpp", "float_linear.cpp",
                                                                 "gguf_linear.cpp", "gguf_int8_dot.cpp", "threads.cpp")]
-HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "attention_rows.h", "float_lanes.h",
-                                                     "gguf_int8_groups.h", "gguf_int8_row.h")]  # shared by the sources: part of the build's key
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "attention_rows.h", "attention_f32.h",
+                                                     "float_lanes.h", "gguf_int8_groups.h", "gguf_int8_row.h")]  # shared by the sources: part of the build's key
 DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
 PREFILL_HEAD_DIMS = (16, 32, 64, 96, 128)  # the head sizes `paged_prefill` is compiled for
 

@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 
+#include "attention_f32.h"
 #include "cpu_math.h"
 
 #include <algorithm>
@@ -208,7 +209,7 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
         slots[t] = table[p / table_block] * table_block + p % table_block;
       }
     }
-#if PAGEDRL_BF16_DOT
+#if PAGEDRL_BF16_DOT || PAGEDRL_F32_CHUNKS
     // The keys and values two chunks ahead asked for now, into L2, while this one computes: a chunk
     // is one block in a scattered table, so the hardware's stream prefetcher starts cold at each.
     // A decode layer of 64 rows of 96-576 keys, all heads a row, 2 threads: no prefetch 1.8-2.9 ms,
@@ -231,6 +232,13 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
       if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0) {
         chunk_scores_bf16<kD>(q_row + hh * groups * head_dim, kc + h * head_dim, slots, n, token_stride, groups,
                               scale, head_scores);
+        continue;
+      }
+#endif
+#if PAGEDRL_F32_CHUNKS
+      if constexpr (std::is_same_v<T, float> && kD % kF32Lanes == 0 && kD > 0) {
+        chunk_scores_f32<kD>(query + hh * groups * head_dim, kc + h * head_dim, slots, n, token_stride, groups,
+                             head_scores);
         continue;
       }
 #endif
@@ -279,6 +287,12 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
 #if PAGEDRL_BF16_DOT
       if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0) {
         chunk_values_bf16<kD>(vc + h * head_dim, slots, n, token_stride, groups, head_probs, head_acc);
+        continue;
+      }
+#endif
+#if PAGEDRL_F32_CHUNKS
+      if constexpr (std::is_same_v<T, float> && kD % kF32Lanes == 0 && kD > 0) {
+        chunk_values_f32<kD>(vc + h * head_dim, slots, n, token_stride, groups, head_probs, head_acc);
         continue;
       }
 #endif

@@ -1,0 +1,137 @@
+// A float32 chunk's scores and weighted values in whole vectors (AVX512F, or AVX2 with FMA): the row
+// kernel's (`attention_rows.h`) inner loops for a float32 cache, as `chunk_scores_bf16` and
+// `chunk_values_bf16` are for a bf16 one.
+//
+// Why: written as portable loops (each key copied to a scratch row, then one dot product per query head
+// with its own horizontal sum) a float32 decode row cost about 0.2 us a key per layer (SmolLM2: 9 query
+// heads over 3 KV heads of 64): 34 us a layer at 160 keys, 1 ms of a single stream's 12 ms token, and
+// most of a batched step's attention. Here each key row is read from the cache straight into registers,
+// a query head's 16 position sums come out of one transpose-and-add, and a value row is added to up to
+// four heads' accumulators held in registers.
+//
+// Order: a score is sum_i (q[i] * k[i]) over head_dim in a fixed lane order, the same whichever other
+// positions or heads share the call, so a row's result stays the same bit for bit however many rows,
+// heads or sequences a call takes (the batch invariance `paged_attention.cpp` states).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#define PAGEDRL_F32_CHUNKS 1
+
+namespace pagedrl_cpu {
+
+#if defined(__AVX512F__)
+using F32Vec = __m512;
+constexpr int kF32Lanes = 16;
+inline F32Vec f32_zero() { return _mm512_setzero_ps(); }
+inline F32Vec f32_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void f32_store(float* p, F32Vec v) { _mm512_storeu_ps(p, v); }
+inline F32Vec f32_fma(F32Vec a, F32Vec b, F32Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline F32Vec f32_splat(float x) { return _mm512_set1_ps(x); }
+
+// Lane t: the sum of v[t]'s 16 lanes (pairs interleaved, then quadruples, then across 128-bit lanes twice).
+inline void f32_sum_lanes(F32Vec v[16], float* out) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int j = 0; j < 8; ++j)
+    pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j)
+    quads[j] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int j = 0; j < 2; ++j)
+    halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1))));
+}
+#else
+using F32Vec = __m256;
+constexpr int kF32Lanes = 8;
+inline F32Vec f32_zero() { return _mm256_setzero_ps(); }
+inline F32Vec f32_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void f32_store(float* p, F32Vec v) { _mm256_storeu_ps(p, v); }
+inline F32Vec f32_fma(F32Vec a, F32Vec b, F32Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline F32Vec f32_splat(float x) { return _mm256_set1_ps(x); }
+
+// Lane t: the sum of v[t]'s 8 lanes, for t in 0..7 and again for 8..15 (horizontal adds of pairs, then
+// quadruples, then the two 128-bit halves).
+inline void f32_sum_lanes(F32Vec v[16], float* out) {
+  for (int half = 0; half < 2; ++half) {
+    const F32Vec* w = v + 8 * half;
+    const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(w[0], w[1]), _mm256_hadd_ps(w[2], w[3]));
+    const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(w[4], w[5]), _mm256_hadd_ps(w[6], w[7]));
+    _mm256_storeu_ps(out + 8 * half, _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20),
+                                                   _mm256_permute2f128_ps(ab, cd, 0x31)));
+  }
+}
+#endif
+
+// A chunk's scores for the `groups` query heads of one KV head: query [groups][kD] (already scaled),
+// keys at `keys + slots[t] * token_stride` for t < n; positions n..15 score 0 (masked later).
+template <int kD>
+inline void chunk_scores_f32(const float* query, const float* keys, const int64_t* slots, int64_t n,
+                             int64_t token_stride, int64_t groups, float* scores) {
+  constexpr int kV = kD / kF32Lanes;
+  for (int64_t g = 0; g < groups; ++g) {
+    F32Vec qv[kV];
+    for (int i = 0; i < kV; ++i) qv[i] = f32_load(query + g * kD + kF32Lanes * i);
+    F32Vec sums[16];
+    for (int64_t t = 0; t < 16; ++t) {
+      F32Vec acc = f32_zero();
+      if (t < n) {
+        const float* k = keys + slots[t] * token_stride;
+        for (int i = 0; i < kV; ++i) acc = f32_fma(qv[i], f32_load(k + kF32Lanes * i), acc);
+      }
+      sums[t] = acc;
+    }
+    f32_sum_lanes(sums, scores + g * 16);
+  }
+}
+
+// acc[g] += p[g][t] * v[t] for the chunk's positions in order, kG heads' accumulators in registers:
+// with 16 lanes a whole row of each (a value row loaded once for the kG heads); with 8 (AVX2's 16
+// registers) one slice of kSlice vectors at a time. Each sum is added in position order either way.
+template <int kD, int kG>
+inline void chunk_values_f32_heads(const float* values, const int64_t* slots, int64_t n, int64_t token_stride,
+                                   const float* probs, float* acc) {
+  constexpr int kV = kD / kF32Lanes;
+  constexpr int kSlice = kF32Lanes == 16 ? kV : (kV % 2 == 0 ? 2 : 1);
+  for (int s = 0; s < kV; s += kSlice) {
+    F32Vec a[kG][kSlice];
+    for (int g = 0; g < kG; ++g)
+      for (int i = 0; i < kSlice; ++i) a[g][i] = f32_load(acc + g * kD + kF32Lanes * (s + i));
+    for (int64_t t = 0; t < n; ++t) {
+      const float* v = values + slots[t] * token_stride + kF32Lanes * s;
+      F32Vec row[kSlice];
+      for (int i = 0; i < kSlice; ++i) row[i] = f32_load(v + kF32Lanes * i);
+      for (int g = 0; g < kG; ++g) {
+        const F32Vec p = f32_splat(probs[g * 16 + t]);
+        for (int i = 0; i < kSlice; ++i) a[g][i] = f32_fma(p, row[i], a[g][i]);
+      }
+    }
+    for (int g = 0; g < kG; ++g)
+      for (int i = 0; i < kSlice; ++i) f32_store(acc + g * kD + kF32Lanes * (s + i), a[g][i]);
+  }
+}
+
+// Heads up to four at a time.
+template <int kD>
+inline void chunk_values_f32(const float* values, const int64_t* slots, int64_t n, int64_t token_stride,
+                             int64_t groups, const float* probs, float* acc) {
+  int64_t g = 0;
+  for (; g + 4 <= groups; g += 4)
+    chunk_values_f32_heads<kD, 4>(values, slots, n, token_stride, probs + g * 16, acc + g * kD);
+  switch (groups - g) {
+    case 3: chunk_values_f32_heads<kD, 3>(values, slots, n, token_stride, probs + g * 16, acc + g * kD); break;
+    case 2: chunk_values_f32_heads<kD, 2>(values, slots, n, token_stride, probs + g * 16, acc + g * kD); break;
+    case 1: chunk_values_f32_heads<kD, 1>(values, slots, n, token_stride, probs + g * 16, acc + g * kD); break;
+    default: break;
+  }
+}
+
+}  // namespace pagedrl_cpu
+
+#else
+#define PAGEDRL_F32_CHUNKS 0
+#endif
