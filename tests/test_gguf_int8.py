@@ -105,6 +105,27 @@ def test_the_product_is_the_formula_summed_by_hand(qtype, rows, out_features, bl
     assert (np.abs(got - want) <= bound).all(), np.abs(got - want).max()
 
 
+@settings(max_examples=25, deadline=None)
+@given(qtypes=st.lists(st.sampled_from(TYPES), min_size=1, max_size=3), rows=st.integers(0, 20),
+       out_features=st.lists(st.integers(1, 40), min_size=3, max_size=3), seed=st.integers(0, 2**32 - 1))
+def test_several_weights_in_one_call_are_each_weight_s_own_call(qtypes, rows, out_features, seed) -> None:
+    """`gguf_linear_int8_many` (a layer's q, k and v in one call) gives each weight's own call bit for bit,
+    whatever the types, row counts (one row: the prefetch into the next weight) and biases."""
+    rng = np.random.default_rng(seed)
+    k = 96
+    weights = [torch.from_numpy(random_blocks(q, n, k // 32, rng, edges=False))
+               for q, n in zip(qtypes, out_features, strict=False)]
+    biases = [torch.from_numpy(rng.standard_normal(w.shape[0]).astype(np.float32)) if i % 2 else None
+              for i, w in enumerate(weights)]
+    x = torch.from_numpy(activation_rows(rng, rows, k)) if rows else torch.zeros(0, k)
+    many = ops.gguf_linear_int8_many(x, weights, [int(q) for q in qtypes], k, biases)
+    assert len(many) == len(weights)
+    for got, w, q, b in zip(many, weights, qtypes, biases, strict=True):
+        assert torch.equal(got, ops.gguf_linear_int8(x, w, int(q), k, b))
+    with pytest.raises(RuntimeError, match=r"gguf_linear_int8_many: 1 weights, 2 types and 1 biases"):
+        ops.gguf_linear_int8_many(x, weights[:1], [8, 8], k, [None])
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_the_hand_reading_of_the_blocks_is_gguf_s(qtype) -> None:
     """The integers and scales the hand sums read (`weight_parts`) make gguf's own dequantized values."""

@@ -101,6 +101,19 @@ def float_product(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, n: in
 
 
 
+def shared_input(*modules: torch.nn.Module) -> tuple | None:
+    """`ops.gguf_linear_int8_many`'s arguments after the input for projections of one input (a layer's q,
+    k and v; its gate and up) that all run on 8-bit activations; None where any does not. One call
+    instead of three quantizes the input once and reads the weights as one stream: a single stream's
+    Q8_0 token, 90 calls fewer."""
+    if not all(type(m) is GGUFLinear and m.int8_activations for m in modules):
+        return None
+    if len({m.in_features for m in modules}) != 1:
+        return None
+    return ([m.qweight for m in modules], [int(m.ggml_type) for m in modules], modules[0].in_features,
+            [m.bias for m in modules])
+
+
 class DecodeProgram:
     """The decoder's forward for a step of one-token rows (`run`) and, for bf16, its vocabulary
     projection (`logits`) over `packed`'s k-pairs copies of the weights, listed once per weight
@@ -146,8 +159,10 @@ class DecodeProgram:
                 mlp_weights = tuple(self._projection(m) for m in (mlp.gate_proj, mlp.up_proj))
             down = self._projection(mlp.down_proj)
             qk_norms = None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+            shared = (shared_input(attn.q_proj, attn.k_proj, attn.v_proj),
+                      None if self.fused_mlp else shared_input(mlp.gate_proj, mlp.up_proj))
             layers.append((layer.input_layernorm.weight, *projections, qk_norms, layer.post_attention_layernorm.weight,
-                           mlp_weights, down))
+                           mlp_weights, down, shared))
         self._layers = layers
         self._head = self._projection(self.model.lm_head)
         self._fingerprint = self._fingerprint_now()  # packing may have moved the generation
@@ -185,12 +200,15 @@ class DecodeProgram:
         cos, sin = rope_cos_sin(meta.positions[None], backbone.inv_freq, x.dtype)
         cache = meta.kv_cache
         scale = meta.scale if meta.scale is not None else 1.0 / math.sqrt(head_dim)
-        for index, (norm1, q_proj, k_proj, v_proj, o_proj, qk_norms, norm2, mlp, down) in enumerate(self._layers):
+        for index, (norm1, q_proj, k_proj, v_proj, o_proj, qk_norms, norm2, mlp, down, shared) in enumerate(
+                self._layers):
             key_cache, value_cache = cache.key_cache[index], cache.value_cache[index]
             h = ops.rms_norm(x, norm1, eps)
-            q = product(h, *q_proj).view(1, n, heads, head_dim)
-            k = product(h, *k_proj).view(1, n, kv_heads, head_dim)
-            v = product(h, *v_proj).view(n, kv_heads, head_dim)
+            if shared[0] is not None:  # q, k and v on 8-bit activations: one call
+                q, k, v = ops.gguf_linear_int8_many(h, *shared[0])
+            else:
+                q, k, v = product(h, *q_proj), product(h, *k_proj), product(h, *v_proj)
+            q, k, v = q.view(1, n, heads, head_dim), k.view(1, n, kv_heads, head_dim), v.view(n, kv_heads, head_dim)
             if qk_norms is not None:
                 q, k = ops.rms_norm(q, qk_norms[0], eps), ops.rms_norm(k, qk_norms[1], eps)
             q, k = ops.rope(q, k, cos, sin)
@@ -201,6 +219,8 @@ class DecodeProgram:
             h = ops.rms_norm(x, norm2, eps)
             if len(mlp) == 1:
                 hidden = ops.pair_silu_mul(h, mlp[0])
+            elif shared[1] is not None:
+                hidden = ops.silu_mul(*ops.gguf_linear_int8_many(h, *shared[1]))
             else:
                 hidden = ops.silu_mul(product(h, *mlp[0]), product(h, *mlp[1]))
             x = x + product(hidden, *down)

@@ -52,7 +52,8 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c
                                                                 "decode_linear.cpp", "pair_linear.cpp", "rowwise.cpp", "float_linear.cpp",
                                                                 "gguf_linear.cpp", "gguf_int8_dot.cpp", "threads.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "attention_rows.h", "attention_f32.h",
-                                                     "float_lanes.h", "gguf_int8_groups.h", "gguf_int8_row.h")]  # shared by the sources: part of the build's key
+                                                     "float_lanes.h", "gguf_int8_groups.h", "gguf_int8_row.h",
+                                                     "gguf_int8_types.h")]  # shared by the sources: part of the build's key
 DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
 PREFILL_HEAD_DIMS = (16, 32, 64, 96, 128)  # the head sizes `paged_prefill` is compiled for
 
@@ -295,6 +296,13 @@ def gguf_linear_int8_op() -> Callable[..., torch.Tensor]:
     """`gguf_linear_int8`'s op itself (as `gguf_linear_op`)."""
     op = _OPS.gguf_linear_int8
     return getattr(op, "default", op)
+
+
+def gguf_linear_int8_many(x: torch.Tensor, blocks: list[torch.Tensor], ggml_types: list[int], k: int,
+                          biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """`gguf_linear_int8` of `x` with each weight in turn, the same bits, in one call: `x` quantized
+    once and each weight's first bytes fetched while the one before finishes (a layer's q, k and v)."""
+    return _OPS.gguf_linear_int8_many(x, blocks, ggml_types, k, biases)
 
 
 def gguf_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -78,8 +78,9 @@ inline uint32_t bits32(const uint8_t* p) {
 
 // The dot product of the prepared row with one weight row of `T` (a `gguf_int8_groups` strip type) over
 // its first 2 * pairs blocks: the float sum of the blocks' terms and, separately, Q4_1's minimum terms.
+// `ahead`: where to ask for the bytes that follow, a pair's worth a step (see `sequential_rows`).
 template <class T>
-inline void pair_dot(const PairRow& a, const uint8_t* row, float* sum, float* minimum) {
+inline void pair_dot(const PairRow& a, const uint8_t* row, const uint8_t* ahead, float* sum, float* minimum) {
   constexpr bool nibbles = T::kBytes != 34;
   __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   __m128 mins = _mm_setzero_ps();
@@ -92,6 +93,7 @@ inline void pair_dot(const PairRow& a, const uint8_t* row, float* sum, float* mi
   for (int64_t p = 0; p < a.pairs; ++p) {
     const uint8_t* b0 = row + 2 * p * T::kBytes;
     const uint8_t* b1 = b0 + T::kBytes;
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + 2 * p * T::kBytes), _MM_HINT_T0);
     __m512i u;
     __m128 scale;
     if constexpr (!nibbles) {
