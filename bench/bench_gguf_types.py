@@ -45,6 +45,10 @@ class TimedOps:
             if name in ("gguf_linear", "gguf_linear_int8"):
                 key = f"{GGMLQuantizationType(int(args[2])).name} products" + (" (int8 activations)" * name.endswith("8"))
                 self.bytes[key] += args[1].numel()
+            elif name == "gguf_linear_int8_many":  # a layer's q, k, v (gate, up) in one call
+                types = "+".join(sorted({GGMLQuantizationType(int(t)).name for t in args[2]}))
+                key = f"{types} products (int8 activations, several a call)"
+                self.bytes[key] += sum(b.numel() for b in args[1])
             self.seconds[key] += time.process_time() - start
             return out
 

@@ -120,7 +120,6 @@ inline void sequential_rows(const ActivationRows& a, const RowPairs& pairs, cons
   for (int j = 0; j < NB; ++j) {
     const uint8_t* row = w + (n0 + j) * ldw;
     const uint8_t* ahead = stream.ahead(row);
-    Floats acc[2] = {};
     float minimum = 0.f, paired = 0.f;
     int64_t b = 0;
 #if defined(PAGEDRL_INT8_ROW_PAIRS)
@@ -131,15 +130,22 @@ inline void sequential_rows(const ActivationRows& a, const RowPairs& pairs, cons
 #else
     (void)pairs;
 #endif
-    for (; b < a.blocks; ++b) {
-      if (ahead) __builtin_prefetch(ahead + b * T::kBytes);
-      const typename T::Operand op(row + b * T::kBytes);
-      const Bytes x = load<Bytes>(a.q.get() + b * 32);
-      const Sums s = op.sum(a, b, x);
-      acc[b & 1] = fma8(splat8(op.dw * a.d[b]), __builtin_convertvector(s, Floats), acc[b & 1]);
-      minimum += op.minimum_term(a, b);
+    // Even blocks into one sum, odd into the other; two blocks a turn, so that each sum stays in a register
+    // (indexed by b & 1 they went through memory: a store and a load in every block's chain).
+    Floats even = {}, odd = {};
+    auto step = [&](int64_t at, Floats& sum) {
+      if (ahead) __builtin_prefetch(ahead + at * T::kBytes);
+      const typename T::Operand op(row + at * T::kBytes);
+      const Sums s = op.sum(a, at, load<Bytes>(a.q.get() + at * 32));
+      sum = fma8(splat8(op.dw * a.d[at]), __builtin_convertvector(s, Floats), sum);
+      minimum += op.minimum_term(a, at);
+    };
+    for (; b + 1 < a.blocks; b += 2) {
+      step(b, even);
+      step(b + 1, odd);
     }
-    y[n0 + j] = paired + sum8(acc[0] + acc[1]) + minimum + (bias ? bias[n0 + j] : 0.f);
+    if (b < a.blocks) step(b, even);
+    y[n0 + j] = paired + sum8(even + odd) + minimum + (bias ? bias[n0 + j] : 0.f);
   }
 }
 

@@ -82,7 +82,7 @@ inline uint32_t bits32(const uint8_t* p) {
 template <class T>
 inline void pair_dot(const PairRow& a, const uint8_t* row, const uint8_t* ahead, float* sum, float* minimum) {
   constexpr bool nibbles = T::kBytes != 34;
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();  // the even pairs' sums and the odd ones'
   __m128 mins = _mm_setzero_ps();
   // scale lanes: Q8_0 lanes 0-7 block 0, 8-15 block 1; nibbles lanes 0-3 and 8-11 block 0, the rest block 1;
   // Q4_1's scales sit at 0 and 2 of [d0 dw0, s0 mw0, d1 dw1, s1 mw1]
@@ -90,10 +90,13 @@ inline void pair_dot(const PairRow& a, const uint8_t* row, const uint8_t* ahead,
   const __m512i spread = nibbles ? _mm512_set_epi32(second, second, second, second, 0, 0, 0, 0, second, second,
                                                      second, second, 0, 0, 0, 0)
                                  : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  for (int64_t p = 0; p < a.pairs; ++p) {
+  auto step = [&](int64_t p, __m512& acc) {
     const uint8_t* b0 = row + 2 * p * T::kBytes;
     const uint8_t* b1 = b0 + T::kBytes;
-    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + 2 * p * T::kBytes), _MM_HINT_T0);
+    if (ahead) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + 2 * p * T::kBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + 2 * p * T::kBytes + T::kBytes), _MM_HINT_T0);
+    }
     __m512i u;
     __m128 scale;
     if constexpr (!nibbles) {
@@ -123,9 +126,16 @@ inline void pair_dot(const PairRow& a, const uint8_t* row, const uint8_t* ahead,
     const __m512i sums = _mm512_dpbusd_epi32(_mm512_loadu_si512(a.start.get() + 16 * p), u,
                                              _mm512_loadu_si512(a.q + 64 * p));
     const __m512 lanes = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale));
-    acc[p & 1] = _mm512_fmadd_ps(lanes, _mm512_cvtepi32_ps(sums), acc[p & 1]);
+    acc = _mm512_fmadd_ps(lanes, _mm512_cvtepi32_ps(sums), acc);
+  };
+  // Two pairs a turn, so that both sums stay in registers (`sequential_rows` says why).
+  int64_t p = 0;
+  for (; p + 1 < a.pairs; p += 2) {
+    step(p, even);
+    step(p + 1, odd);
   }
-  *sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+  if (p < a.pairs) step(p, even);
+  *sum = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
   float m[4];
   _mm_storeu_ps(m, mins);
   *minimum = m[1] + m[3];
