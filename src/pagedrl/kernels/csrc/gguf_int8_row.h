@@ -123,8 +123,10 @@ inline void pair_dot(const PairRow& a, const uint8_t* row, const uint8_t* ahead,
         scale = _mm_mul_ps(dw, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(a.scales + 2 * p))));
       }
     }
-    const __m512i sums = _mm512_dpbusd_epi32(_mm512_loadu_si512(a.start.get() + 16 * p), u,
-                                             _mm512_loadu_si512(a.q + 64 * p));
+    // (types with no offset start from zeros: one 512-bit load fewer a step; two rows at once sharing the
+    // loads ran as fast from L2 but read memory as two streams, 30-50% slower)
+    const __m512i start = T::kOffset != 0 ? _mm512_loadu_si512(a.start.get() + 16 * p) : _mm512_setzero_si512();
+    const __m512i sums = _mm512_dpbusd_epi32(start, u, _mm512_loadu_si512(a.q + 64 * p));
     const __m512 lanes = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale));
     acc = _mm512_fmadd_ps(lanes, _mm512_cvtepi32_ps(sums), acc);
   };
