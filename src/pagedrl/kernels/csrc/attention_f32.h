@@ -16,6 +16,8 @@
 
 #include <cstdint>
 
+#include "cpu_math.h"
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #define PAGEDRL_F32_CHUNKS 1
@@ -31,20 +33,8 @@ inline void f32_store(float* p, F32Vec v) { _mm512_storeu_ps(p, v); }
 inline F32Vec f32_fma(F32Vec a, F32Vec b, F32Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline F32Vec f32_splat(float x) { return _mm512_set1_ps(x); }
 
-// Lane t: the sum of v[t]'s 16 lanes (pairs interleaved, then quadruples, then across 128-bit lanes twice).
-inline void f32_sum_lanes(F32Vec v[16], float* out) {
-  __m512 pairs[8], quads[4], halves[2];
-  for (int j = 0; j < 8; ++j)
-    pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-  for (int j = 0; j < 4; ++j)
-    quads[j] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int j = 0; j < 2; ++j)
-    halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                      _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1))));
-}
+// Lane t: the sum of v[t]'s 16 lanes (`sum_lanes16`).
+inline void f32_sum_lanes(F32Vec v[16], float* out) { _mm512_storeu_ps(out, sum_lanes16(v)); }
 #else
 using F32Vec = __m256;
 constexpr int kF32Lanes = 8;

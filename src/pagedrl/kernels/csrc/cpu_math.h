@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -94,6 +94,9 @@ inline __m256i silu_mul_bf16x16(__m512 gate, __m512 up) {
   return round_bf16x16(_mm512_mul_ps(silu, up));
 }
 
+#endif
+
+#if defined(__AVX512F__)
 // Lane t of the result is the sum of the 16 lanes of v[t]: 16 horizontal sums in 45 shuffles and adds
 // (pairs interleaved, then quadruples, then across the 128-bit lanes twice) where one at a time take
 // about 140. The additions of each sum happen in the same order whatever the other 15 vectors hold.
