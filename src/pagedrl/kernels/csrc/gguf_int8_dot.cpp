@@ -103,7 +103,6 @@ constexpr int64_t kAskedRowBytes = 1024;
 struct Stream {
   const uint8_t* end;   // one past the weight's last byte
   const uint8_t* next;  // the weight read after it, or nullptr
-
   bool asks;            // rows short enough to gain
 
   const uint8_t* ahead(const uint8_t* p) const {
@@ -252,7 +251,8 @@ at::Tensor product(const at::Tensor& x, const ActivationRows* a, const at::Tenso
 }
 
 std::unique_ptr<ActivationRows> activation_rows(const at::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == K && x.stride(1) == 1 && K % 32 == 0,
+  TORCH_CHECK(K > 0 && K % 32 == 0, "gguf_linear_int8: K = ", K, " is not a positive multiple of 32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == K && x.stride(1) == 1,
               "gguf_linear_int8: x must be float32 [M, ", K, "] with contiguous rows, got ", x.scalar_type(), " ",
               x.sizes());
   if (x.size(0) == 0) return nullptr;
