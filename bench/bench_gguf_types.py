@@ -25,6 +25,14 @@ from gguf import GGMLQuantizationType
 from pagedrl import LLM, SamplingParams
 from pagedrl.kernels import isa, ops
 from pagedrl.model.default import default_gguf_path
+from pagedrl.model.gguf_modules import ROWS8
+
+
+def type_name(kernel_type: int) -> str:
+    """A kernel's type id as the GGML type's name, `rows8` where the blocks are in that layout."""
+    kernel_type = int(kernel_type)
+    rows8 = kernel_type >= ROWS8
+    return GGMLQuantizationType(kernel_type - ROWS8 * rows8).name + " rows8" * rows8
 
 
 class TimedOps:
@@ -43,10 +51,10 @@ class TimedOps:
             out = fn(*args, **kwargs)
             key = name
             if name in ("gguf_linear", "gguf_linear_int8"):
-                key = f"{GGMLQuantizationType(int(args[2])).name} products" + (" (int8 activations)" * name.endswith("8"))
+                key = f"{type_name(args[2])} products" + (" (int8 activations)" * name.endswith("8"))
                 self.bytes[key] += args[1].numel()
             elif name == "gguf_linear_int8_many":  # a layer's q, k, v (gate, up) in one call
-                types = "+".join(sorted({GGMLQuantizationType(int(t)).name for t in args[2]}))
+                types = "+".join(sorted({type_name(t) for t in args[2]}))
                 key = f"{types} products (int8 activations, several a call)"
                 self.bytes[key] += sum(b.numel() for b in args[1])
             self.seconds[key] += time.process_time() - start

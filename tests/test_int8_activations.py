@@ -28,7 +28,7 @@ from tiny import hf_model
 from pagedrl import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.kernels import ops
-from pagedrl.model.gguf_modules import GGUFLinear
+from pagedrl.model.gguf_modules import ROWS8, GGUFLinear, unpack_rows8
 from pagedrl.model.loader import load_model
 
 TYPES = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q5_1, "ffn_gate": Q.Q5_0,
@@ -89,6 +89,7 @@ def test_engine_computes_llama_cpp_s_arithmetic(int8_gguf: Path, settings: dict)
         got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.close()
     assert calls  # prefill runs the modules on either path
+    assert "rows8" in calls  # the Q4_0 / Q4_1 projections in the rows8 layout
     compared, flips = 0, 0
     for out, (tokens, logprobs, gaps) in zip(got, reference(int8_gguf, prompts), strict=True):
         for step, want in enumerate(tokens):
@@ -106,6 +107,10 @@ def test_engine_computes_llama_cpp_s_arithmetic(int8_gguf: Path, settings: dict)
 def checked_product(product, calls: list, x, blocks, ggml_type, k, bias):  # noqa: ANN001, ANN201
     """`product`'s result, asserted equal to the hand sum over the same rows within float32 rounding."""
     out = product(x, blocks, ggml_type, k, bias)
+    if ggml_type >= ROWS8:  # a Q4_0 / Q4_1 weight kept in the rows8 layout
+        ggml_type -= ROWS8
+        blocks = unpack_rows8(blocks, ggml_type)
+        calls.append("rows8")
     want, scale = by_hand(x.numpy(), blocks.numpy(), Q(ggml_type), None if bias is None else bias.numpy())
     bound = 4 * np.finfo(np.float32).eps * (k // 32 + 2) * scale + np.finfo(np.float32).tiny
     assert (np.abs(out.numpy() - want) <= bound).all(), (Q(ggml_type), tuple(x.shape))

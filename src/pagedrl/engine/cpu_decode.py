@@ -110,7 +110,7 @@ def shared_input(*modules: torch.nn.Module) -> tuple | None:
         return None
     if len({m.in_features for m in modules}) != 1:
         return None
-    return ([m.qweight for m in modules], [int(m.ggml_type) for m in modules], modules[0].in_features,
+    return ([m.qweight for m in modules], [m.kernel_type for m in modules], modules[0].in_features,
             [m.bias for m in modules])
 
 
@@ -172,7 +172,7 @@ class DecodeProgram:
         GGUF one's, the module itself (its product reads the blocks)."""
         if type(module) is GGUFLinear:
             int8 = module.int8_activations
-            weight = QuantizedWeight(module.qweight, module.ggml_type, module.in_features, module.bias,
+            weight = QuantizedWeight(module.qweight, module.kernel_type, module.in_features, module.bias,
                                      ops.gguf_linear_int8_op() if int8 else ops.gguf_linear_op(),
                                      sys.maxsize if int8 else products.MAX_ROWS_QUANTIZED,
                                      products.int8_rows if int8 else products.quantized_rows)

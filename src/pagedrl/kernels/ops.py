@@ -53,7 +53,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c
                                                                 "gguf_linear.cpp", "gguf_int8_dot.cpp", "threads.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "attention_rows.h", "attention_f32.h",
                                                      "float_lanes.h", "gguf_int8_groups.h", "gguf_int8_row.h",
-                                                     "gguf_int8_types.h")]  # shared by the sources: part of the build's key
+                                                     "gguf_int8_rows8.h", "gguf_int8_types.h")]  # the build's key too
 DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
 PREFILL_HEAD_DIMS = (16, 32, 64, 96, 128)  # the head sizes `paged_prefill` is compiled for
 

@@ -36,6 +36,7 @@
 
 #include "gguf_int8_groups.h"
 #include "gguf_int8_row.h"
+#include "gguf_int8_rows8.h"
 #include "gguf_int8_types.h"
 
 #if defined(__AVX2__)
@@ -46,13 +47,13 @@ namespace {
 
 using namespace gguf_int8;
 
-// Rows [m0, m0 + MB) against weight rows [n0, n0 + NB): each weight block read once for the MB rows.
+// Rows [m0, m0 + MB) against weight rows [n0, n0 + NB) (the first at `wn`): each weight block read once
+// for the MB rows.
 template <class T, int MB, int NB>
-inline void tile(const ActivationRows& a, int64_t m0, const uint8_t* w, int64_t ldw, int64_t n0, const float* bias,
+inline void tile(const ActivationRows& a, int64_t m0, const uint8_t* wn, int64_t ldw, int64_t n0, const float* bias,
                  float* y, int64_t ldy) {
   Floats acc[MB][NB] = {};
   float minimum[MB][NB] = {};
-  const uint8_t* wn = w + n0 * ldw;
   for (int64_t b = 0; b < a.blocks; ++b) {
     Bytes x[MB];
     for (int i = 0; i < MB; ++i) x[i] = load<Bytes>(a.q.get() + ((m0 + i) * a.blocks + b) * 32);
@@ -167,21 +168,83 @@ inline int64_t grouped_rows(int64_t M) {
   return M - full >= kPadRows ? M : full;
 }
 
-// Rows [m0, M) against weight row n in tiles of kTileRows rows, then one by one.
+// Rows [m0, M) against weight row n (at `wn`) in tiles of kTileRows rows, then one by one.
 template <class T>
-void tile_rows(const ActivationRows& a, int64_t m0, const uint8_t* w, int64_t ldw, int64_t n, const float* bias,
+void tile_rows(const ActivationRows& a, int64_t m0, const uint8_t* wn, int64_t ldw, int64_t n, const float* bias,
                float* y, int64_t ldy) {
   int64_t m = m0;
-  for (; m + kTileRows <= a.M; m += kTileRows) tile<T, kTileRows, 1>(a, m, w, ldw, n, bias, y, ldy);
-  for (; m < a.M; ++m) tile<T, 1, 1>(a, m, w, ldw, n, bias, y, ldy);
+  for (; m + kTileRows <= a.M; m += kTileRows) tile<T, kTileRows, 1>(a, m, wn, ldw, n, bias, y, ldy);
+  for (; m < a.M; ++m) tile<T, 1, 1>(a, m, wn, ldw, n, bias, y, ldy);
 }
 
+// Weight rows [n0, n0 + rows) (the first at `wn`, rows <= kStripRows) against all input rows: the first
+// `grouped` in lane groups through `strip`, the rest in tiles; y [M, N].
+template <class T>
+void strip_rows(const ActivationRows& a, const gguf_int8_groups::RowGroups* groups, gguf_int8_groups::Strip* strip,
+                int64_t grouped, const uint8_t* wn, int64_t ldw, int64_t n0, int rows, int64_t N, const float* bias,
+                float* y) {
+  using namespace gguf_int8_groups;
+  if (grouped > 0) {
+    strip->fill<typename T::Strip>(wn, ldw, rows);
+    for (int64_t g = 0; g < groups->groups; ++g) {
+      LaneFloats out[kStripRows];
+      group_strip<typename T::Strip>(*groups, *strip, g, out);
+      const int64_t lanes = std::min<int64_t>(kLanes, grouped - g * kLanes);
+      for (int j = 0; j < rows; ++j) {
+        const float b = bias ? bias[n0 + j] : 0.f;
+        for (int64_t l = 0; l < lanes; ++l) y[(g * kLanes + l) * N + n0 + j] = out[j][l] + b;
+      }
+    }
+  }
+  for (int j = 0; j < rows; ++j) tile_rows<T>(a, grouped, wn + j * ldw, ldw, n0 + j, bias, y, N);
+}
+
+constexpr int kRows8 = gguf_int8_rows8::kRows;
+
+#if defined(PAGEDRL_INT8_ROWS8)
+// All input rows (fewer than a lane group) against a weight in the `rows8` layout, group by group.
+template <class S>
+void rows8_products(const ActivationRows& a, const uint8_t* w, int64_t ldw, int64_t N, const float* bias, float* y,
+                    const Stream& stream) {
+  using namespace gguf_int8_rows8;
+  const Expanded x(a.q.get(), a.M, a.blocks);
+  at::parallel_for(0, N / kRows, 4, [&](int64_t begin, int64_t end) {
+    float out[kMaxInputRows][kRows];
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* group = w + g * kRows * ldw;
+      for (int64_t m0 = 0; m0 < a.M; m0 += kMaxInputRows) {
+        const uint8_t* ahead = m0 == 0 ? stream.ahead(group) : nullptr;
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxInputRows, a.M - m0));
+        const float *d = a.d.get(), *s = a.s.get();
+        const int32_t* total = a.total.get();
+        switch (rows) {
+          case 1: group_product<S, 1>(x, d, s, total, m0, group, ahead, out); break;
+          case 2: group_product<S, 2>(x, d, s, total, m0, group, ahead, out); break;
+          case 3: group_product<S, 3>(x, d, s, total, m0, group, ahead, out); break;
+          default: group_product<S, 4>(x, d, s, total, m0, group, ahead, out); break;
+        }
+        for (int i = 0; i < rows; ++i)
+          for (int r = 0; r < kRows; ++r)
+            y[(m0 + i) * N + g * kRows + r] = out[i][r] + (bias ? bias[g * kRows + r] : 0.f);
+      }
+    }
+  });
+}
+#endif
+
 // `next`: the weight the caller multiplies after this one (one row: its first bytes asked for early).
+// `rows8`: the weight is in the `rows8` layout (Q4_0 / Q4_1, `gguf_int8_rows8.h`).
 template <class T>
 void all_rows(const ActivationRows& a, const uint8_t* w, int64_t ldw, int64_t N, const float* bias, float* y,
-              const uint8_t* next = nullptr) {
+              const uint8_t* next, bool rows8) {
   using namespace gguf_int8_groups;
-  if (a.M == 1) {
+#if defined(PAGEDRL_INT8_ROWS8)
+  if (rows8 && grouped_rows(a.M) == 0) {
+    if constexpr (T::Strip::kPairs && T::Strip::kBytes != 34)
+      return rows8_products<typename T::Strip>(a, w, ldw, N, bias, y, Stream{w + N * ldw, next, true});
+  }
+#endif
+  if (a.M == 1 && !rows8) {
     const RowPairs pairs(typename T::Strip{}, a.q.get(), a.d.get(), a.s.get(), a.blocks);
     const Stream stream{w + N * ldw, next, ldw <= kAskedRowBytes};
     at::parallel_for(0, N / 4, 16, [&](int64_t begin, int64_t end) {
@@ -193,25 +256,26 @@ void all_rows(const ActivationRows& a, const uint8_t* w, int64_t ldw, int64_t N,
   const int64_t grouped = grouped_rows(a.M);
   std::unique_ptr<RowGroups> groups;
   if (grouped > 0) groups.reset(new RowGroups(a.q.get(), a.d.get(), a.s.get(), a.total.get(), grouped, a.blocks));
+  if (rows8) {  // each group of 8 rows back in the file's layout, then as below
+    at::parallel_for(0, N / kRows8, 2, [&](int64_t begin, int64_t end) {
+      std::unique_ptr<Strip> strip(grouped > 0 ? new Strip(a.blocks) : nullptr);
+      std::unique_ptr<uint8_t[]> rows(new uint8_t[kRows8 * ldw]);
+      for (int64_t g = begin; g < end; ++g) {
+        gguf_int8_rows8::unpack_group<typename T::Strip>(w + g * kRows8 * ldw, a.blocks, rows.get(), ldw);
+        for (int j = 0; j < kRows8; j += kStripRows)
+          strip_rows<T>(a, groups.get(), strip.get(), grouped, rows.get() + j * ldw, ldw, g * kRows8 + j,
+                        std::min(kStripRows, kRows8 - j), N, bias, y);
+      }
+    });
+    return;
+  }
   const int64_t strips = (N + kStripRows - 1) / kStripRows;
   at::parallel_for(0, strips, 16, [&](int64_t begin, int64_t end) {
     std::unique_ptr<Strip> strip(grouped > 0 ? new Strip(a.blocks) : nullptr);
     for (int64_t si = begin; si < end; ++si) {
       const int64_t n0 = si * kStripRows;
       const int rows = static_cast<int>(std::min<int64_t>(kStripRows, N - n0));
-      if (grouped > 0) {
-        strip->fill<typename T::Strip>(w, ldw, n0, rows);
-        for (int64_t g = 0; g < groups->groups; ++g) {
-          LaneFloats out[kStripRows];
-          group_strip<typename T::Strip>(*groups, *strip, g, out);
-          const int64_t lanes = std::min<int64_t>(kLanes, grouped - g * kLanes);
-          for (int j = 0; j < rows; ++j) {
-            const float b = bias ? bias[n0 + j] : 0.f;
-            for (int64_t l = 0; l < lanes; ++l) y[(g * kLanes + l) * N + n0 + j] = out[j][l] + b;
-          }
-        }
-      }
-      for (int j = 0; j < rows; ++j) tile_rows<T>(a, grouped, w, ldw, n0 + j, bias, y, N);
+      strip_rows<T>(a, groups.get(), strip.get(), grouped, w + n0 * ldw, ldw, n0, rows, N, bias, y);
     }
   });
 }
@@ -229,12 +293,18 @@ void check(const at::Tensor& x, const at::Tensor& blocks, int64_t K, int bytes) 
 }
 
 // One weight's product over activation blocks made already (none when M is 0): [M, N] float32.
+// `type`: a GGML type id, plus `gguf_int8_rows8::kLayoutFlag` for a weight in the `rows8` layout.
 at::Tensor product(const at::Tensor& x, const ActivationRows* a, const at::Tensor& blocks, int64_t type, int64_t K,
                    const c10::optional<at::Tensor>& bias, const uint8_t* next) {
   at::Tensor y;
-  with_type(type, [&](auto t) {
+  const bool rows8 = type >= gguf_int8_rows8::kLayoutFlag;
+  with_type(rows8 ? type - gguf_int8_rows8::kLayoutFlag : type, [&](auto t) {
     using T = decltype(t);
     check(x, blocks, K, T::kBytes);
+    TORCH_CHECK(!rows8 || ((T::kType == Q4_0::kType || T::kType == Q4_1::kType) && blocks.size(0) % kRows8 == 0 &&
+                           blocks.stride(0) == blocks.size(1)),
+                "gguf_linear_int8: the rows8 layout holds Q4_0 or Q4_1 weights of a multiple of 8 contiguous rows, "
+                "got type ", type - gguf_int8_rows8::kLayoutFlag, " with ", blocks.size(0), " rows");
     const int64_t M = x.size(0), N = blocks.size(0);
     at::Tensor bias_c;
     if (bias.has_value() && bias->defined()) {
@@ -245,7 +315,7 @@ at::Tensor product(const at::Tensor& x, const ActivationRows* a, const at::Tenso
     y = at::empty({M, N}, x.options());
     if (M == 0) return;
     const float* bp = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
-    all_rows<T>(*a, blocks.data_ptr<uint8_t>(), blocks.stride(0), N, bp, y.data_ptr<float>(), next);
+    all_rows<T>(*a, blocks.data_ptr<uint8_t>(), blocks.stride(0), N, bp, y.data_ptr<float>(), next, rows8);
   });
   return y;
 }

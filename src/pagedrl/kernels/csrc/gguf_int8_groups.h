@@ -239,11 +239,11 @@ struct Strip {
         dw(new float[blocks_ * kStripRows]()), mw(new float[blocks_ * kStripRows]()) {}
 
   template <class T>
-  void fill(const uint8_t* w, int64_t ldw, int64_t n0, int rows) {
+  void fill(const uint8_t* first_row, int64_t ldw, int rows) {
     for (int j = 0; j < rows; ++j)
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t at = b * kStripRows + j;
-        T::unpack(w + (n0 + j) * ldw + b * T::kBytes, u.get() + at * 32, signs.get() + at * 32, dw.get() + at,
+        T::unpack(first_row + j * ldw + b * T::kBytes, u.get() + at * 32, signs.get() + at * 32, dw.get() + at,
                   mw.get() + at);
       }
   }

@@ -1,0 +1,170 @@
+// Q4_0 / Q4_1 weights interleaved eight rows to a group (the `rows8` layout), multiplied on 8-bit
+// activations a few input rows at a time: a decode step's products (`gguf_int8_dot.cpp`).
+//
+// Why: in the file's own layout a row's blocks come one after another, each 16 nibble bytes behind its
+// halves, so a one-row product gathers each block's bytes, widens its own scale and ends every row in a
+// horizontal sum: about 7 cycles for two blocks, 15-18 GB/s from L2 where one thread reads memory at
+// 20-26. Eight rows interleaved, as llama.cpp's x86 repacking does, make each block step one aligned run
+// of bytes: the 8 rows' scales in one load, their nibbles in 4-byte chunks so that each 32-bit lane of a
+// dot product is one row's, and no horizontal sum until the group's end.
+//
+// The layout: a group (rows 8g .. 8g + 7, 8 * row_bytes bytes, the bytes the 8 rows hold in the file's
+// layout) holds per block b, in order, 8 * block bytes: the 8 rows' scales d (halves), Q4_1's 8 minimums
+// m, then the nibbles, for chunk c = 0..3 and row r = 0..7 the row's nibble bytes 4c .. 4c + 3 (low
+// nibbles values 4c.., high nibbles values 16 + 4c..). `unpack_group` gives the rows back in the file's
+// layout (the many-row products and the portable build read that).
+//
+// The numbers: each row's block sums are exact integers (nibbles <= 15 times |q| <= 127; AVX2's 16-bit
+// pairs reach at most 8 * 2 * 15 * 127 = 30480 before widening), scaled and summed in float32 over the
+// blocks in order; each row's sum does not depend on how many input rows share the step.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace gguf_int8_rows8 {
+
+constexpr int kRows = 8;
+// Added to a GGML type id by the caller: the weight is in this layout (`ops.GGUF_ROWS8`).
+constexpr int64_t kLayoutFlag = 256;
+constexpr int kMaxInputRows = 4;  // input rows a step (per row 2 sums in registers, the weights' 4 vectors)
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define PAGEDRL_INT8_ROWS8 512
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define PAGEDRL_INT8_ROWS8 256
+#endif
+
+template <class S>
+constexpr int head_bytes() {
+  return S::kMinimum ? 32 : 16;
+}
+
+// A group's 8 rows in the file's layout: out + r * ldw is row r (the group's `blocks` blocks).
+template <class S>
+inline void unpack_group(const uint8_t* group, int64_t blocks, uint8_t* out, int64_t ldw) {
+  constexpr int head = S::kMinimum ? 4 : 2;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* g = group + b * kRows * S::kBytes;
+    const uint8_t* chunks = g + head_bytes<S>();
+    for (int r = 0; r < kRows; ++r) {
+      uint8_t* block = out + r * ldw + b * S::kBytes;
+      std::memcpy(block, g + 2 * r, 2);
+      if (S::kMinimum) std::memcpy(block + 2, g + 16 + 2 * r, 2);
+      for (int c = 0; c < 4; ++c) std::memcpy(block + head + 4 * c, chunks + 32 * c + 4 * r, 4);
+    }
+  }
+}
+
+#if defined(PAGEDRL_INT8_ROWS8)
+
+// The input rows as the group steps read them, made once per product: per row and block 256 bytes, 8
+// runs of 32, run (c, half) at 128 * (c / 2) + 64 * half + 32 * (c % 2) holding values 16 * half + 4c ..
+// + 3 repeated for the 8 rows' lanes (so that the 512-bit steps read chunks c and c + 1 as one vector).
+struct Expanded {
+  int64_t rows, blocks;
+  std::unique_ptr<int8_t[]> q;
+
+  Expanded(const int8_t* q_rows, int64_t rows_, int64_t blocks_)
+      : rows(rows_), blocks(blocks_), q(new int8_t[rows_ * blocks_ * 256]) {
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int8_t* x = q_rows + (m * blocks + b) * 32;
+        int8_t* out = q.get() + (m * blocks + b) * 256;
+        for (int c = 0; c < 4; ++c)
+          for (int half = 0; half < 2; ++half) {
+            int8_t* run = out + 128 * (c / 2) + 64 * half + 32 * (c % 2);
+            for (int r = 0; r < kRows; ++r) std::memcpy(run + 4 * r, x + 16 * half + 4 * c, 4);
+          }
+      }
+  }
+  const int8_t* at(int64_t m, int64_t b) const { return q.get() + (m * blocks + b) * 256; }
+};
+
+// Input rows m0 .. m0 + MB against one group: out[i][r] = row (m0 + i) . weight row (8g + r), without bias.
+// d, s, total: the activation blocks' scales, d * sum(q) and sum(q) ([rows, blocks]). `ahead`: where to
+// ask for bytes a step (nullptr: none).
+template <class S, int MB>
+inline void group_product(const Expanded& a, const float* d, const float* s, const int32_t* total, int64_t m0,
+                          const uint8_t* group, const uint8_t* ahead, float out[][kRows]) {
+  const int64_t blocks = a.blocks;
+  constexpr int64_t step_bytes = kRows * S::kBytes;
+#if PAGEDRL_INT8_ROWS8 == 512
+  __m512 acc[MB];
+#else
+  __m256 acc[MB];
+#endif
+  __m256 mins[MB];
+  for (int i = 0; i < MB; ++i) {
+#if PAGEDRL_INT8_ROWS8 == 512
+    acc[i] = _mm512_setzero_ps();
+#else
+    acc[i] = _mm256_setzero_ps();
+#endif
+    mins[i] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* g = group + b * step_bytes;
+    if (ahead) {
+      for (int64_t line = 0; line < step_bytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + b * step_bytes + line), _MM_HINT_T0);
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+    __m256 mw = _mm256_setzero_ps();
+    if constexpr (S::kMinimum) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16)));
+    const uint8_t* nibbles = g + head_bytes<S>();
+#if PAGEDRL_INT8_ROWS8 == 512
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i v0 = _mm512_loadu_si512(nibbles), v1 = _mm512_loadu_si512(nibbles + 64);
+    const __m512i w0 = _mm512_and_si512(v0, low), w1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+    const __m512i w2 = _mm512_and_si512(v1, low), w3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+#endif
+    for (int i = 0; i < MB; ++i) {
+      const int64_t at = (m0 + i) * blocks + b;
+      const int8_t* x = a.at(m0 + i, b);
+#if PAGEDRL_INT8_ROWS8 == 512
+      // lanes 0-7 rows 0-7 over chunks 0 and 2, lanes 8-15 the same rows over chunks 1 and 3
+      __m512i sums = S::kOffset != 0 ? _mm512_maskz_set1_epi32(0xff, -S::kOffset * total[at]) : _mm512_setzero_si512();
+      sums = _mm512_dpbusd_epi32(sums, w0, _mm512_loadu_si512(x));
+      sums = _mm512_dpbusd_epi32(sums, w1, _mm512_loadu_si512(x + 64));
+      sums = _mm512_dpbusd_epi32(sums, w2, _mm512_loadu_si512(x + 128));
+      sums = _mm512_dpbusd_epi32(sums, w3, _mm512_loadu_si512(x + 192));
+      const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_set1_ps(d[at])));
+      acc[i] = _mm512_fmadd_ps(_mm512_shuffle_f32x4(scale, scale, 0x44), _mm512_cvtepi32_ps(sums), acc[i]);
+#else
+      const __m256i low = _mm256_set1_epi8(15);
+      __m256i pairs = _mm256_setzero_si256();  // 16-bit: at most 8 * 2 * 15 * 127
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 32 * c));
+        const int8_t* run = x + 128 * (c / 2) + 32 * (c % 2);
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_and_si256(v, low),
+                                                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run))));
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64))));
+      }
+      __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+      if constexpr (S::kOffset != 0) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(S::kOffset * total[at]));
+      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[at])), _mm256_cvtepi32_ps(sums), acc[i]);
+#endif
+      if constexpr (S::kMinimum) mins[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(s[at]), mins[i]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+#if PAGEDRL_INT8_ROWS8 == 512
+    const __m256 rows = _mm256_add_ps(_mm512_castps512_ps256(acc[i]),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
+#else
+    const __m256 rows = acc[i];
+#endif
+    _mm256_storeu_ps(out[i], _mm256_add_ps(rows, mins[i]));
+  }
+}
+
+#endif  // PAGEDRL_INT8_ROWS8
+
+}  // namespace gguf_int8_rows8

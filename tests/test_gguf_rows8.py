@@ -1,0 +1,106 @@
+"""The `rows8` layout of Q4_0 / Q4_1 weights on 8-bit activations (`kernels/csrc/gguf_int8_rows8.h`,
+`model/gguf_modules.pack_rows8`): the same bytes moved, to the places the layout states and back; its
+products against the hand sums of `test_gguf_int8`, and against the file layout's own kernels: the same
+bits where it goes through them (rows in lane groups), each row its own one-row product where it does not
+(a decode step's few rows); the refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedrl.kernels import ops
+from pagedrl.model.gguf_modules import ROWS8, GGUFLinear, pack_rows8, unpack_rows8
+from tests.test_gguf_int8 import activation_rows, by_hand
+from tests.test_gguf_linear import random_blocks
+
+pytestmark = pytest.mark.isa  # the group steps follow the CPU class (AVX512-VNNI, AVX2, none)
+
+TYPES = (Q.Q4_0, Q.Q4_1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernels() -> None:
+    assert ops.available()
+
+
+@settings(max_examples=30, deadline=None)
+@given(qtype=st.sampled_from(TYPES), groups=st.integers(1, 3), blocks=st.integers(1, 6), data=st.data())
+def test_packing_moves_each_byte_to_its_stated_place_and_back(qtype, groups, blocks, data) -> None:
+    raw = torch.from_numpy(random_blocks(qtype, 8 * groups, blocks, np.random.default_rng(blocks), edges=True))
+    packed = pack_rows8(raw, qtype)
+    assert packed.shape == raw.shape and torch.equal(unpack_rows8(packed, qtype), raw)
+    g, r, b = (data.draw(st.integers(0, n - 1)) for n in (groups, 8, blocks))
+    size, head = raw.shape[1] // blocks, 4 if qtype == Q.Q4_1 else 2
+    block = raw[8 * g + r, b * size:(b + 1) * size]
+    step = packed[8 * g:8 * g + 8].reshape(-1)[b * 8 * size:(b + 1) * 8 * size]  # block b of the group's 8 rows
+    assert torch.equal(step[2 * r:2 * r + 2], block[:2])  # the scales side by side
+    if qtype == Q.Q4_1:
+        assert torch.equal(step[16 + 2 * r:18 + 2 * r], block[2:4])  # then the minimums
+    for c in range(4):  # then the nibbles, chunk by chunk, the 8 rows' 4 bytes each
+        assert torch.equal(step[8 * head + 32 * c + 4 * r:8 * head + 32 * c + 4 * r + 4],
+                           block[head + 4 * c:head + 4 * c + 4])
+
+
+@settings(max_examples=40, deadline=None)
+@given(qtype=st.sampled_from(TYPES), rows=st.integers(1, 27), groups=st.integers(1, 3), blocks=st.integers(1, 6),
+       bias=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_products_are_the_hand_sums_and_the_file_layout_s(qtype, rows, groups, blocks, bias, seed) -> None:
+    """Any row count: within float32 rounding of the hand sum. 6 rows or more (lane groups on every CPU
+    class, and the few rows they leave): the file layout's bits. 1 or 2 rows (a decode step's group
+    steps): each row its own one-row product's bits, however many rows share the step."""
+    rng = np.random.default_rng(seed)
+    k, n = 32 * blocks, 8 * groups
+    raw = random_blocks(qtype, n, blocks, rng, edges=False)
+    x = activation_rows(rng, rows, k)
+    b = rng.standard_normal(n).astype(np.float32) if bias else None
+    tb = None if b is None else torch.from_numpy(b)
+    packed = pack_rows8(torch.from_numpy(raw), qtype)
+    got = ops.gguf_linear_int8(torch.from_numpy(x), packed, int(qtype) + ROWS8, k, tb)
+    want, scale = by_hand(x, raw, qtype, b)
+    bound = 4 * np.finfo(np.float32).eps * (blocks + 2) * scale + np.finfo(np.float32).tiny
+    assert (np.abs(got.numpy() - want) <= bound).all(), np.abs(got.numpy() - want).max()
+    if rows >= 6:
+        assert torch.equal(got, ops.gguf_linear_int8(torch.from_numpy(x), torch.from_numpy(raw), int(qtype), k, tb))
+    if rows <= 2:
+        for m in range(rows):
+            one = ops.gguf_linear_int8(torch.from_numpy(x[m:m + 1]), packed, int(qtype) + ROWS8, k, tb)
+            assert torch.equal(one[0], got[m])
+
+
+def test_several_weights_in_one_call_mix_the_layouts() -> None:
+    rng = np.random.default_rng(7)
+    weights = [torch.from_numpy(random_blocks(q, n, 3, rng, edges=False)) for q, n in
+               ((Q.Q4_1, 16), (Q.Q8_0, 12), (Q.Q4_0, 8))]
+    weights[0], weights[2] = pack_rows8(weights[0], Q.Q4_1), pack_rows8(weights[2], Q.Q4_0)
+    types = [int(Q.Q4_1) + ROWS8, int(Q.Q8_0), int(Q.Q4_0) + ROWS8]
+    x = torch.from_numpy(activation_rows(rng, 1, 96))
+    for got, w, t in zip(ops.gguf_linear_int8_many(x, weights, types, 96, [None] * 3), weights, types, strict=True):
+        assert torch.equal(got, ops.gguf_linear_int8(x, w, t, 96, None))
+
+
+def test_a_module_keeps_its_weight_through_the_layout() -> None:
+    raw = torch.from_numpy(random_blocks(Q.Q4_1, 16, 2, np.random.default_rng(1), edges=False))
+    module = GGUFLinear(raw.clone(), int(Q.Q4_1), 64)
+    before = module.dequantized()
+    module.to_rows8()
+    assert module.rows8 and module.kernel_type == int(Q.Q4_1) + ROWS8 and "layout=rows8" in repr(module)
+    assert not torch.equal(module.qweight, raw) and torch.equal(module.blocks, raw)
+    assert torch.equal(module.dequantized(), before)
+    with pytest.raises(ValueError, match=r"the rows8 layout holds Q4_0 / Q4_1 weights of a multiple of 8 rows, "
+                                         r"not Q8_0 \[12, 96\]"):
+        GGUFLinear(torch.from_numpy(random_blocks(Q.Q8_0, 12, 3, np.random.default_rng(2), edges=False)),
+                   int(Q.Q8_0), 96).to_rows8()
+
+
+def test_wrong_layouts_are_refused_with_the_reason() -> None:
+    x = torch.zeros(1, 64)
+    with pytest.raises(RuntimeError, match=r"the rows8 layout holds Q4_0 or Q4_1 weights of a multiple of 8 "
+                                           r"contiguous rows, got type 8 with 8 rows"):
+        ops.gguf_linear_int8(x, torch.zeros(8, 68, dtype=torch.uint8), int(Q.Q8_0) + ROWS8, 64, None)
+    with pytest.raises(RuntimeError, match=r"got type 3 with 12 rows"):
+        ops.gguf_linear_int8(x, torch.zeros(12, 40, dtype=torch.uint8), int(Q.Q4_1) + ROWS8, 64, None)
