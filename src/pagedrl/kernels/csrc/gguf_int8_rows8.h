@@ -78,8 +78,10 @@ struct Expanded {
         int8_t* out = q.get() + (m * blocks + b) * 256;
         for (int c = 0; c < 4; ++c)
           for (int half = 0; half < 2; ++half) {
-            int8_t* run = out + 128 * (c / 2) + 64 * half + 32 * (c % 2);
-            for (int r = 0; r < kRows; ++r) std::memcpy(run + 4 * r, x + 16 * half + 4 * c, 4);
+            int32_t four;
+            std::memcpy(&four, x + 16 * half + 4 * c, 4);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 128 * (c / 2) + 64 * half + 32 * (c % 2)),
+                                _mm256_set1_epi32(four));
           }
       }
   }
