@@ -1,4 +1,4 @@
-"""The `rows8` layout of Q4_0 / Q4_1 weights on 8-bit activations (`kernels/csrc/gguf_int8_rows8.h`,
+"""The `rows8` layout of Q4_0 / Q4_1 / Q5_0 / Q5_1 weights on 8-bit activations (`kernels/csrc/gguf_int8_rows8.h`,
 `model/gguf_modules.pack_rows8`): the same bytes moved, to the places the layout states and back; its
 products against the hand sums of `test_gguf_int8`, and against the file layout's own kernels: the same
 bits where it goes through them (rows in lane groups), each row its own one-row product where it does not
@@ -20,7 +20,7 @@ from tests.test_gguf_linear import random_blocks
 
 pytestmark = pytest.mark.isa  # the group steps follow the CPU class (AVX512-VNNI, AVX2, none)
 
-TYPES = (Q.Q4_0, Q.Q4_1)
+TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -35,15 +35,17 @@ def test_packing_moves_each_byte_to_its_stated_place_and_back(qtype, groups, blo
     packed = pack_rows8(raw, qtype)
     assert packed.shape == raw.shape and torch.equal(unpack_rows8(packed, qtype), raw)
     g, r, b = (data.draw(st.integers(0, n - 1)) for n in (groups, 8, blocks))
-    size, head = raw.shape[1] // blocks, 4 if qtype == Q.Q4_1 else 2
+    size = raw.shape[1] // blocks
     block = raw[8 * g + r, b * size:(b + 1) * size]
     step = packed[8 * g:8 * g + 8].reshape(-1)[b * 8 * size:(b + 1) * 8 * size]  # block b of the group's 8 rows
-    assert torch.equal(step[2 * r:2 * r + 2], block[:2])  # the scales side by side
-    if qtype == Q.Q4_1:
-        assert torch.equal(step[16 + 2 * r:18 + 2 * r], block[2:4])  # then the minimums
+    fields = [2, 2] if qtype in (Q.Q4_1, Q.Q5_1) else [2]  # the scale (and minimum) halves
+    fields += [4] if qtype in (Q.Q5_0, Q.Q5_1) else []  # the fifth bits
+    at = 0
+    for width in fields:  # each field of the 8 rows side by side, in the block's order
+        assert torch.equal(step[8 * at + width * r:8 * at + width * (r + 1)], block[at:at + width])
+        at += width
     for c in range(4):  # then the nibbles, chunk by chunk, the 8 rows' 4 bytes each
-        assert torch.equal(step[8 * head + 32 * c + 4 * r:8 * head + 32 * c + 4 * r + 4],
-                           block[head + 4 * c:head + 4 * c + 4])
+        assert torch.equal(step[8 * at + 32 * c + 4 * r:8 * at + 32 * c + 4 * r + 4], block[at + 4 * c:at + 4 * c + 4])
 
 
 @settings(max_examples=40, deadline=None)
@@ -91,16 +93,16 @@ def test_a_module_keeps_its_weight_through_the_layout() -> None:
     assert module.rows8 and module.kernel_type == int(Q.Q4_1) + ROWS8 and "layout=rows8" in repr(module)
     assert not torch.equal(module.qweight, raw) and torch.equal(module.blocks, raw)
     assert torch.equal(module.dequantized(), before)
-    with pytest.raises(ValueError, match=r"the rows8 layout holds Q4_0 / Q4_1 weights of a multiple of 8 rows, "
-                                         r"not Q8_0 \[12, 96\]"):
+    with pytest.raises(ValueError, match=r"the rows8 layout holds Q4_0 / Q4_1 / Q5_0 / Q5_1 weights of a multiple "
+                                         r"of 8 rows, not Q8_0 \[12, 96\]"):
         GGUFLinear(torch.from_numpy(random_blocks(Q.Q8_0, 12, 3, np.random.default_rng(2), edges=False)),
                    int(Q.Q8_0), 96).to_rows8()
 
 
 def test_wrong_layouts_are_refused_with_the_reason() -> None:
     x = torch.zeros(1, 64)
-    with pytest.raises(RuntimeError, match=r"the rows8 layout holds Q4_0 or Q4_1 weights of a multiple of 8 "
-                                           r"contiguous rows, got type 8 with 8 rows"):
+    with pytest.raises(RuntimeError, match=r"the rows8 layout holds Q4_0, Q4_1, Q5_0 or Q5_1 weights of a multiple "
+                                           r"of 8 contiguous rows, got type 8 with 8 rows"):
         ops.gguf_linear_int8(x, torch.zeros(8, 68, dtype=torch.uint8), int(Q.Q8_0) + ROWS8, 64, None)
     with pytest.raises(RuntimeError, match=r"got type 3 with 12 rows"):
         ops.gguf_linear_int8(x, torch.zeros(12, 40, dtype=torch.uint8), int(Q.Q4_1) + ROWS8, 64, None)

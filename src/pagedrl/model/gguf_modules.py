@@ -32,36 +32,44 @@ from pagedrl.model.moe import Experts
 # block shapes are `gguf_dequant.FORMATS`', which the CPU kernels share).
 SUPPORTED_TYPES = {t: gguf_dequant.FORMATS[t].name for t in (8, 2, 3, 6, 7, 12, 13, 14, 39)}
 type_name = gguf_dequant.type_name
-# The `rows8` layout (`csrc/gguf_int8_rows8.h`): Q4_0 / Q4_1 blocks of 8 rows interleaved, what a few rows'
-# 8-bit products read fastest. A kernel is told by ROWS8 added to the GGML type id.
+# The `rows8` layout (`csrc/gguf_int8_rows8.h`): Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks of 8 rows interleaved,
+# what a few rows' 8-bit products read fastest. A kernel is told by ROWS8 added to the GGML type id.
 ROWS8 = 256
-ROWS8_TYPES = (2, 3)
+ROWS8_TYPES = (2, 3, 6, 7)
 
 
-def _rows8_shape(blocks: torch.Tensor, ggml_type: int) -> tuple[int, int, int, int]:
-    """(groups, blocks a row, block bytes, head bytes) of a Q4_0 / Q4_1 weight [N, row_bytes], N % 8 == 0."""
-    size = gguf_dequant.FORMATS[ggml_type].nbytes
-    return blocks.shape[0] // 8, blocks.shape[1] // size, size, size - 16
+def _rows8_fields(ggml_type: int) -> list[int]:
+    """A block's fields before its 16 nibble bytes, in bytes: the halves (d; the `_1` types' m), Q5's
+    32-bit word of fifth bits."""
+    return ([2, 2] if ggml_type in (3, 7) else [2]) + ([4] if ggml_type in (6, 7) else [])
 
 
 def pack_rows8(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """A Q4_0 / Q4_1 weight's blocks [N, row_bytes] (N a multiple of 8) in the `rows8` layout, the same
-    bytes moved: per 8 rows and block, the 8 scales, (the 8 minimums,) then the nibbles in 4-byte chunks,
-    chunk-major."""
-    groups, nb, size, head = _rows8_shape(blocks, ggml_type)
+    """A Q4_0 / Q4_1 / Q5_0 / Q5_1 weight's blocks [N, row_bytes] (N a multiple of 8) in the `rows8`
+    layout, the same bytes moved: per 8 rows and block, each field of the 8 rows side by side (scales,
+    minimums, fifth bits), then the nibbles in 4-byte chunks, chunk-major."""
+    size = gguf_dequant.FORMATS[ggml_type].nbytes
+    groups, nb = blocks.shape[0] // 8, blocks.shape[1] // size
     b = blocks.reshape(groups, 8, nb, size)
-    halves = [b[..., at:at + 2].permute(0, 2, 1, 3).reshape(groups, nb, 16) for at in range(0, head, 2)]
-    nibbles = b[..., head:].reshape(groups, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 128)
-    return torch.cat([*halves, nibbles], dim=-1).reshape(blocks.shape).contiguous()
+    parts, at = [], 0
+    for width in _rows8_fields(ggml_type):
+        parts.append(b[..., at:at + width].permute(0, 2, 1, 3).reshape(groups, nb, 8 * width))
+        at += width
+    parts.append(b[..., at:].reshape(groups, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 128))
+    return torch.cat(parts, dim=-1).reshape(blocks.shape).contiguous()
 
 
 def unpack_rows8(packed: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """`pack_rows8`'s inverse: the blocks in the file's layout."""
-    groups, nb, size, head = _rows8_shape(packed, ggml_type)
+    size = gguf_dequant.FORMATS[ggml_type].nbytes
+    groups, nb = packed.shape[0] // 8, packed.shape[1] // size
     p = packed.reshape(groups, nb, 8 * size)
-    halves = [p[..., 8 * at:8 * at + 16].reshape(groups, nb, 8, 2).permute(0, 2, 1, 3) for at in range(0, head, 2)]
-    nibbles = p[..., 8 * head:].reshape(groups, nb, 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(groups, 8, nb, 16)
-    return torch.cat([*halves, nibbles], dim=-1).reshape(packed.shape).contiguous()
+    parts, at = [], 0
+    for width in _rows8_fields(ggml_type):
+        parts.append(p[..., at:at + 8 * width].reshape(groups, nb, 8, width).permute(0, 2, 1, 3))
+        at += 8 * width
+    parts.append(p[..., at:].reshape(groups, nb, 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(groups, 8, nb, 16))
+    return torch.cat(parts, dim=-1).reshape(packed.shape).contiguous()
 
 
 def dequantize(blocks: torch.Tensor, ggml_type: int, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -113,9 +121,9 @@ class GGUFLinear(nn.Module):
         return unpack_rows8(self.qweight, self.ggml_type) if self.rows8 else self.qweight
 
     def to_rows8(self) -> None:
-        """Keep the blocks in the `rows8` layout (a Q4_0 / Q4_1 weight of a multiple of 8 rows)."""
+        """Keep the blocks in the `rows8` layout (a Q4_0 / Q4_1 / Q5_0 / Q5_1 weight of a multiple of 8 rows)."""
         if self.ggml_type not in ROWS8_TYPES or self.out_features % 8:
-            raise ValueError(f"the rows8 layout holds Q4_0 / Q4_1 weights of a multiple of 8 rows, not "
+            raise ValueError(f"the rows8 layout holds Q4_0 / Q4_1 / Q5_0 / Q5_1 weights of a multiple of 8 rows, not "
                              f"{type_name(self.ggml_type)} [{self.out_features}, {self.in_features}]")
         if not self.rows8:
             self.qweight = pack_rows8(self.qweight, self.ggml_type)
@@ -146,8 +154,8 @@ def use_int8_activations(model: nn.Module) -> dict[str, int]:
     """Turn the engine's products of `model`'s Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 projections to 8-bit activations
     (`products.int8_rows`: llama.cpp's arithmetic, faster on a CPU, no longer the float32 model's numbers);
     the projections turned, counted by type. Others (K-quants, MXFP4 experts) keep float32 activations.
-    Q4_0 / Q4_1 weights of a multiple of 8 rows move to the `rows8` layout (a decode step's products 1.5x
-    faster), except a table an embedding looks rows up in (a tied LM head's)."""
+    Q4_0 / Q4_1 / Q5_0 / Q5_1 weights of a multiple of 8 rows move to the `rows8` layout (a decode step's
+    products faster), except a table an embedding looks rows up in (a tied LM head's)."""
     turned: dict[str, int] = {}
     tables = {id(m.table) for m in model.modules() if isinstance(m, GGUFEmbedding)}  # lookups, not products
     looked_up = {m.table.qweight.data_ptr() for m in model.modules() if isinstance(m, GGUFEmbedding)}

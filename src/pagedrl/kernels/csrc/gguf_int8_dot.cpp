@@ -234,14 +234,14 @@ void rows8_products(const ActivationRows& a, const uint8_t* w, int64_t ldw, int6
 #endif
 
 // `next`: the weight the caller multiplies after this one (one row: its first bytes asked for early).
-// `rows8`: the weight is in the `rows8` layout (Q4_0 / Q4_1, `gguf_int8_rows8.h`).
+// `rows8`: the weight is in the `rows8` layout (Q4_0 / Q4_1 / Q5_0 / Q5_1, `gguf_int8_rows8.h`).
 template <class T>
 void all_rows(const ActivationRows& a, const uint8_t* w, int64_t ldw, int64_t N, const float* bias, float* y,
               const uint8_t* next, bool rows8) {
   using namespace gguf_int8_groups;
 #if defined(PAGEDRL_INT8_ROWS8)
   if (rows8 && grouped_rows(a.M) == 0) {
-    if constexpr (T::Strip::kPairs && T::Strip::kBytes != 34)
+    if constexpr (T::Strip::kRows8)
       return rows8_products<typename T::Strip>(a, w, ldw, N, bias, y, Stream{w + N * ldw, next, true});
   }
 #endif
@@ -302,9 +302,9 @@ at::Tensor product(const at::Tensor& x, const ActivationRows* a, const at::Tenso
   with_type(rows8 ? type - gguf_int8_rows8::kLayoutFlag : type, [&](auto t) {
     using T = decltype(t);
     check(x, blocks, K, T::kBytes);
-    TORCH_CHECK(!rows8 || ((T::kType == Q4_0::kType || T::kType == Q4_1::kType) && blocks.size(0) % kRows8 == 0 &&
+    TORCH_CHECK(!rows8 || (T::Strip::kRows8 && blocks.size(0) % kRows8 == 0 &&
                            blocks.stride(0) == blocks.size(1)),
-                "gguf_linear_int8: the rows8 layout holds Q4_0 or Q4_1 weights of a multiple of 8 contiguous rows, "
+                "gguf_linear_int8: the rows8 layout holds Q4_0, Q4_1, Q5_0 or Q5_1 weights of a multiple of 8 contiguous rows, "
                 "got type ", type - gguf_int8_rows8::kLayoutFlag, " with ", blocks.size(0), " rows");
     const int64_t M = x.size(0), N = blocks.size(0);
     at::Tensor bias_c;

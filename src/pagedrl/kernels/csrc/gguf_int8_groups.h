@@ -165,12 +165,13 @@ inline void unpack_five_bits(const uint8_t* qh, const uint8_t* qs, uint8_t* u) {
 
 // What a weight type gives the strip: its 32 values as unsigned bytes u, the scale, the minimum (Q4_1,
 // Q5_1), and the integer k with value = dw * (u - k) (+ mw): sum(value q) = dw * (sum(u q) - k sum(q))
-// (+ mw s). `kPairs`: the one-row product takes it two blocks a step (`gguf_int8_row.h`).
+// (+ mw s). `kPairs`: the one-row product takes it two blocks a step (`gguf_int8_row.h`); `kRows8`: it
+// can be kept in the `rows8` layout (`gguf_int8_rows8.h`).
 // Q8_0 with an unsigned operand up to 255 (VNNI): u = w + 128, k = 128. Without: u = |w| and the signs
 // kept (`kSigned`), k = 0.
 struct StripQ8_0 {
   static constexpr int kBytes = 34, kOffset = kUnsignedBytes ? 128 : 0;
-  static constexpr bool kMinimum = false, kSigned = !kUnsignedBytes, kPairs = true;
+  static constexpr bool kMinimum = false, kSigned = !kUnsignedBytes, kPairs = true, kRows8 = false;
   static void unpack(const uint8_t* block, uint8_t* u, uint8_t* signs, float* dw, float*) {
     *dw = half_value(block);
 #if defined(__AVX2__)
@@ -192,7 +193,7 @@ struct StripQ8_0 {
 };
 struct StripQ4_0 {
   static constexpr int kBytes = 18, kOffset = 8;
-  static constexpr bool kMinimum = false, kSigned = false, kPairs = true;
+  static constexpr bool kMinimum = false, kSigned = false, kPairs = true, kRows8 = true;
   static void unpack(const uint8_t* block, uint8_t* u, uint8_t*, float* dw, float*) {
     *dw = half_value(block);
     unpack_nibbles(block + 2, u);
@@ -200,7 +201,7 @@ struct StripQ4_0 {
 };
 struct StripQ4_1 {
   static constexpr int kBytes = 20, kOffset = 0;
-  static constexpr bool kMinimum = true, kSigned = false, kPairs = true;
+  static constexpr bool kMinimum = true, kSigned = false, kPairs = true, kRows8 = true;
   static void unpack(const uint8_t* block, uint8_t* u, uint8_t*, float* dw, float* mw) {
     *dw = half_value(block);
     *mw = half_value(block + 2);
@@ -210,7 +211,7 @@ struct StripQ4_1 {
 
 struct StripQ5_0 {
   static constexpr int kBytes = 22, kOffset = 16;
-  static constexpr bool kMinimum = false, kSigned = false, kPairs = false;
+  static constexpr bool kMinimum = false, kSigned = false, kPairs = false, kRows8 = true;
   static void unpack(const uint8_t* block, uint8_t* u, uint8_t*, float* dw, float*) {
     *dw = half_value(block);
     unpack_five_bits(block + 2, block + 6, u);
@@ -218,7 +219,7 @@ struct StripQ5_0 {
 };
 struct StripQ5_1 {
   static constexpr int kBytes = 24, kOffset = 0;
-  static constexpr bool kMinimum = true, kSigned = false, kPairs = false;
+  static constexpr bool kMinimum = true, kSigned = false, kPairs = false, kRows8 = true;
   static void unpack(const uint8_t* block, uint8_t* u, uint8_t*, float* dw, float* mw) {
     *dw = half_value(block);
     *mw = half_value(block + 2);

@@ -1,5 +1,5 @@
-// Q4_0 / Q4_1 weights interleaved eight rows to a group (the `rows8` layout), multiplied on 8-bit
-// activations a few input rows at a time: a decode step's products (`gguf_int8_dot.cpp`).
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 weights interleaved eight rows to a group (the `rows8` layout), multiplied on
+// 8-bit activations a few input rows at a time: a decode step's products (`gguf_int8_dot.cpp`).
 //
 // Why: in the file's own layout a row's blocks come one after another, each 16 nibble bytes behind its
 // halves, so a one-row product gathers each block's bytes, widens its own scale and ends every row in a
@@ -9,14 +9,15 @@
 // dot product is one row's, and no horizontal sum until the group's end.
 //
 // The layout: a group (rows 8g .. 8g + 7, 8 * row_bytes bytes, the bytes the 8 rows hold in the file's
-// layout) holds per block b, in order, 8 * block bytes: the 8 rows' scales d (halves), Q4_1's 8 minimums
-// m, then the nibbles, for chunk c = 0..3 and row r = 0..7 the row's nibble bytes 4c .. 4c + 3 (low
-// nibbles values 4c.., high nibbles values 16 + 4c..). `unpack_group` gives the rows back in the file's
-// layout (the many-row products and the portable build read that).
+// layout) holds per block b, in order, 8 * block bytes: the 8 rows' scales d (halves), the `_1` types' 8
+// minimums m, Q5's 8 32-bit words of fifth bits, then the nibbles, for chunk c = 0..3 and row r = 0..7 the
+// row's nibble bytes 4c .. 4c + 3 (low nibbles values 4c.., high nibbles values 16 + 4c..).
+// `unpack_group` gives the rows back in the file's layout (the many-row products and the portable build
+// read that).
 //
-// The numbers: each row's block sums are exact integers (nibbles <= 15 times |q| <= 127; AVX2's 16-bit
-// pairs reach at most 8 * 2 * 15 * 127 = 30480 before widening), scaled and summed in float32 over the
-// blocks in order; each row's sum does not depend on how many input rows share the step.
+// The numbers: each row's block sums are exact integers (values <= 31 times |q| <= 127; AVX2's 16-bit
+// pairs, at most 2 * 31 * 127, are widened every 4 chunk vectors: <= 31496), scaled and summed in float32
+// over the blocks in order; each row's sum does not depend on how many input rows share the step.
 #pragma once
 
 #include <cstdint>
@@ -41,14 +42,19 @@ constexpr int kMaxInputRows = 4;  // input rows a step (per row 2 sums in regist
 #endif
 
 template <class S>
-constexpr int head_bytes() {
-  return S::kMinimum ? 32 : 16;
+constexpr bool fifth_bits() {  // Q5_0 / Q5_1
+  return S::kBytes == 22 || S::kBytes == 24;
+}
+
+template <class S>
+constexpr int head_bytes() {  // the group's halves (and fifth bits) before the nibbles, a block
+  return (S::kMinimum ? 32 : 16) + (fifth_bits<S>() ? 32 : 0);
 }
 
 // A group's 8 rows in the file's layout: out + r * ldw is row r (the group's `blocks` blocks).
 template <class S>
 inline void unpack_group(const uint8_t* group, int64_t blocks, uint8_t* out, int64_t ldw) {
-  constexpr int head = S::kMinimum ? 4 : 2;
+  constexpr int halves = S::kMinimum ? 4 : 2, head = halves + (fifth_bits<S>() ? 4 : 0);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* g = group + b * kRows * S::kBytes;
     const uint8_t* chunks = g + head_bytes<S>();
@@ -56,6 +62,7 @@ inline void unpack_group(const uint8_t* group, int64_t blocks, uint8_t* out, int
       uint8_t* block = out + r * ldw + b * S::kBytes;
       std::memcpy(block, g + 2 * r, 2);
       if (S::kMinimum) std::memcpy(block + 2, g + 16 + 2 * r, 2);
+      if (fifth_bits<S>()) std::memcpy(block + halves, g + 8 * halves + 4 * r, 4);
       for (int c = 0; c < 4; ++c) std::memcpy(block + head + 4 * c, chunks + 32 * c + 4 * r, 4);
     }
   }
@@ -87,6 +94,32 @@ struct Expanded {
   }
   const int8_t* at(int64_t m, int64_t b) const { return q.get() + (m * blocks + b) * 256; }
 };
+
+// Each 32-bit lane's low byte in all its 4 bytes (a byte shuffle's indices, per 128 bits).
+static const __m128i kLowBytes = _mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+
+#if PAGEDRL_INT8_ROWS8 == 512
+// `w` (lanes 0-7: values first .. first + 3 of rows 0-7; lanes 8-15: first + 4 .. of the same rows) with
+// 16 added where the rows' fifth bits (`high`, a row's 32-bit word in lanes r and r + 8) are set.
+inline __m512i with_fifth_bits(__m512i w, __m512i high, int first) {
+  const __m512i shifted = _mm512_srlv_epi32(high, _mm512_set_epi32(first + 4, first + 4, first + 4, first + 4,
+                                                                     first + 4, first + 4, first + 4, first + 4,
+                                                                     first, first, first, first, first, first,
+                                                                     first, first));
+  const __m512i low_byte = _mm512_shuffle_epi8(shifted, _mm512_broadcast_i32x4(kLowBytes));
+  const __mmask64 set = _mm512_test_epi8_mask(low_byte, _mm512_set1_epi32(0x08040201));
+  return _mm512_mask_add_epi8(w, set, w, _mm512_set1_epi8(16));
+}
+#else
+// The same for AVX2's one chunk vector (lane r: row r's values first .. first + 3).
+inline __m256i with_fifth_bits(__m256i w, __m256i high, int first) {
+  const __m256i shifted = _mm256_srli_epi32(high, first);
+  const __m256i low_byte = _mm256_shuffle_epi8(shifted, _mm256_broadcastsi128_si256(kLowBytes));
+  const __m256i bits = _mm256_set1_epi32(0x08040201);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(low_byte, bits), bits);
+  return _mm256_add_epi8(w, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+#endif
 
 // Input rows m0 .. m0 + MB against one group: out[i][r] = row (m0 + i) . weight row (8g + r), without bias.
 // d, s, total: the activation blocks' scales, d * sum(q) and sum(q) ([rows, blocks]). `ahead`: where to
@@ -123,8 +156,16 @@ inline void group_product(const Expanded& a, const float* d, const float* s, con
 #if PAGEDRL_INT8_ROWS8 == 512
     const __m512i low = _mm512_set1_epi8(15);
     const __m512i v0 = _mm512_loadu_si512(nibbles), v1 = _mm512_loadu_si512(nibbles + 64);
-    const __m512i w0 = _mm512_and_si512(v0, low), w1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-    const __m512i w2 = _mm512_and_si512(v1, low), w3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+    __m512i w0 = _mm512_and_si512(v0, low), w1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+    __m512i w2 = _mm512_and_si512(v1, low), w3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+    if constexpr (fifth_bits<S>()) {  // lane l: row l % 8's values from 4 * (l / 8) + the vector's first
+      const __m512i high = _mm512_broadcast_i64x4(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + (S::kMinimum ? 32 : 16))));
+      w0 = with_fifth_bits(w0, high, 0);
+      w1 = with_fifth_bits(w1, high, 16);
+      w2 = with_fifth_bits(w2, high, 8);
+      w3 = with_fifth_bits(w3, high, 24);
+    }
 #endif
     for (int i = 0; i < MB; ++i) {
       const int64_t at = (m0 + i) * blocks + b;
@@ -139,17 +180,24 @@ inline void group_product(const Expanded& a, const float* d, const float* s, con
       const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_set1_ps(d[at])));
       acc[i] = _mm512_fmadd_ps(_mm512_shuffle_f32x4(scale, scale, 0x44), _mm512_cvtepi32_ps(sums), acc[i]);
 #else
-      const __m256i low = _mm256_set1_epi8(15);
-      __m256i pairs = _mm256_setzero_si256();  // 16-bit: at most 8 * 2 * 15 * 127
+      const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+      __m256i pairs = _mm256_setzero_si256(), sums = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 32 * c));
         const int8_t* run = x + 128 * (c / 2) + 32 * (c % 2);
-        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_and_si256(v, low),
-                                                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run))));
-        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64))));
+        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if constexpr (fifth_bits<S>()) {
+          const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + (S::kMinimum ? 32 : 16)));
+          lo = with_fifth_bits(lo, high, 4 * c);
+          hi = with_fifth_bits(hi, high, 16 + 4 * c);
+        }
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run))));
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64))));
+        if (c % 2 == 1) {  // widened every 4 vectors: at most 4 * 2 * 31 * 127 in 16 bits
+          sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, ones));
+          pairs = _mm256_setzero_si256();
+        }
       }
-      __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
       if constexpr (S::kOffset != 0) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(S::kOffset * total[at]));
       acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[at])), _mm256_cvtepi32_ps(sums), acc[i]);
 #endif
