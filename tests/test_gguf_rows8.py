@@ -106,3 +106,21 @@ def test_wrong_layouts_are_refused_with_the_reason() -> None:
         ops.gguf_linear_int8(x, torch.zeros(8, 68, dtype=torch.uint8), int(Q.Q8_0) + ROWS8, 64, None)
     with pytest.raises(RuntimeError, match=r"got type 3 with 12 rows"):
         ops.gguf_linear_int8(x, torch.zeros(12, 40, dtype=torch.uint8), int(Q.Q4_1) + ROWS8, 64, None)
+
+
+def test_a_table_an_embedding_reads_keeps_the_file_layout() -> None:
+    """`use_int8_activations` moves the projections to the layout, but not a tied LM head: its blocks are
+    also the embedding's table, whose lookups read rows in the file's layout."""
+    from torch import nn
+
+    from pagedrl.model.gguf_modules import GGUFEmbedding, use_int8_activations
+
+    rng = np.random.default_rng(3)
+    model = nn.Module()
+    model.embed = GGUFEmbedding(torch.from_numpy(random_blocks(Q.Q4_1, 16, 2, rng, edges=False)), int(Q.Q4_1), 64)
+    model.lm_head = GGUFLinear(model.embed.table.qweight, int(Q.Q4_1), 64)
+    model.proj = GGUFLinear(torch.from_numpy(random_blocks(Q.Q5_0, 24, 2, rng, edges=False)), int(Q.Q5_0), 64)
+    rows = model.embed(torch.arange(16))
+    assert use_int8_activations(model) == {"Q4_1": 1, "Q5_0": 1}
+    assert model.lm_head.int8_activations and not model.lm_head.rows8 and model.proj.rows8
+    assert torch.equal(model.embed(torch.arange(16)), rows)
