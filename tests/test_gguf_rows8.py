@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pagedrl.kernels import ops
 from pagedrl.model.gguf_modules import ROWS8, GGUFLinear, pack_rows8, unpack_rows8
-from tests.test_gguf_int8 import activation_rows, by_hand
+from tests.test_gguf_int8 import activation_blocks, activation_rows, by_hand, weight_parts
 from tests.test_gguf_linear import random_blocks
 
 pytestmark = pytest.mark.isa  # the group steps follow the CPU class (AVX512-VNNI, AVX2, none)
@@ -72,6 +72,49 @@ def test_products_are_the_hand_sums_and_the_file_layout_s(qtype, rows, groups, b
         for m in range(rows):
             one = ops.gguf_linear_int8(torch.from_numpy(x[m:m + 1]), packed, int(qtype) + ROWS8, k, tb)
             assert torch.equal(one[0], got[m])
+
+
+def in_block_order(x: np.ndarray, raw: np.ndarray, qtype: Q) -> np.ndarray:
+    """The group step's arithmetic, in numpy: per row and block the exact integer sum, times the float32
+    product dw * dx, added to the row's float32 sum by a fused multiply-add (exact in float64, then
+    rounded), blocks in order; the minimum terms mw * s likewise in a sum of their own; then the two added."""
+    k = x.shape[1]
+    q, d, s = activation_blocks(x)
+    w, dw, mw = weight_parts(raw, qtype, k)
+    sums = np.einsum("mbi,nbi->mnb", q.astype(np.int64).reshape(len(q), -1, 32), w.reshape(len(w), -1, 32))
+    f32 = np.float32
+    out = np.zeros((len(x), len(raw)), np.float32)
+    for m in range(len(x)):
+        for n in range(len(raw)):
+            acc = minimum = f32(0)
+            for b in range(k // 32):
+                scale = f32(f32(dw[n, b]) * d[m, b])
+                acc = f32(np.float64(scale) * np.float64(sums[m, n, b]) + np.float64(acc))
+                minimum = f32(np.float64(f32(mw[n, b])) * np.float64(s[m, b]) + np.float64(minimum))
+            out[m, n] = f32(acc + minimum)
+    return out
+
+
+@settings(max_examples=20, deadline=None)
+@given(qtype=st.sampled_from(TYPES), rows=st.integers(1, 2), blocks=st.integers(1, 5), seed=st.integers(0, 2**32 - 1))
+def test_a_decode_step_s_products_are_the_same_bits_on_every_cpu_class(qtype, rows, blocks, seed) -> None:
+    """The group steps (AVX512-VNNI and AVX2 alike) compute `in_block_order`, bit for bit."""
+    rng = np.random.default_rng(seed)
+    raw = random_blocks(qtype, 8, blocks, rng, edges=False)
+    x = activation_rows(rng, rows, 32 * blocks)
+    got = ops.gguf_linear_int8(torch.from_numpy(x), pack_rows8(torch.from_numpy(raw), qtype), int(qtype) + ROWS8,
+                               32 * blocks, None)
+    assert np.array_equal(got.numpy(), in_block_order(x, raw, qtype))
+
+
+def test_a_block_too_small_to_scale_is_zeros() -> None:
+    """amax below ~3.7e-37: 127 / amax overflows; the block's values are 0 (its scale is a half 0 either way)."""
+    x = torch.zeros(1, 64)
+    x[0, :3] = torch.tensor([1e-37, -5e-38, 2e-38])
+    x[0, 32:] = 1.0
+    q, d, s = ops.gguf_quantize_activations(x)
+    assert (q[0, :32] == 0).all() and d[0, 0] == 0 and s[0, 0] == 0
+    assert (q[0, 32:] == 127).all() and d[0, 1] == torch.tensor(1 / 127).half().float()
 
 
 def test_several_weights_in_one_call_mix_the_layouts() -> None:

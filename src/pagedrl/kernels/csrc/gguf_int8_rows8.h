@@ -16,8 +16,9 @@
 // read that).
 //
 // The numbers: each row's block sums are exact integers (values <= 31 times |q| <= 127; AVX2's 16-bit
-// pairs, at most 2 * 31 * 127, are widened every 4 chunk vectors: <= 31496), scaled and summed in float32
-// over the blocks in order; each row's sum does not depend on how many input rows share the step.
+// pairs, at most 2 * 31 * 127, are widened every 4 chunk vectors: <= 31496), each scaled (d * dx, then a
+// fused multiply-add) and summed in float32 over the blocks in order, the minimum terms apart: the same
+// bits with AVX512-VNNI and with AVX2, and a row's sum does not depend on how many input rows share the step.
 #pragma once
 
 #include <cstdint>
@@ -129,20 +130,8 @@ inline void group_product(const Expanded& a, const float* d, const float* s, con
                           const uint8_t* group, const uint8_t* ahead, float out[][kRows]) {
   const int64_t blocks = a.blocks;
   constexpr int64_t step_bytes = kRows * S::kBytes;
-#if PAGEDRL_INT8_ROWS8 == 512
-  __m512 acc[MB];
-#else
-  __m256 acc[MB];
-#endif
-  __m256 mins[MB];
-  for (int i = 0; i < MB; ++i) {
-#if PAGEDRL_INT8_ROWS8 == 512
-    acc[i] = _mm512_setzero_ps();
-#else
-    acc[i] = _mm256_setzero_ps();
-#endif
-    mins[i] = _mm256_setzero_ps();
-  }
+  __m256 acc[MB], mins[MB];  // lane r: row r's sum over the blocks so far; its minimum terms
+  for (int i = 0; i < MB; ++i) acc[i] = mins[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* g = group + b * step_bytes;
     if (ahead) {
@@ -177,8 +166,8 @@ inline void group_product(const Expanded& a, const float* d, const float* s, con
       sums = _mm512_dpbusd_epi32(sums, w1, _mm512_loadu_si512(x + 64));
       sums = _mm512_dpbusd_epi32(sums, w2, _mm512_loadu_si512(x + 128));
       sums = _mm512_dpbusd_epi32(sums, w3, _mm512_loadu_si512(x + 192));
-      const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_set1_ps(d[at])));
-      acc[i] = _mm512_fmadd_ps(_mm512_shuffle_f32x4(scale, scale, 0x44), _mm512_cvtepi32_ps(sums), acc[i]);
+      // the block's exact integer sum per row, as AVX2 has it: so both give the same bits
+      const __m256i block = _mm256_add_epi32(_mm512_castsi512_si256(sums), _mm512_extracti64x4_epi64(sums, 1));
 #else
       const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
       __m256i pairs = _mm256_setzero_si256(), sums = _mm256_setzero_si256();
@@ -199,20 +188,13 @@ inline void group_product(const Expanded& a, const float* d, const float* s, con
         }
       }
       if constexpr (S::kOffset != 0) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(S::kOffset * total[at]));
-      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[at])), _mm256_cvtepi32_ps(sums), acc[i]);
+      const __m256i block = sums;
 #endif
+      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[at])), _mm256_cvtepi32_ps(block), acc[i]);
       if constexpr (S::kMinimum) mins[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(s[at]), mins[i]);
     }
   }
-  for (int i = 0; i < MB; ++i) {
-#if PAGEDRL_INT8_ROWS8 == 512
-    const __m256 rows = _mm256_add_ps(_mm512_castps512_ps256(acc[i]),
-                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
-#else
-    const __m256 rows = acc[i];
-#endif
-    _mm256_storeu_ps(out[i], _mm256_add_ps(rows, mins[i]));
-  }
+  for (int i = 0; i < MB; ++i) _mm256_storeu_ps(out[i], _mm256_add_ps(acc[i], mins[i]));
 }
 
 #endif  // PAGEDRL_INT8_ROWS8

@@ -111,6 +111,13 @@ inline float sum8(Floats v) {  // a fixed tree
 }
 
 // ------------------------------------------------------------------ the activation blocks
+// 127 / amax, or 0 where amax is 0 or so small that it overflows (below ~3.7e-37: d is then a half 0, and
+// the block's values are 0 rather than saturated).
+inline float scale_inverse(float amax) {
+  const float inverse = amax != 0.f ? 127.f / amax : 0.f;
+  return std::isfinite(inverse) ? inverse : 0.f;
+}
+
 // A row's blocks: the 32 int8 values, d widened from its half, s = half(d * sum(q)) widened (Q4_1's
 // and Q5_1's minimum term) and the integer sum(q) (the offsets: Q4_0's -8 * sum(q), Q5_0's -16 * sum(q)).
 struct ActivationRows {
@@ -137,7 +144,7 @@ struct ActivationRows {
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-    const float dv = amax / 127.f, inverse = amax != 0.f ? 127.f / amax : 0.f;
+    const float dv = amax / 127.f, inverse = scale_inverse(amax);
     __m256i values[4], sums = _mm256_setzero_si256();
     for (int k = 0; k < 4; ++k) {  // rounded half to even (the default rounding mode)
       values[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(inverse)));
@@ -153,7 +160,7 @@ struct ActivationRows {
 #else
     float amax = 0.f;
     for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-    const float dv = amax / 127.f, inverse = amax != 0.f ? 127.f / amax : 0.f;
+    const float dv = amax / 127.f, inverse = scale_inverse(amax);
     int8_t* out = q.get() + at * 32;
     int32_t total = 0;
     for (int i = 0; i < 32; ++i) {
