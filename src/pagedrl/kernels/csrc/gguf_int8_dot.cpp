@@ -203,19 +203,33 @@ void strip_rows(const ActivationRows& a, const gguf_int8_groups::RowGroups* grou
 constexpr int kRows8 = gguf_int8_rows8::kRows;
 
 #if defined(PAGEDRL_INT8_ROWS8)
-// All input rows (fewer than a lane group) against a weight in the `rows8` layout, group by group.
+// Where the group steps beat the lane groups (on weights in the `rows8` layout, whose lane groups first
+// unpack them). One thread, a 1536 x 576 Q4_1 weight from L3, us at 6 / 16 / 24 / 32 / 64 / 128 input
+// rows: AVX512-VNNI, group steps 55 / 153 / 225 / 304 / 599 / -, lane groups (file layout) 140 / 150 / 244
+// / 257 / 478 / -: up to 24 rows (31: 288 against 255); AVX2, group steps - / 201 / - / 347 / 689 / 1389, lane
+// groups of 8 - / 250 / - / 460 / 891 / 1766: at every row count, input rows taken kInputBlock at a time
+// so that their expanded blocks stay in L2.
+constexpr int64_t kInputBlock = 32;
+
+inline bool group_steps_win(int64_t rows) {
+  return gguf_int8_groups::kLanes == 8 || rows <= gguf_int8_groups::kLanes * 3 / 2;
+}
+
+// All input rows against a weight in the `rows8` layout, group by group, kInputBlock input rows at a time.
 template <class S>
 void rows8_products(const ActivationRows& a, const uint8_t* w, int64_t ldw, int64_t N, const float* bias, float* y,
                     const Stream& stream) {
   using namespace gguf_int8_rows8;
   const Expanded x(a.q.get(), a.M, a.blocks);
+  for (int64_t first = 0; first < a.M; first += kInputBlock)
   at::parallel_for(0, N / kRows, 4, [&](int64_t begin, int64_t end) {
     float out[kMaxInputRows][kRows];
+    const int64_t last = std::min(a.M, first + kInputBlock);
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* group = w + g * kRows * ldw;
-      for (int64_t m0 = 0; m0 < a.M; m0 += kMaxInputRows) {
+      for (int64_t m0 = first; m0 < last; m0 += kMaxInputRows) {
         const uint8_t* ahead = m0 == 0 ? stream.ahead(group) : nullptr;
-        const int rows = static_cast<int>(std::min<int64_t>(kMaxInputRows, a.M - m0));
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxInputRows, last - m0));
         const float *d = a.d.get(), *s = a.s.get();
         const int32_t* total = a.total.get();
         switch (rows) {
@@ -240,7 +254,7 @@ void all_rows(const ActivationRows& a, const uint8_t* w, int64_t ldw, int64_t N,
               const uint8_t* next, bool rows8) {
   using namespace gguf_int8_groups;
 #if defined(PAGEDRL_INT8_ROWS8)
-  if (rows8 && grouped_rows(a.M) == 0) {
+  if (rows8 && group_steps_win(a.M)) {
     if constexpr (T::Strip::kRows8)
       return rows8_products<typename T::Strip>(a, w, ldw, N, bias, y, Stream{w + N * ldw, next, true});
   }
