@@ -215,35 +215,37 @@ inline bool group_steps_win(int64_t rows) {
   return gguf_int8_groups::kLanes == 8 || rows <= gguf_int8_groups::kLanes * 3 / 2;
 }
 
-// All input rows against a weight in the `rows8` layout, group by group, kInputBlock input rows at a time.
+// All input rows against a weight in the `rows8` layout, group by group, kInputBlock input rows at a time
+// (the expanded blocks made for each kInputBlock rows in turn: 256 bytes a row and weight block).
 template <class S>
 void rows8_products(const ActivationRows& a, const uint8_t* w, int64_t ldw, int64_t N, const float* bias, float* y,
                     const Stream& stream) {
   using namespace gguf_int8_rows8;
-  const Expanded x(a.q.get(), a.M, a.blocks);
-  for (int64_t first = 0; first < a.M; first += kInputBlock)
-  at::parallel_for(0, N / kRows, 4, [&](int64_t begin, int64_t end) {
-    float out[kMaxInputRows][kRows];
-    const int64_t last = std::min(a.M, first + kInputBlock);
-    for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* group = w + g * kRows * ldw;
-      for (int64_t m0 = first; m0 < last; m0 += kMaxInputRows) {
-        const uint8_t* ahead = m0 == 0 ? stream.ahead(group) : nullptr;
-        const int rows = static_cast<int>(std::min<int64_t>(kMaxInputRows, last - m0));
-        const float *d = a.d.get(), *s = a.s.get();
-        const int32_t* total = a.total.get();
-        switch (rows) {
-          case 1: group_product<S, 1>(x, d, s, total, m0, group, ahead, out); break;
-          case 2: group_product<S, 2>(x, d, s, total, m0, group, ahead, out); break;
-          case 3: group_product<S, 3>(x, d, s, total, m0, group, ahead, out); break;
-          default: group_product<S, 4>(x, d, s, total, m0, group, ahead, out); break;
+  for (int64_t first = 0; first < a.M; first += kInputBlock) {
+    const int64_t count = std::min(kInputBlock, a.M - first), at = first * a.blocks;
+    const Expanded x(a.q.get() + at * 32, count, a.blocks);
+    const float *d = a.d.get() + at, *s = a.s.get() + at;
+    const int32_t* total = a.total.get() + at;
+    at::parallel_for(0, N / kRows, 4, [&](int64_t begin, int64_t end) {
+      float out[kMaxInputRows][kRows];
+      for (int64_t g = begin; g < end; ++g) {
+        const uint8_t* group = w + g * kRows * ldw;
+        for (int64_t m0 = 0; m0 < count; m0 += kMaxInputRows) {
+          const uint8_t* ahead = first + m0 == 0 ? stream.ahead(group) : nullptr;
+          const int rows = static_cast<int>(std::min<int64_t>(kMaxInputRows, count - m0));
+          switch (rows) {
+            case 1: group_product<S, 1>(x, d, s, total, m0, group, ahead, out); break;
+            case 2: group_product<S, 2>(x, d, s, total, m0, group, ahead, out); break;
+            case 3: group_product<S, 3>(x, d, s, total, m0, group, ahead, out); break;
+            default: group_product<S, 4>(x, d, s, total, m0, group, ahead, out); break;
+          }
+          for (int i = 0; i < rows; ++i)
+            for (int r = 0; r < kRows; ++r)
+              y[(first + m0 + i) * N + g * kRows + r] = out[i][r] + (bias ? bias[g * kRows + r] : 0.f);
         }
-        for (int i = 0; i < rows; ++i)
-          for (int r = 0; r < kRows; ++r)
-            y[(m0 + i) * N + g * kRows + r] = out[i][r] + (bias ? bias[g * kRows + r] : 0.f);
       }
-    }
-  });
+    });
+  }
 }
 #endif
 
