@@ -1,5 +1,5 @@
 // Q4_0 / Q4_1 / Q5_0 / Q5_1 weights interleaved eight rows to a group (the `rows8` layout), multiplied on
-// 8-bit activations a few input rows at a time: a decode step's products (`gguf_int8_dot.cpp`).
+// 8-bit activations up to 4 input rows a step: a decode step's products, and on AVX2 every product (`gguf_int8_dot.cpp`'s `group_steps_win`).
 //
 // Why: in the file's own layout a row's blocks come one after another, each 16 nibble bytes behind its
 // halves, so a one-row product gathers each block's bytes, widens its own scale and ends every row in a
