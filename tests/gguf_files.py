@@ -118,9 +118,11 @@ def gpt_oss_tensors(model: torch.nn.Module) -> dict[str, np.ndarray]:
 def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", pre: str = "llama-bpe",
                     tokenizer_model: str = "gpt2", add_bos: bool = True,
                     types: dict[str, gguf.GGMLQuantizationType] | None = None,
-                    vocabulary: Callable[[gguf.GGUFWriter], None] | None = None, pad_token_id: int | None = None) -> Path:
+                    vocabulary: Callable[[gguf.GGUFWriter], None] | None = None, pad_token_id: int | None = None,
+                    kv_b_split: bool = True) -> Path:
     """`model` as llama.cpp would write it; `types` (default: ffn_up and ffn_down in Q8_0) maps tensor
-    kinds (attn_q, token_embd, ...) to the GGML types they are stored in, the rest float32. gguf's numpy
+    kinds (attn_q, token_embd, ...) to the GGML types they are stored in, the rest float32; `kv_b_split`
+    false writes a `deepseek2` file as llama.cpp's converter did before it split `kv_b_proj`. gguf's numpy
     code has no K-quant quantizer: K-quant tensors are random blocks with small scales (the file's
     weights are then those blocks' values, which is all a test of loading them needs)."""
     types = {q: gguf.GGMLQuantizationType.Q8_0 for q in QUANTIZED} if types is None else types
@@ -132,8 +134,51 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch == "deepseek2":
+        deepseek_metadata(w, cfg, kv_b_split)
+    else:
+        _sizes_metadata(w, cfg, arch)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model(tokenizer_model)
+    if vocabulary is not None:  # the caller's tokens, types, scores and ids
+        vocabulary(w)
+    else:
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(TOKENS)
+        w.add_token_types([3] * len(SPECIALS) + [4] * len(USER_DEFINED) + [1] * (len(TOKENS) - 4))
+        w.add_token_merges(MERGES)
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(1)
+        w.add_eot_token_id(2)
+    if pad_token_id is not None:
+        w.add_pad_token_id(pad_token_id)
+    w.add_add_bos_token(add_bos)
+    w.add_chat_template(TEMPLATE)
+    tensors = deepseek_tensors(model, kv_b_split) if arch == "deepseek2" else llama_cpp_tensors(model, arch)
+    for target, data in tensors.items():
+        kind = target.split(".")[-2]
+        if target.endswith(".weight") and kind in types:
+            qtype = types[kind]
+            try:
+                blocks = gguf.quants.quantize(data, qtype)
+            except NotImplementedError:
+                values = gguf.constants.GGML_QUANT_SIZES[qtype][0]
+                blocks = random_blocks(qtype, data.shape[0], data.shape[1] // values, rng, edges=False)
+                assert data.ndim == 2, "random K-quant blocks for 2-D tensors only"
+            w.add_tensor(target, blocks, raw_dtype=qtype)
+        else:
+            w.add_tensor(target, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _sizes_metadata(w: gguf.GGUFWriter, cfg, arch: str) -> None:
+    """The rest of the sizes, rotary fields and experts, as `TextModel` and the family's class write them."""
+    w.add_head_count_kv(cfg.num_key_value_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = cfg.rope_parameters or {}
     if arch in GEMMA:
@@ -160,40 +205,84 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
         w.add_expert_used_count(cfg.num_experts_per_tok)
         if getattr(cfg, "moe_intermediate_size", None):  # (Mixtral's experts are of intermediate_size)
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model(tokenizer_model)
-    if vocabulary is not None:  # the caller's tokens, types, scores and ids
-        vocabulary(w)
+
+
+def deepseek_metadata(w: gguf.GGUFWriter, cfg, kv_b_split: bool) -> None:
+    """What llama.cpp's `DeepseekV2Model` writes beyond `TextModel`'s sizes: one KV head (MLA as MQA), the
+    latent ranks and head sizes, the experts, groups and routing rule, the dense first layers, YaRN's
+    log multiplier as 0.1 x mscale_all_dim; before the split, the whole head's key and value sizes."""
+    rope = cfg.rope_parameters
+    w.add_head_count_kv(1 if kv_b_split else cfg.num_attention_heads)
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    if kv_b_split:
+        w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.kv_lora_rank)
+        w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length_mla(cfg.v_head_dim)
     else:
-        w.add_tokenizer_pre(pre)
-        w.add_token_list(TOKENS)
-        w.add_token_types([3] * len(SPECIALS) + [4] * len(USER_DEFINED) + [1] * (len(TOKENS) - 4))
-        w.add_token_merges(MERGES)
-        w.add_bos_token_id(0)
-        w.add_eos_token_id(1)
-        w.add_eot_token_id(2)
-    if pad_token_id is not None:
-        w.add_pad_token_id(pad_token_id)
-    w.add_add_bos_token(add_bos)
-    w.add_chat_template(TEMPLATE)
-    for target, data in llama_cpp_tensors(model, arch).items():
-        kind = target.split(".")[-2]
-        if target.endswith(".weight") and kind in types:
-            qtype = types[kind]
-            try:
-                blocks = gguf.quants.quantize(data, qtype)
-            except NotImplementedError:
-                values = gguf.constants.GGML_QUANT_SIZES[qtype][0]
-                blocks = random_blocks(qtype, data.shape[0], data.shape[1] // values, rng, edges=False)
-                assert data.ndim == 2, "random K-quant blocks for 2-D tensors only"
-            w.add_tensor(target, blocks, raw_dtype=qtype)
+        w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.v_head_dim)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+
+
+DEEPSEEK_NAMES = {"self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+                  "self_attn.q_b_proj": "attn_q_b", "self_attn.q_proj": "attn_q",
+                  "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+                  "self_attn.kv_b_proj": "attn_kv_b", "self_attn.o_proj": "attn_output",
+                  "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+                  "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+
+
+def deepseek_tensors(model: torch.nn.Module, kv_b_split: bool) -> dict[str, np.ndarray]:
+    """DeepSeek-V3 under llama.cpp's names, as its `DeepseekV2Model` writes them: the experts stacked, the
+    correction bias as `exp_probs_b.bias`, the shared experts as `ffn_*_shexp`, and `kv_b_proj` cut per head
+    into its key rows, transposed (`attn_k_b` [heads, rank, nope]), and its value rows (`attn_v_b`)."""
+    cfg = model.config
+    out: dict[str, np.ndarray] = {}
+    for name, p in model.state_dict().items():
+        data = p.detach().numpy().astype(np.float32)
+        parts = name.split(".")
+        if not name.startswith("model.layers."):
+            out[gguf_name(name)] = data
+            continue
+        layer, module = parts[2], ".".join(parts[3:-1])
+        if name.endswith("mlp.gate.e_score_correction_bias"):
+            out[f"blk.{layer}.exp_probs_b.bias"] = data
+        elif name.endswith("experts.gate_up_proj"):
+            gate, up = np.split(data, 2, axis=1)
+            out[f"blk.{layer}.ffn_gate_exps.weight"], out[f"blk.{layer}.ffn_up_exps.weight"] = gate.copy(), up.copy()
+        elif name.endswith("experts.down_proj"):
+            out[f"blk.{layer}.ffn_down_exps.weight"] = data
+        elif module == "self_attn.kv_b_proj" and kv_b_split:
+            kv_b = data.reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+            out[f"blk.{layer}.attn_k_b.weight"] = np.ascontiguousarray(kv_b[:, :cfg.qk_nope_head_dim].transpose(0, 2, 1))
+            out[f"blk.{layer}.attn_v_b.weight"] = np.ascontiguousarray(kv_b[:, cfg.qk_nope_head_dim:])
+        elif module in DEEPSEEK_NAMES:
+            out[f"blk.{layer}.{DEEPSEEK_NAMES[module]}.{parts[-1]}"] = data
         else:
-            w.add_tensor(target, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+            out[gguf_name(name)] = data
+    return out
 
 
 def gemma_metadata(w: gguf.GGUFWriter, cfg, arch: str) -> None:

@@ -5,8 +5,8 @@ metadata keys, tensors under llama.cpp names, most of them quantized, a mixture 
 one 3-D tensor per projection, the q/k projection rows permuted for llama.cpp's rotary layout (in the
 `llama` architecture only: llama.cpp rotates Qwen's and Gemma's heads in halves, as transformers does),
 Gemma's norm weights stored as 1 + w (`model/gguf_gemma.py`), gpt-oss's gate and up split from their
-interleaving (`model/gguf_gpt_oss.py`), and the tokenizer as arrays of tokens, merges and token types
-instead of a tokenizer.json. `convert_gguf` undoes each of these and writes float32 safetensors with
+interleaving (`model/gguf_gpt_oss.py`), DeepSeek's `kv_b_proj` split in two (`model/gguf_deepseek.py`),
+and the tokenizer as arrays of tokens, merges and token types instead of a tokenizer.json. `convert_gguf` undoes each of these and writes float32 safetensors with
 config, tokenizer and generation config beside them.
 """
 
@@ -25,6 +25,14 @@ from safetensors.numpy import save_file
 
 from pagedrl.model.config import ModelConfig
 from pagedrl.model.expert_weights import DISK_NAMES
+from pagedrl.model.gguf_deepseek import (
+    CORRECTION_BIAS,
+    DEEPSEEK2,
+    DEEPSEEK_LAYER_TENSORS,
+    deepseek_config,
+    join_kv_b_state,
+    kv_b_halves,
+)
 from pagedrl.model.gguf_gemma import GEMMA_ARCHITECTURES, GEMMA_LAYER_TENSORS, gemma_config, norm_offset
 from pagedrl.model.gguf_gpt_oss import GPT_OSS, gpt_oss_config, gpt_oss_state
 from pagedrl.model.gguf_metadata import GGUFError, Metadata, open_gguf, published_float
@@ -40,7 +48,7 @@ except ImportError:  # Windows: no advisory locks; the atomic rename alone still
 # converter permutes the q/k rows (its `permute`); the others keep transformers' layout.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", **GEMMA_ARCHITECTURES,
-                 **GPT_OSS}
+                 **GPT_OSS, **DEEPSEEK2}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 ROTARY_PERMUTED = ("LlamaForCausalLM", "MixtralForCausalLM")  # (Mixtral: a `llama` file with experts)
 # Phi-3's `ffn_up` is its fused gate_up_proj (and `attn_qkv` its qkv_proj), as transformers holds them.
@@ -81,6 +89,8 @@ def _read_config(meta: Metadata, tensors: dict[str, Any]) -> ModelConfig:
         return gemma_config(meta, tensors)
     if arch in GPT_OSS:
         return gpt_oss_config(meta, tensors)
+    if arch in DEEPSEEK2:
+        return deepseek_config(meta, tensors)
     p = f"{arch}."
     hidden, heads = int(meta.need(p + "embedding_length")), int(meta.need(p + "attention.head_count"))
     kv_heads = meta.get(p + "attention.head_count_kv", heads)
@@ -173,9 +183,14 @@ def hf_name(name: str, source: str, architecture: str = "LlamaForCausalLM") -> s
     stem, _, suffix = name.rpartition(".")
     if stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    if (bias := CORRECTION_BIAS.fullmatch(name)) is not None:  # DeepSeek-V3's router correction bias
+        return f"model.layers.{bias.group(1)}.mlp.gate.e_score_correction_bias"
     m = _LAYER_NAME.fullmatch(name)
-    layer_tensors = {**_LAYER_TENSORS, **GEMMA_LAYER_TENSORS} if architecture in GEMMA_ARCHITECTURES.values() \
-        else _LAYER_TENSORS
+    layer_tensors = _LAYER_TENSORS
+    if architecture in GEMMA_ARCHITECTURES.values():
+        layer_tensors = {**_LAYER_TENSORS, **GEMMA_LAYER_TENSORS}
+    elif architecture in DEEPSEEK2.values():
+        layer_tensors = {**_LAYER_TENSORS, **DEEPSEEK_LAYER_TENSORS}
     if m and m.group(2) in layer_tensors:
         module = "mlp.gate_up_proj" if m.group(2) == "ffn_up" and architecture in FUSED_UP else layer_tensors[m.group(2)]
         return f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
@@ -201,7 +216,8 @@ def _read_weights(tensors: dict[str, Any], cfg: ModelConfig, source: str) -> dic
     for name, t in tensors.items():
         if name in ROPE_FACTORS:
             continue
-        hf = name if gpt_oss else hf_name(name, source, cfg.architecture)
+        # (DeepSeek's kv_b_proj halves keep the file's names until they are joined: `gguf_deepseek`)
+        hf = name if gpt_oss or kv_b_halves(name) else hf_name(name, source, cfg.architecture)
         try:
             w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         except NotImplementedError as e:
@@ -214,7 +230,11 @@ def _read_weights(tensors: dict[str, Any], cfg: ModelConfig, source: str) -> dic
         elif permuted and ".attn_k." in name:
             w = unpermute_rotary(w, cfg.num_key_value_heads)
         out[hf] = np.ascontiguousarray(w)
-    return gpt_oss_state(out, source) if gpt_oss else _split_experts(out, cfg)
+    if gpt_oss:
+        return gpt_oss_state(out, source)
+    if cfg.deepseek is not None:
+        out = join_kv_b_state(out, cfg, source)
+    return _split_experts(out, cfg)
 
 
 def _split_experts(state: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:

@@ -6,7 +6,9 @@ embedding become `GGUFLinear` / `GGUFEmbedding` over the file's own blocks (the 
 as whole rows of blocks in the `llama` architecture, which is what llama.cpp's permutation moves), norms
 and other float tensors load as float32. A tied LM head multiplies the embedding's blocks. A mixture of
 experts' experts (llama.cpp's `ffn_*_exps`, one [experts, rows, blocks] tensor a projection) become
-`GGUFExperts`, each expert's projections over its own rows of blocks.
+`GGUFExperts`, each expert's projections over its own rows of blocks. DeepSeek's `kv_b_proj`, which the
+file holds as two halves one of them transposed (`model/gguf_deepseek.py`), is joined in float32: its
+key half's blocks run along the wrong axis to be kept (and the absorbed attention reads it as floats).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 from pagedrl.model.checkpoint import read_folder_config
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.gguf import ROPE_FACTORS, ROTARY_PERMUTED, GGUFError, hf_name, norm_offset, open_gguf
+from pagedrl.model.gguf_deepseek import join_kv_b_state, kv_b_halves
 from pagedrl.model.gguf_modules import SUPPORTED_TYPES, GGUFEmbedding, GGUFExperts, GGUFLinear
 
 _FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), int(GGMLQuantizationType.BF16)}
@@ -66,6 +69,12 @@ def _load_experts(block: nn.Module, tensors: dict[str, Any], floats: dict[str, t
     block.experts = GGUFExperts(projections["gate"], projections["up"], projections["down"])
 
 
+def _float(t: Any) -> np.ndarray:
+    """A GGUF tensor's values in float32, in transformers' dims order (GGUF lists dims innermost first)."""
+    shape = [int(d) for d in reversed(t.shape)]
+    return gguf_dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+
+
 def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[CausalLM, Counter[str]]:
     """The CPU model of `gguf_path` with its quantized weights kept so (config and names from its
     converted `folder`), and how many tensors of each type it keeps."""
@@ -82,11 +91,15 @@ def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[Caus
     floats: dict[str, torch.Tensor] = {}
     permuted = cfg.architecture in ROTARY_PERMUTED
     experts: dict[int, dict[str, Any]] = defaultdict(dict)  # layer -> projection -> its GGUF tensor
+    halves: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         if (m := _EXPERTS.fullmatch(t.name)) is not None:
             experts[int(m["layer"])][m["proj"]] = t
             continue
         if t.name in ROPE_FACTORS:  # (in the config)
+            continue
+        if kv_b_halves(t.name):
+            halves[t.name] = _float(t)
             continue
         name = hf_name(t.name, source, cfg.architecture)
         module_name, _, leaf = name.rpartition(".")
@@ -94,7 +107,7 @@ def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[Caus
         ggml_type = int(t.tensor_type)
         shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims innermost first
         if ggml_type in _FLOAT_TYPES:
-            value = gguf_dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+            value = _float(t)
             if offset := norm_offset(t.name, cfg.architecture):  # (Gemma's norms, stored as 1 + w)
                 value = value - np.float32(offset)
             floats[name] = torch.from_numpy(np.array(value, dtype=np.float32))
@@ -115,6 +128,8 @@ def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[Caus
             else GGUFLinear(blocks, ggml_type, shape[1])
         setattr(parent, child, replacement)
         kept[t.tensor_type.name] += 1
+    for name, value in join_kv_b_state(halves, cfg, source).items():
+        floats[name] = torch.from_numpy(value)
     for layer, tensors in experts.items():
         _load_experts(model.model.layers[layer].mlp, tensors, floats, f"model.layers.{layer}.mlp.experts", source, kept)
     embed = model.model.embed_tokens
@@ -126,7 +141,10 @@ def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[Caus
     for name, value in floats.items():
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
-        setattr(module, leaf, nn.Parameter(value, requires_grad=False))
+        if leaf in module._buffers:  # (DeepSeek's router correction bias)
+            module._buffers[leaf] = value
+        else:
+            setattr(module, leaf, nn.Parameter(value, requires_grad=False))
     if cfg.tie_word_embeddings and isinstance(model.lm_head, nn.Linear) and isinstance(embed, nn.Embedding):
         model.lm_head.weight = embed.weight
     model.model.reset_rope()

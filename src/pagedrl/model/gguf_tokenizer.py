@@ -21,13 +21,26 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 _GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLITS = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "gpt-4o": _GPT4O_SPLIT}
+# DeepSeek-V3's tokenizer.json: digits in threes, CJK runs, then words, punctuation and spaces, one
+# split after another.
+_DEEPSEEK3_SPLITS = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+                     "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
+                     "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+")
+# Kimi K2's `tokenization_kimi.py`: o200k's split with Han runs first and taken out of the letter classes.
+_KIMI_K2_SPLIT = (r"[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+                  r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+                  r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                  r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Each family's regexes, applied in turn (an "isolated" Split each), before the byte-level mapping.
+_SPLITS = {"llama3": (_LLAMA3_SPLIT,), "qwen2": (_QWEN2_SPLIT,), "gpt-4o": (_GPT4O_SPLIT,),
+           "deepseek-v3": _DEEPSEEK3_SPLITS, "kimi-k2": (_KIMI_K2_SPLIT,)}
 _GEMMA = ("gemma", "gemma2", "gemma3")  # SentencePiece vocabularies read as transformers reads Gemma's
 _PRE_TOKENIZER_FAMILIES = {
     "default": "gpt2", "gpt2": "gpt2",  # old files without the field: GPT-2's split, as transformers assumes
     "smollm": "digits", "starcoder": "digits", "refact": "digits", "codeshell": "digits",
     "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3", "smaug-bpe": "llama3",
-    "qwen2": "qwen2", "gpt-4o": "gpt-4o",
+    "qwen2": "qwen2", "gpt-4o": "gpt-4o", "deepseek-v3": "deepseek-v3", "kimi-k2": "kimi-k2",
 }
 
 
@@ -44,8 +57,8 @@ def _pre_tokenizer(pre: str, source: str) -> tuple[Any, Any, bool]:
     if family == "digits":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level(True)]), None, False
     if family in _SPLITS:
-        split = pre_tokenizers.Split(Regex(_SPLITS[family]), behavior="isolated")
-        seq = pre_tokenizers.Sequence([split, _byte_level(False)])
+        splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in _SPLITS[family]]
+        seq = pre_tokenizers.Sequence([*splits, _byte_level(False)])
         return seq, (normalizers.NFC() if family == "qwen2" else None), family == "llama3"
     raise GGUFError(f"{source}: tokenizer.ggml.pre {pre!r} is not supported; "
                     f"supported: {', '.join(sorted(_PRE_TOKENIZER_FAMILIES))}")
