@@ -23,6 +23,7 @@ from window_batches import kernels_only
 
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.config import ConfigError, ModelConfig
+from pagedrl.model.footprint import footprint
 from pagedrl.model.lora import LoRAConfig, apply_lora
 
 FAMILIES = sorted(GEMMA_FAMILIES)
@@ -77,12 +78,13 @@ def test_bad_gemma_fields_are_named() -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_greedy_equals_generate_through_chunks_and_preemption(family: str) -> None:
     """Prompts of 3-37 tokens, 12 new each, prefilled 7 tokens a step in 4-token blocks, in a cache
-    so small that requests are preempted and recomputed."""
+    so small that requests are preempted and recomputed (the sliding layers' groups give back what left
+    their window of 8, so the longest request fits in 5/8 of the bytes it would hold in every layer)."""
     hf = hf_model(GEMMA_FAMILIES[family])
     batch = prompts(hf.config.vocab_size)[:4]
     expected = reference(hf, batch)
     longest = max(len(p) for p in batch) + MAX_NEW
-    llm = engine_for(hf, block_size=4, kv_cache_tokens=longest + 8, max_num_batched_tokens=7)
+    llm = engine_for(hf, block_size=4, kv_cache_tokens=(longest + 8) * 5 // 8, max_num_batched_tokens=7)
     with kernels_only():  # the windowed, capped and sink layers on the row kernel
         got = [o.outputs[0].token_ids for o in llm.generate(batch + batch, GREEDY, use_tqdm=False)]
     assert [strip_eos(g) for g in got] == [strip_eos(e) for e in expected + expected]
@@ -121,3 +123,25 @@ def test_rollouts_leave_batch_invariance_off_and_refuse_it_by_name() -> None:
     assert not choose_batch_invariance(None, True, cpu, layer_rules=True)
     with pytest.raises(ValueError, match="batch_invariant: true is not implemented"):
         choose_batch_invariance(True, True, cpu, layer_rules=True)
+
+
+def test_sliding_layers_give_back_their_blocks_while_full_layers_keep_theirs() -> None:
+    """Gemma 3 (a full layer between two sliding ones over 8 keys) in groups of one layer: the cache holds
+    the bytes of its budget; decoding 60 tokens past a 40-token prompt, each sliding group holds at most
+    its window and a step's chunk while the full layer's group holds every block, and the greedy tokens
+    are transformers' `generate`'s."""
+    hf = hf_model(dict(GEMMA_FAMILIES["gemma3"], max_position_embeddings=256))
+    prompt = (prompts(hf.config.vocab_size)[0] * 8)[:40]
+    expected = reference(hf, [prompt], max_new=60)
+    llm = engine_for(hf, block_size=4, kv_cache_tokens=512, max_num_batched_tokens=16)
+    engine = llm.engine
+    assert engine.kv_cache.nbytes == 2 * 3 * 512 * 2 * 16 * 4  # (keys and values, 3 layers, 512 tokens, fp32)
+    line = footprint(ModelConfig.from_dict(hf.config.to_dict()), torch.float32).describe()
+    assert "0.8 KiB of KV cache per token (0.5 KiB of it, the sliding layers', for the last 8 tokens only)" in line
+    held: list[tuple[int, ...]] = []
+    engine.add_step_observer(lambda e, _: held.extend(
+        tuple(g.num_held_blocks(s.seq_id) for g in e.kv_manager.groups) for s in e.scheduler.running))
+    got = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+    assert strip_eos(got[0].outputs[0].token_ids) == strip_eos(expected[0])
+    assert held[-1][0] == -(-(len(prompt) + 59) // 4)  # the full layer: every token's block
+    assert max(max(h[1:]) for h in held) <= -(-(8 - 1 + 16) // 4) + 1 and held[-1][1] <= 3  # the window's

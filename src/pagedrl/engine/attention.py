@@ -100,6 +100,10 @@ class PagedAttention:
     windows: tuple[int | None, ...] | None = None
     softcap: float | None = None
     rule_rows: tuple[torch.Tensor, torch.Tensor | None] | None = field(default=None, repr=False)
+    # Layers in groups with block tables of their own (`kv_cache_groups`): each layer's group's metadata
+    # (its tables and slots), which takes this one's rules and scale when the layer attends. None: one
+    # table serves every layer.
+    layer_metas: tuple[PagedAttention, ...] | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -218,6 +222,10 @@ class PagedAttention:
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [1, N, Hq, D], k and v [1, N, Hkv, D] for this step's new tokens → [1, N, Hq, D]; `sinks`:
         as `AttentionMetadata.attend`."""
+        if self.layer_metas is not None:  # the layer's group's tables, under this step's rules
+            group = self.layer_metas[layer]
+            group.windows, group.softcap, group.scale = self.windows, self.softcap, self.scale
+            return group.attend(layer, q, k, v, sinks)
         key_cache, value_cache = self.kv_cache.key_cache[layer], self.kv_cache.value_cache[layer]
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
         num_rows = self.slot_mapping.shape[0]

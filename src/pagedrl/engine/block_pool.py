@@ -232,3 +232,39 @@ class BlockPool:
             block.block_hash = None
         self._cached.clear()
         self._num_cached_free = 0
+
+
+class PoolCounts:
+    """The counts a KV cache manager reports from its `pool` (`/metrics`, the scheduler's fit check); the
+    manager says how many blocks a sequence holds at most (`most_blocks`)."""
+
+    pool: BlockPool
+
+    def most_blocks(self, num_tokens: int, step_tokens: int | None = None) -> int:
+        raise NotImplementedError
+
+    @property
+    def num_blocks_total(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_blocks_used(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
+    def num_blocks_cached(self) -> int:
+        """Free blocks whose content can still be hit under the current weights."""
+        return self.pool.num_cached_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def can_ever_fit(self, num_tokens: int, step_tokens: int | None = None) -> bool:
+        """Whether a sequence of `num_tokens` tokens fits in the whole cache (else it never will). Under a
+        sliding window it holds at most the window and one step's `step_tokens` (when given) at a time."""
+        return self.most_blocks(num_tokens, step_tokens) <= self.pool.num_blocks

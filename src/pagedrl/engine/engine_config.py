@@ -36,6 +36,9 @@ class EngineConfig:
         0.9, "on CUDA without a size given, the share of the GPU's memory the engine may fill", "cache")
     enable_prefix_caching: bool = setting(
         True, "reuse the KV blocks of a prompt prefix seen before (content-hashed blocks)", "cache")
+    disable_hybrid_kv_cache_manager: bool = setting(
+        False, "keep one block table for every layer where sliding-window layers sit beside full ones (Gemma, "
+               "gpt-oss), rather than tables a group of layers that free what left the window", "cache")
     max_num_seqs: int = setting(256, "sequences per engine step at most", "scheduler")
     max_num_batched_tokens: int = setting(2048, "tokens per engine step at most", "scheduler")
     enable_chunked_prefill: bool = setting(

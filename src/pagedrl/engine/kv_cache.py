@@ -14,6 +14,7 @@ tensor (`values=False`; `value_cache` is then `key_cache`), in the same blocks a
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,7 +40,10 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         values: bool = True,
+        layer_slots: Sequence[int] | None = None,
     ) -> None:
+        """`layer_slots`: the tensor each model layer reads and writes, where layers in groups share
+        `num_layers` tensors (`kv_cache_groups`); None: a tensor a layer."""
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             _require_positive_int(name, value)
@@ -50,10 +54,14 @@ class KVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.values = values
+        self.layer_slots = tuple(range(num_layers)) if layer_slots is None else tuple(layer_slots)
+        if not all(0 <= slot < num_layers for slot in self.layer_slots):
+            raise ValueError(f"layer_slots must name tensors in [0, {num_layers}), got {list(self.layer_slots)}")
         self.data = torch.zeros(num_layers, self.tensors, num_blocks, block_size, num_kv_heads, head_dim,
                                 dtype=dtype, device=device)
-        self.key_cache: list[torch.Tensor] = [self.data[i, 0] for i in range(num_layers)]
-        self.value_cache: list[torch.Tensor] = [self.data[i, self.tensors - 1] for i in range(num_layers)]
+        self.key_cache: list[torch.Tensor] = []
+        self.value_cache: list[torch.Tensor] = []
+        self._views()
         self._scratch: torch.Tensor | None = None
 
     @classmethod
@@ -167,8 +175,12 @@ class KVCache:
             return
         self.data = torch.zeros(self.num_layers, self.tensors, self.num_blocks, self.block_size, self.num_kv_heads,
                                 self.head_dim, dtype=self.dtype, device=self.data.device)
-        self.key_cache = [self.data[i, 0] for i in range(self.num_layers)]
-        self.value_cache = [self.data[i, self.tensors - 1] for i in range(self.num_layers)]
+        self._views()
+
+    def _views(self) -> None:
+        """Each model layer's key and value tensors: views of its slot in `data`."""
+        self.key_cache = [self.data[slot, 0] for slot in self.layer_slots]
+        self.value_cache = [self.data[slot, self.tensors - 1] for slot in self.layer_slots]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy block `src` onto block `dst` in every layer, keys and values (copy-on-write of a

@@ -25,8 +25,8 @@ that go back to the pool (ref counts, prefix sharing and the prefix cache as for
 freed full block keeps its hash) and the sequence's table keeps a placeholder, `OUT_OF_WINDOW` (block 0
 in the persistent table), which no kernel reads: the attention of a windowed layer starts at the
 window's first block. So a long sequence holds about ceil(window / block_size) + 1 blocks plus its
-step's chunk, not its length. Models whose layers differ (Gemma's, gpt-oss's full layers) keep every
-block: one table serves every layer.
+step's chunk, not its length. Models whose layers differ (Gemma's, gpt-oss's full layers beside sliding
+ones) hold one manager a group of layers, over one pool (`kv_cache_groups`).
 
 A sequence's keys and values carry the weight version they were computed under. A sequence that
 started before `bump_weight_version()` keeps running on its old blocks, but nothing it computes
@@ -39,17 +39,19 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedrl.engine.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+from pagedrl.engine.block_pool import BlockHash, BlockPool, KVBlock, PoolCounts, hash_block_tokens
 from pagedrl.engine.block_table import BlockTable
 from pagedrl.engine.host_tensors import long_tensor
 from pagedrl.engine.seq_blocks import OUT_OF_WINDOW, ComputedBlocks, SeqBlocks, SeqId
 
 
-class KVCacheManager:
+class KVCacheManager(PoolCounts):
     """Block tables for every live sequence over one `BlockPool`."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, pool: BlockPool | None = None, group_tag: bytes = b"") -> None:
+        """`pool` and `group_tag`: one group of layers' tables over a pool the groups share
+        (`kv_cache_groups`); the tag keeps a group's cached blocks apart from the others' in the pool."""
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
@@ -57,7 +59,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks) if pool is None else pool
+        self.group_tag = group_tag
         self._seqs: dict[SeqId, SeqBlocks] = {}
         self.table = BlockTable()  # every live sequence's block ids, kept as they change
         self._weight_version = 0
@@ -84,11 +87,15 @@ class KVCacheManager:
         hashes = self.hash_blocks(token_ids, num_candidates, block_hashes, salt)
         blocks: list[KVBlock] = []
         for block_hash in hashes[:num_candidates]:
-            block = self.pool.get_cached_block(block_hash)
+            block = self.pool.get_cached_block(self._pool_key(block_hash))
             if block is None:
                 break
             blocks.append(block)
         return ComputedBlocks(blocks, hashes[: len(blocks)], len(blocks) * self.block_size, len(token_ids))
+
+    def _pool_key(self, block_hash: BlockHash) -> BlockHash:
+        """What the pool files a block under: its chain hash, tagged with this group's tag if any."""
+        return BlockHash(block_hash.digest + self.group_tag, block_hash.weight_version) if self.group_tag else block_hash
 
     def hash_blocks(
         self, token_ids: Sequence[int], num_blocks: int, block_hashes: list[BlockHash] | None = None,
@@ -170,14 +177,7 @@ class KVCacheManager:
                 f"num_computed_tokens = {num_computed_tokens} would rewrite the {num_hashed} full "
                 f"blocks of sequence {seq_id!r} that are already hashed"
             )
-        num_required = -(-total // bs)
-        shared = []
-        if num_new_tokens > 0:
-            first_written = num_computed_tokens // bs
-            shared = [
-                i for i in range(first_written, min(num_required, len(blocks))) if blocks[i].ref_count > 1
-            ]
-        num_needed = len(shared) + max(0, num_required - num_held)
+        shared, num_needed = self._fresh_blocks(blocks, num_held, num_computed_tokens, num_new_tokens)
         # A hit on a free cached block takes it out of the free queue too.
         num_free_hits = sum(1 for block in hits if block.ref_count == 0)
         if num_needed + num_free_hits > self.pool.num_free_blocks:
@@ -204,6 +204,31 @@ class KVCacheManager:
         if self.sliding_window is not None:  # prefix hits below the window of this step's first query
             self._drop_out_of_window(seq, num_computed_tokens)
         return True
+
+    def _fresh_blocks(self, blocks: list[KVBlock], num_held: int, num_computed_tokens: int,
+                      num_new_tokens: int) -> tuple[list[int], int]:
+        """The indices of the shared blocks the new tokens go into (each replaced by a fresh copy) and how
+        many fresh blocks that and the blocks past `num_held` take."""
+        bs = self.block_size
+        num_required = -(-(num_computed_tokens + num_new_tokens) // bs)
+        shared = []
+        if num_new_tokens > 0:
+            first_written = num_computed_tokens // bs
+            shared = [i for i in range(first_written, min(num_required, len(blocks))) if blocks[i].ref_count > 1]
+        return shared, len(shared) + max(0, num_required - num_held)
+
+    def blocks_needed(self, seq_id: SeqId, num_computed_tokens: int, num_new_tokens: int,
+                      computed: ComputedBlocks | None = None) -> int:
+        """How many blocks `allocate_slots` with these arguments would take out of the pool's free queue
+        now (fresh ones, and hits that are free), changing nothing but the blocks below the window,
+        which it frees as `allocate_slots` does: what the groups sharing a pool ask before any allocates."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None and self.sliding_window is not None:
+            self._drop_out_of_window(seq, num_computed_tokens)
+        blocks = seq.blocks if seq is not None else []
+        hits = computed.blocks if computed is not None else []
+        _, num_needed = self._fresh_blocks(blocks, len(blocks) + len(hits), num_computed_tokens, num_new_tokens)
+        return num_needed + sum(1 for block in hits if block.ref_count == 0)
 
     def _drop_out_of_window(self, seq: SeqBlocks, first_query: int) -> None:
         """Free the blocks wholly below `first_query` - window + 1 (no query from this step on reads them)
@@ -240,7 +265,7 @@ class KVCacheManager:
                 "to a sequence without blocks (free it first)"
             )
         for block, block_hash in zip(computed.blocks, computed.hashes, strict=True):
-            if block.block_hash != block_hash:
+            if block.block_hash != self._pool_key(block_hash):
                 raise ValueError(
                     f"computed: block {block.block_id} no longer holds the prefix it was found for "
                     "(evicted, or a new weight version); look the prompt up again"
@@ -258,7 +283,7 @@ class KVCacheManager:
             return
         hashes = self.hash_blocks(token_ids, num_full, block_hashes, seq.salt)
         for i in range(max(seq.num_hashed_blocks, seq.num_dropped), num_full):
-            self.pool.cache_full_block(seq.blocks[i], hashes[i])
+            self.pool.cache_full_block(seq.blocks[i], self._pool_key(hashes[i]))
         seq.num_hashed_blocks = num_full
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
@@ -350,33 +375,10 @@ class KVCacheManager:
         """Forget every cached prefix (same weights); live sequences are untouched."""
         self.pool.drop_cached_hashes()
 
-    # ------------------------------------------------------------------- stats
 
-    @property
-    def num_blocks_total(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def num_blocks_used(self) -> int:
-        return self.pool.num_used_blocks
-
-    @property
-    def num_blocks_cached(self) -> int:
-        """Free blocks whose content can still be hit under the current weights."""
-        return self.pool.num_cached_free_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.pool.num_used_blocks / self.pool.num_blocks
-
-    def can_ever_fit(self, num_tokens: int, step_tokens: int | None = None) -> bool:
-        """Whether a sequence of `num_tokens` tokens fits in the whole cache (else it never will). Under a
-        sliding window it holds at most the window and one step's `step_tokens` (when given) at a time."""
+    def most_blocks(self, num_tokens: int, step_tokens: int | None = None) -> int:
+        """The most blocks a sequence of `num_tokens` tokens holds at once (see `can_ever_fit`)."""
         need = -(-num_tokens // self.block_size)
         if self.sliding_window is not None and step_tokens is not None:
             need = min(need, -(-(self.sliding_window - 1 + step_tokens) // self.block_size) + 1)
-        return need <= self.pool.num_blocks
+        return need

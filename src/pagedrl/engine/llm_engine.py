@@ -20,6 +20,7 @@ from pagedrl.engine.engine_config import EngineConfig
 from pagedrl.engine.engine_stats import EngineStats, engine_stats, model_bytes
 from pagedrl.engine.grammar import GrammarCompiler, StepBitmasks
 from pagedrl.engine.kv_cache import KVCache, num_blocks_for_budget
+from pagedrl.engine.kv_cache_groups import GroupedKVCacheManager, LayerGroups
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.model_runner import ModelRunner
@@ -58,8 +59,17 @@ class LLMEngine:
                                            nbytes=self.config.kv_cache_bytes,
                                            gpu_memory_utilization=self.config.gpu_memory_utilization)
         heads, head_dim, values = cfg.kv_cache_layout  # keys and values, or latent attention's latents
-        self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, bs, heads, head_dim, kv_dtype, model.device, values)
-        self.kv_manager = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching, cfg.uniform_window)
+        groups = None if self.config.disable_hybrid_kv_cache_manager else LayerGroups.of(cfg.layer_windows)
+        self.kv_manager: KVCacheManager | GroupedKVCacheManager
+        if groups is None:
+            self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, bs, heads, head_dim, kv_dtype, model.device,
+                                    values)
+            self.kv_manager = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching, cfg.uniform_window)
+        else:  # sliding layers beside full ones: a group's block holds its layers alone, the same bytes in all
+            num_blocks = num_blocks * cfg.num_hidden_layers // groups.slots
+            self.kv_cache = KVCache(groups.slots, num_blocks, bs, heads, head_dim, kv_dtype, model.device, values,
+                                    layer_slots=groups.slot_of_layer)
+            self.kv_manager = GroupedKVCacheManager(num_blocks, bs, self.config.enable_prefix_caching, groups)
         c = self.config
         self.scheduler = Scheduler(self.kv_manager, c.max_num_seqs, c.max_num_batched_tokens,
                                    c.enable_chunked_prefill, max_loras=c.max_loras if c.enable_lora else None)

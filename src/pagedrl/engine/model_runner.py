@@ -17,6 +17,7 @@ their float32 weights, made once per weight change rather than cast anew at ever
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -192,13 +193,22 @@ class ModelRunner:
             if start + n == len(seq.token_ids):
                 rows.append((seq, start + n - 1))
                 row_index.append(base + n - 1)
-        tables = self.kv_manager.block_table_rows([seq.seq_id for seq in seqs], -(-max(seq_lens) // self.block_size))
+        seq_ids, num_blocks = [seq.seq_id for seq in seqs], -(-max(seq_lens) // self.block_size)
         invariant = getattr(getattr(self.model, "model", None), "batch_invariant", False)
-        # Under a trainer's autocast the decode attention stays torch's SDPA, the kernel the trainer's
-        # recompute runs: the in-place kernel's float32 softmax tripled the bf16 log-prob gap of a rollout.
-        meta = PagedAttention.from_block_tables(self.kv_cache, tables, q_lens, seq_lens, device,
-                                                impl=self.attention_impl, read_in_place=self.autocast_dtype is None,
-                                                rows=invariant, prefill_rows=self.prefill_rows)
+
+        def metadata(tables: torch.Tensor) -> PagedAttention:
+            # Under a trainer's autocast the decode attention stays torch's SDPA, the kernel the trainer's
+            # recompute runs: the in-place kernel's float32 softmax tripled the bf16 log-prob gap of a rollout.
+            return PagedAttention.from_block_tables(self.kv_cache, tables, q_lens, seq_lens, device,
+                                                    impl=self.attention_impl, read_in_place=self.autocast_dtype is None,
+                                                    rows=invariant, prefill_rows=self.prefill_rows)
+
+        groups = getattr(self.kv_manager, "layer_groups", None)
+        if groups is None:
+            meta = metadata(self.kv_manager.block_table_rows(seq_ids, num_blocks))
+        else:  # each group of layers its own tables (`kv_cache_groups`)
+            metas = [metadata(tables) for tables in self.kv_manager.group_block_table_rows(seq_ids, num_blocks)]
+            meta = dataclasses.replace(metas[0], layer_metas=tuple(metas[g] for g in groups.group_of_layer))
         meta.windows = self.windows
         input_ids = long_tensor(ids).to(device)[None]
         if self.program is not None and meta.in_place and not invariant and self.lora is None:

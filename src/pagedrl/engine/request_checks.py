@@ -53,5 +53,6 @@ def check_fits(num_prompt_tokens: int, params: SamplingParams, max_model_len: in
                          f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len {limit}")
     total = num_prompt_tokens + (params.max_tokens or limit - num_prompt_tokens)
     if not kv_manager.can_ever_fit(total, step_tokens):
-        raise ValueError(f"prompt + max_tokens = {total} tokens can never fit in the KV cache of "
-                         f"{kv_manager.num_blocks_total * block_size} tokens; raise kv_cache_tokens")
+        raise ValueError(f"prompt + max_tokens = {total} tokens can never fit in the KV cache: they hold "
+                         f"{kv_manager.most_blocks(total, step_tokens)} blocks of {block_size} tokens at once, "
+                         f"the cache has {kv_manager.num_blocks_total}; raise kv_cache_tokens")

@@ -162,6 +162,15 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: it attends to every key): Gemma's and gpt-oss's per their
+        layer kinds, or the uniform window in every layer."""
+        rules = self.gemma or self.gpt_oss
+        if rules is not None:
+            return tuple(rules.window(i) for i in range(self.num_hidden_layers))
+        return (self.uniform_window,) * self.num_hidden_layers
+
+    @property
     def max_model_len(self) -> int:
         """Longest sequence the engine serves: the context. A model whose layers do not all share its
         window (Qwen's full first layers) is still capped at the window, which the engine cannot yet

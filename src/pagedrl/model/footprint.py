@@ -34,6 +34,9 @@ class Footprint:
     # Latent attention (DeepSeek-V3): what the same token's keys and values would take cached in full,
     # every head's (qk_nope + qk_rope features of key, v_head_dim of value); None for the other families.
     full_kv_bytes_per_token: int | None = None
+    # Sliding layers beside full ones (Gemma, gpt-oss): the part of `kv_bytes_per_token` the sliding layers
+    # hold for the tokens of their window only (`engine/kv_cache_groups.py`), and the window; None otherwise.
+    windowed: tuple[int, int] | None = None
 
     def describe(self, held_bytes: int | None = None) -> str:
         """One line for a start-up log; `held_bytes`: what the loaded weights really hold (quantized
@@ -45,6 +48,9 @@ class Footprint:
         latent = ("" if self.full_kv_bytes_per_token is None else
                   f" (latent attention: {self.kv_bytes_per_token} bytes a token against "
                   f"{self.full_kv_bytes_per_token} for every head's keys and values)")
+        if self.windowed is not None:
+            latent = (f" ({self.windowed[0] / 1024:.1f} KiB of it, the sliding layers', for the last "
+                      f"{self.windowed[1]} tokens only)")
         return (f"{self.parameters / 1e6:,.1f}M parameters{active}, {weights}, "
                 f"{self.kv_bytes_per_token / 1024:.1f} KiB of KV cache per token{latent}")
 
@@ -73,7 +79,12 @@ def footprint(cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype | None
     if cfg.deepseek is not None:
         per_head = cfg.deepseek.qk_head_dim + cfg.deepseek.v_head_dim
         full = cfg.num_hidden_layers * cfg.num_attention_heads * per_head * kv_element
-    return Footprint(parameters, parameters - idle, parameters * element, kv, dtype, full)
+    windows = cfg.layer_windows
+    windowed = None
+    if len(set(windows)) > 1:  # (the groups of `engine/kv_cache_groups.py`)
+        sliding = [w for w in windows if w is not None]
+        windowed = (kv // cfg.num_hidden_layers * len(sliding), max(sliding))
+    return Footprint(parameters, parameters - idle, parameters * element, kv, dtype, full, windowed)
 
 
 def available_bytes(device: torch.device) -> tuple[int, str] | None:

@@ -1,0 +1,169 @@
+"""Layers in groups, each group with its own block tables over one shared pool: how a model whose layers
+attend differently (Gemma 2/3, gpt-oss: sliding-window layers beside full ones) lets its sliding layers
+give back the blocks that fell out of their window while its full layers keep every block.
+
+The layout is vLLM's hybrid KV cache: the layers are cut into groups of `slots` layers that share one
+rule (a window, or none), and the cache holds `slots` tensors (`KVCache` with `layer_slots`): layer j of
+every group reads and writes the j-th tensor. A block id belongs to one group at a time and holds that
+group's `slots` layers' keys and values for `block_size` tokens; every group's tables draw their ids from
+the one `BlockPool`. Gemma 3 1B (4 full layers, 22 sliding over 512 keys) is 7 groups of 4 layers; a
+sequence of n tokens holds ceil(n / 16) blocks of the full group and, in a step of decodes, at most
+ceil(512 / 16) + 1 of each sliding group, each block 4 layers' keys and values where a block of one
+table for every layer holds 26.
+
+Each group is a `KVCacheManager` (its window, its tables, its prefix hashes tagged with the group so two
+groups never meet in the pool); this class keeps them in step. A prefix lookup takes the hits every group
+has (a sliding group misses once a block below its window was evicted). An allocation is all or nothing
+over every group: each says what it would take, the pool is asked once, and the free hit blocks are
+held before any group takes fresh ones, which could evict them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedrl.engine.block_pool import BlockHash, BlockPool, PoolCounts
+from pagedrl.engine.kv_cache_manager import KVCacheManager
+from pagedrl.engine.seq_blocks import ComputedBlocks, SeqId
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    """Which group and which cache tensor each layer uses, and each group's window."""
+
+    windows: tuple[int | None, ...]  # per group
+    group_of_layer: tuple[int, ...]
+    slot_of_layer: tuple[int, ...]
+    slots: int  # layers a group holds (the cache's tensors)
+
+    @classmethod
+    def of(cls, layer_windows: Sequence[int | None]) -> LayerGroups | None:
+        """The groups of a model whose layers' windows (None: every key) are not all the same; None where
+        they are (one table serves every layer). Groups have as many layers as the smallest kind."""
+        kinds: dict[int | None, list[int]] = {}
+        for layer, window in enumerate(layer_windows):
+            kinds.setdefault(window, []).append(layer)
+        if len(kinds) < 2:
+            return None
+        slots = min(len(layers) for layers in kinds.values())
+        windows: list[int | None] = []
+        group_of_layer = [0] * len(layer_windows)
+        slot_of_layer = [0] * len(layer_windows)
+        for window in sorted(kinds, key=lambda w: (w is not None, w or 0)):  # the full layers' group first
+            layers = kinds[window]
+            for start in range(0, len(layers), slots):
+                for slot, layer in enumerate(layers[start:start + slots]):
+                    group_of_layer[layer], slot_of_layer[layer] = len(windows), slot
+                windows.append(window)
+        return cls(tuple(windows), tuple(group_of_layer), tuple(slot_of_layer), slots)
+
+
+@dataclass(frozen=True)
+class GroupedComputedBlocks:
+    """A prefix lookup in every group, cut to the hits they all have."""
+
+    parts: tuple[ComputedBlocks, ...]
+    num_tokens: int
+    num_queried_tokens: int
+
+
+class GroupedKVCacheManager(PoolCounts):
+    """`KVCacheManager`'s interface over groups of layers that share one pool (see the module)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, groups: LayerGroups) -> None:
+        self.block_size = block_size
+        self.layer_groups = groups
+        self.pool = BlockPool(num_blocks)
+        self.groups = [KVCacheManager(num_blocks, block_size, enable_prefix_caching, window, pool=self.pool,
+                                      group_tag=b"group%d" % g) for g, window in enumerate(groups.windows)]
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def sliding_window(self) -> int | None:
+        return None  # (the full layers' group keeps every block)
+
+    def get_computed_blocks(self, token_ids: Sequence[int], block_hashes: list[BlockHash] | None = None,
+                            salt: bytes = b"") -> GroupedComputedBlocks:
+        parts = [g.get_computed_blocks(token_ids, block_hashes, salt) for g in self.groups]
+        hits = min(len(part.blocks) for part in parts)
+        cut = tuple(ComputedBlocks(p.blocks[:hits], p.hashes[:hits], hits * self.block_size, p.num_queried_tokens)
+                    for p in parts)
+        return GroupedComputedBlocks(cut, hits * self.block_size, parts[0].num_queried_tokens)
+
+    def allocate_slots(self, seq_id: SeqId, token_ids: Sequence[int], num_computed_tokens: int, num_new_tokens: int,
+                       computed: GroupedComputedBlocks | ComputedBlocks | None = None,
+                       block_hashes: list[BlockHash] | None = None, salt: bytes = b"") -> bool:
+        """`KVCacheManager.allocate_slots` in every group, or in none."""
+        if computed is None:
+            parts: Sequence[ComputedBlocks | None] = [None] * len(self.groups)
+        elif isinstance(computed, GroupedComputedBlocks):
+            parts = computed.parts
+        else:  # (a lookup skipped: no hits, one part a group)
+            if computed.blocks:
+                raise ValueError("computed: a lookup of one group's blocks; use this manager's get_computed_blocks")
+            parts = [computed] * len(self.groups)
+        needed = sum(g.blocks_needed(seq_id, num_computed_tokens, num_new_tokens, part)
+                     for g, part in zip(self.groups, parts, strict=True))
+        if needed > self.pool.num_free_blocks:
+            return False
+        hits = [block for part in parts if part is not None for block in part.blocks]
+        self.pool.touch(hits)  # held while every group allocates: no group's fresh blocks evict another's hits
+        try:
+            for g, part in zip(self.groups, parts, strict=True):
+                if not g.allocate_slots(seq_id, token_ids, num_computed_tokens, num_new_tokens, part, block_hashes,
+                                        salt):
+                    raise AssertionError(f"group {g.group_tag!r} refused after the pool said it fits")
+        finally:
+            self.pool.free_blocks(hits)
+        if computed is not None:
+            self.prefix_cache_queries += computed.num_queried_tokens
+            self.prefix_cache_hits += computed.num_tokens
+        return True
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        for g in self.groups:
+            g.fork(parent_id, child_id)
+
+    def free(self, seq_id: SeqId) -> None:
+        for g in self.groups:
+            g.free(seq_id)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Every group's copies: a block id is one group's, and the copy moves every slot of it."""
+        return [pair for g in self.groups for pair in g.take_pending_copies()]
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self.groups[0]
+
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        """The full layers' group's table (what a picture of prefix sharing shows)."""
+        return self.groups[0].block_table(seq_id)
+
+    def num_held_blocks(self, seq_id: SeqId) -> int:
+        return sum(g.num_held_blocks(seq_id) for g in self.groups)
+
+    def block_table_rows(self, seq_ids: Sequence[SeqId], num_blocks: int) -> torch.Tensor:
+        return self.groups[0].block_table_rows(seq_ids, num_blocks)
+
+    def group_block_table_rows(self, seq_ids: Sequence[SeqId], num_blocks: int) -> list[torch.Tensor]:
+        """Each group's `block_table_rows`."""
+        return [g.block_table_rows(seq_ids, num_blocks) for g in self.groups]
+
+    @property
+    def weight_version(self) -> int:
+        return self.groups[0].weight_version
+
+    def bump_weight_version(self) -> int:
+        return [g.bump_weight_version() for g in self.groups][0]
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.drop_cached_hashes()
+
+    def most_blocks(self, num_tokens: int, step_tokens: int | None = None) -> int:
+        """The most blocks of the pool a sequence of `num_tokens` tokens holds at once, every group's."""
+        return sum(g.most_blocks(num_tokens, step_tokens) for g in self.groups)
