@@ -129,7 +129,7 @@ def test_sliding_layers_give_back_their_blocks_while_full_layers_keep_theirs() -
     """Gemma 3 (a full layer between two sliding ones over 8 keys) in groups of one layer: the cache holds
     the bytes of its budget; decoding 60 tokens past a 40-token prompt, each sliding group holds at most
     its window and a step's chunk while the full layer's group holds every block, and the greedy tokens
-    are transformers' `generate`'s."""
+    are transformers' `generate`'s, and one table for every layer's (--disable-hybrid-kv-cache-manager)."""
     hf = hf_model(dict(GEMMA_FAMILIES["gemma3"], max_position_embeddings=256))
     prompt = (prompts(hf.config.vocab_size)[0] * 8)[:40]
     expected = reference(hf, [prompt], max_new=60)
@@ -143,5 +143,10 @@ def test_sliding_layers_give_back_their_blocks_while_full_layers_keep_theirs() -
         tuple(g.num_held_blocks(s.seq_id) for g in e.kv_manager.groups) for s in e.scheduler.running))
     got = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), use_tqdm=False)
     assert strip_eos(got[0].outputs[0].token_ids) == strip_eos(expected[0])
+    one_table = engine_for(hf, block_size=4, kv_cache_tokens=512, max_num_batched_tokens=16,
+                           disable_hybrid_kv_cache_manager=True)
+    assert not hasattr(one_table.engine.kv_manager, "groups")
+    again = one_table.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+    assert again[0].outputs[0].token_ids == got[0].outputs[0].token_ids
     assert held[-1][0] == -(-(len(prompt) + 59) // 4)  # the full layer: every token's block
     assert max(max(h[1:]) for h in held) <= -(-(8 - 1 + 16) // 4) + 1 and held[-1][1] <= 3  # the window's
