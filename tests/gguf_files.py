@@ -332,3 +332,20 @@ def assert_file_follows(path: Path, out: Path, theirs: torch.nn.Module, vocab: i
     got = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
     llm.close()
     assert [strip_eos(g, 1) for g in got] == [strip_eos(e, 1) for e in expected]
+
+
+def converted_as_the_original(path: Path, out: Path, hf: torch.nn.Module) -> tuple[Path, torch.nn.Module]:
+    """The folder `convert_gguf` makes of the file at `path` (into `out`) and transformers' model of it,
+    which must be `hf`'s class with `hf`'s every tensor (a file of float32 tensors gives them back as they
+    were)."""
+    import transformers
+
+    from pagedrl.model.gguf import convert_gguf
+
+    out = convert_gguf(path, out)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(back) is type(hf)
+    want, got = hf.state_dict(), back.state_dict()
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    return out, back

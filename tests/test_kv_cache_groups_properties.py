@@ -14,15 +14,16 @@ from collections import Counter
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant
+from test_window_freeing_properties import WindowMachine
 
 from pagedrl.engine.kv_cache_groups import GroupedKVCacheManager, LayerGroups
 
-PROMPTS = st.builds(lambda system, tail: system + tail, st.sampled_from([[], [0, 1, 2, 0, 1, 1, 2, 0]]),
-                    st.lists(st.integers(0, 2), min_size=1, max_size=14))
 
+class GroupsMachine(WindowMachine):
+    """`WindowMachine`'s rules (sequences added, stepped, preempted, forked and freed) on groups; its
+    forward, invariant and setup replaced by the groups' own."""
 
-class GroupsMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(6, 30), block_size=st.sampled_from([1, 2, 3, 4]),
                 window=st.sampled_from([1, 2, 3, 5, 8]), sliding_groups=st.integers(1, 2), caching=st.booleans())
     def setup(self, num_blocks: int, block_size: int, window: int, sliding_groups: int, caching: bool) -> None:
@@ -33,10 +34,6 @@ class GroupsMachine(RuleBasedStateMachine):
         self.seqs: dict[int, dict] = {}  # id -> {"tokens", "computed", "hashes"}
         self.kv: dict[int, tuple[int, tuple[int, ...]]] = {}  # slot -> (group, the token prefix written there)
         self.next_id = 0
-
-    def _pick(self, index: int) -> int:
-        ids = sorted(self.seqs)
-        return ids[index % len(ids)]
 
     def _step(self, seq_id: int, num_new: int, hits=None) -> bool:
         seq = self.seqs[seq_id]
@@ -57,58 +54,9 @@ class GroupsMachine(RuleBasedStateMachine):
         seq["computed"] = start + num_new
         return True
 
-    def _admit(self, seq_id: int, chunk: int) -> None:
-        seq = self.seqs[seq_id]
-        computed = self.km.get_computed_blocks(seq["tokens"], seq["hashes"])
-        seq["computed"] = computed.num_tokens
-        if not self._step(seq_id, min(chunk, len(seq["tokens"]) - computed.num_tokens), computed):
-            self.km.free(seq_id)
-            del self.seqs[seq_id]
-
-    @rule(prompt=PROMPTS, chunk=st.integers(1, 6))
-    def add_sequence(self, prompt: list[int], chunk: int) -> None:
-        self.seqs[self.next_id] = {"tokens": list(prompt), "computed": 0, "hashes": []}
-        self.next_id += 1
-        self._admit(self.next_id - 1, chunk)
-
-    @precondition(lambda self: self.seqs)
-    @rule(index=st.integers(0, 100), chunk=st.integers(1, 6), token=st.integers(0, 2))
-    def step(self, index: int, chunk: int, token: int) -> None:
-        seq_id = self._pick(index)
-        seq = self.seqs[seq_id]
-        if seq["computed"] == len(seq["tokens"]):
-            seq["tokens"].append(token)
-        before = self.km.num_blocks_used
-        if not self._step(seq_id, min(chunk, len(seq["tokens"]) - seq["computed"])):
-            assert self.km.num_blocks_used <= before  # a refusal takes nothing (it may free below the window)
-            self.preempt(index, chunk)
-
-    @precondition(lambda self: self.seqs)
-    @rule(index=st.integers(0, 100), chunk=st.integers(1, 6))
-    def preempt(self, index: int, chunk: int) -> None:
-        seq_id = self._pick(index)
-        self.km.free(seq_id)
-        self.seqs[seq_id]["computed"] = 0
-        self._admit(seq_id, chunk)
-
-    @precondition(lambda self: self.seqs)
-    @rule(index=st.integers(0, 100))
-    def fork(self, index: int) -> None:
-        parent = self._pick(index)
-        self.km.fork(parent, self.next_id)
-        self.seqs[self.next_id] = {**self.seqs[parent], "tokens": list(self.seqs[parent]["tokens"]),
-                                   "hashes": list(self.seqs[parent]["hashes"])}
-        self.next_id += 1
-
-    @precondition(lambda self: self.seqs)
-    @rule(index=st.integers(0, 100))
-    def free(self, index: int) -> None:
-        seq_id = self._pick(index)
-        self.km.free(seq_id)
-        del self.seqs[seq_id]
-
     @invariant()
-    def each_block_is_one_groups_and_counted_once_a_holder(self) -> None:
+    def ref_counts_are_the_tables_holding_each_block(self) -> None:  # (replaces WindowMachine's)
+        """Each block is one group's, and its ref count the tables of that group holding it."""
         holders: Counter[int] = Counter()
         owner: dict[int, int] = {}
         for g, group in enumerate(self.km.groups):
@@ -122,13 +70,6 @@ class GroupsMachine(RuleBasedStateMachine):
             for group in self.km.groups[1:]:
                 assert group.num_held_blocks(s) <= -(-(self.window - 1 + 6) // self.bs) + 1
             assert self.km.groups[0].num_held_blocks(s) == -(-seq["computed"] // self.bs)
-
-    def teardown(self) -> None:
-        if hasattr(self, "km"):
-            for seq_id in list(self.seqs):
-                self.km.free(seq_id)
-            assert all(b.ref_count == 0 for b in self.km.pool.blocks)
-            assert self.km.num_free_blocks == self.km.num_blocks_total
 
 
 GroupsMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
