@@ -1,13 +1,16 @@
 """A bf16 prefill's attention on a CPU: the prefill tiles against the row kernel and against gather +
-torch's flash attention, on SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64).
+torch's flash attention, on SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64, or
+`--head-dim`).
 
 The step: `--prompts` fresh prompts of 32-512 tokens (seeded, as `bench_vllm_cpu.py`'s 64x128
 workload), their keys and values in scattered 16-token blocks, one layer's attention timed per call,
 best of `--rounds`; the three run in turns in one process. Also printed: each one's mean and largest
 difference from float64 attention over the same bf16 inputs, on a subset of the rows (all three
-round their output to bf16 once).
+round their output to bf16 once). `--window` and `--softcap` put a layer's rules on the tiles and the
+row kernel (gather + flash attention knows none of them and is left out then).
 
     .venv/bin/python bench/bench_prefill_attention.py [--prompts 64] [--rounds 6] [--threads 2]
+        [--window 128] [--softcap 50] [--head-dim 256]
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pagedrl.engine.attention import PagedAttention
 from pagedrl.engine.kv_cache import KVCache
 from pagedrl.kernels import ops
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+HEADS, KV_HEADS, BLOCK = 9, 3, 16
 
 
 def main() -> None:
@@ -30,7 +33,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--window", type=int, default=None)
+    ap.add_argument("--softcap", type=float, default=None)
+    ap.add_argument("--head-dim", type=int, default=64, help="64: SmolLM2's; 256: Gemma's")
     args = ap.parse_args()
+    head_dim = args.head_dim
+    rules = dict(window=args.window, softcap=args.softcap)
     torch.set_num_threads(args.threads)
     if not ops.decode_linear_available():
         raise SystemExit("the prefill tiles need the CPU kernels built with AVX512-BF16; not here")
@@ -38,7 +46,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     q_lens = [rng.randint(32, 512) for _ in range(args.prompts)]
     need = [-(-n // BLOCK) for n in q_lens]
-    cache = KVCache(1, sum(need) + 4, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    cache = KVCache(1, sum(need) + 4, BLOCK, KV_HEADS, head_dim, dtype=torch.bfloat16)
     cache.data.copy_(torch.randn(cache.data.shape, generator=gen).bfloat16())
     free = list(range(cache.num_blocks))
     rng.shuffle(free)
@@ -46,21 +54,23 @@ def main() -> None:
     for s, n in enumerate(need):
         tables[s, :n] = torch.tensor([free.pop() for _ in range(n)])
     rows = sum(q_lens)
-    q = torch.randn(rows, HEADS, HEAD_DIM, generator=gen).bfloat16()
+    q = torch.randn(rows, HEADS, head_dim, generator=gen).bfloat16()
     key_cache, value_cache = cache.key_cache[0], cache.value_cache[0]
     starts = torch.tensor([0] + q_lens).cumsum(0)
     lens = torch.tensor(q_lens)
     row_seqs = torch.repeat_interleave(torch.arange(len(q_lens)), lens)
     row_lens = torch.cat([torch.arange(1, n + 1) for n in q_lens])
-    scale = HEAD_DIM ** -0.5
+    scale = head_dim ** -0.5
     seqs = [(tables[s, :n].tolist(), 0, q_len) for s, (n, q_len) in enumerate(zip(need, q_lens, strict=True))]
     flash = PagedAttention.build(cache, BLOCK, seqs, impl="fast")  # no prefill_rows: gather + SDPA
     ways = {
-        "prefill tiles": lambda: ops.paged_prefill(q, key_cache, value_cache, tables, starts, lens, scale),
+        "prefill tiles": lambda: ops.paged_prefill(q, key_cache, value_cache, tables, starts, lens, scale, **rules),
         "row kernel": lambda: ops.paged_attention(q, key_cache, value_cache, tables, row_lens, scale,
-                                                          row_seqs)[0],
+                                                          row_seqs, **rules)[0],
         "gather + flash attention": lambda: flash._attend_fast(q, key_cache, value_cache, scale),
     }
+    if args.window or args.softcap:
+        del ways["gather + flash attention"]
     best = dict.fromkeys(ways, float("inf"))
     for _ in range(args.rounds):
         for name, way in ways.items():
@@ -68,15 +78,21 @@ def main() -> None:
             way()
             best[name] = min(best[name], time.perf_counter() - start)
     first = q_lens[0] + q_lens[1]  # float64 reference over the first two prompts' rows
-    keys = cache.key_cache[0].reshape(-1, KV_HEADS, HEAD_DIM).double().repeat_interleave(HEADS // KV_HEADS, 1)
-    values = cache.value_cache[0].reshape(-1, KV_HEADS, HEAD_DIM).double().repeat_interleave(HEADS // KV_HEADS, 1)
-    exact = torch.empty(first, HEADS, HEAD_DIM, dtype=torch.float64)
+    keys = cache.key_cache[0].reshape(-1, KV_HEADS, head_dim).double().repeat_interleave(HEADS // KV_HEADS, 1)
+    values = cache.value_cache[0].reshape(-1, KV_HEADS, head_dim).double().repeat_interleave(HEADS // KV_HEADS, 1)
+    exact = torch.empty(first, HEADS, head_dim, dtype=torch.float64)
     for r in range(first):
         s, n = int(row_seqs[r]), int(row_lens[r])
         slots = tables[s, torch.arange(n) // BLOCK] * BLOCK + torch.arange(n) % BLOCK
-        probs = (torch.einsum("hd,khd->hk", q[r].double(), keys[slots]) * scale).softmax(-1)
+        scores = torch.einsum("hd,khd->hk", q[r].double(), keys[slots]) * scale
+        if args.softcap:
+            scores = args.softcap * torch.tanh(scores / args.softcap)
+        if args.window:
+            scores[:, :max(0, n - args.window)] = float("-inf")
+        probs = scores.softmax(-1)
         exact[r] = torch.einsum("hk,khd->hd", probs, values[slots])
-    print(f"{len(q_lens)} prompts, {rows} rows, {args.threads} threads, best of {args.rounds}, one layer")
+    print(f"{len(q_lens)} prompts, {rows} rows, {args.threads} threads, best of {args.rounds}, one layer, "
+          f"window {args.window}, softcap {args.softcap}")
     print("| attention | ms | against the tiles | mean / max difference from float64 |")
     print("|---|---|---|---|")
     for name, way in ways.items():

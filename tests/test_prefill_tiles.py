@@ -17,9 +17,12 @@ pytestmark = pytest.mark.isa  # its paths follow the CPU class: `make test-isa` 
 
 
 def float64_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: list[list[int]],
-                      q_lens: list[int], seq_lens: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row over its sequence's keys up to its own position, in float64: the output and, per row and
-    head, the probability-weighted mean of |v| (what rounding the probabilities can move it by)."""
+                      q_lens: list[int], seq_lens: list[int], scale: float, window: int | None = None,
+                      softcap: float | None = None, sinks: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row over its sequence's keys up to its own position (its last `window` of them), in float64,
+    scores capped by `softcap` and a `sinks` logit per head in each denominator: the output and, per row
+    and head, the probability-weighted mean of |v| (what rounding the probabilities can move it by)."""
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     groups = q.shape[1] // num_kv_heads
     keys = key_cache.reshape(-1, num_kv_heads, head_dim).double().repeat_interleave(groups, dim=1)
@@ -29,8 +32,17 @@ def float64_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(seq_len)])
         k, v = keys[slots], values[slots]  # [L, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", q[row:row + q_len].double(), k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         position = torch.arange(seq_len - q_len, seq_len)[:, None]
-        probs = scores.masked_fill(torch.arange(seq_len)[None, :] > position, float("-inf")).softmax(-1)
+        key = torch.arange(seq_len)[None, :]
+        hidden = (key > position) | ((key <= position - window) if window else False)
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is not None:  # one more column per head, with no value
+            column = sinks.double()[:, None, None].expand(-1, q_len, 1)
+            probs = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
         out[row:row + q_len] = torch.einsum("hqk,khd->qhd", probs, v)
         spread[row:row + q_len] = torch.einsum("hqk,khd->qhd", probs, v.abs()).amax(-1)
         row += q_len
@@ -42,6 +54,22 @@ def float64_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
        block_size=st.sampled_from([8, 16, 32]), heads=st.sampled_from([(9, 3), (4, 4), (8, 2), (4, 1), (16, 2), (50, 1)]),
        head_dim=st.sampled_from(ops.PREFILL_HEAD_DIMS), seed=st.integers(0, 2**16))
 def test_prefill_tiles_equal_float64_attention(chunks, block_size, heads, head_dim, seed) -> None:
+    check_tiles(chunks, block_size, heads, head_dim, seed)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chunks=st.lists(st.tuples(st.integers(0, 90), st.integers(1, 70)), min_size=1, max_size=4),
+       block_size=st.sampled_from([8, 16, 32]), heads=st.sampled_from([(9, 3), (8, 2), (4, 1), (16, 2)]),
+       head_dim=st.sampled_from([64, 256]), seed=st.integers(0, 2**16), window=st.sampled_from([None, 1, 5, 16, 37]),
+       softcap=st.sampled_from([None, 2.0]), sinks=st.booleans())
+def test_prefill_tiles_under_a_layers_rules_equal_float64_attention(chunks, block_size, heads, head_dim, seed, window,
+                                                                    softcap, sinks) -> None:
+    """The same under a window (the blocks wholly below every row's window freed: their table entries point
+    at a block of NaNs, which no row may read), a cap on the scores, and sinks."""
+    check_tiles(chunks, block_size, heads, head_dim, seed, window, softcap, sinks)
+
+
+def check_tiles(chunks, block_size, heads, head_dim, seed, window=None, softcap=None, sinks=False) -> None:
     """Sequences of (cached, new) tokens: fresh prompts, chunks after a cached prefix, single rows (the
     row routine); tables scattered, blocks smaller than, equal to and larger than a chunk of keys. Each
     output is within bf16's rounding of the exact one (half a step of the output, and of the
@@ -57,16 +85,23 @@ def test_prefill_tiles_equal_float64_attention(chunks, block_size, heads, head_d
     free = list(range(sum(need) + 3))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(n)] for n in need]
-    shape = (sum(need) + 3, block_size, num_kv_heads, head_dim)
+    shape = (sum(need) + 4, block_size, num_kv_heads, head_dim)  # (the last in no table)
     key_cache, value_cache = (torch.randn(shape, generator=gen).bfloat16() for _ in range(2))
     q = (torch.randn(sum(q_lens), num_heads, head_dim, generator=gen) * 2).bfloat16()
     padded = torch.zeros(len(tables), max(need), dtype=torch.long)
     for s, table in enumerate(tables):
         padded[s, :len(table)] = torch.tensor(table)
+    if window:  # blocks below every row's window, freed: their entries point at a block of NaNs
+        key_cache[-1], value_cache[-1] = float("nan"), float("nan")
+        for s, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+            padded[s, :max(0, seq_len - q_len - window + 1) // block_size] = shape[0] - 1
     starts = torch.tensor([0] + q_lens).cumsum(0)
     scale = head_dim ** -0.5
-    out = ops.paged_prefill(q, key_cache, value_cache, padded, starts, torch.tensor(seq_lens), scale)
-    exact, spread = float64_attention(q, key_cache, value_cache, tables, q_lens, seq_lens, scale)
+    logits = torch.randn(num_heads, generator=gen) if sinks else None
+    out = ops.paged_prefill(q, key_cache, value_cache, padded, starts, torch.tensor(seq_lens), scale, window,
+                            softcap, logits)
+    exact, spread = float64_attention(q, key_cache, value_cache, tables, q_lens, seq_lens, scale, window, softcap,
+                                      logits)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     bound = exact.abs() * 2.0**-8 + spread[..., None] * 2.0**-8 + 1e-5
     assert ((out.double() - exact).abs() <= bound).all()

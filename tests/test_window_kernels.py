@@ -83,11 +83,16 @@ def test_row_kernel_equals_reference_under_rules(shapes, window, softcap, with_s
 @pytest.mark.parametrize("head_dim", [64, 128, 24])  # the compiled sizes (bf16 dot products) and a run-time one
 @pytest.mark.parametrize("window", [3, 16, 31, 48])
 def test_row_kernel_on_head_sizes_and_block_crossings(dtype, head_dim, window) -> None:
-    """Decodes at every offset of a block and a chunk of a prompt, so windows start anywhere in a block."""
+    """Decodes at every offset of a block and a chunk of a prompt, so windows start anywhere in a block; with
+    `prefill_rows`, a bf16 step through the prefill tiles under the rules."""
     shapes = [(c, 1) for c in range(40, 72, 3)] + [(37, 21), (0, 50)]
     for prefill_rows in (False, True):
-        fast, ref = engine_outputs(shapes, 8, 2, head_dim, dtype, window, 30.0, True, head_dim + window,
-                                   prefill_rows=prefill_rows)
+        with mock.patch.object(layer_rules.ops, "paged_prefill", wraps=ops.paged_prefill) as tiles:
+            fast, ref = engine_outputs(shapes, 8, 2, head_dim, dtype, window, 30.0, True, head_dim + window,
+                                       prefill_rows=prefill_rows)
+        # a bf16 step with prompt chunks takes the prefill tiles under the rules where they are built
+        assert tiles.called == (prefill_rows and dtype == torch.bfloat16 and head_dim in ops.PREFILL_HEAD_DIMS
+                                and ops.decode_linear_available())
         torch.testing.assert_close(fast.float(), ref.float(), atol=TOLERANCE[dtype], rtol=0)
 
 

@@ -2,10 +2,11 @@
 Phi-3-mini, Gemma's and gpt-oss's sliding layers), soft-capped scores (Gemma 2), attention sinks (gpt-oss).
 
 Which kernel honours them: on a GPU the Triton kernel (`triton_attention.paged_attention` takes all three);
-on a CPU the row kernel (`ops.paged_attention`), one query row at a time, for decode steps and prompt
-chunks alike; the other fast variants (the prefill tiles, the gather-then-SDPA groups, the decode
-program's call without a window) know none of them, so a layer with a rule never goes there. Both kernels
-start each row's loop at the window's first key, so a windowed layer's cost stays O(window) however long
+on a CPU the row kernel (`ops.paged_attention`), one query row at a time, for decode steps, and the
+prefill tiles (`ops.paged_prefill`) for a bf16 step's prompt chunks where they run; the other fast
+variants (the gather-then-SDPA groups, the decode program's call without a window) know none of them,
+so a layer with a rule never goes there. Each of these
+starts a row's loop at the window's first key, so a windowed layer's cost stays O(window) however long
 the sequence, and the blocks below every window can be freed (`kv_cache_manager`) without a kernel reading
 them. Where neither kernel runs (another dtype or device, the kernels not built, `impl="reference"`) the
 layer takes `reference_attention`, which applies them too. Never a kernel that would ignore a rule.
@@ -40,11 +41,14 @@ def attend_with_rules(meta: PagedAttention, layer: int, q: torch.Tensor, k: torc
                                                 meta.query_start_loc, max_query_len, scale, window=window,
                                                 softcap=meta.softcap, sinks=sinks)
     meta._store(k, v, key_cache, value_cache)
+    sink_logits = None if sinks is None else sinks.detach().float()
+    if meta.impl == "fast" and meta.tiles:  # a bf16 step with prompt chunks: a prompt's rows in tiles
+        return ops.paged_prefill(q, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                 scale, window=window, softcap=meta.softcap, sinks=sink_logits)
     if meta.impl == "fast" and meta.kernels:
         row_lens, row_seqs = kernel_rows(meta)
         return ops.paged_attention(q, key_cache, value_cache, meta.block_tables, row_lens, scale, row_seqs,
-                                   window=window, softcap=meta.softcap,
-                                   sinks=None if sinks is None else sinks.detach().float())[0]
+                                   window=window, softcap=meta.softcap, sinks=sink_logits)[0]
     return reference_attention(q, key_cache, value_cache, meta.seq_lens, meta.query_start_loc, meta.block_tables,
                                scale, window, meta.softcap, sinks)
 

@@ -55,7 +55,7 @@ HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "att
                                                      "float_lanes.h", "gguf_int8_groups.h", "gguf_int8_row.h",
                                                      "gguf_int8_rows8.h", "gguf_int8_types.h")]  # the build's key too
 DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
-PREFILL_HEAD_DIMS = (16, 32, 64, 96, 128)  # the head sizes `paged_prefill` is compiled for
+PREFILL_HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the head sizes `paged_prefill` is compiled for
 
 
 def cflags() -> list[str]:
@@ -194,12 +194,14 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
 
 
 def paged_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int | None = None,
+                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, Hq, D] bf16, sequence s owning rows query_start_loc[s]:query_start_loc[s + 1], its last at
     position seq_lens[s] - 1 → [N, Hq, D], each row attended causally over its sequence's keys, in
-    tiles of a prompt's consecutive rows (`csrc/prefill_tiles.cpp`). Needs `decode_linear_available()`
-    (the bf16 dot-product instructions)."""
-    return _ops().paged_prefill(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
+    tiles of a prompt's consecutive rows (`csrc/prefill_tiles.cpp`); `window`, `softcap` and `sinks` as
+    `paged_attention` takes them. Needs `decode_linear_available()` (the bf16 dot-product instructions)."""
+    return _ops().paged_prefill(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+                                window or 0, softcap or 0.0, sinks)
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,

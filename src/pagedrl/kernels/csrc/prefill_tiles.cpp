@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -42,7 +43,7 @@ constexpr int kKeyBlock = 8;               // keys whose scores sit in registers
 constexpr int64_t kMinTileHeads = 12;      // fewer query heads than this in a tile: the row routine
 // Query heads whose accumulators sit in registers at once (D / 16 vectors each, out of 32).
 template <int kD>
-constexpr int kValueBlock = kD <= 64 ? 6 : 3;
+constexpr int kValueBlock = kD <= 64 ? 6 : kD <= 128 ? 3 : 1;
 
 struct Tile {
   int64_t seq, first_row, rows, first_pos, head;  // rows first_row.. of the step at positions first_pos..
@@ -119,13 +120,29 @@ inline __m512i interleave16(__m256i a, __m256i b) {
   return _mm512_permutexvar_epi16(order, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
 }
 
+// s -> cap * tanh(s / cap) on 16 scores, tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) <= 1.
+inline __m512 soft_cap16(__m512 s, float cap) {
+  const __m512 x = _mm512_mul_ps(s, _mm512_set1_ps(1.f / cap));
+  const __m512 e = pagedrl_cpu::exp_nonpositive16(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.f)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512 signed_t = _mm512_castsi512_ps(_mm512_or_si512(
+      _mm512_castps_si512(t), _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))));
+  return _mm512_mul_ps(signed_t, _mm512_set1_ps(cap));
+}
+
+// A layer's rules (`RowRules`) hold here as in the row routine: a window (each lane's row sees its last
+// `window` keys; the chunks wholly below the tile's first row's window are not read, and the keys of the
+// first chunk that fall below it read zeros, never a freed block), a cap on the scores, and sinks (each
+// lane's running max starts at its head's logit and its running sum at 1).
 template <int kD>
 void attend_tile(const Tile& tile, const bf16* q, const bf16* kc, const bf16* vc, const int64_t* table, bf16* out,
                  int64_t num_heads, int64_t groups, int64_t token_stride, int64_t table_block, float scale,
-                 TileScratch<kD>& w) {
+                 TileScratch<kD>& w, const pagedrl_cpu::RowRules& rules) {
   const float lowest = -std::numeric_limits<float>::max();
   const int64_t h = tile.head, heads = tile.rows * groups;
   const int64_t len = tile.first_pos + tile.rows;  // the tile's last row sees every key before it
+  const int64_t lo = rules.window > 0 ? std::max<int64_t>(0, tile.first_pos - rules.window + 1) : 0;
   for (int64_t m = 0; m < kTileHeads; ++m) {
     const int64_t row = tile.first_row + m / groups;
     const uint32_t* query = m < heads
@@ -136,21 +153,30 @@ void attend_tile(const Tile& tile, const bf16* q, const bf16* kc, const bf16* vc
   std::fill(w.acc, w.acc + kTileHeads * kD, 0.f);
   __m512 running_max[kHeadVectors], running_sum[kHeadVectors];
   __m512i position[kHeadVectors];
+  __m512i lowest_key[kHeadVectors];  // per lane: its row's first key (window)
+  for (int m = 0; m < kTileHeads; ++m) {  // a sink: one more column of the softmax, with no value
+    w.rescale[m] = rules.sinks && m < heads ? rules.sinks[h * groups + m % groups] : lowest;
+    w.sum[m] = rules.sinks && m < heads ? 1.f : 0.f;
+  }
   for (int v = 0; v < kHeadVectors; ++v) {
-    running_max[v] = _mm512_set1_ps(lowest);
-    running_sum[v] = _mm512_setzero_ps();
+    running_max[v] = _mm512_load_ps(w.rescale + kLanes * v);
+    running_sum[v] = _mm512_load_ps(w.sum + kLanes * v);
     position[v] = _mm512_load_si512(w.position + kLanes * v);
+    lowest_key[v] = _mm512_sub_epi32(position[v], _mm512_set1_epi32(static_cast<int32_t>(
+        rules.window > 0 ? rules.window - 1 : std::numeric_limits<int32_t>::max() / 2)));
   }
   const bool chunk_in_one_entry = table_block % kChunk == 0;
   const uint32_t* keys[kChunk];
   const uint16_t* values[kChunk];
-  for (int64_t first = 0; first < len; first += kChunk) {
+  for (int64_t first = lo / kChunk * kChunk; first < len; first += kChunk) {
     const int64_t n = std::min(kChunk, len - first);
     int64_t slot = 0;
+    bool have_slot = false;
     for (int64_t t = 0; t < kChunk; ++t) {
-      if (t < n) {
+      if (t < n && first + t >= lo) {
         const int64_t p = first + t;
-        slot = chunk_in_one_entry && t ? slot + 1 : table[p / table_block] * table_block + p % table_block;
+        slot = chunk_in_one_entry && have_slot ? slot + 1 : table[p / table_block] * table_block + p % table_block;
+        have_slot = true;
         keys[t] = reinterpret_cast<const uint32_t*>(kc + slot * token_stride + h * kD);
         values[t] = reinterpret_cast<const uint16_t*>(vc + slot * token_stride + h * kD);
       } else {
@@ -168,21 +194,26 @@ void attend_tile(const Tile& tile, const bf16* q, const bf16* kc, const bf16* vc
       }
     key_block_scores<kD>(w, keys, 0, scale);
     if (n > kKeyBlock) key_block_scores<kD>(w, keys, kKeyBlock, scale);
+    if (rules.softcap > 0.f)
+      for (int64_t i = 0; i < n * kHeadVectors; ++i)
+        _mm512_store_ps(w.probs + kLanes * i, soft_cap16(_mm512_load_ps(w.probs + kLanes * i), rules.softcap));
     // The online softmax, every head at once: lane m's max over the chunk's keys it sees, then its
     // probabilities; a key after a lane's row (or past the chunk) is not seen and weighs 0.
     for (int v = 0; v < kHeadVectors; ++v) {
       __m512 chunk_max = _mm512_set1_ps(lowest);
       for (int64_t t = 0; t < n; ++t) {
-        const __mmask16 seen = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(first + t)), position[v],
-                                                     _MM_CMPINT_LE);
+        const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(first + t));
+        const __mmask16 seen = _mm512_cmp_epi32_mask(key, position[v], _MM_CMPINT_LE) &
+                               _mm512_cmp_epi32_mask(key, lowest_key[v], _MM_CMPINT_NLT);
         chunk_max = _mm512_mask_max_ps(chunk_max, seen, chunk_max, _mm512_load_ps(w.probs + t * kTileHeads + kLanes * v));
       }
       const __m512 new_max = _mm512_max_ps(running_max[v], chunk_max);
       const __m512 rescale = pagedrl_cpu::exp_nonpositive16(_mm512_sub_ps(running_max[v], new_max));
       __m512 chunk_sum = _mm512_setzero_ps();
       for (int64_t t = 0; t < n; ++t) {
-        const __mmask16 seen = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(first + t)), position[v],
-                                                     _MM_CMPINT_LE);
+        const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(first + t));
+        const __mmask16 seen = _mm512_cmp_epi32_mask(key, position[v], _MM_CMPINT_LE) &
+                               _mm512_cmp_epi32_mask(key, lowest_key[v], _MM_CMPINT_NLT);
         float* scores = w.probs + t * kTileHeads + kLanes * v;
         const __m512 p = _mm512_maskz_mov_ps(
             seen, pagedrl_cpu::exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(scores), new_max)));
@@ -214,10 +245,12 @@ void attend_tile(const Tile& tile, const bf16* q, const bf16* kc, const bf16* vc
 
 // q [N, Hq, D] bf16, the rows of S sequences (sequence s owns rows query_start_loc[s]..[s+1], the last
 // of them at position seq_lens[s] - 1); key_cache, value_cache [blocks, B, Hkv, D]; tables [S, entries].
-// Returns [N, Hq, D]: each row attends causally over its sequence's keys up to its own position.
+// Returns [N, Hq, D]: each row attends causally over its sequence's keys up to its own position. window > 0:
+// a row sees its last `window` keys only (and reads no other); softcap > 0: scores capped; sinks [Hq] float32:
+// a logit per head in each denominator (`RowRules`).
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                          const at::Tensor& tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                         double scale) {
+                         double scale, int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(), "paged_prefill: shapes");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 &&
                   value_cache.scalar_type() == at::kBFloat16,
@@ -231,9 +264,21 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache, const
   TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "paged_prefill: heads");
   TORCH_CHECK(query_start_loc.numel() == num_seqs + 1 && tables.size(0) == num_seqs, "paged_prefill: one table and "
               "one length per sequence, S + 1 query starts");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_prefill: window and softcap must be >= 0 (0: none)");
+  at::Tensor sink_values;
+  pagedrl_cpu::RowRules rules;
+  rules.window = window;
+  rules.softcap = static_cast<float>(softcap);
+  if (sinks.has_value()) {
+    sink_values = sinks->contiguous();
+    TORCH_CHECK(sink_values.scalar_type() == at::kFloat && sink_values.numel() == num_heads,
+                "paged_prefill: sinks must be float32 [", num_heads, "]");
+    rules.sinks = sink_values.data_ptr<float>();
+  }
 #if PAGEDRL_BF16_DOT
-  TORCH_CHECK(head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128,
-              "paged_prefill: head_dim 16, 32, 64, 96 or 128, got ", head_dim);
+  TORCH_CHECK(head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128 ||
+                  head_dim == 256,
+              "paged_prefill: head_dim 16, 32, 64, 96, 128 or 256, got ", head_dim);
   const auto qc = q.contiguous(), table = tables.contiguous(), starts = query_start_loc.contiguous(),
              lens = seq_lens.contiguous();
   const int64_t* qsl = starts.data_ptr<int64_t>();
@@ -249,7 +294,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache, const
     for (int64_t r = 0; r < q_len; r += rows_per_tile) {
       const int64_t rows = std::min(rows_per_tile, q_len - r);
       for (int64_t h = 0; h < num_kv_heads; ++h)
-        tiles.push_back({s, qsl[s] + r, rows, first_pos + r, h, rows * (first_pos + r + rows)});
+        tiles.push_back({s, qsl[s] + r, rows, first_pos + r, h,
+                         rows * (window > 0 ? std::min(first_pos + r + rows, window + rows) : first_pos + r + rows)});
     }
   }
   std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
@@ -276,9 +322,10 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache, const
             for (int64_t r = 0; r < tile.rows; ++r)
               pagedrl_cpu::attend_row<bf16, kD>(qp, kp, vp, seq_table, tile.first_row + r, tile.head, 1,
                                                 tile.first_pos + r + 1, op, nullptr, num_heads, groups, kD,
-                                                token_stride, table_block, s, w->row);
+                                                token_stride, table_block, s, w->row, rules);
           } else {
-            attend_tile<kD>(tile, qp, kp, vp, seq_table, op, num_heads, groups, token_stride, table_block, s, w->tile);
+            attend_tile<kD>(tile, qp, kp, vp, seq_table, op, num_heads, groups, token_stride, table_block, s, w->tile,
+                            rules);
           }
         });
   };
@@ -287,7 +334,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache, const
     case 32: run(std::integral_constant<int, 32>{}); break;
     case 64: run(std::integral_constant<int, 64>{}); break;
     case 96: run(std::integral_constant<int, 96>{}); break;
-    default: run(std::integral_constant<int, 128>{}); break;
+    case 128: run(std::integral_constant<int, 128>{}); break;
+    default: run(std::integral_constant<int, 256>{}); break;
   }
   return out;
 #else
@@ -299,7 +347,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache, const
 
 TORCH_LIBRARY_FRAGMENT(pagedrl_cpu, m) {
   m.def("paged_prefill(Tensor q, Tensor key_cache, Tensor value_cache, Tensor tables, Tensor query_start_loc, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, int window=0, float softcap=0., Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedrl_cpu, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
