@@ -18,6 +18,7 @@ from hypothesis.stateful import initialize, invariant
 from test_window_freeing_properties import WindowMachine
 
 from pagedrl.engine.kv_cache_groups import GroupedKVCacheManager, LayerGroups
+from pagedrl.engine.kv_cache_manager import KVCacheManager
 
 
 class GroupsMachine(WindowMachine):
@@ -89,3 +90,25 @@ def test_layers_go_in_groups_of_the_fewest_kind() -> None:
     assert len(set(pairs)) == len(gemma3)  # no two layers share a group's tensor
     assert all(gemma3[layer] == layout.windows[g] for layer, g in enumerate(layout.group_of_layer))
     assert LayerGroups.of([None] * 4) is None and LayerGroups.of([8] * 4) is None
+
+
+def test_prefix_hits_below_the_window_are_neither_held_nor_counted() -> None:
+    """A prompt whose first 40 tokens are cached, admitted 40 tokens in with a 16-token chunk, in a pool
+    that holds its 20 blocks of the full group and its sliding group's window, but not 10 hits more: the
+    sliding group's hits below the window become placeholders at once instead of being taken (and freed
+    after), so the admission that fits is not refused, in groups or in one windowed table."""
+    bs, window, prompt = 4, 4, list(range(40))
+    for make in (lambda: GroupedKVCacheManager(26, bs, True, LayerGroups.of([None, window])),
+                 lambda: KVCacheManager(12, bs, True, sliding_window=window)):
+        km = make()
+        done, hashes = 0, []
+        while done < 40:
+            assert km.allocate_slots(1, prompt, done, 8, None, hashes)
+            done += 8
+        km.free(1)
+        longer, hashes = prompt + list(range(100, 132)), []
+        computed = km.get_computed_blocks(longer, hashes)
+        assert computed.num_tokens == 40
+        assert km.allocate_slots(2, longer, 40, 16, computed, hashes)
+        sliding = km.groups[1] if isinstance(km, GroupedKVCacheManager) else km
+        assert sliding.num_held_blocks(2) <= -(-(window - 1 + 16) // bs) + 1

@@ -6,9 +6,9 @@ The layout is vLLM's hybrid KV cache: the layers are cut into groups of `slots` 
 rule (a window, or none), and the cache holds `slots` tensors (`KVCache` with `layer_slots`): layer j of
 every group reads and writes the j-th tensor. A block id belongs to one group at a time and holds that
 group's `slots` layers' keys and values for `block_size` tokens; every group's tables draw their ids from
-the one `BlockPool`. Gemma 3 1B (4 full layers, 22 sliding over 512 keys) is 7 groups of 4 layers; a
-sequence of n tokens holds ceil(n / 16) blocks of the full group and, in a step of decodes, at most
-ceil(512 / 16) + 1 of each sliding group, each block 4 layers' keys and values where a block of one
+the one `BlockPool`. Gemma 3 1B (4 full layers, 22 sliding over 512 keys) is 13 groups of 2 layers; a
+sequence of n tokens holds ceil(n / 16) blocks of each full group and, in a step of decodes, at most
+ceil(512 / 16) + 1 of each sliding group, each block 2 layers' keys and values where a block of one
 table for every layer holds 26.
 
 Each group is a `KVCacheManager` (its window, its tables, its prefix hashes tagged with the group so two
@@ -42,13 +42,17 @@ class LayerGroups:
     @classmethod
     def of(cls, layer_windows: Sequence[int | None]) -> LayerGroups | None:
         """The groups of a model whose layers' windows (None: every key) are not all the same; None where
-        they are (one table serves every layer). Groups have as many layers as the smallest kind."""
+        they are (one table serves every layer). A group's size is the one that leaves the fewest empty
+        places in the groups (a kind's last group may be short, yet its blocks are as large as any), the
+        larger of equals (fewer tables a step): Gemma 3 1B's 4 full and 22 sliding layers make 13 groups
+        of 2, Gemma 2's and gpt-oss's halves 2 groups."""
         kinds: dict[int | None, list[int]] = {}
         for layer, window in enumerate(layer_windows):
             kinds.setdefault(window, []).append(layer)
         if len(kinds) < 2:
             return None
-        slots = min(len(layers) for layers in kinds.values())
+        counts = [len(layers) for layers in kinds.values()]
+        slots = min(range(1, min(counts) + 1), key=lambda size: (sum(-(-c // size) * size for c in counts), -size))
         windows: list[int | None] = []
         group_of_layer = [0] * len(layer_windows)
         slot_of_layer = [0] * len(layer_windows)
@@ -107,11 +111,14 @@ class GroupedKVCacheManager(PoolCounts):
             if computed.blocks:
                 raise ValueError("computed: a lookup of one group's blocks; use this manager's get_computed_blocks")
             parts = [computed] * len(self.groups)
+        for g, part in zip(self.groups, parts, strict=True):  # every group's hits still attachable, before any
+            g.check_computed(seq_id, part, num_computed_tokens)
         needed = sum(g.blocks_needed(seq_id, num_computed_tokens, num_new_tokens, part)
                      for g, part in zip(self.groups, parts, strict=True))
         if needed > self.pool.num_free_blocks:
             return False
-        hits = [block for part in parts if part is not None for block in part.blocks]
+        hits = [block for g, part in zip(self.groups, parts, strict=True)
+                for block in g.attached_hits(part, num_computed_tokens)]
         self.pool.touch(hits)  # held while every group allocates: no group's fresh blocks evict another's hits
         try:
             for g, part in zip(self.groups, parts, strict=True):

@@ -159,7 +159,8 @@ class KVCacheManager(PoolCounts):
             if total // bs > seq.num_hashed_blocks:
                 self._cache_full_blocks(seq, token_ids, total, block_hashes)
             return True
-        hits = self._check_computed(seq_id, seq, computed)
+        hits = self.check_computed(seq_id, computed, num_computed_tokens)
+        below = self._hits_below_window(len(hits), num_computed_tokens)
         if seq is None:
             seq = self._seqs[seq_id] = SeqBlocks(self._weight_version, self.table.new_row(), salt=salt)
         elif not seq.blocks:
@@ -178,14 +179,16 @@ class KVCacheManager(PoolCounts):
                 f"blocks of sequence {seq_id!r} that are already hashed"
             )
         shared, num_needed = self._fresh_blocks(blocks, num_held, num_computed_tokens, num_new_tokens)
-        # A hit on a free cached block takes it out of the free queue too.
-        num_free_hits = sum(1 for block in hits if block.ref_count == 0)
+        # A hit on a free cached block takes it out of the free queue too (not one below the window: it is
+        # never held, its place a placeholder from the start).
+        num_free_hits = sum(1 for block in hits[below:] if block.ref_count == 0)
         if num_needed + num_free_hits > self.pool.num_free_blocks:
             return False
         if computed is not None:
-            self.pool.touch(hits)  # before taking fresh blocks, which could evict them
-            blocks.extend(hits)
+            self.pool.touch(hits[below:])  # before taking fresh blocks, which could evict them
+            blocks.extend([OUT_OF_WINDOW] * below + hits[below:])
             seq.num_hashed_blocks = len(hits)
+            seq.num_dropped = below
             self.prefix_cache_queries += computed.num_queried_tokens
             self.prefix_cache_hits += computed.num_tokens
         first_changed = len(blocks) - len(hits) if computed is not None else len(blocks)
@@ -228,7 +231,19 @@ class KVCacheManager(PoolCounts):
         blocks = seq.blocks if seq is not None else []
         hits = computed.blocks if computed is not None else []
         _, num_needed = self._fresh_blocks(blocks, len(blocks) + len(hits), num_computed_tokens, num_new_tokens)
-        return num_needed + sum(1 for block in hits if block.ref_count == 0)
+        return num_needed + sum(1 for block in self.attached_hits(computed, num_computed_tokens) if block.ref_count == 0)
+
+    def attached_hits(self, computed: ComputedBlocks | None, num_computed_tokens: int) -> list[KVBlock]:
+        """The hits of `computed` that `allocate_slots` holds: not those wholly below the window of the
+        first query (at `num_computed_tokens`), which it never takes."""
+        if computed is None:
+            return []
+        return computed.blocks[self._hits_below_window(len(computed.blocks), num_computed_tokens):]
+
+    def _hits_below_window(self, num_hits: int, num_computed_tokens: int) -> int:
+        if self.sliding_window is None:
+            return 0
+        return min(num_hits, max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size)
 
     def _drop_out_of_window(self, seq: SeqBlocks, first_query: int) -> None:
         """Free the blocks wholly below `first_query` - window + 1 (no query from this step on reads them)
@@ -253,18 +268,19 @@ class KVCacheManager(PoolCounts):
             return blocks[first].ref_count == 1
         return all(blocks[i].ref_count == 1 for i in range(first, last + 1))
 
-    def _check_computed(
-        self, seq_id: SeqId, seq: SeqBlocks | None, computed: ComputedBlocks | None
-    ) -> list[KVBlock]:
-        """The hit blocks of `computed`, after checking that they can still be attached."""
+    def check_computed(self, seq_id: SeqId, computed: ComputedBlocks | None, num_computed_tokens: int) -> list[KVBlock]:
+        """The hit blocks of `computed`, after checking that those it attaches (`attached_hits`) can still
+        be attached: the ones below the window are never read, whatever they hold by now."""
         if computed is None:
             return []
+        seq = self._seqs.get(seq_id)
         if seq is not None and seq.blocks:
             raise ValueError(
                 f"sequence {seq_id!r} already holds {len(seq.blocks)} blocks; prefix hits attach only "
                 "to a sequence without blocks (free it first)"
             )
-        for block, block_hash in zip(computed.blocks, computed.hashes, strict=True):
+        below = self._hits_below_window(len(computed.blocks), num_computed_tokens)
+        for block, block_hash in zip(computed.blocks[below:], computed.hashes[below:], strict=True):
             if block.block_hash != self._pool_key(block_hash):
                 raise ValueError(
                     f"computed: block {block.block_id} no longer holds the prefix it was found for "
