@@ -112,3 +112,23 @@ def test_prefix_hits_below_the_window_are_neither_held_nor_counted() -> None:
         assert km.allocate_slots(2, longer, 40, 16, computed, hashes)
         sliding = km.groups[1] if isinstance(km, GroupedKVCacheManager) else km
         assert sliding.num_held_blocks(2) <= -(-(window - 1 + 16) // bs) + 1
+
+
+def test_a_sliding_group_hits_a_prefix_whose_early_blocks_were_evicted() -> None:
+    """Request A (40 tokens) still runs, its sliding group's early blocks freed and then taken by another
+    request: a prompt sharing A's first 36 tokens still hits all 36 (9 blocks), the sliding group's below
+    its window as placeholders, its window's blocks cached; its keys then read back as A wrote them."""
+    bs, window = 4, 4
+    km = GroupedKVCacheManager(20, bs, True, LayerGroups.of([None, window]))
+    first, done = list(range(40)), 0
+    while done < 40:
+        assert km.allocate_slots(1, first, done, 8, None, [])
+        done += 8
+    assert km.allocate_slots(9, [7] * 3, 0, 3, None, [])  # takes the blocks at the free queue's head
+    second = first[:36] + [999] * 8
+    computed = km.get_computed_blocks(second, [])
+    assert computed.num_tokens == 36
+    assert km.allocate_slots(2, second, 36, 8, computed, [])
+    for g in km.groups:  # the hits the window reads are A's own blocks
+        for position in range(36 - (window - 1 if g.sliding_window else 36), 36):
+            assert g.slot(2, position) == g.slot(1, position)

@@ -13,7 +13,8 @@ table for every layer holds 26.
 
 Each group is a `KVCacheManager` (its window, its tables, its prefix hashes tagged with the group so two
 groups never meet in the pool); this class keeps them in step. A prefix lookup takes the hits every group
-has (a sliding group misses once a block below its window was evicted). An allocation is all or nothing
+has (a sliding group needs only its window's blocks cached: `KVCacheManager.get_computed_blocks`), each
+group's no longer than the others' until they agree. An allocation is all or nothing
 over every group: each says what it would take, the pool is asked once, and the free hit blocks are
 held before any group takes fresh ones, which could evict them.
 """
@@ -93,11 +94,15 @@ class GroupedKVCacheManager(PoolCounts):
 
     def get_computed_blocks(self, token_ids: Sequence[int], block_hashes: list[BlockHash] | None = None,
                             salt: bytes = b"") -> GroupedComputedBlocks:
-        parts = [g.get_computed_blocks(token_ids, block_hashes, salt) for g in self.groups]
-        hits = min(len(part.blocks) for part in parts)
-        cut = tuple(ComputedBlocks(p.blocks[:hits], p.hashes[:hits], hits * self.block_size, p.num_queried_tokens)
-                    for p in parts)
-        return GroupedComputedBlocks(cut, hits * self.block_size, parts[0].num_queried_tokens)
+        """The longest prefix every group holds: each group's longest no longer than the others', until
+        they agree (a sliding group's hit at k blocks says nothing of a shorter prefix's window)."""
+        limit = None
+        while True:
+            parts = [g.get_computed_blocks(token_ids, block_hashes, salt, limit) for g in self.groups]
+            hits = min(len(part.blocks) for part in parts)
+            if all(len(part.blocks) == hits for part in parts):
+                return GroupedComputedBlocks(tuple(parts), hits * self.block_size, parts[0].num_queried_tokens)
+            limit = hits
 
     def allocate_slots(self, seq_id: SeqId, token_ids: Sequence[int], num_computed_tokens: int, num_new_tokens: int,
                        computed: GroupedComputedBlocks | ComputedBlocks | None = None,

@@ -71,27 +71,47 @@ class KVCacheManager(PoolCounts):
     # ----------------------------------------------------------------- sequences
 
     def get_computed_blocks(
-        self, token_ids: Sequence[int], block_hashes: list[BlockHash] | None = None, salt: bytes = b""
+        self, token_ids: Sequence[int], block_hashes: list[BlockHash] | None = None, salt: bytes = b"",
+        max_blocks: int | None = None,
     ) -> ComputedBlocks:
-        """The longest cached prefix of `token_ids` (a multiple of `block_size` tokens). A pure
-        query: no block is held and no statistic changes; only `block_hashes`, the sequence's own
-        list of chain hashes, is brought up to date (see `hash_blocks`).
+        """The longest cached prefix of `token_ids` (a multiple of `block_size` tokens, at most
+        `max_blocks` blocks). A pure query: no block is held and no statistic changes; only
+        `block_hashes`, the sequence's own list of chain hashes, is brought up to date (see `hash_blocks`).
 
         The last token is never a hit: its logits are needed, so at most (len - 1) // block_size
-        blocks match."""
+        blocks match. Under a sliding window a prefix needs only the blocks of the next query's window
+        cached: those below it may have been evicted (they are `OUT_OF_WINDOW` in the result, never read
+        or held), so the longest such prefix is found from the right, as vLLM's sliding-window lookup does."""
         if len(token_ids) == 0:
             raise ValueError("token_ids must not be empty")
         if not self.enable_prefix_caching:
             return ComputedBlocks([], [], 0, 0)
         num_candidates = (len(token_ids) - 1) // self.block_size
+        if max_blocks is not None:
+            num_candidates = min(num_candidates, max_blocks)
         hashes = self.hash_blocks(token_ids, num_candidates, block_hashes, salt)
-        blocks: list[KVBlock] = []
+        found = []
         for block_hash in hashes[:num_candidates]:
             block = self.pool.get_cached_block(self._pool_key(block_hash))
-            if block is None:
+            if block is None and self.sliding_window is None:
                 break
-            blocks.append(block)
-        return ComputedBlocks(blocks, hashes[: len(blocks)], len(blocks) * self.block_size, len(token_ids))
+            found.append(block)
+        num_hits = len(found) if self.sliding_window is None else self._window_hits(found)
+        blocks = [OUT_OF_WINDOW if block is None else block for block in found[:num_hits]]
+        return ComputedBlocks(blocks, hashes[:num_hits], num_hits * self.block_size, len(token_ids))
+
+    def _window_hits(self, found: list[KVBlock | None]) -> int:
+        """The most leading blocks k of which the ones a query at position k * block_size reads (its
+        window's) are all cached (`found[i]` None: block i is not)."""
+        run = 0  # cached blocks in a row, ending at block k - 1
+        runs = []
+        for block in found:
+            run = run + 1 if block is not None else 0
+            runs.append(run)
+        for k in range(len(found), 0, -1):
+            if runs[k - 1] >= k - self._hits_below_window(k, k * self.block_size):
+                return k
+        return 0
 
     def _pool_key(self, block_hash: BlockHash) -> BlockHash:
         """What the pool files a block under: its chain hash, tagged with this group's tag if any."""
