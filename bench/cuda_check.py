@@ -5,7 +5,8 @@
    batch of fresh prompts, a chunk over a cached prefix and decodes over partial blocks), and one
    layer's attention at 256 decoding sequences of 512 tokens: the kernels against the
    gather-then-SDPA fast path.
-2. correctness (float32, TF32 off): for each tiny family of the reference tests, greedy output
+2. correctness (float32, TF32 off): for each tiny family of the reference tests (Gemma, gpt-oss and
+   DeepSeek-V3 included: windows, caps, sinks and latent attention in the Triton kernels), greedy output
    against transformers' greedy `generate` on the same GPU, with CUDA graphs (the default), with
    `enforce_eager=True` and with the fast attention path; and the logprob contract (sampled-token
    log-probs against a dense recompute, temperature 0.7, top-p 0.8).
@@ -134,7 +135,7 @@ def kernels() -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ correctness
 def correctness() -> dict[str, Any]:
     from test_engine_greedy import prompts
-    from tiny import FAMILIES, hf_model
+    from tiny import DEEPSEEK_FAMILIES, FAMILIES, GEMMA_FAMILIES, GPT_OSS_FAMILIES, hf_model
 
     from pagedrl.engine.llm import LLM
     from pagedrl.engine.logits_processing import processed_logprobs
@@ -147,7 +148,7 @@ def correctness() -> dict[str, Any]:
     device = torch.device(DEVICE)
     variants = {"graphs": {}, "eager": {"enforce_eager": True}, "fast": {"attention_impl": "fast"}}
     out: dict[str, Any] = {}
-    for name, raw in sorted(FAMILIES.items()):
+    for name, raw in sorted({**FAMILIES, **GEMMA_FAMILIES, **GPT_OSS_FAMILIES, **DEEPSEEK_FAMILIES}.items()):
         hf = hf_model(raw).to(device)
         batch = prompts(hf.config.vocab_size)
         ref = []

@@ -39,13 +39,14 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedrl.engine.block_pool import BlockHash, BlockPool, KVBlock, PoolCounts, hash_block_tokens
+from pagedrl.engine.block_pool import BlockHash, BlockPool, KVBlock, PoolCounts
 from pagedrl.engine.block_table import BlockTable
 from pagedrl.engine.host_tensors import long_tensor
-from pagedrl.engine.seq_blocks import OUT_OF_WINDOW, ComputedBlocks, SeqBlocks, SeqId
+from pagedrl.engine.prefix_lookup import PrefixLookup
+from pagedrl.engine.seq_blocks import OUT_OF_WINDOW, ComputedBlocks, SeqBlocks, SeqId, blocks_below_window
 
 
-class KVCacheManager(PoolCounts):
+class KVCacheManager(PrefixLookup, PoolCounts):
     """Block tables for every live sequence over one `BlockPool`."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
@@ -69,73 +70,6 @@ class KVCacheManager(PoolCounts):
         self.prefix_cache_hits = 0
 
     # ----------------------------------------------------------------- sequences
-
-    def get_computed_blocks(
-        self, token_ids: Sequence[int], block_hashes: list[BlockHash] | None = None, salt: bytes = b"",
-        max_blocks: int | None = None,
-    ) -> ComputedBlocks:
-        """The longest cached prefix of `token_ids` (a multiple of `block_size` tokens, at most
-        `max_blocks` blocks). A pure query: no block is held and no statistic changes; only
-        `block_hashes`, the sequence's own list of chain hashes, is brought up to date (see `hash_blocks`).
-
-        The last token is never a hit: its logits are needed, so at most (len - 1) // block_size
-        blocks match. Under a sliding window a prefix needs only the blocks of the next query's window
-        cached: those below it may have been evicted (they are `OUT_OF_WINDOW` in the result, never read
-        or held), so the longest such prefix is found from the right, as vLLM's sliding-window lookup does."""
-        if len(token_ids) == 0:
-            raise ValueError("token_ids must not be empty")
-        if not self.enable_prefix_caching:
-            return ComputedBlocks([], [], 0, 0)
-        num_candidates = (len(token_ids) - 1) // self.block_size
-        if max_blocks is not None:
-            num_candidates = min(num_candidates, max_blocks)
-        hashes = self.hash_blocks(token_ids, num_candidates, block_hashes, salt)
-        found = []
-        for block_hash in hashes[:num_candidates]:
-            block = self.pool.get_cached_block(self._pool_key(block_hash))
-            if block is None and self.sliding_window is None:
-                break
-            found.append(block)
-        num_hits = len(found) if self.sliding_window is None else self._window_hits(found)
-        blocks = [OUT_OF_WINDOW if block is None else block for block in found[:num_hits]]
-        return ComputedBlocks(blocks, hashes[:num_hits], num_hits * self.block_size, len(token_ids))
-
-    def _window_hits(self, found: list[KVBlock | None]) -> int:
-        """The most leading blocks k of which the ones a query at position k * block_size reads (its
-        window's) are all cached (`found[i]` None: block i is not)."""
-        run = 0  # cached blocks in a row, ending at block k - 1
-        runs = []
-        for block in found:
-            run = run + 1 if block is not None else 0
-            runs.append(run)
-        for k in range(len(found), 0, -1):
-            if runs[k - 1] >= k - self._hits_below_window(k, k * self.block_size):
-                return k
-        return 0
-
-    def _pool_key(self, block_hash: BlockHash) -> BlockHash:
-        """What the pool files a block under: its chain hash, tagged with this group's tag if any."""
-        return BlockHash(block_hash.digest + self.group_tag, block_hash.weight_version) if self.group_tag else block_hash
-
-    def hash_blocks(
-        self, token_ids: Sequence[int], num_blocks: int, block_hashes: list[BlockHash] | None = None,
-        salt: bytes = b"",
-    ) -> list[BlockHash]:
-        """Chain hashes of the first `num_blocks` full blocks of `token_ids` under the current
-        weights, extending `block_hashes` in place: blocks hashed before are not hashed again.
-
-        `block_hashes` must have been built from these `token_ids` (a sequence's tokens only ever
-        grow). A list computed under older weights is started again: no hash of old keys and
-        values may be found under new ones. Without a list every block is hashed afresh. `salt` (a
-        sequence's adapter) enters the first block's hash, so the whole chain."""
-        hashes = [] if block_hashes is None else block_hashes
-        if hashes and hashes[0].weight_version != self._weight_version:
-            hashes.clear()
-        bs = self.block_size
-        for i in range(len(hashes), num_blocks):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], self._weight_version, salt))
-        return hashes
 
     def allocate_slots(
         self,
@@ -261,15 +195,13 @@ class KVCacheManager(PoolCounts):
         return computed.blocks[self._hits_below_window(len(computed.blocks), num_computed_tokens):]
 
     def _hits_below_window(self, num_hits: int, num_computed_tokens: int) -> int:
-        if self.sliding_window is None:
-            return 0
-        return min(num_hits, max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size)
+        return blocks_below_window(num_hits, num_computed_tokens, self.block_size, self.sliding_window)
 
     def _drop_out_of_window(self, seq: SeqBlocks, first_query: int) -> None:
         """Free the blocks wholly below `first_query` - window + 1 (no query from this step on reads them)
         and leave `OUT_OF_WINDOW` in their place, tail of the dropped run first freed last, as `free` does."""
         assert self.sliding_window is not None
-        target = min(max(0, first_query - self.sliding_window + 1) // self.block_size, len(seq.blocks))
+        target = blocks_below_window(len(seq.blocks), first_query, self.block_size, self.sliding_window)
         if target <= seq.num_dropped:
             return
         start = seq.num_dropped

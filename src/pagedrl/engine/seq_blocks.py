@@ -43,3 +43,24 @@ class ComputedBlocks:
     hashes: list[BlockHash]
     num_tokens: int
     num_queried_tokens: int
+
+
+def blocks_below_window(num_blocks: int, first_query: int, block_size: int, window: int | None) -> int:
+    """How many of a sequence's first `num_blocks` blocks lie wholly below the window of a query at
+    position `first_query` (none without a window): no query from there on reads them."""
+    if window is None:
+        return 0
+    return min(num_blocks, max(0, first_query - window + 1) // block_size)
+
+
+def window_hits(found: list[KVBlock | None], block_size: int, window: int) -> int:
+    """The most leading blocks k whose blocks a query at position k * block_size reads (its window's)
+    are all cached (`found[i]` None: block i is not): a windowed prefix lookup, from the right."""
+    run, runs = 0, []  # cached blocks in a row, ending at each block
+    for block in found:
+        run = run + 1 if block is not None else 0
+        runs.append(run)
+    for k in range(len(found), 0, -1):
+        if runs[k - 1] >= k - blocks_below_window(k, k * block_size, block_size, window):
+            return k
+    return 0
