@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagedrl.engine import kv_cache_manager
+from pagedrl.engine import prefix_lookup
 from pagedrl.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block_tokens
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 
@@ -162,8 +162,8 @@ def test_a_refused_admission_holds_nothing_and_is_counted_once_admitted():
 
 def test_a_sequence_hashes_each_full_block_once(monkeypatch):
     calls = []
-    real = kv_cache_manager.hash_block_tokens
-    monkeypatch.setattr(kv_cache_manager, "hash_block_tokens", lambda *args: calls.append(args[1]) or real(*args))
+    real = prefix_lookup.hash_block_tokens
+    monkeypatch.setattr(prefix_lookup, "hash_block_tokens", lambda *args: calls.append(args[1]) or real(*args))
     km = KVCacheManager(num_blocks=8, block_size=BS)
     tokens, hashes = list(range(6)), []
     for _ in range(3):  # lookups while it waits

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny import FAMILIES, hf_model
 
-from pagedrl.engine import kv_cache_manager
+from pagedrl.engine import prefix_lookup
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.config import ModelConfig
@@ -36,8 +36,8 @@ def prompts(vocab: int) -> list[list[int]]:
 
 def run(model: CausalLM, kv_cache_tokens: int, monkeypatch: pytest.MonkeyPatch) -> tuple[list, dict, list]:
     hashed: list[tuple[int, ...]] = []
-    real = kv_cache_manager.hash_block_tokens
-    monkeypatch.setattr(kv_cache_manager, "hash_block_tokens",
+    real = prefix_lookup.hash_block_tokens
+    monkeypatch.setattr(prefix_lookup, "hash_block_tokens",
                         lambda parent, tokens, version, salt: hashed.append(tuple(tokens)) or real(parent, tokens, version, salt))
     llm = LLM.from_module(model, block_size=BLOCK, kv_cache_tokens=kv_cache_tokens)
     engine = llm.engine
