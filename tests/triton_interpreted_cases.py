@@ -19,7 +19,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_paged_attention import exact_attention  # noqa: E402
-from tiny import DEEPSEEK_FAMILIES, FAMILIES, hf_model  # noqa: E402
+from tiny import DEEPSEEK_FAMILIES, FAMILIES, GEMMA_FAMILIES, GPT_OSS_FAMILIES, hf_model  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from pagedrl.engine import triton_attention  # noqa: E402
@@ -117,13 +117,14 @@ def test_store_kv_skips_negative_slots_and_converts_dtype() -> None:
     assert flat_k[~written].abs().sum() == 0 and flat_v[~written].abs().sum() == 0
 
 
-@pytest.mark.parametrize("family", ["qwen3-qknorm", "deepseek-v3"])
+@pytest.mark.parametrize("family", ["qwen3-qknorm", "deepseek-v3", "gemma2", "gpt-oss"])
 def test_engine_greedy_with_triton_attention_equals_reference(family: str) -> None:
     """The whole engine (chunked prefill of 37-token budgets, prefix caching, decodes) on Qwen3's
-    shape (q/k-norm, head_dim 24, GQA) and on DeepSeek-V3's latent attention (its cached latents the
-    keys of one 40-wide KV head, whose values are their first 32 features): the same tokens as with
-    the reference attention (which, for latents, up-projects them)."""
-    hf = hf_model({**FAMILIES, **DEEPSEEK_FAMILIES}[family])
+    shape (q/k-norm, head_dim 24, GQA), on DeepSeek-V3's latent attention (its cached latents the
+    keys of one 40-wide KV head, whose values are their first 32 features), on Gemma 2's and gpt-oss's
+    sliding layers beside full ones (their groups' own block tables; capped scores, sinks): the same
+    tokens as with the reference attention (which, for latents, up-projects them)."""
+    hf = hf_model({**FAMILIES, **DEEPSEEK_FAMILIES, **GEMMA_FAMILIES, **GPT_OSS_FAMILIES}[family])
     model = CausalLM(ModelConfig.from_dict(hf.config.to_dict()))
     model.load_state_dict(hf.state_dict(), strict=False)
     model.eval()
