@@ -100,7 +100,7 @@ class LLM:
         self.engine = LLMEngine(_module, tokenizer, config, eos_token_ids=_eos_token_ids)
         if owned:
             fp = footprint(_module.config, _module.dtype)
-            logger.info("pagedrl engine: %s", fp.describe(self.engine.weight_bytes))
+            logger.info("pagedrl engine: %s; %s", fp.describe(self.engine.weight_bytes), self.engine.kv_layout())
             logger.info("pagedrl engine: %s", self.engine.decode_path())
         self._ids = itertools.count()
 

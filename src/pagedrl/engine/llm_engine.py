@@ -353,6 +353,19 @@ class LLMEngine:
             raise ValueError("lora_request: this engine was built without enable_lora=True")
         return self.lora.read(request)
 
+    def kv_layout(self) -> str:
+        """The KV cache's blocks, for a start-up line: how many, and where layers hold their own tables
+        (`kv_cache_groups`), in what groups."""
+        blocks = f"{self.kv_manager.num_blocks_total} KV blocks of {self.block_size} tokens"
+        groups = getattr(self.kv_manager, "layer_groups", None)
+        if groups is None:
+            return blocks
+        sliding = [w for w in groups.windows if w is not None]
+        layers = f"{groups.slots} layer{'s' if groups.slots > 1 else ''}"
+        return (f"{blocks} and {layers} each, {len(groups.windows)} groups of layers with block "
+                f"tables of their own ({len(groups.windows) - len(sliding)} full; {len(sliding)} sliding over "
+                f"{max(sliding)} keys, which give back what left the window)")
+
     def decode_path(self) -> str:
         """How steps that only decode run (CUDA graphs, the CPU kernels' program, the modules), for a
         start-up line."""

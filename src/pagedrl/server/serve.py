@@ -142,10 +142,10 @@ def build_server(args: argparse.Namespace) -> Any:
                     args.max_lora_rank, stats.lora.nbytes / 2**20)
     for lora in app.state.served.adapters.values():
         logger.info("LoRA adapter %s from %s (id %d)", lora.lora_name, lora.lora_path, lora.lora_int_id)
-    logger.info("serving %s (%s, %s on %s): %s; %d KV blocks of %d tokens, max_model_len %d; %s",
+    logger.info("serving %s (%s, %s on %s): %s; %s, max_model_len %d; %s",
                 name, loaded.path, loaded.precision.describe(), loaded.model.device,
                 footprint(loaded.model.config, loaded.model.dtype).describe(stats.weight_bytes),
-                stats.num_blocks_total, engine.block_size, engine.max_model_len, engine.decode_path())
+                engine.kv_layout(), engine.max_model_len, engine.decode_path())
     if not args.no_ui:
         logger.info("chat page at http://%s:%d/ (--no-ui turns it off)", args.host, args.port)
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
