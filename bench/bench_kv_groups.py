@@ -9,7 +9,12 @@ its tokens, so few fit at once and the rest wait or are preempted; in groups the
 window only. Printed: the blocks' peak (as layer-blocks: blocks x the layers a block holds), preemptions,
 the largest batch of running sequences, and output tokens a second, both sides and their ratio.
 
-    .venv/bin/python bench/bench_kv_groups.py [--rounds 2] [--kv-tokens 16384] [--threads 2]
+`--step-cost`: what the groups cost a step instead, where memory is no limit: Gemma 3 1B's 26 layers (a
+full one after every five sliding ones over 512 keys: 13 groups of 2) on the same small widths, 64
+sequences of 64-token prompts decoding in a cache large enough for one table, the median of 30 decode
+steps each side.
+
+    .venv/bin/python bench/bench_kv_groups.py [--rounds 2] [--kv-tokens 16384] [--threads 2] [--step-cost]
 """
 
 from __future__ import annotations
@@ -32,6 +37,40 @@ def config() -> dict:
                 head_dim=64, sliding_window=WINDOW, layer_types=["sliding_attention"] * 5 + ["full_attention"],
                 query_pre_attn_scalar=64, max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=1,
                 eos_token_id=2, pad_token_id=0, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh")
+
+
+def step_cost(side: str, threads: int) -> dict:
+    """The median decode step of 64 sequences on a 26-layer Gemma 3 1B pattern (see the module)."""
+    from pagedrl.engine.llm import LLM
+    from pagedrl.engine.sampling_params import SamplingParams
+    from pagedrl.model.config import ModelConfig
+    from pagedrl.model.decoder import CausalLM
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    kinds = (["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2
+    model = CausalLM(ModelConfig.from_dict(dict(config(), num_hidden_layers=26, layer_types=kinds,
+                                                sliding_window=512))).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.05)
+    llm = LLM.from_module(model, kv_cache_tokens=65536, enable_prefix_caching=False, max_num_seqs=64,
+                          disable_hybrid_kv_cache_manager=side == "one-table")
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    for i in range(64):
+        engine.add_request([3 + (7 * i + j) % 4000 for j in range(64)], params, request_id=str(i))
+    while engine.scheduler.waiting or any(s.num_computed_tokens < 64 for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    times = []
+    for _ in range(30):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return {"ms": 1e3 * sorted(times)[len(times) // 2], "layout": engine.kv_layout()}
 
 
 def worker(side: str, kv_tokens: int, threads: int) -> dict:
@@ -71,10 +110,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--kv-tokens", type=int, default=16384)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--step-cost", action="store_true")
     parser.add_argument("--worker", metavar="SIDE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.kv_tokens, args.threads)))
+        got = step_cost(args.worker, args.threads) if args.step_cost else worker(args.worker, args.kv_tokens,
+                                                                                  args.threads)
+        print(json.dumps(got))
+        return
+    if args.step_cost:
+        best: dict[str, float] = {}
+        for round_ in range(args.rounds):
+            for side in SIDES if round_ % 2 == 0 else SIDES[::-1]:
+                out = subprocess.run([sys.executable, __file__, "--worker", side, "--step-cost", "--threads",
+                                      str(args.threads)], capture_output=True, text=True, check=True)
+                got = json.loads(out.stdout.strip().splitlines()[-1])
+                print(f"round {round_ + 1}, {side}: {got['ms']:.2f} ms a decode step of 64 ({got['layout']})",
+                      flush=True)
+                best[side] = min(best.get(side, float("inf")), got["ms"])
+        print(f"groups / one-table: {best['groups'] / best['one-table']:.3f}x the step time")
         return
     best: dict[str, dict] = {}
     for round_ in range(args.rounds):
