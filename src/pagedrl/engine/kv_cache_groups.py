@@ -108,6 +108,10 @@ class GroupedKVCacheManager(PoolCounts):
                        computed: GroupedComputedBlocks | ComputedBlocks | None = None,
                        block_hashes: list[BlockHash] | None = None, salt: bytes = b"") -> bool:
         """`KVCacheManager.allocate_slots` in every group, or in none."""
+        if computed is None and all(g.in_place(seq_id, num_computed_tokens, num_new_tokens) for g in self.groups):
+            for g in self.groups:  # a decode step's usual case: no group takes a block
+                g.allocate_slots(seq_id, token_ids, num_computed_tokens, num_new_tokens, None, block_hashes, salt)
+            return True
         if computed is None:
             parts: Sequence[ComputedBlocks | None] = [None] * len(self.groups)
         elif isinstance(computed, GroupedComputedBlocks):

@@ -104,12 +104,10 @@ class KVCacheManager(PrefixLookup, PoolCounts):
             )
         bs = self.block_size
         seq = self._seqs.get(seq_id)
-        if seq is not None and self.sliding_window is not None:
-            self._drop_out_of_window(seq, num_computed_tokens)
-        if computed is None and seq is not None and seq.num_hashed_blocks * bs <= num_computed_tokens < total \
-                and self._fits_in_place(seq.blocks, num_computed_tokens, total):
+        if computed is None and self.in_place(seq_id, num_computed_tokens, num_new_tokens):
             # The common decode step: the new tokens go into blocks the sequence already owns alone,
             # past its hashed ones: nothing to allocate, copy or check but the full blocks to cache.
+            assert seq is not None
             if total // bs > seq.num_hashed_blocks:
                 self._cache_full_blocks(seq, token_ids, total, block_hashes)
             return True
@@ -161,6 +159,19 @@ class KVCacheManager(PrefixLookup, PoolCounts):
         if self.sliding_window is not None:  # prefix hits below the window of this step's first query
             self._drop_out_of_window(seq, num_computed_tokens)
         return True
+
+    def in_place(self, seq_id: SeqId, num_computed_tokens: int, num_new_tokens: int) -> bool:
+        """Whether the new tokens go into blocks the sequence already holds alone, past its hashed ones (a
+        decode step's usual case: `allocate_slots` then takes nothing); the blocks below the window are
+        freed first, as `allocate_slots` does."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return False
+        if self.sliding_window is not None:
+            self._drop_out_of_window(seq, num_computed_tokens)
+        total = num_computed_tokens + num_new_tokens
+        return (seq.num_hashed_blocks * self.block_size <= num_computed_tokens < total
+                and self._fits_in_place(seq.blocks, num_computed_tokens, total))
 
     def _fresh_blocks(self, blocks: list[KVBlock], num_held: int, num_computed_tokens: int,
                       num_new_tokens: int) -> tuple[list[int], int]:
