@@ -23,10 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pagedrl.engine.block_pool import BlockHash, BlockPool, PoolCounts
+from pagedrl.engine.kv_cache import KVCache
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.seq_blocks import ComputedBlocks, SeqId
 
@@ -183,3 +185,34 @@ class GroupedKVCacheManager(PoolCounts):
     def most_blocks(self, num_tokens: int, step_tokens: int | None = None) -> int:
         """The most blocks of the pool a sequence of `num_tokens` tokens holds at once, every group's."""
         return sum(g.most_blocks(num_tokens, step_tokens) for g in self.groups)
+
+
+def cache_and_manager(cfg: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                      enable_prefix_caching: bool, groups_allowed: bool = True
+                      ) -> tuple[KVCache, KVCacheManager | GroupedKVCacheManager]:
+    """The engine's KV cache and its manager for a `ModelConfig`, `num_blocks` blocks of every layer's
+    keys and values: one table where every layer attends alike (`groups_allowed` False: always), else
+    groups of layers over the same bytes in blocks of a group's layers (more blocks, each smaller)."""
+    heads, head_dim, values = cfg.kv_cache_layout  # keys and values, or latent attention's latents
+    groups = LayerGroups.of(cfg.layer_windows) if groups_allowed else None
+    if groups is None:
+        cache = KVCache(cfg.num_hidden_layers, num_blocks, block_size, heads, head_dim, dtype, device, values)
+        return cache, KVCacheManager(num_blocks, block_size, enable_prefix_caching, cfg.uniform_window)
+    num_blocks = num_blocks * cfg.num_hidden_layers // groups.slots
+    cache = KVCache(groups.slots, num_blocks, block_size, heads, head_dim, dtype, device, values,
+                    layer_slots=groups.slot_of_layer)
+    return cache, GroupedKVCacheManager(num_blocks, block_size, enable_prefix_caching, groups)
+
+
+def describe(manager: KVCacheManager | GroupedKVCacheManager, block_size: int) -> str:
+    """The KV cache's blocks, for a start-up line: how many, and where layers hold their own tables, in
+    what groups."""
+    blocks = f"{manager.num_blocks_total} KV blocks of {block_size} tokens"
+    groups = getattr(manager, "layer_groups", None)
+    if groups is None:
+        return blocks
+    sliding = [w for w in groups.windows if w is not None]
+    layers = f"{groups.slots} layer{'s' if groups.slots > 1 else ''}"
+    return (f"{blocks} and {layers} each, {len(groups.windows)} groups of layers with block tables of their own "
+            f"({len(groups.windows) - len(sliding)} full; {len(sliding)} sliding over {max(sliding)} keys, which "
+            "give back what left the window)")

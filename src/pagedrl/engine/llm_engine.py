@@ -19,9 +19,8 @@ import torch
 from pagedrl.engine.engine_config import EngineConfig
 from pagedrl.engine.engine_stats import EngineStats, engine_stats, model_bytes
 from pagedrl.engine.grammar import GrammarCompiler, StepBitmasks
-from pagedrl.engine.kv_cache import KVCache, num_blocks_for_budget
-from pagedrl.engine.kv_cache_groups import GroupedKVCacheManager, LayerGroups
-from pagedrl.engine.kv_cache_manager import KVCacheManager
+from pagedrl.engine.kv_cache import num_blocks_for_budget
+from pagedrl.engine.kv_cache_groups import cache_and_manager, describe
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.model_runner import ModelRunner
 from pagedrl.engine.multi_lora import LoRASlots
@@ -58,18 +57,9 @@ class LLMEngine:
         num_blocks = num_blocks_for_budget(cfg, bs, model.device, kv_dtype, tokens=self.config.kv_cache_tokens,
                                            nbytes=self.config.kv_cache_bytes,
                                            gpu_memory_utilization=self.config.gpu_memory_utilization)
-        heads, head_dim, values = cfg.kv_cache_layout  # keys and values, or latent attention's latents
-        groups = None if self.config.disable_hybrid_kv_cache_manager else LayerGroups.of(cfg.layer_windows)
-        self.kv_manager: KVCacheManager | GroupedKVCacheManager
-        if groups is None:
-            self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, bs, heads, head_dim, kv_dtype, model.device,
-                                    values)
-            self.kv_manager = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching, cfg.uniform_window)
-        else:  # sliding layers beside full ones: a group's block holds its layers alone, the same bytes in all
-            num_blocks = num_blocks * cfg.num_hidden_layers // groups.slots
-            self.kv_cache = KVCache(groups.slots, num_blocks, bs, heads, head_dim, kv_dtype, model.device, values,
-                                    layer_slots=groups.slot_of_layer)
-            self.kv_manager = GroupedKVCacheManager(num_blocks, bs, self.config.enable_prefix_caching, groups)
+        self.kv_cache, self.kv_manager = cache_and_manager(cfg, num_blocks, bs, kv_dtype, model.device,
+                                                           self.config.enable_prefix_caching,
+                                                           not self.config.disable_hybrid_kv_cache_manager)
         c = self.config
         self.scheduler = Scheduler(self.kv_manager, c.max_num_seqs, c.max_num_batched_tokens,
                                    c.enable_chunked_prefill, max_loras=c.max_loras if c.enable_lora else None)
@@ -354,17 +344,8 @@ class LLMEngine:
         return self.lora.read(request)
 
     def kv_layout(self) -> str:
-        """The KV cache's blocks, for a start-up line: how many, and where layers hold their own tables
-        (`kv_cache_groups`), in what groups."""
-        blocks = f"{self.kv_manager.num_blocks_total} KV blocks of {self.block_size} tokens"
-        groups = getattr(self.kv_manager, "layer_groups", None)
-        if groups is None:
-            return blocks
-        sliding = [w for w in groups.windows if w is not None]
-        layers = f"{groups.slots} layer{'s' if groups.slots > 1 else ''}"
-        return (f"{blocks} and {layers} each, {len(groups.windows)} groups of layers with block "
-                f"tables of their own ({len(groups.windows) - len(sliding)} full; {len(sliding)} sliding over "
-                f"{max(sliding)} keys, which give back what left the window)")
+        """The KV cache's blocks, for a start-up line (`kv_cache_groups.describe`)."""
+        return describe(self.kv_manager, self.block_size)
 
     def decode_path(self) -> str:
         """How steps that only decode run (CUDA graphs, the CPU kernels' program, the modules), for a
