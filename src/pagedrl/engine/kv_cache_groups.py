@@ -86,13 +86,8 @@ class GroupedKVCacheManager(PoolCounts):
         self.pool = BlockPool(num_blocks)
         self.groups = [KVCacheManager(num_blocks, block_size, enable_prefix_caching, window, pool=self.pool,
                                       group_tag=b"group%d" % g) for g, window in enumerate(groups.windows)]
-        self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-
-    @property
-    def sliding_window(self) -> int | None:
-        return None  # (the full layers' group keeps every block)
 
     def get_computed_blocks(self, token_ids: Sequence[int], block_hashes: list[BlockHash] | None = None,
                             salt: bytes = b"") -> GroupedComputedBlocks:
