@@ -159,8 +159,8 @@ def test_the_product_is_close_to_the_float_product() -> None:
 
 def test_wrong_operands_are_refused_with_the_reason() -> None:
     x, raw = torch.zeros(2, 64), torch.zeros(3, 68, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match=r"GGML type 12 has no int8 activation product; supported: Q8_0"):
-        ops.gguf_linear_int8(x, raw, 12, 64, None)
+    with pytest.raises(RuntimeError, match=r"GGML type 10 has no int8 activation product; supported: Q8_0"):
+        ops.gguf_linear_int8(x, raw, 10, 64, None)
     with pytest.raises(RuntimeError, match=r"rows of K = 64 values take 40 bytes, got 68"):
         ops.gguf_linear_int8(x, raw, int(Q.Q4_1), 64, None)
     with pytest.raises(RuntimeError, match=r"x must be float32 \[M, 64\]"):

@@ -53,7 +53,8 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c
                                                                 "gguf_linear.cpp", "gguf_int8_dot.cpp", "threads.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "attention_rows.h", "attention_f32.h",
                                                      "float_lanes.h", "gguf_int8_groups.h", "gguf_int8_row.h",
-                                                     "gguf_int8_rows8.h", "gguf_int8_types.h")]  # the build's key too
+                                                     "gguf_int8_rows8.h", "gguf_int8_types.h",
+                                                     "gguf_int8_kquants.h")]  # the build's key too
 DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
 PREFILL_HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the head sizes `paged_prefill` is compiled for
 
@@ -288,9 +289,10 @@ def gguf_linear_op() -> Callable[..., torch.Tensor]:
 
 def gguf_linear_int8(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int,
                      bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, k] float32 (rows of unit stride) @ the Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 weight `blocks` [N, row_bytes].T (+ bias)
-    → [M, N] float32 as llama.cpp computes it: each row quantized to 8 bits per 32 values, integer dot
-    products of the blocks, scaled in float32 (`csrc/gguf_int8_dot.cpp`)."""
+    """x [M, k] float32 (rows of unit stride) @ the Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K weight
+    `blocks` [N, row_bytes].T (+ bias) → [M, N] float32 as llama.cpp computes it: each row quantized to 8
+    bits per 32 values (per 256 for the K-quants), integer dot products of the blocks, scaled in float32
+    (`csrc/gguf_int8_dot.cpp`, `csrc/gguf_int8_kquants.h`)."""
     return _OPS.gguf_linear_int8(x, blocks, ggml_type, k, bias)
 
 
@@ -311,6 +313,12 @@ def gguf_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """The 8-bit activation blocks `gguf_linear_int8` multiplies: x [M, K] float32 → (q int8 [M, K], d and s
     float32 [M, K / 32], each a half widened: the block's scale and d * sum(q))."""
     return _OPS.gguf_quantize_activations(x)
+
+
+def gguf_quantize_activations_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The K-quants' 8-bit activation blocks (llama.cpp's Q8_K): x [M, K] float32 → (q int8 [M, K], d
+    float32 [M, K / 256], each 16 values' sum int16 [M, K / 16])."""
+    return _OPS.gguf_quantize_activations_k(x)
 
 
 def float_linear_lanes() -> int:

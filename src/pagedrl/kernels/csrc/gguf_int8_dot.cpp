@@ -16,6 +16,7 @@
 //   Q4_0 weights: dw * dx * sum((n - 8) q)
 //   Q4_1 weights: dw * dx * sum(n q) + mw * s
 //   Q5_0 / Q5_1 weights: as Q4_0 / Q4_1 with 5-bit n (n - 16 for Q5_0)
+// (K-quants, Q4_K / Q5_K / Q6_K, on llama.cpp's blocks of 256 activations: `gguf_int8_kquants.h`)
 // (dw, mw the weight block's half scale and minimum, dx, s the activation block's halves widened), and the
 // blocks' terms are summed in float32 (a fixed order; llama.cpp's own order is its own).
 #include <ATen/Parallel.h>
@@ -35,6 +36,7 @@
 #include <vector>
 
 #include "gguf_int8_groups.h"
+#include "gguf_int8_kquants.h"
 #include "gguf_int8_row.h"
 #include "gguf_int8_rows8.h"
 #include "gguf_int8_types.h"
@@ -297,61 +299,96 @@ void all_rows(const ActivationRows& a, const uint8_t* w, int64_t ldw, int64_t N,
   });
 }
 
-void check(const at::Tensor& x, const at::Tensor& blocks, int64_t K, int bytes) {
+// `bytes`: a block's, of `values` values.
+void check(const at::Tensor& x, const at::Tensor& blocks, int64_t K, int bytes, int values = 32) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.stride(1) == 1,
               "gguf_linear_int8: blocks must be uint8 [N, row_bytes] with contiguous rows, got ",
               blocks.scalar_type(), " ", blocks.sizes());
   TORCH_CHECK(K > 0 && K % 32 == 0, "gguf_linear_int8: K = ", K, " is not a positive multiple of 32");
-  TORCH_CHECK(blocks.size(1) == K / 32 * bytes, "gguf_linear_int8: rows of K = ", K, " values take ", K / 32 * bytes,
+  TORCH_CHECK(blocks.size(1) == K / values * bytes, "gguf_linear_int8: rows of K = ", K, " values take ", K / values * bytes,
               " bytes, got ", blocks.size(1));
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == K && x.stride(1) == 1,
               "gguf_linear_int8: x must be float32 [M, ", K, "] with contiguous rows, got ", x.scalar_type(), " ",
               x.sizes());
 }
 
-// One weight's product over activation blocks made already (none when M is 0): [M, N] float32.
+// A call's input rows quantized as its weights want them, each form made on first use: blocks of 32
+// (`ActivationRows`) and of 256 (K-quants, `gguf_int8_k::SuperRows`).
+struct Activations {
+  const at::Tensor& x;
+  int64_t K;
+  std::unique_ptr<ActivationRows> rows;
+  std::unique_ptr<gguf_int8_k::SuperRows> super;
+
+  Activations(const at::Tensor& x_, int64_t K_) : x(x_), K(K_) {
+    TORCH_CHECK(K > 0 && K % 32 == 0, "gguf_linear_int8: K = ", K, " is not a positive multiple of 32");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == K && x.stride(1) == 1,
+                "gguf_linear_int8: x must be float32 [M, ", K, "] with contiguous rows, got ", x.scalar_type(), " ",
+                x.sizes());
+  }
+  const ActivationRows& blocks32() {
+    if (!rows) rows = std::make_unique<ActivationRows>(x.data_ptr<float>(), x.size(0), x.stride(0), K);
+    return *rows;
+  }
+  const gguf_int8_k::SuperRows& blocks256() {
+    if (!super) super = std::make_unique<gguf_int8_k::SuperRows>(x.data_ptr<float>(), x.size(0), x.stride(0), K);
+    return *super;
+  }
+};
+
+at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat,
+              "gguf_linear_int8: float32 bias [", N, "] expected");
+  return bias->contiguous();
+}
+
+// A K-quant weight's product (`gguf_int8_kquants.h`).
+at::Tensor k_product(Activations& a, const at::Tensor& blocks, int64_t type, int64_t K,
+                     const c10::optional<at::Tensor>& bias) {
+  const char* name = type == 12 ? "Q4_K" : type == 13 ? "Q5_K" : "Q6_K";
+  TORCH_CHECK(K % gguf_int8_k::kValues == 0, "gguf_linear_int8: ", name, " rows hold blocks of 256 values; K = ", K,
+              " is not a multiple of 256");
+  check(a.x, blocks, K, gguf_int8_k::block_bytes(type), gguf_int8_k::kValues);
+  const int64_t M = a.x.size(0), N = blocks.size(0);
+  const at::Tensor b = checked_bias(bias, N);
+  at::Tensor y = at::empty({M, N}, a.x.options());
+  if (M == 0) return y;
+  gguf_int8_k::products(a.blocks256(), type, blocks.data_ptr<uint8_t>(), blocks.stride(0), N,
+                        b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
+  return y;
+}
+
+// One weight's product (none made when M is 0): [M, N] float32.
 // `type`: a GGML type id, plus `gguf_int8_rows8::kLayoutFlag` for a weight in the `rows8` layout.
-at::Tensor product(const at::Tensor& x, const ActivationRows* a, const at::Tensor& blocks, int64_t type, int64_t K,
+at::Tensor product(Activations& a, const at::Tensor& blocks, int64_t type, int64_t K,
                    const c10::optional<at::Tensor>& bias, const uint8_t* next) {
+  if (gguf_int8_k::is_k_type(type)) return k_product(a, blocks, type, K, bias);
   at::Tensor y;
   const bool rows8 = type >= gguf_int8_rows8::kLayoutFlag;
   with_type(rows8 ? type - gguf_int8_rows8::kLayoutFlag : type, [&](auto t) {
     using T = decltype(t);
-    check(x, blocks, K, T::kBytes);
+    check(a.x, blocks, K, T::kBytes);
     TORCH_CHECK(!rows8 || (T::Strip::kRows8 && blocks.size(0) % kRows8 == 0 &&
                            blocks.stride(0) == blocks.size(1)),
                 "gguf_linear_int8: the rows8 layout holds Q4_0, Q4_1, Q5_0 or Q5_1 weights of a multiple of 8 contiguous rows, "
                 "got type ", type - gguf_int8_rows8::kLayoutFlag, " with ", blocks.size(0), " rows");
-    const int64_t M = x.size(0), N = blocks.size(0);
-    at::Tensor bias_c;
-    if (bias.has_value() && bias->defined()) {
-      TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat,
-                  "gguf_linear_int8: float32 bias [", N, "] expected");
-      bias_c = bias->contiguous();
-    }
-    y = at::empty({M, N}, x.options());
+    const int64_t M = a.x.size(0), N = blocks.size(0);
+    const at::Tensor b = checked_bias(bias, N);
+    y = at::empty({M, N}, a.x.options());
     if (M == 0) return;
-    const float* bp = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
-    all_rows<T>(*a, blocks.data_ptr<uint8_t>(), blocks.stride(0), N, bp, y.data_ptr<float>(), next, rows8);
+    all_rows<T>(a.blocks32(), blocks.data_ptr<uint8_t>(), blocks.stride(0), N, b.defined() ? b.data_ptr<float>() : nullptr,
+                y.data_ptr<float>(), next, rows8);
   });
   return y;
 }
 
-std::unique_ptr<ActivationRows> activation_rows(const at::Tensor& x, int64_t K) {
-  TORCH_CHECK(K > 0 && K % 32 == 0, "gguf_linear_int8: K = ", K, " is not a positive multiple of 32");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == K && x.stride(1) == 1,
-              "gguf_linear_int8: x must be float32 [M, ", K, "] with contiguous rows, got ", x.scalar_type(), " ",
-              x.sizes());
-  if (x.size(0) == 0) return nullptr;
-  return std::make_unique<ActivationRows>(x.data_ptr<float>(), x.size(0), x.stride(0), K);
-}
-
-// x [M, K] float32, blocks [N, row_bytes] uint8 of GGML type `type` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), bias [N] or none
-// -> [M, N] float32.
+// x [M, K] float32, blocks [N, row_bytes] uint8 of GGML type `type` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+// Q6_K), bias [N] or none -> [M, N] float32.
 at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t K,
                             const c10::optional<at::Tensor>& bias) {
-  const auto a = activation_rows(x, K);
-  return product(x, a.get(), blocks, type, K, bias, nullptr);
+  Activations a(x, K);
+  return product(a, blocks, type, K, bias, nullptr);
 }
 
 // Several weights over the same input (a layer's q, k and v; its gate and up), each as `gguf_linear_int8`
@@ -362,13 +399,13 @@ std::vector<at::Tensor> gguf_linear_int8_many(const at::Tensor& x, at::TensorLis
   TORCH_CHECK(types.size() == blocks.size() && biases.size() == blocks.size(),
               "gguf_linear_int8_many: ", blocks.size(), " weights, ", types.size(), " types and ", biases.size(),
               " biases");
-  const auto a = activation_rows(x, K);
+  Activations a(x, K);
   std::vector<at::Tensor> out;
   out.reserve(blocks.size());
   for (size_t i = 0; i < blocks.size(); ++i) {
     const uint8_t* next = i + 1 < blocks.size() && blocks[i + 1].scalar_type() == at::kByte
                               ? blocks[i + 1].data_ptr<uint8_t>() : nullptr;
-    out.push_back(product(x, a.get(), blocks[i], types[i], K, biases.get(i), next));
+    out.push_back(product(a, blocks[i], types[i], K, biases.get(i), next));
   }
   return out;
 }
@@ -389,16 +426,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_activations(const a
   return {q, d, s};
 }
 
+// The K-quants' activation blocks (llama.cpp's Q8_K), for the tests: x [M, K] float32 (K a multiple of 256)
+// -> (q int8 [M, K], d float32 [M, K / 256], the 16-value sums int16 [M, K / 16]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_activations_k(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 256 == 0 && x.stride(1) == 1,
+              "gguf_quantize_activations_k: x must be float32 [M, K] with K a multiple of 256 and contiguous rows, got ",
+              x.scalar_type(), " ", x.sizes());
+  const int64_t M = x.size(0), K = x.size(1);
+  const gguf_int8_k::SuperRows a(x.data_ptr<float>(), M, x.stride(0), K);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar)), d = at::empty({M, K / 256}, x.options());
+  at::Tensor sums = at::empty({M, K / 16}, x.options().dtype(at::kShort));
+  std::memcpy(q.data_ptr<int8_t>(), a.q.get(), M * K);
+  std::memcpy(d.data_ptr<float>(), a.d.get(), M * (K / 256) * sizeof(float));
+  std::memcpy(sums.data_ptr<int16_t>(), a.sums.get(), M * (K / 16) * sizeof(int16_t));
+  return {q, d, sums};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedrl_cpu, m) {
   m.def("gguf_linear_int8(Tensor x, Tensor blocks, int type, int K, Tensor? bias) -> Tensor");
   m.def("gguf_linear_int8_many(Tensor x, Tensor[] blocks, int[] types, int K, Tensor?[] biases) -> Tensor[]");
   m.def("gguf_quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("gguf_quantize_activations_k(Tensor x) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagedrl_cpu, CPU, m) {
   m.impl("gguf_linear_int8", &gguf_linear_int8);
   m.impl("gguf_linear_int8_many", &gguf_linear_int8_many);
   m.impl("gguf_quantize_activations", &gguf_quantize_activations);
+  m.impl("gguf_quantize_activations_k", &gguf_quantize_activations_k);
 }

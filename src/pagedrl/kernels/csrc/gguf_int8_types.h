@@ -235,7 +235,7 @@ void with_type(int64_t type, F&& f) {
     case Q5_1::kType: return f(Q5_1{});
     default:
       TORCH_CHECK(false, "gguf_linear_int8: GGML type ", type, " has no int8 activation product; supported: Q8_0 (8), "
-                  "Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7)");
+                  "Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q4_K (12), Q5_K (13), Q6_K (14)");
   }
 }
 
