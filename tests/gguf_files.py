@@ -13,7 +13,7 @@ import decoder_bound
 import gguf
 import numpy as np
 import torch
-from test_gguf_linear import random_blocks
+from test_gguf_linear import SCALE_OFFSETS, random_blocks
 from tiny import BASE, freq_error
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -166,6 +166,7 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
                 values = gguf.constants.GGML_QUANT_SIZES[qtype][0]
                 blocks = random_blocks(qtype, data.shape[0], data.shape[1] // values, rng, edges=False)
                 assert data.ndim == 2, "random K-quant blocks for 2-D tensors only"
+                _scale_to(blocks, qtype, float(np.abs(data).max()))
             w.add_tensor(target, blocks, raw_dtype=qtype)
         else:
             w.add_tensor(target, data)
@@ -174,6 +175,17 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _scale_to(blocks: np.ndarray, qtype: gguf.GGMLQuantizationType, largest: float) -> None:
+    """Random blocks' half scales multiplied (in place) so that their largest value is about `largest` (the
+    weight's they stand for): the model's activations keep the sizes of the weights it was made with."""
+    values = gguf.quants.dequantize(blocks, qtype)
+    factor = largest / max(float(np.abs(values).max()), 1e-30)
+    raw = blocks.reshape(blocks.shape[0], -1, gguf.constants.GGML_QUANT_SIZES[qtype][1])
+    for offset in SCALE_OFFSETS[qtype]:
+        halves = raw[:, :, offset:offset + 2].copy().view(np.float16).astype(np.float32) * factor
+        raw[:, :, offset:offset + 2] = halves.astype(np.float16).view(np.uint8)
 
 
 def _sizes_metadata(w: gguf.GGUFWriter, cfg, arch: str) -> None:

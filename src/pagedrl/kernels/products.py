@@ -53,7 +53,8 @@ MAX_ROWS_QUANTIZED_BY_CLASS = {"avx2": 256, "avx512": 16, "avx512_bf16": 16, "am
 # 1536 x 576 weight, AVX512-VNNI, ms, 8-bit activations / the float32 route: Q8_0 0.040 / 0.066 at 1 row,
 # 0.37 / 0.51 at 16, 1.44 / 2.47 at 64, 11.2 / 12.6 at 512 (dequantized, then `float_linear`); Q4_1 level
 # with the float32 route from 256 rows (13.1 / 12.4 at 512).
-INT8_TYPES = (8, 2, 3, 6, 7)
+# Q4_K, Q5_K, Q6_K (12, 13, 14) on llama.cpp's activation blocks of 256 (`csrc/gguf_int8_kquants.h`).
+INT8_TYPES = (8, 2, 3, 6, 7, 12, 13, 14)
 
 
 def _by_class(table: dict[str, int]) -> int:
@@ -205,8 +206,8 @@ def quantized_rows(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int
 
 def int8_rows(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int,
               bias: torch.Tensor | None) -> torch.Tensor | None:
-    """A Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 weight's product with the rows quantized to 8 bits per 32 values, as llama.cpp
-    computes it (`csrc/gguf_int8_dot.cpp`; the engine's `activations="int8"`), at any row count (decode
+    """A Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 weight's product with the rows quantized to 8 bits per 32 values (a Q4_K /
+    Q5_K / Q6_K weight's: per 256 values), as llama.cpp computes it (`csrc/gguf_int8_dot.cpp`; the engine's `activations="int8"`), at any row count (decode
     steps and prefill chunks alike, as llama.cpp's CPU products)."""
     rows = _block_rows(x, blocks, bias)
     if rows is None:

@@ -151,9 +151,9 @@ class GGUFLinear(nn.Module):
 
 
 def use_int8_activations(model: nn.Module) -> dict[str, int]:
-    """Turn the engine's products of `model`'s Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 projections to 8-bit activations
+    """Turn the engine's products of `model`'s Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K projections to 8-bit activations
     (`products.int8_rows`: llama.cpp's arithmetic, faster on a CPU, no longer the float32 model's numbers);
-    the projections turned, counted by type. Others (K-quants, MXFP4 experts) keep float32 activations.
+    the projections turned, counted by type. Others (Q2_K, Q3_K, MXFP4 experts) keep float32 activations.
     Q4_0 / Q4_1 / Q5_0 / Q5_1 weights of a multiple of 8 rows move to the `rows8` layout (a decode step's
     products faster), except a table an embedding looks rows up in (a tied LM head's)."""
     turned: dict[str, int] = {}

@@ -49,7 +49,7 @@ def load_model(model: str | Path | None = None, device: str | torch.device | Non
     device's default (`model/precision.py`). `quantization="gguf"`: a GGUF's quantized weights stay
     quantized (`model/gguf_quantized.py`); `"int8"` / `"int4"`: the float weights quantized at load
     (`model/weight_only.py`); `"mxfp4"`: a gpt-oss checkpoint's MXFP4 experts kept so (`model/mxfp4_loading.py`).
-    `activations="int8"` (with a quantization, on a CPU): the Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 projections' engine products
+    `activations="int8"` (with a quantization, on a CPU): the Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K projections' engine products
     on 8-bit activations, as llama.cpp computes them (`gguf_modules.use_int8_activations`)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if activations not in ACTIVATIONS:
@@ -90,11 +90,11 @@ def _generation_config(path: Path) -> dict[str, Any]:
 
 
 def _int8_activations(loaded: LoadedModel) -> LoadedModel:
-    """`loaded` with its Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 projections on 8-bit activations, said in its precision's reason;
+    """`loaded` with its Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / K-quant projections on 8-bit activations, said in its precision's reason;
     refused where it has none."""
     turned = use_int8_activations(loaded.model)
     if not turned:
-        raise ValueError(f"activations='int8': {loaded.path} has no Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 projection to "
+        raise ValueError(f"activations='int8': {loaded.path} has no Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K projection to "
                          "multiply on 8-bit activations (its types keep float32 activations); drop activations='int8'")
     listed = ", ".join(f"{name} x {n}" for name, n in sorted(turned.items()))
     reason = f"{loaded.precision.reason}; 8-bit activations (llama.cpp's arithmetic) for {listed}"

@@ -72,7 +72,7 @@ def eval_main(argv: list[str]) -> int:
                         help="gguf: a .gguf model's quantized weights stay quantized; int8 / int4: weight-only "
                         "quantization made at load (see `pagedrl serve --help`)")
     parser.add_argument("--activations", choices=ACTIVATIONS, default="float32",
-                        help="with --quantization: int8, the Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 products on 8-bit activations "
+                        help="with --quantization: int8, the Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / K-quant products on 8-bit activations "
                         "(llama.cpp's arithmetic; see `pagedrl serve --help`)")
     parser.add_argument("--perplexity", metavar="FILE", default=None,
                         help="also the model's perplexity on the text in FILE (e.g. examples/data/perplexity.txt)")
