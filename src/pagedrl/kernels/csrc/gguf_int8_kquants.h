@@ -112,16 +112,8 @@ struct SuperRows {
 };
 
 // ------------------------------------------------------------------ the weight blocks
-// One weight block as the integer sums read it.
-struct Unpacked {
-  alignas(64) uint8_t u[kValues];
-  alignas(64) int16_t pair_scale[kValues / 2];  // each pair of values' scale (16 values share one)
-  alignas(32) int16_t offset[kGroups];
-  float d, dm;
-};
-
 // Q4_K and Q5_K's eight 6-bit scales and minimums in 12 bytes (gguf's `Q4_K.get_scale_min`).
-inline void scales_mins(const uint8_t* s, int sc[8], int mn[8]) {
+inline void scales_mins(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
   for (int j = 0; j < 4; ++j) {
     sc[j] = s[j] & 63;
     mn[j] = s[j + 4] & 63;
@@ -130,178 +122,212 @@ inline void scales_mins(const uint8_t* s, int sc[8], int mn[8]) {
   }
 }
 
-inline void spread_scales(const int scale[kGroups], Unpacked* w) {
-  for (int g = 0; g < kGroups; ++g)
-    for (int i = 0; i < 8; ++i) w->pair_scale[8 * g + i] = static_cast<int16_t>(scale[g]);
+#if defined(__AVX2__)
+// `scales_mins` as one vector, the 8 scales in bytes 0-7 and the 8 minimums in 8-15, made in 32-bit words
+// (llama.cpp's own shuffle): 16 bytes stored one by one and loaded as a vector stall the load.
+inline __m128i scales_mins_vector(const uint8_t* s) {
+  uint32_t w[3];
+  std::memcpy(w, s, 12);
+  const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+  return _mm_setr_epi32(static_cast<int>(w[0] & six), static_cast<int>((w[2] & four) | (((w[0] >> 6) & two) << 4)),
+                        static_cast<int>(w[1] & six), static_cast<int>(((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4)));
 }
 
-// Q4_K (`bits` 4: d, dmin, scales, 128 nibble bytes) and Q5_K (`bits` 5: 32 bytes of fifth bits before
-// the nibbles): value 64c + 32h + l is nibble h of byte 32c + l, its fifth bit bit 2c + h of byte l.
-template <int bits>
-inline void unpack_scaled_min(const uint8_t* b, Unpacked* w) {
-  const uint8_t* qs = b + (bits == 5 ? 48 : 16);
-  const uint8_t* qh = b + 16;
-  int sc[8], mn[8], scale[kGroups];
-  scales_mins(b + 4, sc, mn);
-  for (int g = 0; g < kGroups; ++g) {
-    scale[g] = sc[g / 2];
-    w->offset[g] = static_cast<int16_t>(mn[g / 2]);
-  }
-  spread_scales(scale, w);
-  w->d = half_at(b);
-  w->dm = half_at(b + 2);
-#if defined(__AVX2__)
+typedef __m256i Lanes;  // 8 int32 sums; lane j of a 32-value chunk holds its values 4j .. 4j + 3
+
+// A block decoded chunk by chunk in registers: `f(c, u, scale)` for chunk c = 0..7 (values 32c .. 32c + 31)
+// with u its unsigned values and scale 16 int16 lanes, lanes 0-7 the scale of values 32c .. 32c + 15,
+// 8-15 of the next 16 (one `vpmaddwd` operand for the `vpmaddubsw` pairs); returns the offsets' 16 int16
+// lanes (per 16 values: Q4_K / Q5_K each minimum twice, Q6_K its scale, times 32 later).
+template <int Type, class F>
+inline __m256i for_chunks(const uint8_t* b, F&& f) {
   const __m256i low = _mm256_set1_epi8(15);
-  const __m256i high = bits == 5 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
-  for (int c = 0; c < 4; ++c) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-    __m256i n[2] = {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)};
-    for (int h = 0; h < 2; ++h) {
-      if constexpr (bits == 5) {
-        const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (2 * c + h)));
-        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(high, bit), bit);
-        n[h] = _mm256_or_si256(n[h], _mm256_and_si256(set, _mm256_set1_epi8(16)));
+  if constexpr (Type == 14) {  // Q6_K: value 128H + 32s + i: nibble s / 2 of ql[64H + 32(s % 2) + i], bits 2s of qh[32H + i]
+    const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const __m256i top = _mm256_set1_epi8(0x30);
+    for (int H = 0; H < 2; ++H) {
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * H));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * H + 32));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * H));
+      const __m256i u[4] = {
+          _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), top)),
+          _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(_mm256_slli_epi16(h, 2), top)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(h, top)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                          _mm256_and_si256(_mm256_srli_epi16(h, 2), top))};
+      for (int s = 0; s < 4; ++s) {
+        const int c = 4 * H + s;  // scale bytes 2c (lanes 0-7) and 2c + 1 (8-15), sign-extended
+        const __m128i pick = _mm_setr_epi8(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1,
+                                           2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1);
+        f(c, u[s], _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick)));
       }
-      _mm256_store_si256(reinterpret_cast<__m256i*>(w->u + 64 * c + 32 * h), n[h]);
+    }
+    return _mm256_cvtepi8_epi16(scales);
+  } else {  // Q4_K, Q5_K: value 64p + 32h + l is nibble h of byte 32p + l, its fifth bit bit 2p + h of byte l
+    const __m128i both = scales_mins_vector(b + 4);
+    const uint8_t* qs = b + (Type == 13 ? 48 : 16);
+    const __m256i high = Type == 13 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p));
+      __m256i u[2] = {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)};
+      for (int h = 0; h < 2; ++h) {
+        const int c = 2 * p + h;
+        if constexpr (Type == 13) {
+          const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << c));
+          const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(high, bit), bit);
+          u[h] = _mm256_or_si256(u[h], _mm256_and_si256(set, _mm256_set1_epi8(16)));
+        }
+        f(c, u[h], _mm256_cvtepu8_epi16(_mm_shuffle_epi8(both, _mm_set1_epi8(static_cast<char>(c)))));
+      }
+    }
+    // each minimum twice: lanes 2j, 2j + 1 = mn[j]
+    return _mm256_cvtepu8_epi16(_mm_shuffle_epi8(both, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+  }
+}
+
+inline float sum_lanes(__m256 v) {  // a fixed tree
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// Input rows [m0, m0 + R) against weight row `w` (`Type`'s blocks in order), each weight block decoded once for
+// the R rows: y[i * ldy] for row m0 + i. Per row and block, the 8 lanes' integer sums (scale times values,
+// and the offsets against the activation's 16-value sums, each lane exact) become float32 lanes through one
+// fused multiply-add of dw * dx (and dm * dx), summed over blocks in order; the lanes' tree at the end.
+// Every row's numbers are the same whatever R, and on AVX512 as on AVX2 (its lanes are these).
+template <int Type, int R>
+inline void rows_dot(const SuperRows& a, int64_t m0, const uint8_t* w, float add, float* y, int64_t ldy) {
+  constexpr int bytes = Type == 12 ? 144 : Type == 13 ? 176 : 210;
+  __m256 sum[R], offsets[R];
+  for (int i = 0; i < R; ++i) sum[i] = offsets[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* block = w + b * bytes;
+    __builtin_prefetch(block + 4096);
+    __builtin_prefetch(block + 4096 + 64);
+    __builtin_prefetch(block + 4096 + 128);
+    if constexpr (bytes > 192) __builtin_prefetch(block + 4096 + 192);
+    Lanes lanes[R];
+    const int8_t* q[R];
+    for (int i = 0; i < R; ++i) {
+      lanes[i] = _mm256_setzero_si256();
+      q[i] = a.q.get() + ((m0 + i) * a.blocks + b) * kValues;
+    }
+    const __m256i offset = for_chunks<Type>(block, [&](int c, __m256i u, __m256i scale) {
+      for (int i = 0; i < R; ++i) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + 32 * c));
+        lanes[i] = _mm256_add_epi32(lanes[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale));
+      }
+    });
+    const float dw = half_at(Type == 14 ? block + 208 : block), dm = Type == 14 ? dw : half_at(block + 2);
+    for (int i = 0; i < R; ++i) {
+      const int64_t at = (m0 + i) * a.blocks + b;
+      const __m256i group = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums.get() + at * kGroups));
+      __m256i so = _mm256_madd_epi16(offset, group);
+      if constexpr (Type == 14) {  // dw * scale * (u - 32): the offsets (32 times the scales) taken off in integers
+        so = _mm256_slli_epi32(so, 5);
+        sum[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a.d[at]), _mm256_cvtepi32_ps(_mm256_sub_epi32(lanes[i], so)), sum[i]);
+      } else {
+        sum[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a.d[at]), _mm256_cvtepi32_ps(lanes[i]), sum[i]);
+        offsets[i] = _mm256_fmadd_ps(_mm256_set1_ps(dm * a.d[at]), _mm256_cvtepi32_ps(so), offsets[i]);
+      }
     }
   }
+  for (int i = 0; i < R; ++i) y[i * ldy] = sum_lanes(sum[i]) - sum_lanes(offsets[i]) + add;
+}
 #else
-  for (int c = 0; c < 4; ++c)
-    for (int h = 0; h < 2; ++h)
-      for (int l = 0; l < 32; ++l) {
-        int v = (qs[32 * c + l] >> (4 * h)) & 15;
-        if (bits == 5) v |= ((qh[l] >> (2 * c + h)) & 1) << 4;
-        w->u[64 * c + 32 * h + l] = static_cast<uint8_t>(v);
+// The same numbers without AVX2: each block decoded to its values, scales and offsets, the 8 lanes summed
+// as the vector code sums them.
+template <int Type>
+inline void decode(const uint8_t* b, uint8_t u[kValues], int scale[kGroups], int offset[kGroups], float* dw, float* dm) {
+  if constexpr (Type == 14) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int g = 0; g < kGroups; ++g) scale[g] = sc[g], offset[g] = 32 * sc[g];
+    for (int H = 0; H < 2; ++H)
+      for (int s = 0; s < 4; ++s)
+        for (int i = 0; i < 32; ++i)
+          u[128 * H + 32 * s + i] = static_cast<uint8_t>(((b[64 * H + 32 * (s % 2) + i] >> (4 * (s / 2))) & 15) |
+                                                         (((b[128 + 32 * H + i] >> (2 * s)) & 3) << 4));
+    *dw = *dm = half_at(b + 208);
+  } else {
+    uint8_t sc[8], mn[8];
+    scales_mins(b + 4, sc, mn);
+    for (int g = 0; g < kGroups; ++g) scale[g] = sc[g / 2], offset[g] = mn[g / 2];
+    const uint8_t* qs = b + (Type == 13 ? 48 : 16);
+    for (int p = 0; p < 4; ++p)
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 32; ++l)
+          u[64 * p + 32 * h + l] = static_cast<uint8_t>(((qs[32 * p + l] >> (4 * h)) & 15) |
+                                                        (Type == 13 ? ((b[16 + l] >> (2 * p + h)) & 1) << 4 : 0));
+    *dw = half_at(b);
+    *dm = half_at(b + 2);
+  }
+}
+
+template <int Type, int R>
+inline void rows_dot(const SuperRows& a, int64_t m0, const uint8_t* w, float add, float* y, int64_t ldy) {
+  constexpr int bytes = Type == 12 ? 144 : Type == 13 ? 176 : 210;
+  for (int i = 0; i < R; ++i) {
+    float sum[8] = {}, offsets[8] = {};
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      uint8_t u[kValues];
+      int scale[kGroups], offset[kGroups];
+      float dw, dm;
+      decode<Type>(w + b * bytes, u, scale, offset, &dw, &dm);
+      const int64_t at = (m0 + i) * a.blocks + b;
+      const int8_t* q = a.q.get() + at * kValues;
+      const int16_t* group = a.sums.get() + at * kGroups;
+      int32_t lanes[8] = {}, so[8] = {};
+      for (int v = 0; v < kValues; ++v) lanes[(v % 32) / 4] += scale[v / 16] * (static_cast<int32_t>(u[v]) * q[v]);
+      for (int g = 0; g < kGroups; ++g) so[g / 2] += offset[g] * group[g];
+      for (int j = 0; j < 8; ++j) {
+        if (Type == 14) {
+          sum[j] = std::fma(dw * a.d[at], static_cast<float>(lanes[j] - so[j]), sum[j]);
+        } else {
+          sum[j] = std::fma(dw * a.d[at], static_cast<float>(lanes[j]), sum[j]);
+          offsets[j] = std::fma(dm * a.d[at], static_cast<float>(so[j]), offsets[j]);
+        }
       }
-#endif
-}
-
-// Q6_K: 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, d. Value 128H + 32s + i: nibble s / 2
-// of ql[64H + 32(s % 2) + i], its high bits bits 2s, 2s + 1 of qh[32H + i].
-inline void unpack_q6_k(const uint8_t* b, Unpacked* w) {
-  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-  int scale[kGroups];
-  for (int g = 0; g < kGroups; ++g) {
-    scale[g] = sc[g];
-    w->offset[g] = static_cast<int16_t>(32 * sc[g]);
+    }
+    auto tree = [](float* v) {
+      for (int width = 4; width >= 1; width /= 2)
+        for (int j = 0; j < width; ++j) v[j] += v[j + width];
+      return v[0];
+    };
+    y[i * ldy] = tree(sum) - tree(offsets) + add;
   }
-  spread_scales(scale, w);
-  w->d = w->dm = half_at(b + 208);
-#if defined(__AVX2__)
-  const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
-  for (int H = 0; H < 2; ++H) {
-    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * H));
-    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * H + 32));
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * H));
-    const __m256i v[4] = {
-        _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), top)),
-        _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(_mm256_slli_epi16(h, 2), top)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(h, top)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), _mm256_and_si256(_mm256_srli_epi16(h, 2), top))};
-    for (int s = 0; s < 4; ++s) _mm256_store_si256(reinterpret_cast<__m256i*>(w->u + 128 * H + 32 * s), v[s]);
-  }
-#else
-  for (int H = 0; H < 2; ++H)
-    for (int s = 0; s < 4; ++s)
-      for (int i = 0; i < 32; ++i) {
-        const int lo = (b[64 * H + 32 * (s % 2) + i] >> (4 * (s / 2))) & 15;
-        const int hi = (b[128 + 32 * H + i] >> (2 * s)) & 3;
-        w->u[128 * H + 32 * s + i] = static_cast<uint8_t>(lo | hi << 4);
-      }
-#endif
-}
-
-inline void unpack(int64_t type, const uint8_t* b, Unpacked* w) {
-  if (type == 12) unpack_scaled_min<4>(b, w);
-  else if (type == 13) unpack_scaled_min<5>(b, w);
-  else unpack_q6_k(b, w);
-}
-
-// ------------------------------------------------------------------ the integer sums of one block
-#if defined(__AVX2__)
-inline int32_t sum_lanes(__m256i v) {
-  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
 }
 #endif
-
-// si and so (see the top) of weight block `w` and the activation block at `q` with its 16 sums `group`.
-// Each `vpmaddubsw` pair is at most 2 * 63 * 127 (no 16-bit saturation), each `vpmaddwd` pair of those
-// times a scale at most 2 * 128 * 16002.
-inline void block_sums(const Unpacked& w, const int8_t* q, const int16_t* group, int32_t* si, int32_t* so) {
-#if defined(__AVX512BW__) && defined(__AVX512F__)
-  __m512i acc = _mm512_setzero_si512();
-  for (int c = 0; c < 4; ++c) {
-    const __m512i p = _mm512_maddubs_epi16(_mm512_load_si512(w.u + 64 * c), _mm512_loadu_si512(q + 64 * c));
-    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_load_si512(w.pair_scale + 32 * c)));
-  }
-  const __m256i total = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
-  *si = sum_lanes(total);
-#elif defined(__AVX2__)
-  __m256i acc = _mm256_setzero_si256();
-  for (int c = 0; c < 8; ++c) {
-    const __m256i p = _mm256_maddubs_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(w.u + 32 * c)),
-                                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c)));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_load_si256(reinterpret_cast<const __m256i*>(w.pair_scale + 16 * c))));
-  }
-  *si = sum_lanes(acc);
-#else
-  int32_t total = 0;
-  for (int i = 0; i < kValues; ++i) total += w.pair_scale[i / 2] * (static_cast<int32_t>(w.u[i]) * q[i]);
-  *si = total;
-#endif
-#if defined(__AVX2__)
-  *so = sum_lanes(_mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(w.offset)),
-                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group))));
-#else
-  int32_t offsets = 0;
-  for (int g = 0; g < kGroups; ++g) offsets += w.offset[g] * group[g];
-  *so = offsets;
-#endif
-}
 
 // ------------------------------------------------------------------ the products
-// Input row m against one weight row unpacked (`w`: its blocks in order).
-template <bool kCombined>
-inline float row_dot(const Unpacked* w, const SuperRows& a, int64_t m) {
-  float sum = 0.f, offsets = 0.f;
-  for (int64_t b = 0; b < a.blocks; ++b) {
-    const int64_t at = m * a.blocks + b;
-    int32_t si, so;
-    block_sums(w[b], a.q.get() + at * kValues, a.sums.get() + at * kGroups, &si, &so);
-    if constexpr (kCombined) {
-      sum += (w[b].d * a.d[at]) * static_cast<float>(si - so);
-    } else {
-      sum += (w[b].d * a.d[at]) * static_cast<float>(si);
-      offsets += (w[b].dm * a.d[at]) * static_cast<float>(so);
-    }
-  }
-  return sum - offsets;
-}
+constexpr int kRowsAtOnce = 4;
 
-// Every input row against weight rows [0, N) (`type` a K-quant, `w` [N, ldw] bytes): y [M, N]. Each weight
-// row is unpacked once for all input rows (a row's 256-value blocks: 0.9 KB to 1.3 KB unpacked, in L1).
-inline void products(const SuperRows& a, int64_t type, const uint8_t* w, int64_t ldw, int64_t N, const float* bias,
-                     float* y) {
-  const int bytes = block_bytes(type);
+// Every input row against weight rows [0, N) of K-quant `Type` (`w` [N, ldw] bytes): y [M, N], each weight
+// row's blocks decoded once for every kRowsAtOnce input rows.
+template <int Type>
+void products(const SuperRows& a, const uint8_t* w, int64_t ldw, int64_t N, const float* bias, float* y) {
   const int64_t grain = std::max<int64_t>(1, 64 / a.M);
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    std::vector<Unpacked> row(a.blocks);
     for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* src = w + n * ldw;
-      for (int64_t b = 0; b < a.blocks; ++b) {
-        __builtin_prefetch(src + ldw + b * bytes);
-        __builtin_prefetch(src + ldw + b * bytes + 64);
-        __builtin_prefetch(src + ldw + b * bytes + 128);
-        __builtin_prefetch(src + ldw + b * bytes + bytes - 1);
-        unpack(type, src + b * bytes, &row[b]);
-      }
+      const uint8_t* row = w + n * ldw;
       const float add = bias ? bias[n] : 0.f;
-      for (int64_t m = 0; m < a.M; ++m)
-        y[m * N + n] = (type == 14 ? row_dot<true>(row.data(), a, m) : row_dot<false>(row.data(), a, m)) + add;
+      int64_t m = 0;
+      for (; m + kRowsAtOnce <= a.M; m += kRowsAtOnce) rows_dot<Type, kRowsAtOnce>(a, m, row, add, y + m * N + n, N);
+      switch (a.M - m) {
+        case 3: rows_dot<Type, 3>(a, m, row, add, y + m * N + n, N); break;
+        case 2: rows_dot<Type, 2>(a, m, row, add, y + m * N + n, N); break;
+        case 1: rows_dot<Type, 1>(a, m, row, add, y + m * N + n, N); break;
+        default: break;
+      }
     }
   });
+}
+
+inline void products(const SuperRows& a, int64_t type, const uint8_t* w, int64_t ldw, int64_t N, const float* bias,
+                     float* y) {
+  if (type == 12) products<12>(a, w, ldw, N, bias, y);
+  else if (type == 13) products<13>(a, w, ldw, N, bias, y);
+  else products<14>(a, w, ldw, N, bias, y);
 }
 
 }  // namespace gguf_int8_k
