@@ -56,10 +56,10 @@ class EngineArgs(EngineConfig):
               "stay quantized (about 4.25 bits a weight); default: none (a GGUF dequantized "
               "at load)", "model", choices=QUANTIZATIONS)
     activations: str = setting(
-        "float32", "with quantization on a CPU, what the Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights (gguf; int8 and int4 are "
-                   "laid out "
-                   "so) multiply: float32, the float32 model's numbers; int8, each row quantized to 8 bits per 32 values "
-                   "and integer dot products, as llama.cpp computes them (faster, 1.6-2x per product; the tokens are "
+        "float32", "with quantization on a CPU, what the Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights (gguf; "
+                   "int8 and int4 are laid out so) multiply: float32, the float32 model's numbers; int8, each row "
+                   "quantized to 8 bits per 32 values (per 256 for the K-quants) and integer dot products, as llama.cpp "
+                   "computes them (faster, 1.6-2x per product; the tokens are "
                    "no longer the float32 model's)", "model", choices=ACTIVATIONS)
 
     def engine_config(self) -> EngineConfig:
