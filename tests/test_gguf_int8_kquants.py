@@ -187,3 +187,33 @@ def test_wrong_operands_are_refused_with_the_reason() -> None:
         ops.gguf_linear_int8(torch.zeros(2, 256), torch.zeros(3, 110, dtype=torch.uint8), 11, 256, None)
     with pytest.raises(RuntimeError, match=r"K a multiple of 256"):
         ops.gguf_quantize_activations_k(torch.zeros(2, 96))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_extreme_blocks_and_activations(qtype) -> None:
+    """The largest integer sums a block can hold (every value at its top, Q6_K scales at -128 and 127,
+    activations at ±127) stay exact; a NaN activation counts 0 (llama.cpp's rounding gives it 0) and a
+    block too small for its scale (largest magnitude 1e-38) is a block of zeros, on every CPU class."""
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    raw = np.full((3, 2, size), 0xFF, np.uint8)
+    half = np.array([0.01], np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:
+        raw[0, :, 192:208], raw[1, :, 192:208] = 0x80, 0x7F  # scales -128 and 127, every value 63
+        raw[2, :, 192:208], raw[2, :, :192] = 0x80, 0  # every value 0: -32 * -128
+        raw[:, :, 208:210] = half
+    else:
+        raw[:, :, 0:2], raw[:, :, 2:4] = half, half
+        raw[2, :, 16:] = 0  # values 0: only the minimums
+    raw = raw.reshape(3, -1)
+    x = np.tile(np.float32([-1, 1]), (4, 256))  # q = -127, +127 in turn (iscale = -127 / -1)
+    x[1] = -1
+    x[2, 3] = np.nan
+    x[3, :256] = 1e-38
+    got = ops.gguf_linear_int8(torch.from_numpy(x), torch.from_numpy(raw), int(qtype), 512, None).numpy()
+    q, d, _ = (t.numpy() for t in ops.gguf_quantize_activations_k(torch.from_numpy(x)))
+    assert q[2, 3] == 0 and q[2, 2] == -127 and (q[3, :256] == 0).all() and d[3, 0] == 0
+    x[2, 3] = 0  # what the NaN counts as
+    x[3, :256] = 0
+    want, scale = by_hand(x, raw, qtype, None)
+    assert np.isfinite(got).all()
+    assert (np.abs(got - want) <= 4 * EPS * 4 * scale + np.finfo(np.float32).tiny).all()

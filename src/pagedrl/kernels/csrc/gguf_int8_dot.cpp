@@ -366,6 +366,9 @@ at::Tensor product(Activations& a, const at::Tensor& blocks, int64_t type, int64
   if (gguf_int8_k::is_k_type(type)) return k_product(a, blocks, type, K, bias);
   at::Tensor y;
   const bool rows8 = type >= gguf_int8_rows8::kLayoutFlag;
+  TORCH_CHECK(!rows8 || !gguf_int8_k::is_k_type(type - gguf_int8_rows8::kLayoutFlag),
+              "gguf_linear_int8: the rows8 layout holds Q4_0, Q4_1, Q5_0 or Q5_1 weights, not K-quants (type ",
+              type - gguf_int8_rows8::kLayoutFlag, ")");
   with_type(rows8 ? type - gguf_int8_rows8::kLayoutFlag : type, [&](auto t) {
     using T = decltype(t);
     check(a.x, blocks, K, T::kBytes);

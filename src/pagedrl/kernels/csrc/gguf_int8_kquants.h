@@ -71,20 +71,25 @@ struct SuperRows {
     int16_t* group = sums.get() + at * kGroups;
     float amax = 0.f;
     for (int i = 0; i < kValues; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-    if (amax == 0.f) {  // (NaN input: fmax drops it, as llama.cpp's `>` does)
+    int first = 0;
+    while (amax != 0.f && std::fabs(x[first]) != amax) ++first;
+    const float iscale = amax != 0.f ? -127.f / x[first] : 0.f;
+    // A block of zeros (or NaN: fmax drops it, as llama.cpp's `>` does), or one so small that its scale
+    // overflows (largest magnitude below ~3.7e-37): values 0, d 0.
+    if (!std::isfinite(iscale) || iscale == 0.f) {
       d[at] = 0.f;
       std::memset(out, 0, kValues);
       std::memset(group, 0, kGroups * sizeof(int16_t));
       return;
     }
-    int first = 0;
-    while (std::fabs(x[first]) != amax) ++first;
-    const float iscale = -127.f / x[first];
 #if defined(__AVX2__)
     const __m256 s = _mm256_set1_ps(iscale);
     for (int c = 0; c < kValues / 32; ++c) {  // rounded half to even (the default rounding mode)
       __m256i v[4];
-      for (int k = 0; k < 4; ++k) v[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 32 * c + 8 * k), s));
+      for (int k = 0; k < 4; ++k) {  // a NaN value to 0 (llama.cpp's rounding gives it 0)
+        const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(x + 32 * c + 8 * k), s);
+        v[k] = _mm256_cvtps_epi32(_mm256_and_ps(scaled, _mm256_cmp_ps(scaled, scaled, _CMP_ORD_Q)));
+      }
       // two groups of 16: lanes of v[0] v[1] and of v[2] v[3] summed (packing saturates at 127: llama.cpp's min)
       const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
       const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -101,7 +106,7 @@ struct SuperRows {
       int sum = 0;
       for (int i = 16 * g; i < 16 * g + 16; ++i) {
         const float v = std::nearbyint(iscale * x[i]);  // the default rounding: half to even
-        out[i] = static_cast<int8_t>(std::fmin(127.f, v));
+        out[i] = std::isnan(v) ? 0 : static_cast<int8_t>(std::fmin(127.f, v));
         sum += out[i];
       }
       group[g] = static_cast<int16_t>(sum);
