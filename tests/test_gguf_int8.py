@@ -97,10 +97,16 @@ def test_the_product_is_the_formula_summed_by_hand(qtype, rows, out_features, bl
         raw.reshape(out_features, blocks, -1)[0, 0, 2] = 0x80
     x = activation_rows(rng, rows, k)
     b = rng.standard_normal(out_features).astype(np.float32) if bias else None
-    got = ops.gguf_linear_int8(torch.from_numpy(x), torch.from_numpy(raw), int(qtype), k,
+    assert_the_hand_sum(x, raw, qtype, b, by_hand, blocks)
+
+
+def assert_the_hand_sum(x: np.ndarray, raw: np.ndarray, qtype: Q, b: np.ndarray | None, hand, blocks: int) -> None:  # noqa: ANN001
+    """`gguf_linear_int8` of `x` and the weight `raw` within float32 rounding of `hand`'s float64 sum: 4 ulps
+    of the magnitudes it adds, per block and for the last two additions."""
+    got = ops.gguf_linear_int8(torch.from_numpy(x), torch.from_numpy(raw), int(qtype), x.shape[1],
                                None if b is None else torch.from_numpy(b)).numpy()
-    want, scale = by_hand(x, raw, qtype, b)
-    assert got.shape == (rows, out_features)
+    want, scale = hand(x, raw, qtype, b)
+    assert got.shape == (x.shape[0], raw.shape[0])
     bound = 4 * np.finfo(np.float32).eps * (blocks + 2) * scale + np.finfo(np.float32).tiny
     assert (np.abs(got - want) <= bound).all(), np.abs(got - want).max()
 

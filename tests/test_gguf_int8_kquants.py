@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedrl.kernels import ops
+from tests.test_gguf_int8 import assert_the_hand_sum
 from tests.test_gguf_linear import random_blocks
 
 pytestmark = pytest.mark.isa  # the integer sums follow the CPU class (AVX512BW, AVX2, none)
@@ -139,12 +140,7 @@ def test_the_product_is_the_formula_summed_by_hand(qtype, rows, out_features, bl
     raw = random_blocks(qtype, out_features, blocks, rng, edges=False)
     x = activation_rows(rng, rows, k)
     b = rng.standard_normal(out_features).astype(np.float32) if bias else None
-    got = ops.gguf_linear_int8(torch.from_numpy(x), torch.from_numpy(raw), int(qtype), k,
-                               None if b is None else torch.from_numpy(b)).numpy()
-    want, scale = by_hand(x, raw, qtype, b)
-    assert got.shape == (rows, out_features)
-    bound = 4 * EPS * (blocks + 2) * scale + np.finfo(np.float32).tiny
-    assert (np.abs(got - want) <= bound).all(), np.abs(got - want).max()
+    assert_the_hand_sum(x, raw, qtype, b, by_hand, blocks)
 
 
 @settings(max_examples=15, deadline=None)
