@@ -24,7 +24,9 @@ built.
 GGUF weights kept quantized, both engines on one file: `pagedrl-q4_1` (`quantization="gguf"`) and
 `llamacpp-q4_1` on the default model's own Q4_1 GGUF; `pagedrl-q8_0` and `llamacpp-q8_0` on its Q8_0
 requantization (`bench/gguf_requantize.py`, written next to llama.cpp's build on first use);
-`pagedrl-q4_k_m` and `llamacpp-q4_k_m` on llama.cpp's own Q4_K_M of the bf16 GGUF (`llama-quantize`).
+`pagedrl-q4_k_m` and `llamacpp-q4_k_m` on llama.cpp's own Q4_K_M of the bf16 GGUF (`llama-quantize`);
+`pagedrl-wide_q4_k_m` and `llamacpp-wide_q4_k_m` on the Q4_K_M of a random model whose every projection is
+a K-quant (`bench/wide_model.py`: rows 1024 and 2816 wide, the default model's tokenizer).
 Weight-only quantization made at load (`model/weight_only.py`): `pagedrl-int8` and `pagedrl-int4`
 (`quantization="int8"` / `"int4"`, float32) on the folder. A quantized pagedrl side with `-a8` appended
 (`pagedrl-q8_0-a8`) multiplies 8-bit activations (`activations="int8"`: llama.cpp's arithmetic).
@@ -67,7 +69,7 @@ def workload(name: str, vocab: int, seed: int = 0) -> tuple[list[list[int]], int
     return [[rng.randrange(16, vocab) for _ in range(n)] for n in lengths], max_tokens
 
 
-GGUF_KINDS = ("q4_1", "q8_0", "q4_k_m")  # the quantized sides' files (`gguf_file`)
+GGUF_KINDS = ("q4_1", "q8_0", "q4_k_m", "wide_q4_k_m")  # the quantized sides' files (`gguf_file`)
 
 
 def gguf_file(kind: str) -> Path:
@@ -78,6 +80,10 @@ def gguf_file(kind: str) -> Path:
 
     if kind == "q4_1":
         return default_gguf_path()
+    if kind == "wide_q4_k_m":
+        from wide_model import wide_gguf
+
+        return wide_gguf(LLAMA_CPP_DIR)
     path = LLAMA_CPP_DIR / f"smollm2-135m-{kind}.gguf"
     if path.exists():
         return path
@@ -93,7 +99,7 @@ def gguf_file(kind: str) -> Path:
                              "`cmake --build build --target llama-quantize` in its source folder")
         subprocess.run([str(tool), str(source), str(path), "Q4_K_M"], check=True, capture_output=True)
     else:
-        raise SystemExit(f"no GGUF of kind {kind!r}: q4_1, q8_0 or q4_k_m")
+        raise SystemExit(f"no GGUF of kind {kind!r}: {', '.join(GGUF_KINDS)}")
     return path
 
 
