@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "gguf_int8_groups.h"
+#include "gguf_int8_kgroups.h"
 #include "gguf_int8_kquants.h"
 #include "gguf_int8_row.h"
 #include "gguf_int8_rows8.h"
@@ -354,7 +355,7 @@ at::Tensor k_product(Activations& a, const at::Tensor& blocks, int64_t type, int
   const at::Tensor b = checked_bias(bias, N);
   at::Tensor y = at::empty({M, N}, a.x.options());
   if (M == 0) return y;
-  gguf_int8_k::products(a.blocks256(), type, blocks.data_ptr<uint8_t>(), blocks.stride(0), N,
+  gguf_int8_kgroups::products(a.blocks256(), type, blocks.data_ptr<uint8_t>(), blocks.stride(0), N,
                         b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
   return y;
 }

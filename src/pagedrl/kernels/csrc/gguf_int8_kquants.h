@@ -70,9 +70,29 @@ struct SuperRows {
     int8_t* out = q.get() + at * kValues;
     int16_t* group = sums.get() + at * kGroups;
     float amax = 0.f;
-    for (int i = 0; i < kValues; ++i) amax = std::fmax(amax, std::fabs(x[i]));
     int first = 0;
+#if defined(__AVX2__)
+    // (`vmaxps` keeps its second operand where the first is NaN: NaN dropped, as llama.cpp's `>` does)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 top = _mm256_setzero_ps();
+    for (int i = 0; i < kValues; i += 8) top = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), top);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    if (amax != 0.f) {  // the first value of that magnitude
+      const __m256 target = _mm256_set1_ps(amax);
+      for (int i = 0;; i += 8) {
+        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), target, _CMP_EQ_OQ));
+        if (hits) {
+          first = i + __builtin_ctz(hits);
+          break;
+        }
+      }
+    }
+#else
+    for (int i = 0; i < kValues; ++i) amax = std::fmax(amax, std::fabs(x[i]));
     while (amax != 0.f && std::fabs(x[first]) != amax) ++first;
+#endif
     const float iscale = amax != 0.f ? -127.f / x[first] : 0.f;
     // A block of zeros (or NaN: fmax drops it, as llama.cpp's `>` does), or one so small that its scale
     // overflows (largest magnitude below ~3.7e-37): values 0, d 0.
@@ -124,6 +144,34 @@ inline void scales_mins(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
     mn[j] = s[j + 4] & 63;
     sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 2) & 0x30);
     mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+  }
+}
+
+// A block decoded to its values, a scale and an offset per 16 values (see the top), and its d and dm (the
+// portable products, and the lane groups' weight rows: `gguf_int8_kgroups.h`).
+template <int Type>
+inline void decode(const uint8_t* b, uint8_t u[kValues], int scale[kGroups], int offset[kGroups], float* dw, float* dm) {
+  if constexpr (Type == 14) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int g = 0; g < kGroups; ++g) scale[g] = sc[g], offset[g] = 32 * sc[g];
+    for (int H = 0; H < 2; ++H)
+      for (int s = 0; s < 4; ++s)
+        for (int i = 0; i < 32; ++i)
+          u[128 * H + 32 * s + i] = static_cast<uint8_t>(((b[64 * H + 32 * (s % 2) + i] >> (4 * (s / 2))) & 15) |
+                                                         (((b[128 + 32 * H + i] >> (2 * s)) & 3) << 4));
+    *dw = *dm = half_at(b + 208);
+  } else {
+    uint8_t sc[8], mn[8];
+    scales_mins(b + 4, sc, mn);
+    for (int g = 0; g < kGroups; ++g) scale[g] = sc[g / 2], offset[g] = mn[g / 2];
+    const uint8_t* qs = b + (Type == 13 ? 48 : 16);
+    for (int p = 0; p < 4; ++p)
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 32; ++l)
+          u[64 * p + 32 * h + l] = static_cast<uint8_t>(((qs[32 * p + l] >> (4 * h)) & 15) |
+                                                        (Type == 13 ? ((b[16 + l] >> (2 * p + h)) & 1) << 4 : 0));
+    *dw = half_at(b);
+    *dm = half_at(b + 2);
   }
 }
 
@@ -241,34 +289,7 @@ inline void rows_dot(const SuperRows& a, int64_t m0, const uint8_t* w, float add
   for (int i = 0; i < R; ++i) y[i * ldy] = sum_lanes(sum[i]) - sum_lanes(offsets[i]) + add;
 }
 #else
-// The same numbers without AVX2: each block decoded to its values, scales and offsets, the 8 lanes summed
-// as the vector code sums them.
-template <int Type>
-inline void decode(const uint8_t* b, uint8_t u[kValues], int scale[kGroups], int offset[kGroups], float* dw, float* dm) {
-  if constexpr (Type == 14) {
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    for (int g = 0; g < kGroups; ++g) scale[g] = sc[g], offset[g] = 32 * sc[g];
-    for (int H = 0; H < 2; ++H)
-      for (int s = 0; s < 4; ++s)
-        for (int i = 0; i < 32; ++i)
-          u[128 * H + 32 * s + i] = static_cast<uint8_t>(((b[64 * H + 32 * (s % 2) + i] >> (4 * (s / 2))) & 15) |
-                                                         (((b[128 + 32 * H + i] >> (2 * s)) & 3) << 4));
-    *dw = *dm = half_at(b + 208);
-  } else {
-    uint8_t sc[8], mn[8];
-    scales_mins(b + 4, sc, mn);
-    for (int g = 0; g < kGroups; ++g) scale[g] = sc[g / 2], offset[g] = mn[g / 2];
-    const uint8_t* qs = b + (Type == 13 ? 48 : 16);
-    for (int p = 0; p < 4; ++p)
-      for (int h = 0; h < 2; ++h)
-        for (int l = 0; l < 32; ++l)
-          u[64 * p + 32 * h + l] = static_cast<uint8_t>(((qs[32 * p + l] >> (4 * h)) & 15) |
-                                                        (Type == 13 ? ((b[16 + l] >> (2 * p + h)) & 1) << 4 : 0));
-    *dw = half_at(b);
-    *dm = half_at(b + 2);
-  }
-}
-
+// The same numbers without AVX2: the 8 lanes summed as the vector code sums them.
 template <int Type, int R>
 inline void rows_dot(const SuperRows& a, int64_t m0, const uint8_t* w, float add, float* y, int64_t ldy) {
   constexpr int bytes = Type == 12 ? 144 : Type == 13 ? 176 : 210;
