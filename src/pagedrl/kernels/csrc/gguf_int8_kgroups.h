@@ -78,17 +78,7 @@ inline void decode_row(const uint8_t* row, int64_t blocks, Decoded* out) {
     gguf_int8_k::for_chunks<Type>(block, [&](int c, __m256i u, __m256i) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].runs + 8 * c), u);
     });
-    if constexpr (Type == 14) {
-      const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
-      for (int g = 0; g < kGroups; ++g) out[b].scale[g] = sc[g], offset[g] = 32 * sc[g];
-      out[b].dw = out[b].dm = gguf_int8_k::half_at(block + 208);
-    } else {
-      uint8_t sc[8], mn[8];
-      gguf_int8_k::scales_mins(block + 4, sc, mn);
-      for (int g = 0; g < kGroups; ++g) out[b].scale[g] = sc[g / 2], offset[g] = mn[g / 2];
-      out[b].dw = gguf_int8_k::half_at(block);
-      out[b].dm = gguf_int8_k::half_at(block + 2);
-    }
+    gguf_int8_k::decode_scales<Type>(block, out[b].scale, offset, &out[b].dw, &out[b].dm);
 #else
     uint8_t u[kValues];
     gguf_int8_k::decode<Type>(block, u, out[b].scale, offset, &out[b].dw, &out[b].dm);

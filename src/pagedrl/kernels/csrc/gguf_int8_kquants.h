@@ -33,6 +33,8 @@
 #include <memory>
 #include <vector>
 
+#include "gguf_int8_groups.h"
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -46,11 +48,7 @@ inline bool is_k_type(int64_t type) { return type == 12 || type == 13 || type ==
 
 inline int block_bytes(int64_t type) { return type == 12 ? 144 : type == 13 ? 176 : 210; }
 
-inline float half_at(const uint8_t* p) {
-  c10::Half h;
-  std::memcpy(&h, p, 2);
-  return static_cast<float>(h);
-}
+using gguf_int8_groups::half_value;
 
 // ------------------------------------------------------------------ the activation blocks (Q8_K)
 struct SuperRows {
@@ -147,31 +145,40 @@ inline void scales_mins(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
   }
 }
 
-// A block decoded to its values, a scale and an offset per 16 values (see the top), and its d and dm (the
-// portable products, and the lane groups' weight rows: `gguf_int8_kgroups.h`).
+// A block's scale and offset per 16 values (see the top), and its d and dm.
 template <int Type>
-inline void decode(const uint8_t* b, uint8_t u[kValues], int scale[kGroups], int offset[kGroups], float* dw, float* dm) {
+inline void decode_scales(const uint8_t* b, int scale[kGroups], int offset[kGroups], float* dw, float* dm) {
   if constexpr (Type == 14) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     for (int g = 0; g < kGroups; ++g) scale[g] = sc[g], offset[g] = 32 * sc[g];
+    *dw = *dm = half_value(b + 208);
+  } else {
+    uint8_t sc[8], mn[8];
+    scales_mins(b + 4, sc, mn);
+    for (int g = 0; g < kGroups; ++g) scale[g] = sc[g / 2], offset[g] = mn[g / 2];
+    *dw = half_value(b);
+    *dm = half_value(b + 2);
+  }
+}
+
+// A block decoded to its values too (the portable products, and the lane groups' weight rows without AVX2:
+// `gguf_int8_kgroups.h`).
+template <int Type>
+inline void decode(const uint8_t* b, uint8_t u[kValues], int scale[kGroups], int offset[kGroups], float* dw, float* dm) {
+  decode_scales<Type>(b, scale, offset, dw, dm);
+  if constexpr (Type == 14) {
     for (int H = 0; H < 2; ++H)
       for (int s = 0; s < 4; ++s)
         for (int i = 0; i < 32; ++i)
           u[128 * H + 32 * s + i] = static_cast<uint8_t>(((b[64 * H + 32 * (s % 2) + i] >> (4 * (s / 2))) & 15) |
                                                          (((b[128 + 32 * H + i] >> (2 * s)) & 3) << 4));
-    *dw = *dm = half_at(b + 208);
   } else {
-    uint8_t sc[8], mn[8];
-    scales_mins(b + 4, sc, mn);
-    for (int g = 0; g < kGroups; ++g) scale[g] = sc[g / 2], offset[g] = mn[g / 2];
     const uint8_t* qs = b + (Type == 13 ? 48 : 16);
     for (int p = 0; p < 4; ++p)
       for (int h = 0; h < 2; ++h)
         for (int l = 0; l < 32; ++l)
           u[64 * p + 32 * h + l] = static_cast<uint8_t>(((qs[32 * p + l] >> (4 * h)) & 15) |
                                                         (Type == 13 ? ((b[16 + l] >> (2 * p + h)) & 1) << 4 : 0));
-    *dw = half_at(b);
-    *dm = half_at(b + 2);
   }
 }
 
@@ -272,7 +279,7 @@ inline void rows_dot(const SuperRows& a, int64_t m0, const uint8_t* w, float add
         lanes[i] = _mm256_add_epi32(lanes[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale));
       }
     });
-    const float dw = half_at(Type == 14 ? block + 208 : block), dm = Type == 14 ? dw : half_at(block + 2);
+    const float dw = half_value(Type == 14 ? block + 208 : block), dm = Type == 14 ? dw : half_value(block + 2);
     for (int i = 0; i < R; ++i) {
       const int64_t at = (m0 + i) * a.blocks + b;
       const __m256i group = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums.get() + at * kGroups));
