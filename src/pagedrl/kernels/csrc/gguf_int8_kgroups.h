@@ -70,7 +70,7 @@ struct Decoded {
 
 template <int Type>
 inline void decode_row(const uint8_t* row, int64_t blocks, Decoded* out) {
-  constexpr int bytes = Type == 12 ? 144 : Type == 13 ? 176 : 210;
+  constexpr int bytes = gguf_int8_k::block_bytes(Type);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = row + b * bytes;
     int offset[kGroups];

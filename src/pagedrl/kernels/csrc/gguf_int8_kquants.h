@@ -46,7 +46,7 @@ constexpr int kGroups = kValues / 16;
 
 inline bool is_k_type(int64_t type) { return type == 12 || type == 13 || type == 14; }
 
-inline int block_bytes(int64_t type) { return type == 12 ? 144 : type == 13 ? 176 : 210; }
+constexpr int block_bytes(int64_t type) { return type == 12 ? 144 : type == 13 ? 176 : 210; }
 
 using gguf_int8_groups::half_value;
 
@@ -258,7 +258,7 @@ inline float sum_lanes(__m256 v) {  // a fixed tree
 // Every row's numbers are the same whatever R, and on AVX512 as on AVX2 (its lanes are these).
 template <int Type, int R>
 inline void rows_dot(const SuperRows& a, int64_t m0, const uint8_t* w, float add, float* y, int64_t ldy) {
-  constexpr int bytes = Type == 12 ? 144 : Type == 13 ? 176 : 210;
+  constexpr int bytes = block_bytes(Type);
   __m256 sum[R], offsets[R];
   for (int i = 0; i < R; ++i) sum[i] = offsets[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
@@ -299,7 +299,7 @@ inline void rows_dot(const SuperRows& a, int64_t m0, const uint8_t* w, float add
 // The same numbers without AVX2: the 8 lanes summed as the vector code sums them.
 template <int Type, int R>
 inline void rows_dot(const SuperRows& a, int64_t m0, const uint8_t* w, float add, float* y, int64_t ldy) {
-  constexpr int bytes = Type == 12 ? 144 : Type == 13 ? 176 : 210;
+  constexpr int bytes = block_bytes(Type);
   for (int i = 0; i < R; ++i) {
     float sum[8] = {}, offsets[8] = {};
     for (int64_t b = 0; b < a.blocks; ++b) {
