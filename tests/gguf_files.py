@@ -121,10 +121,11 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
                     vocabulary: Callable[[gguf.GGUFWriter], None] | None = None, pad_token_id: int | None = None,
                     kv_b_split: bool = True) -> Path:
     """`model` as llama.cpp would write it; `types` (default: ffn_up and ffn_down in Q8_0) maps tensor
-    kinds (attn_q, token_embd, ...) to the GGML types they are stored in, the rest float32; `kv_b_split`
-    false writes a `deepseek2` file as llama.cpp's converter did before it split `kv_b_proj`. gguf's numpy
-    code has no K-quant quantizer: K-quant tensors are random blocks with small scales (the file's
-    weights are then those blocks' values, which is all a test of loading them needs)."""
+    kinds (attn_q, token_embd, ...) or single tensors (blk.1.ffn_down) to the GGML types they are stored in,
+    the rest float32; `kv_b_split` false writes a `deepseek2` file as llama.cpp's converter did before it
+    split `kv_b_proj`. gguf's numpy code has no K-quant quantizer: K-quant tensors are random blocks with
+    small scales (the file's weights are then those blocks' values, which is all a test of loading them
+    needs)."""
     types = {q: gguf.GGMLQuantizationType.Q8_0 for q in QUANTIZED} if types is None else types
     rng = np.random.default_rng(0)
     cfg = model.config
@@ -158,8 +159,8 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
     tensors = deepseek_tensors(model, kv_b_split) if arch == "deepseek2" else llama_cpp_tensors(model, arch)
     for target, data in tensors.items():
         kind = target.split(".")[-2]
-        if target.endswith(".weight") and kind in types:
-            qtype = types[kind]
+        qtype = types.get(target.removesuffix(".weight"), types.get(kind))  # one tensor's own, or its kind's
+        if target.endswith(".weight") and qtype is not None:
             try:
                 blocks = gguf.quants.quantize(data, qtype)
             except NotImplementedError:

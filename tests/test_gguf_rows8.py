@@ -136,16 +136,16 @@ def test_a_module_keeps_its_weight_through_the_layout() -> None:
     assert module.rows8 and module.kernel_type == int(Q.Q4_1) + ROWS8 and "layout=rows8" in repr(module)
     assert not torch.equal(module.qweight, raw) and torch.equal(module.blocks, raw)
     assert torch.equal(module.dequantized(), before)
-    with pytest.raises(ValueError, match=r"the rows8 layout holds Q4_0 / Q4_1 / Q5_0 / Q5_1 weights of a multiple "
-                                         r"of 8 rows, not Q8_0 \[12, 96\]"):
+    with pytest.raises(ValueError, match=r"the rows8 layout holds Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K weights of a "
+                                         r"multiple of 8 rows, not Q8_0 \[12, 96\]"):
         GGUFLinear(torch.from_numpy(random_blocks(Q.Q8_0, 12, 3, np.random.default_rng(2), edges=False)),
                    int(Q.Q8_0), 96).to_rows8()
 
 
 def test_wrong_layouts_are_refused_with_the_reason() -> None:
     x = torch.zeros(1, 64)
-    with pytest.raises(RuntimeError, match=r"the rows8 layout holds Q4_0, Q4_1, Q5_0 or Q5_1 weights of a multiple "
-                                           r"of 8 contiguous rows, got type 8 with 8 rows"):
+    with pytest.raises(RuntimeError, match=r"the rows8 layout holds Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q5_K weights of a "
+                                           r"multiple of 8 contiguous rows, got type 8 with 8 rows"):
         ops.gguf_linear_int8(x, torch.zeros(8, 68, dtype=torch.uint8), int(Q.Q8_0) + ROWS8, 64, None)
     with pytest.raises(RuntimeError, match=r"got type 3 with 12 rows"):
         ops.gguf_linear_int8(x, torch.zeros(12, 40, dtype=torch.uint8), int(Q.Q4_1) + ROWS8, 64, None)

@@ -35,7 +35,7 @@ from pagedrl.model.gguf_modules import ROWS8, GGUFLinear, unpack_rows8
 from pagedrl.model.loader import load_model
 
 TYPES = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q5_1, "ffn_gate": Q.Q5_0,
-         "ffn_up": Q.Q4_1, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0}
+         "ffn_up": Q.Q4_1, "ffn_down": Q.Q6_K, "blk.1.ffn_down": Q.Q4_K, "token_embd": Q.Q8_0}
 WIDE = dict(TINY, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
             tie_word_embeddings=True)
 NEAR_TIE = 2e-3  # the reference's top-two logit gap under which the two sides may pick differently
@@ -83,7 +83,7 @@ def test_engine_computes_llama_cpp_s_arithmetic(int8_gguf: Path, settings: dict)
     prompts = [rng.integers(5, WIDE["vocab_size"], size=n).tolist() for n in PROMPTS]
     llm = LLM(str(int8_gguf), quantization="gguf", activations="int8", **settings)
     assert llm.engine.decode_path().startswith("decode steps as one program") != settings.get("enforce_eager", False)
-    described = "8-bit activations (llama.cpp's arithmetic) for Q4_0 x 2, Q4_1 x 4, Q5_0 x 2, Q5_1 x 2, Q6_K x 2, Q8_0 x 2"
+    described = "8-bit activations (llama.cpp's arithmetic) for Q4_0 x 2, Q4_1 x 4, Q4_K x 1, Q5_0 x 2, Q5_1 x 2, Q6_K x 1, Q8_0 x 2"
     assert described in llm.precision.describe()
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
     calls = []
@@ -92,8 +92,8 @@ def test_engine_computes_llama_cpp_s_arithmetic(int8_gguf: Path, settings: dict)
         got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.close()
     assert calls  # prefill runs the modules on either path
-    assert "rows8" in calls  # the Q4_0 / Q4_1 projections in the rows8 layout
-    assert Q.Q6_K in calls  # the down projections on blocks of 256
+    assert "rows8" in calls  # the Q4_0 / Q4_1 / Q4_K projections in the rows8 layout
+    assert Q.Q6_K in calls and Q.Q4_K in calls  # the down projections on blocks of 256
     compared, flipped = 0, 0
     for out, (tokens, logprobs, gaps) in zip(got, reference(int8_gguf, prompts), strict=True):
         errors = []
@@ -112,7 +112,7 @@ def test_engine_computes_llama_cpp_s_arithmetic(int8_gguf: Path, settings: dict)
 def checked_product(product, calls: list, x, blocks, ggml_type, k, bias):  # noqa: ANN001, ANN201
     """`product`'s result, asserted equal to the hand sum over the same rows within float32 rounding."""
     out = product(x, blocks, ggml_type, k, bias)
-    if ggml_type >= ROWS8:  # a Q4_0 / Q4_1 weight kept in the rows8 layout
+    if ggml_type >= ROWS8:  # a Q4_0 / Q4_1 / Q4_K weight kept in the rows8 layout
         ggml_type -= ROWS8
         blocks = unpack_rows8(blocks, ggml_type)
         calls.append("rows8")

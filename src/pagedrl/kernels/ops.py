@@ -54,7 +54,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "attention_rows.h", "attention_f32.h",
                                                      "float_lanes.h", "gguf_int8_groups.h", "gguf_int8_row.h",
                                                      "gguf_int8_rows8.h", "gguf_int8_types.h",
-                                                     "gguf_int8_kquants.h", "gguf_int8_kgroups.h")]  # the build's key too
+                                                     "gguf_int8_kquants.h", "gguf_int8_kgroups.h", "gguf_int8_krows8.h")]  # the build's key too
 DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
 PREFILL_HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the head sizes `paged_prefill` is compiled for
 

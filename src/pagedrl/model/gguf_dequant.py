@@ -93,7 +93,7 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:  # d, m, fifth bits, 16 bytes of nib
     return (d * q) + m
 
 
-def _scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """gguf's `Q4_K.get_scale_min`: eight 6-bit scales and eight 6-bit mins packed in 12 bytes."""
     n = scales.shape[0]
     s = scales.reshape(n, 3, 4)
@@ -103,11 +103,19 @@ def _scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
+def pack_scale_min(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """`scale_min`'s inverse: [n, 8] scales and minimums (6 bits each) -> their 12 bytes [n, 12]."""
+    d = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    m = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    m_d = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
+    return torch.cat([d, m, m_d], dim=-1)
+
+
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K's and Q5_K's header: each sub-block's d * scale and dmin * min, [B, 8, 1] each."""
     n = b.shape[0]
     d, dmin = _half(b, 0), _half(b, 2)
-    sc, mn = _scale_min(b[:, 4:16])
+    sc, mn = scale_min(b[:, 4:16])
     ds = (d * sc.to(torch.float32)).reshape(n, -1, 1)
     dm = (dmin * mn.to(torch.float32)).reshape(n, -1, 1)
     return ds, dm

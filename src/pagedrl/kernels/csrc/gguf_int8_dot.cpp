@@ -344,19 +344,25 @@ at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t N) {
   return bias->contiguous();
 }
 
-// A K-quant weight's product (`gguf_int8_kquants.h`).
+// A K-quant weight's product (`gguf_int8_kquants.h`; `rows8`: Q4_K / Q5_K in that layout, `gguf_int8_krows8.h`).
 at::Tensor k_product(Activations& a, const at::Tensor& blocks, int64_t type, int64_t K,
-                     const c10::optional<at::Tensor>& bias) {
+                     const c10::optional<at::Tensor>& bias, const uint8_t* next, bool rows8) {
   const char* name = type == 12 ? "Q4_K" : type == 13 ? "Q5_K" : "Q6_K";
   TORCH_CHECK(K % gguf_int8_k::kValues == 0, "gguf_linear_int8: ", name, " rows hold blocks of 256 values; K = ", K,
               " is not a multiple of 256");
   check(a.x, blocks, K, gguf_int8_k::block_bytes(type), gguf_int8_k::kValues);
+  TORCH_CHECK(!rows8 || (gguf_int8_krows8::has_layout(type) && blocks.size(0) % kRows8 == 0 &&
+                         blocks.stride(0) == blocks.size(1)),
+              "gguf_linear_int8: the rows8 layout holds Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q5_K weights of a multiple of 8 "
+              "contiguous rows, got ", name, " with ", blocks.size(0), " rows");
   const int64_t M = a.x.size(0), N = blocks.size(0);
   const at::Tensor b = checked_bias(bias, N);
   at::Tensor y = at::empty({M, N}, a.x.options());
   if (M == 0) return y;
-  gguf_int8_kgroups::products(a.blocks256(), type, blocks.data_ptr<uint8_t>(), blocks.stride(0), N,
-                        b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const Stream stream{w + N * blocks.stride(0), next, true};
+  gguf_int8_kgroups::products(a.blocks256(), type, w, blocks.stride(0), N, b.defined() ? b.data_ptr<float>() : nullptr,
+                              y.data_ptr<float>(), rows8, [&](const uint8_t* p) { return stream.ahead(p); });
   return y;
 }
 
@@ -364,19 +370,17 @@ at::Tensor k_product(Activations& a, const at::Tensor& blocks, int64_t type, int
 // `type`: a GGML type id, plus `gguf_int8_rows8::kLayoutFlag` for a weight in the `rows8` layout.
 at::Tensor product(Activations& a, const at::Tensor& blocks, int64_t type, int64_t K,
                    const c10::optional<at::Tensor>& bias, const uint8_t* next) {
-  if (gguf_int8_k::is_k_type(type)) return k_product(a, blocks, type, K, bias);
-  at::Tensor y;
   const bool rows8 = type >= gguf_int8_rows8::kLayoutFlag;
-  TORCH_CHECK(!rows8 || !gguf_int8_k::is_k_type(type - gguf_int8_rows8::kLayoutFlag),
-              "gguf_linear_int8: the rows8 layout holds Q4_0, Q4_1, Q5_0 or Q5_1 weights, not K-quants (type ",
-              type - gguf_int8_rows8::kLayoutFlag, ")");
-  with_type(rows8 ? type - gguf_int8_rows8::kLayoutFlag : type, [&](auto t) {
+  if (rows8) type -= gguf_int8_rows8::kLayoutFlag;
+  if (gguf_int8_k::is_k_type(type)) return k_product(a, blocks, type, K, bias, next, rows8);
+  at::Tensor y;
+  with_type(type, [&](auto t) {
     using T = decltype(t);
     check(a.x, blocks, K, T::kBytes);
     TORCH_CHECK(!rows8 || (T::Strip::kRows8 && blocks.size(0) % kRows8 == 0 &&
                            blocks.stride(0) == blocks.size(1)),
-                "gguf_linear_int8: the rows8 layout holds Q4_0, Q4_1, Q5_0 or Q5_1 weights of a multiple of 8 contiguous rows, "
-                "got type ", type - gguf_int8_rows8::kLayoutFlag, " with ", blocks.size(0), " rows");
+                "gguf_linear_int8: the rows8 layout holds Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q5_K weights of a multiple of 8 "
+                "contiguous rows, got type ", type, " with ", blocks.size(0), " rows");
     const int64_t M = a.x.size(0), N = blocks.size(0);
     const at::Tensor b = checked_bias(bias, N);
     y = at::empty({M, N}, a.x.options());

@@ -24,6 +24,7 @@
 
 #include "gguf_int8_groups.h"
 #include "gguf_int8_kquants.h"
+#include "gguf_int8_krows8.h"
 
 namespace gguf_int8_kgroups {
 
@@ -187,24 +188,47 @@ void strip_products(const SuperGroups& groups, int64_t M, const Decoded* const* 
 
 constexpr int kStrip = 4;  // weight rows sharing each activation load
 
-// Every input row against weight rows [0, N) of K-quant `Type`: y [M, N].
+// Weight rows [n0, n0 + count) (count <= kStrip, the first at `w0`) decoded into `decoded`, then against all
+// lane groups.
+template <int Type>
+void strip(const SuperGroups& groups, const gguf_int8_k::SuperRows& a, const uint8_t* w0, int64_t ldw, int64_t n0,
+           int64_t count, Decoded* decoded, int64_t N, const float* bias, float* y) {
+  const Decoded* rows[kStrip];
+  for (int j = 0; j < kStrip; ++j) rows[j] = decoded + j * a.blocks;
+  for (int j = 0; j < count; ++j) decode_row<Type>(w0 + j * ldw, a.blocks, decoded + j * a.blocks);
+  switch (count) {
+    case 4: strip_products<Type, 4>(groups, a.M, rows, n0, N, bias, y); break;
+    case 3: strip_products<Type, 3>(groups, a.M, rows, n0, N, bias, y); break;
+    case 2: strip_products<Type, 2>(groups, a.M, rows, n0, N, bias, y); break;
+    default: strip_products<Type, 1>(groups, a.M, rows, n0, N, bias, y); break;
+  }
+}
+
+// Every input row against weight rows [0, N) of K-quant `Type`: y [M, N]. `rows8`: the weight in the
+// `rows8` layout (`gguf_int8_krows8.h`; a build without AVX2), each group of 8 rows unpacked to the file's
+// layout first.
 template <int Type>
 void group_products(const gguf_int8_k::SuperRows& a, const uint8_t* w, int64_t ldw, int64_t N, const float* bias,
-                    float* y) {
+                    float* y, bool rows8) {
   const SuperGroups groups(a);
+  if (rows8) {
+    constexpr int rows = gguf_int8_krows8::kRows;
+    at::parallel_for(0, N / rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<Decoded> decoded(kStrip * a.blocks);
+      std::unique_ptr<uint8_t[]> unpacked(new uint8_t[rows * ldw]);
+      for (int64_t g = begin; g < end; ++g) {
+        gguf_int8_krows8::unpack_group<Type>(w + g * rows * ldw, a.blocks, unpacked.get(), ldw);
+        for (int j = 0; j < rows; j += kStrip)
+          strip<Type>(groups, a, unpacked.get() + j * ldw, ldw, g * rows + j, kStrip, decoded.data(), N, bias, y);
+      }
+    });
+    return;
+  }
   at::parallel_for(0, (N + kStrip - 1) / kStrip, 1, [&](int64_t begin, int64_t end) {
     std::vector<Decoded> decoded(kStrip * a.blocks);
-    const Decoded* rows[kStrip];
-    for (int j = 0; j < kStrip; ++j) rows[j] = decoded.data() + j * a.blocks;
     for (int64_t s = begin; s < end; ++s) {
-      const int64_t n0 = s * kStrip, count = std::min<int64_t>(kStrip, N - n0);
-      for (int j = 0; j < count; ++j) decode_row<Type>(w + (n0 + j) * ldw, a.blocks, decoded.data() + j * a.blocks);
-      switch (count) {
-        case 4: strip_products<Type, 4>(groups, a.M, rows, n0, N, bias, y); break;
-        case 3: strip_products<Type, 3>(groups, a.M, rows, n0, N, bias, y); break;
-        case 2: strip_products<Type, 2>(groups, a.M, rows, n0, N, bias, y); break;
-        default: strip_products<Type, 1>(groups, a.M, rows, n0, N, bias, y); break;
-      }
+      const int64_t n0 = s * kStrip;
+      strip<Type>(groups, a, w + n0 * ldw, ldw, n0, std::min<int64_t>(kStrip, N - n0), decoded.data(), N, bias, y);
     }
   });
 }
@@ -215,13 +239,27 @@ void group_products(const gguf_int8_k::SuperRows& a, const uint8_t* w, int64_t l
 // against ~38 row by row.
 constexpr int64_t kMinGroupRows = kLanes == 16 ? 16 : 32;
 
-// The product of a K-quant weight (`type` 12, 13 or 14) by the path its row count takes.
+// The product of a K-quant weight (`type` 12, 13 or 14; `rows8`: Q4_K / Q5_K in that layout) by the path
+// its row count takes. A weight in the `rows8` layout takes the group steps at every row count: the lane
+// groups' bits, and as fast as they are from 16 rows on (one thread, 30 576 x 1536 Q4_K weights, ms, group
+// steps / lane groups: AVX512-VNNI 5.1 / 6.5 at 16 rows, 19 / 20-26 at 64, 37 / 38 at 128, 74 / 72 at 256;
+// AVX2 6.0 / 8.5 at 16, 45 / 58 at 128, 89 / 115 at 256). `ahead(p)`: where a group step at p asks for bytes.
+template <class Ahead>
 inline void products(const gguf_int8_k::SuperRows& a, int64_t type, const uint8_t* w, int64_t ldw, int64_t N,
-                     const float* bias, float* y) {
-  if (a.M < kMinGroupRows) return gguf_int8_k::products(a, type, w, ldw, N, bias, y);
-  if (type == 12) group_products<12>(a, w, ldw, N, bias, y);
-  else if (type == 13) group_products<13>(a, w, ldw, N, bias, y);
-  else group_products<14>(a, w, ldw, N, bias, y);
+                     const float* bias, float* y, bool rows8, const Ahead& ahead) {
+#if defined(PAGEDRL_INT8_KROWS8)
+  if (rows8) {
+    if (type == 12) gguf_int8_krows8::products<12>(a, w, ldw, N, bias, y, ahead);
+    else gguf_int8_krows8::products<13>(a, w, ldw, N, bias, y, ahead);
+    return;
+  }
+#else
+  (void)ahead;
+#endif
+  if (a.M < kMinGroupRows && !rows8) return gguf_int8_k::products(a, type, w, ldw, N, bias, y);
+  if (type == 12) group_products<12>(a, w, ldw, N, bias, y, rows8);
+  else if (type == 13) group_products<13>(a, w, ldw, N, bias, y, rows8);
+  else group_products<14>(a, w, ldw, N, bias, y, rows8);
 }
 
 }  // namespace gguf_int8_kgroups

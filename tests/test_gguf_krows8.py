@@ -1,0 +1,125 @@
+"""The `rows8` layout of Q4_K / Q5_K weights on 8-bit activations (`kernels/csrc/gguf_int8_krows8.h`,
+`model/gguf_modules.pack_rows8`): each byte (each 6-bit scale and minimum) moved to the place the layout
+states and back; its products against the hand sums of `test_gguf_int8_kquants` and, bit for bit, against
+the file layout's lane groups at every row count; the largest sums; the refusals."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedrl.kernels import ops
+from pagedrl.model import gguf_dequant
+from pagedrl.model.gguf_modules import ROWS8, GGUFLinear, pack_rows8, unpack_rows8
+from tests.test_gguf_int8 import assert_the_hand_sum
+from tests.test_gguf_int8_kquants import activation_rows, by_hand
+from tests.test_gguf_linear import random_blocks
+
+pytestmark = pytest.mark.isa  # the group steps follow the CPU class (AVX2 and wider; none: the lane groups)
+
+TYPES = (Q.Q4_K, Q.Q5_K)
+# From how many rows the file layout's products run in lane groups on every CPU class
+# (`gguf_int8_kgroups.h`'s kMinGroupRows): the bits the layout's products give at every row count.
+LANE_GROUP_ROWS = 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernels() -> None:
+    assert ops.available()
+
+
+def raw_blocks(qtype: Q, rows: int, blocks: int, rng: np.random.Generator) -> torch.Tensor:
+    return torch.from_numpy(random_blocks(qtype, rows, blocks, rng, edges=False).reshape(rows, -1))
+
+
+@settings(max_examples=30, deadline=None)
+@given(qtype=st.sampled_from(TYPES), groups=st.integers(1, 3), blocks=st.integers(1, 3), data=st.data())
+def test_packing_moves_each_field_to_its_stated_place_and_back(qtype, groups, blocks, data) -> None:
+    raw = raw_blocks(qtype, 8 * groups, blocks, np.random.default_rng(blocks))
+    packed = pack_rows8(raw, int(qtype))
+    assert packed.shape == raw.shape and torch.equal(unpack_rows8(packed, int(qtype)), raw)
+    g, r, b = (data.draw(st.integers(0, n - 1)) for n in (groups, 8, blocks))
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    block = raw[8 * g + r, b * size:(b + 1) * size]
+    step = packed[8 * g:8 * g + 8].reshape(-1)[b * 8 * size:(b + 1) * 8 * size]  # block b of the group's 8 rows
+    assert torch.equal(step[2 * r:2 * r + 2], block[0:2]) and torch.equal(step[16 + 2 * r:18 + 2 * r], block[2:4])
+    sc, mn = (t[0] for t in gguf_dequant.scale_min(block[None, 4:16]))
+    for j in range(8):  # low 4 bits of scale and minimum in one byte; their high 2 bits in a nibble
+        assert step[32 + 8 * j + r] == (sc[j] & 15) | (mn[j] & 15) << 4
+        assert (step[96 + 8 * (j % 4) + r] >> 4 * (j // 4)) & 15 == (sc[j] >> 4) | (mn[j] >> 4) << 2
+    at = 128
+    if qtype == Q.Q5_K:  # the fifth bits' 4-byte chunks, chunk-major
+        for c in range(8):
+            assert torch.equal(step[at + 32 * c + 4 * r:at + 32 * c + 4 * r + 4], block[16 + 4 * c:20 + 4 * c])
+        at += 256
+    qs = block[48 if qtype == Q.Q5_K else 16:]
+    for p in range(4):
+        for c in range(8):
+            chunk = step[at + 256 * p + 32 * c + 4 * r:at + 256 * p + 32 * c + 4 * r + 4]
+            assert torch.equal(chunk, qs[32 * p + 4 * c:32 * p + 4 * c + 4])
+
+
+@settings(max_examples=40, deadline=None)
+@given(qtype=st.sampled_from(TYPES), rows=st.integers(1, 40), groups=st.integers(1, 3), blocks=st.integers(1, 3),
+       bias=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_products_are_the_hand_sums_and_the_lane_groups_bits(qtype, rows, groups, blocks, bias, seed) -> None:
+    """Any row count: within float32 rounding of the hand sum, and each row the bits the file layout's lane
+    groups give it (whatever rows share either call)."""
+    rng = np.random.default_rng(seed)
+    k, n = 256 * blocks, 8 * groups
+    raw = raw_blocks(qtype, n, blocks, rng)
+    x = activation_rows(rng, rows, k)
+    b = torch.from_numpy(rng.standard_normal(n).astype(np.float32)) if bias else None
+    got = ops.gguf_linear_int8(torch.from_numpy(x), pack_rows8(raw, int(qtype)), int(qtype) + ROWS8, k, b)
+    want, scale = by_hand(x, raw.numpy(), qtype, None if b is None else b.numpy())
+    bound = 4 * np.finfo(np.float32).eps * (blocks + 2) * scale + np.finfo(np.float32).tiny
+    assert (np.abs(got.numpy() - want) <= bound).all(), np.abs(got.numpy() - want).max()
+    padded = np.concatenate([x, activation_rows(rng, LANE_GROUP_ROWS, k)])
+    lanes = ops.gguf_linear_int8(torch.from_numpy(padded), raw, int(qtype), k, b)
+    assert torch.equal(got, lanes[:rows])
+
+
+def test_the_largest_sums_stay_exact() -> None:
+    """Every value at its top (15, Q5_K 31 with every fifth bit), scales and minimums 63, activations ±127:
+    the 16-bit pair sums at their bound (Q4_K 8 chunks of 2 * 15 * 127, Q5_K 4 of 2 * 31 * 127)."""
+    for qtype in TYPES:
+        size = gguf.GGML_QUANT_SIZES[qtype][1]
+        raw = np.full((8, 2, size), 0xFF, np.uint8)
+        raw[:, :, 0:4] = np.array([0.01, 0.02], np.float16).view(np.uint8)
+        raw[4:, :, 4:16] = 0  # rows 4-7: scales and minimums 0
+        raw = raw.reshape(8, -1)
+        x = np.tile(np.float32([-1, 1]), (3, 256))
+        x[1], x[2] = -1, 1
+        assert_the_hand_sum(x, raw, qtype, None, by_hand, 2)
+        got = ops.gguf_linear_int8(torch.from_numpy(x), pack_rows8(torch.from_numpy(raw), int(qtype)),
+                                   int(qtype) + ROWS8, 512, None)
+        padded = np.tile(x, (11, 1))[:LANE_GROUP_ROWS]
+        lanes = ops.gguf_linear_int8(torch.from_numpy(padded), torch.from_numpy(raw), int(qtype), 512, None)
+        assert torch.equal(got, lanes[:3])
+
+
+def test_a_module_keeps_its_weight_through_the_layout() -> None:
+    raw = raw_blocks(Q.Q5_K, 16, 2, np.random.default_rng(1))
+    module = GGUFLinear(raw.clone(), int(Q.Q5_K), 512)
+    before = module.dequantized()
+    module.to_rows8()
+    assert module.rows8 and module.kernel_type == int(Q.Q5_K) + ROWS8 and "layout=rows8" in repr(module)
+    assert not torch.equal(module.qweight, raw) and torch.equal(module.blocks, raw)
+    assert torch.equal(module.dequantized(), before)
+    with pytest.raises(ValueError, match=r"the rows8 layout holds Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K weights of a "
+                                         r"multiple of 8 rows, not Q6_K \[8, 256\]"):
+        GGUFLinear(raw_blocks(Q.Q6_K, 8, 1, np.random.default_rng(2)), int(Q.Q6_K), 256).to_rows8()
+
+
+def test_wrong_layouts_are_refused_with_the_reason() -> None:
+    x = torch.zeros(1, 256)
+    with pytest.raises(RuntimeError, match=r"the rows8 layout holds Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q5_K weights of a "
+                                           r"multiple of 8 contiguous rows, got Q6_K with 8 rows"):
+        ops.gguf_linear_int8(x, torch.zeros(8, 210, dtype=torch.uint8), int(Q.Q6_K) + ROWS8, 256, None)
+    with pytest.raises(RuntimeError, match=r"got Q4_K with 12 rows"):
+        ops.gguf_linear_int8(x, torch.zeros(12, 144, dtype=torch.uint8), int(Q.Q4_K) + ROWS8, 256, None)
