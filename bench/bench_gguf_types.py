@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType
 from pagedrl import LLM, SamplingParams
 from pagedrl.kernels import isa, ops
 from pagedrl.model.default import default_gguf_path
-from pagedrl.model.gguf_modules import ROWS8
+from pagedrl.model.gguf_rows8 import ROWS8
 
 
 def type_name(kernel_type: int) -> str:

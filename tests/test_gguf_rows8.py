@@ -1,5 +1,5 @@
 """The `rows8` layout of Q4_0 / Q4_1 / Q5_0 / Q5_1 weights on 8-bit activations (`kernels/csrc/gguf_int8_rows8.h`,
-`model/gguf_modules.pack_rows8`): the same bytes moved, to the places the layout states and back; its
+`model/gguf_rows8.pack_rows8`): the same bytes moved, to the places the layout states and back; its
 products against the hand sums of `test_gguf_int8`, and against the file layout's own kernels: the same
 bits where it goes through them (rows in lane groups), each row its own one-row product where it does not
 (a decode step's few rows); the refusals."""
@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedrl.kernels import ops
-from pagedrl.model.gguf_modules import ROWS8, GGUFLinear, pack_rows8, unpack_rows8
+from pagedrl.model.gguf_modules import GGUFLinear
+from pagedrl.model.gguf_rows8 import ROWS8, pack_rows8, unpack_rows8
 from tests.test_gguf_int8 import activation_blocks, activation_rows, by_hand, weight_parts
 from tests.test_gguf_linear import random_blocks
 
@@ -136,7 +137,7 @@ def test_a_module_keeps_its_weight_through_the_layout() -> None:
     assert module.rows8 and module.kernel_type == int(Q.Q4_1) + ROWS8 and "layout=rows8" in repr(module)
     assert not torch.equal(module.qweight, raw) and torch.equal(module.blocks, raw)
     assert torch.equal(module.dequantized(), before)
-    with pytest.raises(ValueError, match=r"the rows8 layout holds Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K weights of a "
+    with pytest.raises(ValueError, match=r"the rows8 layout holds Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K weights of a "
                                          r"multiple of 8 rows, not Q8_0 \[12, 96\]"):
         GGUFLinear(torch.from_numpy(random_blocks(Q.Q8_0, 12, 3, np.random.default_rng(2), edges=False)),
                    int(Q.Q8_0), 96).to_rows8()
@@ -144,7 +145,7 @@ def test_a_module_keeps_its_weight_through_the_layout() -> None:
 
 def test_wrong_layouts_are_refused_with_the_reason() -> None:
     x = torch.zeros(1, 64)
-    with pytest.raises(RuntimeError, match=r"the rows8 layout holds Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q5_K weights of a "
+    with pytest.raises(RuntimeError, match=r"the rows8 layout holds Q4_0, Q4_1, Q5_0, Q5_1 or K-quant weights of a "
                                            r"multiple of 8 contiguous rows, got type 8 with 8 rows"):
         ops.gguf_linear_int8(x, torch.zeros(8, 68, dtype=torch.uint8), int(Q.Q8_0) + ROWS8, 64, None)
     with pytest.raises(RuntimeError, match=r"got type 3 with 12 rows"):

@@ -31,7 +31,8 @@ from tiny import hf_model
 from pagedrl import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.kernels import ops
-from pagedrl.model.gguf_modules import ROWS8, GGUFLinear, unpack_rows8
+from pagedrl.model.gguf_modules import GGUFLinear
+from pagedrl.model.gguf_rows8 import ROWS8, unpack_rows8
 from pagedrl.model.loader import load_model
 
 TYPES = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q5_1, "ffn_gate": Q.Q5_0,
