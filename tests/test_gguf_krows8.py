@@ -1,8 +1,8 @@
-"""The `rows8` layout of K-quant weights (Q4_K, Q5_K, Q6_K) on 8-bit activations
+"""The `rows8` layout of Q4_K / Q5_K weights on 8-bit activations
 (`kernels/csrc/gguf_int8_krows8.h`, `model/gguf_rows8.pack_rows8`): each byte (each 6-bit scale and
 minimum) moved to the place the layout states and back; its products against the hand sums of
 `test_gguf_int8_kquants` and, bit for bit, against the file layout's lane groups at every row count; the
-largest sums; the refusals."""
+largest sums (the refusals: `test_gguf_rows8`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from pagedrl.kernels import ops
 from pagedrl.model import gguf_dequant
-from pagedrl.model.gguf_modules import GGUFLinear
 from pagedrl.model.gguf_rows8 import ROWS8, pack_rows8, unpack_rows8
 from tests.test_gguf_int8 import assert_the_hand_sum
 from tests.test_gguf_int8_kquants import activation_rows, by_hand
@@ -24,7 +23,7 @@ from tests.test_gguf_linear import random_blocks
 
 pytestmark = pytest.mark.isa  # the group steps follow the CPU class (AVX2 and wider; none: the lane groups)
 
-TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+TYPES = (Q.Q4_K, Q.Q5_K)
 # From how many rows the file layout's products run in lane groups on every CPU class
 # (`gguf_int8_kgroups.h`'s kMinGroupRows): the bits the layout's products give at every row count.
 LANE_GROUP_ROWS = 32
@@ -49,18 +48,6 @@ def test_packing_moves_each_field_to_its_stated_place_and_back(qtype, groups, bl
     size = gguf.GGML_QUANT_SIZES[qtype][1]
     block = raw[8 * g + r, b * size:(b + 1) * size]
     step = packed[8 * g:8 * g + 8].reshape(-1)[b * 8 * size:(b + 1) * 8 * size]  # block b of the group's 8 rows
-    if qtype == Q.Q6_K:
-        assert torch.equal(step[2 * r:2 * r + 2], block[208:210])
-        for group in range(16):  # the int8 scales in pairs of 16-value groups
-            assert step[16 + 16 * (group // 2) + 2 * r + group % 2] == block[192 + group]
-        for h in range(2):  # ql's and qh's 4-byte chunks, chunk-major
-            for c in range(8):
-                for half in range(2):
-                    at = 144 + ((2 * h + half) * 8 + c) * 32 + 4 * r
-                    assert torch.equal(step[at:at + 4], block[64 * h + 32 * half + 4 * c:][:4])
-                at = 1168 + (8 * h + c) * 32 + 4 * r
-                assert torch.equal(step[at:at + 4], block[128 + 32 * h + 4 * c:][:4])
-        return
     assert torch.equal(step[2 * r:2 * r + 2], block[0:2]) and torch.equal(step[16 + 2 * r:18 + 2 * r], block[2:4])
     sc, mn = (t[0] for t in gguf_dequant.scale_min(block[None, 4:16]))
     for j in range(8):  # low 4 bits of scale and minimum in one byte; their high 2 bits in a nibble
@@ -99,19 +86,13 @@ def test_products_are_the_hand_sums_and_the_lane_groups_bits(qtype, rows, groups
 
 
 def test_the_largest_sums_stay_exact() -> None:
-    """Every value at its top (15, Q5_K 31 with every fifth bit, Q6_K 63), scales and minimums 63 (Q6_K
-    scales -128 and 127), activations ±127: the 16-bit pair sums at their bound (Q4_K 8 chunks of
-    2 * 15 * 127, Q5_K 4 of 2 * 31 * 127, Q6_K 2 of 2 * 63 * 127)."""
+    """Every value at its top (15, Q5_K 31 with every fifth bit), scales and minimums 63, activations ±127:
+    the 16-bit pair sums at their bound (Q4_K 8 chunks of 2 * 15 * 127, Q5_K 4 of 2 * 31 * 127)."""
     for qtype in TYPES:
         size = gguf.GGML_QUANT_SIZES[qtype][1]
         raw = np.full((8, 2, size), 0xFF, np.uint8)
-        if qtype == Q.Q6_K:
-            raw[:4, :, 192:208], raw[4:, :, 192:208] = 0x80, 0x7F  # scales -128 and 127
-            raw[6:, :, :192] = 0  # every value 0: -32 times the scale
-            raw[:, :, 208:210] = np.array([0.01], np.float16).view(np.uint8)
-        else:
-            raw[:, :, 0:4] = np.array([0.01, 0.02], np.float16).view(np.uint8)
-            raw[4:, :, 4:16] = 0  # rows 4-7: scales and minimums 0
+        raw[:, :, 0:4] = np.array([0.01, 0.02], np.float16).view(np.uint8)
+        raw[4:, :, 4:16] = 0  # rows 4-7: scales and minimums 0
         raw = raw.reshape(8, -1)
         x = np.tile(np.float32([-1, 1]), (3, 256))
         x[1], x[2] = -1, 1
@@ -121,25 +102,3 @@ def test_the_largest_sums_stay_exact() -> None:
         padded = np.tile(x, (11, 1))[:LANE_GROUP_ROWS]
         lanes = ops.gguf_linear_int8(torch.from_numpy(padded), torch.from_numpy(raw), int(qtype), 512, None)
         assert torch.equal(got, lanes[:3])
-
-
-def test_a_module_keeps_its_weight_through_the_layout() -> None:
-    raw = raw_blocks(Q.Q5_K, 16, 2, np.random.default_rng(1))
-    module = GGUFLinear(raw.clone(), int(Q.Q5_K), 512)
-    before = module.dequantized()
-    module.to_rows8()
-    assert module.rows8 and module.kernel_type == int(Q.Q5_K) + ROWS8 and "layout=rows8" in repr(module)
-    assert not torch.equal(module.qweight, raw) and torch.equal(module.blocks, raw)
-    assert torch.equal(module.dequantized(), before)
-    with pytest.raises(ValueError, match=r"the rows8 layout holds Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K "
-                                         r"weights of a multiple of 8 rows, not Q6_K \[12, 256\]"):
-        GGUFLinear(raw_blocks(Q.Q6_K, 12, 1, np.random.default_rng(2)), int(Q.Q6_K), 256).to_rows8()
-
-
-def test_wrong_layouts_are_refused_with_the_reason() -> None:
-    x = torch.zeros(1, 256)
-    with pytest.raises(RuntimeError, match=r"the rows8 layout holds Q4_0, Q4_1, Q5_0, Q5_1 or K-quant weights of a "
-                                           r"multiple of 8 contiguous rows, got Q6_K with 12 rows"):
-        ops.gguf_linear_int8(x, torch.zeros(12, 210, dtype=torch.uint8), int(Q.Q6_K) + ROWS8, 256, None)
-    with pytest.raises(RuntimeError, match=r"got Q4_K with 12 rows"):
-        ops.gguf_linear_int8(x, torch.zeros(12, 144, dtype=torch.uint8), int(Q.Q4_K) + ROWS8, 256, None)

@@ -6,6 +6,7 @@ bits where it goes through them (rows in lane groups), each row its own one-row 
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -129,15 +130,17 @@ def test_several_weights_in_one_call_mix_the_layouts() -> None:
         assert torch.equal(got, ops.gguf_linear_int8(x, w, t, 96, None))
 
 
-def test_a_module_keeps_its_weight_through_the_layout() -> None:
-    raw = torch.from_numpy(random_blocks(Q.Q4_1, 16, 2, np.random.default_rng(1), edges=False))
-    module = GGUFLinear(raw.clone(), int(Q.Q4_1), 64)
+@pytest.mark.parametrize(("qtype", "k"), [(Q.Q4_1, 64), (Q.Q5_K, 512)])
+def test_a_module_keeps_its_weight_through_the_layout(qtype, k) -> None:
+    values = gguf.GGML_QUANT_SIZES[qtype][0]
+    raw = torch.from_numpy(random_blocks(qtype, 16, k // values, np.random.default_rng(1), edges=False).reshape(16, -1))
+    module = GGUFLinear(raw.clone(), int(qtype), k)
     before = module.dequantized()
     module.to_rows8()
-    assert module.rows8 and module.kernel_type == int(Q.Q4_1) + ROWS8 and "layout=rows8" in repr(module)
+    assert module.rows8 and module.kernel_type == int(qtype) + ROWS8 and "layout=rows8" in repr(module)
     assert not torch.equal(module.qweight, raw) and torch.equal(module.blocks, raw)
     assert torch.equal(module.dequantized(), before)
-    with pytest.raises(ValueError, match=r"the rows8 layout holds Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K weights of a "
+    with pytest.raises(ValueError, match=r"the rows8 layout holds Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K weights of a "
                                          r"multiple of 8 rows, not Q8_0 \[12, 96\]"):
         GGUFLinear(torch.from_numpy(random_blocks(Q.Q8_0, 12, 3, np.random.default_rng(2), edges=False)),
                    int(Q.Q8_0), 96).to_rows8()
@@ -145,11 +148,14 @@ def test_a_module_keeps_its_weight_through_the_layout() -> None:
 
 def test_wrong_layouts_are_refused_with_the_reason() -> None:
     x = torch.zeros(1, 64)
-    with pytest.raises(RuntimeError, match=r"the rows8 layout holds Q4_0, Q4_1, Q5_0, Q5_1 or K-quant weights of a "
+    with pytest.raises(RuntimeError, match=r"the rows8 layout holds Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q5_K weights of a "
                                            r"multiple of 8 contiguous rows, got type 8 with 8 rows"):
         ops.gguf_linear_int8(x, torch.zeros(8, 68, dtype=torch.uint8), int(Q.Q8_0) + ROWS8, 64, None)
     with pytest.raises(RuntimeError, match=r"got type 3 with 12 rows"):
         ops.gguf_linear_int8(x, torch.zeros(12, 40, dtype=torch.uint8), int(Q.Q4_1) + ROWS8, 64, None)
+    with pytest.raises(RuntimeError, match=r"the rows8 layout holds .* weights of a multiple of 8 contiguous rows, "
+                                           r"got Q6_K with 8 rows"):  # the K-quants' own check
+        ops.gguf_linear_int8(torch.zeros(1, 256), torch.zeros(8, 210, dtype=torch.uint8), int(Q.Q6_K) + ROWS8, 256, None)
 
 
 def test_a_table_an_embedding_reads_keeps_the_file_layout() -> None:

@@ -1,6 +1,6 @@
 """The `rows8` layout: a quantized weight's blocks of 8 rows interleaved, what a few rows' 8-bit products
-read fastest (`kernels/csrc/gguf_int8_rows8.h` for Q4_0 / Q4_1 / Q5_0 / Q5_1, `gguf_int8_krows8.h` for the
-K-quants, which state the layouts). The same bytes moved (the K-quants' 6-bit scales regrouped); a kernel
+read fastest (`kernels/csrc/gguf_int8_rows8.h` for Q4_0 / Q4_1 / Q5_0 / Q5_1, `gguf_int8_krows8.h` for Q4_K /
+Q5_K, which state the layouts). The same bytes moved (the K-quants' 6-bit scales regrouped); a kernel
 is told by ROWS8 added to the GGML type id."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from pagedrl.model import gguf_dequant
 
 ROWS8 = 256
-ROWS8_TYPES = (2, 3, 6, 7, 12, 13, 14)
-_K_ROWS8 = (12, 13, 14)
+ROWS8_TYPES = (2, 3, 6, 7, 12, 13)
+_K_ROWS8 = (12, 13)
 
 
 def _rows8_fields(ggml_type: int) -> list[int]:
@@ -20,33 +20,11 @@ def _rows8_fields(ggml_type: int) -> list[int]:
     return ([2, 2] if ggml_type in (3, 7) else [2]) + ([4] if ggml_type in (6, 7) else [])
 
 
-def _pack_q6_k_rows8(b: torch.Tensor) -> torch.Tensor:
-    """Q6_K blocks [groups, nb, 8 rows, 210] -> [groups, nb, 1680]: the halves, the scales in pairs of
-    groups, then ql's and qh's 4-byte chunks, chunk-major."""
-    groups, nb = b.shape[:2]
-    scales = b[..., 192:208].reshape(groups, nb, 8, 8, 2).transpose(2, 3)  # [.., k, row, e]
-    low = b[..., 0:128].reshape(groups, nb, 8, 2, 2, 8, 4).permute(0, 1, 3, 4, 5, 2, 6)  # [.., H, half, c, row, 4]
-    high = b[..., 128:192].reshape(groups, nb, 8, 2, 8, 4).permute(0, 1, 3, 4, 2, 5)  # [.., H, c, row, 4]
-    return torch.cat([part.reshape(groups, nb, -1) for part in (b[..., 208:210], scales, low, high)], dim=-1)
-
-
-def _unpack_q6_k_rows8(p: torch.Tensor) -> torch.Tensor:
-    """`_pack_q6_k_rows8`'s inverse: [groups, nb, 1680] -> [groups, 8 rows, nb, 210]."""
-    groups, nb, _ = p.shape
-    low = p[..., 144:1168].reshape(groups, nb, 2, 2, 8, 8, 4).permute(0, 1, 5, 2, 3, 4, 6).reshape(groups, nb, 8, 128)
-    high = p[..., 1168:].reshape(groups, nb, 2, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).reshape(groups, nb, 8, 64)
-    scales = p[..., 16:144].reshape(groups, nb, 8, 8, 2).transpose(2, 3).reshape(groups, nb, 8, 16)
-    d = p[..., 0:16].reshape(groups, nb, 8, 2)
-    return torch.cat([low, high, scales, d], dim=-1).permute(0, 2, 1, 3)
-
-
 def _pack_k_rows8(b: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """Q4_K / Q5_K / Q6_K blocks [groups, 8 rows, nb, size] -> per group and block the layout's 8 * size
-    bytes [groups, nb, 8 * size] (`csrc/gguf_int8_krows8.h` states it)."""
+    """Q4_K / Q5_K blocks [groups, 8 rows, nb, size] -> per group and block the layout's 8 * size bytes
+    [groups, nb, 8 * size] (`csrc/gguf_int8_krows8.h` states it)."""
     groups, _, nb, size = b.shape
     b = b.permute(0, 2, 1, 3)  # [groups, nb, row, size]
-    if ggml_type == 14:
-        return _pack_q6_k_rows8(b)
     flat = b.reshape(-1, size)
     sc, mn = (t.reshape(groups, nb, 8, 8) for t in gguf_dequant.scale_min(flat[:, 4:16]))  # [.., row, j]
     low = ((sc & 15) | ((mn & 15) << 4)).transpose(-1, -2)  # [.., j, row]
@@ -62,8 +40,6 @@ def _pack_k_rows8(b: torch.Tensor, ggml_type: int) -> torch.Tensor:
 
 def _unpack_k_rows8(p: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """`_pack_k_rows8`'s inverse: [groups, nb, 8 * size] -> [groups, 8 rows, nb, size]."""
-    if ggml_type == 14:
-        return _unpack_q6_k_rows8(p)
     groups, nb, _ = p.shape
     low = p[..., 32:96].reshape(groups, nb, 8, 8).transpose(-1, -2)  # [.., row, j]
     high = p[..., 96:128].reshape(groups, nb, 4, 8).transpose(-1, -2)  # [.., row, j % 4]
@@ -80,7 +56,7 @@ def _unpack_k_rows8(p: torch.Tensor, ggml_type: int) -> torch.Tensor:
 
 
 def pack_rows8(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """A Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K weight's blocks [N, row_bytes] (N a multiple of 8) in the
+    """A Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K weight's blocks [N, row_bytes] (N a multiple of 8) in the
     `rows8` layout, the same bytes moved (K-quants' 6-bit scales regrouped): per 8 rows and block, each field
     of the 8 rows side by side (scales, minimums, fifth bits), then the nibbles in 4-byte chunks, chunk-major."""
     size = gguf_dequant.FORMATS[ggml_type].nbytes

@@ -344,7 +344,7 @@ at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t N) {
   return bias->contiguous();
 }
 
-// A K-quant weight's product (`gguf_int8_kquants.h`; `rows8`: in that layout, `gguf_int8_krows8.h`).
+// A K-quant weight's product (`gguf_int8_kquants.h`; `rows8`: Q4_K / Q5_K in that layout, `gguf_int8_krows8.h`).
 at::Tensor k_product(Activations& a, const at::Tensor& blocks, int64_t type, int64_t K,
                      const c10::optional<at::Tensor>& bias, const uint8_t* next, bool rows8) {
   const char* name = type == 12 ? "Q4_K" : type == 13 ? "Q5_K" : "Q6_K";
@@ -353,7 +353,7 @@ at::Tensor k_product(Activations& a, const at::Tensor& blocks, int64_t type, int
   check(a.x, blocks, K, gguf_int8_k::block_bytes(type), gguf_int8_k::kValues);
   TORCH_CHECK(!rows8 || (gguf_int8_krows8::has_layout(type) && blocks.size(0) % kRows8 == 0 &&
                          blocks.stride(0) == blocks.size(1)),
-              "gguf_linear_int8: the rows8 layout holds Q4_0, Q4_1, Q5_0, Q5_1 or K-quant weights of a multiple of 8 "
+              "gguf_linear_int8: the rows8 layout holds Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q5_K weights of a multiple of 8 "
               "contiguous rows, got ", name, " with ", blocks.size(0), " rows");
   const int64_t M = a.x.size(0), N = blocks.size(0);
   const at::Tensor b = checked_bias(bias, N);
@@ -379,7 +379,7 @@ at::Tensor product(Activations& a, const at::Tensor& blocks, int64_t type, int64
     check(a.x, blocks, K, T::kBytes);
     TORCH_CHECK(!rows8 || (T::Strip::kRows8 && blocks.size(0) % kRows8 == 0 &&
                            blocks.stride(0) == blocks.size(1)),
-                "gguf_linear_int8: the rows8 layout holds Q4_0, Q4_1, Q5_0, Q5_1 or K-quant weights of a multiple of 8 "
+                "gguf_linear_int8: the rows8 layout holds Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q5_K weights of a multiple of 8 "
                 "contiguous rows, got type ", type, " with ", blocks.size(0), " rows");
     const int64_t M = a.x.size(0), N = blocks.size(0);
     const at::Tensor b = checked_bias(bias, N);

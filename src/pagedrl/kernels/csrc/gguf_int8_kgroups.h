@@ -205,8 +205,8 @@ void strip(const SuperGroups& groups, const gguf_int8_k::SuperRows& a, const uin
 }
 
 // Every input row against weight rows [0, N) of K-quant `Type`: y [M, N]. `rows8`: the weight in the
-// `rows8` layout (`gguf_int8_krows8.h`: Q6_K's many rows, any without AVX2), each group of 8 rows unpacked
-// to the file's layout first.
+// `rows8` layout (`gguf_int8_krows8.h`; a build without AVX2), each group of 8 rows unpacked to the file's
+// layout first.
 template <int Type>
 void group_products(const gguf_int8_k::SuperRows& a, const uint8_t* w, int64_t ldw, int64_t N, const float* bias,
                     float* y, bool rows8) {
@@ -239,21 +239,18 @@ void group_products(const gguf_int8_k::SuperRows& a, const uint8_t* w, int64_t l
 // against ~38 row by row.
 constexpr int64_t kMinGroupRows = kLanes == 16 ? 16 : 32;
 
-// The product of a K-quant weight (`type` 12, 13 or 14; `rows8`: in that layout) by the path its row count
-// takes. A Q4_K / Q5_K weight in the `rows8` layout takes the group steps at every row count: the lane
+// The product of a K-quant weight (`type` 12, 13 or 14; `rows8`: Q4_K / Q5_K in that layout) by the path
+// its row count takes. A weight in the `rows8` layout takes the group steps at every row count: the lane
 // groups' bits, and as fast as they are from 16 rows on (one thread, 30 576 x 1536 Q4_K weights, ms, group
 // steps / lane groups: AVX512-VNNI 5.1 / 6.5 at 16 rows, 19 / 20-26 at 64, 37 / 38 at 128, 74 / 72 at 256;
-// AVX2 6.0 / 8.5 at 16, 45 / 58 at 128, 89 / 115 at 256). Q6_K's group steps, 4 sums a row and chunk,
-// fall behind from 16 rows (AVX512-VNNI 24.8 / 20.5 at 64, 47.9 / 36.6 at 128): there its groups are
-// unpacked for the lane groups, the same bits. `ahead(p)`: where a group step at p asks for bytes.
+// AVX2 6.0 / 8.5 at 16, 45 / 58 at 128, 89 / 115 at 256). `ahead(p)`: where a group step at p asks for bytes.
 template <class Ahead>
 inline void products(const gguf_int8_k::SuperRows& a, int64_t type, const uint8_t* w, int64_t ldw, int64_t N,
                      const float* bias, float* y, bool rows8, const Ahead& ahead) {
 #if defined(PAGEDRL_INT8_KROWS8)
-  if (rows8 && (type != 14 || a.M < kMinGroupRows)) {
+  if (rows8) {
     if (type == 12) gguf_int8_krows8::products<12>(a, w, ldw, N, bias, y, ahead);
-    else if (type == 13) gguf_int8_krows8::products<13>(a, w, ldw, N, bias, y, ahead);
-    else gguf_int8_krows8::products<14>(a, w, ldw, N, bias, y, ahead);
+    else gguf_int8_krows8::products<13>(a, w, ldw, N, bias, y, ahead);
     return;
   }
 #else

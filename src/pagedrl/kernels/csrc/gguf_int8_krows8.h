@@ -1,4 +1,4 @@
-// Q4_K / Q5_K / Q6_K weights interleaved eight rows to a group (their `rows8` layout), multiplied on 8-bit
+// Q4_K / Q5_K weights interleaved eight rows to a group (their `rows8` layout), multiplied on 8-bit
 // activations (llama.cpp's Q8_K blocks, `gguf_int8_kquants.h`) up to 4 input rows a step: every product of a
 // weight in this layout where AVX2 is built (`gguf_int8_kgroups.h`'s `products`).
 //
@@ -18,18 +18,12 @@
 //   Q5_K: [128, 384) for chunk c = 0..7 and row r the row's fifth-bit bytes 4c .. 4c + 3
 //   then the nibbles: for pair p = 0..3, chunk c = 0..7 and row r the row's bytes 32p + 4c .. 32p + 4c + 3
 //   (low nibbles: values 64p + 4c .., sub-block 2p; high: values 64p + 32 + 4c .., sub-block 2p + 1).
-// Q6_K (value 128H + 32s + i: nibble s / 2 of ql[64H + 32(s % 2) + i], bits 2s of qh[32H + i]):
-//   [0, 16)      the 8 rows' d (halves)
-//   [16, 144)    byte 16k + 2r + e: row r's int8 scale of 16-value group 2k + e
-//   [144, 1168)  for H, half = 0..1, chunk c = 0..7 and row r: the row's ql bytes 64H + 32half + 4c .. + 3
-//   [1168, 1680) for H, chunk c and row r: the row's qh bytes 32H + 4c .. + 3
 // `unpack_group` gives the rows back in the file's layout (the lane groups and the portable build read that).
 //
 // The numbers: each row's block sums are exact integers, scaled and summed in float32 as the lane groups
 // sum them (per block (dw * dx) * si and (dm * dx) * so in fused multiply-adds, the row the first less the
-// second; Q6_K (dw * dx) * (si - so)): a row's result is the same bits here, in the lane groups, whatever
-// rows share the call. `vpmaddubsw` pairs summed in 16 bits: Q4_K 8 chunks (<= 8 * 2 * 15 * 127), Q5_K 4
-// (<= 4 * 2 * 31 * 127), Q6_K 2 (<= 2 * 2 * 63 * 127).
+// second): a row's result is the same bits here, in the lane groups, whatever rows share the call.
+// `vpmaddubsw` pairs summed in 16 bits: Q4_K 8 chunks (<= 8 * 2 * 15 * 127), Q5_K 4 (<= 4 * 2 * 31 * 127).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -51,10 +45,9 @@ using gguf_int8_k::kGroups;
 using gguf_int8_k::kValues;
 
 constexpr int kRows = 8;
-constexpr int kLowAt = 32, kHighAt = 96, kFifthAt = 128;     // Q4_K / Q5_K
-constexpr int kScalesAt = 16, kLowBitsAt = 144, kHighBitsAt = 1168;  // Q6_K
+constexpr int kLowAt = 32, kHighAt = 96, kFifthAt = 128;
 
-inline bool has_layout(int64_t type) { return type == 12 || type == 13 || type == 14; }
+inline bool has_layout(int64_t type) { return type == 12 || type == 13; }
 
 template <int Type>
 constexpr int nibbles_at() {
@@ -69,17 +62,6 @@ inline void unpack_group(const uint8_t* group, int64_t blocks, uint8_t* out, int
     const uint8_t* g = group + b * kRows * bytes;
     for (int r = 0; r < kRows; ++r) {
       uint8_t* block = out + r * ldw + b * bytes;
-      if constexpr (Type == 14) {
-        std::memcpy(block + 208, g + 2 * r, 2);
-        for (int k = 0; k < 8; ++k) std::memcpy(block + 192 + 2 * k, g + kScalesAt + 16 * k + 2 * r, 2);
-        for (int H = 0; H < 2; ++H)
-          for (int c = 0; c < 8; ++c) {
-            for (int half = 0; half < 2; ++half)
-              std::memcpy(block + 64 * H + 32 * half + 4 * c, g + kLowBitsAt + ((2 * H + half) * 8 + c) * 32 + 4 * r, 4);
-            std::memcpy(block + 128 + 32 * H + 4 * c, g + kHighBitsAt + (8 * H + c) * 32 + 4 * r, 4);
-          }
-        continue;
-      }
       std::memcpy(block, g + 2 * r, 2);
       std::memcpy(block + 2, g + 16 + 2 * r, 2);
       uint8_t sc[8], mn[8];
@@ -131,100 +113,13 @@ inline __m256i fifth(__m256i high, int bit) {
   return _mm256_and_si256(at4, _mm256_set1_epi8(16));
 }
 
-// Q4_K / Q5_K: one block step's exact integer sums, per input row i and weight row r (lane r): si[i] the
-// scales times the values' products, so[i] the minimums times the activation's sums.
-template <int Type, int MB>
-inline void block_sums(const uint8_t* g, const int8_t* const* q, const int16_t* const* sums, __m256i* si, __m256i* so) {
-  const __m256i low4 = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30);
-  const __m256i L0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + kLowAt));
-  const __m256i L1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + kLowAt + 32));
-  const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + kHighAt));
-  __m256i scale[8], minimum[8];
-  duplicated(_mm256_or_si256(_mm256_and_si256(L0, low4), _mm256_and_si256(_mm256_slli_epi16(H, 4), top2)), scale);
-  duplicated(_mm256_or_si256(_mm256_and_si256(L1, low4), _mm256_and_si256(H, top2)), scale + 4);
-  duplicated(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), low4),
-                             _mm256_and_si256(_mm256_slli_epi16(H, 2), top2)), minimum);
-  duplicated(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), low4),
-                             _mm256_and_si256(_mm256_srli_epi16(H, 2), top2)), minimum + 4);
-  for (int i = 0; i < MB; ++i) {  // sub-block j: its two 16-value sums, one 32-bit word
-    si[i] = _mm256_setzero_si256();
-    so[i] = _mm256_madd_epi16(minimum[0], broadcast4(sums[i]));
-    for (int j = 1; j < 8; ++j) so[i] = _mm256_add_epi32(so[i], _mm256_madd_epi16(minimum[j], broadcast4(sums[i] + 2 * j)));
-  }
-  const uint8_t* nibbles = g + nibbles_at<Type>();
-  for (int p = 0; p < 4; ++p) {
-    __m256i lo_pairs[MB], hi_pairs[MB];
-    for (int i = 0; i < MB; ++i) lo_pairs[i] = hi_pairs[i] = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 256 * p + 32 * c));
-      __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      if constexpr (Type == 13) {
-        const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + kFifthAt + 32 * c));
-        lo = _mm256_or_si256(lo, fifth(high, 2 * p));
-        hi = _mm256_or_si256(hi, fifth(high, 2 * p + 1));
-      }
-      for (int i = 0; i < MB; ++i) {
-        lo_pairs[i] = _mm256_add_epi16(lo_pairs[i], _mm256_maddubs_epi16(lo, broadcast4(q[i] + 64 * p + 4 * c)));
-        hi_pairs[i] = _mm256_add_epi16(hi_pairs[i], _mm256_maddubs_epi16(hi, broadcast4(q[i] + 64 * p + 32 + 4 * c)));
-      }
-      if (c == 7 || (Type == 13 && c == 3)) {  // widened: Q4_K after 8 chunks, Q5_K after 4
-        for (int i = 0; i < MB; ++i) {
-          si[i] = _mm256_add_epi32(si[i], _mm256_add_epi32(_mm256_madd_epi16(lo_pairs[i], scale[2 * p]),
-                                                           _mm256_madd_epi16(hi_pairs[i], scale[2 * p + 1])));
-          lo_pairs[i] = hi_pairs[i] = _mm256_setzero_si256();
-        }
-      }
-    }
-  }
-}
-
-// Q6_K: one block step's si[i] - so[i] (so: 32 times the scales times the activation's 16-value sums).
-template <int MB>
-inline void q6_block_sums(const uint8_t* g, const int8_t* const* q, const int16_t* const* sums, __m256i* sums_out) {
-  const __m256i low4 = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30);
-  const __m128i even = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
-  const __m128i odd = _mm_add_epi8(even, _mm_set1_epi8(1));
-  __m256i scale[16], si[MB], so[MB];
-  for (int i = 0; i < MB; ++i) si[i] = so[i] = _mm256_setzero_si256();
-  for (int k = 0; k < 8; ++k) {  // groups 2k, 2k + 1: lane r (scale 2k, scale 2k + 1) against their sums
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + kScalesAt + 16 * k));
-    scale[2 * k] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(bytes, even));
-    scale[2 * k + 1] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(bytes, odd));
-    const __m256i pair = _mm256_cvtepi8_epi16(bytes);
-    for (int i = 0; i < MB; ++i) so[i] = _mm256_add_epi32(so[i], _mm256_madd_epi16(pair, broadcast4(sums[i] + 2 * k)));
-  }
-  for (int H = 0; H < 2; ++H) {
-    __m256i pairs[MB][4];
-    for (int c = 0; c < 8; ++c) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + kHighBitsAt + (8 * H + c) * 32));
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + kLowBitsAt + (16 * H + c) * 32));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + kLowBitsAt + (16 * H + 8 + c) * 32));
-      const __m256i u[4] = {  // values 128H + 32s + 4c ..: group 8H + 2s + c / 4
-          _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), top2)),
-          _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), top2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(h, top2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                          _mm256_and_si256(_mm256_srli_epi16(h, 2), top2))};
-      for (int i = 0; i < MB; ++i)
-        for (int s = 0; s < 4; ++s) {
-          const __m256i p = _mm256_maddubs_epi16(u[s], broadcast4(q[i] + 128 * H + 32 * s + 4 * c));
-          pairs[i][s] = c % 2 == 0 ? p : _mm256_add_epi16(pairs[i][s], p);
-        }
-      if (c % 2 == 1)  // widened every 2 chunks
-        for (int i = 0; i < MB; ++i)
-          for (int s = 0; s < 4; ++s)
-            si[i] = _mm256_add_epi32(si[i], _mm256_madd_epi16(pairs[i][s], scale[8 * H + 2 * s + c / 4]));
-    }
-  }
-  for (int i = 0; i < MB; ++i) sums_out[i] = _mm256_sub_epi32(si[i], _mm256_slli_epi32(so[i], 5));
-}
-
 // Input rows m0 .. m0 + MB against one group: out[i][r] = row (m0 + i) . weight row (8g + r), without bias.
 // `ahead`: where to ask for bytes a block step (nullptr: none).
 template <int Type, int MB>
 inline void group_product(const gguf_int8_k::SuperRows& a, int64_t m0, const uint8_t* group, const uint8_t* ahead,
                           float out[][kRows]) {
   constexpr int64_t step_bytes = kRows * block_bytes(Type);
+  const __m256i low4 = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30);
   __m256 acc[MB], offsets[MB];  // lane r: row r's sums over the blocks so far
   for (int i = 0; i < MB; ++i) acc[i] = offsets[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
@@ -232,27 +127,57 @@ inline void group_product(const gguf_int8_k::SuperRows& a, int64_t m0, const uin
     if (ahead)
       for (int64_t line = 0; line < step_bytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + b * step_bytes + line), _MM_HINT_T0);
+    const __m256i L0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + kLowAt));
+    const __m256i L1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + kLowAt + 32));
+    const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + kHighAt));
+    __m256i scale[8], minimum[8];
+    duplicated(_mm256_or_si256(_mm256_and_si256(L0, low4), _mm256_and_si256(_mm256_slli_epi16(H, 4), top2)), scale);
+    duplicated(_mm256_or_si256(_mm256_and_si256(L1, low4), _mm256_and_si256(H, top2)), scale + 4);
+    duplicated(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), low4),
+                               _mm256_and_si256(_mm256_slli_epi16(H, 2), top2)), minimum);
+    duplicated(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), low4),
+                               _mm256_and_si256(_mm256_srli_epi16(H, 2), top2)), minimum + 4);
     const int8_t* q[MB];
-    const int16_t* sums[MB];
+    __m256i si[MB], so[MB];
     for (int i = 0; i < MB; ++i) {
       const int64_t at = (m0 + i) * a.blocks + b;
       q[i] = a.q.get() + at * kValues;
-      sums[i] = a.sums.get() + at * kGroups;
+      const int16_t* sums = a.sums.get() + at * kGroups;  // sub-block j: its two 16-value sums, one 32-bit word
+      si[i] = _mm256_setzero_si256();
+      so[i] = _mm256_madd_epi16(minimum[0], broadcast4(sums));
+      for (int j = 1; j < 8; ++j) so[i] = _mm256_add_epi32(so[i], _mm256_madd_epi16(minimum[j], broadcast4(sums + 2 * j)));
+    }
+    const uint8_t* nibbles = g + nibbles_at<Type>();
+    for (int p = 0; p < 4; ++p) {
+      __m256i lo_pairs[MB], hi_pairs[MB];
+      for (int i = 0; i < MB; ++i) lo_pairs[i] = hi_pairs[i] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 256 * p + 32 * c));
+        __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if constexpr (Type == 13) {
+          const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + kFifthAt + 32 * c));
+          lo = _mm256_or_si256(lo, fifth(high, 2 * p));
+          hi = _mm256_or_si256(hi, fifth(high, 2 * p + 1));
+        }
+        for (int i = 0; i < MB; ++i) {
+          lo_pairs[i] = _mm256_add_epi16(lo_pairs[i], _mm256_maddubs_epi16(lo, broadcast4(q[i] + 64 * p + 4 * c)));
+          hi_pairs[i] = _mm256_add_epi16(hi_pairs[i], _mm256_maddubs_epi16(hi, broadcast4(q[i] + 64 * p + 32 + 4 * c)));
+        }
+        if (c == 7 || (Type == 13 && c == 3)) {  // widened: Q4_K after 8 chunks, Q5_K after 4
+          for (int i = 0; i < MB; ++i) {
+            si[i] = _mm256_add_epi32(si[i], _mm256_add_epi32(_mm256_madd_epi16(lo_pairs[i], scale[2 * p]),
+                                                             _mm256_madd_epi16(hi_pairs[i], scale[2 * p + 1])));
+            lo_pairs[i] = hi_pairs[i] = _mm256_setzero_si256();
+          }
+        }
+      }
     }
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
-    __m256i si[MB], so[MB];
-    if constexpr (Type == 14) {
-      q6_block_sums<MB>(g, q, sums, si);
-    } else {
-      block_sums<Type, MB>(g, q, sums, si, so);
-    }
+    const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16)));
     for (int i = 0; i < MB; ++i) {
       const __m256 dx = _mm256_set1_ps(a.d[(m0 + i) * a.blocks + b]);
       acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(si[i]), acc[i]);
-      if constexpr (Type != 14) {
-        const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16)));
-        offsets[i] = _mm256_fmadd_ps(_mm256_mul_ps(dm, dx), _mm256_cvtepi32_ps(so[i]), offsets[i]);
-      }
+      offsets[i] = _mm256_fmadd_ps(_mm256_mul_ps(dm, dx), _mm256_cvtepi32_ps(so[i]), offsets[i]);
     }
   }
   for (int i = 0; i < MB; ++i) _mm256_storeu_ps(out[i], _mm256_sub_ps(acc[i], offsets[i]));
