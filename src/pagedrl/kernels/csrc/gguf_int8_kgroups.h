@@ -241,9 +241,9 @@ constexpr int64_t kMinGroupRows = kLanes == 16 ? 16 : 32;
 
 // The product of a K-quant weight (`type` 12, 13 or 14; `rows8`: Q4_K / Q5_K in that layout) by the path
 // its row count takes. A weight in the `rows8` layout takes the group steps at every row count: the lane
-// groups' bits, and as fast as they are from 16 rows on (one thread, 30 576 x 1536 Q4_K weights, ms, group
-// steps / lane groups: AVX512-VNNI 5.1 / 6.5 at 16 rows, 19 / 20-26 at 64, 37 / 38 at 128, 74 / 72 at 256;
-// AVX2 6.0 / 8.5 at 16, 45 / 58 at 128, 89 / 115 at 256). `ahead(p)`: where a group step at p asks for bytes.
+// groups' bits, and faster than they are at every row count (one thread, 30 576 x 1536 Q4_K weights, ms,
+// group steps / lane groups: AVX512-VNNI 4.0 / 6.4 at 16 rows, 15.2 / 25.1 at 64, 29.5 / 37.1 at 128, 58 /
+// 95 at 256; AVX2 6.0 / 8.5 at 16, 45 / 58 at 128, 89 / 115 at 256). `ahead(p)`: where a group step at p asks for bytes.
 template <class Ahead>
 inline void products(const gguf_int8_k::SuperRows& a, int64_t type, const uint8_t* w, int64_t ldw, int64_t N,
                      const float* bias, float* y, bool rows8, const Ahead& ahead) {

@@ -20,6 +20,10 @@
 //   (low nibbles: values 64p + 4c .., sub-block 2p; high: values 64p + 32 + 4c .., sub-block 2p + 1).
 // `unpack_group` gives the rows back in the file's layout (the lane groups and the portable build read that).
 //
+// The integer sums: with AVX512-VNNI (or AVX-VNNI) `vpdpbusd` makes each sub-block's sum whole in 32 bits
+// (at most 32 * 31 * 127), then one `vpmulld` by its scale; with AVX2 `vpmaddubsw` pairs are summed in 16
+// bits and `vpmaddwd` multiplies them by the scale duplicated in both halves of each lane. Either way exact.
+//
 // The numbers: each row's block sums are exact integers, scaled and summed in float32 as the lane groups
 // sum them (per block (dw * dx) * si and (dm * dx) * so in fused multiply-adds, the row the first less the
 // second): a row's result is the same bits here, in the lane groups, whatever rows share the call.
@@ -100,6 +104,21 @@ inline void duplicated(__m256i v, __m256i out[4]) {
   out[3] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));
 }
 
+// The same bytes as 8 int32 lanes each (lane r: row r's), the `vpdpbusd` sums' multipliers.
+inline void widened(__m256i v, __m256i out[4]) {
+  const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+  out[0] = _mm256_cvtepu8_epi32(lo);
+  out[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+  out[2] = _mm256_cvtepu8_epi32(hi);
+  out[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PAGEDRL_KROWS8_DPBUSD(acc, u, x) _mm256_dpbusd_epi32(acc, u, x)
+#elif defined(__AVXVNNI__)
+#define PAGEDRL_KROWS8_DPBUSD(acc, u, x) _mm256_dpbusd_avx_epi32(acc, u, x)
+#endif
+
 inline __m256i broadcast4(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -131,8 +150,15 @@ inline void group_product(const gguf_int8_k::SuperRows& a, int64_t m0, const uin
     const __m256i L1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + kLowAt + 32));
     const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + kHighAt));
     __m256i scale[8], minimum[8];
-    duplicated(_mm256_or_si256(_mm256_and_si256(L0, low4), _mm256_and_si256(_mm256_slli_epi16(H, 4), top2)), scale);
-    duplicated(_mm256_or_si256(_mm256_and_si256(L1, low4), _mm256_and_si256(H, top2)), scale + 4);
+    const __m256i sc03 = _mm256_or_si256(_mm256_and_si256(L0, low4), _mm256_and_si256(_mm256_slli_epi16(H, 4), top2));
+    const __m256i sc47 = _mm256_or_si256(_mm256_and_si256(L1, low4), _mm256_and_si256(H, top2));
+#if defined(PAGEDRL_KROWS8_DPBUSD)  // int32 lanes: each sub-block's 4-value sums made whole by `vpdpbusd`
+    widened(sc03, scale);
+    widened(sc47, scale + 4);
+#else  // int16 lanes, twice: a `vpmaddwd` operand against the `vpmaddubsw` pairs
+    duplicated(sc03, scale);
+    duplicated(sc47, scale + 4);
+#endif
     duplicated(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), low4),
                                _mm256_and_si256(_mm256_slli_epi16(H, 2), top2)), minimum);
     duplicated(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), low4),
@@ -148,6 +174,28 @@ inline void group_product(const gguf_int8_k::SuperRows& a, int64_t m0, const uin
       for (int j = 1; j < 8; ++j) so[i] = _mm256_add_epi32(so[i], _mm256_madd_epi16(minimum[j], broadcast4(sums + 2 * j)));
     }
     const uint8_t* nibbles = g + nibbles_at<Type>();
+#if defined(PAGEDRL_KROWS8_DPBUSD)
+    for (int p = 0; p < 4; ++p) {
+      __m256i lo_sums[MB], hi_sums[MB];  // lane r: row r's sub-block sums, exact in 32 bits
+      for (int i = 0; i < MB; ++i) lo_sums[i] = hi_sums[i] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 256 * p + 32 * c));
+        __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if constexpr (Type == 13) {
+          const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + kFifthAt + 32 * c));
+          lo = _mm256_or_si256(lo, fifth(high, 2 * p));
+          hi = _mm256_or_si256(hi, fifth(high, 2 * p + 1));
+        }
+        for (int i = 0; i < MB; ++i) {
+          lo_sums[i] = PAGEDRL_KROWS8_DPBUSD(lo_sums[i], lo, broadcast4(q[i] + 64 * p + 4 * c));
+          hi_sums[i] = PAGEDRL_KROWS8_DPBUSD(hi_sums[i], hi, broadcast4(q[i] + 64 * p + 32 + 4 * c));
+        }
+      }
+      for (int i = 0; i < MB; ++i)
+        si[i] = _mm256_add_epi32(si[i], _mm256_add_epi32(_mm256_mullo_epi32(lo_sums[i], scale[2 * p]),
+                                                         _mm256_mullo_epi32(hi_sums[i], scale[2 * p + 1])));
+    }
+#else
     for (int p = 0; p < 4; ++p) {
       __m256i lo_pairs[MB], hi_pairs[MB];
       for (int i = 0; i < MB; ++i) lo_pairs[i] = hi_pairs[i] = _mm256_setzero_si256();
@@ -172,6 +220,7 @@ inline void group_product(const gguf_int8_k::SuperRows& a, int64_t m0, const uin
         }
       }
     }
+#endif
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
     const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16)));
     for (int i = 0; i < MB; ++i) {
