@@ -102,3 +102,25 @@ def test_the_largest_sums_stay_exact() -> None:
         padded = np.tile(x, (11, 1))[:LANE_GROUP_ROWS]
         lanes = ops.gguf_linear_int8(torch.from_numpy(padded), torch.from_numpy(raw), int(qtype), 512, None)
         assert torch.equal(got, lanes[:3])
+
+
+def test_edge_scales_threads_and_several_weights_keep_the_lane_groups_bits() -> None:
+    """Scales at the edges (inf, NaN, subnormal halves), 10 groups split between 2 threads, and a call of
+    several weights (the next weight's bytes asked for early): each the file layout's lane-group bits."""
+    rng = np.random.default_rng(11)
+    x = torch.from_numpy(activation_rows(rng, 5, 512))
+    padded = torch.cat([x, torch.from_numpy(activation_rows(rng, LANE_GROUP_ROWS, 512))])
+    weights = [torch.from_numpy(random_blocks(q, 80, 2, rng, edges=True).reshape(80, -1)) for q in TYPES]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        packed = [pack_rows8(w, int(q)) for w, q in zip(weights, TYPES, strict=True)]
+        types = [int(q) + ROWS8 for q in TYPES]
+        many = ops.gguf_linear_int8_many(x, packed, types, 512, [None, None])
+        for got, w, p, q, t in zip(many, weights, packed, TYPES, types, strict=True):
+            lanes = ops.gguf_linear_int8(padded, w, int(q), 512, None)[:5]
+            assert torch.equal(got.view(torch.int32), ops.gguf_linear_int8(x, p, t, 512, None).view(torch.int32))
+            assert torch.equal(got.isnan(), lanes.isnan()) and torch.equal(got.nan_to_num(), lanes.nan_to_num())
+            assert not got.isfinite().all()  # the edges were drawn
+    finally:
+        torch.set_num_threads(threads)
