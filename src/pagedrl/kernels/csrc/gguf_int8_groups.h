@@ -266,7 +266,9 @@ inline void group_strip(const RowGroups& a, const Strip& st, int64_t g, LaneFloa
 #pragma GCC unroll 8
     for (int v = 0; v < 8; ++v) {
       LaneSums xv = load_lanes<LaneSums>(x + v * 4 * kLanes);
+#if defined(__AVX__)  // (a 32- or 64-byte vector fits a register only there)
       __asm__("" : "+v"(xv));  // one load for the strip's rows, not one folded into each product
+#endif
 #pragma GCC unroll 8
       for (int j = 0; j < kStripRows; ++j) {
         int32_t u4;
