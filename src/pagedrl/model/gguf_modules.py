@@ -85,8 +85,8 @@ class GGUFLinear(nn.Module):
         """Keep the blocks in the `rows8` layout (a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K weight of a
         multiple of 8 rows)."""
         if self.ggml_type not in ROWS8_TYPES or self.out_features % 8:
-            raise ValueError(f"the rows8 layout holds Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K weights of a multiple of 8 rows, not "
-                             f"{type_name(self.ggml_type)} [{self.out_features}, {self.in_features}]")
+            raise ValueError("the rows8 layout holds Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K weights of a multiple of "
+                             f"8 rows, not {type_name(self.ggml_type)} [{self.out_features}, {self.in_features}]")
         if not self.rows8:
             self.qweight = pack_rows8(self.qweight, self.ggml_type)
             self.rows8 = True
@@ -116,8 +116,8 @@ def use_int8_activations(model: nn.Module) -> dict[str, int]:
     """Turn the engine's products of `model`'s Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K projections to 8-bit activations
     (`products.int8_rows`: llama.cpp's arithmetic, faster on a CPU, no longer the float32 model's numbers);
     the projections turned, counted by type. Others (Q2_K, Q3_K, MXFP4 experts) keep float32 activations.
-    Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K weights of a multiple of 8 rows move to the `rows8` layout (a decode step's
-    products faster), except a table an embedding looks rows up in (a tied LM head's)."""
+    Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K weights of a multiple of 8 rows move to the `rows8` layout (a
+    decode step's products faster), except a table an embedding looks rows up in (a tied LM head's)."""
     turned: dict[str, int] = {}
     tables = {id(m.table) for m in model.modules() if isinstance(m, GGUFEmbedding)}  # lookups, not products
     looked_up = {m.table.qweight.data_ptr() for m in model.modules() if isinstance(m, GGUFEmbedding)}
