@@ -132,6 +132,21 @@ inline __m256i fifth(__m256i high, int bit) {
   return _mm256_and_si256(at4, _mm256_set1_epi8(16));
 }
 
+// Chunk c of pair p, the 8 rows' values as unsigned bytes (lane r: row r's 4): `lo` those of sub-block 2p,
+// `hi` of sub-block 2p + 1 (Q5_K's fifth bits added as 16).
+template <int Type>
+inline void chunk_values(const uint8_t* g, int p, int c, __m256i* lo, __m256i* hi) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + nibbles_at<Type>() + 256 * p + 32 * c));
+  *lo = _mm256_and_si256(v, low4);
+  *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  if constexpr (Type == 13) {
+    const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + kFifthAt + 32 * c));
+    *lo = _mm256_or_si256(*lo, fifth(high, 2 * p));
+    *hi = _mm256_or_si256(*hi, fifth(high, 2 * p + 1));
+  }
+}
+
 // Input rows m0 .. m0 + MB against one group: out[i][r] = row (m0 + i) . weight row (8g + r), without bias.
 // `ahead`: where to ask for bytes a block step (nullptr: none).
 template <int Type, int MB>
@@ -173,19 +188,13 @@ inline void group_product(const gguf_int8_k::SuperRows& a, int64_t m0, const uin
       so[i] = _mm256_madd_epi16(minimum[0], broadcast4(sums));
       for (int j = 1; j < 8; ++j) so[i] = _mm256_add_epi32(so[i], _mm256_madd_epi16(minimum[j], broadcast4(sums + 2 * j)));
     }
-    const uint8_t* nibbles = g + nibbles_at<Type>();
 #if defined(PAGEDRL_KROWS8_DPBUSD)
     for (int p = 0; p < 4; ++p) {
       __m256i lo_sums[MB], hi_sums[MB];  // lane r: row r's sub-block sums, exact in 32 bits
       for (int i = 0; i < MB; ++i) lo_sums[i] = hi_sums[i] = _mm256_setzero_si256();
       for (int c = 0; c < 8; ++c) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 256 * p + 32 * c));
-        __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        if constexpr (Type == 13) {
-          const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + kFifthAt + 32 * c));
-          lo = _mm256_or_si256(lo, fifth(high, 2 * p));
-          hi = _mm256_or_si256(hi, fifth(high, 2 * p + 1));
-        }
+        __m256i lo, hi;
+        chunk_values<Type>(g, p, c, &lo, &hi);
         for (int i = 0; i < MB; ++i) {
           lo_sums[i] = PAGEDRL_KROWS8_DPBUSD(lo_sums[i], lo, broadcast4(q[i] + 64 * p + 4 * c));
           hi_sums[i] = PAGEDRL_KROWS8_DPBUSD(hi_sums[i], hi, broadcast4(q[i] + 64 * p + 32 + 4 * c));
@@ -200,13 +209,8 @@ inline void group_product(const gguf_int8_k::SuperRows& a, int64_t m0, const uin
       __m256i lo_pairs[MB], hi_pairs[MB];
       for (int i = 0; i < MB; ++i) lo_pairs[i] = hi_pairs[i] = _mm256_setzero_si256();
       for (int c = 0; c < 8; ++c) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 256 * p + 32 * c));
-        __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        if constexpr (Type == 13) {
-          const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + kFifthAt + 32 * c));
-          lo = _mm256_or_si256(lo, fifth(high, 2 * p));
-          hi = _mm256_or_si256(hi, fifth(high, 2 * p + 1));
-        }
+        __m256i lo, hi;
+        chunk_values<Type>(g, p, c, &lo, &hi);
         for (int i = 0; i < MB; ++i) {
           lo_pairs[i] = _mm256_add_epi16(lo_pairs[i], _mm256_maddubs_epi16(lo, broadcast4(q[i] + 64 * p + 4 * c)));
           hi_pairs[i] = _mm256_add_epi16(hi_pairs[i], _mm256_maddubs_epi16(hi, broadcast4(q[i] + 64 * p + 32 + 4 * c)));
