@@ -105,3 +105,16 @@ def test_pagedrl_sharded_save_round_trips(tmp_path) -> None:
     back = load_causal_lm(tmp_path / "ckpt")
     for (name, a), b in zip(ours.state_dict().items(), back.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_float32_weights_start_on_a_cache_line(tmp_path) -> None:
+    """A float32 checkpoint's tensors stay in the dtype they are stored in, so they are the buffers
+    safetensors reads them into, which start off a 64-byte line: each is moved to one that does not."""
+    hf = hf_model(FAMILIES["llama-gqa-untied"])
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_causal_lm(tmp_path / "hf", dtype=torch.float32)
+    weights = [t for t in ours.state_dict().values() if t.is_floating_point() and t.numel()]
+    assert weights and all(t.dtype == torch.float32 and t.data_ptr() % 64 == 0 for t in weights)
+    mine = ours.state_dict()
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(tensor, mine[name]), name
