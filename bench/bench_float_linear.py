@@ -7,6 +7,10 @@ model's shapes drawn at random (the speed does not depend on the values).
 
     .venv/bin/python bench/bench_float_linear.py [--rows 1,2,4,8,16,32,64] [--threads 2]
     .venv/bin/python -m pagedrl.kernels.isa run avx2 -- .venv/bin/python bench/bench_float_linear.py
+    .venv/bin/python bench/bench_float_linear.py --offset 40     # weights 40 bytes past a cache line
+
+`--offset`: each weight starts that many bytes past a 64-byte line, as the buffers safetensors reads
+tensors into do (40 bytes); a float32 model loaded without `checkpoint.cache_line_aligned` ran so.
 """
 
 from __future__ import annotations
@@ -33,21 +37,33 @@ def copy_bandwidth(megabytes: int = 512, rounds: int = 5) -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
+def offset_copy(w: torch.Tensor, offset: int) -> torch.Tensor:
+    """`w`'s values in a buffer that starts `offset` bytes (a multiple of 4) past a 64-byte line."""
+    buf = torch.empty(w.numel() + 16)
+    start = (-buf.data_ptr() % 64 + offset) // 4
+    out = buf[start:start + w.numel()].view_as(w).copy_(w)
+    assert out.data_ptr() % 64 == offset % 64
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--offset", type=int, default=0, help="bytes past a 64-byte line each weight starts at")
     args = ap.parse_args()
+    if args.offset % 4:
+        raise SystemExit(f"--offset {args.offset}: a float32 weight starts on a multiple of 4 bytes")
     torch.set_num_threads(args.threads)
     if not ops.available():
         raise SystemExit("the engine's CPU kernels could not be built here")
     gen = torch.Generator().manual_seed(0)
-    weights = projection_weights(torch.float32, gen)
+    weights = [offset_copy(w, args.offset) for w in projection_weights(torch.float32, gen)]
     nbytes = sum(w.numel() * 4 for w in weights)
     print(f"{len(weights)} projections, {nbytes / 1e6:.0f} MB of float32 weights; {args.threads} threads; CPU class "
           f"{isa.describe()}; torch capability {torch.backends.cpu.get_cpu_capability()}; kernel lanes "
-          f"{ops.float_linear_lanes()}; memory copy {copy_bandwidth():.1f} GB/s")
+          f"{ops.float_linear_lanes()}; weights {args.offset} bytes past a cache line; memory copy {copy_bandwidth():.1f} GB/s")
     print("| rows | torch F.linear (ms) | pagedrl float_linear (ms) | torch / pagedrl | pagedrl weights GB/s |")
     print("|---|---|---|---|---|")
     sides = {"torch": F.linear, "pagedrl": ops.float_linear}

@@ -48,7 +48,7 @@ inline Vec load_tail(const float* p, int64_t n) {  // n < kLanes values, zeros a
 // y[m, n0 + j] for MB input rows from x and NB weight rows from w, each a chain of fused multiply-adds.
 template <int MB, int NB>
 inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, const float* bias, float* y,
-                 int64_t ldy, const float* next) {
+                 int64_t ldy, const float* next, int64_t ask_from = 0, int64_t ask_to = INT64_MAX) {
   Vec acc[MB][NB];
 #pragma GCC unroll 8
   for (int i = 0; i < MB; ++i)
@@ -59,7 +59,7 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64
     Vec wv[NB];
 #pragma GCC unroll 8
     for (int j = 0; j < NB; ++j) wv[j] = load(w + j * ldw + k);
-    if (next != nullptr) {
+    if (next != nullptr && k >= ask_from && k < ask_to) {
 #pragma GCC unroll 8
       for (int j = 0; j < NB; ++j) __builtin_prefetch(next + j * ldw + k);
     }
@@ -86,11 +86,13 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64
 }
 
 // Weight rows [n0, n0 + NB) against every input row, kInputRows at a time: the weight rows come from
-// memory for the first pair and from L1/L2 for the others. The first pair also prefetches the next NB
-// rows, one cache line a row per vector step: NB interleaved streams defeat the hardware prefetcher,
-// and a one-row product read the default model's LM head at 17-19 GB/s without this and 27-29 with it
-// (one thread, AVX512 and AVX2 alike; a plain sum reads it at 40-44). Prefetching two tiles ahead
-// measured no better. One input row reads the weight rows one after another instead, in address order:
+// memory for the first pair and from L1/L2 for the others. The pairs also prefetch the next NB rows,
+// one cache line a row per vector step: NB interleaved streams defeat the hardware prefetcher, and a
+// one-row product read the default model's LM head at 17-19 GB/s without this and 27-29 with it (one
+// thread, AVX512 and AVX2 alike; a plain sum reads it at 40-44). Prefetching two tiles ahead measured
+// no better. The asks are shared out over the pairs, each a slice of k, so that they come at the pace
+// of the sums: all made by the first pair (the way it was), a burst of them stalled it, and 16 rows of
+// the model's products took 91 ms against 74 shared out (one thread, capped to AVX2; `bench/RESULTS.md`). One input row reads the weight rows one after another instead, in address order:
 // on another host (AMD EPYC, one thread, memory read at 21-26 GB/s) the interleaved tile read the LM
 // head at 14 GB/s and the rows in order at 21-22. Each output's sum is the same chain either way.
 template <int NB>
@@ -104,8 +106,9 @@ void weight_rows(const float* x, int64_t M, int64_t ldx, const float* w, int64_t
   }
   int64_t m = 0;
   const float* next = wn + NB * ldw;  // the next weight rows, fetched while these are summed
-  for (; m + kInputRows <= M; m += kInputRows)
-    tile<kInputRows, NB>(x + m * ldx, ldx, wn, ldw, K, bn, y + m * ldy + n0, ldy, m == 0 ? next : nullptr);
+  const int64_t pairs = M / kInputRows, share = (K / kLanes + pairs - 1) / pairs * kLanes;
+  for (int64_t p = 0; m + kInputRows <= M; m += kInputRows, ++p)
+    tile<kInputRows, NB>(x + m * ldx, ldx, wn, ldw, K, bn, y + m * ldy + n0, ldy, next, p * share, (p + 1) * share);
   for (; m < M; ++m) tile<1, NB>(x + m * ldx, ldx, wn, ldw, K, bn, y + m * ldy + n0, ldy, m == 0 ? next : nullptr);
 }
 
