@@ -39,6 +39,10 @@ Weight-only quantization made at load (`model/weight_only.py`): `pagedrl-int8` a
     .venv/bin/python bench/bench_vllm_cpu.py --sides pagedrl-int4,pagedrl-q4_1,pagedrl-int8,pagedrl-q8_0,pagedrl-float32 \
         --workloads single --threads 1 --rounds 3
     .venv/bin/python bench/bench_vllm_cpu.py --sides pagedrl-q8_0-a8,llamacpp-q8_0,pagedrl-q8_0 --workloads single,64x128
+
+Capped to AVX2 on a wider CPU (`python -m pagedrl.kernels.isa run avx2 -- ...`), vLLM's processes load
+`bench/vllm_capped/sitecustomize.py`, so that its own probes of the hardware answer AVX2 too; point
+`LLAMA_CPP_DIR` at a llama.cpp built by `LLAMA_CPP_ISA=avx2 bash bench/llamacpp_env.sh DIR` for the same.
 """
 
 from __future__ import annotations
