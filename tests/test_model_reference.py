@@ -109,7 +109,7 @@ def test_pagedrl_sharded_save_round_trips(tmp_path) -> None:
 
 def test_float32_weights_start_on_a_cache_line(tmp_path) -> None:
     """A float32 checkpoint's tensors stay in the dtype they are stored in, so they are the buffers
-    safetensors reads them into, which start off a 64-byte line: each is moved to one that does not."""
+    safetensors reads them into, which start off a 64-byte line: each is moved to one that starts on a line."""
     hf = hf_model(FAMILIES["llama-gqa-untied"])
     hf.save_pretrained(tmp_path / "hf")
     ours = load_causal_lm(tmp_path / "hf", dtype=torch.float32)

@@ -92,9 +92,10 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64
 // thread, AVX512 and AVX2 alike; a plain sum reads it at 40-44). Prefetching two tiles ahead measured
 // no better. The asks are shared out over the pairs, each a slice of k, so that they come at the pace
 // of the sums: all made by the first pair (the way it was), a burst of them stalled it, and 16 rows of
-// the model's products took 91 ms against 74 shared out (one thread, capped to AVX2; `bench/RESULTS.md`). One input row reads the weight rows one after another instead, in address order:
-// on another host (AMD EPYC, one thread, memory read at 21-26 GB/s) the interleaved tile read the LM
-// head at 14 GB/s and the rows in order at 21-22. Each output's sum is the same chain either way.
+// the model's products took 91 ms against 74 shared out (one thread, capped to AVX2; `bench/RESULTS.md`).
+// One input row reads the weight rows one after another instead, in address order: on another host
+// (AMD EPYC, one thread, memory read at 21-26 GB/s) the interleaved tile read the LM head at 14 GB/s
+// and the rows in order at 21-22. Each output's sum is the same chain either way.
 template <int NB>
 void weight_rows(const float* x, int64_t M, int64_t ldx, const float* w, int64_t ldw, int64_t K, const float* bias,
                  float* y, int64_t ldy, int64_t n0) {
