@@ -58,16 +58,22 @@ inline void f32_sum_lanes(F32Vec v[16], float* out) {
 #endif
 
 // A chunk's scores for the `groups` query heads of one KV head: query [groups][kD] (already scaled),
-// keys at `keys + slots[t] * token_stride` for t < n; positions n..15 score 0 (masked later).
+// keys at `keys + slots[t] * token_stride` for t < n; positions n..15 score 0 (masked later). The next
+// chunk's key rows of this head (`ahead + t * token_stride`, t < ahead_n) are asked for into L2 one
+// with each key row the first head reads (a row of this chunk in, a row of the next asked for).
 template <int kD>
 inline void chunk_scores_f32(const float* query, const float* keys, const int64_t* slots, int64_t n,
-                             int64_t token_stride, int64_t groups, float* scores) {
+                             int64_t token_stride, int64_t groups, float* scores, const float* ahead = nullptr,
+                             int64_t ahead_n = 0) {
   constexpr int kV = kD / kF32Lanes;
   for (int64_t g = 0; g < groups; ++g) {
     F32Vec qv[kV];
     for (int i = 0; i < kV; ++i) qv[i] = f32_load(query + g * kD + kF32Lanes * i);
     F32Vec sums[16];
     for (int64_t t = 0; t < 16; ++t) {
+      if (g == 0 && t < ahead_n)
+        for (int line = 0; line < kD * 4; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + t * token_stride) + line, _MM_HINT_T1);
       F32Vec acc = f32_zero();
       if (t < n) {
         const float* k = keys + slots[t] * token_stride;
@@ -82,9 +88,12 @@ inline void chunk_scores_f32(const float* query, const float* keys, const int64_
 // acc[g] += p[g][t] * v[t] for the chunk's positions in order, kG heads' accumulators in registers:
 // with 16 lanes a whole row of each (a value row loaded once for the kG heads); with 8 (AVX2's 16
 // registers) one slice of kSlice vectors at a time. Each sum is added in position order either way.
+// The next chunk's value rows (`ahead`, as `chunk_scores_f32`'s keys) asked for one a position in the
+// first slice's pass.
 template <int kD, int kG>
 inline void chunk_values_f32_heads(const float* values, const int64_t* slots, int64_t n, int64_t token_stride,
-                                   const float* probs, float* acc) {
+                                   const float* probs, float* acc, const float* ahead = nullptr,
+                                   int64_t ahead_n = 0) {
   constexpr int kV = kD / kF32Lanes;
   constexpr int kSlice = kF32Lanes == 16 ? kV : (kV % 2 == 0 ? 2 : 1);
   for (int s = 0; s < kV; s += kSlice) {
@@ -92,6 +101,9 @@ inline void chunk_values_f32_heads(const float* values, const int64_t* slots, in
     for (int g = 0; g < kG; ++g)
       for (int i = 0; i < kSlice; ++i) a[g][i] = f32_load(acc + g * kD + kF32Lanes * (s + i));
     for (int64_t t = 0; t < n; ++t) {
+      if (s == 0 && t < ahead_n)
+        for (int line = 0; line < kD * 4; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + t * token_stride) + line, _MM_HINT_T1);
       const float* v = values + slots[t] * token_stride + kF32Lanes * s;
       F32Vec row[kSlice];
       for (int i = 0; i < kSlice; ++i) row[i] = f32_load(v + kF32Lanes * i);
@@ -108,14 +120,15 @@ inline void chunk_values_f32_heads(const float* values, const int64_t* slots, in
 // Heads up to four at a time.
 template <int kD>
 inline void chunk_values_f32(const float* values, const int64_t* slots, int64_t n, int64_t token_stride,
-                             int64_t groups, const float* probs, float* acc) {
+                             int64_t groups, const float* probs, float* acc, const float* ahead = nullptr,
+                             int64_t ahead_n = 0) {
   int64_t g = 0;
-  for (; g + 4 <= groups; g += 4)
-    chunk_values_f32_heads<kD, 4>(values, slots, n, token_stride, probs + g * 16, acc + g * kD);
+  for (; g + 4 <= groups; g += 4, ahead_n = 0)
+    chunk_values_f32_heads<kD, 4>(values, slots, n, token_stride, probs + g * 16, acc + g * kD, ahead, ahead_n);
   switch (groups - g) {
-    case 3: chunk_values_f32_heads<kD, 3>(values, slots, n, token_stride, probs + g * 16, acc + g * kD); break;
-    case 2: chunk_values_f32_heads<kD, 2>(values, slots, n, token_stride, probs + g * 16, acc + g * kD); break;
-    case 1: chunk_values_f32_heads<kD, 1>(values, slots, n, token_stride, probs + g * 16, acc + g * kD); break;
+    case 3: chunk_values_f32_heads<kD, 3>(values, slots, n, token_stride, probs + g * 16, acc + g * kD, ahead, ahead_n); break;
+    case 2: chunk_values_f32_heads<kD, 2>(values, slots, n, token_stride, probs + g * 16, acc + g * kD, ahead, ahead_n); break;
+    case 1: chunk_values_f32_heads<kD, 1>(values, slots, n, token_stride, probs + g * 16, acc + g * kD, ahead, ahead_n); break;
     default: break;
   }
 }

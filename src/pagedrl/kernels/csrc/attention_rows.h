@@ -223,11 +223,23 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
       }
     }
 #if PAGEDRL_BF16_DOT || PAGEDRL_F32_CHUNKS
-    // The keys and values two chunks ahead asked for now, into L2, while this one computes: a chunk
-    // is one block in a scattered table, so the hardware's stream prefetcher starts cold at each.
-    // A decode layer of 64 rows of 96-576 keys, all heads a row, 2 threads: no prefetch 1.8-2.9 ms,
-    // into L1 1.8-2.2 (it evicts the chunk at work), into L2 1.4-1.7; one chunk ahead 1.5-1.8, four 1.6.
-    if (chunk_in_one_entry && first + 2 * kChunk < len) {
+    // The keys and values of a chunk ahead asked for into L2 while this one computes: a chunk is one
+    // block in a scattered table, so the hardware's stream prefetcher starts cold at each.
+    // bf16: two chunks ahead, all at once here. A decode layer of 64 rows of 96-576 keys, all heads a
+    // row, 2 threads: no prefetch 1.8-2.9 ms, into L1 1.8-2.2 (it evicts the chunk at work), into L2
+    // 1.4-1.7; one chunk ahead 1.5-1.8, four 1.6.
+    // float32 (`attention_f32.h`): the next chunk, each key and value row asked for inside the score and
+    // value loops as a row of this chunk is read (AVX2, 64 rows of 280-320 keys, 30 layers, one thread:
+    // 3.6 ms a layer all at once two ahead, 2.4 spread one ahead, 2.6 spread two ahead, 2.9 three; two
+    // threads 2.0 -> 1.3): 384 asks in a burst held the loads up.
+    constexpr bool kF32AsksInLoops = std::is_same_v<T, float> && kD % kF32Lanes == 0 && kD > 0;
+    int64_t ahead_base = 0, ahead_n = 0;  // the next chunk's first slot and positions (float32)
+    if (chunk_in_one_entry && first + kChunk < len) {
+      const int64_t next = first + kChunk;
+      ahead_base = table[next / table_block] * table_block + next % table_block;
+      ahead_n = std::min(kChunk, len - next);
+    }
+    if (!kF32AsksInLoops && chunk_in_one_entry && first + 2 * kChunk < len) {
       const int64_t next = first + 2 * kChunk;
       const int64_t base = table[next / table_block] * table_block + next % table_block;
       const int64_t m = std::min(kChunk, len - next);
@@ -251,7 +263,7 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
 #if PAGEDRL_F32_CHUNKS
       if constexpr (std::is_same_v<T, float> && kD % kF32Lanes == 0 && kD > 0) {
         chunk_scores_f32<kD>(query + hh * groups * head_dim, kc + h * head_dim, slots, n, token_stride, groups,
-                             head_scores);
+                             head_scores, kc + ahead_base * token_stride + h * head_dim, ahead_n);
         continue;
       }
 #endif
@@ -302,7 +314,8 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
 #endif
 #if PAGEDRL_F32_CHUNKS
       if constexpr (std::is_same_v<T, float> && kD % kF32Lanes == 0 && kD > 0) {
-        chunk_values_f32<kD>(vc + h * head_dim, slots, n, token_stride, groups, head_probs, head_acc);
+        chunk_values_f32<kD>(vc + h * head_dim, slots, n, token_stride, groups, head_probs, head_acc,
+                             vc + ahead_base * token_stride + h * head_dim, ahead_n);
         continue;
       }
 #endif
