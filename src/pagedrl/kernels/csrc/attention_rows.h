@@ -68,7 +68,8 @@ static_assert(kChunk == 16, "a chunk's scores are one 16-lane vector (its max, t
 // key; the 16 positions' sums then come out as one vector. Positions n..15 score 0 (masked later).
 template <int kD>
 inline void chunk_scores_bf16(const c10::BFloat16* q, const c10::BFloat16* keys, const int64_t* slots, int64_t n,
-                              int64_t token_stride, int64_t groups, float scale, float* scores) {
+                              int64_t token_stride, int64_t groups, float scale, float* scores,
+                              const c10::BFloat16* ahead = nullptr, int64_t ahead_n = 0) {
   constexpr int kVec = kD / 32;
   const __m512 scaled = _mm512_set1_ps(scale);
   for (int64_t g = 0; g < groups; ++g) {
@@ -76,6 +77,9 @@ inline void chunk_scores_bf16(const c10::BFloat16* q, const c10::BFloat16* keys,
     for (int i = 0; i < kVec; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q + g * kD + 32 * i);
     __m512 sums[16];
     for (int64_t t = 0; t < kChunk; ++t) {
+      if (g == 0 && t < ahead_n)  // the next chunk's key rows, one with each of this chunk's
+        for (int line = 0; line < kD * 2; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + t * token_stride) + line, _MM_HINT_T1);
       __m512 acc = _mm512_setzero_ps();
       if (t < n) {
         const c10::BFloat16* k = keys + slots[t] * token_stride;
@@ -92,12 +96,15 @@ inline void chunk_scores_bf16(const c10::BFloat16* q, const c10::BFloat16* keys,
 // and their FMA chains run side by side).
 template <int kD, int kG>
 inline void chunk_values_heads(const c10::BFloat16* values, const int64_t* slots, int64_t n, int64_t token_stride,
-                               const float* probs, float* acc) {
+                               const float* probs, float* acc, const c10::BFloat16* ahead, int64_t ahead_n) {
   constexpr int kF = kD / 16;
   __m512 a[kG][kF];
   for (int g = 0; g < kG; ++g)
     for (int i = 0; i < kF; ++i) a[g][i] = _mm512_loadu_ps(acc + g * kD + 16 * i);
   for (int64_t t = 0; t < n; ++t) {
+    if (t < ahead_n)  // the next chunk's value rows, one with each of this chunk's
+      for (int line = 0; line < kD * 2; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + t * token_stride) + line, _MM_HINT_T1);
     const c10::BFloat16* v = values + slots[t] * token_stride;
     __m512 row[kF];
     for (int i = 0; i < kF; ++i) {
@@ -115,14 +122,15 @@ inline void chunk_values_heads(const c10::BFloat16* values, const int64_t* slots
 
 template <int kD>
 inline void chunk_values_bf16(const c10::BFloat16* values, const int64_t* slots, int64_t n, int64_t token_stride,
-                              int64_t groups, const float* probs, float* acc) {
+                              int64_t groups, const float* probs, float* acc, const c10::BFloat16* ahead = nullptr,
+                              int64_t ahead_n = 0) {
   int64_t g = 0;
-  for (; g + 4 <= groups; g += 4)
-    chunk_values_heads<kD, 4>(values, slots, n, token_stride, probs + g * kChunk, acc + g * kD);
+  for (; g + 4 <= groups; g += 4, ahead_n = 0)
+    chunk_values_heads<kD, 4>(values, slots, n, token_stride, probs + g * kChunk, acc + g * kD, ahead, ahead_n);
   switch (groups - g) {
-    case 3: chunk_values_heads<kD, 3>(values, slots, n, token_stride, probs + g * kChunk, acc + g * kD); break;
-    case 2: chunk_values_heads<kD, 2>(values, slots, n, token_stride, probs + g * kChunk, acc + g * kD); break;
-    case 1: chunk_values_heads<kD, 1>(values, slots, n, token_stride, probs + g * kChunk, acc + g * kD); break;
+    case 3: chunk_values_heads<kD, 3>(values, slots, n, token_stride, probs + g * kChunk, acc + g * kD, ahead, ahead_n); break;
+    case 2: chunk_values_heads<kD, 2>(values, slots, n, token_stride, probs + g * kChunk, acc + g * kD, ahead, ahead_n); break;
+    case 1: chunk_values_heads<kD, 1>(values, slots, n, token_stride, probs + g * kChunk, acc + g * kD, ahead, ahead_n); break;
     default: break;
   }
 }
@@ -225,21 +233,24 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
 #if PAGEDRL_BF16_DOT || PAGEDRL_F32_CHUNKS
     // The keys and values of a chunk ahead asked for into L2 while this one computes: a chunk is one
     // block in a scattered table, so the hardware's stream prefetcher starts cold at each.
-    // bf16: two chunks ahead, all at once here. A decode layer of 64 rows of 96-576 keys, all heads a
-    // row, 2 threads: no prefetch 1.8-2.9 ms, into L1 1.8-2.2 (it evicts the chunk at work), into L2
-    // 1.4-1.7; one chunk ahead 1.5-1.8, four 1.6.
-    // float32 (`attention_f32.h`): the next chunk, each key and value row asked for inside the score and
-    // value loops as a row of this chunk is read (AVX2, 64 rows of 280-320 keys, 30 layers, one thread:
-    // 3.6 ms a layer all at once two ahead, 2.4 spread one ahead, 2.6 spread two ahead, 2.9 three; two
-    // threads 2.0 -> 1.3): 384 asks in a burst held the loads up.
-    constexpr bool kF32AsksInLoops = std::is_same_v<T, float> && kD % kF32Lanes == 0 && kD > 0;
-    int64_t ahead_base = 0, ahead_n = 0;  // the next chunk's first slot and positions (float32)
+    // The vector chunks (float32 `attention_f32.h`, bf16 above) ask for the next chunk's rows inside
+    // their score and value loops, one row as each row of this chunk is read; the portable loops for
+    // two chunks ahead, all at once here. A decode layer of 64 rows of 280-320 keys, 30 layers, ms a
+    // layer: float32 as AVX2, one thread, 3.6 all at once two ahead, 2.4 spread one ahead, 2.6 spread two
+    // ahead, 2.9 three (two threads 2.0 -> 1.3); bf16 on AVX512-BF16, one thread 1.9 -> 1.2, two threads
+    // 1.0 -> 0.76. (Before: no prefetch 1.8-2.9, into L1 1.8-2.2, two threads, bf16.)
+    constexpr bool kAsksInLoops = (std::is_same_v<T, float> && kD % kF32Lanes == 0 && kD > 0)
+#if PAGEDRL_BF16_DOT
+                                  || (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0)
+#endif
+        ;
+    int64_t ahead_base = 0, ahead_n = 0;  // the next chunk's first slot and positions (the vector chunks)
     if (chunk_in_one_entry && first + kChunk < len) {
       const int64_t next = first + kChunk;
       ahead_base = table[next / table_block] * table_block + next % table_block;
       ahead_n = std::min(kChunk, len - next);
     }
-    if (!kF32AsksInLoops && chunk_in_one_entry && first + 2 * kChunk < len) {
+    if (!kAsksInLoops && chunk_in_one_entry && first + 2 * kChunk < len) {
       const int64_t next = first + 2 * kChunk;
       const int64_t base = table[next / table_block] * table_block + next % table_block;
       const int64_t m = std::min(kChunk, len - next);
@@ -256,7 +267,7 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
 #if PAGEDRL_BF16_DOT
       if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0) {
         chunk_scores_bf16<kD>(q_row + hh * groups * head_dim, kc + h * head_dim, slots, n, token_stride, groups,
-                              scale, head_scores);
+                              scale, head_scores, kc + ahead_base * token_stride + h * head_dim, ahead_n);
         continue;
       }
 #endif
@@ -308,7 +319,8 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
       float* head_acc = acc + hh * groups * head_dim;
 #if PAGEDRL_BF16_DOT
       if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0) {
-        chunk_values_bf16<kD>(vc + h * head_dim, slots, n, token_stride, groups, head_probs, head_acc);
+        chunk_values_bf16<kD>(vc + h * head_dim, slots, n, token_stride, groups, head_probs, head_acc,
+                              vc + ahead_base * token_stride + h * head_dim, ahead_n);
         continue;
       }
 #endif
