@@ -337,12 +337,13 @@ def prefill_by_rows(kv_cache: KVCache, device: torch.device) -> bool:
     """Whether a CPU step with prompt chunks goes to the CPU kernels (the prefill tiles where
     `prefill_in_tiles`, else each new token's row through the row kernel, `ops.paged_attention`:
     one pass over the keys each row sees, read where they lie) rather than gather + torch's flash
-    attention: in bf16 on a CPU without AMX, where that flash attention runs its block products without
-    tiles (64 prompts of 32-512 tokens, attention of their prefill: rows 3.6 s, tiles 1.2 s, flash
-    attention 6.3 s). With AMX torch's flash attention is the faster (5.0-5.7 s against 7.3-7.5 s for the
-    whole prefill through rows; `bench/RESULTS.md`), and float32 was not measured: both keep it."""
-    return (reads_in_place(kv_cache, device) and kv_cache.dtype == torch.bfloat16
-            and not ops.decode_linear_amx())
+    attention: on a CPU without AMX, in bf16 (64 prompts of 32-512 tokens, attention of their prefill:
+    rows 3.6 s, tiles 1.2 s, flash attention 6.3 s) and in float32 (one layer of the same prompts,
+    rows against flash attention: AVX512 200 / 284 ms on one thread, 109 / 203 on two; as AVX2 202 /
+    281 and 105 / 161; `bench/RESULTS.md`). With AMX torch's flash attention is the faster in bf16
+    (5.0-5.7 s against 7.3-7.5 s for the whole prefill through rows), and float32 there was not
+    measured: both keep it."""
+    return reads_in_place(kv_cache, device) and not ops.decode_linear_amx()
 
 
 def prefill_in_tiles(kv_cache: KVCache) -> bool:
