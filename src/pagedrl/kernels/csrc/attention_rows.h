@@ -186,7 +186,7 @@ template <typename T, int kD>
 inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t r, int64_t h0,
                        int64_t kv_heads, int64_t len, T* out, float* lse, int64_t num_heads, int64_t groups,
                        int64_t head_dim_rt, int64_t token_stride, int64_t table_block, float scale, RowScratch& w,
-                       const RowRules& rules = RowRules{}) {
+                       const RowRules& rules = RowRules{}, int64_t next_slot = 0, int64_t next_n = 0) {
   const int64_t head_dim = kD ? kD : head_dim_rt;
   const int64_t heads = kv_heads * groups;  // query heads attended here, h0 * groups onward
   const bool chunk_in_one_entry = table_block % kChunk == 0;
@@ -238,7 +238,9 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
     // two chunks ahead, all at once here. A decode layer of 64 rows of 280-320 keys, 30 layers, ms a
     // layer: float32 as AVX2, one thread, 3.6 all at once two ahead, 2.4 spread one ahead, 2.6 spread two
     // ahead, 2.9 three (two threads 2.0 -> 1.3); bf16 on AVX512-BF16, one thread 1.9 -> 1.2, two threads
-    // 1.0 -> 0.76. (Before: no prefetch 1.8-2.9, into L1 1.8-2.2, two threads, bf16.)
+    // 1.0 -> 0.76. (Before: no prefetch 1.8-2.9, into L1 1.8-2.2, two threads, bf16.) A row's last chunk
+    // asks for the next row's first where the caller passes it (`next_slot`, `next_n`): 2.4 -> 2.3, bf16
+    // two threads 0.76 -> 0.67.
     constexpr bool kAsksInLoops = (std::is_same_v<T, float> && kD % kF32Lanes == 0 && kD > 0)
 #if PAGEDRL_BF16_DOT
                                   || (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0)
@@ -249,6 +251,9 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
       const int64_t next = first + kChunk;
       ahead_base = table[next / table_block] * table_block + next % table_block;
       ahead_n = std::min(kChunk, len - next);
+    } else if (first + kChunk >= len) {  // the last chunk: the next row's first, where the caller knows it
+      ahead_base = next_slot;
+      ahead_n = next_n;
     }
     if (!kAsksInLoops && chunk_in_one_entry && first + 2 * kChunk < len) {
       const int64_t next = first + 2 * kChunk;

@@ -61,8 +61,15 @@ void attend_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, co
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / items_per_row, h0 = item % items_per_row * per_item;
       const int64_t* table = tables + (row_seqs ? row_seqs[r] : r) * table_stride;
+      // Whole rows a thread takes in turn: the next one's first chunk asked for during this one's last.
+      int64_t next_slot = 0, next_n = 0;
+      if (items_per_row == 1 && item + 1 < end && rules.window == 0 && table_block % pagedrl_cpu::kChunk == 0) {
+        const int64_t* next_table = tables + (row_seqs ? row_seqs[r + 1] : r + 1) * table_stride;
+        next_slot = next_table[0] * table_block;
+        next_n = std::min(pagedrl_cpu::kChunk, row_lens[r + 1]);
+      }
       pagedrl_cpu::attend_row<T, kD>(q, kc, vc, table, r, h0, per_item, row_lens[r], out, lse, num_heads, groups,
-                                     head_dim, token_stride, table_block, scale, scratch, rules);
+                                     head_dim, token_stride, table_block, scale, scratch, rules, next_slot, next_n);
     }
   });
 }
