@@ -24,6 +24,11 @@
 
 namespace pagedrl_cpu {
 
+// A key or value row of `bytes` asked for into L2 (the next chunk's, while this one's rows are read).
+inline void ask_for_row(const void* row, int bytes) {
+  for (int line = 0; line < bytes; line += 64) _mm_prefetch(static_cast<const char*>(row) + line, _MM_HINT_T1);
+}
+
 #if defined(__AVX512F__)
 using F32Vec = __m512;
 constexpr int kF32Lanes = 16;
@@ -71,9 +76,7 @@ inline void chunk_scores_f32(const float* query, const float* keys, const int64_
     for (int i = 0; i < kV; ++i) qv[i] = f32_load(query + g * kD + kF32Lanes * i);
     F32Vec sums[16];
     for (int64_t t = 0; t < 16; ++t) {
-      if (g == 0 && t < ahead_n)
-        for (int line = 0; line < kD * 4; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + t * token_stride) + line, _MM_HINT_T1);
+      if (g == 0 && t < ahead_n) ask_for_row(ahead + t * token_stride, kD * 4);
       F32Vec acc = f32_zero();
       if (t < n) {
         const float* k = keys + slots[t] * token_stride;
@@ -101,9 +104,7 @@ inline void chunk_values_f32_heads(const float* values, const int64_t* slots, in
     for (int g = 0; g < kG; ++g)
       for (int i = 0; i < kSlice; ++i) a[g][i] = f32_load(acc + g * kD + kF32Lanes * (s + i));
     for (int64_t t = 0; t < n; ++t) {
-      if (s == 0 && t < ahead_n)
-        for (int line = 0; line < kD * 4; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + t * token_stride) + line, _MM_HINT_T1);
+      if (s == 0 && t < ahead_n) ask_for_row(ahead + t * token_stride, kD * 4);
       const float* v = values + slots[t] * token_stride + kF32Lanes * s;
       F32Vec row[kSlice];
       for (int i = 0; i < kSlice; ++i) row[i] = f32_load(v + kF32Lanes * i);

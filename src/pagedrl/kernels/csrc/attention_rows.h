@@ -77,9 +77,7 @@ inline void chunk_scores_bf16(const c10::BFloat16* q, const c10::BFloat16* keys,
     for (int i = 0; i < kVec; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q + g * kD + 32 * i);
     __m512 sums[16];
     for (int64_t t = 0; t < kChunk; ++t) {
-      if (g == 0 && t < ahead_n)  // the next chunk's key rows, one with each of this chunk's
-        for (int line = 0; line < kD * 2; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + t * token_stride) + line, _MM_HINT_T1);
+      if (g == 0 && t < ahead_n) pagedrl_cpu::ask_for_row(ahead + t * token_stride, kD * 2);  // the next chunk's keys
       __m512 acc = _mm512_setzero_ps();
       if (t < n) {
         const c10::BFloat16* k = keys + slots[t] * token_stride;
@@ -102,9 +100,7 @@ inline void chunk_values_heads(const c10::BFloat16* values, const int64_t* slots
   for (int g = 0; g < kG; ++g)
     for (int i = 0; i < kF; ++i) a[g][i] = _mm512_loadu_ps(acc + g * kD + 16 * i);
   for (int64_t t = 0; t < n; ++t) {
-    if (t < ahead_n)  // the next chunk's value rows, one with each of this chunk's
-      for (int line = 0; line < kD * 2; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + t * token_stride) + line, _MM_HINT_T1);
+    if (t < ahead_n) pagedrl_cpu::ask_for_row(ahead + t * token_stride, kD * 2);  // the next chunk's values
     const c10::BFloat16* v = values + slots[t] * token_stride;
     __m512 row[kF];
     for (int i = 0; i < kF; ++i) {
