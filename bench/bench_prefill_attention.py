@@ -1,4 +1,4 @@
-"""A bf16 prefill's attention on a CPU: the prefill tiles against the row kernel and against gather +
+"""A prefill's attention on a CPU, bf16 or (`--dtype float32`) float32: the prefill tiles against the row kernel and against gather +
 torch's flash attention, on SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64, or
 `--head-dim`).
 
@@ -6,11 +6,12 @@ The step: `--prompts` fresh prompts of 32-512 tokens (seeded, as `bench_vllm_cpu
 workload), their keys and values in scattered 16-token blocks, one layer's attention timed per call,
 best of `--rounds`; the three run in turns in one process. Also printed: each one's mean and largest
 difference from float64 attention over the same bf16 inputs, on a subset of the rows (all three
-round their output to bf16 once). `--window` and `--softcap` put a layer's rules on the tiles and the
+round their output to bf16 once in bf16). `--window` and `--softcap` put a layer's rules on the tiles and the
 row kernel (gather + flash attention knows none of them and is left out then).
 
     .venv/bin/python bench/bench_prefill_attention.py [--prompts 64] [--rounds 6] [--threads 2]
-        [--window 128] [--softcap 50] [--head-dim 256]
+        [--window 128] [--softcap 50] [--head-dim 256] [--dtype float32]
+    .venv/bin/python -m pagedrl.kernels.isa run avx2 -- .venv/bin/python bench/bench_prefill_attention.py --dtype float32
 """
 
 from __future__ import annotations
@@ -36,25 +37,28 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=None)
     ap.add_argument("--softcap", type=float, default=None)
     ap.add_argument("--head-dim", type=int, default=64, help="64: SmolLM2's; 256: Gemma's")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     head_dim = args.head_dim
     rules = dict(window=args.window, softcap=args.softcap)
     torch.set_num_threads(args.threads)
-    if not ops.decode_linear_available():
-        raise SystemExit("the prefill tiles need the CPU kernels built with AVX512-BF16; not here")
+    if not (ops.paged_prefill_float32() if dtype == torch.float32 else ops.decode_linear_available()):
+        raise SystemExit(f"the prefill tiles in {args.dtype} need the CPU kernels built with "
+                         f"{'AVX2 and FMA, or AVX512' if dtype == torch.float32 else 'AVX512-BF16'}; not here")
     rng = random.Random(0)
     gen = torch.Generator().manual_seed(0)
     q_lens = [rng.randint(32, 512) for _ in range(args.prompts)]
     need = [-(-n // BLOCK) for n in q_lens]
-    cache = KVCache(1, sum(need) + 4, BLOCK, KV_HEADS, head_dim, dtype=torch.bfloat16)
-    cache.data.copy_(torch.randn(cache.data.shape, generator=gen).bfloat16())
+    cache = KVCache(1, sum(need) + 4, BLOCK, KV_HEADS, head_dim, dtype=dtype)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen).to(dtype))
     free = list(range(cache.num_blocks))
     rng.shuffle(free)
     tables = torch.zeros(len(q_lens), max(need), dtype=torch.long)
     for s, n in enumerate(need):
         tables[s, :n] = torch.tensor([free.pop() for _ in range(n)])
     rows = sum(q_lens)
-    q = torch.randn(rows, HEADS, head_dim, generator=gen).bfloat16()
+    q = torch.randn(rows, HEADS, head_dim, generator=gen).to(dtype)
     key_cache, value_cache = cache.key_cache[0], cache.value_cache[0]
     starts = torch.tensor([0] + q_lens).cumsum(0)
     lens = torch.tensor(q_lens)
@@ -91,7 +95,7 @@ def main() -> None:
             scores[:, :max(0, n - args.window)] = float("-inf")
         probs = scores.softmax(-1)
         exact[r] = torch.einsum("hk,khd->hd", probs, values[slots])
-    print(f"{len(q_lens)} prompts, {rows} rows, {args.threads} threads, best of {args.rounds}, one layer, "
+    print(f"{args.dtype}, {len(q_lens)} prompts, {rows} rows, {args.threads} threads, best of {args.rounds}, one layer, "
           f"window {args.window}, softcap {args.softcap}")
     print("| attention | ms | against the tiles | mean / max difference from float64 |")
     print("|---|---|---|---|")

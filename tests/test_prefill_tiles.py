@@ -1,5 +1,6 @@
-"""The prefill tiles (`csrc/prefill_tiles.cpp`, `ops.paged_prefill`): a step's prompt chunks
-attended a sequence's consecutive rows at a time, held to float64 attention over the same cache."""
+"""The prefill tiles (`csrc/prefill_tiles.cpp`, `csrc/prefill_tiles_f32.h`, `ops.paged_prefill`): a step's
+prompt chunks attended a sequence's consecutive rows at a time, in bf16 and in float32, held to float64
+attention over the same cache."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 
 import pytest
 import torch
+from cpu_class import needs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cpu_kernels import needs_bf16_dot
@@ -53,8 +55,9 @@ def float64_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 @given(chunks=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 70)), min_size=1, max_size=5),
        block_size=st.sampled_from([8, 16, 32]), heads=st.sampled_from([(9, 3), (4, 4), (8, 2), (4, 1), (16, 2), (50, 1)]),
        head_dim=st.sampled_from(ops.PREFILL_HEAD_DIMS), seed=st.integers(0, 2**16))
-def test_prefill_tiles_equal_float64_attention(chunks, block_size, heads, head_dim, seed) -> None:
-    check_tiles(chunks, block_size, heads, head_dim, seed)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_tiles_equal_float64_attention(dtype, chunks, block_size, heads, head_dim, seed) -> None:
+    check_tiles(dtype, chunks, block_size, heads, head_dim, seed)
 
 
 @settings(max_examples=40, deadline=None)
@@ -62,20 +65,26 @@ def test_prefill_tiles_equal_float64_attention(chunks, block_size, heads, head_d
        block_size=st.sampled_from([8, 16, 32]), heads=st.sampled_from([(9, 3), (8, 2), (4, 1), (16, 2)]),
        head_dim=st.sampled_from([64, 256]), seed=st.integers(0, 2**16), window=st.sampled_from([None, 1, 5, 16, 37]),
        softcap=st.sampled_from([None, 2.0]), sinks=st.booleans())
-def test_prefill_tiles_under_a_layers_rules_equal_float64_attention(chunks, block_size, heads, head_dim, seed, window,
-                                                                    softcap, sinks) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_tiles_under_a_layers_rules_equal_float64_attention(dtype, chunks, block_size, heads, head_dim, seed,
+                                                                    window, softcap, sinks) -> None:
     """The same under a window (the blocks wholly below every row's window freed: their table entries point
     at a block of NaNs, which no row may read), a cap on the scores, and sinks."""
-    check_tiles(chunks, block_size, heads, head_dim, seed, window, softcap, sinks)
+    check_tiles(dtype, chunks, block_size, heads, head_dim, seed, window, softcap, sinks)
 
 
-def check_tiles(chunks, block_size, heads, head_dim, seed, window=None, softcap=None, sinks=False) -> None:
+def check_tiles(dtype, chunks, block_size, heads, head_dim, seed, window=None, softcap=None, sinks=False) -> None:
     """Sequences of (cached, new) tokens: fresh prompts, chunks after a cached prefix, single rows (the
-    row routine); tables scattered, blocks smaller than, equal to and larger than a chunk of keys. Each
-    output is within bf16's rounding of the exact one (half a step of the output, and of the
-    probability-weighted |v| for the probabilities the values are multiplied by in bf16): a masking,
-    table or tiling slip is off by far more."""
-    needs_bf16_dot()
+    row routine); tables scattered, blocks smaller than, equal to and larger than a chunk of keys. In
+    bf16 each output is within bf16's rounding of the exact one (half a step of the output, and of the
+    probability-weighted |v| for the probabilities the values are multiplied by in bf16); in float32
+    within 2^-16 of the same two (sums of up to 256 products and 130 positions in float32 stay well
+    inside it): a masking, table or tiling slip is off by far more."""
+    if dtype == torch.bfloat16:
+        needs_bf16_dot()
+    else:
+        needs("avx2", "the float32 prefill tiles")
+        assert ops.paged_prefill_float32()
     num_heads, num_kv_heads = heads
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -86,8 +95,8 @@ def check_tiles(chunks, block_size, heads, head_dim, seed, window=None, softcap=
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(n)] for n in need]
     shape = (sum(need) + 4, block_size, num_kv_heads, head_dim)  # (the last in no table)
-    key_cache, value_cache = (torch.randn(shape, generator=gen).bfloat16() for _ in range(2))
-    q = (torch.randn(sum(q_lens), num_heads, head_dim, generator=gen) * 2).bfloat16()
+    key_cache, value_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    q = (torch.randn(sum(q_lens), num_heads, head_dim, generator=gen) * 2).to(dtype)
     padded = torch.zeros(len(tables), max(need), dtype=torch.long)
     for s, table in enumerate(tables):
         padded[s, :len(table)] = torch.tensor(table)
@@ -102,6 +111,7 @@ def check_tiles(chunks, block_size, heads, head_dim, seed, window=None, softcap=
                             softcap, logits)
     exact, spread = float64_attention(q, key_cache, value_cache, tables, q_lens, seq_lens, scale, window, softcap,
                                       logits)
-    assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    bound = exact.abs() * 2.0**-8 + spread[..., None] * 2.0**-8 + 1e-5
+    assert out.dtype == dtype and out.shape == q.shape
+    step = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-16
+    bound = exact.abs() * step + spread[..., None] * step + 1e-5
     assert ((out.double() - exact).abs() <= bound).all()

@@ -84,15 +84,15 @@ def test_row_kernel_equals_reference_under_rules(shapes, window, softcap, with_s
 @pytest.mark.parametrize("window", [3, 16, 31, 48])
 def test_row_kernel_on_head_sizes_and_block_crossings(dtype, head_dim, window) -> None:
     """Decodes at every offset of a block and a chunk of a prompt, so windows start anywhere in a block; with
-    `prefill_rows`, a bf16 step through the prefill tiles under the rules."""
+    `prefill_rows`, a step through the prefill tiles under the rules (bf16 or float32, where built)."""
     shapes = [(c, 1) for c in range(40, 72, 3)] + [(37, 21), (0, 50)]
     for prefill_rows in (False, True):
         with mock.patch.object(layer_rules.ops, "paged_prefill", wraps=ops.paged_prefill) as tiles:
             fast, ref = engine_outputs(shapes, 8, 2, head_dim, dtype, window, 30.0, True, head_dim + window,
                                        prefill_rows=prefill_rows)
-        # a bf16 step with prompt chunks takes the prefill tiles under the rules where they are built
-        assert tiles.called == (prefill_rows and dtype == torch.bfloat16 and head_dim in ops.PREFILL_HEAD_DIMS
-                                and ops.decode_linear_available())
+        # a step with prompt chunks takes the prefill tiles under the rules where they are built
+        built = ops.decode_linear_available() if dtype == torch.bfloat16 else ops.paged_prefill_float32()
+        assert tiles.called == (prefill_rows and head_dim in ops.PREFILL_HEAD_DIMS and built)
         torch.testing.assert_close(fast.float(), ref.float(), atol=TOLERANCE[dtype], rtol=0)
 
 

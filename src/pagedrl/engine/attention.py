@@ -14,9 +14,9 @@ Three implementations compute the same thing:
   path to it. A layer with a sliding window, soft-capped scores (Gemma 2) or attention sinks
   (gpt-oss) takes the kernels that honour them (`layer_rules`: the row kernel, the Triton kernel).
 - `fast`: on a CPU, a step of decodes only runs `ops.paged_decode`, which reads each
-  sequence's keys and values from its blocks where they lie (one pass over them); in bf16 without
-  AMX a step with prompt chunks runs `ops.paged_prefill` (a prompt's rows in tiles over the
-  blocks where they lie; `prefill_by_rows`). Other steps, and
+  sequence's keys and values from its blocks where they lie (one pass over them); without AMX a
+  step with prompt chunks runs `ops.paged_prefill` (a prompt's rows in tiles over the blocks where
+  they lie, bf16 or float32; `prefill_by_rows`). Other steps, and
   decodes where that kernel is not built: sequences in groups, each group attended in one batched op. A group's keys and values
   are gathered block-wise with one `index_select` apiece into a reused buffer, then handed to
   `scaled_dot_product_attention` as strided [S, Hkv, L, D] views (no transpose copy, no keys
@@ -93,7 +93,7 @@ class PagedAttention:
     row_lens: torch.Tensor | None = field(default=None, repr=False)
     row_seqs: torch.Tensor | None = field(default=None, repr=False)
     kernels: bool = False  # the CPU kernels serve this cache: its KV writes take one `store_kv` call a layer
-    tiles: bool = False  # a CPU bf16 step with prompt chunks: `ops.paged_prefill` attends them in tiles
+    tiles: bool = False  # a CPU step with prompt chunks: `ops.paged_prefill` attends them in tiles
     # Per-layer rules (Gemma, `model/gemma.py`; gpt-oss; a uniform window): each layer's sliding window (None:
     # every cached key) and a tanh cap on the scores. A layer with either (or sinks) attends through
     # `layer_rules`: the row or Triton kernel, which honour them, never the tiles, groups or decode program.
@@ -173,8 +173,8 @@ class PagedAttention:
         False keeps a CPU decode step on the gather path (see the engine's runner). `rows`: every new
         token attended alone by the row kernel, as batch-invariant mode needs (None: whether that mode
         is on here). `prefill_rows`: a step with prompt chunks goes to the CPU kernels too (where they
-        are the faster prefill: `prefill_by_rows`), to the prefill tiles in bf16 where the CPU has the
-        bf16 dot products, else to the row kernel; steps of decodes keep the in-place decode kernel."""
+        are the faster prefill: `prefill_by_rows`), to the prefill tiles where they are built for the
+        cache (`prefill_in_tiles`), else to the row kernel; steps of decodes keep the in-place decode kernel."""
         device = kv_cache.device if device is None else torch.device(device)
         block_size = kv_cache.block_size
         num_seqs = len(q_lens)
@@ -339,8 +339,8 @@ def prefill_by_rows(kv_cache: KVCache, device: torch.device) -> bool:
     one pass over the keys each row sees, read where they lie) rather than gather + torch's flash
     attention: on a CPU without AMX, in bf16 (64 prompts of 32-512 tokens, attention of their prefill:
     rows 3.6 s, tiles 1.2 s, flash attention 6.3 s) and in float32 (one layer of the same prompts,
-    rows against flash attention: AVX512 200 / 284 ms on one thread, 109 / 203 on two; as AVX2 202 /
-    281 and 105 / 161; `bench/RESULTS.md`). With AMX torch's flash attention is the faster in bf16
+    two threads, tiles / rows / flash attention: AVX512 70 / 104 / 160 ms; as AVX2 80 / 106 / 163;
+    `bench/RESULTS.md`). With AMX torch's flash attention is the faster in bf16
     (5.0-5.7 s against 7.3-7.5 s for the whole prefill through rows), and float32 there was not
     measured: both keep it."""
     return reads_in_place(kv_cache, device) and not ops.decode_linear_amx()
@@ -348,12 +348,16 @@ def prefill_by_rows(kv_cache: KVCache, device: torch.device) -> bool:
 
 def prefill_in_tiles(kv_cache: KVCache) -> bool:
     """Whether prompt chunks that go to the CPU kernels take the prefill tiles (`csrc/prefill_tiles.cpp`:
-    a prompt's rows 16 at a time against each chunk of keys laid out once, 64 prompts of 32-512 tokens
-    36-41 ms a layer against the row kernel's 70-75; `bench/RESULTS.md`): a bf16 cache of a head size
-    the kernel is built for, and a build with the bf16 dot-product instructions. Batch-invariant steps
-    keep the row kernel."""
-    return (kv_cache.dtype == torch.bfloat16 and kv_cache.head_dim in ops.PREFILL_HEAD_DIMS
-            and ops.decode_linear_available())
+    a prompt's rows 16 at a time against each chunk of keys laid out once): a cache of a head size the
+    kernel is built for, in bf16 with the bf16 dot-product instructions (64 prompts of 32-512 tokens,
+    one layer, two threads: 35-38 ms against the row kernel's 75), or in float32 with AVX2 and FMA or
+    AVX512 (`csrc/prefill_tiles_f32.h`: 70 against 104 on AVX512, 80 against 106 as AVX2;
+    `bench/RESULTS.md`). Batch-invariant steps keep the row kernel."""
+    if kv_cache.head_dim not in ops.PREFILL_HEAD_DIMS:
+        return False
+    if kv_cache.dtype == torch.float32:
+        return ops.paged_prefill_float32()
+    return kv_cache.dtype == torch.bfloat16 and ops.decode_linear_available()
 
 
 def chunk_tokens_for(kv_cache: KVCache, device: torch.device) -> int | None:

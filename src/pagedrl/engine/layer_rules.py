@@ -3,7 +3,7 @@ Phi-3-mini, Gemma's and gpt-oss's sliding layers), soft-capped scores (Gemma 2),
 
 Which kernel honours them: on a GPU the Triton kernel (`triton_attention.paged_attention` takes all three);
 on a CPU the row kernel (`ops.paged_attention`), one query row at a time, for decode steps, and the
-prefill tiles (`ops.paged_prefill`) for a bf16 step's prompt chunks where they run; the other fast
+prefill tiles (`ops.paged_prefill`) for a step's prompt chunks where they run; the other fast
 variants (the gather-then-SDPA groups, the decode program's call without a window) know none of them,
 so a layer with a rule never goes there. Each of these
 starts a row's loop at the window's first key, so a windowed layer's cost stays O(window) however long
@@ -42,7 +42,7 @@ def attend_with_rules(meta: PagedAttention, layer: int, q: torch.Tensor, k: torc
                                                 softcap=meta.softcap, sinks=sinks)
     meta._store(k, v, key_cache, value_cache)
     sink_logits = None if sinks is None else sinks.detach().float()
-    if meta.impl == "fast" and meta.tiles:  # a bf16 step with prompt chunks: a prompt's rows in tiles
+    if meta.impl == "fast" and meta.tiles:  # a step with prompt chunks: a prompt's rows in tiles
         return ops.paged_prefill(q, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                  scale, window=window, softcap=meta.softcap, sinks=sink_logits)
     if meta.impl == "fast" and meta.kernels:

@@ -10,8 +10,8 @@ where they lie, through tables, one row at a time. Two uses:
   else is in the batch, so a token decoded by the engine and the same token in a trainer's packed
   forward get the same bits; with its backward for the trainer.
 
-`paged_prefill` (`csrc/prefill_tiles.cpp`): a step's prompt chunks in bf16, a sequence's consecutive rows
-in tiles over each chunk of keys (the row routine both share: `csrc/attention_rows.h`).
+`paged_prefill` (`csrc/prefill_tiles.cpp`): a step's prompt chunks in bf16 or float32, a sequence's
+consecutive rows in tiles over each chunk of keys (the row routine both share: `csrc/attention_rows.h`).
 
 `decode_linear` (`csrc/decode_linear.cpp`): a bf16 linear layer's product for the rows of a decode
 step, with AMX tiles or AVX512-BF16 dot products; `rms_norm`, `silu_mul` and `rope` (`csrc/rowwise.cpp`):
@@ -52,7 +52,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c
                                                                 "decode_linear.cpp", "pair_linear.cpp", "rowwise.cpp", "float_linear.cpp",
                                                                 "gguf_linear.cpp", "gguf_int8_dot.cpp", "threads.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "attention_rows.h", "attention_f32.h",
-                                                     "float_lanes.h", "gguf_int8_groups.h", "gguf_int8_row.h",
+                                                     "prefill_tiles_f32.h", "float_lanes.h", "gguf_int8_groups.h", "gguf_int8_row.h",
                                                      "gguf_int8_rows8.h", "gguf_int8_types.h",
                                                      "gguf_int8_kquants.h", "gguf_int8_kgroups.h", "gguf_int8_krows8.h")]  # the build's key too
 DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
@@ -194,13 +194,20 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     return paged_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, window=window)[0]
 
 
+@functools.cache
+def paged_prefill_float32() -> bool:
+    """Whether the kernels are built with float32 prefill tiles (AVX2 with FMA, or AVX512F)."""
+    return available() and bool(_OPS.paged_prefill_float32())
+
+
 def paged_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int | None = None,
                   softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [N, Hq, D] bf16, sequence s owning rows query_start_loc[s]:query_start_loc[s + 1], its last at
+    """q [N, Hq, D] bf16 or float32 (the caches alike), sequence s owning rows query_start_loc[s]:query_start_loc[s + 1], its last at
     position seq_lens[s] - 1 → [N, Hq, D], each row attended causally over its sequence's keys, in
     tiles of a prompt's consecutive rows (`csrc/prefill_tiles.cpp`); `window`, `softcap` and `sinks` as
-    `paged_attention` takes them. Needs `decode_linear_available()` (the bf16 dot-product instructions)."""
+    `paged_attention` takes them. Needs `decode_linear_available()` (the bf16 dot-product instructions)
+    for bf16, `paged_prefill_float32()` for float32."""
     return _ops().paged_prefill(q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
                                 window or 0, softcap or 0.0, sinks)
 

@@ -36,6 +36,15 @@ inline F32Vec f32_zero() { return _mm512_setzero_ps(); }
 inline F32Vec f32_load(const float* p) { return _mm512_loadu_ps(p); }
 inline void f32_store(float* p, F32Vec v) { _mm512_storeu_ps(p, v); }
 inline F32Vec f32_fma(F32Vec a, F32Vec b, F32Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline F32Vec f32_mul(F32Vec a, F32Vec b) { return _mm512_mul_ps(a, b); }
+inline F32Vec f32_add(F32Vec a, F32Vec b) { return _mm512_add_ps(a, b); }
+inline F32Vec f32_sub(F32Vec a, F32Vec b) { return _mm512_sub_ps(a, b); }
+inline F32Vec f32_max(F32Vec a, F32Vec b) { return _mm512_max_ps(a, b); }
+inline F32Vec f32_round(F32Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// 2^n for lanes holding whole numbers n in [-126, 127].
+inline F32Vec f32_pow2(F32Vec n) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
 inline F32Vec f32_splat(float x) { return _mm512_set1_ps(x); }
 
 // Lane t: the sum of v[t]'s 16 lanes (`sum_lanes16`).
@@ -47,6 +56,14 @@ inline F32Vec f32_zero() { return _mm256_setzero_ps(); }
 inline F32Vec f32_load(const float* p) { return _mm256_loadu_ps(p); }
 inline void f32_store(float* p, F32Vec v) { _mm256_storeu_ps(p, v); }
 inline F32Vec f32_fma(F32Vec a, F32Vec b, F32Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline F32Vec f32_mul(F32Vec a, F32Vec b) { return _mm256_mul_ps(a, b); }
+inline F32Vec f32_add(F32Vec a, F32Vec b) { return _mm256_add_ps(a, b); }
+inline F32Vec f32_sub(F32Vec a, F32Vec b) { return _mm256_sub_ps(a, b); }
+inline F32Vec f32_max(F32Vec a, F32Vec b) { return _mm256_max_ps(a, b); }
+inline F32Vec f32_round(F32Vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline F32Vec f32_pow2(F32Vec n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
 inline F32Vec f32_splat(float x) { return _mm256_set1_ps(x); }
 
 // Lane t: the sum of v[t]'s 8 lanes, for t in 0..7 and again for 8..15 (horizontal adds of pairs, then
@@ -61,6 +78,22 @@ inline void f32_sum_lanes(F32Vec v[16], float* out) {
   }
 }
 #endif
+
+// exp(x) for lanes x <= 0: `exp_nonpositive`'s 2^n * p(r), a vector of lanes at a time (the polynomial in
+// fused multiply-adds, as `exp_nonpositive16`).
+inline F32Vec f32_exp_nonpositive(F32Vec x) {
+  x = f32_max(x, f32_splat(-87.0f));
+  const F32Vec n = f32_round(f32_mul(x, f32_splat(1.44269504088896341f)));
+  const F32Vec r = f32_add(f32_sub(x, f32_mul(n, f32_splat(0.693359375f))), f32_mul(n, f32_splat(2.12194440e-4f)));
+  F32Vec p = f32_splat(1.f / 720.f);
+  p = f32_fma(p, r, f32_splat(1.f / 120.f));
+  p = f32_fma(p, r, f32_splat(1.f / 24.f));
+  p = f32_fma(p, r, f32_splat(1.f / 6.f));
+  p = f32_fma(p, r, f32_splat(0.5f));
+  p = f32_fma(p, r, f32_splat(1.f));
+  p = f32_fma(p, r, f32_splat(1.f));
+  return f32_mul(p, f32_pow2(n));
+}
 
 // A chunk's scores for the `groups` query heads of one KV head: query [groups][kD] (already scaled),
 // keys at `keys + slots[t] * token_stride` for t < n; positions n..15 score 0 (masked later). The next
