@@ -339,7 +339,7 @@ def prefill_by_rows(kv_cache: KVCache, device: torch.device) -> bool:
     one pass over the keys each row sees, read where they lie) rather than gather + torch's flash
     attention: on a CPU without AMX, in bf16 (64 prompts of 32-512 tokens, attention of their prefill:
     rows 3.6 s, tiles 1.2 s, flash attention 6.3 s) and in float32 (one layer of the same prompts,
-    two threads, tiles / rows / flash attention: AVX512 70 / 104 / 160 ms; as AVX2 80 / 106 / 163;
+    two threads, tiles / rows / flash attention: AVX512 66 / 102 / 160 ms; as AVX2 70 / 106 / 162;
     `bench/RESULTS.md`). With AMX torch's flash attention is the faster in bf16
     (5.0-5.7 s against 7.3-7.5 s for the whole prefill through rows), and float32 there was not
     measured: both keep it."""
@@ -351,7 +351,7 @@ def prefill_in_tiles(kv_cache: KVCache) -> bool:
     a prompt's rows 16 at a time against each chunk of keys laid out once): a cache of a head size the
     kernel is built for, in bf16 with the bf16 dot-product instructions (64 prompts of 32-512 tokens,
     one layer, two threads: 35-38 ms against the row kernel's 75), or in float32 with AVX2 and FMA or
-    AVX512 (`csrc/prefill_tiles_f32.h`: 70 against 104 on AVX512, 80 against 106 as AVX2;
+    AVX512 (`csrc/prefill_tiles_f32.h`: 66 against 102 on AVX512, 70 against 106 as AVX2;
     `bench/RESULTS.md`). Batch-invariant steps keep the row kernel."""
     if kv_cache.head_dim not in ops.PREFILL_HEAD_DIMS:
         return False

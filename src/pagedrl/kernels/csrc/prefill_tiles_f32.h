@@ -8,10 +8,12 @@
 // 48 / G consecutive rows), so a key's value at d, broadcast, gives that key's partial scores for a
 // vector of heads in one multiply-add, with no lane sums (the register tile of a GEMM: 4 keys x 3
 // vectors of sums with 8 lanes' 16 registers, 8 x 3 with 16 lanes' 32); the online softmax runs down
-// the chunk's 16 keys for all heads at once, and the values go into 3 (6) heads' slices of 4 vectors,
-// each value row read once for them. Each score is a chain of multiply-adds over d in order, each
-// output a chain over the positions in order: the same bits whichever rows or sequences share the
-// call, as the row kernel's are, though not the row kernel's own bits (its scores add across lanes).
+// the chunk's 16 keys for all heads at once, and the values go into 6 heads' slices of 2 vectors (8
+// lanes) or 4 (16), each value row read once for them. Each score is a chain of multiply-adds over d in
+// order, each output a chain over the positions in order: the same bits whichever rows or sequences
+// share the call, as the row kernel's are, though not the row kernel's own bits (its scores add across
+// lanes). One layer of 64 prompts of 32-512 tokens, two threads: 70 ms against the row kernel's 106 as
+// AVX2, 66 against 102 on AVX512 (`bench/RESULTS.md`).
 #pragma once
 
 #include "attention_rows.h"
