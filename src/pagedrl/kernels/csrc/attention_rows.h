@@ -150,6 +150,24 @@ inline void soft_cap(float* s, int64_t n, float cap) {
   }
 }
 
+// The slots of a tile's chunk [first, first + kChunk) (`prefill_tiles.cpp`): slots[t] where position
+// first + t lies (table entries of table_block slots each), -1 for positions past the chunk's n and
+// below the window's first key `lo` (read as zeros, never a freed block).
+inline void tile_chunk_slots(int64_t first, int64_t n, int64_t lo, const int64_t* table, int64_t table_block,
+                             int64_t* slots) {
+  const bool chunk_in_one_entry = table_block % kChunk == 0;
+  int64_t slot = -1;
+  for (int64_t t = 0; t < kChunk; ++t) {
+    const int64_t p = first + t;
+    if (t < n && p >= lo) {
+      slot = chunk_in_one_entry && slot >= 0 ? slot + 1 : table[p / table_block] * table_block + p % table_block;
+      slots[t] = slot;
+    } else {
+      slots[t] = -1;
+    }
+  }
+}
+
 struct RowRules {
   int64_t window = 0;
   float softcap = 0.f;

@@ -31,6 +31,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -167,24 +168,16 @@ void attend_tile(const Tile& tile, const bf16* q, const bf16* kc, const bf16* vc
     lowest_key[v] = _mm512_sub_epi32(position[v], _mm512_set1_epi32(static_cast<int32_t>(
         rules.window > 0 ? rules.window - 1 : std::numeric_limits<int32_t>::max() / 2)));
   }
-  const bool chunk_in_one_entry = table_block % kChunk == 0;
   const uint32_t* keys[kChunk];
   const uint16_t* values[kChunk];
+  int64_t slots[kChunk];
   for (int64_t first = lo / kChunk * kChunk; first < len; first += kChunk) {
     const int64_t n = std::min(kChunk, len - first);
-    int64_t slot = 0;
-    bool have_slot = false;
+    pagedrl_cpu::tile_chunk_slots(first, n, lo, table, table_block, slots);
     for (int64_t t = 0; t < kChunk; ++t) {
-      if (t < n && first + t >= lo) {
-        const int64_t p = first + t;
-        slot = chunk_in_one_entry && have_slot ? slot + 1 : table[p / table_block] * table_block + p % table_block;
-        have_slot = true;
-        keys[t] = reinterpret_cast<const uint32_t*>(kc + slot * token_stride + h * kD);
-        values[t] = reinterpret_cast<const uint16_t*>(vc + slot * token_stride + h * kD);
-      } else {
-        keys[t] = w.zeros.data();
-        values[t] = reinterpret_cast<const uint16_t*>(w.zeros.data());
-      }
+      keys[t] = slots[t] < 0 ? w.zeros.data() : reinterpret_cast<const uint32_t*>(kc + slots[t] * token_stride + h * kD);
+      values[t] = slots[t] < 0 ? reinterpret_cast<const uint16_t*>(w.zeros.data())
+                               : reinterpret_cast<const uint16_t*>(vc + slots[t] * token_stride + h * kD);
     }
     const int64_t pairs = (n + 1) / 2;
     for (int64_t j = 0; j < pairs; ++j)
@@ -319,6 +312,36 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache, const
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t stride = table.size(1);
   const float s = static_cast<float>(scale);
+  // The step's tiles in `T` with head size kD: each thread with its own `TileState` and row scratch; a
+  // tile of too few query heads (or a model with more than `tile_heads` a KV head) through the row
+  // routine, row by row; the others through attend(tile, its sequence's table, the thread's state).
+  auto run_tiles = [&](auto* type, auto kd, auto* state, int64_t tile_heads, auto&& attend) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    using TileState = std::remove_pointer_t<decltype(state)>;
+    constexpr int kD = decltype(kd)::value;
+    struct Scratch {
+      TileState tile;
+      pagedrl_cpu::RowScratch row;
+    };
+    const T* qp = qc.data_ptr<T>();
+    const T* kp = key_cache.data_ptr<T>();
+    const T* vp = value_cache.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    pagedrl_cpu::run_largest_first(
+        static_cast<int64_t>(tiles.size()), [&] { return std::make_unique<Scratch>(); },
+        [&](std::unique_ptr<Scratch>& w, int64_t i) {
+          const Tile& tile = tiles[i];
+          const int64_t* seq_table = tp + tile.seq * stride;
+          if (tile.rows * groups < kMinTileHeads || groups > tile_heads) {
+            for (int64_t r = 0; r < tile.rows; ++r)
+              pagedrl_cpu::attend_row<T, kD>(qp, kp, vp, seq_table, tile.first_row + r, tile.head, 1,
+                                             tile.first_pos + r + 1, op, nullptr, num_heads, groups, kD,
+                                             token_stride, table_block, s, w->row, rules);
+          } else {
+            attend(tile, qp, kp, vp, seq_table, op, w->tile);
+          }
+        });
+  };
   auto by_head_dim = [&](auto&& run) {
     switch (head_dim) {
       case 16: run(std::integral_constant<int, 16>{}); break;
@@ -331,32 +354,16 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache, const
   };
   if (f32) {
 #if PAGEDRL_F32_CHUNKS
-    const float* qp = qc.data_ptr<float>();
-    const float* kp = key_cache.data_ptr<float>();
-    const float* vp = value_cache.data_ptr<float>();
-    float* op = out.data_ptr<float>();
     by_head_dim([&](auto kd) {
       constexpr int kD = decltype(kd)::value;
-      struct Scratch {
-        pagedrl_cpu::F32TileScratch<kD> tile;
-        pagedrl_cpu::RowScratch row;
-      };
-      pagedrl_cpu::run_largest_first(
-          static_cast<int64_t>(tiles.size()), [&] { return std::make_unique<Scratch>(); },
-          [&](std::unique_ptr<Scratch>& w, int64_t i) {
-            const Tile& tile = tiles[i];
-            const int64_t* seq_table = tp + tile.seq * stride;
-            if (tile.rows * groups < kMinTileHeads || groups > pagedrl_cpu::kF32TileHeads) {
-              for (int64_t r = 0; r < tile.rows; ++r)
-                pagedrl_cpu::attend_row<float, kD>(qp, kp, vp, seq_table, tile.first_row + r, tile.head, 1,
-                                                   tile.first_pos + r + 1, op, nullptr, num_heads, groups, kD,
-                                                   token_stride, table_block, s, w->row, rules);
-            } else {
-              pagedrl_cpu::attend_tile_f32<kD>(tile.first_row, tile.rows, tile.first_pos, tile.head, qp, kp, vp,
-                                               seq_table, op, num_heads, groups, token_stride, table_block, s,
-                                               w->tile, rules);
-            }
-          });
+      run_tiles(static_cast<float*>(nullptr), kd, static_cast<pagedrl_cpu::F32TileScratch<kD>*>(nullptr),
+                pagedrl_cpu::kF32TileHeads,
+                [&](const Tile& tile, const float* qp, const float* kp, const float* vp, const int64_t* seq_table,
+                    float* op, pagedrl_cpu::F32TileScratch<kD>& w) {
+                  pagedrl_cpu::attend_tile_f32<kD>(tile.first_row, tile.rows, tile.first_pos, tile.head, qp, kp, vp,
+                                                   seq_table, op, num_heads, groups, token_stride, table_block, s, w,
+                                                   rules);
+                });
     });
     return out;
 #else
@@ -364,31 +371,14 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache, const
 #endif
   }
 #if PAGEDRL_BF16_DOT
-  const bf16* qp = qc.data_ptr<bf16>();
-  const bf16* kp = key_cache.data_ptr<bf16>();
-  const bf16* vp = value_cache.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
   by_head_dim([&](auto kd) {
     constexpr int kD = decltype(kd)::value;
-    struct Scratch {
-      TileScratch<kD> tile;
-      pagedrl_cpu::RowScratch row;
-    };
-    pagedrl_cpu::run_largest_first(
-        static_cast<int64_t>(tiles.size()), [&] { return std::make_unique<Scratch>(); },
-        [&](std::unique_ptr<Scratch>& w, int64_t i) {
-          const Tile& tile = tiles[i];
-          const int64_t* seq_table = tp + tile.seq * stride;
-          if (tile.rows * groups < kMinTileHeads || groups > kTileHeads) {
-            for (int64_t r = 0; r < tile.rows; ++r)
-              pagedrl_cpu::attend_row<bf16, kD>(qp, kp, vp, seq_table, tile.first_row + r, tile.head, 1,
-                                                tile.first_pos + r + 1, op, nullptr, num_heads, groups, kD,
-                                                token_stride, table_block, s, w->row, rules);
-          } else {
-            attend_tile<kD>(tile, qp, kp, vp, seq_table, op, num_heads, groups, token_stride, table_block, s, w->tile,
-                            rules);
-          }
-        });
+    run_tiles(static_cast<bf16*>(nullptr), kd, static_cast<TileScratch<kD>*>(nullptr), kTileHeads,
+              [&](const Tile& tile, const bf16* qp, const bf16* kp, const bf16* vp, const int64_t* seq_table, bf16* op,
+                  TileScratch<kD>& w) {
+                attend_tile<kD>(tile, qp, kp, vp, seq_table, op, num_heads, groups, token_stride, table_block, s, w,
+                                rules);
+              });
   });
   return out;
 #else

@@ -187,23 +187,15 @@ void attend_tile_f32(int64_t first_row, int64_t rows, int64_t first_pos, int64_t
   }
   std::fill(w.acc, w.acc + kM * kD, 0.f);
   const int64_t value_heads = (heads + kF32ValueHeads - 1) / kF32ValueHeads * kF32ValueHeads;
-  const bool chunk_in_one_entry = table_block % kChunk == 0;
   const float* keys[kChunk];
   const float* values[kChunk];
+  int64_t slots[kChunk];
   for (int64_t first = lo / kChunk * kChunk; first < len; first += kChunk) {
     const int64_t n = std::min(kChunk, len - first);
-    int64_t slot = 0;
-    bool have_slot = false;
+    tile_chunk_slots(first, n, lo, table, table_block, slots);
     for (int64_t t = 0; t < kChunk; ++t) {
-      if (t < n && first + t >= lo) {
-        const int64_t p = first + t;
-        slot = chunk_in_one_entry && have_slot ? slot + 1 : table[p / table_block] * table_block + p % table_block;
-        have_slot = true;
-        keys[t] = kc + slot * token_stride + h * kD;
-        values[t] = vc + slot * token_stride + h * kD;
-      } else {
-        keys[t] = values[t] = w.zeros;
-      }
+      keys[t] = slots[t] < 0 ? w.zeros : kc + slots[t] * token_stride + h * kD;
+      values[t] = slots[t] < 0 ? w.zeros : vc + slots[t] * token_stride + h * kD;
     }
     int t0 = 0;
     for (; t0 + kF32KeyBlock <= n; t0 += kF32KeyBlock) f32_key_block_scores<kD, kF32KeyBlock>(w, keys, t0);
