@@ -149,8 +149,8 @@ def test_the_kernels_are_built_for_the_process_s_cpu_class() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prompt_chunks_by_rows_equal_the_reference(dtype) -> None:
     """`prefill_rows`: a step of a fresh prompt, a chunk after a cached prefix and a decode, through the
-    prefill tiles (bf16 where the CPU has the bf16 dot products) or every new token's row through the
-    row kernel, equals the reference path; a step of decodes only keeps the in-place decode kernel."""
+    prefill tiles (bf16 where the CPU has the bf16 dot products, float32 with AVX2 or AVX512) or every new
+    token's row through the row kernel, equals the reference path; a step of decodes only keeps the in-place decode kernel."""
     block_size, num_kv_heads, num_heads, head_dim = 16, 3, 9, 64
     gen = torch.Generator().manual_seed(11)
     cache = KVCache(1, 24, block_size, num_kv_heads, head_dim, dtype=dtype)
@@ -164,7 +164,7 @@ def test_prompt_chunks_by_rows_equal_the_reference(dtype) -> None:
     ref = PagedAttention.build(cache, block_size, seqs, impl="reference").attend(0, q, k, v)
     cache.data.copy_(before)
     meta = PagedAttention.build(cache, block_size, seqs, impl="fast", prefill_rows=True)
-    tiles = dtype == torch.bfloat16 and ops.decode_linear_available()
+    tiles = ops.decode_linear_available() if dtype == torch.bfloat16 else ops.paged_prefill_float32()
     assert meta.tiles == tiles and (meta.row_lens is None) == tiles and meta.groups is None
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(meta.attend(0, q, k, v).float(), ref.float(), rtol=tol, atol=tol)
