@@ -238,8 +238,9 @@ void attend_tile(const Tile& tile, const bf16* q, const bf16* kc, const bf16* vc
 }
 #endif
 
-// q [N, Hq, D] bf16, the rows of S sequences (sequence s owns rows query_start_loc[s]..[s+1], the last
-// of them at position seq_lens[s] - 1); key_cache, value_cache [blocks, B, Hkv, D]; tables [S, entries].
+// q [N, Hq, D] bf16 or float32 (the caches alike), the rows of S sequences (sequence s owns rows
+// query_start_loc[s]..[s+1], the last of them at position seq_lens[s] - 1); key_cache, value_cache
+// [blocks, B, Hkv, D]; tables [S, entries].
 // Returns [N, Hq, D]: each row attends causally over its sequence's keys up to its own position. window > 0:
 // a row sees its last `window` keys only (and reads no other); softcap > 0: scores capped; sinks [Hq] float32:
 // a logit per head in each denominator (`RowRules`).
