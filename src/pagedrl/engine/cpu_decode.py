@@ -85,8 +85,8 @@ class QuantizedWeight:
 
 def float_product(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, n: int, bias: torch.Tensor | None
                   ) -> torch.Tensor:
-    """A float32 step's projection as its route computes it (`products.float_rows`): the float32 kernel
-    up to `MAX_ROWS_FLOAT` rows, torch's (MKL) above; a weight kept quantized as its module's route
+    """A float32 step's projection as its route computes it (`products.float_rows`): the engine's float32
+    kernels where they run (`products.float_kernel`), torch's (MKL) above; a weight kept quantized as its module's route
     computes it (`products.quantized_rows`; a decode step's few rows, contiguous as the program makes
     them, straight to the kernel: a single stream's 210 products a token, each five Python calls
     shorter). `n`, the output features, is the k-pairs product's argument, unused: the program calls
@@ -95,9 +95,8 @@ def float_product(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, n: in
         if x.shape[0] <= weight.max_rows:
             return weight.product(x, weight.blocks, weight.ggml_type, weight.k, weight.bias)
         return weight.route(x, weight.blocks, weight.ggml_type, weight.k, weight.bias)
-    if x.shape[0] <= products.MAX_ROWS_FLOAT:
-        return ops.float_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    out = products.float_kernel(x, weight, bias)
+    return F.linear(x, weight, bias) if out is None else out
 
 
 

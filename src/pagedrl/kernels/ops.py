@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 _OPS = torch.ops.pagedrl_cpu
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prefill_tiles.cpp",
-                                                                "decode_linear.cpp", "pair_linear.cpp", "rowwise.cpp", "float_linear.cpp",
+                                                                "decode_linear.cpp", "pair_linear.cpp", "rowwise.cpp", "float_linear.cpp", "float_gemm.cpp",
                                                                 "gguf_linear.cpp", "gguf_int8_dot.cpp", "threads.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "attention_rows.h", "attention_f32.h",
                                                      "prefill_tiles_f32.h", "float_lanes.h", "gguf_int8_groups.h", "gguf_int8_row.h",
@@ -326,6 +326,12 @@ def gguf_quantize_activations_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """The K-quants' 8-bit activation blocks (llama.cpp's Q8_K): x [M, K] float32 → (q int8 [M, K], d
     float32 [M, K / 256], each 16 values' sum int16 [M, K / 16])."""
     return _OPS.gguf_quantize_activations_k(x)
+
+
+def float_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ weight.T + bias` in float32 for many rows (`csrc/float_gemm.cpp`): each output one chain of
+    fused multiply-adds in k order, so a row's outputs are alike in any batch."""
+    return _OPS.float_gemm(x, weight, bias)
 
 
 def float_linear_lanes() -> int:

@@ -43,6 +43,11 @@ PACK_FOR_ROWS = 64  # the row count oneDNN is told to expect when it chooses its
 # capped to AVX2 51 / 60 at 32, 65 / 66 at 40, 96 / 93 at 64, 747 / 558 at 512. AMX (an Intel Xeon, where
 # MKL is at home) keeps the 32 measured there.
 MAX_ROWS_FLOAT_BY_CLASS = {"avx2": 32, "avx512": 2048, "avx512_bf16": 2048, "amx": 32}
+# float32 products of more rows than that, up to this many, on the outer-product tiles of
+# `csrc/float_gemm.cpp` (AVX2 + FMA), MKL's above. Capped to AVX2, MKL / tiles, GFLOP/s at 1 / 2 threads:
+# 76 / 84 and 114 / 150 at 64 x 576 -> 1536, 62 / 84 and 95 / 158 at the LM head's 64 x 576 -> 49152,
+# 97 / 94 and 171 / 179 at a 2048-row chunk. Elsewhere `float_linear` runs up to a whole chunk.
+MAX_ROWS_GEMM_BY_CLASS = {"avx2": 2048, "avx512": 0, "avx512_bf16": 0, "amx": 0}
 # GGUF products up to this many rows on the blocks as they are, above on them dequantized (then
 # `float_linear`; the same bits). Q4_1, 2 threads, ms, blocks / dequantized: AVX512-BF16 46 / 35 at 33
 # rows; capped to AVX2 34 / 65 at 24, 86 / 100 at 64, 300 / 410 at 256, 629 / 767 at 512.
@@ -62,6 +67,7 @@ def _by_class(table: dict[str, int]) -> int:
 
 
 MAX_ROWS_FLOAT = _by_class(MAX_ROWS_FLOAT_BY_CLASS)
+MAX_ROWS_GEMM = _by_class(MAX_ROWS_GEMM_BY_CLASS)
 MAX_ROWS_QUANTIZED = _by_class(MAX_ROWS_QUANTIZED_BY_CLASS)
 
 
@@ -127,19 +133,29 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 
 def float_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """A float32 projection's product through `csrc/float_linear.cpp` when it has at most
-    `MAX_ROWS_FLOAT` rows and no gradient is recorded (the kernel has no backward): the weights read
-    as they lie, at 1.1-2.3x MKL's speed from 1 to 32 rows (`bench/bench_float_linear.py`), and on
-    AVX512 at 1.2-1.7x to a 2048-row prefill chunk."""
+    """A float32 projection's product on the engine's kernels (`float_kernel`) when no gradient is
+    recorded (they have no backward): `csrc/float_linear.cpp` up to `MAX_ROWS_FLOAT` rows, the weights
+    read as they lie, at 1.1-2.3x MKL's speed from 1 to 32 rows (`bench/bench_float_linear.py`), and on
+    AVX512 at 1.2-1.7x to a 2048-row prefill chunk; on AVX2 `csrc/float_gemm.cpp` above."""
     if (torch.is_grad_enabled() or x.dtype is not _F32 or weight.dtype is not _F32 or not x.is_cpu or not weight.is_cpu
             or weight.stride(-1) != 1 or (bias is not None and bias.dtype is not _F32)):
         return None
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > MAX_ROWS_FLOAT:
+    if rows.shape[0] > max(MAX_ROWS_FLOAT, MAX_ROWS_GEMM):
         return None
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    return ops.float_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return float_kernel(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+def float_kernel(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The engine's float32 kernel for `rows` [M, K] (unit stride) against `weight` [N, K]: `float_linear`
+    up to `MAX_ROWS_FLOAT` rows, `float_gemm` up to `MAX_ROWS_GEMM`; None above (MKL's)."""
+    if rows.shape[0] <= MAX_ROWS_FLOAT:
+        return ops.float_linear(rows, weight, bias)
+    if rows.shape[0] <= MAX_ROWS_GEMM:
+        return ops.float_gemm(rows, weight, bias)
+    return None
 
 
 def float_experts(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor

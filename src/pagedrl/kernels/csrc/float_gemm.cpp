@@ -1,0 +1,173 @@
+// A float32 linear layer's product for many rows (a prompt chunk, a decode step of more sequences than
+// `float_linear` takes), in outer-product tiles for AVX2 + FMA.
+//
+// Why: above a few rows a projection is bound by its multiply-adds, not by its weights' bytes, and
+// `float_linear`'s dot products end every output with a sum across lanes. MKL's float32 GEMM, which
+// torch calls for `F.linear`, packs both operands on every call (at a decode step's 64 rows the weights'
+// copy costs as much as a fifth of the product) and splits a small product badly over two threads.
+// Here the input rows are laid out once per call in panels of 16 rows, [k][16] (the small operand: a
+// decode step's 64 rows of 576 are 147 KB), and the weights are read as they lie (the module's own
+// tensor, any row stride; nothing to redo after an optimizer step): 6 weight rows' values at k
+// broadcast against the panel's two vectors at k, 12 sums in registers, 8 loads to 12 fused
+// multiply-adds. A block of panels sized to stay in L2 is run against every weight row before the next
+// block, so a prompt chunk reads the weights from memory once per block.
+//
+// Every output is one chain of K fused multiply-adds in k order from zero, then the bias added: a row's
+// outputs are the same bits whatever its batch, its place in a panel or the thread, and the same
+// without the vector instructions (std::fma in the same order).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Optional.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kPanelRows = 16;          // input rows a panel holds: two 8-lane vectors
+constexpr int kTileRows = 6;            // weight rows a tile broadcasts: 12 sums of 16 registers
+constexpr int64_t kBlockBytes = 384 << 10;  // a block of panels, kept in L2 while every weight row passes
+constexpr int64_t kTilesPerItem = 8;    // 48 weight rows a work item: the threads' grain
+
+// out[j][m] = sum_k w[j][k] * panel[k][m] for the tile's 6 weight rows and the panel's 16 rows; rows past
+// `rows` of the weight read the last one again (their sums are not stored).
+inline void tile(const float* __restrict panel, const float* const w[kTileRows], int64_t K,
+                 float out[kTileRows][kPanelRows]) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 s00 = _mm256_setzero_ps(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00,
+         s40 = s00, s41 = s00, s50 = s00, s51 = s00;
+  const float *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3], *w4 = w[4], *w5 = w[5];
+#define PAGEDRL_GEMM_STEP(k)                                                                     \
+  {                                                                                              \
+    __m256 x0 = _mm256_loadu_ps(panel + (k) * kPanelRows);                                       \
+    __m256 x1 = _mm256_loadu_ps(panel + (k) * kPanelRows + 8);                                   \
+    __asm__("" : "+x"(x0), "+x"(x1)); /* in registers: GCC otherwise reloads them per product */ \
+    __m256 b = _mm256_broadcast_ss(w0 + (k));                                                    \
+    s00 = _mm256_fmadd_ps(b, x0, s00);                                                           \
+    s01 = _mm256_fmadd_ps(b, x1, s01);                                                           \
+    b = _mm256_broadcast_ss(w1 + (k));                                                           \
+    s10 = _mm256_fmadd_ps(b, x0, s10);                                                           \
+    s11 = _mm256_fmadd_ps(b, x1, s11);                                                           \
+    b = _mm256_broadcast_ss(w2 + (k));                                                           \
+    s20 = _mm256_fmadd_ps(b, x0, s20);                                                           \
+    s21 = _mm256_fmadd_ps(b, x1, s21);                                                           \
+    b = _mm256_broadcast_ss(w3 + (k));                                                           \
+    s30 = _mm256_fmadd_ps(b, x0, s30);                                                           \
+    s31 = _mm256_fmadd_ps(b, x1, s31);                                                           \
+    b = _mm256_broadcast_ss(w4 + (k));                                                           \
+    s40 = _mm256_fmadd_ps(b, x0, s40);                                                           \
+    s41 = _mm256_fmadd_ps(b, x1, s41);                                                           \
+    b = _mm256_broadcast_ss(w5 + (k));                                                           \
+    s50 = _mm256_fmadd_ps(b, x0, s50);                                                           \
+    s51 = _mm256_fmadd_ps(b, x1, s51);                                                           \
+  }
+  // Four k a pass, the weight pointers stepped rather than indexed: with six rows and an index, GCC
+  // ran out of general registers and spilled pointers inside the loop.
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    PAGEDRL_GEMM_STEP(0) PAGEDRL_GEMM_STEP(1) PAGEDRL_GEMM_STEP(2) PAGEDRL_GEMM_STEP(3)
+    panel += 4 * kPanelRows;
+    w0 += 4; w1 += 4; w2 += 4; w3 += 4; w4 += 4; w5 += 4;
+  }
+  for (; k < K; ++k) {
+    PAGEDRL_GEMM_STEP(0)
+    panel += kPanelRows;
+    ++w0; ++w1; ++w2; ++w3; ++w4; ++w5;
+  }
+#undef PAGEDRL_GEMM_STEP
+  _mm256_storeu_ps(out[0], s00); _mm256_storeu_ps(out[0] + 8, s01);
+  _mm256_storeu_ps(out[1], s10); _mm256_storeu_ps(out[1] + 8, s11);
+  _mm256_storeu_ps(out[2], s20); _mm256_storeu_ps(out[2] + 8, s21);
+  _mm256_storeu_ps(out[3], s30); _mm256_storeu_ps(out[3] + 8, s31);
+  _mm256_storeu_ps(out[4], s40); _mm256_storeu_ps(out[4] + 8, s41);
+  _mm256_storeu_ps(out[5], s50); _mm256_storeu_ps(out[5] + 8, s51);
+#else
+  for (int j = 0; j < kTileRows; ++j)
+    for (int m = 0; m < kPanelRows; ++m) out[j][m] = 0.f;
+  for (int64_t k = 0; k < K; ++k)
+    for (int j = 0; j < kTileRows; ++j)
+      for (int m = 0; m < kPanelRows; ++m) out[j][m] = std::fma(w[j][k], panel[k * kPanelRows + m], out[j][m]);
+#endif
+}
+
+// Rows [p * 16, p * 16 + 16) of x as panel p, [K][16], rows past M left zero.
+void lay_out_panels(const float* x, int64_t M, int64_t ldx, int64_t K, float* panels, int64_t p) {
+  float* dst = panels + p * K * kPanelRows;
+  const int64_t rows = std::min<int64_t>(kPanelRows, M - p * kPanelRows);
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* src = x + (p * kPanelRows + m) * ldx;
+    for (int64_t k = 0; k < K; ++k) dst[k * kPanelRows + m] = src[k];
+  }
+}
+
+// x [M, K] float32 (rows contiguous, any row stride), weight [N, K] float32 (the same), bias [N] or
+// none -> [M, N] float32.
+at::Tensor float_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "float_gemm: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "float_gemm: float32 x and weight expected");
+  TORCH_CHECK(x.stride(1) == 1 && weight.stride(1) == 1, "float_gemm: rows must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat,
+                "float_gemm: float32 bias [", N, "] expected");
+    bias_c = bias->contiguous();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const int64_t num_panels = (M + kPanelRows - 1) / kPanelRows;
+  at::Tensor panels = at::zeros({num_panels, std::max<int64_t>(K, 1), kPanelRows}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* pp = panels.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) lay_out_panels(xp, M, ldx, K, pp, p);
+  });
+  const float* wp = weight.data_ptr<float>();
+  const float* bp = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t ldw = weight.stride(0);
+  const int64_t panels_per_block = std::max<int64_t>(1, kBlockBytes / (std::max<int64_t>(K, 1) * kPanelRows * 4));
+  const int64_t blocks = (num_panels + panels_per_block - 1) / panels_per_block;
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  const int64_t items_per_block = (tiles + kTilesPerItem - 1) / kTilesPerItem;
+  // Items in block order: with the static split, each thread takes whole blocks of panels where there
+  // are several (a prompt chunk) and a share of the weight rows where there is one (a decode step).
+  at::parallel_for(0, blocks * items_per_block, 1, [&](int64_t begin, int64_t end) {
+    float out[kTileRows][kPanelRows];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t block = item / items_per_block, first_tile = item % items_per_block * kTilesPerItem;
+      const int64_t p_end = std::min(num_panels, (block + 1) * panels_per_block);
+      for (int64_t t = first_tile; t < std::min(tiles, first_tile + kTilesPerItem); ++t) {
+        const int64_t n0 = t * kTileRows, rows = std::min<int64_t>(kTileRows, N - n0);
+        const float* w[kTileRows];
+        for (int j = 0; j < kTileRows; ++j) w[j] = wp + (n0 + std::min<int64_t>(j, rows - 1)) * ldw;
+        for (int64_t p = block * panels_per_block; p < p_end; ++p) {
+          tile(pp + p * K * kPanelRows, w, K, out);
+          const int64_t m0 = p * kPanelRows, panel_rows = std::min<int64_t>(kPanelRows, M - m0);
+          for (int64_t m = 0; m < panel_rows; ++m) {
+            float* dst = yp + (m0 + m) * N + n0;
+            for (int64_t j = 0; j < rows; ++j) dst[j] = out[j][m] + (bp ? bp[n0 + j] : 0.f);
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedrl_cpu, m) { m.def("float_gemm(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(pagedrl_cpu, CPU, m) { m.impl("float_gemm", &float_gemm); }
