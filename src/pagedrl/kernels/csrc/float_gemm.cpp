@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -37,51 +38,70 @@ constexpr int kTileRows = 6;            // weight rows a tile broadcasts: 12 sum
 constexpr int64_t kBlockBytes = 384 << 10;  // a block of panels, kept in L2 while every weight row passes
 constexpr int64_t kTilesPerItem = 8;    // 48 weight rows a work item: the threads' grain
 
-// out[j][m] = sum_k w[j][k] * panel[k][m] for the tile's 6 weight rows and the panel's 16 rows; rows past
-// `rows` of the weight read the last one again (their sums are not stored).
-inline void tile(const float* __restrict panel, const float* const w[kTileRows], int64_t K,
+// out[j][m] = sum_k w[j * ldw + k] * panel[k][m] for the tile's 6 weight rows and the panel's 16 rows.
+inline void tile(const float* __restrict panel, const float* w, int64_t ldw, int64_t K,
                  float out[kTileRows][kPanelRows]) {
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 s00 = _mm256_setzero_ps(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00,
          s40 = s00, s41 = s00, s50 = s00, s51 = s00;
-  const float *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3], *w4 = w[4], *w5 = w[5];
-#define PAGEDRL_GEMM_STEP(k)                                                                     \
-  {                                                                                              \
-    __m256 x0 = _mm256_loadu_ps(panel + (k) * kPanelRows);                                       \
-    __m256 x1 = _mm256_loadu_ps(panel + (k) * kPanelRows + 8);                                   \
-    __asm__("" : "+x"(x0), "+x"(x1)); /* in registers: GCC otherwise reloads them per product */ \
-    __m256 b = _mm256_broadcast_ss(w0 + (k));                                                    \
-    s00 = _mm256_fmadd_ps(b, x0, s00);                                                           \
-    s01 = _mm256_fmadd_ps(b, x1, s01);                                                           \
-    b = _mm256_broadcast_ss(w1 + (k));                                                           \
-    s10 = _mm256_fmadd_ps(b, x0, s10);                                                           \
-    s11 = _mm256_fmadd_ps(b, x1, s11);                                                           \
-    b = _mm256_broadcast_ss(w2 + (k));                                                           \
-    s20 = _mm256_fmadd_ps(b, x0, s20);                                                           \
-    s21 = _mm256_fmadd_ps(b, x1, s21);                                                           \
-    b = _mm256_broadcast_ss(w3 + (k));                                                           \
-    s30 = _mm256_fmadd_ps(b, x0, s30);                                                           \
-    s31 = _mm256_fmadd_ps(b, x1, s31);                                                           \
-    b = _mm256_broadcast_ss(w4 + (k));                                                           \
-    s40 = _mm256_fmadd_ps(b, x0, s40);                                                           \
-    s41 = _mm256_fmadd_ps(b, x1, s41);                                                           \
-    b = _mm256_broadcast_ss(w5 + (k));                                                           \
-    s50 = _mm256_fmadd_ps(b, x0, s50);                                                           \
-    s51 = _mm256_fmadd_ps(b, x1, s51);                                                           \
+  // The loop in assembly: 12 sums, the panel's 2 vectors and a broadcast are 15 of AVX2's 16 registers,
+  // and GCC's allocation of the same loop in C kept one sum on the stack (a load and a store a step).
+  // Rows 0-2 of the tile at p, p + ld, p + 2 ld; rows 3-5 at q, q + ld, q + 2 ld (ld in bytes).
+  const float* p = w;
+  const float* q = w + 3 * ldw;
+  const int64_t ld = ldw * static_cast<int64_t>(sizeof(float));
+#define PAGEDRL_GEMM_STEP(off)                                           \
+  "vmovups " #off "*64(%%r8), %%ymm12\n\t"                               \
+  "vmovups " #off "*64+32(%%r8), %%ymm13\n\t"                            \
+  "vbroadcastss " #off "*4(%%r9), %%ymm14\n\t"                           \
+  "vfmadd231ps %%ymm12, %%ymm14, %[s00]\n\t"                             \
+  "vfmadd231ps %%ymm13, %%ymm14, %[s01]\n\t"                             \
+  "vbroadcastss " #off "*4(%%r9,%[ld]), %%ymm14\n\t"                     \
+  "vfmadd231ps %%ymm12, %%ymm14, %[s10]\n\t"                             \
+  "vfmadd231ps %%ymm13, %%ymm14, %[s11]\n\t"                             \
+  "vbroadcastss " #off "*4(%%r9,%[ld],2), %%ymm14\n\t"                   \
+  "vfmadd231ps %%ymm12, %%ymm14, %[s20]\n\t"                             \
+  "vfmadd231ps %%ymm13, %%ymm14, %[s21]\n\t"                             \
+  "vbroadcastss " #off "*4(%%r10), %%ymm14\n\t"                          \
+  "vfmadd231ps %%ymm12, %%ymm14, %[s30]\n\t"                             \
+  "vfmadd231ps %%ymm13, %%ymm14, %[s31]\n\t"                             \
+  "vbroadcastss " #off "*4(%%r10,%[ld]), %%ymm14\n\t"                    \
+  "vfmadd231ps %%ymm12, %%ymm14, %[s40]\n\t"                             \
+  "vfmadd231ps %%ymm13, %%ymm14, %[s41]\n\t"                             \
+  "vbroadcastss " #off "*4(%%r10,%[ld],2), %%ymm14\n\t"                  \
+  "vfmadd231ps %%ymm12, %%ymm14, %[s50]\n\t"                             \
+  "vfmadd231ps %%ymm13, %%ymm14, %[s51]\n\t"
+// 12 sums in and out (24 of asm's 30 operands); the pointers copied into scratch registers.
+#define PAGEDRL_GEMM_SUMS                                                                              \
+  [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11), [s20] "+x"(s20), [s21] "+x"(s21), \
+  [s30] "+x"(s30), [s31] "+x"(s31), [s40] "+x"(s40), [s41] "+x"(s41), [s50] "+x"(s50), [s51] "+x"(s51)
+  const int64_t pairs = K / 2;
+  if (pairs > 0) {
+    __asm__ volatile(
+        "mov %[x], %%r8\n\t"
+        "mov %[p], %%r9\n\t"
+        "mov %[q], %%r10\n\t"
+        "mov %[n], %%r11\n\t"
+        "1:\n\t" PAGEDRL_GEMM_STEP(0) PAGEDRL_GEMM_STEP(1)
+        "add $128, %%r8\n\t"
+        "add $8, %%r9\n\t"
+        "add $8, %%r10\n\t"
+        "dec %%r11\n\t"
+        "jnz 1b\n\t"
+        : PAGEDRL_GEMM_SUMS
+        : [x] "r"(panel), [p] "r"(p), [q] "r"(q), [n] "r"(pairs), [ld] "r"(ld)
+        : "r8", "r9", "r10", "r11", "xmm12", "xmm13", "xmm14", "cc", "memory");
   }
-  // Four k a pass, the weight pointers stepped rather than indexed: with six rows and an index, GCC
-  // ran out of general registers and spilled pointers inside the loop.
-  int64_t k = 0;
-  for (; k + 4 <= K; k += 4) {
-    PAGEDRL_GEMM_STEP(0) PAGEDRL_GEMM_STEP(1) PAGEDRL_GEMM_STEP(2) PAGEDRL_GEMM_STEP(3)
-    panel += 4 * kPanelRows;
-    w0 += 4; w1 += 4; w2 += 4; w3 += 4; w4 += 4; w5 += 4;
+  if (K % 2) {
+    __asm__ volatile(
+        "mov %[x], %%r8\n\t"
+        "mov %[p], %%r9\n\t"
+        "mov %[q], %%r10\n\t" PAGEDRL_GEMM_STEP(0)
+        : PAGEDRL_GEMM_SUMS
+        : [x] "r"(panel + 2 * pairs * kPanelRows), [p] "r"(p + 2 * pairs), [q] "r"(q + 2 * pairs), [ld] "r"(ld)
+        : "r8", "r9", "r10", "xmm12", "xmm13", "xmm14", "memory");
   }
-  for (; k < K; ++k) {
-    PAGEDRL_GEMM_STEP(0)
-    panel += kPanelRows;
-    ++w0; ++w1; ++w2; ++w3; ++w4; ++w5;
-  }
+#undef PAGEDRL_GEMM_SUMS
 #undef PAGEDRL_GEMM_STEP
   _mm256_storeu_ps(out[0], s00); _mm256_storeu_ps(out[0] + 8, s01);
   _mm256_storeu_ps(out[1], s10); _mm256_storeu_ps(out[1] + 8, s11);
@@ -94,7 +114,7 @@ inline void tile(const float* __restrict panel, const float* const w[kTileRows],
     for (int m = 0; m < kPanelRows; ++m) out[j][m] = 0.f;
   for (int64_t k = 0; k < K; ++k)
     for (int j = 0; j < kTileRows; ++j)
-      for (int m = 0; m < kPanelRows; ++m) out[j][m] = std::fma(w[j][k], panel[k * kPanelRows + m], out[j][m]);
+      for (int m = 0; m < kPanelRows; ++m) out[j][m] = std::fma(w[j * ldw + k], panel[k * kPanelRows + m], out[j][m]);
 #endif
 }
 
@@ -145,15 +165,22 @@ at::Tensor float_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::
   // are several (a prompt chunk) and a share of the weight rows where there is one (a decode step).
   at::parallel_for(0, blocks * items_per_block, 1, [&](int64_t begin, int64_t end) {
     float out[kTileRows][kPanelRows];
+    std::vector<float> last;  // the last tile's rows and zeros after them, where N is not a multiple of 6
     for (int64_t item = begin; item < end; ++item) {
       const int64_t block = item / items_per_block, first_tile = item % items_per_block * kTilesPerItem;
       const int64_t p_end = std::min(num_panels, (block + 1) * panels_per_block);
       for (int64_t t = first_tile; t < std::min(tiles, first_tile + kTilesPerItem); ++t) {
         const int64_t n0 = t * kTileRows, rows = std::min<int64_t>(kTileRows, N - n0);
-        const float* w[kTileRows];
-        for (int j = 0; j < kTileRows; ++j) w[j] = wp + (n0 + std::min<int64_t>(j, rows - 1)) * ldw;
+        const float* w = wp + n0 * ldw;
+        int64_t w_stride = ldw;
+        if (rows < kTileRows) {
+          last.assign(kTileRows * K, 0.f);
+          for (int64_t j = 0; j < rows; ++j) std::copy(w + j * ldw, w + j * ldw + K, last.begin() + j * K);
+          w = last.data();
+          w_stride = K;
+        }
         for (int64_t p = block * panels_per_block; p < p_end; ++p) {
-          tile(pp + p * K * kPanelRows, w, K, out);
+          tile(pp + p * K * kPanelRows, w, w_stride, K, out);
           const int64_t m0 = p * kPanelRows, panel_rows = std::min<int64_t>(kPanelRows, M - m0);
           for (int64_t m = 0; m < panel_rows; ++m) {
             float* dst = yp + (m0 + m) * N + n0;
