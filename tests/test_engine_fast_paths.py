@@ -146,13 +146,13 @@ def tiny_model() -> CausalLM:
 
 
 def test_projection_into_the_reused_buffer_equals_the_models_logits() -> None:
-    """More rows than the float32 kernel takes: torch's product into a buffer kept across steps; a
+    """More rows than the float32 kernels take: torch's product into a buffer kept across steps; a
     decode step's few rows: the kernel's product of the same head."""
     from pagedrl.kernels import products
 
     model = tiny_model()
     runner = ModelRunner(model, kv_cache=None, kv_manager=None, block_size=16)
-    most = products.MAX_ROWS_FLOAT
+    most = max(products.MAX_ROWS_FLOAT, products.MAX_ROWS_GEMM)
     hidden = torch.randn(most + 7, model.config.hidden_size)
     with torch.inference_mode():
         big = runner.project(hidden)
