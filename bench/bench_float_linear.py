@@ -1,11 +1,14 @@
-"""The engine's float32 decode projections (`kernels/csrc/float_linear.cpp`) against torch's `F.linear`
-(MKL's float32 GEMM), on the default model's 211 projections (30 layers of q, k, v, o, gate, up, down
-and the LM head: 540 MB of float32 weights, read once per pass as a decode step reads them), at the
-row counts of decode steps; and the machine's memory copy bandwidth, the speed a pass over the
-weights could reach. Both sides in one process, turns alternating, best of `--rounds`; weights of the
+"""The engine's float32 projections against torch's `F.linear` (MKL's float32 GEMM), on the default
+model's 211 projections (30 layers of q, k, v, o, gate, up, down and the LM head: 540 MB of float32
+weights, read once per pass as a decode step reads them), at the row counts of decode steps and
+prompt chunks; and the machine's memory copy bandwidth, the speed a pass over the weights could
+reach. The engine's side is its route for the row count (`products.float_kernel`): `float_linear`
+(`kernels/csrc/float_linear.cpp`) up to `MAX_ROWS_FLOAT` rows, `float_gemm` (`kernels/csrc/float_gemm.cpp`)
+up to `MAX_ROWS_GEMM` where the CPU class has it, torch's above. Both sides in one process, turns alternating, best of `--rounds`; weights of the
 model's shapes drawn at random (the speed does not depend on the values).
 
     .venv/bin/python bench/bench_float_linear.py [--rows 1,2,4,8,16,32,64] [--threads 2]
+    .venv/bin/python -m pagedrl.kernels.isa run avx2 -- .venv/bin/python bench/bench_float_linear.py --rows 33,64,256,2048
     .venv/bin/python -m pagedrl.kernels.isa run avx2 -- .venv/bin/python bench/bench_float_linear.py
     .venv/bin/python bench/bench_float_linear.py --offset 40     # weights 40 bytes past a cache line
 
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from bench_decode_linear import LAYER, projection_weights
 
-from pagedrl.kernels import isa, ops
+from pagedrl.kernels import isa, ops, products
 
 
 def copy_bandwidth(megabytes: int = 512, rounds: int = 5) -> float:
@@ -46,6 +49,18 @@ def offset_copy(w: torch.Tensor, offset: int) -> torch.Tensor:
     return out
 
 
+def engine_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The product a float32 engine's step computes for these rows."""
+    out = products.float_kernel(x, w, bias)
+    return F.linear(x, w, bias) if out is None else out
+
+
+def kernel_name(rows: int) -> str:
+    if rows <= products.MAX_ROWS_FLOAT:
+        return "float_linear"
+    return "float_gemm" if rows <= products.MAX_ROWS_GEMM else "torch"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
@@ -64,9 +79,11 @@ def main() -> None:
     print(f"{len(weights)} projections, {nbytes / 1e6:.0f} MB of float32 weights; {args.threads} threads; CPU class "
           f"{isa.describe()}; torch capability {torch.backends.cpu.get_cpu_capability()}; kernel lanes "
           f"{ops.float_linear_lanes()}; weights {args.offset} bytes past a cache line; memory copy {copy_bandwidth():.1f} GB/s")
-    print("| rows | torch F.linear (ms) | pagedrl float_linear (ms) | torch / pagedrl | pagedrl weights GB/s |")
-    print("|---|---|---|---|---|")
-    sides = {"torch": F.linear, "pagedrl": ops.float_linear}
+    print("| rows | pagedrl kernel | torch F.linear (ms) | pagedrl (ms) | torch / pagedrl | pagedrl weights GB/s "
+          "| pagedrl GFLOP/s |")
+    print("|---|---|---|---|---|---|---|")
+    sides = {"torch": F.linear, "pagedrl": engine_product}
+    flops_per_row = 2 * sum(w.numel() for w in weights)
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in LAYER}}
         best = dict.fromkeys(sides, float("inf"))
@@ -77,8 +94,9 @@ def main() -> None:
                     for w in weights:
                         product(inputs[w.shape[1]], w, None)
                     best[name] = min(best[name], time.perf_counter() - start)
-        print(f"| {rows} | {best['torch'] * 1e3:.1f} | {best['pagedrl'] * 1e3:.1f} | "
-              f"{best['torch'] / best['pagedrl']:.2f}x | {nbytes / best['pagedrl'] / 1e9:.1f} |")
+        print(f"| {rows} | {kernel_name(rows)} | {best['torch'] * 1e3:.1f} | {best['pagedrl'] * 1e3:.1f} | "
+              f"{best['torch'] / best['pagedrl']:.2f}x | {nbytes / best['pagedrl'] / 1e9:.1f} | "
+              f"{flops_per_row * rows / best['pagedrl'] / 1e9:.0f} |")
 
 
 if __name__ == "__main__":

@@ -37,13 +37,23 @@ constexpr int kPanelRows = 16;          // input rows a panel holds: two 8-lane 
 constexpr int kTileRows = 6;            // weight rows a tile broadcasts: 12 sums of 16 registers
 constexpr int64_t kBlockBytes = 384 << 10;  // a block of panels, kept in L2 while every weight row passes
 constexpr int64_t kTilesPerItem = 8;    // 48 weight rows a work item: the threads' grain
+constexpr int64_t kMaxChunk = 768;      // the most k a tile's chain runs before the next panel's
 
-// out[j][m] = sum_k w[j * ldw + k] * panel[k][m] for the tile's 6 weight rows and the panel's 16 rows.
+// out[j][m] (+)= sum_k w[j * ldw + k] * panel[k][m] for the tile's 6 weight rows and the panel's 16 rows:
+// from zero, or on from the sums in `out` (`resume`: a chain continued over the next chunk of k).
 inline void tile(const float* __restrict panel, const float* w, int64_t ldw, int64_t K,
-                 float out[kTileRows][kPanelRows]) {
+                 float out[kTileRows][kPanelRows], bool resume) {
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 s00 = _mm256_setzero_ps(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00,
          s40 = s00, s41 = s00, s50 = s00, s51 = s00;
+  if (resume) {
+    s00 = _mm256_loadu_ps(out[0]); s01 = _mm256_loadu_ps(out[0] + 8);
+    s10 = _mm256_loadu_ps(out[1]); s11 = _mm256_loadu_ps(out[1] + 8);
+    s20 = _mm256_loadu_ps(out[2]); s21 = _mm256_loadu_ps(out[2] + 8);
+    s30 = _mm256_loadu_ps(out[3]); s31 = _mm256_loadu_ps(out[3] + 8);
+    s40 = _mm256_loadu_ps(out[4]); s41 = _mm256_loadu_ps(out[4] + 8);
+    s50 = _mm256_loadu_ps(out[5]); s51 = _mm256_loadu_ps(out[5] + 8);
+  }
   // The loop in assembly: 12 sums, the panel's 2 vectors and a broadcast are 15 of AVX2's 16 registers,
   // and GCC's allocation of the same loop in C kept one sum on the stack (a load and a store a step).
   // Rows 0-2 of the tile at p, p + ld, p + 2 ld; rows 3-5 at q, q + ld, q + 2 ld (ld in bytes).
@@ -110,21 +120,50 @@ inline void tile(const float* __restrict panel, const float* w, int64_t ldw, int
   _mm256_storeu_ps(out[4], s40); _mm256_storeu_ps(out[4] + 8, s41);
   _mm256_storeu_ps(out[5], s50); _mm256_storeu_ps(out[5] + 8, s51);
 #else
-  for (int j = 0; j < kTileRows; ++j)
-    for (int m = 0; m < kPanelRows; ++m) out[j][m] = 0.f;
+  if (!resume)
+    for (int j = 0; j < kTileRows; ++j)
+      for (int m = 0; m < kPanelRows; ++m) out[j][m] = 0.f;
   for (int64_t k = 0; k < K; ++k)
     for (int j = 0; j < kTileRows; ++j)
       for (int m = 0; m < kPanelRows; ++m) out[j][m] = std::fma(w[j * ldw + k], panel[k * kPanelRows + m], out[j][m]);
 #endif
 }
 
-// Rows [p * 16, p * 16 + 16) of x as panel p, [K][16], rows past M left zero.
-void lay_out_panels(const float* x, int64_t M, int64_t ldx, int64_t K, float* panels, int64_t p) {
+#if defined(__AVX2__)
+// dst[k * 16 + i] = src[i * lds + k] for 8 rows i and 8 columns k: an 8 x 8 transpose in registers.
+inline void transpose8(const float* src, int64_t lds, float* dst) {
+  __m256 r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * kPanelRows, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * kPanelRows, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+  }
+}
+#endif
+
+// Rows [p * 16, p * 16 + 16) of x as panel p, [K][16], zeros for rows past M: 8 rows x 8 columns at a
+// time by transposes where they are whole, one value at a time for the rest.
+void lay_out_panel(const float* x, int64_t M, int64_t ldx, int64_t K, float* panels, int64_t p) {
   float* dst = panels + p * K * kPanelRows;
-  const int64_t rows = std::min<int64_t>(kPanelRows, M - p * kPanelRows);
-  for (int64_t m = 0; m < rows; ++m) {
-    const float* src = x + (p * kPanelRows + m) * ldx;
-    for (int64_t k = 0; k < K; ++k) dst[k * kPanelRows + m] = src[k];
+  for (int64_t half = 0; half < kPanelRows; half += 8) {
+    const int64_t first = p * kPanelRows + half, rows = std::max<int64_t>(0, std::min<int64_t>(8, M - first));
+    int64_t k = 0;
+#if defined(__AVX2__)
+    if (rows == 8)
+      for (; k + 8 <= K; k += 8) transpose8(x + first * ldx + k, ldx, dst + k * kPanelRows + half);
+#endif
+    for (; k < K; ++k)
+      for (int64_t m = 0; m < 8; ++m) dst[k * kPanelRows + half + m] = m < rows ? x[(first + m) * ldx + k] : 0.f;
   }
 }
 
@@ -143,28 +182,35 @@ at::Tensor float_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::
                 "float_gemm: float32 bias [", N, "] expected");
     bias_c = bias->contiguous();
   }
+  if (M == 0 || N == 0 || K == 0) {  // no products: the bias, or zeros
+    at::Tensor y = at::zeros({M, N}, x.options());
+    return bias_c.defined() ? y.add_(bias_c) : y;
+  }
   at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
   const int64_t num_panels = (M + kPanelRows - 1) / kPanelRows;
-  at::Tensor panels = at::zeros({num_panels, std::max<int64_t>(K, 1), kPanelRows}, x.options());
+  at::Tensor panels = at::empty({num_panels, K, kPanelRows}, x.options());
   const float* xp = x.data_ptr<float>();
   float* pp = panels.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) lay_out_panels(xp, M, ldx, K, pp, p);
+    for (int64_t p = begin; p < end; ++p) lay_out_panel(xp, M, ldx, K, pp, p);
   });
   const float* wp = weight.data_ptr<float>();
   const float* bp = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t ldw = weight.stride(0);
-  const int64_t panels_per_block = std::max<int64_t>(1, kBlockBytes / (std::max<int64_t>(K, 1) * kPanelRows * 4));
+  // k in chunks of at most kMaxChunk: a tile's 6 weight rows of a chunk stay in L1 (18 KB) while the
+  // block's panels pass, and a block holds more panels (down_proj's K = 1536: the whole rows, 36 KB,
+  // overflowed L1, and 3 panels a block reused each weight 3 times from it).
+  const int64_t chunks = (K + kMaxChunk - 1) / kMaxChunk, chunk = (K + chunks - 1) / chunks;
+  const int64_t panels_per_block = std::max<int64_t>(1, kBlockBytes / (chunk * kPanelRows * 4));
   const int64_t blocks = (num_panels + panels_per_block - 1) / panels_per_block;
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   const int64_t items_per_block = (tiles + kTilesPerItem - 1) / kTilesPerItem;
   // Items in block order: with the static split, each thread takes whole blocks of panels where there
   // are several (a prompt chunk) and a share of the weight rows where there is one (a decode step).
   at::parallel_for(0, blocks * items_per_block, 1, [&](int64_t begin, int64_t end) {
-    float out[kTileRows][kPanelRows];
+    std::vector<float> sums(panels_per_block * kTileRows * kPanelRows);  // a tile's sums for each panel of the block
     std::vector<float> last;  // the last tile's rows and zeros after them, where N is not a multiple of 6
     for (int64_t item = begin; item < end; ++item) {
       const int64_t block = item / items_per_block, first_tile = item % items_per_block * kTilesPerItem;
@@ -179,8 +225,14 @@ at::Tensor float_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::
           w = last.data();
           w_stride = K;
         }
-        for (int64_t p = block * panels_per_block; p < p_end; ++p) {
-          tile(pp + p * K * kPanelRows, w, w_stride, K, out);
+        const int64_t p_begin = block * panels_per_block;
+        for (int64_t c0 = 0; c0 < K; c0 += chunk)
+          for (int64_t p = p_begin; p < p_end; ++p)
+            tile(pp + (p * K + c0) * kPanelRows, w + c0, w_stride, std::min(chunk, K - c0),
+                 reinterpret_cast<float(*)[kPanelRows]>(sums.data() + (p - p_begin) * kTileRows * kPanelRows), c0 > 0);
+        for (int64_t p = p_begin; p < p_end; ++p) {
+          const float(*out)[kPanelRows] = reinterpret_cast<const float(*)[kPanelRows]>(
+              sums.data() + (p - p_begin) * kTileRows * kPanelRows);
           const int64_t m0 = p * kPanelRows, panel_rows = std::min<int64_t>(kPanelRows, M - m0);
           for (int64_t m = 0; m < panel_rows; ++m) {
             float* dst = yp + (m0 + m) * N + n0;
