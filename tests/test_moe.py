@@ -184,7 +184,7 @@ def exact_experts(rows: torch.Tensor, counts: list[int], experts) -> tuple[torch
 
 @pytest.mark.isa
 def test_a_float32_engines_expert_products_on_the_kernel() -> None:
-    """`Routes.experts` of a float32 engine (the float32 kernel up to 32 rows an expert, MKL above):
+    """`Routes.experts` of a float32 engine (the float32 kernels by an expert's rows, MKL above):
     within float32 rounding of the exact outputs (sums of 96 terms: ~1e-6 of their magnitudes), as
     torch's products are."""
     from pagedrl.kernels import ops

@@ -86,8 +86,8 @@ class QuantizedWeight:
 def float_product(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, n: int, bias: torch.Tensor | None
                   ) -> torch.Tensor:
     """A float32 step's projection as its route computes it (`products.float_rows`): the engine's float32
-    kernels where they run (`products.float_kernel`), torch's (MKL) above; a weight kept quantized as its module's route
-    computes it (`products.quantized_rows`; a decode step's few rows, contiguous as the program makes
+    kernels by row count (`products.float_kernel`), torch's (MKL) above; a weight kept quantized as its
+    module's route computes it (`products.quantized_rows`; a decode step's few rows, contiguous as the program makes
     them, straight to the kernel: a single stream's 210 products a token, each five Python calls
     shorter). `n`, the output features, is the k-pairs product's argument, unused: the program calls
     both alike."""

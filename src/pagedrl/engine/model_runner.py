@@ -34,7 +34,7 @@ from pagedrl.engine.kv_cache import KVCache
 from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.multi_lora import LoRASlots
 from pagedrl.engine.sequence import Sequence, wants_prompt_logprobs
-from pagedrl.kernels import isa, ops, products
+from pagedrl.kernels import isa, products
 from pagedrl.kernels.memory import keep_freed_memory
 from pagedrl.kernels.products import float_rows, packed_weights, packs_weights
 from pagedrl.kernels.threads import bind_threads
@@ -100,9 +100,8 @@ class ModelRunner:
         if self.graphs is not None:
             return f"decode steps replay CUDA graphs ({len(self.graphs.sizes)} batch sizes)"
         if self.program is not None and self.program.float32:
-            return (f"decode steps as one program of the CPU kernels, products of up to {products.MAX_ROWS_FLOAT} "
-                    f"rows on the float32 kernel ({ops.float_linear_lanes()} lanes; CPU class {isa.describe()}; "
-                    "enforce_eager: through the modules)")
+            return (f"decode steps as one program of the CPU kernels, {products.describe_float()} (CPU class "
+                    f"{isa.describe()}; enforce_eager: through the modules)")
         if self.program is not None:
             return (f"decode steps as one program of the CPU kernels on CPU class {isa.describe()} "
                     "(enforce_eager: through the modules)")
@@ -114,8 +113,7 @@ class ModelRunner:
         elif getattr(getattr(self.model, "config", None), "fused_projections", False):
             modules += " (fused qkv_proj and gate_up_proj: no decode program)"
         if self.float_routes:
-            return (f"{modules}, products of up to {products.MAX_ROWS_FLOAT} rows on "
-                    f"the float32 kernel ({ops.float_linear_lanes()} lanes; CPU class {isa.describe()})")
+            return f"{modules}, {products.describe_float()} (CPU class {isa.describe()})"
         if self.on_cpu:
             return f"{modules} (CPU class {isa.describe()})"
         return modules

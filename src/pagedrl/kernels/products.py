@@ -37,17 +37,18 @@ MAX_ROWS_AMX = 128  # measured crossovers with oneDNN's bf16 kernel (see above)
 MAX_ROWS_DOT = 32  # no AMX here, and none in oneDNN's kernel either
 MAX_ROWS_OVER_PACKED = 2  # where the dot-product kernel beats oneDNN on packed weights (no AMX)
 PACK_FOR_ROWS = 64  # the row count oneDNN is told to expect when it chooses its layout
-# float32 products up to this many rows on the engine's kernel, MKL's above, by CPU class. 2 threads,
-# the default model's 210 projections (`bench/bench_gguf_linear.py`), ms, kernel / MKL: on AVX512-BF16
-# (AMD Zen 4) 37 / 64 at 33 rows, 71 / 102 at 64, 444 / 552 at 512, 1794 / 2218 at 2048 (a prefill chunk);
-# capped to AVX2 51 / 60 at 32, 65 / 66 at 40, 96 / 93 at 64, 747 / 558 at 512. AMX (an Intel Xeon, where
-# MKL is at home) keeps the 32 measured there.
-MAX_ROWS_FLOAT_BY_CLASS = {"avx2": 32, "avx512": 2048, "avx512_bf16": 2048, "amx": 32}
-# float32 products of more rows than that, up to this many, on the outer-product tiles of
-# `csrc/float_gemm.cpp` (AVX2 + FMA), MKL's above. Capped to AVX2, MKL / tiles, GFLOP/s at 1 / 2 threads:
-# 76 / 84 and 114 / 150 at 64 x 576 -> 1536, 62 / 84 and 95 / 158 at the LM head's 64 x 576 -> 49152,
-# 97 / 94 and 171 / 179 at a 2048-row chunk. Elsewhere `float_linear` runs up to a whole chunk.
-MAX_ROWS_GEMM_BY_CLASS = {"avx2": 2048, "avx512": 0, "avx512_bf16": 0, "amx": 0}
+# float32 products up to MAX_ROWS_FLOAT rows on `csrc/float_linear.cpp` (dot products over the weights as
+# they lie: a decode step's few rows), above that up to MAX_ROWS_GEMM on the outer-product tiles of
+# `csrc/float_gemm.cpp` (panels of 16 rows), MKL's above, by CPU class. The default model's 211
+# projections, ms, float_linear / float_gemm, 1 and 2 threads, on AMD Zen 4 (AVX512-BF16) and the same
+# capped to AVX2: at 8 rows 53 / 53, 24 / 25 (AVX512) and 40 / 47, 25 / 30 (AVX2); at 12 rows 55 / 51,
+# 32 / 32 and 54 / 52, 26 / 29; at 16 rows 69 / 53, 30 / 25 and 56 / 47, 29 / 26; at 32 rows 90 / 73,
+# 49 / 39 and 99 / 77, 52 / 40. Against MKL, GFLOP/s at 1 / 2 threads capped to AVX2: 80 / 126 and
+# 92 / 168 at 64 x 576 -> 1536, 63 / 109 and 91 / 178 at the LM head's 64 x 576 -> 49152, 96 / 196 and
+# 104 / 203 at a 2048-row chunk (`bench/bench_float_linear.py`). AMX (an Intel Xeon, where MKL is at
+# home) keeps the 32 rows measured there and MKL above.
+MAX_ROWS_FLOAT_BY_CLASS = {"avx2": 12, "avx512": 12, "avx512_bf16": 12, "amx": 32}
+MAX_ROWS_GEMM_BY_CLASS = {"avx2": 2048, "avx512": 2048, "avx512_bf16": 2048, "amx": 0}
 # GGUF products up to this many rows on the blocks as they are, above on them dequantized (then
 # `float_linear`; the same bits). Q4_1, 2 threads, ms, blocks / dequantized: AVX512-BF16 46 / 35 at 33
 # rows; capped to AVX2 34 / 65 at 24, 86 / 100 at 64, 300 / 410 at 256, 629 / 767 at 512.
@@ -135,8 +136,8 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 def float_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """A float32 projection's product on the engine's kernels (`float_kernel`) when no gradient is
     recorded (they have no backward): `csrc/float_linear.cpp` up to `MAX_ROWS_FLOAT` rows, the weights
-    read as they lie, at 1.1-2.3x MKL's speed from 1 to 32 rows (`bench/bench_float_linear.py`), and on
-    AVX512 at 1.2-1.7x to a 2048-row prefill chunk; on AVX2 `csrc/float_gemm.cpp` above."""
+    read as they lie, at 1.1-2.3x MKL's speed for a few rows (`bench/bench_float_linear.py`), and
+    `csrc/float_gemm.cpp` above, to a 2048-row prefill chunk."""
     if (torch.is_grad_enabled() or x.dtype is not _F32 or weight.dtype is not _F32 or not x.is_cpu or not weight.is_cpu
             or weight.stride(-1) != 1 or (bias is not None and bias.dtype is not _F32)):
         return None
@@ -146,6 +147,14 @@ def float_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     return float_kernel(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+def describe_float() -> str:
+    """Which float32 kernel takes which products, for the start-up line."""
+    line = f"products of up to {MAX_ROWS_FLOAT} rows on the float32 kernel ({ops.float_linear_lanes()} lanes)"
+    if MAX_ROWS_GEMM > MAX_ROWS_FLOAT:
+        line += f", up to {MAX_ROWS_GEMM} on its tiles"
+    return line + ", MKL's above"
 
 
 def float_kernel(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -161,9 +170,8 @@ def float_kernel(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def float_experts(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor
                   ) -> torch.Tensor | None:
     """A float32 step's mixture-of-experts products (`Routes.experts`): each expert's products as
-    `float_rows` takes them (its rows on the float32 kernel up to `MAX_ROWS_FLOAT`, MKL's above; an
-    expert sees a share of a decode step's rows, so mostly the kernel), the stacked weights read as
-    they lie."""
+    `float_rows` takes them (the float32 kernels by row count, `float_kernel`; an expert sees a share of
+    a decode step's rows, so mostly `float_linear`), the stacked weights read as they lie."""
     if (torch.is_grad_enabled() or rows.dtype is not _F32 or gate_up.dtype is not _F32 or down.dtype is not _F32
             or not rows.is_cpu or not gate_up.is_cpu):
         return None

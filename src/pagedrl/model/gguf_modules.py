@@ -8,9 +8,10 @@ a step streams a seventh as many.
 The numbers are the dequantized float32 model's:
 - an engine step's products (`routes.quantized_linear`, the float32 routes' `products.quantized_rows`)
   multiply the blocks in `csrc/gguf_linear.cpp`, whose every output is the bits `float_linear` gives on
-  the dequantized weight: a float32 engine's own bits for decode steps (up to `MAX_ROWS_FLOAT` rows),
-  and for larger steps (prefill) a float32 sum in k order where the float32 engine's MKL sums in its own
-  order (the two differ by rounding; a float32 engine with every step on its kernel gives the same bits);
+  the dequantized weight: a float32 engine's own bits for decode steps of a few rows (up to
+  `MAX_ROWS_FLOAT`), and for larger steps a float32 sum in lanes where the float32 engine's `float_gemm`
+  or MKL sums in its own order (they differ by rounding; a float32 engine with every step on
+  `float_linear` gives the same bits);
 - any other product (outside an engine step, on a device without the kernels) dequantizes the weight,
   whose values are `gguf.quants.dequantize`'s bits, and runs torch's own product on it, as the float32
   model would.
