@@ -203,8 +203,10 @@ at::Tensor float_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::
   // block's panels pass, and a block holds more panels (down_proj's K = 1536: the whole rows, 36 KB,
   // overflowed L1, and 3 panels a block reused each weight 3 times from it).
   const int64_t chunks = (K + kMaxChunk - 1) / kMaxChunk, chunk = (K + chunks - 1) / chunks;
-  const int64_t panels_per_block = std::max<int64_t>(1, kBlockBytes / (chunk * kPanelRows * 4));
-  const int64_t blocks = (num_panels + panels_per_block - 1) / panels_per_block;
+  // Blocks of equal size: 16 panels as 10 + 6 left one of two threads idle for 4 of the 10 panels' time.
+  const int64_t most_per_block = std::max<int64_t>(1, kBlockBytes / (chunk * kPanelRows * 4));
+  const int64_t blocks = (num_panels + most_per_block - 1) / most_per_block;
+  const int64_t panels_per_block = (num_panels + blocks - 1) / blocks;
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   const int64_t items_per_block = (tiles + kTilesPerItem - 1) / kTilesPerItem;
   // Items in block order: with the static split, each thread takes whole blocks of panels where there
