@@ -60,6 +60,13 @@ def test_a_row_s_outputs_do_not_depend_on_its_batch_or_the_threads() -> None:
         torch.set_num_threads(threads)
 
 
+def test_no_products_give_the_bias() -> None:
+    bias = torch.randn(5)
+    assert torch.equal(ops.float_gemm(torch.randn(3, 0), torch.randn(5, 0), bias), bias.expand(3, 5))
+    assert torch.equal(ops.float_gemm(torch.randn(3, 0), torch.randn(5, 0), None), torch.zeros(3, 5))
+    assert ops.float_gemm(torch.randn(0, 4), torch.randn(5, 4), bias).shape == (0, 5)
+
+
 def test_wrong_operands_are_refused_with_the_reason() -> None:
     x, w = torch.randn(3, 8), torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="float32 x and weight"):

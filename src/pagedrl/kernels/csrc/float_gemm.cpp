@@ -3,8 +3,9 @@
 //
 // Why: above a few rows a projection is bound by its multiply-adds, not by its weights' bytes, and
 // `float_linear`'s dot products end every output with a sum across lanes. MKL's float32 GEMM, which
-// torch calls for `F.linear`, packs both operands on every call (at a decode step's 64 rows the weights'
-// copy costs as much as a fifth of the product) and splits a small product badly over two threads.
+// torch calls for `F.linear`, packs both operands on every call: capped to AVX2 on one thread it ran a
+// decode step's 64 x 576 -> 1536 product at 76-80 GFLOP/s against 95-97 at a 2048-row chunk, and on
+// two threads at 114-126 (`bench/RESULTS.md`, "Float32 products of many rows in outer-product tiles").
 // Here the input rows are laid out once per call in panels of 16 rows, [k][16] (the small operand: a
 // decode step's 64 rows of 576 are 147 KB), and the weights are read as they lie (the module's own
 // tensor, any row stride; nothing to redo after an optimizer step): 6 weight rows' values at k
