@@ -43,7 +43,7 @@ constexpr int64_t kMaxChunk = 768;      // the most k a tile's chain runs before
 // out[j][m] (+)= sum_k w[j * ldw + k] * panel[k][m] for the tile's 6 weight rows and the panel's 16 rows:
 // from zero, or on from the sums in `out` (`resume`: a chain continued over the next chunk of k).
 inline void tile(const float* __restrict panel, const float* w, int64_t ldw, int64_t K,
-                 float out[kTileRows][kPanelRows], bool resume) {
+                 float out[kTileRows][kPanelRows], bool resume, const char* ahead) {
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 s00 = _mm256_setzero_ps(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00, s31 = s00,
          s40 = s00, s41 = s00, s50 = s00, s51 = s00;
@@ -93,15 +93,18 @@ inline void tile(const float* __restrict panel, const float* w, int64_t ldw, int
         "mov %[p], %%r9\n\t"
         "mov %[q], %%r10\n\t"
         "mov %[n], %%r11\n\t"
+        "mov %[a], %%r12\n\t"
         "1:\n\t" PAGEDRL_GEMM_STEP(0) PAGEDRL_GEMM_STEP(1)
+        "prefetcht1 (%%r12)\n\t"
+        "add $64, %%r12\n\t"
         "add $128, %%r8\n\t"
         "add $8, %%r9\n\t"
         "add $8, %%r10\n\t"
         "dec %%r11\n\t"
         "jnz 1b\n\t"
         : PAGEDRL_GEMM_SUMS
-        : [x] "r"(panel), [p] "r"(p), [q] "r"(q), [n] "r"(pairs), [ld] "r"(ld)
-        : "r8", "r9", "r10", "r11", "xmm12", "xmm13", "xmm14", "cc", "memory");
+        : [x] "r"(panel), [p] "r"(p), [q] "r"(q), [n] "r"(pairs), [ld] "r"(ld), [a] "r"(ahead)
+        : "r8", "r9", "r10", "r11", "r12", "xmm12", "xmm13", "xmm14", "cc", "memory");
   }
   if (K % 2) {
     __asm__ volatile(
@@ -121,6 +124,7 @@ inline void tile(const float* __restrict panel, const float* w, int64_t ldw, int
   _mm256_storeu_ps(out[4], s40); _mm256_storeu_ps(out[4] + 8, s41);
   _mm256_storeu_ps(out[5], s50); _mm256_storeu_ps(out[5] + 8, s51);
 #else
+  (void)ahead;
   if (!resume)
     for (int j = 0; j < kTileRows; ++j)
       for (int m = 0; m < kPanelRows; ++m) out[j][m] = 0.f;
@@ -229,10 +233,12 @@ at::Tensor float_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::
           w_stride = K;
         }
         const int64_t p_begin = block * panels_per_block;
+        const char* next = reinterpret_cast<const char*>(wp + (t + 1 < tiles ? n0 + kTileRows : n0) * ldw);
         for (int64_t c0 = 0; c0 < K; c0 += chunk)
           for (int64_t p = p_begin; p < p_end; ++p)
             tile(pp + (p * K + c0) * kPanelRows, w + c0, w_stride, std::min(chunk, K - c0),
-                 reinterpret_cast<float(*)[kPanelRows]>(sums.data() + (p - p_begin) * kTileRows * kPanelRows), c0 > 0);
+                 reinterpret_cast<float(*)[kPanelRows]>(sums.data() + (p - p_begin) * kTileRows * kPanelRows), c0 > 0,
+                 next + c0 * 32);
         for (int64_t p = p_begin; p < p_end; ++p) {
           const float(*out)[kPanelRows] = reinterpret_cast<const float(*)[kPanelRows]>(
               sums.data() + (p - p_begin) * kTileRows * kPanelRows);
