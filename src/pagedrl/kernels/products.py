@@ -39,15 +39,16 @@ MAX_ROWS_OVER_PACKED = 2  # where the dot-product kernel beats oneDNN on packed 
 PACK_FOR_ROWS = 64  # the row count oneDNN is told to expect when it chooses its layout
 # float32 products up to MAX_ROWS_FLOAT rows on `csrc/float_linear.cpp` (dot products over the weights as
 # they lie: a decode step's few rows), above that up to MAX_ROWS_GEMM on the outer-product tiles of
-# `csrc/float_gemm.cpp` (panels of 16 rows), MKL's above, by CPU class. The default model's 211
-# projections, ms, float_linear / float_gemm, 1 and 2 threads, on AMD Zen 4 (AVX512-BF16) and the same
-# capped to AVX2: at 8 rows 53 / 53, 24 / 25 (AVX512) and 40 / 47, 25 / 30 (AVX2); at 12 rows 55 / 51,
-# 32 / 32 and 54 / 52, 26 / 29; at 16 rows 69 / 53, 30 / 25 and 56 / 47, 29 / 26; at 32 rows 90 / 73,
-# 49 / 39 and 99 / 77, 52 / 40. Against MKL, GFLOP/s at 1 / 2 threads capped to AVX2: 80 / 126 and
-# 92 / 168 at 64 x 576 -> 1536, 63 / 109 and 91 / 178 at the LM head's 64 x 576 -> 49152, 96 / 196 and
-# 104 / 203 at a 2048-row chunk (`bench/bench_float_linear.py`). AMX (an Intel Xeon, where MKL is at
-# home) keeps the 32 rows measured there and MKL above.
-MAX_ROWS_FLOAT_BY_CLASS = {"avx2": 12, "avx512": 12, "avx512_bf16": 12, "amx": 32}
+# `csrc/float_gemm.cpp` (panels of 16 rows, or 8 for a last panel at most half full), MKL's above, by CPU
+# class. The default model's 211 projections, ms, float_linear / float_gemm, 1 and 2 threads, on AMD Zen 4
+# (AVX512-BF16) and the same capped to AVX2: at 1 row 21.7 / 36.7, 15.5 / 24.0 (AVX512) and 22.4 / 34.5,
+# 13.4 / 26.9 (AVX2); at 2 rows 36.5 / 36.6, 20.9 / 23.6 and 39.5 / 34.4, 22.1 / 22.7; at 3 rows 41.6 /
+# 36.7, 22.7 / 23.7 and 44.3 / 34.4, 24.2 / 23.3; at 4 rows 45.9 / 36.7, 25.8 / 23.8 and 46.0 / 34.6,
+# 25.0 / 23.0; at 12 rows 64.2 / 48.4, 35.7 / 28.3 and 59.7 / 45.8, 33.2 / 27.4. Against MKL, capped to
+# AVX2, 1 / 2 threads: 2.1x / 2.6x at 16 rows, 1.4x / 1.5x at 64, 1.05x / 1.04x at a 2048-row chunk
+# (`bench/bench_float_linear.py`). AMX (an Intel Xeon, where MKL is at home) keeps the 32 rows measured
+# there and MKL above.
+MAX_ROWS_FLOAT_BY_CLASS = {"avx2": 3, "avx512": 3, "avx512_bf16": 3, "amx": 32}
 MAX_ROWS_GEMM_BY_CLASS = {"avx2": 2048, "avx512": 2048, "avx512_bf16": 2048, "amx": 0}
 # GGUF products up to this many rows on the blocks as they are, above on them dequantized (then
 # `float_linear`; the same bits). Q4_1, 2 threads, ms, blocks / dequantized: AVX512-BF16 46 / 35 at 33
