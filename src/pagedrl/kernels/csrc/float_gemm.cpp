@@ -44,6 +44,40 @@ constexpr int64_t kBlockBytes = 384 << 10;  // a block of panels, kept in L2 whi
 constexpr int64_t kTilesPerItem = 8;    // 48 weight rows a work item: the threads' grain
 constexpr int64_t kMaxChunk = 768;      // the most k a tile's chain runs before the next panel's
 
+#if defined(__AVX2__) && defined(__FMA__)
+// A tile's loops over k for `tile` and `half_tile`: STEP(off) is one k's loads and multiply-adds on the
+// sums SUMS names; two k a loop step, the next tile's line asked for, then an odd last k alone. Uses
+// the caller's panel, p, q (weight rows 0-2 and 3-5), ld (their stride in bytes), K and ahead.
+#define PAGEDRL_TILE_LOOPS(STEP, SUMS)                                                                         \
+  const int64_t pairs = K / 2;                                                                                 \
+  if (pairs > 0) {                                                                                             \
+    __asm__ volatile("mov %[x], %%r8\n\t"                                                                       \
+                     "mov %[p], %%r9\n\t"                                                                       \
+                     "mov %[q], %%r10\n\t"                                                                      \
+                     "mov %[n], %%r11\n\t"                                                                      \
+                     "mov %[a], %%r12\n\t"                                                                      \
+                     "1:\n\t" STEP(0) STEP(1) "prefetcht1 (%%r12)\n\t"                                         \
+                     "add $64, %%r12\n\t"                                                                       \
+                     "add $128, %%r8\n\t"                                                                       \
+                     "add $8, %%r9\n\t"                                                                         \
+                     "add $8, %%r10\n\t"                                                                        \
+                     "dec %%r11\n\t"                                                                            \
+                     "jnz 1b\n\t"                                                                               \
+                     : SUMS                                                                                    \
+                     : [x] "r"(panel), [p] "r"(p), [q] "r"(q), [n] "r"(pairs), [ld] "r"(ld), [a] "r"(ahead)    \
+                     : "r8", "r9", "r10", "r11", "r12", "xmm12", "xmm13", "xmm14", "cc", "memory");            \
+  }                                                                                                            \
+  if (K % 2) {                                                                                                 \
+    __asm__ volatile("mov %[x], %%r8\n\t"                                                                       \
+                     "mov %[p], %%r9\n\t"                                                                       \
+                     "mov %[q], %%r10\n\t" STEP(0)                                                              \
+                     : SUMS                                                                                    \
+                     : [x] "r"(panel + 2 * pairs * kPanelRows), [p] "r"(p + 2 * pairs), [q] "r"(q + 2 * pairs), \
+                       [ld] "r"(ld)                                                                            \
+                     : "r8", "r9", "r10", "xmm12", "xmm13", "xmm14", "memory");                                \
+  }
+#endif
+
 // out[j][m] (+)= sum_k w[j * ldw + k] * panel[k][m] for the tile's 6 weight rows and the panel's 16 rows:
 // from zero, or on from the sums in `out` (`resume`: a chain continued over the next chunk of k).
 inline void tile(const float* __restrict panel, const float* w, int64_t ldw, int64_t K,
@@ -90,35 +124,7 @@ inline void tile(const float* __restrict panel, const float* w, int64_t ldw, int
 #define PAGEDRL_GEMM_SUMS                                                                              \
   [s00] "+x"(s00), [s01] "+x"(s01), [s10] "+x"(s10), [s11] "+x"(s11), [s20] "+x"(s20), [s21] "+x"(s21), \
   [s30] "+x"(s30), [s31] "+x"(s31), [s40] "+x"(s40), [s41] "+x"(s41), [s50] "+x"(s50), [s51] "+x"(s51)
-  const int64_t pairs = K / 2;
-  if (pairs > 0) {
-    __asm__ volatile(
-        "mov %[x], %%r8\n\t"
-        "mov %[p], %%r9\n\t"
-        "mov %[q], %%r10\n\t"
-        "mov %[n], %%r11\n\t"
-        "mov %[a], %%r12\n\t"
-        "1:\n\t" PAGEDRL_GEMM_STEP(0) PAGEDRL_GEMM_STEP(1)
-        "prefetcht1 (%%r12)\n\t"
-        "add $64, %%r12\n\t"
-        "add $128, %%r8\n\t"
-        "add $8, %%r9\n\t"
-        "add $8, %%r10\n\t"
-        "dec %%r11\n\t"
-        "jnz 1b\n\t"
-        : PAGEDRL_GEMM_SUMS
-        : [x] "r"(panel), [p] "r"(p), [q] "r"(q), [n] "r"(pairs), [ld] "r"(ld), [a] "r"(ahead)
-        : "r8", "r9", "r10", "r11", "r12", "xmm12", "xmm13", "xmm14", "cc", "memory");
-  }
-  if (K % 2) {
-    __asm__ volatile(
-        "mov %[x], %%r8\n\t"
-        "mov %[p], %%r9\n\t"
-        "mov %[q], %%r10\n\t" PAGEDRL_GEMM_STEP(0)
-        : PAGEDRL_GEMM_SUMS
-        : [x] "r"(panel + 2 * pairs * kPanelRows), [p] "r"(p + 2 * pairs), [q] "r"(q + 2 * pairs), [ld] "r"(ld)
-        : "r8", "r9", "r10", "xmm12", "xmm13", "xmm14", "memory");
-  }
+  PAGEDRL_TILE_LOOPS(PAGEDRL_GEMM_STEP, PAGEDRL_GEMM_SUMS)
 #undef PAGEDRL_GEMM_SUMS
 #undef PAGEDRL_GEMM_STEP
   _mm256_storeu_ps(out[0], s00); _mm256_storeu_ps(out[0] + 8, s01);
@@ -167,35 +173,7 @@ inline void half_tile(const float* __restrict panel, const float* w, int64_t ldw
   "vbroadcastss " #off "*4(%%r10,%[ld],2), %%ymm13\n\t"                  \
   "vfmadd231ps %%ymm12, %%ymm13, %[s5]\n\t"
 #define PAGEDRL_HALF_SUMS [s0] "+x"(s0), [s1] "+x"(s1), [s2] "+x"(s2), [s3] "+x"(s3), [s4] "+x"(s4), [s5] "+x"(s5)
-  const int64_t pairs = K / 2;
-  if (pairs > 0) {
-    __asm__ volatile(
-        "mov %[x], %%r8\n\t"
-        "mov %[p], %%r9\n\t"
-        "mov %[q], %%r10\n\t"
-        "mov %[n], %%r11\n\t"
-        "mov %[a], %%r12\n\t"
-        "1:\n\t" PAGEDRL_HALF_STEP(0) PAGEDRL_HALF_STEP(1)
-        "prefetcht1 (%%r12)\n\t"
-        "add $64, %%r12\n\t"
-        "add $128, %%r8\n\t"
-        "add $8, %%r9\n\t"
-        "add $8, %%r10\n\t"
-        "dec %%r11\n\t"
-        "jnz 1b\n\t"
-        : PAGEDRL_HALF_SUMS
-        : [x] "r"(panel), [p] "r"(p), [q] "r"(q), [n] "r"(pairs), [ld] "r"(ld), [a] "r"(ahead)
-        : "r8", "r9", "r10", "r11", "r12", "xmm12", "xmm13", "xmm14", "cc", "memory");
-  }
-  if (K % 2) {
-    __asm__ volatile(
-        "mov %[x], %%r8\n\t"
-        "mov %[p], %%r9\n\t"
-        "mov %[q], %%r10\n\t" PAGEDRL_HALF_STEP(0)
-        : PAGEDRL_HALF_SUMS
-        : [x] "r"(panel + 2 * pairs * kPanelRows), [p] "r"(p + 2 * pairs), [q] "r"(q + 2 * pairs), [ld] "r"(ld)
-        : "r8", "r9", "r10", "xmm12", "xmm13", "xmm14", "memory");
-  }
+  PAGEDRL_TILE_LOOPS(PAGEDRL_HALF_STEP, PAGEDRL_HALF_SUMS)
 #undef PAGEDRL_HALF_SUMS
 #undef PAGEDRL_HALF_STEP
   _mm256_storeu_ps(out[0], s0); _mm256_storeu_ps(out[1], s1); _mm256_storeu_ps(out[2], s2);
