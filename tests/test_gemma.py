@@ -136,7 +136,7 @@ def test_sliding_layers_give_back_their_blocks_while_full_layers_keep_theirs() -
     llm = engine_for(hf, block_size=4, kv_cache_tokens=512, max_num_batched_tokens=16)
     engine = llm.engine
     assert engine.kv_cache.nbytes == 2 * 3 * 512 * 2 * 16 * 4  # (keys and values, 3 layers, 512 tokens, fp32)
-    assert engine.kv_layout() == ("384 KV blocks of 4 tokens and 1 layer each, 3 groups of layers with block tables "
+    assert engine.kv_layout() == ("384 KV blocks of 4 tokens in float32 and 1 layer each, 3 groups of layers with block tables "
                                   "of their own (1 full; 2 sliding over 8 keys, which give back what left the window)")
     line = footprint(ModelConfig.from_dict(hf.config.to_dict()), torch.float32).describe()
     assert "0.8 KiB of KV cache per token (0.5 KiB of it, the sliding layers', for the last 8 tokens only)" in line

@@ -115,11 +115,12 @@ class PagedAttention:
         impl: str = "fast",
         scale: float | None = None,
         prefill_rows: bool = False,
+        queries: torch.dtype | None = None,
     ) -> PagedAttention:
         """Metadata for sequences given as (block_table, num_computed_tokens, num_new_tokens): the
         first num_computed tokens are in the cache already, the next num_new are this step's rows.
-        The block table must cover all num_computed + num_new tokens. `prefill_rows`: as
-        `from_block_tables` takes it."""
+        The block table must cover all num_computed + num_new tokens. `prefill_rows` and `queries`: as
+        `from_block_tables` takes them."""
         if block_size != kv_cache.block_size:
             raise ValueError(f"block_size ({block_size}) differs from the cache's ({kv_cache.block_size})")
         if impl not in IMPLEMENTATIONS:
@@ -150,7 +151,7 @@ class PagedAttention:
         block_tables = torch.zeros(len(seqs), int(num_table_blocks.max()), dtype=torch.long)
         block_tables[torch.arange(block_tables.shape[1]) < num_table_blocks[:, None]] = flat
         return cls.from_block_tables(kv_cache, block_tables, q_lens, seq_lens, device, impl, scale,
-                                     prefill_rows=prefill_rows)
+                                     prefill_rows=prefill_rows, queries=queries)
 
     @classmethod
     def from_block_tables(
@@ -165,6 +166,7 @@ class PagedAttention:
         read_in_place: bool = True,
         rows: bool | None = None,
         prefill_rows: bool = False,
+        queries: torch.dtype | None = None,
     ) -> PagedAttention:
         """Metadata from block tables already in a tensor (CPU, [S, >= the blocks each sequence
         needs], padded with block 0), as the engine's persistent block table hands them over:
@@ -174,7 +176,9 @@ class PagedAttention:
         token attended alone by the row kernel, as batch-invariant mode needs (None: whether that mode
         is on here). `prefill_rows`: a step with prompt chunks goes to the CPU kernels too (where they
         are the faster prefill: `prefill_by_rows`), to the prefill tiles where they are built for the
-        cache (`prefill_in_tiles`), else to the row kernel; steps of decodes keep the in-place decode kernel."""
+        cache (`prefill_in_tiles`), else to the row kernel; steps of decodes keep the in-place decode kernel.
+        `queries`: the dtype the model's queries come in (None: the cache's; float32 over a bf16 cache
+        takes the float32 tiles)."""
         device = kv_cache.device if device is None else torch.device(device)
         block_size = kv_cache.block_size
         num_seqs = len(q_lens)
@@ -201,7 +205,7 @@ class PagedAttention:
         fast_here = impl == "fast" and reads_in_place(kv_cache, device)
         invariant = batch_invariant.active() if rows is None else rows
         prompts = prefill_rows and max_query_len > 1
-        tiles = prompts and not invariant and fast_here and prefill_in_tiles(kv_cache)
+        tiles = prompts and not invariant and fast_here and prefill_in_tiles(kv_cache, queries)
         by_rows = invariant or (prompts and not tiles)
         if by_rows and fast_here:
             row_lens = (positions + 1).to(device)
@@ -238,9 +242,10 @@ class PagedAttention:
             raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of the cache's kv heads "
                              f"({num_kv_heads}) and head_dim must be {head_dim}; got {tuple(q.shape)}")
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
-        queries = q[0].to(key_cache.dtype)
         window = self.windows[layer] if self.windows is not None else None
-        if window is not None or self.softcap is not None or sinks is not None:
+        rules = window is not None or self.softcap is not None or sinks is not None
+        queries = q[0] if self._widens(q, key_cache, rules) else q[0].to(key_cache.dtype)
+        if rules:
             return layer_rules.attend_with_rules(self, layer, queries, k, v, scale, window, sinks).to(q.dtype)[None]
         if self.impl == "triton":
             from pagedrl.engine import triton_attention
@@ -267,12 +272,23 @@ class PagedAttention:
         """Multi-head latent attention (`model/mla.py`) on a cache of latents: `engine/latent_attention.py`."""
         return latent_attention.attend_latent(self, layer, q, latent, expand, absorbed)
 
+    def _widens(self, q: torch.Tensor, key_cache: torch.Tensor, rules: bool) -> bool:
+        """Whether this layer's float32 queries attend over a bf16 cache as they are (`kv_cache_dtype`):
+        the CPU kernels read bf16 keys and values widened to float32, so the arithmetic stays the float32
+        engine's over the cache's rounded values. The other paths (the gather-then-SDPA groups, Triton,
+        the reference loop) attend in the cache's dtype, queries converted."""
+        if q.dtype != torch.float32 or key_cache.dtype != torch.bfloat16 or self.impl != "fast" or not self.kernels:
+            return False
+        return rules or self.in_place or self.tiles or self.row_lens is not None
+
     def _store(self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         """The new tokens' keys and values into their cache slots."""
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-        if self.kernels:
-            ops.store_kv(k[0].to(key_cache.dtype), v[0].to(value_cache.dtype), key_cache, value_cache,
-                                 self.slot_mapping)
+        if self.kernels:  # float32 keys into a bf16 cache: rounded by the kernel as it stores them
+            keys, values = k[0], v[0]
+            if not (keys.dtype == torch.float32 and key_cache.dtype == torch.bfloat16):
+                keys, values = keys.to(key_cache.dtype), values.to(value_cache.dtype)
+            ops.store_kv(keys, values, key_cache, value_cache, self.slot_mapping)
         else:
             key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, k[0].to(key_cache.dtype))
             value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping,
@@ -346,16 +362,17 @@ def prefill_by_rows(kv_cache: KVCache, device: torch.device) -> bool:
     return reads_in_place(kv_cache, device) and not ops.decode_linear_amx()
 
 
-def prefill_in_tiles(kv_cache: KVCache) -> bool:
+def prefill_in_tiles(kv_cache: KVCache, queries: torch.dtype | None = None) -> bool:
     """Whether prompt chunks that go to the CPU kernels take the prefill tiles (`csrc/prefill_tiles.cpp`:
     a prompt's rows 16 at a time against each chunk of keys laid out once): a cache of a head size the
     kernel is built for, in bf16 with the bf16 dot-product instructions (64 prompts of 32-512 tokens,
     one layer, two threads: 35-38 ms against the row kernel's 75), or in float32 with AVX2 and FMA or
     AVX512 (`csrc/prefill_tiles_f32.h`: 66 against 102 on AVX512, 70 against 106 as AVX2;
-    `bench/RESULTS.md`). Batch-invariant steps keep the row kernel."""
+    `bench/RESULTS.md`). Batch-invariant steps keep the row kernel. Float32 `queries` over a bf16 cache
+    (`kv_cache_dtype`) take the float32 tiles, which widen the cache's keys and values as they read them."""
     if kv_cache.head_dim not in ops.PREFILL_HEAD_DIMS:
         return False
-    if kv_cache.dtype == torch.float32:
+    if kv_cache.dtype == torch.float32 or queries == torch.float32:
         return ops.paged_prefill_float32()
     return kv_cache.dtype == torch.bfloat16 and ops.decode_linear_available()
 

@@ -15,6 +15,9 @@ import torch
 from pagedrl.engine.attention import IMPLEMENTATIONS, resolve_impl
 from pagedrl.engine.kv_cache import DEFAULT_CPU_BYTES, DEFAULT_CPU_TOKENS
 
+# vLLM's `--kv-cache-dtype` spellings built here (its fp8 variants are not).
+KV_CACHE_DTYPES = ("auto", "bfloat16")
+
 
 def setting(default: Any, help: str, group: str, *, cli: bool = True, choices: tuple[str, ...] | None = None,
             metavar: str | None = None) -> Any:
@@ -32,6 +35,11 @@ class EngineConfig:
               f"the free memory, on a CPU {DEFAULT_CPU_BYTES >> 30} GiB and at most {DEFAULT_CPU_TOKENS} tokens)",
         "cache")
     kv_cache_bytes: int | None = setting(None, "KV-cache size in bytes, when kv_cache_tokens is not given", "cache")
+    kv_cache_dtype: str = setting(
+        "auto", "the dtype keys and values are cached in: auto, the dtype the model computes in; bfloat16, half "
+                "a float32 model's cache bytes (twice the tokens in the same budget, half the bytes a decode step "
+                "reads), each key and value rounded to bf16 as it is stored and attended in float32 on a CPU",
+        "cache", choices=KV_CACHE_DTYPES)
     gpu_memory_utilization: float = setting(
         0.9, "on CUDA without a size given, the share of the GPU's memory the engine may fill", "cache")
     enable_prefix_caching: bool = setting(
@@ -70,6 +78,10 @@ class EngineConfig:
     max_cpu_loras: int | None = setting(
         None, "adapters kept in memory off the slots (default: max_loras); others are read again", "lora")
 
+    def cache_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for a model computing in `compute_dtype` (its own, or autocast's)."""
+        return compute_dtype if self.kv_cache_dtype == "auto" else torch.bfloat16
+
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
@@ -78,6 +90,10 @@ class EngineConfig:
         resolve_impl(self.attention_impl, "cpu")
         if self.autocast_dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {self.autocast_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}" + (" (fp8 caches are not built)"
+                                                           if str(self.kv_cache_dtype).startswith("fp8") else ""))
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block "
                              f"of block_size={self.block_size} tokens")

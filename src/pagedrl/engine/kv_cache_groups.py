@@ -199,10 +199,10 @@ def cache_and_manager(cfg: Any, num_blocks: int, block_size: int, dtype: torch.d
     return cache, GroupedKVCacheManager(num_blocks, block_size, enable_prefix_caching, groups)
 
 
-def describe(manager: KVCacheManager | GroupedKVCacheManager, block_size: int) -> str:
-    """The KV cache's blocks, for a start-up line: how many, and where layers hold their own tables, in
-    what groups."""
-    blocks = f"{manager.num_blocks_total} KV blocks of {block_size} tokens"
+def describe(manager: KVCacheManager | GroupedKVCacheManager, block_size: int, dtype: torch.dtype) -> str:
+    """The KV cache's blocks, for a start-up line: how many, in what dtype, and where layers hold their
+    own tables, in what groups."""
+    blocks = f"{manager.num_blocks_total} KV blocks of {block_size} tokens in {str(dtype).removeprefix('torch.')}"
     groups = getattr(manager, "layer_groups", None)
     if groups is None:
         return blocks

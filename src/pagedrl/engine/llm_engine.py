@@ -52,8 +52,8 @@ class LLMEngine:
         cfg = model.config
         self.max_model_len = min(self.config.max_model_len or cfg.max_model_len, cfg.max_model_len)
         bs = self.config.block_size
-        # The cache holds keys and values in the dtype the model computes them in.
-        kv_dtype = self.config.autocast_dtype or model.dtype
+        # The cache holds keys and values in the dtype the model computes them in, or in kv_cache_dtype.
+        kv_dtype = self.config.cache_dtype(self.config.autocast_dtype or model.dtype)
         num_blocks = num_blocks_for_budget(cfg, bs, model.device, kv_dtype, tokens=self.config.kv_cache_tokens,
                                            nbytes=self.config.kv_cache_bytes,
                                            gpu_memory_utilization=self.config.gpu_memory_utilization)
@@ -345,7 +345,7 @@ class LLMEngine:
 
     def kv_layout(self) -> str:
         """The KV cache's blocks, for a start-up line (`kv_cache_groups.describe`)."""
-        return describe(self.kv_manager, self.block_size)
+        return describe(self.kv_manager, self.block_size, self.kv_cache.dtype)
 
     def decode_path(self) -> str:
         """How steps that only decode run (CUDA graphs, the CPU kernels' program, the modules), for a

@@ -199,7 +199,8 @@ class ModelRunner:
             # recompute runs: the in-place kernel's float32 softmax tripled the bf16 log-prob gap of a rollout.
             return PagedAttention.from_block_tables(self.kv_cache, tables, q_lens, seq_lens, device,
                                                     impl=self.attention_impl, read_in_place=self.autocast_dtype is None,
-                                                    rows=invariant, prefill_rows=self.prefill_rows)
+                                                    rows=invariant, prefill_rows=self.prefill_rows,
+                                                    queries=self.autocast_dtype or self.model.dtype)
 
         groups = getattr(self.kv_manager, "layer_groups", None)
         if groups is None:

@@ -12,9 +12,16 @@
 // Order: a score is sum_i (q[i] * k[i]) over head_dim in a fixed lane order, the same whichever other
 // positions or heads share the call, so a row's result stays the same bit for bit however many rows,
 // heads or sequences a call takes (the batch invariance `paged_attention.cpp` states).
+//
+// A float32 engine may keep its cache in bf16 (`kv_cache_dtype`): the same loops read each key and value
+// row widened to float32 on the way into registers (`f32_load` of a bf16 row: a shift, exact), so the
+// scores and sums are the float32 ones over the cache's rounded values, at half the bytes a key.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
+#include <cstring>
 
 #include "cpu_math.h"
 
@@ -34,6 +41,10 @@ using F32Vec = __m512;
 constexpr int kF32Lanes = 16;
 inline F32Vec f32_zero() { return _mm512_setzero_ps(); }
 inline F32Vec f32_load(const float* p) { return _mm512_loadu_ps(p); }
+inline F32Vec f32_load(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
 inline void f32_store(float* p, F32Vec v) { _mm512_storeu_ps(p, v); }
 inline F32Vec f32_fma(F32Vec a, F32Vec b, F32Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline F32Vec f32_mul(F32Vec a, F32Vec b) { return _mm512_mul_ps(a, b); }
@@ -54,6 +65,10 @@ using F32Vec = __m256;
 constexpr int kF32Lanes = 8;
 inline F32Vec f32_zero() { return _mm256_setzero_ps(); }
 inline F32Vec f32_load(const float* p) { return _mm256_loadu_ps(p); }
+inline F32Vec f32_load(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
 inline void f32_store(float* p, F32Vec v) { _mm256_storeu_ps(p, v); }
 inline F32Vec f32_fma(F32Vec a, F32Vec b, F32Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline F32Vec f32_mul(F32Vec a, F32Vec b) { return _mm256_mul_ps(a, b); }
@@ -79,6 +94,15 @@ inline void f32_sum_lanes(F32Vec v[16], float* out) {
 }
 #endif
 
+// One cached value as float32 (a bf16's bits are a float32's top half).
+inline float f32_value(float x) { return x; }
+inline float f32_value(c10::BFloat16 x) {
+  const uint32_t widened = static_cast<uint32_t>(x.x) << 16;
+  float value;
+  std::memcpy(&value, &widened, sizeof(value));
+  return value;
+}
+
 // exp(x) for lanes x <= 0: `exp_nonpositive`'s 2^n * p(r), a vector of lanes at a time (the polynomial in
 // fused multiply-adds, as `exp_nonpositive16`).
 inline F32Vec f32_exp_nonpositive(F32Vec x) {
@@ -98,10 +122,11 @@ inline F32Vec f32_exp_nonpositive(F32Vec x) {
 // A chunk's scores for the `groups` query heads of one KV head: query [groups][kD] (already scaled),
 // keys at `keys + slots[t] * token_stride` for t < n; positions n..15 score 0 (masked later). The next
 // chunk's key rows of this head (`ahead + t * token_stride`, t < ahead_n) are asked for into L2 one
-// with each key row the first head reads (a row of this chunk in, a row of the next asked for).
-template <int kD>
-inline void chunk_scores_f32(const float* query, const float* keys, const int64_t* slots, int64_t n,
-                             int64_t token_stride, int64_t groups, float* scores, const float* ahead = nullptr,
+// with each key row the first head reads (a row of this chunk in, a row of the next asked for). C: the
+// cache's element, float32 or bf16.
+template <int kD, typename C = float>
+inline void chunk_scores_f32(const float* query, const C* keys, const int64_t* slots, int64_t n,
+                             int64_t token_stride, int64_t groups, float* scores, const C* ahead = nullptr,
                              int64_t ahead_n = 0) {
   constexpr int kV = kD / kF32Lanes;
   for (int64_t g = 0; g < groups; ++g) {
@@ -109,10 +134,10 @@ inline void chunk_scores_f32(const float* query, const float* keys, const int64_
     for (int i = 0; i < kV; ++i) qv[i] = f32_load(query + g * kD + kF32Lanes * i);
     F32Vec sums[16];
     for (int64_t t = 0; t < 16; ++t) {
-      if (g == 0 && t < ahead_n) ask_for_row(ahead + t * token_stride, kD * 4);
+      if (g == 0 && t < ahead_n) ask_for_row(ahead + t * token_stride, kD * static_cast<int>(sizeof(C)));
       F32Vec acc = f32_zero();
       if (t < n) {
-        const float* k = keys + slots[t] * token_stride;
+        const C* k = keys + slots[t] * token_stride;
         for (int i = 0; i < kV; ++i) acc = f32_fma(qv[i], f32_load(k + kF32Lanes * i), acc);
       }
       sums[t] = acc;
@@ -126,9 +151,9 @@ inline void chunk_scores_f32(const float* query, const float* keys, const int64_
 // registers) one slice of kSlice vectors at a time. Each sum is added in position order either way.
 // The next chunk's value rows (`ahead`, as `chunk_scores_f32`'s keys) asked for one a position in the
 // first slice's pass.
-template <int kD, int kG>
-inline void chunk_values_f32_heads(const float* values, const int64_t* slots, int64_t n, int64_t token_stride,
-                                   const float* probs, float* acc, const float* ahead = nullptr,
+template <int kD, int kG, typename C = float>
+inline void chunk_values_f32_heads(const C* values, const int64_t* slots, int64_t n, int64_t token_stride,
+                                   const float* probs, float* acc, const C* ahead = nullptr,
                                    int64_t ahead_n = 0) {
   constexpr int kV = kD / kF32Lanes;
   constexpr int kSlice = kF32Lanes == 16 ? kV : (kV % 2 == 0 ? 2 : 1);
@@ -137,8 +162,8 @@ inline void chunk_values_f32_heads(const float* values, const int64_t* slots, in
     for (int g = 0; g < kG; ++g)
       for (int i = 0; i < kSlice; ++i) a[g][i] = f32_load(acc + g * kD + kF32Lanes * (s + i));
     for (int64_t t = 0; t < n; ++t) {
-      if (s == 0 && t < ahead_n) ask_for_row(ahead + t * token_stride, kD * 4);
-      const float* v = values + slots[t] * token_stride + kF32Lanes * s;
+      if (s == 0 && t < ahead_n) ask_for_row(ahead + t * token_stride, kD * static_cast<int>(sizeof(C)));
+      const C* v = values + slots[t] * token_stride + kF32Lanes * s;
       F32Vec row[kSlice];
       for (int i = 0; i < kSlice; ++i) row[i] = f32_load(v + kF32Lanes * i);
       for (int g = 0; g < kG; ++g) {
@@ -152,17 +177,17 @@ inline void chunk_values_f32_heads(const float* values, const int64_t* slots, in
 }
 
 // Heads up to four at a time.
-template <int kD>
-inline void chunk_values_f32(const float* values, const int64_t* slots, int64_t n, int64_t token_stride,
-                             int64_t groups, const float* probs, float* acc, const float* ahead = nullptr,
+template <int kD, typename C = float>
+inline void chunk_values_f32(const C* values, const int64_t* slots, int64_t n, int64_t token_stride,
+                             int64_t groups, const float* probs, float* acc, const C* ahead = nullptr,
                              int64_t ahead_n = 0) {
   int64_t g = 0;
   for (; g + 4 <= groups; g += 4, ahead_n = 0)
-    chunk_values_f32_heads<kD, 4>(values, slots, n, token_stride, probs + g * 16, acc + g * kD, ahead, ahead_n);
+    chunk_values_f32_heads<kD, 4, C>(values, slots, n, token_stride, probs + g * 16, acc + g * kD, ahead, ahead_n);
   switch (groups - g) {
-    case 3: chunk_values_f32_heads<kD, 3>(values, slots, n, token_stride, probs + g * 16, acc + g * kD, ahead, ahead_n); break;
-    case 2: chunk_values_f32_heads<kD, 2>(values, slots, n, token_stride, probs + g * 16, acc + g * kD, ahead, ahead_n); break;
-    case 1: chunk_values_f32_heads<kD, 1>(values, slots, n, token_stride, probs + g * 16, acc + g * kD, ahead, ahead_n); break;
+    case 3: chunk_values_f32_heads<kD, 3, C>(values, slots, n, token_stride, probs + g * 16, acc + g * kD, ahead, ahead_n); break;
+    case 2: chunk_values_f32_heads<kD, 2, C>(values, slots, n, token_stride, probs + g * 16, acc + g * kD, ahead, ahead_n); break;
+    case 1: chunk_values_f32_heads<kD, 1, C>(values, slots, n, token_stride, probs + g * 16, acc + g * kD, ahead, ahead_n); break;
     default: break;
   }
 }

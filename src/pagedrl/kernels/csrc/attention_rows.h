@@ -196,8 +196,10 @@ struct RowScratch {
 // its own running max, sum and accumulator, updated in the same order. Why take several: a slot holds
 // every KV head's row side by side, so a row of all the heads reads each block's keys and values as
 // one contiguous run (a decode step of 64 rows: 2.0 ms a layer one head at a time, 1.0 all heads).
-template <typename T, int kD>
-inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t r, int64_t h0,
+// T: the query's and output's element; C: the cache's, T's own or, under a float32 query, bf16 (a float32
+// engine's bf16 cache, `kv_cache_dtype`: the float32 loops over keys and values widened as read).
+template <typename T, int kD, typename C = T>
+inline void attend_row(const T* q, const C* kc, const C* vc, const int64_t* table, int64_t r, int64_t h0,
                        int64_t kv_heads, int64_t len, T* out, float* lse, int64_t num_heads, int64_t groups,
                        int64_t head_dim_rt, int64_t token_stride, int64_t table_block, float scale, RowScratch& w,
                        const RowRules& rules = RowRules{}, int64_t next_slot = 0, int64_t next_n = 0) {
@@ -227,7 +229,7 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
   }
   std::fill(acc, acc + heads * head_dim, 0.f);
   // The bytes of one slot this row reads: its heads' rows, side by side.
-  const int64_t run_bytes = kv_heads * head_dim * static_cast<int64_t>(sizeof(T));
+  const int64_t run_bytes = kv_heads * head_dim * static_cast<int64_t>(sizeof(C));
   // The first position the row sees; chunks start at multiples of kChunk (the same chunks with or without a
   // window), and the positions of the first chunk below `lo` are masked, never the chunks below it.
   const int64_t lo = rules.window > 0 ? std::max<int64_t>(0, len - rules.window) : 0;
@@ -257,7 +259,8 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
     // two threads 0.76 -> 0.67.
     constexpr bool kAsksInLoops = (std::is_same_v<T, float> && kD % kF32Lanes == 0 && kD > 0)
 #if PAGEDRL_BF16_DOT
-                                  || (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0)
+                                  || (std::is_same_v<C, c10::BFloat16> && std::is_same_v<T, C> && kD % 32 == 0 &&
+                                      kD > 0)
 #endif
         ;
     int64_t ahead_base = 0, ahead_n = 0;  // the next chunk's first slot and positions (the vector chunks)
@@ -273,7 +276,7 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
       const int64_t next = first + 2 * kChunk;
       const int64_t base = table[next / table_block] * table_block + next % table_block;
       const int64_t m = std::min(kChunk, len - next);
-      for (const T* cache : {kc, vc})
+      for (const C* cache : {kc, vc})
         for (int64_t t = 0; t < m; ++t) {
           const char* run = reinterpret_cast<const char*>(cache + (base + t) * token_stride + h0 * head_dim);
           for (int64_t line = 0; line < run_bytes; line += 64) _mm_prefetch(run + line, _MM_HINT_T1);
@@ -284,7 +287,7 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
       const int64_t h = h0 + hh;
       float* head_scores = scores + hh * groups * kChunk;
 #if PAGEDRL_BF16_DOT
-      if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0) {
+      if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T> && kD % 32 == 0 && kD > 0) {
         chunk_scores_bf16<kD>(q_row + hh * groups * head_dim, kc + h * head_dim, slots, n, token_stride, groups,
                               scale, head_scores, kc + ahead_base * token_stride + h * head_dim, ahead_n);
         continue;
@@ -292,7 +295,7 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
 #endif
 #if PAGEDRL_F32_CHUNKS
       if constexpr (std::is_same_v<T, float> && kD % kF32Lanes == 0 && kD > 0) {
-        chunk_scores_f32<kD>(query + hh * groups * head_dim, kc + h * head_dim, slots, n, token_stride, groups,
+        chunk_scores_f32<kD, C>(query + hh * groups * head_dim, kc + h * head_dim, slots, n, token_stride, groups,
                              head_scores, kc + ahead_base * token_stride + h * head_dim, ahead_n);
         continue;
       }
@@ -337,7 +340,7 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
       const float* head_probs = scores + hh * groups * kChunk;
       float* head_acc = acc + hh * groups * head_dim;
 #if PAGEDRL_BF16_DOT
-      if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0 && kD > 0) {
+      if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T> && kD % 32 == 0 && kD > 0) {
         chunk_values_bf16<kD>(vc + h * head_dim, slots, n, token_stride, groups, head_probs, head_acc,
                               vc + ahead_base * token_stride + h * head_dim, ahead_n);
         continue;
@@ -345,7 +348,7 @@ inline void attend_row(const T* q, const T* kc, const T* vc, const int64_t* tabl
 #endif
 #if PAGEDRL_F32_CHUNKS
       if constexpr (std::is_same_v<T, float> && kD % kF32Lanes == 0 && kD > 0) {
-        chunk_values_f32<kD>(vc + h * head_dim, slots, n, token_stride, groups, head_probs, head_acc,
+        chunk_values_f32<kD, C>(vc + h * head_dim, slots, n, token_stride, groups, head_probs, head_acc,
                              vc + ahead_base * token_stride + h * head_dim, ahead_n);
         continue;
       }

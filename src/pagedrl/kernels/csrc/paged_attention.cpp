@@ -45,9 +45,9 @@ using pagedrl_cpu::load_row;
 // (a slot's heads lie side by side: one contiguous read of each block); else (row, KV head) pairs, so
 // that a single decode still spreads over the threads. Either way each head's result is the same.
 // (Handed out largest first, as the prefill tiles are, a decode step of 64 rows of 96-576 keys took as
-// long: it waits on memory, which a thread left alone has to itself.)
-template <typename T, int kD>
-void attend_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* row_seqs,
+// long: it waits on memory, which a thread left alone has to itself.) C: the cache's element (`attend_row`).
+template <typename T, int kD, typename C>
+void attend_rows(const T* q, const C* kc, const C* vc, const int64_t* tables, const int64_t* row_seqs,
                  const int64_t* row_lens, T* out, float* lse, int64_t num_rows, int64_t num_heads,
                  int64_t num_kv_heads, int64_t head_dim_rt, int64_t table_block, int64_t table_stride, float scale,
                  const pagedrl_cpu::RowRules& rules) {
@@ -68,14 +68,14 @@ void attend_rows(const T* q, const T* kc, const T* vc, const int64_t* tables, co
         next_slot = next_table[0] * table_block;
         next_n = std::min(pagedrl_cpu::kChunk, row_lens[r + 1]);
       }
-      pagedrl_cpu::attend_row<T, kD>(q, kc, vc, table, r, h0, per_item, row_lens[r], out, lse, num_heads, groups,
+      pagedrl_cpu::attend_row<T, kD, C>(q, kc, vc, table, r, h0, per_item, row_lens[r], out, lse, num_heads, groups,
                                      head_dim, token_stride, table_block, scale, scratch, rules, next_slot, next_n);
     }
   });
 }
 
-template <typename T>
-void dispatch(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* row_seqs,
+template <typename T, typename C>
+void dispatch(const T* q, const C* kc, const C* vc, const int64_t* tables, const int64_t* row_seqs,
               const int64_t* row_lens, T* out, float* lse, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
               int64_t head_dim, int64_t table_block, int64_t table_stride, float scale,
               const pagedrl_cpu::RowRules& rules) {
@@ -83,12 +83,13 @@ void dispatch(const T* q, const T* kc, const T* vc, const int64_t* tables, const
     kernel(q, kc, vc, tables, row_seqs, row_lens, out, lse, num_rows, num_heads, num_kv_heads, head_dim, table_block,
            table_stride, scale, rules);
   };
-  if (head_dim == 64) return run(attend_rows<T, 64>);
-  if (head_dim == 128) return run(attend_rows<T, 128>);
-  return run(attend_rows<T, 0>);
+  if (head_dim == 64) return run(attend_rows<T, 64, C>);
+  if (head_dim == 128) return run(attend_rows<T, 128, C>);
+  return run(attend_rows<T, 0, C>);
 }
 
-// q [N, Hq, D]; key_cache, value_cache [slots / table_block, table_block, Hkv, D] (contiguous); tables
+// q [N, Hq, D]; key_cache, value_cache [slots / table_block, table_block, Hkv, D] (contiguous; q's dtype, or
+// bf16 under a float32 q: a float32 engine's bf16 cache, widened as read); tables
 // [S, entries] int64; row_seqs [N] int64, or empty for row r = sequence r; row_lens [N] int64 (each >= 1).
 // Returns [N, Hq, D] in q's dtype and, when with_lse, the log-sum-exp of each row's scaled scores [N, Hq]
 // (float32; what a flash-attention backward needs), else an empty tensor. window > 0: row r sees only its
@@ -101,8 +102,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
                                                    const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "paged_attention: shapes");
-  TORCH_CHECK(q.scalar_type() == key_cache.scalar_type() && q.scalar_type() == value_cache.scalar_type(),
-              "paged_attention: q and the caches must share a dtype");
+  const bool widened = q.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((q.scalar_type() == key_cache.scalar_type() || widened) &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "paged_attention: the caches must share q's dtype, or be bfloat16 under a float32 q");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "paged_attention: caches must be contiguous");
   TORCH_CHECK(tables.scalar_type() == at::kLong && row_lens.scalar_type() == at::kLong &&
                   row_seqs.scalar_type() == at::kLong,
@@ -130,13 +133,18 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
     sink_values = sinks->to(at::kFloat).contiguous();
     rules.sinks = sink_values.data_ptr<float>();
   }
-  if (q.scalar_type() == at::kFloat) {
-    dispatch<float>(qc.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+  if (widened) {
+    using bf = c10::BFloat16;
+    dispatch<float, bf>(qc.data_ptr<float>(), key_cache.data_ptr<bf>(), value_cache.data_ptr<bf>(),
+                        table.data_ptr<int64_t>(), seq_ptr, lens.data_ptr<int64_t>(), out.data_ptr<float>(), lse_ptr,
+                        num_rows, num_heads, num_kv_heads, head_dim, key_cache.size(1), table.size(1), s, rules);
+  } else if (q.scalar_type() == at::kFloat) {
+    dispatch<float, float>(qc.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
                     table.data_ptr<int64_t>(), seq_ptr, lens.data_ptr<int64_t>(), out.data_ptr<float>(), lse_ptr,
                     num_rows, num_heads, num_kv_heads, head_dim, key_cache.size(1), table.size(1), s, rules);
   } else if (q.scalar_type() == at::kBFloat16) {
     using bf = c10::BFloat16;
-    dispatch<bf>(qc.data_ptr<bf>(), key_cache.data_ptr<bf>(), value_cache.data_ptr<bf>(), table.data_ptr<int64_t>(),
+    dispatch<bf, bf>(qc.data_ptr<bf>(), key_cache.data_ptr<bf>(), value_cache.data_ptr<bf>(), table.data_ptr<int64_t>(),
                  seq_ptr, lens.data_ptr<int64_t>(), out.data_ptr<bf>(), lse_ptr, num_rows, num_heads, num_kv_heads,
                  head_dim, key_cache.size(1), table.size(1), s, rules);
   } else {
@@ -275,25 +283,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_attention_backward(
 
 // k, v [N, Hkv, D] written to slots slot_mapping[N] of key_cache and value_cache ([slots / B, B, Hkv, D],
 // contiguous). Two index_copy_ calls did the same; each cost an OpenMP region (tens of microseconds for
-// a decode step's few kilobytes), 60 a step for the default model.
+// a decode step's few kilobytes), 60 a step for the default model. Float32 keys and values into a bf16
+// cache (a float32 engine's `kv_cache_dtype`) are rounded on the way, to nearest even as `Tensor.to` rounds:
+// no float32 -> bf16 copy of the step's keys made first, a call a layer.
 void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_cache, const at::Tensor& value_cache,
               const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes(),
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.scalar_type() == value_cache.scalar_type(),
               "store_kv: caches must be contiguous and alike");
-  TORCH_CHECK(k.scalar_type() == key_cache.scalar_type() && v.scalar_type() == key_cache.scalar_type(),
-              "store_kv: k, v and the caches must share a dtype");
+  const bool rounded = k.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == key_cache.scalar_type() || rounded),
+              "store_kv: k and v must share the caches' dtype, or be float32 for bfloat16 caches");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1, "store_kv: int64 slots");
   const int64_t n = slot_mapping.numel(), token = key_cache.size(2) * key_cache.size(3);
   const int64_t slots = key_cache.size(0) * key_cache.size(1);
   TORCH_CHECK(k.numel() == n * token && v.numel() == n * token, "store_kv: k and v must be [N, Hkv, D]");
   const auto kc = k.contiguous(), vc = v.contiguous(), where = slot_mapping.contiguous();
   const int64_t* slot = where.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < slots, "store_kv: slot out of range");
+  if (rounded) {
+    using bf = c10::BFloat16;
+    const float* ksrc = kc.data_ptr<float>();
+    const float* vsrc = vc.data_ptr<float>();
+    bf* kdst = key_cache.data_ptr<bf>();
+    bf* vdst = value_cache.data_ptr<bf>();
+    at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        for (int64_t j = 0; j < token; ++j) {
+          kdst[slot[i] * token + j] = bf(ksrc[i * token + j]);
+          vdst[slot[i] * token + j] = bf(vsrc[i * token + j]);
+        }
+    });
+    return;
+  }
   const int64_t bytes = token * static_cast<int64_t>(k.element_size());
   const auto* ksrc = static_cast<const char*>(kc.data_ptr());
   const auto* vsrc = static_cast<const char*>(vc.data_ptr());
   auto* kdst = static_cast<char*>(key_cache.data_ptr());
   auto* vdst = static_cast<char*>(value_cache.data_ptr());
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < slots, "store_kv: slot out of range");
   at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {  // one thread below 256 tokens
     for (int64_t i = begin; i < end; ++i) {
       std::memcpy(kdst + slot[i] * bytes, ksrc + i * bytes, bytes);

@@ -249,9 +249,12 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache, const
                          double scale, int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(), "paged_prefill: shapes");
   const bool f32 = q.scalar_type() == at::kFloat;
-  TORCH_CHECK((f32 || q.scalar_type() == at::kBFloat16) && key_cache.scalar_type() == q.scalar_type() &&
-                  value_cache.scalar_type() == q.scalar_type(),
-              "paged_prefill: q and the caches must be bfloat16, or float32, all three alike");
+  const bool widened = f32 && key_cache.scalar_type() == at::kBFloat16;  // a float32 engine's bf16 cache
+  TORCH_CHECK((f32 || q.scalar_type() == at::kBFloat16) &&
+                  (key_cache.scalar_type() == q.scalar_type() || widened) &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "paged_prefill: q and the caches must be bfloat16, or float32, all three alike (or a float32 q "
+              "over bfloat16 caches)");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "paged_prefill: caches must be contiguous");
   TORCH_CHECK(tables.scalar_type() == at::kLong && query_start_loc.scalar_type() == at::kLong &&
                   seq_lens.scalar_type() == at::kLong,
@@ -316,8 +319,9 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache, const
   // The step's tiles in `T` with head size kD: each thread with its own `TileState` and row scratch; a
   // tile of too few query heads (or a model with more than `tile_heads` a KV head) through the row
   // routine, row by row; the others through attend(tile, its sequence's table, the thread's state).
-  auto run_tiles = [&](auto* type, auto kd, auto* state, int64_t tile_heads, auto&& attend) {
+  auto run_tiles = [&](auto* type, auto* cache_type, auto kd, auto* state, int64_t tile_heads, auto&& attend) {
     using T = std::remove_pointer_t<decltype(type)>;
+    using C = std::remove_pointer_t<decltype(cache_type)>;
     using TileState = std::remove_pointer_t<decltype(state)>;
     constexpr int kD = decltype(kd)::value;
     struct Scratch {
@@ -325,8 +329,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache, const
       pagedrl_cpu::RowScratch row;
     };
     const T* qp = qc.data_ptr<T>();
-    const T* kp = key_cache.data_ptr<T>();
-    const T* vp = value_cache.data_ptr<T>();
+    const C* kp = key_cache.data_ptr<C>();
+    const C* vp = value_cache.data_ptr<C>();
     T* op = out.data_ptr<T>();
     pagedrl_cpu::run_largest_first(
         static_cast<int64_t>(tiles.size()), [&] { return std::make_unique<Scratch>(); },
@@ -335,9 +339,9 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache, const
           const int64_t* seq_table = tp + tile.seq * stride;
           if (tile.rows * groups < kMinTileHeads || groups > tile_heads) {
             for (int64_t r = 0; r < tile.rows; ++r)
-              pagedrl_cpu::attend_row<T, kD>(qp, kp, vp, seq_table, tile.first_row + r, tile.head, 1,
-                                             tile.first_pos + r + 1, op, nullptr, num_heads, groups, kD,
-                                             token_stride, table_block, s, w->row, rules);
+              pagedrl_cpu::attend_row<T, kD, C>(qp, kp, vp, seq_table, tile.first_row + r, tile.head, 1,
+                                                tile.first_pos + r + 1, op, nullptr, num_heads, groups, kD,
+                                                token_stride, table_block, s, w->row, rules);
           } else {
             attend(tile, qp, kp, vp, seq_table, op, w->tile);
           }
@@ -355,17 +359,22 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache, const
   };
   if (f32) {
 #if PAGEDRL_F32_CHUNKS
-    by_head_dim([&](auto kd) {
-      constexpr int kD = decltype(kd)::value;
-      run_tiles(static_cast<float*>(nullptr), kd, static_cast<pagedrl_cpu::F32TileScratch<kD>*>(nullptr),
-                pagedrl_cpu::kF32TileHeads,
-                [&](const Tile& tile, const float* qp, const float* kp, const float* vp, const int64_t* seq_table,
-                    float* op, pagedrl_cpu::F32TileScratch<kD>& w) {
-                  pagedrl_cpu::attend_tile_f32<kD>(tile.first_row, tile.rows, tile.first_pos, tile.head, qp, kp, vp,
-                                                   seq_table, op, num_heads, groups, token_stride, table_block, s, w,
-                                                   rules);
-                });
-    });
+    auto run_f32 = [&](auto* cache_type) {
+      using C = std::remove_pointer_t<decltype(cache_type)>;
+      by_head_dim([&](auto kd) {
+        constexpr int kD = decltype(kd)::value;
+        run_tiles(static_cast<float*>(nullptr), cache_type, kd, static_cast<pagedrl_cpu::F32TileScratch<kD>*>(nullptr),
+                  pagedrl_cpu::kF32TileHeads,
+                  [&](const Tile& tile, const float* qp, const C* kp, const C* vp, const int64_t* seq_table,
+                      float* op, pagedrl_cpu::F32TileScratch<kD>& w) {
+                    pagedrl_cpu::attend_tile_f32<kD, C>(tile.first_row, tile.rows, tile.first_pos, tile.head, qp, kp,
+                                                        vp, seq_table, op, num_heads, groups, token_stride,
+                                                        table_block, s, w, rules);
+                  });
+      });
+    };
+    if (widened) run_f32(static_cast<bf16*>(nullptr));
+    else run_f32(static_cast<float*>(nullptr));
     return out;
 #else
     TORCH_CHECK(false, "paged_prefill: this build has no float32 vector chunks (AVX2 with FMA, or AVX512F)");
@@ -374,7 +383,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& key_cache, const
 #if PAGEDRL_BF16_DOT
   by_head_dim([&](auto kd) {
     constexpr int kD = decltype(kd)::value;
-    run_tiles(static_cast<bf16*>(nullptr), kd, static_cast<TileScratch<kD>*>(nullptr), kTileHeads,
+    run_tiles(static_cast<bf16*>(nullptr), static_cast<bf16*>(nullptr), kd, static_cast<TileScratch<kD>*>(nullptr),
+              kTileHeads,
               [&](const Tile& tile, const bf16* qp, const bf16* kp, const bf16* vp, const int64_t* seq_table, bf16* op,
                   TileScratch<kD>& w) {
                 attend_tile<kD>(tile, qp, kp, vp, seq_table, op, num_heads, groups, token_stride, table_block, s, w,
