@@ -223,6 +223,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--dtypes", default="auto,float32",
                         help="comma-separated precisions to run the throughput part in (auto, float32, bfloat16)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16"),
+                        help="pagedrl's KV cache (bfloat16: a float32 engine's cache in bf16; transformers' stays its own)")
     parser.add_argument("--no-fit", action="store_true",
                         help="run workload 1 with LLM()'s defaults only, not also with a KV cache that fits it")
     args = parser.parse_args()
@@ -243,8 +245,8 @@ def main() -> None:
     del first
     by_dtype: dict[str, float] = {}
     for name in dtypes:
-        llm = LLM(dtype=name)
-        print(f"[precision] {name}: {llm.precision.describe()}")
+        llm = LLM(dtype=name, kv_cache_dtype=args.kv_cache_dtype)
+        print(f"[precision] {name}: {llm.precision.describe()}; KV cache in {llm.engine.kv_cache.dtype}")
         by_dtype[str(llm.engine.model.dtype)] = throughput_and_kv(llm, args, parts, vocab)
         del llm
         gc.collect()

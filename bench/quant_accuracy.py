@@ -14,7 +14,10 @@ not a multiple of 256, so llama.cpp falls back to Q5_0 for most of its projectio
     .venv/bin/python bench/quant_accuracy.py --variants float32,q4_1-a8,q8_0-a8
 
 `-a8` (q4_1-a8: the default Q4_1 file; q8_0-a8): the file kept quantized with `activations="int8"`, its
-Q8_0 / Q4_0 / Q4_1 products on 8-bit activations as llama.cpp computes them.
+Q8_0 / Q4_0 / Q4_1 products on 8-bit activations as llama.cpp computes them. `-kvbf16` after any
+variant (float32-kvbf16): its KV cache in bf16 (`kv_cache_dtype="bfloat16"`).
+
+    .venv/bin/python bench/quant_accuracy.py --variants float32,float32-kvbf16,q8_0-a8-kvbf16
 """
 
 from __future__ import annotations
@@ -45,19 +48,27 @@ TEXT = ROOT / "examples" / "data" / "perplexity.txt"
 def engine(variant: str) -> tuple[LLM, str]:
     """The engine of a variant and what it holds. float32 / bfloat16: the default model in that
     precision; q8_0 / q4_k_m: those GGUFs, dequantized to float32 at load (kept quantized, a file of types
-    pagedrl multiplies as blocks computes the same numbers); int8 / int4: `--quantization` at load."""
+    pagedrl multiplies as blocks computes the same numbers); int8 / int4: `--quantization` at load;
+    `-kvbf16` appended: the same with a bf16 KV cache."""
+    if variant.endswith("-kvbf16"):
+        llm, held = engine_of(variant.removesuffix("-kvbf16"), kv_cache_dtype="bfloat16")
+        return llm, f"{held}; KV cache in bf16"
+    return engine_of(variant)
+
+
+def engine_of(variant: str, **settings: str) -> tuple[LLM, str]:
     if variant in ("float32", "bfloat16"):
-        return LLM(None, dtype=variant), f"Q4_1 file dequantized, {variant}"
+        return LLM(None, dtype=variant, **settings), f"Q4_1 file dequantized, {variant}"
     if variant == "q8_0":
-        return LLM(str(gguf_file("q8_0")), dtype="float32"), "Q4_1 requantized to Q8_0"
+        return LLM(str(gguf_file("q8_0")), dtype="float32", **settings), "Q4_1 requantized to Q8_0"
     if variant == "q4_k_m":
-        return LLM(str(gguf_file("q4_k_m")), dtype="float32"), "llama-quantize Q4_K_M of the bf16 GGUF"
+        return LLM(str(gguf_file("q4_k_m")), dtype="float32", **settings), "llama-quantize Q4_K_M of the bf16 GGUF"
     if variant.endswith("-a8"):
         kind = variant.removesuffix("-a8")
-        llm = LLM(str(gguf_file(kind)), quantization="gguf", activations="int8")
+        llm = LLM(str(gguf_file(kind)), quantization="gguf", activations="int8", **settings)
         return llm, llm.precision.describe()
     if variant in QUANTIZATIONS:
-        llm = LLM(None, dtype="float32", quantization=variant)
+        llm = LLM(None, dtype="float32", quantization=variant, **settings)
         return llm, llm.precision.describe()
     raise SystemExit(f"unknown variant {variant!r}: float32, bfloat16, q8_0, q4_k_m, q4_1-a8, q8_0-a8, or one of {QUANTIZATIONS}")
 

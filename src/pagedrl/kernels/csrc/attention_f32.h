@@ -21,7 +21,6 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
-#include <cstring>
 
 #include "cpu_math.h"
 
@@ -93,15 +92,6 @@ inline void f32_sum_lanes(F32Vec v[16], float* out) {
   }
 }
 #endif
-
-// One cached value as float32 (a bf16's bits are a float32's top half).
-inline float f32_value(float x) { return x; }
-inline float f32_value(c10::BFloat16 x) {
-  const uint32_t widened = static_cast<uint32_t>(x.x) << 16;
-  float value;
-  std::memcpy(&value, &widened, sizeof(value));
-  return value;
-}
 
 // exp(x) for lanes x <= 0: `exp_nonpositive`'s 2^n * p(r), a vector of lanes at a time (the polynomial in
 // fused multiply-adds, as `exp_nonpositive16`).

@@ -14,8 +14,10 @@
 // share the call, as the row kernel's are, though not the row kernel's own bits (its scores add across
 // lanes). One layer of 64 prompts of 32-512 tokens, two threads: 70 ms against the row kernel's 106 as
 // AVX2, 66 against 102 on AVX512 (`bench/RESULTS.md`). A float32 engine's bf16 cache (`kv_cache_dtype`)
-// takes the same tiles, each key value and value row widened to float32 as it is read (C: the cache's
-// element).
+// takes the same tiles: each chunk's 16 key and value rows widened to float32 into the thread's scratch
+// once (C: the cache's element), then the float32 loops over them. (Widening each key's value as it was
+// broadcast, a load, a shift and a broadcast in the innermost loop, took one layer of 64 prompts from 66
+// to 89-99 ms, two threads, as AVX2.)
 #pragma once
 
 #include "attention_rows.h"
@@ -57,6 +59,7 @@ struct F32TileScratch {
   alignas(64) int32_t position[kF32TileHeads];      // per lane: its row's position (-1: padding)
   alignas(64) int32_t first_key[kF32TileHeads];     // per lane: the first key its row sees (a window)
   alignas(64) float zeros[kD] = {};
+  alignas(64) float key_rows[kChunk * kD], value_rows[kChunk * kD];  // a bf16 cache's chunk, widened
 };
 
 // Which lanes of a vector of heads see a key: those whose row is at or after it and whose window (first
@@ -90,8 +93,8 @@ struct SeenLanes {
 
 // Scores of keys [t0, t0 + kKeys) against the tile's heads: key t's come out as 3 vectors over the
 // heads, a multiply-add for each d of the key's value broadcast against that d's query vectors.
-template <int kD, int kKeys, typename C>
-inline void f32_key_block_scores(F32TileScratch<kD>& w, const C* const* keys, int t0) {
+template <int kD, int kKeys>
+inline void f32_key_block_scores(F32TileScratch<kD>& w, const float* const* keys, int t0) {
   F32Vec acc[kKeys][kF32HeadVectors];
   for (int t = 0; t < kKeys; ++t)
     for (int v = 0; v < kF32HeadVectors; ++v) acc[t][v] = f32_zero();
@@ -102,7 +105,7 @@ inline void f32_key_block_scores(F32TileScratch<kD>& w, const C* const* keys, in
       __asm__("" : "+x"(query[v]));  // in a register: GCC would read it again with each key's multiply-add
     }
     for (int t = 0; t < kKeys; ++t) {
-      const F32Vec key = f32_splat(f32_value(keys[t0 + t][d]));
+      const F32Vec key = f32_splat(keys[t0 + t][d]);
       for (int v = 0; v < kF32HeadVectors; ++v) acc[t][v] = f32_fma(key, query[v], acc[t][v]);
     }
   }
@@ -112,8 +115,8 @@ inline void f32_key_block_scores(F32TileScratch<kD>& w, const C* const* keys, in
 
 // acc[m] = acc[m] * rescale[m] + sum_t p[t][m] * v[t] over the chunk's n positions in order, for heads
 // [m0, m0 + kF32ValueHeads), a slice of kF32ValueVectors vectors of their rows at a time.
-template <int kD, typename C>
-inline void f32_block_values(F32TileScratch<kD>& w, const C* const* values, int64_t n, int64_t m0) {
+template <int kD>
+inline void f32_block_values(F32TileScratch<kD>& w, const float* const* values, int64_t n, int64_t m0) {
   constexpr int kVV = kF32ValueVectors<kD>;
   for (int d0 = 0; d0 < kD; d0 += kVV * kF32Lanes) {
     F32Vec acc[kF32ValueHeads][kVV];
@@ -189,20 +192,36 @@ void attend_tile_f32(int64_t first_row, int64_t rows, int64_t first_pos, int64_t
   }
   std::fill(w.acc, w.acc + kM * kD, 0.f);
   const int64_t value_heads = (heads + kF32ValueHeads - 1) / kF32ValueHeads * kF32ValueHeads;
-  const C* keys[kChunk];
-  const C* values[kChunk];
-  const C* zeros = reinterpret_cast<const C*>(w.zeros);  // all-zero bits: 0 in either type
+  const float* keys[kChunk];
+  const float* values[kChunk];
   int64_t slots[kChunk];
   for (int64_t first = lo / kChunk * kChunk; first < len; first += kChunk) {
     const int64_t n = std::min(kChunk, len - first);
     tile_chunk_slots(first, n, lo, table, table_block, slots);
     for (int64_t t = 0; t < kChunk; ++t) {
-      keys[t] = slots[t] < 0 ? zeros : kc + slots[t] * token_stride + h * kD;
-      values[t] = slots[t] < 0 ? zeros : vc + slots[t] * token_stride + h * kD;
+      if (slots[t] < 0) {
+        keys[t] = values[t] = w.zeros;
+        continue;
+      }
+      const C* k = kc + slots[t] * token_stride + h * kD;
+      const C* v = vc + slots[t] * token_stride + h * kD;
+      if constexpr (std::is_same_v<C, float>) {
+        keys[t] = k;
+        values[t] = v;
+      } else {  // bf16 rows widened (exact) into the scratch, once a chunk
+        float* key_row = w.key_rows + t * kD;
+        float* value_row = w.value_rows + t * kD;
+        for (int d = 0; d < kD; d += kF32Lanes) {
+          f32_store(key_row + d, f32_load(k + d));
+          f32_store(value_row + d, f32_load(v + d));
+        }
+        keys[t] = key_row;
+        values[t] = value_row;
+      }
     }
     int t0 = 0;
-    for (; t0 + kF32KeyBlock <= n; t0 += kF32KeyBlock) f32_key_block_scores<kD, kF32KeyBlock, C>(w, keys, t0);
-    for (; t0 < n; ++t0) f32_key_block_scores<kD, 1, C>(w, keys, t0);
+    for (; t0 + kF32KeyBlock <= n; t0 += kF32KeyBlock) f32_key_block_scores<kD, kF32KeyBlock>(w, keys, t0);
+    for (; t0 < n; ++t0) f32_key_block_scores<kD, 1>(w, keys, t0);
     if (rules.softcap > 0.f)
       for (int64_t t = 0; t < n; ++t) soft_cap(w.probs + t * kM, kM, rules.softcap);
     // The online softmax, every head at once: lane m's max over the chunk's keys its row sees, then its
@@ -226,7 +245,7 @@ void attend_tile_f32(int64_t first_row, int64_t rows, int64_t first_pos, int64_t
       f32_store(w.running_max + kF32Lanes * v, new_max);
       f32_store(w.rescale + kF32Lanes * v, rescale);
     }
-    for (int64_t m0 = 0; m0 < value_heads; m0 += kF32ValueHeads) f32_block_values<kD, C>(w, values, n, m0);
+    for (int64_t m0 = 0; m0 < value_heads; m0 += kF32ValueHeads) f32_block_values<kD>(w, values, n, m0);
   }
   for (int64_t m = 0; m < heads; ++m) {
     float* o = out + ((first_row + m / groups) * num_heads + h * groups + m % groups) * kD;
