@@ -6,6 +6,11 @@ Two engine steps, each timed as `layers` calls of `attend` (the per-step `build`
 Prints both timings and the ratio, measured in one run, plus the largest difference between them.
 
     .venv/bin/python bench/bench_paged_attention.py [--device cuda] [--dtype bfloat16]
+    .venv/bin/python bench/bench_paged_attention.py --layers 30 --threads 1 --kv-cache-dtype bfloat16
+
+`--kv-cache-dtype bfloat16` under float32: the cache in bf16 (a float32 engine's `kv_cache_dtype`): the fast
+path's decode widens it as it reads; the mixed step's prompts (no `prefill_rows` here) and the reference
+loop meet it in bf16.
 """
 
 from __future__ import annotations
@@ -46,12 +51,13 @@ def timed(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench(kind: str, layers: int, device: torch.device, dtype: torch.dtype, repeats: int) -> None:
+def bench(kind: str, layers: int, device: torch.device, dtype: torch.dtype, repeats: int,
+          kv_dtype: torch.dtype | None = None) -> None:
     rng = random.Random(0)
     gen = torch.Generator(device=device).manual_seed(0)
     shapes = step_shapes(kind, rng)
     num_blocks = sum(-(-(c + n) // BLOCK) for c, n in shapes) + 8
-    cache = KVCache(layers, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype, device)
+    cache = KVCache(layers, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, kv_dtype or dtype, device)
     cache.data.normal_(generator=gen)
     free = list(range(num_blocks))
     rng.shuffle(free)
@@ -78,6 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"])
     parser.add_argument("--layers", type=int, default=9)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
@@ -85,10 +92,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    print(f"paged attention, Hq={HEADS} Hkv={KV_HEADS} D={HEAD_DIM} block={BLOCK}, {device} {dtype}, "
-          f"{torch.get_num_threads()} threads")
+    kv_dtype = dtype if args.kv_cache_dtype == "auto" else torch.bfloat16
+    print(f"paged attention, Hq={HEADS} Hkv={KV_HEADS} D={HEAD_DIM} block={BLOCK}, {device} {dtype}, KV cache "
+          f"{kv_dtype}, {torch.get_num_threads()} threads")
     for kind in ("decode", "mixed"):
-        bench(kind, args.layers, device, dtype, args.repeats)
+        bench(kind, args.layers, device, dtype, args.repeats, kv_dtype)
 
 
 if __name__ == "__main__":
