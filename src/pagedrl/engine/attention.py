@@ -94,6 +94,9 @@ class PagedAttention:
     row_seqs: torch.Tensor | None = field(default=None, repr=False)
     kernels: bool = False  # the CPU kernels serve this cache: its KV writes take one `store_kv` call a layer
     tiles: bool = False  # a CPU step with prompt chunks: `ops.paged_prefill` attends them in tiles
+    # The dtype the model's queries come in (`from_block_tables`): float32 over a bf16 cache is attended as
+    # float32 by the CPU kernels (`_widens`); None or another dtype: queries meet the cache in its dtype.
+    queries: torch.dtype | None = None
     # Per-layer rules (Gemma, `model/gemma.py`; gpt-oss; a uniform window): each layer's sliding window (None:
     # every cached key) and a tanh cap on the scores. A layer with either (or sinks) attends through
     # `layer_rules`: the row or Triton kernel, which honour them, never the tiles, groups or decode program.
@@ -216,7 +219,7 @@ class PagedAttention:
                                  chunk_tokens_for(kv_cache, device), query_start_loc)
         return cls(kv_cache, slot_mapping.to(device), query_start_loc.to(device), seq_lens_t.to(device),
                    block_tables.to(device), positions.to(device), impl, scale, groups, max_query_len, in_place,
-                   row_lens, row_seqs, fast_here, tiles)
+                   row_lens, row_seqs, fast_here, tiles, queries)
 
     @property
     def num_seqs(self) -> int:
@@ -279,6 +282,8 @@ class PagedAttention:
         the reference loop) attend in the cache's dtype, queries converted."""
         if q.dtype != torch.float32 or key_cache.dtype != torch.bfloat16 or self.impl != "fast" or not self.kernels:
             return False
+        if self.queries != torch.float32:  # an autocast engine's bf16 queries (a float32 rope's among them)
+            return False
         return rules or self.in_place or self.tiles or self.row_lens is not None
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
@@ -286,7 +291,7 @@ class PagedAttention:
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
         if self.kernels:  # float32 keys into a bf16 cache: rounded by the kernel as it stores them
             keys, values = k[0], v[0]
-            if not (keys.dtype == torch.float32 and key_cache.dtype == torch.bfloat16):
+            if not (keys.dtype == values.dtype == torch.float32 and key_cache.dtype == torch.bfloat16):
                 keys, values = keys.to(key_cache.dtype), values.to(value_cache.dtype)
             ops.store_kv(keys, values, key_cache, value_cache, self.slot_mapping)
         else:

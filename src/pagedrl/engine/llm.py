@@ -99,7 +99,7 @@ class LLM:
             self.precision = Precision(_module.dtype, "the module's own")
         self.engine = LLMEngine(_module, tokenizer, config, eos_token_ids=_eos_token_ids)
         if owned:
-            fp = footprint(_module.config, _module.dtype, self.engine.kv_cache.dtype)
+            fp = footprint(_module.config, _module.dtype, self.engine.kv_dtype)
             logger.info("pagedrl engine: %s; %s", fp.describe(self.engine.weight_bytes), self.engine.kv_layout())
             logger.info("pagedrl engine: %s", self.engine.decode_path())
         self._ids = itertools.count()

@@ -343,6 +343,11 @@ class LLMEngine:
             raise ValueError("lora_request: this engine was built without enable_lora=True")
         return self.lora.read(request)
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype keys and values are cached in (`kv_cache_dtype`), for a start-up line's bytes a token."""
+        return self.kv_cache.dtype
+
     def kv_layout(self) -> str:
         """The KV cache's blocks, for a start-up line (`kv_cache_groups.describe`)."""
         return describe(self.kv_manager, self.block_size, self.kv_cache.dtype)

@@ -144,7 +144,7 @@ def build_server(args: argparse.Namespace) -> Any:
         logger.info("LoRA adapter %s from %s (id %d)", lora.lora_name, lora.lora_path, lora.lora_int_id)
     logger.info("serving %s (%s, %s on %s): %s; %s, max_model_len %d; %s",
                 name, loaded.path, loaded.precision.describe(), loaded.model.device,
-                footprint(loaded.model.config, loaded.model.dtype, engine.kv_cache.dtype).describe(stats.weight_bytes),
+                footprint(loaded.model.config, loaded.model.dtype, engine.kv_dtype).describe(stats.weight_bytes),
                 engine.kv_layout(), engine.max_model_len, engine.decode_path())
     if not args.no_ui:
         logger.info("chat page at http://%s:%d/ (--no-ui turns it off)", args.host, args.port)
