@@ -40,10 +40,7 @@ using F32Vec = __m512;
 constexpr int kF32Lanes = 16;
 inline F32Vec f32_zero() { return _mm512_setzero_ps(); }
 inline F32Vec f32_load(const float* p) { return _mm512_loadu_ps(p); }
-inline F32Vec f32_load(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+inline F32Vec f32_load(const c10::BFloat16* p) { return load_bf16x16(reinterpret_cast<const uint16_t*>(p)); }
 inline void f32_store(float* p, F32Vec v) { _mm512_storeu_ps(p, v); }
 inline F32Vec f32_fma(F32Vec a, F32Vec b, F32Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline F32Vec f32_mul(F32Vec a, F32Vec b) { return _mm512_mul_ps(a, b); }

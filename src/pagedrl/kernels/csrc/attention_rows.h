@@ -103,10 +103,7 @@ inline void chunk_values_heads(const c10::BFloat16* values, const int64_t* slots
     if (t < ahead_n) pagedrl_cpu::ask_for_row(ahead + t * token_stride, kD * 2);  // the next chunk's values
     const c10::BFloat16* v = values + slots[t] * token_stride;
     __m512 row[kF];
-    for (int i = 0; i < kF; ++i) {
-      const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * i)));
-      row[i] = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-    }
+    for (int i = 0; i < kF; ++i) row[i] = f32_load(v + 16 * i);
     for (int g = 0; g < kG; ++g) {
       const __m512 p = _mm512_set1_ps(probs[g * kChunk + t]);
       for (int i = 0; i < kF; ++i) a[g][i] = _mm512_fmadd_ps(p, row[i], a[g][i]);

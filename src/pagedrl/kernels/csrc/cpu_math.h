@@ -55,6 +55,16 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+#if defined(__AVX512F__)
+// 16 bf16 values widened to float32 (exact: a shift; no bf16 instruction).
+inline __m512 widen_bf16x16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+
+inline __m512 load_bf16x16(const uint16_t* p) {
+  return widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // 16 lanes of exp_nonpositive, the same arithmetic step for step.
 inline __m512 exp_nonpositive16(__m512 x) {
@@ -74,13 +84,7 @@ inline __m512 exp_nonpositive16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-// 16 bf16 values widened to float32, and float32 rounded to bf16 (nearest, ties to even).
-inline __m512 widen_bf16x16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
-
-inline __m512 load_bf16x16(const uint16_t* p) {
-  return widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
+// float32 rounded to bf16 (nearest, ties to even).
 inline __m256i round_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
 // bf16(bf16(silu(gate)) * up) for 16 bf16 values of each (widened): what `silu_mul` stores, and what
