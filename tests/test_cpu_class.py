@@ -62,6 +62,32 @@ def test_a_cap_hides_instructions_and_never_adds_them(fresh_class: pytest.Monkey
             isa.cpu_class()
 
 
+# The compiler's macros the kernels key their paths on, which a build capped at the class must not define.
+_NOT_BELOW = {
+    "avx2": ("__AVX512F__", "__AVXVNNI__", "__AMX_TILE__"),
+    "avx512": ("__AVX512VNNI__", "__AVX512VBMI__", "__AVX512BF16__", "__AMX_TILE__"),
+    "avx512_bf16": ("__AMX_TILE__",),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_NOT_BELOW))
+def test_a_capped_build_defines_none_of_the_instructions_above_its_class(
+        name: str, fresh_class: pytest.MonkeyPatch) -> None:
+    """What the compiler defines under a cap's flags, asked of the compiler itself: a cap at `avx512`
+    builds the 8-bit products' code without VNNI (Skylake-SP's), which no native build here would."""
+    hardware = isa.hardware_class()
+    if hardware not in isa.CLASSES or isa.CLASSES.index(name) >= isa.CLASSES.index(hardware):
+        pytest.skip(f"needs a CPU above class {name}; this one is {isa.DESCRIPTIONS[hardware]}")
+    fresh_class.setenv(isa.ENV, name)
+    macros = subprocess.run(["c++", *isa.build_flags(), "-dM", "-E", "-x", "c++", "/dev/null"],
+                            capture_output=True, text=True, check=True).stdout
+    defined = {line.split()[1] for line in macros.splitlines() if line.startswith("#define ")}
+    assert "__AVX2__" in defined and "__FMA__" in defined
+    assert not defined & set(_NOT_BELOW[name]), sorted(defined & set(_NOT_BELOW[name]))
+    if name != "avx2":
+        assert {"__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512DQ__"} <= defined
+
+
 def test_the_capped_environment_caps_every_library() -> None:
     env = isa.capped_environment("avx2", {"PATH": "/bin"})
     assert env == {"PATH": "/bin", isa.ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
