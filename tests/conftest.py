@@ -5,6 +5,7 @@ tests choose bf16 themselves)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,12 +34,19 @@ def threads_unbound() -> Iterator[None]:
         yield
 
 
+# Set by a test run for the pytest runs it starts in processes of its own (the Triton interpreter's).
+SUITE_CACHE_ENV = "PAGEDRL_SUITE_CACHE_DIR"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def pagedrl_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Every test run converts into its own cache, never into the user's ~/.cache/pagedrl."""
-    cache = tmp_path_factory.mktemp("pagedrl-cache")
+    """Every test run converts into its own cache, never into the user's ~/.cache/pagedrl. A run
+    started by another takes that one's cache: a fresh one rebuilt the C++ kernels (a minute each)."""
+    inherited = os.environ.get(SUITE_CACHE_ENV)
+    cache = Path(inherited) if inherited else tmp_path_factory.mktemp("pagedrl-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDRL_CACHE_DIR", str(cache))
+        mp.setenv(SUITE_CACHE_ENV, str(cache))
         yield cache
 
 
