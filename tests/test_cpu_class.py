@@ -4,6 +4,7 @@ which is what lets one machine run the ISA-dependent tests as each lower class (
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -79,7 +80,8 @@ def test_a_capped_build_defines_none_of_the_instructions_above_its_class(
     if hardware not in isa.CLASSES or isa.CLASSES.index(name) >= isa.CLASSES.index(hardware):
         pytest.skip(f"needs a CPU above class {name}; this one is {isa.DESCRIPTIONS[hardware]}")
     fresh_class.setenv(isa.ENV, name)
-    macros = subprocess.run(["c++", *isa.build_flags(), "-dM", "-E", "-x", "c++", "/dev/null"],
+    compiler = os.environ.get("CXX", "c++")  # the one torch's extension builder calls
+    macros = subprocess.run([compiler, *isa.build_flags(), "-dM", "-E", "-x", "c++", "/dev/null"],
                             capture_output=True, text=True, check=True).stdout
     defined = {line.split()[1] for line in macros.splitlines() if line.startswith("#define ")}
     assert "__AVX2__" in defined and "__FMA__" in defined
