@@ -19,9 +19,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/pagedrl demo --quick
 
+# The suite in TEST_WORKERS processes, a module's tests in one (tests/conftest.py says why and how).
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 	$(MAKE) --no-print-directory test-isa
 
 # The tests whose path depends on the CPU's instructions (marked `isa`), run again as each CPU class

@@ -1,7 +1,16 @@
 """Session fixtures: a private cache directory, the real default model converted into it once, and
 float32 as the CPU's default precision unless a test asks for bf16 (the parity tests against
 transformers, TRL and float64 hand computations are float32 ones; `test_precision.py` and the bf16
-tests choose bf16 themselves)."""
+tests choose bf16 themselves).
+
+`make test` runs the suite in two processes (pytest-xdist, `-n 2 --dist loadfile`: a module's tests and
+its server stay in one): most of a serial run's time is one core waiting on a process starting, a
+server answering, a subprocess importing torch. Each worker then runs torch on one thread, as do the
+servers and scripts it starts: two workers of two OpenMP threads each on a 2-core machine stall at every
+barrier (measured 7m35s against 6m05s for the suite, the threads sleeping when idle). The tests whose
+point is a second thread set it themselves, and `make test-isa` runs the kernels' tests again in one
+process at the machine's threads.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +19,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread in an xdist worker, and in every process it starts (see the module's text)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -41,9 +59,17 @@ SUITE_CACHE_ENV = "PAGEDRL_SUITE_CACHE_DIR"
 @pytest.fixture(scope="session", autouse=True)
 def pagedrl_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Every test run converts into its own cache, never into the user's ~/.cache/pagedrl. A run
-    started by another takes that one's cache: a fresh one rebuilt the C++ kernels (a minute each)."""
+    started by another takes that one's cache, and xdist's workers share one (beside their own temporary
+    folders): a fresh one rebuilds the C++ kernels (a minute each). The kernels' builder and the model's
+    conversion hold locks, so one worker builds while the other waits."""
     inherited = os.environ.get(SUITE_CACHE_ENV)
-    cache = Path(inherited) if inherited else tmp_path_factory.mktemp("pagedrl-cache")
+    if inherited:
+        cache = Path(inherited)
+    elif os.environ.get("PYTEST_XDIST_WORKER"):
+        cache = tmp_path_factory.getbasetemp().parent / "pagedrl-cache"
+        cache.mkdir(exist_ok=True)
+    else:
+        cache = tmp_path_factory.mktemp("pagedrl-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDRL_CACHE_DIR", str(cache))
         mp.setenv(SUITE_CACHE_ENV, str(cache))
