@@ -19,7 +19,8 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/pagedrl demo --quick
 
-# The suite in TEST_WORKERS processes, a module's tests in one (tests/conftest.py says why and how).
+# The suite in TEST_WORKERS processes, a module's tests in one (tests/conftest.py says why and how);
+# TEST_WORKERS=0 runs it in this one.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench
