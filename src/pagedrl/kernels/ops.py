@@ -52,7 +52,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.c
                                                                 "decode_linear.cpp", "pair_linear.cpp", "rowwise.cpp", "float_linear.cpp", "float_gemm.cpp",
                                                                 "gguf_linear.cpp", "gguf_int8_dot.cpp", "threads.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "attention_rows.h", "attention_f32.h",
-                                                     "prefill_tiles_f32.h", "float_lanes.h", "gguf_int8_groups.h", "gguf_int8_row.h",
+                                                     "prefill_tiles_f32.h", "float_lanes.h", "gguf_blocks.h", "gguf_int8_groups.h", "gguf_int8_row.h",
                                                      "gguf_int8_rows8.h", "gguf_int8_types.h",
                                                      "gguf_int8_kquants.h", "gguf_int8_kgroups.h", "gguf_int8_krows8.h")]  # the build's key too
 DISABLE_ENV = "PAGEDRL_CPU_KERNELS"
