@@ -18,10 +18,9 @@ from pagedrl.demo.calibrate import (
     calibrated,
     predict,
     size_quick,
-    stage_caps,
 )
 from pagedrl.demo.cli import check_plan
-from pagedrl.demo.plan import DemoPlan
+from pagedrl.demo.plan import DemoPlan, stage_caps
 from pagedrl.train.optim import lr_lambda
 
 

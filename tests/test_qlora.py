@@ -22,7 +22,8 @@ from pagedrl.model import bnb_quant
 from pagedrl.model.adapter import read_adapter_weights
 from pagedrl.model.gguf_modules import GGUFLinear
 from pagedrl.model.loader import load_model
-from pagedrl.model.lora import LAYER_PROJECTIONS, LoRALinear, lora_layers, merge_lora
+from pagedrl.model.lora import LoRALinear, lora_layers, merge_lora
+from pagedrl.model.projections import LAYER_PROJECTIONS
 from pagedrl.model.quantized_linear import (
     QuantizedBase,
     QuantizedLinear,

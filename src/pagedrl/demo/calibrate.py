@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pagedrl.demo.plan import DemoPlan
+from pagedrl.demo.plan import CAP, DemoPlan
 
 # What the cost model assumes beyond the two measured rates, from the demo's own logs (bench/RESULTS.md,
 # "Demo"): GRPO's dynamic sampling draws about 2.5 groups per group kept at temperature 0.7 (a round
@@ -38,7 +38,6 @@ from pagedrl.demo.plan import DemoPlan
 # (reference, reward model, the rollout's values); each stage loads its models and builds an engine.
 GRPO_DRAWS_PER_KEPT = 2.5
 STAGE_SETUP_LOADS = {"paged": 3, "pairs": 1, "grpo": 1, "dpo": 2, "rm": 1, "ppo": 4}
-CAP = 2.0  # a stage's minutes cap, as a multiple of its predicted training minutes
 MIN_STEPS = {"grpo": 4, "dpo": 12, "rm": 4, "ppo": 3}
 MAX_STEPS = {"grpo": 16, "dpo": 60, "rm": 60, "ppo": 24}
 # GRPO's first steps at lower rates: 1/3, 2/3, then the full rate (`warmup_starts_at_zero` false).
@@ -263,16 +262,6 @@ def size_quick(plan: DemoPlan, m: Measurement, target_minutes: float = 6.5,
         "predicted_stage_seconds": predicted,
         "predicted_minutes": sum(predicted.values()) / 60,
     })
-
-
-def stage_caps(plan: DemoPlan) -> dict[str, float]:
-    """Each trained stage's minutes cap under step budgets: `CAP` times its predicted steps'
-    minutes (never below its share of the budget)."""
-    assert plan.calibration is not None
-    steps = plan.calibration["step_seconds"]
-    share = {"grpo": plan.budget_minutes, "dpo": plan.budget_minutes, "rm": plan.budget_minutes * plan.rm_share,
-             "ppo": plan.budget_minutes * (1 - plan.rm_share)}
-    return {k: CAP * max(share[k], getattr(plan, f"{k}_max_steps") * steps[k] / 60) for k in share}
 
 
 def describe(plan: DemoPlan) -> str:

@@ -19,6 +19,8 @@ from typing import Any
 from pagedrl.train.config import DPOConfig, RewardConfig, TrainConfig
 from pagedrl.train.rl.config import GRPOConfig, PPOConfig
 
+CAP = 2.0  # a stage's minutes cap under step budgets, as a multiple of its predicted training minutes
+
 
 @dataclass
 class DemoPlan:
@@ -140,9 +142,7 @@ class DemoPlan:
     def _common(self, stage: str, minutes: float, eval_steps: int, warmup: int = 0) -> dict[str, Any]:
         steps = getattr(self, f"{stage}_max_steps")
         if steps:  # a step budget, with a minutes cap
-            from pagedrl.demo.calibrate import stage_caps
-
-            minutes = stage_caps(self)[stage] if self.calibration is not None else 2 * minutes
+            minutes = stage_caps(self)[stage] if self.calibration is not None else CAP * minutes
         return dict(model=self.model, output_dir=str(self.out / stage), seed=self.seed,
                     max_steps=steps or 1_000_000, max_train_minutes=minutes, lr_scheduler_type="constant",
                     warmup_steps=warmup, warmup_starts_at_zero=False, logging_steps=1, save_steps=1_000_000,
@@ -181,3 +181,13 @@ class DemoPlan:
                          num_ppo_epochs=1, temperature=self.rollout_temperature,
                          learning_rate=self.ppo_learning_rate, kl_coef=self.ppo_kl_coef,
                          missing_eos_penalty=1.0, reward_model_path=str(self.out / "rm" / "final"))
+
+
+def stage_caps(plan: DemoPlan) -> dict[str, float]:
+    """Each trained stage's minutes cap under step budgets: `CAP` times its predicted steps'
+    minutes (never below its share of the budget)."""
+    assert plan.calibration is not None
+    steps = plan.calibration["step_seconds"]
+    share = {"grpo": plan.budget_minutes, "dpo": plan.budget_minutes, "rm": plan.budget_minutes * plan.rm_share,
+             "ppo": plan.budget_minutes * (1 - plan.rm_share)}
+    return {k: CAP * max(share[k], getattr(plan, f"{k}_max_steps") * steps[k] / 60) for k in share}

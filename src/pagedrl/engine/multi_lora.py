@@ -56,7 +56,8 @@ from pagedrl.model.adapter import ADAPTER_CONFIG, is_adapter_folder, read_adapte
 from pagedrl.model.checkpoint import CheckpointError
 from pagedrl.model.expert_lora import ExpertLoRA
 from pagedrl.model.gguf_modules import GGUFLinear
-from pagedrl.model.lora import LAYER_PROJECTIONS, LoRALinear
+from pagedrl.model.lora import LoRALinear
+from pagedrl.model.projections import LAYER_PROJECTIONS
 
 if TYPE_CHECKING:
     from pagedrl.engine.sequence import Sequence

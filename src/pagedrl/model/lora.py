@@ -32,16 +32,12 @@ from torch import nn
 from pagedrl.model import batch_invariant
 from pagedrl.model.expert_lora import ExpertLoRA, apply_expert_lora, expert_adapters, merge_expert_lora
 from pagedrl.model.moe import has_sparse_layers
+from pagedrl.model.projections import LAYER_PROJECTIONS
 from pagedrl.model.quantized_linear import QuantizedLinear
 
 ALL_LINEAR = "all-linear"
 # PEFT's defaults for the Llama family (llama, mistral, qwen2, qwen3): the query and value projections.
 DEFAULT_TARGETS = ("q_proj", "v_proj")
-# Projections of the decoder layers, the ones "all-linear" means (never an output head): the Llama
-# layout's seven, Phi-3's fused `qkv_proj` and `gate_up_proj` (`model/fused.py`; PEFT names no default there).
-# (q_a_proj … kv_b_proj: latent attention's, DeepSeek-V3's `model/mla.py`)
-LAYER_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "k_proj", "v_proj",
-                     "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
 HEADS = ("lm_head", "score", "value_head")
 FEED_FORWARD = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from pagedrl.model import bnb_quant
 from pagedrl.model.moe import has_sparse_layers
+from pagedrl.model.projections import LAYER_PROJECTIONS
 
 
 @contextlib.contextmanager
@@ -149,8 +150,6 @@ def quantize_projections(model: nn.Module, spec: QuantizedBase) -> list[str]:
     released as it goes) by its quantized layer; returns their names. Embeddings, norms and heads stay
     float, as transformers leaves the output head unquantized. Refused for a projection that is not a
     plain Linear (a GGUF kept quantized) and for a mixture of experts (its experts are stacked tensors)."""
-    from pagedrl.model.lora import LAYER_PROJECTIONS  # lora.py wraps these layers: it imports this module
-
     if has_sparse_layers(model):
         raise ValueError(f"{spec.field}: a mixture of experts' base cannot be held quantized (its experts are "
                          "stacked tensors, not Linear layers); train it with use_peft alone")

@@ -24,8 +24,9 @@ import torch
 import yaml
 
 from pagedrl.model.bnb_quant import QUANT_TYPES
-from pagedrl.model.lora import ALL_LINEAR, LAYER_PROJECTIONS
+from pagedrl.model.lora import ALL_LINEAR
 from pagedrl.model.precision import choose_precision
+from pagedrl.model.projections import LAYER_PROJECTIONS
 from pagedrl.model.quantized_linear import QuantizedBase
 from pagedrl.train.config_values import MISSING, coerce, describe
 
