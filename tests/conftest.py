@@ -5,11 +5,11 @@ tests choose bf16 themselves).
 
 `make test` runs the suite in two processes (pytest-xdist, `-n 2 --dist loadfile`: a module's tests and
 its server stay in one): most of a serial run's time is one core waiting on a process starting, a
-server answering, a subprocess importing torch. Each worker then runs torch on one thread, as do the
-servers and scripts it starts: two workers of two OpenMP threads each on a 2-core machine stall at every
-barrier (measured 7m35s against 6m05s for the suite, the threads sleeping when idle). The tests whose
-point is a second thread set it themselves, and `make test-isa` runs the kernels' tests again in one
-process at the machine's threads.
+server answering, a subprocess importing torch. Each worker then runs torch on its share of the cores
+(one thread on a 2-core machine), as do the servers and scripts it starts: two workers of two OpenMP
+threads each on 2 cores stall at every barrier (measured 7m35s against 6m05s for the suite, the threads
+sleeping when idle). The tests whose point is a second thread set it themselves, and `make test-isa`
+runs the kernels' tests again in one process at the machine's threads.
 """
 
 from __future__ import annotations
@@ -22,12 +22,15 @@ import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """One torch thread in an xdist worker, and in every process it starts (see the module's text)."""
+    """An xdist worker's share of the cores as its torch threads, and those of every process it starts
+    (see the module's text)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
-        os.environ["OMP_NUM_THREADS"] = "1"
-        torch.set_num_threads(1)
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session", autouse=True)
