@@ -133,7 +133,9 @@ def test_requests_past_the_shutdown_timeout_end_with_openai_errors(tiny_train_mo
 def test_requests_arriving_while_draining_get_503_not_a_closed_connection(tiny_train_model, tmp_path):
     """After SIGTERM the server keeps accepting: every request sent meanwhile on a fresh connection is
     answered (503 server_shutting_down, Connection: close), the stream in flight ends normally, and
-    the process exits soon after it."""
+    the process exits soon after it. The stream is read to its end only once every request is answered,
+    and is long (1000 tokens): on a loaded machine the 16 senders can take longer than a short stream's
+    generation, and a request sent after the server's exit is refused, not answered."""
     with running_server(tiny_train_model, tmp_path, "--kv-cache-tokens", "4096", "--shutdown-timeout", "30") as s:
         answers: list = []
         go = threading.Event()
@@ -147,7 +149,7 @@ def test_requests_arriving_while_draining_get_503_not_a_closed_connection(tiny_t
                 answers.append(e)
 
         with httpx.stream("POST", s.base_url + "/v1/completions", timeout=60, json={
-                "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+                "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}) as r:
             it = r.iter_lines()
             first = next(it)
             posters = [threading.Thread(target=post_new) for _ in range(16)]
@@ -157,10 +159,10 @@ def test_requests_arriving_while_draining_get_503_not_a_closed_connection(tiny_t
             signalled = time.monotonic()
             time.sleep(0.05)
             go.set()
+            for t in posters:
+                t.join()
             lines = [first, *it]
         ended = time.monotonic()
-        for t in posters:
-            t.join()
         s.proc.wait(timeout=30)
         exited = time.monotonic()
     assert [line for line in lines if line][-1] == "data: [DONE]"
