@@ -133,31 +133,38 @@ def test_requests_past_the_shutdown_timeout_end_with_openai_errors(tiny_train_mo
 def test_requests_arriving_while_draining_get_503_not_a_closed_connection(tiny_train_model, tmp_path):
     """After SIGTERM the server keeps accepting: every request sent meanwhile on a fresh connection is
     answered (503 server_shutting_down, Connection: close), the stream in flight ends normally, and
-    the process exits soon after it. The stream is read to its end only once every request is answered,
-    and is long (1000 tokens): on a loaded machine the 16 senders can take longer than a short stream's
-    generation, and a request sent after the server's exit is refused, not answered."""
+    the process exits soon after it. The senders' clients are made before the signal (making 16 took
+    longer than the stream's generation on a loaded machine, and a request sent after the server's exit
+    is refused, not answered); each opens its connection after it, and they send once a probe is answered
+    503 (a request sent before the server takes the signal is served)."""
     with running_server(tiny_train_model, tmp_path, "--kv-cache-tokens", "4096", "--shutdown-timeout", "30") as s:
         answers: list = []
         go = threading.Event()
 
-        def post_new() -> None:
+        clients = [httpx.Client(timeout=30) for _ in range(16)]  # no connection until a request
+
+        def post_new(client: httpx.Client) -> None:
             go.wait(30)  # threads started before the signal: only the request is left to send after it
             try:
-                r = httpx.post(s.base_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
+                r = client.post(s.base_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
                 answers.append((r.status_code, r.headers.get("connection"), r.json()))
             except httpx.TransportError as e:
                 answers.append(e)
+            finally:
+                client.close()
 
         with httpx.stream("POST", s.base_url + "/v1/completions", timeout=60, json={
-                "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}) as r:
+                "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
             it = r.iter_lines()
             first = next(it)
-            posters = [threading.Thread(target=post_new) for _ in range(16)]
+            posters = [threading.Thread(target=post_new, args=(c,)) for c in clients]
             for t in posters:
                 t.start()
             s.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
-            time.sleep(0.05)
+            while httpx.post(s.base_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1},
+                             timeout=30).status_code != 503:  # until the server has taken the signal
+                time.sleep(0.01)
             go.set()
             for t in posters:
                 t.join()
