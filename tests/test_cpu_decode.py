@@ -1,15 +1,19 @@
 """bf16 and float32 decode steps as one straight run of the kernels (`engine/cpu_decode.py`): the same
 tokens and the same log-probs, bit for bit, as the decoder's modules routed to the same kernels
-(`enforce_eager=True`), for every family; the program follows weights written in place and a
-weight-version bump; what it does not cover runs through the modules."""
+(`enforce_eager=True`), for every family; a float32 step's layers in one kernel call
+(`ops.decode_layers`) give the program's Python loop's bits for every kind of projection; the program
+follows weights written in place and a weight-version bump; what it does not cover runs through the
+modules."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from cpu_class import needs, needs_not
+from gguf import GGMLQuantizationType as Q
+from gguf_files import TINY, write_tiny_gguf
 from test_engine_precision import peaked
-from tiny import FAMILIES, FUSED_FAMILIES, MOE_FAMILIES
+from tiny import FAMILIES, FUSED_FAMILIES, MOE_FAMILIES, hf_model
 
 from pagedrl.engine import cpu_decode
 from pagedrl.engine.llm import LLM
@@ -85,6 +89,58 @@ def test_the_program_gives_the_modules_bits(family, dtype) -> None:
         assert "fused qkv_proj and gate_up_proj" in llm.engine.runner.decode_path()
         return
     assert steps and max(steps) == len(prompts) and min(steps) >= 1
+
+
+ONE_CALL_CASES = {  # the projections' kinds each case's steps take (`cpu_decode.Kind`)
+    "qwen3-qknorm float_linear": {cpu_decode.Kind.FLOAT_LINEAR},
+    "mistral-window float_linear": {cpu_decode.Kind.FLOAT_LINEAR},
+    "qwen2-bias-tied float_gemm": {cpu_decode.Kind.FLOAT_GEMM},
+    "llama-mha-tied-bias torch_linear": {cpu_decode.Kind.TORCH_LINEAR},
+    "gguf int8": {cpu_decode.Kind.INT8},
+    "gguf float32": {cpu_decode.Kind.GGUF},
+}
+
+
+@pytest.mark.parametrize("case", sorted(ONE_CALL_CASES))
+def test_the_layers_in_one_call_give_the_loop_s_bits(case, tmp_path, monkeypatch) -> None:
+    """A float32 step's layers as one `decode_layers` call against the program's own Python loop over the
+    same kernels: the same tokens, log-probs and alternatives, bit for bit, with biases, q/k norms (qwen3),
+    a sliding window of 8 positions (mistral), float32 weights on each of the three products a step's row count picks, and GGUF weights on
+    8-bit and on float32 activations (q, k and v, gate and up, in one call each on 8-bit ones)."""
+    needs_program(torch.float32)
+    name, kind = case.split(" ")
+    if name == "gguf":
+        types = {"attn_q": Q.Q8_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q4_0, "ffn_gate": Q.Q8_0,
+                 "ffn_up": Q.Q5_0, "ffn_down": Q.Q6_K}
+        path = write_tiny_gguf(tmp_path / "tiny.gguf", hf_model(dict(TINY, hidden_size=128, intermediate_size=256,
+                                                                        num_attention_heads=4), seed=3), types=types)
+        settings = dict(quantization="gguf", activations="int8" if kind == "int8" else "float32")
+        make = lambda: LLM(str(path), kv_cache_tokens=512, enable_prefix_caching=False, **settings)  # noqa: E731
+        vocab = 200
+    else:
+        if kind == "float_gemm":  # every step above the row-wise kernel's rows
+            monkeypatch.setattr(products, "MAX_ROWS_FLOAT", 0)
+        if kind == "torch_linear":  # and above the tiles' too
+            monkeypatch.setattr(products, "MAX_ROWS_FLOAT", 0)
+            monkeypatch.setattr(products, "MAX_ROWS_GEMM", 0)
+        monkeypatch.setitem(FAMILIES, "mistral-window", dict(FAMILIES["mistral"], sliding_window=8))
+        model = peaked(name, 6)
+        assert (model.config.uniform_window is not None) == (name == "mistral-window")
+        make = lambda: LLM.from_module(model, kv_cache_tokens=512, enable_prefix_caching=False)  # noqa: E731
+        vocab = 211
+    prompts = [torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 30, 12)]
+    kinds, decode_layers = [], ops.decode_layers
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        kinds.extend(args[7])
+        return decode_layers(*args)
+
+    monkeypatch.setattr(ops, "decode_layers", counted)
+    one_call = outputs(make(), prompts)
+    assert {cpu_decode.Kind(k) for k in kinds} == ONE_CALL_CASES[case]
+    monkeypatch.setattr(cpu_decode, "flat_layers", lambda model, layers: None)  # the program's loop
+    kinds.clear()
+    assert outputs(make(), prompts) == one_call and not kinds
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

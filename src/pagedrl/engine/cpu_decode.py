@@ -16,6 +16,13 @@ written (8.6-8.8 ms against 7.5-9.2, after 15 s of compiling on 2 cores); with t
 views of one buffer, as the engine keeps them, every call copied the whole KV cache around the cache
 writes (7.3 s a step, after 29 s of compiling). So the program runs as written and compiles nothing.
 
+A float32 step's layers then go to the kernels in one call (`ops.decode_layers`, `csrc/decode_layers.cpp`):
+the same ops in the same order, each looked up once in C++, where from Python each of a layer's 16 calls
+cost 2-6 us of boxing and dispatch. A single stream's Q8_0 token on 8-bit activations (one thread, capped
+to AVX2) spent about 40% of the program's time there: 11.4-12.4 ms a token as a Python loop, 9.3-10.6 as
+one call (bench/RESULTS.md). The loop stays for bf16 and for steps whose GGUF products on float32
+activations exceed those kernels' rows.
+
 It covers what the decoder's routes cover on the k-pairs kernels (`products.pairs_available`) or
 the float32 kernel: a plain `CausalLM` whose projections are all the decoder's own `Linear` (an
 adapter's layer is not), with or without biases and q/k norms. `enforce_eager=True` runs every step
@@ -28,6 +35,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +108,62 @@ def float_product(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, n: in
 
 
 
+class Kind(IntEnum):
+    """How `ops.decode_layers` computes a projection (`csrc/decode_layers.cpp`): as `float_product` does."""
+
+    FLOAT_LINEAR = 0  # a float32 weight, up to products.MAX_ROWS_FLOAT rows
+    FLOAT_GEMM = 1  # up to products.MAX_ROWS_GEMM
+    TORCH_LINEAR = 2  # above (MKL's)
+    INT8 = 3  # a GGUF weight on 8-bit activations
+    GGUF = 4  # a GGUF weight on float32 activations, up to its `max_rows`
+
+
+@dataclass
+class FlatLayers:
+    """A float32 program's layers as `ops.decode_layers` takes them: flat lists, made once per weight
+    version. `kinds` is per step: a float32 weight's product follows the step's row count."""
+
+    norms: list[torch.Tensor]
+    qk_norms: list[torch.Tensor | None]
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
+    types: list[int]
+    quantized: list[Kind | None]  # a GGUF weight's kind, None for a float32 one
+    max_rows: int  # the most rows every GGUF weight on float32 activations takes in one product
+
+    def kinds(self, rows: int) -> list[int] | None:
+        """The projections' kinds for a step of `rows` rows; None where one is not a single kernel call
+        (a GGUF product above its `max_rows`: the program's route runs it)."""
+        if rows > self.max_rows:
+            return None
+        dense = (Kind.FLOAT_LINEAR if rows <= products.MAX_ROWS_FLOAT
+                 else Kind.FLOAT_GEMM if rows <= products.MAX_ROWS_GEMM else Kind.TORCH_LINEAR)
+        return [int(dense if kind is None else kind) for kind in self.quantized]
+
+
+def flat_layers(model: CausalLM, layers: list[tuple]) -> FlatLayers:
+    """`DecodeProgram._layers` (float32) as `FlatLayers`."""
+    norms, qk, weights, biases, types, quantized, max_rows = [], [], [], [], [], [], sys.maxsize
+    for norm1, q_proj, k_proj, v_proj, o_proj, qk_norms, norm2, mlp, down, _ in layers:
+        norms += [norm1, norm2]
+        qk += list(qk_norms) if qk_norms is not None else [None, None]
+        for weight, _, bias in (q_proj, k_proj, v_proj, o_proj, *mlp, down):
+            if type(weight) is QuantizedWeight:
+                int8 = weight.max_rows == sys.maxsize
+                weights.append(weight.blocks)
+                biases.append(weight.bias)
+                types.append(weight.ggml_type)
+                quantized.append(Kind.INT8 if int8 else Kind.GGUF)
+                max_rows = max_rows if int8 else min(max_rows, weight.max_rows)
+            else:
+                weights.append(weight)
+                biases.append(bias)
+                types.append(0)
+                quantized.append(None)
+    norms.append(model.model.norm.weight)
+    return FlatLayers(norms, qk, weights, biases, types, quantized, max_rows)
+
+
 def shared_input(*modules: torch.nn.Module) -> tuple | None:
     """`ops.gguf_linear_int8_many`'s arguments after the input for projections of one input (a layer's q,
     k and v; its gate and up) that all run on 8-bit activations; None where any does not. One call
@@ -130,6 +194,7 @@ class DecodeProgram:
         self._tracked: list[torch.Tensor] = []  # the weights whose write counters are checked
         self._fingerprint: tuple[int, ...] | None = None
         self._layers: list[tuple] = []
+        self._flat: FlatLayers | None = None  # float32: the layers in one kernel call (`ops.decode_layers`)
         self._head: tuple | None = None
 
     def _fingerprint_now(self) -> tuple[int, ...]:
@@ -163,6 +228,7 @@ class DecodeProgram:
             layers.append((layer.input_layernorm.weight, *projections, qk_norms, layer.post_attention_layernorm.weight,
                            mlp_weights, down, shared))
         self._layers = layers
+        self._flat = flat_layers(self.model, layers) if self.float32 else None
         self._head = self._projection(self.model.lm_head)
         self._fingerprint = self._fingerprint_now()  # packing may have moved the generation
 
@@ -199,6 +265,13 @@ class DecodeProgram:
         cos, sin = rope_cos_sin(meta.positions[None], backbone.inv_freq, x.dtype)
         cache = meta.kv_cache
         scale = meta.scale if meta.scale is not None else 1.0 / math.sqrt(head_dim)
+        kinds = self._flat.kinds(n) if self._flat is not None else None
+        if kinds is not None:  # the loop below in one call
+            flat = self._flat
+            windows = [0] * len(self._layers) if meta.windows is None else [w or 0 for w in meta.windows]
+            return ops.decode_layers(x, cos, sin, flat.norms, flat.qk_norms, flat.weights, flat.biases, kinds,
+                                     flat.types, cache.key_cache, cache.value_cache, meta.slot_mapping,
+                                     meta.block_tables, meta.seq_lens, scale, windows, heads, kv_heads, head_dim, eps)
         for index, (norm1, q_proj, k_proj, v_proj, o_proj, qk_norms, norm2, mlp, down, shared) in enumerate(
                 self._layers):
             key_cache, value_cache = cache.key_cache[index], cache.value_cache[index]

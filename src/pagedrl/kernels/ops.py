@@ -50,7 +50,8 @@ _OPS = torch.ops.pagedrl_cpu
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prefill_tiles.cpp",
                                                                 "decode_linear.cpp", "pair_linear.cpp", "rowwise.cpp", "float_linear.cpp", "float_gemm.cpp",
-                                                                "gguf_linear.cpp", "gguf_int8_dot.cpp", "threads.cpp")]
+                                                                "gguf_linear.cpp", "gguf_int8_dot.cpp", "threads.cpp",
+                                                                "decode_layers.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "attention_rows.h", "attention_f32.h",
                                                      "prefill_tiles_f32.h", "float_lanes.h", "gguf_blocks.h", "gguf_int8_groups.h", "gguf_int8_row.h",
                                                      "gguf_int8_rows8.h", "gguf_int8_types.h",
@@ -337,6 +338,17 @@ def float_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 def float_linear_lanes() -> int:
     """The vector width (float32 lanes) `float_linear` was built with here: 8 (AVX2) or 16 (AVX512)."""
     return int(_OPS.float_linear_lanes())
+
+
+def decode_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norms: list[torch.Tensor],
+                  qk_norms: list[torch.Tensor | None], weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                  kinds: list[int], types: list[int], key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                  slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                  windows: list[int], heads: int, kv_heads: int, head_dim: int, eps: float) -> torch.Tensor:
+    """A float32 decode step's layers and final norm in one call (`csrc/decode_layers.cpp`): the decode
+    program's ops in its order, each projection by its `kinds` entry (`engine/cpu_decode.Kind`)."""
+    return _OPS.decode_layers(x, cos, sin, norms, qk_norms, weights, biases, kinds, types, key_caches, value_caches,
+                              slot_mapping, block_tables, seq_lens, scale, windows, heads, kv_heads, head_dim, eps)
 
 
 def pair_linear_available() -> bool:
