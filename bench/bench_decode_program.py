@@ -9,6 +9,11 @@ machine only slows a turn down): the default model in `--dtype` (bf16), `--threa
 prompt tokens decoding together, the median of 60 decode steps after 20 (whole `LLMEngine.step`
 calls: scheduling, forward, sampling, outputs; `compiled`: 5 after 3). Greedy tokens of the sides are compared.
 
+`loop` is the float32 program with its layers as a Python loop of op calls (what `program` ran before its
+layers went to the kernels in one call, `ops.decode_layers`). `--weights q4_1-a8` / `q8_0-a8`: the default
+model's Q4_1 GGUF (or its Q8_0 requantization, `bench_vllm_cpu.gguf_file`) kept quantized, on 8-bit
+activations (float32 engine).
+
 `compiled` wraps the program's `forward` (its layers, after the weights are listed) in `torch.compile` (inductor, default options) and reports its
 first call (the compile) apart. The engine keeps every layer's keys and values as views of one
 buffer, as it allocates them.
@@ -16,6 +21,7 @@ buffer, as it allocates them.
     .venv/bin/python bench/bench_decode_program.py --rows 1,16,64 --rounds 3
     .venv/bin/python bench/bench_decode_program.py --rows 1 --rounds 1 --sides modules,program,compiled
     .venv/bin/python bench/bench_decode_program.py --dtype float32 --sides modules-torch,modules,program
+    .venv/bin/python bench/bench_decode_program.py --weights q8_0-a8 --sides loop,program --rows 1,16 --threads 1
 """
 
 from __future__ import annotations
@@ -29,17 +35,25 @@ import time
 import torch
 
 
-def worker(side: str, rows: int, dtype: str, threads: int) -> dict:
+def worker(side: str, rows: int, dtype: str, threads: int, weights: str) -> dict:
     from pagedrl import LLM, SamplingParams
-    from pagedrl.engine import cpu_routes
+    from pagedrl.engine import cpu_decode, cpu_routes
     from pagedrl.model.routed import Routes
 
     torch.set_num_threads(threads)
     if side == "modules-torch":  # torch's own row-wise pieces in a float32 step
         none = cpu_routes._not_taken
         cpu_routes.FLOAT_ROUTES = Routes(linear=cpu_routes.float_rows, rms_norm=none, silu_mul=none, rope=none)
-    llm = LLM(dtype=getattr(torch, dtype), kv_cache_bytes=1 << 30, enable_prefix_caching=False,
-              enforce_eager=side.startswith("modules"))
+    if side == "loop":  # the program's layers as Python calls
+        cpu_decode.flat_layers = lambda model, layers: None
+    settings = dict(kv_cache_bytes=1 << 30, enable_prefix_caching=False, enforce_eager=side.startswith("modules"))
+    if weights == "default":
+        llm = LLM(dtype=getattr(torch, dtype), **settings)
+    else:
+        from bench_vllm_cpu import gguf_file
+
+        llm = LLM(str(gguf_file(weights.removesuffix("-a8"))), quantization="gguf", dtype="float32",
+                  activations="int8", **settings)
     engine = llm.engine
     program = engine.runner.program
     if not side.startswith("modules") and program is None:
@@ -90,10 +104,11 @@ def main() -> None:
     parser.add_argument("--sides", default="modules,program")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--weights", default="default", choices=["default", "q4_1-a8", "q8_0-a8"])
     parser.add_argument("--worker", nargs=2, metavar=("SIDE", "ROWS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.dtype, args.threads)))
+        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.dtype, args.threads, args.weights)))
         return
     sides = args.sides.split(",")
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -102,7 +117,8 @@ def main() -> None:
         for rows in rows_list:
             for side in sides if round_ % 2 == 0 else sides[::-1]:
                 out = subprocess.run([sys.executable, __file__, "--worker", side, str(rows), "--dtype", args.dtype,
-                                      "--threads", str(args.threads)], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+                                      "--threads", str(args.threads), "--weights", args.weights],
+                                     capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
                 got = json.loads(out)
                 print(f"round {round_ + 1}, {rows} rows, {side}: {got['ms']:.2f} ms a step"
                       + (f" (compile {got['compile_s']:.1f} s)" if got["compile_s"] is not None else ""), flush=True)

@@ -100,8 +100,8 @@ class ModelRunner:
         if self.graphs is not None:
             return f"decode steps replay CUDA graphs ({len(self.graphs.sizes)} batch sizes)"
         if self.program is not None and self.program.float32:
-            return (f"decode steps as one program of the CPU kernels, {products.describe_float()} (CPU class "
-                    f"{isa.describe()}; enforce_eager: through the modules)")
+            return (f"decode steps as one program of the CPU kernels, its layers in one call, "
+                    f"{products.describe_float()} (CPU class {isa.describe()}; enforce_eager: through the modules)")
         if self.program is not None:
             return (f"decode steps as one program of the CPU kernels on CPU class {isa.describe()} "
                     "(enforce_eager: through the modules)")
