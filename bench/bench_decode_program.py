@@ -45,7 +45,7 @@ def worker(side: str, rows: int, dtype: str, threads: int, weights: str) -> dict
         none = cpu_routes._not_taken
         cpu_routes.FLOAT_ROUTES = Routes(linear=cpu_routes.float_rows, rms_norm=none, silu_mul=none, rope=none)
     if side == "loop":  # the program's layers as Python calls
-        cpu_decode.flat_layers = lambda model, layers: None
+        cpu_decode.flat_layers = lambda model, layers, bf16: None
     settings = dict(kv_cache_bytes=1 << 30, enable_prefix_caching=False, enforce_eager=side.startswith("modules"))
     if weights == "default":
         llm = LLM(dtype=getattr(torch, dtype), **settings)

@@ -1,6 +1,6 @@
 """bf16 and float32 decode steps as one straight run of the kernels (`engine/cpu_decode.py`): the same
 tokens and the same log-probs, bit for bit, as the decoder's modules routed to the same kernels
-(`enforce_eager=True`), for every family; a float32 step's layers in one kernel call
+(`enforce_eager=True`), for every family; a step's layers in one kernel call
 (`ops.decode_layers`) give the program's Python loop's bits for every kind of projection; the program
 follows weights written in place and a weight-version bump; what it does not cover runs through the
 modules."""
@@ -98,17 +98,20 @@ ONE_CALL_CASES = {  # the projections' kinds each case's steps take (`cpu_decode
     "llama-mha-tied-bias torch_linear": {cpu_decode.Kind.TORCH_LINEAR},
     "gguf int8": {cpu_decode.Kind.INT8},
     "gguf float32": {cpu_decode.Kind.GGUF},
+    "smollm2-like bf16": {cpu_decode.Kind.PAIRS, cpu_decode.Kind.GATE_UP},
+    "qwen2-bias-tied bf16": {cpu_decode.Kind.PAIRS, cpu_decode.Kind.GATE_UP},
 }
 
 
 @pytest.mark.parametrize("case", sorted(ONE_CALL_CASES))
 def test_the_layers_in_one_call_give_the_loop_s_bits(case, tmp_path, monkeypatch) -> None:
-    """A float32 step's layers as one `decode_layers` call against the program's own Python loop over the
-    same kernels: the same tokens, log-probs and alternatives, bit for bit, with biases, q/k norms (qwen3),
-    a sliding window of 8 positions (mistral), float32 weights on each of the three products a step's row count picks, and GGUF weights on
-    8-bit and on float32 activations (q, k and v, gate and up, in one call each on 8-bit ones)."""
-    needs_program(torch.float32)
+    """A step's layers as one `decode_layers` call against the program's own Python loop over the same
+    kernels: the same tokens, log-probs and alternatives, bit for bit, with biases, q/k norms (qwen3), a
+    sliding window of 8 positions (mistral), float32 weights on each of the three products a step's row
+    count picks, GGUF weights on 8-bit and on float32 activations (q, k and v, gate and up, in one call
+    each on 8-bit ones), and bf16 weights' k-pairs copies (gate and up in one pass)."""
     name, kind = case.split(" ")
+    needs_program(torch.bfloat16 if kind == "bf16" else torch.float32)
     if name == "gguf":
         types = {"attn_q": Q.Q8_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q4_0, "ffn_gate": Q.Q8_0,
                  "ffn_up": Q.Q5_0, "ffn_down": Q.Q6_K}
@@ -124,7 +127,7 @@ def test_the_layers_in_one_call_give_the_loop_s_bits(case, tmp_path, monkeypatch
             monkeypatch.setattr(products, "MAX_ROWS_FLOAT", 0)
             monkeypatch.setattr(products, "MAX_ROWS_GEMM", 0)
         monkeypatch.setitem(FAMILIES, "mistral-window", dict(FAMILIES["mistral"], sliding_window=8))
-        model = peaked(name, 6)
+        model = peaked(name, 6).to(torch.bfloat16 if kind == "bf16" else torch.float32)
         assert (model.config.uniform_window is not None) == (name == "mistral-window")
         make = lambda: LLM.from_module(model, kv_cache_tokens=512, enable_prefix_caching=False)  # noqa: E731
         vocab = 211
@@ -138,7 +141,7 @@ def test_the_layers_in_one_call_give_the_loop_s_bits(case, tmp_path, monkeypatch
     monkeypatch.setattr(ops, "decode_layers", counted)
     one_call = outputs(make(), prompts)
     assert {cpu_decode.Kind(k) for k in kinds} == ONE_CALL_CASES[case]
-    monkeypatch.setattr(cpu_decode, "flat_layers", lambda model, layers: None)  # the program's loop
+    monkeypatch.setattr(cpu_decode, "flat_layers", lambda model, layers, bf16: None)  # the program's loop
     kinds.clear()
     assert outputs(make(), prompts) == one_call and not kinds
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pagedrl.engine.attention import PagedAttention
 from pagedrl.engine.kv_cache import KVCache
-from pagedrl.kernels import ops
+from pagedrl.kernels import build_lock, ops
 
 pytestmark = pytest.mark.isa  # its paths follow the CPU class: `make test-isa` runs it as each lower one
 
@@ -183,16 +183,16 @@ def test_a_killed_build_s_lock_is_cleared_and_a_live_one_waited_for(tmp_path, mo
     lock.touch()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True)
-    (tmp_path / ops.BUILDER_FILE).write_text(dead.stdout.strip())
-    ops.wait_for_builder(tmp_path, poll=0.01)
+    (tmp_path / build_lock.BUILDER_FILE).write_text(dead.stdout.strip())
+    build_lock.wait_for_builder(tmp_path, poll=0.01)
     assert not lock.exists()
     lock.touch()
-    (tmp_path / ops.BUILDER_FILE).unlink()
-    monkeypatch.setattr(ops, "STALE_LOCK_SECONDS", -1.0)  # no builder named: old enough
-    ops.wait_for_builder(tmp_path, poll=0.01)
+    (tmp_path / build_lock.BUILDER_FILE).unlink()
+    monkeypatch.setattr(build_lock, "STALE_LOCK_SECONDS", -1.0)  # no builder named: old enough
+    build_lock.wait_for_builder(tmp_path, poll=0.01)
     assert not lock.exists()
     lock.touch()
-    (tmp_path / ops.BUILDER_FILE).write_text(str(os.getpid()))  # alive: waited for until released
+    (tmp_path / build_lock.BUILDER_FILE).write_text(str(os.getpid()))  # alive: waited for until released
     threading.Timer(0.2, lock.unlink).start()
-    ops.wait_for_builder(tmp_path, poll=0.01)
+    build_lock.wait_for_builder(tmp_path, poll=0.01)
     assert not lock.exists()

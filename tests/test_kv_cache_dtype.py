@@ -12,6 +12,7 @@ import torch
 from test_engine_precision import peaked
 from tiny import GEMMA_FAMILIES
 
+from pagedrl.engine import cpu_decode
 from pagedrl.engine.engine_config import EngineConfig
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
@@ -119,7 +120,10 @@ def test_prefill_tiles_over_a_bf16_cache_are_the_float32_tiles_over_its_values(h
 
 
 def rounding_stores(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every `store_kv` into a float32 cache rounds the keys and values to bf16 first."""
+    """Every `store_kv` into a float32 cache rounds the keys and values to bf16 first. The decode program
+    runs its layers as its Python loop, whose stores go through `ops.store_kv` (its one call,
+    `ops.decode_layers`, calls the op from C++; it gives the loop's bits: `test_cpu_decode.py`)."""
+    monkeypatch.setattr(cpu_decode, "flat_layers", lambda model, layers, bf16: None)
     store = ops.store_kv
 
     def rounded(k, v, key_cache, value_cache, slots):  # noqa: ANN001, ANN202

@@ -16,12 +16,12 @@ written (8.6-8.8 ms against 7.5-9.2, after 15 s of compiling on 2 cores); with t
 views of one buffer, as the engine keeps them, every call copied the whole KV cache around the cache
 writes (7.3 s a step, after 29 s of compiling). So the program runs as written and compiles nothing.
 
-A float32 step's layers then go to the kernels in one call (`ops.decode_layers`, `csrc/decode_layers.cpp`):
+A step's layers then go to the kernels in one call (`ops.decode_layers`, `csrc/decode_layers.cpp`):
 the same ops in the same order, each looked up once in C++, where from Python each of a layer's 16 calls
 cost 2-6 us of boxing and dispatch. A single stream's step, one thread, capped to AVX2: 10.2 -> 9.2 ms
 on Q8_0 weights and 8-bit activations, 7.8 -> 6.4 on Q4_1, 26.9 -> 24.8 in float32; 1.04x / 1.04x / 1.00x
-at 16 sequences (`bench/bench_decode_program.py --sides loop,program`). The loop stays for bf16 and for
-steps whose GGUF products on float32 activations exceed those kernels' rows.
+at 16 sequences (`bench/bench_decode_program.py --sides loop,program`). The loop stays for steps whose
+GGUF products on float32 activations exceed those kernels' rows.
 
 It covers what the decoder's routes cover on the k-pairs kernels (`products.pairs_available`) or
 the float32 kernel: a plain `CausalLM` whose projections are all the decoder's own `Linear` (an
@@ -116,19 +116,21 @@ class Kind(IntEnum):
     TORCH_LINEAR = 2  # above (MKL's)
     INT8 = 3  # a GGUF weight on 8-bit activations
     GGUF = 4  # a GGUF weight on float32 activations, up to its `max_rows`
+    PAIRS = 5  # a bf16 weight's k-pairs copy (`ops.pair_linear`)
+    GATE_UP = 6  # a bf16 layer's gate and up in one pass (`ops.pair_silu_mul`), on both entries
 
 
 @dataclass
 class FlatLayers:
-    """A float32 program's layers as `ops.decode_layers` takes them: flat lists, made once per weight
-    version. `kinds` is per step: a float32 weight's product follows the step's row count."""
+    """The program's layers as `ops.decode_layers` takes them: flat lists, made once per weight version.
+    `kinds` is per step: a float32 weight's product follows the step's row count."""
 
     norms: list[torch.Tensor]
     qk_norms: list[torch.Tensor | None]
     weights: list[torch.Tensor]
     biases: list[torch.Tensor | None]
     types: list[int]
-    quantized: list[Kind | None]  # a GGUF weight's kind, None for a float32 one
+    fixed: list[Kind | None]  # a projection's kind at every row count; None: a float32 weight's (by rows)
     max_rows: int  # the most rows every GGUF weight on float32 activations takes in one product
 
     def kinds(self, rows: int) -> list[int] | None:
@@ -138,30 +140,32 @@ class FlatLayers:
             return None
         dense = (Kind.FLOAT_LINEAR if rows <= products.MAX_ROWS_FLOAT
                  else Kind.FLOAT_GEMM if rows <= products.MAX_ROWS_GEMM else Kind.TORCH_LINEAR)
-        return [int(dense if kind is None else kind) for kind in self.quantized]
+        return [int(dense if kind is None else kind) for kind in self.fixed]
 
 
-def flat_layers(model: CausalLM, layers: list[tuple]) -> FlatLayers:
-    """`DecodeProgram._layers` (float32) as `FlatLayers`."""
-    norms, qk, weights, biases, types, quantized, max_rows = [], [], [], [], [], [], sys.maxsize
+def flat_layers(model: CausalLM, layers: list[tuple], bf16: bool) -> FlatLayers:
+    """`DecodeProgram._layers` as `FlatLayers` (`bf16`: the weights are k-pairs copies)."""
+    norms, qk, weights, biases, types, fixed, max_rows = [], [], [], [], [], [], sys.maxsize
     for norm1, q_proj, k_proj, v_proj, o_proj, qk_norms, norm2, mlp, down, _ in layers:
         norms += [norm1, norm2]
         qk += list(qk_norms) if qk_norms is not None else [None, None]
-        for weight, _, bias in (q_proj, k_proj, v_proj, o_proj, *mlp, down):
+        fused = len(mlp) == 1  # gate and up interleaved in one copy: on both entries
+        gate_up = [(mlp[0], 0, None)] * 2 if fused else list(mlp)
+        for at, (weight, n, bias) in enumerate((q_proj, k_proj, v_proj, o_proj, *gate_up, down)):
             if type(weight) is QuantizedWeight:
                 int8 = weight.max_rows == sys.maxsize
                 weights.append(weight.blocks)
                 biases.append(weight.bias)
                 types.append(weight.ggml_type)
-                quantized.append(Kind.INT8 if int8 else Kind.GGUF)
+                fixed.append(Kind.INT8 if int8 else Kind.GGUF)
                 max_rows = max_rows if int8 else min(max_rows, weight.max_rows)
             else:
                 weights.append(weight)
                 biases.append(bias)
-                types.append(0)
-                quantized.append(None)
+                types.append(n if bf16 else 0)
+                fixed.append(Kind.GATE_UP if fused and at in (4, 5) else Kind.PAIRS if bf16 else None)
     norms.append(model.model.norm.weight)
-    return FlatLayers(norms, qk, weights, biases, types, quantized, max_rows)
+    return FlatLayers(norms, qk, weights, biases, types, fixed, max_rows)
 
 
 def shared_input(*modules: torch.nn.Module) -> tuple | None:
@@ -194,7 +198,7 @@ class DecodeProgram:
         self._tracked: list[torch.Tensor] = []  # the weights whose write counters are checked
         self._fingerprint: tuple[int, ...] | None = None
         self._layers: list[tuple] = []
-        self._flat: FlatLayers | None = None  # float32: the layers in one kernel call (`ops.decode_layers`)
+        self._flat: FlatLayers | None = None  # the layers in one kernel call (`ops.decode_layers`)
         self._head: tuple | None = None
 
     def _fingerprint_now(self) -> tuple[int, ...]:
@@ -228,7 +232,7 @@ class DecodeProgram:
             layers.append((layer.input_layernorm.weight, *projections, qk_norms, layer.post_attention_layernorm.weight,
                            mlp_weights, down, shared))
         self._layers = layers
-        self._flat = flat_layers(self.model, layers) if self.float32 else None
+        self._flat = flat_layers(self.model, layers, bf16=not self.float32)
         self._head = self._projection(self.model.lm_head)
         self._fingerprint = self._fingerprint_now()  # packing may have moved the generation
 

@@ -28,18 +28,19 @@ compiler) into pagedrl's cache directory, so only the first start pays
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from pagedrl.kernels import isa
+from pagedrl.kernels.build_lock import BUILDER_FILE, pinned_ninja, wait_for_builder
 from pagedrl.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -48,10 +49,9 @@ logger = logging.getLogger(__name__)
 # of this module. Its attributes resolve once the library is loaded (`available()`).
 _OPS = torch.ops.pagedrl_cpu
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prefill_tiles.cpp",
-                                                                "decode_linear.cpp", "pair_linear.cpp", "rowwise.cpp", "float_linear.cpp", "float_gemm.cpp",
-                                                                "gguf_linear.cpp", "gguf_int8_dot.cpp", "threads.cpp",
-                                                                "decode_layers.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in (
+    "paged_attention.cpp", "prefill_tiles.cpp", "decode_linear.cpp", "pair_linear.cpp", "rowwise.cpp", "float_linear.cpp",
+    "float_gemm.cpp", "gguf_linear.cpp", "gguf_int8_dot.cpp", "threads.cpp", "decode_layers.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "attention_rows.h", "attention_f32.h",
                                                      "prefill_tiles_f32.h", "float_lanes.h", "gguf_blocks.h", "gguf_int8_groups.h", "gguf_int8_row.h",
                                                      "gguf_int8_rows8.h", "gguf_int8_types.h",
@@ -110,63 +110,6 @@ def _load() -> bool:
         logger.warning("the CPU paged-attention kernel could not be built (%s); decode steps gather each "
                        "sequence's blocks instead", str(e).strip().splitlines()[-1] if str(e).strip() else e)
         return False
-
-
-@contextlib.contextmanager
-def pinned_ninja() -> Iterator[None]:
-    """The pinned `ninja` (a dependency) first on PATH while torch's builder runs it. The builder runs
-    whichever `ninja` PATH names first, and two of them (the environment's and a system one) each read the
-    other's build log as stale and rebuild every object: a minute in each process whose PATH differs (a
-    server, a script started with the environment's bin folder first) over a cache another built."""
-    try:
-        import ninja
-    except ImportError:  # the builder then finds a system one, or says it needs one
-        yield
-        return
-    before = os.environ.get("PATH")
-    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *([before] if before else [])])
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("PATH", None)
-        else:
-            os.environ["PATH"] = before
-
-
-BUILDER_FILE = "builder.pid"  # the process that last started a build here
-STALE_LOCK_SECONDS = 900  # a lock with no builder named, older than this, is a killed build's
-
-
-def wait_for_builder(folder: Path, poll: float = 0.5) -> None:
-    """Wait while another process builds into `folder`, and clear the lock a killed build left (torch's
-    builder waits on it for ever): stale when the process named in `builder.pid` is gone, or, with no
-    process named, when it is older than STALE_LOCK_SECONDS."""
-    lock = folder / "lock"
-    while lock.exists():
-        try:
-            pid = int((folder / BUILDER_FILE).read_text())
-        except (OSError, ValueError):
-            pid = None
-        try:
-            stale = not _alive(pid) if pid is not None else time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS
-        except FileNotFoundError:
-            return  # released while we looked
-        if stale:
-            logger.warning("removing the lock of a kernel build that did not finish (%s)", lock)
-            lock.unlink(missing_ok=True)
-            return
-        time.sleep(poll)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 @functools.cache
@@ -340,13 +283,13 @@ def float_linear_lanes() -> int:
     return int(_OPS.float_linear_lanes())
 
 
-def decode_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norms: list[torch.Tensor],
-                  qk_norms: list[torch.Tensor | None], weights: list[torch.Tensor], biases: list[torch.Tensor | None],
-                  kinds: list[int], types: list[int], key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
-                  slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                  windows: list[int], heads: int, kv_heads: int, head_dim: int, eps: float) -> torch.Tensor:
-    """A float32 decode step's layers and final norm in one call (`csrc/decode_layers.cpp`): the decode
-    program's ops in its order, each projection by its `kinds` entry (`engine/cpu_decode.Kind`)."""
+def decode_layers(x: Tensor, cos: Tensor, sin: Tensor, norms: list[Tensor], qk_norms: list[Tensor | None],
+                  weights: list[Tensor], biases: list[Tensor | None], kinds: list[int], types: list[int],
+                  key_caches: list[Tensor], value_caches: list[Tensor], slot_mapping: Tensor, block_tables: Tensor,
+                  seq_lens: Tensor, scale: float, windows: list[int], heads: int, kv_heads: int, head_dim: int,
+                  eps: float) -> Tensor:
+    """A decode step's layers and final norm in one call (`csrc/decode_layers.cpp`): the decode program's
+    ops in its order, each projection by its `kinds` entry (`engine/cpu_decode.Kind`)."""
     return _OPS.decode_layers(x, cos, sin, norms, qk_norms, weights, biases, kinds, types, key_caches, value_caches,
                               slot_mapping, block_tables, seq_lens, scale, windows, heads, kv_heads, head_dim, eps)
 

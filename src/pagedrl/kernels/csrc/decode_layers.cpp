@@ -1,4 +1,4 @@
-// A float32 decode step's decoder layers in one call (`decode_layers`): what `engine/cpu_decode.py`'s
+// A decode step's decoder layers in one call (`decode_layers`): what `engine/cpu_decode.py`'s
 // program runs from Python, op for op, in the same order, on the same tensors: so the same bits.
 //
 // Why: a layer is some 16 op calls (two norms, the products, the rotary, the cache write, the attention,
@@ -7,9 +7,10 @@
 // thread, AVX2) that was about 40% of the program's time. Here each op is called through its typed
 // handle (no boxing, no Python), looked up once.
 //
-// The projections' kernels are chosen per projection by the caller (`kinds`), as the program's
-// `float_product` chooses them for the step's row count; a layer's q, k and v (its gate and up) on 8-bit
-// activations go in one `gguf_linear_int8_many` call, as the program makes it.
+// The projections' kernels are chosen per projection by the caller (`kinds`), as the program chooses them
+// (a float32 weight's by the step's row count, `float_product`; a bf16 one's k-pairs copy); a layer's q, k
+// and v (its gate and up) on 8-bit activations go in one `gguf_linear_int8_many` call, and a bf16 layer's
+// gate and up in one `pair_silu_mul` where the program fuses them, as the program makes them.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Optional.h>
@@ -32,6 +33,8 @@ enum Kind : int64_t {
   kTorchLinear = 2,  // `at::linear` (MKL's, above)
   kInt8 = 3,         // `gguf_linear_int8` (GGUF blocks, 8-bit activations)
   kGGUF = 4,         // `gguf_linear` (GGUF blocks, float32 activations, a few rows)
+  kPairs = 5,        // `pair_linear` (a bf16 weight's k-pairs copy; its type entry: the output features)
+  kGateUp = 6,       // gate and up: `pair_silu_mul` of the gate entry's interleaved copy (bf16)
 };
 
 constexpr int kProjections = 7;  // q, k, v, o, gate, up, down
@@ -68,6 +71,10 @@ struct Ops {
           "pagedrl_cpu::gguf_linear_int8_many");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, const Bias&)> gguf =
       handle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, const Bias&)>("pagedrl_cpu::gguf_linear");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, const Bias&)> pairs =
+      handle<Tensor(const Tensor&, const Tensor&, int64_t, const Bias&)>("pagedrl_cpu::pair_linear");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)> pair_silu_mul =
+      handle<Tensor(const Tensor&, const Tensor&)>("pagedrl_cpu::pair_silu_mul");
 };
 
 const Ops& ops() {
@@ -92,7 +99,8 @@ struct Layer {
       case kTorchLinear: return at::linear(x, w, bias);
       case kInt8: return ops().int8.call(x, w, types[at], x.size(1), bias);
       case kGGUF: return ops().gguf.call(x, w, types[at], x.size(1), bias);
-      default: TORCH_CHECK(false, "decode_layers: projection kind ", kinds[at], " is none of 0-4");
+      case kPairs: return ops().pairs.call(x, w, types[at], bias);
+      default: TORCH_CHECK(false, "decode_layers: projection kind ", kinds[at], " is none of 0-5");
     }
   }
 
@@ -156,8 +164,14 @@ Tensor decode_layers(const Tensor& x0, const Tensor& cos, const Tensor& sin, at:
                                                      seq_lens, scale, false, windows[l], 0.0, c10::nullopt));
     x = x + layer.product(3, out.view({n, heads * head_dim}));
     h = op.rms_norm.call(x, norms[2 * l + 1], eps);
-    std::vector<Tensor> gate_up = layer.shared(4, 2, h);
-    x = x + layer.product(6, op.silu_mul.call(gate_up[0], gate_up[1]));
+    Tensor hidden;
+    if (kinds[kProjections * l + 4] == kGateUp) {
+      hidden = op.pair_silu_mul.call(h, weights[kProjections * l + 4]);
+    } else {
+      std::vector<Tensor> gate_up = layer.shared(4, 2, h);
+      hidden = op.silu_mul.call(gate_up[0], gate_up[1]);
+    }
+    x = x + layer.product(6, hidden);
   }
   return op.rms_norm.call(x, norms[2 * layers], eps);
 }
