@@ -19,9 +19,9 @@ writes (7.3 s a step, after 29 s of compiling). So the program runs as written a
 A step's layers then go to the kernels in one call (`ops.decode_layers`, `csrc/decode_layers.cpp`):
 the same ops in the same order, each looked up once in C++, where from Python each of a layer's 16 calls
 cost 2-6 us of boxing and dispatch. A single stream's step, one thread, capped to AVX2: 10.2 -> 9.2 ms
-on Q8_0 weights and 8-bit activations, 7.8 -> 6.4 on Q4_1, 26.9 -> 24.8 in float32 (13.4 -> 12.4 in bf16
-on AVX512-BF16); 1.00-1.04x at 16 sequences (`bench/bench_decode_program.py --sides loop,program`). The loop stays for steps whose
-GGUF products on float32 activations exceed those kernels' rows.
+on Q8_0 weights and 8-bit activations, 7.8 -> 6.4 on Q4_1, 26.9 -> 24.8 in float32 (13.4 -> 12.4 in
+bf16 on AVX512-BF16); 1.00-1.04x at 16 sequences (`bench/bench_decode_program.py --sides loop,program`).
+The loop stays for steps whose GGUF products on float32 activations exceed those kernels' rows.
 
 It covers what the decoder's routes cover on the k-pairs kernels (`products.pairs_available`) or
 the float32 kernel: a plain `CausalLM` whose projections are all the decoder's own `Linear` (an
@@ -109,7 +109,8 @@ def float_product(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, n: in
 
 
 class Kind(IntEnum):
-    """How `ops.decode_layers` computes a projection (`csrc/decode_layers.cpp`): as `float_product` does."""
+    """How `ops.decode_layers` computes a projection (`csrc/decode_layers.cpp`): as the program's loop
+    does (`float_product`, or `ops.pair_linear` on a bf16 weight's k-pairs copy)."""
 
     FLOAT_LINEAR = 0  # a float32 weight, up to products.MAX_ROWS_FLOAT rows
     FLOAT_GEMM = 1  # up to products.MAX_ROWS_GEMM

@@ -17,7 +17,8 @@ consecutive rows in tiles over each chunk of keys (the row routine both share: `
 step, with AMX tiles or AVX512-BF16 dot products; `rms_norm`, `silu_mul` and `rope` (`csrc/rowwise.cpp`):
 the decoder's row-wise pieces in one pass each. The engine routes its bf16 steps to them
 (`engine/cpu_routes.py`). `gguf_linear` (`csrc/gguf_linear.cpp`): a GGUF weight's product with the
-weight kept quantized (the bits of `float_linear` on the dequantized weight).
+weight kept quantized (the bits of `float_linear` on the dequantized weight). `decode_layers`
+(`csrc/decode_layers.cpp`): the decode program's layers (`engine/cpu_decode.py`) in one call.
 
 They are compiled with `-O3 -march=native` (less the instructions above a `PAGEDRL_CPU_ISA` cap:
 `kernels/isa.py`) through torch's extension builder (ninja and the system's C++
