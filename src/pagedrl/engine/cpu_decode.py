@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import torch
@@ -133,15 +133,19 @@ class FlatLayers:
     types: list[int]
     fixed: list[Kind | None]  # a projection's kind at every row count; None: a float32 weight's (by rows)
     max_rows: int  # the most rows every GGUF weight on float32 activations takes in one product
+    by_dense: dict[Kind, list[int]] = field(default_factory=dict)  # `kinds`' lists, made once each
 
     def kinds(self, rows: int) -> list[int] | None:
         """The projections' kinds for a step of `rows` rows; None where one is not a single kernel call
-        (a GGUF product above its `max_rows`: the program's route runs it)."""
+        (a GGUF product above its `max_rows`: the program's route runs it). One of three lists, by the
+        float32 kernel the row count picks, each made on first use rather than at every step."""
         if rows > self.max_rows:
             return None
         dense = (Kind.FLOAT_LINEAR if rows <= products.MAX_ROWS_FLOAT
                  else Kind.FLOAT_GEMM if rows <= products.MAX_ROWS_GEMM else Kind.TORCH_LINEAR)
-        return [int(dense if kind is None else kind) for kind in self.fixed]
+        if dense not in self.by_dense:
+            self.by_dense[dense] = [int(dense if kind is None else kind) for kind in self.fixed]
+        return self.by_dense[dense]
 
 
 def flat_layers(model: CausalLM, layers: list[tuple], bf16: bool) -> FlatLayers:
