@@ -49,15 +49,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cuda_grpo import grpo
+from cuda_models import model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-SMOLLM2_135M = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
-                    intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
-                    hidden_act="silu")
-
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"  # --device cpu (with TRITON_INTERPRET=1) dry-runs the script's logic on small shapes
@@ -195,56 +191,6 @@ def correctness() -> dict[str, Any]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------- models
-def model_dir(given: Path | None) -> Path:
-    """A folder with config, tokenizer, chat template and weights (random ones written if missing)."""
-    if given is None:
-        try:
-            from pagedrl.model.default import resolve_default_model
-
-            given = resolve_default_model()
-        except Exception as exc:  # the default model's package is not on this machine
-            log("models", f"default model unavailable ({exc}); a SmolLM2-135M-shaped stand-in is written")
-            given = stand_in_dir()
-    if (given / "model.safetensors").exists() or (given / "model.safetensors.index.json").exists():
-        return given
-    out = Path(tempfile.gettempdir()) / f"pagedrl-random-{given.name}"
-    if (out / "model.safetensors").exists():
-        return out
-    from pagedrl.model.checkpoint import save_checkpoint
-    from pagedrl.model.config import ModelConfig
-    from pagedrl.model.decoder import CausalLM
-
-    torch.manual_seed(0)
-    model = CausalLM(ModelConfig.from_dict(json.loads((given / "config.json").read_text())))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-    return save_checkpoint(model, out, tokenizer_dir=given)
-
-
-def stand_in_dir() -> Path:
-    """SmolLM2-135M's shape with the tests' byte-level tokenizer, padded with added tokens to 49152."""
-    from tiny_train import build_tokenizer
-    from tokenizers import Tokenizer
-
-    folder = Path(tempfile.gettempdir()) / "pagedrl-smollm2-135m-shape"
-    if (folder / "config.json").exists():
-        return folder
-    build_tokenizer(folder)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.add_tokens([f"<t{i}>" for i in range(SMOLLM2_135M["vocab_size"] - tok.get_vocab_size())])
-    tok.save(str(folder / "tokenizer.json"))
-    eos = tok.token_to_id("<|im_end|>")
-    config = dict(SMOLLM2_135M, bos_token_id=None, eos_token_id=eos, pad_token_id=tok.token_to_id("<|pad|>"))
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    return folder
-
-
-
 # ------------------------------------------------------------------------------------------------- gguf
 def gguf() -> dict[str, Any]:
     """GGUF weights kept quantized on the device (`quantization="gguf"`): a tiny model holding every
@@ -379,56 +325,6 @@ def decode_step(folder: Path, num_seqs: int = 256) -> dict[str, Any]:
     return out
 
 
-def grpo(folder: Path, steps: int) -> dict[str, Any]:
-    """Rollouts under the trainer's bf16 autocast (the default), then, for the log-prob agreement
-    only, two steps with the engine in float32 as before (what the agreement was measured against)."""
-    from unittest import mock
-
-    from pagedrl.engine.llm import LLM
-    from pagedrl.train.rl import online as online_module  # where the rollout engine is built
-
-    out = {"autocast": grpo_run(folder, steps)}
-    from_module = LLM.from_module
-
-    def float32_engine(*args, **kwargs):
-        return from_module(*args, **{**kwargs, "autocast_dtype": None})
-
-    with mock.patch.object(online_module.LLM, "from_module", float32_engine):
-        out["engine_float32"] = grpo_run(folder, min(steps, 2), label="engine float32")
-    return out
-
-
-def grpo_run(folder: Path, steps: int, label: str = "engine under autocast") -> dict[str, Any]:
-    from pagedrl.train.algorithms.grpo import run_grpo
-    from pagedrl.train.rl.config import GRPOConfig
-
-    if DEVICE == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    with tempfile.TemporaryDirectory() as tmp:
-        size = dict(per_device_train_batch_size=16, gradient_accumulation_steps=4, max_completion_length=64,
-                    task_num_eval=64) if DEVICE == "cuda" else dict(
-                    per_device_train_batch_size=8, gradient_accumulation_steps=1, max_completion_length=4,
-                    task_num_eval=8, bf16=True)  # the dry run: tiny, but through the autocast path
-        config = GRPOConfig(model=str(folder), dataset="arithmetic", output_dir=tmp, num_generations=8,
-                            temperature=1.0, learning_rate=1e-5, max_steps=steps, beta=0.0, logging_steps=1,
-                            save_steps=10_000, report_to=["jsonl"], kv_cache_tokens=16384, **size)
-        start = time.perf_counter()
-        run_grpo(config, progress=False)
-        wall = time.perf_counter() - start
-        rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "step_time" in r]
-    keys = ("step", "step_time", "rollout/seconds", "rollout/tokens_per_second",
-            "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
-    peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else float("nan")
-    out = {"steps": [{k: r.get(k) for k in keys} for r in rows], "wall_s": wall, "peak_gib": peak}
-    for r in rows:
-        log("grpo", f"{label}, step {r.get('step')}: {r['step_time']:.2f} s, rollout {r['rollout/seconds']:.2f} s, "
-            f"{r['rollout/tokens_per_second']:.0f} tok/s, logp diff mean "
-            f"{r.get('sampling/sampling_logp_difference/mean', float('nan')):.2e}")
-    log("grpo", f"{steps} steps in {wall:.1f} s (load and evaluations included), peak {out['peak_gib']:.2f} GiB")
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, default=None)
@@ -462,7 +358,7 @@ def main() -> None:
 
     def models() -> Path:
         if not folder:
-            folder.append(model_dir(args.model_dir))
+            folder.append(model_dir(args.model_dir, log))
         return folder[0]
 
     parts = {
@@ -470,7 +366,7 @@ def main() -> None:
         "correctness": correctness,
         "throughput": lambda: throughput(models(), args.hf_batch_size),
         "decode_step": lambda: decode_step(models()),
-        "grpo": lambda: grpo(models(), args.grpo_steps),
+        "grpo": lambda: grpo(models(), args.grpo_steps, DEVICE, log),
         "gguf": gguf,
     }
     for name in args.parts.split(","):
