@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import decoder_bound
 import pytest
+import rounding_steps
 import torch
 from tiny import FAMILIES
 
@@ -53,7 +54,7 @@ def test_bf16_autocast_engine_matches_a_dense_forward_under_the_same_autocast() 
         ids = torch.tensor([prompt + comp.token_ids])
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             logp = torch.log_softmax(model.logits(model(ids))[0, len(prompt) - 1:-1].float(), -1)
-        exact, bound, decided, argmax = exact_greedy(model, prompt, comp.token_ids, decoder_bound.AUTOCAST)
+        exact, bound, decided, argmax = exact_greedy(model, prompt, comp.token_ids, rounding_steps.AUTOCAST)
         chosen = torch.tensor(comp.token_ids)
         assert torch.equal(chosen[decided], argmax[decided]) and torch.equal(logp.argmax(-1)[decided], argmax[decided])
         dense = logp.gather(1, chosen[:, None])[:, 0]
@@ -100,7 +101,7 @@ def test_bf16_engine_matches_a_dense_bf16_forward_of_the_same_module() -> None:
             exact_logp = torch.log_softmax(exact.logits(exact(ids))[0, len(prompt) - 1:-1], -1)
         assert logits.dtype == torch.float32
         logp = torch.log_softmax(logits, -1)
-        rounded, bound, decided, argmax = exact_greedy(model, prompt, comp.token_ids, decoder_bound.BFLOAT16)
+        rounded, bound, decided, argmax = exact_greedy(model, prompt, comp.token_ids, rounding_steps.BFLOAT16)
         chosen = torch.tensor(comp.token_ids)  # where bf16 rounding cannot swap the argmax: the exact one
         assert torch.equal(chosen[decided], argmax[decided]) and torch.equal(logp.argmax(-1)[decided], argmax[decided])
         engine = torch.tensor(comp.processed_logprobs)
@@ -158,7 +159,7 @@ def test_autocast_engine_reads_bf16_copies_refreshed_per_weight_change() -> None
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         logp = torch.log_softmax(model.logits(model(torch.tensor([prompt + after.token_ids])))[0, len(prompt) - 1:-1], -1)
     dense = logp.gather(1, torch.tensor(after.token_ids)[:, None])[:, 0]
-    exact, bound = decoder_bound.completion_logprobs(model, prompt, after.token_ids, decoder_bound.AUTOCAST)
+    exact, bound = decoder_bound.completion_logprobs(model, prompt, after.token_ids, rounding_steps.AUTOCAST)
     for got in (torch.tensor(after.processed_logprobs), dense):  # within bf16's bound of the new weights' exact
         assert ((got.double() - exact).abs() <= bound).all()
     assert not torch.allclose(torch.tensor(before.processed_logprobs), torch.tensor(after.processed_logprobs))

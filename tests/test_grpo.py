@@ -186,7 +186,7 @@ def test_bf16_rollouts_carry_the_trainers_own_log_probs(wide_train_model, prompt
     assert float(gap.max()) > 1e-3 and max(logged) > 1e-3  # what batch invariance removes (here 2e-2)
     # A statistic of the kernels, not a rounding bound: most tokens' products round alike in a decode
     # batch and in a packed one, so the mean gap stays far below one token's bf16 bound (~0.2 nats on
-    # this model, from `decoder_bound.AUTOCAST`, too costly to compute here: a minute of float64).
+    # this model, from `rounding_steps.AUTOCAST`, too costly to compute here: a minute of float64).
     assert float(gap.mean()) < 1e-3
 
 
