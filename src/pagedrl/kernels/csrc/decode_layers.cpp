@@ -100,7 +100,8 @@ struct Layer {
       case kInt8: return ops().int8.call(x, w, types[at], x.size(1), bias);
       case kGGUF: return ops().gguf.call(x, w, types[at], x.size(1), bias);
       case kPairs: return ops().pairs.call(x, w, types[at], bias);
-      default: TORCH_CHECK(false, "decode_layers: projection kind ", kinds[at], " is none of 0-5");
+      default: TORCH_CHECK(false, "decode_layers: projection ", at, " has kind ", kinds[at],
+                            ", not one product's (0-5; 6, gate and up together, only at a layer's gate)");
     }
   }
 
@@ -154,6 +155,8 @@ Tensor decode_layers(const Tensor& x0, const Tensor& cos, const Tensor& sin, at:
     Tensor q = qkv[0].view({1, n, heads, head_dim}), k = qkv[1].view({1, n, kv_heads, head_dim});
     const Tensor v = qkv[2].view({n, kv_heads, head_dim});
     const c10::optional<Tensor> q_norm = qk_norms.get(2 * l), k_norm = qk_norms.get(2 * l + 1);
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decode_layers: layer ", l, " has a ",
+                q_norm.has_value() ? "query" : "key", " norm without the other");
     if (q_norm.has_value()) {
       q = op.rms_norm.call(q, *q_norm, eps);
       k = op.rms_norm.call(k, *k_norm, eps);
@@ -180,9 +183,9 @@ Tensor decode_layers(const Tensor& x0, const Tensor& cos, const Tensor& sin, at:
 
 TORCH_LIBRARY_FRAGMENT(pagedrl_cpu, m) {
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] norms, Tensor?[] qk_norms, Tensor[] weights, "
-        "Tensor?[] biases, int[] kinds, int[] types, Tensor[] key_caches, Tensor[] value_caches, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor seq_lens, float scale, int[] windows, int heads, int kv_heads, int head_dim, "
-        "float eps) -> Tensor");
+        "Tensor?[] biases, int[] kinds, int[] types, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, int[] windows, int heads, "
+        "int kv_heads, int head_dim, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedrl_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }
