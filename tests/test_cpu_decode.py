@@ -13,12 +13,14 @@ from cpu_class import needs, needs_not
 from gguf import GGMLQuantizationType as Q
 from gguf_files import TINY, write_tiny_gguf
 from test_engine_precision import peaked
-from tiny import FAMILIES, FUSED_FAMILIES, MOE_FAMILIES, hf_model
+from tiny import FAMILIES, FUSED_FAMILIES, GEMMA_FAMILIES, MOE_FAMILIES, hf_model
 
 from pagedrl.engine import cpu_decode
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.kernels import ops, products
+from pagedrl.model.config import ModelConfig
+from pagedrl.model.decoder import CausalLM
 from pagedrl.model.lora import LoRAConfig, apply_lora
 
 pytestmark = pytest.mark.isa  # its paths follow the CPU class: `make test-isa` runs it as each lower one
@@ -175,8 +177,12 @@ def test_the_program_follows_weight_updates(dtype) -> None:
 
 
 def test_what_the_program_does_not_cover_runs_through_the_modules() -> None:
-    """A LoRA layer (its own forward), a float16 model, a mixture of experts, `enforce_eager`: no program."""
+    """A LoRA layer (its own forward), a float16 model, a mixture of experts, Gemma's layer rules,
+    `enforce_eager`: no program."""
     assert not cpu_decode.supports(peaked("mixtral", 5)) and not cpu_decode.supports(peaked("qwen3-moe", 5))
+    for family in ("gemma2", "gemma3"):  # their layer rules (soft caps, sandwich norms, per-layer windows) even
+        silu = ModelConfig.from_dict(dict(GEMMA_FAMILIES[family], hidden_activation="silu"))  # on a SiLU MLP
+        assert not cpu_decode.supports(CausalLM(silu))
     model = peaked("llama-gqa-untied", 5)
     assert cpu_decode.supports(model) == ops.available()  # float32
     assert not cpu_decode.supports(peaked("llama-gqa-untied", 5).half())
