@@ -53,7 +53,8 @@ def supports(model: torch.nn.Module) -> bool:
     """Whether `model`'s decode steps can run as the program: a bf16 or float32 dense `CausalLM` on the
     CPU whose projections are all plain `Linear` (LoRA layers keep their own forward; a mixture of
     experts' sparse layers, `model/moe.py`, theirs; Phi-3's fused projections, `model/fused.py`,
-    theirs; Gemma's and gpt-oss's layer rules, whatever their activation, theirs); for bf16, on a CPU where the k-pairs kernels run, with input sizes those kernels take (even)."""
+    theirs; Gemma's and gpt-oss's layer rules, whatever their activation, theirs); for bf16, on a CPU
+    where the k-pairs kernels run, with input sizes those kernels take (even)."""
     if type(model) is not CausalLM or model.device.type != "cpu" or not ops.available():
         return False
     cfg = model.config
