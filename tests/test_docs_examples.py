@@ -34,6 +34,7 @@ RUN: dict[tuple[str, str], str] = {
     ("docs/serving.md", "llm = LLM()  # the embedded default"): "tmp",
     ("docs/serving.md", 'generate --prompt "What is the capital of France?" --max-tokens 32'): "root",
     ("docs/serving.md", "StructuredOutputsParams(json=schema)"): "tmp",
+    ("docs/serving.md", 'bad_words=["Paris"]'): "tmp",
 }
 
 TRAINS = "trains for minutes (the trainers' tests run each algorithm on a tiny model: tests/test_sft.py, " \

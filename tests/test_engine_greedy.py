@@ -27,12 +27,13 @@ def prompts(vocab: int, seed: int = 0, prefix: int = 20,
     return out
 
 
-def reference(hf: torch.nn.Module, batch: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
+def reference(hf: torch.nn.Module, batch: list[list[int]], max_new: int = MAX_NEW, **generate: object) -> list[list[int]]:
+    """transformers' greedy tokens (`generate` adds logits processors: `sequence_bias`, `bad_words_ids`)."""
     outs = []
     for ids in batch:
         with torch.no_grad():
             gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
-                              attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
+                              attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0, **generate)
         outs.append(gen[0, len(ids):].tolist())
     return outs
 

@@ -169,6 +169,28 @@ def test_penalties_reach_the_sampler(client, model_name, offline):
     assert len(set(plain.token_ids)) < len(set(ref.token_ids))
 
 
+def test_token_choices_reach_the_sampler(client, model_name, offline):
+    """logit_bias (OpenAI's, decimal keys), allowed_token_ids and bad_words (vLLM's extras) give what
+    the offline engine gives with the same SamplingParams, and change the greedy answer."""
+    plain = offline.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+    first = plain.token_ids[0]
+    allowed = sorted({5, 9, 40, 100} - {first})
+    word = offline.tokenizer.decode(plain.token_ids[:2]).strip() or "cat"
+    for body, params in (
+            ({"logit_bias": {str(first): -100}}, dict(logit_bias={first: -100.0})),
+            ({"extra_body": {"allowed_token_ids": allowed, "ignore_eos": True}}, dict(allowed_token_ids=allowed)),
+            ({"extra_body": {"bad_words": [word], "ignore_eos": True}}, dict(bad_words=[word]))):
+        extra = body.pop("extra_body", {"ignore_eos": True})
+        r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=0.0,
+                                      extra_body=extra, **body)
+        ref = offline.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, **params),
+                               use_tqdm=False)[0].outputs[0]
+        assert r.choices[0].text == ref.text and ref.token_ids != plain.token_ids, params
+        if "allowed_token_ids" in params:
+            assert set(ref.token_ids) <= set(allowed)
+
+
 def test_completion_logprobs_match_offline_engine(client, model_name, offline):
     r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
                                   extra_body={"ignore_eos": True})

@@ -87,6 +87,17 @@ def test_bad_values_are_400_naming_the_field(http, still_serving, field, value):
     assert field in err["message"]
 
 
+def test_bad_token_choices_are_400_naming_the_field(http, still_serving):
+    vocab = http.get("/openapi.json").json()["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"][
+        "items"]["maximum"] + 1
+    for extra, param in (({"logit_bias": {"5": 101}}, "logit_bias.5"), ({"logit_bias": {"x": 1}}, "logit_bias.x"),
+                         ({"logit_bias": {str(vocab): 1}}, "logit_bias"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+                         ({"allowed_token_ids": [vocab + 3]}, "allowed_token_ids"), ({"bad_words": [" "]}, "bad_words.0")):
+        err = error_of(http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, **extra}), 400)
+        assert err["param"] == param, (extra, err)
+        assert param.split(".")[0] in err["message"], err
+
+
 def test_bad_chat_messages_are_400(http, still_serving):
     for messages, param in (("hello", "messages"), ([], "messages"), ([{"content": "no role"}], "messages.0.role"),
                             ([{"role": "user", "content": [{"type": "image_url"}]}], "messages.0.content.0")):
@@ -98,7 +109,7 @@ def test_bad_chat_messages_are_400(http, still_serving):
 
 
 def test_unsupported_fields_are_refused_not_ignored(http, still_serving):
-    for field, value in (("suffix", "x"), ("logit_bias", {"5": 1.0}), ("best_of", 3)):
+    for field, value in (("suffix", "x"), ("best_of", 3)):
         err = error_of(http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, field: value}), 400)
         assert err["param"] == field
 
@@ -222,6 +233,17 @@ def test_the_served_schema_and_the_validation_agree(http, still_serving):
         ("/v1/completions", "CompletionRequest", {"model": "tiny", "prompt": PROMPT, "min_tokens": 17,
                                                   "max_tokens": 18}, True),
         ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "min_tokens": 20}, True),
+        # a token id as logit_bias's key: a decimal string within the vocabulary
+        ("/v1/completions", "CompletionRequest", {"model": "tiny", "prompt": PROMPT, "max_tokens": 1,
+                                                  "logit_bias": {str(vocab - 1): -100, "0": 100}}, True),
+        ("/v1/completions", "CompletionRequest", {"model": "tiny", "prompt": PROMPT, "logit_bias": {str(vocab): 1}},
+         False),
+        ("/v1/completions", "CompletionRequest", {"model": "tiny", "prompt": PROMPT, "logit_bias": {"07": 1}}, False),
+        ("/v1/completions", "CompletionRequest", {"model": "tiny", "prompt": PROMPT, "logit_bias": {"7": 100.5}},
+         False),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "allowed_token_ids": [vocab]}, False),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "allowed_token_ids": [vocab - 1],
+                                                           "max_tokens": 1}, True),
         # without --enable-auto-tool-choice, tools without a tool_choice (i.e. "auto") are refused, as by vLLM
         ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "tools": tools}, False),
         ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "tools": tools, "tool_choice": "auto"},

@@ -200,6 +200,7 @@ class AsyncEngine:
             self.engine.check_fits(len(ids), params)
             out.append(ids)
         self.engine.check_structured_outputs(params)
+        self.engine.token_choices.check(params)
         return out
 
     def abort(self, request_id: str) -> None:

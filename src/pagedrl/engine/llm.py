@@ -118,6 +118,10 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (vLLM's spelling of `tokenizer`)."""
+        return self.engine.tokenizer
+
     @property
     def block_size(self) -> int:
         """Tokens per KV block (prefix hits and forks share whole blocks)."""

@@ -32,6 +32,7 @@ from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.engine.scheduler import Scheduler
 from pagedrl.engine.sequence import Request, Sequence
 from pagedrl.engine.stop_checker import check_stop
+from pagedrl.engine.token_choices import TokenChoices
 from pagedrl.model import batch_invariant
 from pagedrl.model.decoder import CausalLM
 
@@ -73,10 +74,9 @@ class LLMEngine:
         self.runner.lora = self.lora
         self.weight_bytes = model_bytes(model)
         self.sampler = Sampler(torch.Generator(device=model.device).manual_seed(self.config.seed))
-        eos = set(eos_token_ids or []) | set(cfg.eos_token_ids)
-        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos_token_ids = sorted(eos)
+        tokenizer_eos = {getattr(tokenizer, "eos_token_id", None)} - {None}
+        self.eos_token_ids = sorted(set(eos_token_ids or []) | set(cfg.eos_token_ids) | tokenizer_eos)
+        self.token_choices = TokenChoices(cfg.vocab_size, tokenizer, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.generation_tokens = 0
@@ -100,6 +100,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.encode(prompt)
         self.check_fits(len(ids), params)
+        self.token_choices.check(params)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -300,13 +301,13 @@ class LLMEngine:
 
     def sampling_row(self, seq: Sequence, token_bitmask: torch.Tensor | None) -> SamplingRow:
         """What the sampler needs about `seq` this step; kept on the sequence for the steps to come
-        when nothing in it can change (no penalties, no grammar, no min_tokens ban left)."""
+        when nothing in it can change (no penalties, no grammar, no bad words, no min_tokens ban left)."""
         p = seq.params
-        banned = p.min_tokens_banned_ids(seq.num_output_tokens, self.eos_token_ids)
+        banned = self.token_choices.banned(p, seq.num_output_tokens, seq.output_token_ids)
         row = SamplingRow(params=p, generator=seq.generator, prompt_token_ids=seq.prompt_token_ids,
                           output_token_ids=seq.output_token_ids if p.has_penalties else (),
                           banned_token_ids=banned, token_bitmask=token_bitmask)
-        if not p.has_penalties and seq.grammar is None and not banned:
+        if not p.has_penalties and seq.grammar is None and not banned and not p.bad_words:
             seq.sampling_row = row
         return row
 

@@ -1,7 +1,8 @@
 """Turn one step's logits into tokens, and keep the log-prob contract with the trainer.
 
-Processing follows vLLM: penalties (repetition on prompt + output, presence and frequency on
-output) -> banned ids -> structured-output mask -> temperature -> top-k -> top-p -> min-p. The
+Processing follows vLLM: the request's allowed ids and logit bias (`engine/token_choices.py`) ->
+penalties (repetition on prompt + output, presence and frequency on output) -> banned ids (bad words,
+min_tokens) -> structured-output mask -> temperature -> top-k -> top-p -> min-p. The
 last five live in `process_logits` (`engine/logits_processing.py`), which both the sampler and `processed_logprobs` (what a trainer
 calls to recompute the log-prob of given tokens) go through, so the two agree to float rounding.
 
@@ -39,6 +40,7 @@ from torch import Tensor
 from pagedrl.engine.grammar import bitmask_bias
 from pagedrl.engine.logits_processing import NEG_INF, apply_penalties, process_logits, token_counts
 from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.engine.token_choices import choose_tokens
 from pagedrl.kernels import ops
 
 # ----------------------------------------------------------------------------------- sampler
@@ -59,7 +61,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     generator: torch.Generator | None = None  # the request's own, when it has a seed
-    banned_token_ids: Sequence[int] = ()  # e.g. `params.min_tokens_banned_ids(...)`
+    banned_token_ids: Sequence[int] = ()  # `params.min_tokens_banned_ids(...)`, bad words' last tokens
     token_bitmask: Tensor | None = None  # int32 [ceil(V / 32)]: a grammar's allowed tokens (grammar.py)
 
 
@@ -119,7 +121,7 @@ class Sampler:
             logp = raw
         else:
             params = [row.params for row in rows]
-            x = self._constrain(self._ban(self._penalise(logits, rows), rows), rows)
+            x = self._constrain(self._ban(self._penalise(choose_tokens(logits, params), rows), rows), rows)
             x = process_logits(
                 x,
                 torch.tensor([p.temperature for p in params], device=device),
@@ -256,10 +258,11 @@ def first_argmax(x: Tensor) -> Tensor:
 
 
 def _leaves_logits_unchanged(row: SamplingRow, vocab: int) -> bool:
-    """Whether penalties, bans, temperature and truncation all leave this row's logits as they are
-    (no penalty or ban; temperature 0, or 1 with no top-k, top-p or min-p cut)."""
+    """Whether token choices, penalties, bans, temperature and truncation all leave this row's logits
+    as they are (no bias, allowed set, penalty or ban; temperature 0, or 1 with no top-k, top-p or
+    min-p cut)."""
     p = row.params
-    if row.banned_token_ids or row.token_bitmask is not None or p.has_penalties:
+    if row.banned_token_ids or row.token_bitmask is not None or p.has_penalties or p.chooses_tokens:
         return False
     if p.temperature == 0.0:
         return True

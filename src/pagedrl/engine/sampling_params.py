@@ -69,6 +69,13 @@ class SamplingParams:
     (`LLM.generate` asks for FINAL_ONLY, a streaming server for DELTA). `structured_outputs`
     constrains the completion to a JSON schema, regex, choice or grammar (a `StructuredOutputsParams`
     or the dict of its fields); the constraint masks the processed distribution (see sampler.py).
+
+    Three token choices, as vLLM's: `logit_bias` adds a bias to the logits of the token ids it names
+    (keys may be ints or their decimal strings, as JSON carries them; each bias is clamped to
+    [-100, 100], OpenAI's range, as vLLM does), `allowed_token_ids` restricts sampling to the ids it
+    lists, and `bad_words` forbids each word's last token wherever the output already ends with the
+    word's other tokens (with and without a leading space, as vLLM tokenizes them). All three act on
+    the processed distribution before the penalties; raw log-probs stay the model's own.
     """
 
     n: int = 1
@@ -92,6 +99,9 @@ class SamplingParams:
     logprobs_mode: LogprobsMode = "raw_logprobs"
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through the back door, once, here
@@ -150,6 +160,9 @@ class SamplingParams:
                        "must be a StructuredOutputsParams, a dict of its fields, or None")
         set_(self, "stop", _normalise_stop(self.stop))
         set_(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+        set_(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+        set_(self, "allowed_token_ids", _normalise_allowed_token_ids(self.allowed_token_ids))
+        set_(self, "bad_words", _normalise_bad_words(self.bad_words))
 
     @property
     def is_greedy(self) -> bool:
@@ -162,12 +175,19 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
-    def min_tokens_banned_ids(self, num_output_tokens: int, eos_token_ids: Iterable[int] = ()) -> list[int]:
+    @property
+    def chooses_tokens(self) -> bool:
+        """Whether `logit_bias` or `allowed_token_ids` change this request's logits at every step."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
+
+    def min_tokens_banned_ids(self, num_output_tokens: int, eos_token_ids: Iterable[int] = (),
+                              vocab_size: int | None = None) -> list[int]:
         """Token ids the sampler must not draw next, so that no stop token ends the request
-        before `min_tokens` outputs exist (as vLLM: EOS unless `ignore_eos`, plus `stop_token_ids`)."""
+        before `min_tokens` outputs exist (as vLLM: EOS unless `ignore_eos`, plus `stop_token_ids`).
+        A stop id at or above `vocab_size` is never drawn, so it needs no ban (any id may stop)."""
         if num_output_tokens >= self.min_tokens:
             return []
-        banned = list(self.stop_token_ids)
+        banned = [i for i in self.stop_token_ids if vocab_size is None or i < vocab_size]
         if not self.ignore_eos:
             banned.extend(i for i in eos_token_ids if i not in banned)
         return banned
@@ -177,6 +197,9 @@ class SamplingParams:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields["stop"] = list(self.stop)
         fields["stop_token_ids"] = list(self.stop_token_ids)
+        for name in ("logit_bias", "allowed_token_ids", "bad_words"):
+            value = getattr(self, name)
+            fields[name] = None if value is None else type(value)(value)
         fields.update(changes)
         return SamplingParams(**fields)
 
@@ -202,3 +225,54 @@ def _normalise_stop_token_ids(ids: Any) -> list[int]:
     if any(i < 0 for i in ids):
         raise _bad("stop_token_ids", ids, "must hold non-negative token ids")
     return list(ids)
+
+
+# OpenAI's range for a logit bias; vLLM clamps to it too.
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise _bad("logit_bias", bias, "must be a dict of token id to bias, or None")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.strip().lstrip("+").isdigit():
+            token = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            token = key
+        else:
+            raise _bad("logit_bias", bias, f"must have token ids (ints or decimal strings) as keys; {key!r} is not")
+        if token < 0:
+            raise _bad("logit_bias", bias, f"must have non-negative token ids as keys; {key!r} is not")
+        value = _as_float(f"logit_bias[{key!r}]", value)
+        if token in out:
+            raise _bad("logit_bias", bias, f"names token {token} twice")
+        out[token] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, value))
+    return out
+
+
+def _normalise_allowed_token_ids(ids: Any) -> list[int] | None:
+    if ids is None:
+        return None
+    if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise _bad("allowed_token_ids", ids, "must be a list of int or None")
+    if not ids:
+        raise _bad("allowed_token_ids", ids, "must not be empty (None allows every token)")
+    if any(i < 0 for i in ids):
+        raise _bad("allowed_token_ids", ids, "must hold non-negative token ids")
+    return list(dict.fromkeys(ids))
+
+
+def _normalise_bad_words(words: Any) -> list[str] | None:
+    if words is None:
+        return None
+    if isinstance(words, str):
+        words = [words]
+    if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+        raise _bad("bad_words", words, "must be a str, a list of str, or None")
+    if any(not w.strip() for w in words):
+        raise _bad("bad_words", words, "must not contain an empty or blank word")
+    return list(words)

@@ -1,7 +1,6 @@
 """From an OpenAI request body to what the engine takes: prompts (text or token ids) and SamplingParams.
 
-Fields the engine does not implement but that would change the answer (`suffix`, `logit_bias`,
-`best_of`) are refused with a 400 naming them, rather than silently ignored. Tools: `server/tools.py`.
+Fields the engine does not implement but that would change the answer (`suffix`, `best_of`) are refused with a 400 naming them, rather than silently ignored. Tools: `server/tools.py`.
 Unset sampling fields keep SamplingParams' defaults, which are OpenAI's (temperature 1, top_p 1).
 """
 
@@ -40,8 +39,6 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
     """SamplingParams for a request; a bad value is a 400 naming the request field."""
     if not 1 <= req.n <= max_n:
         raise bad_request(f"n must be between 1 and {max_n}, got {req.n}", param="n")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         name = (renames or {}).get("logprobs", "logprobs")
         raise bad_request(f"{name} must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param=name)
@@ -49,7 +46,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
-        structured_outputs=structured_outputs(req)[0])
+        structured_outputs=structured_outputs(req)[0], logit_bias=req.logit_bias,
+        allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
     for name in OPTIONAL_FLOATS:
         if getattr(req, name) is not None:
             kwargs[name] = getattr(req, name)

@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from pagedrl.server.protocol import TOKEN_ID_MARK, ErrorResponse
+from pagedrl.server.protocol import TOKEN_ID_KEY_MARK, TOKEN_ID_MARK, ErrorResponse
 
 REF = "#/components/schemas/{model}"
 ERROR_DESCRIPTIONS = {
@@ -49,15 +49,36 @@ def json_or_events(model: type[BaseModel], description: str) -> dict[int | str, 
     return {200: {"model": model, "description": description, "content": {"text/event-stream": {"schema": event}}}}
 
 
+def decimal_below(limit: int) -> str:
+    """A regular expression for the decimal numbers 0 .. limit - 1, without leading zeros: a JSON
+    object key's schema can bound a token id only as a pattern."""
+    top = str(limit - 1)
+    if len(top) == 1:
+        return f"^[0-{top}]$"
+    # every shorter number, then those of top's length that leave top at some digit, then top itself
+    shorter = "[0-9]" if len(top) == 2 else "0|[1-9][0-9]{0," + str(len(top) - 2) + "}"
+    same = []
+    for i, digit in enumerate(top):
+        low, high = (1 if i == 0 else 0), int(digit) - 1
+        if high >= low:
+            rest = len(top) - i - 1
+            same.append(top[:i] + (f"[{low}-{high}]" if high > low else str(low))
+                        + (f"[0-9]{{{rest}}}" if rest else ""))
+    same.append(top)
+    return "^(" + "|".join([shorter, *same]) + ")$"
+
+
 def bound_token_ids(node: Any, vocab_size: int) -> None:
     """Give every token-id schema (marked in protocol.py) the served vocabulary's bound, so that a
-    schema-valid id is one the model has."""
+    schema-valid id is one the model has (as a number, or as an object's key)."""
     todo = [node]
     while todo:
         item = todo.pop()
         if isinstance(item, dict):
             if item.pop(TOKEN_ID_MARK, False):
                 item["maximum"] = vocab_size - 1
+            if item.pop(TOKEN_ID_KEY_MARK, False):
+                item["pattern"] = decimal_below(vocab_size)
             todo.extend(item.values())
         elif isinstance(item, list):
             todo.extend(item)

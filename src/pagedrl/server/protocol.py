@@ -38,6 +38,7 @@ INTEGRAL = BeforeValidator(_integral)  # on every integer field of a request (af
 
 
 TOKEN_ID_MARK = "x-token-id"
+TOKEN_ID_KEY_MARK = "x-token-id-key"  # a token id written as a JSON object's key (a decimal string)
 
 
 # Ranges a value must be in, declared so that /openapi.json tells clients (and fuzzers) what is valid;
@@ -46,7 +47,11 @@ NonEmptyStr = Annotated[str, Field(min_length=1)]
 # A token id; `/openapi.json` bounds it by the served model's vocabulary (server/openapi.py).
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True}), INTEGRAL]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+DECIMAL = r"^(0|[1-9][0-9]*)$"
+# A token id as an object's key; its schema (`propertyNames`) is bounded by the vocabulary too.
+TokenIdKey = Annotated[str, Field(pattern=DECIMAL, json_schema_extra={TOKEN_ID_KEY_MARK: True, "pattern": DECIMAL})]
 TopLogprobs = Annotated[int, Field(ge=0, le=20), INTEGRAL]
+LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
 JsonSchemaDoc = dict[str, Any]  # a JSON schema
@@ -106,7 +111,10 @@ class SamplingRequest(OpenAIBase):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: SkipJsonSchema[dict[str, float] | None] = None  # not supported: refused, and not in the schema
+    # token id (a decimal string, as JSON keys are) -> bias in OpenAI's range
+    logit_bias: dict[TokenIdKey, LogitBias] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = None  # a word is not blank
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
