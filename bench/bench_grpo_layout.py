@@ -31,7 +31,8 @@ import torch
 
 from pagedrl import LLM, SamplingParams
 from pagedrl.model.attention import DenseAttention
-from pagedrl.train.data import PromptRows, load_examples
+from pagedrl.train.data import load_examples
+from pagedrl.train.examples import PromptRows
 from pagedrl.train.rl.arithmetic import ArithmeticTask
 from pagedrl.train.rl.packing import PackedBatch, Unit, pack, split_units
 from pagedrl.train.rl.rollout import Rollout, sample

@@ -35,8 +35,9 @@ from bench_vllm_cpu import gguf_file  # noqa: E402
 from pagedrl.engine.llm import LLM  # noqa: E402
 from pagedrl.kernels import isa  # noqa: E402
 from pagedrl.model.precision import QUANTIZATIONS  # noqa: E402
-from pagedrl.train.data import PromptRows, load_examples  # noqa: E402
+from pagedrl.train.data import load_examples  # noqa: E402
 from pagedrl.train.evaluate import greedy_scores  # noqa: E402
+from pagedrl.train.examples import PromptRows  # noqa: E402
 from pagedrl.train.perplexity import perplexity_of_file  # noqa: E402
 from pagedrl.train.rl.arithmetic import ArithmeticTask  # noqa: E402
 from pagedrl.train.rl.rewards import last_integer_match  # noqa: E402

@@ -148,8 +148,8 @@ def rollout_statistics(dist: Any, dynamic_sampling: bool, scale_rewards: str) ->
     """`collect_rollout` on synthetic groups whose rewards have a different spread on each rank
     (rank 1's prompts score ten times rank 0's): the advantages in rank order, the prompts kept and
     the rounds run. A local `batch` std would differ between ranks; the gathered one cannot."""
-    from pagedrl.train.data import PromptOnly
     from pagedrl.train.distributed import gather_objects
+    from pagedrl.train.examples import PromptOnly
     from pagedrl.train.rl import rollout as rollout_module
     from pagedrl.train.rl.rollout import Rollout, collect_rollout
 

@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import EpochStream
-from pagedrl.train.data import (
-    DataError,
-    PreferenceRows,
-    PromptCompletionRows,
-    PromptRows,
-    load_examples,
-)
+from pagedrl.train.data import DataError, load_examples, load_train_and_eval
+from pagedrl.train.examples import PreferenceRows, PromptCompletionRows, PromptRows
 from pagedrl.train.tokenization import tokenize_preference, tokenize_prompt, tokenize_prompt_completion
 
 CHAT_PROMPT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is two plus three"}]
@@ -151,6 +147,51 @@ def test_truncation_keeps_the_start_and_is_reported(tok) -> None:
                       convert(tok, max_length=16, truncation="truncate"))
 
 
+STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+                   "{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}"
+                   "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tokenizer_with_template(tiny_train_model: Path, folder: Path, template: str | None) -> Tokenizer:
+    """The tiny tokenizer with another chat template (None: without one)."""
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((tiny_train_model / "tokenizer.json").read_bytes())
+    config = json.loads((tiny_train_model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)  # (the folder may carry it in chat_template.jinja instead; not copied)
+    if template is not None:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return Tokenizer.from_folder(folder)
+
+
+def test_a_row_the_chat_template_refuses_is_named_or_skipped(tiny_train_model, tmp_path) -> None:
+    strict = tokenizer_with_template(tiny_train_model, tmp_path / "strict", STRICT_TEMPLATE)
+    good = json.dumps({"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "assistant",
+                                                                                     "content": "b"}]})
+    bad = json.dumps({"prompt": [{"role": "usr", "content": "a"}], "completion": [{"role": "assistant",
+                                                                                    "content": "b"}]})
+    path = write_jsonl(tmp_path / "data.jsonl", [good, bad, good])
+    with pytest.raises(DataError, match=r"data\.jsonl:2: row: chat_template: Unknown role: usr"):
+        load_examples(path, convert(strict))
+    examples, report = load_examples(path, convert(strict), on_bad_row="skip")
+    assert len(examples) == 2 and report.skipped == {"refused by the chat template": 1}
+    # a tokenizer without a template fails at the first chat row, even when bad rows are skipped
+    bare = tokenizer_with_template(tiny_train_model, tmp_path / "bare", None)
+    with pytest.raises(DataError, match=r"data\.jsonl:1: chat_template: this tokenizer has no chat template"):
+        load_examples(path, convert(bare), on_bad_row="skip")
+
+
+def test_skipped_evaluation_rows_are_reported_with_the_training_rows(tok, tmp_path) -> None:
+    train = write_jsonl(tmp_path / "train.jsonl", ['{"prompt": "a", "completion": "b"}'])
+    held = write_jsonl(tmp_path / "eval.jsonl", ['{"prompt": "a", "completion": "b"}', "{oops"])
+    config = SimpleNamespace(dataset=str(train), eval_dataset=str(held), on_bad_row="skip")
+    examples, report, eval_examples = load_train_and_eval(config, None, None, convert(tok), "rows")
+    assert len(examples) == 1 and len(eval_examples) == 1
+    assert report.skipped == {"eval_dataset: invalid JSON": 1}
+    assert f"(first at {held}:2)" in "\n".join(report.lines())
+
+
 def test_an_empty_dataset_is_an_error(tok, tmp_path) -> None:
     with pytest.raises(DataError, match="no usable rows"):
         load_examples(write_jsonl(tmp_path / "e.jsonl", [""]), convert(tok))
@@ -202,6 +243,10 @@ def test_preference_rows_equal_trl_reward_tokenization(tok, hf_tok) -> None:
     ({"prompt": "a", "chosen": "b"}, r"dataset\[0\]: rejected: missing"),
     ({"prompt": "a", "chosen": "", "rejected": "c"}, r"dataset\[0\]: chosen: empty string"),
     ({"prompt": "a", "chosen": "b", "rejected": "c", "margin": "big"}, r"dataset\[0\]: margin: expected a number"),
+    ({"prompt": "a", "chosen": "b", "rejected": "c", "margin": float("nan")},
+     r"dataset\[0\]: margin: expected a finite number, got nan"),
+    ({"prompt": "a", "chosen": "b", "rejected": "c", "margin": float("-inf")},
+     r"dataset\[0\]: margin: expected a finite number, got -inf"),
     ({"prompt": "a", "chosen": "b", "rejected": "the cat sat on the mat " * 9},
      r"dataset\[0\]: rejected: prompt \+ rejected is \d+ tokens, longer than max_length=16"),
 ])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedrl.train.data import PromptOnly
+from pagedrl.train.examples import PromptOnly
 from pagedrl.train.rl.rollout import Rollout
 
 

@@ -14,8 +14,8 @@ from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.loader import load_model
 from pagedrl.train.adapters import attach_lora
 from pagedrl.train.algorithms.grpo import GRPO, run_grpo
-from pagedrl.train.data import PromptOnly
 from pagedrl.train.distributed import DistInfo
+from pagedrl.train.examples import PromptOnly
 from pagedrl.train.rl.config import GRPOConfig
 from pagedrl.train.rl.online import rollout_kv_tokens
 from pagedrl.train.rl.packing import pack, split_units

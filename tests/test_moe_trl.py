@@ -19,7 +19,7 @@ from tiny_train import MOE, arithmetic_rows, build_model_dir, sft_trainer
 from pagedrl.model.config import ModelConfig
 from pagedrl.train.algorithms.pair_batch import collate_pairs
 from pagedrl.train.config import TrainConfigError
-from pagedrl.train.data import Preference
+from pagedrl.train.examples import Preference
 from pagedrl.train.router_loss import load_balancing_loss, router_loss_coef
 
 COEF = 0.5  # the model config's `router_aux_loss_coef`

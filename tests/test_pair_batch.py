@@ -14,7 +14,7 @@ from tiny import FAMILIES, freq_error, hf_model
 from pagedrl.model.checkpoint import load_causal_lm
 from pagedrl.train.algorithms.dpo import answer_logps
 from pagedrl.train.algorithms.pair_batch import collate_pairs
-from pagedrl.train.data import Preference
+from pagedrl.train.examples import Preference
 
 
 def random_pairs(vocab: int, seed: int) -> list[Preference]:

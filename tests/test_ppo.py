@@ -149,7 +149,7 @@ def test_the_reward_model_reads_where_it_was_trained_to() -> None:
     reward model's pad id (= EOS for SmolLM2): a completion ending in it is read one token earlier,
     as transformers' rule (and `pagedrl rm`) read it; others at their last token."""
     from pagedrl.train.algorithms.ppo_rollout import reward_rows
-    from pagedrl.train.data import PromptOnly
+    from pagedrl.train.examples import PromptOnly
     from pagedrl.train.rl.packing import pack, split_units
     from pagedrl.train.rl.rollout import Rollout
 

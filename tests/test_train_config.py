@@ -124,6 +124,17 @@ def test_range_errors_name_the_key_and_where_it_came_from(tmp_path: Path) -> Non
         TrainConfig(max_steps=0)
 
 
+@pytest.mark.parametrize("cls,override,key", [
+    (SFTConfig, "learning_rate=.inf", "learning_rate"), (DPOConfig, "beta=.inf", "beta"),
+    (SFTConfig, "num_train_epochs=.inf", "num_train_epochs"), (GRPOConfig, "reward_weights=[1, .nan]", "reward_weights"),
+    (SFTConfig, "output_dir=", "output_dir"), (SFTConfig, "model=' '", "model"),
+])
+def test_infinite_and_empty_values_are_refused_by_name(cls, override: str, key: str) -> None:
+    # YAML reads .inf and .nan as floats; an infinite learning rate trained weights into NaN
+    with pytest.raises(TrainConfigError, match=rf"^{key}: (must be finite|is empty).*\(from command line\)"):
+        load_config(cls, None, ["reward_funcs=[accuracy]"] * (cls is GRPOConfig) + [override])
+
+
 def test_file_and_override_syntax_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         load_config(TrainConfig, tmp_path / "missing.yaml")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 from tiny_train import sft_trainer
 
 from pagedrl.model.loader import load_model
-from pagedrl.model.staging import discard_folder
+from pagedrl.model.staging import discard_folder, remove_hidden_leftovers, staged_folder
 from pagedrl.train import checkpointing as ckpt
 from pagedrl.train.cli import resume_command, train_main
 from pagedrl.train.config import SFTConfig, load_config
@@ -219,6 +220,42 @@ def test_rotation_renames_before_deleting(tmp_path, monkeypatch) -> None:
     assert names[1:] == ["checkpoint-2", "checkpoint-3"] and names[0].startswith(".checkpoint-1.deleting-")
     assert ckpt.remove_leftovers(tmp_path) == [f"{names[0]} (unfinished write or delete)"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-3"]
+
+
+def test_a_replace_stopped_between_its_renames_keeps_the_old_folder(tmp_path, monkeypatch) -> None:
+    """Re-saving `final/` moves the old folder aside, then renames the new one in: interrupted in
+    between, the old folder goes back under its name, in the process or at the next start."""
+    target = tmp_path / "final"
+    with staged_folder(target) as folder:
+        (folder / "weights").write_text("old")
+    real, calls = os.replace, []
+
+    def second_rename_interrupted(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr("pagedrl.model.staging.os.replace", second_rename_interrupted)
+    with pytest.raises(KeyboardInterrupt), staged_folder(target) as folder:
+        (folder / "weights").write_text("new")
+    monkeypatch.undo()
+    assert (target / "weights").read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["final"]
+    # killed outright at that moment: the old folder set aside, the new one still staged
+    aside, staged = tmp_path / ".final.old-4242-ab", tmp_path / ".final.partial-4242-cd"
+    aside.mkdir()
+    staged.mkdir()
+    os.replace(target, aside / "previous")
+    assert remove_hidden_leftovers(tmp_path) == [aside, staged]
+    assert (target / "weights").read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["final"]
+
+
+def test_a_damaged_trainer_state_is_named(tmp_path) -> None:
+    folder = ckpt.write_checkpoint(tmp_path / "checkpoint-1", lambda f: f.mkdir(), {"step": 1}, {"step": 1})
+    state = folder / ckpt.TRAINER_STATE_PT
+    state.write_bytes(state.read_bytes()[:100])
+    with pytest.raises(ValueError, match=rf"^resume_from_checkpoint: {re.escape(str(state))} cannot be read"):
+        ckpt.load_trainer_state(folder)
 
 
 def test_discard_folder_of_a_missing_folder_is_a_no_op(tmp_path) -> None:

@@ -17,9 +17,9 @@ from pagedrl.demo.plan import DemoPlan
 from pagedrl.engine.llm import LLM
 from pagedrl.train.algorithms.dpo import DPO
 from pagedrl.train.config import DPOConfig
-from pagedrl.train.data import PromptOnly
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.evaluate import greedy_scores, score_sums
+from pagedrl.train.examples import PromptOnly
 from pagedrl.train.rl.prompts import PromptSource
 from pagedrl.train.rl.rewards import BUILTINS
 

@@ -26,6 +26,11 @@ class ChatTemplateError(ValueError):
     """A template that cannot be chosen, compiled or rendered; the message says which and why."""
 
 
+class UnusableTemplate(ChatTemplateError):
+    """The tokenizer's templates themselves are at fault (none, none chosen, not compilable), not the
+    messages given: no conversation would render."""
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -98,7 +103,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"chat_template: syntax error at line {e.lineno}: {e.message}") from None
+        raise UnusableTemplate(f"chat_template: syntax error at line {e.lineno}: {e.message}") from None
 
 
 def select_chat_template(templates: ChatTemplates | None, name: str | None = None,
@@ -108,7 +113,7 @@ def select_chat_template(templates: ChatTemplates | None, name: str | None = Non
     if templates is None and name is not None:
         return name
     if templates is None:
-        raise ChatTemplateError("chat_template: this tokenizer has no chat template (tokenizer_config.json "
+        raise UnusableTemplate("chat_template: this tokenizer has no chat template (tokenizer_config.json "
                                 "'chat_template' or chat_template.jinja)")
     if isinstance(templates, str):
         return templates if name is None else name
@@ -118,7 +123,7 @@ def select_chat_template(templates: ChatTemplates | None, name: str | None = Non
         return templates["tool_use"]
     if "default" in templates:
         return templates["default"]
-    raise ChatTemplateError(f"chat_template: several templates ({', '.join(sorted(templates))}) and none is "
+    raise UnusableTemplate(f"chat_template: several templates ({', '.join(sorted(templates))}) and none is "
                             "named 'default'; pass the name of one")
 
 

@@ -6,7 +6,8 @@ real thing. So every such folder is written into `.<name>.partial-<pid>-<random>
 target and published with one `rename`, which POSIX makes atomic within a filesystem. Replacing
 an existing folder moves the old one aside to `.<name>.old-…` first; deleting one renames it to
 `.<name>.deleting-…` before removing its files, so a crash mid-delete leaves a hidden leftover, not
-a half-emptied folder under its real name. `remove_hidden_leftovers` sweeps all three kinds.
+a half-emptied folder under its real name. `remove_hidden_leftovers` sweeps all three kinds, and
+puts a moved-aside folder back where a crash came before its replacement was renamed in.
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ def publish_folder(staging: Path, target: Path, replace: bool = True) -> None:
             raise FileExistsError(f"{target}: already exists (written concurrently)")
         aside = _hidden_sibling(target, "old")
         os.replace(target, aside / "previous")
-        os.replace(staging, target)
+        try:
+            os.replace(staging, target)
+        except BaseException:
+            os.replace(aside / "previous", target)  # the old folder back under its name
+            shutil.rmtree(aside, ignore_errors=True)
+            raise
         shutil.rmtree(aside, ignore_errors=True)
         return
     try:
@@ -90,7 +96,13 @@ def remove_hidden_leftovers(parent: str | Path) -> list[Path]:
         return []
     removed = []
     for child in sorted(parent.iterdir()):
-        if LEFTOVER.match(child.name) and child.is_dir() and not child.is_symlink():
+        match = LEFTOVER.match(child.name)
+        if match and child.is_dir() and not child.is_symlink():
+            target, previous = parent / match["name"], child / "previous"
+            if match["kind"] == "old" and previous.is_dir() and not target.exists():
+                # died between moving the old folder aside and renaming its replacement in:
+                # the old one, complete, goes back under its name
+                os.replace(previous, target)
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
     return removed

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -239,7 +240,11 @@ def load_trainer_state(folder: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"resume_from_checkpoint: {path} is missing")
     # Our own file, holding numpy RNG state and Python objects: not loadable with weights_only.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"resume_from_checkpoint: {path} cannot be read (truncated or damaged?): {first}") from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -139,6 +139,13 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Range checks a type hint cannot express; raises TrainConfigError naming the field."""
+        for f in dataclasses.fields(self):  # YAML reads .inf and .nan as floats: no field has a use for them
+            value = getattr(self, f.name)
+            items = value if isinstance(value, (list, tuple)) else [value]
+            _require(not any(isinstance(v, float) and not math.isfinite(v) for v in items), f.name,
+                     f"must be finite, got {value}")
+        for key in ("model", "output_dir"):
+            _require(bool(str(getattr(self, key)).strip()), key, "is empty")
         _require(self.learning_rate >= 0, "learning_rate", f"must be >= 0, got {self.learning_rate}")
         for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "save_steps"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")

@@ -13,7 +13,8 @@ from typing import Any
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.precision import ACTIVATIONS, DTYPE_CHOICES, DTYPE_HELP, QUANTIZATIONS
-from pagedrl.train.data import PromptOnly, PromptRows, load_examples
+from pagedrl.train.data import load_examples
+from pagedrl.train.examples import PromptOnly, PromptRows
 from pagedrl.train.perplexity import perplexity_of_file
 from pagedrl.train.rl.arithmetic import ArithmeticTask
 from pagedrl.train.rl.rewards import RewardFunc, last_integer_match, score

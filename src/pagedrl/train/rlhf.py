@@ -78,7 +78,8 @@ def make_pairs(out: Path, pairs: dict[str, Any], ppo: PPOConfig, llm: Any = None
     import itertools
 
     from pagedrl import LLM
-    from pagedrl.train.data import PromptRows, load_examples
+    from pagedrl.train.data import load_examples
+    from pagedrl.train.examples import PromptRows
     from pagedrl.train.rl.arithmetic import ArithmeticTask
     from pagedrl.train.rl.pairs import verifier_pairs, write_jsonl
     from pagedrl.train.rl.rewards import last_integer_match

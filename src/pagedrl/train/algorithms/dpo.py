@@ -48,8 +48,9 @@ from pagedrl.train.adapters import reference_forward, uses_lora
 from pagedrl.train.algorithm import OfflineAlgorithm
 from pagedrl.train.algorithms.pair_batch import PairBatch, collate_pairs
 from pagedrl.train.config import DPOConfig
-from pagedrl.train.data import Preference, PreferenceRows, load_train_and_eval
+from pagedrl.train.data import load_train_and_eval
 from pagedrl.train.distributed import DistInfo, all_reduce_sum
+from pagedrl.train.examples import Preference, PreferenceRows
 from pagedrl.train.logprobs import target_logprobs
 from pagedrl.train.losses import dpo_loss
 from pagedrl.train.metrics import Metric

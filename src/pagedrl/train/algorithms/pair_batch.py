@@ -31,7 +31,7 @@ import torch
 
 from pagedrl.model.attention import DenseAttention
 from pagedrl.model.heads import score_index
-from pagedrl.train.data import Preference
+from pagedrl.train.examples import Preference
 
 PROMPT, CHOSEN, REJECTED, PADDING = 0, 1, 2, 3
 # Segment → the segment it sees as its prefix: both answers see the prompt; padding sees itself only.

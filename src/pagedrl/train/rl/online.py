@@ -16,9 +16,9 @@ from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.row_attention import attention_available
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import Algorithm
-from pagedrl.train.data import PromptOnly
 from pagedrl.train.distributed import DistInfo, all_reduce_sum, gather_objects
 from pagedrl.train.evaluate import greedy_scores, score_sums
+from pagedrl.train.examples import PromptOnly
 from pagedrl.train.rl.config import OnlineConfig
 from pagedrl.train.rl.prompts import PromptSource
 from pagedrl.train.rl.rewards import RewardFunc, last_integer_match, load_reward_function

@@ -17,7 +17,7 @@ from typing import Any
 
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.train.data import PromptOnly
+from pagedrl.train.examples import PromptOnly
 from pagedrl.train.rl.rewards import RewardFunc
 from pagedrl.train.rl.rollout import sample, score_rollout
 

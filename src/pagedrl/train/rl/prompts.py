@@ -11,8 +11,9 @@ from typing import Any
 
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import EpochStream
-from pagedrl.train.data import DataReport, PromptOnly, PromptRows, Row, load_examples
+from pagedrl.train.data import DataReport, Row, load_examples
 from pagedrl.train.distributed import DistInfo
+from pagedrl.train.examples import PromptOnly, PromptRows
 from pagedrl.train.rl.arithmetic import ArithmeticTask
 
 

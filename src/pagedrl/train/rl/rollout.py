@@ -26,8 +26,8 @@ import torch
 
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.train.data import PromptOnly
 from pagedrl.train.distributed import DistInfo, gather_objects
+from pagedrl.train.examples import PromptOnly
 from pagedrl.train.rl.advantages import combine_rewards, group_advantages, zero_std_groups
 from pagedrl.train.rl.rewards import RewardFunc, score
 from pagedrl.train.tokenization import is_conversational

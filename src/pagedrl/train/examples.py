@@ -1,0 +1,224 @@
+"""Rows of a dataset turned into training examples, one converter per TRL format: the fields checked
+(a plain string or a list of chat messages), tokenized as TRL 1.16 does (`train/tokenization.py`), and
+cut to `max_length` as the config's `truncation` says. Reading and loading rows: `train/data.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.train.data import BadRow, DataReport, Row, Truncation, kind_of
+from pagedrl.train.tokenization import (
+    Text,
+    is_conversational,
+    tokenize_preference,
+    tokenize_prompt,
+    tokenize_prompt_completion,
+    with_eos,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Fields
+# ---------------------------------------------------------------------------------------------
+
+
+def text_field(row: Row, key: str, allow_empty: bool = False) -> Text:
+    """A plain string or a list of chat messages, checked."""
+    if key not in row.values:
+        raise BadRow(key, f"missing (row has {', '.join(map(repr, row.values)) or 'no keys'})", f"missing {key!r}")
+    value = row.values[key]
+    if isinstance(value, str):
+        if not value and not allow_empty:
+            raise BadRow(key, "empty string", f"empty {key!r}")
+        return value
+    if isinstance(value, list):
+        for i, m in enumerate(value):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
+                raise BadRow(key, f"message {i} is not a {{'role': str, 'content': ...}} object",
+                             f"malformed {key!r} messages")
+        if not value and not allow_empty:
+            raise BadRow(key, "empty list of messages", f"empty {key!r}")
+        return value
+    raise BadRow(key, f"expected a string or a list of chat messages, got {kind_of(value)}", f"wrong type of {key!r}")
+
+
+def samekind_of(row: Row, values: Mapping[str, Text]) -> bool:
+    """Whether the fields are all plain or all chat (TRL decides per row from the prompt)."""
+    kinds = {k: is_conversational(v) for k, v in values.items()}
+    if len(set(kinds.values())) > 1:
+        chat = [k for k, c in kinds.items() if c]
+        plain = [k for k, c in kinds.items() if not c]
+        raise BadRow(plain[0], f"is a plain string while {', '.join(chat)} is a list of chat messages",
+                     "plain and chat fields mixed")
+    return next(iter(kinds.values()))
+
+
+def extra_columns(row: Row, used: Sequence[str]) -> dict[str, Any]:
+    return {k: v for k, v in row.values.items() if k not in used}
+
+
+def fit_length(prompt_ids: list[int], completion_ids: list[int], max_length: int | None, truncation: Truncation,
+               field_name: str) -> tuple[list[int], list[int]] | None:
+    """Apply `max_length` to one prompt + completion: keep the start (TRL's keep_start), skip the
+    row (None: the caller counts it) or refuse it (BadRow), as `truncation` says."""
+    total = len(prompt_ids) + len(completion_ids)
+    if max_length is None or total <= max_length:
+        return prompt_ids, completion_ids
+    if truncation == "error":
+        raise BadRow(field_name, f"prompt + {field_name} is {total} tokens, longer than max_length={max_length} "
+                     "(set truncation to 'truncate' or 'skip', or raise max_length)", "longer than max_length")
+    if truncation == "skip":
+        return None
+    if len(prompt_ids) >= max_length:
+        raise BadRow("prompt", f"the prompt alone is {len(prompt_ids)} tokens, so truncating to max_length="
+                     f"{max_length} leaves no {field_name} token to learn from", "prompt fills max_length")
+    return prompt_ids, completion_ids[: max_length - len(prompt_ids)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Examples: one converter per format
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PromptCompletion:
+    """One SFT example: loss on `completion_ids` (or on every token when `loss_on_prompt`)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    where: str
+    columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for reward functions
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+
+class PromptCompletionRows:
+    """Row converter for SFT: prompt-completion rows, or language-modeling rows (`text_field` or
+    `messages`) as a completion with an empty prompt."""
+
+    def __init__(self, tokenizer: Tokenizer, max_length: int | None, truncation: Truncation = "truncate",
+                 text_field_name: str = "text") -> None:
+        _check_truncation(truncation)
+        self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
+        self.text_field = text_field_name
+
+    def __call__(self, row: Row, report: DataReport) -> PromptCompletion | None:
+        if "prompt" in row.values or "completion" in row.values:
+            prompt = text_field(row, "prompt", allow_empty=True)
+            completion = text_field(row, "completion")
+            samekind_of(row, {"prompt": prompt, "completion": completion})
+            used = ("prompt", "completion")
+            prompt_ids, completion_ids = tokenize_prompt_completion(self.tokenizer, prompt, completion)
+        elif self.text_field in row.values or "messages" in row.values:
+            key = self.text_field if self.text_field in row.values else "messages"
+            text = text_field(row, key)
+            used = (key,)
+            if is_conversational(text):
+                prompt_ids, completion_ids = [], list(self.tokenizer.apply_chat_template(text, tokenize=True))
+            else:
+                prompt_ids, completion_ids = [], self.tokenizer.encode(with_eos(text, self.tokenizer))
+        else:
+            raise BadRow("prompt", f"missing: expected 'prompt' and 'completion' (or {self.text_field!r} or "
+                         f"'messages'), row has {', '.join(map(repr, row.values)) or 'no keys'}", "missing 'prompt'")
+        if not completion_ids:
+            raise BadRow(used[-1], "tokenizes to nothing after the prompt", f"empty {used[-1]!r}")
+        fitted = fit_length(prompt_ids, completion_ids, self.max_length, self.truncation, used[-1])
+        if fitted is None:
+            report.skip(f"longer than max_length={self.max_length}", row.where)
+            return None
+        if len(fitted[1]) < len(completion_ids):
+            report.truncated += 1
+        return PromptCompletion(fitted[0], fitted[1], row.where, extra_columns(row, used))
+
+
+@dataclass
+class Preference:
+    """One DPO / reward-model pair: a shared prompt, two answers, an optional margin."""
+
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+    where: str
+    margin: float | None = None
+    columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for reward functions
+
+
+class PreferenceRows:
+    """Row converter for `{"prompt", "chosen", "rejected"}` (+ optional numeric `margin`).
+    `prompt_ids + chosen_ids` is the whole conversation tokenized at once, which is what TRL's
+    reward trainer scores; the prompt is cut where both answers leave it, as TRL's DPO does.
+    `max_length` applies to each of prompt + chosen and prompt + rejected."""
+
+    def __init__(self, tokenizer: Tokenizer, max_length: int | None, truncation: Truncation = "truncate") -> None:
+        _check_truncation(truncation)
+        self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
+
+    def __call__(self, row: Row, report: DataReport) -> Preference | None:
+        values = {k: text_field(row, k, allow_empty=k == "prompt") for k in ("prompt", "chosen", "rejected")}
+        samekind_of(row, values)
+        margin = row.values.get("margin")
+        if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))):
+            raise BadRow("margin", f"expected a number, got {kind_of(margin)}", "wrong type of 'margin'")
+        if margin is not None and not math.isfinite(margin):  # Python's JSON reads NaN and Infinity
+            raise BadRow("margin", f"expected a finite number, got {margin}", "non-finite 'margin'")
+        prompt_ids, chosen_ids, rejected_ids = tokenize_preference(self.tokenizer, *values.values())
+        for key, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
+            if not ids:
+                raise BadRow(key, "tokenizes to nothing after the prompt", f"empty {key!r}")
+        chosen = fit_length(prompt_ids, chosen_ids, self.max_length, self.truncation, "chosen")
+        rejected = fit_length(prompt_ids, rejected_ids, self.max_length, self.truncation, "rejected")
+        if chosen is None or rejected is None:
+            report.skip(f"longer than max_length={self.max_length}", row.where)
+            return None
+        if len(chosen[1]) < len(chosen_ids) or len(rejected[1]) < len(rejected_ids):
+            report.truncated += 1
+        return Preference(prompt_ids, chosen[1], rejected[1], row.where,
+                          None if margin is None else float(margin),
+                          extra_columns(row, ("prompt", "chosen", "rejected", "margin")))
+
+
+@dataclass
+class PromptOnly:
+    """One GRPO / PPO prompt: its ids, the prompt as given (for reward functions), other columns."""
+
+    prompt_ids: list[int]
+    prompt: Text
+    where: str
+    columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for reward functions
+
+
+class PromptRows:
+    """Row converter for `{"prompt"}`. A prompt longer than `max_length` is refused ("error"),
+    skipped, or cut to its last `max_length` tokens ("truncate": the end of a prompt is what
+    the answer follows)."""
+
+    def __init__(self, tokenizer: Tokenizer, max_length: int | None, truncation: Truncation = "error",
+                 limit_name: str = "max_length") -> None:
+        _check_truncation(truncation)
+        self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
+        self.limit_name = limit_name  # the config field the limit came from, for messages
+
+    def __call__(self, row: Row, report: DataReport) -> PromptOnly | None:
+        prompt = text_field(row, "prompt")
+        ids = tokenize_prompt(self.tokenizer, prompt)
+        if self.max_length is not None and len(ids) > self.max_length:
+            if self.truncation == "error":
+                raise BadRow("prompt", f"{len(ids)} tokens, longer than {self.limit_name}={self.max_length}",
+                             f"longer than {self.limit_name}")
+            if self.truncation == "skip":
+                report.skip(f"longer than {self.limit_name}={self.max_length}", row.where)
+                return None
+            ids = ids[-self.max_length:]
+            report.truncated += 1
+        return PromptOnly(ids, prompt, row.where, extra_columns(row, ("prompt",)))
+
+
+def _check_truncation(truncation: str) -> None:
+    if truncation not in ("truncate", "skip", "error"):
+        raise ValueError(f"truncation: expected 'truncate', 'skip' or 'error', got {truncation!r}")
