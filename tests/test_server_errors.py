@@ -98,6 +98,17 @@ def test_bad_token_choices_are_400_naming_the_field(http, still_serving):
         assert param.split(".")[0] in err["message"], err
 
 
+def test_a_union_field_is_named_where_the_client_went_wrong(http, still_serving):
+    # `prompt` is text, texts, token ids or lists of them: the error is the branch the value took
+    for prompt, param, words in (([-1], "prompt.0", "greater than or equal to 0"), ([1, "a"], "prompt.1", "integer"),
+                                 ([], "prompt", "at least 1")):
+        err = error_of(http.post("/v1/completions", json={"model": "tiny", "prompt": prompt}), 400)
+        assert err["param"] == param and words in err["message"], (prompt, err)
+    err = error_of(http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT,
+                                                      "stream_options": {"include_usage": True}}), 400)
+    assert err["param"] == "stream_options"
+
+
 def test_bad_chat_messages_are_400(http, still_serving):
     for messages, param in (("hello", "messages"), ([], "messages"), ([{"content": "no role"}], "messages.0.role"),
                             ([{"role": "user", "content": [{"type": "image_url"}]}], "messages.0.content.0")):
@@ -241,6 +252,10 @@ def test_the_served_schema_and_the_validation_agree(http, still_serving):
         ("/v1/completions", "CompletionRequest", {"model": "tiny", "prompt": PROMPT, "logit_bias": {"07": 1}}, False),
         ("/v1/completions", "CompletionRequest", {"model": "tiny", "prompt": PROMPT, "logit_bias": {"7": 100.5}},
          False),
+        # continuing the final message needs add_generation_prompt false (true by default), as in vLLM
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "continue_final_message": True}, False),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "continue_final_message": True,
+                                                           "add_generation_prompt": False, "max_tokens": 1}, True),
         ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "allowed_token_ids": [vocab]}, False),
         ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "allowed_token_ids": [vocab - 1],
                                                            "max_tokens": 1}, True),
@@ -251,6 +266,9 @@ def test_the_served_schema_and_the_validation_agree(http, still_serving):
         ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "tools": [], "max_tokens": 2}, True),
         ("/tokenize", "TokenizeRequest", {"prompt": "hi", "tools": tools}, False),
         ("/tokenize", "TokenizeRequest", {"messages": chat, "tools": tools}, True),
+        ("/tokenize", "TokenizeRequest", {"messages": chat, "continue_final_message": True}, False),
+        ("/tokenize", "TokenizeRequest", {"messages": chat, "continue_final_message": True,
+                                          "add_generation_prompt": False}, True),
     ]
     for route, model, body, accepted in cases:
         assert valid(model, body) == accepted, (model, body)

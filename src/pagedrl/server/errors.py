@@ -70,9 +70,22 @@ def from_value_error(e: ValueError, renames: dict[str, str] | None = None) -> Ap
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
+def _most_telling(errors: list) -> dict:
+    """Of the problems with the first field that failed, the one that tells most. A union's field
+    (`prompt`: text, texts, token ids, lists of token ids) fails once per branch, and the first branch
+    is usually not the shape the client meant: prefer a value out of range over a wrong type (the
+    branch whose shape matched), then the branch that got deepest and furthest into a list."""
+    field = errors[0]["loc"][:1]
+
+    def reach(err: dict) -> tuple:
+        return (not err["type"].endswith("_type"), len(err["loc"]), [x for x in err["loc"] if isinstance(x, int)])
+
+    return max((err for err in errors if err["loc"][:1] == field), key=reach)
+
+
 def from_validation_error(e: ValidationError) -> ApiError:
-    """The first problem pydantic found, with its location as `param` (e.g. `messages.0.content`)."""
-    first = e.errors()[0]
+    """The first field pydantic found wrong, with its location as `param` (e.g. `messages.0.content`)."""
+    first = _most_telling(e.errors())
     loc = [str(x) for x in first["loc"]
            if not (isinstance(x, str) and ("[" in x or x in _UNION_TAGS or x.startswith("constrained-")))]
     param = ".".join(loc) or None

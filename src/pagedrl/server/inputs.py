@@ -13,6 +13,7 @@ from pagedrl.model.chat_template import select_chat_template
 from pagedrl.server.errors import bad_request, from_value_error
 from pagedrl.server.protocol import (
     COMPLETION_MAX_TOKENS,
+    CONTINUE_NEEDS_NO_GENERATION_PROMPT,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -31,6 +32,10 @@ from pagedrl.server.tools import (
 MAX_LOGPROBS = 20
 # OpenAI's limit on `n`; a server flag, since every sample is a sequence the engine runs.
 DEFAULT_MAX_N = 128
+# vLLM's and OpenAI's fields that would change the answer and that this server does not implement:
+# refused by name (as suffix and best_of are) rather than silently ignored.
+UNSUPPORTED_EXTRAS = ("prompt_logprobs", "truncate_prompt_tokens", "use_beam_search", "chat_template", "functions",
+                      "function_call")
 OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -39,6 +44,11 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
     """SamplingParams for a request; a bad value is a 400 naming the request field."""
     if not 1 <= req.n <= max_n:
         raise bad_request(f"n must be between 1 and {max_n}, got {req.n}", param="n")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    for name in UNSUPPORTED_EXTRAS:
+        if getattr(req, name, None) not in (None, False):
+            raise bad_request(f"{name} is not supported", param=name)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         name = (renames or {}).get("logprobs", "logprobs")
         raise bad_request(f"{name} must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param=name)
@@ -128,6 +138,8 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Any, max_n: int = DEFAULT
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    if req.echo not in (None, False):
+        raise bad_request("echo is not supported on chat completions (it is on /v1/completions)", param="echo")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, logprobs, renames={"logprobs": "top_logprobs"}, max_n=max_n)
     constraint = tool_constraint(plan, req.parallel_tool_calls)
@@ -137,12 +149,19 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Any, max_n: int = DEFAULT
                               "with response_format or structured outputs", param="tool_choice")
         params = params.clone(structured_outputs=constraint)
     tools = plan.tool_dicts() if plan is not None else None
-    return chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt, tools), params
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request(CONTINUE_NEEDS_NO_GENERATION_PROMPT, param="continue_final_message")
+    return chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt, tools,
+                           continue_final_message=req.continue_final_message,
+                           template_kwargs=req.chat_template_kwargs), params
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """The prompt's token ids; a template that knows nothing of tools gets them in Hermes' format."""
+                    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The prompt's token ids; a template that knows nothing of tools gets them in Hermes' format.
+    `continue_final_message` (vLLM's, transformers' rule) ends the prompt right after the final
+    message's text, so the model continues it; `template_kwargs` are vLLM's `chat_template_kwargs`."""
     if tokenizer is None or tokenizer.chat_template is None:
         raise bad_request("this model has no chat template; use /v1/completions", param="messages")
     if not messages:
@@ -152,9 +171,22 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_
     if uses_tools and not template_handles_tools(select_chat_template(tokenizer.chat_template, None, tools)):
         dicts, tools = with_hermes_tools(dicts, tools or []), None
     try:
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=tools)
+        extra = {k: v for k, v in (template_kwargs or {}).items()
+                 if k not in ("messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
+                              "special_tokens")}
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
     except ValueError as e:
         raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
+    if continue_final_message:
+        final = dicts[-1]["content"]
+        cut = text.rfind(final) if final else -1
+        if cut < 0 and final.strip():
+            final = final.strip()  # templates that trim messages (Llama 3.1's), as transformers allows for
+            cut = text.rfind(final)
+        if cut < 0 or not final:
+            raise bad_request("continue_final_message: the final message's text is empty or not in the rendered "
+                              "prompt", param="continue_final_message")
+        text = text[:cut + len(final)]
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -126,6 +126,10 @@ class SamplingRequest(OpenAIBase):
     guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     guided_grammar: NonEmptyStr | None = None
     guided_whitespace_pattern: SkipJsonSchema[str | None] = None  # refused rather than ignored; not in the schema
+    # vLLM's extras not implemented: declared only to be refused (inputs.UNSUPPORTED_EXTRAS), not in the schema
+    prompt_logprobs: SkipJsonSchema[Any] = None
+    truncate_prompt_tokens: SkipJsonSchema[Any] = None
+    use_beam_search: SkipJsonSchema[Any] = None
 
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default on /v1/completions
@@ -209,11 +213,19 @@ class NamedToolChoice(OpenAIBase):
     function: NamedFunction
 
 
+# Continuing the final message needs add_generation_prompt false, whose default is true (vLLM's rule).
+CONTINUE_RULE = {"anyOf": [
+    {"not": {"required": ["continue_final_message"], "properties": {"continue_final_message": {"const": True}}}},
+    {"required": ["add_generation_prompt"], "properties": {"add_generation_prompt": {"const": False}}}]}
+CONTINUE_NEEDS_NO_GENERATION_PROMPT = ("continue_final_message and add_generation_prompt cannot both be true "
+                                       "(send add_generation_prompt: false to continue the final message)")
+
+
 class ChatCompletionRequest(SamplingRequest):
-    # a tool_choice other than "none" needs tools to choose from
-    model_config = ConfigDict(json_schema_extra={"anyOf": [
+    # a tool_choice other than "none" needs tools to choose from; CONTINUE_RULE
+    model_config = ConfigDict(json_schema_extra={"allOf": [{"anyOf": [
         {"not": {"required": ["tool_choice"]}}, {"properties": {"tool_choice": {"enum": ["none", None]}}},
-        {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}]})
+        {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}]}, CONTINUE_RULE]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None  # deprecated by OpenAI for max_completion_tokens
     max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
@@ -223,6 +235,13 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    continue_final_message: bool = False  # vLLM's: the prompt ends inside the final (assistant) message
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
+    # not implemented: declared only to be refused (inputs.UNSUPPORTED_EXTRAS), not in the schema
+    chat_template: SkipJsonSchema[Any] = None
+    functions: SkipJsonSchema[Any] = None  # OpenAI's deprecated function calling (use tools)
+    function_call: SkipJsonSchema[Any] = None
+    echo: SkipJsonSchema[Any] = None  # vLLM's echo of the last message on chat
 
 
 # ---------------------------------------------------------------------------- responses

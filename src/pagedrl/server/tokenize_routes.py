@@ -18,7 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from pagedrl.server.errors import ApiError, bad_request, read_json
 from pagedrl.server.inputs import chat_prompt_ids, tokenizer_config
 from pagedrl.server.openapi import errors, request_body
-from pagedrl.server.protocol import ChatMessage, ChatTool, OpenAIBase, TokenId
+from pagedrl.server.protocol import (
+    CONTINUE_NEEDS_NO_GENERATION_PROMPT,
+    CONTINUE_RULE,
+    ChatMessage,
+    ChatTool,
+    OpenAIBase,
+    TokenId,
+)
 from pagedrl.server.served_models import ServedModels
 from pagedrl.server.tools import ToolPlan
 
@@ -28,7 +35,8 @@ class TokenizeRequest(OpenAIBase):
 
     model_config = ConfigDict(json_schema_extra={"allOf": [
         {"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]},
-        {"anyOf": [{"required": ["messages"]}, {"properties": {"tools": {"not": {"type": "array", "minItems": 1}}}}]}]})
+        {"anyOf": [{"required": ["messages"]}, {"properties": {"tools": {"not": {"type": "array", "minItems": 1}}}}]},
+        CONTINUE_RULE]})
     model: str | None = None
     # left out, not null: a default that is not validated, so an explicit null is refused as the schema says
     prompt: str = Field(None, validate_default=False)
@@ -36,6 +44,8 @@ class TokenizeRequest(OpenAIBase):
     tools: list[ChatTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # as on the chat route, so that its prompt counts the same
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIBase):
@@ -76,7 +86,10 @@ def prompt_ids(tokenizer: Any, req: TokenizeRequest) -> list[int]:
         return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     # whatever a chat request's tool_choice, its tools are rendered the same: as "none" renders them
     tools = ToolPlan("none", list(req.tools)).tool_dicts() if req.tools else None
-    return chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt, tools)
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request(CONTINUE_NEEDS_NO_GENERATION_PROMPT, param="continue_final_message")
+    return chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt, tools,
+                           continue_final_message=req.continue_final_message, template_kwargs=req.chat_template_kwargs)
 
 
 def tokenize_router(tokenizer: Any, served: ServedModels, max_model_len: int, vocab_size: int,
