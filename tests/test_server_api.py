@@ -219,6 +219,15 @@ def test_chat_logprobs_are_ranked_top_lists(client, model_name):
         assert item.bytes == list(item.token.encode())
 
 
+def test_sampled_chat_logprobs_keep_top_logprobs_alternatives(client, model_name):
+    # a sampled token outside the top 2 is reported on its own, not as a third alternative
+    r = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=12, temperature=1.5, seed=5,
+                                       logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert all(len(item.top_logprobs) == 2 for item in content)
+    assert any(item.logprob < item.top_logprobs[1].logprob for item in content)  # some token drawn outside them
+
+
 def _stop_across_tokens(text: str, tokens: list[str], offsets: list[int]) -> tuple[str, int]:
     """A 2-character stop string made of the end of one token and the start of the next, and the
     offset where it first occurs in the text: it can only be found after both tokens arrived.

@@ -202,7 +202,7 @@ class LLMEngine:
                     sample_seqs.append(child)
             else:
                 every_row_once = False
-                record_prompt_logprob(seq, pos, result.logits[r])
+                record_prompt_logprob(seq, pos, result.logits[r], self.decode_one)
         if sample_seqs:
             logits = result.logits
             if not every_row_once:
@@ -288,7 +288,7 @@ class LLMEngine:
             if seq.params.logprobs is not None:
                 processed_mode = seq.params.logprobs_mode == "processed_logprobs"
                 entry = logprob_entry(token, processed[i] if processed_mode else raw[i], out.top_logprobs[i],
-                                      self.decode_one)
+                                      self.decode_one, out.sampled_ranks[i] if out.sampled_ranks else None)
             seq.append(token, processed[i], raw[i], entry)
             if seq.grammar is not None:
                 seq.grammar.accept(token)

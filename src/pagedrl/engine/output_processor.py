@@ -29,15 +29,16 @@ _FINAL_ONLY, _DELTA = RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA
 
 
 def logprob_entry(token: int, chosen: float, top: dict[int, float] | None,
-                  name: TokenName) -> dict[int, Logprob]:
-    """The sampled token's log-prob and its ranked alternatives, each with its name (built once per token)."""
-    entry = {token: Logprob(chosen, decoded_token=name(token))}
+                  name: TokenName, rank: int | None = None) -> dict[int, Logprob]:
+    """The sampled token's log-prob (and its `rank` in that distribution) and its ranked alternatives,
+    each with its name (built once per token)."""
+    entry = {token: Logprob(chosen, rank=rank, decoded_token=name(token))}
     if top:
-        for rank, (t, v) in enumerate(top.items(), start=1):
+        for r, (t, v) in enumerate(top.items(), start=1):
             if t == token:
-                entry[token].rank = rank
+                entry[token].rank = r if rank is None else rank
             else:
-                entry[t] = Logprob(v, rank=rank, decoded_token=name(t))
+                entry[t] = Logprob(v, rank=r, decoded_token=name(t))
     return entry
 
 
@@ -49,18 +50,22 @@ def logits_error(seq: Sequence) -> str:
             "no token can be sampled from them")
 
 
-def record_prompt_logprob(seq: Sequence, pos: int, logits: torch.Tensor) -> None:
-    """The entry of prompt token `pos + 1` from the logits of row `pos`: its log-prob, and the
-    `prompt_logprobs` best alternatives when asked for."""
+def record_prompt_logprob(seq: Sequence, pos: int, logits: torch.Tensor, name: TokenName) -> None:
+    """The entry of prompt token `pos + 1` from the logits of row `pos`: its log-prob and rank (1 +
+    the tokens strictly more likely), and the `prompt_logprobs` best alternatives when asked for, each
+    with its name, as vLLM's."""
     if seq.prompt_logprobs is None:
         seq.prompt_logprobs = [None] * seq.num_prompt_tokens
     logp = torch.log_softmax(logits.float(), dim=-1)
     target = seq.prompt_token_ids[pos + 1]
+    value = logp[target]
+    entry = {target: Logprob(float(value), rank=int((logp > value).sum()) + 1, decoded_token=name(target))}
     k = seq.params.prompt_logprobs or 0
-    entry = {target: float(logp[target])}
     if k:
         vals, idx = logp.topk(k)
-        entry.update(zip(idx.tolist(), vals.tolist(), strict=True))
+        for rank, (t, v) in enumerate(zip(idx.tolist(), vals.tolist(), strict=True), start=1):
+            if t != target:
+                entry[t] = Logprob(v, rank=rank, decoded_token=name(t))
     seq.prompt_logprobs[pos + 1] = entry
 
 
@@ -117,7 +122,7 @@ def make_output(req: Request) -> RequestOutput | None:
     first = seqs[0]
     prompt_lp = None
     if params.prompt_logprobs is not None and first.prompt_logprobs is not None and not req.prompt_logprobs_sent:
-        prompt_lp = [None if e is None else {t: Logprob(v) for t, v in e.items()} for e in first.prompt_logprobs]
+        prompt_lp = [None if e is None else dict(e) for e in first.prompt_logprobs]
         req.prompt_logprobs_sent = delta  # a delta stream sends them once, with its first output
     metrics = {"arrival": req.arrival}
     if first.first_token_time:

@@ -75,6 +75,9 @@ class SamplerOutput:
     processed_logprobs: Tensor  # [S] under the distribution the token was drawn from
     raw_logprobs: Tensor  # [S] log_softmax of the unmodified logits
     top_logprobs: list[dict[int, float] | None]
+    # the sampled token's rank (1 = most likely) in the distribution its alternatives come from, for
+    # rows that asked for log-probs (vLLM reports it even outside the alternatives); None for the rest
+    sampled_ranks: list[int | None] | None = None
 
 
 class Sampler:
@@ -131,12 +134,14 @@ class Sampler:
             )
             logp = F.log_softmax(x, dim=-1)
         tokens = self._choose(logp, rows, seeded, shared)
+        top, ranks = _top_logprobs(raw, logp, tokens, [row.params for row in rows], vocab) if wants_top \
+            else ([None] * len(rows), None)
         return SamplerOutput(
             token_ids=tokens,
             processed_logprobs=logp.gather(1, tokens[:, None]).squeeze(1),
             raw_logprobs=raw.gather(1, tokens[:, None]).squeeze(1),
-            top_logprobs=_top_logprobs(raw, logp, [row.params for row in rows], vocab) if wants_top
-            else [None] * len(rows),
+            top_logprobs=top,
+            sampled_ranks=ranks,
         )
 
     def _log_softmax(self, logits: Tensor) -> Tensor:
@@ -269,18 +274,21 @@ def _leaves_logits_unchanged(row: SamplingRow, vocab: int) -> bool:
     return p.temperature == 1.0 and (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0
 
 
-def _top_logprobs(raw: Tensor, processed: Tensor, params: Sequence[SamplingParams],
-                  vocab: int) -> list[dict[int, float] | None]:
-    """The `logprobs` best alternatives of each row that asked, from raw or processed log-probs."""
+def _top_logprobs(raw: Tensor, processed: Tensor, tokens: Tensor, params: Sequence[SamplingParams],
+                  vocab: int) -> tuple[list[dict[int, float] | None], list[int | None]]:
+    """The `logprobs` best alternatives of each row that asked, from raw or processed log-probs, and
+    the sampled token's rank there (1 + the tokens strictly more likely)."""
     wanted = [min(p.logprobs, vocab) if p.logprobs else 0 for p in params]
     result: list[dict[int, float] | None] = [{} if p.logprobs == 0 else None for p in params]
-    if not any(wanted):
-        return result
     use_processed = torch.tensor([p.logprobs_mode == "processed_logprobs" for p in params], device=raw.device)
     source = torch.where(use_processed[:, None], processed, raw)
+    above = (source > source.gather(1, tokens[:, None])).sum(dim=-1).tolist()
+    ranks = [None if p.logprobs is None else n + 1 for p, n in zip(params, above, strict=True)]
+    if not any(wanted):
+        return result, ranks
     values, ids = source.topk(max(wanted), dim=-1)
     values, ids = values.tolist(), ids.tolist()
     for i, k in enumerate(wanted):
         if k:
             result[i] = dict(zip(ids[i][:k], values[i][:k], strict=True))
-    return result
+    return result, ranks

@@ -56,7 +56,7 @@ class Sequence:
     cumulative_logprob: float = 0.0  # sum of raw_logprobs, kept as they come
     # with params.logprobs set: each sampled token's entry (its alternatives, named), built once
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     text: str = ""
     detokenizer: Any = None
     num_preemptions: int = 0

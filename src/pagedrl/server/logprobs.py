@@ -86,13 +86,15 @@ def _top(token_id: int, lp: Logprob, names: TokenText) -> TopLogprob:
     return TopLogprob(token=names.name(token_id, lp), logprob=finite(lp.logprob), bytes=list(names.raw(token_id, lp)))
 
 
-def chat_logprobs(c: CompletionOutput, start: int, stop: int, names: TokenText) -> ChatLogprobs:
+def chat_logprobs(c: CompletionOutput, start: int, stop: int, names: TokenText, top: int) -> ChatLogprobs:
+    """OpenAI's chat log-probs: each token's own, and the `top` most likely tokens in rank order (the
+    sampled one among them only where it ranks in the top)."""
     content = []
     for i in range(start, stop):
         entry = c.logprobs[i]
         token_id = c.token_ids[i]
         chosen = _top(token_id, entry[token_id], names)
-        ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
+        ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)[:top]
         content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[_top(t, lp, names) for t, lp in ranked]))
     return ChatLogprobs(content=content)
 

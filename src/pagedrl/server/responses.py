@@ -121,9 +121,9 @@ def chat_response(request_id: str, model: str, output: RequestOutput, params: Sa
     choices = []
     for c in output.outputs:
         message, finish_reason = chat_message(c, plan)
-        choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
-                                  logprobs=chat_logprobs(c, 0, len(c.token_ids), names) if params.logprobs is not None
-                                  else None, stop_reason=c.stop_reason))
+        lp = chat_logprobs(c, 0, len(c.token_ids), names, params.logprobs) if params.logprobs is not None else None
+        choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason, logprobs=lp,
+                                  stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage([output]))
 
 
@@ -218,7 +218,7 @@ async def chat_stream(group: RequestGroup, request_id: str, model: str, params: 
                 for c in out.outputs:
                     if not has_news(c):
                         continue
-                    lp = chat_logprobs(c, 0, len(c.token_ids), names) if params.logprobs is not None else None
+                    lp = chat_logprobs(c, 0, len(c.token_ids), names, params.logprobs) if params.logprobs is not None else None
                     reader = readers[c.index]
                     delta = DeltaMessage(content=c.text) if reader is None else tool_deltas(reader, c)
                     finish_reason = c.finish_reason if reader is None else reader.finish_reason(c.finish_reason)
