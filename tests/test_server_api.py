@@ -219,6 +219,25 @@ def test_chat_logprobs_are_ranked_top_lists(client, model_name):
         assert item.bytes == list(item.token.encode())
 
 
+def test_prompt_logprobs_are_the_offline_engines(client, model_name, offline):
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) the token's log-prob, rank and text
+    and its best alternatives', keyed by token id; on a completion choice and on a chat response."""
+    ref = offline.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2),
+                           use_tqdm=False)[0]
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, temperature=0.0,
+                                  extra_body={"prompt_logprobs": 2}).model_dump()
+    got = r["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ref.prompt_token_ids)
+    for entry, expected in zip(got[1:], ref.prompt_logprobs[1:], strict=True):
+        assert {int(t): (e["logprob"], e["rank"], e["decoded_token"]) for t, e in entry.items()} == {
+            t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in expected.items()}
+    chat = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=1, extra_body={
+        "prompt_logprobs": 0}).model_dump()
+    entries = chat["prompt_logprobs"]
+    assert entries[0] is None and all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in entries[1:])
+    assert chat["usage"]["prompt_tokens"] == len(entries)
+
+
 def test_sampled_chat_logprobs_keep_top_logprobs_alternatives(client, model_name):
     # a sampled token outside the top 2 is reported on its own, not as a third alternative
     r = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=12, temperature=1.5, seed=5,

@@ -252,6 +252,13 @@ def test_the_served_schema_and_the_validation_agree(http, still_serving):
         ("/v1/completions", "CompletionRequest", {"model": "tiny", "prompt": PROMPT, "logit_bias": {"07": 1}}, False),
         ("/v1/completions", "CompletionRequest", {"model": "tiny", "prompt": PROMPT, "logit_bias": {"7": 100.5}},
          False),
+        # stream_options only with stream, prompt_logprobs only without
+        ("/v1/completions", "CompletionRequest", {"model": "tiny", "prompt": PROMPT,
+                                                  "stream_options": {"include_usage": True}}, False),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "prompt_logprobs": 1, "stream": True},
+         False),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "prompt_logprobs": 1, "max_tokens": 1},
+         True),
         # continuing the final message needs add_generation_prompt false (true by default), as in vLLM
         ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "continue_final_message": True}, False),
         ("/v1/chat/completions", "ChatCompletionRequest", {"messages": chat, "continue_final_message": True,

@@ -243,7 +243,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
             return EventStreamResponse(completion_stream(group, request_id, model, params, include_usage,
                                                          token_text(params), echo), group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
-        return json_response(completion_response(request_id, model, outputs, params, token_text(params), echo))
+        return json_response(completion_response(request_id, model, outputs, params, token_text(params), echo,
+                                                  req.prompt_logprobs is not None))
 
     @v1.post("/chat/completions", response_model=None, openapi_extra=request_body(ChatCompletionRequest),
              responses={**json_or_events(ChatCompletionResponse,

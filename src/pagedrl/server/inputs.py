@@ -34,8 +34,7 @@ MAX_LOGPROBS = 20
 DEFAULT_MAX_N = 128
 # vLLM's and OpenAI's fields that would change the answer and that this server does not implement:
 # refused by name (as suffix and best_of are) rather than silently ignored.
-UNSUPPORTED_EXTRAS = ("prompt_logprobs", "truncate_prompt_tokens", "use_beam_search", "chat_template", "functions",
-                      "function_call")
+UNSUPPORTED_EXTRAS = ("truncate_prompt_tokens", "use_beam_search", "chat_template", "functions", "function_call")
 OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -46,6 +45,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         raise bad_request(f"n must be between 1 and {max_n}, got {req.n}", param="n")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    if req.prompt_logprobs is not None and req.stream:  # as vLLM
+        raise bad_request("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
     for name in UNSUPPORTED_EXTRAS:
         if getattr(req, name, None) not in (None, False):
             raise bad_request(f"{name} is not supported", param=name)
@@ -55,7 +56,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
     kwargs: dict[str, Any] = dict(
         n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
         structured_outputs=structured_outputs(req)[0], logit_bias=req.logit_bias,
         allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
     for name in OPTIONAL_FLOATS:
@@ -92,6 +93,9 @@ def completion_inputs(req: CompletionRequest,
         max_tokens = 1  # the prompt alone: the engine still makes a token, which the answer leaves out
     params = sampling_params(req, max_tokens, req.logprobs, max_n=max_n)
     if req.echo and req.logprobs is not None:
+        if req.prompt_logprobs not in (None, req.logprobs):
+            raise bad_request(f"with echo, the prompt's alternatives are logprobs' ({req.logprobs}); prompt_logprobs "
+                              f"({req.prompt_logprobs}) must equal it or be left out", param="prompt_logprobs")
         params = params.clone(prompt_logprobs=req.logprobs)
     return prompts, params
 

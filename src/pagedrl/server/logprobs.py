@@ -13,7 +13,14 @@ import codecs
 from typing import Any
 
 from pagedrl.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedrl.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from pagedrl.server.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TopLogprob,
+)
 
 MIN_LOGPROB = -9999.0  # as vLLM: -inf is not valid JSON
 
@@ -119,3 +126,13 @@ def extend(lp: CompletionLogprobs, more: CompletionLogprobs) -> CompletionLogpro
     lp.top_logprobs.extend(more.top_logprobs)
     lp.text_offset.extend(more.text_offset)
     return lp
+
+
+def prompt_logprob_entries(out: RequestOutput) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs` of a request: per prompt token, None for the first, then the token's
+    entry and its alternatives' by token id."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if e is None else {str(t): PromptLogprob(logprob=finite(lp.logprob), rank=lp.rank,
+                                                          decoded_token=lp.decoded_token) for t, lp in e.items()}
+            for e in out.prompt_logprobs]

@@ -127,7 +127,7 @@ class SamplingRequest(OpenAIBase):
     guided_grammar: NonEmptyStr | None = None
     guided_whitespace_pattern: SkipJsonSchema[str | None] = None  # refused rather than ignored; not in the schema
     # vLLM's extras not implemented: declared only to be refused (inputs.UNSUPPORTED_EXTRAS), not in the schema
-    prompt_logprobs: SkipJsonSchema[Any] = None
+    prompt_logprobs: TopLogprobs | None = None  # vLLM's: each prompt token's log-prob and k alternatives
     truncate_prompt_tokens: SkipJsonSchema[Any] = None
     use_beam_search: SkipJsonSchema[Any] = None
 
@@ -135,12 +135,22 @@ class SamplingRequest(OpenAIBase):
 COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default on /v1/completions
 
 
+# Rules of both routes between `stream` (false unless given) and the fields that depend on it: stream_options
+# only with stream true, prompt_logprobs only without (as in vLLM).
+STREAM_RULES = [
+    {"anyOf": [{"not": {"required": ["stream_options"]}}, {"properties": {"stream_options": {"type": "null"}}},
+               {"required": ["stream"], "properties": {"stream": {"const": True}}}]},
+    {"anyOf": [{"not": {"required": ["prompt_logprobs"]}}, {"properties": {"prompt_logprobs": {"type": "null"}}},
+               {"not": {"required": ["stream"]}}, {"properties": {"stream": {"const": False}}}]}]
+
+
 class CompletionRequest(SamplingRequest):
     # max_tokens 0 (the prompt alone) only with echo; min_tokens over the default max_tokens only with a
     # max_tokens (as in vLLM; that min_tokens <= a given max_tokens is beyond what a schema can say)
     model_config = ConfigDict(json_schema_extra={"allOf": [{"anyOf": [
         {"properties": {"max_tokens": {"not": {"const": 0}}}}, {"required": ["echo"], "properties": {"echo": {"const": True}}}]},
-        {"anyOf": [{"required": ["max_tokens"]}, {"properties": {"min_tokens": {"maximum": COMPLETION_MAX_TOKENS}}}]}]})
+        {"anyOf": [{"required": ["max_tokens"]}, {"properties": {"min_tokens": {"maximum": COMPLETION_MAX_TOKENS}}}]},
+        *STREAM_RULES]})
     prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     max_tokens: Annotated[int, Field(ge=0), INTEGRAL] | None = COMPLETION_MAX_TOKENS  # 0 only with echo
@@ -225,7 +235,8 @@ class ChatCompletionRequest(SamplingRequest):
     # a tool_choice other than "none" needs tools to choose from; CONTINUE_RULE
     model_config = ConfigDict(json_schema_extra={"allOf": [{"anyOf": [
         {"not": {"required": ["tool_choice"]}}, {"properties": {"tool_choice": {"enum": ["none", None]}}},
-        {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}]}, CONTINUE_RULE]})
+        {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}]}, CONTINUE_RULE,
+        *STREAM_RULES]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None  # deprecated by OpenAI for max_completion_tokens
     max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
@@ -262,12 +273,25 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob` of a prompt position: the token's (or an alternative's) log-prob, rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per prompt token (the first has none): token id (a JSON key) -> its entry, as vLLM's `prompt_logprobs`
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -338,6 +362,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(WithoutNulls):

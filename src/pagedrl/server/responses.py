@@ -23,6 +23,7 @@ from pagedrl.server.logprobs import (
     chat_logprobs,
     completion_logprobs,
     extend,
+    prompt_logprob_entries,
     prompt_logprobs,
 )
 from pagedrl.server.protocol import (
@@ -86,18 +87,23 @@ def choice_content(out: RequestOutput, c: CompletionOutput, first: bool, echo: E
 
 
 # ---------------------------------------------------------------------------- whole responses
-def completion_response(request_id: str, model: str, outputs: list[RequestOutput],
-                        params: SamplingParams, names: TokenText, echo: Echo | None = None) -> CompletionResponse:
+def completion_response(request_id: str, model: str, outputs: list[RequestOutput], params: SamplingParams,
+                        names: TokenText, echo: Echo | None = None,
+                        with_prompt_logprobs: bool = False) -> CompletionResponse:
+    """The whole answer: a choice per prompt and sample, each with its prompt's `prompt_logprobs` when
+    the request asked for them (vLLM's field, apart from `echo`'s)."""
     echo = echo or Echo()
     choices = []
     for p, out in enumerate(outputs):
+        prompt_lp = prompt_logprob_entries(out) if with_prompt_logprobs else None
         for c in out.outputs:
             text, lp = choice_content(out, c, True, echo, params, names, names.offsets())
             if lp is not None:
                 lp.text_offset = [min(at, len(text)) for at in lp.text_offset]
             choices.append(CompletionChoice(index=p * params.n + c.index, text=text, logprobs=lp,
                                             finish_reason=c.finish_reason,
-                                            stop_reason=None if echo.prompt_only else c.stop_reason))
+                                            stop_reason=None if echo.prompt_only else c.stop_reason,
+                                            prompt_logprobs=prompt_lp))
     return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outputs, echo.prompt_only))
 
 
@@ -124,7 +130,9 @@ def chat_response(request_id: str, model: str, output: RequestOutput, params: Sa
         lp = chat_logprobs(c, 0, len(c.token_ids), names, params.logprobs) if params.logprobs is not None else None
         choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason, logprobs=lp,
                                   stop_reason=c.stop_reason))
-    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage([output]))
+    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage([output]),
+                                  prompt_logprobs=prompt_logprob_entries(output) if params.prompt_logprobs is not None
+                                  else None)
 
 
 # ---------------------------------------------------------------------------- streams
