@@ -94,6 +94,9 @@ def test_valid_edges_are_accepted():
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"repetition_penalty": -1.0}, "repetition_penalty"),
     ({"logprobs_mode": "raw_logits"}, "logprobs_mode"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 3.0}, "truncate_prompt_tokens"),
 ])
 def test_bad_values_raise_naming_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{name} .*got"):

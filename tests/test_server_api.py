@@ -238,6 +238,18 @@ def test_prompt_logprobs_are_the_offline_engines(client, model_name, offline):
     assert chat["usage"]["prompt_tokens"] == len(entries)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, model_name, offline):
+    ids = offline.tokenizer.encode(PROMPT)
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, temperature=0.0,
+                                  extra_body={"truncate_prompt_tokens": 3, "ignore_eos": True})
+    ref = offline.generate([ids[-3:]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert r.usage.prompt_tokens == 3 and r.choices[0].text == ref.text
+    whole = offline.generate([ids], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, truncate_prompt_tokens=-1),
+                             use_tqdm=False)[0]
+    assert whole.prompt_token_ids == ids  # -1: as many as the context holds
+
+
 def test_sampled_chat_logprobs_keep_top_logprobs_alternatives(client, model_name):
     # a sampled token outside the top 2 is reported on its own, not as a third alternative
     r = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=12, temperature=1.5, seed=5,

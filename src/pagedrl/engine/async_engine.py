@@ -31,6 +31,7 @@ from pagedrl.engine.engine_stats import EngineStats
 from pagedrl.engine.llm_engine import LLMEngine
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.outputs import RequestOutput
+from pagedrl.engine.request_checks import check_num_seqs
 from pagedrl.engine.request_stream import RequestAborted, RequestFailed, RequestGroup, RequestStream
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.engine.structured_outputs import StructuredOutputsParams
@@ -160,7 +161,7 @@ class AsyncEngine:
             raise ValueError("prompt is empty (no prompts given)")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        self.engine.check_num_seqs(params)  # before any loop over n
+        check_num_seqs(params, self.engine.config.max_num_seqs)  # before any loop over n
         wanted = len(prompts) * params.n
         if wanted > self.capacity:  # could never be admitted: not a reason to retry (a client would, forever)
             config = self.engine.config
@@ -196,7 +197,7 @@ class AsyncEngine:
         """Tokenize and check every prompt without touching engine state (safe off the engine thread)."""
         out = []
         for p in prompts:
-            ids = self.engine.encode(p)
+            ids = self.engine.encode(p, params)
             self.engine.check_fits(len(ids), params)
             out.append(ids)
         self.engine.check_structured_outputs(params)

@@ -98,7 +98,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text = prompt if isinstance(prompt, str) else None
-        ids = self.encode(prompt)
+        ids = self.encode(prompt, params)
         self.check_fits(len(ids), params)
         self.token_choices.check(params)
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -124,12 +124,11 @@ class LLMEngine:
         self.prompt_tokens += len(ids)
         return request_id
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        """The prompt's token ids, checked against the vocabulary (`request_checks.encode_prompt`)."""
-        return encode_prompt(prompt, self.tokenizer, self.model.config.vocab_size)
-
-    def check_num_seqs(self, params: SamplingParams) -> None:
-        check_num_seqs(params, self.config.max_num_seqs)
+    def encode(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[int]:
+        """The prompt's token ids, checked against the vocabulary, and only the last `truncate_prompt_tokens`
+        of them (-1: as many as the context holds) when the request asks (`request_checks.encode_prompt`)."""
+        keep = None if params is None else params.truncate_prompt_tokens
+        return encode_prompt(prompt, self.tokenizer, self.vocab_size, self.max_model_len if keep == -1 else keep)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """ValueError unless the request fits one step, the context and the KV cache."""

@@ -11,8 +11,9 @@ from pagedrl.engine.kv_cache_manager import KVCacheManager
 from pagedrl.engine.sampling_params import SamplingParams
 
 
-def encode_prompt(prompt: str | list[int], tokenizer: Any, vocab_size: int) -> list[int]:
-    """A text prompt's token ids (through `tokenizer`), or a list of ids checked against the vocabulary."""
+def encode_prompt(prompt: str | list[int], tokenizer: Any, vocab_size: int, keep: int | None = None) -> list[int]:
+    """A text prompt's token ids (through `tokenizer`), or a list of ids checked against the vocabulary;
+    with `keep`, only the last `keep` of them (vLLM's `truncate_prompt_tokens`: a long prompt's start goes)."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt is empty")
@@ -28,7 +29,7 @@ def encode_prompt(prompt: str | list[int], tokenizer: Any, vocab_size: int) -> l
     for i, t in enumerate(ids):
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
             raise ValueError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab_size})")
-    return ids
+    return ids if keep is None else ids[-keep:]
 
 
 def check_num_seqs(params: SamplingParams, max_num_seqs: int) -> None:

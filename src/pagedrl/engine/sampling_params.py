@@ -76,6 +76,7 @@ class SamplingParams:
     lists, and `bad_words` forbids each word's last token wherever the output already ends with the
     word's other tokens (with and without a leading space, as vLLM tokenizes them). All three act on
     the processed distribution before the penalties; raw log-probs stay the model's own.
+    `truncate_prompt_tokens=k` keeps only the prompt's last k tokens (-1: as many as the context holds).
     """
 
     n: int = 1
@@ -102,12 +103,13 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through the back door, once, here
         for name in ("n", "top_k", "min_tokens"):
             _check_int(name, getattr(self, name))
-        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
             _check_int(name, getattr(self, name), optional=True)
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -134,6 +136,10 @@ class SamplingParams:
             raise _bad("min_p", self.min_p, "must be in [0, 1]")
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise _bad("max_tokens", self.max_tokens, "must be at least 1 (or None: up to the context)")
+        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens >= 1
+                                                            or self.truncate_prompt_tokens == -1):
+            raise _bad("truncate_prompt_tokens", self.truncate_prompt_tokens,
+                       "must be at least 1, or -1 (the context's length), or None")
         if self.min_tokens < 0:
             raise _bad("min_tokens", self.min_tokens, "must be non-negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -38,10 +38,9 @@ from pagedrl.server.lora_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapter
 from pagedrl.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedrl.server.openapi import errors, json_or_events, request_body
 from pagedrl.server.openapi import install as install_openapi
-from pagedrl.server.protocol import (
-    ChatCompletionRequest,
+from pagedrl.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedrl.server.response_bodies import (
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,

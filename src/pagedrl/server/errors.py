@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from pagedrl.server.protocol import ErrorInfo, ErrorResponse
+from pagedrl.server.response_bodies import ErrorInfo, ErrorResponse
 
 T = TypeVar("T", bound=BaseModel)
 

@@ -34,7 +34,7 @@ MAX_LOGPROBS = 20
 DEFAULT_MAX_N = 128
 # vLLM's and OpenAI's fields that would change the answer and that this server does not implement:
 # refused by name (as suffix and best_of are) rather than silently ignored.
-UNSUPPORTED_EXTRAS = ("truncate_prompt_tokens", "use_beam_search", "chat_template", "functions", "function_call")
+UNSUPPORTED_EXTRAS = ("use_beam_search", "chat_template", "functions", "function_call")
 OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -58,7 +58,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
         structured_outputs=structured_outputs(req)[0], logit_bias=req.logit_bias,
-        allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
+        allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+        truncate_prompt_tokens=req.truncate_prompt_tokens)
     for name in OPTIONAL_FLOATS:
         if getattr(req, name) is not None:
             kwargs[name] = getattr(req, name)

@@ -13,7 +13,7 @@ import codecs
 from typing import Any
 
 from pagedrl.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedrl.server.protocol import (
+from pagedrl.server.response_bodies import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,

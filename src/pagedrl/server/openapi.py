@@ -16,7 +16,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from pagedrl.server.protocol import TOKEN_ID_KEY_MARK, TOKEN_ID_MARK, ErrorResponse
+from pagedrl.server.protocol import TOKEN_ID_KEY_MARK, TOKEN_ID_MARK
+from pagedrl.server.response_bodies import ErrorResponse
 
 REF = "#/components/schemas/{model}"
 ERROR_DESCRIPTIONS = {

@@ -1,4 +1,5 @@
-"""Request and response bodies in OpenAI's shapes (plus vLLM's extra sampling fields).
+"""Request bodies in OpenAI's shapes (plus vLLM's extra sampling fields); the responses' are in
+`server/response_bodies.py`.
 
 Requests are validated strictly: a wrong JSON type is an error (HTTP 400), never silently coerced
 ("2" is not 2; 2.0 is, as JSON Schema says). Unknown fields are ignored, since OpenAI clients send fields this server has no
@@ -8,10 +9,9 @@ implemented are declared and refused by the serving code instead of being ignore
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
 
@@ -128,7 +128,8 @@ class SamplingRequest(OpenAIBase):
     guided_whitespace_pattern: SkipJsonSchema[str | None] = None  # refused rather than ignored; not in the schema
     # vLLM's extras not implemented: declared only to be refused (inputs.UNSUPPORTED_EXTRAS), not in the schema
     prompt_logprobs: TopLogprobs | None = None  # vLLM's: each prompt token's log-prob and k alternatives
-    truncate_prompt_tokens: SkipJsonSchema[Any] = None
+    # vLLM's: only the prompt's last k tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: Annotated[int, Field(ge=1), INTEGRAL] | Literal[-1] | None = None
     use_beam_search: SkipJsonSchema[Any] = None
 
 
@@ -253,175 +254,3 @@ class ChatCompletionRequest(SamplingRequest):
     functions: SkipJsonSchema[Any] = None  # OpenAI's deprecated function calling (use tools)
     function_call: SkipJsonSchema[Any] = None
     echo: SkipJsonSchema[Any] = None  # vLLM's echo of the last message on chat
-
-
-# ---------------------------------------------------------------------------- responses
-def now_s() -> int:
-    return int(time.time())
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class CompletionLogprobs(BaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class PromptLogprob(BaseModel):
-    """vLLM's `Logprob` of a prompt position: the token's (or an alternative's) log-prob, rank and text."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-# per prompt token (the first has none): token id (a JSON key) -> its entry, as vLLM's `prompt_logprobs`
-PromptLogprobs = list[dict[str, PromptLogprob] | None]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now_s)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
-
-
-class WithoutNulls(BaseModel):
-    """A streamed delta: OpenAI leaves out what a delta does not carry (the role after a choice's first
-    delta, a tool call's id and name after its first), rather than sending nulls."""
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class DeltaFunctionCall(WithoutNulls):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(WithoutNulls):
-    """OpenAI's streamed tool call: the first delta of call `index` has its id, type and name; later
-    ones add to `function.arguments`."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now_s)
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    prompt_logprobs: PromptLogprobs | None = None
-
-
-class DeltaMessage(WithoutNulls):
-    role: str | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=now_s)
-    owned_by: str = "pagedrl"
-    root: str | None = None
-    parent: str | None = None  # a LoRA adapter's base model
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class VersionResponse(BaseModel):
-    version: str
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

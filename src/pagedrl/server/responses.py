@@ -26,7 +26,8 @@ from pagedrl.server.logprobs import (
     prompt_logprob_entries,
     prompt_logprobs,
 )
-from pagedrl.server.protocol import (
+from pagedrl.server.protocol import FunctionCall, ToolCall
+from pagedrl.server.response_bodies import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
@@ -41,8 +42,6 @@ from pagedrl.server.protocol import (
     DeltaToolCall,
     ErrorInfo,
     ErrorResponse,
-    FunctionCall,
-    ToolCall,
     UsageInfo,
     now_s,
 )
