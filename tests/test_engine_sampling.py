@@ -116,8 +116,11 @@ def test_bad_input_raises_and_engine_keeps_serving(hf) -> None:
         llm.generate([[-1, 5]], SamplingParams())
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([list(range(3, 70))], SamplingParams())
-    with pytest.raises(ValueError, match="max_tokens"):
-        llm.generate([good], SamplingParams(max_tokens=100))
+    # a max_tokens past the context is not an error (vLLM's rule): the completion ends at the context
+    (past,) = llm.generate([good], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
+    assert past.outputs[0].finish_reason == "length" and len(good) + len(past.outputs[0].token_ids) == 64
+    with pytest.raises(ValueError, match="no room for a completion token"):
+        llm.generate([list(range(3, 67))], SamplingParams())
     for bad in (dict(max_tokens=0), dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(n=0)):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=name):

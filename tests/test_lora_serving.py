@@ -62,6 +62,14 @@ def test_merge_command_writes_a_checkpoint_that_generates_the_same(tiny_train_mo
     assert merged.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == live
     assert main(["merge", str(tiny_train_model), str(tmp_path / "missing"), str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
+    # the output may replace a model folder (the merge before), never the adapter nor someone's files
+    assert main(["merge", str(tiny_train_model), str(folder), str(out)]) == 0
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep")
+    for bad in (folder, notes, tmp_path):
+        assert main(["merge", str(tiny_train_model), str(folder), str(bad)]) == 2
+    assert (notes / "todo.txt").read_text() == "keep" and (folder / "adapter_config.json").is_file()
 
 
 def test_serve_with_an_adapter_answers_as_the_live_adapter(tiny_train_model, adapter, tmp_path) -> None:

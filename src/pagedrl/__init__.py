@@ -2,34 +2,34 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams"]
+# vLLM's top-level names, each from the module that defines it
+_EXPORTS = {
+    "LLM": "pagedrl.engine.llm",
+    "LoRARequest": "pagedrl.engine.lora_request",
+    "SamplingParams": "pagedrl.engine.sampling_params",
+    "RequestOutputKind": "pagedrl.engine.sampling_params",
+    "RequestOutput": "pagedrl.engine.outputs",
+    "CompletionOutput": "pagedrl.engine.outputs",
+    "StructuredOutputsParams": "pagedrl.engine.structured_outputs",
+    "GuidedDecodingParams": "pagedrl.engine.structured_outputs",
+}
+__all__ = ["LLM", "CompletionOutput", "GuidedDecodingParams", "LoRARequest", "RequestOutput", "RequestOutputKind",
+           "SamplingParams", "StructuredOutputsParams"]
 
 if TYPE_CHECKING:
     from pagedrl.engine.llm import LLM
     from pagedrl.engine.lora_request import LoRARequest
-    from pagedrl.engine.sampling_params import SamplingParams
-    from pagedrl.engine.structured_outputs import StructuredOutputsParams
+    from pagedrl.engine.outputs import CompletionOutput, RequestOutput
+    from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
+    from pagedrl.engine.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):
     # Lazy, so `import pagedrl.model...` does not pull in the engine (and tqdm) for every tool.
-    if name == "LLM":
-        from pagedrl.engine.llm import LLM
-
-        return LLM
-    if name == "LoRARequest":
-        from pagedrl.engine.lora_request import LoRARequest
-
-        return LoRARequest
-    if name == "SamplingParams":
-        from pagedrl.engine.sampling_params import SamplingParams
-
-        return SamplingParams
-    if name == "StructuredOutputsParams":
-        from pagedrl.engine.structured_outputs import StructuredOutputsParams
-
-        return StructuredOutputsParams
-    raise AttributeError(name)
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pagedrl' has no attribute {name!r}")

@@ -27,18 +27,25 @@ def generate_main(argv: list[str]) -> int:
 
     from pagedrl import LLM, SamplingParams
 
+    try:  # the sampling settings are checked before the model loads
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed)
+    except ValueError as e:
+        parser.error(str(e).replace("SamplingParams.", "--").replace("_", "-"))
     t0 = time.perf_counter()
-    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, skip=ENGINE_SKIP))
-    load_s = time.perf_counter() - t0
-    print(f"[precision: {llm.precision.describe()}]", file=sys.stderr)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed)
-    t1 = time.perf_counter()
-    use_chat = not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template is not None
-    if use_chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
-    else:
-        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    try:  # a model that cannot load (CheckpointError included) or a prompt the engine refuses: one line
+        llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, skip=ENGINE_SKIP))
+        load_s = time.perf_counter() - t0
+        print(f"[precision: {llm.precision.describe()}]", file=sys.stderr)
+        t1 = time.perf_counter()
+        use_chat = not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template is not None
+        if use_chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
+        else:
+            outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    except ValueError as e:
+        print(f"pagedrl generate: {e}", file=sys.stderr)
+        return 2
     gen_s = time.perf_counter() - t1
     for prompt, out in zip(args.prompt, outputs, strict=True):
         print(f">>> {prompt}\n{out.outputs[0].text.strip()}\n")

@@ -5,6 +5,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+
+def out_refused(out: Path, sources: list[Path]) -> str | None:
+    """Why OUT may not be written (None: it may): replacing it must never take the base, the adapter or
+    a folder that is not a model (someone's files) with it."""
+    target = out.resolve()
+    for source in sources:
+        if source.exists() and (target == source.resolve() or source.resolve() in target.parents
+                                or target in source.resolve().parents):
+            return f"is or holds {source}, which the merge reads; choose another folder"
+    if target.exists() and not (target.is_dir() and (target / "config.json").is_file()):
+        return "exists and is not a model folder (no config.json); choose another folder or remove it"
+    return None
 
 
 def merge_main(argv: list[str]) -> int:
@@ -12,7 +26,8 @@ def merge_main(argv: list[str]) -> int:
     parser.add_argument("base", help="the base model: a Hugging Face folder or Hub id, .gguf file or "
                                      "'smollm2-135m-instruct'")
     parser.add_argument("adapter", help="the adapter folder or Hub id (adapter_config.json + adapter_model.safetensors)")
-    parser.add_argument("out", help="the merged model's folder (replaced if it exists)")
+    parser.add_argument("out", help="the merged model's folder (an existing model folder there is replaced; "
+                                    "any other folder, the base or the adapter is refused)")
     parser.add_argument("--revision", default=None, help="the branch, tag or commit of a Hub id BASE")
     held = parser.add_mutually_exclusive_group()
     held.add_argument("--load-in-4bit", action="store_true", help="a QLoRA adapter trained on the base in 4 bits: "
@@ -26,6 +41,10 @@ def merge_main(argv: list[str]) -> int:
     from pagedrl.model.merge import merge_adapter
     from pagedrl.model.quantized_linear import QuantizedBase
 
+    refused = out_refused(Path(args.out), [Path(args.base), Path(args.adapter)])
+    if refused:
+        print(f"pagedrl merge: OUT {args.out}: {refused}", file=sys.stderr)
+        return 2
     quantized = None
     if args.load_in_4bit or args.load_in_8bit:
         quantized = QuantizedBase(4 if args.load_in_4bit else 8, args.bnb_4bit_quant_type, args.use_bnb_nested_quant)

@@ -7,7 +7,7 @@ import difflib
 import inspect
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import fields
 from typing import Any
@@ -27,6 +27,20 @@ from pagedrl.model.precision import Precision
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+# vLLM's TextPrompt and TokensPrompt: {"prompt": text} or {"prompt_token_ids": ids}
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def as_prompt(prompt: Any, index: int) -> Prompt:
+    """A text or token-id prompt from any of vLLM's forms (a dict is a TextPrompt or a TokensPrompt);
+    a form the engine does not take is a ValueError naming the prompt and the keys it knows."""
+    if not isinstance(prompt, Mapping):
+        return prompt  # a str or ids: checked by the engine, naming what is wrong
+    unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+    if unknown or len(prompt) != 1:
+        raise ValueError(f"prompts[{index}]: a prompt dict holds exactly one of {', '.join(PROMPT_KEYS)} "
+                         f"(vLLM's TextPrompt or TokensPrompt), got keys {sorted(prompt)}")
+    return list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else prompt["prompt"]
 
 
 def final_only(params: list[SamplingParams]) -> list[SamplingParams]:
@@ -140,18 +154,22 @@ class LLM:
         """Restart the random stream of requests whose `SamplingParams` carry no seed."""
         self.engine.reseed(seed)
 
-    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Mapping[str, Any] | Seq[Prompt | Mapping[str, Any]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
                  ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts. `lora_request`:
+        """Run every prompt to completion; outputs come back in the order of the prompts. A prompt is text,
+        token ids, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}`. `lora_request`:
         one adapter for every prompt, or one (or None, the base) per prompt. A sample whose logits go NaN
         or infinite ends there with finish_reason "error" (its `error` says why, and a warning is logged),
         as vLLM marks it; the other prompts are not affected."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [as_prompt(p, i) for i, p in enumerate(prompts)]
         if sampling_params is None:
             sampling_params = SamplingParams()
+        if isinstance(sampling_params, (Mapping, str)):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}")
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
             else list(sampling_params)
         if len(params) != len(prompts):

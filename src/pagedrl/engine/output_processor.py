@@ -74,12 +74,17 @@ def _holdback(seq: Sequence) -> int:
     return max(len(s) for s in stop) - 1 if stop else 0
 
 
+def _cumulative(seq: Sequence) -> float | None:
+    """The sampled tokens' summed log-prob where log-probs were asked for; None otherwise, as vLLM."""
+    return seq.cumulative_logprob if seq.params.logprobs is not None else None
+
+
 def completion_output(seq: Sequence, delta: bool) -> CompletionOutput | None:
     """Everything so far, or (delta) what this sequence has not delivered yet; None when a delta is empty.
 
     Built for every streaming request every step, so it reads each field once and passes them by position."""
     if not delta:
-        return CompletionOutput(seq.index, seq.text, seq.token_ids[seq.num_prompt_tokens:], seq.cumulative_logprob,
+        return CompletionOutput(seq.index, seq.text, seq.token_ids[seq.num_prompt_tokens:], _cumulative(seq),
                                 seq.logprobs[:] if seq.params.logprobs is not None else None, seq.finish_reason,
                                 seq.stop_reason, seq.processed_logprobs[:], seq.raw_logprobs[:], seq.error)
     if seq.finish_sent:
@@ -93,7 +98,7 @@ def completion_output(seq: Sequence, delta: bool) -> CompletionOutput | None:
         return None
     seq.num_chars_sent, seq.num_tokens_sent, seq.finish_sent = end_chars, num_output, finished
     return CompletionOutput(seq.index, text[chars_sent:end_chars], seq.token_ids[num_prompt + start:],
-                            seq.cumulative_logprob, seq.logprobs[start:] if seq.params.logprobs is not None else None,
+                            _cumulative(seq), seq.logprobs[start:] if seq.params.logprobs is not None else None,
                             seq.finish_reason, seq.stop_reason, seq.processed_logprobs[start:],
                             seq.raw_logprobs[start:], seq.error)
 
@@ -127,4 +132,5 @@ def make_output(req: Request) -> RequestOutput | None:
     metrics = {"arrival": req.arrival}
     if first.first_token_time:
         metrics["ttft"] = first.first_token_time - req.arrival
-    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, prompt_lp, 0, metrics)
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, prompt_lp,
+                         first.num_cached_tokens, metrics)

@@ -42,17 +42,16 @@ def check_num_seqs(params: SamplingParams, max_num_seqs: int) -> None:
 
 def check_fits(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, kv_manager: KVCacheManager,
                block_size: int, step_tokens: int | None = None) -> None:
-    """Prompt and completion within the context (`max_model_len`) and within the whole KV cache (a
-    sequence that can never fit would wait for ever; under a sliding window, what it holds at once:
-    the window and one step's `step_tokens`)."""
+    """Room for the prompt and at least one token in the context (`max_model_len`), and for the prompt and
+    its completion in the whole KV cache (a sequence that can never fit would wait for ever; under a
+    sliding window, what it holds at once: the window and one step's `step_tokens`). As in vLLM, a
+    `max_tokens` past the context is not an error: the completion ends there, finish_reason "length"."""
     limit = max_model_len
     if num_prompt_tokens >= limit:
         raise ValueError(f"prompt is {num_prompt_tokens} tokens, but the model's context "
-                         f"(max_model_len) is {limit} tokens")
-    if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limit:
-        raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = "
-                         f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len {limit}")
-    total = num_prompt_tokens + (params.max_tokens or limit - num_prompt_tokens)
+                         f"(max_model_len) is {limit} tokens: no room for a completion token")
+    room = limit - num_prompt_tokens
+    total = num_prompt_tokens + min(params.max_tokens or room, room)
     if not kv_manager.can_ever_fit(total, step_tokens):
         raise ValueError(f"prompt + max_tokens = {total} tokens can never fit in the KV cache: they hold "
                          f"{kv_manager.most_blocks(total, step_tokens)} blocks of {block_size} tokens at once, "

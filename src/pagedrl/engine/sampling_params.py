@@ -118,6 +118,8 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "must be a bool")
 
+        if self.seed == -1:  # vLLM's spelling of "no seed"
+            set_(self, "seed", None)
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise _bad("seed", self.seed, f"must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}]")
         if self.n < 1:

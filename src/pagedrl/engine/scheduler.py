@@ -128,6 +128,8 @@ class Scheduler:
                                                               num_new, computed, seq.block_hashes, seq.cache_salt):
                 break
             seq.num_computed_tokens = computed.num_tokens
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = computed.num_tokens
             self.waiting.popleft()
             seats += seq.seats
             seq.status = SequenceStatus.RUNNING

@@ -46,6 +46,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     token_ids: list[int] = field(init=False)  # prompt + output
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted (vLLM's)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -53,7 +54,7 @@ class Sequence:
     # from) and its raw log-prob (plain log-softmax of the logits).
     processed_logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)
-    cumulative_logprob: float = 0.0  # sum of raw_logprobs, kept as they come
+    cumulative_logprob: float = 0.0  # sum of the reported log-probs (raw or processed), kept as they come
     # with params.logprobs set: each sampled token's entry (its alternatives, named), built once
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -119,7 +120,8 @@ class Sequence:
         self.token_ids.append(token)
         self.processed_logprobs.append(processed)
         self.raw_logprobs.append(raw)
-        self.cumulative_logprob += raw
+        # the sampled tokens' log-probs summed in the distribution they are reported in (vLLM's)
+        self.cumulative_logprob += processed if self.params.logprobs_mode == "processed_logprobs" else raw
         if entry is not None:
             self.logprobs.append(entry)
 

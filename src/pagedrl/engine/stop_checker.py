@@ -23,17 +23,21 @@ class Stop(NamedTuple):
 
 def check_stop(seq: Sequence, token: int, eos_token_ids: Collection[int], max_model_len: int) -> Stop | None:
     """Add `token`'s text to `seq.text` (cut at a stop string that matched) and say whether `seq`
-    ends with it; `token` is already appended to `seq`."""
+    ends with it; `token` is already appended to `seq`. As vLLM's: a stop token's own text (EOS's, a
+    stop id's) stays out of the text unless `include_stop_str_in_output`, and stop strings count only
+    once the output is longer than `min_tokens`."""
     p = seq.params
+    eos = not p.ignore_eos and token in eos_token_ids
     delta = ""
-    if seq.detokenizer is not None:
+    if seq.detokenizer is not None and (p.include_stop_str_in_output or not (eos or token in p.stop_token_ids)):
         delta = seq.detokenizer.step(token)
         seq.text += delta
-    if not p.ignore_eos and token in eos_token_ids:
+    if eos:
         return Stop("stop")
     if token in p.stop_token_ids:
         return Stop("stop", token)
-    if p.stop and delta and (hit := find_stop_string(seq.text, p.stop, len(delta))) is not None:
+    if p.stop and delta and seq.num_output_tokens > p.min_tokens and (
+            hit := find_stop_string(seq.text, p.stop, len(delta))) is not None:
         at, stop = hit
         seq.text = seq.text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
         return Stop("stop", stop, flush=False)

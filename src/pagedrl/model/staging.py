@@ -46,7 +46,11 @@ def publish_folder(staging: Path, target: Path, replace: bool = True) -> None:
         if not replace:
             raise FileExistsError(f"{target}: already exists (written concurrently)")
         aside = _hidden_sibling(target, "old")
-        os.replace(target, aside / "previous")
+        try:
+            os.replace(target, aside / "previous")
+        except BaseException:
+            shutil.rmtree(aside, ignore_errors=True)  # nothing moved: the empty folder aside goes
+            raise
         try:
             os.replace(staging, target)
         except BaseException:

@@ -82,9 +82,18 @@ def eval_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.num_problems < 0:
         parser.error(f"--num-problems must be >= 0, got {args.num_problems}")
-
-    llm = LLM(args.model, revision=args.revision, dtype=args.dtype, quantization=args.quantization,
-              activations=args.activations)
+    if args.num_problems == 0 and args.perplexity is None:
+        parser.error("nothing to evaluate: --num-problems 0 needs --perplexity FILE")
+    try:  # the task's settings are checked before the model loads
+        task = ArithmeticTask(tuple(args.operations), args.low, args.high, max(args.num_problems, 1), seed=args.seed)
+    except ValueError as e:
+        parser.error(str(e))
+    try:  # a model that cannot load (CheckpointError included): one line naming it
+        llm = LLM(args.model, revision=args.revision, dtype=args.dtype, quantization=args.quantization,
+                  activations=args.activations)
+    except ValueError as e:
+        print(f"pagedrl eval: {e}", file=sys.stderr)
+        return 2
     print(f"[precision: {llm.precision.describe()}]", file=sys.stderr)
     if args.perplexity is not None:
         t0 = time.perf_counter()
@@ -95,7 +104,6 @@ def eval_main(argv: list[str]) -> int:
         print(f"{result.describe()} on {args.perplexity} ({time.perf_counter() - t0:.1f} s)")
     if args.num_problems == 0:
         return 0
-    task = ArithmeticTask(tuple(args.operations), args.low, args.high, args.num_problems, seed=args.seed)
     rows, _ = load_examples(task.eval_rows(), PromptRows(llm.tokenizer, None))
     t0 = time.perf_counter()
     correct, _, scored = score_sums(greedy_scores(llm, rows, ("last_integer_match", last_integer_match),

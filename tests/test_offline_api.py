@@ -1,0 +1,109 @@
+"""The offline API as a vLLM user writes it: prompt dicts, stop-token text, `min_tokens` against stop
+strings, `cumulative_logprob`, `seed=-1`, `num_cached_tokens`, the package's top-level names, and the
+commands' one-line refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+import pagedrl
+from pagedrl.cli import main
+from pagedrl.engine.llm import LLM
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.model.loader import load_model
+
+PROMPT = "the cat sat on the mat"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_train_model):
+    loaded = load_model(tiny_train_model, device="cpu")
+    return LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, kv_cache_tokens=2048)
+
+
+def test_text_and_token_prompt_dicts_are_prompts(llm):
+    ids = llm.tokenizer.encode(PROMPT)
+    plain = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0]
+    for form in ({"prompt": PROMPT}, [{"prompt": PROMPT}], {"prompt_token_ids": ids}, [{"prompt_token_ids": ids}]):
+        (out,) = llm.generate(form, GREEDY, use_tqdm=False)
+        assert out.outputs[0].token_ids == plain.outputs[0].token_ids and out.prompt_token_ids == ids
+    assert llm.generate({"prompt": PROMPT}, GREEDY, use_tqdm=False)[0].prompt == PROMPT
+    with pytest.raises(ValueError, match=r"prompts\[1\]: a prompt dict holds exactly one of prompt, prompt_token_ids"):
+        llm.generate([PROMPT, {"prompt": PROMPT, "multi_modal_data": {}}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list of them, got dict"):
+        llm.generate(PROMPT, {"max_tokens": 2}, use_tqdm=False)
+
+
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(llm):
+    tokens = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop = tokens[2]
+    end = tokens.index(stop) + 1
+    for include in (False, True):
+        out = llm.generate(PROMPT, GREEDY.clone(stop_token_ids=[stop], include_stop_str_in_output=include),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == tokens[:end] and out.stop_reason == stop
+        assert out.text == llm.tokenizer.decode(tokens[:end] if include else tokens[:end - 1])
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    out = llm.generate(PROMPT, GREEDY.clone(max_tokens=16), use_tqdm=False)[0].outputs[0]
+    first = llm.tokenizer.decode(out.token_ids[:1])
+    assert first.strip()
+    stop = first.strip()[0]
+    early = llm.generate(PROMPT, GREEDY.clone(max_tokens=16, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    held = llm.generate(PROMPT, GREEDY.clone(max_tokens=16, stop=[stop], min_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert len(early.token_ids) == 1 and len(held.token_ids) > 4
+    assert held.token_ids == out.token_ids[:len(held.token_ids)]
+
+
+def test_cumulative_logprob_is_reported_with_logprobs_in_their_mode(llm):
+    assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].cumulative_logprob is None
+    sampled = SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=6, ignore_eos=True, logprobs=0)
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        out = llm.generate(PROMPT, sampled.clone(logprobs_mode=mode), use_tqdm=False)[0].outputs[0]
+        chosen = [entry[t].logprob for t, entry in zip(out.token_ids, out.logprobs, strict=True)]
+        assert out.cumulative_logprob == pytest.approx(sum(chosen), abs=1e-9)
+
+
+def test_seed_minus_one_means_no_seed():
+    assert SamplingParams(seed=-1).seed is None
+
+
+def test_num_cached_tokens_counts_the_prompts_prefix_hits(llm):
+    long = llm.tokenizer.encode(" ".join([PROMPT] * 12))
+    first = llm.generate([long], GREEDY, use_tqdm=False)[0]
+    second = llm.generate([long], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert 0 < second.num_cached_tokens < len(long) and second.num_cached_tokens % llm.block_size == 0
+
+
+def test_vllms_top_level_names():
+    from pagedrl.engine.outputs import CompletionOutput, RequestOutput
+    from pagedrl.engine.sampling_params import RequestOutputKind
+    from pagedrl.engine.structured_outputs import StructuredOutputsParams
+
+    assert (pagedrl.RequestOutput, pagedrl.CompletionOutput, pagedrl.RequestOutputKind) == (
+        RequestOutput, CompletionOutput, RequestOutputKind)
+    assert pagedrl.GuidedDecodingParams is pagedrl.StructuredOutputsParams is StructuredOutputsParams
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        _ = pagedrl.Nope
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["generate", "--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature must be non-negative"),
+    (["eval", "--operations", "/"], "operations: choose from"),
+    (["eval", "--num-problems", "0"], "nothing to evaluate"),
+])
+def test_bad_command_arguments_are_one_line_before_the_model_loads(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_missing_model_is_one_line(tmp_path, capsys):
+    for command in (["generate", str(tmp_path / "none"), "--prompt", "hi"], ["eval", str(tmp_path / "none")]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert "no such folder or file" in err and "Traceback" not in err
