@@ -107,3 +107,72 @@ def test_a_missing_model_is_one_line(tmp_path, capsys):
         assert main(command) == 2
         err = capsys.readouterr().err
         assert "no such folder or file" in err and "Traceback" not in err
+
+
+def test_chat_takes_vllms_arguments(llm):
+    conv = [{"role": "user", "content": [{"type": "text", "text": "what is"}, {"type": "text", "text": "two"}]},
+            {"role": "assistant", "content": "the answer is"}]
+    (out,) = llm.chat(conv, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert out.prompt.endswith("<|im_start|>assistant\nthe answer is") and "what is\ntwo" in out.prompt
+    assert out.prompt_token_ids == llm.tokenizer.encode(out.prompt, add_special_tokens=False)
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}{{ greeting }}"
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    (out,) = llm.chat(conv[:1], GREEDY, use_tqdm=False, chat_template=template, tools=tools,
+                      chat_template_kwargs={"greeting": "!"})
+    assert out.prompt == "[add]what is\ntwo!"
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        llm.chat(conv, GREEDY, use_tqdm=False, continue_final_message=True)
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: only text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], GREEDY, use_tqdm=False)
+
+
+def test_the_models_generation_config_gives_the_default_sampling(tiny_train_model, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_train_model, folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0, "max_new_tokens": 3}))
+    llm = LLM(str(folder), kv_cache_tokens=1024)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=3)
+    (out,) = llm.generate(PROMPT, use_tqdm=False)
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == greedy.outputs[0].token_ids and len(out.outputs[0].token_ids) <= 3
+    assert LLM(str(folder), kv_cache_tokens=1024, generation_config="vllm").get_default_sampling_params() == \
+        SamplingParams()
+    (folder / "generation_config.json").write_text(json.dumps({**config, "top_p": 2.0}))
+    with pytest.raises(ValueError, match=r"generation_config.json: SamplingParams.top_p must be in \(0, 1\]"):
+        LLM(str(folder), kv_cache_tokens=1024)
+
+
+def test_the_server_fills_unset_fields_from_the_models_defaults():
+    from pagedrl.server.inputs import completion_inputs
+    from pagedrl.server.protocol import CompletionRequest
+
+    defaults = {"temperature": 0.6, "top_k": 20, "max_tokens": 5}
+    _, params = completion_inputs(CompletionRequest(prompt="hi"), defaults=defaults)
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.6, 20, 5)
+    _, params = completion_inputs(CompletionRequest(prompt="hi", temperature=1.0, max_tokens=9), defaults=defaults)
+    assert (params.temperature, params.top_k, params.max_tokens) == (1.0, 20, 9)  # what the request says wins
+    assert completion_inputs(CompletionRequest(prompt="hi"))[1].max_tokens == 16  # OpenAI's default without them
+
+
+def test_a_tokenizer_folder_stands_in_for_the_models(tiny_train_model, tmp_path):
+    with pytest.raises(ValueError, match="holds no tokenizer.json"):
+        LLM(str(tiny_train_model), tokenizer=str(tmp_path), kv_cache_tokens=1024)
+    llm = LLM(str(tiny_train_model), tokenizer=str(tiny_train_model), kv_cache_tokens=1024)
+    assert llm.get_tokenizer().encode(PROMPT) == llm.llm_engine.tokenizer.encode(PROMPT)
+
+
+def test_sleep_levels_and_prefix_cache_reset(llm):
+    with pytest.raises(ValueError, match="level 2 is not supported"):
+        llm.sleep(level=2)
+    long = llm.tokenizer.encode(" ".join([PROMPT] * 12))
+    llm.generate([long], GREEDY, use_tqdm=False)
+    llm.reset_prefix_cache()
+    assert llm.generate([long], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+    assert llm.generate([long], GREEDY, use_tqdm=False)[0].num_cached_tokens > 0
+    llm.sleep(level=1)  # the cache's memory goes, and the prefixes it held with it
+    llm.wake_up(tags=["kv_cache"])
+    assert llm.generate([long], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0

@@ -45,6 +45,10 @@ class EngineArgs(EngineConfig):
     adapter: str | None = setting(
         None, "a LoRA adapter folder or Hub id (PEFT's format, e.g. a trainer's final/ with use_peft) folded into "
               "the model's weights at load; without a model, the base the adapter names", "model", metavar="PATH")
+    generation_config: str = setting(
+        "auto", "auto: the model's generation_config.json gives the temperature, top_p, top_k, min_p, "
+                "repetition_penalty and max_tokens (max_new_tokens) of requests that leave them unset, as vLLM "
+                "does; vllm: SamplingParams' own defaults", "model", choices=("auto", "vllm"))
     device: str | None = setting(None, "cpu, cuda, cuda:1, ... (default: cuda if available)", "model")
     dtype: torch.dtype | str = setting("auto", DTYPE_HELP, "model", choices=DTYPE_CHOICES)
     quantization: str | None = setting(

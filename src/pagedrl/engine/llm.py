@@ -10,6 +10,7 @@ import logging
 from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -18,7 +19,7 @@ from pagedrl.engine.engine_args import EngineArgs, ordered_fields
 from pagedrl.engine.llm_engine import LLMEngine
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.outputs import RequestOutput
-from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
+from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams, sampling_defaults
 from pagedrl.model import batch_invariant
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.footprint import footprint
@@ -58,6 +59,32 @@ def final_only(params: list[SamplingParams]) -> list[SamplingParams]:
     return out
 
 
+def _tokenizer_from(tokenizer: Any) -> Any:
+    """`LLM(tokenizer=...)`: a folder's tokenizer, or the object given."""
+    if isinstance(tokenizer, (str, Path)):
+        from pagedrl.model.tokenizer import Tokenizer
+
+        folder = Path(tokenizer)
+        if not (folder / "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer: {folder} holds no tokenizer.json (give a local folder; "
+                             "a Hub id is a model's name, the tokenizer comes with it)")
+        return Tokenizer.from_folder(folder)
+    return tokenizer
+
+
+def _text_parts_joined(message: Mapping[str, Any], index: int) -> dict[str, Any]:
+    """A message whose content is a list of text parts, with the parts' text joined by newlines."""
+    content = message.get("content") if isinstance(message, Mapping) else None
+    if not isinstance(content, (list, tuple)):
+        return dict(message) if isinstance(message, Mapping) else message  # the template names a bad one
+    texts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise ValueError(f"messages[{index}].content[{j}]: only text parts are supported, got {part!r}")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
+
+
 def engine_args_from(model: str | None, engine_args: dict[str, Any]) -> EngineArgs:
     """`LLM`'s keyword arguments as `EngineArgs`; a name that is not a field is a TypeError that says
     which field was probably meant."""
@@ -90,7 +117,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, tokenizer: Any = None, _module: CausalLM | None = None,
                  _eos_token_ids: list[int] | None = None, **engine_args: Any) -> None:
-        """`engine_args`: any field of `EngineArgs` by name (the signature lists them)."""
+        """`engine_args`: any field of `EngineArgs` by name (the signature lists them). `tokenizer`: a
+        folder holding tokenizer.json (vLLM's `tokenizer=`), or a tokenizer object, in place of the model's."""
         args = self.engine_args = engine_args_from(model, engine_args)
         config = args.engine_config()
         config.validate()  # before a model is loaded (the engine checks it again, for its other callers)
@@ -98,12 +126,20 @@ class LLM:
             raise ValueError("enable_lora: adapters per request need a model the engine owns (LLM(model, ...)); "
                              "a module training owns would have its projections replaced")
         owned = _module is None
+        self.sampling_defaults: dict[str, Any] = {}
         if owned:
             from pagedrl.model.loader import load_model
 
             loaded = load_model(args.model, device=args.device, dtype=args.dtype, adapter=args.adapter,
                                 revision=args.revision, quantization=args.quantization, activations=args.activations)
-            _module, tokenizer, _eos_token_ids = loaded.model, loaded.tokenizer, loaded.eos_token_ids
+            _module, _eos_token_ids = loaded.model, loaded.eos_token_ids
+            tokenizer = loaded.tokenizer if tokenizer is None else _tokenizer_from(tokenizer)
+            if args.generation_config == "auto":
+                self.sampling_defaults = sampling_defaults(loaded.generation_config,
+                                                           str(loaded.path / "generation_config.json"))
+                if self.sampling_defaults:
+                    logger.info("pagedrl engine: default sampling parameters from the model's generation config: "
+                                "%s (generation_config='vllm' turns them off)", self.sampling_defaults)
             self.precision = loaded.precision
             logger.info("pagedrl engine: %s on %s", self.precision.describe(), _module.device)
         elif args.autocast_dtype is not None:
@@ -150,6 +186,20 @@ class LLM:
     def vocab_size(self) -> int:
         return self.engine.vocab_size
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's name for it)."""
+        return self.engine
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate(prompts)` samples with: SamplingParams' defaults, over which the model's
+        generation_config.json recommends its own (vLLM's `generation_config="auto"`)."""
+        return SamplingParams(**self.sampling_defaults)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (their blocks become plain free blocks)."""
+        self.engine.kv_manager.reset_prefix_cache()
+
     def reseed(self, seed: int) -> None:
         """Restart the random stream of requests whose `SamplingParams` carry no seed."""
         self.engine.reseed(seed)
@@ -166,7 +216,7 @@ class LLM:
             prompts = [prompts]
         prompts = [as_prompt(p, i) for i, p in enumerate(prompts)]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, (Mapping, str)):
             raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
                              f"{type(sampling_params).__name__}")
@@ -207,18 +257,30 @@ class LLM:
             bar.close()
         return [done[rid] for rid in request_ids]
 
-    def chat(self, conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
+    def chat(self, messages: Seq[Mapping[str, Any]] | Seq[Seq[Mapping[str, Any]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
-             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: Seq[Mapping[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation or a list of them, each rendered with the model's chat
+        template (or `chat_template`, a template's name or text) with `tools`, then generated. A
+        message's content may be a list of text parts (joined by newlines, as vLLM does for a text
+        model); `continue_final_message` (with `add_generation_prompt=False`) has the model go on
+        writing the final message. Each output's `prompt` is the rendered text."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template")
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # one conversation
-        prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                                      **(chat_template_kwargs or {}))
-                   for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        if messages and isinstance(messages[0], Mapping):
+            messages = [messages]  # one conversation
+        texts = [self.tokenizer.apply_chat_template(
+            [_text_parts_joined(m, i) for i, m in enumerate(conv)], add_generation_prompt=add_generation_prompt,
+            tools=tools, chat_template=chat_template, continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {})) for conv in messages]
+        prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        for out, text in zip(outputs, texts, strict=True):
+            out.prompt = text
+        return outputs
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
@@ -230,11 +292,15 @@ class LLM:
         with batch_invariant.suspended(self.engine.runner.model):
             yield
 
-    def sleep(self) -> None:
-        """Release the KV cache memory until the next request (vLLM's sleep mode, level 1)."""
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache memory until the next request (vLLM's sleep mode, level 1: the weights
+        stay, since they are the trainer's own tensors or the model's only copy)."""
+        if level != 1:
+            raise ValueError(f"sleep: level {level} is not supported; level 1 frees the KV cache, the weights stay")
         self.engine.sleep()
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Allocate the KV cache again (`tags`: vLLM's; the weights never left, so only the cache is woken)."""
         self.engine.wake_up()
 
     def close(self) -> None:

@@ -148,22 +148,46 @@ def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str,
 
 def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
                          tools: Sequence[Any] | None = None, documents: Sequence[Any] | None = None,
-                         special_tokens: Mapping[str, str] | None = None, **kwargs: Any) -> str:
+                         special_tokens: Mapping[str, str] | None = None, continue_final_message: bool = False,
+                         **kwargs: Any) -> str:
     """Render `messages` with the template text `source`.
 
     `special_tokens` (bos_token, eos_token, ...) are visible to the template as variables, and any
     extra keyword (e.g. `enable_thinking`) overrides them, which is the order transformers uses.
+    `continue_final_message` ends the text right after the final message's own text (transformers'
+    rule), so that the model goes on writing that message rather than answering it.
     """
     if not messages:
         raise ChatTemplateError("messages: cannot apply a chat template to an empty conversation")
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true "
+                                "(send add_generation_prompt false to continue the final message)")
     if tools is not None and not all(isinstance(t, Mapping) for t in tools):
         raise ChatTemplateError("tools: each tool must be a JSON schema dict")
     variables = {**(special_tokens or {}), **kwargs}
     try:
-        return compile_chat_template(source).render(
+        text = compile_chat_template(source).render(
             messages=_normalize_messages(messages), tools=None if tools is None else list(tools),
             documents=None if documents is None else list(documents),
             add_generation_prompt=add_generation_prompt, **variables,
         )
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"chat_template: {e}") from None
+    return _cut_after_final_message(text, messages[-1]) if continue_final_message else text
+
+
+def _cut_after_final_message(text: str, final: Mapping[str, Any]) -> str:
+    """`text` up to the end of the final message's own text (its last text part's), where the template
+    put it; a template that trimmed the message's spaces is cut after the trimmed text."""
+    content = final.get("content")
+    if isinstance(content, (list, tuple)):
+        content = next((part["text"] for part in reversed(content) if isinstance(part, Mapping) and "text" in part),
+                       None)
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError("continue_final_message: the final message has no text to continue")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the final message's text is not in the rendered prompt "
+                                "(the template leaves it out)")
+    kept = content.lstrip()
+    return text[:at + len(kept if text[at:at + len(kept)] == kept else content.strip())]

@@ -144,7 +144,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
               api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
               ui: bool = True, tool_call_parser: str | None = "hermes", enable_auto_tool_choice: bool = False,
-              lora_modules: Sequence[LoRAModule] = (), allow_runtime_lora_updating: bool = False) -> FastAPI:
+              lora_modules: Sequence[LoRAModule] = (), allow_runtime_lora_updating: bool = False,
+              sampling_defaults: dict[str, Any] | None = None) -> FastAPI:
     """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
     With `ui`, `/` answers with the chat page (`server/ui_routes.py`), a static file that calls the
     API like any client (and needs the API key like any client). With `api_key`, every route that
@@ -153,7 +154,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
     with `tool_call_parser`.
     On an engine built with `enable_lora`, each of `lora_modules` is served under its name (a request's
     `model` picks it; one that does not fit raises ValueError here), and with `allow_runtime_lora_updating`
-    adapters are loaded and unloaded at run time (`server/lora_routes.py`)."""
+    adapters are loaded and unloaded at run time (`server/lora_routes.py`). `sampling_defaults` (the
+    model's generation config, vLLM's `--generation-config auto`) stand in for unset sampling fields."""
     served = ServedModels(served_model_name, read=engine.read_lora if engine.lora_enabled else None)
     for module in lora_modules:
         served.load(module)
@@ -232,7 +234,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
     async def completions(request: Request) -> Response:
         req = await read_json(request, CompletionRequest, max_request_body_bytes)
         lora = check_model(req.model)
-        prompts, params = completion_inputs(req, max_n)
+        prompts, params = completion_inputs(req, max_n, sampling_defaults)
         echo = Echo(req.echo, req.echo and req.max_tokens == 0)
         group = await submit(prompts, params, structured_outputs(req)[1], lora)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -255,7 +257,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
         plan = tool_plan(req, tool_call_parser, enable_auto_tool_choice)
         if plan is not None:  # schemas compile off the event loop (cached: a repeated tool costs nothing)
             await asyncio.to_thread(check_tool_schemas, plan, engine.check_structured_output)
-        prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan)
+        prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan, sampling_defaults)
         group = await submit([prompt_ids], params, {"logprobs": "top_logprobs", **structured_outputs(req)[1]}, lora)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         model = req.model or served_model_name

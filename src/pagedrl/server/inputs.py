@@ -6,6 +6,7 @@ Unset sampling fields keep SamplingParams' defaults, which are OpenAI's (tempera
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pagedrl.engine.sampling_params import SamplingParams
@@ -39,8 +40,12 @@ OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequen
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                    renames: dict[str, str] | None = None, max_n: int = DEFAULT_MAX_N) -> SamplingParams:
-    """SamplingParams for a request; a bad value is a 400 naming the request field."""
+                    renames: dict[str, str] | None = None, max_n: int = DEFAULT_MAX_N,
+                    defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """SamplingParams for a request; a bad value is a 400 naming the request field. `defaults` (the
+    model's generation config, as vLLM takes it) stand in for the sampling settings the request leaves
+    unset."""
+    defaults = defaults or {}
     if not 1 <= req.n <= max_n:
         raise bad_request(f"n must be between 1 and {max_n}, got {req.n}", param="n")
     if req.stream_options is not None and not req.stream:
@@ -60,19 +65,19 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         structured_outputs=structured_outputs(req)[0], logit_bias=req.logit_bias,
         allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
         truncate_prompt_tokens=req.truncate_prompt_tokens)
-    for name in OPTIONAL_FLOATS:
-        if getattr(req, name) is not None:
-            kwargs[name] = getattr(req, name)
-    if req.top_k is not None:
-        kwargs["top_k"] = req.top_k
+    for name in (*OPTIONAL_FLOATS, "top_k"):
+        value = getattr(req, name)
+        value = defaults.get(name) if value is None else value
+        if value is not None:
+            kwargs[name] = value
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
         raise from_value_error(e, renames) from None
 
 
-def completion_inputs(req: CompletionRequest,
-                      max_n: int = DEFAULT_MAX_N) -> tuple[list[str | list[int]], SamplingParams]:
+def completion_inputs(req: CompletionRequest, max_n: int = DEFAULT_MAX_N,
+                      defaults: Mapping[str, Any] | None = None) -> tuple[list[str | list[int]], SamplingParams]:
     """The prompts (one engine request each) and the sampling parameters of a completion request."""
     if req.suffix is not None:
         raise bad_request("suffix is not supported", param="suffix")
@@ -90,9 +95,11 @@ def completion_inputs(req: CompletionRequest,
         raise bad_request(f"min_tokens ({req.min_tokens}) exceeds max_tokens, which is {COMPLETION_MAX_TOKENS} on "
                           "/v1/completions unless given (as in OpenAI's API and vLLM); give max_tokens (null: up to "
                           "the context)", param="min_tokens")
+    if "max_tokens" not in req.model_fields_set and (defaults or {}).get("max_tokens") is not None:
+        max_tokens = min(max_tokens, defaults["max_tokens"])  # the lesser of the route's and the model's
     if req.echo and max_tokens == 0:
         max_tokens = 1  # the prompt alone: the engine still makes a token, which the answer leaves out
-    params = sampling_params(req, max_tokens, req.logprobs, max_n=max_n)
+    params = sampling_params(req, max_tokens, req.logprobs, max_n=max_n, defaults=defaults)
     if req.echo and req.logprobs is not None:
         if req.prompt_logprobs not in (None, req.logprobs):
             raise bad_request(f"with echo, the prompt's alternatives are logprobs' ({req.logprobs}); prompt_logprobs "
@@ -135,18 +142,21 @@ def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
 
 
 def chat_inputs(req: ChatCompletionRequest, tokenizer: Any, max_n: int = DEFAULT_MAX_N,
-                plan: ToolPlan | None = None) -> tuple[list[int], SamplingParams]:
+                plan: ToolPlan | None = None, defaults: Mapping[str, Any] | None = None) -> tuple[list[int], SamplingParams]:
     """The chat template applied to the messages and `plan`'s tools (as token ids) and the sampling
     parameters, constrained to tool calls when the plan requires them."""
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise bad_request("give max_completion_tokens or max_tokens, not both", param="max_tokens")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:
+        max_tokens = (defaults or {}).get("max_tokens")  # else up to the context
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     if req.echo not in (None, False):
         raise bad_request("echo is not supported on chat completions (it is on /v1/completions)", param="echo")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, logprobs, renames={"logprobs": "top_logprobs"}, max_n=max_n)
+    params = sampling_params(req, max_tokens, logprobs, renames={"logprobs": "top_logprobs"}, max_n=max_n,
+                             defaults=defaults)
     constraint = tool_constraint(plan, req.parallel_tool_calls)
     if constraint is not None:
         if params.structured_outputs is not None:
@@ -175,23 +185,15 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_
     uses_tools = tools or any(d["role"] == "tool" or "tool_calls" in d for d in dicts)
     if uses_tools and not template_handles_tools(select_chat_template(tokenizer.chat_template, None, tools)):
         dicts, tools = with_hermes_tools(dicts, tools or []), None
+    extra = {k: v for k, v in (template_kwargs or {}).items()
+             if k not in ("messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
+                          "special_tokens", "continue_final_message")}
     try:
-        extra = {k: v for k, v in (template_kwargs or {}).items()
-                 if k not in ("messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
-                              "special_tokens")}
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             continue_final_message=continue_final_message, **extra)
     except ValueError as e:
-        raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
-    if continue_final_message:
-        final = dicts[-1]["content"]
-        cut = text.rfind(final) if final else -1
-        if cut < 0 and final.strip():
-            final = final.strip()  # templates that trim messages (Llama 3.1's), as transformers allows for
-            cut = text.rfind(final)
-        if cut < 0 or not final:
-            raise bad_request("continue_final_message: the final message's text is empty or not in the rendered "
-                              "prompt", param="continue_final_message")
-        text = text[:cut + len(final)]
+        param = "continue_final_message" if str(e).startswith("continue_final_message") else "messages"
+        raise bad_request(f"the chat template failed on these messages: {e}", param=param) from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -118,6 +118,7 @@ def build_server(args: argparse.Namespace) -> Any:
 
     from pagedrl.engine.async_engine import AsyncEngine
     from pagedrl.engine.llm_engine import LLMEngine
+    from pagedrl.engine.sampling_params import sampling_defaults
     from pagedrl.model.default import DEFAULT_MODEL
     from pagedrl.model.loader import load_model
     from pagedrl.server.app import build_app
@@ -128,6 +129,11 @@ def build_server(args: argparse.Namespace) -> Any:
                         quantization=engine_args.quantization,
                         activations=engine_args.activations)
     engine = LLMEngine(loaded.model, loaded.tokenizer, engine_args.engine_config(), eos_token_ids=loaded.eos_token_ids)
+    defaults = sampling_defaults(loaded.generation_config, str(loaded.path / "generation_config.json")) \
+        if engine_args.generation_config == "auto" else {}
+    if defaults:
+        logger.info("default sampling parameters from the model's generation config, for requests that leave "
+                    "them unset: %s (--generation-config vllm turns them off)", defaults)
     name = args.served_model_name or args.adapter or args.model or DEFAULT_MODEL
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
     app = build_app(async_engine, served_model_name=name,
@@ -135,7 +141,7 @@ def build_server(args: argparse.Namespace) -> Any:
                     max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n, ui=not args.no_ui,
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                     lora_modules=[parse_lora_module(m) for m in args.lora_modules],
-                    allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                    allow_runtime_lora_updating=args.allow_runtime_lora_updating, sampling_defaults=defaults)
     stats = engine.metrics_snapshot()
     if stats.lora is not None:
         logger.info("LoRA: %d slots of rank up to %d on every decoder projection (%.1f MiB)", args.max_loras,
