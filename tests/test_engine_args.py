@@ -102,6 +102,9 @@ def test_serve_refuses_bad_engine_flags_naming_them() -> None:
     assert engine_arguments_problem(args) == "--kv-cache-tokens (8) must hold at least one block of " \
                                              "--block-size=16 tokens"
     assert engine_arguments_problem(build_parser().parse_args([])) is None
+    args = build_parser().parse_args(["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"])
+    assert engine_arguments_problem(args) == "--max-cpu-loras (1) must be at least --max-loras (2): what the " \
+                                             "slots hold is kept on the host too"
 
 
 def engine_table() -> dict[str, str]:

@@ -92,11 +92,12 @@ def test_adapter_saved_here_gives_peft_logits(tmp_path, family, targets) -> None
     assert float(real(base - ref, mask).abs().max()) > 1e-2  # the adapter really changes the model
 
 
-def test_adapter_saved_by_peft_loads_here(tmp_path) -> None:
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj", "up_proj"], r".*\.(q_proj|v_proj|up_proj)"])
+def test_adapter_saved_by_peft_loads_here(tmp_path, targets) -> None:
+    """Targets as names, or as PEFT's one regular expression full-matched against module names."""
     hf = hf_model(FAMILIES["llama-gqa-untied"])
     ours = pagedrl_from(hf)
-    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.1,
-                             task_type="CAUSAL_LM")
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.1, task_type="CAUSAL_LM")
     peft_model = peft.get_peft_model(hf, config)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -165,6 +166,14 @@ def test_bad_adapter_configs_are_refused_by_field(tmp_path) -> None:
     (folder / ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 4, "target_modules": ["embed"]}))
     with pytest.raises(CheckpointError, match="target_modules"):
         read_adapter_config(folder)
+    for key, value, words in (("alora_invocation_tokens", [5, 6], "alora_invocation_tokens=.* not supported"),
+                              ("layer_replication", [[0, 2]], "layer_replication"),
+                              ("target_modules", r"model\.layers\.0\.self_attn\.q_proj", "in some layers only"),
+                              ("target_modules", r".*lm_head", "matches no decoder projection"),
+                              ("target_modules", "(", "not a regular expression")):
+        (folder / ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 4, key: value}))
+        with pytest.raises(CheckpointError, match=words):
+            read_adapter_config(folder)
     (folder / ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     with pytest.raises(CheckpointError, match=ADAPTER_WEIGHTS):
         load_adapter(CausalLM(ModelConfig.from_dict(dict(FAMILIES["llama-gqa-untied"]))), folder)

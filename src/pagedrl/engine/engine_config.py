@@ -99,3 +99,6 @@ class EngineConfig:
                              f"of block_size={self.block_size} tokens")
         if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < 1):
             raise ValueError(f"max_cpu_loras must be a positive integer, got {self.max_cpu_loras!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:  # as vLLM
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}): "
+                             "what the slots hold is kept on the host too")

@@ -14,6 +14,7 @@ refused by name on load rather than silently ignored.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,15 @@ from torch import nn
 
 from pagedrl.model.checkpoint import CheckpointError
 from pagedrl.model.expert_lora import peft_names
-from pagedrl.model.lora import LoRAConfig, adapter_config, adapter_state_dict, apply_lora, lora_layers
+from pagedrl.model.lora import (
+    ALL_LINEAR,
+    LoRAConfig,
+    adapter_config,
+    adapter_state_dict,
+    apply_lora,
+    lora_layers,
+)
+from pagedrl.model.projections import LAYER_PROJECTIONS
 from pagedrl.model.staging import staged_folder
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -34,6 +43,13 @@ PEFT_PREFIX = "base_model.model."
 UNSUPPORTED = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "bias": "none",
                "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
                "lora_bias": False, "exclude_modules": None, "trainable_token_indices": None}
+# PEFT options that change what an adapter computes, refused when set (not written into a saved config,
+# as the ones above are with their defaults: older PEFT versions do not know them).
+REFUSED_IF_SET = ("alora_invocation_tokens", "layer_replication", "kasa_config", "use_bdlora", "arrow_config")
+# A `target_modules` regular expression is tried on these layers' module names (PEFT full-matches it
+# against every module's name): a projection it takes in some of them only is refused.
+PROBE_LAYERS = (0, 1, 2, 7, 31)
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 
 
 def is_adapter_folder(path: str | Path) -> bool:
@@ -106,9 +122,12 @@ def read_adapter_config(folder: str | Path) -> LoRAConfig:
         value = raw.get(key, default)
         if value not in (default, None) and not (isinstance(default, dict) and not value):
             raise CheckpointError(f"{path}: {key}={value!r} is not supported (only {default!r})")
+    for key in REFUSED_IF_SET:
+        if raw.get(key) not in (None, False, {}, []):
+            raise CheckpointError(f"{path}: {key}={raw[key]!r} is not supported (only unset)")
     targets = raw.get("target_modules")
     if isinstance(targets, str):
-        targets = [targets]
+        targets = [targets] if targets == ALL_LINEAR or targets in LAYER_PROJECTIONS else regex_targets(targets, path)
     parameters = raw.get("target_parameters")
     if isinstance(parameters, str):
         parameters = [parameters]
@@ -126,6 +145,29 @@ def read_adapter_config(folder: str | Path) -> LoRAConfig:
                           base_model_name_or_path=raw.get("base_model_name_or_path"), revision=raw.get("revision"))
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: {e}") from None
+
+
+def regex_targets(pattern: str, path: Path) -> list[str]:
+    """The projections PEFT's `target_modules` regular expression selects (it is full-matched against
+    module names such as `model.layers.3.self_attn.q_proj`) in every layer; one it selects in some layers
+    only would be a per-layer choice (`layers_to_transform`'s), which is refused as that is."""
+    try:
+        rx = re.compile(pattern)
+    except re.error as e:
+        raise CheckpointError(f"{path}: target_modules {pattern!r} is not a regular expression ({e})") from None
+    targets = []
+    for projection in LAYER_PROJECTIONS:
+        parent = "mlp" if projection in MLP_PROJECTIONS else "self_attn"
+        hits = [rx.fullmatch(f"model.layers.{i}.{parent}.{projection}") is not None for i in PROBE_LAYERS]
+        if all(hits):
+            targets.append(projection)
+        elif any(hits):
+            raise CheckpointError(f"{path}: target_modules {pattern!r} takes {projection} in some layers only; "
+                                  "an adapter of some layers is not supported")
+    if not targets:
+        raise CheckpointError(f"{path}: target_modules {pattern!r} matches no decoder projection's name "
+                              "(as model.layers.0.self_attn.q_proj)")
+    return targets
 
 
 def read_adapter_weights(folder: str | Path) -> dict[str, torch.Tensor]:

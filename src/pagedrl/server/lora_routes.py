@@ -70,6 +70,9 @@ def lora_router(served: ServedModels, max_request_body_bytes: int) -> APIRouter:
             raise ApiError(400, f"The lora adapter '{req.lora_name}' has already been loaded.", param="lora_name")
         try:
             lora = served.new_request(LoRAModule(req.lora_name, req.lora_path))
+        except ValueError as e:  # the name: the base model's, or not a name
+            raise ApiError(400, str(e), param="lora_name") from None
+        try:
             await asyncio.to_thread(served.read, lora)
         except AdapterNotFound as e:
             raise ApiError(404, str(e), "not_found_error", param="lora_path") from None
