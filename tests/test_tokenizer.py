@@ -64,6 +64,20 @@ def test_decode_matches_transformers(default_tokenizer, hf_tokenizer, skip_speci
             ids, skip_special_tokens=skip_special_tokens)
 
 
+def test_transformers_spellings_match_transformers(default_tokenizer, hf_tokenizer) -> None:
+    """What scripts written against vLLM's `get_tokenizer()` (a transformers tokenizer) call."""
+    texts = TEXTS[:4]
+    assert default_tokenizer(texts[0])["input_ids"] == hf_tokenizer(texts[0])["input_ids"]
+    assert default_tokenizer(texts)["input_ids"] == hf_tokenizer(texts)["input_ids"]
+    ids = [hf_tokenizer.encode(t) for t in texts]
+    assert default_tokenizer.batch_decode(ids) == hf_tokenizer.batch_decode(ids, skip_special_tokens=True)
+    assert default_tokenizer.convert_ids_to_tokens(ids[0]) == hf_tokenizer.convert_ids_to_tokens(ids[0])
+    assert default_tokenizer.convert_ids_to_tokens(ids[0][0]) == hf_tokenizer.convert_ids_to_tokens(ids[0][0])
+    tokens = hf_tokenizer.convert_ids_to_tokens(ids[1])
+    assert default_tokenizer.convert_tokens_to_ids(tokens) == hf_tokenizer.convert_tokens_to_ids(tokens)
+    assert default_tokenizer.get_vocab() == hf_tokenizer.get_vocab()
+
+
 @pytest.mark.slow
 def test_text_roundtrips_through_ids(default_tokenizer) -> None:
     for text in TEXTS:

@@ -160,6 +160,27 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(int(token_id))
 
+    # transformers' spellings, which scripts written for vLLM's `get_tokenizer()` call
+
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> dict[str, Any]:
+        """`{"input_ids": ...}` for a text (ids) or a list of texts (a list of ids each)."""
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens)}
+        return {"input_ids": self.encode_batch(text, add_special_tokens)}
+
+    def batch_decode(self, sequences: Iterable[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    def convert_ids_to_tokens(self, ids: int | Iterable[int]) -> str | None | list[str | None]:
+        return self.id_to_token(ids) if isinstance(ids, int) else [self.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | Iterable[str]) -> int | None | list[int | None]:
+        return self.token_to_id(tokens) if isinstance(tokens, str) else [self.token_to_id(t) for t in tokens]
+
+    def get_vocab(self) -> dict[str, int]:
+        """Every token's id, added tokens included."""
+        return self.backend.get_vocab(with_added_tokens=True)
+
     def _named_id(self, name: str) -> int | None:
         token = self.special_tokens.get(name)
         return None if token is None else self.backend.token_to_id(token)
