@@ -14,7 +14,8 @@ from pagedrl.model.loader import load_model
 @pytest.fixture(scope="module")
 def llm(tiny_train_model):
     loaded = load_model(tiny_train_model, device="cpu")
-    return LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, kv_cache_tokens=1024)
+    return LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, kv_cache_tokens=1024,
+                           max_logprobs=-1)  # the whole distribution, to rank against
 
 
 def rank_in(distribution: dict, token: int) -> int:
@@ -42,3 +43,12 @@ def test_sampled_and_prompt_tokens_carry_their_rank_and_name(llm, mode):
         assert entry[token].rank == rank_in(whole, token) and entry[token].decoded_token is not None
         best = min(entry.values(), key=lambda lp: lp.rank)
         assert best.rank == 1 and best.logprob == max(lp.logprob for lp in whole.values())
+
+
+def test_alternatives_beyond_max_logprobs_are_refused(tiny_train_model):
+    loaded = load_model(tiny_train_model, device="cpu")
+    llm = LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, kv_cache_tokens=1024)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"^{name} \(21\) exceeds max_logprobs \(20\)"):
+            llm.generate("the cat", SamplingParams(max_tokens=2, **{name: 21}), use_tqdm=False)
+    assert llm.generate("the cat", SamplingParams(max_tokens=2, logprobs=20), use_tqdm=False)[0].outputs[0].logprobs

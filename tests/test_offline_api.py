@@ -176,3 +176,10 @@ def test_sleep_levels_and_prefix_cache_reset(llm):
     llm.sleep(level=1)  # the cache's memory goes, and the prefixes it held with it
     llm.wake_up(tags=["kv_cache"])
     assert llm.generate([long], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_vllms_model_arguments(tiny_train_model):
+    llm = LLM(str(tiny_train_model), kv_cache_tokens=1024, trust_remote_code=True, tensor_parallel_size=1)
+    assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: one model is served on one device"):
+        LLM(str(tiny_train_model), tensor_parallel_size=2)

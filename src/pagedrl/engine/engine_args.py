@@ -66,8 +66,19 @@ class EngineArgs(EngineConfig):
                    "computes them (faster, 1.6-2x per product; the tokens are "
                    "no longer the float32 model's)", "model", choices=ACTIVATIONS)
 
+    trust_remote_code: bool = setting(
+        False, "vLLM's flag, accepted: pagedrl runs no code from a checkpoint, so it changes nothing (an "
+               "architecture pagedrl does not implement is refused either way)", "model")
+    tensor_parallel_size: int = setting(
+        1, "devices one model is split over: 1 (several processes train with torchrun; serving is one device)",
+        "model")
+
     def engine_config(self) -> EngineConfig:
-        """The engine's part (what `LLMEngine` takes), without the model's."""
+        """The engine's part (what `LLMEngine` takes), without the model's; ValueError for a model setting
+        this engine does not have."""
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size}: one model is served on one device "
+                             "here; tensor parallelism is not built")
         return EngineConfig(**self.config_kwargs())
 
     def config_kwargs(self) -> dict[str, Any]:

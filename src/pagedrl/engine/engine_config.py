@@ -77,6 +77,9 @@ class EngineConfig:
     max_lora_rank: int = setting(16, "the highest adapter rank served", "lora")
     max_cpu_loras: int | None = setting(
         None, "adapters kept in memory off the slots (default: max_loras); others are read again", "lora")
+    max_logprobs: int = setting(
+        20, "the most alternatives a request may ask for (logprobs, prompt_logprobs), as vLLM's; -1: no limit",
+        "execution")
 
     def cache_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's dtype for a model computing in `compute_dtype` (its own, or autocast's)."""
@@ -87,6 +90,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be a non-negative integer or -1 (no limit), got {self.max_logprobs!r}")
         resolve_impl(self.attention_impl, "cpu")
         if self.autocast_dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {self.autocast_dtype!r}")

@@ -26,7 +26,7 @@ from pagedrl.engine.model_runner import ModelRunner
 from pagedrl.engine.multi_lora import LoRASlots
 from pagedrl.engine.output_processor import logits_error, logprob_entry, make_output, record_prompt_logprob
 from pagedrl.engine.outputs import RequestOutput
-from pagedrl.engine.request_checks import check_fits, check_num_seqs, encode_prompt
+from pagedrl.engine.request_checks import check_fits, check_logprobs, check_num_seqs, encode_prompt
 from pagedrl.engine.sampler import Sampler, SamplingRow
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.engine.scheduler import Scheduler
@@ -131,8 +131,9 @@ class LLMEngine:
         return encode_prompt(prompt, self.tokenizer, self.vocab_size, self.max_model_len if keep == -1 else keep)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """ValueError unless the request fits one step, the context and the KV cache."""
+        """ValueError unless the request fits one step, the context and the KV cache (and max_logprobs)."""
         check_num_seqs(params, self.config.max_num_seqs)
+        check_logprobs(params, self.config.max_logprobs)
         check_fits(num_prompt_tokens, params, self.max_model_len, self.kv_manager, self.block_size,
                    self.config.max_num_batched_tokens)
 

@@ -32,6 +32,16 @@ def encode_prompt(prompt: str | list[int], tokenizer: Any, vocab_size: int, keep
     return ids if keep is None else ids[-keep:]
 
 
+def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
+    """Alternatives are gathered from the whole vocabulary's distribution: bounded per request (vLLM's
+    `max_logprobs`), so that one request cannot ask for a vocabulary-sized answer at every token."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and max_logprobs != -1 and value > max_logprobs:
+            raise ValueError(f"{name} ({value}) exceeds max_logprobs ({max_logprobs}), the most alternatives an "
+                             "engine returns; ask for fewer or raise max_logprobs")
+
+
 def check_num_seqs(params: SamplingParams, max_num_seqs: int) -> None:
     """The n samples of a request run side by side, forked from one prompt, so n is bounded by the
     sequences one step runs (and forking never loops over more)."""
