@@ -310,3 +310,8 @@ def test_resume_command_replaces_an_earlier_resume_and_quotes(tmp_path, monkeypa
     assert cmd == f"pagedrl dpo c.yaml 'report_to=[jsonl]' resume_from_checkpoint={tmp_path}/checkpoint-7"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert resume_command("sft", [], "x").startswith("torchrun --nproc_per_node 2 -m pagedrl.cli sft ")
+
+
+def test_eval_steps_without_anything_to_evaluate_is_refused(tiny_train_model, tmp_path) -> None:
+    with pytest.raises(ValueError, match="eval_steps: 1 asks for evaluations, but there is nothing to evaluate"):
+        sft_trainer(tiny_train_model, tmp_path, max_steps=1, eval_steps=1)

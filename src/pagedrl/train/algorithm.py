@@ -135,6 +135,12 @@ class Algorithm:
         return None
 
     @property
+    def evaluates(self) -> bool:
+        """Whether `evaluate` has anything to evaluate (`eval_steps` asks for evaluations; without
+        anything to evaluate, that is refused rather than silently ignored)."""
+        return type(self).evaluate is not Algorithm.evaluate
+
+    @property
     def epoch(self) -> float:
         return 0.0
 
@@ -208,6 +214,11 @@ class OfflineAlgorithm(Algorithm):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.stream.load_state_dict(state["stream"])
+
+    @property
+    def evaluates(self) -> bool:
+        """An eval dataset, or a subclass's own evaluation (the demo's held-out accuracy)."""
+        return self.eval_examples is not None or type(self).evaluate is not OfflineAlgorithm.evaluate
 
     def evaluate(self, step: int) -> dict[str, float] | None:
         """`loss` and the metrics over the whole eval set, normalised as one big step."""

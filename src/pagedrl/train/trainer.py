@@ -79,6 +79,9 @@ class Trainer:
     def __init__(self, config: TrainConfig, algorithm: Algorithm, dist: DistInfo | None = None,
                  progress: bool = True) -> None:
         self.config, self.algorithm = config, algorithm
+        if config.eval_steps and not algorithm.evaluates:  # as transformers' Trainer refuses it
+            raise ValueError(f"eval_steps: {config.eval_steps} asks for evaluations, but there is nothing to "
+                             "evaluate: give an eval_dataset, or leave eval_steps unset")
         self.dist = dist or DistInfo(device=next(algorithm.model.parameters()).device)
         self.module = algorithm.model
         if any(p.dtype != torch.float32 for p in self.module.parameters()):

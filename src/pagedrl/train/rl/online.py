@@ -145,6 +145,11 @@ class OnlineAlgorithm(Algorithm):
         """The engine aborts what it is generating and gives back its KV cache."""
         self.llm.close()
 
+    @property
+    def evaluates(self) -> bool:
+        """Held-out prompts (the task's, or an eval_dataset's) and a reward to score them with."""
+        return bool(self.eval_rows) and self.eval_reward is not None
+
     def evaluate(self, step: int) -> dict[str, Any] | None:
         if not self.eval_rows or self.eval_reward is None:
             return None
