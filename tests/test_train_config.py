@@ -135,6 +135,12 @@ def test_infinite_and_empty_values_are_refused_by_name(cls, override: str, key: 
         load_config(cls, None, ["reward_funcs=[accuracy]"] * (cls is GRPOConfig) + [override])
 
 
+def test_a_key_given_twice_in_a_file_is_refused_naming_both_lines(tmp_path: Path) -> None:
+    path = write(tmp_path, "learning_rate: -1\nmax_steps: 2\nlearning_rate: 1e-5\n")
+    with pytest.raises(ValueError, match=r"key 'learning_rate' appears twice \(lines 1 and 3\)"):
+        load_config(SFTConfig, path)
+
+
 def test_file_and_override_syntax_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         load_config(TrainConfig, tmp_path / "missing.yaml")

@@ -28,7 +28,7 @@ from pagedrl.model.lora import ALL_LINEAR
 from pagedrl.model.precision import choose_precision
 from pagedrl.model.projections import LAYER_PROJECTIONS
 from pagedrl.model.quantized_linear import QuantizedBase
-from pagedrl.train.config_values import MISSING, coerce, describe
+from pagedrl.train.config_values import MISSING, coerce, describe, load_yaml
 
 REPORTERS: tuple[str, ...] = ("none", "jsonl", "tensorboard")
 COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # bnb_4bit_compute_dtype
@@ -312,7 +312,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise ValueError(f"config file {path}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
                          f"column {column}); save it as UTF-8") from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as e:
         raise ValueError(f"config file {path}: not valid YAML: {e}") from None
     if data is None:

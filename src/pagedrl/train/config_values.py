@@ -9,6 +9,8 @@ import re
 import types
 from typing import Any, Literal, Union, get_args, get_origin
 
+import yaml
+
 # PyYAML follows YAML 1.1, where `1e-5` (no dot) is a string; a float field takes it anyway.
 FLOAT_TEXT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 MISSING = object()
@@ -54,3 +56,24 @@ def coerce(value: Any, hint: Any) -> Any:
     if hint is str:
         return value if isinstance(value, str) else MISSING
     raise TypeError(f"config fields of type {hint!r} are not supported by load_config")
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (the loader would keep the last
+    quietly: a config with `learning_rate` twice trains at whichever came second)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (lines {seen[key]} and {line})", key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str) -> Any:
+    """`yaml.safe_load`, with a key given twice in a mapping refused (yaml.YAMLError naming both lines)."""
+    return yaml.load(text, Loader=_UniqueKeys)

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from pagedrl.train.config import RewardConfig, load_config
+from pagedrl.train.config_values import load_yaml
 from pagedrl.train.rl.config import PPOConfig
 
 TASK_KEYS = ("task_operations", "task_low", "task_high", "task_num_eval")
@@ -35,7 +36,10 @@ def read_recipe(path: str | Path, overrides: list[str]) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"recipe: {path}: file not found")
-    recipe = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    try:
+        recipe = load_yaml(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"recipe: {path}: not valid YAML: {e}") from None
     if not isinstance(recipe, dict):
         raise ValueError(f"recipe: {path}: expected a mapping at the top level")
     for item in overrides:
