@@ -315,3 +315,11 @@ def test_resume_command_replaces_an_earlier_resume_and_quotes(tmp_path, monkeypa
 def test_eval_steps_without_anything_to_evaluate_is_refused(tiny_train_model, tmp_path) -> None:
     with pytest.raises(ValueError, match="eval_steps: 1 asks for evaluations, but there is nothing to evaluate"):
         sft_trainer(tiny_train_model, tmp_path, max_steps=1, eval_steps=1)
+
+
+def test_a_checkpoint_of_another_algorithm_is_not_resumed(tiny_train_model, tmp_path) -> None:
+    sft_trainer(tiny_train_model, tmp_path, max_steps=1, save_steps=1).train()
+    other = sft_trainer(tiny_train_model, tmp_path, max_steps=2, resume_from_checkpoint=True)
+    other.algorithm.name = "dpo"  # as a DPO run pointed at this SFT run's checkpoint
+    with pytest.raises(ValueError, match=r"checkpoint-1 was written by sft, this run is dpo"):
+        other.train()

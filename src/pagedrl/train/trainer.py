@@ -285,6 +285,7 @@ class Trainer:
             "wall_time": time.perf_counter() - self._start,
             "eval_seconds": self.eval_seconds,
             "world_size": self.dist.world_size,
+            "algorithm_name": self.algorithm.name,
         }
 
     def save_checkpoint(self) -> Path:
@@ -325,6 +326,11 @@ class Trainer:
         """Restore everything `save_checkpoint` wrote, so the next step is the one an
         uninterrupted run would have taken."""
         state = ckpt.load_trainer_state(folder)
+        written_by = state.get("algorithm_name", self.algorithm.name)  # (older checkpoints do not say)
+        if written_by != self.algorithm.name:
+            raise ValueError(f"resume_from_checkpoint: {folder} was written by {written_by}, this run is "
+                             f"{self.algorithm.name}; start {self.algorithm.name} from its model instead "
+                             f"(model={folder})")
         with self.parallel.loading():
             self.algorithm.load_model(folder)
         self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
