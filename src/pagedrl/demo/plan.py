@@ -139,7 +139,7 @@ class DemoPlan:
         config.resume_from_checkpoint = True if resume else None
         return config
 
-    def _common(self, stage: str, minutes: float, eval_steps: int, warmup: int = 0) -> dict[str, Any]:
+    def _common(self, stage: str, minutes: float, eval_steps: int | None, warmup: int = 0) -> dict[str, Any]:
         steps = getattr(self, f"{stage}_max_steps")
         if steps:  # a step budget, with a minutes cap
             minutes = stage_caps(self)[stage] if self.calibration is not None else CAP * minutes
@@ -168,7 +168,7 @@ class DemoPlan:
                          learning_rate=self.dpo_learning_rate, beta=0.1, loss_type="sigmoid", max_length=256)
 
     def rm(self) -> RewardConfig:
-        return RewardConfig(**self._common("rm", self.budget_minutes * self.rm_share, 1_000_000),
+        return RewardConfig(**self._common("rm", self.budget_minutes * self.rm_share, None),  # no held-out pairs
                             dataset=str(self.out / "pairs" / "pairs.jsonl"), per_device_train_batch_size=self.rm_batch_pairs,
                             learning_rate=2e-5, center_rewards_coefficient=0.01, max_length=256)
 
