@@ -204,9 +204,9 @@ class LLM:
         """Restart the random stream of requests whose `SamplingParams` carry no seed."""
         self.engine.reseed(seed)
 
-    def generate(self, prompts: Prompt | Mapping[str, Any] | Seq[Prompt | Mapping[str, Any]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts: Prompt | Mapping[str, Any] | Seq[Prompt | Mapping[str, Any]],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts. A prompt is text,
         token ids, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}`. `lora_request`:
         one adapter for every prompt, or one (or None, the base) per prompt. A sample whose logits go NaN

@@ -1,7 +1,9 @@
 """From an OpenAI request body to what the engine takes: prompts (text or token ids) and SamplingParams.
 
-Fields the engine does not implement but that would change the answer (`suffix`, `best_of`) are refused with a 400 naming them, rather than silently ignored. Tools: `server/tools.py`.
-Unset sampling fields keep SamplingParams' defaults, which are OpenAI's (temperature 1, top_p 1).
+Fields the engine does not implement but that would change the answer (`suffix`, `best_of`, the
+`UNSUPPORTED_EXTRAS`) are refused with a 400 naming them, rather than silently ignored. Tools:
+`server/tools.py`. Unset sampling fields take the model's generation config's recommendation (vLLM's
+`--generation-config auto`), else SamplingParams' defaults, which are OpenAI's (temperature 1, top_p 1).
 """
 
 from __future__ import annotations
