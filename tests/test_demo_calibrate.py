@@ -127,6 +127,7 @@ def test_the_measurement_runs_on_the_tiny_model(tiny_train_model, tmp_path) -> N
 
 def test_warm_up_whose_first_step_trains() -> None:
     """transformers' warm-up spends its first step at learning rate 0; the demo's starts at 1/(w+1)."""
-    assert [lr_lambda("constant", 2, 10)(s) for s in range(4)] == [0.0, 0.5, 1.0, 1.0]
-    assert [lr_lambda("constant", 2, 10, from_zero=False)(s) for s in range(4)] == pytest.approx([1 / 3, 2 / 3, 1, 1])
+    assert [lr_lambda("constant_with_warmup", 2, 10)(s) for s in range(4)] == [0.0, 0.5, 1.0, 1.0]
+    assert [lr_lambda("constant_with_warmup", 2, 10, from_zero=False)(s) for s in range(4)] == pytest.approx(
+        [1 / 3, 2 / 3, 1, 1])
     assert lr_lambda("linear", 0, 10, from_zero=False)(0) == 1.0

@@ -169,3 +169,23 @@ def test_bf16_auto_is_cuda_only_and_warmup_ratio_applies_when_steps_unset() -> N
     assert TrainConfig(bf16=False).use_bf16("cuda") is False
     assert TrainConfig(warmup_ratio=0.1).num_warmup_steps(95) == 10
     assert TrainConfig(warmup_ratio=0.1, warmup_steps=3).num_warmup_steps(95) == 3
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine", "constant", "constant_with_warmup"])
+def test_schedules_are_transformers_own(kind: str) -> None:
+    """The same multiplier at every step as transformers' scheduler of that name (whose `constant`
+    ignores the warm-up)."""
+    import torch
+    from transformers import get_scheduler
+
+    from pagedrl.train.optim import lr_lambda
+
+    warmup, total = 3, 12
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+    theirs = []
+    for _ in range(total):
+        theirs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert [lr_lambda(kind, warmup, total)(s) for s in range(total)] == pytest.approx(theirs, abs=1e-12)

@@ -68,7 +68,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
     max_steps: int = -1  # -1: derive from num_train_epochs
     num_train_epochs: float = 3.0
-    lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
     warmup_steps: int = 0  # wins over warmup_ratio when > 0
     warmup_ratio: float = 0.0
     # True: transformers' warm-up, whose first step trains at learning rate 0. False: step s of a

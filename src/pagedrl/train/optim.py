@@ -28,18 +28,24 @@ def decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
+
+
 def lr_lambda(kind: str, warmup: int, total: int, from_zero: bool = True):
     """Multiplier of the peak learning rate at step s (0-based): linear warm-up over `warmup` steps,
-    then constant, linear to 0 or cosine to 0 at `total`, as transformers' schedules. `from_zero`
-    False: the warm-up's steps train at 1/(warmup+1) .. warmup/(warmup+1) instead of 0 ..
+    then constant, linear to 0 or cosine to 0 at `total`, as transformers' schedules of the same
+    names (whose `constant` has no warm-up whatever `warmup` says: `constant_with_warmup` has one).
+    `from_zero` False: the warm-up's steps train at 1/(warmup+1) .. warmup/(warmup+1) instead of 0 ..
     (warmup-1)/warmup (`TrainConfig.warmup_starts_at_zero`)."""
-    if kind not in ("linear", "cosine", "constant"):
-        raise ValueError(f"lr_scheduler_type: expected linear, cosine or constant, got {kind!r}")
+    if kind not in SCHEDULES:
+        raise ValueError(f"lr_scheduler_type: expected one of {', '.join(SCHEDULES)}, got {kind!r}")
+    if kind == "constant":
+        warmup = 0
 
     def f(step: int) -> float:
         if step < warmup:
             return step / max(1, warmup) if from_zero else (step + 1) / (warmup + 1)
-        if kind == "constant":
+        if kind in ("constant", "constant_with_warmup"):
             return 1.0
         progress = (step - warmup) / max(1, total - warmup)
         if kind == "linear":
