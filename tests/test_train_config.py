@@ -93,7 +93,7 @@ def test_unknown_key_names_the_source_and_suggests_the_field(tmp_path: Path) -> 
         ("bf16=maybe", "bf16: expected bool or null"),
         ("reward_weights=[1, two]", "reward_weights: expected a list of float or null"),
         ("loss_type=ppo", "loss_type: expected one of 'grpo', 'bnpo', 'dapo', 'dr_grpo'"),
-        ("scale_rewards=true", "scale_rewards: expected one of 'group', 'batch', 'none'"),
+        ("scale_rewards=max", "scale_rewards: expected one of 'group', 'batch', 'none'"),
         ("model=null", "model: expected str"),
     ],
 )
@@ -189,3 +189,19 @@ def test_schedules_are_transformers_own(kind: str) -> None:
         optimizer.step()
         scheduler.step()
     assert [lr_lambda(kind, warmup, total)(s) for s in range(total)] == pytest.approx(theirs, abs=1e-12)
+
+
+def test_trls_spellings_are_read_and_its_other_options_refused_saying_so(tmp_path: Path) -> None:
+    path = write(tmp_path, "model_name_or_path: some/model\ndataset_name: data.jsonl\nmax_seq_length: 64\n"
+                           "warmup_steps: 0.1\n")
+    cfg = load_config(SFTConfig, path)
+    assert (cfg.model, cfg.dataset, cfg.max_length, cfg.warmup_ratio, cfg.warmup_steps) == (
+        "some/model", "data.jsonl", 64, 0.1, 0)
+    assert load_config(DPOConfig, None, ["loss_type=[ipo]"]).loss_type == "ipo"
+    grpo = ["reward_funcs=[accuracy]"]
+    assert load_config(GRPOConfig, None, [*grpo, "scale_rewards=false"]).scale_rewards == "none"
+    assert load_config(GRPOConfig, None, [*grpo, "scale_rewards=true"]).scale_rewards == "group"
+    for key, words in (("per_device_eval_batch_size=8", "evaluations run in batches of per_device_train_batch_size"),
+                       ("use_vllm=false", "own paged engine"), ("eval_strategy=steps", "every N steps")):
+        with pytest.raises(ValueError, match=rf"is a TRL / transformers option GRPOConfig does not have: .*{words}"):
+            load_config(GRPOConfig, None, [*grpo, key])

@@ -29,6 +29,7 @@ from pagedrl.model.precision import choose_precision
 from pagedrl.model.projections import LAYER_PROJECTIONS
 from pagedrl.model.quantized_linear import QuantizedBase
 from pagedrl.train.config_values import MISSING, coerce, describe, load_yaml
+from pagedrl.train.trl_names import not_here, trl_form
 
 REPORTERS: tuple[str, ...] = ("none", "jsonl", "tensorboard")
 COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # bnb_4bit_compute_dtype
@@ -293,6 +294,9 @@ class DPOConfig(TrainConfig):
 C = TypeVar("C", bound=TrainConfig)
 COMMAND_LINE = "command line"
 def _unknown_key(cls: type, key: Any, source: str, names: Sequence[str]) -> ValueError:
+    why = not_here(str(key))
+    if why is not None:  # a TRL / transformers option: say so, not a near miss of another field
+        return ValueError(f"{source}: {key!r} is a TRL / transformers option {cls.__name__} does not have: {why}")
     guess = difflib.get_close_matches(str(key), names, n=1)
     hint = f"; did you mean {guess[0]!r}?" if guess else f"; see {cls.__name__} for the fields"
     return ValueError(f"{source}: unknown key {key!r} for {cls.__name__}{hint}")
@@ -350,6 +354,8 @@ def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: Se
     sources: dict[str, str] = {}
 
     def put(key: Any, value: Any, source: str, raw: str | None = None) -> None:
+        if isinstance(key, str):
+            key, value = trl_form(key, value)  # TRL's spellings of pagedrl's fields and of their values
         if key not in names:
             raise _unknown_key(cls, key, source, names)
         out = coerce(value, hints[key])

@@ -1,0 +1,73 @@
+"""TRL's and transformers' config keys as a TRL user's YAML brings them: the ones pagedrl spells
+otherwise (read under pagedrl's name), the values TRL writes in another form, and the ones pagedrl does
+not have (refused saying so and what to do instead, never with a near-miss guess such as
+`per_device_eval_batch_size` -> `per_device_train_batch_size`, which would change the training)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# TRL / transformers name -> pagedrl's field of the same meaning.
+ALIASES = {
+    "model_name_or_path": "model",
+    "model_revision": "revision",
+    "dataset_name": "dataset",
+    "max_seq_length": "max_length",
+}
+
+_STEPS_ONLY = "pagedrl evaluates, saves and logs every N steps: set eval_steps / save_steps / logging_steps"
+_ENGINE = "rollouts always run on pagedrl's own paged engine in the training process (no vLLM server or colocation)"
+_ONE_PRECISION = "pagedrl trains in float32 or bf16 (`bf16`)"
+# TRL / transformers keys pagedrl does not have -> why, and what to set instead.
+NOT_HERE = {
+    "use_vllm": _ENGINE, "vllm_mode": _ENGINE, "vllm_gpu_memory_utilization": "the engine's KV cache is sized by "
+    "kv_cache_tokens", "vllm_server_host": _ENGINE, "vllm_server_port": _ENGINE,
+    "eval_strategy": _STEPS_ONLY, "evaluation_strategy": _STEPS_ONLY, "save_strategy": _STEPS_ONLY,
+    "logging_strategy": _STEPS_ONLY,
+    "per_device_eval_batch_size": "evaluations run in batches of per_device_train_batch_size",
+    "fp16": _ONE_PRECISION, "tf32": _ONE_PRECISION, "torch_dtype": _ONE_PRECISION, "dtype": _ONE_PRECISION,
+    "optim": "the optimizer is AdamW (adam_beta1, adam_beta2, adam_epsilon, weight_decay)",
+    "deepspeed": "several processes run with torchrun: DDP, or FSDP2 (`fsdp`)",
+    "push_to_hub": "checkpoints are written to output_dir in Hugging Face layout; upload them yourself",
+    "hub_model_id": "checkpoints are written to output_dir in Hugging Face layout; upload them yourself",
+    "load_best_model_at_end": "final/ is the last step's model; each checkpoint-N/ is a step's",
+    "run_name": "runs are named by output_dir", "trust_remote_code": "pagedrl runs no code from a checkpoint",
+    "model_init_kwargs": "the model is loaded by `model`, `revision` and the precision keys",
+    "gradient_checkpointing_kwargs": "gradient_checkpointing takes true or false",
+    "lr_scheduler_kwargs": "lr_scheduler_type is linear, cosine, constant or constant_with_warmup, without options",
+    "disable_dropout": "pagedrl's models have no dropout besides LoRA's (lora_dropout)",
+    "use_rslora": "rank-stabilised LoRA is not built", "use_dora": "DoRA is not built",
+    "lora_modules_to_save": "only LoRA's own matrices are trained (a reward model's score head too)",
+    "padding_free": "pagedrl's `packing` puts each batch's examples back to back in one row: that is TRL's "
+    "padding_free", "packing_strategy": "see `packing`",
+    "sync_ref_model": "the reference stays the starting model (or ref_model)",
+    "ref_model_sync_steps": "the reference stays the starting model (or ref_model)",
+    "ref_model_mixup_alpha": "the reference stays the starting model (or ref_model)",
+    "rpo_alpha": "DPO's losses here: sigmoid, hinge, ipo, robust (loss_type)",
+    "steps_per_generation": "each step generates its own rollouts (num_iterations reuses them)",
+    "generation_batch_size": "each step generates per_device_train_batch_size completions",
+    "vllm_importance_sampling_correction": "the rollout/trainer log-prob gap is corrected by tis_cap",
+    "vllm_importance_sampling_mode": "the rollout/trainer log-prob gap is corrected by tis_cap (token-level)",
+    "vllm_importance_sampling_cap": "set tis_cap", "sft_model_path": "PPO starts from `model`",
+    "value_model_path": "PPO's critic starts from `critic` (the policy, or the reward model)",
+}
+
+
+def trl_form(key: str, value: Any) -> tuple[str, Any]:
+    """A key and value in the form TRL writes them, in pagedrl's: TRL's spelling of a field (`ALIASES`),
+    a one-element `loss_type` list (TRL's type is a list of losses) for that loss, GRPO's
+    `scale_rewards` true / false for "group" / "none" (as TRL reads them), and transformers 5's
+    `warmup_steps` below 1, a ratio, for `warmup_ratio`."""
+    key = ALIASES.get(key, key)
+    if key == "loss_type" and isinstance(value, list) and len(value) == 1:
+        return key, value[0]
+    if key == "scale_rewards" and isinstance(value, bool):
+        return key, "group" if value else "none"
+    if key == "warmup_steps" and isinstance(value, float) and 0.0 < value < 1.0:
+        return "warmup_ratio", value
+    return key, value
+
+
+def not_here(key: str) -> str | None:
+    """Why a TRL / transformers key is not a pagedrl field, or None when it is not one of theirs."""
+    return NOT_HERE.get(key)
