@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import decoder_bound
 import pytest
@@ -267,7 +268,8 @@ def test_a_short_run_logs_trl_metrics(tiny_train_model, prompts_file) -> None:
     assert [r["step"] for r in evals] == [0, 2]
     train = [r for r in rows if "reward" in r]
     assert [r["step"] for r in train] == [1, 2]
-    for name in ("reward", "reward_std", "rewards/has_three/mean", "rewards/token_sum/mean", "frac_reward_zero_std", "completions/mean_length",
+    for name in ("reward", "reward_std", "rewards/has_three/mean", "rewards/token_sum/mean", "rewards/has_three/std",
+                 "frac_reward_zero_std", "completions/mean_length",
                  "completions/clipped_ratio", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
                  "clip_ratio/region_mean", "step_time", "rollout/tokens_per_second", "rollout/prefix_blocks_shared",
                  "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
@@ -338,3 +340,17 @@ def test_reference_logprobs_are_computed_once_per_rollout(tiny_train_model, prom
         for b in batches:
             algo.loss(algo.model, b, torch.tensor(float(algo.count(b))))
     assert len(calls) == len(first) == 2  # one reference forward per micro-batch of the rollout
+
+
+def test_reward_std_is_trls_nanstd_of_the_batch() -> None:
+    from trl.trainer.utils import nanstd
+
+    from pagedrl.train.algorithms.grpo import _nanstd
+
+    rewards = torch.tensor([[1.0, 0.0, float("nan"), 1.0], [0.5, 0.5, 0.25, float("nan")]], dtype=torch.float64)
+    kept = [1.0, 0.0, 1.0, 0.5, 0.5, 0.25]
+    mean = sum(kept) / 6
+    by_hand = math.sqrt(sum((x - mean) ** 2 for x in kept) / 5)  # Bessel's
+    assert float(_nanstd(rewards.flatten())) == pytest.approx(by_hand, rel=1e-14)
+    assert by_hand == pytest.approx(float(nanstd(rewards.flatten())), rel=1e-6)  # TRL's (float32 inside)
+    assert float(_nanstd(torch.tensor([2.0, float("nan")]))) == 0.0  # one value: no spread

@@ -168,10 +168,11 @@ class GRPO(OnlineAlgorithm):
         lengths = r.lengths.to(torch.float64)
         truncated = r.truncated.to(torch.float64)
         finite = torch.nan_to_num(totals, nan=0.0)
-        std = torch.stack([t[~t.isnan()].std() if (~t.isnan()).sum() > 1 else t.new_zeros(()) for t in totals])
+        std = torch.stack([_nanstd(t) for t in totals])
         m: dict[str, Any] = {
             "reward": Metric.mean(finite.sum(), (~totals.isnan()).sum()),
-            "reward_std": Metric.mean(std.sum(), r.num_prompts),
+            # TRL 1.16's: the std of the batch's rewards (this rank's; under DDP the ranks' mean of it)
+            "reward_std": Metric.mean(_nanstd(totals.flatten())),
             "frac_reward_zero_std": Metric.mean(float((std < 1e-6).sum()), r.num_prompts),
             "completions/mean_length": Metric.mean(lengths.sum(), lengths.numel()),
             "completions/min_length": Metric.min(lengths.min()),
@@ -187,6 +188,7 @@ class GRPO(OnlineAlgorithm):
             col = r.rewards[:, f]
             ok = ~col.isnan()
             m[f"rewards/{name}/mean"] = Metric.mean(col[ok].sum(), ok.sum())
+            m[f"rewards/{name}/std"] = Metric.mean(_nanstd(col))
         if self.config.dynamic_sampling:
             m["dynamic_sampling/rounds"] = Metric.mean(float(r.rounds))
         return m
@@ -219,3 +221,9 @@ def run_grpo(config: GRPOConfig, progress: bool = True) -> Path:
     return Trainer(config, algorithm, dist, progress=progress).train()
 
 
+
+
+def _nanstd(values: torch.Tensor) -> torch.Tensor:
+    """The standard deviation (Bessel's) of the values that are not NaN, 0 for fewer than two (TRL's nanstd)."""
+    kept = values[~values.isnan()]
+    return kept.std() if kept.numel() > 1 else values.new_zeros(())
