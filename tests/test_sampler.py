@@ -316,12 +316,13 @@ def test_banned_ids_are_never_sampled():
         assert abs(got - math.log(expected[t])) <= bounds[t]
 
 
-def test_bad_bans_raise():
+def test_bad_bans_raise_and_bans_of_everything_mark_the_row():
     logits = torch.zeros(1, 3)
     with pytest.raises(ValueError, match="banned_token_ids"):
         Sampler()(logits, [SamplingRow(SamplingParams(), banned_token_ids=[3])])
-    with pytest.raises(ValueError, match="banned_token_ids"):
-        Sampler()(logits, [SamplingRow(SamplingParams(), banned_token_ids=[0, 1, 2])])
+    out = Sampler()(logits.repeat(2, 1), [SamplingRow(SamplingParams(), banned_token_ids=[0, 1, 2]),
+                                          SamplingRow(SamplingParams(), banned_token_ids=[0])])
+    assert torch.isneginf(out.processed_logprobs[0]) and out.token_ids[1] != 0
     with pytest.raises(ValueError, match="logits"):
         Sampler()(logits, [])
 

@@ -233,18 +233,36 @@ def test_property_order_is_kept_however_the_compile_cache_is_keyed(llm) -> None:
     assert texts == ['{"a":"x","b":"y"}', '{"b":"y","a":"x"}']
 
 
-def test_a_mask_that_leaves_nothing_is_refused_not_sampled() -> None:
+def test_a_mask_that_leaves_nothing_marks_its_row_not_the_batch() -> None:
     logits = torch.randn(2, 40)
     empty = torch.zeros(2, dtype=torch.int32)
     only_7 = torch.tensor([1 << 7, 0], dtype=torch.int32)
     sampler = Sampler(torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match=r"leaves nothing to sample in rows \[1\]"):
-        sampler(logits, [SamplingRow(params=SamplingParams()), SamplingRow(params=SamplingParams(), token_bitmask=empty)])
-    with pytest.raises(ValueError, match=r"leaves nothing to sample in rows \[0\]"):
-        sampler(logits, [SamplingRow(params=SamplingParams(), token_bitmask=only_7, banned_token_ids=[7]),
-                         SamplingRow(params=SamplingParams(), token_bitmask=only_7)])
+    out = sampler(logits, [SamplingRow(params=SamplingParams()), SamplingRow(params=SamplingParams(), token_bitmask=empty)])
+    assert torch.isfinite(out.processed_logprobs[0]) and torch.isneginf(out.processed_logprobs[1])
+    out = sampler(logits, [SamplingRow(params=SamplingParams(), token_bitmask=only_7, banned_token_ids=[7]),
+                           SamplingRow(params=SamplingParams(), token_bitmask=only_7)])
+    assert torch.isneginf(out.processed_logprobs[0]) and out.token_ids[1] == 7
     out = sampler(logits, [SamplingRow(params=SamplingParams(), token_bitmask=only_7, banned_token_ids=[3])] * 2)
     assert out.token_ids.tolist() == [7, 7] and torch.allclose(out.processed_logprobs, torch.zeros(2))
+
+
+def test_a_request_whose_settings_refuse_every_token_ends_alone(llm) -> None:
+    """A choice whose tokens allowed_token_ids leaves out: that request ends with finish_reason "error"
+    saying why, at once; the others in its steps are not touched (it once failed the whole step)."""
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=8, allowed_token_ids=[5, 6],
+                                                  structured_outputs=compact(choice=["ab", "cd"])), request_id="none")
+    engine.add_request(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), request_id="fine")
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0]
+    assert finished["none"].finish_reason == "error" and "nothing is left to sample" in finished["none"].error
+    assert finished["none"].token_ids == []
+    assert finished["fine"].finish_reason == "length" and len(finished["fine"].token_ids) == 8
+    assert engine.kv_manager.num_blocks_used == 0
 
 
 def test_a_grammar_that_fails_mid_way_ends_its_own_request_only(llm) -> None:

@@ -105,10 +105,10 @@ def test_the_bias_comes_before_the_repetition_penalty_as_in_vllm():
     assert Sampler()(logits, [alone]).token_ids.tolist() == [0]
 
 
-def test_an_allowed_set_with_bans_that_leaves_nothing_raises():
+def test_an_allowed_set_with_bans_that_leaves_nothing_marks_its_row():
     row = SamplingRow(SamplingParams(allowed_token_ids=[2, 3]), banned_token_ids=[2, 3])
-    with pytest.raises(ValueError, match="nothing to sample"):
-        Sampler()(torch.zeros(1, 5), [row])
+    out = Sampler()(torch.zeros(2, 5), [row, SamplingRow(SamplingParams(allowed_token_ids=[2, 3]))])
+    assert torch.isneginf(out.processed_logprobs[0]) and out.token_ids[1] in (2, 3)
 
 
 # ------------------------------------------------------------------ bad words

@@ -279,8 +279,8 @@ class LLMEngine:
         tokens, raw, processed = host[0].long().tolist(), host[1].tolist(), host[2].tolist()
         for i, seq in enumerate(seqs):
             token = tokens[i]
-            if not isfinite(raw[i]):  # NaN or infinite logits: vLLM's finish_reason "error"; the batch goes on
-                seq.error = logits_error(seq)
+            if not (isfinite(raw[i]) and isfinite(processed[i])):  # finish_reason "error"; the batch goes on
+                seq.error = logits_error(seq, isfinite(raw[i]))
                 logger.warning("request %s ended: %s", seq.request_id, seq.error)
                 self.finish(seq, "error")
                 continue

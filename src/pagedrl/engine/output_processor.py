@@ -42,9 +42,14 @@ def logprob_entry(token: int, chosen: float, top: dict[int, float] | None,
     return entry
 
 
-def logits_error(seq: Sequence) -> str:
+def logits_error(seq: Sequence, finite: bool = False) -> str:
     """Why `seq` cannot go on: its logits hold NaN or infinities (overflow, or NaN weights, e.g. its
-    LoRA adapter's), so the token drawn from them would be garbage and its log-prob NaN."""
+    LoRA adapter's), so the token drawn from them would be garbage and its log-prob NaN; or (`finite`
+    logits) its own settings refuse every token: a structured output whose allowed tokens the request's
+    allowed_token_ids, bad_words or min_tokens all ban."""
+    if finite:
+        return (f"nothing is left to sample at output token {seq.num_output_tokens}: the request's structured "
+                "output, allowed_token_ids, bad_words and min_tokens together refuse every token")
     lora = "" if seq.lora is None else f" with LoRA adapter {seq.lora.lora_name!r}"
     return (f"the model's logits{lora} are NaN or infinite at output token {seq.num_output_tokens}; "
             "no token can be sampled from them")

@@ -26,6 +26,9 @@ Choices worth knowing:
   -inf and are never drawn, and top-k/top-p/min-p act on the allowed set. Raw log-probs stay the
   unmasked model's. The row's noise is drawn over the whole vocabulary as for any row, so a seeded
   constrained request stays batch-invariant.
+- A row whose settings refuse every token (a grammar, allowed_token_ids, bad words and min_tokens'
+  bans together) is drawn from its raw logits and returned with processed log-prob -inf: the engine
+  ends that request with finish_reason "error", the rest of the batch goes on.
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ class Sampler:
                 return SamplerOutput(token_ids=picked[0], processed_logprobs=picked[1],
                                      raw_logprobs=picked[1].clone(), top_logprobs=[None] * len(rows))
         raw = self._log_softmax(logits)
+        dead: Tensor | None = None  # rows whose every token the choices, bans and grammar refuse
         if unchanged:
             # Processing would return these very logits (dividing by 1.0 is exact), so the drawn-from
             # distribution is the raw one: skip two [S, V] passes that would recompute it bit for bit.
@@ -125,6 +129,12 @@ class Sampler:
         else:
             params = [row.params for row in rows]
             x = self._constrain(self._ban(self._penalise(choose_tokens(logits, params), rows), rows), rows)
+            if any(row.banned_token_ids or row.token_bitmask is not None or row.params.allowed_token_ids is not None
+                   for row in rows):  # only these can refuse every token
+                dead = torch.isneginf(x).all(dim=-1)
+                dead = dead if bool(dead.any()) else None
+            if dead is not None:  # drawn from the raw logits, so the batch goes on; marked -inf below
+                x = torch.where(dead[:, None], logits, x)
             x = process_logits(
                 x,
                 torch.tensor([p.temperature for p in params], device=device),
@@ -134,11 +144,14 @@ class Sampler:
             )
             logp = F.log_softmax(x, dim=-1)
         tokens = self._choose(logp, rows, seeded, shared)
+        processed = logp.gather(1, tokens[:, None]).squeeze(1)
+        if dead is not None:
+            processed = processed.masked_fill(dead, NEG_INF)
         top, ranks = _top_logprobs(raw, logp, tokens, [row.params for row in rows], vocab) if wants_top \
             else ([None] * len(rows), None)
         return SamplerOutput(
             token_ids=tokens,
-            processed_logprobs=logp.gather(1, tokens[:, None]).squeeze(1),
+            processed_logprobs=processed,
             raw_logprobs=raw.gather(1, tokens[:, None]).squeeze(1),
             top_logprobs=top,
             sampled_ranks=ranks,
@@ -189,11 +202,7 @@ class Sampler:
         if any(not 0 <= t < vocab for _, t in pairs):
             raise ValueError(f"banned_token_ids must lie in [0, {vocab}), got {sorted({t for _, t in pairs})}")
         row_index, token_index = torch.tensor(pairs, device=logits.device).T
-        banned = logits.index_put((row_index, token_index), torch.tensor(NEG_INF, device=logits.device))
-        dead = torch.isneginf(banned).all(dim=-1)
-        if bool(dead.any()):
-            raise ValueError(f"banned_token_ids leave nothing to sample in rows {dead.nonzero().flatten().tolist()}")
-        return banned
+        return logits.index_put((row_index, token_index), torch.tensor(NEG_INF, device=logits.device))
 
     @staticmethod
     def _constrain(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
@@ -208,17 +217,6 @@ class Sampler:
             masked = logits + bias
         else:
             masked = logits.index_add(0, torch.tensor(picked, device=device), bias)
-        # A row is left with nothing only if its mask is empty or bans took its last allowed tokens:
-        # look at the (small) bitmasks, and at the logits of rows with bans only.
-        dead = torch.zeros(len(rows), dtype=torch.bool, device=device)
-        dead[torch.tensor(picked, device=device)] = (bits == 0).all(dim=-1)
-        banned = [i for i in picked if rows[i].banned_token_ids]
-        if banned:
-            index = torch.tensor(banned, device=device)
-            dead[index] |= torch.isneginf(masked[index]).all(dim=-1)
-        if bool(dead.any()):
-            raise ValueError("the structured-output mask (with banned_token_ids) leaves nothing to sample in "
-                             f"rows {dead.nonzero().flatten().tolist()}")
         return masked
 
     def _choose(self, logp: Tensor, rows: Sequence[SamplingRow], seeded: list[int], shared: list[int]) -> Tensor:
