@@ -91,7 +91,6 @@ NAMED = {"type": "function", "function": {"name": "f"}}
 REFUSED = [
     ("chat/completions", {**CHAT, "tools": tool(ENDLESS), "tool_choice": "required"}, "tools.0.function.parameters"),
     ("chat/completions", {**CHAT, "tools": tool(ENDLESS), "tool_choice": NAMED}, "tools.0.function.parameters"),
-    ("chat/completions", {**CHAT, "tools": tool(ENDLESS), "tool_choice": "auto"}, "tools.0.function.parameters"),
     ("chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": ENDLESS}}}, "response_format.json_schema.schema"),
     ("chat/completions", {**CHAT, "structured_outputs": {"json": ENDLESS}}, "structured_outputs.json"),
@@ -114,3 +113,16 @@ def test_a_schema_no_finite_value_matches_is_400_on_every_route(server, model, r
     ok = httpx.post(f"{server.base_url}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2},
                     timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("choice", ["auto", "none", {"type": "function", "function": {"name": "g"}}])
+def test_tools_that_constrain_nothing_are_not_compiled(server, model, choice) -> None:
+    """Under auto and none (and a named choice of another tool) a tool's schema constrains nothing: one
+    the grammar could not build (`uniqueItems`, or no finite value) is no reason to refuse, as in vLLM."""
+    tools = [*tool({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                              "uniqueItems": True}}}),
+             {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {}}}},
+             {"type": "function", "function": {"name": "h", "parameters": ENDLESS}}]
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": model, **CHAT, "tools": tools,
+                                                                    "tool_choice": choice}, timeout=60)
+    assert r.status_code == 200, r.text

@@ -78,8 +78,11 @@ def tool_plan(req: ChatCompletionRequest, tool_parser: str | None, enable_auto_t
 
 
 def check_tool_schemas(plan: ToolPlan, compile_check: Any) -> None:
-    """Compile every tool's parameters schema (`compile_check(StructuredOutputsParams)` raises
-    ValueError); a bad one is a 400 naming `tools[i].function.parameters`."""
+    """Compile the parameters schema of every tool the plan constrains the output to (all of them
+    under `required`, the named one under a named choice; `compile_check(StructuredOutputsParams)`
+    raises ValueError): a bad one is a 400 naming `tools[i].function.parameters`. Under `auto` and
+    `none` nothing is constrained, so nothing is compiled (a schema keyword the grammar does not build,
+    such as `uniqueItems`, is no reason to refuse them, as vLLM does not)."""
     for i, tool in enumerate(plan.tools):
         where = f"tools[{i}].function.parameters"
         schema = tool.function.parameters
@@ -88,6 +91,8 @@ def check_tool_schemas(plan: ToolPlan, compile_check: Any) -> None:
         if schema.get("type", "object") != "object":
             raise bad_request(f"{where}: the arguments of a function are a JSON object; the schema's type is "
                               f"{schema.get('type')!r}", param=f"tools.{i}.function.parameters")
+        if not (plan.mode == "required" or (plan.mode == "named" and tool.function.name == plan.name)):
+            continue
         try:
             compile_check(StructuredOutputsParams(json=schema))
         except ValueError as e:
