@@ -102,3 +102,25 @@ def test_the_grammar_refuses_an_unlisted_key(compiler, default_tokenizer) -> Non
 def test_a_constraint_that_can_never_be_met_is_refused_when_compiled(compiler, params, reason) -> None:
     with pytest.raises(ValueError, match=f"structured_outputs.{params.kind} cannot be enforced: {reason}"):
         compiler.check(params)
+
+
+def regex_accepts(compiler: GrammarCompiler, tokenizer, regex: str, text: str) -> bool:
+    matcher = compiler.matcher(StructuredOutputsParams(regex=regex))
+    try:
+        for token in tokenizer.encode(text):
+            matcher.accept(token)
+    except RuntimeError:
+        return False
+    return matcher.is_accepting
+
+
+@pytest.mark.parametrize(("regex", "ascii_text", "other"), [
+    (r"\d{3}-\d{4}", "555-0123", "١٢٣-٤٥٦٧"), (r"[\d]+", "42", "４２"), (r"\w+", "snake_case9", "日本"),
+    (r"a\sb", "a b", "a\u2003b"), (r"\D", "x", "5"),
+])
+def test_regex_classes_are_ascii_as_in_json_schema_patterns(compiler, default_tokenizer, regex, ascii_text,
+                                                            other) -> None:
+    """`\\d`, `\\w`, `\\s` as vLLM's grammar back-ends and JSON Schema's `pattern` read them: ASCII."""
+    assert regex_accepts(compiler, default_tokenizer, regex, ascii_text)
+    assert not regex_accepts(compiler, default_tokenizer, regex, other)
+    assert regex_accepts(compiler, default_tokenizer, r"\\d", "\\d")  # an escaped backslash stays one

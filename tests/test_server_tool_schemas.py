@@ -3,7 +3,8 @@
 LangChain's (no `additionalProperties`). Under `tool_choice` "required" and a named function every
 one of 20 sampled answers must end as a call whose arguments validate: a small model left free to add
 unlisted keys never stops adding them. A schema no finite value matches (`{"$ref": "#"}`) is a 400
-naming the request's field on every route, before the request is admitted."""
+naming the request's field on every route that constrains decoding to it, before the request is admitted;
+under `auto` and `none` a tool's schema constrains nothing and is not compiled."""
 
 from __future__ import annotations
 

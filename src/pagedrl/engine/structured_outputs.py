@@ -120,6 +120,35 @@ def unenforceable(params: StructuredOutputsParams) -> str | None:
             "would have to contain another one, without end)")
 
 
+# `\d`, `\w` and `\s` as ASCII classes, as vLLM's grammar back-ends and JSON Schema's `pattern` read
+# them (the regex engine underneath reads them as Unicode classes: `\d` would match "١٢٣" or "🯸").
+_ASCII = {"d": "0-9", "w": "0-9A-Za-z_", "s": " \\t\\n\\r\\f\\v"}
+
+
+def ascii_classes(pattern: str) -> str:
+    r"""`pattern` with `\d \w \s` (and `\D \W \S` outside brackets) written as ASCII classes; escaped
+    backslashes and everything else untouched."""
+    out, i, depth = [], 0, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            e = pattern[i + 1]
+            if e.lower() in _ASCII and (depth == 0 or e.islower()):
+                chars = _ASCII[e.lower()]
+                out.append(chars if depth else f"[{'^' if e.isupper() else ''}{chars}]")
+            else:
+                out.append(c + e)
+            i += 2
+            continue
+        if c == "[":
+            depth += 1
+        elif c == "]" and depth:
+            depth -= 1
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The constraint as an llguidance grammar (not yet checked: `grammar.GrammarCompiler` does that)."""
     from llguidance import LLMatcher
@@ -132,7 +161,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
     if kind == "regex":
-        return LLMatcher.grammar_from_regex(params.regex)
+        return LLMatcher.grammar_from_regex(ascii_classes(params.regex))
     if kind == "choice":
         return LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_literal(c) for c in params.choice))
     try:
