@@ -124,3 +124,12 @@ def test_regex_classes_are_ascii_as_in_json_schema_patterns(compiler, default_to
     assert regex_accepts(compiler, default_tokenizer, regex, ascii_text)
     assert not regex_accepts(compiler, default_tokenizer, regex, other)
     assert regex_accepts(compiler, default_tokenizer, r"\\d", "\\d")  # an escaped backslash stays one
+
+
+def test_an_object_requiring_a_key_it_does_not_list_stays_open(compiler, default_tokenizer) -> None:
+    needs_a = {"type": "object", "required": ["a"]}
+    assert strict_objects(needs_a) == needs_a  # closing it would refuse "a" itself
+    assert accepts(compiler, default_tokenizer, needs_a, '{"a":1}')
+    assert not accepts(compiler, default_tokenizer, needs_a, '{"b":1}')
+    partly = {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["a", "b"]}
+    assert "additionalProperties" not in strict_objects(partly)

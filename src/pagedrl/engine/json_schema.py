@@ -75,9 +75,9 @@ def is_object_schema(node: dict[str, Any]) -> bool:
 
 
 def strict_objects(schema: Any) -> Any:
-    """`schema` with `additionalProperties: false` on each object schema that leaves it unsaid and
-    whose properties are all its own, and `items: false` after a tuple's `prefixItems` (see the
-    module's docstring); the input is not modified."""
+    """`schema` with `additionalProperties: false` on each object schema that leaves it unsaid, whose
+    properties are all its own and that lists every key it requires, and `items: false` after a
+    tuple's `prefixItems` (see the module's docstring); the input is not modified."""
 
     def visit(node: Any, closable: bool) -> Any:
         if not isinstance(node, dict):
@@ -93,13 +93,23 @@ def strict_objects(schema: Any) -> Any:
 
         out = rebuilt(node, child)
         if closable and not any(k in node for k in SHARED_KEYWORDS):
-            if is_object_schema(node) and "additionalProperties" not in node:
+            if is_object_schema(node) and "additionalProperties" not in node and _lists_its_required(node):
                 out["additionalProperties"] = False
             if isinstance(node.get("prefixItems"), list) and "items" not in node:
                 out["items"] = False
         return out
 
     return visit(schema, True)
+
+
+def _lists_its_required(node: dict[str, Any]) -> bool:
+    """Whether every key `required` names is among `properties` (or matched by `patternProperties`): an
+    object that requires a key it does not list leaves it open, as closing it would refuse that key."""
+    required = node.get("required")
+    if not isinstance(required, list) or node.get("patternProperties"):
+        return True
+    listed = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    return all(key in listed for key in required)
 
 
 def relocated(schema: Any, pointer: str) -> Any:
