@@ -77,7 +77,12 @@ def test_endless_refs_are_found(schema, endless) -> None:
 
 
 def accepts(compiler: GrammarCompiler, tokenizer, schema: dict, text: str) -> bool:
-    matcher = compiler.matcher(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    return accepts_with(compiler, tokenizer, StructuredOutputsParams(json=schema, disable_any_whitespace=True), text)
+
+
+def accepts_with(compiler: GrammarCompiler, tokenizer, params: StructuredOutputsParams, text: str) -> bool:
+    """Whether the constraint's grammar takes `text`'s tokens one by one and is complete after them."""
+    matcher = compiler.matcher(params)
     try:
         for token in tokenizer.encode(text):
             matcher.accept(token)
@@ -105,13 +110,7 @@ def test_a_constraint_that_can_never_be_met_is_refused_when_compiled(compiler, p
 
 
 def regex_accepts(compiler: GrammarCompiler, tokenizer, regex: str, text: str) -> bool:
-    matcher = compiler.matcher(StructuredOutputsParams(regex=regex))
-    try:
-        for token in tokenizer.encode(text):
-            matcher.accept(token)
-    except RuntimeError:
-        return False
-    return matcher.is_accepting
+    return accepts_with(compiler, tokenizer, StructuredOutputsParams(regex=regex), text)
 
 
 @pytest.mark.parametrize(("regex", "ascii_text", "other"), [
