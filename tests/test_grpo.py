@@ -345,12 +345,15 @@ def test_reference_logprobs_are_computed_once_per_rollout(tiny_train_model, prom
 def test_reward_std_is_trls_nanstd_of_the_batch() -> None:
     from trl.trainer.utils import nanstd
 
-    from pagedrl.train.algorithms.grpo import _nanstd
+    from pagedrl.train.algorithms.grpo import _batch_stds
+    from pagedrl.train.distributed import DistInfo
 
     rewards = torch.tensor([[1.0, 0.0, float("nan"), 1.0], [0.5, 0.5, 0.25, float("nan")]], dtype=torch.float64)
     kept = [1.0, 0.0, 1.0, 0.5, 0.5, 0.25]
     mean = sum(kept) / 6
     by_hand = math.sqrt(sum((x - mean) ** 2 for x in kept) / 5)  # Bessel's
-    assert float(_nanstd(rewards.flatten())) == pytest.approx(by_hand, rel=1e-14)
+    one = DistInfo(device=torch.device("cpu"))
+    assert _batch_stds([rewards.flatten()], one)[0] == pytest.approx(by_hand, rel=1e-12)
     assert by_hand == pytest.approx(float(nanstd(rewards.flatten())), rel=1e-6)  # TRL's (float32 inside)
-    assert float(_nanstd(torch.tensor([2.0, float("nan")]))) == 0.0  # one value: no spread
+    assert _batch_stds([torch.tensor([2.0, float("nan")])], one) == [0.0]  # one value: no spread
+    # (two processes logging what one does: tests/test_parallel.py)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ import torch
 from pagedrl.model.moe import collect_router_logits
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.adapters import reference_forward, uses_lora
-from pagedrl.train.distributed import DistInfo
+from pagedrl.train.distributed import DistInfo, all_reduce_sum
 from pagedrl.train.logprobs import TargetLogprobs, target_logprobs
 from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, tis_weight
 from pagedrl.train.metrics import Metric
@@ -171,8 +172,6 @@ class GRPO(OnlineAlgorithm):
         std = torch.stack([_nanstd(t) for t in totals])
         m: dict[str, Any] = {
             "reward": Metric.mean(finite.sum(), (~totals.isnan()).sum()),
-            # TRL 1.16's: the std of the batch's rewards (this rank's; under DDP the ranks' mean of it)
-            "reward_std": Metric.mean(_nanstd(totals.flatten())),
             "frac_reward_zero_std": Metric.mean(float((std < 1e-6).sum()), r.num_prompts),
             "completions/mean_length": Metric.mean(lengths.sum(), lengths.numel()),
             "completions/min_length": Metric.min(lengths.min()),
@@ -184,11 +183,14 @@ class GRPO(OnlineAlgorithm):
             "rollout/prefix_blocks_shared": Metric.sum(float(r.prefix_blocks_shared)),
             "rollout/sampled_completions": Metric.sum(float(r.sampled_completions)),
         }
+        # TRL 1.16's: the std of the whole batch's rewards, every rank's (an all-reduce: every rank is here)
+        stds = _batch_stds([totals.flatten(), *(r.rewards[:, f] for f in range(len(self.reward_funcs)))], self.dist)
+        m["reward_std"] = Metric.mean(stds[0])
         for f, (name, _) in enumerate(self.reward_funcs):
             col = r.rewards[:, f]
             ok = ~col.isnan()
             m[f"rewards/{name}/mean"] = Metric.mean(col[ok].sum(), ok.sum())
-            m[f"rewards/{name}/std"] = Metric.mean(_nanstd(col))
+            m[f"rewards/{name}/std"] = Metric.mean(stds[1 + f])
         if self.config.dynamic_sampling:
             m["dynamic_sampling/rounds"] = Metric.mean(float(r.rounds))
         return m
@@ -221,6 +223,22 @@ def run_grpo(config: GRPOConfig, progress: bool = True) -> Path:
     return Trainer(config, algorithm, dist, progress=progress).train()
 
 
+
+
+def _batch_stds(columns: Sequence[torch.Tensor], dist: DistInfo) -> list[float]:
+    """Each column's standard deviation (Bessel's, NaN left out, 0 for fewer than two values) over the
+    whole batch, every rank's share of it: TRL's `nanstd` of the gathered rewards, from one all-reduce of
+    the counts, sums and sums of squares (in float64), so two processes log what one does."""
+    parts = []
+    for col in columns:
+        kept = col[~col.isnan()].to(torch.float64)
+        parts += [float(kept.numel()), float(kept.sum()), float((kept * kept).sum())]
+    sums = all_reduce_sum(parts, dist).tolist()
+    stds = []
+    for n, total, squares in zip(sums[0::3], sums[1::3], sums[2::3], strict=True):
+        variance = (squares - total * total / n) / (n - 1) if n > 1 else 0.0
+        stds.append(math.sqrt(max(variance, 0.0)))
+    return stds
 
 
 def _nanstd(values: torch.Tensor) -> torch.Tensor:
