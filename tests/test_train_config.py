@@ -205,3 +205,13 @@ def test_trls_spellings_are_read_and_its_other_options_refused_saying_so(tmp_pat
                        ("use_vllm=false", "own paged engine"), ("eval_strategy=steps", "every N steps")):
         with pytest.raises(ValueError, match=rf"is a TRL / transformers option GRPOConfig does not have: .*{words}"):
             load_config(GRPOConfig, None, [*grpo, key])
+
+
+def test_dpo_and_reward_models_train_without_dropout_by_default_as_in_trl() -> None:
+    """TRL's DPO and reward trainers disable dropout (PEFT's included) unless told not to."""
+    from pagedrl.train.adapters import lora_config
+
+    assert lora_config(DPOConfig(use_peft=True)).lora_dropout == 0.0
+    assert lora_config(RewardConfig(use_peft=True)).lora_dropout == 0.0
+    assert lora_config(DPOConfig(use_peft=True, disable_dropout=False)).lora_dropout == 0.05
+    assert lora_config(SFTConfig(use_peft=True)).lora_dropout == 0.05  # TRL's SFT has no such switch

@@ -26,8 +26,10 @@ CAUSAL_LM, SEQ_CLS = "CAUSAL_LM", "SEQ_CLS"
 
 
 def lora_config(config: TrainConfig, task_type: str = CAUSAL_LM, modules_to_save: Sequence[str] = ()) -> LoRAConfig:
-    """The adapter a run's `lora_*` fields describe."""
-    return LoRAConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+    """The adapter a run's `lora_*` fields describe; without dropout where the config disables it (TRL's
+    DPO and reward trainers do by default, and PEFT's dropout with the rest)."""
+    dropout = 0.0 if getattr(config, "disable_dropout", False) else config.lora_dropout
+    return LoRAConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=dropout,
                       target_modules=config.lora_target_modules,
                       target_parameters=config.lora_target_parameters, modules_to_save=list(modules_to_save),
                       task_type=task_type, base_model_name_or_path=str(config.model),

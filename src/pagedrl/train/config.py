@@ -256,6 +256,7 @@ class SFTConfig(TrainConfig):
 class RewardConfig(TrainConfig):
     learning_rate: float = 1e-4
     center_rewards_coefficient: float | None = None  # Eisenstein et al. 2023 suggest 0.01
+    disable_dropout: bool = True  # TRL's: no dropout while training, LoRA's included (lora_dropout then unused)
 
     def validate(self) -> None:
         super().validate()
@@ -271,6 +272,7 @@ class DPOConfig(TrainConfig):
     label_smoothing: float = 0.0  # sigmoid: conservative DPO; robust: label flip probability
     ref_model: str | None = None  # None: a frozen copy of the starting policy
     precompute_ref_log_probs: bool = False
+    disable_dropout: bool = True  # TRL's: no dropout while training, LoRA's included (lora_dropout then unused)
     # Mixture of experts: the router load-balancing loss's weight (None: the model config's; 0: off).
     router_aux_loss_coef: float | None = None
 

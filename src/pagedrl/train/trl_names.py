@@ -35,7 +35,8 @@ NOT_HERE = {
     "model_init_kwargs": "the model is loaded by `model`, `revision` and the precision keys",
     "gradient_checkpointing_kwargs": "gradient_checkpointing takes true or false",
     "lr_scheduler_kwargs": "lr_scheduler_type is linear, cosine, constant or constant_with_warmup, without options",
-    "disable_dropout": "pagedrl's models have no dropout besides LoRA's (lora_dropout)",
+    "disable_dropout": "pagedrl's models have no dropout besides LoRA's (lora_dropout); DPO and reward models "
+    "take disable_dropout, as TRL's do",
     "use_rslora": "rank-stabilised LoRA is not built", "use_dora": "DoRA is not built",
     "lora_modules_to_save": "only LoRA's own matrices are trained (a reward model's score head too)",
     "padding_free": "pagedrl's `packing` puts each batch's examples back to back in one row: that is TRL's "
