@@ -4,6 +4,7 @@ half-written under a final name, rotated by save_total_limit, with the run's out
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import decoder_bound
 import pytest
@@ -111,3 +112,48 @@ def test_a_failed_replacement_keeps_the_old_checkpoint(tmp_path) -> None:
         ckpt.write_checkpoint(tmp_path / "checkpoint-5", broken, {"step": 5}, {"step": 5})
     assert (tmp_path / "checkpoint-5" / "model.safetensors").read_text() == "old"
     assert ckpt.is_complete(tmp_path / "checkpoint-5")
+
+
+def test_a_checkpoint_is_on_disk_before_it_has_its_name(tmp_path, monkeypatch) -> None:
+    """A power loss after the rename must not find a checkpoint whose files never reached the disk:
+    every file is fsynced before the marker and the rename, the parent after the rename."""
+    from pagedrl.model import staging
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace, real_rename = staging.os.fsync, staging.os.replace, staging.os.rename
+
+    def fsync(fd):
+        events.append(("fsync", staging.os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def rename(kind, real):
+        def moved(src, dst):
+            events.append((kind, str(dst)))
+            return real(src, dst)
+        return moved
+
+    monkeypatch.setattr(staging.os, "fsync", fsync)
+    monkeypatch.setattr(ckpt.os, "fsync", fsync)
+    monkeypatch.setattr(staging.os, "replace", rename("rename", real_replace))
+    monkeypatch.setattr(staging.os, "rename", rename("rename", real_rename))
+
+    def save(folder):
+        (folder / "sub").mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"weights")
+        (folder / "sub" / "tokenizer.json").write_text("{}")
+
+    target = tmp_path / "checkpoint-1"
+    for replacing in (False, True):  # a new folder, then a save over an existing one
+        events.clear()
+        ckpt.write_checkpoint(target, save, {"step": 1}, {"step": 1})
+        published = [i for i, (kind, dst) in enumerate(events) if kind == "rename" and dst == str(target)]
+        assert len(published) == 1, events
+        synced_before = {Path(p).relative_to(p.split(".checkpoint-1.partial-")[0]).parts[1:]
+                         for kind, p in events[:published[0]] if kind == "fsync" and ".partial-" in p}
+        for name in ("model.safetensors", "sub/tokenizer.json", ckpt.TRAINER_STATE_PT, ckpt.TRAINER_STATE_JSON,
+                     ckpt.COMPLETE_MARKER, "sub", ""):
+            assert tuple(Path(name).parts) in synced_before, (name, replacing, events)
+        synced = [p for kind, p in events if kind == "fsync"]
+        marker = next(i for i, p in enumerate(synced) if p.endswith(ckpt.COMPLETE_MARKER))
+        assert any(p.endswith("model.safetensors") for p in synced[:marker])  # data before its marker
+        assert ("fsync", str(tmp_path)) in events[published[0]:]  # the rename itself on disk

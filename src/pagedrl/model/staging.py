@@ -8,6 +8,10 @@ an existing folder moves the old one aside to `.<name>.old-…` first; deleting 
 `.<name>.deleting-…` before removing its files, so a crash mid-delete leaves a hidden leftover, not
 a half-emptied folder under its real name. `remove_hidden_leftovers` sweeps all three kinds, and
 puts a moved-aside folder back where a crash came before its replacement was renamed in.
+
+A rename survives a process's death, not a power loss: the filesystem may put the rename on disk
+before the files' data. So every file and folder of the staging folder is fsynced before the rename,
+and the parent after it; a folder seen under its name after a reboot holds its whole contents.
 """
 
 from __future__ import annotations
@@ -39,9 +43,43 @@ def new_staging_folder(target: str | Path) -> Path:
     return _hidden_sibling(target, "partial")
 
 
+def _fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder's entries are what a rename or a new file changes)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not path.is_dir():
+            raise
+        # some filesystems refuse fsync on a folder; their entries are then as durable as they get
+    finally:
+        os.close(fd)
+
+
+def sync_tree(folder: Path) -> None:
+    """Put every file under `folder`, and the folders themselves, on disk (files first, so a
+    folder's entries never reach the disk ahead of the data they name)."""
+    folders = []
+    for root, _dirs, files in os.walk(folder):
+        folders.append(Path(root))
+        for name in files:
+            path = Path(root) / name
+            if not path.is_symlink():
+                _fsync_path(path)
+    for path in reversed(folders):
+        _fsync_path(path)
+
+
 def publish_folder(staging: Path, target: Path, replace: bool = True) -> None:
-    """Rename a finished staging folder to `target`. An existing `target` is moved aside and
-    removed when `replace`, else it stays and this raises FileExistsError (another writer won)."""
+    """Rename a finished staging folder to `target`, its contents on disk first and the rename
+    after. An existing `target` is moved aside and removed when `replace`, else it stays and this
+    raises FileExistsError (another writer won)."""
+    sync_tree(staging)
+    _publish(staging, target, replace)
+    _fsync_path(target.parent)
+
+
+def _publish(staging: Path, target: Path, replace: bool) -> None:
     if target.exists():
         if not replace:
             raise FileExistsError(f"{target}: already exists (written concurrently)")

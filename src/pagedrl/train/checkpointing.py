@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedrl.model.staging import discard_folder, remove_hidden_leftovers, staged_folder
+from pagedrl.model.staging import discard_folder, remove_hidden_leftovers, staged_folder, sync_tree
 
 CHECKPOINT_PREFIX = "checkpoint-"
 FINAL_DIR = "final"
@@ -111,6 +111,7 @@ def write_checkpoint(folder: str | Path, save_model: Callable[[Path], None],
                 torch.save(trainer_state, tmp / TRAINER_STATE_PT)
             if summary is not None:
                 (tmp / TRAINER_STATE_JSON).write_text(json.dumps(summary, indent=2) + "\n")
+            sync_tree(tmp)  # the marker must never reach the disk ahead of what it vouches for
             marker = {"time": time.time(), **({"step": summary["step"]} if summary and "step" in summary else {})}
             _write_synced(tmp / COMPLETE_MARKER, json.dumps(marker) + "\n")
     except Exception as e:
