@@ -143,3 +143,22 @@ def test_n_is_bounded_by_max_num_seqs_and_admission_counts_samples(loaded):
             # 3 seats taken: the second request's 2 samples wait instead of running 5 sequences
             assert all(s.status.value == "waiting" for s in engine.requests[second].seqs)
     assert most <= 4
+
+
+def test_detokenize_false_gives_the_same_tokens_with_no_text(loaded, monkeypatch):
+    """vLLM's `detokenize=False`: the same tokens and log-probs, prompt log-probs included, but no text
+    and no token names, and nothing decoded on the way."""
+    with_text, _ = run(loaded, RequestOutputKind.FINAL_ONLY, prompt_logprobs=2)
+    names = []
+    monkeypatch.setattr(LLMEngine, "decode_one", lambda self, token: names.append(token))
+    bare, _ = run(loaded, RequestOutputKind.FINAL_ONLY, prompt_logprobs=2, detokenize=False)
+    assert names == []
+    for (a,), (b,) in zip(with_text, bare, strict=True):
+        assert [p.keys() for p in a.prompt_logprobs[1:]] == [p.keys() for p in b.prompt_logprobs[1:]]
+        assert all(lp.decoded_token is None for entry in b.prompt_logprobs[1:] for lp in entry.values())
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert x.text and y.text == "" and x.token_ids == y.token_ids
+            assert [{t: lp.logprob for t, lp in e.items()} for e in x.logprobs] == \
+                   [{t: lp.logprob for t, lp in e.items()} for e in y.logprobs]
+            assert all(lp.decoded_token is None for e in y.logprobs for lp in e.values())
+            assert any(lp.decoded_token for e in x.logprobs for lp in e.values())

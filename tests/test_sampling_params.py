@@ -97,6 +97,8 @@ def test_valid_edges_are_accepted():
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": 3.0}, "truncate_prompt_tokens"),
+    ({"detokenize": 0}, "detokenize"),
+    ({"detokenize": False, "stop": ["\n"]}, "stop"),
 ])
 def test_bad_values_raise_naming_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{name} .*got"):

@@ -158,9 +158,8 @@ class LLMEngine:
         return torch.Generator(device=self.model.device).manual_seed((seed + 1_000_003 * index) % 2**64)
 
     def new_detokenizer(self, params: SamplingParams, prompt_ids: list[int]) -> Any:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.detokenizer(prompt_ids, skip_special_tokens=params.skip_special_tokens)
+        if self.tokenizer is not None and params.detokenize:
+            return self.tokenizer.detokenizer(prompt_ids, skip_special_tokens=params.skip_special_tokens)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; returns False if it was not live."""
@@ -288,7 +287,8 @@ class LLMEngine:
             if seq.params.logprobs is not None:
                 processed_mode = seq.params.logprobs_mode == "processed_logprobs"
                 entry = logprob_entry(token, processed[i] if processed_mode else raw[i], out.top_logprobs[i],
-                                      self.decode_one, out.sampled_ranks[i] if out.sampled_ranks else None)
+                                      self.decode_one if seq.params.detokenize else None,
+                                      out.sampled_ranks[i] if out.sampled_ranks else None)
             seq.append(token, processed[i], raw[i], entry)
             if seq.grammar is not None:
                 seq.grammar.accept(token)

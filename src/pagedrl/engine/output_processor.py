@@ -28,10 +28,16 @@ TokenName = Callable[[int], str | None]
 _FINAL_ONLY, _DELTA = RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA
 
 
+def _unnamed(token: int) -> None:
+    """The name of every token of a request with `detokenize=False` (vLLM's: `decoded_token` None)."""
+    return None
+
+
 def logprob_entry(token: int, chosen: float, top: dict[int, float] | None,
-                  name: TokenName, rank: int | None = None) -> dict[int, Logprob]:
+                  name: TokenName | None, rank: int | None = None) -> dict[int, Logprob]:
     """The sampled token's log-prob (and its `rank` in that distribution) and its ranked alternatives,
-    each with its name (built once per token)."""
+    each with its name (built once per token; None: no names)."""
+    name = name or _unnamed
     entry = {token: Logprob(chosen, rank=rank, decoded_token=name(token))}
     if top:
         for r, (t, v) in enumerate(top.items(), start=1):
@@ -58,7 +64,8 @@ def logits_error(seq: Sequence, finite: bool = False) -> str:
 def record_prompt_logprob(seq: Sequence, pos: int, logits: torch.Tensor, name: TokenName) -> None:
     """The entry of prompt token `pos + 1` from the logits of row `pos`: its log-prob and rank (1 +
     the tokens strictly more likely), and the `prompt_logprobs` best alternatives when asked for, each
-    with its name, as vLLM's."""
+    with its name (none with `detokenize=False`), as vLLM's."""
+    name = name if seq.params.detokenize else _unnamed
     if seq.prompt_logprobs is None:
         seq.prompt_logprobs = [None] * seq.num_prompt_tokens
     logp = torch.log_softmax(logits.float(), dim=-1)

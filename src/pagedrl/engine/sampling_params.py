@@ -77,6 +77,8 @@ class SamplingParams:
     word's other tokens (with and without a leading space, as vLLM tokenizes them). All three act on
     the processed distribution before the penalties; raw log-probs stay the model's own.
     `truncate_prompt_tokens=k` keeps only the prompt's last k tokens (-1: as many as the context holds).
+    `detokenize=False` (vLLM's, for callers that read token ids only, such as rollouts) leaves the
+    text empty and log-prob entries unnamed, saving the decoding; stop strings then cannot be seen.
     """
 
     n: int = 1
@@ -104,6 +106,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through the back door, once, here
@@ -114,7 +117,7 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             set_(self, name, _as_float(name, getattr(self, name)))
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "must be a bool")
 
@@ -167,6 +170,9 @@ class SamplingParams:
             raise _bad("structured_outputs", self.structured_outputs,
                        "must be a StructuredOutputsParams, a dict of its fields, or None")
         set_(self, "stop", _normalise_stop(self.stop))
+        if self.stop and not self.detokenize:
+            raise _bad("stop", self.stop, "stop strings are matched in the text, which detokenize=False does not "
+                                          "make; use stop_token_ids, or detokenize=True")
         set_(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
         set_(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
         set_(self, "allowed_token_ids", _normalise_allowed_token_ids(self.allowed_token_ids))
