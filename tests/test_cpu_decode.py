@@ -13,7 +13,7 @@ from cpu_class import needs, needs_not
 from gguf import GGMLQuantizationType as Q
 from gguf_files import TINY, write_tiny_gguf
 from test_engine_precision import peaked
-from tiny import FAMILIES, FUSED_FAMILIES, GEMMA_FAMILIES, MOE_FAMILIES, hf_model
+from tiny import BASE, FAMILIES, FUSED_FAMILIES, GEMMA_FAMILIES, MOE_FAMILIES, hf_model
 
 from pagedrl.engine import cpu_decode
 from pagedrl.engine.llm import LLM
@@ -91,6 +91,36 @@ def test_the_program_gives_the_modules_bits(family, dtype) -> None:
         assert "fused qkv_proj and gate_up_proj" in llm.engine.runner.decode_path()
         return
     assert steps and max(steps) == len(prompts) and min(steps) >= 1
+
+
+SCALED_ROPES = {  # the rope settings that scale cos and sin, on a family the program runs
+    "qwen3-yarn": dict(BASE, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_key_value_heads=2,
+                       head_dim=24, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                                     "original_max_position_embeddings": 32}),
+    "llama-longrope": dict(BASE, architectures=["LlamaForCausalLM"], model_type="llama", num_key_value_heads=2,
+                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                            "original_max_position_embeddings": 32,
+                                            "short_factor": [1.0 + i / 10 for i in range(8)],
+                                            "long_factor": [2.0 + i / 2 for i in range(8)]}),
+}
+
+
+@pytest.mark.parametrize("rope", sorted(SCALED_ROPES))
+def test_the_program_scales_the_rotation_as_the_modules_do(rope) -> None:
+    """YaRN's attention factor and LongRoPE's two frequency sets (the long one from position 32 on,
+    which the 45-token prompt's decode steps are past): the program's decode steps equal the
+    modules' (they lost YaRN's factor and failed on LongRoPE's two sets)."""
+    needs_program(torch.float32)
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig.from_dict(SCALED_ROPES[rope])).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.15)
+    prompts = [torch.randint(3, 211, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 45, 18)]
+    llm, eager, steps = engines(model)
+    assert outputs(llm, prompts) == outputs(eager, prompts)
+    assert steps and llm.engine.runner.program is not None
 
 
 ONE_CALL_CASES = {  # the projections' kinds each case's steps take (`cpu_decode.Kind`)

@@ -274,7 +274,8 @@ class DecodeProgram:
         backbone = self.model.model
         embed = backbone.embed_tokens
         x = F.embedding(input_ids, embed.weight) if type(embed) is torch.nn.Embedding else embed(input_ids)
-        cos, sin = rope_cos_sin(meta.positions[None], backbone.inv_freq, x.dtype)
+        cos, sin = rope_cos_sin(meta.positions[None], backbone.inv_freq, x.dtype, backbone.longrope,
+                                backbone.attention_factor)
         cache = meta.kv_cache
         scale = meta.scale if meta.scale is not None else 1.0 / math.sqrt(head_dim)
         kinds = self._flat.kinds(n) if self._flat is not None else None
