@@ -33,6 +33,23 @@ def test_missing_weights(saved):
         load_causal_lm(saved)
 
 
+def test_pickled_weights_are_named_with_the_way_out(saved):
+    (saved / "model.safetensors").rename(saved / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"no model.safetensors.*holds pytorch_model.bin.*safe_serialization"):
+        load_causal_lm(saved)
+
+
+def test_a_folder_with_a_slow_tokenizer_only_says_so(saved, caplog):
+    from pagedrl.model.loader import load_model
+
+    (saved / "tokenizer.json").unlink(missing_ok=True)
+    (saved / "tokenizer.model").write_bytes(b"sentencepiece")
+    with caplog.at_level("WARNING", logger="pagedrl.model.loader"):
+        loaded = load_model(str(saved), device="cpu", dtype="float32")
+    assert loaded.tokenizer is None
+    assert "no tokenizer.json (it has tokenizer.model)" in caplog.text and str(saved) in caplog.text
+
+
 def test_unsupported_architecture(saved):
     cfg = json.loads((saved / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]

@@ -47,6 +47,18 @@ def test_logits_equal_transformers_and_the_window_matters(family: str) -> None:
     assert float((ours_logits(ours, ids, mask) - ref)[real].abs().max()) > 1e-3
 
 
+def test_gemma3_leaves_attention_uncapped_whatever_its_config_says() -> None:
+    """Gemma 3's config may carry `attn_logit_softcapping` (Gemma 2's field); its attention never applies
+    it, in transformers nor in the published weights' training: logits equal transformers' with it set."""
+    hf = hf_model(dict(GEMMA_FAMILIES["gemma3"], attn_logit_softcapping=2.0))
+    ours = ours_from(hf)
+    assert ours.config.gemma.attn_logit_softcapping is None
+    ids, mask = padded_batch(hf.config.vocab_size)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask).logits
+    assert float((ours_logits(ours, ids, mask) - ref)[mask.bool()].abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_config_and_checkpoint_round_trip_through_transformers(tmp_path, family: str) -> None:
     """A checkpoint written here loads in transformers with the same logits, and back here equal;

@@ -92,3 +92,55 @@ def test_forked_samples_share_then_drop_their_blocks(mistral) -> None:
                            use_tqdm=False)[0]
     assert [strip_eos(c.token_ids) for c in out.outputs] == [strip_eos(expected)] * 3
     assert llm.stats()["num_blocks_used"] == 0
+
+
+LAYER_KINDS = {  # Qwen configs as transformers writes or a user edits them -> which layers transformers slides
+    "max_window_layers 28 (the default) over 2 layers": dict(max_window_layers=28),
+    "layer_types: the second slides": dict(max_window_layers=0, layer_types=["full_attention", "sliding_attention"]),
+    "layer_types: both slide": dict(max_window_layers=5, layer_types=["sliding_attention"] * 2),
+    "layer_types: none slides": dict(max_window_layers=0, layer_types=["full_attention"] * 2),
+    "layer_types: a full layer after a sliding one": dict(layer_types=["sliding_attention", "full_attention"]),
+}
+
+
+@pytest.mark.parametrize("arch", ["qwen2-bias-tied", "qwen3-qknorm"])
+@pytest.mark.parametrize("case", sorted(LAYER_KINDS))
+def test_qwen_layers_slide_where_transformers_slides_them(arch: str, case: str) -> None:
+    """`layer_types` over `max_window_layers`, as transformers reads them: where no layer slides there is
+    no window (the context is not capped), where every one does the window is uniform, where the last
+    ones do the context is capped at the window; other layouts are refused by name."""
+    import transformers
+
+    from pagedrl.model.config_error import ConfigError
+
+    raw = dict(FAMILIES[arch], use_sliding_window=True, sliding_window=WINDOW, **LAYER_KINDS[case])
+    theirs = getattr(transformers, raw["architectures"][0].replace("ForCausalLM", "Config"))(**raw).layer_types
+    slides = [kind == "sliding_attention" for kind in theirs]
+    if any(slides) and not all(slides[slides.index(True):]):
+        with pytest.raises(ConfigError, match="layer_types.*full layers after sliding"):
+            ModelConfig.from_dict(raw)
+        return
+    cfg = ModelConfig.from_dict(raw)
+    if not any(slides):
+        assert cfg.layer_windows == (None, None) and cfg.max_model_len == 256
+    elif all(slides):
+        assert cfg.layer_windows == (WINDOW, WINDOW) and cfg.max_model_len == 256
+    else:
+        assert cfg.uniform_window is None and cfg.max_model_len == WINDOW
+
+
+def test_qwen3_moe_slides_every_layer_and_gemma_ties_its_head_by_default() -> None:
+    """Qwen3-MoE applies its window in every layer whatever `max_window_layers` says; Gemma 2 and 3
+    configs without `tie_word_embeddings` (as published) tie the head, as transformers defaults them."""
+    import transformers
+    from tiny import GEMMA_FAMILIES
+
+    moe = dict(FAMILIES["qwen3-moe"], use_sliding_window=True, sliding_window=WINDOW, max_window_layers=48)
+    assert ModelConfig.from_dict(moe).layer_windows == (WINDOW, WINDOW)
+    for family in GEMMA_FAMILIES.values():
+        raw = {k: v for k, v in family.items() if k != "tie_word_embeddings"}
+        theirs = getattr(transformers, raw["architectures"][0].replace("ForCausalLM", "Config"))
+        if raw["model_type"] == "gemma3_text":
+            theirs = transformers.Gemma3TextConfig
+        assert ModelConfig.from_dict(raw).tie_word_embeddings is theirs(**raw).tie_word_embeddings is True
+    assert ModelConfig.from_dict(FAMILIES["mistral"]).tie_word_embeddings is False

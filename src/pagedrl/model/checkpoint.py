@@ -53,7 +53,10 @@ def weight_files(folder: Path) -> list[Path]:
     others = sorted(folder.glob("*.safetensors"))
     if others:
         return others
-    raise CheckpointError(f"{folder}: no {WEIGHTS_NAME}, {INDEX_NAME} or *.safetensors file")
+    pickled = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
+    hint = (f" (it holds {pickled[0]}: pickled PyTorch weights, which pagedrl does not unpickle; convert them "
+            "with transformers' save_pretrained(..., safe_serialization=True))") if pickled else ""
+    raise CheckpointError(f"{folder}: no {WEIGHTS_NAME}, {INDEX_NAME} or *.safetensors file{hint}")
 
 
 def read_state_dict(folder: Path, dtype: torch.dtype = torch.float32,

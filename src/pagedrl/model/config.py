@@ -25,6 +25,7 @@ from pagedrl.model.deepseek import (
 )
 from pagedrl.model.gemma import GEMMA_FIELDS, GemmaRules, gemma_dict, gemma_fields
 from pagedrl.model.gpt_oss import GPT_OSS_FIELDS, GptOssRules, gpt_oss_dict, gpt_oss_fields
+from pagedrl.model.qwen_windows import QWEN_LAYER_KINDS, qwen_window_fields
 from pagedrl.model.rope_fields import phi3_fields, validate_longrope, validate_yarn
 
 # architectures entry -> (model_type, q/k/v bias by default, q/k RMSNorm)
@@ -43,6 +44,8 @@ ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
 }
 # Families whose sliding window applies only with `use_sliding_window` (transformers drops it otherwise).
 SLIDING_WHEN_ASKED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Families whose config ties the output head to the embedding unless it says otherwise (transformers' default).
+TIED_BY_DEFAULT = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Roles built on the same backbone; the suffix tells which head sits on top.
 REWARD_ARCHITECTURE_SUFFIX = "ForSequenceClassification"
 
@@ -157,7 +160,7 @@ class ModelConfig:
         not uniform."""
         if not self.sliding_window:
             return None
-        if self.architecture.replace(REWARD_ARCHITECTURE_SUFFIX, "ForCausalLM") in SLIDING_WHEN_ASKED:
+        if self.architecture.replace(REWARD_ARCHITECTURE_SUFFIX, "ForCausalLM") in QWEN_LAYER_KINDS:
             return self.sliding_window if int(self.extra.get("max_window_layers", 28)) <= 0 else None
         return self.sliding_window
 
@@ -208,6 +211,8 @@ class ModelConfig:
         rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         scaling = None if rope_type in (None, "default") else {**rope, "rope_type": rope_type}
+        if base in QWEN_LAYER_KINDS:  # (Qwen3-MoE has no layer kinds: with a window, every layer slides)
+            raw = {**raw, **qwen_window_fields(raw, source)}
         sliding = raw.get("sliding_window")
         if base in SLIDING_WHEN_ASKED and not raw.get("use_sliding_window", False):
             sliding = None
@@ -233,7 +238,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", base in TIED_BY_DEFAULT)),
             attention_bias=bool(attention_bias),
             mlp_bias=bool(raw.get("mlp_bias", False)) and base != "Phi3ForCausalLM",
             qk_norm=qk_norm,

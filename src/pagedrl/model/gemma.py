@@ -91,7 +91,8 @@ def gemma_fields(raw: dict[str, Any], base: str, source: str) -> dict[str, Any]:
         sliding_window=window if SLIDING in types else None,
         layer_types=tuple(types),
         local_rope_theta=local_theta,
-        attn_logit_softcapping=_cap(raw, "attn_logit_softcapping", None if gemma3 else 50.0, source),
+        # Gemma 3 keeps the field but its attention never applies it (transformers' and the published weights')
+        attn_logit_softcapping=None if gemma3 else _cap(raw, "attn_logit_softcapping", 50.0, source),
         final_logit_softcapping=_cap(raw, "final_logit_softcapping", None if gemma3 else 30.0, source),
     )
     return dict(gemma=rules, sliding_window=None, rope_theta=float(full.get("rope_theta", 10000.0)),

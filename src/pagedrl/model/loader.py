@@ -5,6 +5,7 @@ folded in when one is named."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from pagedrl.model.precision import ACTIVATIONS, QUANTIZATIONS, Precision, resol
 from pagedrl.model.resolve import adapter_base, resolve_gguf, resolve_model_path
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.model.weight_only import WEIGHT_ONLY, describe, quantize_weights
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,9 +77,20 @@ def load_model(model: str | Path | None = None, device: str | torch.device | Non
     else:
         net = load_causal_lm(path, device=device, dtype=precision.dtype)
     tokenizer_dir = tokenizer_dir or path
-    tokenizer = Tokenizer.from_folder(tokenizer_dir) if load_tokenizer and (tokenizer_dir / "tokenizer.json").is_file() \
-        else None
+    tokenizer = _tokenizer(tokenizer_dir) if load_tokenizer else None
     return LoadedModel(net, tokenizer, path, precision, _generation_config(path))
+
+
+def _tokenizer(folder: Path) -> Tokenizer | None:
+    """The folder's tokenizer.json; None without one, saying so where the folder holds another
+    tokenizer's files (a slow tokenizer's vocabulary: text prompts will be refused)."""
+    if (folder / "tokenizer.json").is_file():
+        return Tokenizer.from_folder(folder)
+    slow = [name for name in ("tokenizer.model", "vocab.json", "tiktoken.model") if (folder / name).is_file()]
+    if slow:
+        logger.warning("%s: no tokenizer.json (it has %s), so only token ids can be given as prompts; write one with "
+                       "transformers: AutoTokenizer.from_pretrained(folder).save_pretrained(folder)", folder, slow[0])
+    return None
 
 
 def _generation_config(path: Path) -> dict[str, Any]:
@@ -144,6 +158,6 @@ def _load_quantized(model: str | Path | None, device: torch.device, dtype: torch
         reason = "GGUF weights kept quantized: " + ", ".join(f"{name} x {n}" for name, n in sorted(kept.items()))
     net = net.to(device=device, dtype=precision.dtype)
     loaded = LoadedModel(net, None, path, Precision(precision.dtype, reason), _generation_config(path))
-    if load_tokenizer and (path / "tokenizer.json").is_file():
-        loaded.tokenizer = Tokenizer.from_folder(path)
+    if load_tokenizer:
+        loaded.tokenizer = _tokenizer(path)
     return loaded
