@@ -17,7 +17,7 @@ from pagedrl import LLM, SamplingParams
 from pagedrl.engine.engine_args import EngineArgs, add_engine_arguments, cli_fields, flag
 from pagedrl.engine.engine_config import EngineConfig
 from pagedrl.generate import ENGINE_SKIP
-from pagedrl.server.serve import build_parser, engine_arguments_problem
+from pagedrl.server.serve import build_parser, engine_arguments_problem, serve_main
 from pagedrl.train.rl.config import GRPOConfig, OnlineConfig
 from pagedrl.train.rl.online import rollout_engine_args
 
@@ -139,3 +139,46 @@ def test_the_rollout_engine_is_engine_args() -> None:
     assert isinstance(args, EngineArgs)
     assert (args.kv_cache_tokens, args.seed, args.max_num_seqs, args.batch_invariant) == (4096, 7, 320, True)
     assert set(args.config_kwargs()) == {f.name for f in fields(EngineConfig)}
+
+
+def test_a_context_the_model_lacks_or_a_step_that_cannot_hold_one_is_refused(tiny_train_model) -> None:
+    """As vLLM: max_model_len past the model's context is an error (it was quietly lowered), and without
+    chunked prefill a step budget below max_model_len is one (a longer prompt waited for ever, and every
+    request behind it)."""
+    context = LLM(str(tiny_train_model), kv_cache_tokens=256).engine.max_model_len
+    with pytest.raises(ValueError, match=rf"max_model_len \({context + 1}\) is longer than the model's context "
+                                         rf"\({context}"):
+        LLM(str(tiny_train_model), kv_cache_tokens=256, max_model_len=context + 1)
+    with pytest.raises(ValueError, match=rf"max_num_batched_tokens \(64\) is smaller than max_model_len \({context}\) "
+                                         "with enable_chunked_prefill off"):
+        LLM(str(tiny_train_model), kv_cache_tokens=256, enable_chunked_prefill=False, max_num_batched_tokens=64)
+    llm = LLM(str(tiny_train_model), kv_cache_tokens=256, enable_chunked_prefill=False, max_num_batched_tokens=64,
+              max_model_len=64)  # a budget that holds the longest sequence served: every prompt schedules
+    out = llm.generate([[5] * 60], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="max_model_len must be a positive integer"):
+        EngineConfig(max_model_len=0).validate()
+
+
+def test_serve_reads_vllm_s_key_and_spellings_and_guesses_no_flag(monkeypatch) -> None:
+    monkeypatch.delenv("PAGEDRL_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert build_parser().parse_args([]).api_key == "from-vllm"  # it ran with no key before
+    monkeypatch.setenv("PAGEDRL_API_KEY", "ours")
+    assert build_parser().parse_args([]).api_key == "ours"
+    assert EngineArgs.from_cli_args(build_parser().parse_args(["--dtype", "half"])).dtype == "half"
+    assert build_parser().parse_args(["--dtype", "float"]).dtype == "float"
+    with pytest.raises(SystemExit):  # an abbreviation set --api-key quietly
+        build_parser().parse_args(["--api", "k"])
+
+
+def test_a_busy_port_is_refused_before_the_model_loads(capsys) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert serve_main(["/no/such/model", "--port", str(port)]) == 2  # the model is never looked at
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"pagedrl serve: cannot listen on 127.0.0.1:{port}: ") and "in use" in err

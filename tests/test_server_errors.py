@@ -152,6 +152,8 @@ def test_missing_or_wrong_api_key_is_401(server, still_serving):
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
     assert httpx.get(server.base_url + "/health").status_code == 200  # health needs no key
+    for method in ("GET", "POST"):  # nor its SageMaker name
+        assert httpx.request(method, server.base_url + "/ping").status_code == 200
     assert httpx.get(server.base_url + "/metrics").status_code == 401  # its labels name the served model
 
 

@@ -267,3 +267,40 @@ def test_openapi_describes_every_body_error_and_content_type(http):
     assert doc["paths"]["/health"]["get"]["responses"]["200"]["content"] == {}
     metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert list(metrics) == [http.get("/metrics").headers["content-type"]]
+
+
+def test_a_second_ctrl_c_stops_at_once_and_in_order(tiny_train_model, tmp_path):
+    """Ctrl+C drains (up to --shutdown-timeout, 60 s here); a second one ends what is in flight at once, still
+    in OpenAI's shape, stops the engine and exits 0 without a traceback (it waited out the whole drain, then
+    skipped the engine's shutdown). An empty --api-key is no key, as in vLLM."""
+    with running_server(tiny_train_model, tmp_path, "--kv-cache-tokens", "4096", "--shutdown-timeout", "60",
+                        "--api-key", "", "--max-num-seqs", "1") as s:
+        assert httpx.get(s.base_url + "/v1/models").status_code == 200
+        replies: list = []
+
+        def post() -> None:  # 80 requests one at a time, each to the end of the context: many seconds
+            try:
+                replies.append(httpx.post(s.base_url + "/v1/completions", timeout=60, json={
+                    "prompt": PROMPT, "max_tokens": 230, "ignore_eos": True}))
+            except httpx.HTTPError as e:
+                replies.append(e)
+
+        posters = [threading.Thread(target=post) for _ in range(80)]
+        for t in posters:
+            t.start()
+        time.sleep(1.0)
+        s.proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert s.proc.poll() is None  # draining
+        started = time.monotonic()
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(timeout=30) == 0
+        assert time.monotonic() - started < 15
+        for t in posters:
+            t.join()
+    assert all(isinstance(r, httpx.Response) for r in replies), replies  # no connection cut without an answer
+    stopped = [r for r in replies if r.status_code == 503 and "stopped at once" in r.json()["error"]["message"]]
+    assert stopped and all(r.status_code in (200, 503) for r in replies)
+    log = s.log()
+    assert "draining:" in log and "Ctrl+C again to stop at once" in log
+    assert "Traceback" not in log and "CancelledError" not in log

@@ -85,8 +85,26 @@ class EngineConfig:
         """The KV cache's dtype for a model computing in `compute_dtype` (its own, or autocast's)."""
         return compute_dtype if self.kv_cache_dtype == "auto" else torch.bfloat16
 
+    def context_length(self, model_len: int) -> int:
+        """The longest sequence served: `max_model_len`, or the model's context (`model_len`). As vLLM,
+        a `max_model_len` past the model's context is refused, not quietly lowered, and so is a step
+        budget that could never hold a whole prompt of that length when prompts are not chunked (such
+        a prompt would wait for ever, and every request behind it)."""
+        if self.max_model_len is not None and self.max_model_len > model_len:
+            raise ValueError(f"max_model_len ({self.max_model_len}) is longer than the model's context ({model_len}: "
+                             "its max_position_embeddings, or the sliding window it is capped at); leave it unset "
+                             "or lower it")
+        length = self.max_model_len or model_len
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < length:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                             f"({length}) with enable_chunked_prefill off: a prompt longer than one step's budget "
+                             "could never be scheduled; raise max_num_batched_tokens, lower max_model_len, or "
+                             "leave chunked prefill on")
+        return length
+
     def validate(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank",
+                     *(("max_model_len",) if self.max_model_len is not None else ())):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

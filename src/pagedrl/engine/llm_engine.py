@@ -51,7 +51,7 @@ class LLMEngine:
         if self.config.batch_invariant:
             batch_invariant.require(model)  # before the runner makes its bf16 twin of the module
         cfg = model.config
-        self.max_model_len = min(self.config.max_model_len or cfg.max_model_len, cfg.max_model_len)
+        self.max_model_len = self.config.context_length(cfg.max_model_len)
         bs = self.config.block_size
         # The cache holds keys and values in the dtype the model computes them in, or in kv_cache_dtype.
         kv_dtype = self.config.cache_dtype(self.config.autocast_dtype or model.dtype)

@@ -98,6 +98,9 @@ def _load() -> bool:
         folder.mkdir(parents=True, exist_ok=True)
         cached = (folder / "pagedrl_paged_attention.so").is_file()
         start = time.perf_counter()
+        if not cached:  # a minute or more, or longer behind another process's build: say so first
+            logger.info("building the CPU kernels for this CPU and source (once; later starts load them from %s)",
+                        folder)
         wait_for_builder(folder)
         (folder / BUILDER_FILE).write_text(str(os.getpid()))
         with pinned_ninja():

@@ -25,7 +25,8 @@ import torch
 from pagedrl.kernels import isa
 
 FORCE_ENV = "PAGEDRL_CPU_BF16"
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # what `--dtype` takes, as vLLM spells them
+# What `--dtype` takes, as vLLM spells them (half = float16, float = float32).
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 # What `--quantization` takes (`model/loader.py`): a GGUF's blocks kept as they are; int8 / int4 weight-only
 # quantization made at load (`model/weight_only.py`); mxfp4: gpt-oss's published MXFP4 experts kept so
 # (`model/mxfp4_loading.py`).
@@ -116,8 +117,8 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: str | torch.device) -
     if dtype is None or dtype == "auto":
         return choose_precision(device)
     if isinstance(dtype, str):
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise ValueError(f"dtype: unknown {dtype!r}; expected auto, float32, bfloat16 or float16")
+        if dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype: unknown {dtype!r}; expected one of {', '.join(DTYPE_CHOICES)}")
         dtype = getattr(torch, dtype)
     assert isinstance(dtype, torch.dtype)
     return Precision(dtype, "requested")

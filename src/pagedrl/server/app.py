@@ -189,7 +189,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
 
     def authorized(request: Request) -> bool:
         """Whether the request may do what the API key guards (always, on a server without one)."""
-        if api_key is None:
+        if not api_key:  # none, or empty (vLLM's: no key)
             return True
         given = request.headers.get("authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
@@ -281,6 +281,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
 
     @app.get("/health", response_model=None, response_class=Response, responses={
         200: {"description": "The engine is running (empty body)", "content": {}}, **errors(503)})
+    @app.api_route("/ping", methods=["GET", "POST"], response_model=None, response_class=Response, responses={
+        200: {"description": "/health under the name SageMaker asks (empty body)", "content": {}}, **errors(503)})
     async def health() -> Response:
         if not engine.is_healthy:
             raise ApiError(503, "the engine is not running", "server_error", code="engine_unavailable")

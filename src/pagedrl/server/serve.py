@@ -31,13 +31,15 @@ logger = logging.getLogger("pagedrl.server")
 
 def build_parser() -> argparse.ArgumentParser:
     """The engine's flags from `EngineArgs` (one per field, vLLM's names), then the server's own."""
-    p = argparse.ArgumentParser(prog="pagedrl serve", description="Serve a model over an OpenAI-compatible API.")
+    p = argparse.ArgumentParser(prog="pagedrl serve", description="Serve a model over an OpenAI-compatible API.",
+                                allow_abbrev=False)  # `--api k` must not quietly set --api-key
     groups = add_engine_arguments(p)
     server = p.add_argument_group("the server")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--api-key", default=os.environ.get("PAGEDRL_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDRL_API_KEY, else none)")
+    server.add_argument("--api-key", default=os.environ.get("PAGEDRL_API_KEY") or os.environ.get("VLLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDRL_API_KEY, else "
+                             "$VLLM_API_KEY, else none; an empty key is none)")
     server.add_argument("--served-model-name", default=None,
                         help="the model id clients use (default: the adapter's PATH if given, else MODEL)")
     server.add_argument("--max-waiting-requests", type=int, default=1024,
@@ -95,9 +97,16 @@ def draining_server(config: Any, engine: Any, draining: Any, shutdown_timeout: f
             timer = loop.call_later(
                 shutdown_timeout, engine.abort_all,
                 f"the server is shutting down and the request did not finish within {shutdown_timeout:g} s")
+            if engine.num_in_flight:
+                logger.info("draining: %d requests in flight get up to %g s to finish; new ones are answered 503 "
+                            "(Ctrl+C again to stop at once)", engine.num_in_flight, shutdown_timeout)
             try:
                 deadline, quiet_since = loop.time() + shutdown_timeout + ABORT_GRACE_S, None
                 while loop.time() < deadline:
+                    if self.force_exit:  # a second Ctrl+C: end what is in flight now, in OpenAI's shape
+                        engine.abort_all("the server was stopped at once")
+                        await asyncio.sleep(QUIET_S)  # the responses write their error endings
+                        break
                     if engine.num_in_flight or any(busy(c) for c in self.server_state.connections):
                         quiet_since = None
                     elif quiet_since is None:
@@ -106,6 +115,8 @@ def draining_server(config: Any, engine: Any, draining: Any, shutdown_timeout: f
                         break
                     await asyncio.sleep(0.01)
                 await super().shutdown(sockets)
+                if self.force_exit:  # uvicorn skips the app's shutdown then: the engine thread still stops
+                    await self.lifespan.shutdown()
             finally:
                 timer.cancel()
 
@@ -137,7 +148,7 @@ def build_server(args: argparse.Namespace) -> Any:
     name = args.served_model_name or args.adapter or args.model or DEFAULT_MODEL
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
     app = build_app(async_engine, served_model_name=name,
-                    model_root=str(loaded.path), api_key=args.api_key,
+                    model_root=str(loaded.path), api_key=args.api_key or None,
                     max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n, ui=not args.no_ui,
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                     lora_modules=[parse_lora_module(m) for m in args.lora_modules],
@@ -183,10 +194,34 @@ def engine_arguments_problem(args: argparse.Namespace) -> str | None:
     try:
         EngineArgs.from_cli_args(args).engine_config().validate()
     except ValueError as e:
-        message = str(e)
-        for f in cli_fields():
-            message = re.sub(rf"(?<![\w-]){f.name}\b", flag(f.name), message)
-        return message
+        return named_as_flags(str(e))
+    return None
+
+
+def named_as_flags(message: str, compound_only: bool = False) -> str:
+    """An engine message with its field names spelled as the flags that set them (`compound_only`: only
+    names with an underscore, for messages that may say "model" or "device" as plain words)."""
+    for f in cli_fields():
+        if compound_only and "_" not in f.name:
+            continue
+        message = re.sub(rf"(?<![\w-]){f.name}\b", flag(f.name), message)
+    return message
+
+
+def listening_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port, found before the model loads (minutes, for a
+    large one) rather than after; uvicorn binds the same way (SO_REUSEADDR), so what passes here
+    binds there unless another process takes the port meanwhile."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as e:
+        return f"cannot listen on {host}:{port}: {e.strerror or e} (--host, --port)"
     return None
 
 
@@ -203,7 +238,7 @@ def serve_main(argv: list[str]) -> int:
     if args.max_waiting_requests < 0:
         print("pagedrl serve: --max-waiting-requests must be non-negative", file=sys.stderr)
         return 2
-    problem = lora_arguments_problem(args) or engine_arguments_problem(args)
+    problem = lora_arguments_problem(args) or engine_arguments_problem(args) or listening_problem(args.host, args.port)
     if problem:
         print(f"pagedrl serve: {problem}", file=sys.stderr)
         return 2
@@ -212,7 +247,7 @@ def serve_main(argv: list[str]) -> int:
     try:
         server = build_server(args)
     except ValueError as e:  # a model or adapter that cannot be served (CheckpointError included): named
-        print(f"pagedrl serve: {e}", file=sys.stderr)
+        print(f"pagedrl serve: {named_as_flags(str(e), compound_only=True)}", file=sys.stderr)
         return 2
     # uvicorn handles SIGTERM/SIGINT while serving, then re-raises the signal to the handler that was
     # installed before it; after a graceful shutdown there is nothing left to do, so that one is a no-op.
