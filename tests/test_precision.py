@@ -91,6 +91,9 @@ def test_requested_dtypes_win() -> None:
     assert resolve_dtype(torch.bfloat16, "cpu").reason == "requested"
     with pytest.raises(ValueError, match="dtype: unknown 'float99'"):
         resolve_dtype("float99", "cpu")
+    with pytest.raises(ValueError, match="dtype: unknown 'long'"):  # a torch dtype, not a weights' precision
+        resolve_dtype("long", "cpu")
+    assert (resolve_dtype("half", "cpu").dtype, resolve_dtype("float", "cpu").dtype) == (torch.float16, torch.float32)
 
 
 @pytest.mark.parametrize("forced, expected", [("1", torch.bfloat16), ("0", torch.float32)])
