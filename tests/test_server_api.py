@@ -296,3 +296,22 @@ def test_metrics_use_vllm_names(server, client, model_name):
     assert m['pagedrl:request_success_total{finished_reason="length"}'] >= 1
     assert m["pagedrl:prefix_cache_hits_total"] > 0  # the same prompt was sent many times
     assert m["pagedrl:time_to_first_token_seconds_count"] == m["pagedrl:e2e_request_latency_seconds_count"]
+
+
+def test_per_request_token_histograms_count_what_was_asked(server, client, model_name):
+    """vLLM's request_prompt_tokens, request_generation_tokens, request_params_n and
+    request_time_per_output_token_seconds: one observation per request, of its own numbers."""
+    before = server.metrics()
+    prompt_len = len(client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1, logprobs=0,
+                                               echo=True).choices[0].logprobs.tokens) - 1
+    client.completions.create(model=model_name, prompt=PROMPT, max_tokens=5, n=3, extra_body={"ignore_eos": True})
+    after = server.metrics()
+
+    def added(name: str) -> float:
+        return after["pagedrl:" + name] - before.get("pagedrl:" + name, 0.0)
+
+    assert added("request_prompt_tokens_count") == 2 and added("request_prompt_tokens_sum") == 2 * prompt_len
+    assert added("request_generation_tokens_count") == 2 and added("request_generation_tokens_sum") == 1 + 15
+    assert added("request_params_n_sum") == 1 + 3 and added('request_params_n_bucket{le="2.0"}') == 1
+    assert added("request_time_per_output_token_seconds_count") == 1  # the one-token request has no gap
+    assert after['pagedrl:request_prompt_tokens_bucket{le="+Inf"}'] == after["pagedrl:request_prompt_tokens_count"]

@@ -28,6 +28,18 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n
+
+
+def one_two_five_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's `build_1_2_5_buckets`: its token-count histograms')."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class EngineCollector:
@@ -90,6 +102,17 @@ class ServerMetrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Histogram of end to end request latency "
                              "in seconds.", ["model_name"], buckets=E2E_BUCKETS,
                              registry=self.registry).labels(model_name)
+        tokens = one_two_five_buckets(engine.max_model_len)
+        self.prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Number of prefill tokens processed.",
+                                       ["model_name"], buckets=tokens, registry=self.registry).labels(model_name)
+        self.generation_tokens = Histogram(PREFIX + "request_generation_tokens", "Number of generation tokens "
+                                           "processed.", ["model_name"], buckets=tokens,
+                                           registry=self.registry).labels(model_name)
+        self.params_n = Histogram(PREFIX + "request_params_n", "Histogram of the n request parameter.",
+                                  ["model_name"], buckets=N_BUCKETS, registry=self.registry).labels(model_name)
+        self.per_output_token = Histogram(
+            PREFIX + "request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per "
+            "request.", ["model_name"], buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
         engine.listeners.append(self.on_request_end)
 
     def on_request_end(self, stream: RequestStream) -> None:
@@ -101,6 +124,12 @@ class ServerMetrics:
             self.itl.observe(gap)
         if stream.finish_time is not None:
             self.e2e.observe(stream.finish_time - stream.arrival)
+        self.prompt_tokens.observe(len(stream.prompt_token_ids))
+        self.generation_tokens.observe(stream.num_generation_tokens)
+        self.params_n.observe(stream.num_seqs)
+        if stream.inter_token_latencies:  # decode time over the tokens after the first, as vLLM's
+            self.per_output_token.observe((stream.last_token_time - stream.first_token_time)
+                                          / len(stream.inter_token_latencies))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
