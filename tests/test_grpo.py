@@ -227,6 +227,22 @@ def test_rollout_kv_is_sized_to_one_step(tiny_train_model, prompts_file) -> None
     assert grpo(tiny_train_model, prompts_file, kv_cache_tokens=160).llm.stats()["num_blocks_total"] == 10
 
 
+def test_without_max_prompt_length_the_model_s_context_is_the_limit(tiny_train_model, prompts_file) -> None:
+    """TRL's GRPOConfig has no prompt limit: unset, any prompt that leaves the model (a 256-token context)
+    room for a completion token is taken, longer ones are named at load (they failed mid-run in the
+    engine), and the rollout's cache is sized to the longest prompt the dataset holds."""
+    assert GRPOConfig().max_prompt_length is None
+    algo = grpo(tiny_train_model, prompts_file)
+    assert algo.source.longest_prompt == max(len(r.prompt_ids) for r in algo.source.rows)
+    assert rollout_kv_tokens(algo.config, 4, longest_prompt=700) == 4 * 700 + 4 * 4 * (12 + 16)
+    assert rollout_kv_tokens(algo.config, 4, longest_prompt=20) == 4 * 512 + 4 * 4 * (12 + 16)
+    long = prompts_file.parent / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "one two three " * 200, "answer": 1}) + "\n")
+    with pytest.raises(ValueError, match=r"long.jsonl:1: prompt: \d+ tokens, longer than the model's context less one "
+                                         r"token \(max_prompt_length unset\)=255"):
+        grpo(tiny_train_model, long)
+
+
 def test_engine_runs_on_the_trainers_tensors(tiny_train_model, prompts_file) -> None:
     algo = grpo(tiny_train_model, prompts_file)
     engine_model = algo.llm.engine.model

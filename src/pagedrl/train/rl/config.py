@@ -21,7 +21,9 @@ class OnlineConfig(TrainConfig):
     dataset: str | None = "arithmetic"
     # Generation (vLLM's sampling names; top_k 0 or -1 disables top-k).
     num_generations: int = 8
-    max_prompt_length: int | None = 512  # a longer prompt is an error naming the row
+    # a longer prompt is an error naming the row; None (TRL has no such limit): any prompt that leaves the
+    # model's context room for one completion token
+    max_prompt_length: int | None = None
     max_completion_length: int = 512
     temperature: float = 1.0
     top_p: float = 1.0

@@ -25,23 +25,26 @@ from pagedrl.train.rl.rewards import RewardFunc, last_integer_match, load_reward
 from pagedrl.train.rl.rollout import Rollout, prompt_seed
 
 
-def rollout_kv_tokens(config: OnlineConfig, prompts_per_rollout: int, block_size: int = 16) -> int:
+def rollout_kv_tokens(config: OnlineConfig, prompts_per_rollout: int, block_size: int = 16,
+                      longest_prompt: int = 0) -> int:
     """The KV budget that holds one rollout at once: each prompt once (its blocks are shared by
     the group) and each completion with a block of slack for the copied partial prompt block. Sized
-    to the rollout, not to the host, so the engine holds no memory the rollout does not use."""
-    prompt = config.max_prompt_length or 512
+    to the rollout, not to the host, so the engine holds no memory the rollout does not use. A prompt
+    counts `max_prompt_length` tokens, or without one the dataset's longest (at least 512)."""
+    prompt = config.max_prompt_length or max(512, longest_prompt)
     completions = prompts_per_rollout * config.num_generations
     return prompts_per_rollout * prompt + completions * (config.max_completion_length + block_size)
 
 
-def rollout_engine_args(config: OnlineConfig, prompts_per_rollout: int, bf16: bool, batch_invariant: bool
-                        ) -> EngineArgs:
+def rollout_engine_args(config: OnlineConfig, prompts_per_rollout: int, bf16: bool, batch_invariant: bool,
+                        longest_prompt: int = 0) -> EngineArgs:
     """The rollout engine's settings: the config's engine fields (`kv_cache_tokens`, `batch_invariant`
     as chosen), the rest what a rollout on the policy's own tensors needs: room for one rollout's
     completions in a step, the trainer's bf16 autocast, and under FSDP2 (whose gathers swap the
     parameters between steps) neither CUDA graphs nor cast copies of the weights."""
     sharded = config.fsdp_reshard_after_forward is not None
-    return EngineArgs(kv_cache_tokens=config.kv_cache_tokens or rollout_kv_tokens(config, prompts_per_rollout),
+    kv_tokens = config.kv_cache_tokens or rollout_kv_tokens(config, prompts_per_rollout, longest_prompt=longest_prompt)
+    return EngineArgs(kv_cache_tokens=kv_tokens,
                       seed=config.seed, max_num_seqs=max(256, prompts_per_rollout * config.num_generations),
                       autocast_dtype=torch.bfloat16 if bf16 else None, enforce_eager=sharded, cast_weights=not sharded,
                       batch_invariant=batch_invariant)
@@ -80,7 +83,8 @@ class OnlineAlgorithm(Algorithm):
         self.config, self.policy, self.tokenizer, self.dist = config, policy, tokenizer, dist
         self.generation_config = generation_config
         self.prompts_per_rollout = prompts_per_rollout  # per rank
-        self.source = PromptSource(config, tokenizer, dist)
+        model_config = getattr(policy, "config", None)
+        self.source = PromptSource(config, tokenizer, dist, getattr(model_config, "max_model_len", None))
         if reward_funcs is None:
             specs = config.reward_funcs or (["last_integer_match"] if self.source.task and needs_reward_funcs else [])
             if needs_reward_funcs and not specs:
@@ -106,7 +110,8 @@ class OnlineAlgorithm(Algorithm):
         layer_rules = any(getattr(config_of, rules, None) is not None
                           for rules in ("gemma", "gpt_oss", "deepseek", "uniform_window"))
         self.batch_invariant = choose_batch_invariance(config.batch_invariant, bf16, device, layer_rules)
-        self.engine_args = rollout_engine_args(config, prompts_per_rollout, bf16, self.batch_invariant)
+        self.engine_args = rollout_engine_args(config, prompts_per_rollout, bf16, self.batch_invariant,
+                                               self.source.longest_prompt)
         self.llm = LLM.from_module(policy, tokenizer, eos_token_ids=eos_token_ids,
                                    **self.engine_args.config_kwargs())  # the engine sets the policy's flag
         self.sampling = SamplingParams(n=config.num_generations, temperature=config.temperature, top_p=config.top_p,

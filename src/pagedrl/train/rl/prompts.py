@@ -23,11 +23,14 @@ class PromptSource:
     `config` needs: dataset, eval_dataset, max_prompt_length, seed, on_bad_row and the `task_*`
     fields of the arithmetic task (GRPOConfig and PPOConfig both have them)."""
 
-    def __init__(self, config: Any, tokenizer: Tokenizer, dist: DistInfo) -> None:
+    def __init__(self, config: Any, tokenizer: Tokenizer, dist: DistInfo, context: int | None = None) -> None:
         self.consumed = 0
         self.task: ArithmeticTask | None = None
         self.rows: list[PromptOnly] = []
-        self.convert = PromptRows(tokenizer, config.max_prompt_length, "error", limit_name="max_prompt_length")
+        limit, name = config.max_prompt_length, "max_prompt_length"
+        if limit is None and context is not None:  # a prompt must leave the model room for one completion token
+            limit, name = context - 1, "the model's context less one token (max_prompt_length unset)"
+        self.convert = PromptRows(tokenizer, limit, "error", limit_name=name)
         self.report: DataReport | None = None
         self.on_bad_row = config.on_bad_row
         if config.dataset == "arithmetic":
@@ -71,6 +74,11 @@ class PromptSource:
         if self.task is None:
             return []
         return [self._task_row(i, r) for i, r in enumerate(self.task.eval_rows())]
+
+    @property
+    def longest_prompt(self) -> int:
+        """Tokens of the dataset's longest prompt (0 for the arithmetic task's stream, whose prompts are short)."""
+        return max((len(r.prompt_ids) for r in self.rows), default=0)
 
     @property
     def epoch(self) -> float:
