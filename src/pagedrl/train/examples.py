@@ -14,6 +14,7 @@ from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.data import BadRow, DataReport, Row, Truncation, kind_of
 from pagedrl.train.tokenization import (
     Text,
+    extract_prompt,
     is_conversational,
     tokenize_preference,
     tokenize_prompt,
@@ -150,7 +151,9 @@ class Preference:
 
 
 class PreferenceRows:
-    """Row converter for `{"prompt", "chosen", "rejected"}` (+ optional numeric `margin`).
+    """Row converter for `{"prompt", "chosen", "rejected"}` (+ optional numeric `margin`), or
+    `{"chosen", "rejected"}` with the prompt implicit: the start both share, split off as TRL's
+    `extract_prompt` does (TRL's DPO and reward trainers take both kinds of row).
     `prompt_ids + chosen_ids` is the whole conversation tokenized at once, which is what TRL's
     reward trainer scores; the prompt is cut where both answers leave it, as TRL's DPO does.
     `max_length` applies to each of prompt + chosen and prompt + rejected."""
@@ -160,8 +163,15 @@ class PreferenceRows:
         self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
 
     def __call__(self, row: Row, report: DataReport) -> Preference | None:
-        values = {k: text_field(row, k, allow_empty=k == "prompt") for k in ("prompt", "chosen", "rejected")}
-        samekind_of(row, values)
+        values = {k: text_field(row, k, allow_empty=k == "prompt") for k in ("prompt", "chosen", "rejected")
+                  if k != "prompt" or "prompt" in row.values}
+        chat = samekind_of(row, values)
+        if "prompt" not in values:
+            values = dict(zip(("prompt", "chosen", "rejected"), extract_prompt(values["chosen"], values["rejected"]),
+                              strict=True))
+            if chat and not values["prompt"]:  # a template renders no conversation from no messages
+                raise BadRow("chosen", "shares no first message with 'rejected', so there is no prompt to take "
+                             "from their start (give the row a 'prompt')", "no shared prompt")
         margin = row.values.get("margin")
         if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))):
             raise BadRow("margin", f"expected a number, got {kind_of(margin)}", "wrong type of 'margin'")

@@ -70,3 +70,21 @@ def tokenize_preference(tokenizer: Tokenizer, prompt: Text, chosen: Text,
     full_r = tokenize_full(tokenizer, prompt, rejected)
     n = min(common_prefix_length(prompt_ids, full_c), common_prefix_length(prompt_ids, full_r))
     return full_c[:n], full_c[n:], full_r[n:]
+
+
+def extract_prompt(chosen: Text, rejected: Text) -> tuple[Text, Text, Text]:
+    """(prompt, chosen, rejected) of a pair whose prompt is implicit, the start both answers share,
+    split as TRL 1.16's `extract_prompt` splits it, so a dataset TRL's DPOTrainer reads trains on the
+    same prompt here: at the first character (or message) where they differ, moved back before a
+    space that precedes it; when one answer starts with all of the other, the last shared element
+    stays in both answers, so neither is left empty. One difference: TRL, finding the answers differ
+    from their first character, reads the character before it as the answer's last (Python's index
+    -1), which cuts all but the last character into the prompt when chosen ends with a space; here a
+    pair that shares nothing has an empty prompt, which is what TRL gives otherwise."""
+    n = min(len(chosen), len(rejected))
+    cut = n - 1
+    for i in range(n):
+        if chosen[i] != rejected[i]:
+            cut = i - 1 if i > 0 and chosen[i - 1] == " " else i
+            break
+    return chosen[:cut], chosen[cut:], rejected[cut:]
