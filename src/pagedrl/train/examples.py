@@ -98,7 +98,8 @@ def refuse_media(row: Row) -> None:
     """A row with images or videos would train on its text alone, as if they were not there, so it
     is refused; an empty or null column (a text row of a mixed dataset) is fine."""
     for key in MEDIA_COLUMNS:
-        if row.values.get(key) not in (None, [], ""):
+        value = row.values.get(key)
+        if value is not None and not (isinstance(value, (list, tuple, str)) and not value):
             raise BadRow(key, "images and videos are not supported: pagedrl trains on text only (a null or empty "
                          f"{key!r} is accepted)", "has images or videos")
 
@@ -152,19 +153,19 @@ class PromptCompletionRows:
 
     def __call__(self, row: Row, report: DataReport) -> PromptCompletion | None:
         refuse_media(row)
-        chat = template_kwargs(row)
+        template = template_kwargs(row)
         if "prompt" in row.values or "completion" in row.values:
             prompt = text_field(row, "prompt", allow_empty=True)
             completion = text_field(row, "completion")
             samekind_of(row, {"prompt": prompt, "completion": completion})
             used: tuple[str, ...] = ("prompt", "completion")
-            prompt_ids, completion_ids = tokenize_prompt_completion(self.tokenizer, prompt, completion, chat)
+            prompt_ids, completion_ids = tokenize_prompt_completion(self.tokenizer, prompt, completion, template)
         elif self.text_field in row.values or "messages" in row.values:
             key = self.text_field if self.text_field in row.values else "messages"
             text = text_field(row, key)
             used = (key,)
             if is_conversational(text):
-                prompt_ids, completion_ids = [], list(self.tokenizer.apply_chat_template(text, tokenize=True, **chat))
+                prompt_ids, completion_ids = [], list(self.tokenizer.apply_chat_template(text, tokenize=True, **template))
             else:
                 prompt_ids, completion_ids = [], self.tokenizer.encode(with_eos(text, self.tokenizer))
         else:
