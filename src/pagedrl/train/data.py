@@ -6,9 +6,10 @@ converted at run time.
 
 Formats (each text field a plain string or a list of chat messages `{"role", "content"}`):
 `{"prompt", "completion"}` (SFT), `{"prompt", "chosen", "rejected"}` with an optional numeric
-`margin` (DPO, reward model), `{"prompt"}` (GRPO, PPO), and TRL's language-modeling rows
-`{"text"}` / `{"messages"}` (SFT on every token). Other columns are kept as `columns`, for reward
-functions.
+`margin`, or the prompt left implicit in `chosen` and `rejected` (DPO, reward model), `{"prompt"}`
+(GRPO, PPO), and TRL's language-modeling rows `{"text"}` / `{"messages"}` (SFT on every token). A
+chat row's `tools` and `chat_template_kwargs` go to the chat template. Other columns are kept as
+`columns`, for reward functions.
 
 A bad row never disappears quietly: it is a `DataError` naming the file, the 1-based line and
 the field, or, with `on_bad_row="skip"`, it is counted under its reason in a `DataReport` that
