@@ -1,11 +1,15 @@
-"""Training data in TRL's formats: JSONL files or Python lists, read and checked row by row, each
-row turned into an example by its format's converter (`train/examples.py`).
+"""Training data in TRL's formats: JSONL files, `.json` files holding an array of rows, or Python
+sequences of rows (a list of dicts, a `datasets.Dataset`), read and checked row by row, each row
+turned into an example by its format's converter (`train/examples.py`). Parquet, save_to_disk
+folders and Hub ids are refused with the one line that converts them: nothing is downloaded or
+converted at run time.
 
 Formats (each text field a plain string or a list of chat messages `{"role", "content"}`):
 `{"prompt", "completion"}` (SFT), `{"prompt", "chosen", "rejected"}` with an optional numeric
-`margin` (DPO, reward model), `{"prompt"}` (GRPO, PPO), and TRL's language-modeling rows
-`{"text"}` / `{"messages"}` (SFT on every token). Other columns are kept as `columns`, for reward
-functions.
+`margin`, or the prompt left implicit in `chosen` and `rejected` (DPO, reward model), `{"prompt"}`
+(GRPO, PPO), and TRL's language-modeling rows `{"text"}` / `{"messages"}` (SFT on every token). A
+chat row's `tools` and `chat_template_kwargs` go to the chat template. Other columns are kept as
+`columns`, for reward functions.
 
 A bad row never disappears quietly: it is a `DataError` naming the file, the 1-based line and
 the field, or, with `on_bad_row="skip"`, it is counted under its reason in a `DataReport` that
@@ -16,8 +20,9 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -79,43 +84,22 @@ class DataReport:
 
 def read_rows(dataset: str | Path | Sequence[Mapping[str, Any]], report: DataReport,
               on_bad_row: BadRowPolicy = "error") -> Iterator[Row]:
-    """Rows of a JSONL file (blank lines ignored) or of a Python list of dicts, in order, so the
-    first bad row in the file is the one an error names."""
+    """Rows of a JSONL file (blank lines ignored), of a `.json` file holding one JSON array of objects,
+    or of a Python sequence of dicts (a list, a `datasets.Dataset`), in order, so the first bad row is
+    the one an error names. Other formats are refused by name, with the one-line conversion."""
     _check_policy(on_bad_row)
     if isinstance(dataset, (str, Path)):
-        path = Path(dataset)
-        if path.is_dir():
-            raise DataError(f"dataset: {path} is a folder; expected a JSONL file")
-        if not path.is_file():
-            raise DataError(f"dataset: file {path} does not exist")
-        with path.open("rb") as f:
-            for number, raw in enumerate(f, start=1):
-                if number == 1:  # a BOM before the first row is how some editors (Notepad, Excel) mark UTF-8
-                    raw = raw.removeprefix(codecs.BOM_UTF8)
-                if not raw.strip():
-                    continue
-                report.rows += 1
-                where = f"{path}:{number}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    _bad(report, on_bad_row, where, BadRow(
-                        "row", f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)", "not UTF-8"))
-                    continue
-                try:
-                    value = json.loads(line)
-                except json.JSONDecodeError as e:
-                    _bad(report, on_bad_row, where, BadRow("row", f"invalid JSON ({e.msg} at column {e.colno})",
-                                                           "invalid JSON"))
-                    continue
-                if not isinstance(value, dict):
-                    _bad(report, on_bad_row, where, BadRow("row", f"expected a JSON object, got {kind_of(value)}",
-                                                           "not a JSON object"))
-                    continue
-                yield Row(where, value)
+        path = _data_file(dataset)
+        if path.suffix.lower() == ".json":
+            raw = path.read_bytes()
+            if raw.removeprefix(codecs.BOM_UTF8).lstrip()[:1] in (b"[", b"{"):
+                items = _json_document_rows(path, raw)
+                if items is not None:
+                    yield from _checked(items, report, on_bad_row)
+                    return
+        yield from _jsonl_rows(path, report, on_bad_row)
         return
-    if isinstance(dataset, Mapping) or not isinstance(dataset, Sequence):
-        raise DataError(f"dataset: expected a JSONL path or a list of dicts, got {type(dataset).__name__}")
+    _check_source(dataset)
     for i, value in enumerate(dataset):
         report.rows += 1
         if not isinstance(value, Mapping):
@@ -125,15 +109,172 @@ def read_rows(dataset: str | Path | Sequence[Mapping[str, Any]], report: DataRep
         yield Row(f"dataset[{i}]", dict(value))
 
 
+def _jsonl_rows(path: Path, report: DataReport, on_bad_row: BadRowPolicy) -> Iterator[Row]:
+    with path.open("rb") as f:
+        yield from _json_lines(path, f, report, on_bad_row)
+
+
+def _json_lines(path: Path, lines: Iterable[bytes], report: DataReport, on_bad_row: BadRowPolicy) -> Iterator[Row]:
+    for number, line_bytes in enumerate(lines, start=1):
+        if number == 1:  # a BOM before the first row is how some editors (Notepad, Excel) mark UTF-8
+            line_bytes = line_bytes.removeprefix(codecs.BOM_UTF8)
+        if not line_bytes.strip():
+            continue
+        report.rows += 1
+        where = f"{path}:{number}"
+        try:
+            line = line_bytes.decode("utf-8")
+        except UnicodeDecodeError as e:
+            _bad(report, on_bad_row, where, BadRow(
+                "row", f"not valid UTF-8 (byte 0x{line_bytes[e.start]:02x} at byte {e.start + 1} of the line)",
+                "not UTF-8"))
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            _bad(report, on_bad_row, where, BadRow("row", f"invalid JSON ({e.msg} at column {e.colno})",
+                                                   "invalid JSON"))
+            continue
+        if not isinstance(value, dict):
+            _bad(report, on_bad_row, where, BadRow("row", f"expected a JSON object, got {kind_of(value)}",
+                                                   "not a JSON object"))
+            continue
+        yield Row(where, value)
+
+
+def _checked(rows: Iterator[tuple[str, Any]], report: DataReport, on_bad_row: BadRowPolicy) -> Iterator[Row]:
+    for where, value in rows:
+        report.rows += 1
+        if not isinstance(value, dict):
+            _bad(report, on_bad_row, where, BadRow("row", f"expected a JSON object, got {kind_of(value)}",
+                                                   "not a JSON object"))
+            continue
+        yield Row(where, value)
+
+
+def _json_document_rows(path: Path, raw: bytes) -> Iterator[tuple[str, Any]] | None:
+    """A `.json` file that is one JSON array of objects, as `datasets.load_dataset("json")` reads it:
+    each item named `file:line (item i)`. None when the file is JSON lines after all (one object per
+    line, the other layout that loader takes). A syntax error in an array stops the whole file, since
+    nothing after it can be told apart, so it is an error under either bad-row policy."""
+    body = raw.removeprefix(codecs.BOM_UTF8).strip()
+    if body.startswith(b"{"):
+        try:
+            json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None  # JSON lines
+        if b"\n" not in body:
+            return None  # one row on one line
+        raise DataError(f"dataset: {path} holds one JSON object over several lines; pagedrl reads a JSON array "
+                        "of row objects, or JSON lines (one row object per line)")
+    try:
+        text = raw.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: row: not valid UTF-8 (byte 0x{raw[e.start]:02x})") from None
+    return _json_array_items(path, text)
+
+
+def _json_array_items(path: Path, text: str) -> Iterator[tuple[str, Any]]:
+    decoder = json.JSONDecoder()
+    pos, i = text.index("[") + 1, 0
+    try:
+        while True:
+            pos = _skip_space(text, pos)
+            if text.startswith("]", pos) and i == 0:
+                pos += 1
+                break
+            value, end = decoder.raw_decode(text, pos)
+            yield f"{path}:{text.count(chr(10), 0, pos) + 1} (item {i})", value
+            i, pos = i + 1, _skip_space(text, end)
+            if text.startswith("]", pos):
+                pos += 1
+                break
+            if not text.startswith(",", pos):
+                raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
+            pos += 1
+        if _skip_space(text, pos) != len(text):
+            raise json.JSONDecodeError("Extra data", text, _skip_space(text, pos))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: row: invalid JSON ({e.msg} at column {e.colno}); the rest of the "
+                        "array cannot be read") from None
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+# Formats pagedrl does not read, by suffix and by their first bytes: what each is, and how to turn it
+# into JSON lines once (`datasets` writes JSON lines; pagedrl reads without it or pyarrow installed).
+OTHER_FORMATS = {".parquet": ("a Parquet file", "Dataset.from_parquet"), ".csv": ("a CSV file", "Dataset.from_csv"),
+                 ".tsv": ("a TSV file", "Dataset.from_csv"), ".arrow": ("an Arrow file", "Dataset.from_file")}
+MAGIC = {b"PAR1": ".parquet", b"ARROW1": ".arrow"}
+DATA_SUFFIXES = {".json", ".jsonl", ".gz", ".txt", *OTHER_FORMATS}
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the Hub spells a dataset
+
+
+def _data_file(dataset: str | Path) -> Path:
+    """The path of a JSONL or JSON file, or a DataError saying what was given instead and how to
+    turn it into one; nothing is downloaded or converted at run time."""
+    path = Path(dataset)
+    if path.is_dir():
+        if (path / "dataset_dict.json").is_file():
+            raise DataError(f"dataset: {path} is a DatasetDict folder written by save_to_disk; pagedrl reads JSONL "
+                            "or JSON files: write one split once with python -c \"import datasets; "
+                            f"datasets.load_from_disk('{path}')['train'].to_json('{path.name}.jsonl')\"")
+        if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+            raise DataError(f"dataset: {path} is a folder written by save_to_disk; pagedrl reads JSONL or JSON "
+                            "files: write one once with python -c \"import datasets; "
+                            f"datasets.load_from_disk('{path}').to_json('{path.name}.jsonl')\"")
+        raise DataError(f"dataset: {path} is a folder; expected a JSONL file")
+    if not path.is_file():
+        if isinstance(dataset, str) and HUB_ID.fullmatch(dataset) and path.suffix.lower() not in DATA_SUFFIXES:
+            raise DataError(f"dataset: {dataset!r} looks like a Hub dataset id; pagedrl reads local files: nothing "
+                            "is downloaded at run time, so save it once with python -c \"import datasets; "
+                            f"datasets.load_dataset('{dataset}', split='train').to_json('train.jsonl')\" and pass "
+                            "train.jsonl")
+        raise DataError(f"dataset: file {path} does not exist")
+    with path.open("rb") as f:
+        head = f.read(8)
+    suffix = next((s for magic, s in MAGIC.items() if head.startswith(magic)), path.suffix.lower())
+    if suffix in OTHER_FORMATS:
+        name, reader = OTHER_FORMATS[suffix]
+        raise DataError(f"dataset: {path} is {name}; pagedrl reads JSONL or JSON files (it does not depend on "
+                        f"pyarrow): convert it once with python -c \"import datasets; datasets.{reader}('{path}')"
+                        f".to_json('{path.with_suffix('.jsonl').name}')\"")
+    if head.startswith(b"\x1f\x8b"):
+        raise DataError(f"dataset: {path} is gzip-compressed; pagedrl reads uncompressed JSONL or JSON files: "
+                        f"decompress it once (gunzip -k {path})")
+    return path
+
+
+def _check_source(dataset: Any) -> None:
+    """A dataset given in Python: any sized sequence of mappings (a list of dicts, a `datasets.Dataset`),
+    read row by row; a mapping of splits or a table of columns is refused saying which row source to
+    pass instead."""
+    if isinstance(dataset, Mapping):
+        if dataset and all(hasattr(v, "column_names") for v in dataset.values()):
+            raise DataError(f"dataset: a {type(dataset).__name__} of splits ({', '.join(map(str, dataset))}); pass "
+                            "one split, e.g. dataset['train']")
+        raise DataError(f"dataset: expected a JSONL path or a list of dicts, got {type(dataset).__name__}")
+    if hasattr(dataset, "to_dict") and hasattr(dataset, "columns"):  # a pandas DataFrame iterates column names
+        raise DataError(f"dataset: a {type(dataset).__name__} iterates its column names, not its rows; pass "
+                        "df.to_dict('records')")
+    if isinstance(dataset, (str, bytes)) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__iter__")):
+        raise DataError(f"dataset: expected a JSONL path or a list of dicts, got {type(dataset).__name__}")
+
+
 def load_examples(dataset: str | Path | Sequence[Mapping[str, Any]],
                   convert: Callable[[Row, DataReport], T | None],
                   on_bad_row: BadRowPolicy = "error") -> tuple[list[T], DataReport]:
     """Read and convert every row. A `BadRow` from reading or from `convert` becomes a DataError
     naming the row, or a counted skip; `convert` returning None means skipped by policy (it
     records its own reason in the report)."""
-    if not isinstance(dataset, (str, Path)) and (isinstance(dataset, Mapping) or not isinstance(dataset, Sequence)):
-        raise DataError(f"dataset: expected a JSONL path or a list of dicts, got {type(dataset).__name__}")
-    source = str(dataset) if isinstance(dataset, (str, Path)) else f"<list of {len(dataset)} rows>"
+    if not isinstance(dataset, (str, Path)):
+        _check_source(dataset)
+    source = str(dataset) if isinstance(dataset, (str, Path)) else f"<{type(dataset).__name__} of {len(dataset)} rows>"
     report = DataReport(source)
     examples: list[T] = []
     for row in read_rows(dataset, report, on_bad_row):

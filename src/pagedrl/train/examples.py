@@ -5,6 +5,7 @@ cut to `max_length` as the config's `truncation` says. Reading and loading rows:
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.data import BadRow, DataReport, Row, Truncation, kind_of
 from pagedrl.train.tokenization import (
     Text,
+    extract_prompt,
     is_conversational,
     tokenize_preference,
     tokenize_prompt,
@@ -59,6 +61,47 @@ def samekind_of(row: Row, values: Mapping[str, Text]) -> bool:
 
 def extra_columns(row: Row, used: Sequence[str]) -> dict[str, Any]:
     return {k: v for k, v in row.values.items() if k not in used}
+
+
+TEMPLATE_COLUMNS = ("tools", "chat_template_kwargs")
+# Keywords the trainer itself gives the chat template: a row's chat_template_kwargs may not set them.
+TRAINER_KEYWORDS = ("messages", "conversation", "add_generation_prompt", "tokenize", "return_dict")
+MEDIA_COLUMNS = ("image", "images", "video", "videos")
+
+
+def template_kwargs(row: Row) -> dict[str, Any]:
+    """What a chat row gives its chat template, as TRL 1.16's trainers pass it: `tools` (a list of
+    JSON schemas, or a JSON string of one, which is how a column of them survives Arrow) and the
+    keywords in `chat_template_kwargs` (e.g. `enable_thinking`). An empty tool list is no tools, as
+    TRL's `apply_chat_template` treats it (some templates write tool instructions for an empty one)."""
+    tools = row.values.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise BadRow("tools", f"a string that is not JSON ({e.msg} at column {e.colno})", "malformed 'tools'") from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise BadRow("tools", f"expected a list of JSON schema objects, got {kind_of(tools)}", "malformed 'tools'")
+    extra = row.values.get("chat_template_kwargs")
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise BadRow("chat_template_kwargs", f"expected an object of template keywords, got {kind_of(extra)}",
+                     "malformed 'chat_template_kwargs'")
+    if taken := [k for k in TRAINER_KEYWORDS if k in extra]:
+        raise BadRow("chat_template_kwargs", f"{', '.join(map(repr, taken))} is the trainer's to set, not a row's",
+                     "malformed 'chat_template_kwargs'")
+    return {"tools": tools or None, **extra}
+
+
+def refuse_media(row: Row) -> None:
+    """A row with images or videos would train on its text alone, as if they were not there, so it
+    is refused; an empty or null column (a text row of a mixed dataset) is fine."""
+    for key in MEDIA_COLUMNS:
+        value = row.values.get(key)
+        if value is not None and not (isinstance(value, (list, tuple, str)) and not value):
+            raise BadRow(key, "images and videos are not supported: pagedrl trains on text only (a null or empty "
+                         f"{key!r} is accepted)", "has images or videos")
 
 
 def fit_length(prompt_ids: list[int], completion_ids: list[int], max_length: int | None, truncation: Truncation,
@@ -109,18 +152,20 @@ class PromptCompletionRows:
         self.text_field = text_field_name
 
     def __call__(self, row: Row, report: DataReport) -> PromptCompletion | None:
+        refuse_media(row)
+        template = template_kwargs(row)
         if "prompt" in row.values or "completion" in row.values:
             prompt = text_field(row, "prompt", allow_empty=True)
             completion = text_field(row, "completion")
             samekind_of(row, {"prompt": prompt, "completion": completion})
-            used = ("prompt", "completion")
-            prompt_ids, completion_ids = tokenize_prompt_completion(self.tokenizer, prompt, completion)
+            used: tuple[str, ...] = ("prompt", "completion")
+            prompt_ids, completion_ids = tokenize_prompt_completion(self.tokenizer, prompt, completion, template)
         elif self.text_field in row.values or "messages" in row.values:
             key = self.text_field if self.text_field in row.values else "messages"
             text = text_field(row, key)
             used = (key,)
             if is_conversational(text):
-                prompt_ids, completion_ids = [], list(self.tokenizer.apply_chat_template(text, tokenize=True))
+                prompt_ids, completion_ids = [], list(self.tokenizer.apply_chat_template(text, tokenize=True, **template))
             else:
                 prompt_ids, completion_ids = [], self.tokenizer.encode(with_eos(text, self.tokenizer))
         else:
@@ -134,7 +179,7 @@ class PromptCompletionRows:
             return None
         if len(fitted[1]) < len(completion_ids):
             report.truncated += 1
-        return PromptCompletion(fitted[0], fitted[1], row.where, extra_columns(row, used))
+        return PromptCompletion(fitted[0], fitted[1], row.where, extra_columns(row, (*used, *TEMPLATE_COLUMNS)))
 
 
 @dataclass
@@ -150,7 +195,9 @@ class Preference:
 
 
 class PreferenceRows:
-    """Row converter for `{"prompt", "chosen", "rejected"}` (+ optional numeric `margin`).
+    """Row converter for `{"prompt", "chosen", "rejected"}` (+ optional numeric `margin`), or
+    `{"chosen", "rejected"}` with the prompt implicit: the start both share, split off as TRL's
+    `extract_prompt` does (TRL's DPO and reward trainers take both kinds of row).
     `prompt_ids + chosen_ids` is the whole conversation tokenized at once, which is what TRL's
     reward trainer scores; the prompt is cut where both answers leave it, as TRL's DPO does.
     `max_length` applies to each of prompt + chosen and prompt + rejected."""
@@ -160,14 +207,24 @@ class PreferenceRows:
         self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
 
     def __call__(self, row: Row, report: DataReport) -> Preference | None:
-        values = {k: text_field(row, k, allow_empty=k == "prompt") for k in ("prompt", "chosen", "rejected")}
-        samekind_of(row, values)
+        refuse_media(row)
+        template = template_kwargs(row)
+        values = {k: text_field(row, k, allow_empty=k == "prompt") for k in ("prompt", "chosen", "rejected")
+                  if k != "prompt" or "prompt" in row.values}
+        chat = samekind_of(row, values)
+        if "prompt" not in values:
+            values = dict(zip(("prompt", "chosen", "rejected"), extract_prompt(values["chosen"], values["rejected"]),
+                              strict=True))
+            if chat and not values["prompt"]:  # a template renders no conversation from no messages
+                raise BadRow("chosen", "shares no first message with 'rejected', so there is no prompt to take "
+                             "from their start (give the row a 'prompt')", "no shared prompt")
         margin = row.values.get("margin")
         if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))):
             raise BadRow("margin", f"expected a number, got {kind_of(margin)}", "wrong type of 'margin'")
         if margin is not None and not math.isfinite(margin):  # Python's JSON reads NaN and Infinity
             raise BadRow("margin", f"expected a finite number, got {margin}", "non-finite 'margin'")
-        prompt_ids, chosen_ids, rejected_ids = tokenize_preference(self.tokenizer, *values.values())
+        prompt_ids, chosen_ids, rejected_ids = tokenize_preference(self.tokenizer, values["prompt"], values["chosen"],
+                                                                   values["rejected"], template)
         for key, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
             if not ids:
                 raise BadRow(key, "tokenizes to nothing after the prompt", f"empty {key!r}")
@@ -180,7 +237,7 @@ class PreferenceRows:
             report.truncated += 1
         return Preference(prompt_ids, chosen[1], rejected[1], row.where,
                           None if margin is None else float(margin),
-                          extra_columns(row, ("prompt", "chosen", "rejected", "margin")))
+                          extra_columns(row, ("prompt", "chosen", "rejected", "margin", *TEMPLATE_COLUMNS)))
 
 
 @dataclass
@@ -191,6 +248,7 @@ class PromptOnly:
     prompt: Text
     where: str
     columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for reward functions
+    template: dict[str, Any] = field(default_factory=dict)  # what the chat template was given with a chat prompt
 
 
 class PromptRows:
@@ -205,8 +263,10 @@ class PromptRows:
         self.limit_name = limit_name  # the config field the limit came from, for messages
 
     def __call__(self, row: Row, report: DataReport) -> PromptOnly | None:
+        refuse_media(row)
+        template = template_kwargs(row)
         prompt = text_field(row, "prompt")
-        ids = tokenize_prompt(self.tokenizer, prompt)
+        ids = tokenize_prompt(self.tokenizer, prompt, template)
         if self.max_length is not None and len(ids) > self.max_length:
             if self.truncation == "error":
                 raise BadRow("prompt", f"{len(ids)} tokens, longer than {self.limit_name}={self.max_length}",
@@ -216,7 +276,7 @@ class PromptRows:
                 return None
             ids = ids[-self.max_length:]
             report.truncated += 1
-        return PromptOnly(ids, prompt, row.where, extra_columns(row, ("prompt",)))
+        return PromptOnly(ids, prompt, row.where, extra_columns(row, ("prompt",)), template)
 
 
 def _check_truncation(truncation: str) -> None:

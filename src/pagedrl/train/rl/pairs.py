@@ -11,7 +11,7 @@ samples allow."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ def verifier_pairs(llm: LLM, prompts: Sequence[PromptOnly], verifier: tuple[str,
             bad = [p * num_generations + k for k in range(num_generations) if not ok[p, k]]
             if good and bad:
                 paired += 1
-            text = as_text(llm, prompt.prompt)
+            text = as_text(llm, prompt.prompt, prompt.template)
             for g, b in pair_order(good, bad)[:pairs_per_prompt]:
                 rows.append({"prompt": text, "chosen": rollout.texts[g], "rejected": rollout.texts[b], **prompt.columns})
     llm.sleep()
@@ -61,10 +61,12 @@ def pair_order(good: Sequence[int], bad: Sequence[int]) -> list[tuple[int, int]]
     return [(good[i], bad[j]) for i, j in pairs]
 
 
-def as_text(llm: LLM, prompt: Any) -> str:
+def as_text(llm: LLM, prompt: Any, template: Mapping[str, Any] | None = None) -> str:
+    """The prompt as the policy saw it: a chat prompt rendered with the row's tools and template
+    keywords, as its prompt ids were."""
     if isinstance(prompt, str):
         return prompt
-    return llm.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+    return llm.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **(template or {}))
 
 
 def write_jsonl(rows: Sequence[dict[str, Any]], path: Path) -> None:
