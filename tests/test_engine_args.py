@@ -17,7 +17,7 @@ from pagedrl import LLM, SamplingParams
 from pagedrl.engine.engine_args import EngineArgs, add_engine_arguments, cli_fields, flag
 from pagedrl.engine.engine_config import EngineConfig
 from pagedrl.generate import ENGINE_SKIP
-from pagedrl.server.serve import build_parser, engine_arguments_problem, serve_main
+from pagedrl.server.serve import build_parser, engine_arguments_problem, names_problem, serve_main
 from pagedrl.train.rl.config import GRPOConfig, OnlineConfig
 from pagedrl.train.rl.online import rollout_engine_args
 
@@ -182,3 +182,24 @@ def test_a_busy_port_is_refused_before_the_model_loads(capsys) -> None:
         assert serve_main(["/no/such/model", "--port", str(port)]) == 2  # the model is never looked at
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"pagedrl serve: cannot listen on 127.0.0.1:{port}: ") and "in use" in err
+
+
+def test_several_served_names_and_a_model_read_as_one_of_them(tmp_path) -> None:
+    args = build_parser().parse_args(["some/model", "--served-model-name", "a", "b"])
+    assert (args.model, args.served_model_name, names_problem(args)) == ("some/model", ["a", "b"], None)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    swallowed = build_parser().parse_args(["--served-model-name", "a", str(folder)])
+    assert swallowed.model is None and "put MODEL first" in names_problem(swallowed)
+
+
+def test_serve_names_a_context_the_model_lacks_by_its_flag(tiny_train_model, capsys) -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert serve_main([str(tiny_train_model), "--port", str(port), "--max-model-len", "100000",
+                       "--kv-cache-tokens", "256"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("pagedrl serve: --max-model-len (100000) is longer than the model's context (256")

@@ -50,7 +50,7 @@ def setup(tiny_train_model, tmp_path_factory) -> tuple[dict[str, Path], dict[str
 def server(tiny_train_model, setup, tmp_path_factory):
     adapters, _ = setup
     with running_server(tiny_train_model, tmp_path_factory.mktemp("serve-lora"), "--kv-cache-tokens", "2048",
-                        "--served-model-name", "base", "--enable-lora", "--max-loras", "2",
+                        "--served-model-name", "base", "base-alias", "--enable-lora", "--max-loras", "2",
                         "--max-lora-rank", str(MAX_RANK), "--allow-runtime-lora-updating", "--lora-modules",
                         f"qv2={adapters['qv2']}", f'{{"name": "all4", "path": "{adapters["all4"]}"}}') as s:
         yield s
@@ -66,9 +66,11 @@ def complete(client: openai.OpenAI, model: str, prompt: str) -> str:
 def test_models_lists_each_adapter_with_its_parent(client, setup) -> None:
     adapters, _ = setup
     cards = {m.id: m for m in client.models.list().data}
-    assert list(cards)[:3] == ["base", "qv2", "all4"]
+    assert list(cards)[:4] == ["base", "base-alias", "qv2", "all4"]  # vLLM's several served names
     assert cards["qv2"].parent == "base" and cards["qv2"].root == str(adapters["qv2"])
     assert getattr(cards["base"], "parent", None) is None
+    _, texts = setup
+    assert complete(client, "base-alias", PROMPTS[0]) == texts[None][0]  # the base under either name
 
 
 def test_concurrent_requests_each_get_their_adapters_merged_tokens(client, server, setup) -> None:

@@ -19,6 +19,11 @@ from pagedrl.engine.kv_cache import DEFAULT_CPU_BYTES, DEFAULT_CPU_TOKENS
 KV_CACHE_DTYPES = ("auto", "bfloat16")
 
 
+class EngineSettingError(ValueError):
+    """An engine setting that cannot work with the model loaded (named by its field: `pagedrl serve`
+    spells it as the flag)."""
+
+
 def setting(default: Any, help: str, group: str, *, cli: bool = True, choices: tuple[str, ...] | None = None,
             metavar: str | None = None) -> Any:
     """A dataclass field with its help text and where it shows in `--help` (`group`); `cli=False` for
@@ -91,12 +96,12 @@ class EngineConfig:
         budget that could never hold a whole prompt of that length when prompts are not chunked (such
         a prompt would wait for ever, and every request behind it)."""
         if self.max_model_len is not None and self.max_model_len > model_len:
-            raise ValueError(f"max_model_len ({self.max_model_len}) is longer than the model's context ({model_len}: "
+            raise EngineSettingError(f"max_model_len ({self.max_model_len}) is longer than the model's context ({model_len}: "
                              "its max_position_embeddings, or the sliding window it is capped at); leave it unset "
                              "or lower it")
         length = self.max_model_len or model_len
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < length:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+            raise EngineSettingError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
                              f"({length}) with enable_chunked_prefill off: a prompt longer than one step's budget "
                              "could never be scheduled; raise max_num_batched_tokens, lower max_model_len, or "
                              "leave chunked prefill on")

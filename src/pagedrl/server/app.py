@@ -140,7 +140,7 @@ async def final_outputs_unless_disconnected(request: Request, group: RequestGrou
         group.abort()
 
 
-def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | None = None,
+def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], model_root: str | None = None,
               api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
               ui: bool = True, tool_call_parser: str | None = "hermes", enable_auto_tool_choice: bool = False,
@@ -157,6 +157,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
     adapters are loaded and unloaded at run time (`server/lora_routes.py`). `sampling_defaults` (the
     model's generation config, vLLM's `--generation-config auto`) stand in for unset sampling fields."""
     served = ServedModels(served_model_name, read=engine.read_lora if engine.lora_enabled else None)
+    served_model_name = served.base_name  # the first of several names: what metrics and defaults use
     for module in lora_modules:
         served.load(module)
     metrics = ServerMetrics(engine, served_model_name)
@@ -225,8 +226,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str, model_root: str | 
     async def models() -> Response:
         adapters = [ModelCard(id=lora.lora_name, root=lora.lora_path, parent=lora.base_model_name or served_model_name,
                               max_model_len=max_model_len) for lora in served.adapters.values()]
-        return json_response(ModelList(data=[ModelCard(id=served_model_name, root=model_root,
-                                                       max_model_len=max_model_len), *adapters]))
+        bases = [ModelCard(id=name, root=model_root, max_model_len=max_model_len) for name in served.base_names]
+        return json_response(ModelList(data=[*bases, *adapters]))
 
     @v1.post("/completions", response_model=None, openapi_extra=request_body(CompletionRequest),
              responses={**json_or_events(CompletionResponse, "The completions, or a stream of CompletionChunk"),

@@ -17,9 +17,11 @@ import os
 import re
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from pagedrl.engine.engine_args import EngineArgs, add_engine_arguments, cli_fields, flag
+from pagedrl.engine.engine_config import EngineSettingError
 from pagedrl.model.footprint import footprint
 from pagedrl.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedrl.server.inputs import DEFAULT_MAX_N
@@ -40,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--api-key", default=os.environ.get("PAGEDRL_API_KEY") or os.environ.get("VLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDRL_API_KEY, else "
                              "$VLLM_API_KEY, else none; an empty key is none)")
-    server.add_argument("--served-model-name", default=None,
-                        help="the model id clients use (default: the adapter's PATH if given, else MODEL)")
+    server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the model ids clients use, the first in responses' metrics and listed first (default: "
+                             "the adapter's PATH if given, else MODEL)")
     server.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="sequences (a request with n samples counts n) that may wait beyond --max-num-seqs; "
                              "more are answered 503")
@@ -145,9 +148,10 @@ def build_server(args: argparse.Namespace) -> Any:
     if defaults:
         logger.info("default sampling parameters from the model's generation config, for requests that leave "
                     "them unset: %s (--generation-config vllm turns them off)", defaults)
-    name = args.served_model_name or args.adapter or args.model or DEFAULT_MODEL
+    names = args.served_model_name or [args.adapter or args.model or DEFAULT_MODEL]
+    name = names[0]
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
-    app = build_app(async_engine, served_model_name=name,
+    app = build_app(async_engine, served_model_name=names,
                     model_root=str(loaded.path), api_key=args.api_key or None,
                     max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n, ui=not args.no_ui,
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -169,6 +173,16 @@ def build_server(args: argparse.Namespace) -> Any:
                         access_log=not args.no_access_log,
                         timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S)
     return draining_server(uv, async_engine, app.state.draining, args.shutdown_timeout)
+
+
+def names_problem(args: argparse.Namespace) -> str | None:
+    """`--served-model-name` takes every word up to the next flag, MODEL too when MODEL comes after it:
+    the default model would then be served under the folder's name. Said, not guessed at."""
+    names = args.served_model_name or []
+    if args.model is None and any(Path(n).exists() or n.endswith(".gguf") for n in names[1:]):
+        return (f"--served-model-name {' '.join(names)}: takes every name up to the next flag, so MODEL was read as "
+                "a name; put MODEL first: pagedrl serve MODEL --served-model-name NAME ...")
+    return None
 
 
 def lora_arguments_problem(args: argparse.Namespace) -> str | None:
@@ -198,12 +212,10 @@ def engine_arguments_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def named_as_flags(message: str, compound_only: bool = False) -> str:
-    """An engine message with its field names spelled as the flags that set them (`compound_only`: only
-    names with an underscore, for messages that may say "model" or "device" as plain words)."""
-    for f in cli_fields():
-        if compound_only and "_" not in f.name:
-            continue
+def named_as_flags(message: str) -> str:
+    """An engine message with its field names spelled as the flags that set them (those with an
+    underscore: "model" or "seed" may be plain words)."""
+    for f in (f for f in cli_fields() if "_" in f.name):
         message = re.sub(rf"(?<![\w-]){f.name}\b", flag(f.name), message)
     return message
 
@@ -238,7 +250,8 @@ def serve_main(argv: list[str]) -> int:
     if args.max_waiting_requests < 0:
         print("pagedrl serve: --max-waiting-requests must be non-negative", file=sys.stderr)
         return 2
-    problem = lora_arguments_problem(args) or engine_arguments_problem(args) or listening_problem(args.host, args.port)
+    problem = (lora_arguments_problem(args) or names_problem(args) or engine_arguments_problem(args)
+               or listening_problem(args.host, args.port))
     if problem:
         print(f"pagedrl serve: {problem}", file=sys.stderr)
         return 2
@@ -247,7 +260,8 @@ def serve_main(argv: list[str]) -> int:
     try:
         server = build_server(args)
     except ValueError as e:  # a model or adapter that cannot be served (CheckpointError included): named
-        print(f"pagedrl serve: {named_as_flags(str(e), compound_only=True)}", file=sys.stderr)
+        message = named_as_flags(str(e)) if isinstance(e, EngineSettingError) else str(e)
+        print(f"pagedrl serve: {message}", file=sys.stderr)
         return 2
     # uvicorn handles SIGTERM/SIGINT while serving, then re-raises the signal to the handler that was
     # installed before it; after a graceful shutdown there is nothing left to do, so that one is a no-op.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pagedrl.engine.lora_request import LoRARequest
@@ -80,10 +80,15 @@ def parse_lora_module(text: str) -> LoRAModule:
 
 
 class ServedModels:
-    """The base's name and the adapters by name; `read` checks an adapter (reads it from disk)."""
+    """The base's names (vLLM's `--served-model-name a b`: the first is the one metrics and /v1/models
+    lead with, any of them picks the base) and the adapters by name; `read` checks an adapter (reads it
+    from disk)."""
 
-    def __init__(self, base_name: str, read: Callable[[LoRARequest], object] | None = None) -> None:
-        self.base_name = base_name
+    def __init__(self, base_name: str | Sequence[str], read: Callable[[LoRARequest], object] | None = None) -> None:
+        self.base_names = [base_name] if isinstance(base_name, str) else list(dict.fromkeys(base_name))
+        if not self.base_names:
+            raise ValueError("the base model needs a served name")
+        self.base_name = self.base_names[0]
         self.read = read  # reads and checks an adapter; raises ValueError naming what does not fit. None: no LoRA
         self.adapters: dict[str, LoRARequest] = {}
         self._next_id = 1
@@ -95,11 +100,11 @@ class ServedModels:
     def resolve(self, model: str | None, disclose: bool = True) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base); 404 for a name not served, which
         lists the served names only if `disclose` (a client that could read /v1/models anyway)."""
-        if model is None or model == self.base_name:
+        if model is None or model in self.base_names:
             return None
         lora = self.adapters.get(model)
         if lora is None:
-            served = ", ".join(repr(n) for n in [self.base_name, *self.adapters])
+            served = ", ".join(repr(n) for n in [*self.base_names, *self.adapters])
             listing = f"; this server serves {served}" if disclose else ""
             raise ApiError(404, f"the model '{model}' does not exist{listing}",
                            "not_found_error", param="model", code="model_not_found")
@@ -110,8 +115,8 @@ class ServedModels:
         if not self.lora_enabled:
             raise ValueError("LoRA adapters need --enable-lora")
         check_adapter_name(module.name)
-        if module.name == self.base_name:
-            raise ValueError(f"LoRA adapter name {module.name!r} is the base model's name")
+        if module.name in self.base_names:
+            raise ValueError(f"LoRA adapter name {module.name!r} is a name of the base model")
         lora = LoRARequest(module.name, self._next_id, module.path, module.base_model_name)
         self._next_id += 1
         return lora
