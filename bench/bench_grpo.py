@@ -40,7 +40,7 @@ def run_pagedrl(steps: int, out: Path, bf16: bool, batch_invariant: bool | None 
     config = GRPOConfig(dataset="arithmetic", output_dir=str(out), num_generations=G,
                         per_device_train_batch_size=16, gradient_accumulation_steps=PROMPTS * G // 16,
                         max_completion_length=LENGTH, temperature=1.0, learning_rate=LR, lr_scheduler_type="constant",
-                        max_steps=steps, beta=0.0, logging_steps=1, save_steps=10_000, report_to=["jsonl"],
+                        max_steps=steps, beta=0.0, logging_steps=1, save_steps=None, report_to=["jsonl"],
                         task_num_eval=256, bf16=bf16, batch_invariant=batch_invariant)
     run_grpo(config, progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -102,14 +102,15 @@ def run(name: str, minutes: float, eval_steps: int, num_eval: int, out: Path, tu
 
     from pagedrl.train.algorithms.grpo import GRPO
     from pagedrl.train.rl.config import GRPOConfig
-    from pagedrl.train.trainer import Trainer, start_run
+    from pagedrl.train.start import start_run
+    from pagedrl.train.trainer import Trainer
 
     torch.set_num_threads(1)
     config = GRPOConfig(dataset="arithmetic", output_dir=str(out), num_generations=G,
                         per_device_train_batch_size=16, gradient_accumulation_steps=PROMPTS * G // 16,
                         max_completion_length=LENGTH, temperature=1.0, lr_scheduler_type="constant",
                         max_steps=max_steps, max_train_minutes=minutes, beta=0.0, logging_steps=1, eval_steps=eval_steps,
-                        save_steps=100_000, report_to=["jsonl"], task_num_eval=num_eval, seed=0, bf16=False,
+                        save_steps=None, report_to=["jsonl"], task_num_eval=num_eval, seed=0, bf16=False,
                         **CONFIGS[name])
     dist, loaded = start_run(config, "GRPO needs")  # as run_grpo, with the trainer in reach
     algorithm = GRPO(config, loaded.model, loaded.tokenizer, dist, eos_token_ids=loaded.eos_token_ids,

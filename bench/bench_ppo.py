@@ -131,7 +131,7 @@ def run_pagedrl(setup: dict, updates: int, epochs: int, out: Path, critic: str |
                        per_device_train_batch_size=PROMPTS, gradient_accumulation_steps=1, num_generations=1,
                        num_mini_batches=1, num_ppo_epochs=epochs, max_completion_length=LENGTH,
                        temperature=TEMPERATURE, learning_rate=LR, lr_scheduler_type="constant", kl_coef=KL,
-                       max_steps=updates * epochs, logging_steps=1, save_steps=100_000, report_to=["jsonl"],
+                       max_steps=updates * epochs, logging_steps=1, save_steps=None, report_to=["jsonl"],
                        eval_steps=None, bf16=os.environ.get("BENCH_BF16") == "1", batch_invariant=batch_invariant)
     run_ppo(config, progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

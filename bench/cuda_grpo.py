@@ -48,7 +48,7 @@ def grpo_run(folder: Path, steps: int, device: str, log: Log, label: str = "engi
                     task_num_eval=8, bf16=True)  # the dry run: tiny, but through the autocast path
         config = GRPOConfig(model=str(folder), dataset="arithmetic", output_dir=tmp, num_generations=8,
                             temperature=1.0, learning_rate=1e-5, max_steps=steps, beta=0.0, logging_steps=1,
-                            save_steps=10_000, report_to=["jsonl"], kv_cache_tokens=16384, **size)
+                            save_steps=None, report_to=["jsonl"], kv_cache_tokens=16384, **size)
         start = time.perf_counter()
         run_grpo(config, progress=False)
         wall = time.perf_counter() - start

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pagedrl.model.loader import load_model
 from pagedrl.train.algorithms.grpo import GRPOConfig
 from pagedrl.train.dither import bf16_neighbours, dither_masters, dither_offsets
-from pagedrl.train.trainer import start_run
+from pagedrl.train.start import start_run
 
 
 def _bf16_values(n: int, seed: int) -> torch.Tensor:

@@ -215,3 +215,27 @@ def test_dpo_and_reward_models_train_without_dropout_by_default_as_in_trl() -> N
     assert lora_config(RewardConfig(use_peft=True)).lora_dropout == 0.0
     assert lora_config(DPOConfig(use_peft=True, disable_dropout=False)).lora_dropout == 0.05
     assert lora_config(SFTConfig(use_peft=True)).lora_dropout == 0.05  # TRL's SFT has no such switch
+
+
+def test_transformers_keys_are_answered_by_name_and_ratio_steps_read_as_transformers_5() -> None:
+    """No near-miss guess for TRL / transformers keys; values that are pagedrl's behaviour are taken."""
+    from pagedrl.train.trl_names import steps_of
+
+    for key in ("data_seed=1", "logging_dir=x", "overwrite_output_dir=true", "dataset_num_proc=4", "eos_token=x",
+                "pad_token=x", "chat_template_path=x", "use_liger_kernel=true"):
+        with pytest.raises(ValueError, match=r"TRL / transformers option SFTConfig does not have: \w") as e:
+            load_config(SFTConfig, None, [key])
+        assert "did you mean" not in str(e.value)
+    taken = ["save_safetensors=true", "save_only_model=false", "logging_first_step=false", "torch_compile=false",
+             "dataloader_num_workers=0", "remove_unused_columns=false", "remove_unused_columns=true"]
+    assert load_config(SFTConfig, None, taken) == SFTConfig()
+    for key, words in (("save_safetensors=false", "always written as safetensors"), ("save_only_model=true", "optimizer"),
+                       ("logging_first_step=true", "logging_steps: 1"), ("torch_compile=true", "torch.compile"),
+                       ("dataloader_num_workers=2", "DataLoader")):
+        with pytest.raises(ValueError, match=rf"{key.split('=')[0]}: only .*{words}"):
+            load_config(SFTConfig, None, [key])
+    cfg = load_config(SFTConfig, None, ["save_steps=0.25", "logging_steps=0.1", "eval_steps=0.5"])
+    assert [steps_of(v, 40) for v in (cfg.save_steps, cfg.logging_steps, cfg.eval_steps)] == [10, 4, 20]
+    assert steps_of(0.3, 7) == 3 and steps_of(5, 7) == 5  # ceil, as transformers' Trainer
+    with pytest.raises(TrainConfigError, match="save_steps"):
+        SFTConfig(save_steps=2.5)

@@ -35,11 +35,27 @@ def test_outputs_of_a_run(run) -> None:
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert {"step", "epoch", "learning_rate", "loss", "grad_norm", "mean_token_accuracy", "num_tokens",
             "entropy", "wall_time", "train_time"} <= rows[0].keys()
-    summary = json.loads((out / "checkpoint-4" / ckpt.TRAINER_STATE_JSON).read_text())
+    summary = json.loads((out / "checkpoint-4" / ckpt.PAGEDRL_STATE_JSON).read_text())
     assert summary["step"] == summary["weight_version"] == 4 and summary["epoch"] == 1.0
     state = ckpt.load_trainer_state(out / "checkpoint-4")
     assert {"optimizer", "scheduler", "rng", "algorithm", "step", "weight_version"} <= state.keys()
     assert state["algorithm"]["stream"]["consumed"] == 16
+
+
+def test_trainer_state_json_is_what_transformers_reads(run) -> None:
+    """transformers' TrainerState.load_from_json takes it (the dataclass refuses unknown keys), with the
+    step, the schedule of the run and the log rows up to that step as its Trainer keeps them."""
+    from transformers import TrainerState
+
+    _, out, _ = run
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for step in (3, 4):
+        state = TrainerState.load_from_json(str(out / f"checkpoint-{step}" / ckpt.TRAINER_STATE_JSON))
+        assert (state.global_step, state.max_steps, state.logging_steps, state.save_steps) == (step, 4, 1, 1)
+        assert state.epoch == rows[step - 1]["epoch"] and state.train_batch_size == 4
+        expected = [{k: v for k, v in r.items() if k not in ("wall_time", "train_time")} for r in rows[:step]]
+        assert state.log_history == expected
+        assert state.log_history[-1]["loss"] == rows[step - 1]["loss"]
 
 
 @pytest.mark.parametrize("folder", ["checkpoint-4", "final"])

@@ -105,7 +105,8 @@ class DPOWithAccuracy(DPO):
 
 def run_dpo_with_accuracy(config: DPOConfig, plan: DemoPlan) -> Path:
     """`run_dpo` with `DPOWithAccuracy` as the algorithm."""
-    from pagedrl.train.trainer import Trainer, start_run
+    from pagedrl.train.start import start_run
+    from pagedrl.train.trainer import Trainer
 
     dist, loaded = start_run(config, "DPO needs")
     algorithm = DPOWithAccuracy(config, loaded.model, loaded.tokenizer, dist,

@@ -145,7 +145,7 @@ class DemoPlan:
             minutes = stage_caps(self)[stage] if self.calibration is not None else CAP * minutes
         return dict(model=self.model, output_dir=str(self.out / stage), seed=self.seed,
                     max_steps=steps or 1_000_000, max_train_minutes=minutes, lr_scheduler_type="constant_with_warmup",
-                    warmup_steps=warmup, warmup_starts_at_zero=False, logging_steps=1, save_steps=1_000_000,
+                    warmup_steps=warmup, warmup_starts_at_zero=False, logging_steps=1, save_steps=None,
                     eval_steps=eval_steps, eval_on_start=False, report_to=list(self.report_to))
 
     def _task(self) -> dict[str, Any]:

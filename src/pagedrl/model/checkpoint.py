@@ -194,12 +194,14 @@ def save_checkpoint(model: CausalLM, folder: str | Path, *, tokenizer_dir: str |
     renamed into place at the end, so a crash never leaves a folder that looks complete."""
     folder = Path(folder)
     with staged_folder(folder) as tmp:
-        cfg = model.config.to_dict()
-        cfg.update(extra_config or {})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         tensors = state if state is not None else model.state_dict()
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()
                    if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+        cfg = model.config.to_dict()
+        cfg.pop("torch_dtype", None)  # transformers 5's name is `dtype`; one field, never two that disagree
+        cfg["dtype"] = saved_dtype(tensors) or cfg.get("dtype")
+        cfg.update(extra_config or {})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         tensors = expert_weights.to_disk(tensors, model.config)  # one tensor per expert, as published
         write_safetensors(tensors, tmp, max_shard_bytes)
         gen = {"bos_token_id": model.config.bos_token_id, "eos_token_id": model.config.eos_token_id}
@@ -211,6 +213,17 @@ def save_checkpoint(model: CausalLM, folder: str | Path, *, tokenizer_dir: str |
                 if src.is_file():
                     shutil.copy2(src, tmp / name)
     return folder
+
+
+def saved_dtype(tensors: dict[str, torch.Tensor]) -> str | None:
+    """config.json's `dtype` for these tensors: the floating dtype holding most of their elements
+    (what save_pretrained records: the dtype the weights are in, which a trained model's float32
+    masters make float32 whatever its base said); None without floating tensors."""
+    counts: dict[torch.dtype, int] = {}
+    for t in tensors.values():
+        if t.is_floating_point():
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return str(max(counts, key=counts.__getitem__)).removeprefix("torch.") if counts else None
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int | None) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pagedrl.model.adapter import load_adapter, read_adapter_config
+from pagedrl.model.adapter import is_adapter_folder, load_adapter, read_adapter_config
 from pagedrl.model.checkpoint import CheckpointError, default_dtype, load_causal_lm, save_checkpoint
 from pagedrl.model.heads import SequenceScorer, load_sequence_scorer, save_sequence_scorer
 from pagedrl.model.lora import merge_lora
@@ -55,9 +55,14 @@ def merged_scorer(base: str | Path | None, adapter: str | Path, device: str | to
     config = read_adapter_config(adapter)
     if config.task_type != "SEQ_CLS":
         raise CheckpointError(f"{adapter}: a {config.task_type} adapter, not a reward model's (SEQ_CLS)")
-    # The base's own head (if a classifier) or a placeholder one: the adapter's `score` replaces it.
-    model = load_sequence_scorer(adapter_base(adapter, base), device=device, dtype=torch.float32,
-                                 generator=torch.Generator().manual_seed(0))
+    base_path = adapter_base(adapter, base)
+    if is_adapter_folder(base_path):  # a LoRA PPO critic's base: a LoRA reward model, folded in first
+        if base_path.resolve() == adapter.resolve():
+            raise CheckpointError(f"{adapter}: adapter_config.json names the adapter itself as its base")
+        model: SequenceScorer = merged_scorer(None, base_path, device=device, dtype=torch.float32)
+    else:  # the base's own head (if a classifier) or a placeholder one: the adapter's `score` replaces it
+        model = load_sequence_scorer(base_path, device=device, dtype=torch.float32,
+                                     generator=torch.Generator().manual_seed(0))
     return _fold(model, adapter, quantized).to(dtype or default_dtype(device)).eval()
 
 

@@ -25,19 +25,22 @@ from pagedrl.train.config import TrainConfig
 CAUSAL_LM, SEQ_CLS = "CAUSAL_LM", "SEQ_CLS"
 
 
-def lora_config(config: TrainConfig, task_type: str = CAUSAL_LM, modules_to_save: Sequence[str] = ()) -> LoRAConfig:
+def lora_config(config: TrainConfig, task_type: str = CAUSAL_LM, modules_to_save: Sequence[str] = (),
+                base: str | None = None) -> LoRAConfig:
     """The adapter a run's `lora_*` fields describe; without dropout where the config disables it (TRL's
-    DPO and reward trainers do by default, and PEFT's dropout with the rest)."""
+    DPO and reward trainers do by default, and PEFT's dropout with the rest). `base`: the model the
+    adapter goes on when it is not `config.model` (a PPO critic's reward model), recorded as PEFT's
+    `base_model_name_or_path` so that the adapter is loaded on the weights it was trained on."""
     dropout = 0.0 if getattr(config, "disable_dropout", False) else config.lora_dropout
     return LoRAConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=dropout,
                       target_modules=config.lora_target_modules,
                       target_parameters=config.lora_target_parameters, modules_to_save=list(modules_to_save),
-                      task_type=task_type, base_model_name_or_path=str(config.model),
-                      revision=config.revision)
+                      task_type=task_type, base_model_name_or_path=str(config.model) if base is None else base,
+                      revision=config.revision if base is None else None)
 
 
 def attach_lora(config: TrainConfig, model: nn.Module, task_type: str = CAUSAL_LM,
-                modules_to_save: Sequence[str] = (), seed_offset: int = 0) -> nn.Module:
+                modules_to_save: Sequence[str] = (), seed_offset: int = 0, base: str | None = None) -> nn.Module:
     """With `use_peft`: adapters on `model` (in place), base frozen (and, with `load_in_4bit` /
     `load_in_8bit`, its projections quantized first: QLoRA); without it `model` as it is."""
     if not config.use_peft:
@@ -46,7 +49,7 @@ def attach_lora(config: TrainConfig, model: nn.Module, task_type: str = CAUSAL_L
     if spec is not None and not quantized_layers(model):
         quantize_projections(model, spec)
     generator = torch.Generator().manual_seed(config.seed + 7919 * (1 + seed_offset))
-    return apply_lora(model, lora_config(config, task_type, modules_to_save), generator)
+    return apply_lora(model, lora_config(config, task_type, modules_to_save, base), generator)
 
 
 def uses_lora(model: nn.Module) -> bool:

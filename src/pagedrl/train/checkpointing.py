@@ -3,7 +3,11 @@ complete.
 
 `checkpoint-<step>/` is a Hugging Face folder (weights, config, tokenizer: transformers and the
 engine load it as is) plus `trainer_state.pt` (optimizer, scheduler, RNG states of every rank,
-data position, step, weight version, the logging window) and a readable `trainer_state.json`.
+data position, step, weight version, the logging window), `trainer_state.json` in the form of
+transformers' `TrainerState` (`TrainerState.load_from_json` reads it: `global_step`, `log_history`,
+...) and `pagedrl_state.json`, pagedrl's own summary (step, weight version, world size, config),
+which a `TrainerState` cannot hold: it takes no keys of its own. `trainer_state.pt` alone is read
+on resume.
 Everything is written into a hidden staging folder; the marker file `checkpoint_complete` goes
 in last, and only then is the folder renamed into place. A folder counts as a checkpoint only
 with its marker, so neither a crash mid-write nor one mid-delete can pass for a finished save.
@@ -36,6 +40,9 @@ FINAL_DIR = "final"
 COMPLETE_MARKER = "checkpoint_complete"
 TRAINER_STATE_PT = "trainer_state.pt"
 TRAINER_STATE_JSON = "trainer_state.json"
+PAGEDRL_STATE_JSON = "pagedrl_state.json"
+# Logged values that are pagedrl's own clocks, not part of a transformers log row.
+_NOT_LOGGED_BY_TRANSFORMERS = ("wall_time", "train_time")
 
 
 def is_complete(folder: Path) -> bool:
@@ -87,8 +94,9 @@ class CheckpointWriteError(RuntimeError):
 
 def write_checkpoint(folder: str | Path, save_model: Callable[[Path], None],
                      trainer_state: dict[str, Any] | None = None, summary: dict[str, Any] | None = None,
-                     size_hint: int = 0) -> Path:
-    """Write a checkpoint (or, without `trainer_state`, a model-only folder such as `final/`).
+                     size_hint: int = 0, own_summary: dict[str, Any] | None = None) -> Path:
+    """Write a checkpoint (or, without `trainer_state`, a model-only folder such as `final/`):
+    `summary` becomes `trainer_state.json`, `own_summary` `pagedrl_state.json`.
 
     `save_model(path)` must create `path` as a Hugging Face folder (weights, config, tokenizer). The marker is written after everything else and the folder
     is renamed into place after the marker, so any exception on the way leaves no folder named
@@ -110,9 +118,12 @@ def write_checkpoint(folder: str | Path, save_model: Callable[[Path], None],
             if trainer_state is not None:
                 torch.save(trainer_state, tmp / TRAINER_STATE_PT)
             if summary is not None:
-                (tmp / TRAINER_STATE_JSON).write_text(json.dumps(summary, indent=2) + "\n")
+                (tmp / TRAINER_STATE_JSON).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+            if own_summary is not None:
+                (tmp / PAGEDRL_STATE_JSON).write_text(json.dumps(own_summary, indent=2) + "\n")
             sync_tree(tmp)  # the marker must never reach the disk ahead of what it vouches for
-            marker = {"time": time.time(), **({"step": summary["step"]} if summary and "step" in summary else {})}
+            step = (own_summary or summary or {}).get("step")
+            marker = {"time": time.time(), **({"step": step} if step is not None else {})}
             _write_synced(tmp / COMPLETE_MARKER, json.dumps(marker) + "\n")
     except Exception as e:
         # The message gives the space free before the write: what is free now still counts the
@@ -121,6 +132,29 @@ def write_checkpoint(folder: str | Path, save_model: Callable[[Path], None],
             raise CheckpointWriteError(_no_space_message(folder, needed, free)) from e
         raise
     return folder
+
+
+def transformers_log_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A logged row as transformers' Trainer keeps it in `log_history`: evaluations' `eval/<name>`
+    as `eval_<name>`, without pagedrl's clocks."""
+    return {(f"eval_{k[5:]}" if k.startswith("eval/") else k): v for k, v in row.items()
+            if k not in _NOT_LOGGED_BY_TRANSFORMERS}
+
+
+def transformers_trainer_state(global_step: int, epoch: float, max_steps: int, logging_steps: int,
+                               eval_steps: int | None, save_steps: int | None, train_batch_size: int,
+                               log_history: list[dict[str, Any]], num_train_epochs: int = 0,
+                               num_input_tokens_seen: int = 0) -> dict[str, Any]:
+    """`trainer_state.json` with exactly the fields of transformers' `TrainerState` (its
+    `load_from_json` passes them all to the dataclass, which refuses any other key); the ones pagedrl
+    has no counterpart for (flos, best metric, hyper-parameter search) at their defaults."""
+    return {"epoch": epoch, "global_step": global_step, "max_steps": max_steps, "logging_steps": logging_steps,
+            "eval_steps": eval_steps, "save_steps": save_steps, "train_batch_size": train_batch_size,
+            "num_train_epochs": num_train_epochs, "num_input_tokens_seen": num_input_tokens_seen,
+            "total_flos": 0, "log_history": [dict(r) for r in log_history], "best_metric": None,
+            "best_global_step": None, "best_model_checkpoint": None, "is_local_process_zero": True,
+            "is_world_process_zero": True, "is_hyper_param_search": False, "trial_name": None,
+            "trial_params": None, "stateful_callbacks": {}}
 
 
 def folder_bytes(folder: Path | None) -> int:
@@ -204,7 +238,7 @@ def remove_leftovers(output_dir: str | Path) -> list[str]:
 # trainer's optimizer.pt, say) was not written here and is never deleted.
 _OUR_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|"
                         r"model\.safetensors\.index\.json|tokenizer\.json|tokenizer_config\.json|"
-                        r"special_tokens_map\.json|chat_template\.jinja|trainer_state\.(pt|json)|"
+                        r"special_tokens_map\.json|chat_template\.jinja|trainer_state\.(pt|json)|pagedrl_state\.json|"
                         r"adapter_config\.json|adapter_model\.safetensors")
 
 

@@ -29,7 +29,7 @@ from pagedrl.model.precision import choose_precision
 from pagedrl.model.projections import LAYER_PROJECTIONS
 from pagedrl.model.quantized_linear import QuantizedBase
 from pagedrl.train.config_values import MISSING, coerce, describe, load_yaml
-from pagedrl.train.trl_names import not_here, trl_form
+from pagedrl.train.trl_names import RATIO_STEPS, fixed_value, not_here, trl_form
 
 REPORTERS: tuple[str, ...] = ("none", "jsonl", "tensorboard")
 COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # bnb_4bit_compute_dtype
@@ -92,10 +92,11 @@ class TrainConfig:
     on_bad_row: Literal["error", "skip"] = "error"
 
     # Bookkeeping.
-    logging_steps: int = 10
-    eval_steps: int | None = None  # None: no periodic evaluation
+    # Every N steps; a float below 1 is a ratio of the total steps (transformers 5's reading).
+    logging_steps: int | float = 10
+    eval_steps: int | float | None = None  # None: no periodic evaluation
     eval_on_start: bool = True  # with eval_steps: evaluate the starting model too (step 0)
-    save_steps: int = 500
+    save_steps: int | float | None = 500  # None: no checkpoints (transformers' save_strategy "no"), final/ only
     save_total_limit: int | None = None
     # Stop cleanly (a last evaluation, then `final/`) once training, evaluations excluded, has run
     # this long: equal wall-clock budgets for runs whose steps cost different amounts.
@@ -148,8 +149,13 @@ class TrainConfig:
         for key in ("model", "output_dir"):
             _require(bool(str(getattr(self, key)).strip()), key, "is empty")
         _require(self.learning_rate >= 0, "learning_rate", f"must be >= 0, got {self.learning_rate}")
-        for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "save_steps"):
+        for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        for key in RATIO_STEPS:
+            v = getattr(self, key)
+            _require(v is not None or key != "logging_steps", key, "must be set (>= 1, or a ratio below 1)")
+            _require(v is None or (v >= 1 and v == int(v)) or 0 < v < 1, key,
+                     f"must be an integer >= 1 or a ratio of the total steps in (0, 1), got {v}")
         _require(self.max_steps == -1 or self.max_steps >= 1, "max_steps", f"must be -1 or >= 1, got {self.max_steps}")
         _require(self.num_train_epochs > 0, "num_train_epochs", f"must be > 0, got {self.num_train_epochs}")
         _require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
@@ -159,7 +165,7 @@ class TrainConfig:
             _require(0.0 <= getattr(self, key) < 1.0, key, f"must lie in [0, 1), got {getattr(self, key)}")
         _require(self.adam_epsilon > 0, "adam_epsilon", f"must be > 0, got {self.adam_epsilon}")
         _require(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0 (0 disables), got {self.max_grad_norm}")
-        for key in ("max_length", "eval_steps", "save_total_limit"):
+        for key in ("max_length", "save_total_limit"):
             value = getattr(self, key)
             _require(value is None or value >= 1, key, f"must be null or >= 1, got {value}")
         _require(self.max_train_minutes is None or self.max_train_minutes > 0, "max_train_minutes",
@@ -358,6 +364,8 @@ def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: Se
     def put(key: Any, value: Any, source: str, raw: str | None = None) -> None:
         if isinstance(key, str):
             key, value = trl_form(key, value)  # TRL's spellings of pagedrl's fields and of their values
+            if fixed_value(key, value, source):  # a TRL option set to what pagedrl always does
+                return
         if key not in names:
             raise _unknown_key(cls, key, source, names)
         out = coerce(value, hints[key])

@@ -23,6 +23,7 @@ autocast where the device computes bf16 natively (CUDA, a CPU with AVX512-BF16, 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedrl.kernels.memory import keep_freed_memory
 from pagedrl.train import adapters
 from pagedrl.train import checkpointing as ckpt
 from pagedrl.train.algorithm import Algorithm
@@ -43,14 +43,13 @@ from pagedrl.train.distributed import (
     barrier,
     broadcast_object,
     gather_objects,
-    init_distributed,
 )
-from pagedrl.train.dither import dither_for_run
 from pagedrl.train.interrupt import StopFlag, TrainingInterrupted
 from pagedrl.train.logging import RunLogger
 from pagedrl.train.metrics import Metric, MetricTotals, as_metric
 from pagedrl.train.optim import build_optimizer, total_steps
 from pagedrl.train.parallel import Parallel
+from pagedrl.train.trl_names import RATIO_STEPS, steps_of
 
 
 class ModelHandle:
@@ -99,6 +98,9 @@ class Trainer:
         self.bf16 = config.use_bf16(self.dist.device)
         self.total_steps = total_steps(config, algorithm)
         self.warmup_steps = config.num_warmup_steps(self.total_steps)
+        # Below 1: ratios of the total steps, as transformers 5 reads them.
+        self.logging_steps, self.eval_steps, self.save_steps = (
+            steps_of(getattr(config, key), self.total_steps) for key in RATIO_STEPS)
         self.optimizer, self.lr_scheduler = build_optimizer(self.module, config, self.warmup_steps, self.total_steps)
         self.output_dir = Path(config.output_dir)
         self.progress = progress
@@ -109,6 +111,7 @@ class Trainer:
         self.time_offset = 0.0  # wall seconds of the run before a resume
         self._start = time.perf_counter()  # perf_counter at the (virtual) start of the run
         self.eval_seconds = 0.0
+        self.log_history: list[dict[str, Any]] = []  # transformers' TrainerState.log_history
         self.logger: RunLogger | None = None
         self.stop = StopFlag()  # set by SIGINT/SIGTERM while `train` runs
         self.last_checkpoint: tuple[int, Path] | None = None  # (step, folder) of the newest save or resume
@@ -178,12 +181,15 @@ class Trainer:
         finished = False
         try:
             with self.stop.installed():
-                if self.config.eval_steps and self.config.eval_on_start and self.step == 0:
+                if self.eval_steps and self.config.eval_on_start and self.step == 0:
                     self.evaluate()
                 while self.step < self.total_steps and not self.out_of_time():
                     self.stop_if_asked()
                     self.run_step()
                 self.stop_if_asked()  # a signal during the last step stops the caller too (a pipeline's next stage)
+                just_saved = self.last_checkpoint is not None and self.last_checkpoint[0] == self.step
+                if self.save_steps and self.step > 0 and not just_saved:
+                    self.save_checkpoint()  # as transformers' Trainer saves its last step: a run extends from it
                 final = self.save_final()
             finished = True
         finally:
@@ -225,7 +231,7 @@ class Trainer:
             if reduce == "cumulative":
                 self.running[name] = self.running.get(name, 0.0) + total
         self.logger.advance()
-        if step % self.config.logging_steps == 0 or step == self.total_steps:
+        if step % self.logging_steps == 0 or step == self.total_steps:
             row = {"step": step, "epoch": self.algorithm.epoch, "learning_rate": lr}
             values = self.window.values(self.running)
             row["loss"] = values.pop("loss")
@@ -234,9 +240,9 @@ class Trainer:
             self.log(row)
             self.logger.log_completions(step, self.algorithm.sample_completions(step))
             self.window = MetricTotals()
-        if self.config.eval_steps and step % self.config.eval_steps == 0:
+        if self.eval_steps and step % self.eval_steps == 0:
             self.evaluate()
-        if step % self.config.save_steps == 0:
+        if self.save_steps and step % self.save_steps == 0:
             self.save_checkpoint()
 
     def out_of_time(self) -> bool:
@@ -247,7 +253,7 @@ class Trainer:
         if not broadcast_object(limit is not None and self.step > 0 and spent >= 60 * limit, self.dist):
             return False
         self.logger.write(f"max_train_minutes={limit:g} reached after step {self.step} ({spent / 60:.2f} min)")
-        if self.config.eval_steps and self.step % self.config.eval_steps:
+        if self.eval_steps and self.step % self.eval_steps:
             self.evaluate()
         return True
 
@@ -255,6 +261,7 @@ class Trainer:
         wall = time.perf_counter() - self._start
         row["wall_time"] = wall
         row["train_time"] = wall - self.eval_seconds
+        self.log_history.append(ckpt.transformers_log_row(row))
         self.logger.log(row)
 
     def evaluate(self) -> None:
@@ -282,6 +289,7 @@ class Trainer:
             "algorithm": self.algorithm.state_dict(),
             "window": self.window.state_dict(),
             "running": dict(self.running),
+            "log_history": list(self.log_history),
             "wall_time": time.perf_counter() - self._start,
             "eval_seconds": self.eval_seconds,
             "world_size": self.dist.world_size,
@@ -296,11 +304,18 @@ class Trainer:
         if self.dist.is_main:
             state = self.trainer_state(optimizer)
             state["rng"] = rngs
-            summary = {"step": self.step, "epoch": self.algorithm.epoch, "weight_version": self.weight_version,
-                       "total_steps": self.total_steps, "world_size": self.dist.world_size,
-                       "examples_per_step": self.algorithm.examples_per_step, "config": config_to_dict(self.config)}
+            a, c = self.algorithm, self.config
+            ours = {"step": self.step, "epoch": a.epoch, "weight_version": self.weight_version,
+                    "total_steps": self.total_steps, "world_size": self.dist.world_size,
+                    "examples_per_step": a.examples_per_step, "config": config_to_dict(c)}
+            summary = ckpt.transformers_trainer_state(
+                self.step, a.epoch, self.total_steps, self.logging_steps, self.eval_steps, self.save_steps,
+                c.per_device_train_batch_size, self.log_history,
+                math.ceil(self.total_steps * a.examples_per_step / a.num_examples) if a.num_examples else 0,
+                int(self.running.get("num_tokens", 0)))
             size = ckpt.tensor_bytes(model_state or self.module.state_dict()) + ckpt.tensor_bytes(state)
-            ckpt.write_checkpoint(folder, self.model_writer(model_state), state, summary, size_hint=size)
+            ckpt.write_checkpoint(folder, self.model_writer(model_state), state, summary, size_hint=size,
+                                  own_summary=ours)
             ckpt.rotate_checkpoints(self.output_dir, self.config.save_total_limit, keep=folder)
         barrier(self.dist)
         self.last_checkpoint = (self.step, folder)
@@ -338,6 +353,7 @@ class Trainer:
         self.algorithm.load_state_dict(state["algorithm"])
         self.window.load_state_dict(state["window"])
         self.running = dict(state["running"])
+        self.log_history = list(state.get("log_history", []))  # (older checkpoints kept none)
         self.step, self.weight_version = int(state["step"]), int(state["weight_version"])
         self.time_offset, self.eval_seconds = float(state["wall_time"]), float(state["eval_seconds"])
         rngs = state["rng"]
@@ -377,21 +393,3 @@ class Trainer:
         lines += ["  " + line for line in adapters.summary(self.module) + a.summary_lines()]
         if self.logger is not None:
             self.logger.write("\n".join(lines))
-
-
-def start_run(config: TrainConfig, needs: str) -> tuple[DistInfo, Any]:
-    """What every `run_<algorithm>` does first: join the process group (if under torchrun), seed,
-    and load `config.model` in float32 (the master weights) with its tokenizer, which `needs` names;
-    with `use_peft`, adapters go on it here, before an algorithm could copy it as a reference."""
-    from pagedrl.model.loader import load_model
-
-    dist = init_distributed(config.use_cpu)
-    ckpt.seed_everything(config.seed)
-    if dist.device.type == "cpu":
-        keep_freed_memory(every_block=True)  # a step's large tensors reuse the last step's memory
-    loaded = load_model(config.model, device=dist.device, dtype=torch.float32, revision=config.revision)
-    if loaded.tokenizer is None:
-        raise ValueError(f"model: {loaded.path} has no tokenizer.json; {needs} the model's tokenizer")
-    adapters.attach_lora(config, loaded.model)  # use_peft: adapters on the frozen base (train/adapters.py)
-    dither_for_run(config, dist.device, loaded.model)  # bf16: before any reference copy is taken
-    return dist, loaded

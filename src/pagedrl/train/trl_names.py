@@ -5,6 +5,7 @@ not have (refused saying so and what to do instead, never with a near-miss guess
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # TRL / transformers name -> pagedrl's field of the same meaning.
@@ -22,7 +23,8 @@ _ONE_PRECISION = "pagedrl trains in float32 or bf16 (`bf16`)"
 NOT_HERE = {
     "use_vllm": _ENGINE, "vllm_mode": _ENGINE, "vllm_gpu_memory_utilization": "the engine's KV cache is sized by "
     "kv_cache_tokens", "vllm_server_host": _ENGINE, "vllm_server_port": _ENGINE,
-    "eval_strategy": _STEPS_ONLY, "evaluation_strategy": _STEPS_ONLY, "save_strategy": _STEPS_ONLY,
+    "eval_strategy": _STEPS_ONLY, "evaluation_strategy": _STEPS_ONLY, "save_strategy": "pagedrl saves every "
+    "save_steps steps and at the last step, as strategy steps; save_steps: null saves none (strategy no)",
     "logging_strategy": _STEPS_ONLY,
     "per_device_eval_batch_size": "evaluations run in batches of per_device_train_batch_size",
     "fp16": _ONE_PRECISION, "tf32": _ONE_PRECISION, "torch_dtype": _ONE_PRECISION, "dtype": _ONE_PRECISION,
@@ -51,14 +53,41 @@ NOT_HERE = {
     "vllm_importance_sampling_mode": "the rollout/trainer log-prob gap is corrected by tis_cap (token-level)",
     "vllm_importance_sampling_cap": "set tis_cap", "sft_model_path": "PPO starts from `model`",
     "value_model_path": "PPO's critic starts from `critic` (the policy, or the reward model)",
+    "data_seed": "the data order is drawn from `seed` (each epoch's shuffle from seed + epoch)",
+    "logging_dir": "TensorBoard events go to output_dir/runs (report_to: [tensorboard])",
+    "overwrite_output_dir": "pagedrl writes into output_dir whether or not it exists, replacing final/ and "
+    "any checkpoint of the same step; resume_from_checkpoint continues a run",
+    "dataset_num_proc": "rows are read and tokenized once, in the training process",
+    "eos_token": "the end of a completion is the tokenizer's eos_token (the model folder's tokenizer_config.json)",
+    "pad_token": "the padding id is the tokenizer's pad_token (the model folder's tokenizer_config.json), "
+    "never a training target",
+    "chat_template_path": "the chat template is the model folder's (chat_template.jinja or tokenizer_config.json)",
+    "use_liger_kernel": "pagedrl computes its losses with its own kernels; there are no Liger kernels",
 }
+
+# TRL / transformers keys whose accepted values are what pagedrl always does: read and dropped.
+# Any other value is refused with the reason.
+FIXED = {
+    "save_safetensors": ((True,), "checkpoints are always written as safetensors"),
+    "save_only_model": ((False,), "a checkpoint always holds the optimizer, scheduler and RNG states (resume needs "
+                                  "them); final/ is the model alone"),
+    "logging_first_step": ((False,), "rows are logged every logging_steps steps and at the last; logging_steps: 1 "
+                                     "logs the first"),
+    "torch_compile": ((False,), "the training model is not compiled with torch.compile"),
+    "dataloader_num_workers": ((0,), "batches are built in the training process, without DataLoader workers"),
+    # Each algorithm reads its own columns; GRPO and PPO hand the rest to reward functions.
+    "remove_unused_columns": ((True, False), ""),
+}
+# transformers 5's `*_steps` below 1: a ratio of the run's total steps (`steps_of`).
+RATIO_STEPS = ("logging_steps", "eval_steps", "save_steps")
 
 
 def trl_form(key: str, value: Any) -> tuple[str, Any]:
     """A key and value in the form TRL writes them, in pagedrl's: TRL's spelling of a field (`ALIASES`),
     a one-element `loss_type` list (TRL's type is a list of losses) for that loss, GRPO's
     `scale_rewards` true / false for "group" / "none" (as TRL reads them), and transformers 5's
-    `warmup_steps` below 1, a ratio, for `warmup_ratio`."""
+    `warmup_steps` below 1, a ratio, for `warmup_ratio` (`eval_steps`, `save_steps` and
+    `logging_steps` below 1 stay ratios of the total steps: `steps_of` reads them)."""
     key = ALIASES.get(key, key)
     if key == "loss_type" and isinstance(value, list) and len(value) == 1:
         return key, value[0]
@@ -67,6 +96,26 @@ def trl_form(key: str, value: Any) -> tuple[str, Any]:
     if key == "warmup_steps" and isinstance(value, float) and 0.0 < value < 1.0:
         return "warmup_ratio", value
     return key, value
+
+
+def fixed_value(key: str, value: Any, source: str) -> bool:
+    """True when `key` is one of `FIXED` and `value` is what pagedrl does (the caller drops it); a
+    ValueError naming the key when it asks for something else; False for any other key."""
+    if key not in FIXED:
+        return False
+    allowed, why = FIXED[key]
+    if any(value == a and type(value) is type(a) for a in allowed):
+        return True
+    expected = " or ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in allowed)
+    raise ValueError(f"{source}: {key}: only {expected} (pagedrl's behaviour), got {value!r}" + (f": {why}" if why else ""))
+
+
+def steps_of(value: int | float | None, total_steps: int) -> int | None:
+    """An `eval_steps` / `save_steps` / `logging_steps` value as a step count: below 1 a ratio of the
+    run's total steps, rounded up, as transformers 5's Trainer reads it; None stays None."""
+    if value is None:
+        return None
+    return max(1, math.ceil(value * total_steps)) if value < 1 else int(value)
 
 
 def not_here(key: str) -> str | None:

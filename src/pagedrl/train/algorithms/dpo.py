@@ -220,7 +220,8 @@ def run_dpo(config: DPOConfig, dataset: Dataset | None = None, eval_dataset: Dat
             progress: bool = True) -> Path:
     """Train `config.model` with DPO on `dataset` (default: `config.dataset`); returns `output_dir/final`."""
     from pagedrl.model.loader import load_model
-    from pagedrl.train.trainer import Trainer, start_run
+    from pagedrl.train.start import start_run
+    from pagedrl.train.trainer import Trainer
 
     dist, loaded = start_run(config, "DPO needs")
     reference = None

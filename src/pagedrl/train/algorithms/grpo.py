@@ -215,7 +215,8 @@ class GRPO(OnlineAlgorithm):
 
 def run_grpo(config: GRPOConfig, progress: bool = True) -> Path:
     """Train `config.model` with GRPO; returns `output_dir/final`."""
-    from pagedrl.train.trainer import Trainer, start_run
+    from pagedrl.train.start import start_run
+    from pagedrl.train.trainer import Trainer
 
     dist, loaded = start_run(config, "GRPO needs")
     algorithm = GRPO(config, loaded.model, loaded.tokenizer, dist, eos_token_ids=loaded.eos_token_ids,

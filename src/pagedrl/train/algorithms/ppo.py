@@ -348,7 +348,8 @@ def run_ppo(config: PPOConfig, progress: bool = True) -> Path:
     """Train `config.model` with PPO; returns `output_dir/final`."""
     from pagedrl.model.resolve import resolve_model_path
     from pagedrl.train.dither import dither_for_run
-    from pagedrl.train.trainer import Trainer, start_run
+    from pagedrl.train.start import start_run
+    from pagedrl.train.trainer import Trainer
 
     dist, loaded = start_run(config, "PPO needs")
     policy_path = resolve_model_path(config.model, config.revision)
@@ -366,7 +367,8 @@ def run_ppo(config: PPOConfig, progress: bool = True) -> Path:
         reward_model = load_reward_model(rm_path, device=dist.device, dtype=torch.float32)
     critic = load_critic(config.critic_init, policy_path, rm_path, dist.device, config.seed)
     if critic is not None and config.use_peft:
-        lora_critic(config, critic, loaded.model)
+        from_rm = config.critic_init == "reward_model" and config.reward_model_path is not None
+        lora_critic(config, critic, loaded.model, base=str(config.reward_model_path) if from_rm else None)
     dither_for_run(config, dist.device, critic)  # the policy's were dithered in start_run
     algorithm = PPO(config, loaded.model, loaded.tokenizer, dist, critic=critic, reward_model=reward_model,
                     eos_token_ids=loaded.eos_token_ids, generation_config=loaded.generation_config or None)

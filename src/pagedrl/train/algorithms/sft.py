@@ -166,7 +166,8 @@ def run_sft(config: SFTConfig, dataset: str | Path | Sequence[Mapping[str, Any]]
             eval_dataset: str | Path | Sequence[Mapping[str, Any]] | None = None,
             progress: bool = True) -> Path:
     """Fine-tune `config.model` on `dataset` (default: `config.dataset`); returns `output_dir/final`."""
-    from pagedrl.train.trainer import Trainer, start_run
+    from pagedrl.train.start import start_run
+    from pagedrl.train.trainer import Trainer
 
     dist, loaded = start_run(config, "SFT needs")
     algorithm = SFT(config, loaded.model, loaded.tokenizer, dist, dataset, eval_dataset,

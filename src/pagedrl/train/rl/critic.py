@@ -145,19 +145,23 @@ def load_critic(init: str, policy_path: Path, reward_model_path: Path | None, de
     return load_sequence_scorer(policy_path, device=device, dtype=torch.float32, generator=head_rng).train()
 
 
-def lora_critic(config: TrainConfig, critic: SequenceScorer, policy: CausalLM) -> None:
+def lora_critic(config: TrainConfig, critic: SequenceScorer, policy: CausalLM, base: str | None = None) -> None:
     """LoRA on a critic of its own: adapters on a frozen backbone, the value head trained whole. A
     critic started from the policy holds the same base weights, so it takes the policy's frozen
-    tensors themselves: one copy of the base in memory for policy, reference and critic."""
+    tensors themselves: one copy of the base in memory for policy, reference and critic. `base`: the
+    reward model the critic started from (None: the policy), which its adapter then names as its base:
+    its frozen backbone is the reward model's, not the policy's. A reward model that is itself an
+    adapter folder is named as it is: pagedrl's loaders fold it into its own base first."""
     spec = config.quantized_base
     if spec is not None and config.use_peft:  # QLoRA: the same float weights quantize to the policy's bytes
         quantize_projections(critic.model, spec)
     # (an adapted quantized projection keeps its base as `base_layer`, PEFT's name)
-    base = {n.replace(".base_layer.", "."): t for n, t in
-            [*policy.model.named_parameters(), *policy.model.named_buffers()]}
+    policy_base = {n.replace(".base_layer.", "."): t for n, t in
+                   [*policy.model.named_parameters(), *policy.model.named_buffers()]}
     own = {**dict(critic.model.named_parameters()), **dict(critic.model.named_buffers())}
-    if all(n in base and base[n].shape == p.shape and torch.equal(base[n], p) for n, p in own.items()):
+    if all(n in policy_base and policy_base[n].shape == p.shape and torch.equal(policy_base[n], p)
+           for n, p in own.items()):
         for name in own:
             module_name, _, attr = name.rpartition(".")
-            setattr(critic.model.get_submodule(module_name) if module_name else critic.model, attr, base[name])
-    attach_lora(config, critic, SEQ_CLS, modules_to_save=["score"], seed_offset=1)
+            setattr(critic.model.get_submodule(module_name) if module_name else critic.model, attr, policy_base[name])
+    attach_lora(config, critic, SEQ_CLS, modules_to_save=["score"], seed_offset=1, base=base)
