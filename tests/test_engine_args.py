@@ -17,7 +17,14 @@ from pagedrl import LLM, SamplingParams
 from pagedrl.engine.engine_args import EngineArgs, add_engine_arguments, cli_fields, flag
 from pagedrl.engine.engine_config import EngineConfig
 from pagedrl.generate import ENGINE_SKIP
-from pagedrl.server.serve import build_parser, engine_arguments_problem, names_problem, serve_main
+from pagedrl.server.serve import (
+    build_parser,
+    engine_arguments_problem,
+    names_problem,
+    origins,
+    origins_problem,
+    serve_main,
+)
 from pagedrl.train.rl.config import GRPOConfig, OnlineConfig
 from pagedrl.train.rl.online import rollout_engine_args
 
@@ -203,3 +210,11 @@ def test_serve_names_a_context_the_model_lacks_by_its_flag(tiny_train_model, cap
                        "--kv-cache-tokens", "256"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("pagedrl serve: --max-model-len (100000) is longer than the model's context (256")
+
+
+def test_allowed_origins_as_words_or_vllm_s_json_list() -> None:
+    assert origins(['["*"]']) == ["*"] and origins(["https://a.example", "https://b.example"]) == [
+        "https://a.example", "https://b.example"]
+    bad = build_parser().parse_args(["--allowed-origins", '["*"'])
+    assert origins_problem(bad).startswith('--allowed-origins: ["*" is not a JSON list')
+    assert build_parser().parse_args([]).allowed_origins == []  # no other site's pages by default

@@ -22,7 +22,8 @@ def server(tiny_train_model, tmp_path_factory):
     # one running sequence and one waiting request: a third concurrent request is refused
     with running_server(tiny_train_model, tmp_path_factory.mktemp("serve-errors"), "--api-key", KEY,
                         "--kv-cache-tokens", "2048", "--max-num-seqs", "1", "--max-waiting-requests", "1",
-                        "--max-request-body-bytes", str(BODY_LIMIT), "--served-model-name", "tiny") as s:
+                        "--max-request-body-bytes", str(BODY_LIMIT), "--served-model-name", "tiny",
+                        "--allowed-origins", '["https://app.example"]') as s:
         yield s
 
 
@@ -155,6 +156,20 @@ def test_missing_or_wrong_api_key_is_401(server, still_serving):
     for method in ("GET", "POST"):  # nor its SageMaker name
         assert httpx.request(method, server.base_url + "/ping").status_code == 200
     assert httpx.get(server.base_url + "/metrics").status_code == 401  # its labels name the served model
+
+
+def test_only_the_allowed_origin_may_call_from_a_browser(server, still_serving):
+    """CORS as vLLM's --allowed-origins: a preflight from the allowed origin passes before the API key
+    is asked for (the browser sends the key with the real request); another origin gets no grant."""
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    ok = httpx.options(server.base_url + "/v1/chat/completions", headers={"Origin": "https://app.example", **preflight})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+    other = httpx.options(server.base_url + "/v1/chat/completions", headers={"Origin": "https://evil.example",
+                                                                             **preflight})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    real = httpx.get(server.base_url + "/v1/models", headers={"Origin": "https://app.example",
+                                                              "Authorization": f"Bearer {KEY}"})
+    assert real.status_code == 200 and real.headers["access-control-allow-origin"] == "https://app.example"
 
 
 def test_no_route_tells_the_served_names_without_the_key(server, http, still_serving):

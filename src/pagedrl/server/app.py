@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -145,7 +146,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
               ui: bool = True, tool_call_parser: str | None = "hermes", enable_auto_tool_choice: bool = False,
               lora_modules: Sequence[LoRAModule] = (), allow_runtime_lora_updating: bool = False,
-              sampling_defaults: dict[str, Any] | None = None) -> FastAPI:
+              sampling_defaults: dict[str, Any] | None = None, allowed_origins: Sequence[str] = ()) -> FastAPI:
     """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
     With `ui`, `/` answers with the chat page (`server/ui_routes.py`), a static file that calls the
     API like any client (and needs the API key like any client). With `api_key`, every route that
@@ -155,7 +156,10 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     On an engine built with `enable_lora`, each of `lora_modules` is served under its name (a request's
     `model` picks it; one that does not fit raises ValueError here), and with `allow_runtime_lora_updating`
     adapters are loaded and unloaded at run time (`server/lora_routes.py`). `sampling_defaults` (the
-    model's generation config, vLLM's `--generation-config auto`) stand in for unset sampling fields."""
+    model's generation config, vLLM's `--generation-config auto`) stand in for unset sampling fields.
+    `allowed_origins` (vLLM's `--allowed-origins`): web pages of those origins may call the API from a
+    browser (CORS, every method and header, no cookies); none by default, so no other site can use a
+    server on a user's own machine through their browser."""
     served = ServedModels(served_model_name, read=engine.read_lora if engine.lora_enabled else None)
     served_model_name = served.base_name  # the first of several names: what metrics and defaults use
     for module in lora_modules:
@@ -306,4 +310,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
                     rules={} if auto_tools else {"ChatCompletionRequest": TOOLS_NEED_A_CHOICE})
     app.state.draining = Draining()
     app.add_middleware(DrainGate, draining=app.state.draining)
+    if allowed_origins:  # outermost: a 503 while draining carries the headers too
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     return app

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import re
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     server.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     server.add_argument("--no-ui", action="store_true", help="do not serve the chat page at /")
+    server.add_argument("--allowed-origins", nargs="+", default=[], type=str, metavar="ORIGIN",
+                        help="origins whose web pages may call the API from a browser (CORS), e.g. "
+                             "https://app.example.com, '*' for any, or vLLM's JSON list; default: none")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='answer tool_choice "auto" (the default when a request has tools), reading the '
                              "model's calls with --tool-call-parser")
@@ -156,7 +160,8 @@ def build_server(args: argparse.Namespace) -> Any:
                     max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n, ui=not args.no_ui,
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                     lora_modules=[parse_lora_module(m) for m in args.lora_modules],
-                    allow_runtime_lora_updating=args.allow_runtime_lora_updating, sampling_defaults=defaults)
+                    allow_runtime_lora_updating=args.allow_runtime_lora_updating, sampling_defaults=defaults,
+                    allowed_origins=origins(args.allowed_origins))
     stats = engine.metrics_snapshot()
     if stats.lora is not None:
         logger.info("LoRA: %d slots of rank up to %d on every decoder projection (%.1f MiB)", args.max_loras,
@@ -173,6 +178,27 @@ def build_server(args: argparse.Namespace) -> Any:
                         access_log=not args.no_access_log,
                         timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S)
     return draining_server(uv, async_engine, app.state.draining, args.shutdown_timeout)
+
+
+def origins(values: list[str]) -> list[str]:
+    """`--allowed-origins` as words or as vLLM's JSON list (`'["*"]'`)."""
+    if len(values) == 1 and values[0].lstrip().startswith("["):
+        try:
+            parsed = json.loads(values[0])
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--allowed-origins: {values[0]} is not a JSON list ({e})") from None
+        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+            raise ValueError(f"--allowed-origins: expected a JSON list of strings, got {values[0]}")
+        return parsed
+    return values
+
+
+def origins_problem(args: argparse.Namespace) -> str | None:
+    try:
+        origins(args.allowed_origins)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def names_problem(args: argparse.Namespace) -> str | None:
@@ -251,7 +277,7 @@ def serve_main(argv: list[str]) -> int:
         print("pagedrl serve: --max-waiting-requests must be non-negative", file=sys.stderr)
         return 2
     problem = (lora_arguments_problem(args) or names_problem(args) or engine_arguments_problem(args)
-               or listening_problem(args.host, args.port))
+               or origins_problem(args) or listening_problem(args.host, args.port))
     if problem:
         print(f"pagedrl serve: {problem}", file=sys.stderr)
         return 2
