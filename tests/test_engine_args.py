@@ -173,6 +173,8 @@ def test_serve_reads_vllm_s_key_and_spellings_and_guesses_no_flag(monkeypatch) -
     assert build_parser().parse_args([]).api_key == "from-vllm"  # it ran with no key before
     monkeypatch.setenv("PAGEDRL_API_KEY", "ours")
     assert build_parser().parse_args([]).api_key == "ours"
+    monkeypatch.setenv("PAGEDRL_API_KEY", "")  # set and empty: no key, whatever VLLM_API_KEY says
+    assert build_parser().parse_args([]).api_key == ""
     assert EngineArgs.from_cli_args(build_parser().parse_args(["--dtype", "half"])).dtype == "half"
     assert build_parser().parse_args(["--dtype", "float"]).dtype == "float"
     with pytest.raises(SystemExit):  # an abbreviation set --api-key quietly
@@ -196,8 +198,9 @@ def test_several_served_names_and_a_model_read_as_one_of_them(tmp_path) -> None:
     assert (args.model, args.served_model_name, names_problem(args)) == ("some/model", ["a", "b"], None)
     folder = tmp_path / "model"
     folder.mkdir()
-    swallowed = build_parser().parse_args(["--served-model-name", "a", str(folder)])
-    assert swallowed.model is None and "put MODEL first" in names_problem(swallowed)
+    for model in (str(folder), "Qwen/Qwen2.5-0.5B-Instruct"):  # a folder or a Hub id after the names
+        swallowed = build_parser().parse_args(["--served-model-name", "a", model])
+        assert swallowed.model is None and "put MODEL first" in names_problem(swallowed)
 
 
 def test_serve_names_a_context_the_model_lacks_by_its_flag(tiny_train_model, capsys) -> None:

@@ -18,7 +18,7 @@ from pagedrl.train.algorithms.grpo import GRPO, run_grpo
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.examples import PromptOnly
 from pagedrl.train.rl.config import GRPOConfig
-from pagedrl.train.rl.online import rollout_kv_tokens
+from pagedrl.train.rl.online import rollout_engine_args, rollout_kv_tokens
 from pagedrl.train.rl.packing import pack, split_units
 from pagedrl.train.rl.rollout import Rollout
 from pagedrl.train.tokenization import tokenize_prompt
@@ -232,9 +232,13 @@ def test_without_max_prompt_length_the_model_s_context_is_the_limit(tiny_train_m
     room for a completion token is taken, longer ones are named at load (they failed mid-run in the
     engine), and the rollout's cache is sized to the longest prompt the dataset holds."""
     assert GRPOConfig().max_prompt_length is None
-    algo = grpo(tiny_train_model, prompts_file)
-    assert algo.source.longest_prompt == max(len(r.prompt_ids) for r in algo.source.rows)
+    held_out = prompts_file.parent / "held_out.jsonl"  # evaluation's prompts go through the same engine
+    held_out.write_text(json.dumps({"prompt": "one two three " * 40, "answer": 1}) + "\n")
+    algo = grpo(tiny_train_model, prompts_file, eval_dataset=str(held_out))
+    longest_eval = len(algo.eval_rows[0].prompt_ids)
+    assert algo.longest_prompt == longest_eval > max(len(r.prompt_ids) for r in algo.source.rows)
     assert rollout_kv_tokens(algo.config, 4, longest_prompt=700) == 4 * 700 + 4 * 4 * (12 + 16)
+    assert rollout_engine_args(algo.config, 4, False, False, longest_prompt=700).kv_cache_tokens == 4 * 700 + 4 * 4 * 28
     assert rollout_kv_tokens(algo.config, 4, longest_prompt=20) == 4 * 512 + 4 * 4 * (12 + 16)
     long = prompts_file.parent / "long.jsonl"
     long.write_text(json.dumps({"prompt": "one two three " * 200, "answer": 1}) + "\n")

@@ -123,3 +123,17 @@ def test_lora_critic_on_an_adapter_reward_model_is_rebuilt_on_it(tiny_train_mode
     merged = RewardModel.from_pretrained(merge_adapter(None, critic, tmp_path / "merged"), device="cpu",
                                          dtype=torch.float32)
     assert torch.allclose(torch.tensor(merged.score(PAIRS)), theirs, atol=1e-5)
+
+
+def test_reward_adapters_naming_each_other_as_bases_are_named_not_recursed(tmp_path) -> None:
+    from pagedrl.model.checkpoint import CheckpointError
+    from pagedrl.model.merge import merged_scorer
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, base in ((a, b), (b, a)):
+        folder.mkdir()
+        (folder / ADAPTER_CONFIG).write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "SEQ_CLS", "base_model_name_or_path": str(base), "r": 2,
+            "lora_alpha": 4, "target_modules": ["q_proj"], "modules_to_save": ["score"]}))
+    with pytest.raises(CheckpointError, match=r"base leads back to an adapter already on the way"):
+        merged_scorer(None, a)

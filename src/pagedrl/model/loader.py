@@ -129,7 +129,7 @@ def _load_quantized(model: str | Path | None, device: torch.device, dtype: torch
         raise ValueError(f"quantization={quantization!r} with a LoRA adapter folded in is not supported: a quantized "
                          "base cannot hold merged weights (serve the adapter per request on the quantized base with enable_lora / "
                          "--enable-lora, or drop quantization)")
-    if device.type == "cpu" and dtype not in (None, "auto", "float32", torch.float32):
+    if device.type == "cpu" and dtype not in (None, "auto", "float32", "float", torch.float32):
         raise ValueError(f"quantization={quantization!r} computes in float32 on a CPU (its kernels' products are the "
                          f"float32 model's); dtype={dtype!r} is not supported with it there")
     precision = resolve_dtype("float32" if device.type == "cpu" else dtype, device)

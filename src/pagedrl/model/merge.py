@@ -49,7 +49,8 @@ def merged_causal_lm(base: str | Path | None, adapter: str | Path, device: str |
 
 
 def merged_scorer(base: str | Path | None, adapter: str | Path, device: str | torch.device = "cpu",
-                  dtype: torch.dtype | None = None, quantized: QuantizedBase | None = None) -> SequenceScorer:
+                  dtype: torch.dtype | None = None, quantized: QuantizedBase | None = None,
+                  _chain: tuple[Path, ...] = ()) -> SequenceScorer:
     """The base backbone with the adapter folded in and the adapter's `score` head."""
     adapter = resolve_model_path(adapter)
     config = read_adapter_config(adapter)
@@ -57,9 +58,11 @@ def merged_scorer(base: str | Path | None, adapter: str | Path, device: str | to
         raise CheckpointError(f"{adapter}: a {config.task_type} adapter, not a reward model's (SEQ_CLS)")
     base_path = adapter_base(adapter, base)
     if is_adapter_folder(base_path):  # a LoRA PPO critic's base: a LoRA reward model, folded in first
-        if base_path.resolve() == adapter.resolve():
-            raise CheckpointError(f"{adapter}: adapter_config.json names the adapter itself as its base")
-        model: SequenceScorer = merged_scorer(None, base_path, device=device, dtype=torch.float32)
+        chain = (*_chain, adapter.resolve())
+        if base_path.resolve() in chain:
+            raise CheckpointError(f"{adapter}: adapter_config.json's base leads back to an adapter already on the way "
+                                  f"({' -> '.join(map(str, (*chain, base_path.resolve())))}); name a model folder")
+        model: SequenceScorer = merged_scorer(None, base_path, device=device, dtype=torch.float32, _chain=chain)
     else:  # the base's own head (if a classifier) or a placeholder one: the adapter's `score` replaces it
         model = load_sequence_scorer(base_path, device=device, dtype=torch.float32,
                                      generator=torch.Generator().manual_seed(0))

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     server = p.add_argument_group("the server")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--api-key", default=os.environ.get("PAGEDRL_API_KEY") or os.environ.get("VLLM_API_KEY"),
+    server.add_argument("--api-key", default=os.environ.get("PAGEDRL_API_KEY", os.environ.get("VLLM_API_KEY")),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDRL_API_KEY, else "
                              "$VLLM_API_KEY, else none; an empty key is none)")
     server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -122,8 +122,9 @@ def draining_server(config: Any, engine: Any, draining: Any, shutdown_timeout: f
                         break
                     await asyncio.sleep(0.01)
                 await super().shutdown(sockets)
-                if self.force_exit:  # uvicorn skips the app's shutdown then: the engine thread still stops
-                    await self.lifespan.shutdown()
+                shut = getattr(getattr(self, "lifespan", None), "shutdown_event", None)
+                if self.force_exit and not (shut is not None and shut.is_set()):
+                    await self.lifespan.shutdown()  # uvicorn skipped the app's shutdown: the engine thread stops
             finally:
                 timer.cancel()
 
@@ -205,7 +206,7 @@ def names_problem(args: argparse.Namespace) -> str | None:
     """`--served-model-name` takes every word up to the next flag, MODEL too when MODEL comes after it:
     the default model would then be served under the folder's name. Said, not guessed at."""
     names = args.served_model_name or []
-    if args.model is None and any(Path(n).exists() or n.endswith(".gguf") for n in names[1:]):
+    if args.model is None and any(Path(n).exists() or n.endswith(".gguf") or "/" in n for n in names[1:]):
         return (f"--served-model-name {' '.join(names)}: takes every name up to the next flag, so MODEL was read as "
                 "a name; put MODEL first: pagedrl serve MODEL --served-model-name NAME ...")
     return None
@@ -252,12 +253,14 @@ def listening_problem(host: str, port: int) -> str | None:
     binds there unless another process takes the port meanwhile."""
     import socket
 
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, kind, proto, _, address = infos[0]
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
+    try:  # every address the name gives, as asyncio's server binds them all
+        for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                   flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
     except OSError as e:
         return f"cannot listen on {host}:{port}: {e.strerror or e} (--host, --port)"
     return None

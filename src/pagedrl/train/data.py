@@ -100,13 +100,7 @@ def read_rows(dataset: str | Path | Sequence[Mapping[str, Any]], report: DataRep
         yield from _jsonl_rows(path, report, on_bad_row)
         return
     _check_source(dataset)
-    for i, value in enumerate(dataset):
-        report.rows += 1
-        if not isinstance(value, Mapping):
-            _bad(report, on_bad_row, f"dataset[{i}]", BadRow("row", f"expected a dict, got {kind_of(value)}",
-                                                             "not a dict"))
-            continue
-        yield Row(f"dataset[{i}]", dict(value))
+    yield from _checked(((f"dataset[{i}]", value) for i, value in enumerate(dataset)), report, on_bad_row)
 
 
 def _jsonl_rows(path: Path, report: DataReport, on_bad_row: BadRowPolicy) -> Iterator[Row]:
@@ -135,21 +129,20 @@ def _json_lines(path: Path, lines: Iterable[bytes], report: DataReport, on_bad_r
             _bad(report, on_bad_row, where, BadRow("row", f"invalid JSON ({e.msg} at column {e.colno})",
                                                    "invalid JSON"))
             continue
-        if not isinstance(value, dict):
-            _bad(report, on_bad_row, where, BadRow("row", f"expected a JSON object, got {kind_of(value)}",
-                                                   "not a JSON object"))
-            continue
-        yield Row(where, value)
+        yield from _checked([(where, value)], report, on_bad_row, counted=True)
 
 
-def _checked(rows: Iterator[tuple[str, Any]], report: DataReport, on_bad_row: BadRowPolicy) -> Iterator[Row]:
+def _checked(rows: Iterable[tuple[str, Any]], report: DataReport, on_bad_row: BadRowPolicy,
+             counted: bool = False) -> Iterator[Row]:
+    """The rows whose value is a JSON object (a dict); any other is a bad row. `counted`: the caller
+    has counted them in `report.rows` already."""
     for where, value in rows:
-        report.rows += 1
-        if not isinstance(value, dict):
+        report.rows += 0 if counted else 1
+        if not isinstance(value, Mapping):
             _bad(report, on_bad_row, where, BadRow("row", f"expected a JSON object, got {kind_of(value)}",
                                                    "not a JSON object"))
             continue
-        yield Row(where, value)
+        yield Row(where, dict(value))
 
 
 def _json_document_rows(path: Path, raw: bytes) -> Iterator[tuple[str, Any]] | None:
@@ -178,6 +171,7 @@ def _json_document_rows(path: Path, raw: bytes) -> Iterator[tuple[str, Any]] | N
 def _json_array_items(path: Path, text: str) -> Iterator[tuple[str, Any]]:
     decoder = json.JSONDecoder()
     pos, i = text.index("[") + 1, 0
+    line, counted = 1, 0  # the line of `pos`, counted incrementally: linear in the file, not quadratic
     try:
         while True:
             pos = _skip_space(text, pos)
@@ -185,7 +179,8 @@ def _json_array_items(path: Path, text: str) -> Iterator[tuple[str, Any]]:
                 pos += 1
                 break
             value, end = decoder.raw_decode(text, pos)
-            yield f"{path}:{text.count(chr(10), 0, pos) + 1} (item {i})", value
+            line, counted = line + text.count("\n", counted, pos), pos
+            yield f"{path}:{line} (item {i})", value
             i, pos = i + 1, _skip_space(text, end)
             if text.startswith("]", pos):
                 pos += 1

@@ -111,12 +111,17 @@ class OnlineAlgorithm(Algorithm):
                           for rules in ("gemma", "gpt_oss", "deepseek", "uniform_window"))
         self.batch_invariant = choose_batch_invariance(config.batch_invariant, bf16, device, layer_rules)
         self.engine_args = rollout_engine_args(config, prompts_per_rollout, bf16, self.batch_invariant,
-                                               self.source.longest_prompt)
+                                               self.longest_prompt)
         self.llm = LLM.from_module(policy, tokenizer, eos_token_ids=eos_token_ids,
                                    **self.engine_args.config_kwargs())  # the engine sets the policy's flag
         self.sampling = SamplingParams(n=config.num_generations, temperature=config.temperature, top_p=config.top_p,
                                        top_k=config.top_k, min_p=config.min_p or 0.0,
                                        max_tokens=config.max_completion_length, seed=None)
+
+    @property
+    def longest_prompt(self) -> int:
+        """Tokens of the longest prompt the engine will be given, training's or evaluation's."""
+        return max([self.source.longest_prompt, *(len(r.prompt_ids) for r in self.eval_rows)])
 
     def rollout_line(self) -> str:
         """How the rollouts' log-probs relate to the trainer's, for the start-up summary."""
