@@ -116,7 +116,7 @@ def gpt_oss_tensors(model: torch.nn.Module) -> dict[str, np.ndarray]:
 
 
 def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", pre: str = "llama-bpe",
-                    tokenizer_model: str = "gpt2", add_bos: bool = True,
+                    tokenizer_model: str = "gpt2", add_bos: bool | None = True,
                     types: dict[str, gguf.GGMLQuantizationType] | None = None,
                     vocabulary: Callable[[gguf.GGUFWriter], None] | None = None, pad_token_id: int | None = None,
                     kv_b_split: bool = True) -> Path:
@@ -154,7 +154,8 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, *, arch: str = "llama", 
         w.add_eot_token_id(2)
     if pad_token_id is not None:
         w.add_pad_token_id(pad_token_id)
-    w.add_add_bos_token(add_bos)
+    if add_bos is not None:  # None: the key left out, as older converters did
+        w.add_add_bos_token(add_bos)
     w.add_chat_template(TEMPLATE)
     tensors = deepseek_tensors(model, kv_b_split) if arch == "deepseek2" else llama_cpp_tensors(model, arch)
     for target, data in tensors.items():

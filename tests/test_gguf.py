@@ -7,6 +7,7 @@ import json
 import threading
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -271,3 +272,54 @@ def test_truncated_gguf_is_one_clear_error(tiny_gguf: Path, tmp_path: Path, keep
                                         r"\w+: .*\); a partial download\? fetch the file again$"):
         convert_gguf(cut, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf"]
+
+
+class _Meta:
+    """A GGUF's key/value fields alone, for what reads nothing else."""
+
+    def __init__(self, fields: dict) -> None:
+        self.fields = fields
+
+    def get(self, key: str, default=None):
+        return self.fields.get(key, default)
+
+
+def test_generation_ends_at_the_tokens_llama_cpp_ends_it_at() -> None:
+    """llama.cpp ends generation at the metadata's EOS / EOT / EOM and at every token whose text is on its
+    list (a Qwen file naming only <|im_end|> still stops at <|endoftext|>; a Llama 3 file from before
+    eot_token_id at <|eot_id|>), except gpt-oss's <|end|>, which ends a message, not the answer."""
+    from pagedrl.model.gguf import _generation_config
+
+    qwen = _Meta({"tokenizer.ggml.tokens": ["a", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                  "tokenizer.ggml.eos_token_id": 3})
+    assert _generation_config(qwen)["eos_token_id"] == [3, 1]
+    llama3 = _Meta({"tokenizer.ggml.tokens": ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "x"],
+                    "tokenizer.ggml.eos_token_id": 1})
+    assert _generation_config(llama3)["eos_token_id"] == [1, 2]
+    harmony = _Meta({"tokenizer.ggml.tokens": ["<|return|>", "<|call|>", "<|end|>", "<|start|>"],
+                     "tokenizer.ggml.eos_token_id": 0})
+    assert _generation_config(harmony)["eos_token_id"] == [0, 1]
+    plain = _Meta({"tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.eos_token_id": 1})
+    assert _generation_config(plain)["eos_token_id"] == 1
+
+
+@pytest.mark.parametrize(("pre", "bos"), [("llama-bpe", True), ("qwen2", False), ("smollm", False)])
+def test_without_add_bos_token_bos_follows_llama_cpp_s_default(tiny_hf, tmp_path: Path, pre: str, bos: bool) -> None:
+    path = write_tiny_gguf(tmp_path / "t.gguf", tiny_hf, pre=pre, add_bos=None)
+    ours = Tokenizer.from_folder(convert_gguf(path, tmp_path / "hf"))
+    assert ours.encode("the cat")[:1] == [0] * bos + ours.encode("the cat", add_special_tokens=False)[:1 - bos]
+
+
+def test_a_part_of_a_split_gguf_is_named_with_the_way_to_join_it(tmp_path: Path) -> None:
+    from pagedrl.model.gguf_metadata import GGUFError, open_gguf
+
+    path = tmp_path / "m-00001-of-00002.gguf"
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_uint16("split.no", 0)
+    w.add_uint16("split.count", 2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError, match=r"part 1 of 2 of a split GGUF.*llama-gguf-split --merge"):
+        open_gguf(path)

@@ -92,6 +92,18 @@ def test_adapter_saved_here_gives_peft_logits(tmp_path, family, targets) -> None
     assert float(real(base - ref, mask).abs().max()) > 1e-2  # the adapter really changes the model
 
 
+def test_a_trained_head_on_a_tied_base_is_refused_by_name(tmp_path) -> None:
+    """PEFT's modules_to_save=["lm_head"] on a model whose head is its embedding keeps a copy of the head;
+    pagedrl names the case instead of a bare KeyError."""
+    hf = hf_model(FAMILIES["llama-mha-tied-bias"])
+    ours = pagedrl_from(hf)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"],
+                             task_type="CAUSAL_LM")
+    peft.get_peft_model(hf, config).save_pretrained(tmp_path / "adapter")
+    with pytest.raises(CheckpointError, match=r"trains lm_head \(modules_to_save\), which this model ties"):
+        load_adapter(ours, tmp_path / "adapter")
+
+
 @pytest.mark.parametrize("targets", [["q_proj", "v_proj", "up_proj"], r".*\.(q_proj|v_proj|up_proj)"])
 def test_adapter_saved_by_peft_loads_here(tmp_path, targets) -> None:
     """Targets as names, or as PEFT's one regular expression full-matched against module names."""

@@ -239,3 +239,22 @@ def test_transformers_keys_are_answered_by_name_and_ratio_steps_read_as_transfor
     assert steps_of(0.3, 7) == 3 and steps_of(5, 7) == 5  # ceil, as transformers' Trainer
     with pytest.raises(TrainConfigError, match="save_steps"):
         SFTConfig(save_steps=2.5)
+
+
+def test_trl_model_config_at_its_defaults_is_taken_and_otherwise_named() -> None:
+    """TRL's ModelConfig keys a TRL recipe carries at their defaults are what pagedrl does; other values,
+    and PEFT options pagedrl lacks, are refused by name, never answered with a near miss (`lora_bias` was
+    "did you mean 'lora_r'?"). DPO's and the reward model's `disable_dropout` stay fields of their own."""
+
+    taken = ["use_rslora=false", "use_dora=false", "lora_modules_to_save=null", "lora_task_type=CAUSAL_LM"]
+    assert load_config(SFTConfig, None, taken) == SFTConfig()
+    assert load_config(GRPOConfig, None, ["disable_dropout=false"]) == GRPOConfig()
+    assert load_config(DPOConfig, None, ["disable_dropout=false"]).disable_dropout is False
+    for key, words in (("use_dora=true", "DoRA is not built"), ("use_rslora=true", "rank-stabilised"),
+                       ("disable_dropout=true", "lora_dropout: 0"), ("lora_modules_to_save=[lm_head]", "score head")):
+        with pytest.raises(ValueError, match=rf"{key.split('=')[0]}: only .*{words}"):
+            load_config(GRPOConfig, None, [key])
+    for key in ("lora_bias=true", "init_lora_weights=pissa", "rank_pattern={}", "layers_to_transform=[0]"):
+        with pytest.raises(ValueError, match=r"TRL / transformers option SFTConfig does not have") as e:
+            load_config(SFTConfig, None, [key])
+        assert "did you mean" not in str(e.value)

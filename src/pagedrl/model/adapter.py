@@ -193,6 +193,10 @@ def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
     state = {ours.get(k, k): v for k, v in read_adapter_weights(folder).items()}
     expected = adapter_state_dict(model)
     path = Path(folder) / ADAPTER_WEIGHTS
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and any("lm_head" in k for k in state):
+        raise CheckpointError(f"{path}: the adapter trains lm_head (modules_to_save), which this model ties to "
+                              "embed_tokens; pagedrl loads such an adapter on an untied base only (PEFT keeps a "
+                              "separate copy of the head)")
     for name, tensor in state.items():
         if name not in expected:
             raise CheckpointError(f"{path}: unexpected tensor {name!r} (not part of this adapter: another "

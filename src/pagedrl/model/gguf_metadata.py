@@ -62,10 +62,17 @@ def open_gguf(gguf_path: Path) -> gguf.GGUFReader:
         if f.read(4) != b"GGUF":
             raise GGUFError(f"{gguf_path}: not a GGUF file (no 'GGUF' magic at the start)")
     try:
-        return gguf.GGUFReader(gguf_path)
+        reader = gguf.GGUFReader(gguf_path)
     except (ValueError, OSError, IndexError, KeyError, struct.error) as e:
         # A header or tensor table that ends early makes the reader index or reshape past the
         # end of the file; say what that most likely means instead of where numpy noticed.
         size = gguf_path.stat().st_size
         raise GGUFError(f"{gguf_path}: truncated or corrupt GGUF ({size} bytes; reading it failed with "
                         f"{type(e).__name__}: {e}); a partial download? fetch the file again") from None
+    split = reader.fields.get("split.count")
+    if split is not None and int(split.contents()) > 1:
+        number = reader.fields.get("split.no")
+        part = f"part {int(number.contents()) + 1} of {int(split.contents())}" if number is not None else "a part"
+        raise GGUFError(f"{gguf_path}: {part} of a split GGUF; pagedrl reads one file: join the parts first with "
+                        "llama.cpp's `llama-gguf-split --merge <first part> <out>.gguf`")
+    return reader

@@ -89,7 +89,9 @@ def read_tokenizer(meta: Metadata) -> Tokenizer:
 
     specials = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
                 "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and specials["bos_token"] is not None
+    # Without the key, llama.cpp's default: BOS for SentencePiece vocabularies and Llama 3's BPE, none otherwise.
+    bos_by_default = model == "llama" or meta.get("tokenizer.ggml.pre") in ("llama3", "llama-v3", "llama-bpe")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", bos_by_default)) and specials["bos_token"] is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and specials["eos_token"] is not None
     backend.post_processor = post_processor(specials["bos_token"] if add_bos else None,
                                             specials["eos_token"] if add_eos else None, backend, model == "gpt2")

@@ -364,7 +364,7 @@ def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: Se
     def put(key: Any, value: Any, source: str, raw: str | None = None) -> None:
         if isinstance(key, str):
             key, value = trl_form(key, value)  # TRL's spellings of pagedrl's fields and of their values
-            if fixed_value(key, value, source):  # a TRL option set to what pagedrl always does
+            if key not in names and fixed_value(key, value, source):  # a TRL option set to what pagedrl does
                 return
         if key not in names:
             raise _unknown_key(cls, key, source, names)

@@ -37,10 +37,10 @@ NOT_HERE = {
     "model_init_kwargs": "the model is loaded by `model`, `revision` and the precision keys",
     "gradient_checkpointing_kwargs": "gradient_checkpointing takes true or false",
     "lr_scheduler_kwargs": "lr_scheduler_type is linear, cosine, constant or constant_with_warmup, without options",
-    "disable_dropout": "pagedrl's models have no dropout besides LoRA's (lora_dropout); DPO and reward models "
-    "take disable_dropout, as TRL's do",
-    "use_rslora": "rank-stabilised LoRA is not built", "use_dora": "DoRA is not built",
-    "lora_modules_to_save": "only LoRA's own matrices are trained (a reward model's score head too)",
+    "lora_bias": "LoRA's B matrices have no bias here", "init_lora_weights": "LoRA starts as PEFT's default "
+    "(A Kaiming-uniform, B zero); other initialisations are not built",
+    "rank_pattern": "every adapted projection takes lora_r", "alpha_pattern": "every adapted projection takes lora_alpha",
+    "layers_to_transform": "every layer's lora_target_modules are adapted",
     "padding_free": "pagedrl's `packing` puts each batch's examples back to back in one row: that is TRL's "
     "padding_free", "packing_strategy": "see `packing`",
     "sync_ref_model": "the reference stays the starting model (or ref_model)",
@@ -77,6 +77,13 @@ FIXED = {
     "dataloader_num_workers": ((0,), "batches are built in the training process, without DataLoader workers"),
     # Each algorithm reads its own columns; GRPO and PPO hand the rest to reward functions.
     "remove_unused_columns": ((True, False), ""),
+    # TRL's ModelConfig at its defaults (DPO and reward models have disable_dropout as a field of their own)
+    "disable_dropout": ((False,), "pagedrl's models have no dropout besides LoRA's: set lora_dropout: 0"),
+    "use_rslora": ((False,), "rank-stabilised LoRA is not built"),
+    "use_dora": ((False,), "DoRA is not built"),
+    "lora_modules_to_save": ((None,), "only LoRA's own matrices are trained (a reward model's score head too)"),
+    # the algorithm sets the task: CAUSAL_LM, or SEQ_CLS for a reward model (TRL's reward example passes it)
+    "lora_task_type": (("CAUSAL_LM", "SEQ_CLS"), ""),
 }
 # transformers 5's `*_steps` below 1: a ratio of the run's total steps (`steps_of`).
 RATIO_STEPS = ("logging_steps", "eval_steps", "save_steps")
