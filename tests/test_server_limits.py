@@ -177,7 +177,9 @@ def test_requests_arriving_while_draining_get_503_not_a_closed_connection(tiny_t
     for status, connection, body in answers:
         assert (status, connection, body["error"]["code"]) == (503, "close", "server_shutting_down")
     assert s.proc.returncode == 0
-    assert exited - ended < 3.0, f"exited {exited - ended:.1f} s after the last stream ended"
+    # about 1.3 s on a quiet machine; far below the 30 s drain it would otherwise wait out (6-9 s were seen
+    # with every core busy with other tests)
+    assert exited - ended < 15.0, f"exited {exited - ended:.1f} s after the last stream ended"
     assert ended - signalled < 25
 
 
