@@ -103,6 +103,22 @@ def tiny_train_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model_dir(tmp_path_factory.mktemp("tiny-train-model") / "model")
 
 
+@pytest.fixture(scope="module")
+def tok(tiny_train_model: Path):
+    """`tiny_train_model`'s tokenizer, as pagedrl reads it."""
+    from pagedrl.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_folder(tiny_train_model)
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tiny_train_model: Path):
+    """`tiny_train_model`'s tokenizer, as transformers reads it (the reference)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_train_model))
+
+
 @pytest.fixture(scope="session")
 def wide_train_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`tiny_train_model` four times wider (hidden 256, MLP 768, head_dim 64) and less flat

@@ -19,18 +19,6 @@ CHAT_PROMPT = [{"role": "system", "content": "be brief"}, {"role": "user", "cont
 CHAT_COMPLETION = [{"role": "assistant", "content": "five"}]
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_train_model: Path) -> Tokenizer:
-    return Tokenizer.from_folder(tiny_train_model)
-
-
-@pytest.fixture(scope="module")
-def hf_tok(tiny_train_model: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_train_model))
-
-
 def write_jsonl(path: Path, lines: list[str]) -> Path:
     path.write_text("\n".join(lines) + "\n")
     return path

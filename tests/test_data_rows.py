@@ -35,18 +35,6 @@ CHAT_PAIRS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_train_model: Path) -> Tokenizer:
-    return Tokenizer.from_folder(tiny_train_model)
-
-
-@pytest.fixture(scope="module")
-def hf_tok(tiny_train_model: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_train_model))
-
-
 @pytest.mark.parametrize("row", TEXT_PAIRS + CHAT_PAIRS)
 def test_implicit_prompt_is_split_as_trl_extract_prompt_splits_it(row) -> None:
     from trl.data_utils import extract_prompt as trl_extract_prompt
