@@ -183,3 +183,26 @@ def test_grpo_loss_composed_from_pieces_equals_trl_grpo_trainer(loss_type, beta,
     assert metrics["clip_ratio/high_mean"][0] == pytest.approx(out.is_high_clipped.sum().item() / n, rel=U)
     assert metrics["clip_ratio/region_mean"][0] == pytest.approx(out.is_region_clipped.sum().item() / n, rel=U)
     assert 0 < out.is_region_clipped.sum() < n  # the batch exercises both clipped and unclipped tokens
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_cispo_loss_equals_trl_grpo_trainer(beta) -> None:
+    """CISPO: the importance weight min(r, ε_high), detached, times the advantage and the log-prob, divided
+    as dapo; with TRL's recommended ε_high of 5 and one of 1.2, where the batch's ratios cross it."""
+    mask, logp, old, ref, sampling, adv = _grpo_batch(seed=4)
+    tis = torch.exp(old - sampling)
+    for eps_high in (5.0, 1.2):
+        trl_loss, trl_grad, metrics = _trl_grpo("cispo", beta, 0.2, eps_high, None, 10, mask, logp, old, ref, tis,
+                                                adv)
+        ours = logp.clone().requires_grad_(True)
+        out = clipped_surrogate(ours, old, adv, mask, epsilon_low=0.2, epsilon_high=eps_high, cispo=True)
+        per_token = out.loss * tis
+        if beta:
+            per_token = per_token + beta * kl_estimate(ours, ref, "k3") * out.ratio
+        loss = aggregate(per_token, mask, "cispo")
+        (grad,) = torch.autograd.grad(loss, ours)
+        torch.testing.assert_close(loss.detach(), trl_loss, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad * mask, trl_grad * mask, rtol=1e-12, atol=1e-12)
+        assert metrics["cispo_clip_ratio"][-1] == pytest.approx(out.is_high_clipped.sum().item() / mask.sum().item(),
+                                                                rel=U)
+    assert 0 < out.is_high_clipped.sum() < mask.sum()  # at 1.2 some weights are capped, some not

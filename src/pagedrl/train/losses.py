@@ -37,6 +37,7 @@ LOSS_TYPE_AGGREGATION: dict[str, str] = {
     "grpo": "seq_mean_token_mean",
     "bnpo": "token_mean",
     "dapo": "token_mean",
+    "cispo": "token_mean",  # TRL's cispo divides as dapo does
     "dr_grpo": "seq_mean_token_sum_norm",
 }
 
@@ -285,10 +286,14 @@ def clipped_surrogate(
     epsilon_low: float = 0.2,
     epsilon_high: float | None = None,
     delta: float | None = None,
+    cispo: bool = False,
 ) -> SurrogateOutput:
     """PPO's clipped surrogate per token, as TRL's GRPO computes it for grpo/bnpo/dr_grpo/dapo:
 
         r = exp(logp - old_logp);  loss = -min(min(r, delta) · A, clamp(r, 1-ε_low, 1+ε_high) · A)
+
+    or with `cispo` (MiniMax-M1's, TRL's `cispo`) the importance weight clipped instead, so every token
+    keeps its gradient: loss = -sg(min(r, ε_high)) · A · logp, the clipped tokens those capped with A > 0.
 
     `epsilon_high` defaults to `epsilon_low` (DAPO's clip-higher sets it apart); `delta` is
     INTELLECT-2's two-sided cap on the unclipped ratio. The clip indicators are TRL's
@@ -308,6 +313,10 @@ def clipped_surrogate(
     if epsilon_low < 0 or eps_high < 0:
         raise ValueError(f"epsilon_low/epsilon_high: must be >= 0, got {epsilon_low}, {eps_high}")
     ratio = torch.exp(logp - old_logp)
+    if cispo:
+        capped = ((ratio > eps_high) & (advantages > 0) & keep).detach()
+        loss = -torch.clamp(ratio, max=eps_high).detach() * advantages * logp
+        return SurrogateOutput(loss.masked_fill(~keep, 0.0), ratio, torch.zeros_like(capped), capped, capped)
     clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + eps_high)
     unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
     loss = -torch.min(unclipped * advantages, clipped * advantages)

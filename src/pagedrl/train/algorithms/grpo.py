@@ -42,7 +42,7 @@ from pagedrl.train.rl.rewards import RewardFunc
 from pagedrl.train.rl.rollout import Rollout, collect_rollout
 from pagedrl.train.router_loss import load_balancing_loss, router_loss_coef
 
-TOKEN_MEAN_LOSSES = ("dapo", "bnpo")
+TOKEN_MEAN_LOSSES = ("dapo", "bnpo", "cispo")
 
 
 class GRPO(OnlineAlgorithm):
@@ -129,7 +129,8 @@ class GRPO(OnlineAlgorithm):
             out_lp = self.token_logps(model, b, entropy=True)
         logp = b.to_padded(out_lp.logps)
         old = b.old_logps if b.old_logps is not None else logp.detach()
-        out = clipped_surrogate(logp, old, b.advantages, b.mask, c.epsilon, c.epsilon_high, c.delta)
+        out = clipped_surrogate(logp, old, b.advantages, b.mask, c.epsilon, c.epsilon_high, c.delta,
+                                cispo=c.loss_type == "cispo")
         per_token = out.loss
         mask = b.mask
         n_tok = mask.sum()
@@ -151,9 +152,12 @@ class GRPO(OnlineAlgorithm):
         assert out_lp.entropy is not None
         ent = b.to_padded(out_lp.entropy).masked_fill(~mask, 0)
         metrics["entropy"] = Metric.mean(ent.sum(), n_tok)
-        metrics["clip_ratio/low_mean"] = Metric.mean(out.is_low_clipped.sum().float(), n_tok)
-        metrics["clip_ratio/high_mean"] = Metric.mean(out.is_high_clipped.sum().float(), n_tok)
-        metrics["clip_ratio/region_mean"] = Metric.mean(out.is_region_clipped.sum().float(), n_tok)
+        if c.loss_type == "cispo":  # TRL's name for the share of capped weights
+            metrics["cispo_clip_ratio"] = Metric.mean(out.is_high_clipped.sum().float(), n_tok)
+        else:
+            metrics["clip_ratio/low_mean"] = Metric.mean(out.is_low_clipped.sum().float(), n_tok)
+            metrics["clip_ratio/high_mean"] = Metric.mean(out.is_high_clipped.sum().float(), n_tok)
+            metrics["clip_ratio/region_mean"] = Metric.mean(out.is_region_clipped.sum().float(), n_tok)
         metrics["num_tokens"] = Metric.cumulative(float(b.input_ids.numel()))
         if balance and router_logits:
             cfg = self.model.config
