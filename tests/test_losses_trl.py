@@ -129,6 +129,9 @@ def _grpo_batch(rows: int = 6, seq_len: int = 7, seed: int = 0):
     return mask, logp, old, ref, sampling, advantages
 
 
+SAPO = (1.0, 1.05)  # TRL's default temperatures, where the advantage is positive and elsewhere
+
+
 def _trl_grpo(loss_type, beta, eps_low, eps_high, delta, max_completion_length, mask, logp, old, ref, is_ratio, adv):
     rows, seq_len = mask.shape
     logp = logp.clone().requires_grad_(True)
@@ -139,7 +142,8 @@ def _trl_grpo(loss_type, beta, eps_low, eps_high, delta, max_completion_length, 
         use_vllm=True, vllm_importance_sampling_correction=True, model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, accelerator=_Accelerator(), _entropy_bonus_enabled=False,
         aux_loss_enabled=False, _metrics=_metrics(), max_completion_length=max_completion_length,
-        args=SimpleNamespace(use_bias_correction_kl=True, delta=delta, steps_per_generation=1),
+        args=SimpleNamespace(use_bias_correction_kl=True, delta=delta, steps_per_generation=1,
+                             sapo_temperature_pos=SAPO[0], sapo_temperature_neg=SAPO[1]),
     )
     inputs = {
         "prompt_ids": torch.zeros(rows, 2, dtype=torch.long),
@@ -206,3 +210,21 @@ def test_cispo_loss_equals_trl_grpo_trainer(beta) -> None:
         assert metrics["cispo_clip_ratio"][-1] == pytest.approx(out.is_high_clipped.sum().item() / mask.sum().item(),
                                                                 rel=U)
     assert 0 < out.is_high_clipped.sum() < mask.sum()  # at 1.2 some weights are capped, some not
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_sapo_loss_equals_trl_grpo_trainer(beta) -> None:
+    """SAPO: the soft gate σ(τ(r - 1)) · 4/τ in place of the clip, τ by the advantage's sign, averaged per
+    sequence then over sequences as grpo."""
+    mask, logp, old, ref, sampling, adv = _grpo_batch(seed=5)
+    tis = torch.exp(old - sampling)
+    trl_loss, trl_grad, _ = _trl_grpo("sapo", beta, 0.2, 0.2, None, 10, mask, logp, old, ref, tis, adv)
+    ours = logp.clone().requires_grad_(True)
+    out = clipped_surrogate(ours, old, adv, mask, sapo=SAPO)
+    per_token = out.loss * tis
+    if beta:
+        per_token = per_token + beta * kl_estimate(ours, ref, "k3") * out.ratio
+    loss = aggregate(per_token, mask, "sapo")
+    (grad,) = torch.autograd.grad(loss, ours)
+    torch.testing.assert_close(loss.detach(), trl_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad * mask, trl_grad * mask, rtol=1e-12, atol=1e-12)

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 from pagedrl.engine.logits_processing import processed_log_softmax
 from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.train.losses import entropy_from_logits, entropy_from_logprobs
 
 CHUNK_ROWS = 1024  # 1024 rows × a 49k vocabulary ≈ 200 MB of float32 logits per chunk
 
@@ -92,3 +93,24 @@ def logprobs_from_hidden(head: Callable[[torch.Tensor], torch.Tensor], hidden: t
     cat = {k: torch.cat(v) if v else None for k, v in parts.items()}
     assert cat["logps"] is not None
     return TargetLogprobs(cat["logps"], cat["entropy"], cat["correct"], cat["mean_logit"])
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Shannon entropy (nats) of softmax(logits) over the last axis. Logits set to -inf (filtered
+    out by top-k/top-p) contribute 0 instead of NaN, in value and in gradient."""
+    logp = F.log_softmax(logits, dim=-1)
+    finite = torch.isfinite(logp)
+    safe_logp = torch.where(finite, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
+    return -(safe_logp.exp() * safe_logp).masked_fill(~finite, 0.0).sum(dim=-1)
+
+
+def entropy_from_logprobs(logp: Tensor) -> Tensor:
+    """Shannon entropy (nats) of each row of finite log-probs [N, V], without gradient: on a CPU
+    with pagedrl's kernels one read of the rows (`csrc/rowwise.cpp`), where torch's exp and product
+    write two [N, V] copies (400 MB for a 1024-row chunk of a 49k vocabulary)."""
+    if logp.device.type == "cpu" and logp.dtype == torch.float32 and logp.dim() == 2 and not logp.requires_grad:
+        from pagedrl.kernels import ops
+
+        if ops.available():
+            return ops.entropy_from_logprobs(logp.contiguous())
+    return -torch.linalg.vecdot(logp.exp(), logp)

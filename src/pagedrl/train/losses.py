@@ -38,6 +38,7 @@ LOSS_TYPE_AGGREGATION: dict[str, str] = {
     "bnpo": "token_mean",
     "dapo": "token_mean",
     "cispo": "token_mean",  # TRL's cispo divides as dapo does
+    "sapo": "seq_mean_token_mean",  # as grpo
     "dr_grpo": "seq_mean_token_sum_norm",
 }
 
@@ -125,27 +126,6 @@ def sft_loss(token_logps: Tensor, mask: Tensor, num_items_in_batch: float | int 
     gradient does not depend on the split. Default: this batch's token count.
     """
     return aggregate(-token_logps, mask, "token_mean", normaliser=num_items_in_batch)
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Shannon entropy (nats) of softmax(logits) over the last axis. Logits set to -inf (filtered
-    out by top-k/top-p) contribute 0 instead of NaN, in value and in gradient."""
-    logp = F.log_softmax(logits, dim=-1)
-    finite = torch.isfinite(logp)
-    safe_logp = torch.where(finite, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
-    return -(safe_logp.exp() * safe_logp).masked_fill(~finite, 0.0).sum(dim=-1)
-
-
-def entropy_from_logprobs(logp: Tensor) -> Tensor:
-    """Shannon entropy (nats) of each row of finite log-probs [N, V], without gradient: on a CPU
-    with pagedrl's kernels one read of the rows (`csrc/rowwise.cpp`), where torch's exp and product
-    write two [N, V] copies (400 MB for a 1024-row chunk of a 49k vocabulary)."""
-    if logp.device.type == "cpu" and logp.dtype == torch.float32 and logp.dim() == 2 and not logp.requires_grad:
-        from pagedrl.kernels import ops
-
-        if ops.available():
-            return ops.entropy_from_logprobs(logp.contiguous())
-    return -torch.linalg.vecdot(logp.exp(), logp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,6 +267,7 @@ def clipped_surrogate(
     epsilon_high: float | None = None,
     delta: float | None = None,
     cispo: bool = False,
+    sapo: tuple[float, float] | None = None,
 ) -> SurrogateOutput:
     """PPO's clipped surrogate per token, as TRL's GRPO computes it for grpo/bnpo/dr_grpo/dapo:
 
@@ -294,6 +275,8 @@ def clipped_surrogate(
 
     or with `cispo` (MiniMax-M1's, TRL's `cispo`) the importance weight clipped instead, so every token
     keeps its gradient: loss = -sg(min(r, ε_high)) · A · logp, the clipped tokens those capped with A > 0.
+    With `sapo` = (τ+, τ-) (SAPO, TRL's `sapo`) a soft gate replaces the clip: loss = -σ(τ(r - 1)) · 4/τ · A,
+    τ = τ+ where A > 0 and τ- elsewhere; nothing counts as clipped.
 
     `epsilon_high` defaults to `epsilon_low` (DAPO's clip-higher sets it apart); `delta` is
     INTELLECT-2's two-sided cap on the unclipped ratio. The clip indicators are TRL's
@@ -313,6 +296,10 @@ def clipped_surrogate(
     if epsilon_low < 0 or eps_high < 0:
         raise ValueError(f"epsilon_low/epsilon_high: must be >= 0, got {epsilon_low}, {eps_high}")
     ratio = torch.exp(logp - old_logp)
+    if sapo is not None:
+        tau = torch.where(advantages > 0, sapo[0], sapo[1])
+        loss, none = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages, torch.zeros_like(keep)
+        return SurrogateOutput(loss.masked_fill(~keep, 0.0), ratio, none, none, none)
     if cispo:
         capped = ((ratio > eps_high) & (advantages > 0) & keep).detach()
         loss = -torch.clamp(ratio, max=eps_high).detach() * advantages * logp

@@ -130,7 +130,8 @@ class GRPO(OnlineAlgorithm):
         logp = b.to_padded(out_lp.logps)
         old = b.old_logps if b.old_logps is not None else logp.detach()
         out = clipped_surrogate(logp, old, b.advantages, b.mask, c.epsilon, c.epsilon_high, c.delta,
-                                cispo=c.loss_type == "cispo")
+                                cispo=c.loss_type == "cispo",
+                                sapo=(c.sapo_temperature_pos, c.sapo_temperature_neg) if c.loss_type == "sapo" else None)
         per_token = out.loss
         mask = b.mask
         n_tok = mask.sum()
@@ -154,7 +155,7 @@ class GRPO(OnlineAlgorithm):
         metrics["entropy"] = Metric.mean(ent.sum(), n_tok)
         if c.loss_type == "cispo":  # TRL's name for the share of capped weights
             metrics["cispo_clip_ratio"] = Metric.mean(out.is_high_clipped.sum().float(), n_tok)
-        else:
+        elif c.loss_type != "sapo":  # (SAPO's gate clips nothing; TRL logs no ratio for it)
             metrics["clip_ratio/low_mean"] = Metric.mean(out.is_low_clipped.sum().float(), n_tok)
             metrics["clip_ratio/high_mean"] = Metric.mean(out.is_high_clipped.sum().float(), n_tok)
             metrics["clip_ratio/region_mean"] = Metric.mean(out.is_region_clipped.sum().float(), n_tok)

@@ -87,8 +87,11 @@ class GRPOConfig(OnlineConfig):
     delta: float | None = None  # INTELLECT-2 two-sided clipping cap on the ratio
     beta: float = 0.0  # KL coefficient; 0 skips the reference model
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    # cispo clips the importance weight at epsilon_high (TRL: 5.0 recommended; None: epsilon, as TRL)
-    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo", "cispo"] = "dapo"
+    # cispo clips the importance weight at epsilon_high (TRL: 5.0 recommended; None: epsilon, as TRL);
+    # sapo gates the ratio softly, at sapo_temperature_pos where the advantage is positive, _neg elsewhere
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo"] = "dapo"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
     scale_rewards: Literal["group", "batch", "none"] = "group"
     num_iterations: int = 1
     mask_truncated_completions: bool = False
@@ -106,8 +109,10 @@ class GRPOConfig(OnlineConfig):
         _require(self.epsilon >= 0, "epsilon", f"must be >= 0, got {self.epsilon}")
         _require(self.epsilon_high is None or self.epsilon_high >= 0, "epsilon_high", f"must be >= 0, got {self.epsilon_high}")
         _require(self.delta is None or self.delta > 1.0, "delta", f"must be > 1 (it caps the ratio), got {self.delta}")
-        _require(self.delta is None or self.loss_type != "cispo", "delta", "is PPO-clip's cap; cispo clips the "
-                 "importance weight at epsilon_high instead")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        _require(self.delta is None or self.loss_type not in ("cispo", "sapo"), "delta", "is PPO-clip's cap; cispo "
+                 "clips the importance weight at epsilon_high and sapo gates it softly instead")
         _require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")
         _require(self.num_iterations >= 1, "num_iterations", f"must be >= 1, got {self.num_iterations}")
         _require(self.tis_cap is None or self.tis_cap >= 1.0, "tis_cap", f"must be null or >= 1, got {self.tis_cap}")
