@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -379,38 +378,3 @@ def test_reward_std_is_trls_nanstd_of_the_batch() -> None:
     assert _batch_stds([torch.tensor([2.0, float("nan")])], one) == [0.0]  # one value: no spread
     # (two processes logging what one does: tests/test_parallel.py)
 
-
-def test_cispo_trains_on_policy_as_dapo_does_and_logs_trl_s_metric(tiny_train_model, prompts_file) -> None:
-    """On-policy (ratio 1, nothing capped under ε_high 5) CISPO's gradient is dapo's: -A · ∇logp over the
-    tokens; it logs TRL's `cispo_clip_ratio`, and PPO-clip's `delta` is refused with it."""
-    algo = grpo(tiny_train_model, prompts_file, loss_type="cispo", epsilon_high=5.0)
-    b = algo.step_batches(1)[0]
-    total = torch.tensor(float(algo.count(b)))
-    grads = []
-    for loss_type in ("cispo", "dapo"):
-        algo.config = dataclasses.replace(algo.config, loss_type=loss_type)
-        algo.model.zero_grad()
-        loss, metrics = algo.loss(algo.model, b, total)
-        loss.backward()
-        grads.append(torch.cat([p.grad.flatten() for p in algo.model.parameters() if p.grad is not None]))
-        assert ("cispo_clip_ratio" in metrics) == (loss_type == "cispo") != ("clip_ratio/high_mean" in metrics)
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
-    assert grads[0].abs().max() > 0
-    with pytest.raises(ValueError, match="delta"):
-        GRPOConfig(loss_type="cispo", delta=2.0)
-
-
-def test_sapo_trains_on_policy_as_grpo_does(tiny_train_model, prompts_file) -> None:
-    """On-policy SAPO's gate σ(τ(r - 1)) · 4/τ has slope 1 at r = 1 whatever τ: its gradient is grpo's
-    (each sequence's token mean, then the mean over sequences)."""
-    algo = grpo(tiny_train_model, prompts_file, loss_type="sapo", sapo_temperature_neg=2.0)
-    b = algo.step_batches(1)[0]
-    total = torch.tensor(float(algo.count(b)))
-    grads = []
-    for loss_type in ("sapo", "grpo"):
-        algo.config = dataclasses.replace(algo.config, loss_type=loss_type)
-        algo.model.zero_grad()
-        algo.loss(algo.model, b, total)[0].backward()
-        grads.append(torch.cat([p.grad.flatten() for p in algo.model.parameters() if p.grad is not None]))
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
-    assert grads[0].abs().max() > 0
