@@ -87,7 +87,8 @@ def _trl_dpo(loss_type: str, beta: float, label_smoothing: float, completion_mas
 
 @pytest.mark.parametrize(
     ("loss_type", "label_smoothing"),
-    [("sigmoid", 0.0), ("ipo", 0.0), ("hinge", 0.0), ("robust", 0.0), ("robust", 0.2)],
+    [("sigmoid", 0.0), ("ipo", 0.0), ("hinge", 0.0), ("robust", 0.0), ("robust", 0.2), ("nca_pair", 0.0),
+     ("bco_pair", 0.0), ("sppo_hard", 0.0), ("apo_zero", 0.0), ("apo_down", 0.0)],
 )
 @pytest.mark.parametrize("beta", [0.1, 0.7])
 def test_dpo_loss_equals_trl_dpo_trainer(loss_type: str, label_smoothing: float, beta: float) -> None:

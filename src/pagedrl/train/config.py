@@ -274,7 +274,8 @@ class RewardConfig(TrainConfig):
 class DPOConfig(TrainConfig):
     learning_rate: float = 1e-6
     beta: float = 0.1
-    loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"  # TRL allows a list; one here
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
+                       "apo_down"] = "sigmoid"  # TRL allows a list; one here
     label_smoothing: float = 0.0  # sigmoid: conservative DPO; robust: label flip probability
     ref_model: str | None = None  # None: a frozen copy of the starting policy
     precompute_ref_log_probs: bool = False

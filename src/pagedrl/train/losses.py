@@ -166,7 +166,8 @@ def reward_model_loss(
 # DPO
 # ---------------------------------------------------------------------------------------------
 
-DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge", "robust")
+DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge", "robust", "nca_pair", "bco_pair", "sppo_hard",
+                                   "apo_zero", "apo_down")
 
 
 class DPOOutput(NamedTuple):
@@ -183,7 +184,7 @@ def check_dpo_label_smoothing(loss_type: str, label_smoothing: float) -> None:
         raise ValueError(f"label_smoothing: the robust loss needs 0 <= label_smoothing < 0.5, got {label_smoothing}")
     if loss_type == "sigmoid" and not 0.0 <= label_smoothing <= 0.5:
         raise ValueError(f"label_smoothing: conservative DPO needs 0 <= label_smoothing <= 0.5, got {label_smoothing}")
-    if loss_type in ("ipo", "hinge") and label_smoothing != 0.0:
+    if loss_type not in ("sigmoid", "robust") and label_smoothing != 0.0:
         raise ValueError(f"label_smoothing: the {loss_type} loss does not use it; got {label_smoothing}, expected 0")
 
 
@@ -211,6 +212,10 @@ def dpo_loss(
     - `hinge` (SLiC, Zhao et al. 2023): relu(1 - βΔ).
     - `robust` (Chowdhury et al. 2024), ε = flip probability in [0, 0.5):
       ((1-ε)·(-logsigmoid(βΔ)) - ε·(-logsigmoid(-βΔ))) / (1 - 2ε).
+    - with r_c, r_r = β times each answer's log-ratio: `nca_pair` (Chen et al. 2024) -logσ(r_c) -
+      ½logσ(-r_c) - ½logσ(-r_r); `bco_pair` -logσ(r_c) - logσ(-r_r); `sppo_hard` (Wu et al. 2024)
+      (r_c/β - 1/(2β))² + (r_r/β + 1/(2β))²; `apo_zero` (D'Oosterlinck et al. 2024) 1 - σ(r_c) + σ(r_r);
+      `apo_down` σ(r_c) + 1 - σ(βΔ).
 
     Rewards are β times each answer's log-ratio (TRL's `rewards/chosen`, `rewards/rejected`).
     """
@@ -238,6 +243,14 @@ def dpo_loss(
         chosen_avg = chosen_logratios / chosen_lengths.to(delta.dtype).clamp(min=1.0)
         rejected_avg = rejected_logratios / rejected_lengths.to(delta.dtype).clamp(min=1.0)
         losses = (chosen_avg - rejected_avg - 1.0 / (2.0 * beta)) ** 2
+    elif loss_type in ("nca_pair", "bco_pair", "apo_zero", "apo_down"):
+        r_c, r_r = beta * chosen_logratios, beta * rejected_logratios
+        losses = {"nca_pair": lambda: -F.logsigmoid(r_c) - 0.5 * F.logsigmoid(-r_c) - 0.5 * F.logsigmoid(-r_r),
+                  "bco_pair": lambda: -F.logsigmoid(r_c) - F.logsigmoid(-r_r),
+                  "apo_zero": lambda: 1.0 - torch.sigmoid(r_c) + torch.sigmoid(r_r),
+                  "apo_down": lambda: torch.sigmoid(r_c) + 1.0 - torch.sigmoid(beta * delta)}[loss_type]()
+    elif loss_type == "sppo_hard":
+        losses = (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
     else:  # robust
         clean = -(1.0 - eps) * F.logsigmoid(beta * delta)
         flipped = -eps * F.logsigmoid(-beta * delta)
