@@ -104,9 +104,11 @@ def test_a_trained_head_on_a_tied_base_is_refused_by_name(tmp_path) -> None:
         load_adapter(ours, tmp_path / "adapter")
 
 
-@pytest.mark.parametrize("targets", [["q_proj", "v_proj", "up_proj"], r".*\.(q_proj|v_proj|up_proj)"])
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj", "up_proj"], r".*\.(q_proj|v_proj|up_proj)",
+                                     ["self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj"]])
 def test_adapter_saved_by_peft_loads_here(tmp_path, targets) -> None:
-    """Targets as names, or as PEFT's one regular expression full-matched against module names."""
+    """Targets as names, as the ends of module names (PEFT matches an entry so), or as PEFT's one regular
+    expression full-matched against module names."""
     hf = hf_model(FAMILIES["llama-gqa-untied"])
     ours = pagedrl_from(hf)
     config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.1, task_type="CAUSAL_LM")

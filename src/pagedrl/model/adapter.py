@@ -128,6 +128,8 @@ def read_adapter_config(folder: str | Path) -> LoRAConfig:
     targets = raw.get("target_modules")
     if isinstance(targets, str):
         targets = [targets] if targets == ALL_LINEAR or targets in LAYER_PROJECTIONS else regex_targets(targets, path)
+    elif isinstance(targets, list):
+        targets = [projection_of(t) if isinstance(t, str) else t for t in targets]
     parameters = raw.get("target_parameters")
     if isinstance(parameters, str):
         parameters = [parameters]
@@ -145,6 +147,13 @@ def read_adapter_config(folder: str | Path) -> LoRAConfig:
                           base_model_name_or_path=raw.get("base_model_name_or_path"), revision=raw.get("revision"))
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: {e}") from None
+
+
+def projection_of(name: str) -> str:
+    """A `target_modules` entry as the projection it names: PEFT matches an entry against the end of
+    module names, so `self_attn.q_proj` or `mlp.up_proj` is that projection in every layer."""
+    parent, _, last = name.rpartition(".")
+    return last if last in LAYER_PROJECTIONS and parent == ("mlp" if last in MLP_PROJECTIONS else "self_attn") else name
 
 
 def regex_targets(pattern: str, path: Path) -> list[str]:
