@@ -377,4 +377,3 @@ def test_reward_std_is_trls_nanstd_of_the_batch() -> None:
     assert by_hand == pytest.approx(float(nanstd(rewards.flatten())), rel=1e-6)  # TRL's (float32 inside)
     assert _batch_stds([torch.tensor([2.0, float("nan")])], one) == [0.0]  # one value: no spread
     # (two processes logging what one does: tests/test_parallel.py)
-

@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_grpo import grpo, write_prompts
 
+from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, tis_weight
 from pagedrl.train.rl.config import GRPOConfig
 
 
@@ -52,3 +53,31 @@ def test_sapo_trains_on_policy_as_grpo_does(tiny_train_model, prompts_file) -> N
         grads.append(torch.cat([p.grad.flatten() for p in algo.model.parameters() if p.grad is not None]))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
     assert grads[0].abs().max() > 0
+
+
+@pytest.mark.parametrize("corrected", [True, False])
+def test_the_kl_term_is_trl_s_bias_corrected_one_by_default(tiny_train_model, prompts_file, corrected) -> None:
+    """With beta > 0 the trainer's loss is the one composed from the pieces tests/test_losses_trl.py holds to
+    TRL's GRPOTrainer: the KL weighted by the live ratio (TRL's use_bias_correction_kl, its default), whose
+    gradient differs from the plain KL's even on-policy; `use_bias_correction_kl: false` is the plain one."""
+    algo = grpo(tiny_train_model, prompts_file, beta=0.04, use_bias_correction_kl=corrected)
+    c = algo.config
+    b = algo.step_batches(1)[0]
+    total = torch.tensor(float(algo.count(b)))
+    with torch.no_grad():  # the policy moved off its reference (the KL is 0 at the start, and so its weight)
+        for p in algo.model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
+    grads = []
+    for composed in (False, True):
+        algo.model.zero_grad()
+        if composed:
+            logp = b.to_padded(algo.token_logps(algo.model, b).logps)
+            out = clipped_surrogate(logp, logp.detach(), b.advantages, b.mask, c.epsilon, c.epsilon_high, c.delta)
+            kl = kl_estimate(logp, b.ref_logps, "k3") * (out.ratio if corrected else 1.0)
+            per_token = out.loss * tis_weight(logp.detach(), b.sampling_logps, c.tis_cap) + c.beta * kl
+            loss = aggregate(per_token, b.mask, "dapo", normaliser=total)
+        else:
+            loss = algo.loss(algo.model, b, total)[0]
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in algo.model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-8)

@@ -248,6 +248,13 @@ def test_trl_model_config_at_its_defaults_is_taken_and_otherwise_named() -> None
 
     taken = ["use_rslora=false", "use_dora=false", "lora_modules_to_save=null", "lora_task_type=CAUSAL_LM"]
     assert load_config(SFTConfig, None, taken) == SFTConfig()
+    import trl
+
+    for f in dataclasses.fields(trl.ModelConfig):  # every field TRL's ModelConfig has, at its default
+        if f.name in ("model_name_or_path", "dtype"):  # (None: pagedrl's default model; dtype: see `bf16`)
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        load_config(SFTConfig, None, [f"{f.name}={yaml.safe_dump(default, default_flow_style=True).split(chr(10))[0]}"])
     assert load_config(GRPOConfig, None, ["disable_dropout=false"]) == GRPOConfig()
     assert load_config(DPOConfig, None, ["disable_dropout=false"]).disable_dropout is False
     for key, words in (("use_dora=true", "DoRA is not built"), ("use_rslora=true", "rank-stabilised"),

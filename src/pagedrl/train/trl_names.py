@@ -84,6 +84,8 @@ FIXED = {
     "lora_modules_to_save": ((None,), "only LoRA's own matrices are trained (a reward model's score head too)"),
     # the algorithm sets the task: CAUSAL_LM, or SEQ_CLS for a reward model (TRL's reward example passes it)
     "lora_task_type": (("CAUSAL_LM", "SEQ_CLS"), ""),
+    "attn_implementation": ((None,), "attention is pagedrl's own paged and packed kernels"),
+    "bnb_4bit_quant_storage": ((None,), "4-bit weights are stored as pagedrl packs them (load_in_4bit)"),
 }
 # transformers 5's `*_steps` below 1: a ratio of the run's total steps (`steps_of`).
 RATIO_STEPS = ("logging_steps", "eval_steps", "save_steps")

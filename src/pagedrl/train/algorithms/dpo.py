@@ -4,8 +4,8 @@ the policy than a frozen reference likes the chosen answer over the rejected one
 Per micro-batch: one forward of the policy over rows `[prompt, chosen, rejected]`
 (`pagedrl.train.algorithms.pair_batch`), the LM head only on the positions that predict an answer token, the
 log-probs summed per answer; the same for the reference without gradients, or its log-probs read
-from a table computed before training; then `losses.dpo_loss` (sigmoid with label smoothing =
-conservative DPO, ipo, hinge, robust) summed over pairs and divided by the pairs of the whole
+from a table computed before training; then `losses.dpo_loss` (any of TRL's loss types it builds;
+sigmoid with label smoothing = conservative DPO) summed over pairs and divided by the pairs of the whole
 step (all micro-batches, all ranks), so accumulation and DDP give the gradient of one big batch.
 
 The reference is the starting policy (a frozen deep copy), `ref_model`, or with LoRA (`use_peft`)

@@ -146,7 +146,9 @@ class GRPO(OnlineAlgorithm):
             metrics["sampling/importance_sampling_ratio/min"] = Metric.min(w.masked_fill(~mask, float("inf")).min())
         if b.ref_logps is not None:
             kl = kl_estimate(logp, b.ref_logps, c.kl_estimator)
-            per_token = per_token + c.beta * kl
+            # TRL's use_bias_correction_kl (its default): the KL weighted by the live ratio, whose gradient
+            # adds kl · ∇logp even on-policy, where the ratio's value is 1
+            per_token = per_token + c.beta * (kl * out.ratio if c.use_bias_correction_kl else kl)
             metrics["kl"] = Metric.mean(kl.detach().masked_fill(~mask, 0).sum(), n_tok)
         loss = aggregate(per_token, mask, c.loss_type, normaliser=global_count,
                          max_completion_length=c.max_completion_length)

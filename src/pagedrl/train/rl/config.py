@@ -87,6 +87,7 @@ class GRPOConfig(OnlineConfig):
     delta: float | None = None  # INTELLECT-2 two-sided clipping cap on the ratio
     beta: float = 0.0  # KL coefficient; 0 skips the reference model
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    use_bias_correction_kl: bool = True  # TRL's: the KL term times the importance ratio
     # cispo clips the importance weight at epsilon_high (TRL: 5.0 recommended; None: epsilon, as TRL);
     # sapo gates the ratio softly, at sapo_temperature_pos where the advantage is positive, _neg elsewhere
     loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo"] = "dapo"
