@@ -19,22 +19,34 @@ def prompts_file(tmp_path):
     return write_prompts(tmp_path)
 
 
+def flat_gradient(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def on_policy_gradients(algo, loss_types: tuple[str, ...]) -> tuple[list[torch.Tensor], list[dict]]:
+    """The gradient and metrics of one rollout's first batch under each loss type, in turn."""
+    b = algo.step_batches(1)[0]
+    total = torch.tensor(float(algo.count(b)))
+    grads, metrics = [], []
+    for loss_type in loss_types:
+        algo.config = dataclasses.replace(algo.config, loss_type=loss_type)
+        algo.model.zero_grad()
+        loss, logged = algo.loss(algo.model, b, total)
+        loss.backward()
+        grads.append(flat_gradient(algo.model))
+        metrics.append(logged)
+    return grads, metrics
+
+
 def test_cispo_trains_on_policy_as_dapo_does_and_logs_trl_s_metric(tiny_train_model, prompts_file) -> None:
     """On-policy (ratio 1, nothing capped under ε_high 5) CISPO's gradient is dapo's: -A · ∇logp over the
     tokens; it logs TRL's `cispo_clip_ratio`, and PPO-clip's `delta` is refused with it."""
-    algo = grpo(tiny_train_model, prompts_file, loss_type="cispo", epsilon_high=5.0)
-    b = algo.step_batches(1)[0]
-    total = torch.tensor(float(algo.count(b)))
-    grads = []
-    for loss_type in ("cispo", "dapo"):
-        algo.config = dataclasses.replace(algo.config, loss_type=loss_type)
-        algo.model.zero_grad()
-        loss, metrics = algo.loss(algo.model, b, total)
-        loss.backward()
-        grads.append(torch.cat([p.grad.flatten() for p in algo.model.parameters() if p.grad is not None]))
-        assert ("cispo_clip_ratio" in metrics) == (loss_type == "cispo") != ("clip_ratio/high_mean" in metrics)
+    grads, metrics = on_policy_gradients(grpo(tiny_train_model, prompts_file, loss_type="cispo", epsilon_high=5.0),
+                                         ("cispo", "dapo"))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
     assert grads[0].abs().max() > 0
+    assert "cispo_clip_ratio" in metrics[0] and "clip_ratio/high_mean" not in metrics[0]
+    assert "cispo_clip_ratio" not in metrics[1] and "clip_ratio/high_mean" in metrics[1]
     with pytest.raises(ValueError, match="delta"):
         GRPOConfig(loss_type="cispo", delta=2.0)
 
@@ -42,15 +54,8 @@ def test_cispo_trains_on_policy_as_dapo_does_and_logs_trl_s_metric(tiny_train_mo
 def test_sapo_trains_on_policy_as_grpo_does(tiny_train_model, prompts_file) -> None:
     """On-policy SAPO's gate σ(τ(r - 1)) · 4/τ has slope 1 at r = 1 whatever τ: its gradient is grpo's
     (each sequence's token mean, then the mean over sequences)."""
-    algo = grpo(tiny_train_model, prompts_file, loss_type="sapo", sapo_temperature_neg=2.0)
-    b = algo.step_batches(1)[0]
-    total = torch.tensor(float(algo.count(b)))
-    grads = []
-    for loss_type in ("sapo", "grpo"):
-        algo.config = dataclasses.replace(algo.config, loss_type=loss_type)
-        algo.model.zero_grad()
-        algo.loss(algo.model, b, total)[0].backward()
-        grads.append(torch.cat([p.grad.flatten() for p in algo.model.parameters() if p.grad is not None]))
+    grads, _ = on_policy_gradients(grpo(tiny_train_model, prompts_file, loss_type="sapo", sapo_temperature_neg=2.0),
+                                   ("sapo", "grpo"))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
     assert grads[0].abs().max() > 0
 
@@ -79,5 +84,5 @@ def test_the_kl_term_is_trl_s_bias_corrected_one_by_default(tiny_train_model, pr
         else:
             loss = algo.loss(algo.model, b, total)[0]
         loss.backward()
-        grads.append(torch.cat([p.grad.flatten() for p in algo.model.parameters() if p.grad is not None]))
+        grads.append(flat_gradient(algo.model))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-8)

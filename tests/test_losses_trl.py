@@ -162,6 +162,19 @@ def _trl_grpo(loss_type, beta, eps_low, eps_high, delta, max_completion_length, 
     return loss.detach(), grad, trainer._metrics["train"]
 
 
+def _ours_grpo(loss_type, beta, mask, logp, old, ref, tis, adv, max_completion_length=None, **surrogate):
+    """pagedrl's GRPO loss from its pieces, as the trainer composes them: the surrogate, times the rollout's
+    importance weight, plus the bias-corrected KL; the loss and its gradient in logp."""
+    ours = logp.clone().requires_grad_(True)
+    out = clipped_surrogate(ours, old, adv, mask, **surrogate)
+    per_token = out.loss * tis
+    if beta:
+        per_token = per_token + beta * kl_estimate(ours, ref, "k3") * out.ratio  # TRL's bias-corrected KL
+    loss = aggregate(per_token, mask, loss_type, max_completion_length=max_completion_length)
+    (grad,) = torch.autograd.grad(loss, ours)
+    return loss.detach(), grad, out
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize(("beta", "eps_high", "delta"), [(0.0, 0.2, None), (0.04, 0.28, 1.6)])
 def test_grpo_loss_composed_from_pieces_equals_trl_grpo_trainer(loss_type, beta, eps_high, delta) -> None:
@@ -171,13 +184,8 @@ def test_grpo_loss_composed_from_pieces_equals_trl_grpo_trainer(loss_type, beta,
     trl_loss, trl_grad, metrics = _trl_grpo(loss_type, beta, eps_low, eps_high, delta, max_len, mask, logp, old,
                                             ref, tis, adv)
 
-    ours = logp.clone().requires_grad_(True)
-    out = clipped_surrogate(ours, old, adv, mask, epsilon_low=eps_low, epsilon_high=eps_high, delta=delta)
-    per_token = out.loss * tis
-    if beta:
-        per_token = per_token + beta * kl_estimate(ours, ref, "k3") * out.ratio  # TRL's bias-corrected KL
-    loss = aggregate(per_token, mask, loss_type, max_completion_length=max_len)
-    (grad,) = torch.autograd.grad(loss, ours)
+    loss, grad, out = _ours_grpo(loss_type, beta, mask, logp, old, ref, tis, adv, max_len, epsilon_low=eps_low,
+                                 epsilon_high=eps_high, delta=delta)
 
     # float64 on both sides, a few dozen operations on values of order 1: ~1e-15 apart
     torch.testing.assert_close(loss.detach(), trl_loss, rtol=1e-12, atol=1e-12)
@@ -199,14 +207,9 @@ def test_cispo_loss_equals_trl_grpo_trainer(beta) -> None:
     for eps_high in (5.0, 1.2):
         trl_loss, trl_grad, metrics = _trl_grpo("cispo", beta, 0.2, eps_high, None, 10, mask, logp, old, ref, tis,
                                                 adv)
-        ours = logp.clone().requires_grad_(True)
-        out = clipped_surrogate(ours, old, adv, mask, epsilon_low=0.2, epsilon_high=eps_high, cispo=True)
-        per_token = out.loss * tis
-        if beta:
-            per_token = per_token + beta * kl_estimate(ours, ref, "k3") * out.ratio
-        loss = aggregate(per_token, mask, "cispo")
-        (grad,) = torch.autograd.grad(loss, ours)
-        torch.testing.assert_close(loss.detach(), trl_loss, rtol=1e-12, atol=1e-12)
+        loss, grad, out = _ours_grpo("cispo", beta, mask, logp, old, ref, tis, adv, epsilon_high=eps_high,
+                                     cispo=True)
+        torch.testing.assert_close(loss, trl_loss, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(grad * mask, trl_grad * mask, rtol=1e-12, atol=1e-12)
         assert metrics["cispo_clip_ratio"][-1] == pytest.approx(out.is_high_clipped.sum().item() / mask.sum().item(),
                                                                 rel=U)
@@ -220,12 +223,6 @@ def test_sapo_loss_equals_trl_grpo_trainer(beta) -> None:
     mask, logp, old, ref, sampling, adv = _grpo_batch(seed=5)
     tis = torch.exp(old - sampling)
     trl_loss, trl_grad, _ = _trl_grpo("sapo", beta, 0.2, 0.2, None, 10, mask, logp, old, ref, tis, adv)
-    ours = logp.clone().requires_grad_(True)
-    out = clipped_surrogate(ours, old, adv, mask, sapo=SAPO)
-    per_token = out.loss * tis
-    if beta:
-        per_token = per_token + beta * kl_estimate(ours, ref, "k3") * out.ratio
-    loss = aggregate(per_token, mask, "sapo")
-    (grad,) = torch.autograd.grad(loss, ours)
-    torch.testing.assert_close(loss.detach(), trl_loss, rtol=1e-12, atol=1e-12)
+    loss, grad, _ = _ours_grpo("sapo", beta, mask, logp, old, ref, tis, adv, sapo=SAPO)
+    torch.testing.assert_close(loss, trl_loss, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad * mask, trl_grad * mask, rtol=1e-12, atol=1e-12)
