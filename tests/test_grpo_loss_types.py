@@ -49,6 +49,8 @@ def test_cispo_trains_on_policy_as_dapo_does_and_logs_trl_s_metric(tiny_train_mo
     assert "cispo_clip_ratio" not in metrics[1] and "clip_ratio/high_mean" in metrics[1]
     with pytest.raises(ValueError, match="delta"):
         GRPOConfig(loss_type="cispo", delta=2.0)
+    warned = grpo(tiny_train_model, prompts_file, loss_type="cispo")  # epsilon_high unset: epsilon, 0.2
+    assert any("caps every importance weight at epsilon_high=0.2" in line for line in warned.summary_lines())
 
 
 def test_sapo_trains_on_policy_as_grpo_does(tiny_train_model, prompts_file) -> None:

@@ -217,7 +217,9 @@ class GRPO(OnlineAlgorithm):
             f"/{c.epsilon_high or c.epsilon}, num_iterations={c.num_iterations}, {ref}",
             f"grpo: rewards {', '.join(n for n, _ in self.reward_funcs)}; {len(self.eval_rows)} held-out prompts",
             f"grpo: {self.rollout_line()}",
-        ]
+        ] + ([f"grpo: cispo caps every importance weight at epsilon_high={c.epsilon_high or c.epsilon}, below 1, "
+              "so the gradient of every token with a positive advantage shrinks by that factor (as in TRL; TRL "
+              "recommends epsilon_high: 5.0)"] if c.loss_type == "cispo" and (c.epsilon_high or c.epsilon) < 1 else [])
 
 
 def run_grpo(config: GRPOConfig, progress: bool = True) -> Path:
