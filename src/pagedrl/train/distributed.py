@@ -108,6 +108,10 @@ def barrier(info: DistInfo) -> None:
 
 
 def shutdown(info: DistInfo) -> None:
-    """Leave the process group at the end of a run (torchrun warns otherwise)."""
+    """Leave the process group at the end of a run (torchrun warns otherwise), every rank together, so
+    no rank tears its connections down while another is still at work (writing its results): as
+    PyTorch advises before `destroy_process_group`. A rank of a finished two-process test run once
+    aborted at exit ("terminate called without an active exception") without it."""
     if info.distributed and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
