@@ -96,15 +96,15 @@ class EngineConfig:
         budget that could never hold a whole prompt of that length when prompts are not chunked (such
         a prompt would wait for ever, and every request behind it)."""
         if self.max_model_len is not None and self.max_model_len > model_len:
-            raise EngineSettingError(f"max_model_len ({self.max_model_len}) is longer than the model's context ({model_len}: "
-                             "its max_position_embeddings, or the sliding window it is capped at); leave it unset "
-                             "or lower it")
+            raise EngineSettingError(f"max_model_len ({self.max_model_len}) is longer than the model's context "
+                                     f"({model_len}: its max_position_embeddings, or the sliding window it is capped "
+                                     "at); leave it unset or lower it")
         length = self.max_model_len or model_len
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < length:
-            raise EngineSettingError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
-                             f"({length}) with enable_chunked_prefill off: a prompt longer than one step's budget "
-                             "could never be scheduled; raise max_num_batched_tokens, lower max_model_len, or "
-                             "leave chunked prefill on")
+            raise EngineSettingError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                                     f"max_model_len ({length}) with enable_chunked_prefill off: a prompt longer than "
+                                     "one step's budget could never be scheduled; raise max_num_batched_tokens, lower "
+                                     "max_model_len, or leave chunked prefill on")
         return length
 
     def validate(self) -> None:

@@ -129,20 +129,27 @@ def _json_lines(path: Path, lines: Iterable[bytes], report: DataReport, on_bad_r
             _bad(report, on_bad_row, where, BadRow("row", f"invalid JSON ({e.msg} at column {e.colno})",
                                                    "invalid JSON"))
             continue
-        yield from _checked([(where, value)], report, on_bad_row, counted=True)
+        row = _object_row(where, value, report, on_bad_row)
+        if row is not None:
+            yield row
 
 
-def _checked(rows: Iterable[tuple[str, Any]], report: DataReport, on_bad_row: BadRowPolicy,
-             counted: bool = False) -> Iterator[Row]:
-    """The rows whose value is a JSON object (a dict); any other is a bad row. `counted`: the caller
-    has counted them in `report.rows` already."""
+def _checked(rows: Iterable[tuple[str, Any]], report: DataReport, on_bad_row: BadRowPolicy) -> Iterator[Row]:
+    """Count each (where, value) and keep those whose value is a JSON object."""
     for where, value in rows:
-        report.rows += 0 if counted else 1
-        if not isinstance(value, Mapping):
-            _bad(report, on_bad_row, where, BadRow("row", f"expected a JSON object, got {kind_of(value)}",
-                                                   "not a JSON object"))
-            continue
-        yield Row(where, dict(value))
+        report.rows += 1
+        row = _object_row(where, value, report, on_bad_row)
+        if row is not None:
+            yield row
+
+
+def _object_row(where: str, value: Any, report: DataReport, on_bad_row: BadRowPolicy) -> Row | None:
+    """The row, if its value is a JSON object (a dict); anything else is a bad row."""
+    if isinstance(value, Mapping):
+        return Row(where, dict(value))
+    _bad(report, on_bad_row, where, BadRow("row", f"expected a JSON object, got {kind_of(value)}",
+                                           "not a JSON object"))
+    return None
 
 
 def _json_document_rows(path: Path, raw: bytes) -> Iterator[tuple[str, Any]] | None:

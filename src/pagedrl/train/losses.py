@@ -243,12 +243,15 @@ def dpo_loss(
         chosen_avg = chosen_logratios / chosen_lengths.to(delta.dtype).clamp(min=1.0)
         rejected_avg = rejected_logratios / rejected_lengths.to(delta.dtype).clamp(min=1.0)
         losses = (chosen_avg - rejected_avg - 1.0 / (2.0 * beta)) ** 2
-    elif loss_type in ("nca_pair", "bco_pair", "apo_zero", "apo_down"):
+    elif loss_type == "nca_pair":
         r_c, r_r = beta * chosen_logratios, beta * rejected_logratios
-        losses = {"nca_pair": lambda: -F.logsigmoid(r_c) - 0.5 * F.logsigmoid(-r_c) - 0.5 * F.logsigmoid(-r_r),
-                  "bco_pair": lambda: -F.logsigmoid(r_c) - F.logsigmoid(-r_r),
-                  "apo_zero": lambda: 1.0 - torch.sigmoid(r_c) + torch.sigmoid(r_r),
-                  "apo_down": lambda: torch.sigmoid(r_c) + 1.0 - torch.sigmoid(beta * delta)}[loss_type]()
+        losses = -F.logsigmoid(r_c) - 0.5 * F.logsigmoid(-r_c) - 0.5 * F.logsigmoid(-r_r)
+    elif loss_type == "bco_pair":
+        losses = -F.logsigmoid(beta * chosen_logratios) - F.logsigmoid(-beta * rejected_logratios)
+    elif loss_type == "apo_zero":
+        losses = 1.0 - torch.sigmoid(beta * chosen_logratios) + torch.sigmoid(beta * rejected_logratios)
+    elif loss_type == "apo_down":
+        losses = torch.sigmoid(beta * chosen_logratios) + 1.0 - torch.sigmoid(beta * delta)
     elif loss_type == "sppo_hard":
         losses = (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
     else:  # robust
