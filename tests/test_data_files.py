@@ -104,3 +104,12 @@ def test_a_hub_dataset_id_is_refused_saying_nothing_is_downloaded(tmp_path, monk
         rows_of("trl-lib/ultrafeedback_binarized")
     with pytest.raises(DataError, match=r"^dataset: file data/train.jsonl does not exist$"):
         rows_of("data/train.jsonl")
+
+
+def test_a_bare_name_that_is_no_file_says_how_a_hub_dataset_of_that_name_is_saved(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=r"^dataset: file imdb does not exist; if 'imdb' names a Hub dataset, nothing is "
+                                        r"downloaded at run time, so save it once with .*load_dataset\('imdb'"):
+        rows_of("imdb")
+    with pytest.raises(DataError, match=r"^dataset: file train.jsonl does not exist$"):
+        rows_of("train.jsonl")

@@ -215,6 +215,7 @@ OTHER_FORMATS = {".parquet": ("a Parquet file", "Dataset.from_parquet"), ".csv":
 MAGIC = {b"PAR1": ".parquet", b"ARROW1": ".arrow"}
 DATA_SUFFIXES = {".json", ".jsonl", ".gz", ".txt", *OTHER_FORMATS}
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the Hub spells a dataset
+BARE_NAME = re.compile(r"[A-Za-z0-9][\w-]*")  # a canonical Hub dataset (`imdb`, `gsm8k`): no owner, no suffix
 
 
 def _data_file(dataset: str | Path) -> Path:
@@ -232,11 +233,12 @@ def _data_file(dataset: str | Path) -> Path:
                             f"datasets.load_from_disk('{path}').to_json('{path.name}.jsonl')\"")
         raise DataError(f"dataset: {path} is a folder; expected a JSONL file")
     if not path.is_file():
+        save_once = ("nothing is downloaded at run time, so save it once with python -c \"import datasets; "
+                     f"datasets.load_dataset('{dataset}', split='train').to_json('train.jsonl')\" and pass train.jsonl")
         if isinstance(dataset, str) and HUB_ID.fullmatch(dataset) and path.suffix.lower() not in DATA_SUFFIXES:
-            raise DataError(f"dataset: {dataset!r} looks like a Hub dataset id; pagedrl reads local files: nothing "
-                            "is downloaded at run time, so save it once with python -c \"import datasets; "
-                            f"datasets.load_dataset('{dataset}', split='train').to_json('train.jsonl')\" and pass "
-                            "train.jsonl")
+            raise DataError(f"dataset: {dataset!r} looks like a Hub dataset id; pagedrl reads local files: {save_once}")
+        if isinstance(dataset, str) and BARE_NAME.fullmatch(dataset):  # `imdb`: a Hub name, or a file's typo
+            raise DataError(f"dataset: file {path} does not exist; if {dataset!r} names a Hub dataset, {save_once}")
         raise DataError(f"dataset: file {path} does not exist")
     with path.open("rb") as f:
         head = f.read(8)
