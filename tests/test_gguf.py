@@ -303,6 +303,29 @@ def test_generation_ends_at_the_tokens_llama_cpp_ends_it_at() -> None:
     assert _generation_config(plain)["eos_token_id"] == 1
 
 
+def test_generation_ends_at_fill_in_the_middle_s_pad_repository_and_file_tokens_as_in_llama_cpp() -> None:
+    """A code model's answer ends where its next file would begin: llama.cpp adds the FIM pad, repository
+    and file-separator tokens (the metadata's, else found by text) to the tokens generation ends at, and
+    leaves </s> out where Gemma 4's <|tool_response> is there."""
+    from pagedrl.model.gguf import _generation_config
+
+    qwen = _Meta({"tokenizer.ggml.tokens": ["a", "<|im_end|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>",
+                                            "<|file_sep|>"], "tokenizer.ggml.eos_token_id": 1})
+    assert _generation_config(qwen)["eos_token_id"] == [1, 3, 4, 5]
+    smollm = _Meta({"tokenizer.ggml.tokens": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>",
+                                              "<reponame>", "<file_sep>", "<fim_prefix>"],
+                    "tokenizer.ggml.eos_token_id": 2})
+    assert _generation_config(smollm)["eos_token_id"] == [2, 0, 4]
+    named = _Meta({"tokenizer.ggml.tokens": ["a", "b", "c", "<|file_sep|>"], "tokenizer.ggml.eos_token_id": 0,
+                   "tokenizer.ggml.fim_sep_token_id": 2})
+    assert _generation_config(named)["eos_token_id"] == [0, 2]
+    gemma4 = _Meta({"tokenizer.ggml.tokens": ["<eos>", "</s>", "<turn|>", "<|tool_response>"],
+                    "tokenizer.ggml.eos_token_id": 0})
+    assert _generation_config(gemma4)["eos_token_id"] == [0, 2, 3]
+    solar = _Meta({"tokenizer.ggml.tokens": ["<|end|>", "<|calls|>", "<|flush|>"], "tokenizer.ggml.eos_token_id": 2})
+    assert _generation_config(solar)["eos_token_id"] == [2, 1]
+
+
 @pytest.mark.parametrize(("pre", "bos"), [("llama-bpe", True), ("qwen2", False), ("smollm", False)])
 def test_without_add_bos_token_bos_follows_llama_cpp_s_default(tiny_hf, tmp_path: Path, pre: str, bos: bool) -> None:
     path = write_tiny_gguf(tmp_path / "t.gguf", tiny_hf, pre=pre, add_bos=None)

@@ -56,7 +56,7 @@ FUSED_UP = ("Phi3ForCausalLM",)
 # LongRoPE's per-pair factors (Phi-3 128k): config, not weights.
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 CONVERSION_MARKER = "pagedrl-conversion.json"  # written last: a folder without it is unfinished
-CONVERSION_FORMAT = 2  # 2: end-of-generation tokens by text, llama.cpp's BOS default
+CONVERSION_FORMAT = 3  # 2: end-of-generation tokens by text, llama.cpp's BOS default; 3: and FIM's
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -262,20 +262,34 @@ def _split_experts(state: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, 
 
 # Tokens llama.cpp ends generation at by their text, whatever the metadata names (llama-vocab.cpp): files
 # converted before `eot_token_id` existed still end a chat turn where llama.cpp ends it.
-END_OF_GENERATION_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
-                           "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>")
+END_OF_GENERATION_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+                           "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+                           "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>")
+# Fill-in-the-middle's pad, repository and file-separator tokens end generation in llama.cpp too (a code
+# model's answer stops where its next file would begin): the metadata's id, else the first text found.
+FIM_END_TEXTS = {"pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+                 "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+                 "sep": ("<|file_sep|>",)}
 
 
 def _generation_config(meta: Metadata) -> dict[str, Any]:
     """Chat models end a turn with EOT (Llama 3's <|eot_id|>) as well as EOS; generation stops at either,
-    and, as in llama.cpp, at every token of `END_OF_GENERATION_TEXTS` the vocabulary holds (but gpt-oss's
-    <|end|>, which ends a message and not the answer, where <|return|> and <|call|> are there too)."""
-    eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    and, as in llama.cpp, at the fill-in-the-middle tokens of `FIM_END_TEXTS` and at every token of
+    `END_OF_GENERATION_TEXTS` the vocabulary holds, with llama.cpp's two exceptions: <|end|>, which ends a
+    message and not the answer where <|return|> and <|call|> (or <|calls|> and <|flush|>) are there too,
+    and </s> where <|tool_response> is."""
     tokens = meta.get("tokenizer.ggml.tokens") or []
+    fim = [meta.get(f"tokenizer.ggml.fim_{kind}_token_id") for kind in FIM_END_TEXTS]
+    fim = [i if i is not None else next((j for j, t in enumerate(tokens) if t in texts), None)
+           for i, texts in zip(fim, FIM_END_TEXTS.values(), strict=True)]
     by_text = {t: i for i, t in enumerate(tokens) if t in END_OF_GENERATION_TEXTS}
-    if {"<|return|>", "<|call|>", "<|end|>"} <= by_text.keys():
+    if "<|end|>" in by_text and ({"<|return|>", "<|call|>"} <= by_text.keys()
+                                 or {"<|calls|>", "<|flush|>"} <= by_text.keys()):
         del by_text["<|end|>"]
-    eos = list(dict.fromkeys(i for i in [*eos, *sorted(by_text.values())] if i is not None))
+    if "<|tool_response>" in by_text:
+        by_text.pop("</s>", None)
+    eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos = list(dict.fromkeys(i for i in [*eos, *sorted({*by_text.values(), *fim} - {None})] if i is not None))
     gen: dict[str, Any] = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
                            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)}
     pad = meta.get("tokenizer.ggml.padding_token_id")
