@@ -9,11 +9,11 @@ import pytest
 import torch
 from float_bounds import EXP_ERROR, U, gamma, sum_bound
 
+from pagedrl.train.dpo_losses import dpo_loss
 from pagedrl.train.logprobs import entropy_from_logits, entropy_from_logprobs
 from pagedrl.train.losses import (
     aggregate,
     clipped_surrogate,
-    dpo_loss,
     kl_estimate,
     resolve_aggregation,
     reward_model_loss,

@@ -2,7 +2,8 @@
 
 Every trainer (SFT, reward model, DPO, GRPO) runs the same loop; what differs is the batch it
 builds and which of these functions turns that batch into a scalar. Keeping them pure makes each one
-checkable against a float64 hand computation and against TRL's own code.
+checkable against a float64 hand computation and against TRL's own code. DPO's losses, a family of their
+own over four log-probs per pair, are in `train/dpo_losses.py`.
 
 Shapes: per-token tensors are [B, T] (one row per sequence, T completion positions; a packed batch
 is scattered back to rows first) with a boolean or 0/1 `mask` marking the positions that count.
@@ -160,105 +161,6 @@ def reward_model_loss(
     if center_rewards_coefficient is not None:
         loss = loss + center_rewards_coefficient * ((r_chosen + r_rejected) ** 2).sum() / denom
     return loss
-
-
-# ---------------------------------------------------------------------------------------------
-# DPO
-# ---------------------------------------------------------------------------------------------
-
-DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge", "robust", "nca_pair", "bco_pair", "sppo_hard",
-                                   "apo_zero", "apo_down")
-
-
-class DPOOutput(NamedTuple):
-    losses: Tensor  # [num_pairs], unreduced: the trainer averages (or sums / global pairs)
-    chosen_rewards: Tensor  # beta * (policy - reference) log-prob of the chosen answer, detached
-    rejected_rewards: Tensor
-
-
-def check_dpo_label_smoothing(loss_type: str, label_smoothing: float) -> None:
-    """Which loss types use `label_smoothing`, and in which range; shared with DPOConfig."""
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"loss_type: unknown DPO loss {loss_type!r}; expected one of {', '.join(DPO_LOSS_TYPES)}")
-    if loss_type == "robust" and not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing: the robust loss needs 0 <= label_smoothing < 0.5, got {label_smoothing}")
-    if loss_type == "sigmoid" and not 0.0 <= label_smoothing <= 0.5:
-        raise ValueError(f"label_smoothing: conservative DPO needs 0 <= label_smoothing <= 0.5, got {label_smoothing}")
-    if loss_type not in ("sigmoid", "robust") and label_smoothing != 0.0:
-        raise ValueError(f"label_smoothing: the {loss_type} loss does not use it; got {label_smoothing}, expected 0")
-
-
-def dpo_loss(
-    policy_chosen_logps: Tensor,
-    policy_rejected_logps: Tensor,
-    ref_chosen_logps: Tensor,
-    ref_rejected_logps: Tensor,
-    beta: float = 0.1,
-    loss_type: str = "sigmoid",
-    label_smoothing: float = 0.0,
-    chosen_lengths: Tensor | None = None,
-    rejected_lengths: Tensor | None = None,
-) -> DPOOutput:
-    """Per-pair DPO losses from sequence log-probs (summed over completion tokens), following
-    `DPOTrainer._compute_loss` in TRL 1.16 (reverse-KL f-divergence, no WPO weighting), with
-    Δ = (π_c - ref_c) - (π_r - ref_r):
-
-    - `sigmoid` (Rafailov et al. 2023): -logsigmoid(βΔ). With `label_smoothing` ε > 0 it is
-      conservative DPO (cDPO, Mitchell 2023): -(1-ε)·logsigmoid(βΔ) - ε·logsigmoid(-βΔ), the form
-      TRL's sigmoid loss had before 1.0; TRL 1.16 ignores ε here, so ε = 0 matches it exactly.
-    - `ipo` (Azar et al. 2023, Eq. 17): (Δ̄ - 1/(2β))², where Δ̄ divides each side's log-ratio by
-      its completion length, as TRL does (the IPO authors' normalisation). Needs
-      `chosen_lengths` and `rejected_lengths` (completion token counts; clamped to at least 1).
-    - `hinge` (SLiC, Zhao et al. 2023): relu(1 - βΔ).
-    - `robust` (Chowdhury et al. 2024), ε = flip probability in [0, 0.5):
-      ((1-ε)·(-logsigmoid(βΔ)) - ε·(-logsigmoid(-βΔ))) / (1 - 2ε).
-    - with r_c, r_r = β times each answer's log-ratio: `nca_pair` (Chen et al. 2024) -logσ(r_c) -
-      ½logσ(-r_c) - ½logσ(-r_r); `bco_pair` -logσ(r_c) - logσ(-r_r); `sppo_hard` (Wu et al. 2024)
-      (r_c/β - 1/(2β))² + (r_r/β + 1/(2β))²; `apo_zero` (D'Oosterlinck et al. 2024) 1 - σ(r_c) + σ(r_r);
-      `apo_down` σ(r_c) + 1 - σ(βΔ).
-
-    Rewards are β times each answer's log-ratio (TRL's `rewards/chosen`, `rewards/rejected`).
-    """
-    if not beta > 0:
-        raise ValueError(f"beta: must be positive, got {beta}")
-    check_dpo_label_smoothing(loss_type, label_smoothing)
-    shape = policy_chosen_logps.shape
-    for name, t in (("policy_rejected_logps", policy_rejected_logps), ("ref_chosen_logps", ref_chosen_logps),
-                    ("ref_rejected_logps", ref_rejected_logps)):
-        if t.shape != shape:
-            raise ValueError(f"{name}: shape {tuple(t.shape)} differs from policy_chosen_logps' {tuple(shape)}")
-    chosen_logratios = policy_chosen_logps - ref_chosen_logps
-    rejected_logratios = policy_rejected_logps - ref_rejected_logps
-    delta = chosen_logratios - rejected_logratios
-    eps = label_smoothing
-    if loss_type == "sigmoid":
-        losses = -(1.0 - eps) * F.logsigmoid(beta * delta)
-        if eps:
-            losses = losses - eps * F.logsigmoid(-beta * delta)
-    elif loss_type == "hinge":
-        losses = torch.relu(1.0 - beta * delta)
-    elif loss_type == "ipo":
-        if chosen_lengths is None or rejected_lengths is None:
-            raise ValueError("chosen_lengths: the ipo loss needs chosen_lengths and rejected_lengths (token counts)")
-        chosen_avg = chosen_logratios / chosen_lengths.to(delta.dtype).clamp(min=1.0)
-        rejected_avg = rejected_logratios / rejected_lengths.to(delta.dtype).clamp(min=1.0)
-        losses = (chosen_avg - rejected_avg - 1.0 / (2.0 * beta)) ** 2
-    elif loss_type == "nca_pair":
-        r_c, r_r = beta * chosen_logratios, beta * rejected_logratios
-        losses = -F.logsigmoid(r_c) - 0.5 * F.logsigmoid(-r_c) - 0.5 * F.logsigmoid(-r_r)
-    elif loss_type == "bco_pair":
-        losses = -F.logsigmoid(beta * chosen_logratios) - F.logsigmoid(-beta * rejected_logratios)
-    elif loss_type == "apo_zero":
-        losses = 1.0 - torch.sigmoid(beta * chosen_logratios) + torch.sigmoid(beta * rejected_logratios)
-    elif loss_type == "apo_down":
-        losses = torch.sigmoid(beta * chosen_logratios) + 1.0 - torch.sigmoid(beta * delta)
-    elif loss_type == "sppo_hard":
-        losses = (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
-    else:  # robust
-        clean = -(1.0 - eps) * F.logsigmoid(beta * delta)
-        flipped = -eps * F.logsigmoid(-beta * delta)
-        losses = (clean - flipped) / (1.0 - 2.0 * eps)
-    return DPOOutput(losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach())
 
 
 # ---------------------------------------------------------------------------------------------

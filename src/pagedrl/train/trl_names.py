@@ -46,7 +46,8 @@ NOT_HERE = {
     "sync_ref_model": "the reference stays the starting model (or ref_model)",
     "ref_model_sync_steps": "the reference stays the starting model (or ref_model)",
     "ref_model_mixup_alpha": "the reference stays the starting model (or ref_model)",
-    "rpo_alpha": "RPO's added NLL term is not built; DPO's losses are chosen with loss_type",
+    "rpo_alpha": "RPO's added NLL term is TRL 1.16's sft loss: loss_type: [sigmoid, sft], loss_weights: "
+    "[1, rpo_alpha]",
     "steps_per_generation": "each step generates its own rollouts (num_iterations reuses them)",
     "generation_batch_size": "each step generates per_device_train_batch_size completions",
     "vllm_importance_sampling_correction": "the rollout/trainer log-prob gap is corrected by tis_cap",
