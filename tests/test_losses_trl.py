@@ -18,7 +18,7 @@ from trl.trainer.dpo_trainer import DPOTrainer
 from trl.trainer.grpo_trainer import GRPOTrainer
 
 from pagedrl.train.dpo_losses import dpo_loss
-from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate
+from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, vespo_weights
 
 # --------------------------------------------------------------------------------------------- DPO
 
@@ -160,9 +160,11 @@ def _grpo_batch(rows: int = 6, seq_len: int = 7, seed: int = 0):
 
 
 SAPO = (1.0, 1.05)  # TRL's default temperatures, where the advantage is positive and elsewhere
+VESPO = ((2.0, 3.0), (3.0, 2.0))  # TRL's default (k_pos, k_neg), (lambda_pos, lambda_neg)
 
 
-def _trl_grpo(loss_type, beta, eps_low, eps_high, delta, max_completion_length, mask, logp, old, ref, is_ratio, adv):
+def _trl_grpo(loss_type, beta, eps_low, eps_high, delta, max_completion_length, mask, logp, old, ref, is_ratio, adv,
+              vespo=VESPO):
     rows, seq_len = mask.shape
     logp = logp.clone().requires_grad_(True)
     trainer = SimpleNamespace(
@@ -172,8 +174,11 @@ def _trl_grpo(loss_type, beta, eps_low, eps_high, delta, max_completion_length, 
         use_vllm=True, vllm_importance_sampling_correction=True, model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, accelerator=_Accelerator(), _entropy_bonus_enabled=False,
         aux_loss_enabled=False, _metrics=_metrics(), max_completion_length=max_completion_length,
+        get_gamma_weights=GRPOTrainer.get_gamma_weights,  # TRL's own, a static method
         args=SimpleNamespace(use_bias_correction_kl=True, delta=delta, steps_per_generation=1,
-                             sapo_temperature_pos=SAPO[0], sapo_temperature_neg=SAPO[1]),
+                             sapo_temperature_pos=SAPO[0], sapo_temperature_neg=SAPO[1],
+                             vespo_k_pos=vespo[0][0], vespo_k_neg=vespo[0][1], vespo_lambda_pos=vespo[1][0],
+                             vespo_lambda_neg=vespo[1][1]),
     )
     inputs = {
         "prompt_ids": torch.zeros(rows, 2, dtype=torch.long),
@@ -191,10 +196,14 @@ def _trl_grpo(loss_type, beta, eps_low, eps_high, delta, max_completion_length, 
     return loss.detach(), grad, trainer._metrics["train"]
 
 
-def _ours_grpo(loss_type, beta, mask, logp, old, ref, tis, adv, max_completion_length=None, **surrogate):
+def _ours_grpo(loss_type, beta, mask, logp, old, ref, tis, adv, max_completion_length=None, vespo=None, **surrogate):
     """pagedrl's GRPO loss from its pieces, as the trainer composes them: the surrogate, times the rollout's
-    importance weight, plus the bias-corrected KL; the loss and its gradient in logp."""
+    importance weight (for vespo, inside its sequence weight instead), plus the bias-corrected KL; the loss
+    and its gradient in logp."""
     ours = logp.clone().requires_grad_(True)
+    if vespo is not None:
+        surrogate["vespo"] = vespo_weights(ours, old, adv, mask, tis, *vespo)
+        tis = 1.0
     out = clipped_surrogate(ours, old, adv, mask, **surrogate)
     per_token = out.loss * tis
     if beta:
@@ -204,7 +213,7 @@ def _ours_grpo(loss_type, beta, mask, logp, old, ref, tis, adv, max_completion_l
     return loss.detach(), grad, out
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
 @pytest.mark.parametrize(("beta", "eps_high", "delta"), [(0.0, 0.2, None), (0.04, 0.28, 1.6)])
 def test_grpo_loss_composed_from_pieces_equals_trl_grpo_trainer(loss_type, beta, eps_high, delta) -> None:
     eps_low, max_len = 0.2, 10
@@ -255,3 +264,21 @@ def test_sapo_loss_equals_trl_grpo_trainer(beta) -> None:
     loss, grad, _ = _ours_grpo("sapo", beta, mask, logp, old, ref, tis, adv, sapo=SAPO)
     torch.testing.assert_close(loss, trl_loss, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad * mask, trl_grad * mask, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("vespo", [VESPO, ((1.5, 0.5), (0.5, 4.0))])
+@pytest.mark.parametrize(("beta", "rollout_weights"), [(0.0, True), (0.04, True), (0.04, False)])
+def test_vespo_loss_equals_trl_grpo_trainer(vespo, beta, rollout_weights) -> None:
+    """VESPO: each completion's weight φ(w) of its sequence importance ratio, the rollout's truncated importance
+    weights included (built as TRL builds them: 1 outside the completion, capped at 3) or not, times -A · logp,
+    divided as dapo; TRL's `vespo/phi_seq_mean` logged."""
+    mask, logp, old, ref, sampling, adv = _grpo_batch(seed=6)
+    tis = torch.exp((old - sampling) * mask).clamp(max=3.0) if rollout_weights else None
+    trl_loss, trl_grad, metrics = _trl_grpo("vespo", beta, 0.2, 0.2, None, 10, mask, logp, old, ref, tis, adv, vespo)
+    loss, grad, _ = _ours_grpo("vespo", beta, mask, logp, old, ref, tis, adv, vespo=vespo)
+    torch.testing.assert_close(loss, trl_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad * mask, trl_grad * mask, rtol=1e-12, atol=1e-12)
+    phi = vespo_weights(logp, old, adv, mask, tis, *vespo)
+    # TRL's k and λ are float32 tensors (torch.where of Python numbers), as ours: the same numbers both sides
+    assert metrics["vespo/phi_seq_mean"][0] == pytest.approx(phi.mean().item(), rel=1e-12)
+    assert phi.min() < 0.5 < 0.9 < phi.max()  # the batch exercises weights far from 1

@@ -19,7 +19,8 @@ divided by the world size (TRL does the same with `num_items_in_batch`).
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+import math
+from typing import Literal, NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +30,8 @@ from torch import Tensor
 # Aggregation: one explicit choice of how per-token losses become one number
 # ---------------------------------------------------------------------------------------------
 
-AggregationMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-AGGREGATION_MODES: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+AggregationMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
 # TRL GRPOConfig.loss_type -> aggregation. "bnpo" and "dapo" are the same sum over tokens; TRL's
 # bnpo divides by the micro-batch's tokens, dapo by the accumulated batch's. Here the caller picks
 # the count, and with the global count both are dapo.
@@ -40,6 +41,8 @@ LOSS_TYPE_AGGREGATION: dict[str, str] = {
     "dapo": "token_mean",
     "cispo": "token_mean",  # TRL's cispo divides as dapo does
     "sapo": "seq_mean_token_mean",  # as grpo
+    "vespo": "token_mean",  # as dapo
+    "luspo": "seq_mean_token_sum",  # LUSPO: each sequence's loss scaled by its length
     "dr_grpo": "seq_mean_token_sum_norm",
 }
 
@@ -87,6 +90,8 @@ def aggregate(
     - `seq_mean_token_mean` (TRL `grpo`): mean over each sequence's tokens, then mean over
       sequences. Splitting by rows never cuts a sequence, so only the outer mean needs a global
       count: `normaliser` = sequences in the whole step; default: this batch's rows.
+    - `seq_mean_token_sum` (TRL `luspo`): sum over each sequence's tokens, then mean over sequences: a
+      sequence weighs by its length. `normaliser` = sequences in the whole step; default: this batch's rows.
     - `seq_mean_token_sum_norm` (TRL `dr_grpo`, Dr. GRPO): sum over all tokens / (sequences ×
       `max_completion_length`), a constant that carries no length bias. `normaliser` = sequences
       in the whole step; default: this batch's rows. `max_completion_length` is required.
@@ -106,6 +111,9 @@ def aggregate(
         lengths = keep.sum(dim=-1).clamp(min=1).to(masked.dtype)
         count = num_rows if normaliser is None else normaliser
         return (masked.sum(dim=-1) / lengths).sum() / _denominator(count, masked, "normaliser")
+    if resolved == "seq_mean_token_sum":
+        count = num_rows if normaliser is None else normaliser
+        return masked.sum() / _denominator(count, masked, "normaliser")
     if max_completion_length is None or max_completion_length < 1:
         raise ValueError(
             f"max_completion_length: {resolved} needs a positive max_completion_length, got {max_completion_length!r}"
@@ -186,15 +194,17 @@ def clipped_surrogate(
     delta: float | None = None,
     cispo: bool = False,
     sapo: tuple[float, float] | None = None,
+    vespo: Tensor | None = None,
 ) -> SurrogateOutput:
-    """PPO's clipped surrogate per token, as TRL's GRPO computes it for grpo/bnpo/dr_grpo/dapo:
+    """PPO's clipped surrogate per token, as TRL's GRPO computes it for grpo/bnpo/dr_grpo/dapo/luspo:
 
         r = exp(logp - old_logp);  loss = -min(min(r, delta) · A, clamp(r, 1-ε_low, 1+ε_high) · A)
 
     or with `cispo` (MiniMax-M1's, TRL's `cispo`) the importance weight clipped instead, so every token
     keeps its gradient: loss = -sg(min(r, ε_high)) · A · logp, the clipped tokens those capped with A > 0.
     With `sapo` = (τ+, τ-) (SAPO, TRL's `sapo`) a soft gate replaces the clip: loss = -σ(τ(r - 1)) · 4/τ · A,
-    τ = τ+ where A > 0 and τ- elsewhere; nothing counts as clipped.
+    τ = τ+ where A > 0 and τ- elsewhere; nothing counts as clipped. With `vespo` = φ, a sequence's weight
+    from `vespo_weights` (VESPO, TRL's `vespo`): loss = -φ · A · logp, φ carrying no gradient; nothing clipped.
 
     `epsilon_high` defaults to `epsilon_low` (DAPO's clip-higher sets it apart); `delta` is
     INTELLECT-2's two-sided cap on the unclipped ratio. The clip indicators are TRL's
@@ -214,6 +224,9 @@ def clipped_surrogate(
     if epsilon_low < 0 or eps_high < 0:
         raise ValueError(f"epsilon_low/epsilon_high: must be >= 0, got {epsilon_low}, {eps_high}")
     ratio = torch.exp(logp - old_logp)
+    if vespo is not None:
+        loss, none = -vespo.detach() * advantages * logp, torch.zeros_like(keep)
+        return SurrogateOutput(loss.masked_fill(~keep, 0.0), ratio, none, none, none)
     if sapo is not None:
         tau = torch.where(advantages > 0, sapo[0], sapo[1])
         loss, none = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages, torch.zeros_like(keep)
@@ -228,6 +241,29 @@ def clipped_surrogate(
     low = (unclipped < 1.0 - epsilon_low) & (advantages < 0) & keep
     high = (unclipped > 1.0 + eps_high) & (advantages > 0) & keep
     return SurrogateOutput(loss.masked_fill(~keep, 0.0), ratio, low.detach(), high.detach(), (low | high).detach())
+
+
+def vespo_weights(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, is_weight: Tensor | None,
+                  k: tuple[float, float] = (2.0, 3.0), lam: tuple[float, float] = (3.0, 2.0)) -> Tensor:
+    """VESPO's per-sequence weight φ(w) = e^λ · w^k · e^(-λw) (1 at w = 1), [B, 1], no gradient, as TRL's
+    `GRPOTrainer.get_gamma_weights`: w is the sequence's importance ratio Π π/π_old, times the rollout's
+    importance weights `is_weight` (π_old/π_engine, truncated) when given, in log space with TRL's clamps
+    (each token's log-ratio to ±20, log w to [log 1e-8, 20]). A smooth weight in place of a clip: a sequence
+    far off-policy either way fades out. k = (k+, k-) and λ = (λ+, λ-) by the sign of the advantage (A >= 0:
+    the first)."""
+    keep = _bool_mask(mask, logp)
+    with torch.no_grad():
+        log_w = (logp - old_logp).clamp(-20.0, 20.0).masked_fill(~keep, 0.0).sum(-1, keepdim=True)
+        if is_weight is not None:
+            log_is = is_weight.log().clamp(math.log(1e-8), 20.0).masked_fill(~keep, 0.0)
+            log_w = log_w + log_is.sum(-1, keepdim=True)
+        log_w = log_w.clamp(math.log(1e-8), 20.0)
+        adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        nonneg = adv >= 0
+        k_seq = torch.where(nonneg, k[0], k[1])
+        lam_seq = torch.where(nonneg, lam[0], lam[1]).clamp(min=1e-4)
+        phi = torch.exp(lam_seq + k_seq * log_w - lam_seq * torch.exp(log_w))
+        return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
