@@ -98,5 +98,6 @@ def test_a_loss_list_reads_from_yaml_and_the_command_line(tmp_path) -> None:
                                            "discopop_tau=0.1"])
     assert (config.loss_type, config.label_smoothing, config.discopop_tau) == (["exo_pair", "discopop"], 1e-3, 0.1)
     assert load_config(DPOConfig, None, ["loss_type=[aot_unpaired]"]).loss_type == "aot_unpaired"
-    with pytest.raises(ValueError, match="loss_type: expected one of 'sigmoid'"):
+    with pytest.raises(ValueError, match=r"loss_type: expected one of 'sigmoid', .* 'sigmoid_norm', or a list of "
+                                         r"them, got \['sigmoid', 'kto'\]$"):
         load_config(DPOConfig, None, ["loss_type=[sigmoid, kto]"])

@@ -130,6 +130,8 @@ def test_first_batch_equals_trl_dpo_trainer(tiny_train_model, other_model, tmp_p
                           precompute_ref_log_probs=precompute, per_device_train_batch_size=PAIRS, **settings)
     algorithm = trainer.algorithm
     assert (algorithm.reference is None) == precompute  # precomputed: the reference is gone
+    types = settings["loss_type"] if isinstance(settings["loss_type"], list) else [settings["loss_type"]]
+    assert any(line.startswith(f"dpo: loss {' + '.join(types)}") for line in algorithm.summary_lines())
     examples = algorithm.examples[:PAIRS]
     pairs = [getattr(e, "pair", e) for e in examples]
     for pair, feature in zip(pairs, features, strict=True):  # the same tokens, cut at the same place

@@ -57,13 +57,12 @@ def dpo_settings_problem(loss_type: str | Sequence[str], loss_weights: Sequence[
     if loss_weights is not None and any(not w >= 0 for w in loss_weights):
         return "loss_weights", f"must be >= 0, got {list(loss_weights)}"
     ls = label_smoothing
-    for t in dict.fromkeys(types):
-        if t in SMOOTHING_RANGES:
-            low, high, low_in, high_in = SMOOTHING_RANGES[t]
-            if not ((low <= ls if low_in else low < ls) and (ls <= high if high_in else ls < high)):
-                span = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
-                return "label_smoothing", f"the {t} loss needs label_smoothing in {span}, got {ls}"
     readers = [t for t in dict.fromkeys(types) if t in SMOOTHING_RANGES]
+    for t in readers:
+        low, high, low_in, high_in = SMOOTHING_RANGES[t]
+        if not ((low <= ls if low_in else low < ls) and (ls <= high if high_in else ls < high)):
+            span = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+            return "label_smoothing", f"the {t} loss needs label_smoothing in {span}, got {ls}"
     if ls != 0.0 and not readers:
         return "label_smoothing", f"the {'+'.join(types)} loss does not use it; got {ls}, expected 0"
     if ls != 0.0 and "sigmoid" in readers and len(readers) > 1:  # TRL would smooth only the other's
