@@ -12,7 +12,7 @@ from preference_data import dpo_trainer, preference_rows
 from tiny_train import build_model_dir
 
 from pagedrl.train.algorithms.dpo import answer_logps
-from pagedrl.train.losses import dpo_loss
+from pagedrl.train.dpo_losses import dpo_loss
 
 PAIRS = 4  # one TRL micro-batch, one of ours
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -46,7 +46,7 @@ def trl_first_batch(model_dir, ref_dir, rows, tmp_path, **settings):
     return features, float(loss.detach()), torch.cat([chosen, rejected]), metrics, policy.model.rotary_emb.inv_freq
 
 
-def exact_first_batch(policy, reference, pairs, freq, loss_type: str, beta: float, smoothing: float):
+def exact_first_batch(policy, reference, pairs, freq, beta: float, settings: dict):
     """The batch's answer log-probs [2n] (chosen first) and, in `METRICS` order after the loss, its
     metrics (the accuracy's per-pair margins apart), each exact (float64 forwards of both models,
     `decoder_bound`) and on perturbed forwards, where each answer's sum also carries its tokens' own
@@ -83,8 +83,8 @@ def exact_first_batch(policy, reference, pairs, freq, loss_type: str, beta: floa
     split = sum(len(p.chosen_ids) for p in pairs)
 
     def outcome(pi: torch.Tensor, r: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
-        out = dpo_loss(*pi.chunk(2), *r.chunk(2), beta=beta, loss_type=loss_type, label_smoothing=smoothing,
-                       chosen_lengths=lengths[:n], rejected_lengths=lengths[n:])
+        out = dpo_loss(*pi.chunk(2), *r.chunk(2), beta=beta, chosen_lengths=lengths[:n],
+                       rejected_lengths=lengths[n:], **settings)
         margins = out.chosen_rewards - out.rejected_rewards
         return torch.cat([torch.stack([out.losses.mean(), out.chosen_rewards.mean(), out.rejected_rewards.mean(),
                                        margins.mean(), pi[:n].mean(), pi[n:].mean(), means[:split].mean(),
@@ -106,30 +106,32 @@ def exact_first_batch(policy, reference, pairs, freq, loss_type: str, beta: floa
     return decoder_bound.Probed(pol), values.exact, values.bound() + chains * sizes
 
 
-@pytest.mark.parametrize(("loss_type", "precompute", "other_ref", "chat"), [
-    ("sigmoid", False, True, False),
-    ("ipo", True, True, True),
-    ("robust", False, False, True),
-    ("hinge", True, False, False),
+@pytest.mark.parametrize(("settings", "precompute", "other_ref", "chat"), [
+    (dict(loss_type="sigmoid"), False, True, False),
+    (dict(loss_type="ipo"), True, True, True),
+    (dict(loss_type="robust", label_smoothing=0.2), False, False, True),
+    (dict(loss_type="hinge"), True, False, False),
+    # MPO's list: the sft term's NLL over the chosen tokens from the same forward
+    (dict(loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0]), False, True, True),
+    (dict(loss_type=["exo_pair", "aot", "discopop"], label_smoothing=1e-3, discopop_tau=0.1), True, True, False),
 ])
-def test_first_batch_equals_trl_dpo_trainer(tiny_train_model, other_model, tmp_path, loss_type, precompute,
+def test_first_batch_equals_trl_dpo_trainer(tiny_train_model, other_model, tmp_path, settings, precompute,
                                             other_ref, chat) -> None:
     rows = preference_rows(8, seed=3, chat_every=1 if chat else 0)
     ref_dir = other_model if other_ref else None
-    smoothing = 0.2 if loss_type == "robust" else 0.0
     features, trl_loss, trl_logps, trl_metrics, freq = trl_first_batch(
-        tiny_train_model, ref_dir, rows, tmp_path, beta=0.3, loss_type=[loss_type], label_smoothing=smoothing,
-        precompute_ref_log_probs=precompute)
+        tiny_train_model, ref_dir, rows, tmp_path, beta=0.3, precompute_ref_log_probs=precompute, **settings)
 
     from pagedrl.model.loader import load_model
 
     # The same reference TRL got (run_dpo loads `ref_model` the same way), or a copy of the policy.
     reference = load_model(ref_dir).model if other_ref else None
     trainer = dpo_trainer(tiny_train_model, tmp_path / "ours", rows, reference=reference, beta=0.3,
-                          loss_type=loss_type, label_smoothing=smoothing, precompute_ref_log_probs=precompute,
-                          per_device_train_batch_size=PAIRS)
+                          precompute_ref_log_probs=precompute, per_device_train_batch_size=PAIRS, **settings)
     algorithm = trainer.algorithm
     assert (algorithm.reference is None) == precompute  # precomputed: the reference is gone
+    types = settings["loss_type"] if isinstance(settings["loss_type"], list) else [settings["loss_type"]]
+    assert any(line.startswith(f"dpo: loss {' + '.join(types)}") for line in algorithm.summary_lines())
     examples = algorithm.examples[:PAIRS]
     pairs = [getattr(e, "pair", e) for e in examples]
     for pair, feature in zip(pairs, features, strict=True):  # the same tokens, cut at the same place
@@ -139,8 +141,8 @@ def test_first_batch_equals_trl_dpo_trainer(tiny_train_model, other_model, tmp_p
     # Ours and TRL's against the exact values, within float32's bounds (~3e-3 on sums of ~100 over ~17 tokens'
     # log-probs; an answer token predicted from the wrong row moves a sum by ~1).
     policy = load_model(tiny_train_model).model
-    logps, expected, bound = exact_first_batch(policy, reference if other_ref else policy, pairs, freq, loss_type,
-                                               0.3, smoothing)
+    logps, expected, bound = exact_first_batch(policy, reference if other_ref else policy, pairs, freq, 0.3,
+                                               settings)
     batch = algorithm.collate(examples)
     with torch.no_grad():
         ours_logps = answer_logps(algorithm.model, batch).logps

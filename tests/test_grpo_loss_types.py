@@ -1,16 +1,18 @@
-"""GRPO's loss types beyond PPO-clip, on a real rollout of the tiny model: CISPO's and SAPO's gradients
-on-policy equal the clipped losses' they reduce to there (their numbers off-policy are held to TRL's
-GRPOTrainer in tests/test_losses_trl.py)."""
+"""GRPO's loss types beyond PPO-clip, on a real rollout of the tiny model: CISPO's, SAPO's, LUSPO's and
+VESPO's gradients on-policy equal those of the losses they reduce to there (their numbers off-policy are
+held to TRL's GRPOTrainer in tests/test_losses_trl.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
 from test_grpo import grpo, write_prompts
 
-from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, tis_weight
+from pagedrl.train.config import load_config
+from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, tis_weight, vespo_weights
 from pagedrl.train.rl.config import GRPOConfig
 
 
@@ -60,6 +62,66 @@ def test_sapo_trains_on_policy_as_grpo_does(tiny_train_model, prompts_file) -> N
                                    ("sapo", "grpo"))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
     assert grads[0].abs().max() > 0
+
+
+def test_luspo_trains_on_policy_as_dr_grpo_times_the_completion_length(tiny_train_model, prompts_file) -> None:
+    """LUSPO sums each completion's tokens and averages completions; Dr. GRPO divides the same sum by
+    max_completion_length too: with the same PPO-clip per token, luspo's gradient is max_completion_length
+    times dr_grpo's, and it logs PPO-clip's clip ratios."""
+    algo = grpo(tiny_train_model, prompts_file, loss_type="luspo")
+    grads, metrics = on_policy_gradients(algo, ("luspo", "dr_grpo"))
+    torch.testing.assert_close(grads[0] / algo.config.max_completion_length, grads[1], rtol=1e-5, atol=1e-7)
+    assert grads[0].abs().max() > 0 and "clip_ratio/region_mean" in metrics[0]
+    # TRL's luspo at its default importance_sampling_level, token; GSPO's sequence level is refused, saying so
+    assert load_config(GRPOConfig, None, ["loss_type=luspo", "importance_sampling_level=token"]).loss_type == "luspo"
+    with pytest.raises(ValueError, match="importance_sampling_level: .*GSPO's ratio per sequence is not built"):
+        load_config(GRPOConfig, None, ["loss_type=luspo", "importance_sampling_level=sequence"])
+
+
+def test_vespo_weight_by_hand() -> None:
+    """φ(w) = e^λ · w^k · e^(-λw) of a completion's ratio w = Π over its tokens of π/π_old times the rollout's
+    weights: 1 at w = 1, k and λ by the advantage's sign (0 counts as positive), padding left out."""
+    logp = torch.tensor([[-1.0, -2.0, 7.0], [-0.5, -0.25, -3.0]], dtype=torch.float64)
+    old = torch.tensor([[-1.25, -1.5, 0.0], [-0.5, -0.25, -3.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    rollout = torch.tensor([[2.0, 1.0, 100.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    phi = vespo_weights(logp, old, torch.tensor([-1.0, 0.0]), mask, rollout, (2.0, 3.0), (3.0, 2.0))
+    w = math.exp(0.25 - 0.5) * 2.0  # the first row's ratio; the second's is 1
+    expected = [math.exp(2.0) * w**3 * math.exp(-2.0 * w), 1.0]  # A < 0: k = 3, λ = 2
+    assert phi.flatten().tolist() == pytest.approx(expected, rel=1e-12)
+
+
+def test_vespo_trains_on_policy_as_dapo_and_weighs_in_the_rollout_s_importance_weights(tiny_train_model,
+                                                                                      prompts_file) -> None:
+    """On-policy without the rollout's importance weights (tis_cap: null) every VESPO weight φ(1) is 1: its
+    gradient is dapo's. With them (tis_cap 3, the default) the weights are φ of their product over each
+    completion's tokens, and the logged `vespo/phi_seq_mean` is theirs; PPO-clip's `delta` is refused with it,
+    and the vespo parameters without it."""
+    grads, metrics = on_policy_gradients(grpo(tiny_train_model, prompts_file, loss_type="vespo", tis_cap=None),
+                                         ("vespo", "dapo"))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+    assert grads[0].abs().max() > 0
+    phi = metrics[0]["vespo/phi_seq_mean"]
+    assert float(phi.total) / float(phi.weight) == pytest.approx(1.0, abs=1e-6)
+    assert "clip_ratio/region_mean" not in metrics[0]
+    algo = grpo(tiny_train_model, prompts_file, loss_type="vespo", vespo_k_neg=1.0, vespo_lambda_neg=5.0)
+    b = algo.step_batches(1)[0]
+    # an engine whose log-probs are ~0.1 off the trainer's per token, so that the weights count
+    noise = torch.randn(b.sampling_logps.shape, generator=torch.Generator().manual_seed(0))
+    b.sampling_logps = b.sampling_logps + 0.1 * noise
+    logged = algo.loss(algo.model, b, torch.tensor(float(algo.count(b))))[1]["vespo/phi_seq_mean"]
+    with torch.no_grad():
+        logp = b.to_padded(algo.token_logps(algo.model, b).logps)
+    phi = vespo_weights(logp, logp, b.advantages, b.mask, tis_weight(logp, b.sampling_logps, 3.0), (2.0, 1.0),
+                        (3.0, 5.0))
+    assert float(logged.total) / float(logged.weight) == pytest.approx(phi.mean().item(), rel=1e-5)
+    assert (phi - 1).abs().max() > 0.05
+    with pytest.raises(ValueError, match="^delta: "):
+        GRPOConfig(loss_type="vespo", delta=2.0)
+    with pytest.raises(ValueError, match="^vespo_lambda_pos: only the vespo loss uses it"):
+        GRPOConfig(loss_type="dapo", vespo_lambda_pos=1.0)
+    with pytest.raises(ValueError, match="^vespo_lambda_neg: must be > 0"):
+        GRPOConfig(loss_type="vespo", vespo_lambda_neg=0.0)
 
 
 @pytest.mark.parametrize("corrected", [True, False])

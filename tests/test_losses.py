@@ -9,11 +9,11 @@ import pytest
 import torch
 from float_bounds import EXP_ERROR, U, gamma, sum_bound
 
+from pagedrl.train.dpo_losses import dpo_loss
 from pagedrl.train.logprobs import entropy_from_logits, entropy_from_logprobs
 from pagedrl.train.losses import (
     aggregate,
     clipped_surrogate,
-    dpo_loss,
     kl_estimate,
     resolve_aggregation,
     reward_model_loss,
@@ -53,7 +53,7 @@ def hand_aggregate(values, mask, mode, normaliser=None, max_len=None) -> float:
             picked = [v for v, m in zip(row, k, strict=True) if m]
             seq_means.append(sum(picked) / max(len(picked), 1))
         return sum(seq_means) / (len(rows) if normaliser is None else normaliser)
-    return token_sum / ((len(rows) if normaliser is None else normaliser) * max_len)
+    return token_sum / ((len(rows) if normaliser is None else normaliser) * (max_len if mode.endswith("norm") else 1))
 
 
 @pytest.mark.parametrize(
@@ -66,6 +66,7 @@ def hand_aggregate(values, mask, mode, normaliser=None, max_len=None) -> float:
         ("bnpo", "token_mean"),
         ("dapo", "token_mean"),
         ("dr_grpo", "seq_mean_token_sum_norm"),
+        ("seq_mean_token_sum", "seq_mean_token_sum"), ("luspo", "seq_mean_token_sum"), ("vespo", "token_mean"),
     ],
 )
 @pytest.mark.parametrize("normaliser", [None, 37])
@@ -93,7 +94,7 @@ def test_aggregate_takes_float_masks_and_tensor_normalisers() -> None:
 def test_aggregate_ignores_garbage_outside_the_mask() -> None:
     values, mask = random_batch(seed=3)
     values = values.masked_fill(~mask, float("nan")).requires_grad_(True)
-    for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
+    for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
         loss = aggregate(values, mask, mode, max_completion_length=6)
         (grad,) = torch.autograd.grad(loss, values)
         assert torch.isfinite(loss) and torch.isfinite(grad).all()
@@ -116,7 +117,7 @@ def _accumulated_grad(x, theta, mask, mode, micro_batches, normaliser_of):
     return theta.grad
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
 def test_aggregate_gradient_does_not_depend_on_micro_batch_split(mode: str) -> None:
     g = torch.Generator().manual_seed(4)
     x = torch.randn(10, 7, 5, generator=g, dtype=torch.float64)  # 10 sequences, 7 tokens, 5 features

@@ -17,7 +17,8 @@ from float_bounds import U
 from trl.trainer.dpo_trainer import DPOTrainer
 from trl.trainer.grpo_trainer import GRPOTrainer
 
-from pagedrl.train.losses import aggregate, clipped_surrogate, dpo_loss, kl_estimate
+from pagedrl.train.dpo_losses import dpo_loss
+from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, vespo_weights
 
 # --------------------------------------------------------------------------------------------- DPO
 
@@ -57,7 +58,11 @@ def _dpo_batch(num_pairs: int = 5, seq_len: int = 9, seed: int = 0):
     return completion_mask, token_logps, ref_logps
 
 
-def _trl_dpo(loss_type: str, beta: float, label_smoothing: float, completion_mask, token_logps, ref_logps):
+def _trl_dpo(loss_type: str | list[str], beta: float, label_smoothing: float, completion_mask, token_logps, ref_logps,
+             loss_weights: list[float] | None = None, discopop_tau: float = 0.05):
+    """TRL's loss, its gradient in the per-token log-probs and its metrics. TRL builds EXO's ε as a tensor of
+    the default dtype: float64 here, as everything else in these comparisons."""
+    loss_types = [loss_type] if isinstance(loss_type, str) else loss_type
     rows, seq_len = completion_mask.shape
     token_logps = token_logps.clone().requires_grad_(True)
     outputs = SimpleNamespace(
@@ -68,9 +73,10 @@ def _trl_dpo(loss_type: str, beta: float, label_smoothing: float, completion_mas
     )
     trainer = SimpleNamespace(
         model=SimpleNamespace(training=True), accelerator=_Accelerator(), aux_loss_enabled=False, ld_alpha=None,
-        precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0],
-        beta=beta, label_smoothing=label_smoothing, use_weighting=False, _metrics=_metrics(),
-        _total_train_tokens=0, _tp_size=1, args=SimpleNamespace(),
+        precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=loss_types,
+        loss_weights=loss_weights or [1.0] * len(loss_types), beta=beta, label_smoothing=label_smoothing,
+        use_weighting=False, _metrics=_metrics(), _total_train_tokens=0, _tp_size=1,
+        args=SimpleNamespace(discopop_tau=discopop_tau),
     )
     ref_chosen, ref_rejected = ref_logps.chunk(2)
     inputs = {
@@ -80,9 +86,51 @@ def _trl_dpo(loss_type: str, beta: float, label_smoothing: float, completion_mas
         "ref_chosen_logps": ref_chosen,
         "ref_rejected_logps": ref_rejected,
     }
-    loss = DPOTrainer._compute_loss(trainer, lambda **kw: outputs, inputs, return_outputs=False)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        loss = DPOTrainer._compute_loss(trainer, lambda **kw: outputs, inputs, return_outputs=False)
+    finally:
+        torch.set_default_dtype(default)
     (grad,) = torch.autograd.grad(loss, token_logps)
     return loss.detach(), grad, trainer._metrics["train"]
+
+
+def _ours_dpo(completion_mask, token_logps, ref_logps, **settings):
+    """pagedrl's DPO loss on the same batch as the trainer composes it: the answers' summed log-probs and
+    token counts into `dpo_loss`, the mean over pairs; the loss, its gradient in the per-token log-probs and
+    the output (rewards). An answer's sum covers its own tokens only, as `answer_logps`'s does."""
+    ours_logps = token_logps.clone().requires_grad_(True)
+    policy_chosen, policy_rejected = (ours_logps * completion_mask[:, 1:]).sum(1).chunk(2)
+    ref_chosen, ref_rejected = ref_logps.chunk(2)
+    lengths_chosen, lengths_rejected = completion_mask.sum(1).chunk(2)
+    out = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_lengths=lengths_chosen,
+                   rejected_lengths=lengths_rejected, **settings)
+    loss = out.losses.mean()
+    (grad,) = torch.autograd.grad(loss, ours_logps)
+    return loss.detach(), grad, out
+
+
+def assert_dpo_equals_trl(settings: dict, seed: int) -> None:
+    """pagedrl's loss and gradient equal TRL's DPOTrainer's in float64 (a few dozen operations on values of
+    order 1: ~1e-15 apart, 1e-12 asked; relative where discopop's exp(-βΔ) grows large), and so do the
+    reward metrics."""
+    completion_mask, token_logps, ref_logps = _dpo_batch(seed=seed)
+    trl_loss, trl_grad, metrics = _trl_dpo(settings["loss_type"], settings["beta"],
+                                           settings.get("label_smoothing", 0.0), completion_mask, token_logps,
+                                           ref_logps, settings.get("loss_weights"), settings.get("discopop_tau", 0.05))
+    loss, grad, out = _ours_dpo(completion_mask, token_logps, ref_logps, **settings)
+    torch.testing.assert_close(loss, trl_loss, rtol=1e-12, atol=1e-12)
+    # TRL's per-token log-probs outside the answers are 0 and summed all the same: their gradient means nothing
+    torch.testing.assert_close(grad, trl_grad * completion_mask[:, 1:], rtol=1e-12, atol=1e-12)
+    assert metrics["rewards/chosen"][0] == pytest.approx(out.chosen_rewards.mean().item(), rel=1e-12)
+    assert metrics["rewards/rejected"][0] == pytest.approx(out.rejected_rewards.mean().item(), rel=1e-12)
+    assert metrics["rewards/margins"][0] == pytest.approx(
+        (out.chosen_rewards - out.rejected_rewards).mean().item(), rel=1e-12, abs=1e-12
+    )
+    # TRL averages the 0/1 flags in float32: an exact count over an exact count, one rounding (U)
+    accuracy = (out.chosen_rewards > out.rejected_rewards).double().mean().item()
+    assert metrics["rewards/accuracies"][0] == pytest.approx(accuracy, rel=U)
 
 
 @pytest.mark.parametrize(
@@ -92,26 +140,7 @@ def _trl_dpo(loss_type: str, beta: float, label_smoothing: float, completion_mas
 )
 @pytest.mark.parametrize("beta", [0.1, 0.7])
 def test_dpo_loss_equals_trl_dpo_trainer(loss_type: str, label_smoothing: float, beta: float) -> None:
-    completion_mask, token_logps, ref_logps = _dpo_batch(seed=int(beta * 10))
-    trl_loss, trl_grad, metrics = _trl_dpo(loss_type, beta, label_smoothing, completion_mask, token_logps, ref_logps)
-
-    ours_logps = token_logps.clone().requires_grad_(True)
-    policy_chosen, policy_rejected = ours_logps.sum(1).chunk(2)
-    ref_chosen, ref_rejected = ref_logps.chunk(2)
-    lengths_chosen, lengths_rejected = completion_mask.sum(1).chunk(2)
-    out = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=beta, loss_type=loss_type,
-                   label_smoothing=label_smoothing, chosen_lengths=lengths_chosen, rejected_lengths=lengths_rejected)
-    loss = out.losses.mean()
-    (grad,) = torch.autograd.grad(loss, ours_logps)
-
-    # float64 on both sides, a few dozen operations on values of order 1: ~1e-15 apart
-    torch.testing.assert_close(loss.detach(), trl_loss, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(grad, trl_grad, rtol=1e-12, atol=1e-12)
-    assert metrics["rewards/chosen"][0] == pytest.approx(out.chosen_rewards.mean().item(), rel=1e-12)
-    assert metrics["rewards/rejected"][0] == pytest.approx(out.rejected_rewards.mean().item(), rel=1e-12)
-    assert metrics["rewards/margins"][0] == pytest.approx(
-        (out.chosen_rewards - out.rejected_rewards).mean().item(), rel=1e-12, abs=1e-12
-    )
+    assert_dpo_equals_trl(dict(loss_type=loss_type, beta=beta, label_smoothing=label_smoothing), seed=int(beta * 10))
 
 
 # -------------------------------------------------------------------------------------------- GRPO
@@ -131,9 +160,11 @@ def _grpo_batch(rows: int = 6, seq_len: int = 7, seed: int = 0):
 
 
 SAPO = (1.0, 1.05)  # TRL's default temperatures, where the advantage is positive and elsewhere
+VESPO = ((2.0, 3.0), (3.0, 2.0))  # TRL's default (k_pos, k_neg), (lambda_pos, lambda_neg)
 
 
-def _trl_grpo(loss_type, beta, eps_low, eps_high, delta, max_completion_length, mask, logp, old, ref, is_ratio, adv):
+def _trl_grpo(loss_type, beta, eps_low, eps_high, delta, max_completion_length, mask, logp, old, ref, is_ratio, adv,
+              vespo=VESPO):
     rows, seq_len = mask.shape
     logp = logp.clone().requires_grad_(True)
     trainer = SimpleNamespace(
@@ -143,8 +174,11 @@ def _trl_grpo(loss_type, beta, eps_low, eps_high, delta, max_completion_length, 
         use_vllm=True, vllm_importance_sampling_correction=True, model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, accelerator=_Accelerator(), _entropy_bonus_enabled=False,
         aux_loss_enabled=False, _metrics=_metrics(), max_completion_length=max_completion_length,
+        get_gamma_weights=GRPOTrainer.get_gamma_weights,  # TRL's own, a static method
         args=SimpleNamespace(use_bias_correction_kl=True, delta=delta, steps_per_generation=1,
-                             sapo_temperature_pos=SAPO[0], sapo_temperature_neg=SAPO[1]),
+                             sapo_temperature_pos=SAPO[0], sapo_temperature_neg=SAPO[1],
+                             vespo_k_pos=vespo[0][0], vespo_k_neg=vespo[0][1], vespo_lambda_pos=vespo[1][0],
+                             vespo_lambda_neg=vespo[1][1]),
     )
     inputs = {
         "prompt_ids": torch.zeros(rows, 2, dtype=torch.long),
@@ -162,10 +196,14 @@ def _trl_grpo(loss_type, beta, eps_low, eps_high, delta, max_completion_length, 
     return loss.detach(), grad, trainer._metrics["train"]
 
 
-def _ours_grpo(loss_type, beta, mask, logp, old, ref, tis, adv, max_completion_length=None, **surrogate):
+def _ours_grpo(loss_type, beta, mask, logp, old, ref, tis, adv, max_completion_length=None, vespo=None, **surrogate):
     """pagedrl's GRPO loss from its pieces, as the trainer composes them: the surrogate, times the rollout's
-    importance weight, plus the bias-corrected KL; the loss and its gradient in logp."""
+    importance weight (for vespo, inside its sequence weight instead), plus the bias-corrected KL; the loss
+    and its gradient in logp."""
     ours = logp.clone().requires_grad_(True)
+    if vespo is not None:
+        surrogate["vespo"] = vespo_weights(ours, old, adv, mask, tis, *vespo)
+        tis = 1.0
     out = clipped_surrogate(ours, old, adv, mask, **surrogate)
     per_token = out.loss * tis
     if beta:
@@ -175,7 +213,7 @@ def _ours_grpo(loss_type, beta, mask, logp, old, ref, tis, adv, max_completion_l
     return loss.detach(), grad, out
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
 @pytest.mark.parametrize(("beta", "eps_high", "delta"), [(0.0, 0.2, None), (0.04, 0.28, 1.6)])
 def test_grpo_loss_composed_from_pieces_equals_trl_grpo_trainer(loss_type, beta, eps_high, delta) -> None:
     eps_low, max_len = 0.2, 10
@@ -226,3 +264,21 @@ def test_sapo_loss_equals_trl_grpo_trainer(beta) -> None:
     loss, grad, _ = _ours_grpo("sapo", beta, mask, logp, old, ref, tis, adv, sapo=SAPO)
     torch.testing.assert_close(loss, trl_loss, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad * mask, trl_grad * mask, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("vespo", [VESPO, ((1.5, 0.5), (0.5, 4.0))])
+@pytest.mark.parametrize(("beta", "rollout_weights"), [(0.0, True), (0.04, True), (0.04, False)])
+def test_vespo_loss_equals_trl_grpo_trainer(vespo, beta, rollout_weights) -> None:
+    """VESPO: each completion's weight φ(w) of its sequence importance ratio, the rollout's truncated importance
+    weights included (built as TRL builds them: 1 outside the completion, capped at 3) or not, times -A · logp,
+    divided as dapo; TRL's `vespo/phi_seq_mean` logged."""
+    mask, logp, old, ref, sampling, adv = _grpo_batch(seed=6)
+    tis = torch.exp((old - sampling) * mask).clamp(max=3.0) if rollout_weights else None
+    trl_loss, trl_grad, metrics = _trl_grpo("vespo", beta, 0.2, 0.2, None, 10, mask, logp, old, ref, tis, adv, vespo)
+    loss, grad, _ = _ours_grpo("vespo", beta, mask, logp, old, ref, tis, adv, vespo=vespo)
+    torch.testing.assert_close(loss, trl_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad * mask, trl_grad * mask, rtol=1e-12, atol=1e-12)
+    phi = vespo_weights(logp, old, adv, mask, tis, *vespo)
+    # TRL's k and λ are float32 tensors (torch.where of Python numbers), as ours: the same numbers both sides
+    assert metrics["vespo/phi_seq_mean"][0] == pytest.approx(phi.mean().item(), rel=1e-12)
+    assert phi.min() < 0.5 < 0.9 < phi.max()  # the batch exercises weights far from 1

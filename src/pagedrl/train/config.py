@@ -29,6 +29,7 @@ from pagedrl.model.precision import choose_precision
 from pagedrl.model.projections import LAYER_PROJECTIONS
 from pagedrl.model.quantized_linear import QuantizedBase
 from pagedrl.train.config_values import MISSING, coerce, describe, load_yaml
+from pagedrl.train.dpo_losses import DISCOPOP_TAU, DPOLossType, dpo_settings_problem
 from pagedrl.train.trl_names import RATIO_STEPS, fixed_value, not_here, trl_form
 
 REPORTERS: tuple[str, ...] = ("none", "jsonl", "tensorboard")
@@ -274,9 +275,11 @@ class RewardConfig(TrainConfig):
 class DPOConfig(TrainConfig):
     learning_rate: float = 1e-6
     beta: float = 0.1
-    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
-                       "apo_down"] = "sigmoid"  # TRL allows a list; one here
-    label_smoothing: float = 0.0  # sigmoid: conservative DPO; robust: label flip probability
+    # One of TRL's losses, or a list of them summed with loss_weights (MPO: [sigmoid, bco_pair, sft], [0.8, 0.2, 1])
+    loss_type: DPOLossType | list[DPOLossType] = "sigmoid"
+    loss_weights: list[float] | None = None  # None: 1 each
+    label_smoothing: float = 0.0  # sigmoid, aot: conservative DPO; robust: label flip probability; exo_pair: EXO's ε
+    discopop_tau: float = DISCOPOP_TAU  # the discopop loss's temperature
     ref_model: str | None = None  # None: a frozen copy of the starting policy
     precompute_ref_log_probs: bool = False
     disable_dropout: bool = True  # TRL's: no dropout while training, LoRA's included (lora_dropout then unused)
@@ -287,13 +290,9 @@ class DPOConfig(TrainConfig):
         super().validate()
         validate_router_coef(self.router_aux_loss_coef)
         _require(self.beta > 0, "beta", f"must be > 0, got {self.beta}")
-        ls = self.label_smoothing
-        if self.loss_type == "robust":
-            _require(0.0 <= ls < 0.5, "label_smoothing", f"robust DPO needs 0 <= label_smoothing < 0.5, got {ls}")
-        elif self.loss_type == "sigmoid":
-            _require(0.0 <= ls <= 0.5, "label_smoothing", f"conservative DPO needs 0 <= label_smoothing <= 0.5, got {ls}")
-        else:
-            _require(ls == 0.0, "label_smoothing", f"the {self.loss_type} loss does not use it; got {ls}, expected 0")
+        problem = dpo_settings_problem(self.loss_type, self.loss_weights, self.label_smoothing, self.discopop_tau)
+        if problem is not None:
+            raise TrainConfigError(*problem)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ MISSING = object()
 def describe(hint: Any) -> str:
     origin, args = get_origin(hint), get_args(hint)
     if origin in (Union, types.UnionType):
+        if len(args) == 2 and args[1] == list[args[0]]:  # one value or a list of them (DPO's loss_type)
+            return f"{describe(args[0])}, or a list of them"
         return " or ".join("null" if a is type(None) else describe(a) for a in args)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)

@@ -2,7 +2,8 @@
 
 Every trainer (SFT, reward model, DPO, GRPO) runs the same loop; what differs is the batch it
 builds and which of these functions turns that batch into a scalar. Keeping them pure makes each one
-checkable against a float64 hand computation and against TRL's own code.
+checkable against a float64 hand computation and against TRL's own code. DPO's losses, a family of their
+own over four log-probs per pair, are in `train/dpo_losses.py`.
 
 Shapes: per-token tensors are [B, T] (one row per sequence, T completion positions; a packed batch
 is scattered back to rows first) with a boolean or 0/1 `mask` marking the positions that count.
@@ -18,7 +19,8 @@ divided by the world size (TRL does the same with `num_items_in_batch`).
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+import math
+from typing import Literal, NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +30,8 @@ from torch import Tensor
 # Aggregation: one explicit choice of how per-token losses become one number
 # ---------------------------------------------------------------------------------------------
 
-AggregationMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-AGGREGATION_MODES: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+AggregationMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
 # TRL GRPOConfig.loss_type -> aggregation. "bnpo" and "dapo" are the same sum over tokens; TRL's
 # bnpo divides by the micro-batch's tokens, dapo by the accumulated batch's. Here the caller picks
 # the count, and with the global count both are dapo.
@@ -39,6 +41,8 @@ LOSS_TYPE_AGGREGATION: dict[str, str] = {
     "dapo": "token_mean",
     "cispo": "token_mean",  # TRL's cispo divides as dapo does
     "sapo": "seq_mean_token_mean",  # as grpo
+    "vespo": "token_mean",  # as dapo
+    "luspo": "seq_mean_token_sum",  # LUSPO: each sequence's loss scaled by its length
     "dr_grpo": "seq_mean_token_sum_norm",
 }
 
@@ -86,6 +90,8 @@ def aggregate(
     - `seq_mean_token_mean` (TRL `grpo`): mean over each sequence's tokens, then mean over
       sequences. Splitting by rows never cuts a sequence, so only the outer mean needs a global
       count: `normaliser` = sequences in the whole step; default: this batch's rows.
+    - `seq_mean_token_sum` (TRL `luspo`): sum over each sequence's tokens, then mean over sequences: a
+      sequence weighs by its length. `normaliser` = sequences in the whole step; default: this batch's rows.
     - `seq_mean_token_sum_norm` (TRL `dr_grpo`, Dr. GRPO): sum over all tokens / (sequences ×
       `max_completion_length`), a constant that carries no length bias. `normaliser` = sequences
       in the whole step; default: this batch's rows. `max_completion_length` is required.
@@ -105,6 +111,9 @@ def aggregate(
         lengths = keep.sum(dim=-1).clamp(min=1).to(masked.dtype)
         count = num_rows if normaliser is None else normaliser
         return (masked.sum(dim=-1) / lengths).sum() / _denominator(count, masked, "normaliser")
+    if resolved == "seq_mean_token_sum":
+        count = num_rows if normaliser is None else normaliser
+        return masked.sum() / _denominator(count, masked, "normaliser")
     if max_completion_length is None or max_completion_length < 1:
         raise ValueError(
             f"max_completion_length: {resolved} needs a positive max_completion_length, got {max_completion_length!r}"
@@ -163,105 +172,6 @@ def reward_model_loss(
 
 
 # ---------------------------------------------------------------------------------------------
-# DPO
-# ---------------------------------------------------------------------------------------------
-
-DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge", "robust", "nca_pair", "bco_pair", "sppo_hard",
-                                   "apo_zero", "apo_down")
-
-
-class DPOOutput(NamedTuple):
-    losses: Tensor  # [num_pairs], unreduced: the trainer averages (or sums / global pairs)
-    chosen_rewards: Tensor  # beta * (policy - reference) log-prob of the chosen answer, detached
-    rejected_rewards: Tensor
-
-
-def check_dpo_label_smoothing(loss_type: str, label_smoothing: float) -> None:
-    """Which loss types use `label_smoothing`, and in which range; shared with DPOConfig."""
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"loss_type: unknown DPO loss {loss_type!r}; expected one of {', '.join(DPO_LOSS_TYPES)}")
-    if loss_type == "robust" and not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing: the robust loss needs 0 <= label_smoothing < 0.5, got {label_smoothing}")
-    if loss_type == "sigmoid" and not 0.0 <= label_smoothing <= 0.5:
-        raise ValueError(f"label_smoothing: conservative DPO needs 0 <= label_smoothing <= 0.5, got {label_smoothing}")
-    if loss_type not in ("sigmoid", "robust") and label_smoothing != 0.0:
-        raise ValueError(f"label_smoothing: the {loss_type} loss does not use it; got {label_smoothing}, expected 0")
-
-
-def dpo_loss(
-    policy_chosen_logps: Tensor,
-    policy_rejected_logps: Tensor,
-    ref_chosen_logps: Tensor,
-    ref_rejected_logps: Tensor,
-    beta: float = 0.1,
-    loss_type: str = "sigmoid",
-    label_smoothing: float = 0.0,
-    chosen_lengths: Tensor | None = None,
-    rejected_lengths: Tensor | None = None,
-) -> DPOOutput:
-    """Per-pair DPO losses from sequence log-probs (summed over completion tokens), following
-    `DPOTrainer._compute_loss` in TRL 1.16 (reverse-KL f-divergence, no WPO weighting), with
-    Δ = (π_c - ref_c) - (π_r - ref_r):
-
-    - `sigmoid` (Rafailov et al. 2023): -logsigmoid(βΔ). With `label_smoothing` ε > 0 it is
-      conservative DPO (cDPO, Mitchell 2023): -(1-ε)·logsigmoid(βΔ) - ε·logsigmoid(-βΔ), the form
-      TRL's sigmoid loss had before 1.0; TRL 1.16 ignores ε here, so ε = 0 matches it exactly.
-    - `ipo` (Azar et al. 2023, Eq. 17): (Δ̄ - 1/(2β))², where Δ̄ divides each side's log-ratio by
-      its completion length, as TRL does (the IPO authors' normalisation). Needs
-      `chosen_lengths` and `rejected_lengths` (completion token counts; clamped to at least 1).
-    - `hinge` (SLiC, Zhao et al. 2023): relu(1 - βΔ).
-    - `robust` (Chowdhury et al. 2024), ε = flip probability in [0, 0.5):
-      ((1-ε)·(-logsigmoid(βΔ)) - ε·(-logsigmoid(-βΔ))) / (1 - 2ε).
-    - with r_c, r_r = β times each answer's log-ratio: `nca_pair` (Chen et al. 2024) -logσ(r_c) -
-      ½logσ(-r_c) - ½logσ(-r_r); `bco_pair` -logσ(r_c) - logσ(-r_r); `sppo_hard` (Wu et al. 2024)
-      (r_c/β - 1/(2β))² + (r_r/β + 1/(2β))²; `apo_zero` (D'Oosterlinck et al. 2024) 1 - σ(r_c) + σ(r_r);
-      `apo_down` σ(r_c) + 1 - σ(βΔ).
-
-    Rewards are β times each answer's log-ratio (TRL's `rewards/chosen`, `rewards/rejected`).
-    """
-    if not beta > 0:
-        raise ValueError(f"beta: must be positive, got {beta}")
-    check_dpo_label_smoothing(loss_type, label_smoothing)
-    shape = policy_chosen_logps.shape
-    for name, t in (("policy_rejected_logps", policy_rejected_logps), ("ref_chosen_logps", ref_chosen_logps),
-                    ("ref_rejected_logps", ref_rejected_logps)):
-        if t.shape != shape:
-            raise ValueError(f"{name}: shape {tuple(t.shape)} differs from policy_chosen_logps' {tuple(shape)}")
-    chosen_logratios = policy_chosen_logps - ref_chosen_logps
-    rejected_logratios = policy_rejected_logps - ref_rejected_logps
-    delta = chosen_logratios - rejected_logratios
-    eps = label_smoothing
-    if loss_type == "sigmoid":
-        losses = -(1.0 - eps) * F.logsigmoid(beta * delta)
-        if eps:
-            losses = losses - eps * F.logsigmoid(-beta * delta)
-    elif loss_type == "hinge":
-        losses = torch.relu(1.0 - beta * delta)
-    elif loss_type == "ipo":
-        if chosen_lengths is None or rejected_lengths is None:
-            raise ValueError("chosen_lengths: the ipo loss needs chosen_lengths and rejected_lengths (token counts)")
-        chosen_avg = chosen_logratios / chosen_lengths.to(delta.dtype).clamp(min=1.0)
-        rejected_avg = rejected_logratios / rejected_lengths.to(delta.dtype).clamp(min=1.0)
-        losses = (chosen_avg - rejected_avg - 1.0 / (2.0 * beta)) ** 2
-    elif loss_type == "nca_pair":
-        r_c, r_r = beta * chosen_logratios, beta * rejected_logratios
-        losses = -F.logsigmoid(r_c) - 0.5 * F.logsigmoid(-r_c) - 0.5 * F.logsigmoid(-r_r)
-    elif loss_type == "bco_pair":
-        losses = -F.logsigmoid(beta * chosen_logratios) - F.logsigmoid(-beta * rejected_logratios)
-    elif loss_type == "apo_zero":
-        losses = 1.0 - torch.sigmoid(beta * chosen_logratios) + torch.sigmoid(beta * rejected_logratios)
-    elif loss_type == "apo_down":
-        losses = torch.sigmoid(beta * chosen_logratios) + 1.0 - torch.sigmoid(beta * delta)
-    elif loss_type == "sppo_hard":
-        losses = (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
-    else:  # robust
-        clean = -(1.0 - eps) * F.logsigmoid(beta * delta)
-        flipped = -eps * F.logsigmoid(-beta * delta)
-        losses = (clean - flipped) / (1.0 - 2.0 * eps)
-    return DPOOutput(losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach())
-
-
-# ---------------------------------------------------------------------------------------------
 # Policy gradient (GRPO)
 # ---------------------------------------------------------------------------------------------
 
@@ -284,15 +194,17 @@ def clipped_surrogate(
     delta: float | None = None,
     cispo: bool = False,
     sapo: tuple[float, float] | None = None,
+    vespo: Tensor | None = None,
 ) -> SurrogateOutput:
-    """PPO's clipped surrogate per token, as TRL's GRPO computes it for grpo/bnpo/dr_grpo/dapo:
+    """PPO's clipped surrogate per token, as TRL's GRPO computes it for grpo/bnpo/dr_grpo/dapo/luspo:
 
         r = exp(logp - old_logp);  loss = -min(min(r, delta) · A, clamp(r, 1-ε_low, 1+ε_high) · A)
 
     or with `cispo` (MiniMax-M1's, TRL's `cispo`) the importance weight clipped instead, so every token
     keeps its gradient: loss = -sg(min(r, ε_high)) · A · logp, the clipped tokens those capped with A > 0.
     With `sapo` = (τ+, τ-) (SAPO, TRL's `sapo`) a soft gate replaces the clip: loss = -σ(τ(r - 1)) · 4/τ · A,
-    τ = τ+ where A > 0 and τ- elsewhere; nothing counts as clipped.
+    τ = τ+ where A > 0 and τ- elsewhere; nothing counts as clipped. With `vespo` = φ, a sequence's weight
+    from `vespo_weights` (VESPO, TRL's `vespo`): loss = -φ · A · logp, φ carrying no gradient; nothing clipped.
 
     `epsilon_high` defaults to `epsilon_low` (DAPO's clip-higher sets it apart); `delta` is
     INTELLECT-2's two-sided cap on the unclipped ratio. The clip indicators are TRL's
@@ -312,6 +224,9 @@ def clipped_surrogate(
     if epsilon_low < 0 or eps_high < 0:
         raise ValueError(f"epsilon_low/epsilon_high: must be >= 0, got {epsilon_low}, {eps_high}")
     ratio = torch.exp(logp - old_logp)
+    if vespo is not None:
+        loss, none = -vespo.detach() * advantages * logp, torch.zeros_like(keep)
+        return SurrogateOutput(loss.masked_fill(~keep, 0.0), ratio, none, none, none)
     if sapo is not None:
         tau = torch.where(advantages > 0, sapo[0], sapo[1])
         loss, none = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages, torch.zeros_like(keep)
@@ -326,6 +241,29 @@ def clipped_surrogate(
     low = (unclipped < 1.0 - epsilon_low) & (advantages < 0) & keep
     high = (unclipped > 1.0 + eps_high) & (advantages > 0) & keep
     return SurrogateOutput(loss.masked_fill(~keep, 0.0), ratio, low.detach(), high.detach(), (low | high).detach())
+
+
+def vespo_weights(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, is_weight: Tensor | None,
+                  k: tuple[float, float] = (2.0, 3.0), lam: tuple[float, float] = (3.0, 2.0)) -> Tensor:
+    """VESPO's per-sequence weight φ(w) = e^λ · w^k · e^(-λw) (1 at w = 1), [B, 1], no gradient, as TRL's
+    `GRPOTrainer.get_gamma_weights`: w is the sequence's importance ratio Π π/π_old, times the rollout's
+    importance weights `is_weight` (π_old/π_engine, truncated) when given, in log space with TRL's clamps
+    (each token's log-ratio to ±20, log w to [log 1e-8, 20]). A smooth weight in place of a clip: a sequence
+    far off-policy either way fades out. k = (k+, k-) and λ = (λ+, λ-) by the sign of the advantage (A >= 0:
+    the first)."""
+    keep = _bool_mask(mask, logp)
+    with torch.no_grad():
+        log_w = (logp - old_logp).clamp(-20.0, 20.0).masked_fill(~keep, 0.0).sum(-1, keepdim=True)
+        if is_weight is not None:
+            log_is = is_weight.log().clamp(math.log(1e-8), 20.0).masked_fill(~keep, 0.0)
+            log_w = log_w + log_is.sum(-1, keepdim=True)
+        log_w = log_w.clamp(math.log(1e-8), 20.0)
+        adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        nonneg = adv >= 0
+        k_seq = torch.where(nonneg, k[0], k[1])
+        lam_seq = torch.where(nonneg, lam[0], lam[1]).clamp(min=1e-4)
+        phi = torch.exp(lam_seq + k_seq * log_w - lam_seq * torch.exp(log_w))
+        return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:

@@ -46,7 +46,8 @@ NOT_HERE = {
     "sync_ref_model": "the reference stays the starting model (or ref_model)",
     "ref_model_sync_steps": "the reference stays the starting model (or ref_model)",
     "ref_model_mixup_alpha": "the reference stays the starting model (or ref_model)",
-    "rpo_alpha": "RPO's added NLL term is not built; DPO's losses are chosen with loss_type",
+    "rpo_alpha": "RPO's added NLL term is TRL 1.16's sft loss: loss_type: [sigmoid, sft], loss_weights: "
+    "[1, rpo_alpha]",
     "steps_per_generation": "each step generates its own rollouts (num_iterations reuses them)",
     "generation_batch_size": "each step generates per_device_train_batch_size completions",
     "vllm_importance_sampling_correction": "the rollout/trainer log-prob gap is corrected by tis_cap",
@@ -85,6 +86,8 @@ FIXED = {
     # the algorithm sets the task: CAUSAL_LM, or SEQ_CLS for a reward model (TRL's reward example passes it)
     "lora_task_type": (("CAUSAL_LM", "SEQ_CLS"), ""),
     "attn_implementation": ((None,), "attention is pagedrl's own paged and packed kernels"),
+    # GRPO's importance ratios are per token (luspo is then TRL's luspo at its default level, as TRL warns)
+    "importance_sampling_level": (("token",), "GSPO's ratio per sequence is not built; ratios are per token"),
     "bnb_4bit_quant_storage": ((None,), "4-bit weights are stored as pagedrl packs them (load_in_4bit)"),
 }
 # transformers 5's `*_steps` below 1: a ratio of the run's total steps (`steps_of`).

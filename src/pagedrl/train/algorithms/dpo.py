@@ -4,9 +4,10 @@ the policy than a frozen reference likes the chosen answer over the rejected one
 Per micro-batch: one forward of the policy over rows `[prompt, chosen, rejected]`
 (`pagedrl.train.algorithms.pair_batch`), the LM head only on the positions that predict an answer token, the
 log-probs summed per answer; the same for the reference without gradients, or its log-probs read
-from a table computed before training; then `losses.dpo_loss` (any of TRL's loss types it builds;
-sigmoid with label smoothing = conservative DPO) summed over pairs and divided by the pairs of the whole
-step (all micro-batches, all ranks), so accumulation and DDP give the gradient of one big batch.
+from a table computed before training; then `dpo_losses.dpo_loss` (TRL's loss types, one or a weighted
+list; sigmoid with label smoothing = conservative DPO) summed over pairs and divided by the pairs of the
+whole step (all micro-batches, all ranks), so accumulation and DDP give the gradient of one big batch
+(but for the terms TRL computes over one micro-batch: `sft`'s token mean, `aot`'s sort).
 
 The reference is the starting policy (a frozen deep copy), `ref_model`, or with LoRA (`use_peft`)
 the base model itself: the policy with its adapters switched off, no copy. With
@@ -50,9 +51,9 @@ from pagedrl.train.algorithms.pair_batch import PairBatch, collate_pairs
 from pagedrl.train.config import DPOConfig
 from pagedrl.train.data import load_train_and_eval
 from pagedrl.train.distributed import DistInfo, all_reduce_sum
+from pagedrl.train.dpo_losses import dpo_loss, loss_types_of
 from pagedrl.train.examples import Preference, PreferenceRows
 from pagedrl.train.logprobs import target_logprobs
-from pagedrl.train.losses import dpo_loss
 from pagedrl.train.metrics import Metric
 from pagedrl.train.router_loss import load_balancing_loss, router_loss_coef
 
@@ -182,7 +183,7 @@ class DPO(OfflineAlgorithm):
         c = self.config
         out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=c.beta, loss_type=c.loss_type,
                        label_smoothing=c.label_smoothing, chosen_lengths=lengths_chosen,
-                       rejected_lengths=lengths_rejected)
+                       rejected_lengths=lengths_rejected, loss_weights=c.loss_weights, discopop_tau=c.discopop_tau)
         loss = out.losses.sum() / global_count
         n = batch.num_pairs
         with torch.no_grad():
@@ -212,8 +213,12 @@ class DPO(OfflineAlgorithm):
             ref = f"reference log-probs precomputed from {self.reference_source} (one model in memory)"
         else:
             ref = f"reference: {self.reference_source}"
+        types = loss_types_of(c.loss_type)
+        weights = f" (weights {', '.join(f'{w:g}' for w in c.loss_weights)})" if c.loss_weights else ""
         smoothing = f", label_smoothing {c.label_smoothing:g}" if c.label_smoothing else ""
-        return super().summary_lines() + [f"dpo: loss {c.loss_type}, beta {c.beta:g}{smoothing}; {ref}"]
+        tau = f", discopop_tau {c.discopop_tau:g}" if "discopop" in types else ""
+        return super().summary_lines() + [f"dpo: loss {' + '.join(types)}{weights}, beta {c.beta:g}{smoothing}{tau}; "
+                                          f"{ref}"]
 
 
 def run_dpo(config: DPOConfig, dataset: Dataset | None = None, eval_dataset: Dataset | None = None,

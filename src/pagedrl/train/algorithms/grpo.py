@@ -33,7 +33,7 @@ from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.adapters import reference_forward, uses_lora
 from pagedrl.train.distributed import DistInfo, all_reduce_sum
 from pagedrl.train.logprobs import TargetLogprobs, target_logprobs
-from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, tis_weight
+from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, tis_weight, vespo_weights
 from pagedrl.train.metrics import Metric
 from pagedrl.train.rl.config import GRPOConfig
 from pagedrl.train.rl.online import OnlineAlgorithm
@@ -42,7 +42,7 @@ from pagedrl.train.rl.rewards import RewardFunc
 from pagedrl.train.rl.rollout import Rollout, collect_rollout
 from pagedrl.train.router_loss import load_balancing_loss, router_loss_coef
 
-TOKEN_MEAN_LOSSES = ("dapo", "bnpo", "cispo")
+TOKEN_MEAN_LOSSES = ("dapo", "bnpo", "cispo", "vespo")
 
 
 class GRPO(OnlineAlgorithm):
@@ -129,19 +129,25 @@ class GRPO(OnlineAlgorithm):
             out_lp = self.token_logps(model, b, entropy=True)
         logp = b.to_padded(out_lp.logps)
         old = b.old_logps if b.old_logps is not None else logp.detach()
-        out = clipped_surrogate(logp, old, b.advantages, b.mask, c.epsilon, c.epsilon_high, c.delta,
-                                cispo=c.loss_type == "cispo",
-                                sapo=(c.sapo_temperature_pos, c.sapo_temperature_neg) if c.loss_type == "sapo" else None)
-        per_token = out.loss
         mask = b.mask
+        w = tis_weight(old, b.sampling_logps, c.tis_cap) if c.tis_cap is not None else None
+        phi = None
+        if c.loss_type == "vespo":  # the rollout's importance weights go into VESPO's sequence weight, as in TRL
+            phi = vespo_weights(logp, old, b.advantages, mask, w, (c.vespo_k_pos, c.vespo_k_neg),
+                                (c.vespo_lambda_pos, c.vespo_lambda_neg))
+        out = clipped_surrogate(logp, old, b.advantages, mask, c.epsilon, c.epsilon_high, c.delta,
+                                cispo=c.loss_type == "cispo",
+                                sapo=(c.sapo_temperature_pos, c.sapo_temperature_neg) if c.loss_type == "sapo" else None,
+                                vespo=phi)
+        per_token = out.loss
         n_tok = mask.sum()
         metrics: dict[str, Any] = {}
         diff = (old - b.sampling_logps).abs().masked_fill(~mask, 0.0)
         metrics["sampling/sampling_logp_difference/mean"] = Metric.mean(diff.sum(), n_tok)
         metrics["sampling/sampling_logp_difference/max"] = Metric.max(diff.max())
-        if c.tis_cap is not None:
-            w = tis_weight(old, b.sampling_logps, c.tis_cap)
-            per_token = per_token * w
+        if w is not None:
+            if phi is None:
+                per_token = per_token * w
             metrics["sampling/importance_sampling_ratio/mean"] = Metric.mean(w.masked_fill(~mask, 0).sum(), n_tok)
             metrics["sampling/importance_sampling_ratio/min"] = Metric.min(w.masked_fill(~mask, float("inf")).min())
         if b.ref_logps is not None:
@@ -157,6 +163,8 @@ class GRPO(OnlineAlgorithm):
         metrics["entropy"] = Metric.mean(ent.sum(), n_tok)
         if c.loss_type == "cispo":  # TRL's name for the share of capped weights
             metrics["cispo_clip_ratio"] = Metric.mean(out.is_high_clipped.sum().float(), n_tok)
+        elif phi is not None:  # VESPO's mean sequence weight, TRL's metric
+            metrics["vespo/phi_seq_mean"] = Metric.mean(phi.sum(), phi.shape[0])
         elif c.loss_type != "sapo":  # (SAPO's gate clips nothing; TRL logs no ratio for it)
             metrics["clip_ratio/low_mean"] = Metric.mean(out.is_low_clipped.sum().float(), n_tok)
             metrics["clip_ratio/high_mean"] = Metric.mean(out.is_high_clipped.sum().float(), n_tok)

@@ -11,6 +11,8 @@ from pagedrl.engine.engine_args import engine_field
 from pagedrl.engine.sampling_params import MIN_TEMPERATURE
 from pagedrl.train.config import TrainConfig, _require, validate_router_coef
 
+VESPO_DEFAULTS = {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}  # TRL's
+
 
 @dataclass
 class OnlineConfig(TrainConfig):
@@ -89,10 +91,16 @@ class GRPOConfig(OnlineConfig):
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     use_bias_correction_kl: bool = True  # TRL's: the KL term times the importance ratio
     # cispo clips the importance weight at epsilon_high (TRL: 5.0 recommended; None: epsilon, as TRL);
-    # sapo gates the ratio softly, at sapo_temperature_pos where the advantage is positive, _neg elsewhere
-    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo"] = "dapo"
+    # sapo gates the ratio softly, at sapo_temperature_pos where the advantage is positive, _neg elsewhere;
+    # luspo sums each completion's tokens (a completion weighs by its length), then averages completions;
+    # vespo weighs each completion by φ(w) = e^λ·w^k·e^(-λw) of its importance ratio w, k and λ by the advantage's sign
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = VESPO_DEFAULTS["vespo_k_pos"]
+    vespo_lambda_pos: float = VESPO_DEFAULTS["vespo_lambda_pos"]
+    vespo_k_neg: float = VESPO_DEFAULTS["vespo_k_neg"]
+    vespo_lambda_neg: float = VESPO_DEFAULTS["vespo_lambda_neg"]
     scale_rewards: Literal["group", "batch", "none"] = "group"
     num_iterations: int = 1
     mask_truncated_completions: bool = False
@@ -112,8 +120,14 @@ class GRPOConfig(OnlineConfig):
         _require(self.delta is None or self.delta > 1.0, "delta", f"must be > 1 (it caps the ratio), got {self.delta}")
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
-        _require(self.delta is None or self.loss_type not in ("cispo", "sapo"), "delta", "is PPO-clip's cap; cispo "
-                 "clips the importance weight at epsilon_high and sapo gates it softly instead")
+        _require(self.delta is None or self.loss_type not in ("cispo", "sapo", "vespo"), "delta", "is PPO-clip's cap; "
+                 "cispo clips the importance weight at epsilon_high, sapo gates it softly and vespo weighs it instead")
+        for name, default in VESPO_DEFAULTS.items():
+            value = getattr(self, name)
+            _require(value >= 0 if "_k_" in name else value > 0, name,
+                     f"must be {'>= 0' if '_k_' in name else '> 0'}, got {value}")
+            _require(value == default or self.loss_type == "vespo", name,
+                     f"only the vespo loss uses it; got {value}, expected {default} or loss_type vespo")
         _require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")
         _require(self.num_iterations >= 1, "num_iterations", f"must be >= 1, got {self.num_iterations}")
         _require(self.tis_cap is None or self.tis_cap >= 1.0, "tis_cap", f"must be null or >= 1, got {self.tis_cap}")
