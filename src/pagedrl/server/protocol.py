@@ -118,6 +118,7 @@ class SamplingRequest(OpenAIBase):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    request_id: str | None = None  # vLLM's: the response's id (after cmpl- / chatcmpl-) unless X-Request-Id names one
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None

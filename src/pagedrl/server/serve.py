@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--allowed-origins", nargs="+", default=[], type=str, metavar="ORIGIN",
                         help="origins whose web pages may call the API from a browser (CORS), e.g. "
                              "https://app.example.com, '*' for any, or vLLM's JSON list; default: none")
+    server.add_argument("--enable-request-id-headers", action="store_true",
+                        help="add X-Request-Id to every response: the request's own header, else a fresh id (a "
+                             "completion's id is named by the request's X-Request-Id, or its request_id, either way)")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='answer tool_choice "auto" (the default when a request has tools), reading the '
                              "model's calls with --tool-call-parser")
@@ -162,7 +165,8 @@ def build_server(args: argparse.Namespace) -> Any:
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                     lora_modules=[parse_lora_module(m) for m in args.lora_modules],
                     allow_runtime_lora_updating=args.allow_runtime_lora_updating, sampling_defaults=defaults,
-                    allowed_origins=origins(args.allowed_origins))
+                    allowed_origins=origins(args.allowed_origins),
+                    request_id_headers=args.enable_request_id_headers)
     stats = engine.metrics_snapshot()
     if stats.lora is not None:
         logger.info("LoRA: %d slots of rank up to %d on every decoder projection (%.1f MiB)", args.max_loras,

@@ -1,0 +1,53 @@
+"""What a vLLM client or operator relies on beyond the OpenAI shapes, checked on the app in process (no
+server process to start): request ids, the model's default sampling settings, the log-prob limit,
+special tokens, and vLLM's fields that are refused rather than ignored."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pagedrl.engine.async_engine import AsyncEngine
+from pagedrl.engine.llm_engine import EngineConfig, LLMEngine
+from pagedrl.model.loader import load_model
+from pagedrl.server.app import build_app
+
+PROMPT = "the cat sat on the mat"
+CHAT = [{"role": "user", "content": "what is two plus three"}]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_train_model):
+    return load_model(tiny_train_model, device="cpu")
+
+
+def app_client(loaded, **app_args: Any) -> Iterator[TestClient]:
+    engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(kv_cache_tokens=2048, max_logprobs=30),
+                       eos_token_ids=loaded.eos_token_ids)
+    with TestClient(build_app(AsyncEngine(engine), served_model_name="tiny", ui=False, **app_args)) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def http(loaded) -> Iterator[TestClient]:
+    yield from app_client(loaded, request_id_headers=True)
+
+
+def complete(http: TestClient, **body: Any) -> Any:
+    return http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, **body})
+
+
+def test_a_request_is_named_by_its_x_request_id_else_its_request_id(http):
+    r = complete(http, request_id="body-1")
+    assert r.json()["id"] == "cmpl-body-1" and len(r.headers["x-request-id"]) == 32  # a fresh one: no header
+    # the header wins over the body, and names every chunk
+    r = http.post("/v1/completions", headers={"X-Request-Id": "trace-7"},
+                  json={"prompt": PROMPT, "max_tokens": 2, "request_id": "body-1", "stream": True})
+    ids = {line for line in r.text.splitlines() if line.startswith("data: {")}
+    assert ids and all('"id":"cmpl-trace-7"' in line for line in ids) and r.headers["x-request-id"] == "trace-7"
+    r = http.post("/v1/chat/completions", headers={"X-Request-Id": "trace-8"}, json={"messages": CHAT, "max_tokens": 2})
+    assert r.json()["id"] == "chatcmpl-trace-8" and r.headers["x-request-id"] == "trace-8"
+    assert http.get("/health", headers={"X-Request-Id": "h"}).headers["x-request-id"] == "h"
