@@ -51,3 +51,14 @@ def test_a_request_is_named_by_its_x_request_id_else_its_request_id(http):
     r = http.post("/v1/chat/completions", headers={"X-Request-Id": "trace-8"}, json={"messages": CHAT, "max_tokens": 2})
     assert r.json()["id"] == "chatcmpl-trace-8" and r.headers["x-request-id"] == "trace-8"
     assert http.get("/health", headers={"X-Request-Id": "h"}).headers["x-request-id"] == "h"
+
+
+def prompt_tokens_total(http: TestClient) -> float:
+    line = next(x for x in http.get("/metrics").text.splitlines() if x.startswith("pagedrl:prompt_tokens_total"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_prompt_tokens_are_counted_per_sample_once_prefilled_as_vllm_counts_them(http, loaded):
+    before = prompt_tokens_total(http)
+    assert complete(http, n=2, temperature=1.0).status_code == 200
+    assert prompt_tokens_total(http) - before == 2 * len(loaded.tokenizer.encode(PROMPT))
