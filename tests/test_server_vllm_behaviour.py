@@ -62,3 +62,24 @@ def test_prompt_tokens_are_counted_per_sample_once_prefilled_as_vllm_counts_them
     before = prompt_tokens_total(http)
     assert complete(http, n=2, temperature=1.0).status_code == 200
     assert prompt_tokens_total(http) - before == 2 * len(loaded.tokenizer.encode(PROMPT))
+
+
+@pytest.fixture(scope="module")
+def http_defaults(loaded) -> Iterator[TestClient]:
+    """A server whose model recommends max_new_tokens 3, and whose operator capped every request at 5."""
+    yield from app_client(loaded, sampling_defaults={"max_tokens": 3}, max_tokens_cap=5)
+
+
+def test_max_tokens_defaults_and_cap_as_vllm_sets_them(http_defaults):
+    def length(path: str, **body: Any) -> int:
+        body = {"ignore_eos": True, **body}
+        r = http_defaults.post(path, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["completion_tokens"]
+
+    # /v1/completions' own default (16) wins over the model's 3, and the operator's cap over both
+    assert length("/v1/completions", prompt=PROMPT) == 5
+    assert length("/v1/completions", prompt=PROMPT, max_tokens=None) == 3  # null: the model's default
+    assert length("/v1/completions", prompt=PROMPT, max_tokens=4) == 4
+    assert length("/v1/chat/completions", messages=CHAT) == 3
+    assert length("/v1/chat/completions", messages=CHAT, max_tokens=9) == 5

@@ -146,7 +146,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
               ui: bool = True, tool_call_parser: str | None = "hermes", enable_auto_tool_choice: bool = False,
               lora_modules: Sequence[LoRAModule] = (), allow_runtime_lora_updating: bool = False,
-              sampling_defaults: dict[str, Any] | None = None, allowed_origins: Sequence[str] = (),
+              sampling_defaults: dict[str, Any] | None = None, max_tokens_cap: int | None = None,
+              allowed_origins: Sequence[str] = (),
               request_id_headers: bool = False) -> FastAPI:
     """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
     With `ui`, `/` answers with the chat page (`server/ui_routes.py`), a static file that calls the
@@ -157,7 +158,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     On an engine built with `enable_lora`, each of `lora_modules` is served under its name (a request's
     `model` picks it; one that does not fit raises ValueError here), and with `allow_runtime_lora_updating`
     adapters are loaded and unloaded at run time (`server/lora_routes.py`). `sampling_defaults` (the
-    model's generation config, vLLM's `--generation-config auto`) stand in for unset sampling fields.
+    model's generation config, vLLM's `--generation-config auto`) stand in for unset sampling fields;
+    `max_tokens_cap` (a max_new_tokens the operator chose) bounds every request's max_tokens.
     `allowed_origins` (vLLM's `--allowed-origins`): web pages of those origins may call the API from a
     browser (CORS, every method and header, no cookies); none by default, so no other site can use a
     server on a user's own machine through their browser. `request_id_headers` (vLLM's
@@ -241,7 +243,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     async def completions(request: Request) -> Response:
         req = await read_json(request, CompletionRequest, max_request_body_bytes)
         lora = check_model(req.model)
-        prompts, params = completion_inputs(req, max_n, sampling_defaults)
+        prompts, params = completion_inputs(req, max_n, sampling_defaults, max_tokens_cap)
         echo = Echo(req.echo, req.echo and req.max_tokens == 0)
         group = await submit(prompts, params, structured_outputs(req)[1], lora)
         request_id = f"cmpl-{base_request_id(request, req.request_id)}"
@@ -264,7 +266,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         plan = tool_plan(req, tool_call_parser, enable_auto_tool_choice)
         if plan is not None:  # schemas compile off the event loop (cached: a repeated tool costs nothing)
             await asyncio.to_thread(check_tool_schemas, plan, engine.check_structured_output)
-        prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan, sampling_defaults)
+        prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan, sampling_defaults, max_tokens_cap)
         group = await submit([prompt_ids], params, {"logprobs": "top_logprobs", **structured_outputs(req)[1]}, lora)
         request_id = f"chatcmpl-{base_request_id(request, req.request_id)}"
         model = req.model or served_model_name

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pagedrl.engine.generation_defaults import capped
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.chat_template import select_chat_template
 from pagedrl.server.errors import bad_request, from_value_error
@@ -78,9 +79,11 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         raise from_value_error(e, renames) from None
 
 
-def completion_inputs(req: CompletionRequest, max_n: int = DEFAULT_MAX_N,
-                      defaults: Mapping[str, Any] | None = None) -> tuple[list[str | list[int]], SamplingParams]:
-    """The prompts (one engine request each) and the sampling parameters of a completion request."""
+def completion_inputs(req: CompletionRequest, max_n: int = DEFAULT_MAX_N, defaults: Mapping[str, Any] | None = None,
+                      max_tokens_cap: int | None = None) -> tuple[list[str | list[int]], SamplingParams]:
+    """The prompts (one engine request each) and the sampling parameters of a completion request. Its
+    max_tokens is vLLM's: 16 unless given; given as null, the model's default, else up to the context;
+    either way at most `max_tokens_cap`."""
     if req.suffix is not None:
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -97,8 +100,9 @@ def completion_inputs(req: CompletionRequest, max_n: int = DEFAULT_MAX_N,
         raise bad_request(f"min_tokens ({req.min_tokens}) exceeds max_tokens, which is {COMPLETION_MAX_TOKENS} on "
                           "/v1/completions unless given (as in OpenAI's API and vLLM); give max_tokens (null: up to "
                           "the context)", param="min_tokens")
-    if "max_tokens" not in req.model_fields_set and (defaults or {}).get("max_tokens") is not None:
-        max_tokens = min(max_tokens, defaults["max_tokens"])  # the lesser of the route's and the model's
+    if max_tokens is None:
+        max_tokens = (defaults or {}).get("max_tokens")
+    max_tokens = capped(max_tokens, max_tokens_cap)
     if req.echo and max_tokens == 0:
         max_tokens = 1  # the prompt alone: the engine still makes a token, which the answer leaves out
     params = sampling_params(req, max_tokens, req.logprobs, max_n=max_n, defaults=defaults)
@@ -144,7 +148,8 @@ def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
 
 
 def chat_inputs(req: ChatCompletionRequest, tokenizer: Any, max_n: int = DEFAULT_MAX_N,
-                plan: ToolPlan | None = None, defaults: Mapping[str, Any] | None = None) -> tuple[list[int], SamplingParams]:
+                plan: ToolPlan | None = None, defaults: Mapping[str, Any] | None = None,
+                max_tokens_cap: int | None = None) -> tuple[list[int], SamplingParams]:
     """The chat template applied to the messages and `plan`'s tools (as token ids) and the sampling
     parameters, constrained to tool calls when the plan requires them."""
     if req.max_tokens is not None and req.max_completion_tokens is not None:
@@ -152,6 +157,7 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Any, max_n: int = DEFAULT
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = (defaults or {}).get("max_tokens")  # else up to the context
+    max_tokens = capped(max_tokens, max_tokens_cap)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     if req.echo not in (None, False):

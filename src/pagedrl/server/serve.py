@@ -139,8 +139,8 @@ def build_server(args: argparse.Namespace) -> Any:
     import uvicorn
 
     from pagedrl.engine.async_engine import AsyncEngine
+    from pagedrl.engine.generation_defaults import generation_defaults
     from pagedrl.engine.llm_engine import LLMEngine
-    from pagedrl.engine.sampling_params import sampling_defaults
     from pagedrl.model.default import DEFAULT_MODEL
     from pagedrl.model.loader import load_model
     from pagedrl.server.app import build_app
@@ -151,11 +151,11 @@ def build_server(args: argparse.Namespace) -> Any:
                         quantization=engine_args.quantization,
                         activations=engine_args.activations)
     engine = LLMEngine(loaded.model, loaded.tokenizer, engine_args.engine_config(), eos_token_ids=loaded.eos_token_ids)
-    defaults = sampling_defaults(loaded.generation_config, str(loaded.path / "generation_config.json")) \
-        if engine_args.generation_config == "auto" else {}
-    if defaults:
-        logger.info("default sampling parameters from the model's generation config, for requests that leave "
-                    "them unset: %s (--generation-config vllm turns them off)", defaults)
+    defaults = generation_defaults(engine_args.generation_config, loaded.generation_config,
+                                   str(loaded.path / "generation_config.json"), engine_args.override_generation_config)
+    if defaults.params:
+        logger.info("default sampling parameters for requests that leave them unset: %s (--generation-config vllm "
+                    "turns the model's off)", defaults.describe())
     names = args.served_model_name or [args.adapter or args.model or DEFAULT_MODEL]
     name = names[0]
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
@@ -164,7 +164,8 @@ def build_server(args: argparse.Namespace) -> Any:
                     max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n, ui=not args.no_ui,
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                     lora_modules=[parse_lora_module(m) for m in args.lora_modules],
-                    allow_runtime_lora_updating=args.allow_runtime_lora_updating, sampling_defaults=defaults,
+                    allow_runtime_lora_updating=args.allow_runtime_lora_updating, sampling_defaults=defaults.params,
+                    max_tokens_cap=defaults.max_tokens_cap,
                     allowed_origins=origins(args.allowed_origins),
                     request_id_headers=args.enable_request_id_headers)
     stats = engine.metrics_snapshot()
