@@ -83,3 +83,15 @@ def test_max_tokens_defaults_and_cap_as_vllm_sets_them(http_defaults):
     assert length("/v1/completions", prompt=PROMPT, max_tokens=4) == 4
     assert length("/v1/chat/completions", messages=CHAT) == 3
     assert length("/v1/chat/completions", messages=CHAT, max_tokens=9) == 5
+
+
+def test_max_logprobs_is_the_servers_limit_on_alternatives(http):
+    """The engine's max_logprobs (--max-logprobs, 30 here), not OpenAI's 20, bounds both routes and the schema."""
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "logprobs": True, "top_logprobs": 25})
+    assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 25
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "logprobs": True, "top_logprobs": 31})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+    r = complete(http, logprobs=31)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs" and "max_logprobs (30)" in r.text
+    schemas = http.get("/openapi.json").json()["components"]["schemas"]
+    assert schemas["CompletionRequest"]["properties"]["logprobs"]["anyOf"][0]["maximum"] == 30

@@ -310,7 +310,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         return json_response(VersionResponse(version=pagedrl.__version__))
 
     auto_tools = enable_auto_tool_choice and tool_call_parser is not None
-    install_openapi(app, request_models, vocab_size=engine.vocab_size,
+    install_openapi(app, request_models, vocab_size=engine.vocab_size, max_logprobs=engine.max_logprobs,
                     rules={} if auto_tools else {"ChatCompletionRequest": TOOLS_NEED_A_CHOICE})
     app.state.draining = Draining()
     app.add_middleware(DrainGate, draining=app.state.draining)

@@ -32,8 +32,6 @@ from pagedrl.server.tools import (
     with_hermes_tools,
 )
 
-# OpenAI allows 20 alternatives per token (5 on the legacy completions API; vLLM allows 20 on both).
-MAX_LOGPROBS = 20
 # OpenAI's limit on `n`; a server flag, since every sample is a sequence the engine runs.
 DEFAULT_MAX_N = 128
 # vLLM's and OpenAI's fields that would change the answer and that this server does not implement:
@@ -58,9 +56,6 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
     for name in UNSUPPORTED_EXTRAS:
         if getattr(req, name, None) not in (None, False):
             raise bad_request(f"{name} is not supported", param=name)
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        name = (renames or {}).get("logprobs", "logprobs")
-        raise bad_request(f"{name} must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param=name)
     kwargs: dict[str, Any] = dict(
         n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,

@@ -39,6 +39,7 @@ INTEGRAL = BeforeValidator(_integral)  # on every integer field of a request (af
 
 TOKEN_ID_MARK = "x-token-id"
 TOKEN_ID_KEY_MARK = "x-token-id-key"  # a token id written as a JSON object's key (a decimal string)
+LOGPROBS_MARK = "x-logprobs"  # a count of alternatives, bounded by the engine's max_logprobs (--max-logprobs)
 
 
 # Ranges a value must be in, declared so that /openapi.json tells clients (and fuzzers) what is valid;
@@ -50,7 +51,8 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 DECIMAL = r"^(0|[1-9][0-9]*)$"
 # A token id as an object's key; its schema (`propertyNames`) is bounded by the vocabulary too.
 TokenIdKey = Annotated[str, Field(pattern=DECIMAL, json_schema_extra={TOKEN_ID_KEY_MARK: True, "pattern": DECIMAL})]
-TopLogprobs = Annotated[int, Field(ge=0, le=20), INTEGRAL]
+# A count of alternatives; `/openapi.json` bounds it by the engine's max_logprobs, which the engine checks.
+TopLogprobs = Annotated[int, Field(ge=0, json_schema_extra={LOGPROBS_MARK: True}), INTEGRAL]
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
