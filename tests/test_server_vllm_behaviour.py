@@ -95,3 +95,51 @@ def test_max_logprobs_is_the_servers_limit_on_alternatives(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs" and "max_logprobs (30)" in r.text
     schemas = http.get("/openapi.json").json()["components"]["schemas"]
     assert schemas["CompletionRequest"]["properties"]["logprobs"]["anyOf"][0]["maximum"] == 30
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("return_token_ids", True, "return_token_ids"), ("return_tokens_as_token_ids", True, "return_tokens_as_token_ids"),
+    ("logprob_token_ids", [1, 2], "logprob_token_ids"), ("cache_salt", "s" * 43, "cache_salt"),
+    ("thinking_token_budget", 10, "thinking_token_budget"), ("priority", 1, "priority"),
+    ("truncation_side", "right", "truncation_side"), ("repetition_detection", {"min_pattern_size": 2}, None),
+    ("stream_options", {"include_usage": True, "continuous_usage_stats": True}, "stream_options.continuous_usage_stats"),
+])
+def test_vllms_fields_that_would_change_the_answer_are_refused_not_ignored(http, field, value, param):
+    body = {"prompt": PROMPT, "max_tokens": 2, "stream": field == "stream_options", field: value}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == (param or field), r.text
+    assert complete(http, priority=0, thinking_token_budget=-1, truncation_side="left").status_code == 200
+
+
+class TemplateRecorder:
+    """A tokenizer that records what the chat template is given and whether special tokens are added."""
+
+    chat_template = "{{ messages }}"
+
+    def __init__(self) -> None:
+        self.kwargs: dict[str, Any] = {}
+        self.special: list[bool] = []
+
+    def apply_chat_template(self, messages: Any, **kwargs: Any) -> str:
+        self.kwargs = kwargs
+        return "rendered"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.special.append(add_special_tokens)
+        return [0, 5, 6] if add_special_tokens else [5, 6]  # a BOS, as Llama's tokenizers add
+
+
+def test_documents_reasoning_effort_and_special_tokens_reach_the_prompt_as_in_vllm():
+    from pagedrl.server.inputs import chat_inputs, completion_inputs
+    from pagedrl.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    tok = TemplateRecorder()
+    docs = [{"title": "a", "text": "b"}]
+    req = ChatCompletionRequest(messages=CHAT, documents=docs, reasoning_effort="low",
+                                chat_template_kwargs={"reasoning_effort": "high", "enable_thinking": False})
+    assert chat_inputs(req, tok)[0] == [5, 6] and tok.special == [False]  # the template writes its own
+    assert tok.kwargs["documents"] == docs and tok.kwargs["reasoning_effort"] == "low" and not tok.kwargs[
+        "enable_thinking"]
+    assert chat_inputs(ChatCompletionRequest(messages=CHAT, add_special_tokens=True), tok)[0] == [0, 5, 6]
+    assert completion_inputs(CompletionRequest(prompt="hi", add_special_tokens=False), tokenizer=tok)[0] == [[5, 6]]
+    assert completion_inputs(CompletionRequest(prompt="hi"), tokenizer=tok)[0] == ["hi"]  # the engine adds the BOS

@@ -243,7 +243,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     async def completions(request: Request) -> Response:
         req = await read_json(request, CompletionRequest, max_request_body_bytes)
         lora = check_model(req.model)
-        prompts, params = completion_inputs(req, max_n, sampling_defaults, max_tokens_cap)
+        prompts, params = completion_inputs(req, max_n, sampling_defaults, max_tokens_cap, tokenizer)
         echo = Echo(req.echo, req.echo and req.max_tokens == 0)
         group = await submit(prompts, params, structured_outputs(req)[1], lora)
         request_id = f"cmpl-{base_request_id(request, req.request_id)}"

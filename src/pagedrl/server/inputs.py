@@ -36,7 +36,9 @@ from pagedrl.server.tools import (
 DEFAULT_MAX_N = 128
 # vLLM's and OpenAI's fields that would change the answer and that this server does not implement:
 # refused by name (as suffix and best_of are) rather than silently ignored.
-UNSUPPORTED_EXTRAS = ("use_beam_search", "chat_template", "functions", "function_call")
+UNSUPPORTED_EXTRAS = ("use_beam_search", "chat_template", "functions", "function_call", "return_token_ids",
+                      "return_tokens_as_token_ids", "logprob_token_ids", "prompt_embeds", "cache_salt",
+                      "repetition_detection", "watermarking")
 OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -56,6 +58,11 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
     for name in UNSUPPORTED_EXTRAS:
         if getattr(req, name, None) not in (None, False):
             raise bad_request(f"{name} is not supported", param=name)
+    if req.thinking_token_budget not in (None, -1):  # -1: unlimited, vLLM's "unset"
+        raise bad_request("thinking_token_budget is not supported", param="thinking_token_budget")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise bad_request("stream_options.continuous_usage_stats is not supported (include_usage is: the usage "
+                          "comes in the last chunk)", param="stream_options.continuous_usage_stats")
     kwargs: dict[str, Any] = dict(
         n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
@@ -75,10 +82,11 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
 
 
 def completion_inputs(req: CompletionRequest, max_n: int = DEFAULT_MAX_N, defaults: Mapping[str, Any] | None = None,
-                      max_tokens_cap: int | None = None) -> tuple[list[str | list[int]], SamplingParams]:
+                      max_tokens_cap: int | None = None, tokenizer: Any = None) -> tuple[list[str | list[int]], SamplingParams]:
     """The prompts (one engine request each) and the sampling parameters of a completion request. Its
     max_tokens is vLLM's: 16 unless given; given as null, the model's default, else up to the context;
-    either way at most `max_tokens_cap`."""
+    either way at most `max_tokens_cap`. With `add_special_tokens: false` a text prompt is tokenized here,
+    without the tokenizer's special tokens (where it would add any)."""
     if req.suffix is not None:
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -90,6 +98,8 @@ def completion_inputs(req: CompletionRequest, max_n: int = DEFAULT_MAX_N, defaul
         prompts = list(prompt)
     if not prompts:
         raise bad_request("prompt must not be empty", param="prompt")
+    if not req.add_special_tokens and tokenizer is not None:
+        prompts = [without_special_tokens(p, tokenizer) for p in prompts]
     max_tokens = req.max_tokens
     if "max_tokens" not in req.model_fields_set and req.min_tokens > COMPLETION_MAX_TOKENS:
         raise bad_request(f"min_tokens ({req.min_tokens}) exceeds max_tokens, which is {COMPLETION_MAX_TOKENS} on "
@@ -107,6 +117,15 @@ def completion_inputs(req: CompletionRequest, max_n: int = DEFAULT_MAX_N, defaul
                               f"({req.prompt_logprobs}) must equal it or be left out", param="prompt_logprobs")
         params = params.clone(prompt_logprobs=req.logprobs)
     return prompts, params
+
+
+def without_special_tokens(prompt: str | list[int], tokenizer: Any) -> str | list[int]:
+    """A text prompt's ids without the tokenizer's special tokens; the text itself where the tokenizer
+    adds none (so that `echo` repeats it as sent)."""
+    if not isinstance(prompt, str):
+        return prompt
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    return prompt if ids == tokenizer.encode(prompt) else ids
 
 
 def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
@@ -169,17 +188,23 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Any, max_n: int = DEFAULT
     tools = plan.tool_dicts() if plan is not None else None
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request(CONTINUE_NEEDS_NO_GENERATION_PROMPT, param="continue_final_message")
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    for name in ("documents", "reasoning_effort"):  # vLLM's template variables, over chat_template_kwargs'
+        if getattr(req, name) is not None:
+            template_kwargs[name] = getattr(req, name)
     return chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt, tools,
-                           continue_final_message=req.continue_final_message,
-                           template_kwargs=req.chat_template_kwargs), params
+                           continue_final_message=req.continue_final_message, template_kwargs=template_kwargs,
+                           add_special_tokens=req.add_special_tokens), params
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None, add_special_tokens: bool = False) -> list[int]:
     """The prompt's token ids; a template that knows nothing of tools gets them in Hermes' format.
     `continue_final_message` (vLLM's, transformers' rule) ends the prompt right after the final
-    message's text, so the model continues it; `template_kwargs` are vLLM's `chat_template_kwargs`."""
+    message's text, so the model continues it; `template_kwargs` are vLLM's `chat_template_kwargs` (with
+    its `documents`); `add_special_tokens` (vLLM's, off by default: the template writes its own) adds the
+    tokenizer's around the rendered text."""
     if tokenizer is None or tokenizer.chat_template is None:
         raise bad_request("this model has no chat template; use /v1/completions", param="messages")
     if not messages:
@@ -189,7 +214,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_
     if uses_tools and not template_handles_tools(select_chat_template(tokenizer.chat_template, None, tools)):
         dicts, tools = with_hermes_tools(dicts, tools or []), None
     extra = {k: v for k, v in (template_kwargs or {}).items()
-             if k not in ("messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
+             if k not in ("messages", "tools", "add_generation_prompt", "tokenize", "chat_template",
                           "special_tokens", "continue_final_message")}
     try:
         text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=tools,
@@ -197,7 +222,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_
     except ValueError as e:
         param = "continue_final_message" if str(e).startswith("continue_final_message") else "messages"
         raise bad_request(f"the chat template failed on these messages: {e}", param=param) from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def tokenizer_config(tokenizer: Any, max_model_len: int) -> dict[str, Any]:
