@@ -143,3 +143,15 @@ def test_documents_reasoning_effort_and_special_tokens_reach_the_prompt_as_in_vl
     assert chat_inputs(ChatCompletionRequest(messages=CHAT, add_special_tokens=True), tok)[0] == [0, 5, 6]
     assert completion_inputs(CompletionRequest(prompt="hi", add_special_tokens=False), tokenizer=tok)[0] == [[5, 6]]
     assert completion_inputs(CompletionRequest(prompt="hi"), tokenizer=tok)[0] == ["hi"]  # the engine adds the BOS
+
+
+def test_vllms_server_flags_reach_uvicorn(tmp_path):
+    from pagedrl.server.serve import build_parser, ssl_problem, uvicorn_options
+
+    args = build_parser().parse_args(["--uvicorn-log-level", "debug", "--disable-uvicorn-access-log",
+                                      "--root-path", "/llm", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"])
+    options = uvicorn_options(args)
+    assert (options["log_level"], options["access_log"], options["root_path"]) == ("debug", False, "/llm")
+    assert (options["ssl_keyfile"], options["ssl_certfile"]) == ("k.pem", "c.pem")
+    assert ssl_problem(args) == "k.pem: no such file (--ssl-keyfile, --ssl-certfile)"
+    assert "go together" in ssl_problem(build_parser().parse_args(["--ssl-certfile", "c.pem"]))

@@ -54,8 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="samples one request may ask for (n); more are answered 400 (default: OpenAI's 128)")
     server.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
-    server.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    server.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    server.add_argument("--log-level", "--uvicorn-log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug"),
+                        help="the server's and uvicorn's log level (--uvicorn-log-level: vLLM's spelling)")
+    server.add_argument("--no-access-log", "--disable-uvicorn-access-log", action="store_true",
+                        help="do not log every HTTP request")
+    server.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under "
+                        "(FastAPI's root_path, vLLM's flag)")
+    server.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (and --ssl-certfile)")
+    server.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain")
     server.add_argument("--no-ui", action="store_true", help="do not serve the chat page at /")
     server.add_argument("--allowed-origins", nargs="+", default=[], type=str, metavar="ORIGIN",
                         help="origins whose web pages may call the API from a browser (CORS), e.g. "
@@ -179,11 +186,26 @@ def build_server(args: argparse.Namespace) -> Any:
                 footprint(loaded.model.config, loaded.model.dtype, engine.kv_dtype).describe(stats.weight_bytes),
                 engine.kv_layout(), engine.max_model_len, engine.decode_path())
     if not args.no_ui:
-        logger.info("chat page at http://%s:%d/ (--no-ui turns it off)", args.host, args.port)
-    uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                        access_log=not args.no_access_log,
-                        timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S)
+        logger.info("chat page at %s://%s:%d%s/ (--no-ui turns it off)", "https" if args.ssl_certfile else "http",
+                    args.host, args.port, args.root_path)
+    uv = uvicorn.Config(app, **uvicorn_options(args))
     return draining_server(uv, async_engine, app.state.draining, args.shutdown_timeout)
+
+
+def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What uvicorn is told of the server's flags."""
+    return dict(host=args.host, port=args.port, log_level=args.log_level, access_log=not args.no_access_log,
+                timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S, root_path=args.root_path,
+                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
+
+
+def ssl_problem(args: argparse.Namespace) -> str | None:
+    """HTTPS needs both files, and files that exist: said before the model loads."""
+    given = [f for f in (args.ssl_keyfile, args.ssl_certfile) if f]
+    if len(given) == 1:
+        return "--ssl-keyfile and --ssl-certfile go together"
+    missing = [f for f in given if not Path(f).is_file()]
+    return f"{missing[0]}: no such file (--ssl-keyfile, --ssl-certfile)" if missing else None
 
 
 def origins(values: list[str]) -> list[str]:
@@ -285,7 +307,7 @@ def serve_main(argv: list[str]) -> int:
         print("pagedrl serve: --max-waiting-requests must be non-negative", file=sys.stderr)
         return 2
     problem = (lora_arguments_problem(args) or names_problem(args) or engine_arguments_problem(args)
-               or origins_problem(args) or listening_problem(args.host, args.port))
+               or origins_problem(args) or ssl_problem(args) or listening_problem(args.host, args.port))
     if problem:
         print(f"pagedrl serve: {problem}", file=sys.stderr)
         return 2
