@@ -103,8 +103,8 @@ def completion_inputs(req: CompletionRequest, max_n: int = DEFAULT_MAX_N, defaul
     max_tokens = req.max_tokens
     if "max_tokens" not in req.model_fields_set and req.min_tokens > COMPLETION_MAX_TOKENS:
         raise bad_request(f"min_tokens ({req.min_tokens}) exceeds max_tokens, which is {COMPLETION_MAX_TOKENS} on "
-                          "/v1/completions unless given (as in OpenAI's API and vLLM); give max_tokens (null: up to "
-                          "the context)", param="min_tokens")
+                          "/v1/completions unless given (as in OpenAI's API and vLLM); give max_tokens (null: the "
+                          "model's default, else up to the context)", param="min_tokens")
     if max_tokens is None:
         max_tokens = (defaults or {}).get("max_tokens")
     max_tokens = capped(max_tokens, max_tokens_cap)
