@@ -152,7 +152,7 @@ def test_the_server_fills_unset_fields_from_the_models_defaults():
 
     defaults = {"temperature": 0.6, "top_k": 20, "max_tokens": 5}
     _, params = completion_inputs(CompletionRequest(prompt="hi"), defaults=defaults)
-    assert (params.temperature, params.top_k, params.max_tokens) == (0.6, 20, 5)
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.6, 20, 16)  # the route's 16, as vLLM's
     _, params = completion_inputs(CompletionRequest(prompt="hi", temperature=1.0, max_tokens=9), defaults=defaults)
     assert (params.temperature, params.top_k, params.max_tokens) == (1.0, 20, 9)  # what the request says wins
     assert completion_inputs(CompletionRequest(prompt="hi"))[1].max_tokens == 16  # OpenAI's default without them
@@ -183,3 +183,22 @@ def test_vllms_model_arguments(tiny_train_model):
     assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="tensor_parallel_size 2: one model is served on one device"):
         LLM(str(tiny_train_model), tensor_parallel_size=2)
+
+
+def test_a_generation_config_folder_and_override_give_the_defaults_and_the_cap(tmp_path):
+    """vLLM's `generation_config=FOLDER` and `override_generation_config`: the folder's keys, the
+    override's over them; a max_new_tokens the operator chose caps served requests, the model's does not."""
+    import json
+
+    from pagedrl.engine.generation_defaults import generation_defaults
+
+    model = {"temperature": 0.7, "max_new_tokens": 50}
+    auto = generation_defaults("auto", model, "m/generation_config.json", {"top_k": 5})
+    assert auto.params == {"temperature": 0.7, "top_k": 5, "max_tokens": 50} and auto.max_tokens_cap is None
+    assert generation_defaults("vllm", model, "m", {"max_new_tokens": 9}).params == {"max_tokens": 9}
+    assert generation_defaults("vllm", model, "m", {"max_new_tokens": 9}).max_tokens_cap == 9
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0.5, "max_new_tokens": 7}))
+    folder = generation_defaults(str(tmp_path), model, "m", {"top_p": 0.9})
+    assert folder.params == {"top_p": 0.9, "max_tokens": 7} and folder.max_tokens_cap == 7
+    with pytest.raises(ValueError, match="does not exist"):
+        generation_defaults(str(tmp_path / "none"), model, "m")

@@ -142,6 +142,11 @@ class AsyncEngine:
         return self.engine.vocab_size
 
     @property
+    def max_logprobs(self) -> int:
+        """The most alternatives a request may ask for (-1: no limit)."""
+        return self.engine.config.max_logprobs
+
+    @property
     def block_size(self) -> int:
         return self.engine.block_size
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -48,7 +50,12 @@ class EngineArgs(EngineConfig):
     generation_config: str = setting(
         "auto", "auto: the model's generation_config.json gives the temperature, top_p, top_k, min_p, "
                 "repetition_penalty and max_tokens (max_new_tokens) of requests that leave them unset, as vLLM "
-                "does; vllm: SamplingParams' own defaults", "model", choices=("auto", "vllm"))
+                "does; vllm: SamplingParams' own defaults; a folder: its generation_config.json gives them (and its "
+                "max_new_tokens caps every served request)", "model", metavar="{auto,vllm,FOLDER}")
+    override_generation_config: dict[str, Any] | None = setting(
+        None, "JSON object of generation-config keys over those generation_config gives, e.g. "
+              "'{\"temperature\": 0.5}'; its max_new_tokens caps every served request (vLLM's)", "model",
+        metavar="JSON")
     device: str | None = setting(None, "cpu, cuda, cuda:1, ... (default: cuda if available)", "model")
     dtype: torch.dtype | str = setting("auto", DTYPE_HELP, "model", choices=DTYPE_CHOICES)
     quantization: str | None = setting(
@@ -110,11 +117,24 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _scalar_type(hint: Any) -> type:
-    """int, float or str from a field's type (`int | None` is int)."""
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (vLLM's form for its dict-valued settings)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text}")
+    return value
+
+
+def _scalar_type(hint: Any) -> Callable[[str], Any]:
+    """int, float or str from a field's type (`int | None` is int); a dict is read as a JSON object."""
     if get_origin(hint) in (Union, types.UnionType):
         arms = [a for a in get_args(hint) if a is not type(None)]
         return _scalar_type(arms[0]) if len(arms) == 1 else str
+    if hint is dict or get_origin(hint) is dict:
+        return json_object
     return hint if hint in (int, float, str) else str
 
 

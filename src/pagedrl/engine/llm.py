@@ -16,10 +16,11 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedrl.engine.engine_args import EngineArgs, ordered_fields
+from pagedrl.engine.generation_defaults import generation_defaults
 from pagedrl.engine.llm_engine import LLMEngine
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.outputs import RequestOutput
-from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams, sampling_defaults
+from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.model import batch_invariant
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.footprint import footprint
@@ -134,12 +135,12 @@ class LLM:
                                 revision=args.revision, quantization=args.quantization, activations=args.activations)
             _module, _eos_token_ids = loaded.model, loaded.eos_token_ids
             tokenizer = loaded.tokenizer if tokenizer is None else _tokenizer_from(tokenizer)
-            if args.generation_config == "auto":
-                self.sampling_defaults = sampling_defaults(loaded.generation_config,
-                                                           str(loaded.path / "generation_config.json"))
-                if self.sampling_defaults:
-                    logger.info("pagedrl engine: default sampling parameters from the model's generation config: "
-                                "%s (generation_config='vllm' turns them off)", self.sampling_defaults)
+            defaults = generation_defaults(args.generation_config, loaded.generation_config,
+                                           str(loaded.path / "generation_config.json"), args.override_generation_config)
+            self.sampling_defaults = defaults.params
+            if self.sampling_defaults:
+                logger.info("pagedrl engine: default sampling parameters %s (generation_config='vllm' turns the "
+                            "model's off)", defaults.describe())
             self.precision = loaded.precision
             logger.info("pagedrl engine: %s on %s", self.precision.describe(), _module.device)
         elif args.autocast_dtype is not None:
@@ -193,7 +194,8 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate(prompts)` samples with: SamplingParams' defaults, over which the model's
-        generation_config.json recommends its own (vLLM's `generation_config="auto"`)."""
+        generation_config.json recommends its own (vLLM's `generation_config="auto"`), or those of
+        `generation_config`'s folder, with `override_generation_config` over them."""
         return SamplingParams(**self.sampling_defaults)
 
     def reset_prefix_cache(self) -> None:

@@ -121,7 +121,6 @@ class LLMEngine:
         req.seqs.append(seq)
         self.requests[request_id] = req
         self.scheduler.add(seq)
-        self.prompt_tokens += len(ids)
         return request_id
 
     def encode(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[int]:
@@ -292,8 +291,9 @@ class LLMEngine:
             seq.append(token, processed[i], raw[i], entry)
             if seq.grammar is not None:
                 seq.grammar.accept(token)
-            if seq.first_token_time is None:
+            if seq.first_token_time is None:  # its prompt is in: counted now, per sample, as vLLM counts it
                 seq.first_token_time = now
+                self.prompt_tokens += seq.num_prompt_tokens
             stop = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
             if stop is not None:
                 self.finish(seq, *stop)

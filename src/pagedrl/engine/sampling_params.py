@@ -290,21 +290,3 @@ def _normalise_bad_words(words: Any) -> list[str] | None:
     if any(not w.strip() for w in words):
         raise _bad("bad_words", words, "must not contain an empty or blank word")
     return list(words)
-
-
-# generation_config.json's settings that vLLM takes as the defaults of requests that leave them unset
-# (its `generation_config="auto"`), by SamplingParams' names
-GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-
-
-def sampling_defaults(generation_config: dict[str, Any], source: str = "generation_config.json") -> dict[str, Any]:
-    """The sampling defaults a model's generation config recommends, by SamplingParams' names; a value
-    SamplingParams refuses is a ValueError naming `source` and the field."""
-    defaults = {ours: generation_config[theirs] for theirs, ours in GENERATION_DEFAULTS.items()
-                if generation_config.get(theirs) is not None}
-    try:
-        SamplingParams(**defaults)
-    except ValueError as e:
-        raise ValueError(f"{source}: {e}") from None
-    return defaults

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from pagedrl.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedrl.server.openapi import errors, json_or_events, request_body
 from pagedrl.server.openapi import install as install_openapi
 from pagedrl.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedrl.server.request_ids import RequestIdHeader, base_request_id
 from pagedrl.server.response_bodies import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -146,7 +146,9 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
               ui: bool = True, tool_call_parser: str | None = "hermes", enable_auto_tool_choice: bool = False,
               lora_modules: Sequence[LoRAModule] = (), allow_runtime_lora_updating: bool = False,
-              sampling_defaults: dict[str, Any] | None = None, allowed_origins: Sequence[str] = ()) -> FastAPI:
+              sampling_defaults: dict[str, Any] | None = None, max_tokens_cap: int | None = None,
+              allowed_origins: Sequence[str] = (),
+              request_id_headers: bool = False) -> FastAPI:
     """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
     With `ui`, `/` answers with the chat page (`server/ui_routes.py`), a static file that calls the
     API like any client (and needs the API key like any client). With `api_key`, every route that
@@ -156,10 +158,12 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     On an engine built with `enable_lora`, each of `lora_modules` is served under its name (a request's
     `model` picks it; one that does not fit raises ValueError here), and with `allow_runtime_lora_updating`
     adapters are loaded and unloaded at run time (`server/lora_routes.py`). `sampling_defaults` (the
-    model's generation config, vLLM's `--generation-config auto`) stand in for unset sampling fields.
+    model's generation config, vLLM's `--generation-config auto`) stand in for unset sampling fields;
+    `max_tokens_cap` (a max_new_tokens the operator chose) bounds every request's max_tokens.
     `allowed_origins` (vLLM's `--allowed-origins`): web pages of those origins may call the API from a
     browser (CORS, every method and header, no cookies); none by default, so no other site can use a
-    server on a user's own machine through their browser."""
+    server on a user's own machine through their browser. `request_id_headers` (vLLM's
+    `--enable-request-id-headers`): every response carries `X-Request-Id` (`server/request_ids.py`)."""
     served = ServedModels(served_model_name, read=engine.read_lora if engine.lora_enabled else None)
     served_model_name = served.base_name  # the first of several names: what metrics and defaults use
     for module in lora_modules:
@@ -239,10 +243,10 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     async def completions(request: Request) -> Response:
         req = await read_json(request, CompletionRequest, max_request_body_bytes)
         lora = check_model(req.model)
-        prompts, params = completion_inputs(req, max_n, sampling_defaults)
+        prompts, params = completion_inputs(req, max_n, sampling_defaults, max_tokens_cap, tokenizer)
         echo = Echo(req.echo, req.echo and req.max_tokens == 0)
         group = await submit(prompts, params, structured_outputs(req)[1], lora)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = f"cmpl-{base_request_id(request, req.request_id)}"
         model = req.model or served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -262,9 +266,9 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         plan = tool_plan(req, tool_call_parser, enable_auto_tool_choice)
         if plan is not None:  # schemas compile off the event loop (cached: a repeated tool costs nothing)
             await asyncio.to_thread(check_tool_schemas, plan, engine.check_structured_output)
-        prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan, sampling_defaults)
+        prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan, sampling_defaults, max_tokens_cap)
         group = await submit([prompt_ids], params, {"logprobs": "top_logprobs", **structured_outputs(req)[1]}, lora)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = f"chatcmpl-{base_request_id(request, req.request_id)}"
         model = req.model or served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -306,10 +310,12 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         return json_response(VersionResponse(version=pagedrl.__version__))
 
     auto_tools = enable_auto_tool_choice and tool_call_parser is not None
-    install_openapi(app, request_models, vocab_size=engine.vocab_size,
+    install_openapi(app, request_models, vocab_size=engine.vocab_size, max_logprobs=engine.max_logprobs,
                     rules={} if auto_tools else {"ChatCompletionRequest": TOOLS_NEED_A_CHOICE})
     app.state.draining = Draining()
     app.add_middleware(DrainGate, draining=app.state.draining)
+    if request_id_headers:
+        app.add_middleware(RequestIdHeader)
     if allowed_origins:  # outermost: a 503 while draining carries the headers too
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])

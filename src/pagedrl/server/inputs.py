@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pagedrl.engine.generation_defaults import capped
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.chat_template import select_chat_template
 from pagedrl.server.errors import bad_request, from_value_error
@@ -31,13 +32,13 @@ from pagedrl.server.tools import (
     with_hermes_tools,
 )
 
-# OpenAI allows 20 alternatives per token (5 on the legacy completions API; vLLM allows 20 on both).
-MAX_LOGPROBS = 20
 # OpenAI's limit on `n`; a server flag, since every sample is a sequence the engine runs.
 DEFAULT_MAX_N = 128
 # vLLM's and OpenAI's fields that would change the answer and that this server does not implement:
 # refused by name (as suffix and best_of are) rather than silently ignored.
-UNSUPPORTED_EXTRAS = ("use_beam_search", "chat_template", "functions", "function_call")
+UNSUPPORTED_EXTRAS = ("use_beam_search", "chat_template", "functions", "function_call", "return_token_ids",
+                      "return_tokens_as_token_ids", "logprob_token_ids", "prompt_embeds", "cache_salt",
+                      "repetition_detection", "watermarking")
 OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -57,9 +58,11 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
     for name in UNSUPPORTED_EXTRAS:
         if getattr(req, name, None) not in (None, False):
             raise bad_request(f"{name} is not supported", param=name)
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        name = (renames or {}).get("logprobs", "logprobs")
-        raise bad_request(f"{name} must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param=name)
+    if req.thinking_token_budget not in (None, -1):  # -1: unlimited, vLLM's "unset"
+        raise bad_request("thinking_token_budget is not supported", param="thinking_token_budget")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise bad_request("stream_options.continuous_usage_stats is not supported (include_usage is: the usage "
+                          "comes in the last chunk)", param="stream_options.continuous_usage_stats")
     kwargs: dict[str, Any] = dict(
         n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
@@ -78,9 +81,12 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         raise from_value_error(e, renames) from None
 
 
-def completion_inputs(req: CompletionRequest, max_n: int = DEFAULT_MAX_N,
-                      defaults: Mapping[str, Any] | None = None) -> tuple[list[str | list[int]], SamplingParams]:
-    """The prompts (one engine request each) and the sampling parameters of a completion request."""
+def completion_inputs(req: CompletionRequest, max_n: int = DEFAULT_MAX_N, defaults: Mapping[str, Any] | None = None,
+                      max_tokens_cap: int | None = None, tokenizer: Any = None) -> tuple[list[str | list[int]], SamplingParams]:
+    """The prompts (one engine request each) and the sampling parameters of a completion request. Its
+    max_tokens is vLLM's: 16 unless given; given as null, the model's default, else up to the context;
+    either way at most `max_tokens_cap`. With `add_special_tokens: false` a text prompt is tokenized here,
+    without the tokenizer's special tokens (where it would add any)."""
     if req.suffix is not None:
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -92,13 +98,16 @@ def completion_inputs(req: CompletionRequest, max_n: int = DEFAULT_MAX_N,
         prompts = list(prompt)
     if not prompts:
         raise bad_request("prompt must not be empty", param="prompt")
+    if not req.add_special_tokens and tokenizer is not None:
+        prompts = [without_special_tokens(p, tokenizer) for p in prompts]
     max_tokens = req.max_tokens
     if "max_tokens" not in req.model_fields_set and req.min_tokens > COMPLETION_MAX_TOKENS:
         raise bad_request(f"min_tokens ({req.min_tokens}) exceeds max_tokens, which is {COMPLETION_MAX_TOKENS} on "
-                          "/v1/completions unless given (as in OpenAI's API and vLLM); give max_tokens (null: up to "
-                          "the context)", param="min_tokens")
-    if "max_tokens" not in req.model_fields_set and (defaults or {}).get("max_tokens") is not None:
-        max_tokens = min(max_tokens, defaults["max_tokens"])  # the lesser of the route's and the model's
+                          "/v1/completions unless given (as in OpenAI's API and vLLM); give max_tokens (null: the "
+                          "model's default, else up to the context)", param="min_tokens")
+    if max_tokens is None:
+        max_tokens = (defaults or {}).get("max_tokens")
+    max_tokens = capped(max_tokens, max_tokens_cap)
     if req.echo and max_tokens == 0:
         max_tokens = 1  # the prompt alone: the engine still makes a token, which the answer leaves out
     params = sampling_params(req, max_tokens, req.logprobs, max_n=max_n, defaults=defaults)
@@ -108,6 +117,15 @@ def completion_inputs(req: CompletionRequest, max_n: int = DEFAULT_MAX_N,
                               f"({req.prompt_logprobs}) must equal it or be left out", param="prompt_logprobs")
         params = params.clone(prompt_logprobs=req.logprobs)
     return prompts, params
+
+
+def without_special_tokens(prompt: str | list[int], tokenizer: Any) -> str | list[int]:
+    """A text prompt's ids without the tokenizer's special tokens; the text itself where the tokenizer
+    adds none (so that `echo` repeats it as sent)."""
+    if not isinstance(prompt, str):
+        return prompt
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    return prompt if ids == tokenizer.encode(prompt) else ids
 
 
 def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
@@ -144,7 +162,8 @@ def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
 
 
 def chat_inputs(req: ChatCompletionRequest, tokenizer: Any, max_n: int = DEFAULT_MAX_N,
-                plan: ToolPlan | None = None, defaults: Mapping[str, Any] | None = None) -> tuple[list[int], SamplingParams]:
+                plan: ToolPlan | None = None, defaults: Mapping[str, Any] | None = None,
+                max_tokens_cap: int | None = None) -> tuple[list[int], SamplingParams]:
     """The chat template applied to the messages and `plan`'s tools (as token ids) and the sampling
     parameters, constrained to tool calls when the plan requires them."""
     if req.max_tokens is not None and req.max_completion_tokens is not None:
@@ -152,6 +171,7 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Any, max_n: int = DEFAULT
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = (defaults or {}).get("max_tokens")  # else up to the context
+    max_tokens = capped(max_tokens, max_tokens_cap)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     if req.echo not in (None, False):
@@ -168,17 +188,23 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Any, max_n: int = DEFAULT
     tools = plan.tool_dicts() if plan is not None else None
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request(CONTINUE_NEEDS_NO_GENERATION_PROMPT, param="continue_final_message")
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    for name in ("documents", "reasoning_effort"):  # vLLM's template variables, over chat_template_kwargs'
+        if getattr(req, name) is not None:
+            template_kwargs[name] = getattr(req, name)
     return chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt, tools,
-                           continue_final_message=req.continue_final_message,
-                           template_kwargs=req.chat_template_kwargs), params
+                           continue_final_message=req.continue_final_message, template_kwargs=template_kwargs,
+                           add_special_tokens=req.add_special_tokens), params
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None, add_special_tokens: bool = False) -> list[int]:
     """The prompt's token ids; a template that knows nothing of tools gets them in Hermes' format.
     `continue_final_message` (vLLM's, transformers' rule) ends the prompt right after the final
-    message's text, so the model continues it; `template_kwargs` are vLLM's `chat_template_kwargs`."""
+    message's text, so the model continues it; `template_kwargs` are vLLM's `chat_template_kwargs` (with
+    its `documents`); `add_special_tokens` (vLLM's, off by default: the template writes its own) adds the
+    tokenizer's around the rendered text."""
     if tokenizer is None or tokenizer.chat_template is None:
         raise bad_request("this model has no chat template; use /v1/completions", param="messages")
     if not messages:
@@ -188,7 +214,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_
     if uses_tools and not template_handles_tools(select_chat_template(tokenizer.chat_template, None, tools)):
         dicts, tools = with_hermes_tools(dicts, tools or []), None
     extra = {k: v for k, v in (template_kwargs or {}).items()
-             if k not in ("messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
+             if k not in ("messages", "tools", "add_generation_prompt", "tokenize", "chat_template",
                           "special_tokens", "continue_final_message")}
     try:
         text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=tools,
@@ -196,7 +222,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_
     except ValueError as e:
         param = "continue_final_message" if str(e).startswith("continue_final_message") else "messages"
         raise bad_request(f"the chat template failed on these messages: {e}", param=param) from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def tokenizer_config(tokenizer: Any, max_model_len: int) -> dict[str, Any]:

@@ -74,7 +74,7 @@ class EngineCollector:
                             s.prefix_cache_queries)
         yield self._counter("prefix_cache_hits", "Prefix cache hits, in number of queried tokens.", s.prefix_cache_hits)
         yield self._counter("num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions)
-        yield self._counter("prompt_tokens", "Number of prompt tokens of the requests admitted.", s.prompt_tokens)
+        yield self._counter("prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
         yield self._counter("generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
         if s.lora is not None:  # vLLM's info gauge: the adapters in the labels, the time as the value
             info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on lora requests.",

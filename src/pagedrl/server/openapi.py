@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from pagedrl.server.protocol import TOKEN_ID_KEY_MARK, TOKEN_ID_MARK
+from pagedrl.server.protocol import LOGPROBS_MARK, TOKEN_ID_KEY_MARK, TOKEN_ID_MARK
 from pagedrl.server.response_bodies import ErrorResponse
 
 REF = "#/components/schemas/{model}"
@@ -69,26 +69,29 @@ def decimal_below(limit: int) -> str:
     return "^(" + "|".join([shorter, *same]) + ")$"
 
 
-def bound_token_ids(node: Any, vocab_size: int) -> None:
+def bound_token_ids(node: Any, vocab_size: int | None, max_logprobs: int = -1) -> None:
     """Give every token-id schema (marked in protocol.py) the served vocabulary's bound, so that a
-    schema-valid id is one the model has (as a number, or as an object's key)."""
+    schema-valid id is one the model has (as a number, or as an object's key), and every count of
+    alternatives the engine's `max_logprobs` (-1: none)."""
     todo = [node]
     while todo:
         item = todo.pop()
         if isinstance(item, dict):
-            if item.pop(TOKEN_ID_MARK, False):
+            if item.pop(TOKEN_ID_MARK, False) and vocab_size is not None:
                 item["maximum"] = vocab_size - 1
-            if item.pop(TOKEN_ID_KEY_MARK, False):
+            if item.pop(TOKEN_ID_KEY_MARK, False) and vocab_size is not None:
                 item["pattern"] = decimal_below(vocab_size)
+            if item.pop(LOGPROBS_MARK, False) and max_logprobs != -1:
+                item["maximum"] = max_logprobs
             todo.extend(item.values())
         elif isinstance(item, list):
             todo.extend(item)
 
 
 def install(app: FastAPI, request_models: list[type[BaseModel]], vocab_size: int | None = None,
-            rules: dict[str, dict[str, Any]] | None = None) -> None:
+            rules: dict[str, dict[str, Any]] | None = None, max_logprobs: int = -1) -> None:
     """Generate the document once, with the request models among its component schemas (token ids
-    bounded by `vocab_size` when given). `rules` adds to a model's schema what holds on this server
+    bounded by `vocab_size` when given, counts of alternatives by `max_logprobs`). `rules` adds to a model's schema what holds on this server
     only (one that refuses tools without a tool_choice says so), in its `allOf`."""
 
     def openapi() -> dict[str, Any]:
@@ -99,8 +102,7 @@ def install(app: FastAPI, request_models: list[type[BaseModel]], vocab_size: int
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
             for name, schema in defs.get("$defs", {}).items():
                 schemas.setdefault(name, schema)
-            if vocab_size is not None:
-                bound_token_ids(schemas, vocab_size)
+            bound_token_ids(schemas, vocab_size, max_logprobs)
             for name, rule in (rules or {}).items():
                 schemas[name].setdefault("allOf", []).append(rule)
             app.openapi_schema = doc

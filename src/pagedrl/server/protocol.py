@@ -23,6 +23,7 @@ class OpenAIBase(BaseModel):
 # ---------------------------------------------------------------------------- requests
 class StreamOptions(OpenAIBase):
     include_usage: bool = False
+    continuous_usage_stats: SkipJsonSchema[bool | None] = None  # vLLM's usage on every chunk: refused, not ignored
 
 
 def _integral(value: Any) -> Any:
@@ -39,6 +40,7 @@ INTEGRAL = BeforeValidator(_integral)  # on every integer field of a request (af
 
 TOKEN_ID_MARK = "x-token-id"
 TOKEN_ID_KEY_MARK = "x-token-id-key"  # a token id written as a JSON object's key (a decimal string)
+LOGPROBS_MARK = "x-logprobs"  # a count of alternatives, bounded by the engine's max_logprobs (--max-logprobs)
 
 
 # Ranges a value must be in, declared so that /openapi.json tells clients (and fuzzers) what is valid;
@@ -50,7 +52,8 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 DECIMAL = r"^(0|[1-9][0-9]*)$"
 # A token id as an object's key; its schema (`propertyNames`) is bounded by the vocabulary too.
 TokenIdKey = Annotated[str, Field(pattern=DECIMAL, json_schema_extra={TOKEN_ID_KEY_MARK: True, "pattern": DECIMAL})]
-TopLogprobs = Annotated[int, Field(ge=0, le=20), INTEGRAL]
+# A count of alternatives; `/openapi.json` bounds it by the engine's max_logprobs, which the engine checks.
+TopLogprobs = Annotated[int, Field(ge=0, json_schema_extra={LOGPROBS_MARK: True}), INTEGRAL]
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
@@ -118,6 +121,7 @@ class SamplingRequest(OpenAIBase):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    request_id: str | None = None  # vLLM's: the response's id (after cmpl- / chatcmpl-) unless X-Request-Id names one
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -130,7 +134,20 @@ class SamplingRequest(OpenAIBase):
     prompt_logprobs: TopLogprobs | None = None  # vLLM's: each prompt token's log-prob and k alternatives
     # vLLM's: only the prompt's last k tokens (-1: as many as the context holds)
     truncate_prompt_tokens: Annotated[int, Field(ge=1), INTEGRAL] | Literal[-1] | None = None
+    # vLLM's: which end truncate_prompt_tokens cuts; only "left" (the prompt's start goes) is built
+    truncation_side: Literal["left"] | None = None
+    # vLLM's; any other than 0 needs its priority scheduling, which this server (first come, first served) lacks
+    priority: Annotated[Literal[0], INTEGRAL] = 0
     use_beam_search: SkipJsonSchema[Any] = None
+    # vLLM's fields that would change the answer and are not built: refused when set (inputs.UNSUPPORTED_EXTRAS)
+    return_token_ids: SkipJsonSchema[Any] = None
+    return_tokens_as_token_ids: SkipJsonSchema[Any] = None
+    logprob_token_ids: SkipJsonSchema[Any] = None
+    prompt_embeds: SkipJsonSchema[Any] = None
+    cache_salt: SkipJsonSchema[Any] = None
+    repetition_detection: SkipJsonSchema[Any] = None
+    thinking_token_budget: SkipJsonSchema[Any] = None
+    watermarking: SkipJsonSchema[Any] = None
 
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default on /v1/completions
@@ -157,6 +174,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: Annotated[int, Field(ge=0), INTEGRAL] | None = COMPLETION_MAX_TOKENS  # 0 only with echo
     logprobs: TopLogprobs | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (a BOS) around a text prompt
     suffix: SkipJsonSchema[str | None] = None  # not supported: refused, and not in the schema
     # Legacy, and accepted only equal to `n`: a rule between fields the schema cannot state, so the
     # field is left out of /openapi.json rather than declared with values the server then refuses
@@ -249,6 +267,10 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the final (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
+    # vLLM's: template variables too (a RAG template's documents; a reasoning model's effort)
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens around the rendered prompt
     # not implemented: declared only to be refused (inputs.UNSUPPORTED_EXTRAS), not in the schema
     chat_template: SkipJsonSchema[Any] = None
     functions: SkipJsonSchema[Any] = None  # OpenAI's deprecated function calling (use tools)

@@ -54,12 +54,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="samples one request may ask for (n); more are answered 400 (default: OpenAI's 128)")
     server.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
-    server.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    server.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    server.add_argument("--log-level", "--uvicorn-log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug"),
+                        help="the server's and uvicorn's log level (--uvicorn-log-level: vLLM's spelling)")
+    server.add_argument("--no-access-log", "--disable-uvicorn-access-log", action="store_true",
+                        help="do not log every HTTP request")
+    server.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under "
+                        "(FastAPI's root_path, vLLM's flag)")
+    server.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (and --ssl-certfile)")
+    server.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain")
     server.add_argument("--no-ui", action="store_true", help="do not serve the chat page at /")
     server.add_argument("--allowed-origins", nargs="+", default=[], type=str, metavar="ORIGIN",
                         help="origins whose web pages may call the API from a browser (CORS), e.g. "
                              "https://app.example.com, '*' for any, or vLLM's JSON list; default: none")
+    server.add_argument("--enable-request-id-headers", action="store_true",
+                        help="add X-Request-Id to every response: the request's own header, else a fresh id (a "
+                             "completion's id is named by the request's X-Request-Id, or its request_id, either way)")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='answer tool_choice "auto" (the default when a request has tools), reading the '
                              "model's calls with --tool-call-parser")
@@ -136,8 +146,8 @@ def build_server(args: argparse.Namespace) -> Any:
     import uvicorn
 
     from pagedrl.engine.async_engine import AsyncEngine
+    from pagedrl.engine.generation_defaults import generation_defaults
     from pagedrl.engine.llm_engine import LLMEngine
-    from pagedrl.engine.sampling_params import sampling_defaults
     from pagedrl.model.default import DEFAULT_MODEL
     from pagedrl.model.loader import load_model
     from pagedrl.server.app import build_app
@@ -148,11 +158,11 @@ def build_server(args: argparse.Namespace) -> Any:
                         quantization=engine_args.quantization,
                         activations=engine_args.activations)
     engine = LLMEngine(loaded.model, loaded.tokenizer, engine_args.engine_config(), eos_token_ids=loaded.eos_token_ids)
-    defaults = sampling_defaults(loaded.generation_config, str(loaded.path / "generation_config.json")) \
-        if engine_args.generation_config == "auto" else {}
-    if defaults:
-        logger.info("default sampling parameters from the model's generation config, for requests that leave "
-                    "them unset: %s (--generation-config vllm turns them off)", defaults)
+    defaults = generation_defaults(engine_args.generation_config, loaded.generation_config,
+                                   str(loaded.path / "generation_config.json"), engine_args.override_generation_config)
+    if defaults.params:
+        logger.info("default sampling parameters for requests that leave them unset: %s (--generation-config vllm "
+                    "turns the model's off)", defaults.describe())
     names = args.served_model_name or [args.adapter or args.model or DEFAULT_MODEL]
     name = names[0]
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
@@ -161,8 +171,10 @@ def build_server(args: argparse.Namespace) -> Any:
                     max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n, ui=not args.no_ui,
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                     lora_modules=[parse_lora_module(m) for m in args.lora_modules],
-                    allow_runtime_lora_updating=args.allow_runtime_lora_updating, sampling_defaults=defaults,
-                    allowed_origins=origins(args.allowed_origins))
+                    allow_runtime_lora_updating=args.allow_runtime_lora_updating, sampling_defaults=defaults.params,
+                    max_tokens_cap=defaults.max_tokens_cap,
+                    allowed_origins=origins(args.allowed_origins),
+                    request_id_headers=args.enable_request_id_headers)
     stats = engine.metrics_snapshot()
     if stats.lora is not None:
         logger.info("LoRA: %d slots of rank up to %d on every decoder projection (%.1f MiB)", args.max_loras,
@@ -174,11 +186,26 @@ def build_server(args: argparse.Namespace) -> Any:
                 footprint(loaded.model.config, loaded.model.dtype, engine.kv_dtype).describe(stats.weight_bytes),
                 engine.kv_layout(), engine.max_model_len, engine.decode_path())
     if not args.no_ui:
-        logger.info("chat page at http://%s:%d/ (--no-ui turns it off)", args.host, args.port)
-    uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                        access_log=not args.no_access_log,
-                        timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S)
+        logger.info("chat page at %s://%s:%d%s/ (--no-ui turns it off)", "https" if args.ssl_certfile else "http",
+                    args.host, args.port, args.root_path)
+    uv = uvicorn.Config(app, **uvicorn_options(args))
     return draining_server(uv, async_engine, app.state.draining, args.shutdown_timeout)
+
+
+def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What uvicorn is told of the server's flags."""
+    return dict(host=args.host, port=args.port, log_level=args.log_level, access_log=not args.no_access_log,
+                timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S, root_path=args.root_path,
+                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
+
+
+def ssl_problem(args: argparse.Namespace) -> str | None:
+    """HTTPS needs both files, and files that exist: said before the model loads."""
+    given = [f for f in (args.ssl_keyfile, args.ssl_certfile) if f]
+    if len(given) == 1:
+        return "--ssl-keyfile and --ssl-certfile go together"
+    missing = [f for f in given if not Path(f).is_file()]
+    return f"{missing[0]}: no such file (--ssl-keyfile, --ssl-certfile)" if missing else None
 
 
 def origins(values: list[str]) -> list[str]:
@@ -280,7 +307,7 @@ def serve_main(argv: list[str]) -> int:
         print("pagedrl serve: --max-waiting-requests must be non-negative", file=sys.stderr)
         return 2
     problem = (lora_arguments_problem(args) or names_problem(args) or engine_arguments_problem(args)
-               or origins_problem(args) or listening_problem(args.host, args.port))
+               or origins_problem(args) or ssl_problem(args) or listening_problem(args.host, args.port))
     if problem:
         print(f"pagedrl serve: {problem}", file=sys.stderr)
         return 2
