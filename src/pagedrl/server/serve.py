@@ -26,6 +26,8 @@ from pagedrl.engine.engine_config import EngineSettingError
 from pagedrl.model.footprint import footprint
 from pagedrl.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedrl.server.inputs import DEFAULT_MAX_N
+from pagedrl.server.responses_store import DEFAULT_MAX_BYTES as DEFAULT_STORE_BYTES
+from pagedrl.server.responses_store import RESPONSES_STORE_ENV, responses_store_from_env
 from pagedrl.server.served_models import RUNTIME_UPDATING_ENV, parse_lora_module, runtime_updating_from_env
 from pagedrl.server.tool_parsers import TOOL_PARSERS
 
@@ -60,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--allowed-origins", nargs="+", default=[], type=str, metavar="ORIGIN",
                         help="origins whose web pages may call the API from a browser (CORS), e.g. "
                              "https://app.example.com, '*' for any, or vLLM's JSON list; default: none")
+    server.add_argument("--enable-responses-store", action="store_true", default=responses_store_from_env(),
+                        help="keep /v1/responses answers in memory, for GET /v1/responses/{id} and "
+                             f"previous_response_id (also ${RESPONSES_STORE_ENV}=1, vLLM's); default: none kept")
+    server.add_argument("--responses-store-bytes", type=int, default=DEFAULT_STORE_BYTES,
+                        help="with --enable-responses-store, the most bytes of responses kept; past it the oldest "
+                             f"are forgotten (default: {DEFAULT_STORE_BYTES >> 20} MiB)")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='answer tool_choice "auto" (the default when a request has tools), reading the '
                              "model's calls with --tool-call-parser")
@@ -162,7 +170,8 @@ def build_server(args: argparse.Namespace) -> Any:
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                     lora_modules=[parse_lora_module(m) for m in args.lora_modules],
                     allow_runtime_lora_updating=args.allow_runtime_lora_updating, sampling_defaults=defaults,
-                    allowed_origins=origins(args.allowed_origins))
+                    allowed_origins=origins(args.allowed_origins),
+                    responses_store_bytes=args.responses_store_bytes if args.enable_responses_store else None)
     stats = engine.metrics_snapshot()
     if stats.lora is not None:
         logger.info("LoRA: %d slots of rank up to %d on every decoder projection (%.1f MiB)", args.max_loras,
