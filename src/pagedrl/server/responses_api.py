@@ -38,6 +38,9 @@ from pagedrl.server.tools import ToolPlan
 
 # the chat route's path from a request to running engine requests (app.py)
 StartChat = Callable[[ChatCompletionRequest], Awaitable[tuple[RequestGroup, SamplingParams, ToolPlan | None]]]
+# the id in the path, declared by hand: a typed handler argument would add FastAPI's own 422 body to the
+# document, where every error this server answers is OpenAI's error object
+BY_ID = {"parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]}
 NO_STORE_HINT = " (this server keeps no responses; start it with --enable-responses-store)"
 
 
@@ -108,22 +111,24 @@ def responses_router(start_chat: StartChat, served_model_name: str, store: Respo
         done(response)
         return json_response(response)
 
-    @router.get("/responses/{response_id}", response_model=None,
+    @router.get("/responses/{response_id}", response_model=None, openapi_extra=BY_ID,
                 responses={200: {"model": ResponseObject, "description": "A stored response"}, **errors(401, 404)})
-    async def get_response(response_id: str) -> Response:
-        return json_response(stored(response_id).response)
+    async def get_response(request: Request) -> Response:
+        return json_response(stored(request.path_params["response_id"]).response)
 
-    @router.delete("/responses/{response_id}", response_model=None,
+    @router.delete("/responses/{response_id}", response_model=None, openapi_extra=BY_ID,
                    responses={200: {"model": ResponseDeleted, "description": "The response is forgotten"},
                               **errors(401, 404)})
-    async def delete_response(response_id: str) -> Response:
+    async def delete_response(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
         stored(response_id)
         store.delete(response_id)
         return json_response(ResponseDeleted(id=response_id))
 
-    @router.post("/responses/{response_id}/cancel", response_model=None, responses={**errors(400, 401, 404)})
-    async def cancel_response(response_id: str) -> Response:
-        stored(response_id)  # every stored response has finished: there are no background ones to cancel
+    @router.post("/responses/{response_id}/cancel", response_model=None, openapi_extra=BY_ID,
+                 responses={**errors(400, 401, 404)})
+    async def cancel_response(request: Request) -> Response:
+        stored(request.path_params["response_id"])  # every stored one has finished: none runs in the background
         raise bad_request("Cannot cancel a synchronous response.")
 
     return router
