@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedrl
@@ -25,12 +25,11 @@ from pagedrl.engine.async_engine import (
     AsyncEngine,
     EngineDead,
     EngineOverloaded,
-    RequestAborted,
-    RequestFailed,
     RequestGroup,
 )
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
+from pagedrl.server.delivery import EventStreamResponse, final_outputs_unless_disconnected, json_response
 from pagedrl.server.errors import ApiError, from_value_error, read_json
 from pagedrl.server.inputs import DEFAULT_MAX_N, chat_inputs, completion_inputs
 from pagedrl.server.logprobs import TokenText
@@ -54,10 +53,13 @@ from pagedrl.server.responses import (
     completion_response,
     completion_stream,
 )
+from pagedrl.server.responses_api import responses_router
+from pagedrl.server.responses_protocol import ResponsesRequest
+from pagedrl.server.responses_store import ResponseStore
 from pagedrl.server.served_models import LoRAModule, ServedModels
 from pagedrl.server.structured import structured_outputs
 from pagedrl.server.tokenize_routes import DetokenizeRequest, TokenizeRequest, tokenize_router
-from pagedrl.server.tools import check_tool_schemas, tool_plan
+from pagedrl.server.tools import ToolPlan, check_tool_schemas, tool_plan
 from pagedrl.server.ui_routes import ui_router
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
@@ -68,26 +70,6 @@ TOOLS_NEED_A_CHOICE = {
                    'other than "auto" ("none", "required" or a named function)',
     "anyOf": [{"properties": {"tools": {"not": {"type": "array", "minItems": 1}}}},
               {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": ["auto", None]}}}}]}
-
-
-class EventStreamResponse(StreamingResponse):
-    """Server-sent events whose generator is closed however the response ends (finished, client gone,
-    task cancelled), so its `finally` (which aborts the engine requests) runs at once, not at GC."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self.body_iterator.aclose()
-            finally:
-                self.on_close()  # also when the generator never started (client gone before the first byte)
 
 
 @dataclass
@@ -113,42 +95,14 @@ class DrainGate:
         await self.app(scope, receive, send)
 
 
-def json_response(model: Any, status: int = 200) -> Response:
-    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
-
-
-async def wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def final_outputs_unless_disconnected(request: Request, group: RequestGroup) -> list:
-    """The final outputs; if the client goes away first, the requests are aborted instead."""
-    collect = asyncio.ensure_future(group.final_outputs())
-    gone = asyncio.ensure_future(wait_for_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if collect in done:
-            return collect.result()
-        raise ApiError(499, "the client closed the request", code="client_closed_request")
-    except RequestAborted as e:
-        raise ApiError(503, str(e), "server_error", code="request_aborted") from None
-    except RequestFailed as e:  # not worth a retry, unlike an abort: vLLM answers 500 too
-        raise ApiError(500, str(e), "server_error", code="generation_error") from None
-    finally:
-        gone.cancel()
-        collect.cancel()
-        group.abort()
-
-
 def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], model_root: str | None = None,
               api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, max_n: int = DEFAULT_MAX_N,
               ui: bool = True, tool_call_parser: str | None = "hermes", enable_auto_tool_choice: bool = False,
               lora_modules: Sequence[LoRAModule] = (), allow_runtime_lora_updating: bool = False,
               sampling_defaults: dict[str, Any] | None = None, max_tokens_cap: int | None = None,
-              allowed_origins: Sequence[str] = (),
-              request_id_headers: bool = False) -> FastAPI:
+              allowed_origins: Sequence[str] = (), request_id_headers: bool = False,
+              responses_store_bytes: int | None = None) -> FastAPI:
     """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
     With `ui`, `/` answers with the chat page (`server/ui_routes.py`), a static file that calls the
     API like any client (and needs the API key like any client). With `api_key`, every route that
@@ -163,7 +117,9 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     `allowed_origins` (vLLM's `--allowed-origins`): web pages of those origins may call the API from a
     browser (CORS, every method and header, no cookies); none by default, so no other site can use a
     server on a user's own machine through their browser. `request_id_headers` (vLLM's
-    `--enable-request-id-headers`): every response carries `X-Request-Id` (`server/request_ids.py`)."""
+    `--enable-request-id-headers`): every response carries `X-Request-Id` (`server/request_ids.py`).
+    `responses_store_bytes`: keep /v1/responses answers in memory up to that many bytes
+    (`server/responses_store.py`); None keeps none (vLLM's default)."""
     served = ServedModels(served_model_name, read=engine.read_lora if engine.lora_enabled else None)
     served_model_name = served.base_name  # the first of several names: what metrics and defaults use
     for module in lora_modules:
@@ -227,6 +183,17 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     def token_text(params: SamplingParams) -> TokenText:
         return TokenText(tokenizer, params.skip_special_tokens)
 
+    async def start_chat(req: ChatCompletionRequest) -> tuple[RequestGroup, SamplingParams, ToolPlan | None]:
+        """A chat request's engine request, running: /v1/chat/completions and /v1/responses both start
+        theirs here, so the same messages are the same prompt and sampling on either route."""
+        lora = check_model(req.model)
+        plan = tool_plan(req, tool_call_parser, enable_auto_tool_choice)
+        if plan is not None:  # schemas compile off the event loop (cached: a repeated tool costs nothing)
+            await asyncio.to_thread(check_tool_schemas, plan, engine.check_structured_output)
+        prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan, sampling_defaults, max_tokens_cap)
+        group = await submit([prompt_ids], params, {"logprobs": "top_logprobs", **structured_outputs(req)[1]}, lora)
+        return group, params, plan
+
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
     @v1.get("/models", response_model=None, responses={200: {"model": ModelList, "description": "The served model"},
@@ -262,12 +229,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
                         **errors(400, 401, 404, 413, 499, 500, 503)})
     async def chat_completions(request: Request) -> Response:
         req = await read_json(request, ChatCompletionRequest, max_request_body_bytes)
-        lora = check_model(req.model)
-        plan = tool_plan(req, tool_call_parser, enable_auto_tool_choice)
-        if plan is not None:  # schemas compile off the event loop (cached: a repeated tool costs nothing)
-            await asyncio.to_thread(check_tool_schemas, plan, engine.check_structured_output)
-        prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan, sampling_defaults, max_tokens_cap)
-        group = await submit([prompt_ids], params, {"logprobs": "top_logprobs", **structured_outputs(req)[1]}, lora)
+        group, params, plan = await start_chat(req)
         request_id = f"chatcmpl-{base_request_id(request, req.request_id)}"
         model = req.model or served_model_name
         if req.stream:
@@ -277,7 +239,9 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         outputs = await final_outputs_unless_disconnected(request, group)
         return json_response(chat_response(request_id, model, outputs[0], params, token_text(params), plan))
 
-    request_models = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+    store = ResponseStore(responses_store_bytes) if responses_store_bytes is not None else None
+    v1.include_router(responses_router(start_chat, served_model_name, store, max_request_body_bytes))
+    request_models = [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
     if allow_runtime_lora_updating and served.lora_enabled:
         v1.include_router(lora_router(served, max_request_body_bytes))
         request_models += [LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest]

@@ -26,6 +26,8 @@ from pagedrl.engine.engine_config import EngineSettingError
 from pagedrl.model.footprint import footprint
 from pagedrl.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedrl.server.inputs import DEFAULT_MAX_N
+from pagedrl.server.responses_store import DEFAULT_MAX_BYTES as DEFAULT_STORE_BYTES
+from pagedrl.server.responses_store import RESPONSES_STORE_ENV, responses_store_from_env
 from pagedrl.server.served_models import RUNTIME_UPDATING_ENV, parse_lora_module, runtime_updating_from_env
 from pagedrl.server.tool_parsers import TOOL_PARSERS
 
@@ -70,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--enable-request-id-headers", action="store_true",
                         help="add X-Request-Id to every response: the request's own header, else a fresh id (a "
                              "completion's id is named by the request's X-Request-Id, or its request_id, either way)")
+    server.add_argument("--enable-responses-store", action="store_true", default=responses_store_from_env(),
+                        help="keep /v1/responses answers in memory, for GET /v1/responses/{id} and "
+                             f"previous_response_id (also ${RESPONSES_STORE_ENV}=1, vLLM's); default: none kept")
+    server.add_argument("--responses-store-bytes", type=int, default=DEFAULT_STORE_BYTES,
+                        help="with --enable-responses-store, the most bytes of responses kept; past it the oldest "
+                             f"are forgotten (default: {DEFAULT_STORE_BYTES >> 20} MiB)")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='answer tool_choice "auto" (the default when a request has tools), reading the '
                              "model's calls with --tool-call-parser")
@@ -172,9 +180,9 @@ def build_server(args: argparse.Namespace) -> Any:
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                     lora_modules=[parse_lora_module(m) for m in args.lora_modules],
                     allow_runtime_lora_updating=args.allow_runtime_lora_updating, sampling_defaults=defaults.params,
-                    max_tokens_cap=defaults.max_tokens_cap,
-                    allowed_origins=origins(args.allowed_origins),
-                    request_id_headers=args.enable_request_id_headers)
+                    max_tokens_cap=defaults.max_tokens_cap, allowed_origins=origins(args.allowed_origins),
+                    request_id_headers=args.enable_request_id_headers,
+                    responses_store_bytes=args.responses_store_bytes if args.enable_responses_store else None)
     stats = engine.metrics_snapshot()
     if stats.lora is not None:
         logger.info("LoRA: %d slots of rank up to %d on every decoder projection (%.1f MiB)", args.max_loras,

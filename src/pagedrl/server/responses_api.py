@@ -1,0 +1,134 @@
+"""OpenAI's Responses API as vLLM serves it: `POST /v1/responses`, and with a store
+(`responses_store.py`) `GET` and `DELETE /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`.
+
+A Responses request is read as the chat request it means (`responses_inputs.py`) and run by the chat
+route's own `start_chat`, so the prompt, the sampling, tool calls and structured outputs are the
+chat route's, token for token; only the answer's shape differs (`responses_bodies.py`,
+`responses_stream.py`). The routes sit under `/v1`, behind the API key, and their engine requests
+count in `/metrics` as every other route's do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from pagedrl.engine.request_stream import RequestGroup
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.server.delivery import EventStreamResponse, final_outputs_unless_disconnected, json_response
+from pagedrl.server.errors import ApiError, bad_request, read_json
+from pagedrl.server.openapi import errors, json_or_events, request_body
+from pagedrl.server.protocol import ChatCompletionRequest
+from pagedrl.server.responses import chat_message
+from pagedrl.server.responses_bodies import (
+    OutputFunctionCall,
+    OutputMessage,
+    ResponseDeleted,
+    ResponseObject,
+    whole_response,
+)
+from pagedrl.server.responses_inputs import chat_form, in_responses_terms
+from pagedrl.server.responses_protocol import ResponsesRequest
+from pagedrl.server.responses_store import ResponseStore, StoredResponse
+from pagedrl.server.responses_stream import response_stream
+from pagedrl.server.tools import ToolPlan
+
+# the chat route's path from a request to running engine requests (app.py)
+StartChat = Callable[[ChatCompletionRequest], Awaitable[tuple[RequestGroup, SamplingParams, ToolPlan | None]]]
+# the id in the path, declared by hand: a typed handler argument would add FastAPI's own 422 body to the
+# document, where every error this server answers is OpenAI's error object
+BY_ID = {"parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]}
+NO_STORE_HINT = " (this server keeps no responses; start it with --enable-responses-store)"
+
+
+def assistant_turn(response: ResponseObject) -> dict[str, Any]:
+    """A response's output as the chat message that continues its conversation."""
+    texts = [part.text for item in response.output if isinstance(item, OutputMessage) for part in item.content]
+    calls = [{"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+             for item in response.output if isinstance(item, OutputFunctionCall)]
+    turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
+
+
+def base_response(req: ResponsesRequest, model: str, params: SamplingParams, stored: bool) -> ResponseObject:
+    """The response before its answer: the request's settings as OpenAI says them back."""
+    choice = req.tool_choice
+    return ResponseObject(
+        model=model, instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+        temperature=params.temperature, top_p=params.top_p,
+        tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
+        tool_choice=choice.model_dump() if choice is not None and not isinstance(choice, str) else (choice or "auto"),
+        parallel_tool_calls=req.parallel_tool_calls,
+        text=req.text.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format
+        else {"format": {"type": "text"}},
+        reasoning=req.reasoning.model_dump() if req.reasoning is not None else None,
+        previous_response_id=req.previous_response_id, store=stored, metadata=req.metadata or {}, user=req.user,
+        service_tier=req.service_tier or "default")
+
+
+def responses_router(start_chat: StartChat, served_model_name: str, store: ResponseStore | None,
+                     max_request_body_bytes: int) -> APIRouter:
+    """The routes; without a `store` only `POST /responses` answers anything but 404 (vLLM's default)."""
+    router = APIRouter()
+
+    def stored(response_id: str, param: str | None = None) -> StoredResponse:
+        entry = store.get(response_id) if store is not None else None
+        if entry is None:
+            which = "Previous response" if param else "Response"
+            raise ApiError(404, f"{which} with id '{response_id}' not found.{'' if store else NO_STORE_HINT}",
+                           param=param, code="previous_response_not_found" if param else None)
+        return entry
+
+    @router.post("/responses", response_model=None, openapi_extra=request_body(ResponsesRequest),
+                 responses={**json_or_events(ResponseObject, "The response, or a stream of Responses events"),
+                            **errors(400, 401, 404, 413, 499, 500, 503)})
+    async def create_response(request: Request) -> Response:
+        req = await read_json(request, ResponsesRequest, max_request_body_bytes)
+        history = stored(req.previous_response_id, "previous_response_id").conversation \
+            if req.previous_response_id is not None else []
+        form = chat_form(req, history)
+        try:
+            group, params, plan = await start_chat(form.request)
+        except ApiError as e:
+            raise in_responses_terms(e, form.origins) from None
+        keep = store is not None and req.store
+        base = base_response(req, req.model or served_model_name, params, keep)
+
+        def done(response: ResponseObject) -> None:
+            if keep:
+                store.put(response, [*form.conversation, assistant_turn(response)])
+
+        if req.stream:
+            return EventStreamResponse(response_stream(group, base, plan, done), group.abort)
+        outputs = await final_outputs_unless_disconnected(request, group)
+        message, finish_reason = chat_message(outputs[0].outputs[0], plan)
+        response = whole_response(base, outputs[0], message, finish_reason)
+        done(response)
+        return json_response(response)
+
+    @router.get("/responses/{response_id}", response_model=None, openapi_extra=BY_ID,
+                responses={200: {"model": ResponseObject, "description": "A stored response"}, **errors(401, 404)})
+    async def get_response(request: Request) -> Response:
+        return json_response(stored(request.path_params["response_id"]).response)
+
+    @router.delete("/responses/{response_id}", response_model=None, openapi_extra=BY_ID,
+                   responses={200: {"model": ResponseDeleted, "description": "The response is forgotten"},
+                              **errors(401, 404)})
+    async def delete_response(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        stored(response_id)
+        store.delete(response_id)
+        return json_response(ResponseDeleted(id=response_id))
+
+    @router.post("/responses/{response_id}/cancel", response_model=None, openapi_extra=BY_ID,
+                 responses={**errors(400, 401, 404)})
+    async def cancel_response(request: Request) -> Response:
+        stored(request.path_params["response_id"])  # every stored one has finished: none runs in the background
+        raise bad_request("Cannot cancel a synchronous response.")
+
+    return router

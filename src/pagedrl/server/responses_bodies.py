@@ -1,0 +1,147 @@
+"""The Responses API's response object and its output items, in OpenAI's shapes, and how a finished
+chat answer becomes them: its text a `message` item with one `output_text` part, each tool call a
+`function_call` item (`call_id`, `name`, `arguments`). The client's `output_text` property joins the
+text parts; nothing here needs to compute it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from pagedrl.engine.outputs import RequestOutput
+from pagedrl.server.response_bodies import AssistantMessage, now_s
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    id: str = Field(default_factory=lambda: item_id("msg"))
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    content: list[OutputText] = Field(default_factory=list)
+
+
+class OutputFunctionCall(BaseModel):
+    id: str = Field(default_factory=lambda: item_id("fc"))
+    type: Literal["function_call"] = "function_call"
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    call_id: str
+    name: str
+    arguments: str
+
+
+OutputItem = OutputMessage | OutputFunctionCall
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # no reasoning is told apart from the text here
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"] = "max_output_tokens"
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class ResponseObject(BaseModel):
+    """A response as `POST /v1/responses` answers it and `GET /v1/responses/{id}` returns it: the
+    request's settings said back (the effective sampling ones), its status, output and usage."""
+
+    id: str = Field(default_factory=lambda: item_id("resp"))
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=now_s)
+    status: Literal["completed", "incomplete", "in_progress", "failed", "cancelled", "queued"] = "in_progress"
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    usage: ResponseUsage | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    reasoning: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    store: bool = False
+    metadata: dict[str, str] = Field(default_factory=dict)
+    user: str | None = None
+    background: bool = False
+    truncation: Literal["disabled"] = "disabled"
+    service_tier: str = "default"
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool = True
+
+
+def output_items(message: AssistantMessage, incomplete: bool) -> list[OutputItem]:
+    """An answer's items: its text (when it has some, or when it has nothing else), then its calls."""
+    items: list[OutputItem] = []
+    if message.content or not message.tool_calls:
+        items.append(OutputMessage(status="incomplete" if incomplete else "completed",
+                                   content=[OutputText(text=message.content or "")]))
+    items.extend(OutputFunctionCall(call_id=c.id, name=c.function.name, arguments=c.function.arguments)
+                 for c in message.tool_calls)
+    return items
+
+
+def usage_of(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> ResponseUsage:
+    return ResponseUsage(input_tokens=prompt_tokens, output_tokens=output_tokens,
+                         total_tokens=prompt_tokens + output_tokens,
+                         input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens))
+
+
+def finished(base: ResponseObject, items: list[OutputItem], finish_reason: str | None, usage: ResponseUsage,
+             error: str | None = None) -> ResponseObject:
+    """`base` (the request's settings) with its outcome: `incomplete` when max_output_tokens (or the
+    context) cut it, `failed` when the engine could not finish it, else `completed`."""
+    out = base.model_copy(update={"output": items, "usage": usage})
+    if finish_reason == "length":
+        out.status, out.incomplete_details = "incomplete", IncompleteDetails()
+    elif finish_reason in ("error", "abort"):
+        out.status = "failed"
+        out.error = ResponseError(code="server_error", message=error or f"the request ended: {finish_reason}")
+    else:
+        out.status = "completed"
+    return out
+
+
+def whole_response(base: ResponseObject, output: RequestOutput, message: AssistantMessage,
+                   finish_reason: str | None) -> ResponseObject:
+    c = output.outputs[0]
+    usage = usage_of(len(output.prompt_token_ids), len(c.token_ids), output.num_cached_tokens)
+    return finished(base, output_items(message, finish_reason == "length"), finish_reason, usage, c.error)

@@ -1,0 +1,38 @@
+"""The responses store's bound: past `max_bytes` the oldest responses are forgotten first, one larger
+than the whole bound is not kept, and what is forgotten or deleted is unknown afterwards."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedrl.server.responses_bodies import ResponseObject
+from pagedrl.server.responses_store import ResponseStore
+
+TURN = [{"role": "user", "content": "x" * 100}]
+
+
+def size_of(response: ResponseObject) -> int:
+    store = ResponseStore(1 << 20)
+    store.put(response, TURN)
+    return store.size
+
+
+def test_the_oldest_are_forgotten_past_the_bound() -> None:
+    responses = [ResponseObject(model="m") for _ in range(5)]
+    one = size_of(responses[0])
+    store = ResponseStore(3 * one + one // 2)  # room for three
+    for r in responses:
+        store.put(r, TURN)
+    assert [store.get(r.id) is not None for r in responses] == [False, False, True, True, True]
+    assert store.size == 3 * one <= store.max_bytes and len(store) == 3
+    assert store.delete(responses[3].id) and store.get(responses[3].id) is None and store.size == 2 * one
+    assert not store.delete(responses[3].id)
+
+
+def test_a_response_larger_than_the_bound_is_not_kept() -> None:
+    store = ResponseStore(100)
+    kept = ResponseObject(model="m")
+    store.put(kept, [])  # ~600 bytes of JSON: over the bound alone
+    assert store.get(kept.id) is None and store.size == 0
+    with pytest.raises(ValueError, match="at least 1 byte"):
+        ResponseStore(0)

@@ -1,0 +1,202 @@
+"""OpenAI's Responses API (`/v1/responses`) of a real `pagedrl serve --enable-responses-store` process,
+through the official `openai` client. The reference for every answer is the chat route on the same
+server: the same messages must be the same prompt and the same greedy tokens on either route, so each
+test compares the two (the random model's text means nothing on its own)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from server_process import running_server
+
+GREEDY = {"temperature": 0, "max_output_tokens": 6}
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+           "additionalProperties": False}
+TOOL = {"type": "function", "name": "get_weather", "description": "Weather now", "parameters": WEATHER}
+CHAT_TOOL = {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tiny_train import build_model_dir
+
+    # the tools' listing alone is ~600 of this tokenizer's tokens: a context longer than the usual 256
+    model = build_model_dir(tmp_path_factory.mktemp("responses-model") / "model", max_position_embeddings=2048)
+    with running_server(model, tmp_path_factory.mktemp("serve-responses"), "--kv-cache-tokens", "8192",
+                        "--enable-responses-store") as s:
+        yield s
+
+
+def chat(client, model, messages, max_tokens=6, **kwargs):
+    return client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=max_tokens,
+                                          **kwargs)
+
+
+def same_answer(response, completion) -> None:
+    """The Responses answer is the chat answer: text, token counts and how it ended."""
+    choice = completion.choices[0]
+    assert response.output_text == choice.message.content
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (completion.usage.prompt_tokens,
+                                                                          completion.usage.completion_tokens)
+    assert response.usage.total_tokens == completion.usage.total_tokens
+    assert response.status == {"length": "incomplete", "stop": "completed"}[choice.finish_reason]
+
+
+def test_plain_text_is_the_chat_routes_answer(client, model) -> None:
+    r = client.responses.create(model=model, input="the cat sat", **GREEDY)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == model and r.created_at > 0
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    assert r.usage.input_tokens_details.cached_tokens >= 0 and r.usage.output_tokens_details.reasoning_tokens == 0
+    same_answer(r, chat(client, model, [{"role": "user", "content": "the cat sat"}]))
+
+
+def test_instructions_are_a_system_message_first(client, model) -> None:
+    r = client.responses.create(model=model, instructions="answer in one word", input="the cat sat", **GREEDY)
+    messages = [{"role": "system", "content": "answer in one word"}, {"role": "user", "content": "the cat sat"}]
+    same_answer(r, chat(client, model, messages))
+    assert r.instructions == "answer in one word"
+
+
+def test_a_multi_turn_input_list_is_the_chat_messages(client, model) -> None:
+    items = [{"role": "developer", "content": "be brief"},
+             {"role": "user", "content": [{"type": "input_text", "text": "hello"}, {"type": "input_text", "text": "there"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "five"}]},
+             {"role": "user", "content": "what is two plus three"}]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello\nthere"},
+                {"role": "assistant", "content": "five"}, {"role": "user", "content": "what is two plus three"}]
+    same_answer(client.responses.create(model=model, input=items, **GREEDY), chat(client, model, messages))
+
+
+def test_max_output_tokens_cuts_the_answer_incomplete(client, model) -> None:
+    r = client.responses.create(model=model, input="the cat sat", temperature=0, max_output_tokens=3)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3 and r.output[0].status == "incomplete" and r.max_output_tokens == 3
+
+
+def test_streamed_events_come_in_order_and_make_the_whole_answer(client, model) -> None:
+    args = dict(model=model, input="a dog ran in the park", temperature=0, max_output_tokens=12)
+    whole = client.responses.create(**args)
+    events = list(client.responses.create(**args, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * deltas,
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.incomplete" if whole.status == "incomplete" else "response.completed"]
+    assert deltas >= 1 and events[0].response.status == "in_progress" and events[0].response.output == []
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-4].text == events[-1].response.output_text
+    assert events[-1].response.id == events[0].response.id and events[-1].response.status == whole.status
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+    assert events[2].item.id == events[-2].item.id == events[-1].response.output[0].id
+
+
+SCHEMA = {"enum": ["cat", "dog", 7]}  # JSON without room for whitespace: a random model pads an object's
+
+
+def test_json_schema_format_is_the_chat_routes_structured_output(client, model) -> None:
+    fmt = {"type": "json_schema", "name": "pet", "schema": SCHEMA, "strict": True}
+    r = client.responses.create(model=model, input="describe a pet", text={"format": fmt}, temperature=0,
+                                max_output_tokens=20)
+    assert r.status == "completed" and json.loads(r.output_text) in SCHEMA["enum"]
+    assert r.text.format.type == "json_schema"
+    c = chat(client, model, [{"role": "user", "content": "describe a pet"}], max_tokens=20, response_format={
+        "type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}})
+    same_answer(r, c)
+    with client.responses.stream(model=model, input="describe a pet", text={"format": fmt}, temperature=0,
+                                 max_output_tokens=20) as stream:
+        assert stream.get_final_response().output_text == r.output_text  # the client's helper, to the end
+
+
+def test_a_function_call_round_trip(client, model) -> None:
+    """A named tool's call comes back as a function_call item; sent back with its output, the next
+    prompt is the chat route's with the assistant's tool_calls and the tool's message."""
+    ask = [{"role": "user", "content": "the weather in a city"}]
+    r = client.responses.create(model=model, input=ask, tools=[TOOL], max_output_tokens=40, temperature=0,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome") and r.status == "completed"
+    items = [*ask, call.model_dump(exclude_none=True),
+             {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    after = client.responses.create(model=model, input=items, tools=[TOOL], tool_choice="none", **GREEDY)
+    history = [*ask, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]
+    same_answer(after, chat(client, model, history, tools=[CHAT_TOOL], tool_choice="none"))
+    streamed = list(client.responses.create(model=model, input=ask, tools=[TOOL], max_output_tokens=40, temperature=0,
+                                            tool_choice={"type": "function", "name": "get_weather"}, stream=True))
+    done = [e for e in streamed if e.type == "response.function_call_arguments.done"]
+    assert [(e.name, e.arguments) for e in done] == [(call.name, call.arguments)]
+
+
+def test_previous_response_id_continues_as_the_explicit_input(server, client, model) -> None:
+    """A chained turn is the explicit conversation (the first turn's instructions not carried over);
+    the stored response reads back, and once deleted it is unknown to both."""
+    first = client.responses.create(model=model, instructions="be brief", input="hello there", **GREEDY)
+    chained = client.responses.create(model=model, previous_response_id=first.id, input="the answer is", **GREEDY)
+    explicit = client.responses.create(model=model, input=[
+        {"role": "user", "content": "hello there"}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "the answer is"}], **GREEDY)
+    assert chained.output_text == explicit.output_text and chained.usage.input_tokens == explicit.usage.input_tokens
+    assert chained.previous_response_id == first.id and first.store
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    client.responses.delete(first.id)
+    for call in (lambda: client.responses.retrieve(first.id),
+                 lambda: client.responses.create(model=model, previous_response_id=first.id, input="x")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(openai.BadRequestError, match="synchronous"):  # nothing runs in the background
+        client.responses.cancel(chained.id)
+    unstored = client.responses.create(model=model, input="x", store=False, max_output_tokens=1)
+    assert not unstored.store and httpx.get(f"{server.base_url}/v1/responses/{unstored.id}").status_code == 404
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"input": "x", "seed": 1}, "seed", "unknown field"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0", "item type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input.0.content.0.type", "input_image"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role", "user"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type", "web_search"),
+    ({"input": "x", "tools": [TOOL]}, "tool_choice", "--enable-auto-tool-choice"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "nope"}}}},
+     "text.format.schema", "text.format.schema"),
+    ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name", "nope"),
+    ({"input": "x", "background": True}, "background", "background"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+])
+def test_what_is_not_served_is_a_400_naming_the_field(server, body, param, words) -> None:
+    err = error_of(httpx.post(server.base_url + "/v1/responses", json=body, timeout=30), 400)
+    assert err["param"] == param and words in err["message"] and err["type"] == "invalid_request_error", err
+
+
+def test_an_unknown_previous_response_is_a_404(server) -> None:
+    err = error_of(httpx.post(server.base_url + "/v1/responses", json={"input": "x", "previous_response_id": "resp_1"}),
+                   404)
+    assert err["param"] == "previous_response_id" and err["code"] == "previous_response_not_found"
+    assert "resp_1" in err["message"]
+
+
+def test_responses_count_in_the_metrics_and_the_openapi_document(server, client, model) -> None:
+    before = server.wait_idle()
+    client.responses.create(model=model, input="five", temperature=0, max_output_tokens=2)
+    after = server.wait_idle()
+    key = 'pagedrl:request_success_total{finished_reason="length"}'
+    assert after[key] == before[key] + 1
+    doc = httpx.get(server.base_url + "/openapi.json").json()
+    op = doc["paths"]["/v1/responses"]["post"]
+    assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ResponsesRequest")
+    assert "text/event-stream" in op["responses"]["200"]["content"]
+    assert set(doc["components"]["schemas"]["ResponsesRequest"]["required"]) == {"input"}
+    assert "background" not in doc["components"]["schemas"]["ResponsesRequest"]["properties"]
