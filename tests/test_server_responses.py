@@ -135,6 +135,31 @@ def test_a_function_call_round_trip(client, model) -> None:
     assert [(e.name, e.arguments) for e in done] == [(call.name, call.arguments)]
 
 
+def test_a_call_cut_by_the_token_limit_is_an_incomplete_item(client, model) -> None:
+    """Arguments cut by max_output_tokens are not whole JSON: the item says so, as the response does,
+    streamed or not, so a client does not run the call."""
+    ask = {"model": model, "input": "the weather", "tools": [TOOL], "max_output_tokens": 3, "temperature": 0,
+           "tool_choice": {"type": "function", "name": "get_weather"}}
+    r = client.responses.create(**ask)
+    (call,) = r.output
+    assert (r.status, call.type, call.status) == ("incomplete", "function_call", "incomplete")
+    done = [e.item for e in client.responses.create(**ask, stream=True) if e.type == "response.output_item.done"]
+    assert [(i.type, i.status, i.arguments) for i in done] == [("function_call", "incomplete", call.arguments)]
+
+
+def test_a_response_is_named_by_its_request_id_and_has_openai_s_every_field(server, model) -> None:
+    """vLLM's `request_id` names the response as given, else a gateway's X-Request-Id does; every field
+    OpenAI's own types require is there (the client builds them without checking)."""
+    from openai.types.responses import Response as OpenAIResponse
+
+    url = server.base_url + "/v1/responses"
+    body = {"model": model, "input": "the cat", "temperature": 0, "max_output_tokens": 2}
+    mine = httpx.post(url, json={**body, "request_id": "resp_mine"}, timeout=30).json()
+    assert mine["id"] == "resp_mine"
+    assert httpx.post(url, json=body, headers={"X-Request-Id": "trace-7"}, timeout=30).json()["id"] == "resp_trace-7"
+    OpenAIResponse.model_validate(mine)
+
+
 def test_previous_response_id_continues_as_the_explicit_input(server, client, model) -> None:
     """A chained turn is the explicit conversation (the first turn's instructions not carried over);
     the stored response reads back, and once deleted it is unknown to both."""
@@ -175,6 +200,8 @@ def error_of(r: httpx.Response, status: int) -> dict:
     ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name", "nope"),
     ({"input": "x", "background": True}, "background", "background"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]}, "input.0.call_id",
+     "No tool call found for function call output with call_id call_1"),
 ])
 def test_what_is_not_served_is_a_400_naming_the_field(server, body, param, words) -> None:
     err = error_of(httpx.post(server.base_url + "/v1/responses", json=body, timeout=30), 400)

@@ -22,6 +22,7 @@ from pagedrl.server.delivery import EventStreamResponse, final_outputs_unless_di
 from pagedrl.server.errors import ApiError, bad_request, read_json
 from pagedrl.server.openapi import errors, json_or_events, request_body
 from pagedrl.server.protocol import ChatCompletionRequest
+from pagedrl.server.request_ids import base_request_id
 from pagedrl.server.responses import chat_message
 from pagedrl.server.responses_bodies import (
     OutputFunctionCall,
@@ -55,11 +56,12 @@ def assistant_turn(response: ResponseObject) -> dict[str, Any]:
     return turn
 
 
-def base_response(req: ResponsesRequest, model: str, params: SamplingParams, stored: bool) -> ResponseObject:
+def base_response(req: ResponsesRequest, response_id: str, model: str, params: SamplingParams,
+                  stored: bool) -> ResponseObject:
     """The response before its answer: the request's settings as OpenAI says them back."""
     choice = req.tool_choice
     return ResponseObject(
-        model=model, instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+        id=response_id, model=model, instructions=req.instructions, max_output_tokens=req.max_output_tokens,
         temperature=params.temperature, top_p=params.top_p,
         tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
         tool_choice=choice.model_dump() if choice is not None and not isinstance(choice, str) else (choice or "auto"),
@@ -97,7 +99,8 @@ def responses_router(start_chat: StartChat, served_model_name: str, store: Respo
         except ApiError as e:
             raise in_responses_terms(e, form.origins) from None
         keep = store is not None and req.store
-        base = base_response(req, req.model or served_model_name, params, keep)
+        response_id = req.request_id or f"resp_{base_request_id(request, None)}"  # vLLM's field, else as chat's
+        base = base_response(req, response_id, req.model or served_model_name, params, keep)
 
         def done(response: ResponseObject) -> None:
             if keep:

@@ -48,6 +48,7 @@ OutputItem = OutputMessage | OutputFunctionCall
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    cache_write_tokens: int = 0  # OpenAI's field; the prefix cache keeps blocks without a count of its own
 
 
 class OutputTokensDetails(BaseModel):
@@ -109,13 +110,16 @@ class ResponseDeleted(BaseModel):
 
 
 def output_items(message: AssistantMessage, incomplete: bool) -> list[OutputItem]:
-    """An answer's items: its text (when it has some, or when it has nothing else), then its calls."""
+    """An answer's items: its text (when it has some, or when it has nothing else), then its calls. When
+    the token limit cut the answer, the last item is the one cut: `incomplete` (a call's arguments are
+    then not whole JSON, and a client must not run it)."""
     items: list[OutputItem] = []
     if message.content or not message.tool_calls:
-        items.append(OutputMessage(status="incomplete" if incomplete else "completed",
-                                   content=[OutputText(text=message.content or "")]))
+        items.append(OutputMessage(content=[OutputText(text=message.content or "")]))
     items.extend(OutputFunctionCall(call_id=c.id, name=c.function.name, arguments=c.function.arguments)
                  for c in message.tool_calls)
+    if incomplete:
+        items[-1].status = "incomplete"
     return items
 
 

@@ -84,6 +84,10 @@ def item_messages(items: list[MessageItem | FunctionCallItem | FunctionCallOutpu
                 continue
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
+            called = {c["id"] for m in messages for c in m.get("tool_calls") or ()}
+            if item.call_id not in called:  # OpenAI's 400: an output answers a call the conversation made
+                raise bad_request(f"No tool call found for function call output with call_id {item.call_id}.",
+                                  param=f"{where}.call_id")
             messages.append({"role": "tool", "tool_call_id": item.call_id,
                              "content": parts(item.output, f"{where}.output")})
         origins.append(where)

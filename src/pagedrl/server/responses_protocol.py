@@ -138,6 +138,7 @@ class ResponsesRequest(OpenAIBase):
     metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
     user: str | None = None
     reasoning: Reasoning | None = None
+    request_id: NonEmptyStr | None = None  # vLLM's: the response's id, as given
     # accepted and answered back; they change nothing here (prefix caching needs no key)
     service_tier: str | None = None
     prompt_cache_key: str | None = None

@@ -99,7 +99,7 @@ class StreamedItems:
         if item is None:
             return []
         events = []
-        item.status = "incomplete" if incomplete and isinstance(item, OutputMessage) else "completed"
+        item.status = "incomplete" if incomplete else "completed"
         if isinstance(item, OutputMessage):
             part = item.content[0]
             events.append(self.emit("response.output_text.done", item_id=item.id, output_index=index,
