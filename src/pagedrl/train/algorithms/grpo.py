@@ -164,7 +164,7 @@ class GRPO(OnlineAlgorithm):
         ent = b.to_padded(out_lp.entropy).masked_fill(~mask, 0)
         metrics["entropy"] = Metric.mean(ent.sum(), n_tok)
         # the clip flags: shares of the tokens, or at sequence level (one flag a completion) of the completions
-        flags = n_tok if out.is_high_clipped.shape[1] == mask.shape[1] else out.is_high_clipped.shape[0]
+        flags = mask.shape[0] if c.importance_sampling_level == "sequence" else n_tok
         if c.loss_type == "cispo":  # TRL's name for the share of capped weights
             metrics["cispo_clip_ratio"] = Metric.mean(out.is_high_clipped.sum().float(), flags)
         elif phi is not None:  # VESPO's mean sequence weight, TRL's metric
