@@ -72,10 +72,10 @@ def test_luspo_trains_on_policy_as_dr_grpo_times_the_completion_length(tiny_trai
     grads, metrics = on_policy_gradients(algo, ("luspo", "dr_grpo"))
     torch.testing.assert_close(grads[0] / algo.config.max_completion_length, grads[1], rtol=1e-5, atol=1e-7)
     assert grads[0].abs().max() > 0 and "clip_ratio/region_mean" in metrics[0]
-    # TRL's luspo at its default importance_sampling_level, token; GSPO's sequence level is refused, saying so
-    assert load_config(GRPOConfig, None, ["loss_type=luspo", "importance_sampling_level=token"]).loss_type == "luspo"
-    with pytest.raises(ValueError, match="importance_sampling_level: .*GSPO's ratio per sequence is not built"):
-        load_config(GRPOConfig, None, ["loss_type=luspo", "importance_sampling_level=sequence"])
+    # TRL's luspo at either importance_sampling_level (its paper's, sequence: tests/test_grpo_gspo.py)
+    for level in ("token", "sequence"):
+        config = load_config(GRPOConfig, None, ["loss_type=luspo", f"importance_sampling_level={level}"])
+        assert (config.loss_type, config.importance_sampling_level) == ("luspo", level)
 
 
 def test_vespo_weight_by_hand() -> None:

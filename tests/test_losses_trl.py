@@ -164,12 +164,12 @@ VESPO = ((2.0, 3.0), (3.0, 2.0))  # TRL's default (k_pos, k_neg), (lambda_pos, l
 
 
 def _trl_grpo(loss_type, beta, eps_low, eps_high, delta, max_completion_length, mask, logp, old, ref, is_ratio, adv,
-              vespo=VESPO):
+              vespo=VESPO, level="token"):
     rows, seq_len = mask.shape
     logp = logp.clone().requires_grad_(True)
     trainer = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **kw: (logp, torch.zeros_like(logp), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level,
         beta=beta, loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high,
         use_vllm=True, vllm_importance_sampling_correction=True, model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, accelerator=_Accelerator(), _entropy_bonus_enabled=False,

@@ -178,10 +178,10 @@ def reward_model_loss(
 
 class SurrogateOutput(NamedTuple):
     loss: Tensor  # [B, T] per-token loss, 0 outside the mask
-    ratio: Tensor  # [B, T] exp(logp - old_logp), differentiable, before any `delta` cap
-    is_low_clipped: Tensor  # [B, T] bool: ratio < 1 - eps_low with a negative advantage (and in mask)
-    is_high_clipped: Tensor  # [B, T] bool: ratio > 1 + eps_high with a positive advantage
-    is_region_clipped: Tensor  # [B, T] bool: either
+    ratio: Tensor  # [B, T] exp(logp - old_logp) ([B, 1] at sequence level), differentiable, before any `delta` cap
+    is_low_clipped: Tensor  # [B, T] bool ([B, 1] at sequence level): ratio < 1 - eps_low, A < 0 (and in mask)
+    is_high_clipped: Tensor  # [B, T] bool ([B, 1] at sequence level): ratio > 1 + eps_high, A > 0
+    is_region_clipped: Tensor  # [B, T] bool ([B, 1] at sequence level): either
 
 
 def clipped_surrogate(
@@ -195,6 +195,7 @@ def clipped_surrogate(
     cispo: bool = False,
     sapo: tuple[float, float] | None = None,
     vespo: Tensor | None = None,
+    level: str = "token",
 ) -> SurrogateOutput:
     """PPO's clipped surrogate per token, as TRL's GRPO computes it for grpo/bnpo/dr_grpo/dapo/luspo:
 
@@ -210,6 +211,12 @@ def clipped_surrogate(
     INTELLECT-2's two-sided cap on the unclipped ratio. The clip indicators are TRL's
     `clip_ratio/low_mean`, `high_mean` and `region_mean` before averaging over the mask; like TRL
     they test the ratio after the `delta` cap. `advantages` is [B] (one per sequence) or [B, T].
+
+    `level` is TRL's `importance_sampling_level`: "token", or "sequence" (GSPO, Zheng et al. 2025), where a
+    completion's ratio is exp of its mean token log-ratio over the mask (its length-normalised likelihood
+    ratio), one [B, 1] number that every token of the completion shares. Then `ratio` and the clip flags are
+    [B, 1] (TRL counts them per sequence), and `loss` is that one value at each token of the mask, so that
+    each aggregation treats it as TRL's does a [B, 1] loss; cispo's and vespo's losses stay per token.
     """
     if logp.dim() != 2:
         raise ValueError(f"logp: expected [B, T], got shape {tuple(logp.shape)}")
@@ -223,24 +230,38 @@ def clipped_surrogate(
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
     if epsilon_low < 0 or eps_high < 0:
         raise ValueError(f"epsilon_low/epsilon_high: must be >= 0, got {epsilon_low}, {eps_high}")
-    ratio = torch.exp(logp - old_logp)
+    log_ratio = logp - old_logp
+    if level == "sequence":  # GSPO: one ratio per completion; TRL's clamp keeps an empty completion's at 1
+        log_ratio = log_ratio.masked_fill(~keep, 0.0).sum(-1, keepdim=True)
+        log_ratio = log_ratio / keep.sum(-1, keepdim=True).clamp(min=1).to(logp.dtype)
+        counted = torch.ones_like(log_ratio, dtype=torch.bool)  # the flags count per sequence, every row
+    elif level == "token":
+        counted = keep
+    else:
+        raise ValueError(f"level: unknown importance sampling level {level!r}; expected 'token' or 'sequence'")
+    ratio = torch.exp(log_ratio)
+    none = torch.zeros_like(counted)
     if vespo is not None:
-        loss, none = -vespo.detach() * advantages * logp, torch.zeros_like(keep)
-        return SurrogateOutput(loss.masked_fill(~keep, 0.0), ratio, none, none, none)
+        return SurrogateOutput(_per_token(-vespo.detach() * advantages * logp, keep), ratio, none, none, none)
     if sapo is not None:
         tau = torch.where(advantages > 0, sapo[0], sapo[1])
-        loss, none = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages, torch.zeros_like(keep)
-        return SurrogateOutput(loss.masked_fill(~keep, 0.0), ratio, none, none, none)
+        loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
+        return SurrogateOutput(_per_token(loss, keep), ratio, none, none, none)
     if cispo:
-        capped = ((ratio > eps_high) & (advantages > 0) & keep).detach()
+        capped = ((ratio > eps_high) & (advantages > 0) & counted).detach()
         loss = -torch.clamp(ratio, max=eps_high).detach() * advantages * logp
-        return SurrogateOutput(loss.masked_fill(~keep, 0.0), ratio, torch.zeros_like(capped), capped, capped)
+        return SurrogateOutput(_per_token(loss, keep), ratio, none, capped, capped)
     clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + eps_high)
     unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
     loss = -torch.min(unclipped * advantages, clipped * advantages)
-    low = (unclipped < 1.0 - epsilon_low) & (advantages < 0) & keep
-    high = (unclipped > 1.0 + eps_high) & (advantages > 0) & keep
-    return SurrogateOutput(loss.masked_fill(~keep, 0.0), ratio, low.detach(), high.detach(), (low | high).detach())
+    low = (unclipped < 1.0 - epsilon_low) & (advantages < 0) & counted
+    high = (unclipped > 1.0 + eps_high) & (advantages > 0) & counted
+    return SurrogateOutput(_per_token(loss, keep), ratio, low.detach(), high.detach(), (low | high).detach())
+
+
+def _per_token(loss: Tensor, keep: Tensor) -> Tensor:
+    """A [B, T] or [B, 1] loss as [B, T], 0 outside the mask: a sequence's one value at each of its tokens."""
+    return loss.expand(keep.shape).masked_fill(~keep, 0.0)
 
 
 def vespo_weights(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, is_weight: Tensor | None,

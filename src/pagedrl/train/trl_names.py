@@ -86,8 +86,6 @@ FIXED = {
     # the algorithm sets the task: CAUSAL_LM, or SEQ_CLS for a reward model (TRL's reward example passes it)
     "lora_task_type": (("CAUSAL_LM", "SEQ_CLS"), ""),
     "attn_implementation": ((None,), "attention is pagedrl's own paged and packed kernels"),
-    # GRPO's importance ratios are per token (luspo is then TRL's luspo at its default level, as TRL warns)
-    "importance_sampling_level": (("token",), "GSPO's ratio per sequence is not built; ratios are per token"),
     "bnb_4bit_quant_storage": ((None,), "4-bit weights are stored as pagedrl packs them (load_in_4bit)"),
 }
 # transformers 5's `*_steps` below 1: a ratio of the run's total steps (`steps_of`).

@@ -138,7 +138,7 @@ class GRPO(OnlineAlgorithm):
         out = clipped_surrogate(logp, old, b.advantages, mask, c.epsilon, c.epsilon_high, c.delta,
                                 cispo=c.loss_type == "cispo",
                                 sapo=(c.sapo_temperature_pos, c.sapo_temperature_neg) if c.loss_type == "sapo" else None,
-                                vespo=phi)
+                                vespo=phi, level=c.importance_sampling_level)
         per_token = out.loss
         n_tok = mask.sum()
         metrics: dict[str, Any] = {}
@@ -152,23 +152,27 @@ class GRPO(OnlineAlgorithm):
             metrics["sampling/importance_sampling_ratio/min"] = Metric.min(w.masked_fill(~mask, float("inf")).min())
         if b.ref_logps is not None:
             kl = kl_estimate(logp, b.ref_logps, c.kl_estimator)
-            # TRL's use_bias_correction_kl (its default): the KL weighted by the live ratio, whose gradient
-            # adds kl · ∇logp even on-policy, where the ratio's value is 1
-            per_token = per_token + c.beta * (kl * out.ratio if c.use_bias_correction_kl else kl)
+            # TRL's use_bias_correction_kl (its default): the KL weighted by the live ratio (at sequence level the
+            # completion's one ratio), whose gradient adds kl · ∇log ratio even on-policy, where its value is 1;
+            # TRL logs the KL so weighted
+            kl = kl * out.ratio if c.use_bias_correction_kl else kl
+            per_token = per_token + c.beta * kl
             metrics["kl"] = Metric.mean(kl.detach().masked_fill(~mask, 0).sum(), n_tok)
         loss = aggregate(per_token, mask, c.loss_type, normaliser=global_count,
                          max_completion_length=c.max_completion_length)
         assert out_lp.entropy is not None
         ent = b.to_padded(out_lp.entropy).masked_fill(~mask, 0)
         metrics["entropy"] = Metric.mean(ent.sum(), n_tok)
+        # the clip flags: shares of the tokens, or at sequence level (one flag a completion) of the completions
+        flags = mask.shape[0] if c.importance_sampling_level == "sequence" else n_tok
         if c.loss_type == "cispo":  # TRL's name for the share of capped weights
-            metrics["cispo_clip_ratio"] = Metric.mean(out.is_high_clipped.sum().float(), n_tok)
+            metrics["cispo_clip_ratio"] = Metric.mean(out.is_high_clipped.sum().float(), flags)
         elif phi is not None:  # VESPO's mean sequence weight, TRL's metric
             metrics["vespo/phi_seq_mean"] = Metric.mean(phi.sum(), phi.shape[0])
         elif c.loss_type != "sapo":  # (SAPO's gate clips nothing; TRL logs no ratio for it)
-            metrics["clip_ratio/low_mean"] = Metric.mean(out.is_low_clipped.sum().float(), n_tok)
-            metrics["clip_ratio/high_mean"] = Metric.mean(out.is_high_clipped.sum().float(), n_tok)
-            metrics["clip_ratio/region_mean"] = Metric.mean(out.is_region_clipped.sum().float(), n_tok)
+            metrics["clip_ratio/low_mean"] = Metric.mean(out.is_low_clipped.sum().float(), flags)
+            metrics["clip_ratio/high_mean"] = Metric.mean(out.is_high_clipped.sum().float(), flags)
+            metrics["clip_ratio/region_mean"] = Metric.mean(out.is_region_clipped.sum().float(), flags)
         metrics["num_tokens"] = Metric.cumulative(float(b.input_ids.numel()))
         if balance and router_logits:
             cfg = self.model.config
@@ -222,12 +226,31 @@ class GRPO(OnlineAlgorithm):
             f"grpo: {self.prompts_per_step} prompts × G={c.num_generations} completions per rank per step, "
             f"{c.max_completion_length} tokens max, temperature {c.temperature}",
             f"grpo: loss_type={c.loss_type}, scale_rewards={c.scale_rewards}, epsilon={c.epsilon}"
-            f"/{c.epsilon_high or c.epsilon}, num_iterations={c.num_iterations}, {ref}",
+            f"/{c.epsilon_high or c.epsilon}, {c.importance_sampling_level}-level ratios, "
+            f"num_iterations={c.num_iterations}, {ref}",
             f"grpo: rewards {', '.join(n for n, _ in self.reward_funcs)}; {len(self.eval_rows)} held-out prompts",
             f"grpo: {self.rollout_line()}",
-        ] + ([f"grpo: cispo caps every importance weight at epsilon_high={c.epsilon_high or c.epsilon}, below 1, "
-              "so the gradient of every token with a positive advantage shrinks by that factor (as in TRL; TRL "
-              "recommends epsilon_high: 5.0)"] if c.loss_type == "cispo" and (c.epsilon_high or c.epsilon) < 1 else [])
+        ] + loss_warnings(c)
+
+
+def loss_warnings(c: GRPOConfig) -> list[str]:
+    """Start-up lines for the settings TRL's GRPOTrainer takes but warns about (pagedrl trains them as TRL
+    does): a user who copied a recipe learns at once that a loss does not do what its paper did."""
+    eps_high = c.epsilon_high or c.epsilon
+    lines = [f"cispo caps every importance weight at epsilon_high={eps_high}, below 1, so the gradient of every "
+             "token with a positive advantage shrinks by that factor (as in TRL; TRL recommends epsilon_high: 5.0)"
+             ] if c.loss_type == "cispo" and eps_high < 1 else []
+    sequence = c.importance_sampling_level == "sequence"
+    if c.loss_type == "luspo" and not sequence:
+        lines.append("luspo with importance_sampling_level token: its paper's setup, as TRL warns, is sequence")
+    if c.loss_type == "vespo" and sequence:
+        lines.append("vespo weighs each completion by its own sequence ratio; importance_sampling_level sequence "
+                     "changes only the KL term's bias-correction weight (TRL warns: set token, its default)")
+    if sequence and c.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        lines.append(f"importance_sampling_level sequence with loss_type {c.loss_type}: the {c.loss_type} loss sums "
+                     "per-token contributions, so each completion weighs by its length instead of the per-sequence "
+                     "objective; GSPO's setup is loss_type grpo (as TRL warns)")
+    return [f"grpo: {line}" for line in lines]
 
 
 def run_grpo(config: GRPOConfig, progress: bool = True) -> Path:

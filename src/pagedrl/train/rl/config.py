@@ -90,6 +90,9 @@ class GRPOConfig(OnlineConfig):
     beta: float = 0.0  # KL coefficient; 0 skips the reference model
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     use_bias_correction_kl: bool = True  # TRL's: the KL term times the importance ratio
+    # TRL's: "token" ratios, or "sequence" (GSPO): one per completion, exp of its mean token log-ratio; GSPO clips
+    # it far tighter (TRL's recipe: epsilon 3e-4, epsilon_high 4e-4, beta 0, loss_type grpo)
+    importance_sampling_level: Literal["token", "sequence"] = "token"
     # cispo clips the importance weight at epsilon_high (TRL: 5.0 recommended; None: epsilon, as TRL);
     # sapo gates the ratio softly, at sapo_temperature_pos where the advantage is positive, _neg elsewhere;
     # luspo sums each completion's tokens (a completion weighs by its length), then averages completions;
@@ -128,6 +131,8 @@ class GRPOConfig(OnlineConfig):
                      f"must be {'>= 0' if '_k_' in name else '> 0'}, got {value}")
             _require(value == default or self.loss_type == "vespo", name,
                      f"only the vespo loss uses it; got {value}, expected {default} or loss_type vespo")
+        _require(self.importance_sampling_level in ("token", "sequence"), "importance_sampling_level",
+                 f"expected 'token' or 'sequence', got {self.importance_sampling_level!r}")
         _require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")
         _require(self.num_iterations >= 1, "num_iterations", f"must be >= 1, got {self.num_iterations}")
         _require(self.tis_cap is None or self.tis_cap >= 1.0, "tis_cap", f"must be null or >= 1, got {self.tis_cap}")
