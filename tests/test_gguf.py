@@ -324,6 +324,12 @@ def test_generation_ends_at_fill_in_the_middle_s_pad_repository_and_file_tokens_
     assert _generation_config(gemma4)["eos_token_id"] == [0, 2, 3]
     solar = _Meta({"tokenizer.ggml.tokens": ["<|end|>", "<|calls|>", "<|flush|>"], "tokenizer.ggml.eos_token_id": 2})
     assert _generation_config(solar)["eos_token_id"] == [2, 1]
+    # the exceptions hold for the metadata's own ids too, as llama.cpp applies them last
+    named_end = _Meta({"tokenizer.ggml.tokens": ["<|return|>", "<|call|>", "<|end|>"], "tokenizer.ggml.eos_token_id": 2,
+                       "tokenizer.ggml.eot_token_id": 0})
+    assert _generation_config(named_end)["eos_token_id"] == [0, 1]
+    mixed = _Meta({"tokenizer.ggml.tokens": ["<|return|>", "<|calls|>", "<|end|>"], "tokenizer.ggml.eos_token_id": 0})
+    assert _generation_config(mixed)["eos_token_id"] == [0, 1]
 
 
 @pytest.mark.parametrize(("pre", "bos"), [("llama-bpe", True), ("qwen2", False), ("smollm", False)])

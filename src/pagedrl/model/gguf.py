@@ -282,14 +282,15 @@ def _generation_config(meta: Metadata) -> dict[str, Any]:
     fim = [meta.get(f"tokenizer.ggml.fim_{kind}_token_id") for kind in FIM_END_TEXTS]
     fim = [i if i is not None else next((j for j, t in enumerate(tokens) if t in texts), None)
            for i, texts in zip(fim, FIM_END_TEXTS.values(), strict=True)]
-    by_text = {t: i for i, t in enumerate(tokens) if t in END_OF_GENERATION_TEXTS}
-    if "<|end|>" in by_text and ({"<|return|>", "<|call|>"} <= by_text.keys()
-                                 or {"<|calls|>", "<|flush|>"} <= by_text.keys()):
-        del by_text["<|end|>"]
-    if "<|tool_response>" in by_text:
-        by_text.pop("</s>", None)
-    eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    eos = list(dict.fromkeys(i for i in [*eos, *sorted({*by_text.values(), *fim} - {None})] if i is not None))
+    by_text = sorted(i for i, t in enumerate(tokens) if t in END_OF_GENERATION_TEXTS)
+    named = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos = list(dict.fromkeys(i for i in [*named, *sorted({*by_text, *fim} - {None})] if i is not None))
+    texts = {tokens[i]: i for i in eos if i < len(tokens)}  # what ends generation, by text: the exceptions
+    calls = "<|call|>" in texts or "<|calls|>" in texts
+    if "<|end|>" in texts and calls and ("<|return|>" in texts or "<|flush|>" in texts):
+        eos.remove(texts["<|end|>"])
+    if "<|tool_response>" in texts and "</s>" in texts:
+        eos.remove(texts["</s>"])
     gen: dict[str, Any] = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
                            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)}
     pad = meta.get("tokenizer.ggml.padding_token_id")
