@@ -36,3 +36,12 @@ def test_a_response_larger_than_the_bound_is_not_kept() -> None:
     assert store.get(kept.id) is None and store.size == 0
     with pytest.raises(ValueError, match="at least 1 byte"):
         ResponseStore(0)
+
+
+def test_the_bound_counts_utf8_bytes_not_characters() -> None:
+    """A turn of 100 CJK characters holds 300 bytes: the bound is in bytes, as the flag says."""
+    response = ResponseObject(model="m")
+    ascii_size = size_of(response)
+    store = ResponseStore(1 << 20)
+    store.put(response, [{"role": "user", "content": "猫" * 100}])
+    assert store.size == ascii_size + 200

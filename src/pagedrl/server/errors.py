@@ -70,7 +70,7 @@ def from_value_error(e: ValueError, renames: dict[str, str] | None = None) -> Ap
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 # The tags of discriminated unions of list items (a Responses input item's type): pydantic puts the tag
 # after the item's index, where the client sent no such key.
-ITEM_TAGS: set[str] = set()
+ITEM_TYPES = ("message", "function_call", "function_call_output")
 
 
 def _most_telling(errors: list) -> dict:
@@ -92,7 +92,7 @@ def from_validation_error(e: ValidationError) -> ApiError:
     raw = first["loc"]
     loc = [str(x) for i, x in enumerate(raw)
            if not (isinstance(x, str) and ("[" in x or x in _UNION_TAGS or x.startswith("constrained-")
-                                           or (x in ITEM_TAGS and i > 0 and isinstance(raw[i - 1], int))))]
+                                           or (x in ITEM_TYPES and i > 0 and isinstance(raw[i - 1], int))))]
     param = ".".join(loc) or None
     got = repr(first.get("input"))
     got = got if len(got) <= 60 else got[:57] + "..."

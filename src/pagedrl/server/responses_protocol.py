@@ -15,11 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Discriminator, Field, Tag
 from pydantic.json_schema import SkipJsonSchema
 
-from pagedrl.server.errors import ITEM_TAGS
+from pagedrl.server.errors import ITEM_TYPES
 from pagedrl.server.protocol import INTEGRAL, JsonSchemaDoc, NonEmptyStr, OpenAIBase
-
-ITEM_TYPES = ("message", "function_call", "function_call_output")
-ITEM_TAGS.update(ITEM_TYPES)  # an error inside an item names `input.2.role`, not `input.2.message.role`
 
 
 def _text_part_schema(schema: dict[str, Any]) -> None:

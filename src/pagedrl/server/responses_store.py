@@ -12,11 +12,11 @@ never depends on an earlier one still being kept.
 from __future__ import annotations
 
 import json
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from pagedrl.server.env_flags import env_flag
 from pagedrl.server.responses_bodies import ResponseObject
 
 DEFAULT_MAX_BYTES = 64 << 20
@@ -24,7 +24,7 @@ RESPONSES_STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"  # vLLM's switch, read a
 
 
 def responses_store_from_env() -> bool:
-    return os.environ.get(RESPONSES_STORE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+    return env_flag(RESPONSES_STORE_ENV)
 
 
 @dataclass
@@ -44,7 +44,7 @@ class ResponseStore:
 
     def put(self, response: ResponseObject, conversation: list[dict[str, Any]]) -> None:
         """Keep `response`, forgetting the oldest past the bound (one larger than it is not kept)."""
-        size = len(response.model_dump_json()) + len(json.dumps(conversation, ensure_ascii=False))
+        size = len(response.model_dump_json().encode()) + len(json.dumps(conversation, ensure_ascii=False).encode())
         if size > self.max_bytes:
             return
         self.delete(response.id)

@@ -10,12 +10,12 @@ slot. Unloading only stops new requests from naming it: the ones running finish 
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pagedrl.engine.lora_request import LoRARequest
+from pagedrl.server.env_flags import env_flag
 from pagedrl.server.errors import ApiError
 
 # vLLM's switch for the load/unload endpoints: they read any folder the server can, so they are off
@@ -41,7 +41,7 @@ def check_adapter_name(name: str) -> None:
 
 
 def runtime_updating_from_env() -> bool:
-    return os.environ.get(RUNTIME_UPDATING_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+    return env_flag(RUNTIME_UPDATING_ENV)
 
 
 @dataclass(frozen=True)
