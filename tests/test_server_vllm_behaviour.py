@@ -155,3 +155,12 @@ def test_vllms_server_flags_reach_uvicorn(tmp_path):
     assert (options["ssl_keyfile"], options["ssl_certfile"]) == ("k.pem", "c.pem")
     assert ssl_problem(args) == "k.pem: no such file (--ssl-keyfile, --ssl-certfile)"
     assert "go together" in ssl_problem(build_parser().parse_args(["--ssl-certfile", "c.pem"]))
+
+
+def test_the_document_names_the_root_path_a_proxy_serves_it_under(loaded) -> None:
+    """Behind --root-path, the API document's `servers` is that prefix, so a client generated from it
+    (or the docs page's "Try it out") calls the paths the proxy serves."""
+    engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(kv_cache_tokens=512),
+                       eos_token_ids=loaded.eos_token_ids)
+    with TestClient(build_app(AsyncEngine(engine), served_model_name="tiny", ui=False), root_path="/llm") as client:
+        assert client.get("/openapi.json").json()["servers"] == [{"url": "/llm"}]
