@@ -28,6 +28,7 @@ from pagedrl.server.responses_bodies import (
     OutputMessage,
     ResponseDeleted,
     ResponseObject,
+    item_id,
     whole_response,
 )
 from pagedrl.server.responses_inputs import chat_form, in_responses_terms
@@ -37,7 +38,8 @@ from pagedrl.server.responses_stream import response_stream
 from pagedrl.server.tools import ToolPlan
 
 # the chat route's path from a request to running engine requests (app.py)
-StartChat = Callable[[ChatCompletionRequest], Awaitable[tuple[RequestGroup, SamplingParams, ToolPlan | None]]]
+# (the request, the id the request log names it by)
+StartChat = Callable[[ChatCompletionRequest, str], Awaitable[tuple[RequestGroup, SamplingParams, ToolPlan | None]]]
 # the id in the path, declared by hand: a typed handler argument would add FastAPI's own 422 body to the
 # document, where every error this server answers is OpenAI's error object
 BY_ID = {"parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]}
@@ -55,11 +57,12 @@ def assistant_turn(response: ResponseObject) -> dict[str, Any]:
     return turn
 
 
-def base_response(req: ResponsesRequest, model: str, params: SamplingParams, stored: bool) -> ResponseObject:
+def base_response(req: ResponsesRequest, model: str, params: SamplingParams, stored: bool,
+                  response_id: str) -> ResponseObject:
     """The response before its answer: the request's settings as OpenAI says them back."""
     choice = req.tool_choice
     return ResponseObject(
-        model=model, instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+        id=response_id, model=model, instructions=req.instructions, max_output_tokens=req.max_output_tokens,
         temperature=params.temperature, top_p=params.top_p,
         tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
         tool_choice=choice.model_dump() if choice is not None and not isinstance(choice, str) else (choice or "auto"),
@@ -92,12 +95,13 @@ def responses_router(start_chat: StartChat, served_model_name: str, store: Respo
         history = stored(req.previous_response_id, "previous_response_id").conversation \
             if req.previous_response_id is not None else []
         form = chat_form(req, history)
+        response_id = item_id("resp")
         try:
-            group, params, plan = await start_chat(form.request)
+            group, params, plan = await start_chat(form.request, response_id)
         except ApiError as e:
             raise in_responses_terms(e, form.origins) from None
         keep = store is not None and req.store
-        base = base_response(req, req.model or served_model_name, params, keep)
+        base = base_response(req, req.model or served_model_name, params, keep, response_id)
 
         def done(response: ResponseObject) -> None:
             if keep:
