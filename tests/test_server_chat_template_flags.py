@@ -58,6 +58,9 @@ def test_a_value_is_a_file_else_the_template_unless_it_looks_like_a_path(tmp_pat
     assert chat_template_problem(str(path)) is None and chat_template_problem(None) is None
     assert chat_template_problem("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}") == \
         "--chat-template: syntax error at line 2: unexpected '}'"
+    path.write_text("{{ broken", encoding="utf-8")
+    assert chat_template_problem(str(path)) == f"--chat-template {path}: syntax error at line 1: unexpected end of template, " \
+        "expected 'end of print statement'."
 
 
 def test_serve_refuses_a_template_that_does_not_compile_before_the_model_loads(capsys) -> None:

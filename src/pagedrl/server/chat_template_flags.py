@@ -73,11 +73,14 @@ def chat_template_problem(value: str | None) -> str | None:
     if value is None:
         return None
     try:
-        compile_chat_template(load_chat_template(value))
-    except ChatTemplateError as e:  # "chat_template: syntax error at line N: ..."
-        return f"--chat-template: {str(e).removeprefix('chat_template: ')}"
+        text = load_chat_template(value)
     except ValueError as e:
         return str(e)
+    try:
+        compile_chat_template(text)
+    except ChatTemplateError as e:  # "chat_template: syntax error at line N: ..."
+        where = f" {value}" if text != value else ""  # a file is named; an inline template is not repeated
+        return f"--chat-template{where}: {str(e).removeprefix('chat_template: ')}"
     return None
 
 
