@@ -154,7 +154,8 @@ def test_vllms_server_flags_reach_uvicorn(tmp_path):
     assert (options["log_level"], options["access_log"], options["root_path"]) == ("debug", False, "/llm")
     assert (options["ssl_keyfile"], options["ssl_certfile"]) == ("k.pem", "c.pem")
     assert ssl_problem(args) == "k.pem: no such file (--ssl-keyfile, --ssl-certfile)"
-    assert "go together" in ssl_problem(build_parser().parse_args(["--ssl-certfile", "c.pem"]))
+    assert "needs --ssl-certfile" in ssl_problem(build_parser().parse_args(["--ssl-keyfile", "k.pem"]))
+    assert ssl_problem(build_parser().parse_args(["--ssl-certfile", __file__])) is None  # the key in the same file
 
 
 def test_the_document_names_the_root_path_a_proxy_serves_it_under(loaded) -> None:
@@ -164,3 +165,10 @@ def test_the_document_names_the_root_path_a_proxy_serves_it_under(loaded) -> Non
                        eos_token_ids=loaded.eos_token_ids)
     with TestClient(build_app(AsyncEngine(engine), served_model_name="tiny", ui=False), root_path="/llm") as client:
         assert client.get("/openapi.json").json()["servers"] == [{"url": "/llm"}]
+
+
+def test_a_responses_store_of_no_bytes_is_refused_by_its_flag_before_the_model_loads(capsys) -> None:
+    from pagedrl.server.serve import serve_main
+
+    assert serve_main(["/no/such/model", "--enable-responses-store", "--responses-store-bytes", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "pagedrl serve: --responses-store-bytes must be positive"

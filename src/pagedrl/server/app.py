@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from pagedrl.engine.async_engine import (
 )
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
+from pagedrl.server.chat_template_flags import ChatRendering
 from pagedrl.server.delivery import EventStreamResponse, final_outputs_unless_disconnected, json_response
 from pagedrl.server.errors import ApiError, from_value_error, read_json
 from pagedrl.server.inputs import DEFAULT_MAX_N, chat_inputs, completion_inputs
@@ -39,6 +41,7 @@ from pagedrl.server.openapi import errors, json_or_events, request_body
 from pagedrl.server.openapi import install as install_openapi
 from pagedrl.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedrl.server.request_ids import RequestIdHeader, base_request_id
+from pagedrl.server.request_log import RequestLog
 from pagedrl.server.response_bodies import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -62,6 +65,7 @@ from pagedrl.server.tokenize_routes import DetokenizeRequest, TokenizeRequest, t
 from pagedrl.server.tools import ToolPlan, check_tool_schemas, tool_plan
 from pagedrl.server.ui_routes import ui_router
 
+logger = logging.getLogger("pagedrl.server")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 # What /openapi.json adds to ChatCompletionRequest on a server without auto tool choice: tools without a
 # tool_choice mean "auto" (OpenAI's and vLLM's default), which such a server refuses, as vLLM's does.
@@ -102,7 +106,10 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
               lora_modules: Sequence[LoRAModule] = (), allow_runtime_lora_updating: bool = False,
               sampling_defaults: dict[str, Any] | None = None, max_tokens_cap: int | None = None,
               allowed_origins: Sequence[str] = (), request_id_headers: bool = False,
-              responses_store_bytes: int | None = None) -> FastAPI:
+              responses_store_bytes: int | None = None, chat_template: str | None = None,
+              chat_template_content_format: str = "auto", response_role: str = "assistant",
+              enable_log_requests: bool = False, max_log_len: int | None = None,
+              fastapi_docs: bool = True) -> FastAPI:
     """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
     With `ui`, `/` answers with the chat page (`server/ui_routes.py`), a static file that calls the
     API like any client (and needs the API key like any client). With `api_key`, every route that
@@ -119,7 +126,11 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     server on a user's own machine through their browser. `request_id_headers` (vLLM's
     `--enable-request-id-headers`): every response carries `X-Request-Id` (`server/request_ids.py`).
     `responses_store_bytes`: keep /v1/responses answers in memory up to that many bytes
-    (`server/responses_store.py`); None keeps none (vLLM's default)."""
+    (`server/responses_store.py`); None keeps none (vLLM's default). `chat_template` (the text),
+    `chat_template_content_format` and `response_role` are vLLM's chat flags
+    (`server/chat_template_flags.py`); `enable_log_requests` logs every request as it is accepted, its
+    prompt cut to `max_log_len` (`server/request_log.py`); without `fastapi_docs` there is no /docs,
+    /redoc or /openapi.json (vLLM's `--disable-fastapi-docs`)."""
     served = ServedModels(served_model_name, read=engine.read_lora if engine.lora_enabled else None)
     served_model_name = served.base_name  # the first of several names: what metrics and defaults use
     for module in lora_modules:
@@ -127,6 +138,10 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     metrics = ServerMetrics(engine, served_model_name)
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
+    rendering = ChatRendering(chat_template, chat_template_content_format)
+    if (chat_line := rendering.describe(tokenizer)) is not None:
+        logger.info(chat_line)
+    request_log = RequestLog(enable_log_requests, max_log_len)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -134,7 +149,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         yield
         await engine.shutdown()
 
-    app = FastAPI(title="pagedrl", lifespan=lifespan)
+    docs = {} if fastapi_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pagedrl", lifespan=lifespan, **docs)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.served = served
@@ -167,31 +183,36 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     check_model = served.resolve  # the adapter a request's `model` names (None: the base); 404 if none
 
     async def submit(prompts: list, params: SamplingParams, renames: dict[str, str] | None = None,
-                     lora: LoRARequest | None = None) -> RequestGroup:
+                     lora: LoRARequest | None = None, log_id: str | None = None) -> RequestGroup:
         # DELTA for streamed and whole responses alike: no step rebuilds what came before, and every
         # request's token timings reach the metrics
         params = params.clone(output_kind=RequestOutputKind.DELTA)
         try:
-            return await engine.submit(prompts, params, lora_request=lora)
+            group = await engine.submit(prompts, params, lora_request=lora)
         except ValueError as e:
             raise from_value_error(e, renames) from None
         except EngineOverloaded as e:
             raise ApiError(503, str(e), "server_error", code="server_overloaded", headers={"Retry-After": "1"}) from None
         except EngineDead as e:
             raise ApiError(503, str(e), "server_error", code="engine_unavailable") from None
+        request_log.received(log_id or group.streams[0].request_id, prompts,
+                             [s.prompt_token_ids for s in group.streams], params, lora, tokenizer)
+        return group
 
     def token_text(params: SamplingParams) -> TokenText:
         return TokenText(tokenizer, params.skip_special_tokens)
 
-    async def start_chat(req: ChatCompletionRequest) -> tuple[RequestGroup, SamplingParams, ToolPlan | None]:
+    async def start_chat(req: ChatCompletionRequest, log_id: str | None = None
+                         ) -> tuple[RequestGroup, SamplingParams, ToolPlan | None]:
         """A chat request's engine request, running: /v1/chat/completions and /v1/responses both start
         theirs here, so the same messages are the same prompt and sampling on either route."""
         lora = check_model(req.model)
         plan = tool_plan(req, tool_call_parser, enable_auto_tool_choice)
         if plan is not None:  # schemas compile off the event loop (cached: a repeated tool costs nothing)
             await asyncio.to_thread(check_tool_schemas, plan, engine.check_structured_output)
-        prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan, sampling_defaults, max_tokens_cap)
-        group = await submit([prompt_ids], params, {"logprobs": "top_logprobs", **structured_outputs(req)[1]}, lora)
+        prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan, sampling_defaults, max_tokens_cap, rendering)
+        group = await submit([prompt_ids], params, {"logprobs": "top_logprobs", **structured_outputs(req)[1]}, lora,
+                             log_id)
         return group, params, plan
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
@@ -212,8 +233,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         lora = check_model(req.model)
         prompts, params = completion_inputs(req, max_n, sampling_defaults, max_tokens_cap, tokenizer)
         echo = Echo(req.echo, req.echo and req.max_tokens == 0)
-        group = await submit(prompts, params, structured_outputs(req)[1], lora)
         request_id = f"cmpl-{base_request_id(request, req.request_id)}"
+        group = await submit(prompts, params, structured_outputs(req)[1], lora, request_id)
         model = req.model or served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -229,15 +250,16 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
                         **errors(400, 401, 404, 413, 499, 500, 503)})
     async def chat_completions(request: Request) -> Response:
         req = await read_json(request, ChatCompletionRequest, max_request_body_bytes)
-        group, params, plan = await start_chat(req)
         request_id = f"chatcmpl-{base_request_id(request, req.request_id)}"
+        group, params, plan = await start_chat(req, request_id)
         model = req.model or served_model_name
+        role = response_role if req.add_generation_prompt else req.messages[-1].role  # as vLLM answers
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStreamResponse(chat_stream(group, request_id, model, params, include_usage,
-                                                   token_text(params), plan), group.abort)
+                                                   token_text(params), plan, role), group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
-        return json_response(chat_response(request_id, model, outputs[0], params, token_text(params), plan))
+        return json_response(chat_response(request_id, model, outputs[0], params, token_text(params), plan, role))
 
     store = ResponseStore(responses_store_bytes) if responses_store_bytes is not None else None
     v1.include_router(responses_router(start_chat, served_model_name, store, max_request_body_bytes))
@@ -250,7 +272,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     if ui:
         app.include_router(ui_router())
     app.include_router(tokenize_router(tokenizer, served, max_model_len, engine.vocab_size, max_request_body_bytes,
-                                       authorized))
+                                       authorized, rendering))
 
     @app.get("/health", response_model=None, response_class=Response, responses={
         200: {"description": "The engine is running (empty body)", "content": {}}, **errors(503)})

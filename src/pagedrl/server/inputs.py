@@ -14,6 +14,7 @@ from typing import Any
 from pagedrl.engine.generation_defaults import capped
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.chat_template import select_chat_template
+from pagedrl.server.chat_template_flags import MODEL_TEMPLATE, NO_TEMPLATE, ChatRendering, ContentFormat
 from pagedrl.server.errors import bad_request, from_value_error
 from pagedrl.server.protocol import (
     COMPLETION_MAX_TOKENS,
@@ -128,8 +129,10 @@ def without_special_tokens(prompt: str | list[int], tokenizer: Any) -> str | lis
     return prompt if ids == tokenizer.encode(prompt) else ids
 
 
-def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
-    """A message as the chat template expects it: text parts joined, other parts refused."""
+def message_dict(i: int, m: ChatMessage, content_format: ContentFormat = "string") -> dict[str, Any]:
+    """A message as the chat template expects it, other than text parts refused: its content a string
+    (the text parts joined with newlines) or, for a template that reads OpenAI's shape, the list of text
+    parts (a string is one part; a tool's answer stays a string, as vLLM gives it)."""
     content = m.content
     if isinstance(content, list):
         texts = []
@@ -138,13 +141,18 @@ def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
                 raise bad_request(f"content part of type {part.type!r} is not supported (text only)",
                                   param=f"messages.{i}.content.{j}")
             texts.append(part.text)
-        content = "\n".join(texts)
     elif content is None:
         # clients send an assistant turn without text after tool calls; the template gets empty text
         if m.role != "assistant":
             raise bad_request(f"messages.{i}.content is null; only an assistant message may have no content",
                               param=f"messages.{i}.content")
-        content = ""
+        texts = []
+    else:
+        texts = [content]
+    if content_format == "openai" and m.role != "tool":
+        content = [{"type": "text", "text": t} for t in texts]
+    else:
+        content = "\n".join(texts)
     out: dict[str, Any] = {"role": m.role, "content": content}
     if m.name is not None:
         out["name"] = m.name
@@ -163,9 +171,11 @@ def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
 
 def chat_inputs(req: ChatCompletionRequest, tokenizer: Any, max_n: int = DEFAULT_MAX_N,
                 plan: ToolPlan | None = None, defaults: Mapping[str, Any] | None = None,
-                max_tokens_cap: int | None = None) -> tuple[list[int], SamplingParams]:
+                max_tokens_cap: int | None = None, rendering: ChatRendering = MODEL_TEMPLATE
+                ) -> tuple[list[int], SamplingParams]:
     """The chat template applied to the messages and `plan`'s tools (as token ids) and the sampling
-    parameters, constrained to tool calls when the plan requires them."""
+    parameters, constrained to tool calls when the plan requires them; `rendering` is the server's
+    template and content format (`server/chat_template_flags.py`)."""
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise bad_request("give max_completion_tokens or max_tokens, not both", param="max_tokens")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -194,45 +204,55 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Any, max_n: int = DEFAULT
             template_kwargs[name] = getattr(req, name)
     return chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt, tools,
                            continue_final_message=req.continue_final_message, template_kwargs=template_kwargs,
-                           add_special_tokens=req.add_special_tokens), params
+                           add_special_tokens=req.add_special_tokens, rendering=rendering), params
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-                    template_kwargs: dict[str, Any] | None = None, add_special_tokens: bool = False) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None, add_special_tokens: bool = False,
+                    rendering: ChatRendering = MODEL_TEMPLATE) -> list[int]:
     """The prompt's token ids; a template that knows nothing of tools gets them in Hermes' format.
     `continue_final_message` (vLLM's, transformers' rule) ends the prompt right after the final
     message's text, so the model continues it; `template_kwargs` are vLLM's `chat_template_kwargs` (with
     its `documents`); `add_special_tokens` (vLLM's, off by default: the template writes its own) adds the
-    tokenizer's around the rendered text."""
-    if tokenizer is None or tokenizer.chat_template is None:
-        raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+    tokenizer's around the rendered text. `rendering` chooses the template (the server's over the
+    model's) and the shape of a message's content."""
+    templates = rendering.templates(tokenizer)
+    if tokenizer is None or templates is None:
+        raise bad_request(NO_TEMPLATE, param="messages")
     if not messages:
         raise bad_request("messages must not be empty", param="messages")
-    dicts = [message_dict(i, m) for i, m in enumerate(messages)]
-    uses_tools = tools or any(d["role"] == "tool" or "tool_calls" in d for d in dicts)
-    if uses_tools and not template_handles_tools(select_chat_template(tokenizer.chat_template, None, tools)):
-        dicts, tools = with_hermes_tools(dicts, tools or []), None
     extra = {k: v for k, v in (template_kwargs or {}).items()
              if k not in ("messages", "tools", "add_generation_prompt", "tokenize", "chat_template",
                           "special_tokens", "continue_final_message")}
     try:
+        uses_tools = tools or any(m.role == "tool" or m.tool_calls for m in messages)
+        hermes = bool(uses_tools) and not template_handles_tools(select_chat_template(templates, None, tools))
+        source = select_chat_template(templates, None, None if hermes else tools)
+        content_format = rendering.format_for(source)
+        dicts = [message_dict(i, m, "string" if hermes else content_format) for i, m in enumerate(messages)]
+        if hermes:  # the Hermes rewrite writes text; a template that reads parts gets it as one part
+            dicts, tools = with_hermes_tools(dicts, tools or []), None
+            if content_format == "openai":
+                dicts = [{**d, "content": [{"type": "text", "text": d["content"]}]} for d in dicts]
         text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=tools,
-                                             continue_final_message=continue_final_message, **extra)
+                                             continue_final_message=continue_final_message, chat_template=source,
+                                             **extra)
     except ValueError as e:
         param = "continue_final_message" if str(e).startswith("continue_final_message") else "messages"
         raise bad_request(f"the chat template failed on these messages: {e}", param=param) from None
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def tokenizer_config(tokenizer: Any, max_model_len: int) -> dict[str, Any]:
+def tokenizer_config(tokenizer: Any, max_model_len: int, rendering: ChatRendering = MODEL_TEMPLATE) -> dict[str, Any]:
     """What /tokenizer_info answers: tokenizer_config.json's keys with the special tokens and the chat
-    template filled in (clients such as lm-evaluation-harness read the template and EOS from it)."""
+    template filled in (clients such as lm-evaluation-harness read the template and EOS from it): the
+    server's `--chat-template` where it has one, as vLLM answers."""
     config = {k: v for k, v in tokenizer.config.items() if k not in ("added_tokens_decoder", "tokenizer_file")}
     config.update(tokenizer.special_tokens)
     config["tokenizer_class"] = config.get("tokenizer_class") or "PreTrainedTokenizerFast"
     config["model_max_length"] = max_model_len
-    templates = tokenizer.chat_template
+    templates = rendering.templates(tokenizer)
     if isinstance(templates, dict) and "default" not in templates:  # as tokenizer_config.json lists several
         config["chat_template"] = [{"name": k, "template": v} for k, v in templates.items()]
     elif templates is not None:

@@ -73,7 +73,7 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # vLLM's --response-role, or the last message's role without a generation prompt
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 

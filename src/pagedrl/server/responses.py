@@ -122,10 +122,13 @@ def chat_message(c: CompletionOutput, plan: ToolPlan | None) -> tuple[AssistantM
 
 
 def chat_response(request_id: str, model: str, output: RequestOutput, params: SamplingParams,
-                  names: TokenText, plan: ToolPlan | None = None) -> ChatCompletionResponse:
+                  names: TokenText, plan: ToolPlan | None = None, role: str = "assistant") -> ChatCompletionResponse:
+    """The whole answer; `role` is the message's (vLLM's --response-role, or the last message's role when
+    the request asked for no generation prompt)."""
     choices = []
     for c in output.outputs:
         message, finish_reason = chat_message(c, plan)
+        message.role = role
         lp = chat_logprobs(c, 0, len(c.token_ids), names, params.logprobs) if params.logprobs is not None else None
         choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason, logprobs=lp,
                                   stop_reason=c.stop_reason))
@@ -207,7 +210,8 @@ def tool_deltas(reader: ChoiceToolReader, c: CompletionOutput) -> DeltaMessage:
 
 
 async def chat_stream(group: RequestGroup, request_id: str, model: str, params: SamplingParams,
-                      include_usage: bool, names: TokenText, plan: ToolPlan | None = None) -> AsyncIterator[bytes]:
+                      include_usage: bool, names: TokenText, plan: ToolPlan | None = None,
+                      role: str = "assistant") -> AsyncIterator[bytes]:
     created = now_s()
     usage_field = {"usage": None} if include_usage else {}
     readers = {i: tool_reader(plan) for i in range(params.n)}
@@ -217,7 +221,7 @@ async def chat_stream(group: RequestGroup, request_id: str, model: str, params: 
         return sse(body.model_dump_json(exclude_none=False))
 
     try:
-        yield b"".join(chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+        yield b"".join(chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role=role, content="")))
                        for i in range(params.n))
         async for updates in group:
             events = []

@@ -38,7 +38,8 @@ from pagedrl.server.responses_stream import response_stream
 from pagedrl.server.tools import ToolPlan
 
 # the chat route's path from a request to running engine requests (app.py)
-StartChat = Callable[[ChatCompletionRequest], Awaitable[tuple[RequestGroup, SamplingParams, ToolPlan | None]]]
+# (the request, the id the request log names it by)
+StartChat = Callable[[ChatCompletionRequest, str], Awaitable[tuple[RequestGroup, SamplingParams, ToolPlan | None]]]
 # the id in the path, declared by hand: a typed handler argument would add FastAPI's own 422 body to the
 # document, where every error this server answers is OpenAI's error object
 BY_ID = {"parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]}
@@ -94,12 +95,12 @@ def responses_router(start_chat: StartChat, served_model_name: str, store: Respo
         history = stored(req.previous_response_id, "previous_response_id").conversation \
             if req.previous_response_id is not None else []
         form = chat_form(req, history)
+        response_id = req.request_id or f"resp_{base_request_id(request, None)}"  # vLLM's field, else as chat's
         try:
-            group, params, plan = await start_chat(form.request)
+            group, params, plan = await start_chat(form.request, response_id)
         except ApiError as e:
             raise in_responses_terms(e, form.origins) from None
         keep = store is not None and req.store
-        response_id = req.request_id or f"resp_{base_request_id(request, None)}"  # vLLM's field, else as chat's
         base = base_response(req, response_id, req.model or served_model_name, params, keep)
 
         def done(response: ResponseObject) -> None:

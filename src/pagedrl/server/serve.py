@@ -25,7 +25,13 @@ from pagedrl.engine.engine_args import EngineArgs, add_engine_arguments, cli_fie
 from pagedrl.engine.engine_config import EngineSettingError
 from pagedrl.model.footprint import footprint
 from pagedrl.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagedrl.server.chat_template_flags import (
+    add_chat_template_arguments,
+    chat_template_problem,
+    load_chat_template,
+)
 from pagedrl.server.inputs import DEFAULT_MAX_N
+from pagedrl.server.request_log import add_request_log_arguments
 from pagedrl.server.responses_store import DEFAULT_MAX_BYTES as DEFAULT_STORE_BYTES
 from pagedrl.server.responses_store import RESPONSES_STORE_ENV, responses_store_from_env
 from pagedrl.server.served_models import RUNTIME_UPDATING_ENV, parse_lora_module, runtime_updating_from_env
@@ -84,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
                         help="the format the model writes its tool calls in (default: hermes, <tool_call> JSON "
                              "blocks)")
+    server.add_argument("--disable-fastapi-docs", action="store_true",
+                        help="serve no /docs, /redoc or /openapi.json")
+    add_request_log_arguments(server)
+    add_chat_template_arguments(server)
     lora = groups["lora"]
     lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                       help='adapters to serve: name=path, or JSON {"name": ..., "path": ..., "base_model_name": ...}')
@@ -182,7 +192,11 @@ def build_server(args: argparse.Namespace) -> Any:
                     allow_runtime_lora_updating=args.allow_runtime_lora_updating, sampling_defaults=defaults.params,
                     max_tokens_cap=defaults.max_tokens_cap, allowed_origins=origins(args.allowed_origins),
                     request_id_headers=args.enable_request_id_headers,
-                    responses_store_bytes=args.responses_store_bytes if args.enable_responses_store else None)
+                    responses_store_bytes=args.responses_store_bytes if args.enable_responses_store else None,
+                    chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
+                    chat_template_content_format=args.chat_template_content_format,
+                    response_role=args.response_role, enable_log_requests=args.enable_log_requests,
+                    max_log_len=args.max_log_len, fastapi_docs=not args.disable_fastapi_docs)
     stats = engine.metrics_snapshot()
     if stats.lora is not None:
         logger.info("LoRA: %d slots of rank up to %d on every decoder projection (%.1f MiB)", args.max_loras,
@@ -208,10 +222,11 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def ssl_problem(args: argparse.Namespace) -> str | None:
-    """HTTPS needs both files, and files that exist: said before the model loads."""
+    """HTTPS needs a certificate (whose file may hold the key too, as uvicorn reads it) and files that
+    exist: said before the model loads."""
     given = [f for f in (args.ssl_keyfile, args.ssl_certfile) if f]
-    if len(given) == 1:
-        return "--ssl-keyfile and --ssl-certfile go together"
+    if args.ssl_keyfile and not args.ssl_certfile:
+        return "--ssl-keyfile needs --ssl-certfile (the certificate chain the key belongs to)"
     missing = [f for f in given if not Path(f).is_file()]
     return f"{missing[0]}: no such file (--ssl-keyfile, --ssl-certfile)" if missing else None
 
@@ -307,15 +322,18 @@ def _exit_now(signum: int, frame: Any) -> None:
 
 def serve_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_request_body_bytes", "max_n"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_request_body_bytes", "max_n",
+                 "responses_store_bytes"):
         if getattr(args, name) <= 0:
             print(f"pagedrl serve: --{name.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
-    if args.max_waiting_requests < 0:
-        print("pagedrl serve: --max-waiting-requests must be non-negative", file=sys.stderr)
-        return 2
+    for name in ("max_waiting_requests", "max_log_len"):
+        if (getattr(args, name) or 0) < 0:
+            print(f"pagedrl serve: --{name.replace('_', '-')} must be non-negative", file=sys.stderr)
+            return 2
     problem = (lora_arguments_problem(args) or names_problem(args) or engine_arguments_problem(args)
-               or origins_problem(args) or ssl_problem(args) or listening_problem(args.host, args.port))
+               or origins_problem(args) or ssl_problem(args) or chat_template_problem(args.chat_template)
+               or listening_problem(args.host, args.port))
     if problem:
         print(f"pagedrl serve: {problem}", file=sys.stderr)
         return 2

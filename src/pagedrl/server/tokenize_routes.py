@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedrl.server.chat_template_flags import MODEL_TEMPLATE, ChatRendering
 from pagedrl.server.errors import ApiError, bad_request, read_json
 from pagedrl.server.inputs import chat_prompt_ids, tokenizer_config
 from pagedrl.server.openapi import errors, request_body
@@ -74,8 +75,9 @@ def json_response(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def prompt_ids(tokenizer: Any, req: TokenizeRequest) -> list[int]:
-    """The ids the request's prompt or messages (with their tools, rendered as for the chat route) make."""
+def prompt_ids(tokenizer: Any, req: TokenizeRequest, rendering: ChatRendering = MODEL_TEMPLATE) -> list[int]:
+    """The ids the request's prompt or messages (with their tools, rendered as for the chat route, by the
+    server's template and content format) make."""
     if tokenizer is None:
         raise bad_request("this model has no tokenizer")
     if (req.prompt is None) == (req.messages is None):
@@ -89,13 +91,15 @@ def prompt_ids(tokenizer: Any, req: TokenizeRequest) -> list[int]:
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request(CONTINUE_NEEDS_NO_GENERATION_PROMPT, param="continue_final_message")
     return chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt, tools,
-                           continue_final_message=req.continue_final_message, template_kwargs=req.chat_template_kwargs)
+                           continue_final_message=req.continue_final_message, template_kwargs=req.chat_template_kwargs,
+                           rendering=rendering)
 
 
 def tokenize_router(tokenizer: Any, served: ServedModels, max_model_len: int, vocab_size: int,
-                    max_request_body_bytes: int, authorized: Callable[[Request], bool]) -> APIRouter:
+                    max_request_body_bytes: int, authorized: Callable[[Request], bool],
+                    rendering: ChatRendering = MODEL_TEMPLATE) -> APIRouter:
     """The three routes; `authorized(request)` says whether the request could read /v1/models (its
-    404 for an unknown model then lists the served names)."""
+    404 for an unknown model then lists the served names); `rendering`: the chat route's template."""
     router = APIRouter()
 
     @router.post("/tokenize", response_model=None, openapi_extra=request_body(TokenizeRequest),
@@ -104,7 +108,7 @@ def tokenize_router(tokenizer: Any, served: ServedModels, max_model_len: int, vo
     async def tokenize(request: Request) -> Response:
         req = await read_json(request, TokenizeRequest, max_request_body_bytes)
         served.resolve(req.model, disclose=authorized(request))
-        ids = prompt_ids(tokenizer, req)
+        ids = prompt_ids(tokenizer, req, rendering)
         return json_response(TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids))
 
     @router.post("/detokenize", response_model=None, openapi_extra=request_body(DetokenizeRequest),
@@ -126,6 +130,6 @@ def tokenize_router(tokenizer: Any, served: ServedModels, max_model_len: int, vo
     async def tokenizer_info() -> Response:
         if tokenizer is None:
             raise ApiError(404, "this model has no tokenizer", "not_found_error")
-        return json_response(TokenizerInfoResponse(**tokenizer_config(tokenizer, max_model_len)))
+        return json_response(TokenizerInfoResponse(**tokenizer_config(tokenizer, max_model_len, rendering)))
 
     return router

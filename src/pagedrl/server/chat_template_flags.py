@@ -1,0 +1,168 @@
+"""vLLM's chat-template flags for `pagedrl serve`: `--chat-template`, `--chat-template-content-format`
+and `--response-role`.
+
+An operator whose model ships no template, or a wrong one, gives the server its own; every route that
+renders messages (`/v1/chat/completions`, `/v1/responses`, `/tokenize`, and the chat page, which calls
+the first) then uses it, as vLLM does. The flag takes a file or the template itself, told apart by
+vLLM's rule: a value that cannot be opened as a file is the template, unless it has none of `{`, `}`
+or a newline, when it was meant as a path and the server refuses it rather than rendering every prompt
+as that one line. A template is compiled before the model loads, so a syntax error costs no minutes.
+
+Templates read a message's `content` in one of two shapes: a string (most) or OpenAI's list of
+`{"type": "text", "text": ...}` parts (those written for multimodal models). `auto` looks at the
+template, as vLLM's `_detect_content_format` does: one that loops over a message's content gets the
+list, any other the text parts joined with newlines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+import jinja2
+import jinja2.nodes
+
+from pagedrl.model.chat_template import ChatTemplateError, ChatTemplates, compile_chat_template
+
+logger = logging.getLogger("pagedrl.server")
+
+ContentFormat = Literal["string", "openai"]
+CONTENT_FORMATS = ("auto", "string", "openai")
+# A value holding none of these cannot be a template worth serving: it was meant as a file (vLLM's rule).
+JINJA_CHARS = "{}\n"
+NO_TEMPLATE = ("this model has no chat template: give the server one with --chat-template (a file or the "
+               "template itself), or use /v1/completions")
+
+
+def add_chat_template_arguments(group: argparse._ArgumentGroup) -> None:
+    """The flags, with vLLM's names and defaults."""
+    group.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                       help="a Jinja chat template, as a file or inline, used instead of the model's on every route "
+                            "that renders messages")
+    group.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
+                       help="how a message's content reaches the template: string (text parts joined with newlines), "
+                            "openai (a list of {'type': 'text', 'text': ...} parts), or auto (detected from the "
+                            "template: a template that loops over a message's content gets the list)")
+    group.add_argument("--response-role", default="assistant",
+                       help="the answer's role when the request's add_generation_prompt is true (otherwise the last "
+                            "message's role, as in vLLM)")
+
+
+def load_chat_template(value: str) -> str:
+    """The template `--chat-template VALUE` names: the file's text, else VALUE itself. ValueError, naming
+    the flag, for a value that looks like a path (no `{`, `}` or newline) and cannot be read."""
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except (OSError, ValueError, UnicodeDecodeError) as e:  # ValueError: a NUL in an inline template
+        if any(c in value for c in JINJA_CHARS):
+            return value
+        reason = getattr(e, "strerror", None) or str(e)
+        raise ValueError(f"--chat-template {value}: looks like a file path, but it could not be opened "
+                         f"({reason}); give a readable file or the template itself") from None
+
+
+def chat_template_problem(value: str | None) -> str | None:
+    """Why `--chat-template VALUE` cannot be served (unreadable, or not a template Jinja compiles), in one
+    line naming the flag and the template's line; checked before the model loads."""
+    if value is None:
+        return None
+    try:
+        text = load_chat_template(value)
+    except ValueError as e:
+        return str(e)
+    try:
+        compile_chat_template(text)
+    except ChatTemplateError as e:  # "chat_template: syntax error at line N: ..."
+        where = f" {value}" if text != value else ""  # a file is named; an inline template is not repeated
+        return f"--chat-template{where}: {str(e).removeprefix('chat_template: ')}"
+    return None
+
+
+@dataclass(frozen=True)
+class ChatRendering:
+    """How this server turns messages into a prompt: `template` (`--chat-template`'s text) over the
+    model's own, and the content format (`--chat-template-content-format`)."""
+
+    template: str | None = None
+    content_format: str = "auto"
+
+    def templates(self, tokenizer: Any) -> ChatTemplates | None:
+        """The templates a request chooses among: the server's, else the tokenizer's."""
+        return self.template if self.template is not None else getattr(tokenizer, "chat_template", None)
+
+    def format_for(self, source: str) -> ContentFormat:
+        """The content format for the template text `source`."""
+        if self.content_format in ("string", "openai"):
+            return self.content_format  # type: ignore[return-value]
+        return detected_content_format(source)
+
+    def describe(self, tokenizer: Any) -> str | None:
+        """The start-up log line: which template, and which content format and why (None: no template)."""
+        templates = self.templates(tokenizer)
+        if templates is None:
+            return None
+        origin = "from --chat-template" if self.template is not None else "the model's"
+        named = templates if isinstance(templates, dict) else {"": templates}
+        formats = ", ".join(f"{name} {self.format_for(t)}".strip() for name, t in named.items())
+        why = ("--chat-template-content-format" if self.content_format != "auto" else
+               "detected from the template; --chat-template-content-format string|openai overrides")
+        return f"chat template {origin}; message content reaches it as {formats} ({why})"
+
+
+# What a server without the flags renders with: the model's templates, the content format detected.
+MODEL_TEMPLATE = ChatRendering()
+
+
+def _loads(node: jinja2.nodes.Node, name: str, key: str | None = None) -> bool:
+    """Whether `node` reads variable `name` (with `key`: its item or attribute `key`), possibly through
+    filters, tests or a slice: `messages`, `messages[1:]`, `message['content'] | trim`..."""
+    if isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)):
+        return node.node is not None and _loads(node.node, name, key)
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+        return _loads(node.node, name, key)
+    if key is not None:
+        if isinstance(node, jinja2.nodes.Getitem):
+            return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == key and _loads(node.node, name)
+        if isinstance(node, jinja2.nodes.Getattr):
+            return node.attr == key and _loads(node.node, name)
+        return False
+    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == name
+
+
+def _aliases(root: jinja2.nodes.Template, name: str) -> Iterator[str]:
+    """`name` and every variable `{% set %}` makes of it (`{% set msgs = messages[1:] %}`), transitively."""
+    seen, todo = {name}, deque([name])
+    yield name
+    while todo:
+        current = todo.popleft()
+        for assign in root.find_all(jinja2.nodes.Assign):
+            target = assign.target
+            if isinstance(target, jinja2.nodes.Name) and target.name not in seen and _loads(assign.node, current):
+                seen.add(target.name)
+                todo.append(target.name)
+                yield target.name
+
+
+def _loop_targets(root: jinja2.nodes.Template, names: list[str], key: str | None = None) -> Iterator[str]:
+    """The variables of `{% for x in NAME %}` loops (with `key`: `in NAME[key]`) over any of `names`."""
+    for loop in root.find_all(jinja2.nodes.For):
+        if isinstance(loop.target, jinja2.nodes.Name) and any(_loads(loop.iter, n, key) for n in names):
+            yield loop.target.name
+
+
+@lru_cache(maxsize=32)
+def detected_content_format(source: str) -> ContentFormat:
+    """`openai` for a template that loops over a message's content (`{% for m in messages %}...{% for part
+    in m['content'] %}`), else `string`; a template that does not parse gets `string`, as in vLLM."""
+    try:
+        root = compile_chat_template(source).environment.parse(source)
+    except (ChatTemplateError, jinja2.exceptions.TemplateError):
+        return "string"
+    messages = list(_loop_targets(root, list(_aliases(root, "messages"))))
+    return "openai" if next(_loop_targets(root, messages, "content"), None) is not None else "string"
