@@ -9,8 +9,8 @@ from tiny_train import arithmetic_rows, sft_trainer
 
 from pagedrl.train.algorithms.sft import run_sft
 from pagedrl.train.cli import train_main
-from pagedrl.train.config import SFTConfig
 from pagedrl.train.logging import read_metrics
+from pagedrl.train.offline_config import SFTConfig
 
 
 def test_sft_halves_the_loss_on_a_small_corpus(tiny_train_model, tmp_path) -> None:

@@ -8,15 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pagedrl.train.config import (
-    DPOConfig,
-    RewardConfig,
-    SFTConfig,
-    TrainConfig,
-    TrainConfigError,
-    config_to_dict,
-    load_config,
-)
+from pagedrl.train.config import TrainConfig, TrainConfigError, config_to_dict, load_config
+from pagedrl.train.offline_config import DPOConfig, RewardConfig, SFTConfig
 from pagedrl.train.rl.config import GRPOConfig
 
 

@@ -36,13 +36,13 @@ from pagedrl.model.decoder import default_positions
 from pagedrl.model.moe import collect_router_logits
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import OfflineAlgorithm
-from pagedrl.train.config import SFTConfig
 from pagedrl.train.data import load_train_and_eval
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.examples import PromptCompletion, PromptCompletionRows
 from pagedrl.train.logprobs import target_logprobs
 from pagedrl.train.losses import sft_loss
 from pagedrl.train.metrics import Metric
+from pagedrl.train.offline_config import SFTConfig
 from pagedrl.train.router_loss import load_balancing_loss, router_loss_coef
 
 
