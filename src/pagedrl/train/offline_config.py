@@ -5,6 +5,7 @@ file stays one idea; the online trainers' configs are in `rl/config.py`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from pagedrl.train.config import TrainConfig, TrainConfigError, _require, validate_router_coef
 from pagedrl.train.dpo_losses import DISCOPOP_TAU, DPOLossType, dpo_settings_problem
@@ -19,6 +20,8 @@ class SFTConfig(TrainConfig):
     packing: bool = False
     # Mixture of experts: the router load-balancing loss's weight (None: the model config's; 0: off).
     router_aux_loss_coef: float | None = None
+    # nll: cross-entropy; dft: Dynamic Fine-Tuning, each token's cross-entropy times its (detached) probability
+    loss_type: Literal["nll", "dft"] = "nll"
 
     def validate(self) -> None:
         super().validate()

@@ -6,9 +6,10 @@ positions restarting per example, so no compute goes into padding. Either way th
 only on the positions that predict a label token (`CausalLM.logits` of the selected hidden
 states), since the vocabulary projection is the largest matmul of a small model.
 
-The loss is Σ -log p(label) over the micro-batch's label tokens divided by the label tokens of
+The loss (`loss_type: nll`) is Σ -log p(label) over the micro-batch's label tokens divided by the label tokens of
 the whole step (all micro-batches, all ranks), as transformers' `num_items_in_batch` does, so
-accumulation and DDP give the gradient of one big batch. Metrics, under TRL's names: `loss`,
+accumulation and DDP give the gradient of one big batch; `dft` (Dynamic Fine-Tuning) weights each token's
+term by its probability, detached, as TRL's. Metrics, under TRL's names: `loss`,
 `mean_token_accuracy` (token-weighted), `num_tokens` (tokens seen since the start, prompt
 included), `entropy` (mean over label positions).
 
@@ -40,7 +41,7 @@ from pagedrl.train.data import load_train_and_eval
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.examples import PromptCompletion, PromptCompletionRows
 from pagedrl.train.logprobs import target_logprobs
-from pagedrl.train.losses import sft_loss
+from pagedrl.train.losses import dft_loss, sft_loss
 from pagedrl.train.metrics import Metric
 from pagedrl.train.offline_config import SFTConfig
 from pagedrl.train.router_loss import load_balancing_loss, router_loss_coef
@@ -121,6 +122,7 @@ class SFT(OfflineAlgorithm):
         self.pad_id = 0 if pad is None else pad
         self.completion_only = config.completion_only_loss is not False
         self.packing = config.packing
+        self.loss_type = config.loss_type
         self.device = next(model.parameters()).device
         self.router_coef = router_loss_coef(config.router_aux_loss_coef, model.config)
         if model.config.load_balancing_loss:
@@ -141,8 +143,9 @@ class SFT(OfflineAlgorithm):
             out = target_logprobs(model, batch.input_ids, batch.positions, batch.meta, batch.predict_at,
                                   batch.targets, entropy=True, correct=True)
         n = batch.targets.numel()
-        loss = sft_loss(out.logps[None], torch.ones(1, n, dtype=torch.bool, device=out.logps.device),
-                        num_items_in_batch=global_count)
+        token_loss = dft_loss if self.loss_type == "dft" else sft_loss
+        loss = token_loss(out.logps[None], torch.ones(1, n, dtype=torch.bool, device=out.logps.device),
+                          num_items_in_batch=global_count)
         assert out.correct is not None and out.entropy is not None
         correct, entropy = out.correct.sum(), out.entropy.sum()
         metrics: dict[str, Any] = {
@@ -159,7 +162,7 @@ class SFT(OfflineAlgorithm):
     def summary_lines(self) -> list[str]:
         mode = "packed into one row per micro-batch" if self.packing else "padded"
         target = "completion tokens" if self.completion_only else "every token"
-        return super().summary_lines() + [f"sft: loss on {target}; sequences {mode}"]
+        return super().summary_lines() + [f"sft: {self.loss_type} loss on {target}; sequences {mode}"]
 
 
 def run_sft(config: SFTConfig, dataset: str | Path | Sequence[Mapping[str, Any]] | None = None,
