@@ -1,7 +1,8 @@
 """What a TRL SFTTrainer user writes in an SFT config, against TRL 1.16's own code: the `loss_type`
 losses (TRL's `SFTTrainer.compute_loss` called unbound on a stand-in for the trainer whose model returns
 the log-probs we choose, so what runs is TRL's code line for line), the first batch of a run against
-TRL's own trainer, and the SFTConfig keys pagedrl takes at TRL's value or refuses by name."""
+TRL's own trainer, packing as TRL's `pack_dataset` and SFTTrainer pack, and the SFTConfig keys pagedrl
+takes at TRL's value or refuses by name."""
 
 from __future__ import annotations
 
@@ -10,11 +11,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from first_batches import TOLERANCE, ours_first_batch, trl_first_batch
+import yaml
+from first_batches import TOLERANCE, ours_first_batch, theirs, trl_first_batch
 from tiny_train import arithmetic_rows, sft_trainer
+from trl import SFTConfig as TRLSFTConfig
 from trl.trainer.sft_trainer import SFTTrainer
 
+from pagedrl.train.algorithms.sft import SFT
+from pagedrl.train.algorithms.sft_packing import PackedRow, pack_bfd
 from pagedrl.train.config import load_config
+from pagedrl.train.distributed import DistInfo
+from pagedrl.train.examples import PromptCompletion
 from pagedrl.train.losses import dft_loss, sft_loss
 from pagedrl.train.offline_config import SFTConfig
 
@@ -97,3 +104,135 @@ def test_loss_type_is_nll_by_default_and_read_in_trl_form(tmp_path) -> None:
     assert load_config(SFTConfig, path).loss_type == "dft"
     with pytest.raises(ValueError, match=r"loss_type: expected one of 'nll', 'dft'"):
         load_config(SFTConfig, None, ["loss_type=sigmoid"])
+
+
+# -- packing -------------------------------------------------------------------------------------
+
+
+def _examples(lengths: list[int], prompt: int = 2) -> list[PromptCompletion]:
+    """Examples of the given lengths whose tokens say which example and position they are."""
+    return [PromptCompletion([i * 1000 + t for t in range(min(prompt, n - 1))],
+                             [i * 1000 + t for t in range(min(prompt, n - 1), n)], f"row {i}")
+            for i, n in enumerate(lengths)]
+
+
+def test_bfd_packing_equals_trl_pack_dataset() -> None:
+    """TRL's `pack_dataset(..., "bfd")` on the same tokenized rows: the same rows, each holding the same
+    examples in the same order; over 1000 examples, so that TRL's blocks of 1000 show, and with many equal
+    lengths, so that its tie order does."""
+    from datasets import Dataset
+    from trl.data_utils import pack_dataset
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [int(n) for n in torch.randint(1, 65, (2345,), generator=g)]
+    examples = _examples(lengths)
+    rows = pack_bfd(examples, 64)
+    theirs = pack_dataset(Dataset.from_dict({"input_ids": [e.input_ids for e in examples]}), 64, "bfd")
+    assert len(rows) == len(theirs) < len(examples)
+    for row, want in zip(rows, theirs, strict=True):
+        assert [t for e in row.examples for t in e.input_ids] == want["input_ids"]
+        assert [len(e.input_ids) for e in row.examples] == want["seq_lengths"]
+        assert row.num_tokens <= 64
+
+
+def test_packing_equals_trl_sft_trainer(tiny_train_model, tmp_path) -> None:
+    """`packing: true` as TRL's SFTTrainer packs (bfd, its default): the dataset's rows (so the steps of an
+    epoch), and the first batch of packed rows trained padding-free: loss and every gradient."""
+    rows = arithmetic_rows(40)
+    rows = [r for r in rows if isinstance(r["prompt"], str)]
+    features, trl_loss, trl_grads, _ = trl_first_batch("sft", tiny_train_model, rows, tmp_path / "trl", size=2,
+                                                       packing=True, max_length=48)
+    trainer = sft_trainer(tiny_train_model, tmp_path / "ours", rows=rows, packing=True, max_length=48,
+                          per_device_train_batch_size=2)
+    algorithm = trainer.algorithm
+    trl_rows = trl_prepared_rows(tiny_train_model, rows, tmp_path / "trl-rows", packing=True, max_length=48)
+    assert len(algorithm.examples) == len(trl_rows) < len(rows)
+    for row, want in zip(algorithm.examples, trl_rows, strict=True):
+        assert [t for e in row.examples for t in e.input_ids] == want["input_ids"]
+        assert [len(e.input_ids) for e in row.examples] == want["seq_lengths"]
+    for row, feature in zip(algorithm.examples[:2], features, strict=True):
+        assert [t for e in row.examples for t in e.input_ids] == feature["input_ids"]
+    _, loss, grads, _ = ours_first_batch(algorithm, size=2)
+    assert abs(loss - trl_loss) < TOLERANCE
+    for name, g in trl_grads.items():
+        assert float((grads[name] - g).abs().max()) < TOLERANCE, name
+
+
+def trl_prepared_rows(folder, rows: list[dict], out, **settings) -> list[dict]:
+    """TRL 1.16's SFTTrainer's prepared (tokenized, packed) training rows."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    args = TRLSFTConfig(output_dir=str(out), bf16=False, use_cpu=True, report_to="none", **settings)
+    made = SFTTrainer(model=theirs(folder), args=args, train_dataset=Dataset.from_list(rows),
+                      processing_class=AutoTokenizer.from_pretrained(str(folder)))
+    return [made.train_dataset[i] for i in range(len(made.train_dataset))]
+
+
+def test_shuffle_dataset_before_packing_as_trl(tiny_train_model, tmp_path) -> None:
+    rows = [r for r in arithmetic_rows(40) if isinstance(r["prompt"], str)]
+    trl_rows = trl_prepared_rows(tiny_train_model, rows, tmp_path / "trl", packing=True, max_length=48,
+                                 shuffle_dataset=True, seed=3)
+    algorithm = sft_trainer(tiny_train_model, tmp_path / "ours", rows=rows, packing=True, max_length=48,
+                            shuffle_dataset=True, seed=3).algorithm
+    # TRL shuffles the packed rows once more, which every epoch's own order then replaces: compare as sets
+    ours = sorted(tuple(t for e in row.examples for t in e.input_ids) for row in algorithm.examples)
+    assert ours == sorted(tuple(r["input_ids"]) for r in trl_rows)
+
+
+def test_eval_packing_follows_packing_unless_set(tiny_train_model, tmp_path) -> None:
+    rows = arithmetic_rows(16)
+    packed = sft_trainer(tiny_train_model, tmp_path / "a", rows=rows, packing=True, max_length=48).algorithm
+    assert packed.eval_examples is None and isinstance(packed.examples[0], PackedRow)
+    loaded = packed.model, packed.tokenizer
+    for packing, eval_packing, want in [(True, None, PackedRow), (True, False, PromptCompletion),
+                                        (False, True, PackedRow), (False, None, PromptCompletion)]:
+        config = SFTConfig(model=str(tiny_train_model), output_dir=str(tmp_path / "b"), packing=packing,
+                           eval_packing=eval_packing, max_length=48)
+        algorithm = SFT(config, *loaded, DistInfo(), rows, rows)
+        assert isinstance(algorithm.eval_examples[0], want), (packing, eval_packing)
+        assert algorithm.evaluate(0)["loss"] > 0
+
+
+@pytest.mark.parametrize(("override", "words"), [
+    ("packing_strategy=wrapped", r"packing_strategy: 'wrapped' is not built: .*use bfd"),
+    ("packing_strategy=bfd_split", r"packing_strategy: 'bfd_split' is not built"),
+    ("max_length=null", r"packing: packing needs max_length"),
+])
+def test_packing_settings_pagedrl_does_not_build_are_refused_by_name(override, words) -> None:
+    with pytest.raises(ValueError, match=words):
+        load_config(SFTConfig, None, ["packing=true", override])
+
+
+# -- the other keys ------------------------------------------------------------------------------
+
+
+def test_every_trl_sft_config_key_at_its_default_is_taken() -> None:
+    """Every field TRL 1.16's SFTConfig adds to the shared ones, at TRL's default, loads (as a TRL recipe
+    written out in full carries them) and leaves pagedrl's defaults."""
+    import dataclasses
+
+    import trl
+    from trl.trainer.base_config import _BaseConfig
+
+    shared = {f.name for f in dataclasses.fields(_BaseConfig)}
+    own = [f for f in dataclasses.fields(trl.SFTConfig) if f.name not in shared]
+    assert len(own) > 20
+    overrides = []
+    for f in own:
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        overrides.append(f"{f.name}={yaml.safe_dump(default, default_flow_style=True).splitlines()[0]}")
+    assert load_config(SFTConfig, None, overrides) == SFTConfig()
+
+
+@pytest.mark.parametrize(("override", "words"), [
+    ("truncation_mode=keep_end", "keep their start"), ("pad_to_multiple_of=8", "never the loss"),
+    ("activation_offloading=true", "gradient_checkpointing"), ("dataset_kwargs={skip_prepare_dataset: true}",
+                                                              "no skip_prepare_dataset"),
+    ("model_init_kwargs={dtype: bfloat16}", "precision keys"), ("trust_remote_code=true", "no code"),
+    ("chat_template_path=template.jinja", "put the template there"),
+])
+def test_trl_sft_keys_pagedrl_does_otherwise_are_refused_by_name(override, words) -> None:
+    key = override.split("=")[0]
+    with pytest.raises(ValueError, match=rf"^command line: {key}: only .*{words}"):
+        load_config(SFTConfig, None, [override])

@@ -17,7 +17,13 @@ class SFTConfig(TrainConfig):
     dataset_text_field: str = "text"  # column of plain-text (language modeling) rows
     completion_only_loss: bool | None = None  # None: loss on the completion when rows have one
     assistant_only_loss: bool = False  # conversational rows: loss on assistant turns only
+    # TRL's packing: the examples packed once into rows of at most max_length tokens (best-fit decreasing),
+    # per_device_train_batch_size then counting rows (train/algorithms/sft_packing.py)
     packing: bool = False
+    packing_strategy: Literal["bfd", "bfd_split", "wrapped"] = "bfd"  # only bfd is built
+    padding_free: bool = False  # each micro-batch's examples back to back in one row, not padded
+    eval_packing: bool | None = None  # None: as packing
+    shuffle_dataset: bool = False  # with packing: the examples shuffled (TRL's permutation of seed) before packing
     # Mixture of experts: the router load-balancing loss's weight (None: the model config's; 0: off).
     router_aux_loss_coef: float | None = None
     # nll: cross-entropy; dft: Dynamic Fine-Tuning, each token's cross-entropy times its (detached) probability
@@ -26,6 +32,12 @@ class SFTConfig(TrainConfig):
     def validate(self) -> None:
         super().validate()
         validate_router_coef(self.router_aux_loss_coef)
+        _require(self.packing_strategy == "bfd", "packing_strategy",
+                 f"{self.packing_strategy!r} is not built: bfd packs whole examples (bfd_split would cut the longer "
+                 "ones into pieces, wrapped cuts every example at the row's end); use bfd")
+        packs = self.packing or self.eval_packing
+        _require(not packs or self.max_length is not None, "eval_packing" if self.eval_packing and not self.packing
+                 else "packing", "packing needs max_length, the length of a packed row")
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Supervised fine-tuning: cross-entropy on completion tokens, on the one trainer loop.
 
 A micro-batch is either padded (rows of equal length, right padding, a causal mask per row) or,
-with `packing`, one row holding every example back to back with a block-diagonal causal mask and
-positions restarting per example, so no compute goes into padding. Either way the LM head runs
+with `padding_free` (and `packing`, whose dataset rows are TRL's packed rows: `sft_packing.py`), one row
+holding every example back to back with a block-diagonal causal mask and positions restarting per
+example, so no compute goes into padding. Either way the LM head runs
 only on the positions that predict a label token (`CausalLM.logits` of the selected hidden
 states), since the vocabulary projection is the largest matmul of a small model.
 
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedrl.model.attention import DenseAttention
@@ -37,6 +39,7 @@ from pagedrl.model.decoder import default_positions
 from pagedrl.model.moe import collect_router_logits
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import OfflineAlgorithm
+from pagedrl.train.algorithms.sft_packing import PackedRow, pack_bfd, unpack
 from pagedrl.train.data import load_train_and_eval
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.examples import PromptCompletion, PromptCompletionRows
@@ -115,13 +118,21 @@ class SFT(OfflineAlgorithm):
         convert = PromptCompletionRows(tokenizer, config.max_length, config.truncation, config.dataset_text_field)
         examples, report, eval_examples = load_train_and_eval(config, dataset, eval_dataset, convert,
                                                               "SFT needs a dataset")
+        if config.packing:
+            assert config.max_length is not None  # SFTConfig.validate
+            if config.shuffle_dataset:  # as datasets' `shuffle(seed)`, which TRL runs before packing
+                examples = [examples[i] for i in np.random.default_rng(config.seed).permutation(len(examples))]
+            examples = pack_bfd(examples, config.max_length)
+        if eval_examples and (config.packing if config.eval_packing is None else config.eval_packing):
+            assert config.max_length is not None
+            eval_examples = pack_bfd(eval_examples, config.max_length)
         super().__init__(examples, report, config.per_device_train_batch_size, config.gradient_accumulation_steps,
                          dist, config.seed, eval_examples)
         self.model, self.tokenizer, self.generation_config = model, tokenizer, generation_config
         pad = tokenizer.pad_token_id
         self.pad_id = 0 if pad is None else pad
         self.completion_only = config.completion_only_loss is not False
-        self.packing = config.packing
+        self.packing, self.padding_free = config.packing, config.padding_free or config.packing
         self.loss_type = config.loss_type
         self.device = next(model.parameters()).device
         self.router_coef = router_loss_coef(config.router_aux_loss_coef, model.config)
@@ -130,8 +141,10 @@ class SFT(OfflineAlgorithm):
             model.config.output_router_logits = self.router_coef != 0.0
             model.config.router_aux_loss_coef = self.router_coef
 
-    def collate(self, examples: Sequence[PromptCompletion]) -> SFTBatch:
-        return collate_sft(examples, self.pad_id, self.device, self.completion_only, self.packing)
+    def collate(self, examples: Sequence[PromptCompletion | PackedRow]) -> SFTBatch:
+        packed = any(isinstance(e, PackedRow) for e in examples)  # packed rows train padding-free, as TRL's
+        return collate_sft(unpack(examples), self.pad_id, self.device, self.completion_only,
+                           self.padding_free or packed)
 
     def count(self, batch: SFTBatch) -> float:
         return float(batch.targets.numel())
@@ -160,7 +173,8 @@ class SFT(OfflineAlgorithm):
         return loss, metrics
 
     def summary_lines(self) -> list[str]:
-        mode = "packed into one row per micro-batch" if self.packing else "padded"
+        mode = (f"packed (bfd) into {self.num_examples} rows of at most max_length tokens" if self.packing
+                else "back to back in one row per micro-batch" if self.padding_free else "padded")
         target = "completion tokens" if self.completion_only else "every token"
         return super().summary_lines() + [f"sft: {self.loss_type} loss on {target}; sequences {mode}"]
 
