@@ -86,8 +86,8 @@ def run_pagedrl(args: argparse.Namespace, precompute: bool, out: Path) -> None:
     from pagedrl.model.resolve import resolve_model_path
     from pagedrl.train.algorithms.dpo import DPO
     from pagedrl.train.checkpointing import seed_everything
-    from pagedrl.train.config import DPOConfig
     from pagedrl.train.distributed import DistInfo
+    from pagedrl.train.offline_config import DPOConfig
     from pagedrl.train.trainer import Trainer
 
     t0 = time.perf_counter()

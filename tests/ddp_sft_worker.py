@@ -10,8 +10,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_train import arithmetic_rows  # noqa: E402
 
 from pagedrl.train.algorithms.sft import run_sft  # noqa: E402
-from pagedrl.train.config import SFTConfig  # noqa: E402
 from pagedrl.train.distributed import DistInfo, shutdown  # noqa: E402
+from pagedrl.train.offline_config import SFTConfig  # noqa: E402
 
 if __name__ == "__main__":
     model_dir, output_dir, per_device, accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

@@ -137,7 +137,7 @@ def trl_first_batch(kind: str, folder: str | Path, rows: list[dict], out: Path, 
 
     config, trainer_class = (SFTConfig, SFTTrainer) if kind == "sft" else (DPOConfig, DPOTrainer)
     args = config(output_dir=str(out), per_device_train_batch_size=size, bf16=False, use_cpu=True, report_to="none",
-                  max_length=None, seed=0, **settings)
+                  **{"max_length": None, "seed": 0, **settings})
     trainer = trainer_class(model=theirs(folder), args=args, train_dataset=Dataset.from_list(rows),
                             processing_class=AutoTokenizer.from_pretrained(str(folder)))
     features = [trainer.train_dataset[i] for i in range(size)]

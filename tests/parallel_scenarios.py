@@ -52,7 +52,7 @@ def build(algorithm: str, model_dir: Path, out: Path, dist: Any, fsdp: str | Non
     loaded = load_model(str(model_dir), device="cpu", dtype=torch.float32)
     if algorithm == "sft":
         from pagedrl.train.algorithms.sft import SFT
-        from pagedrl.train.config import SFTConfig
+        from pagedrl.train.offline_config import SFTConfig
 
         config = SFTConfig(**common, learning_rate=3e-3)
         attach_lora(config, loaded.model)  # as start_run does (a no-op without use_peft)
@@ -60,7 +60,7 @@ def build(algorithm: str, model_dir: Path, out: Path, dist: Any, fsdp: str | Non
     elif algorithm == "rm":
         from pagedrl.model.heads import load_sequence_scorer
         from pagedrl.train.algorithms.rm import RewardModeling
-        from pagedrl.train.config import RewardConfig
+        from pagedrl.train.offline_config import RewardConfig
 
         config = RewardConfig(**common, learning_rate=1e-3)
         scorer = load_sequence_scorer(model_dir, generator=torch.Generator().manual_seed(0))
@@ -68,7 +68,7 @@ def build(algorithm: str, model_dir: Path, out: Path, dist: Any, fsdp: str | Non
         algo = RewardModeling(config, scorer, loaded.tokenizer, dist, preference_rows(16), preference_rows(5, seed=1))
     elif algorithm in ("dpo", "dpo_precomputed"):
         from pagedrl.train.algorithms.dpo import DPO
-        from pagedrl.train.config import DPOConfig
+        from pagedrl.train.offline_config import DPOConfig
 
         config = DPOConfig(**common, learning_rate=1e-3, precompute_ref_log_probs=algorithm == "dpo_precomputed")
         attach_lora(config, loaded.model)

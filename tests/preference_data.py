@@ -35,8 +35,8 @@ def dpo_trainer(model_dir, output_dir, rows: list[dict] | None = None, eval_rows
     from pagedrl.model.loader import load_model
     from pagedrl.train.algorithms.dpo import DPO
     from pagedrl.train.checkpointing import seed_everything
-    from pagedrl.train.config import DPOConfig
     from pagedrl.train.distributed import DistInfo
+    from pagedrl.train.offline_config import DPOConfig
     from pagedrl.train.trainer import Trainer
 
     defaults = dict(model=str(model_dir), output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=8,
@@ -59,8 +59,8 @@ def rm_trainer(model_dir, output_dir, rows: list[dict] | None = None, eval_rows:
     from pagedrl.model.tokenizer import Tokenizer
     from pagedrl.train.algorithms.rm import RewardModeling
     from pagedrl.train.checkpointing import seed_everything
-    from pagedrl.train.config import RewardConfig
     from pagedrl.train.distributed import DistInfo
+    from pagedrl.train.offline_config import RewardConfig
     from pagedrl.train.trainer import Trainer
 
     defaults = dict(model=str(model_dir), output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=8,

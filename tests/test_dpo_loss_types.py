@@ -9,8 +9,9 @@ import pytest
 import torch
 from test_losses_trl import assert_dpo_equals_trl
 
-from pagedrl.train.config import DPOConfig, TrainConfigError, load_config
+from pagedrl.train.config import TrainConfigError, load_config
 from pagedrl.train.dpo_losses import DPO_LOSS_TYPES, dpo_loss
+from pagedrl.train.offline_config import DPOConfig
 
 
 @pytest.mark.parametrize(("loss_type", "extra"), [

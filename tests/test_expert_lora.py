@@ -135,7 +135,8 @@ def test_first_sft_batch_with_expert_adapters_equals_peft(tmp_path, family) -> N
 
 
 def test_expert_adapter_settings_are_refused_by_name(tmp_path) -> None:
-    from pagedrl.train.config import SFTConfig, TrainConfigError
+    from pagedrl.train.config import TrainConfigError
+    from pagedrl.train.offline_config import SFTConfig
 
     with pytest.raises(ValueError, match="lora_dropout"):
         LoRAConfig(target_parameters=EXPERTS)  # PEFT's ParamWrapper has no dropout

@@ -173,7 +173,7 @@ def test_a_trainer_config_names_a_hub_id_and_revision(hub, versions, tmp_path) -
     from tiny_train import arithmetic_rows
 
     from pagedrl.train.algorithms.sft import run_sft
-    from pagedrl.train.config import SFTConfig
+    from pagedrl.train.offline_config import SFTConfig
 
     config = SFTConfig(model=REPO, revision="v2", output_dir=str(tmp_path / "run"), max_steps=1, use_peft=True,
                        per_device_train_batch_size=2, save_steps=1000, seed=0)

@@ -31,8 +31,9 @@ from pagedrl.train.algorithms.ppo import PPO, run_ppo
 from pagedrl.train.algorithms.rm import RewardModeling
 from pagedrl.train.algorithms.sft import SFT
 from pagedrl.train.checkpointing import seed_everything
-from pagedrl.train.config import DPOConfig, RewardConfig, SFTConfig, TrainConfigError
+from pagedrl.train.config import TrainConfigError
 from pagedrl.train.distributed import DistInfo
+from pagedrl.train.offline_config import DPOConfig, RewardConfig, SFTConfig
 from pagedrl.train.rl.config import GRPOConfig, PPOConfig
 from pagedrl.train.rl.critic import load_critic, lora_critic
 from pagedrl.train.tokenization import tokenize_prompt

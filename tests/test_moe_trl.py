@@ -168,8 +168,8 @@ def test_eval_loss_holds_the_router_term_as_trls(tmp_path, kind: str) -> None:
 
     from pagedrl.model.loader import load_model
     from pagedrl.train.algorithms.sft import SFT
-    from pagedrl.train.config import SFTConfig
     from pagedrl.train.distributed import DistInfo
+    from pagedrl.train.offline_config import SFTConfig
 
     folder = build_model_dir(tmp_path / "model", num_experts_per_tok=2, router_aux_loss_coef=COEF, **MOE["mixtral"])
 

@@ -142,7 +142,8 @@ def test_the_engine_sees_whole_weights_for_a_rollout_and_shards_after(two_proces
 
 
 def test_the_fsdp_option_takes_transformers_spelling() -> None:
-    from pagedrl.train.config import SFTConfig, TrainConfigError, load_config
+    from pagedrl.train.config import TrainConfigError, load_config
+    from pagedrl.train.offline_config import SFTConfig
 
     assert load_config(SFTConfig, None, ["fsdp=full_shard auto_wrap"]).fsdp_reshard_after_forward is True
     assert load_config(SFTConfig, None, ["fsdp=shard_grad_op"]).fsdp_reshard_after_forward is False

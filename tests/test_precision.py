@@ -11,7 +11,7 @@ from pagedrl.engine.llm import LLM
 from pagedrl.kernels import isa
 from pagedrl.model import precision
 from pagedrl.model.precision import FORCE_ENV, choose_precision, cpu_bf16_native, resolve_dtype
-from pagedrl.train.config import SFTConfig
+from pagedrl.train.offline_config import SFTConfig
 
 pytestmark = pytest.mark.isa  # its paths follow the CPU class: `make test-isa` runs it as each lower one
 

@@ -35,8 +35,9 @@ from pagedrl.train.algorithms.dpo import DPO
 from pagedrl.train.algorithms.grpo import GRPO
 from pagedrl.train.algorithms.sft import SFT
 from pagedrl.train.checkpointing import seed_everything
-from pagedrl.train.config import DPOConfig, SFTConfig, TrainConfigError
+from pagedrl.train.config import TrainConfigError
 from pagedrl.train.distributed import DistInfo
+from pagedrl.train.offline_config import DPOConfig, SFTConfig
 from pagedrl.train.rl.config import GRPOConfig
 
 QLORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=["all-linear"],

@@ -9,13 +9,13 @@ from tiny_train import arithmetic_rows, sft_trainer
 
 from pagedrl.train.algorithms.sft import run_sft
 from pagedrl.train.cli import train_main
-from pagedrl.train.config import SFTConfig
 from pagedrl.train.logging import read_metrics
+from pagedrl.train.offline_config import SFTConfig
 
 
 def test_sft_halves_the_loss_on_a_small_corpus(tiny_train_model, tmp_path) -> None:
     trainer = sft_trainer(tiny_train_model, tmp_path, max_steps=12, per_device_train_batch_size=8,
-                          learning_rate=1e-2, warmup_steps=2, packing=True)
+                          learning_rate=1e-2, warmup_steps=2, padding_free=True)
     trainer.train()
     rows = read_metrics(tmp_path / "metrics.jsonl")
     first, last = rows[0], rows[-1]

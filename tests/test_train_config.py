@@ -8,15 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pagedrl.train.config import (
-    DPOConfig,
-    RewardConfig,
-    SFTConfig,
-    TrainConfig,
-    TrainConfigError,
-    config_to_dict,
-    load_config,
-)
+from pagedrl.train.config import TrainConfig, TrainConfigError, config_to_dict, load_config
+from pagedrl.train.offline_config import DPOConfig, RewardConfig, SFTConfig
 from pagedrl.train.rl.config import GRPOConfig
 
 
@@ -221,8 +214,7 @@ def test_transformers_keys_are_answered_by_name_and_ratio_steps_read_as_transfor
     """No near-miss guess for TRL / transformers keys; values that are pagedrl's behaviour are taken."""
     from pagedrl.train.trl_names import steps_of
 
-    for key in ("data_seed=1", "logging_dir=x", "overwrite_output_dir=true", "dataset_num_proc=4", "eos_token=x",
-                "pad_token=x", "chat_template_path=x", "use_liger_kernel=true"):
+    for key in ("data_seed=1", "logging_dir=x", "overwrite_output_dir=true", "use_liger_kernel=true"):
         with pytest.raises(ValueError, match=r"TRL / transformers option SFTConfig does not have: \w") as e:
             load_config(SFTConfig, None, [key])
         assert "did you mean" not in str(e.value)
@@ -231,7 +223,8 @@ def test_transformers_keys_are_answered_by_name_and_ratio_steps_read_as_transfor
     assert load_config(SFTConfig, None, taken) == SFTConfig()
     for key, words in (("save_safetensors=false", "always written as safetensors"), ("save_only_model=true", "optimizer"),
                        ("logging_first_step=true", "logging_steps: 1"), ("torch_compile=true", "torch.compile"),
-                       ("dataloader_num_workers=2", "DataLoader")):
+                       ("dataloader_num_workers=2", "DataLoader"), ("dataset_num_proc=4", "tokenized once"),
+                       ("eos_token=x", "eos_token"), ("pad_token=x", "pad_token"), ("chat_template_path=x", "folder's")):
         with pytest.raises(ValueError, match=rf"{key.split('=')[0]}: only .*{words}"):
             load_config(SFTConfig, None, [key])
     cfg = load_config(SFTConfig, None, ["save_steps=0.25", "logging_steps=0.1", "eval_steps=0.5"])

@@ -28,10 +28,10 @@ def one_batch(tiny_train_model, tmp_path_factory):
 
 
 @pytest.mark.parametrize("split", [dict(per_device_train_batch_size=2, gradient_accumulation_steps=4),
-                                   dict(per_device_train_batch_size=8, packing=True),
+                                   dict(per_device_train_batch_size=8, padding_free=True),
                                    dict(per_device_train_batch_size=4, gradient_accumulation_steps=2,
                                         gradient_checkpointing=True),
-                                   dict(per_device_train_batch_size=1, gradient_accumulation_steps=8, packing=True)])
+                                   dict(per_device_train_batch_size=1, gradient_accumulation_steps=8, padding_free=True)])
 def test_accumulated_gradient_equals_one_batch(tiny_train_model, tmp_path, one_batch, split) -> None:
     _, loss, grads, metrics = one_batch
     trainer = sft_trainer(tiny_train_model, tmp_path, **split)

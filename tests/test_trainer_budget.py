@@ -9,7 +9,8 @@ import pytest
 from tiny_train import sft_trainer
 
 from pagedrl.train import checkpointing as ckpt
-from pagedrl.train.config import SFTConfig, TrainConfigError
+from pagedrl.train.config import TrainConfigError
+from pagedrl.train.offline_config import SFTConfig
 
 
 def test_a_spent_budget_ends_the_run_after_the_step_with_a_final_save(tiny_train_model, tmp_path) -> None:

@@ -12,8 +12,8 @@ import pytest
 from tiny_train import arithmetic_rows
 
 from pagedrl.train.algorithms.sft import run_sft
-from pagedrl.train.config import SFTConfig
 from pagedrl.train.logging import read_metrics
+from pagedrl.train.offline_config import SFTConfig
 
 WORKER = Path(__file__).parent / "ddp_sft_worker.py"
 

@@ -19,9 +19,10 @@ from pagedrl.model.loader import load_model
 from pagedrl.model.staging import discard_folder, remove_hidden_leftovers, staged_folder
 from pagedrl.train import checkpointing as ckpt
 from pagedrl.train.cli import resume_command, train_main
-from pagedrl.train.config import SFTConfig, load_config
+from pagedrl.train.config import load_config
 from pagedrl.train.data import DataError, DataReport, read_rows
 from pagedrl.train.logging import read_metrics, truncate_metrics
+from pagedrl.train.offline_config import SFTConfig
 
 # -- a full disk --------------------------------------------------------------------------------
 

@@ -95,8 +95,8 @@ def sft_trainer(model_dir: Path, output_dir: Path, rows: list[dict] | None = Non
     from pagedrl.model.loader import load_model
     from pagedrl.train.algorithms.sft import SFT
     from pagedrl.train.checkpointing import seed_everything
-    from pagedrl.train.config import SFTConfig
     from pagedrl.train.distributed import DistInfo
+    from pagedrl.train.offline_config import SFTConfig
     from pagedrl.train.trainer import Trainer
 
     defaults = dict(model=str(model_dir), output_dir=str(output_dir), max_steps=6, per_device_train_batch_size=4,

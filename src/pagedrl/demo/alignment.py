@@ -16,10 +16,10 @@ from typing import Any
 from pagedrl.demo.plan import DemoPlan
 from pagedrl.engine.llm import LLM
 from pagedrl.train.algorithms.dpo import DPO
-from pagedrl.train.config import DPOConfig
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.evaluate import greedy_scores, score_sums
 from pagedrl.train.examples import PromptOnly
+from pagedrl.train.offline_config import DPOConfig
 from pagedrl.train.rl.prompts import PromptSource
 from pagedrl.train.rl.rewards import BUILTINS
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedrl.train.config import DPOConfig, RewardConfig, TrainConfig
+from pagedrl.train.config import TrainConfig
+from pagedrl.train.offline_config import DPOConfig, RewardConfig
 from pagedrl.train.rl.config import GRPOConfig, PPOConfig
 
 CAP = 2.0  # a stage's minutes cap under step budgets, as a multiple of its predicted training minutes

@@ -1,7 +1,8 @@
 """Trainer configs: typed dataclasses with TRL's field names, loaded from YAML plus `key=value` overrides.
 
-One dataclass per algorithm, all sharing `TrainConfig` (the optimizer, schedule, data and
-bookkeeping fields of transformers' TrainingArguments that one trainer loop needs). Names follow
+One dataclass per algorithm (`offline_config.py`: SFT, reward model, DPO; `rl/config.py`: GRPO, PPO),
+all sharing `TrainConfig` here (the optimizer, schedule, data and bookkeeping fields of transformers'
+TrainingArguments that one trainer loop needs). Names follow
 TRL so a TRL recipe reads the same here; defaults follow TRL except where a CPU-first trainer
 needs otherwise (noted at the field).
 
@@ -29,7 +30,6 @@ from pagedrl.model.precision import choose_precision
 from pagedrl.model.projections import LAYER_PROJECTIONS
 from pagedrl.model.quantized_linear import QuantizedBase
 from pagedrl.train.config_values import MISSING, coerce, describe, load_yaml
-from pagedrl.train.dpo_losses import DISCOPOP_TAU, DPOLossType, dpo_settings_problem
 from pagedrl.train.trl_names import RATIO_STEPS, fixed_value, not_here, trl_form
 
 REPORTERS: tuple[str, ...] = ("none", "jsonl", "tensorboard")
@@ -242,57 +242,6 @@ class TrainConfig:
 def validate_router_coef(coef: float | None) -> None:
     """`router_aux_loss_coef` of SFT, DPO and GRPO: the model's (None) or a number (0: off)."""
     _require(coef is None or math.isfinite(coef), "router_aux_loss_coef", f"must be null or a finite number, got {coef}")
-
-
-@dataclass
-class SFTConfig(TrainConfig):
-    learning_rate: float = 2e-5
-    dataset_text_field: str = "text"  # column of plain-text (language modeling) rows
-    completion_only_loss: bool | None = None  # None: loss on the completion when rows have one
-    assistant_only_loss: bool = False  # conversational rows: loss on assistant turns only
-    packing: bool = False
-    # Mixture of experts: the router load-balancing loss's weight (None: the model config's; 0: off).
-    router_aux_loss_coef: float | None = None
-
-    def validate(self) -> None:
-        super().validate()
-        validate_router_coef(self.router_aux_loss_coef)
-
-
-@dataclass
-class RewardConfig(TrainConfig):
-    learning_rate: float = 1e-4
-    center_rewards_coefficient: float | None = None  # Eisenstein et al. 2023 suggest 0.01
-    disable_dropout: bool = True  # TRL's: no dropout while training, LoRA's included (lora_dropout then unused)
-
-    def validate(self) -> None:
-        super().validate()
-        c = self.center_rewards_coefficient
-        _require(c is None or c >= 0, "center_rewards_coefficient", f"must be null or >= 0, got {c}")
-
-
-@dataclass
-class DPOConfig(TrainConfig):
-    learning_rate: float = 1e-6
-    beta: float = 0.1
-    # One of TRL's losses, or a list of them summed with loss_weights (MPO: [sigmoid, bco_pair, sft], [0.8, 0.2, 1])
-    loss_type: DPOLossType | list[DPOLossType] = "sigmoid"
-    loss_weights: list[float] | None = None  # None: 1 each
-    label_smoothing: float = 0.0  # sigmoid, aot: conservative DPO; robust: label flip probability; exo_pair: EXO's ε
-    discopop_tau: float = DISCOPOP_TAU  # the discopop loss's temperature
-    ref_model: str | None = None  # None: a frozen copy of the starting policy
-    precompute_ref_log_probs: bool = False
-    disable_dropout: bool = True  # TRL's: no dropout while training, LoRA's included (lora_dropout then unused)
-    # Mixture of experts: the router load-balancing loss's weight (None: the model config's; 0: off).
-    router_aux_loss_coef: float | None = None
-
-    def validate(self) -> None:
-        super().validate()
-        validate_router_coef(self.router_aux_loss_coef)
-        _require(self.beta > 0, "beta", f"must be > 0, got {self.beta}")
-        problem = dpo_settings_problem(self.loss_type, self.loss_weights, self.label_smoothing, self.discopop_tau)
-        if problem is not None:
-            raise TrainConfigError(*problem)
 
 
 # ---------------------------------------------------------------------------------------------

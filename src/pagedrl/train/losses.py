@@ -137,6 +137,17 @@ def sft_loss(token_logps: Tensor, mask: Tensor, num_items_in_batch: float | int 
     return aggregate(-token_logps, mask, "token_mean", normaliser=num_items_in_batch)
 
 
+SFTLossType = Literal["nll", "dft"]
+
+
+def dft_loss(token_logps: Tensor, mask: Tensor, num_items_in_batch: float | int | Tensor | None = None) -> Tensor:
+    """Dynamic Fine-Tuning (Wu et al. 2025, TRL's SFT `loss_type: dft`): each token's -log p(label)
+    weighted by p(label), the weight held constant (no gradient through it). Cross-entropy's gradient is
+    an on-policy gradient with an importance weight 1/p; the factor p cancels it, so tokens the model finds
+    improbable no longer dominate the update. Normalised as `sft_loss`."""
+    return aggregate(-token_logps * token_logps.detach().exp(), mask, "token_mean", normaliser=num_items_in_batch)
+
+
 # ---------------------------------------------------------------------------------------------
 # Reward model (Bradley-Terry)
 # ---------------------------------------------------------------------------------------------

@@ -23,8 +23,9 @@ from typing import Any
 
 import yaml
 
-from pagedrl.train.config import RewardConfig, load_config
+from pagedrl.train.config import load_config
 from pagedrl.train.config_values import load_yaml
+from pagedrl.train.offline_config import RewardConfig
 from pagedrl.train.rl.config import PPOConfig
 
 TASK_KEYS = ("task_operations", "task_low", "task_high", "task_num_eval")

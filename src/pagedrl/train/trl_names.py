@@ -33,16 +33,13 @@ NOT_HERE = {
     "push_to_hub": "checkpoints are written to output_dir in Hugging Face layout; upload them yourself",
     "hub_model_id": "checkpoints are written to output_dir in Hugging Face layout; upload them yourself",
     "load_best_model_at_end": "final/ is the last step's model; each checkpoint-N/ is a step's",
-    "run_name": "runs are named by output_dir", "trust_remote_code": "pagedrl runs no code from a checkpoint",
-    "model_init_kwargs": "the model is loaded by `model`, `revision` and the precision keys",
+    "run_name": "runs are named by output_dir",
     "gradient_checkpointing_kwargs": "gradient_checkpointing takes true or false",
     "lr_scheduler_kwargs": "lr_scheduler_type is linear, cosine, constant or constant_with_warmup, without options",
     "lora_bias": "LoRA's B matrices have no bias here", "init_lora_weights": "LoRA starts as PEFT's default "
     "(A Kaiming-uniform, B zero); other initialisations are not built",
     "rank_pattern": "every adapted projection takes lora_r", "alpha_pattern": "every adapted projection takes lora_alpha",
     "layers_to_transform": "every layer's lora_target_modules are adapted",
-    "padding_free": "pagedrl's `packing` puts each batch's examples back to back in one row: that is TRL's "
-    "padding_free", "packing_strategy": "see `packing`",
     "sync_ref_model": "the reference stays the starting model (or ref_model)",
     "ref_model_sync_steps": "the reference stays the starting model (or ref_model)",
     "ref_model_mixup_alpha": "the reference stays the starting model (or ref_model)",
@@ -58,11 +55,6 @@ NOT_HERE = {
     "logging_dir": "TensorBoard events go to output_dir/runs (report_to: [tensorboard])",
     "overwrite_output_dir": "pagedrl writes into output_dir whether or not it exists, replacing final/ and "
     "any checkpoint of the same step; resume_from_checkpoint continues a run",
-    "dataset_num_proc": "rows are read and tokenized once, in the training process",
-    "eos_token": "the end of a completion is the tokenizer's eos_token (the model folder's tokenizer_config.json)",
-    "pad_token": "the padding id is the tokenizer's pad_token (the model folder's tokenizer_config.json), "
-    "never a training target",
-    "chat_template_path": "the chat template is the model folder's (chat_template.jinja or tokenizer_config.json)",
     "use_liger_kernel": "pagedrl computes its losses with its own kernels; there are no Liger kernels",
 }
 
@@ -87,6 +79,27 @@ FIXED = {
     "lora_task_type": (("CAUSAL_LM", "SEQ_CLS"), ""),
     "attn_implementation": ((None,), "attention is pagedrl's own paged and packed kernels"),
     "bnb_4bit_quant_storage": ((None,), "4-bit weights are stored as pagedrl packs them (load_in_4bit)"),
+    # TRL's SFT and GRPO keys, at their defaults what pagedrl does
+    "model_init_kwargs": ((None,), "the model is loaded by `model`, `revision` and the precision keys"),
+    "dataset_num_proc": ((None,), "rows are read and tokenized once, in the training process (TRL's packing "
+                                  "would pack each process's shard apart)"),
+    "eos_token": ((None,), "the end of a completion is the tokenizer's eos_token (the model folder's "
+                           "tokenizer_config.json)"),
+    "pad_token": ((None,), "the padding id is the tokenizer's pad_token (the model folder's tokenizer_config.json), "
+                           "never a training target"),
+    "chat_template_path": ((None,), "the chat template is the model folder's (chat_template.jinja or "
+                                    "tokenizer_config.json): put the template there"),
+    "dataset_kwargs": ((None,), "rows are always prepared (tokenized, their labels built) by pagedrl; there is "
+                                "no skip_prepare_dataset: give prompt/completion, text or messages rows"),
+    "trust_remote_code": ((False,), "pagedrl runs no code from a checkpoint"),
+    # TRL 1.16's only supported mode (keep_end is deprecated there)
+    "truncation_mode": (("keep_start",), "rows longer than max_length keep their start (truncation: truncate), "
+                                         "or are dropped (truncation: skip)"),
+    # "auto" pads to a multiple of 128 on Neuron only: nowhere pagedrl runs
+    "pad_to_multiple_of": (("auto", None), "a padded batch is as long as its longest row; padding changes only "
+                                           "the shape, never the loss"),
+    "activation_offloading": ((False,), "activations stay on the device; gradient_checkpointing trades compute "
+                                        "for their memory"),
 }
 # transformers 5's `*_steps` below 1: a ratio of the run's total steps (`steps_of`).
 RATIO_STEPS = ("logging_steps", "eval_steps", "save_steps")

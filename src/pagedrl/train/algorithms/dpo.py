@@ -48,13 +48,13 @@ from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.adapters import reference_forward, uses_lora
 from pagedrl.train.algorithm import OfflineAlgorithm
 from pagedrl.train.algorithms.pair_batch import PairBatch, collate_pairs
-from pagedrl.train.config import DPOConfig
 from pagedrl.train.data import load_train_and_eval
 from pagedrl.train.distributed import DistInfo, all_reduce_sum
 from pagedrl.train.dpo_losses import dpo_loss, loss_types_of
 from pagedrl.train.examples import Preference, PreferenceRows
 from pagedrl.train.logprobs import target_logprobs
 from pagedrl.train.metrics import Metric
+from pagedrl.train.offline_config import DPOConfig
 from pagedrl.train.router_loss import load_balancing_loss, router_loss_coef
 
 Dataset = str | Path | Sequence[Mapping[str, Any]]

@@ -34,12 +34,12 @@ from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.adapters import SEQ_CLS, attach_lora, uses_lora
 from pagedrl.train.algorithm import OfflineAlgorithm
 from pagedrl.train.algorithms.pair_batch import PairBatch, collate_pairs
-from pagedrl.train.config import RewardConfig
 from pagedrl.train.data import load_train_and_eval
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.examples import PreferenceRows
 from pagedrl.train.losses import reward_model_loss
 from pagedrl.train.metrics import Metric
+from pagedrl.train.offline_config import RewardConfig
 
 Dataset = str | Path | Sequence[Mapping[str, Any]]
 

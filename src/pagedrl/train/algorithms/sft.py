@@ -1,14 +1,16 @@
 """Supervised fine-tuning: cross-entropy on completion tokens, on the one trainer loop.
 
 A micro-batch is either padded (rows of equal length, right padding, a causal mask per row) or,
-with `packing`, one row holding every example back to back with a block-diagonal causal mask and
-positions restarting per example, so no compute goes into padding. Either way the LM head runs
+with `padding_free` (and `packing`, whose dataset rows are TRL's packed rows: `sft_packing.py`), one row
+holding every example back to back with a block-diagonal causal mask and positions restarting per
+example, so no compute goes into padding. Either way the LM head runs
 only on the positions that predict a label token (`CausalLM.logits` of the selected hidden
 states), since the vocabulary projection is the largest matmul of a small model.
 
-The loss is Σ -log p(label) over the micro-batch's label tokens divided by the label tokens of
+The loss (`loss_type: nll`) is Σ -log p(label) over the micro-batch's label tokens divided by the label tokens of
 the whole step (all micro-batches, all ranks), as transformers' `num_items_in_batch` does, so
-accumulation and DDP give the gradient of one big batch. Metrics, under TRL's names: `loss`,
+accumulation and DDP give the gradient of one big batch; `dft` (Dynamic Fine-Tuning) weights each token's
+term by its probability, detached, as TRL's. Metrics, under TRL's names: `loss`,
 `mean_token_accuracy` (token-weighted), `num_tokens` (tokens seen since the start, prompt
 included), `entropy` (mean over label positions).
 
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedrl.model.attention import DenseAttention
@@ -36,13 +39,14 @@ from pagedrl.model.decoder import default_positions
 from pagedrl.model.moe import collect_router_logits
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import OfflineAlgorithm
-from pagedrl.train.config import SFTConfig
+from pagedrl.train.algorithms.sft_packing import PackedRow, pack_bfd, unpack
 from pagedrl.train.data import load_train_and_eval
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.examples import PromptCompletion, PromptCompletionRows
 from pagedrl.train.logprobs import target_logprobs
-from pagedrl.train.losses import sft_loss
+from pagedrl.train.losses import dft_loss, sft_loss
 from pagedrl.train.metrics import Metric
+from pagedrl.train.offline_config import SFTConfig
 from pagedrl.train.router_loss import load_balancing_loss, router_loss_coef
 
 
@@ -114,13 +118,22 @@ class SFT(OfflineAlgorithm):
         convert = PromptCompletionRows(tokenizer, config.max_length, config.truncation, config.dataset_text_field)
         examples, report, eval_examples = load_train_and_eval(config, dataset, eval_dataset, convert,
                                                               "SFT needs a dataset")
+        if config.packing:
+            assert config.max_length is not None  # SFTConfig.validate
+            if config.shuffle_dataset:  # as datasets' `shuffle(seed)`, which TRL runs before packing
+                examples = [examples[i] for i in np.random.default_rng(config.seed).permutation(len(examples))]
+            examples = pack_bfd(examples, config.max_length)
+        if eval_examples and (config.packing if config.eval_packing is None else config.eval_packing):
+            assert config.max_length is not None
+            eval_examples = pack_bfd(eval_examples, config.max_length)
         super().__init__(examples, report, config.per_device_train_batch_size, config.gradient_accumulation_steps,
                          dist, config.seed, eval_examples)
         self.model, self.tokenizer, self.generation_config = model, tokenizer, generation_config
         pad = tokenizer.pad_token_id
         self.pad_id = 0 if pad is None else pad
         self.completion_only = config.completion_only_loss is not False
-        self.packing = config.packing
+        self.packing, self.padding_free = config.packing, config.padding_free or config.packing
+        self.loss_type = config.loss_type
         self.device = next(model.parameters()).device
         self.router_coef = router_loss_coef(config.router_aux_loss_coef, model.config)
         if model.config.load_balancing_loss:
@@ -128,8 +141,10 @@ class SFT(OfflineAlgorithm):
             model.config.output_router_logits = self.router_coef != 0.0
             model.config.router_aux_loss_coef = self.router_coef
 
-    def collate(self, examples: Sequence[PromptCompletion]) -> SFTBatch:
-        return collate_sft(examples, self.pad_id, self.device, self.completion_only, self.packing)
+    def collate(self, examples: Sequence[PromptCompletion | PackedRow]) -> SFTBatch:
+        packed = any(isinstance(e, PackedRow) for e in examples)  # packed rows train padding-free, as TRL's
+        return collate_sft(unpack(examples), self.pad_id, self.device, self.completion_only,
+                           self.padding_free or packed)
 
     def count(self, batch: SFTBatch) -> float:
         return float(batch.targets.numel())
@@ -141,8 +156,9 @@ class SFT(OfflineAlgorithm):
             out = target_logprobs(model, batch.input_ids, batch.positions, batch.meta, batch.predict_at,
                                   batch.targets, entropy=True, correct=True)
         n = batch.targets.numel()
-        loss = sft_loss(out.logps[None], torch.ones(1, n, dtype=torch.bool, device=out.logps.device),
-                        num_items_in_batch=global_count)
+        token_loss = dft_loss if self.loss_type == "dft" else sft_loss
+        loss = token_loss(out.logps[None], torch.ones(1, n, dtype=torch.bool, device=out.logps.device),
+                          num_items_in_batch=global_count)
         assert out.correct is not None and out.entropy is not None
         correct, entropy = out.correct.sum(), out.entropy.sum()
         metrics: dict[str, Any] = {
@@ -157,9 +173,10 @@ class SFT(OfflineAlgorithm):
         return loss, metrics
 
     def summary_lines(self) -> list[str]:
-        mode = "packed into one row per micro-batch" if self.packing else "padded"
+        mode = (f"packed (bfd) into {self.num_examples} rows of at most max_length tokens" if self.packing
+                else "back to back in one row per micro-batch" if self.padding_free else "padded")
         target = "completion tokens" if self.completion_only else "every token"
-        return super().summary_lines() + [f"sft: loss on {target}; sequences {mode}"]
+        return super().summary_lines() + [f"sft: {self.loss_type} loss on {target}; sequences {mode}"]
 
 
 def run_sft(config: SFTConfig, dataset: str | Path | Sequence[Mapping[str, Any]] | None = None,

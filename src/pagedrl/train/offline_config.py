@@ -1,0 +1,76 @@
+"""The offline trainers' configs (SFT, reward model, DPO): `TrainConfig` and each algorithm's own fields,
+under TRL's names. Kept beside `config.py`, which holds the shared fields and the loading, so that each
+file stays one idea; the online trainers' configs are in `rl/config.py`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pagedrl.train.config import TrainConfig, TrainConfigError, _require, validate_router_coef
+from pagedrl.train.dpo_losses import DISCOPOP_TAU, DPOLossType, dpo_settings_problem
+
+
+@dataclass
+class SFTConfig(TrainConfig):
+    learning_rate: float = 2e-5
+    dataset_text_field: str = "text"  # column of plain-text (language modeling) rows
+    completion_only_loss: bool | None = None  # None: loss on the completion when rows have one
+    assistant_only_loss: bool = False  # conversational rows: loss on assistant turns only
+    # TRL's packing: the examples packed once into rows of at most max_length tokens (best-fit decreasing),
+    # per_device_train_batch_size then counting rows (train/algorithms/sft_packing.py)
+    packing: bool = False
+    packing_strategy: Literal["bfd", "bfd_split", "wrapped"] = "bfd"  # only bfd is built
+    padding_free: bool = False  # each micro-batch's examples back to back in one row, not padded
+    eval_packing: bool | None = None  # None: as packing
+    shuffle_dataset: bool = False  # with packing: the examples shuffled (TRL's permutation of seed) before packing
+    # Mixture of experts: the router load-balancing loss's weight (None: the model config's; 0: off).
+    router_aux_loss_coef: float | None = None
+    # nll: cross-entropy; dft: Dynamic Fine-Tuning, each token's cross-entropy times its (detached) probability
+    loss_type: Literal["nll", "dft"] = "nll"
+
+    def validate(self) -> None:
+        super().validate()
+        validate_router_coef(self.router_aux_loss_coef)
+        _require(self.packing_strategy == "bfd", "packing_strategy",
+                 f"{self.packing_strategy!r} is not built: bfd packs whole examples (bfd_split would cut the longer "
+                 "ones into pieces, wrapped cuts every example at the row's end); use bfd")
+        packs = self.packing or self.eval_packing
+        _require(not packs or self.max_length is not None, "eval_packing" if self.eval_packing and not self.packing
+                 else "packing", "packing needs max_length, the length of a packed row")
+
+
+@dataclass
+class RewardConfig(TrainConfig):
+    learning_rate: float = 1e-4
+    center_rewards_coefficient: float | None = None  # Eisenstein et al. 2023 suggest 0.01
+    disable_dropout: bool = True  # TRL's: no dropout while training, LoRA's included (lora_dropout then unused)
+
+    def validate(self) -> None:
+        super().validate()
+        c = self.center_rewards_coefficient
+        _require(c is None or c >= 0, "center_rewards_coefficient", f"must be null or >= 0, got {c}")
+
+
+@dataclass
+class DPOConfig(TrainConfig):
+    learning_rate: float = 1e-6
+    beta: float = 0.1
+    # One of TRL's losses, or a list of them summed with loss_weights (MPO: [sigmoid, bco_pair, sft], [0.8, 0.2, 1])
+    loss_type: DPOLossType | list[DPOLossType] = "sigmoid"
+    loss_weights: list[float] | None = None  # None: 1 each
+    label_smoothing: float = 0.0  # sigmoid, aot: conservative DPO; robust: label flip probability; exo_pair: EXO's ε
+    discopop_tau: float = DISCOPOP_TAU  # the discopop loss's temperature
+    ref_model: str | None = None  # None: a frozen copy of the starting policy
+    precompute_ref_log_probs: bool = False
+    disable_dropout: bool = True  # TRL's: no dropout while training, LoRA's included (lora_dropout then unused)
+    # Mixture of experts: the router load-balancing loss's weight (None: the model config's; 0: off).
+    router_aux_loss_coef: float | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        validate_router_coef(self.router_aux_loss_coef)
+        _require(self.beta > 0, "beta", f"must be > 0, got {self.beta}")
+        problem = dpo_settings_problem(self.loss_type, self.loss_weights, self.label_smoothing, self.discopop_tau)
+        if problem is not None:
+            raise TrainConfigError(*problem)
