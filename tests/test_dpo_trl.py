@@ -114,6 +114,10 @@ def exact_first_batch(policy, reference, pairs, freq, beta: float, settings: dic
     # MPO's list: the sft term's NLL over the chosen tokens from the same forward
     (dict(loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0]), False, True, True),
     (dict(loss_type=["exo_pair", "aot", "discopop"], label_smoothing=1e-3, discopop_tau=0.1), True, True, False),
+    # f-DPO: the answers' scores in place of their log-ratios
+    (dict(loss_type="sigmoid", f_divergence_type="js_divergence"), False, True, False),
+    (dict(loss_type=["ipo", "sft"], f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3), True, True,
+     True),
 ])
 def test_first_batch_equals_trl_dpo_trainer(tiny_train_model, other_model, tmp_path, settings, precompute,
                                             other_ref, chat) -> None:

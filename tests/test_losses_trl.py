@@ -59,9 +59,10 @@ def _dpo_batch(num_pairs: int = 5, seq_len: int = 9, seed: int = 0):
 
 
 def _trl_dpo(loss_type: str | list[str], beta: float, label_smoothing: float, completion_mask, token_logps, ref_logps,
-             loss_weights: list[float] | None = None, discopop_tau: float = 0.05):
+             loss_weights: list[float] | None = None, discopop_tau: float = 0.05, dtype=torch.float64, **options):
     """TRL's loss, its gradient in the per-token log-probs and its metrics. TRL builds EXO's ε as a tensor of
-    the default dtype: float64 here, as everything else in these comparisons."""
+    the default dtype: `dtype` here, as everything else in these comparisons. `options`: the trainer's
+    other attributes (`f_divergence_type`, `ld_alpha`, ...), and `log_sum_sq_probs` (WPO's) of its outputs."""
     loss_types = [loss_type] if isinstance(loss_type, str) else loss_type
     rows, seq_len = completion_mask.shape
     token_logps = token_logps.clone().requires_grad_(True)
@@ -70,6 +71,7 @@ def _trl_dpo(loss_type: str | list[str], beta: float, label_smoothing: float, co
         entropy=torch.zeros(rows, seq_len - 1),
         mean_logits=torch.zeros(rows, seq_len - 1),
         is_top1=torch.zeros(rows, seq_len - 1, dtype=torch.bool),
+        log_sum_sq_probs=options.pop("log_sum_sq_probs", None),
     )
     trainer = SimpleNamespace(
         model=SimpleNamespace(training=True), accelerator=_Accelerator(), aux_loss_enabled=False, ld_alpha=None,
@@ -78,6 +80,7 @@ def _trl_dpo(loss_type: str | list[str], beta: float, label_smoothing: float, co
         use_weighting=False, _metrics=_metrics(), _total_train_tokens=0, _tp_size=1,
         args=SimpleNamespace(discopop_tau=discopop_tau),
     )
+    vars(trainer).update(options)
     ref_chosen, ref_rejected = ref_logps.chunk(2)
     inputs = {
         "input_ids": torch.zeros(rows, seq_len, dtype=torch.long),
@@ -87,7 +90,7 @@ def _trl_dpo(loss_type: str | list[str], beta: float, label_smoothing: float, co
         "ref_rejected_logps": ref_rejected,
     }
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
+    torch.set_default_dtype(dtype)
     try:
         loss = DPOTrainer._compute_loss(trainer, lambda **kw: outputs, inputs, return_outputs=False)
     finally:

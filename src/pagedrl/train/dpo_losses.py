@@ -22,6 +22,12 @@ DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair
                       "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"]
 DPO_LOSS_TYPES: tuple[str, ...] = get_args(DPOLossType)
 DISCOPOP_TAU = 0.05  # TRL's default, the DiscoPOP paper's
+FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]
+F_DIVERGENCES: tuple[str, ...] = get_args(FDivergence)
+F_ALPHA_COEF = 0.5  # TRL's default α of alpha_divergence
+# f-DPO's reparameterisation leaves a β·log Z(x) term that cancels only in the chosen-rejected score difference:
+# the losses built on it take another f-divergence, the others (TRL refuses them too) only reverse_kl's.
+F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 # The losses that read `label_smoothing`, and the values each takes: (low, high, low included, high included).
 # sigmoid's is conservative DPO's ε (TRL 1.16's sigmoid ignores it); exo_pair's must be above 0 (it takes log ε).
 SMOOTHING_RANGES: dict[str, tuple[float, float, bool, bool]] = {
@@ -42,7 +48,8 @@ def loss_types_of(loss_type: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def dpo_settings_problem(loss_type: str | Sequence[str], loss_weights: Sequence[float] | None,
-                         label_smoothing: float, discopop_tau: float) -> tuple[str, str] | None:
+                         label_smoothing: float, discopop_tau: float, f_divergence_type: str = "reverse_kl",
+                         f_alpha_divergence_coef: float = F_ALPHA_COEF) -> tuple[str, str] | None:
     """The first unusable DPO setting as (key, why), or None; shared by DPOConfig and `dpo_loss`.
 
     A setting no chosen loss reads is refused rather than ignored (a `discopop_tau` beside a sigmoid loss
@@ -74,13 +81,30 @@ def dpo_settings_problem(loss_type: str | Sequence[str], loss_weights: Sequence[
     if discopop_tau != DISCOPOP_TAU and "discopop" not in types:
         return "discopop_tau", f"only the discopop loss uses it; got {discopop_tau}, expected {DISCOPOP_TAU} or " \
             "loss_type discopop"
+    return _f_divergence_problem(types, f_divergence_type, f_alpha_divergence_coef)
+
+
+def _f_divergence_problem(types: Sequence[str], f_divergence: str, alpha: float) -> tuple[str, str] | None:
+    if f_divergence not in F_DIVERGENCES:
+        return "f_divergence_type", f"unknown {f_divergence!r}; expected one of {', '.join(F_DIVERGENCES)}"
+    others = [t for t in dict.fromkeys(types) if t not in F_DIVERGENCE_LOSSES]
+    if f_divergence != "reverse_kl" and others:
+        return "f_divergence_type", f"{f_divergence} needs losses built on the chosen-rejected score difference " \
+            f"({', '.join(F_DIVERGENCE_LOSSES)}); {', '.join(others)} takes only reverse_kl"
+    if not math.isfinite(alpha):
+        return "f_alpha_divergence_coef", f"must be a finite number, got {alpha}"
+    if alpha != F_ALPHA_COEF and f_divergence != "alpha_divergence":
+        return "f_alpha_divergence_coef", f"only f_divergence_type alpha_divergence uses it; got {alpha}, " \
+            f"expected {F_ALPHA_COEF}"
     return None
 
 
 def check_dpo_settings(loss_type: str | Sequence[str], loss_weights: Sequence[float] | None = None,
-                       label_smoothing: float = 0.0, discopop_tau: float = DISCOPOP_TAU) -> None:
+                       label_smoothing: float = 0.0, discopop_tau: float = DISCOPOP_TAU,
+                       f_divergence_type: str = "reverse_kl", f_alpha_divergence_coef: float = F_ALPHA_COEF) -> None:
     """`dpo_settings_problem` as a ValueError naming the key."""
-    problem = dpo_settings_problem(loss_type, loss_weights, label_smoothing, discopop_tau)
+    problem = dpo_settings_problem(loss_type, loss_weights, label_smoothing, discopop_tau, f_divergence_type,
+                                   f_alpha_divergence_coef)
     if problem is not None:
         raise ValueError(f"{problem[0]}: {problem[1]}")
 
@@ -98,20 +122,40 @@ def _smoothed_sigmoid(z: Tensor, eps: float) -> Tensor:
     return losses - eps * F.logsigmoid(-z) if eps else losses
 
 
+def f_scores(logratios: Tensor, f_divergence: str, alpha: float = F_ALPHA_COEF) -> Tensor:
+    """f'(π/π_ref) of each answer's log-ratio log(π/π_ref), the score f-DPO (Wang et al. 2023) puts where DPO
+    has the log-ratio, as TRL 1.16 computes it: reverse_kl log t, forward_kl 1 - 1/t, js_divergence
+    log 2 + logσ(log t) = log(2t/(t+1)), alpha_divergence (t^(α-1) - 1)/(α-1) (log t within 1e-6 of α = 1,
+    its limit), its exponent clamped at 80 (11 in float16) so that exp stays finite, computed in at least
+    float32."""
+    if f_divergence == "forward_kl":
+        return 1 - torch.exp(-logratios)
+    if f_divergence == "js_divergence":
+        return math.log(2) + F.logsigmoid(logratios)
+    if f_divergence != "alpha_divergence" or abs(alpha - 1.0) < 1e-6:
+        return logratios
+    t = (alpha - 1.0) * logratios
+    wide = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+    clamp = 11.0 if t.dtype == torch.float16 else 80.0
+    return (torch.exp(wide.clamp(max=clamp)) - 1.0).to(t.dtype) * (1.0 / (alpha - 1.0))
+
+
 def pair_losses(loss_type: str, policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Tensor,
                 ref_rejected: Tensor, beta: float, eps: float, discopop_tau: float,
-                chosen_lengths: Tensor | None, rejected_lengths: Tensor | None) -> Tensor:
+                chosen_lengths: Tensor | None, rejected_lengths: Tensor | None, f_divergence: str = "reverse_kl",
+                f_alpha: float = F_ALPHA_COEF) -> Tensor:
     """One loss type's [num_pairs] losses, as TRL 1.16's `DPOTrainer._compute_loss` computes its
     `per_sequence_loss`; see `dpo_loss` for the formulas."""
     chosen_lr, rejected_lr = policy_chosen - ref_chosen, policy_rejected - ref_rejected
-    delta = chosen_lr - rejected_lr
+    chosen_s, rejected_s = f_scores(chosen_lr, f_divergence, f_alpha), f_scores(rejected_lr, f_divergence, f_alpha)
+    delta = chosen_s - rejected_s
     if loss_type == "sigmoid":
         return _smoothed_sigmoid(beta * delta, eps)
     if loss_type == "hinge":
         return torch.relu(1.0 - beta * delta)
     if loss_type in ("ipo", "sigmoid_norm"):
-        avg = _per_token_mean(chosen_lr, chosen_lengths, loss_type) - \
-            _per_token_mean(rejected_lr, rejected_lengths, loss_type)
+        avg = _per_token_mean(chosen_s, chosen_lengths, loss_type) - \
+            _per_token_mean(rejected_s, rejected_lengths, loss_type)
         return (avg - 1.0 / (2.0 * beta)) ** 2 if loss_type == "ipo" else -F.logsigmoid(beta * avg)
     if loss_type == "robust":
         clean, flipped = -(1.0 - eps) * F.logsigmoid(beta * delta), -eps * F.logsigmoid(-beta * delta)
@@ -128,7 +172,7 @@ def pair_losses(loss_type: str, policy_chosen: Tensor, policy_rejected: Tensor, 
     if loss_type == "apo_zero":
         return 1.0 - torch.sigmoid(r_c) + torch.sigmoid(r_r)
     if loss_type == "apo_down":
-        return torch.sigmoid(r_c) + 1.0 - torch.sigmoid(beta * delta)
+        return torch.sigmoid(r_c) + 1.0 - torch.sigmoid(beta * (chosen_lr - rejected_lr))
     if loss_type == "sppo_hard":
         return (chosen_lr - 0.5 / beta) ** 2 + (rejected_lr + 0.5 / beta) ** 2
     if loss_type == "aot":
@@ -160,10 +204,15 @@ def dpo_loss(
     rejected_lengths: Tensor | None = None,
     loss_weights: Sequence[float] | None = None,
     discopop_tau: float = DISCOPOP_TAU,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = F_ALPHA_COEF,
 ) -> DPOOutput:
     """Per-pair DPO losses from sequence log-probs (summed over completion tokens), following
-    `DPOTrainer._compute_loss` in TRL 1.16 (reverse-KL f-divergence, no WPO weighting), with
-    Δ = (π_c - ref_c) - (π_r - ref_r), r_c, r_r = β times each answer's log-ratio and ε = `label_smoothing`:
+    `DPOTrainer._compute_loss` in TRL 1.16 (no WPO weighting), with Δ = (π_c - ref_c) - (π_r - ref_r),
+    r_c, r_r = β times each answer's log-ratio and ε = `label_smoothing`. Another `f_divergence_type` than
+    reverse_kl (f-DPO) puts each answer's score `f_scores` in place of its log-ratio in Δ (and in ipo's and
+    sigmoid_norm's per-token Δ̄), for the losses of `F_DIVERGENCE_LOSSES` only, as TRL; the rewards stay β
+    times the log-ratios.
 
     - `sigmoid` (Rafailov et al. 2023): -logσ(βΔ). With ε > 0 it is conservative DPO (cDPO, Mitchell
       2023): -(1-ε)·logσ(βΔ) - ε·logσ(-βΔ), the form TRL's sigmoid loss had before 1.0; TRL 1.16 ignores ε
@@ -192,7 +241,8 @@ def dpo_loss(
     """
     if not beta > 0:
         raise ValueError(f"beta: must be positive, got {beta}")
-    check_dpo_settings(loss_type, loss_weights, label_smoothing, discopop_tau)
+    check_dpo_settings(loss_type, loss_weights, label_smoothing, discopop_tau, f_divergence_type,
+                       f_alpha_divergence_coef)
     shape = policy_chosen_logps.shape
     for name, t in (("policy_rejected_logps", policy_rejected_logps), ("ref_chosen_logps", ref_chosen_logps),
                     ("ref_rejected_logps", ref_rejected_logps)):
@@ -203,7 +253,8 @@ def dpo_loss(
     losses: Tensor | None = None
     for t, w in zip(types, weights, strict=True):
         term = pair_losses(t, policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
-                           beta, label_smoothing, discopop_tau, chosen_lengths, rejected_lengths)
+                           beta, label_smoothing, discopop_tau, chosen_lengths, rejected_lengths, f_divergence_type,
+                           f_alpha_divergence_coef)
         term = term if w == 1.0 else term * w
         losses = term if losses is None else losses + term
     assert losses is not None

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pagedrl.train.config import TrainConfig, TrainConfigError, _require, validate_router_coef
-from pagedrl.train.dpo_losses import DISCOPOP_TAU, DPOLossType, dpo_settings_problem
+from pagedrl.train.dpo_losses import (
+    DISCOPOP_TAU,
+    F_ALPHA_COEF,
+    DPOLossType,
+    FDivergence,
+    dpo_settings_problem,
+)
 
 
 @dataclass
@@ -61,6 +67,9 @@ class DPOConfig(TrainConfig):
     loss_weights: list[float] | None = None  # None: 1 each
     label_smoothing: float = 0.0  # sigmoid, aot: conservative DPO; robust: label flip probability; exo_pair: EXO's ε
     discopop_tau: float = DISCOPOP_TAU  # the discopop loss's temperature
+    # f-DPO: the divergence from the reference each answer's score follows (reverse_kl: DPO's log-ratio)
+    f_divergence_type: FDivergence = "reverse_kl"
+    f_alpha_divergence_coef: float = F_ALPHA_COEF  # alpha_divergence's α
     ref_model: str | None = None  # None: a frozen copy of the starting policy
     precompute_ref_log_probs: bool = False
     disable_dropout: bool = True  # TRL's: no dropout while training, LoRA's included (lora_dropout then unused)
@@ -71,6 +80,7 @@ class DPOConfig(TrainConfig):
         super().validate()
         validate_router_coef(self.router_aux_loss_coef)
         _require(self.beta > 0, "beta", f"must be > 0, got {self.beta}")
-        problem = dpo_settings_problem(self.loss_type, self.loss_weights, self.label_smoothing, self.discopop_tau)
+        problem = dpo_settings_problem(self.loss_type, self.loss_weights, self.label_smoothing, self.discopop_tau,
+                                       self.f_divergence_type, self.f_alpha_divergence_coef)
         if problem is not None:
             raise TrainConfigError(*problem)

@@ -183,7 +183,8 @@ class DPO(OfflineAlgorithm):
         c = self.config
         out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=c.beta, loss_type=c.loss_type,
                        label_smoothing=c.label_smoothing, chosen_lengths=lengths_chosen,
-                       rejected_lengths=lengths_rejected, loss_weights=c.loss_weights, discopop_tau=c.discopop_tau)
+                       rejected_lengths=lengths_rejected, loss_weights=c.loss_weights, discopop_tau=c.discopop_tau,
+                       f_divergence_type=c.f_divergence_type, f_alpha_divergence_coef=c.f_alpha_divergence_coef)
         loss = out.losses.sum() / global_count
         n = batch.num_pairs
         with torch.no_grad():
@@ -217,8 +218,10 @@ class DPO(OfflineAlgorithm):
         weights = f" (weights {', '.join(f'{w:g}' for w in c.loss_weights)})" if c.loss_weights else ""
         smoothing = f", label_smoothing {c.label_smoothing:g}" if c.label_smoothing else ""
         tau = f", discopop_tau {c.discopop_tau:g}" if "discopop" in types else ""
-        return super().summary_lines() + [f"dpo: loss {' + '.join(types)}{weights}, beta {c.beta:g}{smoothing}{tau}; "
-                                          f"{ref}"]
+        f_div = "" if c.f_divergence_type == "reverse_kl" else f", f-divergence {c.f_divergence_type}" + (
+            f" (alpha {c.f_alpha_divergence_coef:g})" if c.f_divergence_type == "alpha_divergence" else "")
+        return super().summary_lines() + [f"dpo: loss {' + '.join(types)}{weights}, beta {c.beta:g}{smoothing}{tau}"
+                                          f"{f_div}; {ref}"]
 
 
 def run_dpo(config: DPOConfig, dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
