@@ -53,6 +53,8 @@ def exact_first_batch(policy, reference, pairs, freq, beta: float, settings: dic
     log_softmax roundings and the sum's (any order); the policy's and the reference's forwards round
     independently, even where the reference is the policy itself."""
     n = len(pairs)
+    settings = dict(settings)
+    ld_alpha = settings.pop("ld_alpha", None)  # LD-DPO weighs the tokens past the pair's shorter answer
     seqs = [p.prompt_ids + p.chosen_ids for p in pairs] + [p.prompt_ids + p.rejected_ids for p in pairs]
     starts = [len(p.prompt_ids) for p in pairs] * 2
     width = max(map(len, seqs))
@@ -72,7 +74,11 @@ def exact_first_batch(policy, reference, pairs, freq, beta: float, settings: dic
             own = log_softmax_bounds(rows[0]).gather(1, targets[:, None]).sum() + gamma(len(q)) * logp[0].abs().sum()
             signs = torch.randint(0, 2, (rows.shape[0],), generator=g).double() * 2 - 1
             signs[0] = 0
-            sums.append(logp.sum(-1) + signs * own)
+            weights = torch.ones(len(targets), dtype=torch.float64)
+            if ld_alpha is not None:  # weights of at most 1: `own` still bounds the weighted sum's roundings
+                p = pairs[i % n]
+                weights[min(len(p.chosen_ids), len(p.rejected_ids)):] = ld_alpha
+            sums.append((logp * weights).sum(-1) + signs * own)
             means.append(rows.mean(-1))
             sizes.append(rows[0].abs().mean(-1))
         return torch.stack(sums, -1), torch.cat(means, -1), torch.cat(sizes)
@@ -118,10 +124,16 @@ def exact_first_batch(policy, reference, pairs, freq, beta: float, settings: dic
     (dict(loss_type="sigmoid", f_divergence_type="js_divergence"), False, True, False),
     (dict(loss_type=["ipo", "sft"], f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3), True, True,
      True),
+    # LD-DPO: the verbose tokens weighed, the reference's sums (precomputed or not) too
+    (dict(loss_type="sigmoid", ld_alpha=0.4), True, True, False),
+    (dict(loss_type="hinge", ld_alpha=0.0), False, True, False),
 ])
 def test_first_batch_equals_trl_dpo_trainer(tiny_train_model, other_model, tmp_path, settings, precompute,
                                             other_ref, chat) -> None:
     rows = preference_rows(8, seed=3, chat_every=1 if chat else 0)
+    if "ld_alpha" in settings:  # answers of different lengths, so that some tokens are verbose ones
+        rows = [dict(r, chosen=r["chosen"] + " dog" * (i % 3), rejected=r["rejected"] + " red cat" * (i % 2))
+                for i, r in enumerate(rows)]
     ref_dir = other_model if other_ref else None
     features, trl_loss, trl_logps, trl_metrics, freq = trl_first_batch(
         tiny_train_model, ref_dir, rows, tmp_path, beta=0.3, precompute_ref_log_probs=precompute, **settings)
@@ -142,6 +154,8 @@ def test_first_batch_equals_trl_dpo_trainer(tiny_train_model, other_model, tmp_p
         assert (pair.prompt_ids, pair.chosen_ids, pair.rejected_ids) == (
             feature["prompt_ids"], feature["chosen_ids"], feature["rejected_ids"])
 
+    if "ld_alpha" in settings:
+        assert any(len(p.chosen_ids) != len(p.rejected_ids) for p in pairs)
     # Ours and TRL's against the exact values, within float32's bounds (~3e-3 on sums of ~100 over ~17 tokens'
     # log-probs; an answer token predicted from the wrong row moves a sum by ~1).
     policy = load_model(tiny_train_model).model
@@ -149,7 +163,7 @@ def test_first_batch_equals_trl_dpo_trainer(tiny_train_model, other_model, tmp_p
                                                settings)
     batch = algorithm.collate(examples)
     with torch.no_grad():
-        ours_logps = answer_logps(algorithm.model, batch).logps
+        ours_logps = answer_logps(algorithm.model, batch, ld_alpha=settings.get("ld_alpha")).logps
     for got in (ours_logps, trl_logps):
         assert ((got.double() - logps.exact).abs() <= logps.bound()).all()
     loss, metrics = algorithm.loss(trainer.handle, batch, torch.tensor(float(PAIRS)))

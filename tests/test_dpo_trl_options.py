@@ -1,17 +1,24 @@
 """TRL 1.16 DPOConfig options beyond the loss type, each held to TRL's own DPOTrainer code on the same
 batch: f-DPO's `f_divergence_type` (loss, gradient and reward metrics to 1e-12 in float64; alpha_divergence,
-whose TRL code runs in float32 only, in float32), and the settings refused, naming the key, where they do
-not fit."""
+whose TRL code runs in float32 only, in float32), LD-DPO's `ld_alpha` (pagedrl's packed pair rows summed as
+the trainer sums them, against TRL's two padded rows, the reference's sums by TRL's code too), and the
+settings refused, naming the key, where they do not fit."""
 
 from __future__ import annotations
+
+import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 from float_bounds import gamma
 from test_losses_trl import _dpo_batch, _ours_dpo, _trl_dpo
 
+from pagedrl.train.algorithms.dpo import answer_sums, scored_tokens
+from pagedrl.train.algorithms.pair_batch import collate_pairs
 from pagedrl.train.config import TrainConfigError
 from pagedrl.train.dpo_losses import dpo_loss
+from pagedrl.train.examples import Preference
 from pagedrl.train.offline_config import DPOConfig
 
 
@@ -64,6 +71,70 @@ def test_alpha_divergence_equals_trl_dpo_trainer_in_float32(loss_type: str, alph
         assert ((alpha - 1) * (token_logps.sum(1) - ref_logps)).max() > 80  # the clamp is exercised
 
 
+def pairs_in_both_layouts(seed: int, num_pairs: int = 6):
+    """Pairs with a shared prompt (one empty: its first answer token has no prediction, in TRL as here) and
+    answers of 1 to 6 tokens (some pairs of equal lengths), as TRL's [chosen; rejected] padded rows (completion
+    mask, per-token policy and reference log-probs of the shifted labels, 0 outside the answers) and as
+    pagedrl's packed batch, whose answer tokens read the same numbers: answer a is TRL's row a, and a rejected
+    token after the first sits the chosen answer's length further along than in TRL's row."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    pairs = []
+    for b in range(num_pairs):
+        n_chosen = rng.randint(1, 6)
+        n_rejected = n_chosen if b % 3 == 0 else rng.randint(1, 6)
+        pairs.append(Preference([5] * (0 if b == 1 else rng.randint(1, 3)), [6] * n_chosen, [7] * n_rejected, ""))
+    rows = [(p.prompt_ids, p.chosen_ids) for p in pairs] + [(p.prompt_ids, p.rejected_ids) for p in pairs]
+    width = max(len(q) + len(a) for q, a in rows)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, (q, a) in enumerate(rows):
+        mask[r, len(q):len(q) + len(a)] = 1
+    shift = mask[:, 1:].double()
+    policy = -torch.rand(shift.shape, generator=g, dtype=torch.float64) * 3 * shift
+    reference = -torch.rand(shift.shape, generator=g, dtype=torch.float64) * 3 * shift
+    batch = collate_pairs(pairs, 0, torch.device("cpu"), answer_tokens=True)
+    ours_width = batch.input_ids.shape[1]
+    a = batch.answer_of
+    b = a % num_pairs
+    column = batch.predict_at - b * ours_width
+    prompt, chosen = (torch.tensor([len(getattr(p, k)) for p in pairs])[b] for k in ("prompt_ids", "chosen_ids"))
+    column -= ((a >= num_pairs) & (column >= prompt)) * chosen  # all but the one the prompt's last token predicts
+    return pairs, batch, mask, policy, reference, (a, column)
+
+
+@pytest.mark.parametrize(("loss_type", "ld_alpha"), [("sigmoid", 0.5), ("sigmoid", 0.0), ("sigmoid", 1.0),
+                                                     ("ipo", 0.3), (["sigmoid", "sft"], 0.25),
+                                                     (["sigmoid", "sft"], None)])
+def test_ld_alpha_equals_trl_dpo_trainer(loss_type, ld_alpha: float | None) -> None:
+    """LD-DPO: the policy's and the reference's sums weigh the verbose tokens α times (`answer_sums`, as the
+    trainer calls it), the sft term's NLL keeps every token whole and counts the scored ones (None: the plain
+    sums, where the empty prompt's pair has one chosen token fewer in sft's mean); loss, gradient and the reward and log-prob
+    metrics against TRL's `_compute_loss` with its reference forward (not precomputed) in float64."""
+    pairs, batch, mask, policy, reference, at = pairs_in_both_layouts(seed=21)
+    n = len(pairs)
+    model = torch.nn.Module()  # TRL asks whether the policy is a PEFT model: a module that is not
+    model.is_gradient_checkpointing = False
+    options = dict(ld_alpha=ld_alpha, precompute_ref_logps=False, model=model, ref_model=lambda **kw: SimpleNamespace(
+        log_probs=reference), args=SimpleNamespace(discopop_tau=0.05, gradient_checkpointing_kwargs=None))
+    trl_loss, trl_grad, metrics = _trl_dpo(loss_type, 0.3, 0.0, mask, policy, torch.zeros(2 * n), **options)
+
+    leaf = policy.clone().requires_grad_(True)
+    logps, full = answer_sums(leaf[at], batch, ld_alpha), answer_sums(leaf[at], batch)
+    ref = answer_sums(reference[at], batch, ld_alpha)
+    lengths = batch.answer_lengths
+    out = dpo_loss(*logps.chunk(2), *ref.chunk(2), beta=0.3, loss_type=loss_type, chosen_lengths=lengths[:n],
+                   rejected_lengths=lengths[n:], sft_chosen_logps=full[:n], sft_chosen_tokens=scored_tokens(batch)[:n])
+    loss = out.losses.mean()
+    (grad,) = torch.autograd.grad(loss, leaf)
+    torch.testing.assert_close(loss.detach(), trl_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, trl_grad * mask[:, 1:], rtol=1e-12, atol=1e-12)
+    for name, ours in (("rewards/chosen", out.chosen_rewards.mean()), ("rewards/margins",
+                       (out.chosen_rewards - out.rejected_rewards).mean()), ("logps/chosen", logps[:n].mean()),
+                       ("logps/rejected", logps[n:].mean())):
+        assert metrics[name][0] == pytest.approx(ours.item(), rel=1e-12, abs=1e-12), name
+    if ld_alpha is not None and 0 < ld_alpha < 1:  # the verbose tokens are weighed: the sums are not the plain ones
+        assert (logps != full).any()
+
+
 @pytest.mark.parametrize(("fields", "key", "says"), [
     (dict(f_divergence_type="forward_kl", loss_type="bco_pair"), "f_divergence_type", "bco_pair takes only reverse_kl"),
     (dict(f_divergence_type="js_divergence", loss_type=["sigmoid", "aot", "nca_pair"]), "f_divergence_type",
@@ -72,10 +143,13 @@ def test_alpha_divergence_equals_trl_dpo_trainer_in_float32(loss_type: str, alph
     (dict(f_divergence_type="alpha_divergence", f_alpha_divergence_coef=float("nan")), "f_alpha_divergence_coef",
      "must be .*finite"),
     (dict(f_divergence_type="chi2"), "f_divergence_type", "unknown 'chi2'"),
+    (dict(ld_alpha=1.5), "ld_alpha", r"must be null or in \[0, 1\]"),
 ])
 def test_options_that_do_not_fit_are_refused_naming_the_key(fields: dict, key: str, says: str) -> None:
     with pytest.raises(TrainConfigError, match=rf"^{key}: .*{says}"):
         DPOConfig(**fields)
+    if key == "ld_alpha":  # the trainer's sums, not the loss, read it
+        return
     x = torch.zeros(2)
     with pytest.raises(ValueError, match=rf"^{key}: .*{says}"):  # the loss itself checks the same way
         dpo_loss(x, x, x, x, chosen_lengths=x, rejected_lengths=x, **fields)

@@ -143,7 +143,8 @@ def f_scores(logratios: Tensor, f_divergence: str, alpha: float = F_ALPHA_COEF) 
 def pair_losses(loss_type: str, policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Tensor,
                 ref_rejected: Tensor, beta: float, eps: float, discopop_tau: float,
                 chosen_lengths: Tensor | None, rejected_lengths: Tensor | None, f_divergence: str = "reverse_kl",
-                f_alpha: float = F_ALPHA_COEF) -> Tensor:
+                f_alpha: float = F_ALPHA_COEF, sft_chosen: Tensor | None = None,
+                sft_tokens: Tensor | None = None) -> Tensor:
     """One loss type's [num_pairs] losses, as TRL 1.16's `DPOTrainer._compute_loss` computes its
     `per_sequence_loss`; see `dpo_loss` for the formulas."""
     chosen_lr, rejected_lr = policy_chosen - ref_chosen, policy_rejected - ref_rejected
@@ -186,9 +187,11 @@ def pair_losses(loss_type: str, policy_chosen: Tensor, policy_rejected: Tensor, 
         gate = torch.sigmoid(z / discopop_tau)
         return -F.logsigmoid(z) * (1.0 - gate) + torch.exp(-z) * gate
     # sft: the chosen answers' mean NLL per token, one number for the micro-batch, on every pair
-    if chosen_lengths is None:
+    tokens = chosen_lengths if sft_tokens is None else sft_tokens
+    if tokens is None:
         raise ValueError("chosen_lengths: the sft loss needs chosen_lengths (token counts)")
-    nll = -policy_chosen.sum() / chosen_lengths.to(policy_chosen.dtype).sum().clamp(min=1.0)
+    plain = policy_chosen if sft_chosen is None else sft_chosen
+    nll = -plain.sum() / tokens.to(plain.dtype).sum().clamp(min=1.0)
     return nll.expand(policy_chosen.shape)
 
 
@@ -206,6 +209,8 @@ def dpo_loss(
     discopop_tau: float = DISCOPOP_TAU,
     f_divergence_type: str = "reverse_kl",
     f_alpha_divergence_coef: float = F_ALPHA_COEF,
+    sft_chosen_logps: Tensor | None = None,
+    sft_chosen_tokens: Tensor | None = None,
 ) -> DPOOutput:
     """Per-pair DPO losses from sequence log-probs (summed over completion tokens), following
     `DPOTrainer._compute_loss` in TRL 1.16 (no WPO weighting), with Δ = (π_c - ref_c) - (π_r - ref_r),
@@ -233,7 +238,9 @@ def dpo_loss(
       log-ratios less the sorted rejected ones. The sort is over the micro-batch's pairs, as TRL's.
     - `discopop` (Lu et al. 2024, Eq. 5), τ = `discopop_tau`: -logσ(βΔ)·(1 - σ(βΔ/τ)) + exp(-βΔ)·σ(βΔ/τ).
     - `sft`: the policy's mean NLL over the micro-batch's chosen tokens (Σ -π_c / Σ `chosen_lengths`), the
-      same on every pair, as TRL expands it.
+      same on every pair, as TRL expands it; from `sft_chosen_logps` and `sft_chosen_tokens` when given (the
+      plain sums, where LD-DPO's `ld_alpha` weighs the others, and the scored tokens: an empty prompt leaves
+      an answer's first token unscored, in TRL's mean too).
 
     `loss_type` may be a list, TRL's combination of several losses: each pair's loss is Σ_k w_k·loss_k with
     w = `loss_weights` (default 1 each), so the mean over pairs is TRL's Σ_k w_k·mean(loss_k). Rewards are β
@@ -254,7 +261,7 @@ def dpo_loss(
     for t, w in zip(types, weights, strict=True):
         term = pair_losses(t, policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
                            beta, label_smoothing, discopop_tau, chosen_lengths, rejected_lengths, f_divergence_type,
-                           f_alpha_divergence_coef)
+                           f_alpha_divergence_coef, sft_chosen_logps, sft_chosen_tokens)
         term = term if w == 1.0 else term * w
         losses = term if losses is None else losses + term
     assert losses is not None

@@ -70,6 +70,8 @@ class DPOConfig(TrainConfig):
     # f-DPO: the divergence from the reference each answer's score follows (reverse_kl: DPO's log-ratio)
     f_divergence_type: FDivergence = "reverse_kl"
     f_alpha_divergence_coef: float = F_ALPHA_COEF  # alpha_divergence's α
+    # LD-DPO: the tokens of the longer answer past the shorter one's length count α times (None: once)
+    ld_alpha: float | None = None
     ref_model: str | None = None  # None: a frozen copy of the starting policy
     precompute_ref_log_probs: bool = False
     disable_dropout: bool = True  # TRL's: no dropout while training, LoRA's included (lora_dropout then unused)
@@ -80,6 +82,9 @@ class DPOConfig(TrainConfig):
         super().validate()
         validate_router_coef(self.router_aux_loss_coef)
         _require(self.beta > 0, "beta", f"must be > 0, got {self.beta}")
+        _require(self.ld_alpha is None or 0.0 <= self.ld_alpha <= 1.0, "ld_alpha",
+                 f"must be null or in [0, 1] (1 weighs the verbose tokens as the others, 0 drops them), "
+                 f"got {self.ld_alpha}")
         problem = dpo_settings_problem(self.loss_type, self.loss_weights, self.label_smoothing, self.discopop_tau,
                                        self.f_divergence_type, self.f_alpha_divergence_coef)
         if problem is not None:

@@ -71,17 +71,46 @@ class ReferencedPair:
 
 @dataclass
 class AnswerLogps:
-    logps: torch.Tensor  # [2B] summed log-probs: chosen of pairs 0..B-1, then rejected
+    logps: torch.Tensor  # [2B] summed log-probs (LD-DPO's weighted sums with ld_alpha): chosen of pairs 0..B-1, then rejected
     mean_logits: torch.Tensor  # [N] vocabulary-mean logit at each answer token (no gradient)
+    full: torch.Tensor  # [2B] the plain sums (`logps` itself without ld_alpha): the sft loss's NLL reads them
 
 
-def answer_logps(model: Any, batch: PairBatch, with_logits: bool = False) -> AnswerLogps:
-    """Σ log p(answer token | prompt, earlier answer tokens) per answer, from one forward. `model`
-    is the policy (through the loop's handle) or a plain CausalLM (the reference)."""
+def answer_sums(token_logps: torch.Tensor, batch: PairBatch, ld_alpha: float | None = None) -> torch.Tensor:
+    """Each answer's summed token log-probs [2B]. With LD-DPO's `ld_alpha` (Liu et al. 2024) a pair's answers
+    count their first min(chosen, rejected) scored tokens (the public part) once and the longer one's rest (the
+    verbose part) α times, so that a length difference weighs less in the margin: TRL 1.16's shared + α·tail.
+    An answer's tokens are contiguous in `answer_of`, in order."""
+    n = 2 * batch.num_pairs
+    answer_of = batch.answer_of
+    assert answer_of is not None
+    sums = token_logps.new_zeros(n)
+    if ld_alpha is None:
+        return sums.index_add(0, answer_of, token_logps)
+    counts = scored_tokens(batch)
+    shared = torch.minimum(*counts.chunk(2)).repeat(2)
+    index = torch.arange(answer_of.numel(), device=answer_of.device)
+    first = torch.full((n,), answer_of.numel(), dtype=torch.long, device=answer_of.device)
+    first = first.scatter_reduce(0, answer_of, index, "amin")
+    tail = index - first[answer_of] >= shared[answer_of]
+    public = sums.index_add(0, answer_of, token_logps.masked_fill(tail, 0.0))
+    return public + ld_alpha * sums.index_add(0, answer_of, token_logps.masked_fill(~tail, 0.0))
+
+
+def scored_tokens(batch: PairBatch) -> torch.Tensor:
+    """Each answer's tokens that have a log-prob [2B]: all but the first where the prompt is empty."""
+    assert batch.answer_of is not None
+    return torch.bincount(batch.answer_of, minlength=2 * batch.num_pairs)
+
+
+def answer_logps(model: Any, batch: PairBatch, with_logits: bool = False, ld_alpha: float | None = None) -> AnswerLogps:
+    """Σ log p(answer token | prompt, earlier answer tokens) per answer (`answer_sums`), from one forward.
+    `model` is the policy (through the loop's handle) or a plain CausalLM (the reference)."""
     out = target_logprobs(model, batch.input_ids, batch.positions, batch.meta, batch.predict_at, batch.targets,
                           mean_logit=with_logits)
-    logps = out.logps.new_zeros(2 * batch.num_pairs).index_add(0, batch.answer_of, out.logps)
-    return AnswerLogps(logps, out.mean_logit if with_logits else out.logps.new_zeros(0))
+    logps = answer_sums(out.logps, batch, ld_alpha)
+    full = logps if ld_alpha is None else answer_sums(out.logps, batch)
+    return AnswerLogps(logps, out.mean_logit if with_logits else out.logps.new_zeros(0), full)
 
 
 def frozen(model: torch.nn.Module) -> torch.nn.Module:
@@ -143,7 +172,8 @@ class DPO(OfflineAlgorithm):
         with torch.no_grad(), base, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
             for start in range(0, len(mine), self.per_device):
                 chunk = mine[start:start + self.per_device]
-                logps = answer_logps(source, self.collate([pairs[i] for i in chunk])).logps
+                logps = answer_logps(source, self.collate([pairs[i] for i in chunk]),
+                                     ld_alpha=self.config.ld_alpha).logps
                 table[chunk] = logps.view(2, -1).t().to("cpu", torch.float64)
         source.train(was_training)
         table = all_reduce_sum(table.reshape(-1), self.dist).view(-1, 2)
@@ -154,11 +184,11 @@ class DPO(OfflineAlgorithm):
             return batch.ref_logps
         if self.base_is_reference:
             with reference_forward(self.model):
-                return answer_logps(self.model, batch).logps
+                return answer_logps(self.model, batch, ld_alpha=self.config.ld_alpha).logps
         if self.reference is None:
             raise RuntimeError("reference log-probs were not precomputed for this batch")
         with torch.no_grad():
-            return answer_logps(self.reference, batch).logps
+            return answer_logps(self.reference, batch, ld_alpha=self.config.ld_alpha).logps
 
     # -- the loop's interface -------------------------------------------------------------------
 
@@ -175,18 +205,18 @@ class DPO(OfflineAlgorithm):
     def loss(self, model: Any, batch: PairBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         balance = self.router_coef != 0.0
         with collect_router_logits() if balance else contextlib.nullcontext() as router_logits:
-            policy = answer_logps(model, batch, with_logits=True)
+            policy = answer_logps(model, batch, with_logits=True, ld_alpha=self.config.ld_alpha)
         ref = self.reference_logps(batch).to(policy.logps.dtype)
         chosen, rejected = policy.logps.chunk(2)
         ref_chosen, ref_rejected = ref.chunk(2)
         lengths_chosen, lengths_rejected = batch.answer_lengths.chunk(2)
-        c = self.config
+        c, n = self.config, batch.num_pairs
         out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=c.beta, loss_type=c.loss_type,
                        label_smoothing=c.label_smoothing, chosen_lengths=lengths_chosen,
                        rejected_lengths=lengths_rejected, loss_weights=c.loss_weights, discopop_tau=c.discopop_tau,
-                       f_divergence_type=c.f_divergence_type, f_alpha_divergence_coef=c.f_alpha_divergence_coef)
+                       f_divergence_type=c.f_divergence_type, f_alpha_divergence_coef=c.f_alpha_divergence_coef,
+                       sft_chosen_logps=policy.full[:batch.num_pairs], sft_chosen_tokens=scored_tokens(batch)[:n])
         loss = out.losses.sum() / global_count
-        n = batch.num_pairs
         with torch.no_grad():
             is_chosen = batch.answer_of < n
             n_chosen, n_rejected = is_chosen.sum(), (~is_chosen).sum()
@@ -220,8 +250,9 @@ class DPO(OfflineAlgorithm):
         tau = f", discopop_tau {c.discopop_tau:g}" if "discopop" in types else ""
         f_div = "" if c.f_divergence_type == "reverse_kl" else f", f-divergence {c.f_divergence_type}" + (
             f" (alpha {c.f_alpha_divergence_coef:g})" if c.f_divergence_type == "alpha_divergence" else "")
+        ld = "" if c.ld_alpha is None else f", ld_alpha {c.ld_alpha:g}"
         return super().summary_lines() + [f"dpo: loss {' + '.join(types)}{weights}, beta {c.beta:g}{smoothing}{tau}"
-                                          f"{f_div}; {ref}"]
+                                          f"{f_div}{ld}; {ref}"]
 
 
 def run_dpo(config: DPOConfig, dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
