@@ -27,7 +27,10 @@ def other_model(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("fields", [dict(loss_type="sigmoid", label_smoothing=0.1),
-                                    dict(loss_type="ipo", precompute_ref_log_probs=True)])
+                                    dict(loss_type="ipo", precompute_ref_log_probs=True),
+                                    # per-pair options: WPO's weights, f-DPO's scores, LD-DPO's sums
+                                    dict(loss_type="sigmoid_norm", use_weighting=True,
+                                         f_divergence_type="js_divergence", ld_alpha=0.5)])
 def test_accumulated_gradient_equals_one_batch(tiny_train_model, other_model, tmp_path, fields) -> None:
     from pagedrl.model.loader import load_model
 

@@ -1,7 +1,8 @@
 """TRL 1.16 DPOConfig options beyond the loss type, each held to TRL's own DPOTrainer code on the same
 batch: f-DPO's `f_divergence_type` (loss, gradient and reward metrics to 1e-12 in float64; alpha_divergence,
 whose TRL code runs in float32 only, in float32), LD-DPO's `ld_alpha` (pagedrl's packed pair rows summed as
-the trainer sums them, against TRL's two padded rows, the reference's sums by TRL's code too), and the
+the trainer sums them, against TRL's two padded rows, the reference's sums by TRL's code too), WPO's
+`use_weighting` (the weights from the same per-token numbers, log Σ_v p_v² against TRL's kernel), and the
 settings refused, naming the key, where they do not fit."""
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from float_bounds import gamma
+from float_bounds import U, gamma
 from test_losses_trl import _dpo_batch, _ours_dpo, _trl_dpo
 
-from pagedrl.train.algorithms.dpo import answer_sums, scored_tokens
+from pagedrl.train.algorithms.dpo import answer_sums, scored_tokens, wpo_weights
 from pagedrl.train.algorithms.pair_batch import collate_pairs
 from pagedrl.train.config import TrainConfigError
 from pagedrl.train.dpo_losses import dpo_loss
@@ -135,6 +136,62 @@ def test_ld_alpha_equals_trl_dpo_trainer(loss_type, ld_alpha: float | None) -> N
         assert (logps != full).any()
 
 
+@pytest.mark.parametrize(("loss_type", "ld_alpha", "loss_weights"), [
+    ("sigmoid", None, None), ("ipo", None, None), ("sigmoid_norm", 0.5, None), (["sigmoid", "bco_pair"], None, [0.8, 0.2]),
+    (["robust", "discopop", "apo_down"], 0.3, [1.0, 0.5, 2.0]),
+])
+def test_wpo_weights_equal_trl_dpo_trainer(loss_type, ld_alpha: float | None, loss_weights) -> None:
+    """WPO: each pair's every loss term times exp(mean log p - log Σ_v p_v²) of both its answers (the plain
+    token log-probs, under ld_alpha too), without gradient through the weights; loss, gradient and metrics
+    against TRL's `_compute_loss` in float64, from the same per-token log-probs and log Σ_v p_v²."""
+    pairs, batch, mask, policy, reference, at = pairs_in_both_layouts(seed=31)
+    n = len(pairs)
+    g = torch.Generator().manual_seed(32)
+    # log Σ_v p_v², the expected log-probability's kin: of the tokens' own size, some above them, some below
+    log_sum_sq = -torch.rand(policy.shape, generator=g, dtype=torch.float64) * 3
+    ref_sums = (reference * mask[:, 1:]).sum(1)  # precomputed in TRL's inputs, ld_alpha's weighting aside
+    trl_loss, trl_grad, metrics = _trl_dpo(loss_type, 0.2, 0.1 if "robust" in loss_type else 0.0, mask, policy,
+                                           ref_sums, loss_weights, ld_alpha=ld_alpha, use_weighting=True,
+                                           log_sum_sq_probs=log_sum_sq)
+    leaf = policy.clone().requires_grad_(True)
+    logps = answer_sums(leaf[at], batch, ld_alpha)
+    weights = wpo_weights(leaf[at], log_sum_sq[at], batch)
+    assert not weights.requires_grad and weights.min() < 0.9 and weights.max() > 1.1
+    out = dpo_loss(*logps.chunk(2), *ref_sums.chunk(2), beta=0.2, loss_type=loss_type,
+                   label_smoothing=0.1 if "robust" in loss_type else 0.0, loss_weights=loss_weights,
+                   chosen_lengths=batch.answer_lengths[:n], rejected_lengths=batch.answer_lengths[n:],
+                   pair_weights=weights[:n] * weights[n:])
+    loss = out.losses.mean()
+    (grad,) = torch.autograd.grad(loss, leaf)
+    torch.testing.assert_close(loss.detach(), trl_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, trl_grad * mask[:, 1:], rtol=1e-12, atol=1e-12)
+    assert metrics["rewards/margins"][0] == pytest.approx((out.chosen_rewards - out.rejected_rewards).mean().item(),
+                                                          rel=1e-12, abs=1e-12)
+
+
+def test_log_sum_sq_probs_equal_trl_kernel() -> None:
+    """WPO's log Σ_v p_v² from pagedrl's LM-head pass (`target_logprobs`' chunks) against TRL's chunked log-prob
+    kernel on the same float32 hidden rows and head, both within float32's bounds of the float64 value: two
+    log-sum-exps over V logits of size |z|, each within gamma(V) of Σ|terms| relative to the sum, plus the
+    subtraction and the logs (U each)."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    from pagedrl.train.logprobs import logprobs_from_hidden
+
+    g = torch.Generator().manual_seed(33)
+    hidden, weight = torch.randn(2, 7, 16, generator=g), torch.randn(300, 16, generator=g) / 2
+    predict_at, targets = torch.tensor([0, 3, 5, 8, 13]), torch.randint(0, 300, (5,), generator=g)
+    ours = logprobs_from_hidden(lambda h: h @ weight.T, hidden, predict_at, targets, log_sum_sq=True,
+                                chunk_rows=2).log_sum_sq
+    rows = hidden.reshape(-1, 16)[predict_at]
+    trl = ChunkedLogProbFunction.apply(rows, weight, None, targets, 1.0, 64, None, 1.0, ("log_sum_sq_probs",))[2]
+    z = rows.double() @ weight.double().T
+    exact = (2 * z).logsumexp(-1) - 2 * z.logsumexp(-1)
+    bound = 4 * (gamma(300) + 4 * U) * (1 + 2 * z.abs().max(-1).values)
+    assert ours is not None and ((ours.double() - exact).abs() <= bound).all()
+    assert ((trl.double() - exact).abs() <= bound).all()
+
+
 @pytest.mark.parametrize(("fields", "key", "says"), [
     (dict(f_divergence_type="forward_kl", loss_type="bco_pair"), "f_divergence_type", "bco_pair takes only reverse_kl"),
     (dict(f_divergence_type="js_divergence", loss_type=["sigmoid", "aot", "nca_pair"]), "f_divergence_type",
@@ -144,6 +201,9 @@ def test_ld_alpha_equals_trl_dpo_trainer(loss_type, ld_alpha: float | None) -> N
      "must be .*finite"),
     (dict(f_divergence_type="chi2"), "f_divergence_type", "unknown 'chi2'"),
     (dict(ld_alpha=1.5), "ld_alpha", r"must be null or in \[0, 1\]"),
+    (dict(use_weighting=True, loss_type=["sigmoid", "aot"]), "use_weighting", "do not apply to aot"),
+    (dict(use_weighting=True, loss_type=["sigmoid", "sft"]), "use_weighting", "do not apply to sft"),
+    (dict(use_weighting=True, loss_type="hinge"), "use_weighting", "do not apply to hinge: TRL 1.16's"),
 ])
 def test_options_that_do_not_fit_are_refused_naming_the_key(fields: dict, key: str, says: str) -> None:
     with pytest.raises(TrainConfigError, match=rf"^{key}: .*{says}"):
@@ -151,5 +211,7 @@ def test_options_that_do_not_fit_are_refused_naming_the_key(fields: dict, key: s
     if key == "ld_alpha":  # the trainer's sums, not the loss, read it
         return
     x = torch.zeros(2)
+    if fields.pop("use_weighting", False):  # the loss sees WPO as its pair weights
+        fields["pair_weights"] = x
     with pytest.raises(ValueError, match=rf"^{key}: .*{says}"):  # the loss itself checks the same way
         dpo_loss(x, x, x, x, chosen_lengths=x, rejected_lengths=x, **fields)

@@ -36,6 +36,11 @@ SMOOTHING_RANGES: dict[str, tuple[float, float, bool, bool]] = {
 }
 
 
+# The losses TRL 1.16's WPO weighting fails on: it refuses aot's; sft's (an expanded scalar) and hinge's (relu's
+# output, saved for its backward) it multiplies in place, an error in the forward and in the backward.
+UNWEIGHABLE = ("aot", "aot_unpaired", "sft", "hinge")
+
+
 class DPOOutput(NamedTuple):
     losses: Tensor  # [num_pairs], unreduced: the trainer averages (or sums / global pairs)
     chosen_rewards: Tensor  # beta * (policy - reference) log-prob of the chosen answer, detached
@@ -49,7 +54,8 @@ def loss_types_of(loss_type: str | Sequence[str]) -> tuple[str, ...]:
 
 def dpo_settings_problem(loss_type: str | Sequence[str], loss_weights: Sequence[float] | None,
                          label_smoothing: float, discopop_tau: float, f_divergence_type: str = "reverse_kl",
-                         f_alpha_divergence_coef: float = F_ALPHA_COEF) -> tuple[str, str] | None:
+                         f_alpha_divergence_coef: float = F_ALPHA_COEF,
+                         use_weighting: bool = False) -> tuple[str, str] | None:
     """The first unusable DPO setting as (key, why), or None; shared by DPOConfig and `dpo_loss`.
 
     A setting no chosen loss reads is refused rather than ignored (a `discopop_tau` beside a sigmoid loss
@@ -81,6 +87,11 @@ def dpo_settings_problem(loss_type: str | Sequence[str], loss_weights: Sequence[
     if discopop_tau != DISCOPOP_TAU and "discopop" not in types:
         return "discopop_tau", f"only the discopop loss uses it; got {discopop_tau}, expected {DISCOPOP_TAU} or " \
             "loss_type discopop"
+    unweighable = [t for t in dict.fromkeys(types) if t in UNWEIGHABLE]
+    if use_weighting and unweighable:
+        return "use_weighting", f"WPO's per-pair weights do not apply to {', '.join(unweighable)}: TRL 1.16's " \
+            "DPOTrainer cannot weigh it (aot sorts the pairs, sft is one number over the micro-batch, and its " \
+            "in-place product breaks hinge's gradient); leave it out of loss_type"
     return _f_divergence_problem(types, f_divergence_type, f_alpha_divergence_coef)
 
 
@@ -101,10 +112,11 @@ def _f_divergence_problem(types: Sequence[str], f_divergence: str, alpha: float)
 
 def check_dpo_settings(loss_type: str | Sequence[str], loss_weights: Sequence[float] | None = None,
                        label_smoothing: float = 0.0, discopop_tau: float = DISCOPOP_TAU,
-                       f_divergence_type: str = "reverse_kl", f_alpha_divergence_coef: float = F_ALPHA_COEF) -> None:
+                       f_divergence_type: str = "reverse_kl", f_alpha_divergence_coef: float = F_ALPHA_COEF,
+                       use_weighting: bool = False) -> None:
     """`dpo_settings_problem` as a ValueError naming the key."""
     problem = dpo_settings_problem(loss_type, loss_weights, label_smoothing, discopop_tau, f_divergence_type,
-                                   f_alpha_divergence_coef)
+                                   f_alpha_divergence_coef, use_weighting)
     if problem is not None:
         raise ValueError(f"{problem[0]}: {problem[1]}")
 
@@ -211,9 +223,10 @@ def dpo_loss(
     f_alpha_divergence_coef: float = F_ALPHA_COEF,
     sft_chosen_logps: Tensor | None = None,
     sft_chosen_tokens: Tensor | None = None,
+    pair_weights: Tensor | None = None,
 ) -> DPOOutput:
     """Per-pair DPO losses from sequence log-probs (summed over completion tokens), following
-    `DPOTrainer._compute_loss` in TRL 1.16 (no WPO weighting), with Δ = (π_c - ref_c) - (π_r - ref_r),
+    `DPOTrainer._compute_loss` in TRL 1.16, with Δ = (π_c - ref_c) - (π_r - ref_r),
     r_c, r_r = β times each answer's log-ratio and ε = `label_smoothing`. Another `f_divergence_type` than
     reverse_kl (f-DPO) puts each answer's score `f_scores` in place of its log-ratio in Δ (and in ipo's and
     sigmoid_norm's per-token Δ̄), for the losses of `F_DIVERGENCE_LOSSES` only, as TRL; the rewards stay β
@@ -244,12 +257,14 @@ def dpo_loss(
 
     `loss_type` may be a list, TRL's combination of several losses: each pair's loss is Σ_k w_k·loss_k with
     w = `loss_weights` (default 1 each), so the mean over pairs is TRL's Σ_k w_k·mean(loss_k). Rewards are β
-    times each answer's log-ratio (TRL's `rewards/chosen`, `rewards/rejected`).
+    times each answer's log-ratio (TRL's `rewards/chosen`, `rewards/rejected`). `pair_weights` [num_pairs]
+    (WPO's, detached: `algorithms.dpo.wpo_weights`) multiply each pair's every loss term, as TRL's
+    `use_weighting`; not with the losses of `UNWEIGHABLE`.
     """
     if not beta > 0:
         raise ValueError(f"beta: must be positive, got {beta}")
     check_dpo_settings(loss_type, loss_weights, label_smoothing, discopop_tau, f_divergence_type,
-                       f_alpha_divergence_coef)
+                       f_alpha_divergence_coef, pair_weights is not None)
     shape = policy_chosen_logps.shape
     for name, t in (("policy_rejected_logps", policy_rejected_logps), ("ref_chosen_logps", ref_chosen_logps),
                     ("ref_rejected_logps", ref_rejected_logps)):
@@ -262,6 +277,7 @@ def dpo_loss(
         term = pair_losses(t, policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
                            beta, label_smoothing, discopop_tau, chosen_lengths, rejected_lengths, f_divergence_type,
                            f_alpha_divergence_coef, sft_chosen_logps, sft_chosen_tokens)
+        term = term if pair_weights is None else term * pair_weights
         term = term if w == 1.0 else term * w
         losses = term if losses is None else losses + term
     assert losses is not None

@@ -35,25 +35,26 @@ class TargetLogprobs:
     entropy: torch.Tensor | None = None  # [N] of the (temperature-scaled) distribution, no gradient
     correct: torch.Tensor | None = None  # [N] bool: the target is the argmax
     mean_logit: torch.Tensor | None = None  # [N] vocabulary mean of the raw logits, no gradient
+    log_sum_sq: torch.Tensor | None = None  # [N] log Σ_v p_v² of the raw distribution (WPO's), no gradient
 
 
 def target_logprobs(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
                     predict_at: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams | None = None,
                     entropy: bool = False, correct: bool = False, mean_logit: bool = False,
-                    chunk_rows: int = CHUNK_ROWS) -> TargetLogprobs:
+                    chunk_rows: int = CHUNK_ROWS, log_sum_sq: bool = False) -> TargetLogprobs:
     """Log-probs of `targets` [N] predicted by the hidden rows `predict_at` [N] (indices into the
     flattened [B·T] positions) after one forward of `model` (the trained module through the
     loop's handle, or a frozen copy). `sampling`: the distribution the targets were drawn from;
     None means the model's own (temperature 1, nothing cut)."""
     hidden = model(input_ids, positions=positions, meta=meta)
     return logprobs_from_hidden(model.logits, hidden, predict_at, targets, sampling, entropy, correct, mean_logit,
-                                chunk_rows)
+                                chunk_rows, log_sum_sq)
 
 
 def logprobs_from_hidden(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, predict_at: torch.Tensor,
                          targets: torch.Tensor, sampling: SamplingParams | None = None, entropy: bool = False,
                          correct: bool = False, mean_logit: bool = False,
-                         chunk_rows: int = CHUNK_ROWS) -> TargetLogprobs:
+                         chunk_rows: int = CHUNK_ROWS, log_sum_sq: bool = False) -> TargetLogprobs:
     """`target_logprobs` after the forward: for a caller whose one forward feeds more than the LM
     head (PPO's policy and value head in one pass)."""
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, predict_at)
@@ -63,7 +64,8 @@ def logprobs_from_hidden(head: Callable[[torch.Tensor], torch.Tensor], hidden: t
     # is what is logged: it is read from the same log-probs rather than from a second pass.
     untruncated = processed and sampling is not None and sampling.top_k in (0, -1) and sampling.top_p >= 1.0 \
         and not sampling.min_p
-    parts: dict[str, list[torch.Tensor]] = {"logps": [], "entropy": [], "correct": [], "mean_logit": []}
+    parts: dict[str, list[torch.Tensor]] = {"logps": [], "entropy": [], "correct": [], "mean_logit": [],
+                                            "log_sum_sq": []}
     for start in range(0, rows.shape[0], chunk_rows):
         logits = head(rows[start:start + chunk_rows]).float()
         t = targets[start:start + chunk_rows]
@@ -86,13 +88,15 @@ def logprobs_from_hidden(head: Callable[[torch.Tensor], torch.Tensor], hidden: t
                 parts["correct"].append(logits.argmax(-1) == t)
             if mean_logit:
                 parts["mean_logit"].append(logits.mean(-1))
+            if log_sum_sq:  # log Σ exp(2z) - 2 log Σ exp(z): how peaked the distribution is
+                parts["log_sum_sq"].append((2 * logits).logsumexp(-1) - 2 * logits.logsumexp(-1))
     if not parts["logps"]:  # no targets in this batch
         empty = rows.new_zeros(0, dtype=torch.float32)
-        return TargetLogprobs(empty, empty if entropy else None,
-                              empty.bool() if correct else None, empty if mean_logit else None)
+        return TargetLogprobs(empty, empty if entropy else None, empty.bool() if correct else None,
+                              empty if mean_logit else None, empty if log_sum_sq else None)
     cat = {k: torch.cat(v) if v else None for k, v in parts.items()}
     assert cat["logps"] is not None
-    return TargetLogprobs(cat["logps"], cat["entropy"], cat["correct"], cat["mean_logit"])
+    return TargetLogprobs(cat["logps"], cat["entropy"], cat["correct"], cat["mean_logit"], cat["log_sum_sq"])
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

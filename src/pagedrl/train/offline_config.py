@@ -72,6 +72,8 @@ class DPOConfig(TrainConfig):
     f_alpha_divergence_coef: float = F_ALPHA_COEF  # alpha_divergence's α
     # LD-DPO: the tokens of the longer answer past the shorter one's length count α times (None: once)
     ld_alpha: float | None = None
+    # WPO: each pair's losses times its answers' weights, exp of their mean log p - log Σ_v p_v² (the policy's)
+    use_weighting: bool = False
     ref_model: str | None = None  # None: a frozen copy of the starting policy
     precompute_ref_log_probs: bool = False
     disable_dropout: bool = True  # TRL's: no dropout while training, LoRA's included (lora_dropout then unused)
@@ -86,6 +88,6 @@ class DPOConfig(TrainConfig):
                  f"must be null or in [0, 1] (1 weighs the verbose tokens as the others, 0 drops them), "
                  f"got {self.ld_alpha}")
         problem = dpo_settings_problem(self.loss_type, self.loss_weights, self.label_smoothing, self.discopop_tau,
-                                       self.f_divergence_type, self.f_alpha_divergence_coef)
+                                       self.f_divergence_type, self.f_alpha_divergence_coef, self.use_weighting)
         if problem is not None:
             raise TrainConfigError(*problem)

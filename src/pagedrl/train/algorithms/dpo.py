@@ -74,6 +74,7 @@ class AnswerLogps:
     logps: torch.Tensor  # [2B] summed log-probs (LD-DPO's weighted sums with ld_alpha): chosen of pairs 0..B-1, then rejected
     mean_logits: torch.Tensor  # [N] vocabulary-mean logit at each answer token (no gradient)
     full: torch.Tensor  # [2B] the plain sums (`logps` itself without ld_alpha): the sft loss's NLL reads them
+    weights: torch.Tensor | None = None  # [2B] WPO's weights (`wpo_weights`), when asked for
 
 
 def answer_sums(token_logps: torch.Tensor, batch: PairBatch, ld_alpha: float | None = None) -> torch.Tensor:
@@ -103,14 +104,27 @@ def scored_tokens(batch: PairBatch) -> torch.Tensor:
     return torch.bincount(batch.answer_of, minlength=2 * batch.num_pairs)
 
 
-def answer_logps(model: Any, batch: PairBatch, with_logits: bool = False, ld_alpha: float | None = None) -> AnswerLogps:
-    """Σ log p(answer token | prompt, earlier answer tokens) per answer (`answer_sums`), from one forward.
-    `model` is the policy (through the loop's handle) or a plain CausalLM (the reference)."""
+def wpo_weights(token_logps: torch.Tensor, log_sum_sq: torch.Tensor, batch: PairBatch) -> torch.Tensor:
+    """WPO's weight of each answer [2B] (Zhou et al. 2024, Eq. 2, as TRL 1.16 computes it): exp of the mean over
+    its scored tokens of log p - log Σ_v p_v², the token's probability against the distribution's own expected
+    probability, so that an answer the policy would itself produce weighs near 1 and an off-policy one less;
+    no gradient (all plain sums, ld_alpha or not)."""
+    with torch.no_grad():
+        aligned = answer_sums(token_logps.detach() - log_sum_sq, batch)
+        return torch.exp(aligned / scored_tokens(batch).clamp(min=1))
+
+
+def answer_logps(model: Any, batch: PairBatch, with_logits: bool = False, ld_alpha: float | None = None,
+                 weights: bool = False) -> AnswerLogps:
+    """Σ log p(answer token | prompt, earlier answer tokens) per answer (`answer_sums`), from one forward, and
+    on request WPO's `weights`. `model` is the policy (through the loop's handle) or a plain CausalLM (the
+    reference)."""
     out = target_logprobs(model, batch.input_ids, batch.positions, batch.meta, batch.predict_at, batch.targets,
-                          mean_logit=with_logits)
+                          mean_logit=with_logits, log_sum_sq=weights)
     logps = answer_sums(out.logps, batch, ld_alpha)
     full = logps if ld_alpha is None else answer_sums(out.logps, batch)
-    return AnswerLogps(logps, out.mean_logit if with_logits else out.logps.new_zeros(0), full)
+    wpo = None if out.log_sum_sq is None else wpo_weights(out.logps, out.log_sum_sq, batch)
+    return AnswerLogps(logps, out.mean_logit if with_logits else out.logps.new_zeros(0), full, wpo)
 
 
 def frozen(model: torch.nn.Module) -> torch.nn.Module:
@@ -205,7 +219,8 @@ class DPO(OfflineAlgorithm):
     def loss(self, model: Any, batch: PairBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         balance = self.router_coef != 0.0
         with collect_router_logits() if balance else contextlib.nullcontext() as router_logits:
-            policy = answer_logps(model, batch, with_logits=True, ld_alpha=self.config.ld_alpha)
+            policy = answer_logps(model, batch, with_logits=True, ld_alpha=self.config.ld_alpha,
+                                  weights=self.config.use_weighting)
         ref = self.reference_logps(batch).to(policy.logps.dtype)
         chosen, rejected = policy.logps.chunk(2)
         ref_chosen, ref_rejected = ref.chunk(2)
@@ -215,7 +230,8 @@ class DPO(OfflineAlgorithm):
                        label_smoothing=c.label_smoothing, chosen_lengths=lengths_chosen,
                        rejected_lengths=lengths_rejected, loss_weights=c.loss_weights, discopop_tau=c.discopop_tau,
                        f_divergence_type=c.f_divergence_type, f_alpha_divergence_coef=c.f_alpha_divergence_coef,
-                       sft_chosen_logps=policy.full[:batch.num_pairs], sft_chosen_tokens=scored_tokens(batch)[:n])
+                       sft_chosen_logps=policy.full[:n], sft_chosen_tokens=scored_tokens(batch)[:n],
+                       pair_weights=None if policy.weights is None else policy.weights[:n] * policy.weights[n:])
         loss = out.losses.sum() / global_count
         with torch.no_grad():
             is_chosen = batch.answer_of < n
@@ -250,7 +266,7 @@ class DPO(OfflineAlgorithm):
         tau = f", discopop_tau {c.discopop_tau:g}" if "discopop" in types else ""
         f_div = "" if c.f_divergence_type == "reverse_kl" else f", f-divergence {c.f_divergence_type}" + (
             f" (alpha {c.f_alpha_divergence_coef:g})" if c.f_divergence_type == "alpha_divergence" else "")
-        ld = "" if c.ld_alpha is None else f", ld_alpha {c.ld_alpha:g}"
+        ld = ("" if c.ld_alpha is None else f", ld_alpha {c.ld_alpha:g}") + (", WPO weights" if c.use_weighting else "")
         return super().summary_lines() + [f"dpo: loss {' + '.join(types)}{weights}, beta {c.beta:g}{smoothing}{tau}"
                                           f"{f_div}{ld}; {ref}"]
 
