@@ -17,7 +17,7 @@ from test_losses_trl import _dpo_batch, _ours_dpo, _trl_dpo
 
 from pagedrl.train.algorithms.dpo import answer_sums, scored_tokens, wpo_weights
 from pagedrl.train.algorithms.pair_batch import collate_pairs
-from pagedrl.train.config import TrainConfigError
+from pagedrl.train.config import TrainConfigError, load_config
 from pagedrl.train.dpo_losses import dpo_loss
 from pagedrl.train.examples import Preference
 from pagedrl.train.offline_config import DPOConfig
@@ -215,3 +215,39 @@ def test_options_that_do_not_fit_are_refused_naming_the_key(fields: dict, key: s
         fields["pair_weights"] = x
     with pytest.raises(ValueError, match=rf"^{key}: .*{says}"):  # the loss itself checks the same way
         dpo_loss(x, x, x, x, chosen_lengths=x, rejected_lengths=x, **fields)
+
+
+def test_trl_dpo_keys_taken_at_what_pagedrl_does_and_refused_otherwise() -> None:
+    """TRL 1.16's DPOConfig keys without a pagedrl field: `padding_free: false` (TRL's DPOTrainer pads even at
+    true) is taken, another value refused naming the key; the older DPO keys TRL 1.16 has dropped are refused
+    saying what bounds the lengths here, never with a guess at a near name (max_prompt_length -> max_length)."""
+    config = load_config(DPOConfig, None, ["padding_free=false", "precompute_ref_log_probs=true",
+                                           "precompute_ref_batch_size=16"])
+    assert config.precompute_ref_batch_size == 16
+    with pytest.raises(ValueError, match=r"^command line: padding_free: only false \(pagedrl's behaviour\), got True: "
+                                         r"DPO's pair rows hold each prompt once"):
+        load_config(DPOConfig, None, ["padding_free=true"])
+    for key in ("max_prompt_length", "max_completion_length"):
+        with pytest.raises(ValueError, match=rf"'{key}' is a TRL / transformers option DPOConfig does not have: "
+                                             "max_length bounds each prompt \\+ answer"):
+            load_config(DPOConfig, None, [f"{key}=128"])
+    with pytest.raises(TrainConfigError, match=r"^precompute_ref_batch_size: sizes the precompute_ref_log_probs "
+                                               r"pass, which is off"):
+        DPOConfig(precompute_ref_batch_size=4)
+    with pytest.raises(TrainConfigError, match=r"^precompute_ref_batch_size: must be >= 1"):
+        DPOConfig(precompute_ref_batch_size=0, precompute_ref_log_probs=True)
+
+
+def test_precompute_ref_batch_size_batches_the_reference_pass_only(tiny_train_model, tmp_path) -> None:
+    """The reference's log-probs precomputed 3 pairs at a time are those of training's batches of 8: each
+    pair is its own row, so the batch changes only the padding (masked) and the sums' order."""
+    from preference_data import dpo_trainer, preference_rows
+
+    rows = preference_rows(8, seed=4)
+    tables = []
+    for size in (None, 3):
+        algorithm = dpo_trainer(tiny_train_model, tmp_path / str(size), rows, precompute_ref_log_probs=True,
+                                precompute_ref_batch_size=size).algorithm
+        tables.append(torch.tensor([(e.ref_chosen, e.ref_rejected) for e in algorithm.examples]))
+        assert (algorithm.config.precompute_ref_batch_size or 8) == (size or 8)
+    torch.testing.assert_close(tables[1], tables[0], rtol=1e-5, atol=0.0)

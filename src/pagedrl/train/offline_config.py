@@ -76,6 +76,7 @@ class DPOConfig(TrainConfig):
     use_weighting: bool = False
     ref_model: str | None = None  # None: a frozen copy of the starting policy
     precompute_ref_log_probs: bool = False
+    precompute_ref_batch_size: int | None = None  # pairs per batch of that pass (None: per_device_train_batch_size)
     disable_dropout: bool = True  # TRL's: no dropout while training, LoRA's included (lora_dropout then unused)
     # Mixture of experts: the router load-balancing loss's weight (None: the model config's; 0: off).
     router_aux_loss_coef: float | None = None
@@ -84,6 +85,10 @@ class DPOConfig(TrainConfig):
         super().validate()
         validate_router_coef(self.router_aux_loss_coef)
         _require(self.beta > 0, "beta", f"must be > 0, got {self.beta}")
+        size = self.precompute_ref_batch_size
+        _require(size is None or (size >= 1 and self.precompute_ref_log_probs), "precompute_ref_batch_size",
+                 f"must be >= 1, got {size}" if size is not None and size < 1 else
+                 f"sizes the precompute_ref_log_probs pass, which is off; got {size}, expected null")
         _require(self.ld_alpha is None or 0.0 <= self.ld_alpha <= 1.0, "ld_alpha",
                  f"must be null or in [0, 1] (1 weighs the verbose tokens as the others, 0 drops them), "
                  f"got {self.ld_alpha}")

@@ -19,6 +19,7 @@ ALIASES = {
 _STEPS_ONLY = "pagedrl evaluates, saves and logs every N steps: set eval_steps / save_steps / logging_steps"
 _ENGINE = "rollouts always run on pagedrl's own paged engine in the training process (no vLLM server or colocation)"
 _ONE_PRECISION = "pagedrl trains in float32 or bf16 (`bf16`)"
+_PAIR_LENGTH = "max_length bounds each prompt + answer, cut at the end (truncation), as TRL 1.16's DPO does"
 # TRL / transformers keys pagedrl does not have -> why, and what to set instead.
 NOT_HERE = {
     "use_vllm": _ENGINE, "vllm_mode": _ENGINE, "vllm_gpu_memory_utilization": "the engine's KV cache is sized by "
@@ -56,6 +57,10 @@ NOT_HERE = {
     "overwrite_output_dir": "pagedrl writes into output_dir whether or not it exists, replacing final/ and "
     "any checkpoint of the same step; resume_from_checkpoint continues a run",
     "use_liger_kernel": "pagedrl computes its losses with its own kernels; there are no Liger kernels",
+    # DPO keys of TRL before 1.0 (TRL 1.16 has none of them either)
+    "max_prompt_length": _PAIR_LENGTH, "max_completion_length": _PAIR_LENGTH,
+    "use_logits_to_keep": "the LM head runs only on the positions that predict an answer token, always",
+    "reference_free": "DPO always has a reference: the starting policy, ref_model, or with LoRA the base model",
 }
 
 # TRL / transformers keys whose accepted values are what pagedrl always does: read and dropped.
@@ -100,6 +105,10 @@ FIXED = {
                                            "the shape, never the loss"),
     "activation_offloading": ((False,), "activations stay on the device; gradient_checkpointing trades compute "
                                         "for their memory"),
+    # DPO's pair rows hold the prompt once and pad to the micro-batch's longest pair (TRL 1.16's DPOTrainer
+    # falls back to padding with true); SFT's padding_free is a field of its own
+    "padding_free": ((False,), "DPO's pair rows hold each prompt once, padded to the micro-batch's longest pair "
+                               "(TRL 1.16's DPOTrainer too falls back to padding)"),
 }
 # transformers 5's `*_steps` below 1: a ratio of the run's total steps (`steps_of`).
 RATIO_STEPS = ("logging_steps", "eval_steps", "save_steps")

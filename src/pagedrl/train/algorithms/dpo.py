@@ -176,7 +176,8 @@ class DPO(OfflineAlgorithm):
 
     def precompute(self, source: torch.nn.Module, pairs: list[Preference]) -> list[ReferencedPair]:
         """The reference's log-probs of every pair, each rank computing a strided share and the
-        shares summed across ranks (every slot is filled by exactly one rank)."""
+        shares summed across ranks (every slot is filled by exactly one rank), in batches of
+        `precompute_ref_batch_size` pairs (no gradient: larger ones than training's may fit)."""
         mine = list(range(self.dist.rank, len(pairs), self.dist.world_size))
         table = torch.zeros(len(pairs), 2, dtype=torch.float64)
         was_training = source.training
@@ -184,8 +185,9 @@ class DPO(OfflineAlgorithm):
         bf16 = self.config.use_bf16(self.device)
         base = disable_adapter(source) if self.base_is_reference else contextlib.nullcontext()
         with torch.no_grad(), base, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
-            for start in range(0, len(mine), self.per_device):
-                chunk = mine[start:start + self.per_device]
+            size = self.config.precompute_ref_batch_size or self.per_device
+            for start in range(0, len(mine), size):
+                chunk = mine[start:start + size]
                 logps = answer_logps(source, self.collate([pairs[i] for i in chunk]),
                                      ld_alpha=self.config.ld_alpha).logps
                 table[chunk] = logps.view(2, -1).t().to("cpu", torch.float64)
