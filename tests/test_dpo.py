@@ -62,10 +62,12 @@ def test_dpo_learns_a_held_out_preference(tiny_train_model, tmp_path) -> None:
         assert torch.equal(p, reference[name]) and p.grad is None, name
 
 
-@pytest.mark.parametrize("precompute", [False, True])
-def test_resume_equals_uninterrupted_run(tiny_train_model, tmp_path, precompute) -> None:
-    """The reference after a resume is still the starting policy, not the checkpoint's weights."""
-    fields = dict(max_steps=4, save_steps=2, per_device_train_batch_size=4, precompute_ref_log_probs=precompute)
+@pytest.mark.parametrize("extra", [dict(precompute_ref_log_probs=False), dict(precompute_ref_log_probs=True),
+                                   dict(sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)])
+def test_resume_equals_uninterrupted_run(tiny_train_model, tmp_path, extra) -> None:
+    """The reference after a resume is still the starting policy, not the checkpoint's weights; with TR-DPO's
+    sync_ref_model, the reference as mixed up to the checkpoint's step."""
+    fields = dict(max_steps=4, save_steps=2, per_device_train_batch_size=4, **extra)
     rows = preference_rows(16, seed=2)
     dpo_trainer(tiny_train_model, tmp_path / "a", rows, **fields).train()
     first = dpo_trainer(tiny_train_model, tmp_path / "b", rows, **fields)

@@ -2,8 +2,8 @@
 batch: f-DPO's `f_divergence_type` (loss, gradient and reward metrics to 1e-12 in float64; alpha_divergence,
 whose TRL code runs in float32 only, in float32), LD-DPO's `ld_alpha` (pagedrl's packed pair rows summed as
 the trainer sums them, against TRL's two padded rows, the reference's sums by TRL's code too), WPO's
-`use_weighting` (the weights from the same per-token numbers, log Σ_v p_v² against TRL's kernel), and the
-settings refused, naming the key, where they do not fit."""
+`use_weighting` (the weights from the same per-token numbers, log Σ_v p_v² against TRL's kernel), TR-DPO's
+`sync_ref_model` (the reference mixed as TRL's SyncRefModelCallback mixes it), and the settings refused, naming the key, where they do not fit."""
 
 from __future__ import annotations
 
@@ -251,3 +251,61 @@ def test_precompute_ref_batch_size_batches_the_reference_pass_only(tiny_train_mo
         tables.append(torch.tensor([(e.ref_chosen, e.ref_rejected) for e in algorithm.examples]))
         assert (algorithm.config.precompute_ref_batch_size or 8) == (size or 8)
     torch.testing.assert_close(tables[1], tables[0], rtol=1e-5, atol=0.0)
+
+
+def test_sync_ref_model_mixes_the_reference_as_trl(tiny_train_model, tmp_path) -> None:
+    """TR-DPO over 5 steps, mixing every 2: the reference is TRL's `SyncRefModelCallback._sync_target_model`
+    applied to the starting reference with the policy after steps 2 and 4 (the same in-place operations:
+    equal to the bit), and the start-up line says so."""
+    import copy
+
+    from preference_data import dpo_trainer, preference_rows
+    from trl.trainer.callbacks import SyncRefModelCallback
+
+    rows = preference_rows(16, seed=6)
+    fields = dict(max_steps=5, per_device_train_batch_size=4, sync_ref_model=True, ref_model_sync_steps=2,
+                  ref_model_mixup_alpha=0.3)
+    trainer = dpo_trainer(tiny_train_model, tmp_path / "sync", rows, **fields)
+    algorithm = trainer.algorithm
+    expected = copy.deepcopy(algorithm.reference)
+    policies = {}
+    mix = algorithm.after_optimizer_step
+
+    def record(step: int) -> None:
+        policies[step] = copy.deepcopy(algorithm.model)
+        mix(step)
+
+    algorithm.after_optimizer_step = record
+    trainer.train()
+    for step in (2, 4):
+        SyncRefModelCallback._sync_target_model(policies[step], expected, 0.3)
+    for (name, got), want in zip(algorithm.reference.named_parameters(), expected.parameters(), strict=True):
+        assert torch.equal(got, want), name
+    assert not torch.equal(next(algorithm.reference.parameters()), next(policies[5].parameters()))
+    assert any("mixed toward the policy (alpha 0.3) every 2 steps" in line for line in algorithm.summary_lines())
+
+
+@pytest.mark.parametrize(("fields", "key", "says"), [
+    (dict(sync_ref_model=True, precompute_ref_log_probs=True), "sync_ref_model", "set precompute_ref_log_probs"),
+    (dict(sync_ref_model=True, use_peft=True), "sync_ref_model", "with LoRA the reference is the base model"),
+    (dict(sync_ref_model=True, fsdp="full_shard"), "sync_ref_model", "not built with FSDP2"),
+    (dict(ref_model_mixup_alpha=0.9), "ref_model_mixup_alpha", "only sync_ref_model uses it"),
+    (dict(ref_model_sync_steps=64), "ref_model_sync_steps", "only sync_ref_model uses it"),
+    (dict(sync_ref_model=True, ref_model_mixup_alpha=1.5), "ref_model_mixup_alpha", r"must be in \[0, 1\]"),
+    (dict(sync_ref_model=True, ref_model_sync_steps=0), "ref_model_sync_steps", "must be >= 1"),
+])
+def test_sync_ref_model_refused_where_no_reference_can_be_mixed(fields: dict, key: str, says: str) -> None:
+    with pytest.raises(TrainConfigError, match=rf"^{key}: .*{says}"):
+        DPOConfig(**fields)
+
+
+def test_sync_ref_model_refuses_a_ref_model_of_other_parameters(tiny_train_model, tmp_path) -> None:
+    from preference_data import dpo_trainer, preference_rows
+    from tiny_train import build_model_dir
+
+    from pagedrl.model.loader import load_model
+
+    other = load_model(str(build_model_dir(tmp_path / "wide", intermediate_size=128))).model
+    with pytest.raises(ValueError, match=r"^sync_ref_model: the reference model does not have the policy's "
+                                         r"parameters"):
+        dpo_trainer(tiny_train_model, tmp_path / "run", preference_rows(4), reference=other, sync_ref_model=True)

@@ -30,10 +30,14 @@ def metric_rows(output_dir: Path) -> list[dict]:
 
 
 def interrupt_at(trainer: Trainer, step: int) -> None:
-    """Crash right after the optimizer step of `step`, before it is logged or saved."""
+    """Crash right after the optimizer step of `step`, before it is logged or saved; the steps before it run
+    the algorithm's own after_optimizer_step (DPO's TR-DPO mixes its reference there)."""
+    own = trainer.algorithm.after_optimizer_step
+
     def boom(s: int) -> None:
         if s == step:
             raise Interrupted
+        own(s)
     trainer.algorithm.after_optimizer_step = boom
 
 

@@ -77,6 +77,10 @@ class DPOConfig(TrainConfig):
     ref_model: str | None = None  # None: a frozen copy of the starting policy
     precompute_ref_log_probs: bool = False
     precompute_ref_batch_size: int | None = None  # pairs per batch of that pass (None: per_device_train_batch_size)
+    # TR-DPO: every ref_model_sync_steps optimizer steps the reference becomes α·policy + (1-α)·reference
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6  # α
+    ref_model_sync_steps: int = 512
     disable_dropout: bool = True  # TRL's: no dropout while training, LoRA's included (lora_dropout then unused)
     # Mixture of experts: the router load-balancing loss's weight (None: the model config's; 0: off).
     router_aux_loss_coef: float | None = None
@@ -89,6 +93,7 @@ class DPOConfig(TrainConfig):
         _require(size is None or (size >= 1 and self.precompute_ref_log_probs), "precompute_ref_batch_size",
                  f"must be >= 1, got {size}" if size is not None and size < 1 else
                  f"sizes the precompute_ref_log_probs pass, which is off; got {size}, expected null")
+        self.validate_sync()
         _require(self.ld_alpha is None or 0.0 <= self.ld_alpha <= 1.0, "ld_alpha",
                  f"must be null or in [0, 1] (1 weighs the verbose tokens as the others, 0 drops them), "
                  f"got {self.ld_alpha}")
@@ -96,3 +101,21 @@ class DPOConfig(TrainConfig):
                                        self.f_divergence_type, self.f_alpha_divergence_coef, self.use_weighting)
         if problem is not None:
             raise TrainConfigError(*problem)
+
+    def validate_sync(self) -> None:
+        """TR-DPO's keys: the reference it mixes must be a full model of the policy's own (not precomputed, not
+        the base under LoRA), held whole on each rank."""
+        a, n = self.ref_model_mixup_alpha, self.ref_model_sync_steps
+        _require(0.0 <= a <= 1.0, "ref_model_mixup_alpha", f"must be in [0, 1], got {a}")
+        _require(n >= 1, "ref_model_sync_steps", f"must be >= 1, got {n}")
+        for key, value, default in (("ref_model_mixup_alpha", a, 0.6), ("ref_model_sync_steps", n, 512)):
+            _require(self.sync_ref_model or value == default, key,
+                     f"only sync_ref_model uses it; got {value}, expected {default} or sync_ref_model: true")
+        if not self.sync_ref_model:
+            return
+        _require(not self.precompute_ref_log_probs, "sync_ref_model", "the reference changes during training, so "
+                 "its log-probs cannot be computed before it: set precompute_ref_log_probs: false")
+        _require(not self.use_peft, "sync_ref_model", "with LoRA the reference is the base model itself (the "
+                 "adapters switched off), no model of its own to mix, as in TRL: train without use_peft")
+        _require(self.fsdp is None, "sync_ref_model", "not built with FSDP2 (fsdp), whose policy weights are "
+                 "shards: use DDP or one process")

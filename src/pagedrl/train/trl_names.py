@@ -41,9 +41,6 @@ NOT_HERE = {
     "(A Kaiming-uniform, B zero); other initialisations are not built",
     "rank_pattern": "every adapted projection takes lora_r", "alpha_pattern": "every adapted projection takes lora_alpha",
     "layers_to_transform": "every layer's lora_target_modules are adapted",
-    "sync_ref_model": "the reference stays the starting model (or ref_model)",
-    "ref_model_sync_steps": "the reference stays the starting model (or ref_model)",
-    "ref_model_mixup_alpha": "the reference stays the starting model (or ref_model)",
     "rpo_alpha": "RPO's added NLL term is TRL 1.16's sft loss: loss_type: [sigmoid, sft], loss_weights: "
     "[1, rpo_alpha]",
     "steps_per_generation": "each step generates its own rollouts (num_iterations reuses them)",

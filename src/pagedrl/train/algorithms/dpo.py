@@ -10,7 +10,8 @@ whole step (all micro-batches, all ranks), so accumulation and DDP give the grad
 (but for the terms TRL computes over one micro-batch: `sft`'s token mean, `aot`'s sort).
 
 The reference is the starting policy (a frozen deep copy), `ref_model`, or with LoRA (`use_peft`)
-the base model itself: the policy with its adapters switched off, no copy. With
+the base model itself: the policy with its adapters switched off, no copy. With `sync_ref_model`
+(TR-DPO) the copy or `ref_model` moves toward the policy every `ref_model_sync_steps` steps. With
 `precompute_ref_log_probs` one pass over the train and eval sets computes its log-probs before
 the first step and the reference is dropped: one model in memory. When the reference is the
 starting policy that pass runs on the policy itself, before it changes, and no copy is ever made.
@@ -172,7 +173,43 @@ class DPO(OfflineAlgorithm):
         else:
             self.reference = reference if reference is not None else frozen(copy.deepcopy(model))
 
+        if config.sync_ref_model:
+            self.check_mixable(self.reference)
+
     # -- reference log-probs --------------------------------------------------------------------
+
+    def check_mixable(self, reference: torch.nn.Module | None) -> None:
+        """TR-DPO mixes the policy into the reference tensor by tensor: the two must have the same ones."""
+        mine = [(k, tuple(v.shape)) for k, v in self.model.named_parameters()]
+        theirs = [] if reference is None else [(k, tuple(v.shape)) for k, v in reference.named_parameters()]
+        if mine != theirs:
+            raise ValueError("sync_ref_model: the reference model does not have the policy's parameters (names "
+                             "and shapes), so the policy cannot be mixed into it; give a ref_model of the policy's "
+                             "architecture and size")
+
+    def after_optimizer_step(self, step: int) -> None:
+        """TR-DPO (Gorbatovski et al. 2024): every `ref_model_sync_steps` steps the reference moves to
+        α·policy + (1-α)·reference, as TRL's SyncRefModelCallback mixes them, so that the policy is held
+        near a recent version of itself rather than only the start."""
+        c = self.config
+        if c.sync_ref_model and step % c.ref_model_sync_steps == 0:
+            assert self.reference is not None
+            alpha = c.ref_model_mixup_alpha
+            with torch.no_grad():
+                for ref, p in zip(self.reference.parameters(), self.model.parameters(), strict=True):
+                    ref.mul_(1.0 - alpha).add_(p.detach(), alpha=alpha)
+
+    def state_dict(self) -> dict[str, Any]:
+        """With TR-DPO the reference is part of the run's state: a resumed run mixes into the same one."""
+        state = super().state_dict()
+        if self.config.sync_ref_model and self.reference is not None:
+            state["reference"] = {k: v.detach().cpu().clone() for k, v in self.reference.state_dict().items()}
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "reference" in state and self.reference is not None:
+            self.reference.load_state_dict(state["reference"])
 
     def precompute(self, source: torch.nn.Module, pairs: list[Preference]) -> list[ReferencedPair]:
         """The reference's log-probs of every pair, each rank computing a strided share and the
@@ -269,6 +306,8 @@ class DPO(OfflineAlgorithm):
         f_div = "" if c.f_divergence_type == "reverse_kl" else f", f-divergence {c.f_divergence_type}" + (
             f" (alpha {c.f_alpha_divergence_coef:g})" if c.f_divergence_type == "alpha_divergence" else "")
         ld = ("" if c.ld_alpha is None else f", ld_alpha {c.ld_alpha:g}") + (", WPO weights" if c.use_weighting else "")
+        if c.sync_ref_model:
+            ref += f", mixed toward the policy (alpha {c.ref_model_mixup_alpha:g}) every {c.ref_model_sync_steps} steps"
         return super().summary_lines() + [f"dpo: loss {' + '.join(types)}{weights}, beta {c.beta:g}{smoothing}{tau}"
                                           f"{f_div}{ld}; {ref}"]
 
