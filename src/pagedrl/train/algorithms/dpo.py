@@ -3,10 +3,11 @@ the policy than a frozen reference likes the chosen answer over the rejected one
 
 Per micro-batch: one forward of the policy over rows `[prompt, chosen, rejected]`
 (`pagedrl.train.algorithms.pair_batch`), the LM head only on the positions that predict an answer token, the
-log-probs summed per answer; the same for the reference without gradients, or its log-probs read
+log-probs summed per answer (`answer_sums`: LD-DPO's `ld_alpha` weighs the verbose tokens; WPO's weights
+come from the same head pass); the same for the reference without gradients, or its log-probs read
 from a table computed before training; then `dpo_losses.dpo_loss` (TRL's loss types, one or a weighted
-list; sigmoid with label smoothing = conservative DPO) summed over pairs and divided by the pairs of the
-whole step (all micro-batches, all ranks), so accumulation and DDP give the gradient of one big batch
+list; sigmoid with label smoothing = conservative DPO; f-DPO's scores) summed over pairs and divided by
+the pairs of the whole step (all micro-batches, all ranks), so accumulation and DDP give the gradient of one big batch
 (but for the terms TRL computes over one micro-batch: `sft`'s token mean, `aot`'s sort).
 
 The reference is the starting policy (a frozen deep copy), `ref_model`, or with LoRA (`use_peft`)
@@ -176,7 +177,7 @@ class DPO(OfflineAlgorithm):
         if config.sync_ref_model:
             self.check_mixable(self.reference)
 
-    # -- reference log-probs --------------------------------------------------------------------
+    # -- TR-DPO: the reference mixed toward the policy -------------------------------------------
 
     def check_mixable(self, reference: torch.nn.Module | None) -> None:
         """TR-DPO mixes the policy into the reference tensor by tensor: the two must have the same ones."""
@@ -210,6 +211,8 @@ class DPO(OfflineAlgorithm):
         super().load_state_dict(state)
         if "reference" in state and self.reference is not None:
             self.reference.load_state_dict(state["reference"])
+
+    # -- reference log-probs --------------------------------------------------------------------
 
     def precompute(self, source: torch.nn.Module, pairs: list[Preference]) -> list[ReferencedPair]:
         """The reference's log-probs of every pair, each rank computing a strided share and the
