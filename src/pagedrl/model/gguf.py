@@ -282,7 +282,7 @@ def _generation_config(meta: Metadata) -> dict[str, Any]:
     fim = [meta.get(f"tokenizer.ggml.fim_{kind}_token_id") for kind in FIM_END_TEXTS]
     fim = [i if i is not None else next((j for j, t in enumerate(tokens) if t in texts), None)
            for i, texts in zip(fim, FIM_END_TEXTS.values(), strict=True)]
-    by_text = sorted(i for i, t in enumerate(tokens) if t in END_OF_GENERATION_TEXTS)
+    by_text = {i for i, t in enumerate(tokens) if t in END_OF_GENERATION_TEXTS}
     named = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     eos = list(dict.fromkeys(i for i in [*named, *sorted({*by_text, *fim} - {None})] if i is not None))
     texts = {tokens[i]: i for i in eos if i < len(tokens)}  # what ends generation, by text: the exceptions

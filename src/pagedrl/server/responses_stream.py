@@ -11,7 +11,8 @@ in the order the `openai` client's stream helpers accumulate them:
     when the engine could not finish it), carrying the whole response.
 
 The text and calls are read from DELTA outputs with the chat stream's tool reader, so a streamed
-answer is made of the same text and calls as the whole one.
+answer is made of the same text and calls as the whole one, in the order written: text a model writes
+after a call opens a second message item here, where the whole answer joins its text in one.
 """
 
 from __future__ import annotations
