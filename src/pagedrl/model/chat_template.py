@@ -10,7 +10,10 @@ Hub renders here to the same string it renders to there.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -45,8 +48,16 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# While a render records assistant spans: the text the template has put out so far and the spans found.
+_TRACKING: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar("generation_spans", default=None)
+# `{% generation %}` with or without whitespace control, as transformers and TRL look for it.
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
 class _GenerationTag(jinja2.ext.Extension):
-    """Accept `{% generation %}...{% endgeneration %}` (assistant-mask markers) and render the body as is."""
+    """`{% generation %}...{% endgeneration %}`: the body rendered as is, and, while a render records
+    spans (`render_chat_template_spans`), where in the text it landed, as transformers' AssistantTracker
+    finds it: the length of what the template had put out before, plus the body's length."""
 
     tags = {"generation"}
 
@@ -56,7 +67,42 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
 
     def _render(self, caller: Any) -> str:
-        return caller()
+        text = caller()
+        if (tracking := _TRACKING.get()) is not None:
+            blocks, spans = tracking
+            start = len("".join(blocks))
+            spans.append((start, start + len(text)))
+        return text
+
+
+def has_generation_block(source: str) -> bool:
+    """Whether a template marks its assistant turns with `{% generation %}` (TRL's test, its regex)."""
+    return _GENERATION_TAG.search(source) is not None
+
+
+@contextmanager
+def _recording(blocks: list[str], spans: list[tuple[int, int]]) -> Iterator[None]:
+    token = _TRACKING.set((blocks, spans))
+    try:
+        yield
+    finally:
+        _TRACKING.reset(token)
+
+
+def assistant_token_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[int]:
+    """1 for each token whose characters `[start, end)` overlap an assistant span, else 0: transformers'
+    rule (`apply_chat_template(return_assistant_tokens_mask=True)`), so a token straddling a span's edge
+    is the assistant's, and one past a span's end is not. Spans and offsets both go left to right."""
+    mask = [0] * len(offsets)
+    k = 0
+    for i, (start, end) in enumerate(offsets):
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        if k == len(spans):
+            break
+        if end > spans[k][0]:
+            mask[i] = 1
+    return mask
 
 
 class _Namespace(jinja2.utils.Namespace):
@@ -157,23 +203,49 @@ def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], *, 
     `continue_final_message` ends the text right after the final message's own text (transformers'
     rule), so that the model goes on writing that message rather than answering it.
     """
-    if not messages:
-        raise ChatTemplateError("messages: cannot apply a chat template to an empty conversation")
     if continue_final_message and add_generation_prompt:
         raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true "
                                 "(send add_generation_prompt false to continue the final message)")
+    text = _render(source, messages, add_generation_prompt, tools, documents, special_tokens, kwargs, None)
+    return _cut_after_final_message(text, messages[-1]) if continue_final_message else text
+
+
+def render_chat_template_spans(source: str, messages: Sequence[Mapping[str, Any]], *,
+                               add_generation_prompt: bool = False, tools: Sequence[Any] | None = None,
+                               documents: Sequence[Any] | None = None,
+                               special_tokens: Mapping[str, str] | None = None,
+                               **kwargs: Any) -> tuple[str, list[tuple[int, int]]]:
+    """The text, and the character spans `[start, end)` of what the template's `{% generation %}`
+    blocks wrote (the assistant's turns), in order; no spans when the template has no such block."""
+    spans: list[tuple[int, int]] = []
+    text = _render(source, messages, add_generation_prompt, tools, documents, special_tokens, kwargs, spans)
+    return text, spans
+
+
+def _render(source: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+            tools: Sequence[Any] | None, documents: Sequence[Any] | None, special_tokens: Mapping[str, str] | None,
+            kwargs: Mapping[str, Any], spans: list[tuple[int, int]] | None) -> str:
+    """One render; with `spans`, the template's output is taken piece by piece (jinja's `generate`), so
+    each generation block sees how much text came before it."""
+    if not messages:
+        raise ChatTemplateError("messages: cannot apply a chat template to an empty conversation")
     if tools is not None and not all(isinstance(t, Mapping) for t in tools):
         raise ChatTemplateError("tools: each tool must be a JSON schema dict")
     variables = {**(special_tokens or {}), **kwargs}
+    template = compile_chat_template(source)
+    context = dict(messages=_normalize_messages(messages), tools=None if tools is None else list(tools),
+                   documents=None if documents is None else list(documents),
+                   add_generation_prompt=add_generation_prompt, **variables)
     try:
-        text = compile_chat_template(source).render(
-            messages=_normalize_messages(messages), tools=None if tools is None else list(tools),
-            documents=None if documents is None else list(documents),
-            add_generation_prompt=add_generation_prompt, **variables,
-        )
+        if spans is None:
+            return template.render(**context)
+        blocks: list[str] = []
+        with _recording(blocks, spans):
+            for block in template.generate(**context):
+                blocks.append(block)
+        return "".join(blocks)
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"chat_template: {e}") from None
-    return _cut_after_final_message(text, messages[-1]) if continue_final_message else text
 
 
 def _cut_after_final_message(text: str, final: Mapping[str, Any]) -> str:

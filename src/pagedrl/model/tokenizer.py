@@ -16,7 +16,13 @@ from typing import Any
 
 import tokenizers
 
-from pagedrl.model.chat_template import ChatTemplates, render_chat_template, select_chat_template
+from pagedrl.model.chat_template import (
+    ChatTemplates,
+    assistant_token_mask,
+    render_chat_template,
+    render_chat_template_spans,
+    select_chat_template,
+)
 from pagedrl.model.token_bytes import TokenBytes, token_name
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -226,6 +232,18 @@ class Tokenizer:
         text = render_chat_template(source, messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                     special_tokens=self.special_tokens, **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def chat_assistant_mask(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+                            chat_template: str | None = None, **kwargs: Any) -> tuple[list[int], list[int]]:
+        """The conversation's ids and which of them the assistant wrote (1) — the tokens overlapping what
+        the template's `{% generation %}` blocks rendered — as transformers' `apply_chat_template(...,
+        tokenize=True, return_dict=True, return_assistant_tokens_mask=True)` returns them; all 0 when the
+        template has no such block."""
+        source = select_chat_template(self.chat_template, chat_template, tools)
+        text, spans = render_chat_template_spans(source, messages, tools=tools, special_tokens=self.special_tokens,
+                                                 **kwargs)
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        return list(encoding.ids), assistant_token_mask(encoding.offsets, spans)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes this token adds to the text, even when they are only part of a UTF-8 character."""
