@@ -9,18 +9,13 @@ from pathlib import Path
 
 import pytest
 import trl
+from tiny_train import CHAT_TEMPLATE_GENERATION
 
 from pagedrl.model.chat_template import assistant_token_mask, has_generation_block, render_chat_template_spans
 
 TRL_TEMPLATES = Path(trl.__file__).parent / "chat_templates"
 
-# tiny_train's ChatML template with the assistant's turn (its end-of-turn token included) marked.
-CHATML_GENERATION = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}"
-    "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHATML_GENERATION = CHAT_TEMPLATE_GENERATION  # tiny_train's ChatML, assistant turns marked
 # The spans start and end inside tokens (" th|ree", "s|ev|en"), so tokens straddle both edges.
 STRADDLING = (
     "{% for m in messages %}{% if m.role == 'assistant' %}plus th{%- generation -%}{{ m.content }}"

@@ -230,7 +230,6 @@ def test_every_trl_sft_config_key_at_its_default_is_taken() -> None:
     ("activation_offloading=true", "gradient_checkpointing"), ("dataset_kwargs={skip_prepare_dataset: true}",
                                                               "no skip_prepare_dataset"),
     ("model_init_kwargs={dtype: bfloat16}", "precision keys"), ("trust_remote_code=true", "no code"),
-    ("chat_template_path=template.jinja", "put the template there"),
 ])
 def test_trl_sft_keys_pagedrl_does_otherwise_are_refused_by_name(override, words) -> None:
     key = override.split("=")[0]

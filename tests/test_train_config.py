@@ -224,7 +224,7 @@ def test_transformers_keys_are_answered_by_name_and_ratio_steps_read_as_transfor
     for key, words in (("save_safetensors=false", "always written as safetensors"), ("save_only_model=true", "optimizer"),
                        ("logging_first_step=true", "logging_steps: 1"), ("torch_compile=true", "torch.compile"),
                        ("dataloader_num_workers=2", "DataLoader"), ("dataset_num_proc=4", "tokenized once"),
-                       ("eos_token=x", "eos_token"), ("pad_token=x", "pad_token"), ("chat_template_path=x", "folder's")):
+                       ("eos_token=x", "eos_token"), ("pad_token=x", "pad_token")):
         with pytest.raises(ValueError, match=rf"{key.split('=')[0]}: only .*{words}"):
             load_config(SFTConfig, None, [key])
     cfg = load_config(SFTConfig, None, ["save_steps=0.25", "logging_steps=0.1", "eval_steps=0.5"])

@@ -10,6 +10,13 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# The same template with each assistant turn (its end-of-turn token included) in a {% generation %} block.
+CHAT_TEMPLATE_GENERATION = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}"
+    "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "the cat sat on the mat", "a dog ran in the park", "what is two plus three", "five", "hello there",
@@ -85,6 +92,20 @@ def arithmetic_rows(n: int = 16) -> list[dict]:
         else:
             rows.append({"prompt": [{"role": "user", "content": f"what is {a} plus {b}"}],
                          "completion": [{"role": "assistant", "content": f"the answer is {a + b}"}]})
+    return rows
+
+
+def chat_rows(n: int = 12) -> list[dict]:
+    """`messages` rows: one or two user/assistant exchanges, some after a system message."""
+    rows = []
+    for i in range(n):
+        a, b = i % 4, i // 4
+        messages = [{"role": "system", "content": "red green blue"}] if i % 3 == 0 else []
+        messages += [{"role": "user", "content": f"what is {a} plus {b}"},
+                     {"role": "assistant", "content": f"the answer is {a + b}"}]
+        if i % 2:
+            messages += [{"role": "user", "content": "and the cat"}, {"role": "assistant", "content": "sat on the mat"}]
+        rows.append({"messages": messages})
     return rows
 
 

@@ -17,6 +17,7 @@ from pagedrl.train.tokenization import (
     Text,
     extract_prompt,
     is_conversational,
+    tokenize_assistant_masked,
     tokenize_preference,
     tokenize_prompt,
     tokenize_prompt_completion,
@@ -129,42 +130,60 @@ def fit_length(prompt_ids: list[int], completion_ids: list[int], max_length: int
 
 @dataclass
 class PromptCompletion:
-    """One SFT example: loss on `completion_ids` (or on every token when `loss_on_prompt`)."""
+    """One SFT example: loss on `completion_ids` (or on every token when `loss_on_prompt`), and with
+    `assistant_mask` (assistant_only_loss) only on those of its tokens the assistant wrote."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
     where: str
     columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for reward functions
+    assistant_mask: list[bool] | None = None  # over prompt + completion: the assistant's tokens
 
     @property
     def input_ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
 
+# TRL 1.16's SFTTrainer's words for an example with no assistant token under assistant_only_loss.
+NO_ASSISTANT_TOKENS = ("has no assistant tokens (assistant_only_loss: true). This usually means the tokenizer's chat "
+                       "template doesn't generate assistant masks — it may be missing the `{% generation %}` keyword. "
+                       "Please check the template and ensure it's correctly configured to support assistant masking")
+
+
 class PromptCompletionRows:
     """Row converter for SFT: prompt-completion rows, or language-modeling rows (`text_field` or
-    `messages`) as a completion with an empty prompt."""
+    `messages`) as a completion with an empty prompt. `assistant_only`: chat rows only, each token
+    marked as the assistant's or not by the chat template's `{% generation %}` blocks."""
 
     def __init__(self, tokenizer: Tokenizer, max_length: int | None, truncation: Truncation = "truncate",
-                 text_field_name: str = "text") -> None:
+                 text_field_name: str = "text", assistant_only: bool = False) -> None:
         _check_truncation(truncation)
         self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
-        self.text_field = text_field_name
+        self.text_field, self.assistant_only = text_field_name, assistant_only
 
     def __call__(self, row: Row, report: DataReport) -> PromptCompletion | None:
         refuse_media(row)
         template = template_kwargs(row)
+        mask: list[bool] | None = None
         if "prompt" in row.values or "completion" in row.values:
             prompt = text_field(row, "prompt", allow_empty=True)
             completion = text_field(row, "completion")
-            samekind_of(row, {"prompt": prompt, "completion": completion})
+            chat = samekind_of(row, {"prompt": prompt, "completion": completion})
             used: tuple[str, ...] = ("prompt", "completion")
-            prompt_ids, completion_ids = tokenize_prompt_completion(self.tokenizer, prompt, completion, template)
+            self._need_chat(chat, "completion")
+            if self.assistant_only:
+                prompt_ids, completion_ids, mask = tokenize_assistant_masked(self.tokenizer, prompt, completion,
+                                                                             template)
+            else:
+                prompt_ids, completion_ids = tokenize_prompt_completion(self.tokenizer, prompt, completion, template)
         elif self.text_field in row.values or "messages" in row.values:
             key = self.text_field if self.text_field in row.values else "messages"
             text = text_field(row, key)
             used = (key,)
-            if is_conversational(text):
+            self._need_chat(is_conversational(text), key)
+            if self.assistant_only:
+                prompt_ids, completion_ids, mask = tokenize_assistant_masked(self.tokenizer, None, text, template)
+            elif is_conversational(text):
                 prompt_ids, completion_ids = [], list(self.tokenizer.apply_chat_template(text, tokenize=True, **template))
             else:
                 prompt_ids, completion_ids = [], self.tokenizer.encode(with_eos(text, self.tokenizer))
@@ -173,13 +192,26 @@ class PromptCompletionRows:
                          f"'messages'), row has {', '.join(map(repr, row.values)) or 'no keys'}", "missing 'prompt'")
         if not completion_ids:
             raise BadRow(used[-1], "tokenizes to nothing after the prompt", f"empty {used[-1]!r}")
+        if mask is not None and not any(mask):
+            raise BadRow(used[-1], NO_ASSISTANT_TOKENS, "no assistant tokens")
         fitted = fit_length(prompt_ids, completion_ids, self.max_length, self.truncation, used[-1])
         if fitted is None:
             report.skip(f"longer than max_length={self.max_length}", row.where)
             return None
+        if mask is not None:
+            mask = mask[:len(fitted[0]) + len(fitted[1])]
+            if not any(mask):  # as TRL drops an example its truncation left without a label
+                report.skip(f"no assistant token within max_length={self.max_length}", row.where)
+                return None
         if len(fitted[1]) < len(completion_ids):
             report.truncated += 1
-        return PromptCompletion(fitted[0], fitted[1], row.where, extra_columns(row, (*used, *TEMPLATE_COLUMNS)))
+        return PromptCompletion(fitted[0], fitted[1], row.where, extra_columns(row, (*used, *TEMPLATE_COLUMNS)), mask)
+
+    def _need_chat(self, chat: bool, key: str) -> None:
+        if self.assistant_only and not chat:
+            raise BadRow(key, "is plain text, and assistant_only_loss: true needs conversational rows (lists of chat "
+                         "messages), whose assistant turns the chat template marks; TRL refuses a dataset that "
+                         "is not conversational too", "plain text with assistant_only_loss")
 
 
 @dataclass

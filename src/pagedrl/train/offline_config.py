@@ -22,7 +22,10 @@ class SFTConfig(TrainConfig):
     learning_rate: float = 2e-5
     dataset_text_field: str = "text"  # column of plain-text (language modeling) rows
     completion_only_loss: bool | None = None  # None: loss on the completion when rows have one
-    assistant_only_loss: bool = False  # conversational rows: loss on assistant turns only
+    # chat rows: loss on the assistant's tokens only, those the chat template's {% generation %} blocks write
+    assistant_only_loss: bool = False
+    # a .jinja file or a tokenizer folder: the chat template of the run, saved with the model (train/sft_template.py)
+    chat_template_path: str | None = None
     # TRL's packing: the examples packed once into rows of at most max_length tokens (best-fit decreasing),
     # per_device_train_batch_size then counting rows (train/algorithms/sft_packing.py)
     packing: bool = False

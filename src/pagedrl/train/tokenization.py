@@ -65,6 +65,21 @@ def tokenize_prompt_completion(tokenizer: Tokenizer, prompt: Text, completion: T
     return full[:n], full[n:]
 
 
+def tokenize_assistant_masked(tokenizer: Tokenizer, prompt: Text | None, completion: Text,
+                              chat: Mapping[str, Any] = NO_KWARGS) -> tuple[list[int], list[int], list[bool]]:
+    """A chat row for `assistant_only_loss`: (prompt ids, completion ids, which tokens of prompt +
+    completion the assistant wrote). `prompt` None: a `messages` row, all completion. The mask is the
+    whole conversation's, rendered at once (`Tokenizer.chat_assistant_mask`), as TRL takes it from
+    the prompt + completion's rendering; the split is `tokenize_prompt_completion`'s."""
+    if prompt is None:
+        ids, mask = tokenizer.chat_assistant_mask(completion, **chat)  # type: ignore[arg-type]
+        return [], ids, [bool(m) for m in mask]
+    prompt_ids = tokenize_prompt(tokenizer, prompt, chat)
+    full, mask = tokenizer.chat_assistant_mask(list(prompt) + list(completion), **chat)
+    n = common_prefix_length(prompt_ids, full)
+    return full[:n], full[n:], [bool(m) for m in mask]
+
+
 def tokenize_preference(tokenizer: Tokenizer, prompt: Text, chosen: Text, rejected: Text,
                         chat: Mapping[str, Any] = NO_KWARGS) -> tuple[list[int], list[int], list[int]]:
     """(prompt ids, chosen ids, rejected ids), one shared prompt cut where both answers diverge."""

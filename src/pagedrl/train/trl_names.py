@@ -89,6 +89,7 @@ FIXED = {
                            "tokenizer_config.json)"),
     "pad_token": ((None,), "the padding id is the tokenizer's pad_token (the model folder's tokenizer_config.json), "
                            "never a training target"),
+    # SFT's own field (train/sft_template.py); the reward model's template is the model folder's
     "chat_template_path": ((None,), "the chat template is the model folder's (chat_template.jinja or "
                                     "tokenizer_config.json): put the template there"),
     "dataset_kwargs": ((None,), "rows are always prepared (tokenized, their labels built) by pagedrl; there is "

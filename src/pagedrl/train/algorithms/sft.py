@@ -14,6 +14,10 @@ term by its probability, detached, as TRL's. Metrics, under TRL's names: `loss`,
 `mean_token_accuracy` (token-weighted), `num_tokens` (tokens seen since the start, prompt
 included), `entropy` (mean over label positions).
 
+The label tokens are the completion's (`completion_only_loss`), or every token; with `assistant_only_loss`,
+of those only the ones the chat template's `{% generation %}` blocks wrote (`PromptCompletion.assistant_mask`),
+as TRL's labels need every mask. `chat_template_path` swaps the template in first (`train/sft_template.py`).
+
 A mixture of experts with a router load-balancing loss (Mixtral, Qwen3-MoE, gpt-oss) adds it in
 training, as TRL's SFT trainer does: times `router_aux_loss_coef` (unset: the model config's; 0: not
 added), over the micro-batch's real tokens, whatever the model config's `output_router_logits`
@@ -48,6 +52,7 @@ from pagedrl.train.losses import dft_loss, sft_loss
 from pagedrl.train.metrics import Metric
 from pagedrl.train.offline_config import SFTConfig
 from pagedrl.train.router_loss import load_balancing_loss, router_loss_coef
+from pagedrl.train.sft_template import require_generation_block, stop_token_trained, use_chat_template_path
 
 
 @dataclass
@@ -62,9 +67,11 @@ class SFTBatch:
 
 
 def label_mask(example: PromptCompletion, completion_only: bool) -> list[bool]:
-    """Which tokens carry a label: the completion's, or every token without completion_only."""
-    n_prompt, n = len(example.prompt_ids), len(example.input_ids)
-    return [completion_only is False or i >= n_prompt for i in range(n)]
+    """Which tokens carry a label: the completion's, or every token without completion_only; of those, with
+    an assistant mask (assistant_only_loss), the assistant's only, as TRL's labels need every mask's 1."""
+    n_prompt, mask = len(example.prompt_ids), example.assistant_mask
+    return [(completion_only is False or i >= n_prompt) and (mask is None or mask[i])
+            for i in range(len(example.input_ids))]
 
 
 def collate_sft(examples: Sequence[PromptCompletion], pad_id: int, device: torch.device,
@@ -112,10 +119,14 @@ class SFT(OfflineAlgorithm):
                  dataset: str | Path | Sequence[Mapping[str, Any]] | None = None,
                  eval_dataset: str | Path | Sequence[Mapping[str, Any]] | None = None,
                  generation_config: dict[str, Any] | None = None) -> None:
+        if config.chat_template_path is not None:
+            use_chat_template_path(config.chat_template_path, tokenizer, model.config, generation_config)
+        self.stops_trained = True
         if config.assistant_only_loss:
-            raise ValueError("assistant_only_loss: not supported; give prompt/completion rows, where the loss "
-                             "falls on the completion (the assistant's answer) only")
-        convert = PromptCompletionRows(tokenizer, config.max_length, config.truncation, config.dataset_text_field)
+            require_generation_block(tokenizer)
+            self.stops_trained = stop_token_trained(tokenizer)
+        convert = PromptCompletionRows(tokenizer, config.max_length, config.truncation, config.dataset_text_field,
+                                       config.assistant_only_loss)
         examples, report, eval_examples = load_train_and_eval(config, dataset, eval_dataset, convert,
                                                               "SFT needs a dataset")
         if config.packing:
@@ -132,6 +143,7 @@ class SFT(OfflineAlgorithm):
         pad = tokenizer.pad_token_id
         self.pad_id = 0 if pad is None else pad
         self.completion_only = config.completion_only_loss is not False
+        self.assistant_only = config.assistant_only_loss
         self.packing, self.padding_free = config.packing, config.padding_free or config.packing
         self.loss_type = config.loss_type
         self.device = next(model.parameters()).device
@@ -176,7 +188,13 @@ class SFT(OfflineAlgorithm):
         mode = (f"packed (bfd) into {self.num_examples} rows of at most max_length tokens" if self.packing
                 else "back to back in one row per micro-batch" if self.padding_free else "padded")
         target = "completion tokens" if self.completion_only else "every token"
-        return super().summary_lines() + [f"sft: {self.loss_type} loss on {target}; sequences {mode}"]
+        if self.assistant_only:
+            target = "the assistant's tokens (the chat template's generation blocks)"
+        lines = [f"sft: {self.loss_type} loss on {target}; sequences {mode}"]
+        if not self.stops_trained:
+            lines.append("sft: the chat template leaves the assistant's end-of-turn token outside its generation "
+                         "block, so the model may not learn to stop (TRL warns of the same)")
+        return super().summary_lines() + lines
 
 
 def run_sft(config: SFTConfig, dataset: str | Path | Sequence[Mapping[str, Any]] | None = None,

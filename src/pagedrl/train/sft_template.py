@@ -1,0 +1,105 @@
+"""The chat template an SFT run renders its chat rows with: TRL's `chat_template_path`, and the
+`{% generation %}` blocks `assistant_only_loss` needs.
+
+`chat_template_path` is what TRL 1.16's SFTTrainer takes: a `.jinja` (or `.j2`) file, whose text becomes
+the tokenizer's chat template, or a tokenizer folder, whose (default) chat template and end-of-sequence
+token are taken, the model's config and generation config then naming that token as the end (TRL's
+`clone_chat_template`). The template replaces the model folder's for the run and is saved with the
+trained model (`chat_template.jinja`), so the model is served with the format it was trained on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pagedrl.model.chat_template import (
+    ChatTemplateError,
+    compile_chat_template,
+    has_generation_block,
+    select_chat_template,
+)
+from pagedrl.model.tokenizer import Tokenizer
+
+TEMPLATE_SUFFIXES = (".jinja", ".j2")  # the files TRL reads as a template's text
+# Where to find templates whose assistant turns are marked, for the refusal's message.
+TRAINING_TEMPLATES = ("TRL ships such templates for Qwen3, Llama 3, Gemma, Phi-3 and others as "
+                      "trl/chat_templates/*_training.jinja")
+
+
+def read_chat_template_path(path: str, tokenizer: Tokenizer) -> tuple[str, Tokenizer | None]:
+    """(the template's text, the folder's tokenizer or None for a file), checked: it compiles, and a folder's
+    tokens are all in the model's vocabulary."""
+    where = Path(path).expanduser()
+    if where.is_file() and where.suffix in TEMPLATE_SUFFIXES:
+        try:
+            text, source = where.read_text(encoding="utf-8"), None
+        except UnicodeDecodeError:
+            raise ValueError(f"chat_template_path: {where} is not UTF-8 text") from None
+    elif where.is_dir():
+        try:
+            source = Tokenizer.from_folder(where)
+            text = select_chat_template(source.chat_template)
+        except (FileNotFoundError, ChatTemplateError) as e:
+            raise ValueError(f"chat_template_path: {e}") from None
+        vocab = tokenizer.get_vocab()
+        missing = [t.content for t in source.backend.get_added_tokens_decoder().values() if t.content not in vocab]
+        if missing:
+            raise ValueError(f"chat_template_path: {where}'s tokenizer has tokens the model's vocabulary lacks "
+                             f"({', '.join(map(repr, missing[:8]))}{', ...' if len(missing) > 8 else ''}); TRL adds "
+                             "them and resizes the embeddings, which pagedrl does not: give a template file (.jinja) "
+                             "written with the model's own tokens")
+    else:
+        raise ValueError(f"chat_template_path: {where}: expected a {' or '.join(TEMPLATE_SUFFIXES)} template file or "
+                         "a tokenizer folder (a Hub id is not fetched: download it first, e.g. `hf download ORG/NAME`)")
+    try:
+        compile_chat_template(text)
+    except ChatTemplateError as e:
+        raise ValueError(f"chat_template_path: {where}: {e}") from None
+    return text, source
+
+
+def use_chat_template_path(path: str, tokenizer: Tokenizer, model_config: Any,
+                           generation_config: dict[str, Any] | None) -> None:
+    """Make `path`'s template the tokenizer's (so rows render with it and it is saved with the model); from a
+    folder, its end-of-sequence token too, in the tokenizer, the model config and the generation config."""
+    text, source = read_chat_template_path(path, tokenizer)
+    tokenizer.chat_template = text
+    eos = None if source is None else source.special_tokens.get("eos_token")
+    if eos is None:
+        return
+    tokenizer.special_tokens["eos_token"] = eos
+    model_config.eos_token_id = tokenizer.eos_token_id
+    if generation_config is not None:
+        generation_config["eos_token_id"] = tokenizer.eos_token_id
+
+
+def require_generation_block(tokenizer: Tokenizer) -> None:
+    """`assistant_only_loss` reads the assistant's tokens off the template's `{% generation %}` blocks: a
+    template without one would leave every example without a label, so it is refused up front."""
+    try:
+        source = select_chat_template(tokenizer.chat_template)
+    except ChatTemplateError as e:
+        raise ValueError(f"assistant_only_loss: {e}; set chat_template_path to a template whose assistant turns "
+                         "are inside {% generation %}...{% endgeneration %}") from None
+    if not has_generation_block(source):
+        raise ValueError("assistant_only_loss: the chat template has no {% generation %} block, so no token would "
+                         "be known as the assistant's: set chat_template_path to a template whose assistant turns "
+                         f"are inside {{% generation %}}...{{% endgeneration %}} ({TRAINING_TEMPLATES})")
+
+
+def stop_token_trained(tokenizer: Tokenizer) -> bool:
+    """Whether the assistant's end-of-turn token is inside its generation block (TRL's probe: a user, an
+    assistant and a user message; the last non-blank assistant token must be an added token, not text).
+    A template that leaves it to the next message trains a model that never learns to stop."""
+    probe = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"},
+             {"role": "user", "content": "dummy"}]
+    try:
+        ids, mask = tokenizer.chat_assistant_mask(probe)
+    except ChatTemplateError:
+        return False
+    added = set(tokenizer.backend.get_added_tokens_decoder())
+    for i in reversed([i for i, m in zip(ids, mask, strict=True) if m]):
+        if tokenizer.decode([i], skip_special_tokens=False).strip():
+            return i in added
+    return False
