@@ -24,9 +24,10 @@ def template_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _labels(example) -> list[int]:
+def _labels(example, completion_only: bool = True) -> list[int]:
     """An example's labels as TRL writes them: the token, or -100 where it carries none."""
-    return [t if keep else -100 for t, keep in zip(example.input_ids, label_mask(example, True), strict=True)]
+    keep = label_mask(example, completion_only)
+    return [t if k else -100 for t, k in zip(example.input_ids, keep, strict=True)]
 
 
 @pytest.mark.parametrize("settings", [{}, {"padding_free": True}], ids=["padded", "padding_free"])
@@ -67,18 +68,21 @@ def test_packing_equals_trl_sft_trainer(tiny_train_model, template_file, tmp_pat
         assert float((grads[name] - g).abs().max()) < TOLERANCE, name
 
 
+@pytest.mark.parametrize("completion_only", [True, False])
 def test_chat_prompt_completion_rows_label_the_assistants_completion_as_trl(tiny_train_model, template_file,
-                                                                            tmp_path) -> None:
-    """Chat prompt/completion rows: labels where the completion and the assistant's tokens meet, as TRL's."""
+                                                                            tmp_path, completion_only) -> None:
+    """Chat prompt/completion rows: labels where the completion and the assistant's tokens meet, as TRL's;
+    with completion_only_loss: false, the prompt's assistant turns too."""
     rows = [r for r in arithmetic_rows(12) if isinstance(r["prompt"], list)]
     rows[0]["prompt"] = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "red green"},
-                         *rows[0]["prompt"]]  # an assistant turn in the prompt: not a label
-    keys = dict(assistant_only_loss=True, chat_template_path=str(template_file))
+                         *rows[0]["prompt"]]  # an assistant turn in the prompt
+    keys = dict(assistant_only_loss=True, chat_template_path=str(template_file), completion_only_loss=completion_only)
     trl_rows = trl_prepared_rows(tiny_train_model, rows, tmp_path / "trl", **keys)
     algorithm = sft_trainer(tiny_train_model, tmp_path / "ours", rows=rows, **keys).algorithm
     assert [e.input_ids for e in algorithm.examples] == [r["input_ids"] for r in trl_rows]
-    assert [_labels(e) for e in algorithm.examples] == [r["labels"] for r in trl_rows]
-    assert sum(algorithm.examples[0].assistant_mask) > sum(label_mask(algorithm.examples[0], True))
+    assert [_labels(e, completion_only) for e in algorithm.examples] == [r["labels"] for r in trl_rows]
+    first = algorithm.examples[0]
+    assert (sum(first.assistant_mask) > sum(label_mask(first, completion_only))) is completion_only
 
 
 def test_max_length_cuts_the_mask_and_drops_rows_left_without_a_label(tiny_train_model, template_file,
