@@ -149,7 +149,7 @@ def test_file_and_override_syntax_errors(tmp_path: Path) -> None:
 
 
 def test_config_to_dict_round_trips_through_yaml(tmp_path: Path) -> None:
-    cfg = load_config(GRPOConfig, None, ["beta=0.04", "reward_funcs=[accuracy]", "tis_cap=null", "bf16=false"])
+    cfg = load_config(GRPOConfig, None, ["beta=0.04", "reward_funcs=[accuracy]", "tis_cap=null", "tis_mode=token_mask", "bf16=false"])
     data = config_to_dict(cfg)
     assert set(data) == {f.name for f in dataclasses.fields(GRPOConfig)}
     path = write(tmp_path, yaml.safe_dump(data))
