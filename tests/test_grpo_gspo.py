@@ -38,9 +38,9 @@ def gradient(algo, b, **fields) -> tuple[torch.Tensor, dict]:
 
 
 def test_on_policy_the_sequence_level_gradient_is_the_token_level_one(tiny_train_model, prompts_file) -> None:
-    """Every loss type, on-policy, the rollout's weights off (tis_cap: null), beta 0: the same gradient at either
+    """Every loss type, on-policy, the rollout's weights off (tis_correction: false), beta 0: the same gradient at either
     level; the clip ratios are 0 and counted per completion at sequence level, per token at token level."""
-    algo = grpo(tiny_train_model, prompts_file, tis_cap=None, epsilon=3e-4, epsilon_high=4e-4)
+    algo = grpo(tiny_train_model, prompts_file, tis_correction=False, epsilon=3e-4, epsilon_high=4e-4)
     b = algo.step_batches(1)[0]
     for loss_type in LOSS_TYPES:
         eps_high = 5.0 if loss_type == "cispo" else 4e-4  # cispo's cap above the ratio 1, as TRL recommends
@@ -57,7 +57,7 @@ def test_on_policy_the_sequence_level_gradient_is_the_token_level_one(tiny_train
 def test_the_kl_bias_correction_weighs_by_the_sequence_ratio(tiny_train_model, prompts_file) -> None:
     """On-policy with beta > 0 the sequence level's gradient is the token level's plus β · ∇ of the dapo
     aggregate of sg(k̄ - kl_t) · logp_t (see the module's docstring); the logged KL is TRL's, kl_t · s (here 1)."""
-    algo = grpo(tiny_train_model, prompts_file, beta=0.04, tis_cap=None)
+    algo = grpo(tiny_train_model, prompts_file, beta=0.04, tis_correction=False)
     b = algo.step_batches(1)[0]
     with torch.no_grad():  # the policy moved off its reference (the KL is 0 at the start)
         for p in algo.model.parameters():

@@ -12,8 +12,9 @@ import torch
 from test_grpo import grpo, write_prompts
 
 from pagedrl.train.config import load_config
-from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, tis_weight, vespo_weights
+from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, vespo_weights
 from pagedrl.train.rl.config import GRPOConfig
+from pagedrl.train.tis import tis_weight
 
 
 @pytest.fixture
@@ -93,11 +94,11 @@ def test_vespo_weight_by_hand() -> None:
 
 def test_vespo_trains_on_policy_as_dapo_and_weighs_in_the_rollout_s_importance_weights(tiny_train_model,
                                                                                       prompts_file) -> None:
-    """On-policy without the rollout's importance weights (tis_cap: null) every VESPO weight φ(1) is 1: its
-    gradient is dapo's. With them (tis_cap 3, the default) the weights are φ of their product over each
+    """On-policy without the rollout's importance weights (tis_correction: false) every VESPO weight φ(1) is 1: its
+    gradient is dapo's. With them (token_truncate at 3, the default) the weights are φ of their product over each
     completion's tokens, and the logged `vespo/phi_seq_mean` is theirs; PPO-clip's `delta` is refused with it,
     and the vespo parameters without it."""
-    grads, metrics = on_policy_gradients(grpo(tiny_train_model, prompts_file, loss_type="vespo", tis_cap=None),
+    grads, metrics = on_policy_gradients(grpo(tiny_train_model, prompts_file, loss_type="vespo", tis_correction=False),
                                          ("vespo", "dapo"))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
     assert grads[0].abs().max() > 0

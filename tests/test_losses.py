@@ -18,8 +18,8 @@ from pagedrl.train.losses import (
     resolve_aggregation,
     reward_model_loss,
     sft_loss,
-    tis_weight,
 )
+from pagedrl.train.tis import tis_weight
 
 
 def log_sigmoid(x: float) -> float:

@@ -149,7 +149,7 @@ def test_file_and_override_syntax_errors(tmp_path: Path) -> None:
 
 
 def test_config_to_dict_round_trips_through_yaml(tmp_path: Path) -> None:
-    cfg = load_config(GRPOConfig, None, ["beta=0.04", "reward_funcs=[accuracy]", "tis_cap=null", "bf16=false"])
+    cfg = load_config(GRPOConfig, None, ["beta=0.04", "reward_funcs=[accuracy]", "tis_cap=null", "tis_mode=token_mask", "bf16=false"])
     data = config_to_dict(cfg)
     assert set(data) == {f.name for f in dataclasses.fields(GRPOConfig)}
     path = write(tmp_path, yaml.safe_dump(data))
@@ -258,3 +258,18 @@ def test_trl_model_config_at_its_defaults_is_taken_and_otherwise_named() -> None
         with pytest.raises(ValueError, match=r"TRL / transformers option SFTConfig does not have") as e:
             load_config(SFTConfig, None, [key])
         assert "did you mean" not in str(e.value)
+
+
+def test_two_spellings_of_a_field_in_one_place_must_agree(tmp_path: Path) -> None:
+    """pagedrl's name and TRL's for one field, in one file (or both on the command line), would otherwise
+    leave the value to their order; the same value twice is taken, and a later place (the command line after
+    the file) still wins."""
+    path = write(tmp_path, "model: a/model\nmodel_name_or_path: b/model\n")
+    with pytest.raises(ValueError, match=rf"^config file {path}: model and model_name_or_path both set model, to "
+                                         r"'a/model' and 'b/model'; keep one"):
+        load_config(SFTConfig, path)
+    path = write(tmp_path, "model_name_or_path: b/model\n")
+    assert load_config(SFTConfig, path, ["model=c/model"]) == SFTConfig(model="c/model")
+    assert load_config(SFTConfig, None, ["model=a", "model_name_or_path=a"]).model == "a"
+    with pytest.raises(ValueError, match="warmup_ratio and warmup_steps both set warmup_ratio"):
+        load_config(SFTConfig, None, ["warmup_ratio=0.2", "warmup_steps=0.1"])

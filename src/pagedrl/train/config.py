@@ -250,7 +250,9 @@ def validate_router_coef(coef: float | None) -> None:
 
 C = TypeVar("C", bound=TrainConfig)
 COMMAND_LINE = "command line"
-def _unknown_key(cls: type, key: Any, source: str, names: Sequence[str]) -> ValueError:
+def _unknown_key(cls: type, key: Any, source: str, names: Sequence[str], field: str | None = None) -> ValueError:
+    if field is not None:  # TRL's spelling of a field this config lacks (another algorithm's)
+        return ValueError(f"{source}: {key!r} is TRL's name for {field!r}, which {cls.__name__} does not have")
     why = not_here(str(key))
     if why is not None:  # a TRL / transformers option: say so, not a near miss of another field
         return ValueError(f"{source}: {key!r} is a TRL / transformers option {cls.__name__} does not have: {why}")
@@ -309,20 +311,30 @@ def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: Se
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    spellings: dict[tuple[str, str], dict[Any, Any]] = {}  # (source, field) -> each spelling given there: its value
 
     def put(key: Any, value: Any, source: str, raw: str | None = None) -> None:
+        given = key
         if isinstance(key, str):
             key, value = trl_form(key, value)  # TRL's spellings of pagedrl's fields and of their values
             if key not in names and fixed_value(key, value, source):  # a TRL option set to what pagedrl does
                 return
         if key not in names:
-            raise _unknown_key(cls, key, source, names)
+            raise _unknown_key(cls, given, source, names, field=key if key != given else None)
         out = coerce(value, hints[key])
         if out is MISSING and raw is not None and value is not None:
             out = coerce(raw, hints[key])  # e.g. a str field given `2024` or `yes`
         if out is MISSING:
-            raise ValueError(f"{source}: {key}: expected {describe(hints[key])}, got {value!r}")
-        values[key], sources[key] = out, source
+            named = key if given == key else f"{key} (as {given})"
+            raise ValueError(f"{source}: {named}: expected {describe(hints[key])}, got {value!r}")
+        # Two spellings of one field in one place (pagedrl's and TRL's, or two of TRL's) must agree: which one
+        # wins would otherwise hang on their order. A later place (an override after the file) still wins.
+        seen = spellings.setdefault((source, key), {})
+        for other, before in seen.items():
+            if other != given and before != out:
+                raise ValueError(f"{source}: {other} and {given} both set {key}, to {before!r} and {out!r}; keep one")
+        seen[given] = out
+        values[key], sources[key] = out, source if given == key else f"{source}, as {given}"
 
     if yaml_path is not None:
         path = Path(yaml_path)

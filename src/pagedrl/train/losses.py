@@ -279,7 +279,7 @@ def vespo_weights(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
                   k: tuple[float, float] = (2.0, 3.0), lam: tuple[float, float] = (3.0, 2.0)) -> Tensor:
     """VESPO's per-sequence weight φ(w) = e^λ · w^k · e^(-λw) (1 at w = 1), [B, 1], no gradient, as TRL's
     `GRPOTrainer.get_gamma_weights`: w is the sequence's importance ratio Π π/π_old, times the rollout's
-    importance weights `is_weight` (π_old/π_engine, truncated) when given, in log space with TRL's clamps
+    importance weights `is_weight` (π_old/π_engine, as `tis_mode` bounds them) when given, in log space with TRL's clamps
     (each token's log-ratio to ±20, log w to [log 1e-8, 20]). A smooth weight in place of a clip: a sequence
     far off-policy either way fades out. k = (k+, k-) and λ = (λ+, λ-) by the sign of the advantage (A >= 0:
     the first)."""
@@ -316,24 +316,6 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
     if kind == "k3":
         return torch.exp(log_ratio) - log_ratio - 1.0
     raise ValueError(f"kind: unknown KL estimator {kind!r}; expected 'k1', 'k2' or 'k3'")
-
-
-def tis_weight(old_logp_trainer: Tensor, sampling_logp_engine: Tensor, cap: float) -> Tensor:
-    """Truncated importance-sampling weight min(π_trainer / π_engine, C) per token (Yao et al. 2025;
-    TRL's `vllm_importance_sampling_mode="token_truncate"`), detached.
-
-    The engine samples with paged attention, the trainer recomputes log-probs densely; the two
-    differ by rounding (more in bf16), which makes the rollout slightly off-policy. Multiplying the
-    per-token loss by this weight corrects for it; the cap bounds the variance.
-    """
-    if sampling_logp_engine.shape != old_logp_trainer.shape:
-        raise ValueError(
-            f"sampling_logp_engine: shape {tuple(sampling_logp_engine.shape)} differs from "
-            f"old_logp_trainer's {tuple(old_logp_trainer.shape)}"
-        )
-    if not cap > 0:
-        raise ValueError(f"cap: must be positive, got {cap}")
-    return torch.exp(old_logp_trainer - sampling_logp_engine).clamp(max=cap).detach()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,12 @@ ALIASES = {
     "model_revision": "revision",
     "dataset_name": "dataset",
     "max_seq_length": "max_length",
+    # GRPO's correction of the rollout's log-prob gap (no vLLM here: the engine is pagedrl's own)
+    "vllm_importance_sampling_correction": "tis_correction",
+    "vllm_importance_sampling_mode": "tis_mode",
+    "vllm_importance_sampling_clip_max": "tis_cap",
+    "vllm_importance_sampling_cap": "tis_cap",  # TRL's deprecated spelling of _clip_max
+    "vllm_importance_sampling_clip_min": "tis_min",
 }
 
 _STEPS_ONLY = "pagedrl evaluates, saves and logs every N steps: set eval_steps / save_steps / logging_steps"
@@ -45,9 +51,7 @@ NOT_HERE = {
     "[1, rpo_alpha]",
     "steps_per_generation": "each step generates its own rollouts (num_iterations reuses them)",
     "generation_batch_size": "each step generates per_device_train_batch_size completions",
-    "vllm_importance_sampling_correction": "the rollout/trainer log-prob gap is corrected by tis_cap",
-    "vllm_importance_sampling_mode": "the rollout/trainer log-prob gap is corrected by tis_cap (token-level)",
-    "vllm_importance_sampling_cap": "set tis_cap", "sft_model_path": "PPO starts from `model`",
+    "sft_model_path": "PPO starts from `model`",
     "value_model_path": "PPO's critic starts from `critic` (the policy, or the reward model)",
     "data_seed": "the data order is drawn from `seed` (each epoch's shuffle from seed + epoch)",
     "logging_dir": "TensorBoard events go to output_dir/runs (report_to: [tensorboard])",

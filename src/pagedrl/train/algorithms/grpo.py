@@ -33,7 +33,7 @@ from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.adapters import reference_forward, uses_lora
 from pagedrl.train.distributed import DistInfo, all_reduce_sum
 from pagedrl.train.logprobs import TargetLogprobs, target_logprobs
-from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, tis_weight, vespo_weights
+from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, vespo_weights
 from pagedrl.train.metrics import Metric
 from pagedrl.train.rl.config import GRPOConfig
 from pagedrl.train.rl.online import OnlineAlgorithm
@@ -41,6 +41,7 @@ from pagedrl.train.rl.packing import PackedBatch, pack, split_units
 from pagedrl.train.rl.rewards import RewardFunc
 from pagedrl.train.rl.rollout import Rollout, collect_rollout
 from pagedrl.train.router_loss import load_balancing_loss, router_loss_coef
+from pagedrl.train.tis import tis_ratio_values, tis_weight
 
 TOKEN_MEAN_LOSSES = ("dapo", "bnpo", "cispo", "vespo")
 
@@ -130,7 +131,7 @@ class GRPO(OnlineAlgorithm):
         logp = b.to_padded(out_lp.logps)
         old = b.old_logps if b.old_logps is not None else logp.detach()
         mask = b.mask
-        w = tis_weight(old, b.sampling_logps, c.tis_cap) if c.tis_cap is not None else None
+        w = tis_weight(old, b.sampling_logps, c.tis_cap, c.tis_mode, mask, c.tis_min) if c.tis_correction else None
         phi = None
         if c.loss_type == "vespo":  # the rollout's importance weights go into VESPO's sequence weight, as in TRL
             phi = vespo_weights(logp, old, b.advantages, mask, w, (c.vespo_k_pos, c.vespo_k_neg),
@@ -147,9 +148,8 @@ class GRPO(OnlineAlgorithm):
         metrics["sampling/sampling_logp_difference/max"] = Metric.max(diff.max())
         if w is not None:
             if phi is None:
-                per_token = per_token * w
-            metrics["sampling/importance_sampling_ratio/mean"] = Metric.mean(w.masked_fill(~mask, 0).sum(), n_tok)
-            metrics["sampling/importance_sampling_ratio/min"] = Metric.min(w.masked_fill(~mask, float("inf")).min())
+                per_token = per_token * w  # a sequence mode's [B, 1] weight on each of the completion's tokens
+            metrics.update(tis_metrics(tis_ratio_values(w, mask, c.tis_mode)))
         if b.ref_logps is not None:
             kl = kl_estimate(logp, b.ref_logps, c.kl_estimator)
             # TRL's use_bias_correction_kl (its default): the KL weighted by the live ratio (at sequence level the
@@ -227,10 +227,29 @@ class GRPO(OnlineAlgorithm):
             f"{c.max_completion_length} tokens max, temperature {c.temperature}",
             f"grpo: loss_type={c.loss_type}, scale_rewards={c.scale_rewards}, epsilon={c.epsilon}"
             f"/{c.epsilon_high or c.epsilon}, {c.importance_sampling_level}-level ratios, "
-            f"num_iterations={c.num_iterations}, {ref}",
+            f"num_iterations={c.num_iterations}, {ref}, {tis_line(c)}",
             f"grpo: rewards {', '.join(n for n, _ in self.reward_funcs)}; {len(self.eval_rows)} held-out prompts",
             f"grpo: {self.rollout_line()}",
         ] + loss_warnings(c)
+
+
+def tis_line(c: GRPOConfig) -> str:
+    """The rollout's importance-sampling correction in the start-up lines."""
+    if not c.tis_correction:
+        return "no rollout importance weights"
+    return f"rollout importance weights {c.tis_mode} in [{c.tis_min or 0}, {c.tis_cap or 'inf'}]"
+
+
+def tis_metrics(values: torch.Tensor) -> dict[str, Metric]:
+    """TRL's `sampling/importance_sampling_ratio/min`, `/mean` and `/max` of the rollout's weights (each
+    completion's under a sequence mode, each token's otherwise; `tis_ratio_values`), over the step's
+    micro-batches and ranks. A micro-batch with none (every token masked out) still names all three, as
+    every rank must, and changes none."""
+    inf = values.new_tensor(math.inf)
+    empty = values.numel() == 0
+    return {"sampling/importance_sampling_ratio/min": Metric.min(inf if empty else values.min()),
+            "sampling/importance_sampling_ratio/mean": Metric.mean(values.sum(), values.numel()),
+            "sampling/importance_sampling_ratio/max": Metric.max(-inf if empty else values.max())}
 
 
 def loss_warnings(c: GRPOConfig) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Literal
 from pagedrl.engine.engine_args import engine_field
 from pagedrl.engine.sampling_params import MIN_TEMPERATURE
 from pagedrl.train.config import TrainConfig, _require, validate_router_coef
+from pagedrl.train.tis import TIS_MODES, TisMode, is_sequence_mode
 
 VESPO_DEFAULTS = {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}  # TRL's
 
@@ -108,9 +109,14 @@ class GRPOConfig(OnlineConfig):
     num_iterations: int = 1
     mask_truncated_completions: bool = False
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards all agree, refill from the next prompts
-    # Truncated importance sampling between engine and trainer log-probs; null disables.
-    # 3.0 is TRL's vllm_importance_sampling_clip_max.
+    # The engine/trainer log-prob gap's importance-sampling correction (train/tis.py), TRL's vllm_importance_sampling_*
+    # keys: tis_correction (_correction), tis_mode (_mode; TRL's default is sequence_mask, pagedrl's token_truncate:
+    # the engine reads the trainer's own tensors, the gap is rounding), tis_cap (_clip_max, or the deprecated _cap;
+    # null: no upper bound) and tis_min (_clip_min).
+    tis_correction: bool = True
+    tis_mode: TisMode = "token_truncate"
     tis_cap: float | None = 3.0
+    tis_min: float | None = None
     # Mixture of experts: the router load-balancing loss's weight (None: the model config's; 0: off).
     router_aux_loss_coef: float | None = None
 
@@ -135,7 +141,25 @@ class GRPOConfig(OnlineConfig):
                  f"expected 'token' or 'sequence', got {self.importance_sampling_level!r}")
         _require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")
         _require(self.num_iterations >= 1, "num_iterations", f"must be >= 1, got {self.num_iterations}")
+        self.validate_tis()
+
+    def validate_tis(self) -> None:
+        """TRL's checks of its vllm_importance_sampling_* keys, and pagedrl's that the bounds keep the weight 1 of a
+        token the engine and the trainer agree on. The bounds are checked with the correction off too (TRL checks
+        their order so); what a mode needs only with it on."""
+        _require(self.tis_mode in TIS_MODES, "tis_mode", f"expected one of {', '.join(TIS_MODES)}, got {self.tis_mode!r}")
         _require(self.tis_cap is None or self.tis_cap >= 1.0, "tis_cap", f"must be null or >= 1, got {self.tis_cap}")
+        _require(self.tis_min is None or 0.0 <= self.tis_min <= 1.0, "tis_min",
+                 f"must be null or in [0, 1], got {self.tis_min}")
+        _require(self.tis_min is None or self.tis_cap is None or self.tis_min < self.tis_cap, "tis_min",
+                 f"must be less than tis_cap, got {self.tis_min} and {self.tis_cap}")
+        if not self.tis_correction:
+            return
+        _require(not self.tis_mode.endswith("_truncate") or self.tis_cap is not None or self.tis_min is not None,
+                 "tis_cap", f"{self.tis_mode} needs a bound, tis_cap or tis_min (tis_correction: false turns the "
+                 "correction off)")
+        _require(self.loss_type != "vespo" or not is_sequence_mode(self.tis_mode), "tis_mode",
+                 f"vespo weighs in the rollout's weights per token: token_truncate or token_mask, got {self.tis_mode}")
 
 
 @dataclass
