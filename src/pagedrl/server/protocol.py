@@ -143,8 +143,8 @@ class SamplingRequest(OpenAIBase):
     return_token_ids: bool | None = None
     # vLLM's: log-probs name each token `token_id:<id>`; unset, the server's --return-tokens-as-token-ids
     return_tokens_as_token_ids: bool | None = None
-    # vLLM's: prefix-cache blocks are shared only with requests of the same salt (at most 1024 characters,
-    # as vLLM takes); the answer is the same
+    # vLLM's: prefix-cache blocks are shared only with requests of the same salt; the answer is the same.
+    # Empty is refused and 1024 characters are the most, as vLLM's protocol (check_cache_salt_support) has it
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     use_beam_search: SkipJsonSchema[Any] = None
     # vLLM's fields that would change the answer and are not built: refused when set (inputs.UNSUPPORTED_EXTRAS)

@@ -3,15 +3,17 @@
 Streams read DELTA outputs: each carries only the text, tokens and log-probs that are new (the engine
 already holds back text that a stop string may still cut), so sending a chunk costs what it holds.
 
-vLLM's `return_token_ids` adds the token ids to the answer where vLLM's serving code puts them: on a
+vLLM's `return_token_ids` adds the token ids to the answer where vLLM's serving code puts them
+(`OpenAIServingCompletion` and `OpenAIServingChat`, `entrypoints/openai/serving_completion.py` and
+`serving_chat.py` in vLLM 0.11, `completion/serving.py` and `chat_completion/serving.py` since): on a
 completion choice its prompt's (`prompt_token_ids`) and its own (`token_ids`, never the echoed prompt);
 on a chat answer the prompt's at the top and each choice's own. In a stream the prompt's come once (a
 completion choice's first chunk; the chat stream's first chunks, which give the role) and `token_ids`
 are each chunk's new ones, so a chunk whose text is held back still brings its ids. vLLM drops an echoed
 prompt's text when token ids are asked for; here echo keeps it. With `include_usage`, vLLM's
 `continuous_usage_stats` puts on every chunk the usage of its choice so far: its prompt's tokens and the
-completion tokens sent up to it (the last chunk still totals them all); without include_usage it adds
-nothing, as in vLLM.
+completion tokens made up to it (the last chunk still totals them all); without include_usage it adds
+nothing, as vLLM's `should_include_usage` decides.
 
 `echo` on /v1/completions puts the prompt (and with `logprobs`, its tokens' log-probs) before each
 choice's text; with `max_tokens: 0` the choice is the prompt alone (the engine still makes one token,
