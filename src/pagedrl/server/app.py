@@ -202,8 +202,9 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
                              [s.prompt_token_ids for s in group.streams], params, lora, tokenizer)
         return group
 
-    def token_text(params: SamplingParams, req: SamplingRequest) -> TokenText:
-        as_ids = req.return_tokens_as_token_ids
+    def token_text(params: SamplingParams, req: SamplingRequest | None = None) -> TokenText:
+        """How log-probs name tokens: `token_id:<id>` where the request (else the server's flag) asks."""
+        as_ids = req.return_tokens_as_token_ids if req is not None else None
         return TokenText(tokenizer, params.skip_special_tokens, return_tokens_as_token_ids if as_ids is None else as_ids)
 
     def extras(req: SamplingRequest) -> Extras:
