@@ -118,9 +118,10 @@ def test_prefix_hits_never_cross_adapters(tiny_train_model, adapters) -> None:
     prompt = " ".join(PROMPTS)  # several blocks of 4 tokens
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
-    def hits_after(lora: LoRARequest | None) -> int:
+    def hits_after(lora: LoRARequest | None, salt: str | None = None) -> int:
         before = llm.stats()["prefix_cache_hits"]
-        llm.generate(prompt, params, use_tqdm=False, lora_request=lora)
+        llm.generate({"prompt": prompt, "cache_salt": salt} if salt else prompt, params, use_tqdm=False,
+                     lora_request=lora)
         return llm.stats()["prefix_cache_hits"] - before
 
     assert hits_after(loras["qv2"]) == 0
@@ -128,6 +129,9 @@ def test_prefix_hits_never_cross_adapters(tiny_train_model, adapters) -> None:
     assert hits_after(None) == 0  # nor with the base
     assert hits_after(loras["qv2"]) > 0  # the same adapter again finds its own blocks
     assert hits_after(None) > 0
+    # a request's cache_salt (vLLM's) is mixed in beside the adapter's: neither alone finds the pair's blocks
+    assert hits_after(loras["qv2"], "s") == 0 and hits_after(None, "s") == 0 and hits_after(loras["all4"], "s") == 0
+    assert hits_after(loras["qv2"], "s") > 0 and hits_after(None, "s") > 0
 
 
 def test_adapters_that_do_not_fit_are_refused_by_name(tiny_train_model, adapters, tmp_path) -> None:

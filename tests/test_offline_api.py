@@ -9,6 +9,7 @@ import pytest
 import pagedrl
 from pagedrl.cli import main
 from pagedrl.engine.llm import LLM
+from pagedrl.engine.outputs import RequestOutput
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.loader import load_model
 
@@ -202,3 +203,21 @@ def test_a_generation_config_folder_and_override_give_the_defaults_and_the_cap(t
     assert folder.params == {"top_p": 0.9, "max_tokens": 7} and folder.max_tokens_cap == 7
     with pytest.raises(ValueError, match="does not exist"):
         generation_defaults(str(tmp_path / "none"), model, "m")
+
+
+def test_a_cache_salt_keeps_prefix_hits_to_prompts_of_the_same_salt(llm):
+    """vLLM's `cache_salt` (a prompt dict's key) is mixed into the first block's hash: the same prompt under
+    another salt (or none) finds nothing cached, under the same salt it does; the output is the same."""
+    long = llm.tokenizer.encode("salted " + " ".join([PROMPT] * 11))  # a start no other test's prompt has
+
+    def run(**salt: str) -> RequestOutput:
+        return llm.generate({"prompt_token_ids": long, **salt}, GREEDY, use_tqdm=False)[0]
+
+    plain = run()
+    assert plain.num_cached_tokens == 0
+    assert run(cache_salt="alice").num_cached_tokens == 0 and run(cache_salt="bob").num_cached_tokens == 0
+    again = run(cache_salt="alice")
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert run().num_cached_tokens > 0
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string, got ''"):
+        run(cache_salt="")

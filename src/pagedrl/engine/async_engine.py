@@ -31,7 +31,7 @@ from pagedrl.engine.engine_stats import EngineStats
 from pagedrl.engine.llm_engine import LLMEngine
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.outputs import RequestOutput
-from pagedrl.engine.request_checks import check_num_seqs
+from pagedrl.engine.request_checks import check_num_seqs, salt_key
 from pagedrl.engine.request_stream import RequestAborted, RequestFailed, RequestGroup, RequestStream
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.engine.structured_outputs import StructuredOutputsParams
@@ -151,10 +151,10 @@ class AsyncEngine:
         return self.engine.block_size
 
     # ------------------------------------------------------------------ requests (event loop side)
-    async def submit(self, prompts: Sequence[Prompt], params: SamplingParams,
-                     request_id: str | None = None, lora_request: LoRARequest | None = None) -> RequestGroup:
+    async def submit(self, prompts: Sequence[Prompt], params: SamplingParams, request_id: str | None = None,
+                     lora_request: LoRARequest | None = None, cache_salt: str | None = None) -> RequestGroup:
         """Validate and queue one request per prompt, all or none (each with the adapter of
-        `lora_request`, if given).
+        `lora_request`, if given, and the prefix-cache salt `cache_salt`, vLLM's).
 
         Raises ValueError for a bad prompt or one that cannot fit (including more sequences than the
         server ever holds), EngineOverloaded when the waiting queue is full and EngineDead when the
@@ -167,6 +167,7 @@ class AsyncEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_num_seqs(params, self.engine.config.max_num_seqs)  # before any loop over n
+        salt_key(cache_salt)  # refused here, not in the engine thread
         wanted = len(prompts) * params.n
         if wanted > self.capacity:  # could never be admitted: not a reason to retry (a client would, forever)
             config = self.engine.config
@@ -190,7 +191,7 @@ class AsyncEngine:
         for s in streams:
             self.streams[s.request_id] = s
             self.num_seqs_in_flight += s.num_seqs
-            self._commands.put(("add", (s.request_id, s.prompt_token_ids, params, lora_request)))
+            self._commands.put(("add", (s.request_id, s.prompt_token_ids, params, lora_request, cache_salt)))
         return RequestGroup(self, streams, notify)
 
     def _check_room(self, wanted: int) -> None:
@@ -309,9 +310,10 @@ class AsyncEngine:
             self._post(self._mark_dead, e)
 
     def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-             lora_request: LoRARequest | None) -> None:
+             lora_request: LoRARequest | None, cache_salt: str | None = None) -> None:
         try:
-            self.engine.add_request(prompt_ids, params, request_id=request_id, lora_request=lora_request)
+            self.engine.add_request(prompt_ids, params, request_id=request_id, lora_request=lora_request,
+                                    cache_salt=cache_salt)
         except ValueError as e:  # validated already; only a race with a changed engine gets here
             self._post(self._fail, [request_id], RequestAborted(f"the engine refused the request: {e}"))
 

@@ -29,20 +29,23 @@ from pagedrl.model.precision import Precision
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-# vLLM's TextPrompt and TokensPrompt: {"prompt": text} or {"prompt_token_ids": ids}
+# vLLM's TextPrompt and TokensPrompt: {"prompt": text} or {"prompt_token_ids": ids}, and either's
+# optional "cache_salt" (its prefix-cache blocks are shared only with prompts of the same salt)
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
-def as_prompt(prompt: Any, index: int) -> Prompt:
-    """A text or token-id prompt from any of vLLM's forms (a dict is a TextPrompt or a TokensPrompt);
-    a form the engine does not take is a ValueError naming the prompt and the keys it knows."""
+def as_prompt(prompt: Any, index: int) -> tuple[Prompt, str | None]:
+    """A text or token-id prompt from any of vLLM's forms (a dict is a TextPrompt or a TokensPrompt),
+    and its cache_salt; a form the engine does not take is a ValueError naming the prompt and the keys
+    it knows."""
     if not isinstance(prompt, Mapping):
-        return prompt  # a str or ids: checked by the engine, naming what is wrong
-    unknown = sorted(set(prompt) - set(PROMPT_KEYS))
-    if unknown or len(prompt) != 1:
+        return prompt, None  # a str or ids: checked by the engine, naming what is wrong
+    unknown = sorted(set(prompt) - {*PROMPT_KEYS, "cache_salt"})
+    if unknown or len(set(prompt) & set(PROMPT_KEYS)) != 1:
         raise ValueError(f"prompts[{index}]: a prompt dict holds exactly one of {', '.join(PROMPT_KEYS)} "
-                         f"(vLLM's TextPrompt or TokensPrompt), got keys {sorted(prompt)}")
-    return list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else prompt["prompt"]
+                         f"(vLLM's TextPrompt or TokensPrompt) and may hold cache_salt, got keys {sorted(prompt)}")
+    text_or_ids = list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else prompt["prompt"]
+    return text_or_ids, prompt.get("cache_salt")
 
 
 def final_only(params: list[SamplingParams]) -> list[SamplingParams]:
@@ -210,13 +213,14 @@ class LLM:
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
                  lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts. A prompt is text,
-        token ids, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}`. `lora_request`:
+        token ids, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}` (with its `"cache_salt"`, if
+        any). `lora_request`:
         one adapter for every prompt, or one (or None, the base) per prompt. A sample whose logits go NaN
         or infinite ends there with finish_reason "error" (its `error` says why, and a warning is logged),
         as vLLM marks it; the other prompts are not affected."""
         if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = [as_prompt(p, i) for i, p in enumerate(prompts)]
+        prompts, salts = zip(*[as_prompt(p, i) for i, p in enumerate(prompts)], strict=True) if prompts else ((), ())
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, (Mapping, str)):
@@ -233,8 +237,9 @@ class LLM:
             raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for prompt, p, lora in zip(prompts, params, loras, strict=True):
-                ids.append(self.engine.add_request(prompt, p, request_id=f"gen-{next(self._ids)}", lora_request=lora))
+            for prompt, p, lora, salt in zip(prompts, params, loras, salts, strict=True):
+                ids.append(self.engine.add_request(prompt, p, request_id=f"gen-{next(self._ids)}", lora_request=lora,
+                                                   cache_salt=salt))
         except ValueError:
             for rid in ids:  # a bad prompt rejects the whole call and leaves nothing queued
                 self.engine.abort_request(rid)

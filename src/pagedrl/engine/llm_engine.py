@@ -26,7 +26,7 @@ from pagedrl.engine.model_runner import ModelRunner
 from pagedrl.engine.multi_lora import LoRASlots
 from pagedrl.engine.output_processor import logits_error, logprob_entry, make_output, record_prompt_logprob
 from pagedrl.engine.outputs import RequestOutput
-from pagedrl.engine.request_checks import check_fits, check_logprobs, check_num_seqs, encode_prompt
+from pagedrl.engine.request_checks import check_fits, check_logprobs, check_num_seqs, encode_prompt, salt_key
 from pagedrl.engine.sampler import Sampler, SamplingRow
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.engine.scheduler import Scheduler
@@ -89,16 +89,16 @@ class LLMEngine:
         self.runner.capture_graphs()  # on CUDA unless enforce_eager: decode graphs recorded at start-up
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, lora_request: LoRARequest | None = None) -> str:
-        """Validate and queue a request (on the base model, or with the LoRA adapter of
-        `lora_request`); a bad one raises ValueError and changes nothing."""
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+                    lora_request: LoRARequest | None = None, cache_salt: str | None = None) -> str:
+        """Validate and queue a request (on the base model or the adapter of `lora_request`, its prefix-cache
+        blocks apart from other `cache_salt`s', as vLLM's); a bad one raises ValueError and changes nothing."""
         params = params or SamplingParams()
         self.wake_up()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text = prompt if isinstance(prompt, str) else None
-        ids = self.encode(prompt, params)
+        ids, salt = self.encode(prompt, params), salt_key(cache_salt)
         self.check_fits(len(ids), params)
         self.token_choices.check(params)
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -115,7 +115,7 @@ class LLMEngine:
         req = Request(request_id, text, ids, params, now)
         seq = Sequence(request_id, 0, ids, params, self.make_generator(params.seed, 0), now)
         seq.grammar = grammar
-        seq.lora = lora_request
+        seq.lora, seq.request_salt = lora_request, salt
         seq.detokenizer = self.new_detokenizer(params, ids)
         seq.seats = params.n
         req.seqs.append(seq)
@@ -246,7 +246,7 @@ class LLMEngine:
             child.prompt_logprobs = seq.prompt_logprobs
             child.block_hashes = list(seq.block_hashes)
             child.grammar = seq.grammar.copy() if seq.grammar is not None else None
-            child.lora = seq.lora
+            child.lora, child.request_salt = seq.lora, seq.request_salt
             self.kv_manager.fork(seq.seq_id, child.seq_id)
             self.num_forked_blocks += len(self.kv_manager.block_table(seq.seq_id))
             self.scheduler.add_running(child)

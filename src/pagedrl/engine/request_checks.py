@@ -32,6 +32,17 @@ def encode_prompt(prompt: str | list[int], tokenizer: Any, vocab_size: int, keep
     return ids if keep is None else ids[-keep:]
 
 
+def salt_key(cache_salt: str | None) -> bytes:
+    """A request's `cache_salt` (vLLM's) as its prefix-cache hashes mix it in: b"" for none. Marked so that
+    it never equals an adapter's salt (`LoRARequest.cache_salt`, which it follows when both are set). An
+    empty salt is refused, as vLLM refuses it: it would salt nothing while seeming to."""
+    if cache_salt is None:
+        return b""
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+    return b"\x00salt:" + cache_salt.encode("utf-8", "surrogatepass")
+
+
 def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
     """Alternatives are gathered from the whole vocabulary's distribution: bounded per request (vLLM's
     `max_logprobs`), so that one request cannot ask for a vocabulary-sized answer at every token."""

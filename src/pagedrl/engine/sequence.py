@@ -80,6 +80,8 @@ class Sequence:
     sampling_row: SamplingRow | None = None
     # The LoRA adapter it runs with (None: the base model); its forks run with it too.
     lora: LoRARequest | None = None
+    # The request's own cache_salt (vLLM's), as `request_checks.salt_key` marks it; b"" for none.
+    request_salt: bytes = b""
     # Why it ended with finish_reason "error" (its logits went NaN or infinite): carried to its output.
     error: str | None = None
 
@@ -88,8 +90,10 @@ class Sequence:
 
     @property
     def cache_salt(self) -> bytes:
-        """What its prefix-cache hashes are salted with: KV is only shared under the same adapter."""
-        return b"" if self.lora is None else self.lora.cache_salt
+        """What its first block's prefix-cache hash is salted with: KV is only shared under the same
+        adapter and the same request salt (vLLM's `cache_salt`, which a user sets so that others cannot
+        tell from timings what their prompts were)."""
+        return self.request_salt if self.lora is None else self.lora.cache_salt + self.request_salt
 
     @property
     def num_prompt_tokens(self) -> int:

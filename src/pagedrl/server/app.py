@@ -39,7 +39,7 @@ from pagedrl.server.lora_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapter
 from pagedrl.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedrl.server.openapi import errors, json_or_events, request_body
 from pagedrl.server.openapi import install as install_openapi
-from pagedrl.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedrl.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from pagedrl.server.request_ids import RequestIdHeader, base_request_id
 from pagedrl.server.request_log import RequestLog
 from pagedrl.server.response_bodies import (
@@ -51,6 +51,7 @@ from pagedrl.server.response_bodies import (
 )
 from pagedrl.server.responses import (
     Echo,
+    Extras,
     chat_response,
     chat_stream,
     completion_response,
@@ -109,7 +110,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
               responses_store_bytes: int | None = None, chat_template: str | None = None,
               chat_template_content_format: str = "auto", response_role: str = "assistant",
               enable_log_requests: bool = False, max_log_len: int | None = None,
-              fastapi_docs: bool = True) -> FastAPI:
+              fastapi_docs: bool = True, return_tokens_as_token_ids: bool = False) -> FastAPI:
     """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
     With `ui`, `/` answers with the chat page (`server/ui_routes.py`), a static file that calls the
     API like any client (and needs the API key like any client). With `api_key`, every route that
@@ -130,7 +131,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     `chat_template_content_format` and `response_role` are vLLM's chat flags
     (`server/chat_template_flags.py`); `enable_log_requests` logs every request as it is accepted, its
     prompt cut to `max_log_len` (`server/request_log.py`); without `fastapi_docs` there is no /docs,
-    /redoc or /openapi.json (vLLM's `--disable-fastapi-docs`)."""
+    /redoc or /openapi.json (vLLM's `--disable-fastapi-docs`); `return_tokens_as_token_ids` (vLLM's flag) names
+    log-probs' tokens `token_id:<id>` for requests that do not say (`server/logprobs.py`)."""
     served = ServedModels(served_model_name, read=engine.read_lora if engine.lora_enabled else None)
     served_model_name = served.base_name  # the first of several names: what metrics and defaults use
     for module in lora_modules:
@@ -183,12 +185,13 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     check_model = served.resolve  # the adapter a request's `model` names (None: the base); 404 if none
 
     async def submit(prompts: list, params: SamplingParams, renames: dict[str, str] | None = None,
-                     lora: LoRARequest | None = None, log_id: str | None = None) -> RequestGroup:
+                     lora: LoRARequest | None = None, log_id: str | None = None,
+                     cache_salt: str | None = None) -> RequestGroup:
         # DELTA for streamed and whole responses alike: no step rebuilds what came before, and every
         # request's token timings reach the metrics
         params = params.clone(output_kind=RequestOutputKind.DELTA)
         try:
-            group = await engine.submit(prompts, params, lora_request=lora)
+            group = await engine.submit(prompts, params, lora_request=lora, cache_salt=cache_salt)
         except ValueError as e:
             raise from_value_error(e, renames) from None
         except EngineOverloaded as e:
@@ -199,8 +202,15 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
                              [s.prompt_token_ids for s in group.streams], params, lora, tokenizer)
         return group
 
-    def token_text(params: SamplingParams) -> TokenText:
-        return TokenText(tokenizer, params.skip_special_tokens)
+    def token_text(params: SamplingParams, req: SamplingRequest | None = None) -> TokenText:
+        """How log-probs name tokens: `token_id:<id>` where the request (else the server's flag) asks."""
+        as_ids = req.return_tokens_as_token_ids if req is not None else None
+        return TokenText(tokenizer, params.skip_special_tokens, return_tokens_as_token_ids if as_ids is None else as_ids)
+
+    def extras(req: SamplingRequest) -> Extras:
+        """vLLM's additions the request asked for (`server/responses.py`)."""
+        return Extras(token_ids=bool(req.return_token_ids),
+                      continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats))
 
     async def start_chat(req: ChatCompletionRequest, log_id: str | None = None
                          ) -> tuple[RequestGroup, SamplingParams, ToolPlan | None]:
@@ -212,7 +222,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
             await asyncio.to_thread(check_tool_schemas, plan, engine.check_structured_output)
         prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan, sampling_defaults, max_tokens_cap, rendering)
         group = await submit([prompt_ids], params, {"logprobs": "top_logprobs", **structured_outputs(req)[1]}, lora,
-                             log_id)
+                             log_id, req.cache_salt)
         return group, params, plan
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
@@ -234,15 +244,15 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         prompts, params = completion_inputs(req, max_n, sampling_defaults, max_tokens_cap, tokenizer)
         echo = Echo(req.echo, req.echo and req.max_tokens == 0)
         request_id = f"cmpl-{base_request_id(request, req.request_id)}"
-        group = await submit(prompts, params, structured_outputs(req)[1], lora, request_id)
+        group = await submit(prompts, params, structured_outputs(req)[1], lora, request_id, req.cache_salt)
         model = req.model or served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStreamResponse(completion_stream(group, request_id, model, params, include_usage,
-                                                         token_text(params), echo), group.abort)
+                                                         token_text(params, req), echo, extras(req)), group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
-        return json_response(completion_response(request_id, model, outputs, params, token_text(params), echo,
-                                                  req.prompt_logprobs is not None))
+        return json_response(completion_response(request_id, model, outputs, params, token_text(params, req), echo,
+                                                  req.prompt_logprobs is not None, extras(req)))
 
     @v1.post("/chat/completions", response_model=None, openapi_extra=request_body(ChatCompletionRequest),
              responses={**json_or_events(ChatCompletionResponse,
@@ -257,9 +267,10 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStreamResponse(chat_stream(group, request_id, model, params, include_usage,
-                                                   token_text(params), plan, role), group.abort)
+                                                   token_text(params, req), plan, role, extras(req)), group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
-        return json_response(chat_response(request_id, model, outputs[0], params, token_text(params), plan, role))
+        return json_response(chat_response(request_id, model, outputs[0], params, token_text(params, req), plan, role,
+                                           extras(req)))
 
     store = ResponseStore(responses_store_bytes) if responses_store_bytes is not None else None
     v1.include_router(responses_router(start_chat, served_model_name, store, max_request_body_bytes))

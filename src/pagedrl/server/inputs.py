@@ -37,9 +37,8 @@ from pagedrl.server.tools import (
 DEFAULT_MAX_N = 128
 # vLLM's and OpenAI's fields that would change the answer and that this server does not implement:
 # refused by name (as suffix and best_of are) rather than silently ignored.
-UNSUPPORTED_EXTRAS = ("use_beam_search", "chat_template", "functions", "function_call", "return_token_ids",
-                      "return_tokens_as_token_ids", "logprob_token_ids", "prompt_embeds", "cache_salt",
-                      "repetition_detection", "watermarking")
+UNSUPPORTED_EXTRAS = ("use_beam_search", "chat_template", "functions", "function_call", "logprob_token_ids",
+                      "prompt_embeds", "repetition_detection", "watermarking")
 OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -61,9 +60,6 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             raise bad_request(f"{name} is not supported", param=name)
     if req.thinking_token_budget not in (None, -1):  # -1: unlimited, vLLM's "unset"
         raise bad_request("thinking_token_budget is not supported", param="thinking_token_budget")
-    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-        raise bad_request("stream_options.continuous_usage_stats is not supported (include_usage is: the usage "
-                          "comes in the last chunk)", param="stream_options.continuous_usage_stats")
     kwargs: dict[str, Any] = dict(
         n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,

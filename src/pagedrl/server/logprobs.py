@@ -31,14 +31,22 @@ def finite(x: float) -> float:
 
 class TokenText:
     """Names, bytes and text offsets of tokens in log-probs (OpenAI's convention: a token that is only
-    part of a UTF-8 character is named `bytes:\\xNN...` and carries its own bytes)."""
+    part of a UTF-8 character is named `bytes:\\xNN...` and carries its own bytes).
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+    With `as_ids` (vLLM's `return_tokens_as_token_ids`, as its serving code writes `token_id:{id}` for
+    both the chosen token and the alternatives), every name is `token_id:<id>`, so a client maps it back
+    to the vocabulary without the tokenizer. Bytes stay the token's own and offsets still index the
+    returned text (vLLM sums the names' lengths there instead)."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.as_ids = as_ids
         self.skipped = set(tokenizer.all_special_ids) if tokenizer is not None and skip_special_tokens else set()
 
     def name(self, token_id: int, lp: Logprob) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
         if self.tokenizer is None:
             return lp.decoded_token or ""
         return self.tokenizer.token_name(token_id)

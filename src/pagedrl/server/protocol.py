@@ -23,7 +23,8 @@ class OpenAIBase(BaseModel):
 # ---------------------------------------------------------------------------- requests
 class StreamOptions(OpenAIBase):
     include_usage: bool = False
-    continuous_usage_stats: SkipJsonSchema[bool | None] = None  # vLLM's usage on every chunk: refused, not ignored
+    # vLLM's: with include_usage, every chunk carries the usage so far, not only the last one
+    continuous_usage_stats: bool | None = None
 
 
 def _integral(value: Any) -> Any:
@@ -138,13 +139,17 @@ class SamplingRequest(OpenAIBase):
     truncation_side: Literal["left"] | None = None
     # vLLM's; any other than 0 needs its priority scheduling, which this server (first come, first served) lacks
     priority: Annotated[Literal[0], INTEGRAL] = 0
+    # vLLM's: the answer carries the prompt's and the completion's token ids (server/responses.py)
+    return_token_ids: bool | None = None
+    # vLLM's: log-probs name each token `token_id:<id>`; unset, the server's --return-tokens-as-token-ids
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's: prefix-cache blocks are shared only with requests of the same salt; the answer is the same.
+    # Empty is refused and 1024 characters are the most, as vLLM's protocol (check_cache_salt_support) has it
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     use_beam_search: SkipJsonSchema[Any] = None
     # vLLM's fields that would change the answer and are not built: refused when set (inputs.UNSUPPORTED_EXTRAS)
-    return_token_ids: SkipJsonSchema[Any] = None
-    return_tokens_as_token_ids: SkipJsonSchema[Any] = None
     logprob_token_ids: SkipJsonSchema[Any] = None
     prompt_embeds: SkipJsonSchema[Any] = None
-    cache_salt: SkipJsonSchema[Any] = None
     repetition_detection: SkipJsonSchema[Any] = None
     thinking_token_budget: SkipJsonSchema[Any] = None
     watermarking: SkipJsonSchema[Any] = None

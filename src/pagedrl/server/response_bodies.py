@@ -4,7 +4,7 @@ or whole, and its error object. The request bodies are in `server/protocol.py`."
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
@@ -13,6 +13,10 @@ from pagedrl.server.protocol import ToolCall
 
 def now_s() -> int:
     return int(time.time())
+
+
+# vLLM's `return_token_ids` fields: in the answer only when the request asked for them
+TokenIds = Annotated[list[int] | None, Field(exclude_if=lambda v: v is None)]
 
 
 class UsageInfo(BaseModel):
@@ -47,6 +51,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: TokenIds = None  # in a stream, on a choice's first chunk only
+    token_ids: TokenIds = None  # the completion's (in a stream, each chunk's new ones), without an echoed prompt
 
 
 class CompletionResponse(BaseModel):
@@ -108,6 +114,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: TokenIds = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -118,6 +125,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: TokenIds = None
 
 
 class DeltaMessage(WithoutNulls):
@@ -132,6 +140,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: TokenIds = None  # this chunk's new ones
 
 
 class ChatCompletionChunk(BaseModel):
@@ -141,6 +150,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: TokenIds = None  # on the first chunks (each choice's role) only
 
 
 class CompletionChunk(BaseModel):

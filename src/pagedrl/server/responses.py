@@ -3,6 +3,18 @@
 Streams read DELTA outputs: each carries only the text, tokens and log-probs that are new (the engine
 already holds back text that a stop string may still cut), so sending a chunk costs what it holds.
 
+vLLM's `return_token_ids` adds the token ids to the answer where vLLM's serving code puts them
+(`OpenAIServingCompletion` and `OpenAIServingChat`, `entrypoints/openai/serving_completion.py` and
+`serving_chat.py` in vLLM 0.11, `completion/serving.py` and `chat_completion/serving.py` since): on a
+completion choice its prompt's (`prompt_token_ids`) and its own (`token_ids`, never the echoed prompt);
+on a chat answer the prompt's at the top and each choice's own. In a stream the prompt's come once (a
+completion choice's first chunk; the chat stream's first chunks, which give the role) and `token_ids`
+are each chunk's new ones, so a chunk whose text is held back still brings its ids. vLLM drops an echoed
+prompt's text when token ids are asked for; here echo keeps it. With `include_usage`, vLLM's
+`continuous_usage_stats` puts on every chunk the usage of its choice so far: its prompt's tokens and the
+completion tokens made up to it (the last chunk still totals them all); without include_usage it adds
+nothing, as vLLM's `should_include_usage` decides.
+
 `echo` on /v1/completions puts the prompt (and with `logprobs`, its tokens' log-probs) before each
 choice's text; with `max_tokens: 0` the choice is the prompt alone (the engine still makes one token,
 which is left out, as vLLM does). This is how log-likelihood evaluations (lm-evaluation-harness)
@@ -13,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from pagedrl.engine.outputs import CompletionOutput, RequestOutput
 from pagedrl.engine.request_stream import RequestAborted, RequestFailed, RequestGroup
@@ -55,10 +68,22 @@ def sse(payload: str) -> bytes:
     return b"data: " + payload.encode() + b"\n\n"
 
 
+def counted(prompt: int, completion: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
 def usage(outputs: list[RequestOutput], prompt_only: bool = False) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = 0 if prompt_only else sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return counted(prompt, 0 if prompt_only else sum(len(c.token_ids) for o in outputs for c in o.outputs))
+
+
+@dataclass
+class Extras:
+    """What a request asked for beyond OpenAI's answer: vLLM's `return_token_ids`, and in a stream with
+    include_usage its `continuous_usage_stats`."""
+
+    token_ids: bool = False
+    continuous_usage: bool = False
 
 
 @dataclass
@@ -87,11 +112,11 @@ def choice_content(out: RequestOutput, c: CompletionOutput, first: bool, echo: E
 
 # ---------------------------------------------------------------------------- whole responses
 def completion_response(request_id: str, model: str, outputs: list[RequestOutput], params: SamplingParams,
-                        names: TokenText, echo: Echo | None = None,
-                        with_prompt_logprobs: bool = False) -> CompletionResponse:
+                        names: TokenText, echo: Echo | None = None, with_prompt_logprobs: bool = False,
+                        extras: Extras | None = None) -> CompletionResponse:
     """The whole answer: a choice per prompt and sample, each with its prompt's `prompt_logprobs` when
     the request asked for them (vLLM's field, apart from `echo`'s)."""
-    echo = echo or Echo()
+    echo, extras = echo or Echo(), extras or Extras()
     choices = []
     for p, out in enumerate(outputs):
         prompt_lp = prompt_logprob_entries(out) if with_prompt_logprobs else None
@@ -99,10 +124,12 @@ def completion_response(request_id: str, model: str, outputs: list[RequestOutput
             text, lp = choice_content(out, c, True, echo, params, names, names.offsets())
             if lp is not None:
                 lp.text_offset = [min(at, len(text)) for at in lp.text_offset]
+            ids = dict(prompt_token_ids=list(out.prompt_token_ids), token_ids=[] if echo.prompt_only
+                       else list(c.token_ids)) if extras.token_ids else {}
             choices.append(CompletionChoice(index=p * params.n + c.index, text=text, logprobs=lp,
                                             finish_reason=c.finish_reason,
                                             stop_reason=None if echo.prompt_only else c.stop_reason,
-                                            prompt_logprobs=prompt_lp))
+                                            prompt_logprobs=prompt_lp, **ids))
     return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outputs, echo.prompt_only))
 
 
@@ -122,26 +149,27 @@ def chat_message(c: CompletionOutput, plan: ToolPlan | None) -> tuple[AssistantM
 
 
 def chat_response(request_id: str, model: str, output: RequestOutput, params: SamplingParams,
-                  names: TokenText, plan: ToolPlan | None = None, role: str = "assistant") -> ChatCompletionResponse:
+                  names: TokenText, plan: ToolPlan | None = None, role: str = "assistant",
+                  extras: Extras | None = None) -> ChatCompletionResponse:
     """The whole answer; `role` is the message's (vLLM's --response-role, or the last message's role when
     the request asked for no generation prompt)."""
+    with_ids = extras is not None and extras.token_ids
     choices = []
     for c in output.outputs:
         message, finish_reason = chat_message(c, plan)
         message.role = role
         lp = chat_logprobs(c, 0, len(c.token_ids), names, params.logprobs) if params.logprobs is not None else None
         choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason, logprobs=lp,
-                                  stop_reason=c.stop_reason))
+                                  stop_reason=c.stop_reason, token_ids=list(c.token_ids) if with_ids else None))
     return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage([output]),
                                   prompt_logprobs=prompt_logprob_entries(output) if params.prompt_logprobs is not None
-                                  else None)
+                                  else None, prompt_token_ids=list(output.prompt_token_ids) if with_ids else None)
 
 
 # ---------------------------------------------------------------------------- streams
 def stream_usage(group: RequestGroup, prompt_only: bool = False) -> UsageInfo:
     prompt = sum(len(st.prompt_token_ids) for st in group.streams)
-    completion = 0 if prompt_only else sum(st.num_generation_tokens for st in group.streams)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return counted(prompt, 0 if prompt_only else sum(st.num_generation_tokens for st in group.streams))
 
 
 def has_news(c: CompletionOutput) -> bool:
@@ -156,12 +184,15 @@ def error_event(e: Exception) -> bytes:
 
 
 async def completion_stream(group: RequestGroup, request_id: str, model: str, params: SamplingParams,
-                            include_usage: bool, names: TokenText, echo: Echo | None = None) -> AsyncIterator[bytes]:
-    echo = echo or Echo()
+                            include_usage: bool, names: TokenText, echo: Echo | None = None,
+                            extras: Extras | None = None) -> AsyncIterator[bytes]:
+    echo, extras = echo or Echo(), extras or Extras()
     created = now_s()
     offsets: dict[tuple[int, int], TextOffsets] = {}
     prompts: dict[int, RequestOutput] = {}  # the first output of each prompt: it holds the prompt log-probs
-    usage_field = {"usage": None} if include_usage else {}
+    made: dict[tuple[int, int], int] = {}  # completion tokens of each choice so far
+    with_prompt_ids: set[tuple[int, int]] = set()  # choices whose prompt ids went out
+    continuous = include_usage and extras.continuous_usage
     try:
         async for updates in group:
             events = []
@@ -174,13 +205,23 @@ async def completion_stream(group: RequestGroup, request_id: str, model: str, pa
                         continue
                     offs = offsets.setdefault(key, names.offsets())
                     text, lp = choice_content(first_of_prompt, c, first, echo, params, names, offs)
-                    if not text and not (lp and lp.tokens) and c.finish_reason is None:
+                    new_ids = [] if echo.prompt_only else list(c.token_ids)
+                    made[key] = made.get(key, 0) + len(new_ids)
+                    if not text and not (lp and lp.tokens) and c.finish_reason is None and not (
+                            extras.token_ids and new_ids):
                         continue
+                    ids = {}
+                    if extras.token_ids:
+                        ids = {"token_ids": new_ids}
+                        if key not in with_prompt_ids:
+                            ids["prompt_token_ids"] = list(group.streams[p].prompt_token_ids)
+                            with_prompt_ids.add(key)
                     choice = CompletionChoice(index=p * params.n + c.index, text=text, logprobs=lp,
                                               finish_reason=c.finish_reason,
-                                              stop_reason=None if echo.prompt_only else c.stop_reason)
+                                              stop_reason=None if echo.prompt_only else c.stop_reason, **ids)
+                    so_far = counted(len(group.streams[p].prompt_token_ids), made[key]) if continuous else None
                     chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[choice],
-                                            **usage_field)
+                                            usage=so_far)
                     events.append(sse(chunk.model_dump_json()))
             if events:
                 yield b"".join(events)
@@ -211,17 +252,22 @@ def tool_deltas(reader: ChoiceToolReader, c: CompletionOutput) -> DeltaMessage:
 
 async def chat_stream(group: RequestGroup, request_id: str, model: str, params: SamplingParams,
                       include_usage: bool, names: TokenText, plan: ToolPlan | None = None,
-                      role: str = "assistant") -> AsyncIterator[bytes]:
+                      role: str = "assistant", extras: Extras | None = None) -> AsyncIterator[bytes]:
+    extras = extras or Extras()
     created = now_s()
-    usage_field = {"usage": None} if include_usage else {}
     readers = {i: tool_reader(plan) for i in range(params.n)}
+    prompt_ids = list(group.streams[0].prompt_token_ids)
+    made = [0] * params.n  # completion tokens of each choice so far
 
-    def chunk(choice: ChatStreamChoice) -> bytes:
-        body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice], **usage_field)
+    def chunk(choice: ChatStreamChoice, **more: Any) -> bytes:
+        so_far = counted(len(prompt_ids), made[choice.index]) if include_usage and extras.continuous_usage else None
+        body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice], usage=so_far,
+                                   **more)
         return sse(body.model_dump_json(exclude_none=False))
 
     try:
-        yield b"".join(chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role=role, content="")))
+        first = {"prompt_token_ids": prompt_ids} if extras.token_ids else {}
+        yield b"".join(chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role=role, content="")), **first)
                        for i in range(params.n))
         async for updates in group:
             events = []
@@ -229,13 +275,15 @@ async def chat_stream(group: RequestGroup, request_id: str, model: str, params: 
                 for c in out.outputs:
                     if not has_news(c):
                         continue
+                    made[c.index] += len(c.token_ids)
                     lp = chat_logprobs(c, 0, len(c.token_ids), names, params.logprobs) if params.logprobs is not None else None
                     reader = readers[c.index]
                     delta = DeltaMessage(content=c.text) if reader is None else tool_deltas(reader, c)
                     finish_reason = c.finish_reason if reader is None else reader.finish_reason(c.finish_reason)
-                    if reader is not None and not (delta.content or delta.tool_calls or lp or finish_reason):
+                    ids = list(c.token_ids) if extras.token_ids else None
+                    if reader is not None and not (delta.content or delta.tool_calls or lp or finish_reason or ids):
                         continue  # text held back (a possible tag, a call not yet complete)
-                    events.append(chunk(ChatStreamChoice(index=c.index, delta=delta, logprobs=lp,
+                    events.append(chunk(ChatStreamChoice(index=c.index, delta=delta, logprobs=lp, token_ids=ids,
                                                          finish_reason=finish_reason, stop_reason=c.stop_reason)))
             if events:
                 yield b"".join(events)

@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
                         help="the format the model writes its tool calls in (default: hermes, <tool_call> JSON "
                              "blocks)")
+    server.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="name log-probs' tokens token_id:<id> unless a request says otherwise (vLLM's flag)")
     server.add_argument("--disable-fastapi-docs", action="store_true",
                         help="serve no /docs, /redoc or /openapi.json")
     add_request_log_arguments(server)
@@ -196,7 +198,8 @@ def build_server(args: argparse.Namespace) -> Any:
                     chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
                     chat_template_content_format=args.chat_template_content_format,
                     response_role=args.response_role, enable_log_requests=args.enable_log_requests,
-                    max_log_len=args.max_log_len, fastapi_docs=not args.disable_fastapi_docs)
+                    max_log_len=args.max_log_len, fastapi_docs=not args.disable_fastapi_docs,
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     stats = engine.metrics_snapshot()
     if stats.lora is not None:
         logger.info("LoRA: %d slots of rank up to %d on every decoder projection (%.1f MiB)", args.max_loras,
