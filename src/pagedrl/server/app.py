@@ -262,7 +262,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         return json_response(chat_response(request_id, model, outputs[0], params, token_text(params), plan, role))
 
     store = ResponseStore(responses_store_bytes) if responses_store_bytes is not None else None
-    v1.include_router(responses_router(start_chat, served_model_name, store, max_request_body_bytes))
+    v1.include_router(responses_router(start_chat, served_model_name, store, max_request_body_bytes, token_text))
     request_models = [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
     if allow_runtime_lora_updating and served.lora_enabled:
         v1.include_router(lora_router(served, max_request_body_bytes))
