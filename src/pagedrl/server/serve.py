@@ -196,7 +196,9 @@ def build_server(args: argparse.Namespace) -> Any:
                     chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
                     chat_template_content_format=args.chat_template_content_format,
                     response_role=args.response_role, enable_log_requests=args.enable_log_requests,
-                    max_log_len=args.max_log_len, fastapi_docs=not args.disable_fastapi_docs)
+                    max_log_len=args.max_log_len, enable_log_outputs=args.enable_log_outputs,
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    fastapi_docs=not args.disable_fastapi_docs)
     stats = engine.metrics_snapshot()
     if stats.lora is not None:
         logger.info("LoRA: %d slots of rank up to %d on every decoder projection (%.1f MiB)", args.max_loras,
