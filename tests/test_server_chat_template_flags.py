@@ -228,3 +228,11 @@ def test_a_request_s_own_template_needs_trust_request_chat_template(http, loaded
         bad = trusted.post("/v1/chat/completions", json={"messages": messages, "chat_template": "{{ broken"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
         assert "syntax error at line 1" in bad.json()["error"]["message"]
+        served = trusted.get("/openapi.json").json()["components"]["schemas"]
+    # /openapi.json says what each server takes: a request's template nulled where it is refused
+    refused = build_app(AsyncEngine(engine), served_model_name="tiny").openapi()["components"]["schemas"]
+    for name in ("ChatCompletionRequest", "TokenizeRequest"):
+        assert served[name]["properties"]["chat_template"]["anyOf"] == [{"type": "string"}, {"type": "null"}]
+        rules = [r for rule in refused[name]["allOf"] for r in rule.get("allOf", [rule])]
+        assert {"type": "null"} in [r.get("properties", {}).get("chat_template") for r in rules]
+        assert "--trust-request-chat-template" not in json.dumps(served[name])

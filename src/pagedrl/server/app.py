@@ -74,6 +74,12 @@ TOOLS_NEED_A_CHOICE = {
                    'other than "auto" ("none", "required" or a named function)',
     "anyOf": [{"properties": {"tools": {"not": {"type": "array", "minItems": 1}}}},
               {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": ["auto", None]}}}}]}
+# ... and on a server without --trust-request-chat-template, to ChatCompletionRequest and TokenizeRequest:
+# a request's own template is refused, as vLLM refuses it.
+NO_REQUEST_TEMPLATES = {
+    "description": "This server runs no request's own chat template (--trust-request-chat-template)",
+    "properties": {"chat_template": {"type": "null"},
+                   "chat_template_kwargs": {"properties": {"chat_template": {"type": "null"}}}}}
 
 
 @dataclass
@@ -303,8 +309,11 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         return json_response(VersionResponse(version=pagedrl.__version__))
 
     auto_tools = enable_auto_tool_choice and tool_call_parser is not None
+    templates = [] if trust_request_chat_template else [NO_REQUEST_TEMPLATES]
+    rules = {"ChatCompletionRequest": {"allOf": [*([] if auto_tools else [TOOLS_NEED_A_CHOICE]), *templates]},
+             "TokenizeRequest": {"allOf": templates}}
     install_openapi(app, request_models, vocab_size=engine.vocab_size, max_logprobs=engine.max_logprobs,
-                    rules={} if auto_tools else {"ChatCompletionRequest": TOOLS_NEED_A_CHOICE})
+                    rules={name: rule for name, rule in rules.items() if rule["allOf"]})
     app.state.draining = Draining()
     app.add_middleware(DrainGate, draining=app.state.draining)
     if request_id_headers:
