@@ -264,7 +264,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStreamResponse(chat_stream(group, request_id, model, params, include_usage,
-                                                   token_text(params), plan, role, request_log), group.abort)
+                                                   token_text(params), plan, role, log=request_log), group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
         response = chat_response(request_id, model, outputs[0], params, token_text(params), plan, role)
         for choice in response.choices:
