@@ -1,6 +1,7 @@
 """vLLM's chat-template flags and their neighbours, on the app in process: `--chat-template` (a file or
 the template itself, replacing the model's on every route), `--chat-template-content-format`,
-`--response-role`, `--enable-log-requests` with `--max-log-len`, and `--disable-fastapi-docs`."""
+`--response-role`, `--trust-request-chat-template`, `--enable-log-requests` with `--max-log-len` and
+`--enable-log-outputs`, and `--disable-fastapi-docs`."""
 
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ def test_serve_refuses_a_template_that_does_not_compile_before_the_model_loads(c
     args = build_parser().parse_args([])
     assert (args.chat_template, args.chat_template_content_format, args.response_role, args.enable_log_requests,
             args.max_log_len, args.disable_fastapi_docs) == (None, "auto", "assistant", False, None, False)
+    assert (args.enable_log_outputs, args.trust_request_chat_template) == (False, False)
 
 
 def test_auto_detects_a_template_that_loops_over_a_message_s_content() -> None:
@@ -110,12 +112,12 @@ def test_a_model_without_a_template_points_to_the_flag(tok) -> None:
 @pytest.fixture(scope="module")
 def http(loaded) -> Iterator[TestClient]:
     """A server for a model without a chat template, given one with --chat-template, its answers' role
-    'bot', its requests logged (prompts cut to 5), and no API documents."""
+    'bot', its requests and answers logged (cut to 5), and no API documents."""
     bare = copy.copy(loaded.tokenizer)
     bare.chat_template = None
     engine = LLMEngine(loaded.model, bare, EngineConfig(kv_cache_tokens=2048), eos_token_ids=loaded.eos_token_ids)
     app = build_app(AsyncEngine(engine), served_model_name="tiny", ui=False, chat_template=PROBE, response_role="bot",
-                    enable_log_requests=True, max_log_len=5, fastapi_docs=False)
+                    enable_log_requests=True, max_log_len=5, enable_log_outputs=True, fastapi_docs=False)
     with TestClient(app) as client:
         yield client
 
@@ -169,7 +171,7 @@ def test_each_request_is_logged_by_its_id_its_prompt_cut_to_max_log_len(http, ca
         http.post("/v1/chat/completions", headers={"X-Request-Id": "log-1"},
                   json={"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 1})
         http.post("/v1/completions", json={"prompt": ["one", "two"], "max_tokens": 1, "request_id": "log-2"})
-    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.msg.startswith("Received")]
     assert [m.split(":")[0] for m in info] == ["Received request chatcmpl-log-1", "Received request cmpl-log-2-0",
                                                "Received request cmpl-log-2-1"]
     assert all("params: SamplingParams(" in m and "lora_request: None." in m for m in info)
@@ -180,3 +182,57 @@ def test_each_request_is_logged_by_its_id_its_prompt_cut_to_max_log_len(http, ca
 
 def test_no_api_documents_with_disable_fastapi_docs(http) -> None:
     assert [http.get(p).status_code for p in ("/docs", "/redoc", "/openapi.json")] == [404, 404, 404]
+
+
+GENERATED = "Generated response %s%s: output: %r, output_token_ids: %s, finish_reason: %s"  # vLLM's words
+
+
+def test_each_answer_is_logged_cut_to_max_log_len(http, caplog) -> None:
+    """--enable-log-outputs: a whole chat answer, each streamed delta and the stream's whole text, and a
+    Responses answer, as vLLM's RequestLogger.log_outputs logs them."""
+    body = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4, "temperature": 0}
+    with caplog.at_level(logging.INFO, logger="pagedrl.server.requests"):
+        whole = http.post("/v1/chat/completions", headers={"X-Request-Id": "out-1"}, json=body).json()
+        http.post("/v1/chat/completions", headers={"X-Request-Id": "out-2"}, json={**body, "stream": True})
+        answer = http.post("/v1/responses", json={"input": "hello there", "max_output_tokens": 4, "request_id": "r-3"})
+    logged = [r.args for r in caplog.records if r.msg == GENERATED]
+    text = whole["choices"][0]["message"]["content"]
+    assert logged[0] == ("chatcmpl-out-1", "", text[:5], logged[0][3], "length") and len(logged[0][3]) == 4
+    deltas = [a for a in logged if a[:2] == ("chatcmpl-out-2", " (streaming delta)")]
+    assert "".join(a[2] for a in deltas) == text and [a[4] for a in deltas][-1] == "length"
+    assert ("chatcmpl-out-2", " (streaming complete)", text[:5], None, "streaming_complete") in logged
+    assert logged[-1] == ("r-3", "", answer.json()["output"][0]["content"][0]["text"][:5], logged[-1][3], "length")
+
+
+def test_a_request_s_own_template_needs_trust_request_chat_template(http, loaded) -> None:
+    """vLLM's rule: a request's chat_template (or chat_template_kwargs.chat_template, which wins) is a 400
+    unless the server was started with --trust-request-chat-template; with it, it renders that request."""
+    messages = [{"role": "user", "content": "d"}]
+    for field, param in ((dict(chat_template=PLAIN), "chat_template"),
+                         (dict(chat_template_kwargs={"chat_template": PLAIN}), "chat_template_kwargs.chat_template")):
+        for path, body in (("/v1/chat/completions", {"max_tokens": 1}), ("/tokenize", {})):
+            r = http.post(path, json={"messages": messages, **body, **field})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert r.json()["error"]["message"].startswith("Chat template is passed with request, but "
+                                                           "--trust-request-chat-template is not set.")
+    engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(kv_cache_tokens=256),
+                       eos_token_ids=loaded.eos_token_ids)
+    app = build_app(AsyncEngine(engine), served_model_name="tiny", ui=False, trust_request_chat_template=True)
+    with TestClient(app) as trusted:
+        want = loaded.tokenizer.encode("user: d\n", add_special_tokens=False)
+        asked = {"messages": messages, "chat_template": "{{ 'not this' }}", "chat_template_kwargs": {"chat_template": PLAIN}}
+        assert trusted.post("/tokenize", json=asked).json()["tokens"] == want
+        r = trusted.post("/v1/chat/completions", json={**asked, "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens"] == len(want), r.text
+        assert trusted.post("/tokenize", json={"messages": messages}).json()["tokens"] != want  # the model's (ChatML)
+        bad = trusted.post("/v1/chat/completions", json={"messages": messages, "chat_template": "{{ broken"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
+        assert "syntax error at line 1" in bad.json()["error"]["message"]
+        served = trusted.get("/openapi.json").json()["components"]["schemas"]
+    # /openapi.json says what each server takes: a request's template nulled where it is refused
+    refused = build_app(AsyncEngine(engine), served_model_name="tiny").openapi()["components"]["schemas"]
+    for name in ("ChatCompletionRequest", "TokenizeRequest"):
+        assert served[name]["properties"]["chat_template"]["anyOf"] == [{"type": "string"}, {"type": "null"}]
+        rules = [r for rule in refused[name]["allOf"] for r in rule.get("allOf", [rule])]
+        assert {"type": "null"} in [r.get("properties", {}).get("chat_template") for r in rules]
+        assert "--trust-request-chat-template" not in json.dumps(served[name])

@@ -96,6 +96,32 @@ def test_streamed_events_come_in_order_and_make_the_whole_answer(client, model) 
     assert events[2].item.id == events[-2].item.id == events[-1].response.output[0].id
 
 
+def test_output_text_logprobs_are_the_chat_routes(client, model) -> None:
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: the text part's tokens are the chat
+    route's for the same messages, whole and streamed (each delta's own), and their bytes make the text."""
+    args = dict(model=model, input="the cat sat", temperature=0, max_output_tokens=6, top_logprobs=2,
+                include=["message.output_text.logprobs"])
+    r = client.responses.create(**args)
+    c = chat(client, model, [{"role": "user", "content": "the cat sat"}], logprobs=True, top_logprobs=2)
+
+    def flat(lps) -> list:
+        return [(lp.token, pytest.approx(lp.logprob, abs=1e-3), [(t.token, pytest.approx(t.logprob, abs=1e-3))
+                                                                 for t in lp.top_logprobs]) for lp in lps]
+
+    want = flat(c.choices[0].logprobs.content)
+    (part,) = r.output[0].content
+    assert flat(part.logprobs) == want and len(want) == r.usage.output_tokens and r.top_logprobs == 2
+    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    assert b"".join(bytes(lp.bytes) for lp in part.logprobs).decode() == part.text == c.choices[0].message.content
+    events = list(client.responses.create(**args, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert flat([lp for e in deltas for lp in e.logprobs]) == want
+    assert all(len(e.logprobs) >= 1 for e in deltas) and "".join(e.delta for e in deltas) == part.text
+    assert flat(events[-1].response.output[0].content[0].logprobs) == want
+    plain = client.responses.create(model=model, input="the cat sat", top_logprobs=2, max_output_tokens=2)
+    assert plain.output[0].content[0].logprobs == []  # top_logprobs alone asks for none, as in vLLM
+
+
 SCHEMA = {"enum": ["cat", "dog", 7]}  # JSON without room for whitespace: a random model pads an object's
 
 
@@ -199,6 +225,9 @@ def error_of(r: httpx.Response, status: int) -> dict:
      "text.format.schema", "text.format.schema"),
     ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name", "nope"),
     ({"input": "x", "background": True}, "background", "background"),
+    ({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs",
+     "max_logprobs (20)"),
+    ({"input": "x", "include": ["message.logprobs"]}, "include.0", "message.output_text.logprobs"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
     ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]}, "input.0.call_id",
      "No tool call found for function call output with call_id call_1"),

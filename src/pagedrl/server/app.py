@@ -41,7 +41,7 @@ from pagedrl.server.openapi import errors, json_or_events, request_body
 from pagedrl.server.openapi import install as install_openapi
 from pagedrl.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from pagedrl.server.request_ids import RequestIdHeader, base_request_id
-from pagedrl.server.request_log import RequestLog
+from pagedrl.server.request_log import RequestLog, answer_text
 from pagedrl.server.response_bodies import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -75,6 +75,12 @@ TOOLS_NEED_A_CHOICE = {
                    'other than "auto" ("none", "required" or a named function)',
     "anyOf": [{"properties": {"tools": {"not": {"type": "array", "minItems": 1}}}},
               {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": ["auto", None]}}}}]}
+# ... and on a server without --trust-request-chat-template, to ChatCompletionRequest and TokenizeRequest:
+# a request's own template is refused, as vLLM refuses it.
+NO_REQUEST_TEMPLATES = {
+    "description": "This server runs no request's own chat template (--trust-request-chat-template)",
+    "properties": {"chat_template": {"type": "null"},
+                   "chat_template_kwargs": {"properties": {"chat_template": {"type": "null"}}}}}
 
 
 @dataclass
@@ -109,8 +115,9 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
               allowed_origins: Sequence[str] = (), request_id_headers: bool = False,
               responses_store_bytes: int | None = None, chat_template: str | None = None,
               chat_template_content_format: str = "auto", response_role: str = "assistant",
-              enable_log_requests: bool = False, max_log_len: int | None = None,
-              fastapi_docs: bool = True, return_tokens_as_token_ids: bool = False) -> FastAPI:
+              enable_log_requests: bool = False, max_log_len: int | None = None, enable_log_outputs: bool = False,
+              trust_request_chat_template: bool = False, fastapi_docs: bool = True,
+              return_tokens_as_token_ids: bool = False) -> FastAPI:
     """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
     With `ui`, `/` answers with the chat page (`server/ui_routes.py`), a static file that calls the
     API like any client (and needs the API key like any client). With `api_key`, every route that
@@ -128,11 +135,12 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     `--enable-request-id-headers`): every response carries `X-Request-Id` (`server/request_ids.py`).
     `responses_store_bytes`: keep /v1/responses answers in memory up to that many bytes
     (`server/responses_store.py`); None keeps none (vLLM's default). `chat_template` (the text),
-    `chat_template_content_format` and `response_role` are vLLM's chat flags
-    (`server/chat_template_flags.py`); `enable_log_requests` logs every request as it is accepted, its
-    prompt cut to `max_log_len` (`server/request_log.py`); without `fastapi_docs` there is no /docs,
-    /redoc or /openapi.json (vLLM's `--disable-fastapi-docs`); `return_tokens_as_token_ids` (vLLM's flag) names
-    log-probs' tokens `token_id:<id>` for requests that do not say (`server/logprobs.py`)."""
+    `chat_template_content_format`, `response_role` and `trust_request_chat_template` (a request may
+    bring its own template) are vLLM's chat flags (`server/chat_template_flags.py`); `enable_log_requests`
+    logs every request as it is accepted, its prompt cut to `max_log_len`, and with `enable_log_outputs`
+    every chat and Responses answer (`server/request_log.py`); without `fastapi_docs` there is no /docs,
+    /redoc or /openapi.json (vLLM's `--disable-fastapi-docs`); `return_tokens_as_token_ids` (vLLM's flag)
+    names log-probs' tokens `token_id:<id>` for requests that do not say (`server/logprobs.py`)."""
     served = ServedModels(served_model_name, read=engine.read_lora if engine.lora_enabled else None)
     served_model_name = served.base_name  # the first of several names: what metrics and defaults use
     for module in lora_modules:
@@ -140,10 +148,10 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     metrics = ServerMetrics(engine, served_model_name)
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
-    rendering = ChatRendering(chat_template, chat_template_content_format)
+    rendering = ChatRendering(chat_template, chat_template_content_format, trust_request_chat_template)
     if (chat_line := rendering.describe(tokenizer)) is not None:
         logger.info(chat_line)
-    request_log = RequestLog(enable_log_requests, max_log_len)
+    request_log = RequestLog(enable_log_requests, max_log_len, enable_log_outputs)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -267,13 +275,20 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStreamResponse(chat_stream(group, request_id, model, params, include_usage,
-                                                   token_text(params, req), plan, role, extras(req)), group.abort)
+                                                   token_text(params, req), plan, role, extras(req),
+                                                   log=request_log), group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
-        return json_response(chat_response(request_id, model, outputs[0], params, token_text(params, req), plan, role,
-                                           extras(req)))
+        response = chat_response(request_id, model, outputs[0], params, token_text(params, req), plan, role,
+                                 extras(req))
+        for choice in response.choices:
+            calls = [(t.function.name, t.function.arguments) for t in choice.message.tool_calls]
+            request_log.generated(request_id, answer_text(choice.message.content, calls),
+                                  outputs[0].outputs[choice.index].token_ids, choice.finish_reason)
+        return json_response(response)
 
     store = ResponseStore(responses_store_bytes) if responses_store_bytes is not None else None
-    v1.include_router(responses_router(start_chat, served_model_name, store, max_request_body_bytes))
+    v1.include_router(responses_router(start_chat, served_model_name, store, max_request_body_bytes, token_text,
+                                       request_log))
     request_models = [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
     if allow_runtime_lora_updating and served.lora_enabled:
         v1.include_router(lora_router(served, max_request_body_bytes))
@@ -307,8 +322,11 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         return json_response(VersionResponse(version=pagedrl.__version__))
 
     auto_tools = enable_auto_tool_choice and tool_call_parser is not None
+    templates = [] if trust_request_chat_template else [NO_REQUEST_TEMPLATES]
+    rules = {"ChatCompletionRequest": {"allOf": [*([] if auto_tools else [TOOLS_NEED_A_CHOICE]), *templates]},
+             "TokenizeRequest": {"allOf": templates}}
     install_openapi(app, request_models, vocab_size=engine.vocab_size, max_logprobs=engine.max_logprobs,
-                    rules={} if auto_tools else {"ChatCompletionRequest": TOOLS_NEED_A_CHOICE})
+                    rules={name: rule for name, rule in rules.items() if rule["allOf"]})
     app.state.draining = Draining()
     app.add_middleware(DrainGate, draining=app.state.draining)
     if request_id_headers:

@@ -1,5 +1,5 @@
-"""vLLM's chat-template flags for `pagedrl serve`: `--chat-template`, `--chat-template-content-format`
-and `--response-role`.
+"""vLLM's chat-template flags for `pagedrl serve`: `--chat-template`, `--chat-template-content-format`,
+`--response-role` and `--trust-request-chat-template`.
 
 An operator whose model ships no template, or a wrong one, gives the server its own; every route that
 renders messages (`/v1/chat/completions`, `/v1/responses`, `/tokenize`, and the chat page, which calls
@@ -12,6 +12,10 @@ Templates read a message's `content` in one of two shapes: a string (most) or Op
 `{"type": "text", "text": ...}` parts (those written for multimodal models). `auto` looks at the
 template, as vLLM's `_detect_content_format` does: one that loops over a message's content gets the
 list, any other the text parts joined with newlines.
+
+A request may bring its own template (`chat_template`, or `chat_template_kwargs.chat_template`, which
+wins, as in vLLM) only on a server started with `--trust-request-chat-template`: a template is code the
+server runs (in Jinja's sandbox, as every template here), so by default it is refused with vLLM's 400.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import jinja2
 import jinja2.nodes
 
 from pagedrl.model.chat_template import ChatTemplateError, ChatTemplates, compile_chat_template
+from pagedrl.server.errors import bad_request
 
 logger = logging.getLogger("pagedrl.server")
 
@@ -36,6 +41,8 @@ ContentFormat = Literal["string", "openai"]
 CONTENT_FORMATS = ("auto", "string", "openai")
 # A value holding none of these cannot be a template worth serving: it was meant as a file (vLLM's rule).
 JINJA_CHARS = "{}\n"
+UNTRUSTED = ("Chat template is passed with request, but --trust-request-chat-template is not set. Refused request "
+             "with untrusted chat template.")  # vLLM's words
 NO_TEMPLATE = ("this model has no chat template: give the server one with --chat-template (a file or the "
                "template itself), or use /v1/completions")
 
@@ -49,6 +56,9 @@ def add_chat_template_arguments(group: argparse._ArgumentGroup) -> None:
                        help="how a message's content reaches the template: string (text parts joined with newlines), "
                             "openai (a list of {'type': 'text', 'text': ...} parts), or auto (detected from the "
                             "template: a template that loops over a message's content gets the list)")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let a request bring its own chat template (chat_template, or "
+                            "chat_template_kwargs.chat_template); refused without this flag")
     group.add_argument("--response-role", default="assistant",
                        help="the answer's role when the request's add_generation_prompt is true (otherwise the last "
                             "message's role, as in vLLM)")
@@ -91,6 +101,25 @@ class ChatRendering:
 
     template: str | None = None
     content_format: str = "auto"
+    trust_request_templates: bool = False  # --trust-request-chat-template
+
+    def for_request(self, template: Any, template_kwargs: dict[str, Any] | None) -> ChatRendering:
+        """How one request renders: with its own template (`chat_template_kwargs.chat_template` over
+        `chat_template`, vLLM's order), when the server trusts requests' templates; a 400 naming the field
+        otherwise, or when the template is not one Jinja compiles."""
+        kwarg = (template_kwargs or {}).get("chat_template")
+        param, given = ("chat_template_kwargs.chat_template", kwarg) if kwarg is not None else ("chat_template", template)
+        if given is None:
+            return self
+        if not self.trust_request_templates:
+            raise bad_request(UNTRUSTED, param=param)
+        if not isinstance(given, str):
+            raise bad_request(f"{param} must be a string (a Jinja chat template)", param=param)
+        try:
+            compile_chat_template(given)
+        except ChatTemplateError as e:
+            raise bad_request(f"{param}: {str(e).removeprefix('chat_template: ')}", param=param) from None
+        return ChatRendering(given, self.content_format, True)
 
     def templates(self, tokenizer: Any) -> ChatTemplates | None:
         """The templates a request chooses among: the server's, else the tokenizer's."""

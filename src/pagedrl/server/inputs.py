@@ -37,7 +37,7 @@ from pagedrl.server.tools import (
 DEFAULT_MAX_N = 128
 # vLLM's and OpenAI's fields that would change the answer and that this server does not implement:
 # refused by name (as suffix and best_of are) rather than silently ignored.
-UNSUPPORTED_EXTRAS = ("use_beam_search", "chat_template", "functions", "function_call", "logprob_token_ids",
+UNSUPPORTED_EXTRAS = ("use_beam_search", "functions", "function_call", "logprob_token_ids",
                       "prompt_embeds", "repetition_detection", "watermarking")
 OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
@@ -198,6 +198,7 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Any, max_n: int = DEFAULT
     for name in ("documents", "reasoning_effort"):  # vLLM's template variables, over chat_template_kwargs'
         if getattr(req, name) is not None:
             template_kwargs[name] = getattr(req, name)
+    rendering = rendering.for_request(req.chat_template, req.chat_template_kwargs)
     return chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt, tools,
                            continue_final_message=req.continue_final_message, template_kwargs=template_kwargs,
                            add_special_tokens=req.add_special_tokens, rendering=rendering), params

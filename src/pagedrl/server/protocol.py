@@ -272,12 +272,12 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the final (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
+    chat_template: str | None = None  # vLLM's: this request's own template (--trust-request-chat-template)
     # vLLM's: template variables too (a RAG template's documents; a reasoning model's effort)
     documents: list[dict[str, str]] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens around the rendered prompt
     # not implemented: declared only to be refused (inputs.UNSUPPORTED_EXTRAS), not in the schema
-    chat_template: SkipJsonSchema[Any] = None
     functions: SkipJsonSchema[Any] = None  # OpenAI's deprecated function calling (use tools)
     function_call: SkipJsonSchema[Any] = None
     echo: SkipJsonSchema[Any] = None  # vLLM's echo of the last message on chat

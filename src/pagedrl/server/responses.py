@@ -40,6 +40,7 @@ from pagedrl.server.logprobs import (
     prompt_logprobs,
 )
 from pagedrl.server.protocol import FunctionCall, ToolCall
+from pagedrl.server.request_log import RequestLog, delta_text
 from pagedrl.server.response_bodies import (
     AssistantMessage,
     ChatChoice,
@@ -252,12 +253,15 @@ def tool_deltas(reader: ChoiceToolReader, c: CompletionOutput) -> DeltaMessage:
 
 async def chat_stream(group: RequestGroup, request_id: str, model: str, params: SamplingParams,
                       include_usage: bool, names: TokenText, plan: ToolPlan | None = None,
-                      role: str = "assistant", extras: Extras | None = None) -> AsyncIterator[bytes]:
+                      role: str = "assistant", extras: Extras | None = None,
+                      log: RequestLog | None = None) -> AsyncIterator[bytes]:
+    """The chunks of a chat answer; `log` (--enable-log-outputs) logs each delta and each choice's whole text."""
     extras = extras or Extras()
     created = now_s()
     readers = {i: tool_reader(plan) for i in range(params.n)}
     prompt_ids = list(group.streams[0].prompt_token_ids)
     made = [0] * params.n  # completion tokens of each choice so far
+    texts = dict.fromkeys(range(params.n), "")
 
     def chunk(choice: ChatStreamChoice, **more: Any) -> bytes:
         so_far = counted(len(prompt_ids), made[choice.index]) if include_usage and extras.continuous_usage else None
@@ -281,8 +285,13 @@ async def chat_stream(group: RequestGroup, request_id: str, model: str, params: 
                     delta = DeltaMessage(content=c.text) if reader is None else tool_deltas(reader, c)
                     finish_reason = c.finish_reason if reader is None else reader.finish_reason(c.finish_reason)
                     ids = list(c.token_ids) if extras.token_ids else None
+                    texts[c.index] += c.text
                     if reader is not None and not (delta.content or delta.tool_calls or lp or finish_reason or ids):
                         continue  # text held back (a possible tag, a call not yet complete)
+                    if log is not None:
+                        arguments = "".join(t.function.arguments or "" for t in delta.tool_calls or () if t.function)
+                        log.generated(request_id, delta_text(delta.content, arguments), c.token_ids, finish_reason,
+                                      streaming=True, delta=True)
                     events.append(chunk(ChatStreamChoice(index=c.index, delta=delta, logprobs=lp, token_ids=ids,
                                                          finish_reason=finish_reason, stop_reason=c.stop_reason)))
             if events:
@@ -291,6 +300,8 @@ async def chat_stream(group: RequestGroup, request_id: str, model: str, params: 
             body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                        usage=stream_usage(group))
             yield sse(body.model_dump_json())
+        for text in texts.values() if log is not None else ():
+            log.generated(request_id, text, None, "streaming_complete", streaming=True)
     except (RequestAborted, RequestFailed) as e:
         yield error_event(e)
     finally:

@@ -16,19 +16,24 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from pagedrl.engine.outputs import CompletionOutput
 from pagedrl.engine.request_stream import RequestGroup
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.server.delivery import EventStreamResponse, final_outputs_unless_disconnected, json_response
 from pagedrl.server.errors import ApiError, bad_request, read_json
+from pagedrl.server.logprobs import TokenText
 from pagedrl.server.openapi import errors, json_or_events, request_body
 from pagedrl.server.protocol import ChatCompletionRequest
 from pagedrl.server.request_ids import base_request_id
+from pagedrl.server.request_log import RequestLog, answer_text
+from pagedrl.server.response_bodies import ChatTokenLogprob
 from pagedrl.server.responses import chat_message
 from pagedrl.server.responses_bodies import (
     OutputFunctionCall,
     OutputMessage,
     ResponseDeleted,
     ResponseObject,
+    text_logprobs,
     whole_response,
 )
 from pagedrl.server.responses_inputs import chat_form, in_responses_terms
@@ -57,6 +62,12 @@ def assistant_turn(response: ResponseObject) -> dict[str, Any]:
     return turn
 
 
+def logged_text(turn: dict[str, Any]) -> str:
+    """An answer as --enable-log-outputs logs it: its text, else its calls."""
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in turn.get("tool_calls", ())]
+    return answer_text(turn["content"], calls)
+
+
 def base_response(req: ResponsesRequest, response_id: str, model: str, params: SamplingParams,
                   stored: bool) -> ResponseObject:
     """The response before its answer: the request's settings as OpenAI says them back."""
@@ -71,12 +82,15 @@ def base_response(req: ResponsesRequest, response_id: str, model: str, params: S
         else {"format": {"type": "text"}},
         reasoning=req.reasoning.model_dump() if req.reasoning is not None else None,
         previous_response_id=req.previous_response_id, store=stored, metadata=req.metadata or {}, user=req.user,
-        service_tier=req.service_tier or "default")
+        service_tier=req.service_tier or "default", top_logprobs=req.top_logprobs)
 
 
 def responses_router(start_chat: StartChat, served_model_name: str, store: ResponseStore | None,
-                     max_request_body_bytes: int) -> APIRouter:
-    """The routes; without a `store` only `POST /responses` answers anything but 404 (vLLM's default)."""
+                     max_request_body_bytes: int, token_text: Callable[[SamplingParams], TokenText],
+                     request_log: RequestLog) -> APIRouter:
+    """The routes; without a `store` only `POST /responses` answers anything but 404 (vLLM's default).
+    `token_text` names a request's tokens in its log-probs, as on the chat route; `request_log` logs the
+    answers with --enable-log-outputs."""
     router = APIRouter()
 
     def stored(response_id: str, param: str | None = None) -> StoredResponse:
@@ -107,12 +121,26 @@ def responses_router(start_chat: StartChat, served_model_name: str, store: Respo
             if keep:
                 store.put(response, [*form.conversation, assistant_turn(response)])
 
+        names, top = token_text(params), params.logprobs
+
+        def logprobs_of(c: CompletionOutput) -> list[ChatTokenLogprob]:
+            return text_logprobs(c, names, top)
+
+        asked = top is not None
+        def streamed(response: ResponseObject) -> None:
+            done(response)
+            request_log.generated(response_id, logged_text(assistant_turn(response)), None, "streaming_complete",
+                                  streaming=True)
+
         if req.stream:
-            return EventStreamResponse(response_stream(group, base, plan, done), group.abort)
+            return EventStreamResponse(response_stream(group, base, plan, streamed, logprobs_of if asked else None),
+                                       group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
-        message, finish_reason = chat_message(outputs[0].outputs[0], plan)
-        response = whole_response(base, outputs[0], message, finish_reason)
+        c = outputs[0].outputs[0]
+        message, finish_reason = chat_message(c, plan)
+        response = whole_response(base, outputs[0], message, finish_reason, logprobs_of(c) if asked else None)
         done(response)
+        request_log.generated(response_id, logged_text(assistant_turn(response)), c.token_ids, finish_reason)
         return json_response(response)
 
     @router.get("/responses/{response_id}", response_model=None, openapi_extra=BY_ID,

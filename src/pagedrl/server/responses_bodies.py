@@ -2,6 +2,11 @@
 chat answer becomes them: its text a `message` item with one `output_text` part, each tool call a
 `function_call` item (`call_id`, `name`, `arguments`). The client's `output_text` property joins the
 text parts; nothing here needs to compute it.
+
+With `include: ["message.output_text.logprobs"]` the text part carries the chat route's log-probs of
+the answer's tokens (`server/logprobs.py`: `token`, `logprob`, `bytes`, `top_logprobs`), every token's,
+as vLLM gives them: the tokens of a tool call the text part does not show are among them, and an
+answer that is only calls has no text part to carry any.
 """
 
 from __future__ import annotations
@@ -11,8 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from pagedrl.engine.outputs import RequestOutput
-from pagedrl.server.response_bodies import AssistantMessage, now_s
+from pagedrl.engine.outputs import CompletionOutput, RequestOutput
+from pagedrl.server.logprobs import TokenText, chat_logprobs
+from pagedrl.server.response_bodies import AssistantMessage, ChatTokenLogprob, now_s
 
 
 def item_id(prefix: str) -> str:
@@ -23,7 +29,7 @@ class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[Any] = Field(default_factory=list)
+    logprobs: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
 class OutputMessage(BaseModel):
@@ -101,6 +107,7 @@ class ResponseObject(BaseModel):
     background: bool = False
     truncation: Literal["disabled"] = "disabled"
     service_tier: str = "default"
+    top_logprobs: int | None = None
 
 
 class ResponseDeleted(BaseModel):
@@ -109,13 +116,19 @@ class ResponseDeleted(BaseModel):
     deleted: bool = True
 
 
-def output_items(message: AssistantMessage, incomplete: bool) -> list[OutputItem]:
-    """An answer's items: its text (when it has some, or when it has nothing else), then its calls. When
-    the token limit cut the answer, the last item is the one cut: `incomplete` (a call's arguments are
-    then not whole JSON, and a client must not run it)."""
+def text_logprobs(c: CompletionOutput, names: TokenText, top: int) -> list[ChatTokenLogprob]:
+    """The log-probs of `c`'s tokens (a whole answer's, or a stream's delta) as the chat route gives them."""
+    return chat_logprobs(c, 0, len(c.token_ids), names, top).content or []
+
+
+def output_items(message: AssistantMessage, incomplete: bool,
+                 logprobs: list[ChatTokenLogprob] | None = None) -> list[OutputItem]:
+    """An answer's items: its text (when it has some, or when it has nothing else) with `logprobs`, then
+    its calls. When the token limit cut the answer, the last item is the one cut: `incomplete` (a call's
+    arguments are then not whole JSON, and a client must not run it)."""
     items: list[OutputItem] = []
     if message.content or not message.tool_calls:
-        items.append(OutputMessage(content=[OutputText(text=message.content or "")]))
+        items.append(OutputMessage(content=[OutputText(text=message.content or "", logprobs=logprobs or [])]))
     items.extend(OutputFunctionCall(call_id=c.id, name=c.function.name, arguments=c.function.arguments)
                  for c in message.tool_calls)
     if incomplete:
@@ -145,7 +158,7 @@ def finished(base: ResponseObject, items: list[OutputItem], finish_reason: str |
 
 
 def whole_response(base: ResponseObject, output: RequestOutput, message: AssistantMessage,
-                   finish_reason: str | None) -> ResponseObject:
+                   finish_reason: str | None, logprobs: list[ChatTokenLogprob] | None = None) -> ResponseObject:
     c = output.outputs[0]
     usage = usage_of(len(output.prompt_token_ids), len(c.token_ids), output.num_cached_tokens)
-    return finished(base, output_items(message, finish_reason == "length"), finish_reason, usage, c.error)
+    return finished(base, output_items(message, finish_reason == "length", logprobs), finish_reason, usage, c.error)

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from pagedrl.server.errors import ApiError, bad_request, from_validation_error
 from pagedrl.server.protocol import ChatCompletionRequest
 from pagedrl.server.responses_protocol import (
+    OUTPUT_LOGPROBS,
     FunctionCallItem,
     FunctionCallOutputItem,
     InputPart,
@@ -28,8 +29,8 @@ from pagedrl.server.responses_protocol import (
 
 TEXT_PARTS = ("input_text", "output_text")
 # known fields this server does not implement: a 400 naming each when given
-UNSUPPORTED = {"background": "background responses", "include": "include", "top_logprobs": "top_logprobs",
-               "max_tool_calls": "max_tool_calls", "conversation": "conversations", "prompt": "prompt templates"}
+UNSUPPORTED = {"background": "background responses", "max_tool_calls": "max_tool_calls",
+               "conversation": "conversations", "prompt": "prompt templates"}
 
 
 @dataclass
@@ -93,6 +94,10 @@ def item_messages(items: list[MessageItem | FunctionCallItem | FunctionCallOutpu
         origins.append(where)
 
 
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    return OUTPUT_LOGPROBS in (req.include or ())
+
+
 def chat_body(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
     body: dict[str, Any] = {"model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
                             "temperature": req.temperature, "top_p": req.top_p, "user": req.user,
@@ -118,6 +123,8 @@ def chat_body(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str
             raise bad_request("text.format of type json_schema needs a schema", param="text.format.schema")
         body["response_format"] = {"type": "json_schema", "json_schema": {
             "name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}}
+    if wants_logprobs(req):  # the chat route's log-probs, bounded by --max-logprobs as there
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs
     if req.reasoning is not None and req.reasoning.effort is not None:
         body["chat_template_kwargs"] = {"reasoning_effort": req.reasoning.effort}
     return {k: v for k, v in body.items() if v is not None}

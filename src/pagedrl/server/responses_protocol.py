@@ -2,7 +2,7 @@
 
 Unlike the older routes' bodies, this one is closed: the Responses API is one fixed set of fields, so
 a field this server does not know is a 400 naming it (`unknown field 'conversation'`) rather than
-ignored. Fields it knows but does not implement (`background`, `include`, `top_logprobs`, ...) are
+ignored. Fields it knows but does not implement (`background`, `max_tool_calls`, ...) are
 declared, kept out of the schema, and refused by name in `responses_inputs.py`. Input items and
 tools are read leniently inside (an output item sent back as input carries `id`, `status`,
 `annotations`), and an item or part of a type not served is refused naming its type.
@@ -16,7 +16,7 @@ from pydantic import ConfigDict, Discriminator, Field, Tag
 from pydantic.json_schema import SkipJsonSchema
 
 from pagedrl.server.errors import ITEM_TYPES
-from pagedrl.server.protocol import INTEGRAL, JsonSchemaDoc, NonEmptyStr, OpenAIBase
+from pagedrl.server.protocol import INTEGRAL, JsonSchemaDoc, NonEmptyStr, OpenAIBase, TopLogprobs
 
 
 def _text_part_schema(schema: dict[str, Any]) -> None:
@@ -112,6 +112,13 @@ class Reasoning(OpenAIBase):
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
+# OpenAI's `include` values; only the log-probs add anything here, the others name items this server never makes
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+Includable = Literal["file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                     "message.input_image.image_url", "computer_call_output.output.image_url",
+                     "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs"]
+
+
 class StreamOptions(OpenAIBase):
     include_obfuscation: bool = True  # accepted; no obfuscation field is sent
 
@@ -141,10 +148,12 @@ class ResponsesRequest(OpenAIBase):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     truncation: Literal["disabled", "auto"] | None = None  # "auto" refused: a long input is a 400, not cut
+    # with OUTPUT_LOGPROBS in `include`, each output_text part's tokens and their `top_logprobs` alternatives
+    # (vLLM's rule: top_logprobs alone asks for nothing)
+    include: list[Includable] | None = None
+    top_logprobs: TopLogprobs | None = None
     # known, not implemented: refused by name when given (responses_inputs.UNSUPPORTED), not in the schema
     background: SkipJsonSchema[bool | None] = None
-    include: SkipJsonSchema[list[str] | None] = None
-    top_logprobs: SkipJsonSchema[int | None] = None
     max_tool_calls: SkipJsonSchema[int | None] = None
     conversation: SkipJsonSchema[Any] = None
     prompt: SkipJsonSchema[Any] = None

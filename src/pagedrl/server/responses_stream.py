@@ -13,6 +13,11 @@ in the order the `openai` client's stream helpers accumulate them:
 The text and calls are read from DELTA outputs with the chat stream's tool reader, so a streamed
 answer is made of the same text and calls as the whole one, in the order written: text a model writes
 after a call opens a second message item here, where the whole answer joins its text in one.
+
+With log-probs asked for, each `response.output_text.delta` carries those of the tokens that came since
+the last one (a token whose text is held back, inside a character or a possible stop string, goes with
+the next text; what is left at the end, such as the end-of-text token, with a last empty delta), and
+`response.output_text.done`, the part and the final response carry the item's whole list.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from pagedrl.engine.outputs import CompletionOutput
 from pagedrl.engine.request_stream import RequestAborted, RequestFailed, RequestGroup
+from pagedrl.server.response_bodies import ChatTokenLogprob
 from pagedrl.server.responses import tool_reader
 from pagedrl.server.responses_bodies import (
     OutputFunctionCall,
@@ -68,7 +75,7 @@ class StreamedItems:
         self.open = item
         return [self.emit("response.output_item.added", output_index=len(self.items) - 1, item=dump(item))]
 
-    def text(self, delta: str) -> list[bytes]:
+    def text(self, delta: str, logprobs: list[ChatTokenLogprob] | None = None) -> list[bytes]:
         events: list[bytes] = []
         if not isinstance(self.open, OutputMessage):
             events += self.close()
@@ -76,10 +83,13 @@ class StreamedItems:
             self.open.content.append(OutputText(text=""))
             events.append(self.emit("response.content_part.added", item_id=self.open.id,
                                     output_index=len(self.items) - 1, content_index=0, part=dump(OutputText(text=""))))
-        if delta:
-            self.open.content[0].text += delta
+        if delta or logprobs:
+            part = self.open.content[0]
+            part.text += delta
+            part.logprobs += logprobs or []
             events.append(self.emit("response.output_text.delta", item_id=self.open.id,
-                                    output_index=len(self.items) - 1, content_index=0, delta=delta, logprobs=[]))
+                                    output_index=len(self.items) - 1, content_index=0, delta=delta,
+                                    logprobs=[dump(lp) for lp in logprobs or []]))
         return events
 
     def call(self, call: ParsedCall) -> list[bytes]:
@@ -104,7 +114,7 @@ class StreamedItems:
         if isinstance(item, OutputMessage):
             part = item.content[0]
             events.append(self.emit("response.output_text.done", item_id=item.id, output_index=index,
-                                    content_index=0, text=part.text, logprobs=[]))
+                                    content_index=0, text=part.text, logprobs=[dump(lp) for lp in part.logprobs]))
             events.append(self.emit("response.content_part.done", item_id=item.id, output_index=index,
                                     content_index=0, part=dump(part)))
         else:
@@ -112,19 +122,25 @@ class StreamedItems:
                                     name=item.name, arguments=item.arguments))
         return [*events, self.emit("response.output_item.done", output_index=index, item=dump(item))]
 
-    def finish(self, incomplete: bool) -> list[bytes]:
-        """Close the last item; an answer with nothing in it is one empty message, as the whole one."""
-        events = [] if self.items else self.text("")
+    def finish(self, incomplete: bool, logprobs: list[ChatTokenLogprob]) -> list[bytes]:
+        """Close the last item, the `logprobs` not yet sent going to its text; an answer with nothing in it
+        is one empty message, as the whole one."""
+        last_text = not self.items or isinstance(self.open, OutputMessage)
+        events = self.text("", logprobs) if last_text and (logprobs or not self.items) else []
         return events + self.close(incomplete)
 
 
 async def response_stream(group: RequestGroup, base: ResponseObject, plan: ToolPlan | None,
-                          on_done: Callable[[ResponseObject], None]) -> AsyncIterator[bytes]:
-    """The events of one answer; `on_done` gets the final response (to store it) before the last event."""
+                          on_done: Callable[[ResponseObject], None],
+                          logprobs_of: Callable[[CompletionOutput], list[ChatTokenLogprob]] | None = None
+                          ) -> AsyncIterator[bytes]:
+    """The events of one answer; `on_done` gets the final response (to store it) before the last event.
+    With `logprobs_of` (a delta's log-probs), the text events carry them."""
     emit = EventWriter()
     items = StreamedItems(emit)
     reader = tool_reader(plan)
     finish_reason, error, cached = None, None, 0
+    pending: list[ChatTokenLogprob] = []  # log-probs of tokens whose text is not out yet
     yield emit("response.created", response=dump(base)) + emit("response.in_progress", response=dump(base))
     try:
         async for updates in group:
@@ -133,9 +149,12 @@ async def response_stream(group: RequestGroup, base: ResponseObject, plan: ToolP
                 cached = max(cached, out.num_cached_tokens)
                 for c in out.outputs:
                     done = c.finish_reason is not None
+                    if logprobs_of is not None:
+                        pending += logprobs_of(c)
                     content, calls, arguments = (c.text, [], "") if reader is None else reader.feed(c.text, done)
                     if content:
-                        events += items.text(content)
+                        events += items.text(content, pending)
+                        pending = []
                     for call in calls:
                         events += items.call(call)
                     events += items.arguments(arguments)
@@ -148,7 +167,7 @@ async def response_stream(group: RequestGroup, base: ResponseObject, plan: ToolP
         finish_reason, error = ("error" if isinstance(e, RequestFailed) else "abort"), str(e)
     finally:
         group.abort()
-    events = items.finish(finish_reason == "length")
+    events = items.finish(finish_reason == "length", pending)
     stream = group.streams[0]
     usage = usage_of(len(stream.prompt_token_ids), stream.num_generation_tokens, cached)
     final = finished(base, items.items, finish_reason, usage, error)

@@ -198,7 +198,9 @@ def build_server(args: argparse.Namespace) -> Any:
                     chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
                     chat_template_content_format=args.chat_template_content_format,
                     response_role=args.response_role, enable_log_requests=args.enable_log_requests,
-                    max_log_len=args.max_log_len, fastapi_docs=not args.disable_fastapi_docs,
+                    max_log_len=args.max_log_len, enable_log_outputs=args.enable_log_outputs,
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    fastapi_docs=not args.disable_fastapi_docs,
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     stats = engine.metrics_snapshot()
     if stats.lora is not None:

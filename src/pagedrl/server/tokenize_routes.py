@@ -47,6 +47,7 @@ class TokenizeRequest(OpenAIBase):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # as on the chat route, so that its prompt counts the same
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # as on the chat route: with --trust-request-chat-template only
 
 
 class DetokenizeRequest(OpenAIBase):
@@ -92,7 +93,7 @@ def prompt_ids(tokenizer: Any, req: TokenizeRequest, rendering: ChatRendering = 
         raise bad_request(CONTINUE_NEEDS_NO_GENERATION_PROMPT, param="continue_final_message")
     return chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt, tools,
                            continue_final_message=req.continue_final_message, template_kwargs=req.chat_template_kwargs,
-                           rendering=rendering)
+                           rendering=rendering.for_request(req.chat_template, req.chat_template_kwargs))
 
 
 def tokenize_router(tokenizer: Any, served: ServedModels, max_model_len: int, vocab_size: int,
