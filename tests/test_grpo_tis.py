@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import trl.trainer.grpo_trainer as trl_grpo
+import yaml
 from test_grpo import grpo, write_prompts
 from test_grpo_loss_types import flat_gradient
 from test_losses_trl import SAPO, VESPO, _grpo_batch, _ours_grpo, _trl_grpo
@@ -174,6 +175,26 @@ def test_the_default_is_pagedrl_s_token_truncate_and_trl_s_keys_are_read(tmp_pat
     assert load_config(GRPOConfig, path, ["tis_cap=3"]).tis_cap == 3.0
 
 
+def test_tis_cap_null_keeps_its_old_meaning_and_trl_s_null_cap_is_unset(tmp_path) -> None:
+    """`tis_cap: null` with the default mode and no `tis_min` meant the correction off before the modes (and is in
+    configs saved beside older checkpoints): it still does. TRL's deprecated `vllm_importance_sampling_cap: None`
+    means "not given" in TRL (its `to_dict()` writes it beside `_clip_max`), so `_clip_max` stays in force."""
+    for overrides in (["tis_cap=null"], ["vllm_importance_sampling_clip_max=null"]):
+        c = load_config(GRPOConfig, None, [*GRPO, *overrides])
+        assert (c.tis_correction, c.tis_mode, c.tis_cap, c.tis_min) == (False, "token_truncate", None, None)
+    assert GRPOConfig(tis_cap=None).tis_correction is False
+    c = load_config(GRPOConfig, None, [*GRPO, "vllm_importance_sampling_mode=sequence_mask",
+                                       "vllm_importance_sampling_cap=null"])
+    assert (c.tis_correction, c.tis_mode, c.tis_cap) == (True, "sequence_mask", 3.0)
+    written = trl_grpo.GRPOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True).to_dict()
+    keys = {k: v for k, v in written.items() if k.startswith("vllm_importance_sampling")}
+    assert keys["vllm_importance_sampling_cap"] is None and keys["vllm_importance_sampling_clip_max"] == 3.0
+    path = tmp_path / "trl.yaml"
+    path.write_text(yaml.safe_dump({**keys, "reward_funcs": ["accuracy"]}))
+    c = load_config(GRPOConfig, path)
+    assert (c.tis_correction, c.tis_mode, c.tis_cap, c.tis_min) == (True, "sequence_mask", 3.0, None)
+
+
 def test_two_spellings_of_one_setting_must_agree(tmp_path) -> None:
     path = tmp_path / "both.yaml"
     path.write_text("tis_cap: 2.0\nvllm_importance_sampling_clip_max: 3.0\nreward_funcs: [accuracy]\n")
@@ -197,8 +218,6 @@ def test_two_spellings_of_one_setting_must_agree(tmp_path) -> None:
      r"^tis_cap: must be null or >= 1, got 0.5 \(from command line, as vllm_importance_sampling_clip_max\)"),
     (["vllm_importance_sampling_clip_min=1.5"], r"^tis_min: must be null or in \[0, 1\], got 1.5"),
     (["tis_min=1", "tis_cap=1"], r"^tis_min: must be less than tis_cap, got 1.0 and 1.0"),
-    (["vllm_importance_sampling_clip_max=null"],
-     r"^tis_cap: token_truncate needs a bound, tis_cap or tis_min \(tis_correction: false turns the correction off\)"),
     (["tis_cap=null", "tis_mode=sequence_truncate"], r"^tis_cap: sequence_truncate needs a bound"),
     (["loss_type=vespo", "vllm_importance_sampling_mode=sequence_mask"],
      r"^tis_mode: vespo weighs in the rollout's weights per token: token_truncate or token_mask, got sequence_mask"),

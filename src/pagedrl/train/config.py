@@ -30,7 +30,7 @@ from pagedrl.model.precision import choose_precision
 from pagedrl.model.projections import LAYER_PROJECTIONS
 from pagedrl.model.quantized_linear import QuantizedBase
 from pagedrl.train.config_values import MISSING, coerce, describe, load_yaml
-from pagedrl.train.trl_names import RATIO_STEPS, fixed_value, not_here, trl_form
+from pagedrl.train.trl_names import NULL_IS_UNSET, RATIO_STEPS, fixed_value, not_here, trl_form
 
 REPORTERS: tuple[str, ...] = ("none", "jsonl", "tensorboard")
 COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # bnb_4bit_compute_dtype
@@ -315,6 +315,8 @@ def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: Se
 
     def put(key: Any, value: Any, source: str, raw: str | None = None) -> None:
         given = key
+        if value is None and key in NULL_IS_UNSET:
+            return
         if isinstance(key, str):
             key, value = trl_form(key, value)  # TRL's spellings of pagedrl's fields and of their values
             if key not in names and fixed_value(key, value, source):  # a TRL option set to what pagedrl does

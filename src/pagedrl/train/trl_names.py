@@ -22,6 +22,9 @@ ALIASES = {
     "vllm_importance_sampling_clip_min": "tis_min",
 }
 
+# TRL keys whose null is "not given" (TRL's own `to_dict()` writes them so): dropped, never set to None.
+NULL_IS_UNSET = ("vllm_importance_sampling_cap",)  # deprecated; its None leaves _clip_max in force
+
 _STEPS_ONLY = "pagedrl evaluates, saves and logs every N steps: set eval_steps / save_steps / logging_steps"
 _ENGINE = "rollouts always run on pagedrl's own paged engine in the training process (no vLLM server or colocation)"
 _ONE_PRECISION = "pagedrl trains in float32 or bf16 (`bf16`)"

@@ -153,6 +153,10 @@ class GRPOConfig(OnlineConfig):
                  f"must be null or in [0, 1], got {self.tis_min}")
         _require(self.tis_min is None or self.tis_cap is None or self.tis_min < self.tis_cap, "tis_min",
                  f"must be less than tis_cap, got {self.tis_min} and {self.tis_cap}")
+        if self.tis_correction and self.tis_mode == "token_truncate" and self.tis_cap is None and self.tis_min is None:
+            # Nothing to truncate at: what `tis_cap: null` meant before the modes (configs saved beside older
+            # checkpoints say it), so it keeps meaning the correction off.
+            self.tis_correction = False
         if not self.tis_correction:
             return
         _require(not self.tis_mode.endswith("_truncate") or self.tis_cap is not None or self.tis_min is not None,
