@@ -2,7 +2,7 @@
 
 Per optimizer step: ask the algorithm for this rank's micro-batches, sum their normaliser counts
 and all-reduce the sum (before any forward pass), then run each micro-batch's loss — divided by
-that global count — and backward, clip, step AdamW and the schedule (`train/optim.py` builds
+that global count — and backward, clip, step the optimizer and the schedule (`train/optim.py` builds
 them), log, evaluate, save.
 
 Why the gradient does not depend on the split: every micro-batch's loss is its sum divided by the
@@ -146,7 +146,7 @@ class Trainer:
         return StepResult(step_loss, totals.all_reduce(self.dist), count, len(batches))
 
     def optimizer_step(self) -> float:
-        """Clip (max_grad_norm; 0 = no clipping), step AdamW and the schedule; returns the norm."""
+        """Clip (max_grad_norm; 0 = no clipping), step the optimizer and the schedule; returns the norm."""
         params = [p for p in self.module.parameters() if p.requires_grad]
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
         norm = self.parallel.clip_grad_norm(params, max_norm)
