@@ -134,3 +134,29 @@ def test_resume_restores_rngs_and_a_half_full_logging_window(tmp_path) -> None:
         first.train()
     toy_trainer(tmp_path / "b", resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-3")).train()
     assert metric_rows(tmp_path / "b") == expected
+
+
+@pytest.mark.parametrize("fields", [
+    dict(optim="adamw_torch_fused", lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
+         warmup_steps=2),
+    dict(optim="sgd", lr_scheduler_type="warmup_stable_decay", lr_scheduler_kwargs={"num_decay_steps": 4},
+         warmup_steps=2),
+    dict(lr_scheduler_type="polynomial", lr_scheduler_kwargs={"power": 2.0, "lr_end": 1e-3}, warmup_steps=2,
+         warmup_starts_at_zero=False),
+], ids=["fused-min-lr", "sgd-wsd", "polynomial"])
+def test_resume_keeps_the_optimizer_and_the_schedule_of_its_options(tmp_path, fields) -> None:
+    toy_trainer(tmp_path / "a", **fields).train()
+    expected = metric_rows(tmp_path / "a")
+    first = toy_trainer(tmp_path / "b", **fields)
+    interrupt_at(first, 5)
+    with pytest.raises(Interrupted):
+        first.train()
+    checkpoint = tmp_path / "b" / "checkpoint-3"
+    other = "adamw_torch" if fields.get("optim") else "sgd"
+    with pytest.raises(ValueError, match=rf"holds the optimizer state of optim {fields.get('optim', 'adamw_torch')}, "
+                                         rf"this run's optim is {other}"):
+        toy_trainer(tmp_path / "b", resume_from_checkpoint=str(checkpoint), **{**fields, "optim": other}).train()
+    resumed = toy_trainer(tmp_path / "b", resume_from_checkpoint=str(checkpoint), **fields)
+    resumed.train()
+    assert metric_rows(tmp_path / "b") == expected
+    assert resumed.optimizer.param_groups[0].get("fused") == (fields.get("optim") == "adamw_torch_fused" or None)

@@ -30,6 +30,7 @@ from pagedrl.model.precision import choose_precision
 from pagedrl.model.projections import LAYER_PROJECTIONS
 from pagedrl.model.quantized_linear import QuantizedBase
 from pagedrl.train.config_values import MISSING, coerce, describe, load_yaml
+from pagedrl.train.schedules import ScheduleError, check_schedule
 from pagedrl.train.trl_names import NULL_IS_UNSET, RATIO_STEPS, fixed_value, not_here, trl_form
 
 REPORTERS: tuple[str, ...] = ("none", "jsonl", "tensorboard")
@@ -64,13 +65,18 @@ class TrainConfig:
     eval_dataset: str | None = None
     output_dir: str = "trainer_output"
 
-    # Optimizer (AdamW) and schedule.
+    # Optimizer and schedule. optim: transformers' names of torch's AdamW (adamw_torch_fused its fused
+    # kernel, transformers 5's default; the same update, rounded differently) and plain SGD.
+    optim: Literal["adamw_torch", "adamw_torch_fused", "sgd"] = "adamw_torch"
     learning_rate: float = 5e-5
     per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     max_steps: int = -1  # -1: derive from num_train_epochs
     num_train_epochs: float = 3.0
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    # transformers' SchedulerType names that need no metric (train/schedules.py), and their options as
+    # transformers' lr_scheduler_kwargs (e.g. cosine_with_min_lr: {min_lr_rate: 0.1}).
+    lr_scheduler_type: str = "linear"
+    lr_scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
     warmup_steps: int = 0  # wins over warmup_ratio when > 0
     warmup_ratio: float = 0.0
     # True: transformers' warm-up, whose first step trains at learning rate 0. False: step s of a
@@ -161,6 +167,11 @@ class TrainConfig:
         _require(self.num_train_epochs > 0, "num_train_epochs", f"must be > 0, got {self.num_train_epochs}")
         _require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         _require(0.0 <= self.warmup_ratio <= 1.0, "warmup_ratio", f"must lie in [0, 1], got {self.warmup_ratio}")
+        try:
+            check_schedule(self.lr_scheduler_type, self.lr_scheduler_kwargs, self.learning_rate,
+                           self.warmup_steps > 0 or self.warmup_ratio > 0, self.warmup_starts_at_zero)
+        except ScheduleError as e:
+            raise TrainConfigError(e.key, e.message) from None
         _require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
         for key in ("adam_beta1", "adam_beta2"):
             _require(0.0 <= getattr(self, key) < 1.0, key, f"must lie in [0, 1), got {getattr(self, key)}")
@@ -348,7 +359,7 @@ def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: Se
     try:
         return cls(**values)
     except TrainConfigError as e:
-        source = sources.get(e.key, "defaults")
+        source = sources.get(e.key.split(".")[0], "defaults")  # lr_scheduler_kwargs.<key>: the mapping's
         raise TrainConfigError(e.key, f"{e.message} (from {source})") from None
 
 

@@ -5,6 +5,7 @@ scalar for a one-element list), and nothing else, so a wrong type is caught at l
 
 from __future__ import annotations
 
+import json
 import re
 import types
 from typing import Any, Literal, Union, get_args, get_origin
@@ -26,12 +27,14 @@ def describe(hint: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin is list:
         return f"a list of {describe(args[0])}"
+    if origin is dict:
+        return "a mapping of key: value (or its JSON text)"
     return getattr(hint, "__name__", str(hint))
 
 
 def coerce(value: Any, hint: Any) -> Any:
     """`value` as an instance of `hint`, or MISSING. Only lossless conversions: int to float,
-    float text to float (see FLOAT_TEXT), a scalar to a one-element list."""
+    float text to float (see FLOAT_TEXT), a scalar to a one-element list, null or JSON text to a mapping."""
     origin, args = get_origin(hint), get_args(hint)
     if hint is type(None):
         return None if value is None else MISSING
@@ -47,6 +50,15 @@ def coerce(value: Any, hint: Any) -> Any:
         items = value if isinstance(value, list) else [value]
         out = [coerce(v, args[0]) for v in items]
         return MISSING if any(v is MISSING for v in out) else out
+    if origin is dict:  # transformers' dict fields: null for none, a mapping, or its JSON text (as its CLI takes)
+        if value is None:
+            return {}
+        if isinstance(value, str) and value.strip().startswith("{"):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                return MISSING
+        return dict(value) if isinstance(value, dict) and all(isinstance(k, str) for k in value) else MISSING
     if hint is bool:
         return value if isinstance(value, bool) else MISSING
     if hint is int:

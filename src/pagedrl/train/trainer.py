@@ -2,7 +2,7 @@
 
 Per optimizer step: ask the algorithm for this rank's micro-batches, sum their normaliser counts
 and all-reduce the sum (before any forward pass), then run each micro-batch's loss — divided by
-that global count — and backward, clip, step AdamW and the schedule (`train/optim.py` builds
+that global count — and backward, clip, step the optimizer and the schedule (`train/optim.py` builds
 them), log, evaluate, save.
 
 Why the gradient does not depend on the split: every micro-batch's loss is its sum divided by the
@@ -47,7 +47,7 @@ from pagedrl.train.distributed import (
 from pagedrl.train.interrupt import StopFlag, TrainingInterrupted
 from pagedrl.train.logging import RunLogger
 from pagedrl.train.metrics import Metric, MetricTotals, as_metric
-from pagedrl.train.optim import build_optimizer, total_steps
+from pagedrl.train.optim import build_optimizer, check_same_optim, total_steps
 from pagedrl.train.parallel import Parallel
 from pagedrl.train.trl_names import RATIO_STEPS, steps_of
 
@@ -146,7 +146,7 @@ class Trainer:
         return StepResult(step_loss, totals.all_reduce(self.dist), count, len(batches))
 
     def optimizer_step(self) -> float:
-        """Clip (max_grad_norm; 0 = no clipping), step AdamW and the schedule; returns the norm."""
+        """Clip (max_grad_norm; 0 = no clipping), step the optimizer and the schedule; returns the norm."""
         params = [p for p in self.module.parameters() if p.requires_grad]
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
         norm = self.parallel.clip_grad_norm(params, max_norm)
@@ -346,6 +346,7 @@ class Trainer:
             raise ValueError(f"resume_from_checkpoint: {folder} was written by {written_by}, this run is "
                              f"{self.algorithm.name}; start {self.algorithm.name} from its model instead "
                              f"(model={folder})")
+        check_same_optim(self.config.optim, state["optimizer"], folder)
         with self.parallel.loading():
             self.algorithm.load_model(folder)
         self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
@@ -376,8 +377,9 @@ class Trainer:
             + (" (max_steps)" if c.max_steps > 0 else f" ({c.num_train_epochs:g} epochs)")
             + (f" = {self.total_steps * a.examples_per_step / a.num_examples:.2f} epochs of {a.num_examples} rows"
                if a.num_examples else ""),
-            f"  learning rate       {c.learning_rate:g}, {c.lr_scheduler_type} after {self.warmup_steps} warm-up steps; "
-            f"max_grad_norm {c.max_grad_norm:g}",
+            f"  learning rate       {c.learning_rate:g} ({c.optim}), {c.lr_scheduler_type}"
+            f"{' ' + str(c.lr_scheduler_kwargs) if c.lr_scheduler_kwargs else ''} after {self.warmup_steps} warm-up "
+            f"steps; max_grad_norm {c.max_grad_norm:g}",
             f"  loss normalised by  {a.normaliser} over the whole step (all micro-batches, all processes)",
         ]
         if d.distributed:

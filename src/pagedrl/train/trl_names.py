@@ -38,14 +38,14 @@ NOT_HERE = {
     "logging_strategy": _STEPS_ONLY,
     "per_device_eval_batch_size": "evaluations run in batches of per_device_train_batch_size",
     "fp16": _ONE_PRECISION, "tf32": _ONE_PRECISION, "torch_dtype": _ONE_PRECISION, "dtype": _ONE_PRECISION,
-    "optim": "the optimizer is AdamW (adam_beta1, adam_beta2, adam_epsilon, weight_decay)",
+    "optim_args": "optim takes adamw_torch, adamw_torch_fused (adam_beta1, adam_beta2, adam_epsilon, weight_decay) "
+    "or sgd (plain SGD, without momentum)",
     "deepspeed": "several processes run with torchrun: DDP, or FSDP2 (`fsdp`)",
     "push_to_hub": "checkpoints are written to output_dir in Hugging Face layout; upload them yourself",
     "hub_model_id": "checkpoints are written to output_dir in Hugging Face layout; upload them yourself",
     "load_best_model_at_end": "final/ is the last step's model; each checkpoint-N/ is a step's",
     "run_name": "runs are named by output_dir",
     "gradient_checkpointing_kwargs": "gradient_checkpointing takes true or false",
-    "lr_scheduler_kwargs": "lr_scheduler_type is linear, cosine, constant or constant_with_warmup, without options",
     "lora_bias": "LoRA's B matrices have no bias here", "init_lora_weights": "LoRA starts as PEFT's default "
     "(A Kaiming-uniform, B zero); other initialisations are not built",
     "rank_pattern": "every adapted projection takes lora_r", "alpha_pattern": "every adapted projection takes lora_alpha",
