@@ -144,3 +144,16 @@ class ReasoningPlan:
 
     def reader(self) -> ReasoningReader:
         return ReasoningReader(self.parser, self.thinking, self.prompt_ended)
+
+
+def reasoning_plan(parser: str | None, template_kwargs: dict | None, constrained: bool, prompt: str,
+                   include: bool = True) -> ReasoningPlan | None:
+    """A chat request's plan (None without a parser). qwen3 reads `enable_thinking` from the request's
+    `chat_template_kwargs`, as vLLM's parser does. A request whose output a grammar constrains
+    (`tool_choice` required or named, `response_format`, structured outputs) is held to it from its
+    first token here (vLLM starts the grammar after the reasoning), so its answer is content unless the
+    grammar itself writes a `</think>`."""
+    if parser is None:
+        return None
+    thinking = not constrained and (parser != "qwen3" or bool((template_kwargs or {}).get("enable_thinking", True)))
+    return ReasoningPlan(parser, thinking, prompt_ends_reasoning(prompt), include)

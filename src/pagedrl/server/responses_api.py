@@ -22,6 +22,7 @@ from pagedrl.server.delivery import EventStreamResponse, final_outputs_unless_di
 from pagedrl.server.errors import ApiError, bad_request, read_json
 from pagedrl.server.openapi import errors, json_or_events, request_body
 from pagedrl.server.protocol import ChatCompletionRequest
+from pagedrl.server.reasoning_parsers import ReasoningPlan
 from pagedrl.server.request_ids import base_request_id
 from pagedrl.server.responses import chat_message
 from pagedrl.server.responses_bodies import (
@@ -39,7 +40,8 @@ from pagedrl.server.tools import ToolPlan
 
 # the chat route's path from a request to running engine requests (app.py)
 # (the request, the id the request log names it by)
-StartChat = Callable[[ChatCompletionRequest, str], Awaitable[tuple[RequestGroup, SamplingParams, ToolPlan | None]]]
+StartChat = Callable[[ChatCompletionRequest, str],
+                     Awaitable[tuple[RequestGroup, SamplingParams, ToolPlan | None, ReasoningPlan | None]]]
 # the id in the path, declared by hand: a typed handler argument would add FastAPI's own 422 body to the
 # document, where every error this server answers is OpenAI's error object
 BY_ID = {"parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]}
@@ -97,7 +99,7 @@ def responses_router(start_chat: StartChat, served_model_name: str, store: Respo
         form = chat_form(req, history)
         response_id = req.request_id or f"resp_{base_request_id(request, None)}"  # vLLM's field, else as chat's
         try:
-            group, params, plan = await start_chat(form.request, response_id)
+            group, params, plan, thinking = await start_chat(form.request, response_id)
         except ApiError as e:
             raise in_responses_terms(e, form.origins) from None
         keep = store is not None and req.store
@@ -108,9 +110,9 @@ def responses_router(start_chat: StartChat, served_model_name: str, store: Respo
                 store.put(response, [*form.conversation, assistant_turn(response)])
 
         if req.stream:
-            return EventStreamResponse(response_stream(group, base, plan, done), group.abort)
+            return EventStreamResponse(response_stream(group, base, plan, done, thinking), group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
-        message, finish_reason = chat_message(outputs[0].outputs[0], plan)
+        message, finish_reason = chat_message(outputs[0].outputs[0], plan, thinking)
         response = whole_response(base, outputs[0], message, finish_reason)
         done(response)
         return json_response(response)

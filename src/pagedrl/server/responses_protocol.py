@@ -105,7 +105,8 @@ class TextConfig(OpenAIBase):
 
 class Reasoning(OpenAIBase):
     """Accepted; `effort` reaches the chat template as `reasoning_effort` (templates that read it, such
-    as gpt-oss's, follow it). No reasoning items are made: what a model thinks stays in its text."""
+    as gpt-oss's, follow it). Reasoning items are made by the server's `--reasoning-parser`; without
+    one, what a model thinks stays in its text."""
 
     model_config = ConfigDict(extra="forbid")
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
