@@ -13,7 +13,8 @@
   `</think>` is all content;
 - a prompt that already closed the reasoning (its last `</think>` after its last `<think>`: the
   empty think block Qwen3's template writes for `enable_thinking: false`) leaves the whole answer
-  content, as vLLM's serving code checks the prompt's tokens.
+  content, as vLLM's streaming code checks the prompt's tokens (here whole answers too, so that a
+  stream and a whole answer always agree).
 
 vLLM matches the tags as single tokens; here they are matched in the text, which for these models'
 tokenizers (both tags are one added token each) finds the same places.
