@@ -92,6 +92,12 @@ def test_an_answer_that_never_closes_its_reasoning_is_reasoning_on_both_routes(c
     deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert deltas == message.reasoning
     assert [e.response.output[0].content[0].text for e in events if e.type == "response.incomplete"] == [deltas]
+    # the reasoning item sent back with the conversation, as clients do, is accepted and left out of the prompt
+    again = [{"role": "user", "content": CHAT[0]["content"]}, {"role": "user", "content": "and three?"}]
+    with_item = client.responses.create(model=model, input=[again[0], r.output[0].model_dump(exclude_none=True),
+                                                            again[1]], temperature=0, max_output_tokens=2)
+    assert with_item.usage.input_tokens == client.responses.create(
+        model=model, input=again, temperature=0, max_output_tokens=2).usage.input_tokens
 
 
 def test_qwen3_follows_enable_thinking_and_unknown_parsers_are_refused(capsys) -> None:
