@@ -66,6 +66,8 @@ EXCLUDED: dict[tuple[str, str], str] = {
     ("docs/serving.md", "generate Qwen/Qwen2.5-0.5B-Instruct"): "downloads a model from the Hub",
     ("docs/serving.md", "pagedrl serve --port 8000"): "a server that runs until stopped (tests/test_server_*.py "
                                                       "start one and send it these requests)",
+    ("docs/serving.md", "message.reasoning, r.choices[0]"): "a client of a running Qwen3 server "
+                                                            "(tests/test_server_reasoning.py runs the same calls)",
     ("docs/serving.md", "client.responses.create("): "a client of a running server (tests/test_server_responses.py "
                                                        "starts one and sends it such requests)",
     ("docs/serving.md", "lm_eval --model local-completions"): "needs lm-evaluation-harness (not a dependency) "

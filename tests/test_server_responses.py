@@ -215,7 +215,7 @@ def error_of(r: httpx.Response, status: int) -> dict:
 
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"input": "x", "seed": 1}, "seed", "unknown field"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0", "item type"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input.0", "item type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input.0.content.0.type", "input_image"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role", "user"),

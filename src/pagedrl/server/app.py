@@ -40,6 +40,7 @@ from pagedrl.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedrl.server.openapi import errors, json_or_events, request_body
 from pagedrl.server.openapi import install as install_openapi
 from pagedrl.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from pagedrl.server.reasoning_parsers import ReasoningPlan, reasoning_plan
 from pagedrl.server.request_ids import RequestIdHeader, base_request_id
 from pagedrl.server.request_log import RequestLog, answer_text
 from pagedrl.server.response_bodies import (
@@ -117,7 +118,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
               chat_template_content_format: str = "auto", response_role: str = "assistant",
               enable_log_requests: bool = False, max_log_len: int | None = None, enable_log_outputs: bool = False,
               trust_request_chat_template: bool = False, fastapi_docs: bool = True,
-              return_tokens_as_token_ids: bool = False) -> FastAPI:
+              return_tokens_as_token_ids: bool = False, reasoning_parser: str | None = None) -> FastAPI:
     """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
     With `ui`, `/` answers with the chat page (`server/ui_routes.py`), a static file that calls the
     API like any client (and needs the API key like any client). With `api_key`, every route that
@@ -140,7 +141,9 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     logs every request as it is accepted, its prompt cut to `max_log_len`, and with `enable_log_outputs`
     every chat and Responses answer (`server/request_log.py`); without `fastapi_docs` there is no /docs,
     /redoc or /openapi.json (vLLM's `--disable-fastapi-docs`); `return_tokens_as_token_ids` (vLLM's flag)
-    names log-probs' tokens `token_id:<id>` for requests that do not say (`server/logprobs.py`)."""
+    names log-probs' tokens `token_id:<id>` for requests that do not say (`server/logprobs.py`);
+    `reasoning_parser` (vLLM's `--reasoning-parser`) splits a thinking model's chat answers into reasoning
+    and content (`server/reasoning_parsers.py`)."""
     served = ServedModels(served_model_name, read=engine.read_lora if engine.lora_enabled else None)
     served_model_name = served.base_name  # the first of several names: what metrics and defaults use
     for module in lora_modules:
@@ -221,9 +224,10 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
                       continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats))
 
     async def start_chat(req: ChatCompletionRequest, log_id: str | None = None
-                         ) -> tuple[RequestGroup, SamplingParams, ToolPlan | None]:
+                         ) -> tuple[RequestGroup, SamplingParams, ToolPlan | None, ReasoningPlan | None]:
         """A chat request's engine request, running: /v1/chat/completions and /v1/responses both start
-        theirs here, so the same messages are the same prompt and sampling on either route."""
+        theirs here, so the same messages are the same prompt and sampling on either route; and how its
+        answer's reasoning is told from its content."""
         lora = check_model(req.model)
         plan = tool_plan(req, tool_call_parser, enable_auto_tool_choice)
         if plan is not None:  # schemas compile off the event loop (cached: a repeated tool costs nothing)
@@ -231,7 +235,10 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan, sampling_defaults, max_tokens_cap, rendering)
         group = await submit([prompt_ids], params, {"logprobs": "top_logprobs", **structured_outputs(req)[1]}, lora,
                              log_id, req.cache_salt)
-        return group, params, plan
+        thinking = None if reasoning_parser is None else reasoning_plan(
+            reasoning_parser, req.chat_template_kwargs, params.structured_outputs is not None,
+            tokenizer.decode(prompt_ids, skip_special_tokens=False), req.include_reasoning)
+        return group, params, plan, thinking
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
@@ -269,17 +276,17 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     async def chat_completions(request: Request) -> Response:
         req = await read_json(request, ChatCompletionRequest, max_request_body_bytes)
         request_id = f"chatcmpl-{base_request_id(request, req.request_id)}"
-        group, params, plan = await start_chat(req, request_id)
+        group, params, plan, thinking = await start_chat(req, request_id)
         model = req.model or served_model_name
         role = response_role if req.add_generation_prompt else req.messages[-1].role  # as vLLM answers
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStreamResponse(chat_stream(group, request_id, model, params, include_usage,
-                                                   token_text(params, req), plan, role, extras(req),
+                                                   token_text(params, req), plan, role, extras(req), thinking,
                                                    log=request_log), group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
         response = chat_response(request_id, model, outputs[0], params, token_text(params, req), plan, role,
-                                 extras(req))
+                                 extras(req), thinking)
         for choice in response.choices:
             calls = [(t.function.name, t.function.arguments) for t in choice.message.tool_calls]
             request_log.generated(request_id, answer_text(choice.message.content, calls),

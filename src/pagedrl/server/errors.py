@@ -70,7 +70,7 @@ def from_value_error(e: ValueError, renames: dict[str, str] | None = None) -> Ap
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 # The tags of discriminated unions of list items (a Responses input item's type): pydantic puts the tag
 # after the item's index, where the client sent no such key.
-ITEM_TYPES = ("message", "function_call", "function_call_output")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
 def _most_telling(errors: list) -> dict:

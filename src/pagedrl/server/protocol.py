@@ -277,6 +277,7 @@ class ChatCompletionRequest(SamplingRequest):
     documents: list[dict[str, str]] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens around the rendered prompt
+    include_reasoning: bool = True  # vLLM's: with --reasoning-parser, false leaves the reasoning out
     # not implemented: declared only to be refused (inputs.UNSUPPORTED_EXTRAS), not in the schema
     functions: SkipJsonSchema[Any] = None  # OpenAI's deprecated function calling (use tools)
     function_call: SkipJsonSchema[Any] = None

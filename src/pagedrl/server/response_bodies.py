@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field, computed_field, model_serializer
 
 from pagedrl.server.protocol import ToolCall
 
@@ -79,9 +79,17 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """vLLM's message: with a `--reasoning-parser`, the model's reasoning in `reasoning` (vLLM's field
+    now) and in `reasoning_content` (its earlier name, which many clients still read)."""
+
     role: str = "assistant"  # vLLM's --response-role, or the last message's role without a generation prompt
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @computed_field
+    def reasoning_content(self) -> str | None:
+        return self.reasoning
 
 
 class WithoutNulls(BaseModel):
@@ -131,7 +139,12 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(WithoutNulls):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None  # and as reasoning_content, as AssistantMessage
     tool_calls: list[DeltaToolCall] | None = None
+
+    @computed_field
+    def reasoning_content(self) -> str | None:
+        return self.reasoning
 
 
 class ChatStreamChoice(BaseModel):

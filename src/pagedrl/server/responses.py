@@ -40,6 +40,7 @@ from pagedrl.server.logprobs import (
     prompt_logprobs,
 )
 from pagedrl.server.protocol import FunctionCall, ToolCall
+from pagedrl.server.reasoning_parsers import ReasoningPlan, ReasoningReader
 from pagedrl.server.request_log import RequestLog, delta_text
 from pagedrl.server.response_bodies import (
     AssistantMessage,
@@ -138,26 +139,33 @@ def tool_reader(plan: ToolPlan | None) -> ChoiceToolReader | None:
     return None if plan is None or plan.mode == "none" else ChoiceToolReader(plan.mode, plan.parser, plan.name)
 
 
-def chat_message(c: CompletionOutput, plan: ToolPlan | None) -> tuple[AssistantMessage, str | None]:
-    """A whole choice's message and finish reason, its tool calls read out as the plan asks."""
+def chat_message(c: CompletionOutput, plan: ToolPlan | None,
+                 thinking: ReasoningPlan | None = None) -> tuple[AssistantMessage, str | None]:
+    """A whole choice's message and finish reason: its reasoning split off first (`--reasoning-parser`),
+    then its tool calls read out of what is left, as the plan asks (vLLM parses tools from the content
+    after the reasoning, never from the reasoning)."""
+    reasoning, text = (None, c.text) if thinking is None else thinking.split(c.text)
+    if thinking is not None and not thinking.include:
+        reasoning = None
     reader = tool_reader(plan)
     if reader is None:
-        return AssistantMessage(content=c.text), c.finish_reason
-    content, calls, arguments = reader.feed(c.text, finished=True)
+        return AssistantMessage(content=text, reasoning=reasoning), c.finish_reason
+    content, calls, arguments = reader.feed(text or "", finished=True)
     tool_calls = [ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments + arguments))
                   for call in calls]
-    return AssistantMessage(content=content or None, tool_calls=tool_calls), reader.finish_reason(c.finish_reason)
+    return (AssistantMessage(content=content or None, reasoning=reasoning, tool_calls=tool_calls),
+            reader.finish_reason(c.finish_reason))
 
 
 def chat_response(request_id: str, model: str, output: RequestOutput, params: SamplingParams,
                   names: TokenText, plan: ToolPlan | None = None, role: str = "assistant",
-                  extras: Extras | None = None) -> ChatCompletionResponse:
+                  extras: Extras | None = None, thinking: ReasoningPlan | None = None) -> ChatCompletionResponse:
     """The whole answer; `role` is the message's (vLLM's --response-role, or the last message's role when
     the request asked for no generation prompt)."""
     with_ids = extras is not None and extras.token_ids
     choices = []
     for c in output.outputs:
-        message, finish_reason = chat_message(c, plan)
+        message, finish_reason = chat_message(c, plan, thinking)
         message.role = role
         lp = chat_logprobs(c, 0, len(c.token_ids), names, params.logprobs) if params.logprobs is not None else None
         choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason, logprobs=lp,
@@ -237,10 +245,22 @@ async def completion_stream(group: RequestGroup, request_id: str, model: str, pa
     yield DONE
 
 
-def tool_deltas(reader: ChoiceToolReader, c: CompletionOutput) -> DeltaMessage:
-    """A choice's delta with its tool calls read out: each new call whole (its id, name and
-    arguments so far), and a named call's arguments as they are written."""
-    content, calls, arguments = reader.feed(c.text, finished=c.finish_reason is not None)
+def split_delta(thinking: ReasoningReader | None, text: str, finished: bool) -> tuple[str, str]:
+    """A delta's (reasoning, content): all content without a reasoning parser."""
+    if thinking is None:
+        return "", text
+    reasoning, content = thinking.feed(text)
+    if finished:
+        more_reasoning, more_content = thinking.finish()
+        reasoning, content = reasoning + more_reasoning, content + more_content
+    return reasoning, content
+
+
+def tool_deltas(reader: ChoiceToolReader, c: CompletionOutput, text: str | None = None) -> DeltaMessage:
+    """A choice's delta with its tool calls read out of `text` (the delta's content; its whole text when
+    None): each new call whole (its id, name and arguments so far), and a named call's arguments as
+    they are written."""
+    content, calls, arguments = reader.feed(c.text if text is None else text, finished=c.finish_reason is not None)
     deltas = []
     for call in calls:
         deltas.append(DeltaToolCall(index=reader.num_calls - len(calls) + len(deltas), id=call.id, type="function",
@@ -254,11 +274,15 @@ def tool_deltas(reader: ChoiceToolReader, c: CompletionOutput) -> DeltaMessage:
 async def chat_stream(group: RequestGroup, request_id: str, model: str, params: SamplingParams,
                       include_usage: bool, names: TokenText, plan: ToolPlan | None = None,
                       role: str = "assistant", extras: Extras | None = None,
-                      log: RequestLog | None = None) -> AsyncIterator[bytes]:
-    """The chunks of a chat answer; `log` (--enable-log-outputs) logs each delta and each choice's whole text."""
+                      thinking: ReasoningPlan | None = None, log: RequestLog | None = None) -> AsyncIterator[bytes]:
+    """The chunks of a chat answer; with a reasoning parser each delta's text is split into `reasoning`
+    and `content` first, and tool calls are read from the content; `log` (--enable-log-outputs) logs each
+    delta and each choice's whole text."""
     extras = extras or Extras()
     created = now_s()
     readers = {i: tool_reader(plan) for i in range(params.n)}
+    thinkers = {i: thinking.reader() if thinking is not None else None for i in range(params.n)}
+    show_reasoning = thinking is None or thinking.include
     prompt_ids = list(group.streams[0].prompt_token_ids)
     made = [0] * params.n  # completion tokens of each choice so far
     texts = dict.fromkeys(range(params.n), "")
@@ -281,13 +305,18 @@ async def chat_stream(group: RequestGroup, request_id: str, model: str, params: 
                         continue
                     made[c.index] += len(c.token_ids)
                     lp = chat_logprobs(c, 0, len(c.token_ids), names, params.logprobs) if params.logprobs is not None else None
-                    reader = readers[c.index]
-                    delta = DeltaMessage(content=c.text) if reader is None else tool_deltas(reader, c)
+                    reader, thinker = readers[c.index], thinkers[c.index]
+                    reasoning, text = split_delta(thinker, c.text, c.finish_reason is not None)
+                    delta = DeltaMessage(content=text) if reader is None else tool_deltas(reader, c, text)
+                    delta.reasoning = reasoning if reasoning and show_reasoning else None
                     finish_reason = c.finish_reason if reader is None else reader.finish_reason(c.finish_reason)
                     ids = list(c.token_ids) if extras.token_ids else None
                     texts[c.index] += c.text
-                    if reader is not None and not (delta.content or delta.tool_calls or lp or finish_reason or ids):
+                    if (reader is not None or thinker is not None) and not (
+                            delta.content or delta.reasoning or delta.tool_calls or lp or finish_reason or ids):
                         continue  # text held back (a possible tag, a call not yet complete)
+                    if thinker is not None and not delta.content:
+                        delta.content = None  # a reasoning delta carries no content field
                     if log is not None:
                         arguments = "".join(t.function.arguments or "" for t in delta.tool_calls or () if t.function)
                         log.generated(request_id, delta_text(delta.content, arguments), c.token_ids, finish_reason,

@@ -24,6 +24,7 @@ from pagedrl.server.errors import ApiError, bad_request, read_json
 from pagedrl.server.logprobs import TokenText
 from pagedrl.server.openapi import errors, json_or_events, request_body
 from pagedrl.server.protocol import ChatCompletionRequest
+from pagedrl.server.reasoning_parsers import ReasoningPlan
 from pagedrl.server.request_ids import base_request_id
 from pagedrl.server.request_log import RequestLog, answer_text
 from pagedrl.server.response_bodies import ChatTokenLogprob
@@ -44,7 +45,8 @@ from pagedrl.server.tools import ToolPlan
 
 # the chat route's path from a request to running engine requests (app.py)
 # (the request, the id the request log names it by)
-StartChat = Callable[[ChatCompletionRequest, str], Awaitable[tuple[RequestGroup, SamplingParams, ToolPlan | None]]]
+StartChat = Callable[[ChatCompletionRequest, str],
+                     Awaitable[tuple[RequestGroup, SamplingParams, ToolPlan | None, ReasoningPlan | None]]]
 # the id in the path, declared by hand: a typed handler argument would add FastAPI's own 422 body to the
 # document, where every error this server answers is OpenAI's error object
 BY_ID = {"parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]}
@@ -111,7 +113,7 @@ def responses_router(start_chat: StartChat, served_model_name: str, store: Respo
         form = chat_form(req, history)
         response_id = req.request_id or f"resp_{base_request_id(request, None)}"  # vLLM's field, else as chat's
         try:
-            group, params, plan = await start_chat(form.request, response_id)
+            group, params, plan, thinking = await start_chat(form.request, response_id)
         except ApiError as e:
             raise in_responses_terms(e, form.origins) from None
         keep = store is not None and req.store
@@ -133,11 +135,11 @@ def responses_router(start_chat: StartChat, served_model_name: str, store: Respo
                                   streaming=True)
 
         if req.stream:
-            return EventStreamResponse(response_stream(group, base, plan, streamed, logprobs_of if asked else None),
-                                       group.abort)
+            return EventStreamResponse(response_stream(group, base, plan, streamed, logprobs_of if asked else None,
+                                                       thinking), group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
         c = outputs[0].outputs[0]
-        message, finish_reason = chat_message(c, plan)
+        message, finish_reason = chat_message(c, plan, thinking)
         response = whole_response(base, outputs[0], message, finish_reason, logprobs_of(c) if asked else None)
         done(response)
         request_log.generated(response_id, logged_text(assistant_turn(response)), c.token_ids, finish_reason)

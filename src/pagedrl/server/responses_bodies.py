@@ -1,6 +1,7 @@
 """The Responses API's response object and its output items, in OpenAI's shapes, and how a finished
-chat answer becomes them: its text a `message` item with one `output_text` part, each tool call a
-`function_call` item (`call_id`, `name`, `arguments`). The client's `output_text` property joins the
+chat answer becomes them: with a `--reasoning-parser`, its reasoning a `reasoning` item first (one
+`reasoning_text` part, as vLLM's serving_responses gives it), its text a `message` item with one
+`output_text` part, each tool call a `function_call` item (`call_id`, `name`, `arguments`). The client's `output_text` property joins the
 text parts; nothing here needs to compute it.
 
 With `include: ["message.output_text.logprobs"]` the text part carries the chat route's log-probs of
@@ -40,6 +41,19 @@ class OutputMessage(BaseModel):
     content: list[OutputText] = Field(default_factory=list)
 
 
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    id: str = Field(default_factory=lambda: item_id("rs"))
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
 class OutputFunctionCall(BaseModel):
     id: str = Field(default_factory=lambda: item_id("fc"))
     type: Literal["function_call"] = "function_call"
@@ -49,7 +63,7 @@ class OutputFunctionCall(BaseModel):
     arguments: str
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(BaseModel):
@@ -58,7 +72,7 @@ class InputTokensDetails(BaseModel):
 
 
 class OutputTokensDetails(BaseModel):
-    reasoning_tokens: int = 0  # no reasoning is told apart from the text here
+    reasoning_tokens: int = 0  # not counted (the reasoning is told apart in the text, not by token)
 
 
 class ResponseUsage(BaseModel):
@@ -123,11 +137,13 @@ def text_logprobs(c: CompletionOutput, names: TokenText, top: int) -> list[ChatT
 
 def output_items(message: AssistantMessage, incomplete: bool,
                  logprobs: list[ChatTokenLogprob] | None = None) -> list[OutputItem]:
-    """An answer's items: its text (when it has some, or when it has nothing else) with `logprobs`, then
-    its calls. When the token limit cut the answer, the last item is the one cut: `incomplete` (a call's
-    arguments are then not whole JSON, and a client must not run it)."""
+    """An answer's items: its reasoning, its text (when it has some, or when it has nothing else) with
+    `logprobs`, then its calls. When the token limit cut the answer, the last item is the one cut:
+    `incomplete` (a call's arguments are then not whole JSON, and a client must not run it)."""
     items: list[OutputItem] = []
-    if message.content or not message.tool_calls:
+    if message.reasoning:
+        items.append(OutputReasoning(content=[ReasoningText(text=message.reasoning)]))
+    if message.content or not (message.tool_calls or items):
         items.append(OutputMessage(content=[OutputText(text=message.content or "", logprobs=logprobs or [])]))
     items.extend(OutputFunctionCall(call_id=c.id, name=c.function.name, arguments=c.function.arguments)
                  for c in message.tool_calls)

@@ -24,6 +24,7 @@ from pagedrl.server.responses_protocol import (
     FunctionCallOutputItem,
     InputPart,
     MessageItem,
+    ReasoningItem,
     ResponsesRequest,
 )
 
@@ -67,12 +68,14 @@ def parts(content: str | list[InputPart], where: str) -> str | list[dict[str, st
     return out
 
 
-def item_messages(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem],
+def item_messages(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem],
                   messages: list[dict[str, Any]], origins: list[str]) -> None:
     """Append the input items to `messages` as chat messages; consecutive calls join one assistant turn
     (and the assistant's message just before them), as OpenAI's output lists a turn's text then its calls."""
     for i, item in enumerate(items):
         where = f"input.{i}"
+        if isinstance(item, ReasoningItem):
+            continue  # past reasoning is not shown to the model again
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": parts(item.content, f"{where}.content")})

@@ -56,6 +56,18 @@ class FunctionCallOutputItem(OpenAIBase):
     output: str | list[InputPart]
 
 
+class ReasoningItem(OpenAIBase):
+    """An earlier answer's reasoning item (`--reasoning-parser`), sent back with its output as OpenAI's
+    clients do: accepted and left out of the prompt, as the chat templates of thinking models leave
+    out past turns' reasoning."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[dict[str, Any]] | None = None
+    status: str | None = None
+
+
 def _item_type(value: Any) -> str | None:
     """An item's tag: its `type`, or `message` for the short form `{"role", "content"}`."""
     if isinstance(value, dict):
@@ -66,9 +78,10 @@ def _item_type(value: Any) -> str | None:
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type, custom_error_type="input_item_type",
-                  custom_error_message="item type not supported here (message, function_call, function_call_output)")]
+                  custom_error_message="item type not supported here (message, function_call, function_call_output, "
+                                       "reasoning)")]
 
 
 class FunctionTool(OpenAIBase):
@@ -105,7 +118,8 @@ class TextConfig(OpenAIBase):
 
 class Reasoning(OpenAIBase):
     """Accepted; `effort` reaches the chat template as `reasoning_effort` (templates that read it, such
-    as gpt-oss's, follow it). No reasoning items are made: what a model thinks stays in its text."""
+    as gpt-oss's, follow it). Reasoning items are made by the server's `--reasoning-parser`; without
+    one, what a model thinks stays in its text."""
 
     model_config = ConfigDict(extra="forbid")
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None

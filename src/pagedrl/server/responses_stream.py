@@ -3,6 +3,8 @@ in the order the `openai` client's stream helpers accumulate them:
 
     response.created, response.in_progress,
     per item: response.output_item.added,
+      reasoning: response.content_part.added, response.reasoning_text.delta ..., response.reasoning_text.done,
+                 response.content_part.done;
       a message: response.content_part.added, response.output_text.delta ..., response.output_text.done,
                  response.content_part.done;
       a function call: response.function_call_arguments.delta ..., response.function_call_arguments.done;
@@ -10,7 +12,7 @@ in the order the `openai` client's stream helpers accumulate them:
     and last response.completed (or response.incomplete when max_output_tokens cut it, response.failed
     when the engine could not finish it), carrying the whole response.
 
-The text and calls are read from DELTA outputs with the chat stream's tool reader, so a streamed
+The reasoning, text and calls are read from DELTA outputs with the chat stream's readers, so a streamed
 answer is made of the same text and calls as the whole one, in the order written: text a model writes
 after a call opens a second message item here, where the whole answer joins its text in one.
 
@@ -28,13 +30,16 @@ from typing import Any
 
 from pagedrl.engine.outputs import CompletionOutput
 from pagedrl.engine.request_stream import RequestAborted, RequestFailed, RequestGroup
+from pagedrl.server.reasoning_parsers import ReasoningPlan
 from pagedrl.server.response_bodies import ChatTokenLogprob
-from pagedrl.server.responses import tool_reader
+from pagedrl.server.responses import split_delta, tool_reader
 from pagedrl.server.responses_bodies import (
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    ReasoningText,
     ResponseObject,
     finished,
     usage_of,
@@ -92,6 +97,20 @@ class StreamedItems:
                                     logprobs=[dump(lp) for lp in logprobs or []]))
         return events
 
+    def reasoning(self, delta: str) -> list[bytes]:
+        """Reasoning goes to an open reasoning item (vLLM's `reasoning_text` events)."""
+        events: list[bytes] = []
+        if not isinstance(self.open, OutputReasoning):
+            events += self.close()
+            events += self._add(OutputReasoning(status="in_progress"))
+            self.open.content.append(ReasoningText(text=""))
+            events.append(self.emit("response.content_part.added", item_id=self.open.id, output_index=len(self.items) - 1,
+                                    content_index=0, part=dump(ReasoningText(text=""))))
+        self.open.content[0].text += delta
+        events.append(self.emit("response.reasoning_text.delta", item_id=self.open.id, output_index=len(self.items) - 1,
+                                content_index=0, delta=delta))
+        return events
+
     def call(self, call: ParsedCall) -> list[bytes]:
         events = self.close()
         events += self._add(OutputFunctionCall(status="in_progress", call_id=call.id, name=call.name, arguments=""))
@@ -117,6 +136,12 @@ class StreamedItems:
                                     content_index=0, text=part.text, logprobs=[dump(lp) for lp in part.logprobs]))
             events.append(self.emit("response.content_part.done", item_id=item.id, output_index=index,
                                     content_index=0, part=dump(part)))
+        elif isinstance(item, OutputReasoning):
+            part = item.content[0]
+            events.append(self.emit("response.reasoning_text.done", item_id=item.id, output_index=index,
+                                    content_index=0, text=part.text))
+            events.append(self.emit("response.content_part.done", item_id=item.id, output_index=index,
+                                    content_index=0, part=dump(part)))
         else:
             events.append(self.emit("response.function_call_arguments.done", item_id=item.id, output_index=index,
                                     name=item.name, arguments=item.arguments))
@@ -132,13 +157,16 @@ class StreamedItems:
 
 async def response_stream(group: RequestGroup, base: ResponseObject, plan: ToolPlan | None,
                           on_done: Callable[[ResponseObject], None],
-                          logprobs_of: Callable[[CompletionOutput], list[ChatTokenLogprob]] | None = None
-                          ) -> AsyncIterator[bytes]:
+                          logprobs_of: Callable[[CompletionOutput], list[ChatTokenLogprob]] | None = None,
+                          thinking: ReasoningPlan | None = None) -> AsyncIterator[bytes]:
     """The events of one answer; `on_done` gets the final response (to store it) before the last event.
-    With `logprobs_of` (a delta's log-probs), the text events carry them."""
+    With `logprobs_of` (a delta's log-probs), the text events carry them (a reasoning's tokens' go with the
+    answer's first text, as the whole answer's text part holds every token's)."""
     emit = EventWriter()
     items = StreamedItems(emit)
     reader = tool_reader(plan)
+    thinker = thinking.reader() if thinking is not None else None
+    show_reasoning = thinking is None or thinking.include
     finish_reason, error, cached = None, None, 0
     pending: list[ChatTokenLogprob] = []  # log-probs of tokens whose text is not out yet
     yield emit("response.created", response=dump(base)) + emit("response.in_progress", response=dump(base))
@@ -151,7 +179,10 @@ async def response_stream(group: RequestGroup, base: ResponseObject, plan: ToolP
                     done = c.finish_reason is not None
                     if logprobs_of is not None:
                         pending += logprobs_of(c)
-                    content, calls, arguments = (c.text, [], "") if reader is None else reader.feed(c.text, done)
+                    reasoning, text = split_delta(thinker, c.text, done)
+                    if reasoning and show_reasoning:
+                        events += items.reasoning(reasoning)
+                    content, calls, arguments = (text, [], "") if reader is None else reader.feed(text, done)
                     if content:
                         events += items.text(content, pending)
                         pending = []

@@ -31,6 +31,7 @@ from pagedrl.server.chat_template_flags import (
     load_chat_template,
 )
 from pagedrl.server.inputs import DEFAULT_MAX_N
+from pagedrl.server.reasoning_parsers import REASONING_PARSERS
 from pagedrl.server.request_log import add_request_log_arguments
 from pagedrl.server.responses_store import DEFAULT_MAX_BYTES as DEFAULT_STORE_BYTES
 from pagedrl.server.responses_store import RESPONSES_STORE_ENV, responses_store_from_env
@@ -90,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
                         help="the format the model writes its tool calls in (default: hermes, <tool_call> JSON "
                              "blocks)")
+    server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                        help="split a thinking model's <think> reasoning from its chat answers into the message's "
+                             "reasoning field (vLLM's flag: deepseek_r1 for DeepSeek-R1 and QwQ, qwen3 for Qwen3); "
+                             "default: none, the reasoning stays in the content")
     server.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="name log-probs' tokens token_id:<id> unless a request says otherwise (vLLM's flag)")
     server.add_argument("--disable-fastapi-docs", action="store_true",
@@ -201,7 +206,8 @@ def build_server(args: argparse.Namespace) -> Any:
                     max_log_len=args.max_log_len, enable_log_outputs=args.enable_log_outputs,
                     trust_request_chat_template=args.trust_request_chat_template,
                     fastapi_docs=not args.disable_fastapi_docs,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                    reasoning_parser=args.reasoning_parser)
     stats = engine.metrics_snapshot()
     if stats.lora is not None:
         logger.info("LoRA: %d slots of rank up to %d on every decoder projection (%.1f MiB)", args.max_loras,

@@ -1,0 +1,106 @@
+"""The reasoning parsers against the cases of vLLM's own tests (tests/reasoning/
+test_deepseekr1_reasoning_parser.py and test_qwen3_reasoning_parser.py): each whole answer splits
+into vLLM's reasoning and content, and the same answer streamed in pieces of every size (one
+character at a time included, so a tag arrives cut anywhere) joins to the whole split, with no part
+of a tag in either field."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedrl.server.reasoning_parsers import (
+    ReasoningPlan,
+    ReasoningReader,
+    prompt_ends_reasoning,
+    split_reasoning,
+)
+
+# (answer, reasoning, content) as vLLM's non-streaming extract_reasoning gives them
+DEEPSEEK_R1 = [
+    ("This is a reasoning section</think>This is the rest", "This is a reasoning section", "This is the rest"),
+    ("This is a reasoning section</think>", "This is a reasoning section", None),
+    ("This is content", "This is content", None),
+    ("This\nThat</think>This is the rest\nThat", "This\nThat", "This is the rest\nThat"),
+    ("</think>This is the rest", "", "This is the rest"),
+    ("<think>This is a reasoning section</think>This is the rest", "This is a reasoning section", "This is the rest"),
+    ("<think>This is a reasoning section</think>", "This is a reasoning section", None),
+    ("<think>This\nThat</think>This is the rest\nThat", "This\nThat", "This is the rest\nThat"),
+    ("<think>This is a reasoning section", "This is a reasoning section", None),
+    ("", "", None),
+    ("\n<think>This is a reasoning section</think>\nThis is the rest", "This is a reasoning section",
+     "\nThis is the rest"),
+]
+TOOL_CALL_BODY = "<tool_call>\n<function=bash>\n<parameter=command>\ncat /etc/hosts\n</parameter>\n</function>\n</tool_call>"
+QWEN3 = [
+    ("This is a reasoning section</think>This is the rest", "This is a reasoning section", "This is the rest"),
+    ("This is a reasoning section</think>", "This is a reasoning section", None),
+    ("<think>This is a reasoning section</think>This is the rest", "This is a reasoning section", "This is the rest"),
+    ("This is the rest", "This is the rest", None),
+    ("<think>This is a reasoning section</think>", "This is a reasoning section", None),
+    ("<think>This is a reasoning\nsection</think>This is the rest\nThat", "This is a reasoning\nsection",
+     "This is the rest\nThat"),
+    ("<think>This is a reasoning section", "This is a reasoning section", None),
+    ("This is a reasoning section", "This is a reasoning section", None),
+    ("I need to read the file.\n\n" + TOOL_CALL_BODY, "I need to read the file.\n\n", TOOL_CALL_BODY),
+    ("<think>I need to read the file.\n\n" + TOOL_CALL_BODY, "I need to read the file.\n\n", TOOL_CALL_BODY),
+    # a <tool_call> not followed by <function is text of the reasoning (vLLM's lookahead)
+    ("I could write <tool_call> here", "I could write <tool_call> here", None),
+    ("<tool_call>\n{\"name\": \"f\"}</think>done", "<tool_call>\n{\"name\": \"f\"}", "done"),
+]
+# qwen3 with chat_template_kwargs {"enable_thinking": false}
+QWEN3_NO_THINKING = [
+    ("This is plain content", None, "This is plain content"),
+    ("Some output without think tokens", None, "Some output without think tokens"),
+    ("I need to read the file.\n\n" + TOOL_CALL_BODY, None, "I need to read the file.\n\n" + TOOL_CALL_BODY),
+    ("thought</think>answer", "thought", "answer"),
+]
+CASES = ([("deepseek_r1", True, *c) for c in DEEPSEEK_R1] + [("qwen3", True, *c) for c in QWEN3]
+         + [("qwen3", False, *c) for c in QWEN3_NO_THINKING])
+
+
+def streamed(parser: str, text: str, size: int, thinking: bool = True, prompt_ended: bool = False
+             ) -> tuple[str | None, str | None, list[tuple[str, str]]]:
+    """The joined reasoning and content of `text` fed `size` characters at a time, and every delta."""
+    reader = ReasoningReader(parser, thinking, prompt_ended)
+    deltas = [reader.feed(text[i:i + size]) for i in range(0, len(text), size)] + [reader.finish()]
+    reasoning, content = "".join(r for r, _ in deltas), "".join(c for _, c in deltas)
+    return reasoning or None, content or None, deltas
+
+
+@pytest.mark.parametrize("parser,thinking,text,reasoning,content", CASES)
+def test_whole_answers_split_as_vllms_parsers(parser, thinking, text, reasoning, content) -> None:
+    assert split_reasoning(parser, text, thinking) == (reasoning, content)
+
+
+@pytest.mark.parametrize("parser,thinking,text,reasoning,content", CASES)
+def test_streamed_deltas_join_to_the_whole_split(parser, thinking, text, reasoning, content) -> None:
+    for size in range(1, max(len(text), 1) + 1):
+        r, c, deltas = streamed(parser, text, size, thinking)
+        assert (r, c) == (reasoning or None, content or None), size
+        for dr, dc in deltas:  # no piece of a tag is ever sent
+            for piece in (dr, dc):
+                assert "<think>" not in piece and "</think>" not in piece
+
+
+def test_reasoning_streams_before_the_answer_ends() -> None:
+    """Reasoning goes out as it is written, holding back only what may be the start of </think>."""
+    reader = ReasoningReader("deepseek_r1")
+    assert reader.feed("<think>Let me") == ("Let me", "")
+    assert reader.feed(" see.</th") == (" see.", "")
+    assert reader.feed("ink>The answer") == ("", "The answer")
+    assert reader.feed(" is 4.") == ("", " is 4.")
+    assert reader.finish() == ("", "")
+    qwen = ReasoningReader("qwen3")
+    assert qwen.feed("hmm <tool_") == ("hmm ", "")
+    assert qwen.feed("call>\n") == ("", "")  # a call may follow: held until it is known
+    assert qwen.feed("<function=f>") == ("", "<tool_call>\n<function=f>")
+
+
+def test_a_prompt_that_closed_the_reasoning_leaves_all_content() -> None:
+    """Qwen3's template writes an empty think block for enable_thinking false: the answer is content."""
+    prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert prompt_ends_reasoning(prompt) and not prompt_ends_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not prompt_ends_reasoning("no tags at all")
+    plan = ReasoningPlan("deepseek_r1", prompt_ended=True)
+    assert plan.split("Hello</think>there") == (None, "Hello</think>there")
+    assert streamed("deepseek_r1", "Hello</think>there", 3, prompt_ended=True)[:2] == (None, "Hello</think>there")
