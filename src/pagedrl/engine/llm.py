@@ -15,6 +15,15 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedrl.engine.beam_search import (
+    BeamSearchInstance,
+    BeamSearchOutput,
+    BeamSearchParams,
+    advance_all,
+    check_logprobs_limit,
+    live_beams,
+    step_params,
+)
 from pagedrl.engine.engine_args import EngineArgs, ordered_fields
 from pagedrl.engine.generation_defaults import generation_defaults
 from pagedrl.engine.llm_engine import LLMEngine
@@ -263,6 +272,47 @@ class LLM:
         finally:
             bar.close()
         return [done[rid] for rid in request_ids]
+
+    def beam_search(self, prompts: Prompt | Mapping[str, Any] | Seq[Prompt | Mapping[str, Any]],
+                    params: BeamSearchParams, use_tqdm: bool = False,
+                    lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the `params.beam_width` best beams of each prompt, best first
+        (`engine/beam_search.py` says how they are found and ranked). Each sequence's `tokens` start
+        with the prompt's and keep an ending EOS; its `text` is theirs, decoded. Every step is one
+        `generate` call over every live beam of every prompt, whose shared prefixes the prefix cache
+        keeps (with `enable_prefix_caching=False` every step recomputes each beam whole)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        check_logprobs_limit(params, self.engine.config.max_logprobs)
+        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts")
+        instances = []
+        for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+            text_or_ids, _ = as_prompt(prompt, i)
+            ids = self.engine.encode(text_or_ids)
+            instances.append(BeamSearchInstance(ids, params, self.engine.eos_token_ids, lora,
+                                                self.max_model_len - len(ids)))
+        sampling = step_params(params)
+        bar = tqdm(total=params.max_tokens, desc="beam search", unit="token", disable=not use_tqdm)
+        try:
+            while beams := live_beams(instances):
+                advance_all(instances, self.generate([b.tokens for b in beams], sampling, use_tqdm=False,
+                                                     lora_request=[b.lora_request for b in beams]))
+                bar.update(1)
+        finally:
+            bar.close()
+        results = []
+        for inst in instances:
+            best = inst.best()
+            for beam in best:
+                beam.text = self.tokenizer.decode(beam.tokens, skip_special_tokens=False) \
+                    if self.tokenizer is not None else None
+            results.append(BeamSearchOutput(sequences=best))
+        return results
 
     def chat(self, messages: Seq[Mapping[str, Any]] | Seq[Seq[Mapping[str, Any]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
