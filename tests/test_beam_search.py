@@ -108,3 +108,31 @@ def test_a_width_over_max_logprobs_is_refused(models):
     _, _, llm, prompts = models
     with pytest.raises(ValueError, match="beam_width 11"):
         llm.beam_search(prompts, BeamSearchParams(beam_width=11, max_tokens=2))
+
+
+@pytest.mark.parametrize("include_stop_str_in_output", [False, True])
+def test_the_servers_answer_is_the_same_beams_as_completions(models, include_stop_str_in_output):
+    """vLLM's server shape: each choice the completion's tokens (EOS only with include_stop_str_in_output),
+    finish_reason "stop" with EOS as stop_reason, else "length"."""
+    import asyncio
+
+    from pagedrl.engine.beam_search import step_params
+    from pagedrl.server.beam_search import run_beam_search
+
+    _, _, llm, prompts = models
+    beam = BeamSearchParams(beam_width=2, max_tokens=MAX_NEW, length_penalty=0.5,
+                            include_stop_str_in_output=include_stop_str_in_output)
+
+    async def run_step(step_prompts):
+        return llm.generate(step_prompts, step_params(beam), use_tqdm=False)
+
+    answers = asyncio.run(run_beam_search(prompts, beam, run_step, [EOS], llm.max_model_len, "x", None))
+    offline = llm.beam_search(prompts, beam)
+    for prompt, answer, out in zip(prompts, answers, offline, strict=True):
+        assert answer.prompt_token_ids == prompt
+        for c, s in zip(answer.outputs, out.sequences, strict=True):
+            ended = s.tokens[-1] == EOS
+            keep = len(s.tokens) if include_stop_str_in_output or not ended else -1
+            assert c.token_ids == s.tokens[len(prompt):keep] and c.cumulative_logprob == s.cum_logprob
+            assert (c.finish_reason, c.stop_reason) == (("stop", EOS) if ended else ("length", None))
+    assert any(c.finish_reason == "stop" for a in answers for c in a.outputs)
