@@ -95,6 +95,15 @@ def test_beams_share_their_prefix_blocks(models):
     assert llm.stats()["prefix_cache_hits"] - before >= 2 * 2 * (len(prompts[0]) // block) * block
 
 
+def test_salted_prompts_and_a_concurrency_limit_find_the_same_beams(models):
+    _, _, llm, prompts = models
+    params = BeamSearchParams(beam_width=2, max_tokens=3)
+    plain = llm.beam_search(prompts, params)
+    salted = llm.beam_search([{"prompt_token_ids": p, "cache_salt": "s"} for p in prompts], params, concurrency_limit=1)
+    assert [[(s.tokens, s.cum_logprob) for s in o.sequences] for o in salted] == \
+        [[(s.tokens, pytest.approx(s.cum_logprob, abs=1e-5)) for s in o.sequences] for o in plain]
+
+
 @pytest.mark.parametrize("field,value", [("beam_width", 0), ("max_tokens", 0), ("temperature", -1.0),
                                          ("length_penalty", float("nan")), ("beam_width", 1.5)])
 def test_bad_params_name_the_field(field, value):

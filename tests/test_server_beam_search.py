@@ -47,6 +47,7 @@ def test_completions_answer_the_n_best_beams(client, offline):
     want = expected(offline, offline.tokenizer.encode(PROMPT))
     r = client.completions.create(prompt=PROMPT, extra_body=BEAM, **ASK)
     assert [(c.model_extra["token_ids"], c.text) for c in r.choices] == want
+    assert [c.finish_reason for c in r.choices] == ["length", "length"]
     assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == sum(len(i) for i, _ in want)
     chunks = list(client.completions.create(prompt=PROMPT, stream=True, extra_body=BEAM, **ASK))
     assert sorted((c.choices[0].index, c.choices[0].text) for c in chunks) == [(i, t) for i, (_, t) in enumerate(want)]
@@ -55,7 +56,7 @@ def test_completions_answer_the_n_best_beams(client, offline):
 def test_chat_answers_the_n_best_beams(client, offline):
     text = offline.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
     want = expected(offline, offline.tokenizer.encode(text, add_special_tokens=False))
-    r = client.chat.completions.create(messages=CHAT, extra_body=BEAM, **ASK)
+    r = client.chat.completions.create(messages=CHAT, response_format={"type": "text"}, extra_body=BEAM, **ASK)
     assert [(c.model_extra["token_ids"], c.message.content) for c in r.choices] == want
     chunks = list(client.chat.completions.create(messages=CHAT, stream=True, extra_body=BEAM, **ASK))
     texts = {}

@@ -28,7 +28,7 @@ end-of-turn token ends a beam as it ends `generate`.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,12 @@ class BeamSearchSequence:
     text: str | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    cache_salt: str | None = None  # the prompt's (vLLM's), for every request of the beam
+
+    def prompt(self) -> list[int] | dict[str, Any]:
+        """The beam's next engine request: its tokens, with the prompt's cache_salt if it has one."""
+        return self.tokens if self.cache_salt is None else {"prompt_token_ids": self.tokens,
+                                                            "cache_salt": self.cache_salt}
 
 
 @dataclass
@@ -110,12 +116,13 @@ class BeamSearchInstance:
     """The beams of one prompt: `beams` still growing, `completed` ended at EOS."""
 
     def __init__(self, prompt_tokens: list[int], params: BeamSearchParams, eos_token_ids: Collection[int],
-                 lora_request: LoRARequest | None = None, max_steps: int | None = None) -> None:
+                 lora_request: LoRARequest | None = None, max_steps: int | None = None,
+                 cache_salt: str | None = None) -> None:
         self.prompt_tokens = list(prompt_tokens)
         self.prompt_len = len(prompt_tokens)
         self.params = params
         self.eos = set(eos_token_ids)
-        self.beams = [BeamSearchSequence(list(prompt_tokens), lora_request=lora_request)]
+        self.beams = [BeamSearchSequence(list(prompt_tokens), lora_request=lora_request, cache_salt=cache_salt)]
         self.completed: list[BeamSearchSequence] = []
         # A beam can grow only while it fits the context: at least one step, so that a prompt too long
         # for the context is refused by the engine, naming it.
@@ -137,7 +144,7 @@ class BeamSearchInstance:
             entries = result.logprobs[0]
             for token_id, lp in entries.items():
                 new = BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [entries], beam.lora_request,
-                                         beam.cum_logprob + lp.logprob)
+                                         beam.cum_logprob + lp.logprob, cache_salt=beam.cache_salt)
                 if token_id in self.eos and not self.params.ignore_eos:
                     new.finish_reason, new.stop_reason = "stop", token_id
                     self.completed.append(new)
@@ -147,10 +154,14 @@ class BeamSearchInstance:
         self.beams = sorted(candidates, key=self.score, reverse=True)[: self.params.beam_width]
         self.steps_left = self.steps_left - 1 if self.beams else 0
 
-    def best(self) -> list[BeamSearchSequence]:
-        """The `beam_width` best of the completed and the live beams, best first."""
-        ranked = sorted(self.completed + self.beams, key=self.score, reverse=True)
-        return ranked[: self.params.beam_width]
+    def best(self, decode: Callable[..., str] | None = None) -> list[BeamSearchSequence]:
+        """The `beam_width` best of the completed and the live beams, best first; with `decode` (a
+        tokenizer's), each with the text of all its tokens, special ones kept (`LLM.beam_search`'s, as vLLM's)."""
+        best = sorted(self.completed + self.beams, key=self.score, reverse=True)[: self.params.beam_width]
+        if decode is not None:
+            for beam in best:
+                beam.text = decode(beam.tokens, skip_special_tokens=False)
+        return best
 
     def request_output(self, request_id: str, prompt: str | None, tokenizer: Any) -> RequestOutput:
         """The server's answer (vLLM's serving `beam_search`): a choice per best beam, its completion's

@@ -45,8 +45,10 @@ def beam_search_params(req: SamplingRequest, params: SamplingParams, max_model_l
     """The request's BeamSearchParams, from its fields and the SamplingParams already checked (max_tokens,
     the temperature with the model's default); a field beam search does not apply is a 400 naming it."""
     for name in REFUSED:
-        if getattr(req, name, None) not in (None, False, 0, [], ""):
-            raise bad_request(f"{name} is not supported with use_beam_search", param=name)
+        value = getattr(req, name, None)
+        if value in (None, False, 0, [], "") or (name == "response_format" and value.type == "text"):
+            continue  # unset, or the plain text every answer is
+        raise bad_request(f"{name} is not supported with use_beam_search", param=name)
     try:
         beam = BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens or max_model_len,
                                 ignore_eos=req.ignore_eos, temperature=params.temperature,
