@@ -46,7 +46,6 @@ def test_template_kwargs_reach_the_template_but_not_its_own_arguments(default_to
 @pytest.mark.parametrize("extra,param", [
     ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is true by default
     ({"echo": True}, "echo"), ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-    ({"use_beam_search": True}, "use_beam_search"),
     ({"functions": [{"name": "f"}]}, "functions"), ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_what_the_route_does_not_do_is_refused_by_name(default_tokenizer, extra, param) -> None:

@@ -34,6 +34,7 @@ RUN: dict[tuple[str, str], str] = {
     ("docs/serving.md", "llm = LLM()  # the embedded default"): "tmp",
     ("docs/serving.md", 'generate --prompt "What is the capital of France?" --max-tokens 32'): "root",
     ("docs/serving.md", "StructuredOutputsParams(json=schema)"): "tmp",
+    ("docs/serving.md", "BeamSearchParams(beam_width=3, max_tokens=8)"): "tmp",
     ("docs/serving.md", 'bad_words=["Paris"]'): "tmp",
 }
 

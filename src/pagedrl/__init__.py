@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "pagedrl.engine.llm",
     "LoRARequest": "pagedrl.engine.lora_request",
+    "BeamSearchParams": "pagedrl.engine.beam_search",
     "SamplingParams": "pagedrl.engine.sampling_params",
     "RequestOutputKind": "pagedrl.engine.sampling_params",
     "RequestOutput": "pagedrl.engine.outputs",
@@ -17,10 +18,11 @@ _EXPORTS = {
     "StructuredOutputsParams": "pagedrl.engine.structured_outputs",
     "GuidedDecodingParams": "pagedrl.engine.structured_outputs",
 }
-__all__ = ["LLM", "CompletionOutput", "GuidedDecodingParams", "LoRARequest", "RequestOutput", "RequestOutputKind",
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "GuidedDecodingParams", "LoRARequest", "RequestOutput", "RequestOutputKind",
            "SamplingParams", "StructuredOutputsParams"]
 
 if TYPE_CHECKING:
+    from pagedrl.engine.beam_search import BeamSearchParams
     from pagedrl.engine.llm import LLM
     from pagedrl.engine.lora_request import LoRARequest
     from pagedrl.engine.outputs import CompletionOutput, RequestOutput

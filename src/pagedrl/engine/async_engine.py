@@ -142,6 +142,11 @@ class AsyncEngine:
         return self.engine.vocab_size
 
     @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end a sample (the model's and the tokenizer's), which end a beam too."""
+        return self.engine.eos_token_ids
+
+    @property
     def max_logprobs(self) -> int:
         """The most alternatives a request may ask for (-1: no limit)."""
         return self.engine.config.max_logprobs

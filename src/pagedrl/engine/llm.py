@@ -15,6 +15,15 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedrl.engine.beam_search import (
+    BeamSearchInstance,
+    BeamSearchOutput,
+    BeamSearchParams,
+    advance_all,
+    check_logprobs_limit,
+    live_beams,
+    step_params,
+)
 from pagedrl.engine.engine_args import EngineArgs, ordered_fields
 from pagedrl.engine.generation_defaults import generation_defaults
 from pagedrl.engine.llm_engine import LLMEngine
@@ -263,6 +272,43 @@ class LLM:
         finally:
             bar.close()
         return [done[rid] for rid in request_ids]
+
+    def beam_search(self, prompts: Prompt | Mapping[str, Any] | Seq[Prompt | Mapping[str, Any]],
+                    params: BeamSearchParams, use_tqdm: bool = False, concurrency_limit: int | None = None,
+                    lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the `params.beam_width` best beams of each prompt, best first
+        (`engine/beam_search.py` says how they are found and ranked). Each sequence's `tokens` start
+        with the prompt's and keep an ending EOS; its `text` is theirs, decoded. Every step is one
+        `generate` call over every live beam of up to `concurrency_limit` prompts (None: all), whose
+        shared prefixes the prefix cache keeps (with `enable_prefix_caching=False` every step recomputes
+        each beam whole). A prompt dict's `cache_salt` holds for all its beams."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        check_logprobs_limit(params, self.engine.config.max_logprobs)
+        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts")
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be a positive int or None, got {concurrency_limit!r}")
+        instances = []
+        for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+            text_or_ids, salt = as_prompt(prompt, i)
+            ids = self.engine.encode(text_or_ids)
+            instances.append(BeamSearchInstance(ids, params, self.engine.eos_token_ids, lora,
+                                                self.max_model_len - len(ids), salt))
+        sampling, limit = step_params(params), concurrency_limit or max(1, len(instances))
+        for start in range(0, len(instances), limit):
+            batch = instances[start:start + limit]
+            for _ in tqdm(itertools.count(), desc="beam search", unit="token", disable=not use_tqdm):
+                if not (beams := live_beams(batch)):
+                    break
+                advance_all(batch, self.generate([b.prompt() for b in beams], sampling, use_tqdm=False,
+                                                 lora_request=[b.lora_request for b in beams]))
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        return [BeamSearchOutput(sequences=inst.best(decode)) for inst in instances]
 
     def chat(self, messages: Seq[Mapping[str, Any]] | Seq[Seq[Mapping[str, Any]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,

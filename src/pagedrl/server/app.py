@@ -28,8 +28,11 @@ from pagedrl.engine.async_engine import (
     EngineOverloaded,
     RequestGroup,
 )
+from pagedrl.engine.beam_search import step_params
 from pagedrl.engine.lora_request import LoRARequest
+from pagedrl.engine.outputs import RequestOutput
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
+from pagedrl.server.beam_search import FinishedGroup, answer_params, beam_search_params, run_beam_search
 from pagedrl.server.chat_template_flags import ChatRendering
 from pagedrl.server.delivery import EventStreamResponse, final_outputs_unless_disconnected, json_response
 from pagedrl.server.errors import ApiError, from_value_error, read_json
@@ -240,6 +243,21 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
             tokenizer.decode(prompt_ids, skip_special_tokens=False), req.include_reasoning)
         return group, params, plan, thinking
 
+    async def beam_search(request: Request, req: SamplingRequest, prompts: list, params: SamplingParams,
+                          lora: LoRARequest | None, request_id: str) -> tuple[list[RequestOutput], SamplingParams]:
+        """`use_beam_search` (`server/beam_search.py`): each step's beams are one group of engine requests,
+        aborted if the client goes away; the answers, and the params the response builders read."""
+        beam = beam_search_params(req, params, max_model_len, engine.max_logprobs)
+        sampling = step_params(beam)
+
+        async def run_step(step_prompts: list) -> list[RequestOutput]:
+            group = await submit(step_prompts, sampling, None, lora, request_id, req.cache_salt)
+            return await final_outputs_unless_disconnected(request, group)
+
+        outputs = await run_beam_search(prompts, beam, run_step, engine.eos_token_ids, max_model_len, request_id,
+                                        tokenizer)
+        return outputs, answer_params(beam)
+
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
     @v1.get("/models", response_model=None, responses={200: {"model": ModelList, "description": "The served model"},
@@ -259,8 +277,12 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         prompts, params = completion_inputs(req, max_n, sampling_defaults, max_tokens_cap, tokenizer)
         echo = Echo(req.echo, req.echo and req.max_tokens == 0)
         request_id = f"cmpl-{base_request_id(request, req.request_id)}"
-        group = await submit(prompts, params, structured_outputs(req)[1], lora, request_id, req.cache_salt)
         model = req.model or served_model_name
+        if req.use_beam_search:
+            group = FinishedGroup(*await beam_search(request, req, prompts, params, lora, request_id))
+            params = group.params
+        else:
+            group = await submit(prompts, params, structured_outputs(req)[1], lora, request_id, req.cache_salt)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStreamResponse(completion_stream(group, request_id, model, params, include_usage,
@@ -276,7 +298,13 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     async def chat_completions(request: Request) -> Response:
         req = await read_json(request, ChatCompletionRequest, max_request_body_bytes)
         request_id = f"chatcmpl-{base_request_id(request, req.request_id)}"
-        group, params, plan, thinking = await start_chat(req, request_id)
+        if req.use_beam_search:
+            prompt_ids, params = chat_inputs(req, tokenizer, max_n, None, sampling_defaults, max_tokens_cap, rendering)
+            group = FinishedGroup(*await beam_search(request, req, [prompt_ids], params, check_model(req.model),
+                                                     request_id))
+            params, plan, thinking = group.params, None, None
+        else:
+            group, params, plan, thinking = await start_chat(req, request_id)
         model = req.model or served_model_name
         role = response_role if req.add_generation_prompt else req.messages[-1].role  # as vLLM answers
         if req.stream:

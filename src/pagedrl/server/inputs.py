@@ -37,7 +37,7 @@ from pagedrl.server.tools import (
 DEFAULT_MAX_N = 128
 # vLLM's and OpenAI's fields that would change the answer and that this server does not implement:
 # refused by name (as suffix and best_of are) rather than silently ignored.
-UNSUPPORTED_EXTRAS = ("use_beam_search", "functions", "function_call", "logprob_token_ids",
+UNSUPPORTED_EXTRAS = ("functions", "function_call", "logprob_token_ids",
                       "prompt_embeds", "repetition_detection", "watermarking")
 OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 

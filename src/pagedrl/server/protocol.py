@@ -146,7 +146,11 @@ class SamplingRequest(OpenAIBase):
     # vLLM's: prefix-cache blocks are shared only with requests of the same salt; the answer is the same.
     # Empty is refused and 1024 characters are the most, as vLLM's protocol (check_cache_salt_support) has it
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
-    use_beam_search: SkipJsonSchema[Any] = None
+    # vLLM's beam search (server/beam_search.py): n beams, ranked by cumulative log-prob / length ** length_penalty.
+    # use_beam_search is left out of /openapi.json, as best_of is: with it, fields that sampling takes are refused
+    # and n is bounded by max_logprobs / 2, rules between fields the schema does not state
+    use_beam_search: SkipJsonSchema[bool] = False
+    length_penalty: float = 1.0
     # vLLM's fields that would change the answer and are not built: refused when set (inputs.UNSUPPORTED_EXTRAS)
     logprob_token_ids: SkipJsonSchema[Any] = None
     prompt_embeds: SkipJsonSchema[Any] = None
