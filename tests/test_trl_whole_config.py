@@ -133,3 +133,22 @@ def test_strategies_read_as_steps_and_the_token_placeholders_as_unset(tmp_path: 
         with pytest.raises(ValueError, match=words):
             load_config(SFTConfig, trl_dump(tmp_path, "SFTConfig", change))
     assert isinstance(load_config(SFTConfig, trl_dump(tmp_path, "SFTConfig", {"pad_token": None})), TrainConfig)
+
+
+def test_grpo_num_completions_to_print_null_logs_every_completion() -> None:
+    """TRL's null: every completion of the logged step, not a count."""
+    from types import SimpleNamespace
+
+    from pagedrl.train.rl.online import OnlineAlgorithm
+
+    class Rollout:
+        def __len__(self) -> int:
+            return 12
+
+        def sample_rows(self, k: int, names: list[str], **values: Any) -> list[int]:
+            return list(range(min(k, len(self))))
+
+    for k, rows in ((None, 12), (4, 4), (0, 0)):
+        algo = SimpleNamespace(config=GRPOConfig(num_completions_to_print=k), rollout=Rollout(), reward_funcs=[],
+                               completion_values=dict)
+        assert len(OnlineAlgorithm.sample_completions(algo, 1)) == rows  # type: ignore[arg-type]
