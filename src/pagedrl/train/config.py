@@ -365,9 +365,9 @@ def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: Se
         key, raw, value = _parse_override(item)
         put(key, value, COMMAND_LINE, raw)
     for key, (value, source) in checks.items():  # a strategy "no": none, unless the command line sets the steps
-        field = STRATEGY_FIELDS.get(key)
-        if value == "no" and field and not (source != COMMAND_LINE and sources.get(field, "") == COMMAND_LINE):
-            values[field], sources[field] = None, f"{source}, as {key}"
+        steps = STRATEGY_FIELDS.get(key)
+        if value == "no" and steps and not (source != COMMAND_LINE and sources.get(steps, "") == COMMAND_LINE):
+            values[steps], sources[steps] = None, f"{source}, as {key}"
     try:
         config = cls(**values)
     except TrainConfigError as e:
