@@ -65,6 +65,6 @@ def test_other_optimizers_are_refused_naming_the_accepted_ones(tmp_path: Path, n
 
 
 def test_optim_args_is_refused_saying_what_optim_takes() -> None:
-    with pytest.raises(ValueError, match=r"'optim_args' is a TRL / transformers option SFTConfig does not have: "
-                                         r"optim takes adamw_torch, adamw_torch_fused"):
+    with pytest.raises(ValueError, match=r"^command line: optim_args: only None \(pagedrl's behaviour\), got "
+                                         r"'momentum=0.9': optim takes adamw_torch, adamw_torch_fused"):
         load_config(SFTConfig, None, ["optim_args=momentum=0.9"])

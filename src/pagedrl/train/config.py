@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_type_hints
+from typing import Any, ClassVar, Literal, TypeVar, get_type_hints
 
 import torch
 import yaml
@@ -32,6 +32,7 @@ from pagedrl.model.quantized_linear import QuantizedBase
 from pagedrl.train.config_values import MISSING, coerce, describe, load_yaml
 from pagedrl.train.schedules import ScheduleError, check_schedule
 from pagedrl.train.trl_names import NULL_IS_UNSET, RATIO_STEPS, fixed_value, not_here, trl_form
+from pagedrl.train.trl_trainer_args import CHECKED, STRATEGY_FIELDS, check_against
 
 REPORTERS: tuple[str, ...] = ("none", "jsonl", "tensorboard")
 COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # bnb_4bit_compute_dtype
@@ -57,6 +58,9 @@ def _require(ok: bool, key: str, message: str) -> None:
 @dataclass
 class TrainConfig:
     """Fields every trainer shares."""
+
+    # TRL / transformers keys (not fields) whose accepted values hang on the fields: checked on the built config.
+    trl_checked: ClassVar[tuple[str, ...]] = CHECKED
 
     # What to train, on what, and where to write it.
     model: str = "smollm2-135m-instruct"  # the default's name, a Hugging Face folder or Hub id, or a .gguf file
@@ -323,6 +327,7 @@ def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: Se
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     spellings: dict[tuple[str, str], dict[Any, Any]] = {}  # (source, field) -> each spelling given there: its value
+    checks: dict[str, tuple[Any, str]] = {}  # a `trl_checked` key -> its last value and where it came from
 
     def put(key: Any, value: Any, source: str, raw: str | None = None) -> None:
         given = key
@@ -330,6 +335,9 @@ def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: Se
             return
         if isinstance(key, str):
             key, value = trl_form(key, value)  # TRL's spellings of pagedrl's fields and of their values
+            if key not in names and key in cls.trl_checked:  # e.g. save_strategy: steps needs save_steps
+                checks[key] = (value, source)
+                return
             if key not in names and fixed_value(key, value, source):  # a TRL option set to what pagedrl does
                 return
         if key not in names:
@@ -356,11 +364,20 @@ def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: Se
     for item in overrides:
         key, raw, value = _parse_override(item)
         put(key, value, COMMAND_LINE, raw)
+    for key, (value, source) in checks.items():  # a strategy "no": none, unless the command line sets the steps
+        steps = STRATEGY_FIELDS.get(key)
+        if value == "no" and steps and not (source != COMMAND_LINE and sources.get(steps, "") == COMMAND_LINE):
+            values[steps], sources[steps] = None, f"{source}, as {key}"
     try:
-        return cls(**values)
+        config = cls(**values)
     except TrainConfigError as e:
         source = sources.get(e.key.split(".")[0], "defaults")  # lr_scheduler_kwargs.<key>: the mapping's
         raise TrainConfigError(e.key, f"{e.message} (from {source})") from None
+    for key, (value, source) in checks.items():
+        problem = check_against(key, value, config)
+        if problem is not None:
+            raise ValueError(f"{source}: {key}: {problem}")
+    return config
 
 
 def config_to_dict(config: TrainConfig) -> dict[str, Any]:

@@ -8,12 +8,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from pagedrl.train.trl_trainer_args import TRAINING_FIXED, TRAINING_INERT
+
 # TRL / transformers name -> pagedrl's field of the same meaning.
 ALIASES = {
     "model_name_or_path": "model",
     "model_revision": "revision",
     "dataset_name": "dataset",
     "max_seq_length": "max_length",
+    "activation_checkpointing": "gradient_checkpointing",  # transformers 5's name; to_dict() writes both
+    "evaluation_strategy": "eval_strategy",  # transformers 4's spelling
     # GRPO's correction of the rollout's log-prob gap (no vLLM here: the engine is pagedrl's own)
     "vllm_importance_sampling_correction": "tis_correction",
     "vllm_importance_sampling_mode": "tis_mode",
@@ -25,27 +29,11 @@ ALIASES = {
 # TRL keys whose null is "not given" (TRL's own `to_dict()` writes them so): dropped, never set to None.
 NULL_IS_UNSET = ("vllm_importance_sampling_cap",)  # deprecated; its None leaves _clip_max in force
 
-_STEPS_ONLY = "pagedrl evaluates, saves and logs every N steps: set eval_steps / save_steps / logging_steps"
-_ENGINE = "rollouts always run on pagedrl's own paged engine in the training process (no vLLM server or colocation)"
 _ONE_PRECISION = "pagedrl trains in float32 or bf16 (`bf16`)"
 _PAIR_LENGTH = "max_length bounds each prompt + answer, cut at the end (truncation), as TRL 1.16's DPO does"
 # TRL / transformers keys pagedrl does not have -> why, and what to set instead.
 NOT_HERE = {
-    "use_vllm": _ENGINE, "vllm_mode": _ENGINE, "vllm_gpu_memory_utilization": "the engine's KV cache is sized by "
-    "kv_cache_tokens", "vllm_server_host": _ENGINE, "vllm_server_port": _ENGINE,
-    "eval_strategy": _STEPS_ONLY, "evaluation_strategy": _STEPS_ONLY, "save_strategy": "pagedrl saves every "
-    "save_steps steps and at the last step, as strategy steps; save_steps: null saves none (strategy no)",
-    "logging_strategy": _STEPS_ONLY,
-    "per_device_eval_batch_size": "evaluations run in batches of per_device_train_batch_size",
-    "fp16": _ONE_PRECISION, "tf32": _ONE_PRECISION, "torch_dtype": _ONE_PRECISION, "dtype": _ONE_PRECISION,
-    "optim_args": "optim takes adamw_torch, adamw_torch_fused (adam_beta1, adam_beta2, adam_epsilon, weight_decay) "
-    "or sgd (plain SGD, without momentum)",
-    "deepspeed": "several processes run with torchrun: DDP, or FSDP2 (`fsdp`)",
-    "push_to_hub": "checkpoints are written to output_dir in Hugging Face layout; upload them yourself",
-    "hub_model_id": "checkpoints are written to output_dir in Hugging Face layout; upload them yourself",
-    "load_best_model_at_end": "final/ is the last step's model; each checkpoint-N/ is a step's",
-    "run_name": "runs are named by output_dir",
-    "gradient_checkpointing_kwargs": "gradient_checkpointing takes true or false",
+    "torch_dtype": _ONE_PRECISION, "dtype": _ONE_PRECISION,
     "lora_bias": "LoRA's B matrices have no bias here", "init_lora_weights": "LoRA starts as PEFT's default "
     "(A Kaiming-uniform, B zero); other initialisations are not built",
     "rank_pattern": "every adapted projection takes lora_r", "alpha_pattern": "every adapted projection takes lora_alpha",
@@ -56,11 +44,9 @@ NOT_HERE = {
     "generation_batch_size": "each step generates per_device_train_batch_size completions",
     "sft_model_path": "PPO starts from `model`",
     "value_model_path": "PPO's critic starts from `critic` (the policy, or the reward model)",
-    "data_seed": "the data order is drawn from `seed` (each epoch's shuffle from seed + epoch)",
     "logging_dir": "TensorBoard events go to output_dir/runs (report_to: [tensorboard])",
     "overwrite_output_dir": "pagedrl writes into output_dir whether or not it exists, replacing final/ and "
     "any checkpoint of the same step; resume_from_checkpoint continues a run",
-    "use_liger_kernel": "pagedrl computes its losses with its own kernels; there are no Liger kernels",
     # DPO keys of TRL before 1.0 (TRL 1.16 has none of them either)
     "max_prompt_length": _PAIR_LENGTH, "max_completion_length": _PAIR_LENGTH,
     "use_logits_to_keep": "the LM head runs only on the positions that predict an answer token, always",
@@ -92,9 +78,10 @@ FIXED = {
     "model_init_kwargs": ((None,), "the model is loaded by `model`, `revision` and the precision keys"),
     "dataset_num_proc": ((None,), "rows are read and tokenized once, in the training process (TRL's packing "
                                   "would pack each process's shard apart)"),
-    "eos_token": ((None,), "the end of a completion is the tokenizer's eos_token (the model folder's "
+    # to_dict() writes every *_token key as <KEY>, whatever its value: read as TRL's default, unset
+    "eos_token": ((None, "<EOS_TOKEN>"), "the end of a completion is the tokenizer's eos_token (the model folder's "
                            "tokenizer_config.json)"),
-    "pad_token": ((None,), "the padding id is the tokenizer's pad_token (the model folder's tokenizer_config.json), "
+    "pad_token": ((None, "<PAD_TOKEN>"), "the padding id is the tokenizer's pad_token (the model folder's tokenizer_config.json), "
                            "never a training target"),
     # SFT's own field (train/sft_template.py); the reward model's template is the model folder's
     "chat_template_path": ((None,), "the chat template is the model folder's (chat_template.jinja or "
@@ -114,6 +101,7 @@ FIXED = {
     # falls back to padding with true); SFT's padding_free is a field of its own
     "padding_free": ((False,), "DPO's pair rows hold each prompt once, padded to the micro-batch's longest pair "
                                "(TRL 1.16's DPOTrainer too falls back to padding)"),
+    **TRAINING_FIXED,
 }
 # transformers 5's `*_steps` below 1: a ratio of the run's total steps (`steps_of`).
 RATIO_STEPS = ("logging_steps", "eval_steps", "save_steps")
@@ -136,15 +124,18 @@ def trl_form(key: str, value: Any) -> tuple[str, Any]:
 
 
 def fixed_value(key: str, value: Any, source: str) -> bool:
-    """True when `key` is one of `FIXED` and `value` is what pagedrl does (the caller drops it); a
-    ValueError naming the key when it asks for something else; False for any other key."""
-    if key not in FIXED:
+    """True when `key` is one of `FIXED` and `value` is what pagedrl does, or one of `TRAINING_INERT` (keys
+    that do nothing here) at its default: the caller drops it. A ValueError naming the key when it asks for
+    something else; False for any other key."""
+    inert = key in TRAINING_INERT
+    if not inert and key not in FIXED:
         return False
-    allowed, why = FIXED[key]
+    allowed, why = TRAINING_INERT[key] if inert else FIXED[key]
     if any(value == a and type(value) is type(a) for a in allowed):
         return True
     expected = " or ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in allowed)
-    raise ValueError(f"{source}: {key}: only {expected} (pagedrl's behaviour), got {value!r}" + (f": {why}" if why else ""))
+    what = "its default (the key does nothing here)" if inert else "pagedrl's behaviour"
+    raise ValueError(f"{source}: {key}: only {expected} ({what}), got {value!r}" + (f": {why}" if why else ""))
 
 
 def steps_of(value: int | float | None, total_steps: int) -> int | None:

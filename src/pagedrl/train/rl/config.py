@@ -5,12 +5,13 @@ its class. Names follow TRL's GRPOConfig and PPOConfig."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pagedrl.engine.engine_args import engine_field
 from pagedrl.engine.sampling_params import MIN_TEMPERATURE
 from pagedrl.train.config import TrainConfig, _require, validate_router_coef
 from pagedrl.train.tis import TIS_MODES, TisMode, is_sequence_mode
+from pagedrl.train.trl_trainer_args import CHECKED, GRPO_CHECKED
 
 VESPO_DEFAULTS = {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}  # TRL's
 
@@ -55,7 +56,7 @@ class OnlineConfig(TrainConfig):
     eval_max_tokens: int | None = None  # greedy evaluation length; None: max_completion_length
     # Sample completions in completions.jsonl and TensorBoard every logging step (TRL's names).
     log_completions: bool = True
-    num_completions_to_print: int = 4
+    num_completions_to_print: int | None = 4  # None: every completion of the step (TRL's None)
 
     def validate(self) -> None:
         super().validate()
@@ -69,7 +70,7 @@ class OnlineConfig(TrainConfig):
         _require(0.0 < self.top_p <= 1.0, "top_p", f"must lie in (0, 1], got {self.top_p}")
         _require(self.top_k >= -1, "top_k", f"must be >= -1 (0 or -1 disable), got {self.top_k}")
         _require(self.min_p is None or 0.0 <= self.min_p <= 1.0, "min_p", f"must lie in [0, 1], got {self.min_p}")
-        _require(self.num_completions_to_print >= 0, "num_completions_to_print",
+        _require(self.num_completions_to_print is None or self.num_completions_to_print >= 0, "num_completions_to_print",
                  f"must be >= 0, got {self.num_completions_to_print}")
         if self.reward_weights is not None and self.reward_funcs:
             _require(
@@ -83,6 +84,8 @@ class OnlineConfig(TrainConfig):
 class GRPOConfig(OnlineConfig):
     """`per_device_train_batch_size` counts completions, as in TRL: each step trains on
     per_device × accumulation × world completions, i.e. that / num_generations prompts."""
+
+    trl_checked: ClassVar[tuple[str, ...]] = CHECKED + GRPO_CHECKED  # TRL's steps_per_generation, generation_batch_size
 
     # Loss.
     epsilon: float = 0.2

@@ -144,7 +144,8 @@ class OnlineAlgorithm(Algorithm):
     def sample_completions(self, step: int) -> list[dict[str, Any]]:
         if not self.config.log_completions or self.rollout is None:
             return []
-        return self.rollout.sample_rows(self.config.num_completions_to_print, [n for n, _ in self.reward_funcs],
+        k = self.config.num_completions_to_print
+        return self.rollout.sample_rows(len(self.rollout) if k is None else k, [n for n, _ in self.reward_funcs],
                                         **self.completion_values())
 
     def after_optimizer_step(self, step: int) -> None:
