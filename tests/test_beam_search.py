@@ -11,6 +11,7 @@ from test_engine_greedy import engine_for
 from tiny import FAMILIES, hf_model
 
 from pagedrl.engine.beam_search import BeamSearchParams, get_beam_search_score
+from pagedrl.engine.request_stream import RequestFailed
 from pagedrl.engine.sampling_params import SamplingParams
 
 EOS = 2
@@ -102,6 +103,36 @@ def test_salted_prompts_and_a_concurrency_limit_find_the_same_beams(models):
     salted = llm.beam_search([{"prompt_token_ids": p, "cache_salt": "s"} for p in prompts], params, concurrency_limit=1)
     assert [[(s.tokens, s.cum_logprob) for s in o.sequences] for o in salted] == \
         [[(s.tokens, pytest.approx(s.cum_logprob, abs=1e-5)) for s in o.sequences] for o in plain]
+
+
+def fail_the_nth_finished_request(engine, n: int) -> None:
+    """Make `engine.step` end its n-th finished request as the engine ends one whose logits went NaN:
+    finish_reason "error", no token, the reason in `error`."""
+    step, finished = engine.step, []
+
+    def failing_step() -> list:
+        outs = step()
+        for out in outs:
+            if out.finished:
+                finished.append(out.request_id)
+                if len(finished) == n:
+                    c = out.outputs[0]
+                    c.finish_reason, c.error, c.token_ids, c.logprobs = "error", "logits are NaN", [], None
+        return outs
+
+    engine.step = failing_step
+
+
+def test_a_beam_whose_request_fails_fails_the_search(models):
+    """As vLLM's server stops the search: `LLM.beam_search` raises, rather than ranking the other beams."""
+    _, _, llm, prompts = models
+    fail_the_nth_finished_request(llm.engine, 3)
+    try:
+        with pytest.raises(RequestFailed, match="failed a beam's request: logits are NaN"):
+            llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=4))
+    finally:
+        del llm.engine.step  # the instance's own step again
+    assert not llm.engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("field,value", [("beam_width", 0), ("max_tokens", 0), ("temperature", -1.0),

@@ -127,6 +127,28 @@ def test_chat_takes_vllms_arguments(llm):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], GREEDY, use_tqdm=False)
 
 
+def test_chat_template_content_format_shapes_the_content_as_the_server_does(llm):
+    """vLLM's `chat_template_content_format`: `auto` gives a template that loops over a message's content
+    the list of parts, any other the joined text; `string` and `openai` force a shape; a tool's answer
+    stays a string."""
+    probe = ("{% for m in messages %}<{{ m['role'] }}>{% if m['content'] is string %}S:{{ m['content'] }}"
+             "{% else %}L:{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endif %}|{% endfor %}")
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}|{% endfor %}"
+    conv = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "tool", "content": "c"}]
+
+    def prompt(template: str, fmt: str = "auto") -> str:
+        (out,) = llm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template,
+                          add_generation_prompt=False, chat_template_content_format=fmt)
+        return out.prompt
+
+    assert prompt(probe) == prompt(probe, "openai") == "<user>L:[a][b]|<tool>S:c|"
+    assert prompt(probe, "string") == "<user>S:a\nb|<tool>S:c|"
+    assert prompt(plain) == "user: a\nb|tool: c|"
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai"):
+        prompt(plain, "list")
+
+
 def test_the_models_generation_config_gives_the_default_sampling(tiny_train_model, tmp_path):
     import json
     import shutil

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import openai
 import pytest
+from fastapi.testclient import TestClient
 from server_process import running_server
+from test_beam_search import fail_the_nth_finished_request
 
+from pagedrl.engine.async_engine import AsyncEngine
 from pagedrl.engine.beam_search import BeamSearchParams
 from pagedrl.engine.llm import LLM
+from pagedrl.engine.llm_engine import EngineConfig, LLMEngine
 from pagedrl.model.loader import load_model
+from pagedrl.server.app import build_app
 
 PROMPT = "the cat sat on the mat"
 CHAT = [{"role": "user", "content": "what is two plus three"}]
@@ -73,3 +78,20 @@ def test_bad_values_are_a_400_naming_the_field(client, body, param):
         client.completions.create(prompt=PROMPT, extra_body={**BEAM, **body}, **{k: v for k, v in ASK.items()
                                                                                  if k not in body})
     assert e.value.body["param"] == param
+
+
+def test_a_beam_the_engine_fails_stops_the_search_with_a_500(tiny_train_model):
+    """vLLM's server stops the search with the engine's error (500); the server goes on serving."""
+    loaded = load_model(tiny_train_model, device="cpu")
+    engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(kv_cache_tokens=2048),
+                       eos_token_ids=loaded.eos_token_ids)
+    fail_the_nth_finished_request(engine, 3)
+    body = {"prompt": PROMPT, "max_tokens": 4, "n": 2, "use_beam_search": True}
+    with TestClient(build_app(AsyncEngine(engine), served_model_name="tiny", ui=False)) as http:
+        for stream in (False, True):
+            r = http.post("/v1/completions", json={**body, "stream": stream})
+            error = r.json()["error"]
+            assert r.status_code == 500 and error["code"] == "generation_error" and "logits are NaN" in error["message"]
+            del engine.step
+            assert http.post("/v1/completions", json=body).status_code == 200
+            fail_the_nth_finished_request(engine, 3)

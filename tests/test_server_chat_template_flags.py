@@ -15,14 +15,10 @@ from fastapi.testclient import TestClient
 
 from pagedrl.engine.async_engine import AsyncEngine
 from pagedrl.engine.llm_engine import EngineConfig, LLMEngine
+from pagedrl.model.content_format import detected_content_format
 from pagedrl.model.loader import load_model
 from pagedrl.server.app import build_app
-from pagedrl.server.chat_template_flags import (
-    ChatRendering,
-    chat_template_problem,
-    detected_content_format,
-    load_chat_template,
-)
+from pagedrl.server.chat_template_flags import ChatRendering, chat_template_problem, load_chat_template
 from pagedrl.server.errors import ApiError
 from pagedrl.server.inputs import chat_prompt_ids
 from pagedrl.server.protocol import ChatMessage

@@ -18,6 +18,10 @@ block too, but needs the scheduler to fork, prune and reorder running sequences,
 temperature), as vLLM's engine returns by default; `temperature` only changes the token each request
 samples, which joins the candidates.
 
+A beam's request that the engine fails (finish_reason "error": its logits went NaN or infinite) stops
+the whole search with `RequestFailed`, as vLLM's server stops it with its error: no answer is ranked
+from beams some of which were silently dropped.
+
 Where vLLM's offline and server paths differ, each is kept: `LLM.beam_search`'s sequences hold the prompt's
 tokens, an ending EOS, and the text of all of them; the server's choices hold the completion's tokens (EOS
 only with `include_stop_str_in_output`) and its text without EOS, with finish_reason "stop" or "length".
@@ -34,6 +38,7 @@ from typing import Any
 
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedrl.engine.request_stream import RequestFailed
 from pagedrl.engine.sampling_params import SamplingParams
 
 
@@ -139,8 +144,10 @@ class BeamSearchInstance:
         """One step: `results[i]` is the engine's one-token output for `live()[i]`."""
         candidates = []
         for beam, result in zip(self.beams, results, strict=True):
+            if result.finish_reason == "error":  # as vLLM's server: the search stops with the error
+                raise RequestFailed(f"beam search: the engine failed a beam's request: {result.error}")
             if not result.logprobs:
-                continue  # the engine could not extend it (an error): the beam ends here, as in vLLM
+                continue  # the engine gave it no token (aborted): the beam ends here
             entries = result.logprobs[0]
             for token_id, lp in entries.items():
                 new = BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [entries], beam.lora_request,

@@ -31,6 +31,8 @@ from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.outputs import RequestOutput
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.model import batch_invariant
+from pagedrl.model.chat_template import select_chat_template
+from pagedrl.model.content_format import ContentFormat, content_format_for
 from pagedrl.model.decoder import CausalLM
 from pagedrl.model.footprint import footprint
 from pagedrl.model.precision import Precision
@@ -85,16 +87,25 @@ def _tokenizer_from(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def _text_parts_joined(message: Mapping[str, Any], index: int) -> dict[str, Any]:
-    """A message whose content is a list of text parts, with the parts' text joined by newlines."""
-    content = message.get("content") if isinstance(message, Mapping) else None
-    if not isinstance(content, (list, tuple)):
-        return dict(message) if isinstance(message, Mapping) else message  # the template names a bad one
-    texts = []
-    for j, part in enumerate(content):
-        if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            raise ValueError(f"messages[{index}].content[{j}]: only text parts are supported, got {part!r}")
-        texts.append(part["text"])
+def _shaped_content(message: Mapping[str, Any], index: int, content_format: ContentFormat) -> dict[str, Any]:
+    """A message with its content in the template's shape (`model/content_format.py`, as the server
+    shapes it): `string` joins a list of text parts with newlines; `openai` gives a list of text parts (a
+    string is one part), except for a tool's answer, which stays a string as vLLM gives it."""
+    if not isinstance(message, Mapping):
+        return message  # the template names a bad one
+    content = message.get("content")
+    if isinstance(content, (list, tuple)):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ValueError(f"messages[{index}].content[{j}]: only text parts are supported, got {part!r}")
+            texts.append(part["text"])
+    elif isinstance(content, str):
+        texts = [content]
+    else:
+        return dict(message)
+    if content_format == "openai" and message.get("role") != "tool":
+        return {**message, "content": [{"type": "text", "text": t} for t in texts]}
     return {**message, "content": "\n".join(texts)}
 
 
@@ -315,19 +326,23 @@ class LLM:
              lora_request: LoRARequest | Seq[LoRARequest | None] | None = None, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: Seq[Mapping[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation or a list of them, each rendered with the model's chat
         template (or `chat_template`, a template's name or text) with `tools`, then generated. A
-        message's content may be a list of text parts (joined by newlines, as vLLM does for a text
-        model); `continue_final_message` (with `add_generation_prompt=False`) has the model go on
-        writing the final message. Each output's `prompt` is the rendered text."""
+        message's content may be a string or a list of text parts; `chat_template_content_format` (vLLM's:
+        `auto`, `string`, `openai`) says which shape the template gets, `auto` detecting it from the
+        template as the server's `--chat-template-content-format` does. `continue_final_message` (with
+        `add_generation_prompt=False`) has the model go on writing the final message; `prompt`: the text."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template")
         if messages and isinstance(messages[0], Mapping):
             messages = [messages]  # one conversation
+        source = select_chat_template(self.tokenizer.chat_template, chat_template, tools)
+        shape = content_format_for(source, chat_template_content_format)
         texts = [self.tokenizer.apply_chat_template(
-            [_text_parts_joined(m, i) for i, m in enumerate(conv)], add_generation_prompt=add_generation_prompt,
-            tools=tools, chat_template=chat_template, continue_final_message=continue_final_message,
+            [_shaped_content(m, i, shape) for i, m in enumerate(conv)], add_generation_prompt=add_generation_prompt,
+            tools=tools, chat_template=source, continue_final_message=continue_final_message,
             **(chat_template_kwargs or {})) for conv in messages]
         prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)

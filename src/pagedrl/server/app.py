@@ -60,11 +60,13 @@ from pagedrl.server.responses import (
     chat_stream,
     completion_response,
     completion_stream,
+    include_usage,
 )
 from pagedrl.server.responses_api import responses_router
 from pagedrl.server.responses_protocol import ResponsesRequest
 from pagedrl.server.responses_store import ResponseStore
 from pagedrl.server.served_models import LoRAModule, ServedModels
+from pagedrl.server.server_load import LoadTracking, ServerLoad, load_router
 from pagedrl.server.structured import structured_outputs
 from pagedrl.server.tokenize_routes import DetokenizeRequest, TokenizeRequest, tokenize_router
 from pagedrl.server.tools import ToolPlan, check_tool_schemas, tool_plan
@@ -121,7 +123,9 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
               chat_template_content_format: str = "auto", response_role: str = "assistant",
               enable_log_requests: bool = False, max_log_len: int | None = None, enable_log_outputs: bool = False,
               trust_request_chat_template: bool = False, fastapi_docs: bool = True,
-              return_tokens_as_token_ids: bool = False, reasoning_parser: str | None = None) -> FastAPI:
+              return_tokens_as_token_ids: bool = False, reasoning_parser: str | None = None,
+              enable_prompt_tokens_details: bool = False, enable_force_include_usage: bool = False,
+              enable_server_load_tracking: bool = False) -> FastAPI:
     """The app; its lifespan starts the engine thread and, at shutdown, aborts what is left and stops it.
     With `ui`, `/` answers with the chat page (`server/ui_routes.py`), a static file that calls the
     API like any client (and needs the API key like any client). With `api_key`, every route that
@@ -146,7 +150,10 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     /redoc or /openapi.json (vLLM's `--disable-fastapi-docs`); `return_tokens_as_token_ids` (vLLM's flag)
     names log-probs' tokens `token_id:<id>` for requests that do not say (`server/logprobs.py`);
     `reasoning_parser` (vLLM's `--reasoning-parser`) splits a thinking model's chat answers into reasoning
-    and content (`server/reasoning_parsers.py`)."""
+    and content (`server/reasoning_parsers.py`). vLLM's usage flags: `enable_prompt_tokens_details` adds
+    `prompt_tokens_details.cached_tokens` to chat and completion usages, `enable_force_include_usage` ends
+    every stream with a usage chunk; `enable_server_load_tracking` counts generating requests for `/load`
+    (`server/server_load.py`)."""
     served = ServedModels(served_model_name, read=engine.read_lora if engine.lora_enabled else None)
     served_model_name = served.base_name  # the first of several names: what metrics and defaults use
     for module in lora_modules:
@@ -224,7 +231,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     def extras(req: SamplingRequest) -> Extras:
         """vLLM's additions the request asked for (`server/responses.py`)."""
         return Extras(token_ids=bool(req.return_token_ids),
-                      continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats))
+                      continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
+                      prompt_tokens_details=enable_prompt_tokens_details)
 
     async def start_chat(req: ChatCompletionRequest, log_id: str | None = None
                          ) -> tuple[RequestGroup, SamplingParams, ToolPlan | None, ReasoningPlan | None]:
@@ -284,8 +292,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         else:
             group = await submit(prompts, params, structured_outputs(req)[1], lora, request_id, req.cache_salt)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStreamResponse(completion_stream(group, request_id, model, params, include_usage,
+            with_usage = include_usage(req.stream_options, enable_force_include_usage)
+            return EventStreamResponse(completion_stream(group, request_id, model, params, with_usage,
                                                          token_text(params, req), echo, extras(req)), group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
         return json_response(completion_response(request_id, model, outputs, params, token_text(params, req), echo,
@@ -308,8 +316,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         model = req.model or served_model_name
         role = response_role if req.add_generation_prompt else req.messages[-1].role  # as vLLM answers
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStreamResponse(chat_stream(group, request_id, model, params, include_usage,
+            with_usage = include_usage(req.stream_options, enable_force_include_usage)
+            return EventStreamResponse(chat_stream(group, request_id, model, params, with_usage,
                                                    token_text(params, req), plan, role, extras(req), thinking,
                                                    log=request_log), group.abort)
         outputs = await final_outputs_unless_disconnected(request, group)
@@ -351,6 +359,9 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    load = ServerLoad()
+    app.include_router(load_router(load))
+
     @app.get("/version", response_model=None,
              responses={200: {"model": VersionResponse, "description": "The pagedrl version"}})
     async def version() -> Response:
@@ -366,6 +377,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     app.add_middleware(DrainGate, draining=app.state.draining)
     if request_id_headers:
         app.add_middleware(RequestIdHeader)
+    if enable_server_load_tracking:
+        app.add_middleware(LoadTracking, load=load)
     if allowed_origins:  # outermost: a 503 while draining carries the headers too
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])

@@ -86,6 +86,7 @@ def answer_params(beam: BeamSearchParams) -> SamplingParams:
 class _Done:
     prompt_token_ids: list[int]
     num_generation_tokens: int
+    last: RequestOutput
 
 
 class FinishedGroup:
@@ -94,7 +95,7 @@ class FinishedGroup:
 
     def __init__(self, outputs: list[RequestOutput], params: SamplingParams) -> None:
         self.outputs, self.params = outputs, params
-        self.streams = [_Done(out.prompt_token_ids, sum(len(c.token_ids) for c in out.outputs)) for out in outputs]
+        self.streams = [_Done(out.prompt_token_ids, sum(len(c.token_ids) for c in out.outputs), out) for out in outputs]
 
     async def _updates(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
         yield list(enumerate(self.outputs))

@@ -22,23 +22,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
-
-import jinja2
-import jinja2.nodes
+from typing import Any
 
 from pagedrl.model.chat_template import ChatTemplateError, ChatTemplates, compile_chat_template
+from pagedrl.model.content_format import CONTENT_FORMATS, ContentFormat, content_format_for
 from pagedrl.server.errors import bad_request
 
 logger = logging.getLogger("pagedrl.server")
 
-ContentFormat = Literal["string", "openai"]
-CONTENT_FORMATS = ("auto", "string", "openai")
 # A value holding none of these cannot be a template worth serving: it was meant as a file (vLLM's rule).
 JINJA_CHARS = "{}\n"
 UNTRUSTED = ("Chat template is passed with request, but --trust-request-chat-template is not set. Refused request "
@@ -127,9 +120,7 @@ class ChatRendering:
 
     def format_for(self, source: str) -> ContentFormat:
         """The content format for the template text `source`."""
-        if self.content_format in ("string", "openai"):
-            return self.content_format  # type: ignore[return-value]
-        return detected_content_format(source)
+        return content_format_for(source, self.content_format)
 
     def describe(self, tokenizer: Any) -> str | None:
         """The start-up log line: which template, and which content format and why (None: no template)."""
@@ -146,52 +137,3 @@ class ChatRendering:
 
 # What a server without the flags renders with: the model's templates, the content format detected.
 MODEL_TEMPLATE = ChatRendering()
-
-
-def _loads(node: jinja2.nodes.Node, name: str, key: str | None = None) -> bool:
-    """Whether `node` reads variable `name` (with `key`: its item or attribute `key`), possibly through
-    filters, tests or a slice: `messages`, `messages[1:]`, `message['content'] | trim`..."""
-    if isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)):
-        return node.node is not None and _loads(node.node, name, key)
-    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
-        return _loads(node.node, name, key)
-    if key is not None:
-        if isinstance(node, jinja2.nodes.Getitem):
-            return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == key and _loads(node.node, name)
-        if isinstance(node, jinja2.nodes.Getattr):
-            return node.attr == key and _loads(node.node, name)
-        return False
-    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == name
-
-
-def _aliases(root: jinja2.nodes.Template, name: str) -> Iterator[str]:
-    """`name` and every variable `{% set %}` makes of it (`{% set msgs = messages[1:] %}`), transitively."""
-    seen, todo = {name}, deque([name])
-    yield name
-    while todo:
-        current = todo.popleft()
-        for assign in root.find_all(jinja2.nodes.Assign):
-            target = assign.target
-            if isinstance(target, jinja2.nodes.Name) and target.name not in seen and _loads(assign.node, current):
-                seen.add(target.name)
-                todo.append(target.name)
-                yield target.name
-
-
-def _loop_targets(root: jinja2.nodes.Template, names: list[str], key: str | None = None) -> Iterator[str]:
-    """The variables of `{% for x in NAME %}` loops (with `key`: `in NAME[key]`) over any of `names`."""
-    for loop in root.find_all(jinja2.nodes.For):
-        if isinstance(loop.target, jinja2.nodes.Name) and any(_loads(loop.iter, n, key) for n in names):
-            yield loop.target.name
-
-
-@lru_cache(maxsize=32)
-def detected_content_format(source: str) -> ContentFormat:
-    """`openai` for a template that loops over a message's content (`{% for m in messages %}...{% for part
-    in m['content'] %}`), else `string`; a template that does not parse gets `string`, as in vLLM."""
-    try:
-        root = compile_chat_template(source).environment.parse(source)
-    except (ChatTemplateError, jinja2.exceptions.TemplateError):
-        return "string"
-    messages = list(_loop_targets(root, list(_aliases(root, "messages"))))
-    return "openai" if next(_loop_targets(root, messages, "content"), None) is not None else "string"

@@ -14,7 +14,8 @@ from typing import Any
 from pagedrl.engine.generation_defaults import capped
 from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.chat_template import select_chat_template
-from pagedrl.server.chat_template_flags import MODEL_TEMPLATE, NO_TEMPLATE, ChatRendering, ContentFormat
+from pagedrl.model.content_format import ContentFormat
+from pagedrl.server.chat_template_flags import MODEL_TEMPLATE, NO_TEMPLATE, ChatRendering
 from pagedrl.server.errors import bad_request, from_value_error
 from pagedrl.server.protocol import (
     COMPLETION_MAX_TOKENS,

@@ -19,10 +19,16 @@ def now_s() -> int:
 TokenIds = Annotated[list[int] | None, Field(exclude_if=lambda v: v is None)]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # vLLM's: only with --enable-prompt-tokens-details (left out otherwise, not null)
+    prompt_tokens_details: Annotated[PromptTokensDetails | None, Field(exclude_if=lambda v: v is None)] = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -57,6 +57,7 @@ from pagedrl.server.response_bodies import (
     DeltaToolCall,
     ErrorInfo,
     ErrorResponse,
+    PromptTokensDetails,
     UsageInfo,
     now_s,
 )
@@ -70,13 +71,23 @@ def sse(payload: str) -> bytes:
     return b"data: " + payload.encode() + b"\n\n"
 
 
-def counted(prompt: int, completion: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+def counted(prompt: int, completion: int, cached: int | None = None) -> UsageInfo:
+    """A usage; with `cached` (the server's --enable-prompt-tokens-details), its prompt_tokens_details."""
+    details = None if cached is None else PromptTokensDetails(cached_tokens=cached)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=details)
 
 
-def usage(outputs: list[RequestOutput], prompt_only: bool = False) -> UsageInfo:
+def usage(outputs: list[RequestOutput], prompt_only: bool = False, details: bool = False) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    return counted(prompt, 0 if prompt_only else sum(len(c.token_ids) for o in outputs for c in o.outputs))
+    cached = sum(o.num_cached_tokens for o in outputs) if details else None
+    return counted(prompt, 0 if prompt_only else sum(len(c.token_ids) for o in outputs for c in o.outputs), cached)
+
+
+def include_usage(stream_options: Any, force: bool) -> bool:
+    """Whether a stream ends with a usage chunk: as vLLM's `should_include_usage`, when the request's
+    stream_options ask or the server's --enable-force-include-usage does."""
+    return force or bool(stream_options and stream_options.include_usage)
 
 
 @dataclass
@@ -86,6 +97,7 @@ class Extras:
 
     token_ids: bool = False
     continuous_usage: bool = False
+    prompt_tokens_details: bool = False  # the server's --enable-prompt-tokens-details
 
 
 @dataclass
@@ -132,7 +144,8 @@ def completion_response(request_id: str, model: str, outputs: list[RequestOutput
                                             finish_reason=c.finish_reason,
                                             stop_reason=None if echo.prompt_only else c.stop_reason,
                                             prompt_logprobs=prompt_lp, **ids))
-    return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outputs, echo.prompt_only))
+    return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outputs, echo.prompt_only,
+                                                                                      extras.prompt_tokens_details))
 
 
 def tool_reader(plan: ToolPlan | None) -> ChoiceToolReader | None:
@@ -170,15 +183,18 @@ def chat_response(request_id: str, model: str, output: RequestOutput, params: Sa
         lp = chat_logprobs(c, 0, len(c.token_ids), names, params.logprobs) if params.logprobs is not None else None
         choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason, logprobs=lp,
                                   stop_reason=c.stop_reason, token_ids=list(c.token_ids) if with_ids else None))
-    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage([output]),
+    details = extras is not None and extras.prompt_tokens_details
+    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage([output], details=details),
                                   prompt_logprobs=prompt_logprob_entries(output) if params.prompt_logprobs is not None
                                   else None, prompt_token_ids=list(output.prompt_token_ids) if with_ids else None)
 
 
 # ---------------------------------------------------------------------------- streams
-def stream_usage(group: RequestGroup, prompt_only: bool = False) -> UsageInfo:
+def stream_usage(group: RequestGroup, prompt_only: bool = False, details: bool = False) -> UsageInfo:
+    """A stream's final usage (each request's output carries its prompt's cached tokens)."""
     prompt = sum(len(st.prompt_token_ids) for st in group.streams)
-    return counted(prompt, 0 if prompt_only else sum(st.num_generation_tokens for st in group.streams))
+    cached = sum(st.last.num_cached_tokens for st in group.streams if st.last is not None) if details else None
+    return counted(prompt, 0 if prompt_only else sum(st.num_generation_tokens for st in group.streams), cached)
 
 
 def has_news(c: CompletionOutput) -> bool:
@@ -236,7 +252,7 @@ async def completion_stream(group: RequestGroup, request_id: str, model: str, pa
                 yield b"".join(events)
         if include_usage:
             chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                    usage=stream_usage(group, echo.prompt_only))
+                                    usage=stream_usage(group, echo.prompt_only, extras.prompt_tokens_details))
             yield sse(chunk.model_dump_json())
     except (RequestAborted, RequestFailed) as e:
         yield error_event(e)
@@ -327,7 +343,7 @@ async def chat_stream(group: RequestGroup, request_id: str, model: str, params: 
                 yield b"".join(events)
         if include_usage:
             body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                       usage=stream_usage(group))
+                                       usage=stream_usage(group, details=extras.prompt_tokens_details))
             yield sse(body.model_dump_json())
         for text in texts.values() if log is not None else ():
             log.generated(request_id, text, None, "streaming_complete", streaming=True)

@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="name log-probs' tokens token_id:<id> unless a request says otherwise (vLLM's flag)")
     server.add_argument("--disable-fastapi-docs", action="store_true",
                         help="serve no /docs, /redoc or /openapi.json")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="report usage.prompt_tokens_details.cached_tokens on chat and completion answers")
+    server.add_argument("--enable-force-include-usage", action="store_true",
+                        help="end every stream with a usage chunk, even without stream_options.include_usage")
+    server.add_argument("--enable-server-load-tracking", action="store_true",
+                        help="count generating requests in flight, read at GET /load")
     add_request_log_arguments(server)
     add_chat_template_arguments(server)
     lora = groups["lora"]
@@ -207,7 +213,10 @@ def build_server(args: argparse.Namespace) -> Any:
                     trust_request_chat_template=args.trust_request_chat_template,
                     fastapi_docs=not args.disable_fastapi_docs,
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser,
+                    enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                    enable_force_include_usage=args.enable_force_include_usage,
+                    enable_server_load_tracking=args.enable_server_load_tracking)
     stats = engine.metrics_snapshot()
     if stats.lora is not None:
         logger.info("LoRA: %d slots of rank up to %d on every decoder projection (%.1f MiB)", args.max_loras,
