@@ -1,9 +1,10 @@
 """`use_beam_search` on the app in process: which request fields it refuses (those it would not apply, set to
 a value that asks for something) and which it lets through (left out, or set to a value that asks for
-nothing)."""
+nothing), and `--enable-log-requests` logging a search once, with its BeamSearchParams, not each step."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -62,3 +63,16 @@ def test_a_value_that_asks_for_nothing_is_the_same_search(http, route, body):
     assert plain.status_code == r.status_code == 200, r.text
     assert r.json()["choices"] == plain.json()["choices"] and len(r.json()["choices"]) == 2
 
+
+def test_a_search_is_logged_once_with_its_own_params(http, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedrl.server.requests"):
+        r = http.post("/v1/completions", json={**COMPLETION, "max_tokens": 6, "request_id": "beam-log",
+                                               "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        r = http.post("/v1/chat/completions", json={**CHAT, "request_id": "beam-chat"})
+        assert r.status_code == 200, r.text
+    received = [r for r in caplog.records if r.msg.startswith("Received request")]
+    assert [r.args[0] for r in received] == ["cmpl-beam-log", "chatcmpl-beam-chat"]
+    params = [str(r.args[1]) for r in received]
+    assert params[0].startswith("BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True, temperature=0")
+    assert params[1].startswith("BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=False")
