@@ -207,7 +207,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
 
     async def submit(prompts: list, params: SamplingParams, renames: dict[str, str] | None = None,
                      lora: LoRARequest | None = None, log_id: str | None = None,
-                     cache_salt: str | None = None) -> RequestGroup:
+                     cache_salt: str | None = None, log: bool = True) -> RequestGroup:
         # DELTA for streamed and whole responses alike: no step rebuilds what came before, and every
         # request's token timings reach the metrics
         params = params.clone(output_kind=RequestOutputKind.DELTA)
@@ -219,8 +219,9 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
             raise ApiError(503, str(e), "server_error", code="server_overloaded", headers={"Retry-After": "1"}) from None
         except EngineDead as e:
             raise ApiError(503, str(e), "server_error", code="engine_unavailable") from None
-        request_log.received(log_id or group.streams[0].request_id, prompts,
-                             [s.prompt_token_ids for s in group.streams], params, lora, tokenizer)
+        if log:
+            request_log.received(log_id or group.streams[0].request_id, prompts,
+                                 [s.prompt_token_ids for s in group.streams], params, lora, tokenizer)
         return group
 
     def token_text(params: SamplingParams, req: SamplingRequest | None = None) -> TokenText:
@@ -254,12 +255,20 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     async def beam_search(request: Request, req: SamplingRequest, prompts: list, params: SamplingParams,
                           lora: LoRARequest | None, request_id: str) -> tuple[list[RequestOutput], SamplingParams]:
         """`use_beam_search` (`server/beam_search.py`): each step's beams are one group of engine requests,
-        aborted if the client goes away; the answers, and the params the response builders read."""
+        aborted if the client goes away; the answers, and the params the response builders read. The
+        request is logged once, with its BeamSearchParams, as vLLM logs it, when its first step (on the
+        prompts as sent) is accepted; the steps are not."""
         beam = beam_search_params(req, params, max_model_len, engine.max_logprobs)
         sampling = step_params(beam)
+        first = True
 
         async def run_step(step_prompts: list) -> list[RequestOutput]:
-            group = await submit(step_prompts, sampling, None, lora, request_id, req.cache_salt)
+            nonlocal first
+            group = await submit(step_prompts, sampling, None, lora, request_id, req.cache_salt, log=False)
+            if first:
+                request_log.received(request_id, prompts, [s.prompt_token_ids for s in group.streams], beam, lora,
+                                     tokenizer)
+                first = False
             return await final_outputs_unless_disconnected(request, group)
 
         outputs = await run_beam_search(prompts, beam, run_step, engine.eos_token_ids, max_model_len, request_id,

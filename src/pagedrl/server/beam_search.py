@@ -6,8 +6,12 @@ the n best beams, best first (`engine/beam_search.py`). A stream carries each ch
 as vLLM's does, since no beam is known to be kept until the search ends.
 
 The fields that would change the candidates or the answer's shape and that beam search does not apply
-(vLLM ignores them) are refused by name instead: stop strings and ids, penalties, token choices,
-structured outputs, tools, log-probs and echo.
+are refused by name instead, when the request sets them to anything but a value that asks for nothing
+(its default, or an empty list or map, `top_p` 1, `response_format` text, `tool_choice` "none"):
+sampling's truncation and seed, stop strings and ids, penalties, token choices, structured outputs,
+tools, log-probs and echo. vLLM ignores all of them but `allowed_token_ids`, which its beam search
+applies, ranking every allowed token of a short list by its log-prob (`logprob_token_ids`, which this
+engine does not have); rather than rank otherwise, it is refused too.
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.server.errors import bad_request
 from pagedrl.server.protocol import SamplingRequest
 
-# Fields beam search does not apply; left at their defaults (None, empty, False, 0) they are fine.
-REFUSED = ("stop", "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-           "logit_bias", "allowed_token_ids", "bad_words", "response_format", "structured_outputs", "guided_json",
-           "guided_regex", "guided_choice", "guided_grammar", "prompt_logprobs", "logprobs", "top_logprobs", "echo",
-           "tools", "tool_choice")
+# Fields beam search does not apply, each with the values besides its default that ask for nothing.
+REFUSED: dict[str, tuple[Any, ...]] = {
+    "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "seed": (-1,), "stop": ([],), "stop_token_ids": ([],),
+    "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "min_tokens": (),
+    "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],), "response_format": (),
+    "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "prompt_logprobs": (), "logprobs": (), "top_logprobs": (), "echo": (), "tools": ([],), "tool_choice": ("none",)}
 _FIELD = re.compile(r"^BeamSearchParams\.(\w+)")
 
 StepRunner = Callable[[list[Any]], Awaitable[list[RequestOutput]]]
@@ -44,11 +50,7 @@ def beam_search_params(req: SamplingRequest, params: SamplingParams, max_model_l
                        max_logprobs: int) -> BeamSearchParams:
     """The request's BeamSearchParams, from its fields and the SamplingParams already checked (max_tokens,
     the temperature with the model's default); a field beam search does not apply is a 400 naming it."""
-    for name in REFUSED:
-        value = getattr(req, name, None)
-        if value in (None, False, 0, [], "") or (name == "response_format" and value.type == "text"):
-            continue  # unset, or the plain text every answer is
-        raise bad_request(f"{name} is not supported with use_beam_search", param=name)
+    check_fields(req)
     try:
         beam = BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens or max_model_len,
                                 ignore_eos=req.ignore_eos, temperature=params.temperature,
@@ -60,6 +62,26 @@ def beam_search_params(req: SamplingRequest, params: SamplingParams, max_model_l
         field = match.group(1) if match else None
         raise bad_request(str(e), param="n" if field == "beam_width" else field) from None
     return beam
+
+
+def check_fields(req: SamplingRequest) -> None:
+    """A 400 naming the first field the request set that beam search would not apply. A value that asks
+    for nothing passes: `logprobs: 0` asks for the sampled token's log-prob, `logit_bias: {}` for nothing."""
+    fields = type(req).model_fields
+    for name, idle in REFUSED.items():
+        if name not in fields or name not in req.model_fields_set:
+            continue
+        value = getattr(req, name)
+        if name == "response_format" and value is not None:
+            idle = (value,) if value.type == "text" else ()  # the plain text every answer is
+        if _same(value, fields[name].default) or any(_same(value, v) for v in idle):
+            continue
+        raise bad_request(f"{name} is not supported with use_beam_search", param=name)
+
+
+def _same(value: Any, idle: Any) -> bool:
+    """Equal and of one type: `0 == False` in Python, yet `logprobs: 0` asks for something."""
+    return type(value) is type(idle) and value == idle
 
 
 async def run_beam_search(prompts: list[Any], beam: BeamSearchParams, run_step: StepRunner, eos_token_ids: list[int],

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pagedrl.engine.beam_search import BeamSearchParams
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.sampling_params import SamplingParams
 
@@ -48,9 +49,9 @@ class RequestLog:
     outputs: bool = False  # --enable-log-outputs (only with `enabled`, as in vLLM)
 
     def received(self, request_id: str, prompts: Sequence[Any], prompt_ids: Sequence[Sequence[int]],
-                 params: SamplingParams, lora: LoRARequest | None, tokenizer: Any = None) -> None:
+                 params: SamplingParams | BeamSearchParams, lora: LoRARequest | None, tokenizer: Any = None) -> None:
         """Log the engine requests of one API call: `prompts` as given (text or ids), `prompt_ids` as the
-        engine took them."""
+        engine took them; a beam search's with its BeamSearchParams, once, not each of its steps'."""
         if not self.enabled:
             return
         for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids, strict=True)):
