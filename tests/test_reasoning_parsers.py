@@ -27,8 +27,11 @@ DEEPSEEK_R1 = [
     ("<think>This\nThat</think>This is the rest\nThat", "This\nThat", "This is the rest\nThat"),
     ("<think>This is a reasoning section", "This is a reasoning section", None),
     ("", "", None),
-    ("\n<think>This is a reasoning section</think>\nThis is the rest", "This is a reasoning section",
+    # vLLM's streamed split (NEW_LINE_STREAMING in its test; its whole answer drops the text before <think>)
+    ("\n<think>This is a reasoning section</think>\nThis is the rest", "\nThis is a reasoning section",
      "\nThis is the rest"),
+    ("abc<think>def</think>ghi", "abcdef", "ghi"),
+    ("x\n<think>r</think>c", "x\nr", "c"),
 ]
 TOOL_CALL_BODY = "<tool_call>\n<function=bash>\n<parameter=command>\ncat /etc/hosts\n</parameter>\n</function>\n</tool_call>"
 QWEN3 = [
@@ -45,14 +48,18 @@ QWEN3 = [
     ("<think>I need to read the file.\n\n" + TOOL_CALL_BODY, "I need to read the file.\n\n", TOOL_CALL_BODY),
     # a <tool_call> not followed by <function is text of the reasoning (vLLM's lookahead)
     ("I could write <tool_call> here", "I could write <tool_call> here", None),
+    ("abc<think>def</think>ghi", "abcdef", "ghi"),
+    ("x\n<think>r</think>c", "x\nr", "c"),
+    ("a<tool_call><think>\n<function=f>", "a<tool_call>\n<function=f>", None),
     ("<tool_call>\n{\"name\": \"f\"}</think>done", "<tool_call>\n{\"name\": \"f\"}", "done"),
 ]
-# qwen3 with chat_template_kwargs {"enable_thinking": false}
+# qwen3 with chat_template_kwargs {"enable_thinking": false}, and any answer a grammar writes: all content,
+# streamed as written (vLLM's whole answer would split "thought</think>answer" at the tag)
 QWEN3_NO_THINKING = [
     ("This is plain content", None, "This is plain content"),
     ("Some output without think tokens", None, "Some output without think tokens"),
     ("I need to read the file.\n\n" + TOOL_CALL_BODY, None, "I need to read the file.\n\n" + TOOL_CALL_BODY),
-    ("thought</think>answer", "thought", "answer"),
+    ("thought</think>answer", None, "thought</think>answer"),
 ]
 CASES = ([("deepseek_r1", True, *c) for c in DEEPSEEK_R1] + [("qwen3", True, *c) for c in QWEN3]
          + [("qwen3", False, *c) for c in QWEN3_NO_THINKING])
@@ -77,7 +84,7 @@ def test_streamed_deltas_join_to_the_whole_split(parser, thinking, text, reasoni
     for size in range(1, max(len(text), 1) + 1):
         r, c, deltas = streamed(parser, text, size, thinking)
         assert (r, c) == (reasoning or None, content or None), size
-        for dr, dc in deltas:  # no piece of a tag is ever sent
+        for dr, dc in deltas if thinking else []:  # no piece of a tag is ever sent
             for piece in (dr, dc):
                 assert "<think>" not in piece and "</think>" not in piece
 
@@ -104,3 +111,19 @@ def test_a_prompt_that_closed_the_reasoning_leaves_all_content() -> None:
     plan = ReasoningPlan("deepseek_r1", prompt_ended=True)
     assert plan.split("Hello</think>there") == (None, "Hello</think>there")
     assert streamed("deepseek_r1", "Hello</think>there", 3, prompt_ended=True)[:2] == (None, "Hello</think>there")
+
+
+def test_an_answer_not_meant_to_think_streams_as_it_is_written() -> None:
+    """A grammar-constrained answer (and qwen3's enable_thinking false) is content from its first delta:
+    nothing is held back until a </think> or the end."""
+    for parser in ("deepseek_r1", "qwen3"):
+        reader = ReasoningPlan(parser, thinking=False).reader()
+        assert reader.feed('{"a"') == ("", '{"a"')
+        assert reader.feed(": 1}") == ("", ": 1}")
+        assert reader.finish() == ("", "")
+
+
+def test_a_think_tag_after_text_is_dropped_in_the_stream_as_in_the_whole() -> None:
+    reader = ReasoningReader("deepseek_r1")
+    assert reader.feed("abc<th") == ("abc", "")  # the start of a tag is held
+    assert reader.feed("ink>def</think>ghi") == ("def", "ghi")

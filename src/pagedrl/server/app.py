@@ -247,10 +247,15 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan, sampling_defaults, max_tokens_cap, rendering)
         group = await submit([prompt_ids], params, {"logprobs": "top_logprobs", **structured_outputs(req)[1]}, lora,
                              log_id, req.cache_salt)
-        thinking = None if reasoning_parser is None else reasoning_plan(
-            reasoning_parser, req.chat_template_kwargs, params.structured_outputs is not None,
-            tokenizer.decode(prompt_ids, skip_special_tokens=False), req.include_reasoning)
-        return group, params, plan, thinking
+        return group, params, plan, chat_reasoning(req, prompt_ids, params.structured_outputs is not None)
+
+    def chat_reasoning(req: ChatCompletionRequest, prompt_ids: list[int], constrained: bool) -> ReasoningPlan | None:
+        """How a chat answer's reasoning is told from its content (None without `--reasoning-parser`):
+        sampled and beam-searched answers alike, as vLLM runs both through the same parser."""
+        if reasoning_parser is None:
+            return None
+        return reasoning_plan(reasoning_parser, req.chat_template_kwargs, constrained,
+                              tokenizer.decode(prompt_ids, skip_special_tokens=False), req.include_reasoning)
 
     async def beam_search(request: Request, req: SamplingRequest, prompts: list, params: SamplingParams,
                           lora: LoRARequest | None, request_id: str) -> tuple[list[RequestOutput], SamplingParams]:
@@ -319,7 +324,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
             prompt_ids, params = chat_inputs(req, tokenizer, max_n, None, sampling_defaults, max_tokens_cap, rendering)
             group = FinishedGroup(*await beam_search(request, req, [prompt_ids], params, check_model(req.model),
                                                      request_id))
-            params, plan, thinking = group.params, None, None
+            params, plan, thinking = group.params, None, chat_reasoning(req, prompt_ids, False)
         else:
             group, params, plan, thinking = await start_chat(req, request_id)
         model = req.model or served_model_name

@@ -228,6 +228,10 @@ class ChatMessage(OpenAIBase):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a `tool` turn: which call this is the result of
+    # an assistant turn's reasoning, sent back as the answer gave it (vLLM's name, and its earlier one):
+    # the template gets it, as vLLM passes it; on other roles it is ignored, as vLLM ignores it
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class FunctionDefinition(OpenAIBase):

@@ -2,15 +2,20 @@
 
 `deepseek_r1` and `qwen3` both read `<think>...</think>`, by the rules of vLLM's parsers
 (`vllm/reasoning/basic_parsers.py`, `deepseek_r1_reasoning_parser.py`, `qwen3_reasoning_parser.py`):
-- a `<think>` the model writes is dropped (with whatever came before it); the templates of both
-  families usually write it into the prompt, so the answer opens inside the reasoning;
+- the templates of both families usually write `<think>` into the prompt, so the answer opens inside
+  the reasoning; a `<think>` the model writes itself is dropped, and text before it stays reasoning
+  (`"abc<think>def</think>ghi"` is reasoning `abcdef`, content `ghi`). This is what vLLM's streaming
+  gives (it skips the tag's token); vLLM's whole answer instead drops all text before the first
+  `<think>` (reasoning `def`). Here the whole answer follows the stream, so that the two agree;
 - what comes before the first `</think>` is the reasoning, what follows it the content (None when
   nothing follows);
 - an answer without `</think>` was cut off while thinking: all of it is reasoning;
 - `qwen3` also ends the reasoning at a `<tool_call>` followed by `<function=` or `<function ` (the
-  Qwen3.5 and Qwen3-Coder call format, which a model may open without closing its thinking first),
-  and with `enable_thinking: false` in the request's `chat_template_kwargs` an answer without
-  `</think>` is all content;
+  Qwen3.5 and Qwen3-Coder call format, which a model may open without closing its thinking first);
+- an answer not meant to think is all content, as it is written, tags included: qwen3 with
+  `enable_thinking: false` in the request's `chat_template_kwargs`, and an answer a grammar writes
+  (see `reasoning_plan`). vLLM would still split at a `</think>` there, which a stream can only do
+  by holding the whole answer back; here such answers stream as they are written;
 - a prompt that already closed the reasoning (its last `</think>` after its last `<think>`: the
   empty think block Qwen3's template writes for `enable_thinking: false`) leaves the whole answer
   content, as vLLM's streaming code checks the prompt's tokens (here whole answers too, so that a
@@ -20,8 +25,9 @@ vLLM matches the tags as single tokens; here they are matched in the text, which
 tokenizers (both tags are one added token each) finds the same places.
 
 Streaming: `ReasoningReader` gives each delta's reasoning and content as soon as they are known,
-holding back only text that may still turn into a tag (a partial `</think>`, `<tool_call>` before
-its `<function`), so no part of a tag reaches either field and the deltas join to the whole split.
+holding back only text that may still turn into a tag (a partial `<think>` or `</think>`,
+`<tool_call>` before its `<function`), so no part of a tag reaches either field and the deltas join
+to the whole split.
 """
 
 from __future__ import annotations
@@ -37,20 +43,18 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3")  # --reasoning-parser NAME
 
 
 def split_reasoning(parser: str, text: str, thinking: bool = True) -> tuple[str | None, str | None]:
-    """(reasoning, content) of a whole answer, by vLLM's `extract_reasoning` of `parser`. Without
-    `thinking` (qwen3's `enable_thinking: false`) an answer that never closes a reasoning is content."""
-    _, start, rest = text.partition(THINK_START)
-    text = rest if start else text
-    if THINK_END in text:
-        reasoning, _, content = text.partition(THINK_END)
-        return reasoning, content or None
+    """(reasoning, content) of a whole answer, as `ReasoningReader` streams it. Without `thinking`
+    (qwen3's `enable_thinking: false`, or a grammar that writes the whole answer) all of it is content."""
     if not thinking:
         return None, text
+    if THINK_END in text:
+        reasoning, _, content = text.partition(THINK_END)
+        return reasoning.replace(THINK_START, ""), content or None
     if parser == "qwen3":
         at = text.find(TOOL_CALL)
         if at >= 0 and FUNCTION_OPEN.match(text[at + len(TOOL_CALL):].lstrip()):
-            return text[:at] or None, text[at:] or None
-    return text, None
+            return text[:at].replace(THINK_START, "") or None, text[at:] or None
+    return text.replace(THINK_START, ""), None
 
 
 def prompt_ends_reasoning(prompt: str) -> bool:
@@ -71,8 +75,8 @@ class ReasoningReader:
     """`feed(delta)` -> (reasoning, content) to send now; `finish()` -> the same at the end of the answer."""
 
     def __init__(self, parser: str, thinking: bool = True, prompt_ended: bool = False) -> None:
-        self.parser, self.thinking = parser, thinking
-        self.state = "content" if prompt_ended else "start" if thinking else "held"
+        self.parser = parser
+        self.state = "reasoning" if thinking and not prompt_ended else "content"
         self.pending = ""
         self.tool_checked = parser != "qwen3"  # qwen3 looks at the first <tool_call> once
 
@@ -83,26 +87,22 @@ class ReasoningReader:
             if self.state == "content":
                 content, self.pending = content + self.pending, ""
                 return reasoning, content
-            if self.state == "held":  # no thinking asked for: content unless a </think> comes
-                if THINK_END not in self.pending:
-                    return reasoning, content
-                r, c = split_reasoning(self.parser, self.pending, thinking=False)
-                reasoning, self.pending, self.state = r or "", c or "", "content"
+            found = {tag: self.pending.find(tag) for tag in (THINK_START, THINK_END, TOOL_CALL)
+                     if tag != TOOL_CALL or not self.tool_checked}
+            found = {tag: at for tag, at in found.items() if at >= 0}
+            tag = min(found, key=found.get) if found else None
+            if tag == THINK_START:  # the tag is dropped, what came before it stays reasoning
+                at = found[tag]
+                reasoning += self.pending[:at]
+                self.pending = self.pending[at + len(THINK_START):]
                 continue
-            if self.state == "start":  # a <think> the model writes opens its answer, maybe after blank lines
-                opening = self.pending.lstrip()
-                if len(opening) < len(THINK_START) and THINK_START.startswith(opening):
-                    return reasoning, content
-                if opening.startswith(THINK_START):
-                    self.pending = opening[len(THINK_START):]
-                self.state = "reasoning"
-            end = self.pending.find(THINK_END)
-            call = -1 if self.tool_checked else self.pending.find(TOOL_CALL)
-            if end >= 0 and (call < 0 or end < call):
-                reasoning += self.pending[:end]
-                self.pending, self.state = self.pending[end + len(THINK_END):], "content"
+            if tag == THINK_END:
+                at = found[tag]
+                reasoning += self.pending[:at]
+                self.pending, self.state = self.pending[at + len(THINK_END):], "content"
                 continue
-            if call >= 0:
+            if tag == TOOL_CALL:
+                call = found[tag]
                 after = self.pending[call + len(TOOL_CALL):].lstrip()
                 if FUNCTION_OPEN.match(after):
                     reasoning += self.pending[:call]
@@ -114,18 +114,15 @@ class ReasoningReader:
                     return reasoning, content
                 self.tool_checked = True  # a <tool_call> in the reasoning's text, not a call
                 continue
-            keep = _held(self.pending, (THINK_END,) if self.tool_checked else (THINK_END, TOOL_CALL))
-            cut = len(self.pending) - keep
+            tags = (THINK_START, THINK_END) if self.tool_checked else (THINK_START, THINK_END, TOOL_CALL)
+            cut = len(self.pending) - _held(self.pending, tags)
             reasoning += self.pending[:cut]
             self.pending = self.pending[cut:]
             return reasoning, content
 
     def finish(self) -> tuple[str, str]:
-        """What was held back: the rest of the reasoning, or (without thinking) the whole answer as content."""
+        """What was held back: the rest of the reasoning (a partial tag that never completed is text)."""
         rest, self.pending = self.pending, ""
-        if self.state == "held":
-            r, c = split_reasoning(self.parser, rest, thinking=False)
-            return r or "", c or ""
         return ("", rest) if self.state == "content" else (rest, "")
 
 
@@ -134,14 +131,13 @@ class ReasoningPlan:
     """How one request's answers are split: the server's parser, and what the request and its prompt say."""
 
     parser: str
-    thinking: bool = True  # qwen3's enable_thinking; false also where a grammar writes the whole answer
+    thinking: bool = True  # qwen3's enable_thinking; false also where a grammar writes the whole answer:
+    # then all of the answer is content
     prompt_ended: bool = False  # the prompt closed the reasoning: all of the answer is content
     include: bool = True  # vLLM's include_reasoning: false leaves the reasoning out of the answer
 
     def split(self, text: str) -> tuple[str | None, str | None]:
-        if self.prompt_ended:
-            return None, text
-        return split_reasoning(self.parser, text, self.thinking)
+        return split_reasoning(self.parser, text, self.thinking and not self.prompt_ended)
 
     def reader(self) -> ReasoningReader:
         return ReasoningReader(self.parser, self.thinking, self.prompt_ended)
@@ -152,8 +148,8 @@ def reasoning_plan(parser: str | None, template_kwargs: dict | None, constrained
     """A chat request's plan (None without a parser). qwen3 reads `enable_thinking` from the request's
     `chat_template_kwargs`, as vLLM's parser does. A request whose output a grammar constrains
     (`tool_choice` required or named, `response_format`, structured outputs) is held to it from its
-    first token here (vLLM starts the grammar after the reasoning), so its answer is content unless the
-    grammar itself writes a `</think>`."""
+    first token here (vLLM starts the grammar after the reasoning), so its answer is all content, streamed
+    as it is written."""
     if parser is None:
         return None
     thinking = not constrained and (parser != "qwen3" or bool((template_kwargs or {}).get("enable_thinking", True)))

@@ -68,15 +68,23 @@ def parts(content: str | list[InputPart], where: str) -> str | list[dict[str, st
     return out
 
 
+def reasoning_text(item: ReasoningItem, where: str) -> str:
+    """A reasoning item's text as vLLM reads it: its first content part's, else its first summary's."""
+    if item.encrypted_content:
+        raise bad_request("encrypted reasoning content is not supported", param=f"{where}.encrypted_content")
+    parts = item.content or item.summary
+    return str(parts[0].get("text") or "") if parts else ""
+
+
 def item_messages(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem],
                   messages: list[dict[str, Any]], origins: list[str]) -> None:
     """Append the input items to `messages` as chat messages; consecutive calls join one assistant turn
     (and the assistant's message just before them), as OpenAI's output lists a turn's text then its calls."""
     for i, item in enumerate(items):
         where = f"input.{i}"
-        if isinstance(item, ReasoningItem):
-            continue  # past reasoning is not shown to the model again
-        if isinstance(item, MessageItem):
+        if isinstance(item, ReasoningItem):  # vLLM's turn of its own: an assistant message with only reasoning
+            messages.append({"role": "assistant", "content": None, "reasoning": reasoning_text(item, where)})
+        elif isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": parts(item.content, f"{where}.content")})
         elif isinstance(item, FunctionCallItem):

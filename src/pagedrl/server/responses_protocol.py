@@ -58,13 +58,14 @@ class FunctionCallOutputItem(OpenAIBase):
 
 class ReasoningItem(OpenAIBase):
     """An earlier answer's reasoning item (`--reasoning-parser`), sent back with its output as OpenAI's
-    clients do: accepted and left out of the prompt, as the chat templates of thinking models leave
-    out past turns' reasoning."""
+    clients do: an assistant turn of its own with this reasoning, as vLLM passes it to the template
+    (Qwen3's templates render the reasoning of turns after the last user message)."""
 
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[dict[str, Any]] = Field(default_factory=list)
     content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None  # refused, as vLLM refuses it
     status: str | None = None
 
 
