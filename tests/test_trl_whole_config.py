@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trl
 import yaml
 
 from pagedrl.train.config import TrainConfig, load_config
 from pagedrl.train.offline_config import DPOConfig, RewardConfig, SFTConfig
 from pagedrl.train.rl.config import GRPOConfig
-
-trl = pytest.importorskip("trl")
 
 CONFIGS = {"SFTConfig": SFTConfig, "DPOConfig": DPOConfig, "GRPOConfig": GRPOConfig, "RewardConfig": RewardConfig}
 RECIPE = dict(learning_rate=1e-4, num_train_epochs=2, max_steps=100, per_device_train_batch_size=4,
