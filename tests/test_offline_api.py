@@ -137,14 +137,18 @@ def test_chat_template_content_format_shapes_the_content_as_the_server_does(llm)
     conv = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
             {"role": "tool", "content": "c"}]
 
-    def prompt(template: str, fmt: str = "auto") -> str:
-        (out,) = llm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template,
+    def prompt(template: str, fmt: str = "auto", messages: list | None = None) -> str:
+        (out,) = llm.chat(messages or conv, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template,
                           add_generation_prompt=False, chat_template_content_format=fmt)
         return out.prompt
 
     assert prompt(probe) == prompt(probe, "openai") == "<user>L:[a][b]|<tool>S:c|"
     assert prompt(probe, "string") == "<user>S:a\nb|<tool>S:c|"
     assert prompt(plain) == "user: a\nb|tool: c|"
+    # a content of None (an assistant turn that only called tools) is no text parts, as the server shapes it
+    calls = [{"role": "user", "content": "a"}, {"role": "assistant", "content": None}]
+    assert prompt(probe, "openai", calls) == "<user>L:[a]|<assistant>L:|"
+    assert prompt(probe, "string", calls) == "<user>S:a|<assistant>S:|"
     with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai"):
         prompt(plain, "list")
 

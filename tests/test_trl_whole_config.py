@@ -99,6 +99,20 @@ def test_another_value_of_a_key_pagedrl_does_not_read_is_refused_naming_it(name:
         assert "got" in str(e.value), key
 
 
+def test_whole_numbers_of_float_keys_are_their_value_and_a_token_is_not_echoed() -> None:
+    """A hand-written recipe's `label_smoothing_factor: 0` is TRL's 0.0 (a bool is not a number here); a
+    refused `hub_token` is not written into the error, where logs would keep it."""
+    for key, value in (("label_smoothing_factor", 0), ("repetition_penalty", 1), ("top_entropy_quantile", 1),
+                       ("entropy_coef", 0)):
+        config = GRPOConfig if key != "label_smoothing_factor" else SFTConfig
+        load_config(config, None, [f"{key}={value}", *(["reward_funcs=[accuracy]"] if config is GRPOConfig else [])])
+    with pytest.raises(ValueError, match="only 0.0"):
+        load_config(SFTConfig, None, ["label_smoothing_factor=false"])
+    with pytest.raises(ValueError, match=r"hub_token: only .*got a value \(not shown\)") as e:
+        load_config(SFTConfig, None, ["hub_token=hf_abcSECRET"])
+    assert "SECRET" not in str(e.value)
+
+
 def test_grpo_generation_batches_are_accepted_only_where_they_are_pagedrls(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A step generates per_device × accumulation × processes completions: TRL's resolved defaults, or null."""

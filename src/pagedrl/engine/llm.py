@@ -100,8 +100,8 @@ def _shaped_content(message: Mapping[str, Any], index: int, content_format: Cont
             if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise ValueError(f"messages[{index}].content[{j}]: only text parts are supported, got {part!r}")
             texts.append(part["text"])
-    elif isinstance(content, str):
-        texts = [content]
+    elif content is None or isinstance(content, str):
+        texts = [] if content is None else [content]  # None: no text parts, "" or [] as the server gives it
     else:
         return dict(message)
     if content_format == "openai" and message.get("role") != "tool":

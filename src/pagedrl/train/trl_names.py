@@ -131,11 +131,12 @@ def fixed_value(key: str, value: Any, source: str) -> bool:
     if not inert and key not in FIXED:
         return False
     allowed, why = TRAINING_INERT[key] if inert else FIXED[key]
-    if any(value == a and type(value) is type(a) for a in allowed):
-        return True
+    if any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed):
+        return True  # 0 and 0.0 are one value (a hand-written `label_smoothing_factor: 0`); true is not 1
     expected = " or ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in allowed)
     what = "its default (the key does nothing here)" if inert else "pagedrl's behaviour"
-    raise ValueError(f"{source}: {key}: only {expected} ({what}), got {value!r}" + (f": {why}" if why else ""))
+    got = "a value (not shown)" if key.endswith("_token") and value is not None else repr(value)  # hub_token: a secret
+    raise ValueError(f"{source}: {key}: only {expected} ({what}), got {got}" + (f": {why}" if why else ""))
 
 
 def steps_of(value: int | float | None, total_steps: int) -> int | None:

@@ -72,7 +72,8 @@ TRAINING_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
     "shuffle_dataset": ((True,), "prompts are shuffled each epoch from seed"),
     "multi_objective_aggregation": (("sum_then_normalize",), "the weighted rewards are summed, then normalized in "
                                                              "their group"),
-    "num_generations_eval": ((None,), "evaluation answers each held-out prompt once, greedily"),
+    "num_generations_eval": ((None,), "evaluation answers each held-out prompt once, greedily (TRL's null "
+                                       "samples num_generations answers each: evaluation metrics differ, training not)"),
     "off_policy_mask_threshold": ((None,), "no completion is masked for being off-policy"),
     "top_entropy_quantile": ((1.0,), "every completion token is trained on"),
     "entropy_coef": ((0.0,), _ENTROPY), "use_adaptive_entropy": ((False,), _ENTROPY),
