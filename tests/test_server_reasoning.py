@@ -144,3 +144,26 @@ def test_an_assistant_turns_reasoning_reaches_the_template() -> None:
         messages = [message_dict(0, ChatMessage(role="user", content="hi")), turn]
         assert render_chat_template(template, messages) == "user:hi;assistant:<think>two and two</think>4;"
     assert "reasoning" not in message_dict(0, ChatMessage(role="user", content="hi", reasoning="r"))
+
+
+def test_reasoning_and_the_answer_after_it_are_one_assistant_turn_as_vllm_builds_it() -> None:
+    """vLLM's `_construct_message_from_response_item`: a reasoning item joins the assistant turn before it
+    (its reasoning appended), and an assistant answer fills the content of the turn its reasoning (or its
+    calls) opened, so a conversation sent back as OpenAI lists it is the chat route's conversation."""
+    from pagedrl.server.responses_inputs import item_messages
+    from pagedrl.server.responses_protocol import ResponsesRequest
+
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "r"}]}
+    answer = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+              "content": [{"type": "output_text", "text": "A", "annotations": []}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    req = ResponsesRequest.model_validate({"model": "m", "input": [
+        {"role": "user", "content": "q"}, reasoning, answer, call, {"role": "user", "content": "q2"},
+        {**reasoning, "id": "rs_2"}, {**reasoning, "id": "rs_3"}]})
+    messages: list = []
+    item_messages(req.input, messages, [])
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    turn = messages[1]
+    assert (turn["reasoning"], turn["tool_calls"][0]["id"]) == ("r", "c1")
+    assert turn["content"] in ("A", [{"type": "text", "text": "A"}])
+    assert messages[3] == {"role": "assistant", "content": None, "reasoning": "rr"}

@@ -82,11 +82,22 @@ def item_messages(items: list[MessageItem | FunctionCallItem | FunctionCallOutpu
     (and the assistant's message just before them), as OpenAI's output lists a turn's text then its calls."""
     for i, item in enumerate(items):
         where = f"input.{i}"
-        if isinstance(item, ReasoningItem):  # vLLM's turn of its own: an assistant message with only reasoning
-            messages.append({"role": "assistant", "content": None, "reasoning": reasoning_text(item, where)})
+        # this request's assistant turn so far, which a reasoning item, an answer or calls join (vLLM's rule)
+        turn = messages[-1] if messages and messages[-1]["role"] == "assistant" and origins[-1].startswith(
+            "input.") else None
+        if isinstance(item, ReasoningItem):
+            reasoning = reasoning_text(item, where)
+            if turn is not None and isinstance(turn.get("reasoning", ""), str):
+                turn["reasoning"] = turn.get("reasoning", "") + reasoning
+            else:
+                messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
         elif isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": parts(item.content, f"{where}.content")})
+            content = parts(item.content, f"{where}.content")
+            if role == "assistant" and turn is not None and turn.get("content") is None:
+                turn["content"] = content  # the answer after its reasoning or calls: one turn
+            else:
+                messages.append({"role": role, "content": content})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
