@@ -48,6 +48,11 @@ class RequestLog:
     max_log_len: int | None = None  # None: the whole prompt
     outputs: bool = False  # --enable-log-outputs (only with `enabled`, as in vLLM)
 
+    @property
+    def logs_outputs(self) -> bool:
+        """Whether answers are logged at all: a stream keeps its choices' texts only then."""
+        return self.enabled and self.outputs
+
     def received(self, request_id: str, prompts: Sequence[Any], prompt_ids: Sequence[Sequence[int]],
                  params: SamplingParams | BeamSearchParams, lora: LoRARequest | None, tokenizer: Any = None) -> None:
         """Log the engine requests of one API call: `prompts` as given (text or ids), `prompt_ids` as the
@@ -68,7 +73,7 @@ class RequestLog:
                   streaming: bool = False, delta: bool = False) -> None:
         """Log an answer (vLLM's RequestLogger.log_outputs): a whole choice's, a streamed delta's, or at the
         end of a stream a choice's whole text (`streaming`, not `delta`; its ids are not kept, as in vLLM)."""
-        if not (self.enabled and self.outputs) or not output:
+        if not self.logs_outputs or not output:
             return
         cut = self.max_log_len
         ids = None if token_ids is None else list(token_ids if cut is None else token_ids[:cut])

@@ -295,6 +295,7 @@ async def chat_stream(group: RequestGroup, request_id: str, model: str, params: 
     and `content` first, and tool calls are read from the content; `log` (--enable-log-outputs) logs each
     delta and each choice's whole text."""
     extras = extras or Extras()
+    log = log if log is not None and log.logs_outputs else None  # no text kept nor delta joined for a log that is off
     created = now_s()
     readers = {i: tool_reader(plan) for i in range(params.n)}
     thinkers = {i: thinking.reader() if thinking is not None else None for i in range(params.n)}
@@ -327,7 +328,8 @@ async def chat_stream(group: RequestGroup, request_id: str, model: str, params: 
                     delta.reasoning = reasoning if reasoning and show_reasoning else None
                     finish_reason = c.finish_reason if reader is None else reader.finish_reason(c.finish_reason)
                     ids = list(c.token_ids) if extras.token_ids else None
-                    texts[c.index] += c.text
+                    if log is not None:
+                        texts[c.index] += c.text
                     if (reader is not None or thinker is not None) and not (
                             delta.content or delta.reasoning or delta.tool_calls or lp or finish_reason or ids):
                         continue  # text held back (a possible tag, a call not yet complete)
