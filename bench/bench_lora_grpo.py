@@ -10,8 +10,9 @@ on the same held-out problems every `--eval-steps` steps and at the end.
 - full fine-tuning: every weight trained, learning rate 1e-5 (examples/grpo_arithmetic.yaml).
 - LoRA: `use_peft`, r 16, alpha 32, dropout 0.05 (TRL's defaults) on all seven projections of every
   layer, learning rate 1e-4 (LoRA's usual ~10x the full fine-tuning rate).
-- QLoRA: the same adapters on a base held in NF4 (`load_in_4bit`); `--configs lora,qlora` compares
-  it with LoRA (goal: peak memory at least 250 MB lower).
+- QLoRA: the same adapters on a base held in 4 bits (`load_in_4bit`): the default model's GGUF keeps
+  its own Q4_1 blocks; `qlora_nf4` the same in NF4 (`bnb_4bit_quant_type: nf4`, every weight rounded a
+  second time). `--configs lora,qlora` compares it with LoRA (goal: peak memory at least 250 MB lower).
 
 Each run is its own process with one torch thread, so each peak resident memory (`ru_maxrss`) is
 its own. The two processes alternate, one optimizer step (or evaluation) at a time, passing a turn
@@ -44,9 +45,12 @@ CONFIGS = {
     "full": dict(learning_rate=1e-5),
     "lora": dict(learning_rate=1e-4, use_peft=True, lora_r=16, lora_alpha=32, lora_dropout=0.05,
                  lora_target_modules=["all-linear"]),
-    # QLoRA: the same adapters on a base whose projections are held in NF4 (`load_in_4bit`)
+    # QLoRA: the same adapters on a base whose projections are held in 4 bits (`load_in_4bit`): the GGUF's
+    # own blocks, or NF4
     "qlora": dict(learning_rate=1e-4, use_peft=True, lora_r=16, lora_alpha=32, lora_dropout=0.05,
                   lora_target_modules=["all-linear"], load_in_4bit=True),
+    "qlora_nf4": dict(learning_rate=1e-4, use_peft=True, lora_r=16, lora_alpha=32, lora_dropout=0.05,
+                      lora_target_modules=["all-linear"], load_in_4bit=True, bnb_4bit_quant_type="nf4"),
 }
 
 
@@ -125,13 +129,15 @@ def run(name: str, minutes: float, eval_steps: int, num_eval: int, out: Path, tu
     steps = [r for r in rows if "step_time" in r]
     evals = [(r["train_time"] / 60, r["eval/accuracy"], r["step"]) for r in rows if "eval/accuracy" in r]
     saved = sum(f.stat().st_size for f in final.iterdir() if f.suffix == ".safetensors")
-    trained = {"full": "every weight", "lora": "adapters only", "qlora": "adapters, NF4"}[name]
+    trained = {"full": "every weight", "lora": "adapters only", "qlora": "adapters, 4-bit",
+               "qlora_nf4": "adapters, NF4"}[name]
     return {"step": [r["step_time"] for r in steps], "generate": [r["rollout/seconds"] for r in steps],
             "reward": [r["reward"] for r in steps], "evals": evals, "saved_mib": saved / 2**20, "trained": trained}
 
 
 def worker(name: str, args: argparse.Namespace) -> None:
-    CONFIGS["lora"]["learning_rate"] = CONFIGS["qlora"]["learning_rate"] = args.lora_learning_rate
+    for adapted in ("lora", "qlora", "qlora_nf4"):
+        CONFIGS[adapted]["learning_rate"] = args.lora_learning_rate
     others = [c for c in args.configs.split(",") if c != name]
     turns = Turns(Path(args.turns), name, others[0] if others else None)
     with tempfile.TemporaryDirectory() as tmp:

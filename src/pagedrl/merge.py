@@ -33,7 +33,9 @@ def merge_main(argv: list[str]) -> int:
     held.add_argument("--load-in-4bit", action="store_true", help="a QLoRA adapter trained on the base in 4 bits: "
                       "merge into the base quantized and dequantized again (what the adapter was trained on)")
     held.add_argument("--load-in-8bit", action="store_true", help="the same for a base trained in int8 rows")
-    parser.add_argument("--bnb-4bit-quant-type", default="nf4", choices=("nf4", "fp4"))
+    parser.add_argument("--bnb-4bit-quant-type", default=None, choices=("nf4", "fp4"),
+                        help="as the run set it; unset: nf4, and a GGUF base's projections of at most 4 bits kept "
+                        "in the file's own blocks, as the trainers keep them")
     parser.add_argument("--use-bnb-nested-quant", action="store_true", help="the base had double quantization")
     args = parser.parse_args(argv)
 

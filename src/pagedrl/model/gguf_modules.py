@@ -29,6 +29,7 @@ from pagedrl.kernels.products import INT8_TYPES, int8_rows, quantized_rows
 from pagedrl.model import gguf_dequant, routed
 from pagedrl.model.gguf_rows8 import ROWS8, ROWS8_TYPES, pack_rows8, unpack_rows8
 from pagedrl.model.moe import Experts
+from pagedrl.model.quantized_linear import QuantizedLinear
 
 # The GGML types kept quantized: what llama.cpp's users download most (GGMLQuantizationType values; their
 # block shapes are `gguf_dequant.FORMATS`', which the CPU kernels share).
@@ -44,12 +45,13 @@ def dequantize(blocks: torch.Tensor, ggml_type: int, k: int, dtype: torch.dtype 
     return gguf_dequant.dequantize(blocks, ggml_type, k, out_dtype=dtype)
 
 
-class GGUFLinear(nn.Module):
+class GGUFLinear(QuantizedLinear):
     """`nn.Linear(k, n)` whose weight is the GGUF blocks `qweight` [n, row_bytes] (uint8, a buffer: no
-    gradient flows into it), with an optional float bias."""
+    gradient flows into it), with an optional float bias. A `QuantizedLinear`: outside an engine step
+    (a trainer's frozen QLoRA base, `model/qlora_gguf.py`) its product is `DequantizedProduct`'s, which
+    keeps no float copy of the weight for backward."""
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
         if ggml_type not in SUPPORTED_TYPES:
             raise ValueError(f"GGML type {ggml_type} is not kept quantized; supported: {', '.join(SUPPORTED_TYPES.values())}")
         fmt = gguf_dequant.FORMATS[ggml_type]
@@ -58,10 +60,9 @@ class GGUFLinear(nn.Module):
                 or blocks.shape[1] != in_features // values * size:
             raise ValueError(f"{type_name(ggml_type)} blocks of {in_features} inputs must be uint8 [rows, "
                              f"{in_features // values * size}], got {blocks.dtype} {list(blocks.shape)}")
+        super().__init__(in_features, blocks.shape[0], bias, None)
         self.register_buffer("qweight", blocks)
         self.ggml_type = ggml_type
-        self.in_features, self.out_features = in_features, blocks.shape[0]
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         # An engine's products on 8-bit activations (`use_int8_activations`): llama.cpp's arithmetic;
         # `qweight` then perhaps in the `rows8` layout
         self.int8_activations = False
@@ -71,6 +72,10 @@ class GGUFLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"type={type_name(self.ggml_type)}, bias={self.bias is not None}"
                 + (", activations=int8" if self.int8_activations else "") + (", layout=rows8" if self.rows8 else ""))
+
+    @property
+    def storage(self) -> str:
+        return f"the GGUF file's own {type_name(self.ggml_type)} blocks"
 
     @property
     def kernel_type(self) -> int:
@@ -103,7 +108,7 @@ class GGUFLinear(nn.Module):
             out = route(x, self.qweight, self.kernel_type, self.in_features, self.bias)
             if out is not None:
                 return out
-        return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return super().forward(x)
 
     def rows_product(self, x: torch.Tensor) -> torch.Tensor:
         """The product a float32 engine step computes (its routes' choice: `products.quantized_rows`),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from pagedrl.model.decoder import CausalLM
 from pagedrl.model.gguf import ROPE_FACTORS, ROTARY_PERMUTED, GGUFError, hf_name, norm_offset, open_gguf
 from pagedrl.model.gguf_deepseek import join_kv_b_state, kv_b_halves
 from pagedrl.model.gguf_modules import SUPPORTED_TYPES, GGUFEmbedding, GGUFExperts, GGUFLinear
+from pagedrl.model.projections import LAYER_PROJECTIONS
 
 _FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), int(GGMLQuantizationType.BF16)}
 
@@ -75,6 +77,36 @@ def _float(t: Any) -> np.ndarray:
     return gguf_dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
 
 
+def _blocks(t: Any, cfg: Any, permuted: bool) -> torch.Tensor:
+    """A quantized 2-D tensor's blocks as uint8 [rows, row_bytes], in transformers' row order (the q/k
+    rows un-permuted where llama.cpp permuted them)."""
+    rows = int(t.shape[-1])
+    blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(rows, -1)
+    if permuted and ".attn_q." in t.name:
+        return unpermute_rotary_rows(blocks, cfg.num_attention_heads)
+    if permuted and ".attn_k." in t.name:
+        return unpermute_rotary_rows(blocks, cfg.num_key_value_heads)
+    return blocks
+
+
+def projection_blocks(gguf_path: str | Path, folder: str | Path, keep: Callable[[int], bool]) -> dict[str, GGUFLinear]:
+    """The decoder projections of `gguf_path` whose GGML type `keep` accepts (and the kernels hold), as
+    `GGUFLinear`s over the file's own blocks, by their transformers module name from `layers.` on (config
+    from its converted `folder`); every other tensor is left unread."""
+    cfg = read_folder_config(Path(folder))
+    permuted = cfg.architecture in ROTARY_PERMUTED
+    found: dict[str, GGUFLinear] = {}
+    for t in open_gguf(Path(gguf_path)).tensors:
+        ggml_type = int(t.tensor_type)
+        if ggml_type not in SUPPORTED_TYPES or not keep(ggml_type) or len(t.shape) != 2 or not t.name.endswith(".weight") \
+                or _EXPERTS.fullmatch(t.name) or kv_b_halves(t.name) or t.name in ROPE_FACTORS:
+            continue
+        module_name = hf_name(t.name, str(gguf_path), cfg.architecture).rpartition(".")[0]
+        if module_name.rpartition(".")[2] in LAYER_PROJECTIONS:
+            found[module_name[module_name.find("layers."):]] = GGUFLinear(_blocks(t, cfg, permuted), ggml_type, int(t.shape[0]))
+    return found
+
+
 def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[CausalLM, Counter[str]]:
     """The CPU model of `gguf_path` with its quantized weights kept so (config and names from its
     converted `folder`), and how many tensors of each type it keeps."""
@@ -117,11 +149,7 @@ def load_gguf_quantized(gguf_path: str | Path, folder: str | Path) -> tuple[Caus
             raise GGUFError(f"{source}: tensor {t.name!r} is {what}, which quantization='gguf' does not keep "
                             f"quantized (supported: {', '.join(SUPPORTED_TYPES.values())}); without "
                             "quantization the file loads dequantized")
-        blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(shape[0], -1)
-        if permuted and ".attn_q." in t.name:
-            blocks = unpermute_rotary_rows(blocks, cfg.num_attention_heads)
-        elif permuted and ".attn_k." in t.name:
-            blocks = unpermute_rotary_rows(blocks, cfg.num_key_value_heads)
+        blocks = _blocks(t, cfg, permuted)
         parent_name, _, child = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
         replacement: nn.Module = GGUFEmbedding(blocks, ggml_type, shape[1]) if isinstance(module, nn.Embedding) \

@@ -23,34 +23,44 @@ from pagedrl.model.adapter import is_adapter_folder, load_adapter, read_adapter_
 from pagedrl.model.checkpoint import CheckpointError, default_dtype, load_causal_lm, save_checkpoint
 from pagedrl.model.heads import SequenceScorer, load_sequence_scorer, save_sequence_scorer
 from pagedrl.model.lora import merge_lora
-from pagedrl.model.quantized_linear import QuantizedBase, dequantize_projections, quantize_projections
+from pagedrl.model.qlora_gguf import quantize_base
+from pagedrl.model.quantized_linear import QuantizedBase, dequantize_projections
 from pagedrl.model.resolve import adapter_base, resolve_model_path
 
 
-def _fold(model: torch.nn.Module, adapter: Path, quantized: QuantizedBase | None) -> torch.nn.Module:
-    """`model` with the adapter folded in (on its dequantized base under `quantized`)."""
+def _fold(model: torch.nn.Module, adapter: Path, quantized: QuantizedBase | None, source: str | Path) -> torch.nn.Module:
+    """`model` (loaded from `source`) with the adapter folded in (on its dequantized base under
+    `quantized`, a GGUF's own blocks kept as the trainer kept them)."""
     if quantized is not None:
-        quantize_projections(model, quantized)
+        quantize_base(model, quantized, source)
     load_adapter(model, adapter)
     merge_lora(model)
     dequantize_projections(model)
     return model
 
 
+def _source(base: str | Path | None, source: str | Path | None, adapter: Path) -> str | Path:
+    """The model argument the base came from (a `.gguf` file before its conversion to a folder): where a
+    QLoRA base keeps the file's blocks."""
+    return source if source is not None else base if base is not None else read_adapter_config(adapter).base_model_name_or_path
+
+
 def merged_causal_lm(base: str | Path | None, adapter: str | Path, device: str | torch.device = "cpu",
-                     dtype: torch.dtype | None = None, quantized: QuantizedBase | None = None) -> torch.nn.Module:
-    """The base causal LM with the adapter folded in (computed in float32, then cast to `dtype`)."""
+                     dtype: torch.dtype | None = None, quantized: QuantizedBase | None = None,
+                     source: str | Path | None = None) -> torch.nn.Module:
+    """The base causal LM with the adapter folded in (computed in float32, then cast to `dtype`).
+    `source`: the model argument `base` was resolved from, when it was."""
     adapter = resolve_model_path(adapter)
     config = read_adapter_config(adapter)
     if config.task_type != "CAUSAL_LM":
         raise CheckpointError(f"{adapter}: a {config.task_type} adapter (a reward model or critic), not a causal LM's")
     model = load_causal_lm(adapter_base(adapter, base), device=device, dtype=torch.float32)
-    return _fold(model, adapter, quantized).to(dtype or default_dtype(device)).eval()
+    return _fold(model, adapter, quantized, _source(base, source, adapter)).to(dtype or default_dtype(device)).eval()
 
 
 def merged_scorer(base: str | Path | None, adapter: str | Path, device: str | torch.device = "cpu",
                   dtype: torch.dtype | None = None, quantized: QuantizedBase | None = None,
-                  _chain: tuple[Path, ...] = ()) -> SequenceScorer:
+                  _chain: tuple[Path, ...] = (), source: str | Path | None = None) -> SequenceScorer:
     """The base backbone with the adapter folded in and the adapter's `score` head."""
     adapter = resolve_model_path(adapter)
     config = read_adapter_config(adapter)
@@ -66,7 +76,7 @@ def merged_scorer(base: str | Path | None, adapter: str | Path, device: str | to
     else:  # the base's own head (if a classifier) or a placeholder one: the adapter's `score` replaces it
         model = load_sequence_scorer(base_path, device=device, dtype=torch.float32,
                                      generator=torch.Generator().manual_seed(0))
-    return _fold(model, adapter, quantized).to(dtype or default_dtype(device)).eval()
+    return _fold(model, adapter, quantized, _source(base, source, adapter)).to(dtype or default_dtype(device)).eval()
 
 
 def merge_adapter(base: str | Path | None, adapter: str | Path, out: str | Path, revision: str | None = None,
@@ -78,12 +88,13 @@ def merge_adapter(base: str | Path | None, adapter: str | Path, out: str | Path,
     base_path = adapter_base(adapter, base, revision)
     tokenizer_dir = adapter if (adapter / "tokenizer.json").is_file() else base_path
     if read_adapter_config(adapter).task_type == "SEQ_CLS":
-        scorer = merged_scorer(base_path, adapter, dtype=torch.float32, quantized=quantized)
+        scorer = merged_scorer(base_path, adapter, dtype=torch.float32, quantized=quantized, source=_source(base, None, adapter))
         return save_sequence_scorer(scorer, out, tokenizer_dir=tokenizer_dir)
     generation = base_path / "generation_config.json"
     try:
         extra = json.loads(generation.read_text()) if generation.is_file() else None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{generation}: not valid JSON ({e})") from None
-    model = merged_causal_lm(base_path, adapter, dtype=torch.float32, quantized=quantized)
+    model = merged_causal_lm(base_path, adapter, dtype=torch.float32, quantized=quantized,
+                             source=_source(base, None, adapter))
     return save_checkpoint(model, out, tokenizer_dir=tokenizer_dir, generation_config=extra)

@@ -16,7 +16,7 @@ float copy, no merge.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -128,10 +128,12 @@ class Linear8bit(QuantizedLinear):
 
 @dataclass(frozen=True)
 class QuantizedBase:
-    """How a frozen base is held: 4 or 8 bits, and the 4-bit options."""
+    """How a frozen base is held: 4 or 8 bits, and the 4-bit options. `quant_type` None: NF4, except
+    where the base is a GGUF file already holding a projection in at most `bits` bits, which keeps the
+    file's own blocks (`model/qlora_gguf.py`); set, every projection is quantized to it."""
 
     bits: int
-    quant_type: str = "nf4"
+    quant_type: str | None = None
     nested: bool = False
     compute_dtype: torch.dtype | None = None
 
@@ -139,17 +141,23 @@ class QuantizedBase:
     def field(self) -> str:
         return f"load_in_{self.bits}bit"
 
+    @property
+    def keeps_file_blocks(self) -> bool:
+        return self.bits == 8 or self.quant_type is None
+
     def layer(self, linear: nn.Linear) -> QuantizedLinear:
         if self.bits == 8:
             return Linear8bit(linear, self.compute_dtype)
-        return Linear4bit(linear, self.quant_type, self.nested, self.compute_dtype)
+        return Linear4bit(linear, self.quant_type or "nf4", self.nested, self.compute_dtype)
 
 
-def quantize_projections(model: nn.Module, spec: QuantizedBase) -> list[str]:
+def quantize_projections(model: nn.Module, spec: QuantizedBase, kept: Mapping[str, QuantizedLinear] | None = None) -> list[str]:
     """Replace every decoder-layer projection of `model` (in place, one at a time, each float weight
-    released as it goes) by its quantized layer; returns their names. Embeddings, norms and heads stay
-    float, as transformers leaves the output head unquantized. Refused for a projection that is not a
-    plain Linear (a GGUF kept quantized) and for a mixture of experts (its experts are stacked tensors)."""
+    released as it goes) by its quantized layer, or by `kept[key]` where given (a GGUF file's own
+    blocks of the same weight; `key` the name from `layers.` on, so that a causal LM's and a scorer's
+    backbone find the same entries); returns their names. Embeddings, norms and heads stay float, as
+    transformers leaves the output head unquantized. Refused for a projection that is not a plain
+    Linear (a GGUF kept quantized) and for a mixture of experts (its experts are stacked tensors)."""
     if has_sparse_layers(model):
         raise ValueError(f"{spec.field}: a mixture of experts' base cannot be held quantized (its experts are "
                          "stacked tensors, not Linear layers); train it with use_peft alone")
@@ -159,10 +167,22 @@ def quantize_projections(model: nn.Module, spec: QuantizedBase) -> list[str]:
     if odd or not names:
         raise ValueError(f"{spec.field}: needs a model whose projections are plain Linear layers of float weights; "
                          f"got {odd[0] if odd else 'none'} (load the float checkpoint, not a GGUF kept quantized)")
+    kept = kept or {}
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, spec.layer(getattr(owner, child)))
+        linear = getattr(owner, child)
+        key = name[name.find("layers."):]
+        if key in kept:
+            layer = kept[key]
+            if (layer.in_features, layer.out_features) != (linear.in_features, linear.out_features):
+                raise ValueError(f"{spec.field}: {name} is [{linear.out_features}, {linear.in_features}] in the model "
+                                 f"but [{layer.out_features}, {layer.in_features}] in its GGUF file")
+            layer.bias = linear.bias if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+            layer.compute_dtype = spec.compute_dtype
+        else:
+            layer = spec.layer(linear)
+        setattr(owner, child, layer)
     return names
 
 

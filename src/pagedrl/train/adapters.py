@@ -13,13 +13,15 @@ on a frozen base instead of every weight.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
 from pagedrl.model.lora import LoRAConfig, adapter_config, apply_lora, disable_adapter
-from pagedrl.model.quantized_linear import quantize_projections, quantized_layers
+from pagedrl.model.qlora_gguf import quantize_base
+from pagedrl.model.quantized_linear import quantized_layers
 from pagedrl.train.config import TrainConfig
 
 CAUSAL_LM, SEQ_CLS = "CAUSAL_LM", "SEQ_CLS"
@@ -47,7 +49,7 @@ def attach_lora(config: TrainConfig, model: nn.Module, task_type: str = CAUSAL_L
         return model
     spec = config.quantized_base
     if spec is not None and not quantized_layers(model):
-        quantize_projections(model, spec)
+        quantize_base(model, spec, config.model if base is None else base, config.revision if base is None else None)
     generator = torch.Generator().manual_seed(config.seed + 7919 * (1 + seed_offset))
     return apply_lora(model, lora_config(config, task_type, modules_to_save, base), generator)
 
@@ -76,7 +78,8 @@ def describe(model: nn.Module) -> str:
     base = "the base frozen"
     if quantized:
         nbytes = sum(b.numel() * b.element_size() for layer in quantized for b in layer.buffers())
-        base += (f", its {len(quantized)} projections quantized ({quantized[0].storage}: "
+        kinds = Counter(layer.storage for layer in quantized)
+        base += (f", its {len(quantized)} projections quantized ({'; '.join(f'{n} in {k}' for k, n in kinds.items())}: "
                  f"{nbytes / 2**20:.1f} MiB for {held / 1e6:.1f}M weights)")
     return (f"lora: r={c.r}, alpha={c.lora_alpha:g} (scaling {c.scaling:g}), dropout {c.lora_dropout:g} on "
             f"{', '.join(targets)}{extra}; {trained / 1e6:.2f}M of {total / 1e6:.1f}M parameters trained, "

@@ -143,7 +143,9 @@ class TrainConfig:
     # bitsandbytes' 4-bit blocks (nf4, or fp4) or LLM.int8's int8 rows; the adapters train in float32.
     load_in_4bit: bool = False
     load_in_8bit: bool = False
-    bnb_4bit_quant_type: str = "nf4"
+    # None: nf4, except that a GGUF model's projections already in at most 4 bits (8 with load_in_8bit) keep
+    # the file's own blocks (no second rounding); nf4 or fp4: every projection quantized to it
+    bnb_4bit_quant_type: str | None = None
     use_bnb_nested_quant: bool = False  # double quantization of the 4-bit block maxima
     bnb_4bit_compute_dtype: str | None = None  # None: the run's precision (bf16 autocast or float32)
 
@@ -213,8 +215,8 @@ class TrainConfig:
                  "a quantized base only trains adapters; set use_peft: true (QLoRA)")
         _require(quantized is None or not options, str(quantized),
                  f"a quantized base under FSDP (fsdp={self.fsdp!r}) is not supported; use DDP (leave fsdp unset)")
-        _require(self.bnb_4bit_quant_type in QUANT_TYPES, "bnb_4bit_quant_type",
-                 f"unknown {self.bnb_4bit_quant_type!r}; expected one of {', '.join(QUANT_TYPES)}")
+        _require(self.bnb_4bit_quant_type in (None, *QUANT_TYPES), "bnb_4bit_quant_type",
+                 f"unknown {self.bnb_4bit_quant_type!r}; expected null or one of {', '.join(QUANT_TYPES)}")
         _require(self.bnb_4bit_compute_dtype in (None, *COMPUTE_DTYPES), "bnb_4bit_compute_dtype",
                  f"unknown {self.bnb_4bit_compute_dtype!r}; expected null or one of {', '.join(COMPUTE_DTYPES)}")
         _require(not (self.use_peft and options), "fsdp",

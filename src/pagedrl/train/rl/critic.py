@@ -34,7 +34,7 @@ from pagedrl.model.heads import (
     save_sequence_scorer,
 )
 from pagedrl.model.lora import adapter_config
-from pagedrl.model.quantized_linear import quantize_projections
+from pagedrl.model.qlora_gguf import quantize_base
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.adapters import SEQ_CLS, attach_lora
 from pagedrl.train.config import TrainConfig
@@ -154,7 +154,7 @@ def lora_critic(config: TrainConfig, critic: SequenceScorer, policy: CausalLM, b
     adapter folder is named as it is: pagedrl's loaders fold it into its own base first."""
     spec = config.quantized_base
     if spec is not None and config.use_peft:  # QLoRA: the same float weights quantize to the policy's bytes
-        quantize_projections(critic.model, spec)
+        quantize_base(critic.model, spec, config.model if base is None else base, config.revision if base is None else None)
     # (an adapted quantized projection keeps its base as `base_layer`, PEFT's name)
     policy_base = {n.replace(".base_layer.", "."): t for n, t in
                    [*policy.model.named_parameters(), *policy.model.named_buffers()]}

@@ -1,0 +1,40 @@
+"""A QLoRA base read from a GGUF file: each decoder projection the file already holds in at most the bits
+asked for keeps the file's own blocks; the others are quantized as bitsandbytes would (NF4 blocks, int8
+rows). `load_in_4bit` keeps Q4_0, Q4_1 and Q4_K; `load_in_8bit` those, Q5_0, Q5_1, Q5_K, Q6_K and Q8_0.
+
+Why: a GGUF's float model is its blocks dequantized, so quantizing that model to NF4 rounds every weight
+a second time, onto a grid that does not hold the first rounding's values. The default model (Q4_1) lost
+most of its arithmetic so (perplexity 12.26 -> 33.0, `bench/RESULTS.md`). Its own blocks dequantize to
+the float model's weights bit for bit: a QLoRA run on them computes what LoRA on the float model
+computes, holding the projections in a sixth of the bytes, and the engine's rollouts multiply them with
+its GGUF kernels (`model/gguf_modules.py`). A `bnb_4bit_quant_type` set explicitly quantizes every
+projection to it, as asked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from pagedrl.model.gguf_dequant import FORMATS
+from pagedrl.model.gguf_quantized import projection_blocks
+from pagedrl.model.quantized_linear import QuantizedBase, quantize_projections
+from pagedrl.model.resolve import resolve_gguf
+
+
+def nominal_bits(ggml_type: int) -> int:
+    """The bits a GGML type gives each weight before its block scales: 4 for Q4_1, 6 for Q6_K."""
+    return int(FORMATS[ggml_type].name[1])
+
+
+def quantize_base(model: nn.Module, spec: QuantizedBase, source: str | Path | None,
+                  revision: str | None = None) -> list[str]:
+    """`quantize_projections` for a base loaded from `source` (a model argument: the default model's name,
+    a `.gguf` file, a folder or a Hub id): where `source` is a GGUF file and `spec` keeps file blocks, its
+    projections of at most `spec.bits` bits are the file's blocks. Returns the projections' names."""
+    kept = {}
+    found = resolve_gguf(source, revision) if spec.keeps_file_blocks else None
+    if found is not None:
+        kept = projection_blocks(*found, keep=lambda ggml_type: nominal_bits(ggml_type) <= spec.bits)
+    return quantize_projections(model, spec, kept)
