@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from pagedrl.model.lora import LoRAConfig, adapter_config, apply_lora, disable_adapter
+from pagedrl.model.lora import LoRAConfig, adapter_config, apply_lora, disable_adapter, lora_layers
 from pagedrl.model.qlora_gguf import quantize_base
 from pagedrl.model.quantized_linear import quantized_layers
 from pagedrl.train.config import TrainConfig
@@ -74,7 +74,8 @@ def describe(model: nn.Module) -> str:
     held = sum(layer.in_features * layer.out_features for layer in quantized)
     total = sum(p.numel() for p in model.parameters()) + held
     extra = f" + {', '.join(c.modules_to_save)} (whole)" if c.modules_to_save else ""
-    targets = [*c.resolved_targets(), *(c.target_parameters or [])]
+    adapted = {name.rpartition(".")[2] for name, _ in lora_layers(model)}  # (all-linear names every family's)
+    targets = [*(t for t in c.resolved_targets() if t in adapted), *(c.target_parameters or [])]
     base = "the base frozen"
     if quantized:
         nbytes = sum(b.numel() * b.element_size() for layer in quantized for b in layer.buffers())
