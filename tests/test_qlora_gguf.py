@@ -166,3 +166,30 @@ def test_merge_and_a_ppo_critic_use_the_same_blocks(mixed_gguf: Path, tmp_path: 
     lora_critic(config, critic, model)
     ours, theirs = quantized_layers(model), quantized_layers(critic)
     assert len(ours) == len(theirs) == 2 * 7 and all(a.qweight is b.qweight for a, b in zip(ours, theirs, strict=True))
+
+
+def test_a_qwen2_files_biases_go_with_its_blocks_and_experts_are_refused(tmp_path: Path) -> None:
+    """Qwen2's q/k/v biases (float tensors beside the blocks) stay on the kept layers: the base (adapters
+    at zero) computes the float model's logits bit for bit; a mixture of experts is refused in one line,
+    as on a float base."""
+    from test_gguf_families import family_gguf
+
+    kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    _, path = family_gguf("qwen2", tmp_path, types=dict.fromkeys(kinds, Q.Q4_0))
+    config = SFTConfig(**{**QLORA, "model": str(path), "output_dir": str(tmp_path / "out")})
+    model = load_model(config.model, device="cpu", dtype=torch.float32).model.eval()
+    ids = torch.tensor([[3, 40, 7, 99, 12, 5, 61, 8]])
+    with torch.no_grad():
+        want = model.logits(model(ids))
+    attach_lora(config, model)
+    layers = projections(model)
+    assert all(type(m) is GGUFLinear for m in layers.values()) and len(layers) == 2 * 7
+    assert layers["model.layers.0.self_attn.q_proj"].bias is not None
+    with torch.no_grad():
+        assert torch.equal(model.logits(model(ids)), want)
+    (tmp_path / "moe").mkdir()
+    _, moe = family_gguf("qwen3-moe", tmp_path / "moe", types={"ffn_gate_exps": Q.Q4_1, "ffn_up_exps": Q.Q4_1,
+                                                               "ffn_down_exps": Q.Q4_1})
+    model = load_model(str(moe), device="cpu", dtype=torch.float32).model
+    with pytest.raises(ValueError, match=r"^load_in_4bit: a mixture of experts' base cannot be held quantized"):
+        attach_lora(SFTConfig(**{**QLORA, "model": str(moe), "output_dir": str(tmp_path / "out")}), model)

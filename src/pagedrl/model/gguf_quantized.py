@@ -98,8 +98,8 @@ def projection_blocks(gguf_path: str | Path, folder: str | Path, keep: Callable[
     found: dict[str, GGUFLinear] = {}
     for t in open_gguf(Path(gguf_path)).tensors:
         ggml_type = int(t.tensor_type)
-        if ggml_type not in SUPPORTED_TYPES or not keep(ggml_type) or len(t.shape) != 2 or not t.name.endswith(".weight") \
-                or _EXPERTS.fullmatch(t.name) or kv_b_halves(t.name) or t.name in ROPE_FACTORS:
+        if ggml_type not in SUPPORTED_TYPES or len(t.shape) != 2 or not t.name.endswith(".weight") \
+                or _EXPERTS.fullmatch(t.name) or kv_b_halves(t.name) or t.name in ROPE_FACTORS or not keep(ggml_type):
             continue
         module_name = hf_name(t.name, str(gguf_path), cfg.architecture).rpartition(".")[0]
         if module_name.rpartition(".")[2] in LAYER_PROJECTIONS:

@@ -13,19 +13,21 @@ projection to it, as asked.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from torch import nn
 
 from pagedrl.model.gguf_dequant import FORMATS
 from pagedrl.model.gguf_quantized import projection_blocks
+from pagedrl.model.moe import has_sparse_layers
 from pagedrl.model.quantized_linear import QuantizedBase, quantize_projections
 from pagedrl.model.resolve import resolve_gguf
 
 
 def nominal_bits(ggml_type: int) -> int:
-    """The bits a GGML type gives each weight before its block scales: 4 for Q4_1, 6 for Q6_K."""
-    return int(FORMATS[ggml_type].name[1])
+    """The bits a GGML type gives each weight before its block scales: 4 for Q4_1 and MXFP4, 6 for Q6_K."""
+    return int(re.search(r"\d+", FORMATS[ggml_type].name)[0])
 
 
 def quantize_base(model: nn.Module, spec: QuantizedBase, source: str | Path | None,
@@ -34,7 +36,7 @@ def quantize_base(model: nn.Module, spec: QuantizedBase, source: str | Path | No
     a `.gguf` file, a folder or a Hub id): where `source` is a GGUF file and `spec` keeps file blocks, its
     projections of at most `spec.bits` bits are the file's blocks. Returns the projections' names."""
     kept = {}
-    found = resolve_gguf(source, revision) if spec.keeps_file_blocks else None
-    if found is not None:
+    found = resolve_gguf(source, revision) if spec.keeps_file_blocks and not has_sparse_layers(model) else None
+    if found is not None:  # (a mixture of experts is refused by `quantize_projections`)
         kept = projection_blocks(*found, keep=lambda ggml_type: nominal_bits(ggml_type) <= spec.bits)
     return quantize_projections(model, spec, kept)
