@@ -137,11 +137,21 @@ class PromptCompletion:
     completion_ids: list[int]
     where: str
     columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for reward functions
-    assistant_mask: list[bool] | None = None  # over prompt + completion: the assistant's tokens
+    # over prompt + completion: the assistant's tokens (a `wrapped` packed row's: its labelled tokens)
+    assistant_mask: list[bool] | None = None
 
     @property
     def input_ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
+
+
+def label_mask(example: PromptCompletion, completion_only: bool) -> list[bool]:
+    """Which tokens carry a label: the completion's, or every token without completion_only; of those, with
+    an assistant mask (assistant_only_loss, or a `wrapped` packed row's labels), the mask's only, as TRL's
+    labels need every mask's 1."""
+    n_prompt, mask = len(example.prompt_ids), example.assistant_mask
+    return [(completion_only is False or i >= n_prompt) and (mask is None or mask[i])
+            for i in range(len(example.input_ids))]
 
 
 # TRL 1.16's SFTTrainer's words for an example with no assistant token under assistant_only_loss.

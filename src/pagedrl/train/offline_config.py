@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pagedrl.train.algorithms.sft_packing import PackingStrategy
 from pagedrl.train.config import TrainConfig, TrainConfigError, _require, validate_router_coef
 from pagedrl.train.dpo_losses import (
     DISCOPOP_TAU,
@@ -26,10 +27,11 @@ class SFTConfig(TrainConfig):
     assistant_only_loss: bool = False
     # a .jinja file or a tokenizer folder: the chat template of the run, saved with the model (train/sft_template.py)
     chat_template_path: str | None = None
-    # TRL's packing: the examples packed once into rows of at most max_length tokens (best-fit decreasing),
-    # per_device_train_batch_size then counting rows (train/algorithms/sft_packing.py)
+    # TRL's packing: the examples packed once into rows of at most max_length tokens, per_device_train_batch_size
+    # then counting rows (train/algorithms/sft_packing.py): bfd best-fit decreasing (an example cut to its start),
+    # bfd_split the same with a longer example split into pieces, wrapped the tokens cut every max_length
     packing: bool = False
-    packing_strategy: Literal["bfd", "bfd_split", "wrapped"] = "bfd"  # only bfd is built
+    packing_strategy: PackingStrategy = "bfd"
     padding_free: bool = False  # each micro-batch's examples back to back in one row, not padded
     eval_packing: bool | None = None  # None: as packing
     shuffle_dataset: bool = False  # with packing: the examples shuffled (TRL's permutation of seed) before packing
@@ -41,9 +43,6 @@ class SFTConfig(TrainConfig):
     def validate(self) -> None:
         super().validate()
         validate_router_coef(self.router_aux_loss_coef)
-        _require(self.packing_strategy == "bfd", "packing_strategy",
-                 f"{self.packing_strategy!r} is not built: bfd packs whole examples (bfd_split would cut the longer "
-                 "ones into pieces, wrapped cuts every example at the row's end); use bfd")
         packs = self.packing or self.eval_packing
         _require(not packs or self.max_length is not None, "eval_packing" if self.eval_packing and not self.packing
                  else "packing", "packing needs max_length, the length of a packed row")
