@@ -222,7 +222,7 @@ def test_every_trl_sft_config_key_at_its_default_is_taken() -> None:
 
 
 @pytest.mark.parametrize(("override", "words"), [
-    ("truncation_mode=keep_end", "keep their start"), ("pad_to_multiple_of=8", "never the loss"),
+    ("pad_to_multiple_of=8", "never the loss"),
     ("activation_offloading=true", "gradient_checkpointing"), ("dataset_kwargs={skip_prepare_dataset: true}",
                                                               "no skip_prepare_dataset"),
     ("model_init_kwargs={dtype: bfloat16}", "precision keys"), ("trust_remote_code=true", "no code"),

@@ -17,6 +17,8 @@ from pagedrl.train.dpo_losses import (
     dpo_settings_problem,
 )
 
+TruncationMode = Literal["keep_start", "keep_end"]  # TRL's SFT and DPO truncation_mode
+
 
 @dataclass
 class SFTConfig(TrainConfig):
@@ -32,6 +34,9 @@ class SFTConfig(TrainConfig):
     # bfd_split the same with a longer example split into pieces, wrapped the tokens cut every max_length
     packing: bool = False
     packing_strategy: PackingStrategy = "bfd"
+    # A row longer than max_length keeps its first max_length tokens, or its last (keep_end, which TRL 1.16
+    # deprecates); a set that is packed is cut as its packing_strategy cuts it, whatever this says, as TRL's
+    truncation_mode: TruncationMode = "keep_start"
     padding_free: bool = False  # each micro-batch's examples back to back in one row, not padded
     eval_packing: bool | None = None  # None: as packing
     shuffle_dataset: bool = False  # with packing: the examples shuffled (TRL's permutation of seed) before packing
@@ -76,6 +81,9 @@ class DPOConfig(TrainConfig):
     ld_alpha: float | None = None
     # WPO: each pair's losses times its answers' weights, exp of their mean log p - log Σ_v p_v² (the policy's)
     use_weighting: bool = False
+    # Each of prompt + chosen and prompt + rejected longer than max_length keeps its first max_length tokens,
+    # or its last (keep_end, which TRL 1.16 deprecates: the prompt's start is cut first, each answer's apart)
+    truncation_mode: TruncationMode = "keep_start"
     ref_model: str | None = None  # None: a frozen copy of the starting policy
     precompute_ref_log_probs: bool = False
     precompute_ref_batch_size: int | None = None  # pairs per batch of that pass (None: per_device_train_batch_size)

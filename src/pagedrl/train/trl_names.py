@@ -89,7 +89,8 @@ FIXED = {
     "dataset_kwargs": ((None,), "rows are always prepared (tokenized, their labels built) by pagedrl; there is "
                                 "no skip_prepare_dataset: give prompt/completion, text or messages rows"),
     "trust_remote_code": ((False,), "pagedrl runs no code from a checkpoint"),
-    # TRL 1.16's only supported mode (keep_end is deprecated there)
+    # SFT's and DPO's own field (keep_end too); in the other trainers, which TRL gives no truncation_mode,
+    # its default is taken
     "truncation_mode": (("keep_start",), "rows longer than max_length keep their start (truncation: truncate), "
                                          "or are dropped (truncation: skip)"),
     # "auto" pads to a multiple of 128 on Neuron only: nowhere pagedrl runs

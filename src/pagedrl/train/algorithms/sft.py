@@ -123,9 +123,11 @@ class SFT(OfflineAlgorithm):
         def convert(packed: bool) -> PromptCompletionRows:
             # TRL's bfd_split and wrapped packing cut no example (they split or wrap it), so a row they pack is
             # read whole; bfd keeps each example's start, as it is cut here (TRL's packer cuts it so).
+            # keep_end applies to a set not packed only (TRL's packer ignores it: bfd keeps the start).
             whole = packed and config.packing_strategy != "bfd"
             return PromptCompletionRows(tokenizer, None if whole else config.max_length, config.truncation,
-                                        config.dataset_text_field, config.assistant_only_loss)
+                                        config.dataset_text_field, config.assistant_only_loss,
+                                        keep_end=config.truncation_mode == "keep_end" and not packed)
 
         examples, report, eval_examples = load_train_and_eval(config, dataset, eval_dataset, convert(config.packing),
                                                               "SFT needs a dataset", convert(eval_packing))
