@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from first_batches import TOLERANCE, ours_first_batch, trl_first_batch
+from test_sft_assistant_only import template_file  # noqa: F401 (a fixture)
 from test_sft_trl import _examples, trl_prepared_rows
-from tiny_train import arithmetic_rows, sft_trainer
+from tiny_train import arithmetic_rows, chat_rows, sft_trainer
 
 from pagedrl.train.algorithms.sft_packing import PackedRow, pack
 from pagedrl.train.config import load_config
@@ -113,3 +114,16 @@ def test_packing_strategy_values_are_trl_s() -> None:
     assert load_config(SFTConfig, None, ["packing_strategy=bfd-requeue"]).packing_strategy == "bfd_split"
     with pytest.raises(ValueError, match=r"packing_strategy: expected one of 'bfd', 'bfd_split', 'wrapped'"):
         load_config(SFTConfig, None, ["packing=true", "packing_strategy=ffd"])
+
+
+@pytest.mark.parametrize("strategy", ["bfd_split", "wrapped"])
+def test_packed_assistant_only_labels_equal_trl(tiny_train_model, template_file,  # noqa: F811
+                                                tmp_path, strategy) -> None:
+    """`assistant_only_loss` rows packed: each token keeps its label (the assistant's alone) across the
+    pieces and wrapped rows, as TRL's packed labels column."""
+    keys = dict(assistant_only_loss=True, chat_template_path=str(template_file), packing=True,
+                packing_strategy=strategy, max_length=48)
+    rows = chat_rows(24)
+    theirs = trl_prepared_rows(tiny_train_model, rows, tmp_path / "trl", **keys)
+    ours = sft_trainer(tiny_train_model, tmp_path / "ours", rows=rows, **keys).algorithm.examples
+    assert [_row(r) for r in ours] == theirs

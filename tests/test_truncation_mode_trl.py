@@ -11,6 +11,7 @@ from first_batches import TOLERANCE, ours_first_batch, trl_first_batch
 from preference_data import dpo_trainer, preference_rows
 from test_dpo_trl import other_model  # noqa: F401 (a fixture)
 from test_dpo_trl import trl_first_batch as trl_dpo_first_batch
+from test_sft_assistant_only import template_file  # noqa: F401 (a fixture)
 from test_sft_packing_trl import _labels
 from test_sft_trl import trl_prepared_rows
 from tiny_train import arithmetic_rows, chat_rows, sft_trainer
@@ -129,3 +130,15 @@ def test_truncation_mode_values_are_trl_s() -> None:
             load_config(cls, None, ["truncation_mode=left"])
     with pytest.raises(ValueError, match=r"^command line: truncation_mode: only keep_start"):
         load_config(RewardConfig, None, ["truncation_mode=keep_end"])
+
+
+def test_sft_keep_end_with_assistant_only_loss_equals_trl(tiny_train_model, template_file,  # noqa: F811
+                                                          tmp_path) -> None:
+    """The assistant's tokens of the rows' last `max_length` tokens labelled, as TRL slices its labels."""
+    keys = dict(assistant_only_loss=True, chat_template_path=str(template_file), max_length=30,
+                truncation_mode="keep_end")
+    rows = chat_rows(12)
+    theirs = trl_prepared_rows(tiny_train_model, rows, tmp_path / "trl", **keys)
+    ours = sft_trainer(tiny_train_model, tmp_path / "ours", rows=rows, **keys).algorithm.examples
+    assert [(e.input_ids, _labels(e)) for e in ours] == [(r["input_ids"], r["labels"]) for r in theirs]
+    assert all(-100 in r["labels"] for r in theirs)
