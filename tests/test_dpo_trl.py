@@ -33,7 +33,7 @@ def trl_first_batch(model_dir, ref_dir, rows, tmp_path, **settings):
     policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32) if ref_dir else None
     args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=PAIRS, bf16=False, use_cpu=True,
-                     report_to="none", max_length=None, seed=0, **settings)
+                     report_to="none", **{"max_length": None, "seed": 0, **settings})
     trainer = DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
                          processing_class=AutoTokenizer.from_pretrained(str(model_dir)))
     features = [trainer.train_dataset[i] for i in range(PAIRS)]

@@ -95,7 +95,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping
 
     # Data: rows longer than max_length are cut ("truncate", keeping the start as TRL's
-    # keep_start), dropped ("skip") or refused ("error").
+    # keep_start; SFT's and DPO's truncation_mode: keep_end keeps the end), dropped ("skip") or refused ("error").
     max_length: int | None = 1024
     truncation: Literal["truncate", "skip", "error"] = "truncate"
     # A malformed row (bad JSON, missing field, wrong type, empty completion) stops the run with its

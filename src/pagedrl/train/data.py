@@ -302,9 +302,11 @@ def load_examples(dataset: str | Path | Sequence[Mapping[str, Any]],
 
 
 def load_train_and_eval(config: Any, dataset: Any, eval_dataset: Any, convert: Callable[[Row, DataReport], T | None],
-                        needs: str) -> tuple[list[T], DataReport, list[T] | None]:
+                        needs: str, eval_convert: Callable[[Row, DataReport], T | None] | None = None,
+                        ) -> tuple[list[T], DataReport, list[T] | None]:
     """The training rows (`dataset`, else `config.dataset`) and the evaluation rows (`eval_dataset`,
-    else `config.eval_dataset`, else none), both under the config's bad-row policy."""
+    else `config.eval_dataset`, else none), both under the config's bad-row policy; the evaluation rows
+    through `eval_convert` where they are read otherwise (SFT's eval set packed or not as the train set)."""
     dataset = dataset if dataset is not None else config.dataset
     if dataset is None:
         raise ValueError(f"dataset: {needs} (a JSONL path, or a list of rows through the API)")
@@ -312,7 +314,7 @@ def load_train_and_eval(config: Any, dataset: Any, eval_dataset: Any, convert: C
     eval_source = eval_dataset if eval_dataset is not None else config.eval_dataset
     if eval_source is None:
         return examples, report, None
-    eval_examples, eval_report = load_examples(eval_source, convert, config.on_bad_row)
+    eval_examples, eval_report = load_examples(eval_source, eval_convert or convert, config.on_bad_row)
     for reason, n in eval_report.skipped.items():  # skipped evaluation rows are reported with the others
         report.skipped[f"eval_dataset: {reason}"] += n
         report.first_skipped[f"eval_dataset: {reason}"] = eval_report.first_skipped[reason]

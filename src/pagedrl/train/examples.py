@@ -106,9 +106,10 @@ def refuse_media(row: Row) -> None:
 
 
 def fit_length(prompt_ids: list[int], completion_ids: list[int], max_length: int | None, truncation: Truncation,
-               field_name: str) -> tuple[list[int], list[int]] | None:
-    """Apply `max_length` to one prompt + completion: keep the start (TRL's keep_start), skip the
-    row (None: the caller counts it) or refuse it (BadRow), as `truncation` says."""
+               field_name: str, keep_end: bool = False) -> tuple[list[int], list[int]] | None:
+    """Apply `max_length` to one prompt + completion: keep the start (TRL's keep_start) or with `keep_end`
+    the last `max_length` tokens (TRL's keep_end: the prompt's start goes first, then the completion's),
+    skip the row (None: the caller counts it) or refuse it (BadRow), as `truncation` says."""
     total = len(prompt_ids) + len(completion_ids)
     if max_length is None or total <= max_length:
         return prompt_ids, completion_ids
@@ -117,6 +118,9 @@ def fit_length(prompt_ids: list[int], completion_ids: list[int], max_length: int
                      "(set truncation to 'truncate' or 'skip', or raise max_length)", "longer than max_length")
     if truncation == "skip":
         return None
+    if keep_end:
+        cut = total - max_length
+        return prompt_ids[cut:], completion_ids[max(0, cut - len(prompt_ids)):]
     if len(prompt_ids) >= max_length:
         raise BadRow("prompt", f"the prompt alone is {len(prompt_ids)} tokens, so truncating to max_length="
                      f"{max_length} leaves no {field_name} token to learn from", "prompt fills max_length")
@@ -137,11 +141,21 @@ class PromptCompletion:
     completion_ids: list[int]
     where: str
     columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for reward functions
-    assistant_mask: list[bool] | None = None  # over prompt + completion: the assistant's tokens
+    # over prompt + completion: the assistant's tokens (a `wrapped` packed row's: its labelled tokens)
+    assistant_mask: list[bool] | None = None
 
     @property
     def input_ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
+
+
+def label_mask(example: PromptCompletion, completion_only: bool) -> list[bool]:
+    """Which tokens carry a label: the completion's, or every token without completion_only; of those, with
+    an assistant mask (assistant_only_loss, or a `wrapped` packed row's labels), the mask's only, as TRL's
+    labels need every mask's 1."""
+    n_prompt, mask = len(example.prompt_ids), example.assistant_mask
+    return [(completion_only is False or i >= n_prompt) and (mask is None or mask[i])
+            for i in range(len(example.input_ids))]
 
 
 # TRL 1.16's SFTTrainer's words for an example with no assistant token under assistant_only_loss.
@@ -153,13 +167,14 @@ NO_ASSISTANT_TOKENS = ("has no assistant tokens (assistant_only_loss: true). Thi
 class PromptCompletionRows:
     """Row converter for SFT: prompt-completion rows, or language-modeling rows (`text_field` or
     `messages`) as a completion with an empty prompt. `assistant_only`: chat rows only, each token
-    marked as the assistant's or not by the chat template's `{% generation %}` blocks."""
+    marked as the assistant's or not by the chat template's `{% generation %}` blocks. `keep_end`: a
+    row longer than `max_length` keeps its last tokens (TRL's truncation_mode keep_end)."""
 
     def __init__(self, tokenizer: Tokenizer, max_length: int | None, truncation: Truncation = "truncate",
-                 text_field_name: str = "text", assistant_only: bool = False) -> None:
+                 text_field_name: str = "text", assistant_only: bool = False, keep_end: bool = False) -> None:
         _check_truncation(truncation)
         self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
-        self.text_field, self.assistant_only = text_field_name, assistant_only
+        self.text_field, self.assistant_only, self.keep_end = text_field_name, assistant_only, keep_end
 
     def __call__(self, row: Row, report: DataReport) -> PromptCompletion | None:
         refuse_media(row)
@@ -194,16 +209,17 @@ class PromptCompletionRows:
             raise BadRow(used[-1], "tokenizes to nothing after the prompt", f"empty {used[-1]!r}")
         if mask is not None and not any(mask):
             raise BadRow(used[-1], NO_ASSISTANT_TOKENS, "no assistant tokens")
-        fitted = fit_length(prompt_ids, completion_ids, self.max_length, self.truncation, used[-1])
+        fitted = fit_length(prompt_ids, completion_ids, self.max_length, self.truncation, used[-1], self.keep_end)
         if fitted is None:
             report.skip(f"longer than max_length={self.max_length}", row.where)
             return None
+        kept = len(fitted[0]) + len(fitted[1])
         if mask is not None:
-            mask = mask[:len(fitted[0]) + len(fitted[1])]
+            mask = mask[len(mask) - kept:] if self.keep_end else mask[:kept]
             if not any(mask):  # as TRL drops an example its truncation left without a label
                 report.skip(f"no assistant token within max_length={self.max_length}", row.where)
                 return None
-        if len(fitted[1]) < len(completion_ids):
+        if kept < len(prompt_ids) + len(completion_ids):
             report.truncated += 1
         return PromptCompletion(fitted[0], fitted[1], row.where, extra_columns(row, (*used, *TEMPLATE_COLUMNS)), mask)
 
@@ -224,6 +240,9 @@ class Preference:
     where: str
     margin: float | None = None
     columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for reward functions
+    # The rejected answer's own prompt, where DPO's keep_end truncation left it another part of the prompt
+    # than the chosen answer's (`prompt_ids`); None: the two share `prompt_ids`.
+    rejected_prompt_ids: list[int] | None = None
 
 
 class PreferenceRows:
@@ -232,11 +251,14 @@ class PreferenceRows:
     `extract_prompt` does (TRL's DPO and reward trainers take both kinds of row).
     `prompt_ids + chosen_ids` is the whole conversation tokenized at once, which is what TRL's
     reward trainer scores; the prompt is cut where both answers leave it, as TRL's DPO does.
-    `max_length` applies to each of prompt + chosen and prompt + rejected."""
+    `max_length` applies to each of prompt + chosen and prompt + rejected, as TRL's DPO collator cuts each:
+    keeping the start, or with `keep_end` the last `max_length` tokens, which may leave the two answers
+    different parts of the prompt (`Preference.rejected_prompt_ids`)."""
 
-    def __init__(self, tokenizer: Tokenizer, max_length: int | None, truncation: Truncation = "truncate") -> None:
+    def __init__(self, tokenizer: Tokenizer, max_length: int | None, truncation: Truncation = "truncate",
+                 keep_end: bool = False) -> None:
         _check_truncation(truncation)
-        self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
+        self.tokenizer, self.max_length, self.truncation, self.keep_end = tokenizer, max_length, truncation, keep_end
 
     def __call__(self, row: Row, report: DataReport) -> Preference | None:
         refuse_media(row)
@@ -260,16 +282,18 @@ class PreferenceRows:
         for key, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
             if not ids:
                 raise BadRow(key, "tokenizes to nothing after the prompt", f"empty {key!r}")
-        chosen = fit_length(prompt_ids, chosen_ids, self.max_length, self.truncation, "chosen")
-        rejected = fit_length(prompt_ids, rejected_ids, self.max_length, self.truncation, "rejected")
+        chosen = fit_length(prompt_ids, chosen_ids, self.max_length, self.truncation, "chosen", self.keep_end)
+        rejected = fit_length(prompt_ids, rejected_ids, self.max_length, self.truncation, "rejected", self.keep_end)
         if chosen is None or rejected is None:
             report.skip(f"longer than max_length={self.max_length}", row.where)
             return None
-        if len(chosen[1]) < len(chosen_ids) or len(rejected[1]) < len(rejected_ids):
+        if sum(map(len, chosen)) < len(prompt_ids) + len(chosen_ids) or \
+                sum(map(len, rejected)) < len(prompt_ids) + len(rejected_ids):
             report.truncated += 1
-        return Preference(prompt_ids, chosen[1], rejected[1], row.where,
+        return Preference(chosen[0], chosen[1], rejected[1], row.where,
                           None if margin is None else float(margin),
-                          extra_columns(row, ("prompt", "chosen", "rejected", "margin", *TEMPLATE_COLUMNS)))
+                          extra_columns(row, ("prompt", "chosen", "rejected", "margin", *TEMPLATE_COLUMNS)),
+                          None if len(rejected[0]) == len(chosen[0]) else rejected[0])
 
 
 @dataclass

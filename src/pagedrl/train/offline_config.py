@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pagedrl.train.algorithms.sft_packing import PackingStrategy
 from pagedrl.train.config import TrainConfig, TrainConfigError, _require, validate_router_coef
 from pagedrl.train.dpo_losses import (
     DISCOPOP_TAU,
@@ -15,6 +16,8 @@ from pagedrl.train.dpo_losses import (
     FDivergence,
     dpo_settings_problem,
 )
+
+TruncationMode = Literal["keep_start", "keep_end"]  # TRL's SFT and DPO truncation_mode
 
 
 @dataclass
@@ -26,10 +29,14 @@ class SFTConfig(TrainConfig):
     assistant_only_loss: bool = False
     # a .jinja file or a tokenizer folder: the chat template of the run, saved with the model (train/sft_template.py)
     chat_template_path: str | None = None
-    # TRL's packing: the examples packed once into rows of at most max_length tokens (best-fit decreasing),
-    # per_device_train_batch_size then counting rows (train/algorithms/sft_packing.py)
+    # TRL's packing: the examples packed once into rows of at most max_length tokens, per_device_train_batch_size
+    # then counting rows (train/algorithms/sft_packing.py): bfd best-fit decreasing (an example cut to its start),
+    # bfd_split the same with a longer example split into pieces, wrapped the tokens cut every max_length
     packing: bool = False
-    packing_strategy: Literal["bfd", "bfd_split", "wrapped"] = "bfd"  # only bfd is built
+    packing_strategy: PackingStrategy = "bfd"
+    # A row longer than max_length keeps its first max_length tokens, or its last (keep_end, which TRL 1.16
+    # deprecates); a set that is packed is cut as its packing_strategy cuts it, whatever this says, as TRL's
+    truncation_mode: TruncationMode = "keep_start"
     padding_free: bool = False  # each micro-batch's examples back to back in one row, not padded
     eval_packing: bool | None = None  # None: as packing
     shuffle_dataset: bool = False  # with packing: the examples shuffled (TRL's permutation of seed) before packing
@@ -41,9 +48,6 @@ class SFTConfig(TrainConfig):
     def validate(self) -> None:
         super().validate()
         validate_router_coef(self.router_aux_loss_coef)
-        _require(self.packing_strategy == "bfd", "packing_strategy",
-                 f"{self.packing_strategy!r} is not built: bfd packs whole examples (bfd_split would cut the longer "
-                 "ones into pieces, wrapped cuts every example at the row's end); use bfd")
         packs = self.packing or self.eval_packing
         _require(not packs or self.max_length is not None, "eval_packing" if self.eval_packing and not self.packing
                  else "packing", "packing needs max_length, the length of a packed row")
@@ -77,6 +81,9 @@ class DPOConfig(TrainConfig):
     ld_alpha: float | None = None
     # WPO: each pair's losses times its answers' weights, exp of their mean log p - log Σ_v p_v² (the policy's)
     use_weighting: bool = False
+    # Each of prompt + chosen and prompt + rejected longer than max_length keeps its first max_length tokens,
+    # or its last (keep_end, which TRL 1.16 deprecates: the prompt's start is cut first, each answer's apart)
+    truncation_mode: TruncationMode = "keep_start"
     ref_model: str | None = None  # None: a frozen copy of the starting policy
     precompute_ref_log_probs: bool = False
     precompute_ref_batch_size: int | None = None  # pairs per batch of that pass (None: per_device_train_batch_size)

@@ -89,7 +89,8 @@ FIXED = {
     "dataset_kwargs": ((None,), "rows are always prepared (tokenized, their labels built) by pagedrl; there is "
                                 "no skip_prepare_dataset: give prompt/completion, text or messages rows"),
     "trust_remote_code": ((False,), "pagedrl runs no code from a checkpoint"),
-    # TRL 1.16's only supported mode (keep_end is deprecated there)
+    # SFT's and DPO's own field (keep_end too); in the other trainers, which TRL gives no truncation_mode,
+    # its default is taken
     "truncation_mode": (("keep_start",), "rows longer than max_length keep their start (truncation: truncate), "
                                          "or are dropped (truncation: skip)"),
     # "auto" pads to a multiple of 128 on Neuron only: nowhere pagedrl runs
@@ -109,13 +110,16 @@ RATIO_STEPS = ("logging_steps", "eval_steps", "save_steps")
 
 def trl_form(key: str, value: Any) -> tuple[str, Any]:
     """A key and value in the form TRL writes them, in pagedrl's: TRL's spelling of a field (`ALIASES`),
-    a one-element `loss_type` list (TRL's type is a list of losses) for that loss, GRPO's
+    a one-element `loss_type` list (TRL's type is a list of losses) for that loss, SFT's `packing_strategy`
+    `bfd-requeue` for `bfd_split` (TRL's old name), GRPO's
     `scale_rewards` true / false for "group" / "none" (as TRL reads them), and transformers 5's
     `warmup_steps` below 1, a ratio, for `warmup_ratio` (`eval_steps`, `save_steps` and
     `logging_steps` below 1 stay ratios of the total steps: `steps_of` reads them)."""
     key = ALIASES.get(key, key)
     if key == "loss_type" and isinstance(value, list) and len(value) == 1:
         return key, value[0]
+    if key == "packing_strategy" and value == "bfd-requeue":  # TRL's deprecated name, which it reads so
+        return key, "bfd_split"
     if key == "scale_rewards" and isinstance(value, bool):
         return key, "group" if value else "none"
     if key == "warmup_steps" and isinstance(value, float) and 0.0 < value < 1.0:

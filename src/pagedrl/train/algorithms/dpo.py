@@ -141,7 +141,7 @@ class DPO(OfflineAlgorithm):
     def __init__(self, config: DPOConfig, model: CausalLM, tokenizer: Tokenizer, dist: DistInfo,
                  dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
                  generation_config: dict[str, Any] | None = None, ref_model: CausalLM | None = None) -> None:
-        convert = PreferenceRows(tokenizer, config.max_length, config.truncation)
+        convert = PreferenceRows(tokenizer, config.max_length, config.truncation, config.truncation_mode == "keep_end")
         examples, report, eval_examples = load_train_and_eval(
             config, dataset, eval_dataset, convert, "DPO needs a dataset of {prompt, chosen, rejected} rows")
         super().__init__(examples, report, config.per_device_train_batch_size, config.gradient_accumulation_steps,

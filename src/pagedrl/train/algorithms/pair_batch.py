@@ -7,6 +7,10 @@ parent of both answers), and both answers' positions continue from the prompt's 
 answer sees exactly the context it would see as `prompt + answer` on its own, the prompt is
 computed once instead of twice, and autograd sums both answers' gradients into it.
 
+Where DPO's `truncation_mode: keep_end` left the two answers different ends of the prompt
+(`Preference.rejected_prompt_ids`), the row is `[prompt, chosen, rejected's prompt, rejected]`: the
+rejected answer sees its own prompt only, from position 0, as TRL's row of it.
+
 TRL instead runs `prompt + chosen` and `prompt + rejected` as two padded rows. One row per pair
 (rather than every pair of the micro-batch in one long row) keeps attention quadratic in a pair's
 length, not in the whole micro-batch's.
@@ -33,11 +37,13 @@ from pagedrl.model.attention import DenseAttention
 from pagedrl.model.heads import score_index
 from pagedrl.train.examples import Preference
 
-PROMPT, CHOSEN, REJECTED, PADDING = 0, 1, 2, 3
-# Segment → the segment it sees as its prefix: both answers see the prompt; padding sees itself only.
-PARENT = (-1, PROMPT, PROMPT, -1)
-# Segment → the rows of TRL's layout (`prompt + chosen`, `prompt + rejected`) that hold the token.
-ROWS_HOLDING = (2.0, 1.0, 1.0, 0.0)
+PROMPT, CHOSEN, REJECTED, PADDING, OWN_PROMPT, OWN_REJECTED = 0, 1, 2, 3, 4, 5
+# Segment → the segment it sees as its prefix: both answers see the prompt; padding sees itself only; a
+# rejected answer with a prompt of its own (keep_end truncation) sees that one.
+PARENT = (-1, PROMPT, PROMPT, -1, -1, OWN_PROMPT)
+# Segment → the rows of TRL's layout (`prompt + chosen`, `prompt + rejected`) that hold the token (the
+# prompt 1 where the rejected answer has its own).
+ROWS_HOLDING = (2.0, 1.0, 1.0, 0.0, 1.0, 1.0)
 
 
 @dataclass
@@ -70,7 +76,8 @@ def collate_pairs(pairs: Sequence[Preference], pad_id: int, device: torch.device
     if not pairs:
         raise ValueError("pairs: a micro-batch needs at least one preference pair")
     B = len(pairs)
-    width = max(len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+    width = max(len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_prompt_ids or []) + len(p.rejected_ids)
+                for p in pairs)
     ids = torch.full((B, width), pad_id, dtype=torch.long)
     pos = torch.zeros(B, width, dtype=torch.long)
     seg = torch.full((B, width), PADDING, dtype=torch.long)
@@ -88,21 +95,29 @@ def collate_pairs(pairs: Sequence[Preference], pad_id: int, device: torch.device
         start = p
         for k, (answer, segment) in enumerate(((pair.chosen_ids, CHOSEN), (pair.rejected_ids, REJECTED))):
             n, a = len(answer), k * B + b
+            context, at = pair.prompt_ids, 0  # the answer's prompt and where it starts in the row
+            if k == 1 and pair.rejected_prompt_ids is not None:
+                context, at, segment = pair.rejected_prompt_ids, start, OWN_REJECTED
+                start += len(context)
+                ids[b, at:start] = torch.tensor(context, dtype=torch.long)
+                pos[b, at:start] = torch.arange(len(context))
+                seg[b, at:start] = OWN_PROMPT
+            c = len(context)
             ids[b, start:start + n] = torch.tensor(answer, dtype=torch.long)
-            pos[b, start:start + n] = torch.arange(p, p + n)
+            pos[b, start:start + n] = torch.arange(c, c + n)
             seg[b, start:start + n] = segment
             lengths[a] = n
-            num_tokens += p + n
+            num_tokens += c + n
             if answer_tokens:
                 # Answer token j is predicted by the row before it in its own sequence: the prompt's
                 # last token for j = 0 (none if the prompt is empty: like TRL, that token is not scored).
-                for j in range(0 if p else 1, n):
-                    predict.append(row + (p - 1 if j == 0 else start + j - 1))
+                for j in range(0 if c else 1, n):
+                    predict.append(row + (at + c - 1 if j == 0 else start + j - 1))
                     targets.append(answer[j])
                     answer_of.append(a)
             if scores:
-                i = score_index(pair.prompt_ids + answer, score_pad_id)
-                score_at[a] = row + (i if i < p else start + i - p)
+                i = score_index(context + answer, score_pad_id)
+                score_at[a] = row + (at + i if i < c else start + i - c)
             start += n
     parent = torch.tensor(PARENT, dtype=torch.long, device=device)
     pos = pos.to(device)
@@ -116,7 +131,11 @@ def collate_pairs(pairs: Sequence[Preference], pad_id: int, device: torch.device
         batch.predict_at = torch.tensor(predict, dtype=torch.long, device=device)
         batch.targets = torch.tensor(targets, dtype=torch.long, device=device)
         batch.answer_of = torch.tensor(answer_of, dtype=torch.long, device=device)
-        batch.token_weights = torch.tensor(ROWS_HOLDING, device=device)[seg.to(device)]
+        weights = torch.tensor(ROWS_HOLDING)[seg]
+        for b, pair in enumerate(pairs):
+            if pair.rejected_prompt_ids is not None:  # the chosen answer's prompt is in its TRL row alone
+                weights[b, :len(pair.prompt_ids)] = 1.0
+        batch.token_weights = weights.to(device)
     if scores:
         batch.score_at = torch.tensor(score_at, dtype=torch.long, device=device)
         if any(p.margin is not None for p in pairs):

@@ -1,7 +1,8 @@
 """Supervised fine-tuning: cross-entropy on completion tokens, on the one trainer loop.
 
 A micro-batch is either padded (rows of equal length, right padding, a causal mask per row) or,
-with `padding_free` (and `packing`, whose dataset rows are TRL's packed rows: `sft_packing.py`), one row
+with `padding_free` (and `packing`, whose dataset rows are TRL's packed rows: `sft_packing.py`; its
+`wrapped` rows are plain sequences, padded unless `padding_free`, as TRL trains them), one row
 holding every example back to back with a block-diagonal causal mask and positions restarting per
 example, so no compute goes into padding. Either way the LM head runs
 only on the positions that predict a label token (`CausalLM.logits` of the selected hidden
@@ -43,10 +44,10 @@ from pagedrl.model.decoder import default_positions
 from pagedrl.model.moe import collect_router_logits
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import OfflineAlgorithm
-from pagedrl.train.algorithms.sft_packing import PackedRow, pack_bfd, unpack
+from pagedrl.train.algorithms.sft_packing import PackedRow, pack, unpack
 from pagedrl.train.data import load_train_and_eval
 from pagedrl.train.distributed import DistInfo
-from pagedrl.train.examples import PromptCompletion, PromptCompletionRows
+from pagedrl.train.examples import PromptCompletion, PromptCompletionRows, label_mask
 from pagedrl.train.logprobs import target_logprobs
 from pagedrl.train.losses import dft_loss, sft_loss
 from pagedrl.train.metrics import Metric
@@ -64,14 +65,6 @@ class SFTBatch:
     targets: torch.Tensor  # [N]
     num_tokens: int  # real (non-padding) tokens
     token_mask: torch.Tensor | None = None  # [B, T] real tokens of a padded batch (None: no padding)
-
-
-def label_mask(example: PromptCompletion, completion_only: bool) -> list[bool]:
-    """Which tokens carry a label: the completion's, or every token without completion_only; of those, with
-    an assistant mask (assistant_only_loss), the assistant's only, as TRL's labels need every mask's 1."""
-    n_prompt, mask = len(example.prompt_ids), example.assistant_mask
-    return [(completion_only is False or i >= n_prompt) and (mask is None or mask[i])
-            for i in range(len(example.input_ids))]
 
 
 def collate_sft(examples: Sequence[PromptCompletion], pad_id: int, device: torch.device,
@@ -125,26 +118,38 @@ class SFT(OfflineAlgorithm):
         if config.assistant_only_loss:
             require_generation_block(tokenizer)
             self.stops_trained = stop_token_trained(tokenizer)
-        convert = PromptCompletionRows(tokenizer, config.max_length, config.truncation, config.dataset_text_field,
-                                       config.assistant_only_loss)
-        examples, report, eval_examples = load_train_and_eval(config, dataset, eval_dataset, convert,
-                                                              "SFT needs a dataset")
+        eval_packing = config.packing if config.eval_packing is None else config.eval_packing
+
+        def convert(packed: bool) -> PromptCompletionRows:
+            # TRL's bfd_split and wrapped packing cut no example (they split or wrap it), so a row they pack is
+            # read whole; bfd keeps each example's start, as it is cut here (TRL's packer cuts it so).
+            # keep_end applies to a set not packed only (TRL's packer ignores it: bfd keeps the start).
+            whole = packed and config.packing_strategy != "bfd"
+            return PromptCompletionRows(tokenizer, None if whole else config.max_length, config.truncation,
+                                        config.dataset_text_field, config.assistant_only_loss,
+                                        keep_end=config.truncation_mode == "keep_end" and not packed)
+
+        examples, report, eval_examples = load_train_and_eval(config, dataset, eval_dataset, convert(config.packing),
+                                                              "SFT needs a dataset", convert(eval_packing))
+        completion_only = config.completion_only_loss is not False
         if config.packing:
             assert config.max_length is not None  # SFTConfig.validate
             if config.shuffle_dataset:  # as datasets' `shuffle(seed)`, which TRL runs before packing
                 examples = [examples[i] for i in np.random.default_rng(config.seed).permutation(len(examples))]
-            examples = pack_bfd(examples, config.max_length)
-        if eval_examples and (config.packing if config.eval_packing is None else config.eval_packing):
+            examples = pack(examples, config.max_length, config.packing_strategy, completion_only)
+        if eval_examples and eval_packing:
             assert config.max_length is not None
-            eval_examples = pack_bfd(eval_examples, config.max_length)
+            eval_examples = pack(eval_examples, config.max_length, config.packing_strategy, completion_only)
         super().__init__(examples, report, config.per_device_train_batch_size, config.gradient_accumulation_steps,
                          dist, config.seed, eval_examples)
         self.model, self.tokenizer, self.generation_config = model, tokenizer, generation_config
         pad = tokenizer.pad_token_id
         self.pad_id = 0 if pad is None else pad
-        self.completion_only = config.completion_only_loss is not False
+        self.completion_only = completion_only
         self.assistant_only = config.assistant_only_loss
-        self.packing, self.padding_free = config.packing, config.padding_free or config.packing
+        # As TRL's SFTTrainer: bfd's rows train padding-free; wrapped rows are plain sequences, padded unless asked
+        self.packing, self.strategy = config.packing, config.packing_strategy
+        self.padding_free = config.padding_free or (config.packing and config.packing_strategy != "wrapped")
         self.loss_type = config.loss_type
         self.device = next(model.parameters()).device
         self.router_coef = router_loss_coef(config.router_aux_loss_coef, model.config)
@@ -185,8 +190,9 @@ class SFT(OfflineAlgorithm):
         return loss, metrics
 
     def summary_lines(self) -> list[str]:
-        mode = (f"packed (bfd) into {self.num_examples} rows of at most max_length tokens" if self.packing
-                else "back to back in one row per micro-batch" if self.padding_free else "padded")
+        layout = "back to back in one row per micro-batch" if self.padding_free else "padded"
+        mode = (f"packed ({self.strategy}) into {self.num_examples} rows of at most max_length tokens"
+                + (f", trained {layout}" if self.strategy == "wrapped" else "") if self.packing else layout)
         target = "completion tokens" if self.completion_only else "every token"
         if self.assistant_only:
             target = "the assistant's tokens (the chat template's generation blocks)"
