@@ -260,6 +260,8 @@ def test_responses_count_in_the_metrics_and_the_openapi_document(server, client,
     assert set(doc["components"]["schemas"]["ResponsesRequest"]["required"]) == {"input"}
     assert "background" in doc["components"]["schemas"]["ResponsesRequest"]["properties"]
     assert "conversation" not in doc["components"]["schemas"]["ResponsesRequest"]["properties"]
+    get = doc["paths"]["/v1/responses/{response_id}"]["get"]
+    assert [p["name"] for p in get["parameters"]] == ["response_id", "stream", "starting_after"]
 
 
 def ended(client, response_id: str, timeout: float = 60.0):

@@ -52,6 +52,9 @@ StartChat = Callable[[ChatCompletionRequest, str],
 # the id in the path, declared by hand: a typed handler argument would add FastAPI's own 422 body to the
 # document, where every error this server answers is OpenAI's error object
 BY_ID = {"parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]}
+RETRIEVE = {"parameters": [*BY_ID["parameters"],
+                           {"name": "stream", "in": "query", "schema": {"type": "boolean", "default": False}},
+                           {"name": "starting_after", "in": "query", "schema": {"type": "integer", "minimum": 0}}]}
 NO_STORE_HINT = " (this server keeps no responses; start it with --enable-responses-store)"
 NO_BACKGROUND = ("This server does not keep responses and therefore does not run them in the background; start it "
                  "with --enable-responses-store (or VLLM_ENABLE_RESPONSES_API_STORE=1).")
@@ -179,7 +182,7 @@ def responses_router(start_chat: StartChat, served_model_name: str, store: Respo
         done(response)
         return json_response(response)
 
-    @router.get("/responses/{response_id}", response_model=None, openapi_extra=BY_ID,
+    @router.get("/responses/{response_id}", response_model=None, openapi_extra=RETRIEVE,
                 responses={**json_or_events(ResponseObject, "A stored or running response; with stream=true, a "
                                                             "background stream's events after starting_after"),
                            **errors(400, 401, 404)})
