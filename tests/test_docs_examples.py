@@ -69,8 +69,11 @@ EXCLUDED: dict[tuple[str, str], str] = {
                                                       "start one and send it these requests)",
     ("docs/serving.md", "message.reasoning, r.choices[0]"): "a client of a running Qwen3 server "
                                                             "(tests/test_server_reasoning.py runs the same calls)",
-    ("docs/serving.md", "client.responses.create("): "a client of a running server (tests/test_server_responses.py "
-                                                       "starts one and sends it such requests)",
+    ("docs/serving.md", 'instructions="Answer in one sentence."'): "a client of a running server "
+                                                                     "(tests/test_server_responses.py starts one and "
+                                                                     "sends it such requests)",
+    ("docs/serving.md", "background=True)"): "a client of a running server with --enable-responses-store "
+                                             "(tests/test_server_responses.py runs background responses)",
     ("docs/serving.md", "lm_eval --model local-completions"): "needs lm-evaluation-harness (not a dependency) "
                                                               "and a running server",
     ("docs/training.md", "pagedrl sft  config.yaml dataset=data.jsonl"): TRAINS,

@@ -45,3 +45,12 @@ def test_the_bound_counts_utf8_bytes_not_characters() -> None:
     store = ResponseStore(1 << 20)
     store.put(response, [{"role": "user", "content": "猫" * 100}])
     assert store.size == ascii_size + 200
+
+
+def test_a_background_streams_events_are_kept_and_count_in_its_size() -> None:
+    response = ResponseObject(model="m")
+    events = [b"event: response.created\ndata: {}\n\n", b"event: response.completed\ndata: {}\n\n"]
+    store = ResponseStore(1 << 20)
+    store.put(response, TURN, events)
+    assert store.get(response.id).events == tuple(events)
+    assert store.size == size_of(response) + sum(map(len, events))

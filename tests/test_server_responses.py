@@ -6,6 +6,7 @@ test compares the two (the random model's text means nothing on its own)."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -23,9 +24,10 @@ CHAT_TOOL = {"type": "function", "function": {k: v for k, v in TOOL.items() if k
 def server(tmp_path_factory):
     from tiny_train import build_model_dir
 
-    # the tools' listing alone is ~600 of this tokenizer's tokens: a context longer than the usual 256
-    model = build_model_dir(tmp_path_factory.mktemp("responses-model") / "model", max_position_embeddings=2048)
-    with running_server(model, tmp_path_factory.mktemp("serve-responses"), "--kv-cache-tokens", "8192",
+    # the tools' listing alone is ~600 of this tokenizer's tokens: a context longer than the usual 256, and
+    # long enough for an answer that runs for seconds (the one a test cancels)
+    model = build_model_dir(tmp_path_factory.mktemp("responses-model") / "model", max_position_embeddings=8192)
+    with running_server(model, tmp_path_factory.mktemp("serve-responses"), "--kv-cache-tokens", "16384",
                         "--enable-responses-store") as s:
         yield s
 
@@ -224,7 +226,8 @@ def error_of(r: httpx.Response, status: int) -> dict:
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "nope"}}}},
      "text.format.schema", "text.format.schema"),
     ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name", "nope"),
-    ({"input": "x", "background": True}, "background", "background"),
+    ({"input": "x", "background": True, "store": False}, "background",
+     "background can only be used when `store` is true"),
     ({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs",
      "max_logprobs (20)"),
     ({"input": "x", "include": ["message.logprobs"]}, "include.0", "message.output_text.logprobs"),
@@ -255,4 +258,74 @@ def test_responses_count_in_the_metrics_and_the_openapi_document(server, client,
     assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ResponsesRequest")
     assert "text/event-stream" in op["responses"]["200"]["content"]
     assert set(doc["components"]["schemas"]["ResponsesRequest"]["required"]) == {"input"}
-    assert "background" not in doc["components"]["schemas"]["ResponsesRequest"]["properties"]
+    assert "background" in doc["components"]["schemas"]["ResponsesRequest"]["properties"]
+    assert "conversation" not in doc["components"]["schemas"]["ResponsesRequest"]["properties"]
+    get = doc["paths"]["/v1/responses/{response_id}"]["get"]
+    assert [p["name"] for p in get["parameters"]] == ["response_id", "stream", "starting_after"]
+
+
+def ended(client, response_id: str, timeout: float = 60.0):
+    """A background response once it has ended, retrieved until then."""
+    deadline = time.monotonic() + timeout
+    while (r := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, r
+        time.sleep(0.02)
+    return r
+
+
+def test_a_background_response_answers_at_once_and_ends_as_the_foreground_one(client, model) -> None:
+    args = dict(model=model, input="the cat sat", temperature=0, max_output_tokens=6)
+    queued = client.responses.create(**args, background=True)
+    assert queued.status in ("queued", "in_progress") and queued.output == [] and queued.usage is None
+    done, foreground = ended(client, queued.id), client.responses.create(**args)
+    assert done.id == queued.id and done.background and queued.background and not foreground.background
+    assert (done.status, done.output_text, done.usage.output_tokens) == (
+        foreground.status, foreground.output_text, foreground.usage.output_tokens)
+    with pytest.raises(openai.BadRequestError, match=rf"already ended \(status {done.status}\)") as e:
+        client.responses.cancel(done.id)
+    assert e.value.body["param"] == "response_id"
+    for call in (client.responses.cancel, client.responses.retrieve):
+        with pytest.raises(openai.NotFoundError, match="resp_nope"):
+            call("resp_nope")
+
+
+def test_cancel_stops_a_background_response_and_frees_its_engine_request(server, client, model) -> None:
+    """A long answer is cancelled while it runs (the server answering others meanwhile): it is
+    `cancelled`, its engine request aborted and its KV blocks freed, not run to its end."""
+    abort, length = (f'pagedrl:request_success_total{{finished_reason="{r}"}}' for r in ("abort", "length"))
+    before = server.wait_idle()
+    long = client.responses.create(model=model, input="the cat sat", temperature=0, max_output_tokens=8000,
+                                   background=True)  # seconds of work uncancelled
+    deadline = time.monotonic() + 60
+    while client.responses.retrieve(long.id).status == "queued":  # until its first token is out
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    quick = client.responses.create(model=model, input="a dog", temperature=0, max_output_tokens=2)
+    assert quick.status == "incomplete" and client.responses.retrieve(long.id).status == "in_progress"
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.id == long.id
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    after = server.wait_idle()
+    assert (after[abort], after[length]) == (before[abort] + 1, before[length] + 1)
+    assert after["pagedrl:num_blocks_used"] == 0
+    with pytest.raises(openai.BadRequestError, match=r"already ended \(status cancelled\)"):
+        client.responses.cancel(long.id)
+
+
+def test_a_background_stream_runs_on_without_its_client_and_streams_again(server, client, model) -> None:
+    """The client reads one event and goes away; the answer still ends whole, and its events stream
+    again from after a sequence number."""
+    args = dict(model=model, input="a dog ran in the park", temperature=0, max_output_tokens=12)
+    with client.responses.create(**args, background=True, stream=True) as stream:
+        first = next(iter(stream))
+    assert first.type == "response.created" and first.response.background
+    done, foreground = ended(client, first.response.id), client.responses.create(**args)
+    assert (done.status, done.output_text) == (foreground.status, foreground.output_text)
+    events = list(client.responses.retrieve(done.id, stream=True, starting_after=1))
+    assert [e.sequence_number for e in events] == list(range(2, 2 + len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == foreground.output_text
+    assert events[-1].type == f"response.{done.status}" and events[-1].response.output_text == done.output_text
+    url = f"{server.base_url}/v1/responses/{done.id}"
+    assert error_of(httpx.get(url, params={"stream": "true", "starting_after": "x"}), 400)["param"] == "starting_after"
+    url = f"{server.base_url}/v1/responses/{foreground.id}"
+    assert error_of(httpx.get(url, params={"stream": "true"}), 400)["param"] == "stream"

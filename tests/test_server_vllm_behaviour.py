@@ -171,3 +171,15 @@ def test_a_responses_store_of_no_bytes_is_refused_by_its_flag_before_the_model_l
 
     assert serve_main(["/no/such/model", "--enable-responses-store", "--responses-store-bytes", "0"]) == 2
     assert capsys.readouterr().err.strip() == "pagedrl serve: --responses-store-bytes must be positive"
+
+
+def test_a_background_response_needs_a_server_that_keeps_responses(http) -> None:
+    """As vLLM without VLLM_ENABLE_RESPONSES_API_STORE: a 400 naming `background` and the flag that
+    allows it, before any engine request starts, and the server serves on."""
+    before = prompt_tokens_total(http)
+    r = http.post("/v1/responses", json={"input": "x", "background": True, "max_output_tokens": 1})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "background" and "--enable-responses-store" in error["message"]
+    served = http.post("/v1/responses", json={"input": "x", "max_output_tokens": 1}).json()
+    assert served["status"] == "incomplete"  # the engine (first come, first served) prefilled this one alone
+    assert prompt_tokens_total(http) == before + served["usage"]["input_tokens"]

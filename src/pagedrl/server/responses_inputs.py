@@ -30,7 +30,7 @@ from pagedrl.server.responses_protocol import (
 
 TEXT_PARTS = ("input_text", "output_text")
 # known fields this server does not implement: a 400 naming each when given
-UNSUPPORTED = {"background": "background responses", "max_tool_calls": "max_tool_calls",
+UNSUPPORTED = {"max_tool_calls": "max_tool_calls",
                "conversation": "conversations", "prompt": "prompt templates"}
 
 
@@ -51,6 +51,8 @@ def check_supported(req: ResponsesRequest) -> None:
     if req.truncation == "auto":
         raise bad_request('truncation "auto" is not supported: an input longer than the context is refused',
                           param="truncation")
+    if req.background and not req.store:  # vLLM's and OpenAI's rule: the answer is fetched from the store
+        raise bad_request("background can only be used when `store` is true", param="background")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
 

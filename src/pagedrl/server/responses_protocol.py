@@ -2,7 +2,7 @@
 
 Unlike the older routes' bodies, this one is closed: the Responses API is one fixed set of fields, so
 a field this server does not know is a 400 naming it (`unknown field 'conversation'`) rather than
-ignored. Fields it knows but does not implement (`background`, `max_tool_calls`, ...) are
+ignored. Fields it knows but does not implement (`max_tool_calls`, `conversation`, `prompt`) are
 declared, kept out of the schema, and refused by name in `responses_inputs.py`. Input items and
 tools are read leniently inside (an output item sent back as input carries `id`, `status`,
 `annotations`), and an item or part of a type not served is refused naming its type.
@@ -167,8 +167,9 @@ class ResponsesRequest(OpenAIBase):
     # (vLLM's rule: top_logprobs alone asks for nothing)
     include: list[Includable] | None = None
     top_logprobs: TopLogprobs | None = None
+    # answered at once and run apart from the request (responses_background.py); needs `store` and a store
+    background: bool | None = None
     # known, not implemented: refused by name when given (responses_inputs.UNSUPPORTED), not in the schema
-    background: SkipJsonSchema[bool | None] = None
     max_tool_calls: SkipJsonSchema[int | None] = None
     conversation: SkipJsonSchema[Any] = None
     prompt: SkipJsonSchema[Any] = None

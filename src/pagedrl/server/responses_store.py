@@ -6,13 +6,15 @@ fetched or continued. Unlike vLLM's store, which grows until the process ends, t
 most `max_bytes` (the size of each response's JSON and of its conversation's): past that the oldest
 responses are forgotten first, and an id forgotten answers 404 as one never seen. Each entry keeps
 the whole conversation so far, so a chain costs what each of its turns holds, and a later turn
-never depends on an earlier one still being kept.
+never depends on an earlier one still being kept. A background stream's response keeps its events too
+(`responses_background.py`), so it can be streamed again; they count in its size.
 """
 
 from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,7 @@ class StoredResponse:
     response: ResponseObject
     conversation: list[dict[str, Any]]  # chat messages, the answer's own last; no instructions
     size: int
+    events: tuple[bytes, ...] | None = None  # a background stream's, each event whole
 
 
 class ResponseStore:
@@ -42,13 +45,16 @@ class ResponseStore:
         self.entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self.size = 0
 
-    def put(self, response: ResponseObject, conversation: list[dict[str, Any]]) -> None:
+    def put(self, response: ResponseObject, conversation: list[dict[str, Any]],
+            events: Sequence[bytes] | None = None) -> None:
         """Keep `response`, forgetting the oldest past the bound (one larger than it is not kept)."""
         size = len(response.model_dump_json().encode()) + len(json.dumps(conversation, ensure_ascii=False).encode())
+        size += sum(len(e) for e in events or ())
         if size > self.max_bytes:
             return
         self.delete(response.id)
-        self.entries[response.id] = StoredResponse(response, conversation, size)
+        self.entries[response.id] = StoredResponse(response, conversation, size,
+                                                   tuple(events) if events is not None else None)
         self.size += size
         while self.size > self.max_bytes:
             _, old = self.entries.popitem(last=False)

@@ -55,15 +55,20 @@ def dump(model: Any) -> dict[str, Any]:
 
 
 class EventWriter:
-    """One event's bytes, numbered in the order written."""
+    """One event's bytes, numbered in the order written; with a `sink`, each event also goes there on
+    its own (a background stream's log, which a reader resumes after a sequence number)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sink: Callable[[bytes], None] | None = None) -> None:
         self.sequence_number = 0
+        self.sink = sink
 
     def __call__(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+        event = f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+        if self.sink is not None:
+            self.sink(event)
+        return event
 
 
 class StreamedItems:
@@ -158,11 +163,13 @@ class StreamedItems:
 async def response_stream(group: RequestGroup, base: ResponseObject, plan: ToolPlan | None,
                           on_done: Callable[[ResponseObject], None],
                           logprobs_of: Callable[[CompletionOutput], list[ChatTokenLogprob]] | None = None,
-                          thinking: ReasoningPlan | None = None) -> AsyncIterator[bytes]:
+                          thinking: ReasoningPlan | None = None,
+                          emit: EventWriter | None = None) -> AsyncIterator[bytes]:
     """The events of one answer; `on_done` gets the final response (to store it) before the last event.
     With `logprobs_of` (a delta's log-probs), the text events carry them (a reasoning's tokens' go with the
-    answer's first text, as the whole answer's text part holds every token's)."""
-    emit = EventWriter()
+    answer's first text, as the whole answer's text part holds every token's). `emit` numbers and writes
+    them (a background stream's writes each to its log)."""
+    emit = emit or EventWriter()
     items = StreamedItems(emit)
     reader = tool_reader(plan)
     thinker = thinking.reader() if thinking is not None else None
