@@ -28,6 +28,7 @@ from pagedrl.engine.generation_defaults import generation_defaults
 from pagedrl.engine.llm_engine import LLMEngine
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.outputs import RequestOutput
+from pagedrl.engine.pooling_runner import GenerateRunner, pooling_wanted
 from pagedrl.engine.prompt_inputs import Prompt, as_prompt, engine_args_from
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.model import batch_invariant
@@ -89,7 +90,7 @@ def _shaped_content(message: Mapping[str, Any], index: int, content_format: Cont
     return {**message, "content": "\n".join(texts)}
 
 
-class LLM:
+class LLM(GenerateRunner):
     """An engine plus a model. `LLM()` loads the embedded default; `LLM("org/name", revision=...)` a
     Hugging Face Hub id (or a local folder, a .gguf file: `model/resolve.py`); `LLM(model, adapter=folder)` a
     base model with a LoRA adapter (PEFT's format) folded into its weights at load, so it decodes at
@@ -106,6 +107,14 @@ class LLM:
 
     Every setting is a field of `EngineArgs` (`engine/engine_args.py`: the KV cache, scheduling, LoRA,
     the model's precision), passed by name; `LLM.from_engine_args(args)` takes a whole one."""
+
+    def __new__(cls, model: str | None = None, **kwargs: Any) -> Any:
+        """`runner="pooling"` (or "auto" on a classifier): vLLM's pooling runner, `engine/pooling.py`."""
+        if cls is LLM and kwargs.get("_module") is None and pooling_wanted(model, kwargs):
+            from pagedrl.engine.pooling import PoolingLLM
+
+            return PoolingLLM(model, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, model: str | None = None, *, tokenizer: Any = None, _module: CausalLM | None = None,
                  _eos_token_ids: list[int] | None = None, **engine_args: Any) -> None:
@@ -365,4 +374,4 @@ def _signature() -> inspect.Signature:
     return inspect.Signature(params, return_annotation="None")
 
 
-LLM.__init__.__signature__ = _signature()
+LLM.__init__.__signature__ = LLM.__new__.__signature__ = _signature()
