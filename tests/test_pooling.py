@@ -22,7 +22,7 @@ from pagedrl.model.merge import merge_adapter
 from pagedrl.model.tokenizer import Tokenizer
 
 TEXTS = ["the cat sat", "hello there, world", "a"]
-ATOL = 1e-5  # float32 on both sides, one sequence alone there and a padded batch here
+ATOL = 1e-5  # float32 on both sides (on the CPU), one sequence alone there and a padded batch here
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +57,9 @@ def hf_probs(hf, ids: list[int]) -> float:
 
 def test_classify_and_reward_equal_transformers(classifier, tiny_train_model) -> None:
     folder, hf = classifier
-    llm = LLM(str(folder), runner="pooling")
-    assert isinstance(llm, PoolingLLM) and isinstance(LLM(str(folder)), PoolingLLM)  # "auto" on a classifier
+    llm = LLM(str(folder), runner="pooling", device="cpu")
+    assert isinstance(llm, PoolingLLM)
+    assert isinstance(LLM(str(folder), device="cpu"), PoolingLLM)  # "auto" on a classifier
     pad = Tokenizer.from_folder(folder).pad_token_id
     padded = [5, 17, 42, 9, pad]  # read at 9, the last token that is not the pad token, as transformers reads it
     prompts = [*TEXTS, padded, {"prompt_token_ids": [7, 8, 9]}]
@@ -84,16 +85,16 @@ def test_classify_and_reward_equal_transformers(classifier, tiny_train_model) ->
 def test_batches_give_what_one_batch_gives(classifier) -> None:
     folder, _ = classifier
     prompts = [t * k for k in (1, 3, 5) for t in TEXTS]
-    whole = LLM(str(folder), runner="pooling").classify(prompts, use_tqdm=False)
-    split = LLM(str(folder), runner="pooling", max_num_seqs=2, max_num_batched_tokens=40).classify(prompts,
-                                                                                                  use_tqdm=False)
+    whole = LLM(str(folder), runner="pooling", device="cpu").classify(prompts, use_tqdm=False)
+    split = LLM(str(folder), runner="pooling", device="cpu", max_num_seqs=2, max_num_batched_tokens=40)
+    split = split.classify(prompts, use_tqdm=False)
     for a, b in zip(whole, split, strict=True):
         assert abs(a.outputs.probs[0] - b.outputs.probs[0]) <= ATOL
 
 
 def test_each_runner_refuses_the_others_calls(classifier, tiny_train_model) -> None:
     folder, _ = classifier
-    llm = LLM(str(folder), runner="pooling", max_model_len=16)
+    llm = LLM(str(folder), runner="pooling", device="cpu", max_model_len=16)
     for call in (lambda: llm.generate("hi"), lambda: llm.chat([{"role": "user", "content": "hi"}])):
         with pytest.raises(ValueError, match=r"only supported for generative models; .*use classify\(\) or reward"):
             call()
@@ -105,8 +106,8 @@ def test_each_runner_refuses_the_others_calls(classifier, tiny_train_model) -> N
     with pytest.raises(ValueError, match="pooling_task: 'embed' is not one of classify, token_classify"):
         llm.encode("hi", pooling_task="embed")
     with pytest.raises(ValueError, match="runner: 'embed' is not one of auto, generate, pooling"):
-        LLM(str(folder), runner="embed")
-    generating = LLM(str(tiny_train_model), kv_cache_tokens=256)
+        LLM(str(folder), runner="embed", device="cpu")
+    generating = LLM(str(tiny_train_model), device="cpu", kv_cache_tokens=256)
     for name in ("classify", "reward", "encode"):
         with pytest.raises(ValueError, match=rf"LLM.{name}\(\) is only supported for pooling models.*runner='pooling'"):
             getattr(generating, name)(["hi"])
@@ -132,13 +133,13 @@ def post(server, path: str, body: dict) -> httpx.Response:
 
 def test_server_classifies_as_transformers_and_refuses_generation(classifier, tmp_path) -> None:
     folder, hf = classifier
-    with running_server(folder, tmp_path, "--runner", "pooling", "--max-model-len", "32") as server:
+    with running_server(folder, tmp_path, "--runner", "pooling", "--max-model-len", "32", "--device", "cpu") as server:
         assert httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"] == str(folder)
         reply = post(server, "/classify", {"input": TEXTS})
         assert reply.status_code == 200, reply.text
         body = reply.json()
         assert body["object"] == "list" and body["id"].startswith("classify-") and body["model"] == str(folder)
-        llm_ids = LLM(str(folder), runner="pooling").encode_prompts(TEXTS)
+        llm_ids = LLM(str(folder), runner="pooling", device="cpu").encode_prompts(TEXTS)
         for i, item in enumerate(body["data"]):
             assert (item["index"], item["label"], item["num_classes"]) == (i, "LABEL_0", 1)
             assert abs(item["probs"][0] - hf_probs(hf, llm_ids[i])) <= ATOL
@@ -167,13 +168,14 @@ def test_a_lora_reward_adapter_serves_as_its_merged_folder(reward_adapter, tmp_p
 
     adapter, merged = reward_adapter
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(merged), dtype=torch.float32).eval()
-    offline = LLM(str(merged), runner="pooling")
+    offline = LLM(str(merged), runner="pooling", device="cpu")
     ids = offline.encode_prompts(TEXTS)
     want = [hf_probs(hf, x) for x in ids]
     assert max(want) - min(want) > 0.01
-    for got in (offline, LLM(str(adapter), runner="pooling")):
+    for got in (offline, LLM(str(adapter), runner="pooling", device="cpu")):
         assert [abs(o.outputs.probs[0] - w) <= ATOL for o, w in zip(got.classify(TEXTS, use_tqdm=False), want,
                                                                       strict=True)] == [True] * len(TEXTS)
-    with running_server(adapter, tmp_path) as server:  # "auto": a SEQ_CLS adapter is served by the pooling runner
+    # "auto": a SEQ_CLS adapter is served by the pooling runner
+    with running_server(adapter, tmp_path, "--device", "cpu") as server:
         data = post(server, "/classify", {"input": TEXTS}).json()["data"]
     assert [abs(d["probs"][0] - w) <= ATOL for d, w in zip(data, want, strict=True)] == [True] * len(TEXTS)
