@@ -42,6 +42,8 @@ TRAINS = "trains for minutes (the trainers' tests run each algorithm on a tiny m
          "test_grpo.py, test_dpo.py, test_ppo.py, test_lora_training.py)"
 TRAINED = "needs the adapters that the training commands above write to runs/ " \
           "(tests/test_multi_lora.py and tests/test_server_lora.py serve adapters made on a tiny model)"
+RM_TRAINED = "needs the reward model `pagedrl rm` writes to runs/rm/final (tests/test_pooling.py makes the same " \
+             "calls on a classifier transformers wrote, offline and through a server)"
 # (page, a piece of the block's text) -> why it does not run in the test suite.
 EXCLUDED: dict[tuple[str, str], str] = {
     ("README.md", "make demo"): "reinstalls if the environment is stale, then runs the demo for about 7 minutes; "
@@ -74,6 +76,8 @@ EXCLUDED: dict[tuple[str, str], str] = {
                                                                      "sends it such requests)",
     ("docs/serving.md", "background=True)"): "a client of a running server with --enable-responses-store "
                                              "(tests/test_server_responses.py runs background responses)",
+    ("docs/serving.md", 'LLM("runs/rm/final", runner="pooling")'): RM_TRAINED,
+    ("docs/serving.md", "serve runs/rm/final --runner pooling"): RM_TRAINED + "; a server that runs until stopped",
     ("docs/serving.md", "lm_eval --model local-completions"): "needs lm-evaluation-harness (not a dependency) "
                                                               "and a running server",
     ("docs/training.md", "pagedrl sft  config.yaml dataset=data.jsonl"): TRAINS,

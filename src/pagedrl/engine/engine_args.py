@@ -24,6 +24,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import torch
 
 from pagedrl.engine.engine_config import EngineConfig, setting
+from pagedrl.engine.pooling_runner import RUNNERS
 from pagedrl.model.precision import ACTIVATIONS, DTYPE_CHOICES, DTYPE_HELP, QUANTIZATIONS
 
 # `--help`'s sections, in order: the fields' `group`s.
@@ -47,6 +48,11 @@ class EngineArgs(EngineConfig):
     adapter: str | None = setting(
         None, "a LoRA adapter folder or Hub id (PEFT's format, e.g. a trainer's final/ with use_peft) folded into "
               "the model's weights at load; without a model, the base the adapter names", "model", metavar="PATH")
+    runner: str = setting(
+        "auto", "generate: sample tokens from a causal LM; pooling: read a sequence classifier's (a reward model's) "
+                "scores, LLM.classify / LLM.reward and POST /classify (docs/serving.md); auto: pooling for a "
+                "*ForSequenceClassification folder or a SEQ_CLS adapter, else generate (vLLM's --runner)", "model",
+        choices=RUNNERS)
     generation_config: str = setting(
         "auto", "auto: the model's generation_config.json gives the temperature, top_p, top_k, min_p, "
                 "repetition_penalty and max_tokens (max_new_tokens) of requests that leave them unset, as vLLM "

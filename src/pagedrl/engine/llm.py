@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import difflib
 import inspect
 import itertools
 import logging
@@ -29,6 +28,8 @@ from pagedrl.engine.generation_defaults import generation_defaults
 from pagedrl.engine.llm_engine import LLMEngine
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.outputs import RequestOutput
+from pagedrl.engine.pooling_runner import GenerateRunner, pooling_wanted
+from pagedrl.engine.prompt_inputs import Prompt, as_prompt, engine_args_from
 from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.model import batch_invariant
 from pagedrl.model.chat_template import select_chat_template
@@ -38,26 +39,6 @@ from pagedrl.model.footprint import footprint
 from pagedrl.model.precision import Precision
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int]
-# vLLM's TextPrompt and TokensPrompt: {"prompt": text} or {"prompt_token_ids": ids}, and either's
-# optional "cache_salt" (its prefix-cache blocks are shared only with prompts of the same salt)
-PROMPT_KEYS = ("prompt", "prompt_token_ids")
-
-
-def as_prompt(prompt: Any, index: int) -> tuple[Prompt, str | None]:
-    """A text or token-id prompt from any of vLLM's forms (a dict is a TextPrompt or a TokensPrompt),
-    and its cache_salt; a form the engine does not take is a ValueError naming the prompt and the keys
-    it knows."""
-    if not isinstance(prompt, Mapping):
-        return prompt, None  # a str or ids: checked by the engine, naming what is wrong
-    unknown = sorted(set(prompt) - {*PROMPT_KEYS, "cache_salt"})
-    if unknown or len(set(prompt) & set(PROMPT_KEYS)) != 1:
-        raise ValueError(f"prompts[{index}]: a prompt dict holds exactly one of {', '.join(PROMPT_KEYS)} "
-                         f"(vLLM's TextPrompt or TokensPrompt) and may hold cache_salt, got keys {sorted(prompt)}")
-    text_or_ids = list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else prompt["prompt"]
-    return text_or_ids, prompt.get("cache_salt")
-
 
 def final_only(params: list[SamplingParams]) -> list[SamplingParams]:
     """The same params asking for FINAL_ONLY outputs: only the final one of each request is returned, so
@@ -109,19 +90,7 @@ def _shaped_content(message: Mapping[str, Any], index: int, content_format: Cont
     return {**message, "content": "\n".join(texts)}
 
 
-def engine_args_from(model: str | None, engine_args: dict[str, Any]) -> EngineArgs:
-    """`LLM`'s keyword arguments as `EngineArgs`; a name that is not a field is a TypeError that says
-    which field was probably meant."""
-    names = [f.name for f in fields(EngineArgs)]
-    for name in engine_args:
-        if name not in names:
-            guess = difflib.get_close_matches(name, names, n=1)
-            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}"
-                            + (f"; did you mean {guess[0]!r}?" if guess else "; see EngineArgs for the fields"))
-    return EngineArgs(model=model, **engine_args)
-
-
-class LLM:
+class LLM(GenerateRunner):
     """An engine plus a model. `LLM()` loads the embedded default; `LLM("org/name", revision=...)` a
     Hugging Face Hub id (or a local folder, a .gguf file: `model/resolve.py`); `LLM(model, adapter=folder)` a
     base model with a LoRA adapter (PEFT's format) folded into its weights at load, so it decodes at
@@ -138,6 +107,14 @@ class LLM:
 
     Every setting is a field of `EngineArgs` (`engine/engine_args.py`: the KV cache, scheduling, LoRA,
     the model's precision), passed by name; `LLM.from_engine_args(args)` takes a whole one."""
+
+    def __new__(cls, model: str | None = None, **kwargs: Any) -> Any:
+        """`runner="pooling"` (or "auto" on a classifier): vLLM's pooling runner, `engine/pooling.py`."""
+        if cls is LLM and kwargs.get("_module") is None and pooling_wanted(model, kwargs):
+            from pagedrl.engine.pooling import PoolingLLM
+
+            return PoolingLLM(model, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, model: str | None = None, *, tokenizer: Any = None, _module: CausalLM | None = None,
                  _eos_token_ids: list[int] | None = None, **engine_args: Any) -> None:
@@ -397,4 +374,4 @@ def _signature() -> inspect.Signature:
     return inspect.Signature(params, return_annotation="None")
 
 
-LLM.__init__.__signature__ = _signature()
+LLM.__init__.__signature__ = LLM.__new__.__signature__ = _signature()

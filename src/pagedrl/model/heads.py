@@ -91,6 +91,26 @@ def score_index(ids: Sequence[int], pad_token_id: int | None) -> int:
     return 0
 
 
+def padded_hidden(model: SequenceScorer, batch: list[list[int]], pad_token_id: int | None) -> torch.Tensor:
+    """[B, T, hidden] hidden states of `batch` in one forward: right-padded with the pad token (0 without
+    one) and masked, so each sequence's states are those it has alone."""
+    device = model.device
+    width = max(len(ids) for ids in batch)
+    pad = 0 if pad_token_id is None else pad_token_id
+    ids = torch.tensor([x + [pad] * (width - len(x)) for x in batch], device=device)
+    real = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in batch], device=device)
+    meta = DenseAttention.causal(real) if bool((real == 0).any()) else DenseAttention(None)
+    return model(ids, positions=default_positions(ids, real), meta=meta)
+
+
+def last_scores(model: SequenceScorer, batch: list[list[int]], pad_token_id: int | None) -> torch.Tensor:
+    """[B] float32: each sequence's score at `score_index`, the token the reward trainer, PPO's reward
+    scorer and transformers read."""
+    hidden = padded_hidden(model, batch, pad_token_id)
+    at = torch.tensor([score_index(x, pad_token_id) for x in batch], device=hidden.device)
+    return model.scores(hidden[torch.arange(len(batch), device=hidden.device), at])
+
+
 def load_sequence_scorer(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                          generator: torch.Generator | None = None, new_head: bool = True) -> SequenceScorer:
     """A reward model from a Hugging Face folder: a saved classifier (`score.weight` present), or,

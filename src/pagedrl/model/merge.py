@@ -79,6 +79,14 @@ def merged_scorer(base: str | Path | None, adapter: str | Path, device: str | to
     return _fold(model, adapter, quantized, _source(base, source, adapter)).to(dtype or default_dtype(device)).eval()
 
 
+def load_reward_model(path: str | Path, device: str | torch.device = "cpu",
+                      dtype: torch.dtype | None = None) -> SequenceScorer:
+    """A trained reward model: a classifier folder, or a SEQ_CLS adapter merged into the base it names."""
+    if is_adapter_folder(path):
+        return merged_scorer(None, path, device=device, dtype=dtype)
+    return load_sequence_scorer(path, device=device, dtype=dtype, new_head=False)
+
+
 def merge_adapter(base: str | Path | None, adapter: str | Path, out: str | Path, revision: str | None = None,
                   quantized: QuantizedBase | None = None) -> Path:
     """Write base (at `revision` if a Hub id) + adapter as one Hugging Face folder at `out`, published

@@ -23,6 +23,7 @@ from typing import Any
 
 from pagedrl.engine.engine_args import EngineArgs, add_engine_arguments, cli_fields, flag
 from pagedrl.engine.engine_config import EngineSettingError
+from pagedrl.engine.pooling_runner import pooling_wanted
 from pagedrl.model.footprint import footprint
 from pagedrl.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedrl.server.chat_template_flags import (
@@ -182,8 +183,11 @@ def build_server(args: argparse.Namespace) -> Any:
     from pagedrl.model.default import DEFAULT_MODEL
     from pagedrl.model.loader import load_model
     from pagedrl.server.app import build_app
+    from pagedrl.server.pooling_app import build_pooling_server
 
     engine_args = EngineArgs.from_cli_args(args)
+    if pooling_wanted(engine_args.model, {"runner": engine_args.runner, "adapter": engine_args.adapter}):
+        return build_pooling_server(args, engine_args)
     loaded = load_model(engine_args.model, device=engine_args.device, dtype=engine_args.dtype,
                         adapter=engine_args.adapter, revision=engine_args.revision,
                         quantization=engine_args.quantization,

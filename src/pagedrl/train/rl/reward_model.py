@@ -12,10 +12,8 @@ from pathlib import Path
 
 import torch
 
-from pagedrl.model.adapter import is_adapter_folder
-from pagedrl.model.attention import DenseAttention
-from pagedrl.model.decoder import default_positions
-from pagedrl.model.heads import SequenceScorer, load_sequence_scorer, score_index
+from pagedrl.model.heads import SequenceScorer, last_scores
+from pagedrl.model.merge import load_reward_model
 from pagedrl.model.resolve import resolve_model_path
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.tokenization import Text, tokenize_prompt_completion
@@ -72,22 +70,4 @@ class RewardModel:
         return out
 
     def _score_ids(self, batch: list[list[int]]) -> list[float]:
-        device = self.network.device
-        width = max(len(ids) for ids in batch)
-        pad = 0 if self.pad_token_id is None else self.pad_token_id
-        ids = torch.tensor([x + [pad] * (width - len(x)) for x in batch], device=device)
-        real = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in batch], device=device)
-        meta = DenseAttention.causal(real) if bool((real == 0).any()) else DenseAttention(None)
-        hidden = self.network(ids, positions=default_positions(ids, real), meta=meta)
-        at = torch.tensor([score_index(x, self.pad_token_id) for x in batch], device=device)
-        return self.network.scores(hidden[torch.arange(len(batch), device=device), at]).tolist()
-
-
-def load_reward_model(path: str | Path, device: str | torch.device = "cpu",
-                      dtype: torch.dtype | None = None) -> SequenceScorer:
-    """A trained reward model: a classifier folder, or a SEQ_CLS adapter merged into the base it names."""
-    if is_adapter_folder(path):
-        from pagedrl.model.merge import merged_scorer
-
-        return merged_scorer(None, path, device=device, dtype=dtype)
-    return load_sequence_scorer(path, device=device, dtype=dtype, new_head=False)
+        return last_scores(self.network, batch, self.pad_token_id).tolist()

@@ -1,0 +1,192 @@
+"""vLLM's pooling runner for pagedrl's sequence classifiers: `LLM(folder, runner="pooling")` on a
+`*ForSequenceClassification` folder (what `pagedrl rm` saves, or transformers writes) or a SEQ_CLS LoRA
+adapter (`pagedrl rm` with use_peft, folded into the base it names), with vLLM's `classify`, `reward`
+and `encode`.
+
+Each call tokenizes its prompts (text as the tokenizer adds special tokens, token ids as given, a chat
+rendered by the caller), then runs the scorer over them in batches, right-padded and masked, in the
+precision the loader chose, the engine's. What comes back is what vLLM's poolers give:
+
+- `classify`: the score at the last token that is not the pad token (`model/heads.py` `score_index`,
+  the token the reward trainer and PPO's reward scorer read), through the activation of vLLM's
+  classifier pooler (`PoolerClassify`): a sigmoid for one label (softmax for several), none for
+  `problem_type: regression`. `outputs.probs`.
+- `reward`: the raw score (no activation) at every prompt token, `outputs.data` of shape [tokens, 1],
+  as vLLM 0.10 pools a reward model (ALL tokens, no normalization, no softmax); the row at the scored
+  token is `pagedrl rm`'s reward. (Later vLLM runs `reward` as `token_classify`, whose activation is on
+  unless `PoolingParams(use_activation=False)`: these raw scores are that call's.)
+
+The KV cache, the scheduler and the sampler take no part: a classifier reads each prompt once."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Seq
+from typing import Any, NoReturn
+
+import torch
+from tqdm.auto import tqdm
+
+from pagedrl.engine.pooling_outputs import ClassificationRequestOutput, PoolingOutput, PoolingRequestOutput
+from pagedrl.engine.prompt_inputs import Prompt, as_prompt, engine_args_from
+from pagedrl.engine.request_checks import encode_prompt
+from pagedrl.model.heads import SequenceScorer, last_scores, padded_hidden
+from pagedrl.model.merge import load_reward_model, merged_scorer
+from pagedrl.model.precision import resolve_dtype
+from pagedrl.model.resolve import adapter_base, resolve_model_path
+from pagedrl.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+POOLING_TASKS = ("classify", "token_classify")
+PromptsArg = Prompt | Mapping[str, Any] | Seq[Prompt | Mapping[str, Any]]
+
+
+def too_long(num_tokens: int, max_model_len: int) -> str:
+    """vLLM's message for a classification input over the context, naming the setting."""
+    return (f"This model's maximum context length is {max_model_len} tokens (max_model_len). However, you "
+            f"requested {num_tokens} tokens in the input for classification. Please reduce the length of the input.")
+
+
+def classify_activation(network: SequenceScorer) -> Callable[[torch.Tensor], torch.Tensor]:
+    """vLLM's classification activation, as transformers' sequence-classification loss reads the labels:
+    none for a regression head, else a sigmoid for one label (softmax over several)."""
+    if network.config.extra.get("problem_type") == "regression":
+        return lambda x: x
+    return torch.sigmoid if network.score.out_features == 1 else (lambda x: torch.softmax(x, dim=-1))
+
+
+class PoolingLLM:
+    """What `LLM(model, runner="pooling")` returns (`engine/llm.py` `LLM.__new__`). Of EngineArgs it reads
+    the model's fields (model, adapter, revision, device, dtype), max_model_len, and max_num_seqs and
+    max_num_batched_tokens as the size of one forward's batch."""
+
+    def __init__(self, model: str | None = None, *, tokenizer: Any = None, **engine_args: Any) -> None:
+        args = self.engine_args = engine_args_from(model, engine_args)
+        config = args.engine_config()
+        config.validate()
+        for name, value, why in (("quantization", args.quantization, "the classifier's float weights are loaded"),
+                                 ("enable_lora", args.enable_lora, "serve the SEQ_CLS adapter itself as the model")):
+            if value:
+                raise ValueError(f"{name}: not supported with runner='pooling' ({why})")
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.precision = resolve_dtype(args.dtype, device)
+        if args.adapter is not None:
+            adapter = resolve_model_path(args.adapter)
+            base = None if args.model is None else resolve_model_path(args.model, args.revision)
+            self.network = merged_scorer(base, adapter, device=device, dtype=self.precision.dtype)
+            folders = [adapter, adapter_base(adapter, base)]
+        else:
+            path = resolve_model_path(args.model, args.revision)
+            self.network = load_reward_model(path, device=device, dtype=self.precision.dtype)
+            folders = [path]
+        if tokenizer is None:
+            found = [f for f in folders if (f / "tokenizer.json").is_file()]
+            tokenizer = Tokenizer.from_folder(found[0]) if found else None
+        else:
+            from pagedrl.engine.llm import _tokenizer_from
+
+            tokenizer = _tokenizer_from(tokenizer)
+        self.tokenizer = tokenizer
+        self.max_model_len = config.context_length(self.network.config.max_model_len)
+        self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
+        self.pad_token_id = self.network.config.pad_token_id
+        if self.pad_token_id is None and tokenizer is not None:
+            self.pad_token_id = tokenizer.pad_token_id
+        self._ids = itertools.count()
+        logger.info("pagedrl pooling runner: %s (%s) on %s, max_model_len %d", self.network.config.architecture,
+                    self.precision.describe(), device, self.max_model_len)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def encode_prompts(self, prompts: PromptsArg, truncate_prompt_tokens: int | None = None) -> list[list[int]]:
+        """Each prompt's token ids, checked (empty, outside the vocabulary, longer than max_model_len: a
+        ValueError naming it); `truncate_prompt_tokens` keeps the last k (-1: max_model_len) as vLLM's does."""
+        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if truncate_prompt_tokens is not None and (truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1):
+            raise ValueError(f"truncate_prompt_tokens: must be a positive integer or -1, got {truncate_prompt_tokens}")
+        keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        encoded = []
+        for i, prompt in enumerate(prompts):
+            text_or_ids, _ = as_prompt(prompt, i)
+            try:
+                ids = encode_prompt(text_or_ids, self.tokenizer, self.network.config.vocab_size, keep)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+            if len(ids) > self.max_model_len:
+                raise ValueError(f"prompts[{i}]: {too_long(len(ids), self.max_model_len)}")
+            encoded.append(ids)
+        return encoded
+
+    def _batches(self, encoded: list[list[int]]) -> list[list[int]]:
+        """The prompts' indices per forward: at most max_num_seqs, padded to at most max_num_batched_tokens
+        (a longer prompt alone)."""
+        out: list[list[int]] = []
+        for i, ids in enumerate(encoded):
+            last = out[-1] if out else None
+            if last and len(last) < self.max_num_seqs and \
+                    (len(last) + 1) * max(len(ids), *(len(encoded[j]) for j in last)) <= self.max_num_batched_tokens:
+                last.append(i)
+            else:
+                out.append([i])
+        return out
+
+    @torch.no_grad()
+    def encode(self, prompts: PromptsArg, *, pooling_task: str = "token_classify", use_tqdm: bool = True,
+               lora_request: Any = None, truncate_prompt_tokens: int | None = None,
+               activation: bool = True) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.encode`: one PoolingRequestOutput per prompt, in order; `pooling_task` "classify"
+        (one score per prompt, through the activation unless `activation` is False: vLLM's PoolingParams
+        field of that name, which /classify takes) or "token_classify" (the raw score of every token)."""
+        if pooling_task not in POOLING_TASKS:
+            raise ValueError(f"pooling_task: {pooling_task!r} is not one of {', '.join(POOLING_TASKS)} (a "
+                             "sequence classifier classifies; it has no embeddings)")
+        if lora_request is not None:
+            raise ValueError("lora_request: not supported with runner='pooling'; load the SEQ_CLS adapter as the "
+                             "model, LLM(adapter_folder, runner='pooling')")
+        encoded = self.encode_prompts(prompts, truncate_prompt_tokens)
+        data: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
+        activate = classify_activation(self.network) if activation else (lambda x: x)
+        self.network.eval()
+        batches = self._batches(encoded)
+        for rows in tqdm(batches, desc=pooling_task, unit="batch", disable=not use_tqdm or len(batches) < 2):
+            batch = [encoded[i] for i in rows]
+            if pooling_task == "classify":
+                pooled = activate(last_scores(self.network, batch, self.pad_token_id)[:, None])
+                for i, row in zip(rows, pooled.cpu(), strict=True):
+                    data[i] = row
+            else:
+                scores = self.network.scores(padded_hidden(self.network, batch, self.pad_token_id)).cpu()
+                for k, i in enumerate(rows):
+                    data[i] = scores[k, :len(encoded[i]), None]
+        return [PoolingRequestOutput(str(next(self._ids)), PoolingOutput(d), ids) for d, ids in zip(data, encoded,
+                                                                                                   strict=True)]
+
+    def classify(self, prompts: PromptsArg, *, use_tqdm: bool = True, lora_request: Any = None,
+                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        """vLLM's `LLM.classify`: each prompt's class probabilities (`outputs.probs`; one label: its sigmoid)."""
+        return [ClassificationRequestOutput.from_base(out) for out in
+                self.encode(prompts, pooling_task="classify", use_tqdm=use_tqdm, lora_request=lora_request,
+                            truncate_prompt_tokens=truncate_prompt_tokens)]
+
+    def reward(self, prompts: PromptsArg, *, use_tqdm: bool = True, lora_request: Any = None,
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.reward`: each prompt's raw reward at every token (`outputs.data`, [tokens, 1])."""
+        return self.encode(prompts, pooling_task="token_classify", use_tqdm=use_tqdm, lora_request=lora_request,
+                           truncate_prompt_tokens=truncate_prompt_tokens)
+
+    def _generate_only(self, name: str) -> NoReturn:
+        raise ValueError(f"LLM.{name}() is only supported for generative models; this LLM runs runner='pooling' "
+                         "(use classify() or reward(), or load a causal LM with runner='generate')")
+
+    def generate(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._generate_only("generate")
+
+    def chat(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._generate_only("chat")
+
+    def beam_search(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._generate_only("beam_search")

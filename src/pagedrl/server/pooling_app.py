@@ -1,0 +1,203 @@
+"""`pagedrl serve REWARD_FOLDER --runner pooling`: the pooling runner (`engine/pooling.py`) over HTTP, in
+vLLM's shapes: `POST /classify` (ClassificationRequest / ClassificationResponse) and `POST /pooling` (the
+raw reward of every token, PoolingResponse), `/v1/models`, `/health`, `/version`. The generating routes
+answer 400 in vLLM's words ("The model does not support Completions API"), naming the runner.
+
+One request's prompts run as one batch (split by max_num_seqs and max_num_batched_tokens) on a worker
+thread, one request at a time, so the event loop keeps answering while a batch runs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response
+from pydantic import Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedrl
+from pagedrl.engine.pooling import PoolingLLM
+from pagedrl.engine.pooling_outputs import PoolingRequestOutput
+from pagedrl.server.delivery import json_response
+from pagedrl.server.errors import ApiError, bad_request, from_value_error, read_json
+from pagedrl.server.protocol import OpenAIBase
+from pagedrl.server.request_ids import base_request_id
+from pagedrl.server.response_bodies import ModelCard, ModelList, UsageInfo, VersionResponse, now_s
+from pagedrl.server.served_models import ServedModels
+
+logger = logging.getLogger("pagedrl.server")
+# vLLM's answers on a server whose model does not generate, with the runner named
+NOT_GENERATING = {"completions": "Completions API", "chat/completions": "Chat Completions API",
+                  "responses": "Responses API"}
+
+
+class ClassificationRequest(OpenAIBase):
+    model: str | None = None
+    input: list[str] | str
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+    activation: bool | None = None  # False: the raw scores (vLLM's PoolingParams field)
+
+
+class ClassificationData(OpenAIBase):
+    index: int
+    label: str | None
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(OpenAIBase):
+    id: str
+    object: str = "list"
+    created: int = Field(default_factory=now_s)
+    model: str
+    data: list[ClassificationData]
+    usage: UsageInfo
+
+
+class PoolingRequest(OpenAIBase):
+    model: str | None = None
+    input: list[int] | list[list[int]] | str | list[str]
+    encoding_format: Literal["float"] = "float"
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+
+
+class PoolingResponseData(OpenAIBase):
+    index: int
+    object: str = "pooling"
+    data: list[list[float]] | list[float]
+
+
+class PoolingResponse(OpenAIBase):
+    id: str
+    object: str = "list"
+    created: int = Field(default_factory=now_s)
+    model: str
+    data: list[PoolingResponseData]
+    usage: UsageInfo
+
+
+def label_of(llm: PoolingLLM, index: int) -> str | None:
+    """The config's id2label name of a class (transformers writes its keys as strings)."""
+    id2label = llm.network.config.extra.get("id2label") or {}
+    return id2label.get(str(index), id2label.get(index))  # type: ignore[call-overload]
+
+
+def usage_of(outputs: Sequence[PoolingRequestOutput]) -> UsageInfo:
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    return UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
+
+
+def build_pooling_app(llm: PoolingLLM, *, served_model_name: str | Sequence[str], model_root: str | None = None,
+                      api_key: str | None = None, max_request_body_bytes: int = 8 << 20) -> FastAPI:
+    """The app over `llm`; with `api_key`, every route but /health, /ping and /version asks for it."""
+    served = ServedModels(served_model_name)
+    app = FastAPI(title="pagedrl (pooling)")
+    app.state.served = served
+    busy = asyncio.Lock()
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, e: ApiError) -> Response:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, e: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return ApiError(e.status_code, str(e.detail), kind).response()
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, e: Exception) -> Response:
+        return ApiError(500, f"internal error: {e!r}", "server_error").response()
+
+    async def check_api_key(request: Request) -> None:
+        given = request.headers.get("authorization", "")
+        if api_key and not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def run(prompts: Any, task: str, truncate: int | None, activation: bool = True) -> list:
+        try:
+            async with busy:
+                return await asyncio.to_thread(llm.encode, prompts, pooling_task=task, use_tqdm=False,
+                                               truncate_prompt_tokens=truncate, activation=activation)
+        except ValueError as e:
+            raise from_value_error(e) from None
+
+    guarded = APIRouter(dependencies=[Depends(check_api_key)])
+
+    @guarded.get("/v1/models", response_model=ModelList)
+    async def models() -> Response:
+        return json_response(ModelList(data=[ModelCard(id=name, root=model_root, max_model_len=llm.max_model_len)
+                                             for name in served.base_names]))
+
+    @guarded.post("/classify", response_model=ClassificationResponse)
+    async def classify(request: Request) -> Response:
+        req = await read_json(request, ClassificationRequest, max_request_body_bytes)
+        served.resolve(req.model)
+        if req.input == "" or (isinstance(req.input, list) and "" in req.input):
+            raise bad_request("Input cannot be empty for classification", param="input")
+        outputs = await run(req.input, "classify", req.truncate_prompt_tokens, req.activation is not False) \
+            if req.input else []
+        data = []
+        for i, out in enumerate(outputs):
+            probs = out.outputs.data.tolist()
+            data.append(ClassificationData(index=i, label=label_of(llm, max(range(len(probs)), key=probs.__getitem__)),
+                                           probs=probs, num_classes=len(probs)))
+        return json_response(ClassificationResponse(id=f"classify-{base_request_id(request, None)}",
+                                                    model=req.model or served.base_name, data=data,
+                                                    usage=usage_of(outputs)))
+
+    @guarded.post("/pooling", response_model=PoolingResponse)
+    async def pooling(request: Request) -> Response:
+        req = await read_json(request, PoolingRequest, max_request_body_bytes)
+        served.resolve(req.model)
+        if not req.input:
+            raise bad_request("Input cannot be empty", param="input")
+        outputs = await run(req.input, "token_classify", req.truncate_prompt_tokens)
+        data = [PoolingResponseData(index=i, data=out.outputs.data.tolist()) for i, out in enumerate(outputs)]
+        return json_response(PoolingResponse(id=f"pool-{base_request_id(request, None)}",
+                                             model=req.model or served.base_name, data=data,
+                                             usage=usage_of(outputs)))
+
+    def refuse(api: str) -> Any:
+        async def refused() -> Response:
+            raise bad_request(f"The model does not support {api} (it is served with --runner pooling: POST /classify "
+                              "or /pooling)")
+        return refused
+
+    for route, api in NOT_GENERATING.items():
+        guarded.add_api_route(f"/v1/{route}", refuse(api), methods=["POST"], include_in_schema=False)
+    app.include_router(guarded)
+
+    @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> Response:
+        return json_response(VersionResponse(version=pagedrl.__version__))
+
+    return app
+
+
+def build_pooling_server(args: argparse.Namespace, engine_args: Any) -> Any:
+    """The uvicorn server of `pagedrl serve --runner pooling` (or a classifier's folder on "auto")."""
+    import uvicorn
+
+    from pagedrl.engine.pooling import PoolingLLM
+    from pagedrl.server.serve import uvicorn_options
+
+    llm = PoolingLLM(**vars(engine_args))
+    names = args.served_model_name or [args.adapter or args.model]
+    app = build_pooling_app(llm, served_model_name=names, model_root=str(args.adapter or args.model),
+                            api_key=args.api_key or None, max_request_body_bytes=args.max_request_body_bytes)
+    logger.info("serving %s with the pooling runner: POST /classify and /pooling (max_model_len %d)", names[0],
+                llm.max_model_len)
+    return uvicorn.Server(uvicorn.Config(app, **uvicorn_options(args)))
