@@ -193,3 +193,32 @@ def test_a_qwen2_files_biases_go_with_its_blocks_and_experts_are_refused(tmp_pat
     model = load_model(str(moe), device="cpu", dtype=torch.float32).model
     with pytest.raises(ValueError, match=r"^load_in_4bit: a mixture of experts' base cannot be held quantized"):
         attach_lora(SFTConfig(**{**QLORA, "model": str(moe), "output_dir": str(tmp_path / "out")}), model)
+
+
+def test_a_run_loads_the_kept_blocks_without_a_float_copy_and_gets_the_same_base(mixed_gguf: Path, tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`start_run` loads a GGUF QLoRA base with its blocks kept (no float32 projection is ever built: the
+    float folder's loader is not called), and the model equals a float load followed by `quantize_base`:
+    the same layers of the same bytes, the same float embedding and head, the same logits."""
+    from pagedrl.model import loader
+    from pagedrl.train.start import start_run
+
+    config = SFTConfig(**{**QLORA, "model": str(mixed_gguf), "output_dir": str(tmp_path)})
+    reference = load_model(config.model, device="cpu", dtype=torch.float32).model
+    attach_lora(config, reference)
+    with monkeypatch.context() as mp:
+        mp.setattr(loader, "load_causal_lm", lambda *a, **k: pytest.fail("a float load of the model"))
+        _, loaded = start_run(config, "SFT needs")
+    model = loaded.model
+    ours, theirs = projections(model), projections(reference)
+    assert ours.keys() == theirs.keys()
+    for name, layer in ours.items():
+        other = theirs[name]
+        assert type(layer) is type(other), name
+        assert all(torch.equal(a, b) for a, b in zip(layer.buffers(), other.buffers(), strict=True)), name
+    assert type(model.model.embed_tokens) is torch.nn.Embedding and model.lm_head.weight.dtype == torch.float32
+    assert torch.equal(model.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
+    ids = torch.tensor([[5, 17, 42, 9, 77, 31, 8]])
+    with torch.no_grad():
+        assert torch.equal(model.eval().logits(model(ids)), reference.eval().logits(reference(ids)))

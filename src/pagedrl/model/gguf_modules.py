@@ -103,7 +103,8 @@ class GGUFLinear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routes = routed.current()
-        if routes is not None and routes.quantized_linear is not None:
+        # (a QLoRA base's `bnb_4bit_compute_dtype` other than the step's: the product the trainer computes)
+        if routes is not None and routes.quantized_linear is not None and self.compute_dtype in (None, x.dtype):
             route = int8_rows if self.int8_activations else routes.quantized_linear
             out = route(x, self.qweight, self.kernel_type, self.in_features, self.bias)
             if out is not None:

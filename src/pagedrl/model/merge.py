@@ -27,29 +27,36 @@ from pagedrl.model.qlora_gguf import quantize_base
 from pagedrl.model.quantized_linear import QuantizedBase, dequantize_projections
 from pagedrl.model.resolve import adapter_base, resolve_model_path
 
+Source = tuple[str | Path, str | None]  # a model argument and its revision
 
-def _fold(model: torch.nn.Module, adapter: Path, quantized: QuantizedBase | None, source: str | Path) -> torch.nn.Module:
+
+def _fold(model: torch.nn.Module, adapter: Path, quantized: QuantizedBase | None, source: Source) -> torch.nn.Module:
     """`model` (loaded from `source`) with the adapter folded in (on its dequantized base under
     `quantized`, a GGUF's own blocks kept as the trainer kept them)."""
     if quantized is not None:
-        quantize_base(model, quantized, source)
+        quantize_base(model, quantized, *source)
     load_adapter(model, adapter)
     merge_lora(model)
     dequantize_projections(model)
     return model
 
 
-def _source(base: str | Path | None, source: str | Path | None, adapter: Path) -> str | Path:
-    """The model argument the base came from (a `.gguf` file before its conversion to a folder): where a
-    QLoRA base keeps the file's blocks."""
-    return source if source is not None else base if base is not None else read_adapter_config(adapter).base_model_name_or_path
+def _source(base: str | Path | None, source: Source | None, adapter: Path, revision: str | None = None) -> Source:
+    """The model argument the base came from (a `.gguf` file before its conversion to a folder) and its
+    revision: where a QLoRA base keeps the file's blocks."""
+    if source is not None:
+        return source
+    if base is not None:
+        return base, revision
+    config = read_adapter_config(adapter)
+    return config.base_model_name_or_path, config.revision
 
 
 def merged_causal_lm(base: str | Path | None, adapter: str | Path, device: str | torch.device = "cpu",
                      dtype: torch.dtype | None = None, quantized: QuantizedBase | None = None,
-                     source: str | Path | None = None) -> torch.nn.Module:
+                     source: Source | None = None) -> torch.nn.Module:
     """The base causal LM with the adapter folded in (computed in float32, then cast to `dtype`).
-    `source`: the model argument `base` was resolved from, when it was."""
+    `source`: the model argument `base` was resolved from and its revision, when it was."""
     adapter = resolve_model_path(adapter)
     config = read_adapter_config(adapter)
     if config.task_type != "CAUSAL_LM":
@@ -60,7 +67,7 @@ def merged_causal_lm(base: str | Path | None, adapter: str | Path, device: str |
 
 def merged_scorer(base: str | Path | None, adapter: str | Path, device: str | torch.device = "cpu",
                   dtype: torch.dtype | None = None, quantized: QuantizedBase | None = None,
-                  _chain: tuple[Path, ...] = (), source: str | Path | None = None) -> SequenceScorer:
+                  _chain: tuple[Path, ...] = (), source: Source | None = None) -> SequenceScorer:
     """The base backbone with the adapter folded in and the adapter's `score` head."""
     adapter = resolve_model_path(adapter)
     config = read_adapter_config(adapter)
@@ -96,7 +103,8 @@ def merge_adapter(base: str | Path | None, adapter: str | Path, out: str | Path,
     base_path = adapter_base(adapter, base, revision)
     tokenizer_dir = adapter if (adapter / "tokenizer.json").is_file() else base_path
     if read_adapter_config(adapter).task_type == "SEQ_CLS":
-        scorer = merged_scorer(base_path, adapter, dtype=torch.float32, quantized=quantized, source=_source(base, None, adapter))
+        scorer = merged_scorer(base_path, adapter, dtype=torch.float32, quantized=quantized,
+                               source=_source(base, None, adapter, revision))
         return save_sequence_scorer(scorer, out, tokenizer_dir=tokenizer_dir)
     generation = base_path / "generation_config.json"
     try:
@@ -104,5 +112,5 @@ def merge_adapter(base: str | Path | None, adapter: str | Path, out: str | Path,
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{generation}: not valid JSON ({e})") from None
     model = merged_causal_lm(base_path, adapter, dtype=torch.float32, quantized=quantized,
-                             source=_source(base, None, adapter))
+                             source=_source(base, None, adapter, revision))
     return save_checkpoint(model, out, tokenizer_dir=tokenizer_dir, generation_config=extra)

@@ -19,8 +19,10 @@ from pathlib import Path
 from torch import nn
 
 from pagedrl.model.gguf_dequant import FORMATS
+from pagedrl.model.gguf_modules import GGUFEmbedding, GGUFLinear
 from pagedrl.model.gguf_quantized import projection_blocks
 from pagedrl.model.moe import has_sparse_layers
+from pagedrl.model.projections import LAYER_PROJECTIONS
 from pagedrl.model.quantized_linear import QuantizedBase, quantize_projections
 from pagedrl.model.resolve import resolve_gguf
 
@@ -40,3 +42,43 @@ def quantize_base(model: nn.Module, spec: QuantizedBase, source: str | Path | No
     if found is not None:  # (a mixture of experts is refused by `quantize_projections`)
         kept = projection_blocks(*found, keep=lambda ggml_type: nominal_bits(ggml_type) <= spec.bits)
     return quantize_projections(model, spec, kept)
+
+
+def as_qlora_base(model: nn.Module, spec: QuantizedBase) -> None:
+    """A model loaded with its GGUF blocks kept (`quantization="gguf"`) made, in place, the base a QLoRA run
+    trains on: the embedding and the LM head float32 as on a float base (the trainer's logits read the
+    head's float weight), each projection of more than `spec.bits` bits quantized by `spec` from its
+    dequantized values, every other projection kept. What a float load followed by `quantize_base` gives,
+    without ever holding the kept projections in float32: their 4 bytes a weight never enter the process's
+    heap, which keeps (and reuses only in part) what it frees (`kernels/memory.py`)."""
+    if has_sparse_layers(model):
+        quantize_projections(model, spec)  # (refused there, in its words)
+    embed = model.model.embed_tokens
+    if isinstance(embed, GGUFEmbedding):
+        table = embed.table
+        weight = nn.Parameter(table.dequantized(), requires_grad=False)
+        model.model.embed_tokens = _meta(nn.Embedding(embed.num_embeddings, embed.embedding_dim, device="meta"), weight)
+        if isinstance(model.lm_head, GGUFLinear) and model.lm_head.qweight is table.qweight:  # tied
+            model.lm_head = _meta(nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False, device="meta"), weight)
+    if isinstance(model.lm_head, GGUFLinear):
+        model.lm_head = _float_linear(model.lm_head)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, GGUFLinear) and name.rpartition(".")[2] in LAYER_PROJECTIONS:
+            parent, _, child = name.rpartition(".")
+            if nominal_bits(module.ggml_type) > spec.bits:
+                setattr(model.get_submodule(parent), child, spec.layer(_float_linear(module)))
+            else:
+                module.compute_dtype = spec.compute_dtype
+
+
+def _meta(module: nn.Module, weight: nn.Parameter) -> nn.Module:
+    module.weight = weight
+    return module
+
+
+def _float_linear(layer: GGUFLinear) -> nn.Linear:
+    """The float32 Linear of a kept layer's dequantized weight (and its bias)."""
+    linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+    linear.weight = nn.Parameter(layer.dequantized(), requires_grad=False)
+    linear.bias = layer.bias
+    return linear

@@ -128,9 +128,10 @@ class Linear8bit(QuantizedLinear):
 
 @dataclass(frozen=True)
 class QuantizedBase:
-    """How a frozen base is held: 4 or 8 bits, and the 4-bit options. `quant_type` None: NF4, except
-    where the base is a GGUF file already holding a projection in at most `bits` bits, which keeps the
-    file's own blocks (`model/qlora_gguf.py`); set, every projection is quantized to it."""
+    """How a frozen base is held: 4 or 8 bits, and the 4-bit options. `quant_type` None: NF4 (int8 rows
+    at 8 bits), except where the base is a GGUF file already holding a projection in at most `bits` bits,
+    which keeps the file's own blocks (`model/qlora_gguf.py`); set, every projection is quantized (to it,
+    or to int8 rows at 8 bits)."""
 
     bits: int
     quant_type: str | None = None
@@ -143,7 +144,7 @@ class QuantizedBase:
 
     @property
     def keeps_file_blocks(self) -> bool:
-        return self.bits == 8 or self.quant_type is None
+        return self.quant_type is None
 
     def layer(self, linear: nn.Linear) -> QuantizedLinear:
         if self.bits == 8:
@@ -174,7 +175,7 @@ def quantize_projections(model: nn.Module, spec: QuantizedBase, kept: Mapping[st
         linear = getattr(owner, child)
         key = name[name.find("layers."):]
         if key in kept:
-            layer = kept[key]
+            layer = kept[key].to(linear.weight.device)
             if (layer.in_features, layer.out_features) != (linear.in_features, linear.out_features):
                 raise ValueError(f"{spec.field}: {name} is [{linear.out_features}, {linear.in_features}] in the model "
                                  f"but [{layer.out_features}, {layer.in_features}] in its GGUF file")
@@ -194,7 +195,7 @@ def dequantize_projections(model: nn.Module) -> None:
     """Replace every quantized projection of `model` (in place) by a float32 Linear holding its
     dequantized weight: a merged QLoRA model's untargeted projections, as the adapter was trained on."""
     for name, m in list(model.named_modules()):
-        if isinstance(m, QuantizedLinear):
+        if isinstance(m, QuantizedLinear) and name.rpartition(".")[2] in LAYER_PROJECTIONS:
             linear = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
             linear.weight = nn.Parameter(m.dequantized(torch.float32), requires_grad=False)
             linear.bias = m.bias

@@ -134,17 +134,20 @@ class BackgroundRuns:
     async def cancel(self, response_id: str) -> ResponseObject | None:
         """Stop a running response (None if none runs with that id): its engine request is aborted, its
         task ended, and it is kept `cancelled`."""
-        run = self.runs.pop(response_id, None)
+        run = self.runs.get(response_id)
         if run is None:
             return None
         run.group.abort()
         if run.log is not None:
             run.log.close()
+        # Kept `cancelled` before the run leaves and before the wait for its task: a GET, DELETE or a
+        # request reusing the id meanwhile finds the cancelled response, never a gap
+        response = run.base.model_copy(update={"status": "cancelled"})
+        run.keep(response, run.log.events if run.log is not None else None)
+        del self.runs[response_id]
         if run.task is not None:
             run.task.cancel()
             await asyncio.wait([run.task])
-        response = run.base.model_copy(update={"status": "cancelled"})
-        run.keep(response, run.log.events if run.log is not None else None)
         return response
 
     def cancel_now(self, response_id: str) -> bool:

@@ -25,9 +25,32 @@ def start_run(config: TrainConfig, needs: str) -> tuple[DistInfo, Any]:
     ckpt.seed_everything(config.seed)
     if dist.device.type == "cpu":
         keep_freed_memory(every_block=True)  # a step's large tensors reuse the last step's memory
-    loaded = load_model(config.model, device=dist.device, dtype=torch.float32, revision=config.revision)
+    loaded = _load_qlora_gguf(config, dist.device) or load_model(config.model, device=dist.device, dtype=torch.float32,
+                                                                 revision=config.revision)
     if loaded.tokenizer is None:
         raise ValueError(f"model: {loaded.path} has no tokenizer.json; {needs} the model's tokenizer")
     adapters.attach_lora(config, loaded.model)  # use_peft: adapters on the frozen base (train/adapters.py)
     dither_for_run(config, dist.device, loaded.model)  # bf16: before any reference copy is taken
     return dist, loaded
+
+
+def _load_qlora_gguf(config: TrainConfig, device: torch.device) -> Any:
+    """A QLoRA run's model from a GGUF file whose blocks its base keeps, loaded with them kept
+    (`model/qlora_gguf.py` `as_qlora_base`): no float32 copy of a kept projection is ever made. None
+    where that does not apply (no QLoRA, a quant type set, a folder) or the file holds a type the
+    kernels do not (then the float load and `quantize_base` keep what they can)."""
+    from pagedrl.model.gguf import GGUFError
+    from pagedrl.model.loader import load_model
+    from pagedrl.model.qlora_gguf import as_qlora_base
+    from pagedrl.model.resolve import resolve_gguf
+
+    spec = config.quantized_base if config.use_peft else None
+    if spec is None or not spec.keeps_file_blocks or resolve_gguf(config.model, config.revision) is None:
+        return None
+    try:
+        loaded = load_model(config.model, device=device, dtype=torch.float32, revision=config.revision,
+                            quantization="gguf")
+    except GGUFError:
+        return None
+    as_qlora_base(loaded.model, spec)
+    return loaded
