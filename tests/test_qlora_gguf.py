@@ -222,3 +222,27 @@ def test_a_run_loads_the_kept_blocks_without_a_float_copy_and_gets_the_same_base
     ids = torch.tensor([[5, 17, 42, 9, 77, 31, 8]])
     with torch.no_grad():
         assert torch.equal(model.eval().logits(model(ids)), reference.eval().logits(reference(ids)))
+
+
+def test_a_run_on_the_files_blocks_resumes_exactly_and_not_on_another_base(mixed_gguf: Path, tmp_path: Path) -> None:
+    """Interrupted and resumed, the run ends with the adapter of the run that was not; resumed with the
+    projections held another way (`bnb_4bit_quant_type: nf4`), it is refused naming the settings."""
+    from test_lora_training import sft_trainer
+    from test_trainer_resume import Interrupted, interrupt_at, metric_rows
+
+    from pagedrl.model.adapter import read_adapter_weights
+
+    fields = dict(save_steps=2, lora_target_modules=["all-linear"], load_in_4bit=True)
+    final = sft_trainer(mixed_gguf, tmp_path / "a", **fields).train()
+    first = sft_trainer(mixed_gguf, tmp_path / "b", **fields)
+    assert sum(type(m) is GGUFLinear for m in quantized_layers(first.module)) == 2 * 5
+    interrupt_at(first, 3)
+    with pytest.raises(Interrupted):
+        first.train()
+    with pytest.raises(ValueError, match=r"^resume_from_checkpoint: .* trained on a base held as .*GGUF file's own.*"
+                                         r"bnb_4bit_quant_type\)$"):
+        sft_trainer(mixed_gguf, tmp_path / "b", resume_from_checkpoint=True, bnb_4bit_quant_type="nf4", **fields).train()
+    sft_trainer(mixed_gguf, tmp_path / "b", resume_from_checkpoint=True, **fields).train()
+    assert metric_rows(tmp_path / "b") == metric_rows(tmp_path / "a")
+    a, b = read_adapter_weights(final), read_adapter_weights(tmp_path / "b" / "final")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -90,3 +90,20 @@ def describe(model: nn.Module) -> str:
 def summary(module: nn.Module) -> list[str]:
     """A line per adapted model inside `module` (PPO's policy and critic each carry one)."""
     return [describe(m) for m in module.modules() if uses_lora(m)]
+
+
+def base_storage(module: nn.Module) -> dict[str, int]:
+    """How many frozen projections of `module` (a PPO policy and critic together) are held in each
+    storage ("nf4 blocks of 64", "the GGUF file's own Q4_1 blocks", ...); empty for a float base."""
+    return dict(Counter(layer.storage for layer in quantized_layers(module)))
+
+
+def check_same_base(saved: dict[str, int] | None, module: nn.Module, folder: object) -> None:
+    """A QLoRA run resumes on the base its adapters were trained on: the same settings can hold a GGUF's
+    projections in its own blocks or in NF4 (`bnb_4bit_quant_type` unset or set), and the adapters of one
+    on the other would train on other weights without a word. Checkpoints that do not say pass."""
+    current = base_storage(module)
+    if saved is not None and saved != current:
+        raise ValueError(f"resume_from_checkpoint: {folder} trained on a base held as {saved or 'float'}, this run "
+                         f"holds it as {current or 'float'}; resume with the quantization settings it was written "
+                         "with (load_in_4bit / load_in_8bit, bnb_4bit_quant_type)")

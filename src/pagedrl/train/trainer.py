@@ -294,6 +294,7 @@ class Trainer:
             "eval_seconds": self.eval_seconds,
             "world_size": self.dist.world_size,
             "algorithm_name": self.algorithm.name,
+            "base_storage": adapters.base_storage(self.module),
         }
 
     def save_checkpoint(self) -> Path:
@@ -347,6 +348,7 @@ class Trainer:
                              f"{self.algorithm.name}; start {self.algorithm.name} from its model instead "
                              f"(model={folder})")
         check_same_optim(self.config.optim, state["optimizer"], folder)
+        adapters.check_same_base(state.get("base_storage"), self.module, folder)
         with self.parallel.loading():
             self.algorithm.load_model(folder)
         self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
