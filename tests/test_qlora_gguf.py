@@ -246,3 +246,23 @@ def test_a_run_on_the_files_blocks_resumes_exactly_and_not_on_another_base(mixed
     assert metric_rows(tmp_path / "b") == metric_rows(tmp_path / "a")
     a, b = read_adapter_weights(final), read_adapter_weights(tmp_path / "b" / "final")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_products_weight_is_written_into_one_buffer_per_shape(mixed_gguf: Path, tmp_path: Path) -> None:
+    """`product_weight` on a CPU: the dequantized values (GGUF blocks and NF4 alike) written into this
+    thread's buffer of the weight's shape, the same buffer for every layer of that shape."""
+    from pagedrl.model.quantized_linear import product_weight
+
+    config = SFTConfig(**{**QLORA, "model": str(mixed_gguf), "output_dir": str(tmp_path)})
+    model = load_model(config.model, device="cpu", dtype=torch.float32).model
+    attach_lora(config, model)
+    layers = projections(model)
+    q0, q1 = layers["model.layers.0.self_attn.q_proj"], layers["model.layers.1.self_attn.q_proj"]
+    up = layers["model.layers.0.mlp.up_proj"]
+    assert type(q0) is GGUFLinear and type(up) is Linear4bit
+    for layer in (q0, up):
+        assert torch.equal(product_weight(layer, torch.float32), layer.dequantized())
+        assert torch.equal(product_weight(layer, torch.bfloat16), layer.dequantized(torch.bfloat16))
+    first = product_weight(q0, torch.float32)
+    assert product_weight(q1, torch.float32).data_ptr() == first.data_ptr()
+    assert torch.equal(first, q1.dequantized()) and not torch.equal(q0.dequantized(), q1.dequantized())

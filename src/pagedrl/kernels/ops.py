@@ -227,6 +227,11 @@ def gguf_dequantize(blocks: torch.Tensor, ggml_type: int, k: int) -> torch.Tenso
     return _OPS.gguf_dequantize(blocks, ggml_type, k)
 
 
+def gguf_dequantize_into(blocks: torch.Tensor, ggml_type: int, k: int, out: torch.Tensor) -> None:
+    """`gguf_dequantize` written into `out` (contiguous float32 [N, k]) instead of a fresh tensor."""
+    _OPS.gguf_dequantize_into(blocks, ggml_type, k, out)
+
+
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, k] float32 (rows of unit stride) @ the GGUF weight `blocks` [N, row_bytes].T (+ bias) → [M, N]

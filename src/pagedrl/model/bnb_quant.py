@@ -142,16 +142,23 @@ def _byte_pairs(quant_type: str, device: torch.device) -> torch.Tensor:
     return torch.stack([table.repeat_interleave(16), table.repeat(16)], dim=1).contiguous()
 
 
-def dequantize_4bit(q: Quantized4bit, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """code[index] · absmax of each value, in float32, then rounded to `dtype`: a fresh tensor."""
+def dequantize_4bit(q: Quantized4bit, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """code[index] · absmax of each value, in float32, then rounded to `dtype`: a fresh tensor, or `out`
+    (contiguous float32 of the weight's shape, whole blocks) written in place."""
     numel = 1
     for d in q.shape:
         numel *= d
-    values = _byte_pairs(q.quant_type, q.packed.device).index_select(0, q.packed.int()).reshape(-1)[:numel]
+    pairs = _byte_pairs(q.quant_type, q.packed.device)
+    if out is not None and numel % BLOCK_4BIT == 0 and out.is_contiguous() and out.dtype == torch.float32:
+        torch.index_select(pairs, 0, q.packed.int(), out=out.view(-1, 2))
+        out.view(-1, BLOCK_4BIT).mul_(block_maxima(q)[:, None])
+        return out
+    values = pairs.index_select(0, q.packed.int()).reshape(-1)[:numel]
     if pad := -numel % BLOCK_4BIT:
         values = torch.nn.functional.pad(values, (0, pad))
     scaled = values.view(-1, BLOCK_4BIT) * block_maxima(q)[:, None]
-    return scaled.reshape(-1)[:numel].view(q.shape).to(dtype)
+    result = scaled.reshape(-1)[:numel].view(q.shape).to(dtype)
+    return result if out is None else out.copy_(result)
 
 
 @torch.no_grad()

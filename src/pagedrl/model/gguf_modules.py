@@ -101,6 +101,12 @@ class GGUFLinear(QuantizedLinear):
         """The weight [n, k] as `dtype` (a fresh tensor: nothing keeps it)."""
         return dequantize(self.blocks, self.ggml_type, self.in_features, dtype)
 
+    def dequantized_into(self, out: torch.Tensor) -> torch.Tensor:
+        if self.rows8 or self.qweight.device.type != "cpu" or not ops.available():
+            return out.copy_(self.dequantized())
+        ops.gguf_dequantize_into(self.qweight, self.ggml_type, self.in_features, out)
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routes = routed.current()
         # (a QLoRA base's `bnb_4bit_compute_dtype` other than the step's: the product the trainer computes)

@@ -16,6 +16,7 @@ float copy, no merge.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -40,6 +41,32 @@ def _autocast_off(device_type: str) -> Iterator[None]:
         torch.set_autocast_enabled(device_type, was)
 
 
+_scratch = threading.local()
+
+
+def _buffer(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """This thread's reusable buffer of `shape` and `dtype` (one per kind of projection)."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    key = (shape, dtype, device)
+    if key not in buffers:
+        buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+    return buffers[key]
+
+
+def product_weight(layer: QuantizedLinear, dtype: torch.dtype) -> torch.Tensor:
+    """The weight a product multiplies by, dequantized. On a CPU into this thread's buffer of its shape,
+    which the next product of that shape overwrites: a trainer dequantizes every projection twice a
+    step, and a fresh block each time (3.5 MB for one of the default model's MLP weights) left holes in
+    the heap that the process keeps (`kernels/memory.py`) and the step's larger activations cannot reuse:
+    the QLoRA base's GRPO step then peaked no lower than a float base's. Safe because a product's weight
+    is used within the call and never saved (`DequantizedProduct`)."""
+    if layer.device.type != "cpu":
+        return layer.dequantized(dtype)
+    shape = (layer.out_features, layer.in_features)
+    weight = layer.dequantized_into(_buffer(shape, torch.float32, layer.device))
+    return weight if dtype == torch.float32 else _buffer(shape, dtype, layer.device).copy_(weight)
+
+
 class DequantizedProduct(torch.autograd.Function):
     """x Wᵀ + b with W dequantized in forward and again in backward, never saved."""
 
@@ -47,14 +74,14 @@ class DequantizedProduct(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, layer: QuantizedLinear, bias: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
         ctx.layer = layer
         with _autocast_off(x.device.type):
-            return F.linear(x, layer.dequantized(x.dtype), bias)
+            return F.linear(x, product_weight(layer, x.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
         if not ctx.needs_input_grad[0]:
             return None, None, None
         with _autocast_off(grad.device.type):
-            return grad @ ctx.layer.dequantized(grad.dtype), None, None
+            return grad @ product_weight(ctx.layer, grad.dtype), None, None
 
 
 class QuantizedLinear(nn.Module):
@@ -72,6 +99,14 @@ class QuantizedLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [n, k] as `dtype` (a fresh tensor: nothing keeps it)."""
         raise NotImplementedError
+
+    def dequantized_into(self, out: torch.Tensor) -> torch.Tensor:
+        """The weight written into `out` (float32 [n, k]); formats that can, without a fresh tensor."""
+        return out.copy_(self.dequantized(torch.float32))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.buffers()).device
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.storage}"
@@ -104,6 +139,9 @@ class Linear4bit(QuantizedLinear):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return bnb_quant.dequantize_4bit(self.quantized(), dtype)
+
+    def dequantized_into(self, out: torch.Tensor) -> torch.Tensor:
+        return bnb_quant.dequantize_4bit(self.quantized(), out=out)
 
     @property
     def storage(self) -> str:

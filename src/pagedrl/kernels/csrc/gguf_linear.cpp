@@ -91,13 +91,17 @@ void check_blocks(const char* op, const at::Tensor& blocks, int64_t K) {
               " values take ", K / T::kValues * T::kBytes, " bytes, got ", blocks.size(1));
 }
 
-at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t K) {
-  at::Tensor out;
-  with_type("gguf_dequantize", type, [&](auto t) {
+// Into `out` (float32 [N, K], contiguous): a trainer's frozen base dequantizes every weight twice a step,
+// and a fresh 3.5 MB block each time left the kept heap holes that the step's activations could not fill.
+void gguf_dequantize_into(const at::Tensor& blocks, int64_t type, int64_t K, const at::Tensor& out) {
+  with_type("gguf_dequantize_into", type, [&](auto t) {
     using T = decltype(t);
-    check_blocks<T>("gguf_dequantize", blocks, K);
+    check_blocks<T>("gguf_dequantize_into", blocks, K);
     const int64_t N = blocks.size(0), ld = blocks.stride(0), per_row = K / T::kValues;
-    out = at::empty({N, K}, blocks.options().dtype(at::kFloat));
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == N &&
+                    out.size(1) == K,
+                "gguf_dequantize_into: out must be contiguous float32 [", N, ", ", K, "], got ", out.scalar_type(),
+                " ", out.sizes());
     const uint8_t* src = blocks.data_ptr<uint8_t>();
     float* dst = out.data_ptr<float>();
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
@@ -105,6 +109,11 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t K) {
         for (int64_t b = 0; b < per_row; ++b) dequant<T>(src + n * ld + b * T::kBytes, dst + n * K + b * T::kValues);
     });
   });
+}
+
+at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t K) {
+  at::Tensor out = at::empty({blocks.size(0), K}, blocks.options().dtype(at::kFloat));
+  gguf_dequantize_into(blocks, type, K, out);
   return out;
 }
 
@@ -241,10 +250,12 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
 
 TORCH_LIBRARY_FRAGMENT(pagedrl_cpu, m) {
   m.def("gguf_dequantize(Tensor blocks, int type, int K) -> Tensor");
+  m.def("gguf_dequantize_into(Tensor blocks, int type, int K, Tensor(a!) out) -> ()");
   m.def("gguf_linear(Tensor x, Tensor blocks, int type, int K, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedrl_cpu, CPU, m) {
   m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("gguf_dequantize_into", &gguf_dequantize_into);
   m.impl("gguf_linear", &gguf_linear);
 }
