@@ -93,13 +93,16 @@ def score_index(ids: Sequence[int], pad_token_id: int | None) -> int:
 
 def padded_hidden(model: SequenceScorer, batch: list[list[int]], pad_token_id: int | None) -> torch.Tensor:
     """[B, T, hidden] hidden states of `batch` in one forward: right-padded with the pad token (0 without
-    one) and masked, so each sequence's states are those it has alone."""
+    one) and masked, so each sequence's states are those it has alone. The config's sliding window (Mistral
+    v0.1, Qwen2 with `use_sliding_window`) limits every layer's keys, as the reward trainer and transformers
+    apply it; right padding keeps a row's positions its indices, so the window is measured by index."""
     device = model.device
     width = max(len(ids) for ids in batch)
     pad = 0 if pad_token_id is None else pad_token_id
     ids = torch.tensor([x + [pad] * (width - len(x)) for x in batch], device=device)
     real = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in batch], device=device)
-    meta = DenseAttention.causal(real) if bool((real == 0).any()) else DenseAttention(None)
+    meta = DenseAttention.causal(real if bool((real == 0).any()) else None, model.config.sliding_window,
+                                 seq_len=width, device=device)
     return model(ids, positions=default_positions(ids, real), meta=meta)
 
 

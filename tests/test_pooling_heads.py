@@ -1,0 +1,53 @@
+"""The pooling runner's reading of a classifier's head, held to transformers: a sliding window past the
+prompt's start (Mistral), the folder's own labels, several labels, and the head's precision."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pagedrl.engine.llm import LLM
+from pagedrl.model.heads import last_scores
+
+ATOL = 1e-5  # float32 on both sides, on the CPU
+
+
+def mistral_classifier(folder: Path, num_labels: int = 1, **config) -> torch.nn.Module:
+    """A tiny `MistralForSequenceClassification` written by transformers (window 4 unless told), its head drawn
+    wide enough that the scores spread."""
+    import transformers
+
+    cfg = transformers.MistralConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                                     max_position_embeddings=256, num_labels=num_labels,
+                                     **{"sliding_window": 4, **config})
+    torch.manual_seed(0)
+    hf = transformers.MistralForSequenceClassification(cfg).eval()
+    with torch.no_grad():
+        hf.score.weight.normal_(0.0, 0.5)
+    hf.save_pretrained(str(folder))
+    return hf
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor([ids])).logits[0]
+
+
+def test_a_sliding_window_is_applied_as_transformers_applies_it(tmp_path) -> None:
+    hf = mistral_classifier(tmp_path / "mistral")
+    llm = LLM(str(tmp_path / "mistral"), runner="pooling", device="cpu")
+    assert llm.network.config.sliding_window == 4
+    prompts = [list(range(5, 25)), [7, 8, 9], list(range(30, 41))]  # 20 and 11 tokens: past the window of 4
+    want = torch.stack([hf_logits(hf, p)[0] for p in prompts])
+    for alone in (True, False):  # unpadded (one prompt a batch) and right-padded batches
+        runner = LLM(str(tmp_path / "mistral"), runner="pooling", device="cpu", max_num_seqs=1) if alone else llm
+        raw = [o.outputs.data[0] for o in runner.encode(prompts, pooling_task="classify", activation=False,
+                                                        use_tqdm=False)]
+        assert torch.allclose(torch.stack(raw), want, atol=ATOL), (alone, raw, want)
+    assert torch.allclose(last_scores(llm.network, prompts, 0), want, atol=ATOL)  # RewardModel.score's read
+    with torch.no_grad():
+        states = hf.model(input_ids=torch.tensor([prompts[0]])).last_hidden_state
+        per_token = hf.score(states)[0, :, 0]
+    assert torch.allclose(llm.reward([prompts[0]], use_tqdm=False)[0].outputs.data[:, 0], per_token, atol=ATOL)
