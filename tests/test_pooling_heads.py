@@ -51,3 +51,18 @@ def test_a_sliding_window_is_applied_as_transformers_applies_it(tmp_path) -> Non
         states = hf.model(input_ids=torch.tensor([prompts[0]])).last_hidden_state
         per_token = hf.score(states)[0, :, 0]
     assert torch.allclose(llm.reward([prompts[0]], use_tqdm=False)[0].outputs.data[:, 0], per_token, atol=ATOL)
+
+
+def test_the_folders_own_labels_are_kept(tmp_path) -> None:
+    import json
+
+    from pagedrl.model.heads import save_sequence_scorer
+
+    mistral_classifier(tmp_path / "named", id2label={0: "helpful"}, label2id={"helpful": 0})
+    network = LLM(str(tmp_path / "named"), runner="pooling", device="cpu").network
+    assert network.config.extra["id2label"] == {"0": "helpful"}
+    saved = json.loads((save_sequence_scorer(network, tmp_path / "again") / "config.json").read_text())
+    assert (saved["id2label"], saved["label2id"]) == ({"0": "helpful"}, {"helpful": 0})
+    mistral_classifier(tmp_path / "plain")  # transformers' default name for one label
+    assert LLM(str(tmp_path / "plain"), runner="pooling", device="cpu").network.config.extra["id2label"] == \
+        {"0": "LABEL_0"}

@@ -40,6 +40,19 @@ SCORE_WEIGHT = "score.weight"
 ONE_LABEL = {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
 
 
+def head_labels(extra: dict[str, Any], num_labels: int) -> dict[str, Any]:
+    """The folder's `id2label` / `label2id` when they name as many labels as the head has (a classifier
+    trained with its own label names: /classify answers with them, as vLLM does), else transformers'
+    defaults for one label (a causal LM's config may carry a two-label default its new head does not have)."""
+    id2label = extra.get("id2label")
+    if isinstance(id2label, dict) and len(id2label) == num_labels:
+        label2id = extra.get("label2id")
+        if not (isinstance(label2id, dict) and len(label2id) == num_labels):
+            label2id = {name: int(i) for i, name in id2label.items()}
+        return {"id2label": {str(i): name for i, name in id2label.items()}, "label2id": label2id}
+    return dict(ONE_LABEL)
+
+
 def reward_architecture(architecture: str) -> str:
     """`LlamaForCausalLM` → `LlamaForSequenceClassification` (unchanged if already a classifier)."""
     if architecture.endswith(REWARD_ARCHITECTURE_SUFFIX):
@@ -133,7 +146,7 @@ def load_sequence_scorer(folder: str | Path, device: str | torch.device = "cpu",
         raise CheckpointError(f"{origins[SCORE_WEIGHT]}: {SCORE_WEIGHT!r} has {state[SCORE_WEIGHT].shape[0]} labels; "
                               "a reward model has one (num_labels=1)")
     cfg.architecture = reward_architecture(cfg.architecture)
-    cfg.extra.update(ONE_LABEL)
+    cfg.extra.update(dict(ONE_LABEL) if fresh_head else head_labels(cfg.extra, 1))
     cfg.extra.pop("num_labels", None)
     with torch.device("meta"):
         model = SequenceScorer(cfg)
@@ -148,4 +161,5 @@ def load_sequence_scorer(folder: str | Path, device: str | torch.device = "cpu",
 
 def save_sequence_scorer(model: SequenceScorer, folder: str | Path, **kwargs: Any) -> Path:
     """Write a Hugging Face folder that `AutoModelForSequenceClassification` loads as this model."""
-    return save_checkpoint(model, folder, extra_config=dict(ONE_LABEL), **kwargs)  # type: ignore[arg-type]
+    return save_checkpoint(model, folder, extra_config=head_labels(model.config.extra, model.score.out_features),
+                           **kwargs)  # type: ignore[arg-type]
