@@ -66,3 +66,31 @@ def test_the_folders_own_labels_are_kept(tmp_path) -> None:
     mistral_classifier(tmp_path / "plain")  # transformers' default name for one label
     assert LLM(str(tmp_path / "plain"), runner="pooling", device="cpu").network.config.extra["id2label"] == \
         {"0": "LABEL_0"}
+
+
+def test_a_bf16_model_scores_in_float32(tmp_path) -> None:
+    """vLLM keeps a pooling model's head in float32 (`score(x.float())`): the states are bf16, the head's
+    weights and its product are not rounded."""
+    import torch.nn.functional as F
+
+    from pagedrl.model.checkpoint import read_state_dict
+    from pagedrl.model.heads import padded_hidden, score_index
+
+    mistral_classifier(tmp_path / "m", sliding_window=None)
+    llm = LLM(str(tmp_path / "m"), runner="pooling", device="cpu", dtype="bfloat16")
+    assert llm.network.model.embed_tokens.weight.dtype == torch.bfloat16
+    head = read_state_dict(tmp_path / "m")["score.weight"].float()  # as written: float32
+    prompts = [list(range(5, 25)), [7, 8, 9]]
+    with torch.no_grad():
+        hidden = padded_hidden(llm.network, prompts, 0)
+        assert hidden.dtype == torch.bfloat16
+        at = [score_index(p, 0) for p in prompts]
+        want = F.linear(hidden[torch.arange(2), at].float(), head)[:, 0]
+        per_token = F.linear(hidden[0].float(), head)[:, 0]
+    raw = torch.stack([o.outputs.data[0] for o in llm.encode(prompts, pooling_task="classify", activation=False,
+                                                             use_tqdm=False)])
+    assert raw.dtype == torch.float32 and torch.allclose(raw, want, atol=1e-6, rtol=0)
+    assert not torch.equal(raw, raw.bfloat16().float())  # not rounded to bf16 anywhere
+    probs = torch.tensor([o.outputs.probs[0] for o in llm.classify(prompts, use_tqdm=False)])
+    assert torch.allclose(probs, torch.sigmoid(want), atol=1e-6, rtol=0)
+    assert torch.allclose(llm.reward(prompts[:1], use_tqdm=False)[0].outputs.data[:, 0], per_token, atol=1e-6, rtol=0)

@@ -4,8 +4,9 @@ adapter (`pagedrl rm` with use_peft, folded into the base it names), with vLLM's
 and `encode`.
 
 Each call tokenizes its prompts (text as the tokenizer adds special tokens, token ids as given, a chat
-rendered by the caller), then runs the scorer over them in batches, right-padded and masked, in the
-precision the loader chose, the engine's. What comes back is what vLLM's poolers give:
+rendered by the caller), then runs the scorer over them in batches, right-padded and masked, the backbone in
+the precision the loader chose, the engine's, the score head and its activation in float32 (vLLM keeps a pooling
+model's head in float32). What comes back is what vLLM's poolers give:
 
 - `classify`: the score at the last token that is not the pad token (`model/heads.py` `score_index`,
   the token the reward trainer and PPO's reward scorer read), through the activation of vLLM's
@@ -75,11 +76,11 @@ class PoolingLLM:
         if args.adapter is not None:
             adapter = resolve_model_path(args.adapter)
             base = None if args.model is None else resolve_model_path(args.model, args.revision)
-            self.network = merged_scorer(base, adapter, device=device, dtype=self.precision.dtype)
+            self.network = merged_scorer(base, adapter, device=device, dtype=self.precision.dtype, float_head=True)
             folders = [adapter, adapter_base(adapter, base)]
         else:
             path = resolve_model_path(args.model, args.revision)
-            self.network = load_reward_model(path, device=device, dtype=self.precision.dtype)
+            self.network = load_reward_model(path, device=device, dtype=self.precision.dtype, float_head=True)
             folders = [path]
         if tokenizer is None:
             found = [f for f in folders if (f / "tokenizer.json").is_file()]

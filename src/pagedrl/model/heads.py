@@ -84,8 +84,16 @@ class SequenceScorer(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] → [...] float32 scores."""
-        return self.score(hidden).squeeze(-1).float()
+        """[..., hidden] → [...] float32 scores, in the head's precision (float32 where `cast` kept it so:
+        the states are raised to it first, as vLLM's pooling head takes them)."""
+        return self.score(hidden.to(self.score.weight.dtype)).squeeze(-1).float()
+
+    def cast(self, device: str | torch.device, dtype: torch.dtype, float_head: bool = False) -> SequenceScorer:
+        """The backbone in `dtype` on `device`; with `float_head` the score head stays in float32 (vLLM keeps a
+        pooling model's head in float32, so a bf16 model's scores are not rounded to bf16)."""
+        self.model.to(device=device, dtype=dtype)
+        self.score.to(device=device, dtype=torch.float32 if float_head else dtype)
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -128,9 +136,11 @@ def last_scores(model: SequenceScorer, batch: list[list[int]], pad_token_id: int
 
 
 def load_sequence_scorer(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                         generator: torch.Generator | None = None, new_head: bool = True) -> SequenceScorer:
+                         generator: torch.Generator | None = None, new_head: bool = True,
+                         float_head: bool = False) -> SequenceScorer:
     """A reward model from a Hugging Face folder: a saved classifier (`score.weight` present), or,
-    with `new_head`, a causal LM whose LM head is replaced by a `score` head drawn with `generator`."""
+    with `new_head`, a causal LM whose LM head is replaced by a `score` head drawn with `generator`.
+    `float_head`: the head kept in float32 whatever `dtype` (`SequenceScorer.cast`)."""
     folder = Path(folder)
     cfg = read_folder_config(folder)
     origins: dict[str, str] = {}
@@ -156,7 +166,7 @@ def load_sequence_scorer(folder: str | Path, device: str | torch.device = "cpu",
         std = float(cfg.extra.get("initializer_range", 0.02))
         state[SCORE_WEIGHT] = torch.randn(1, cfg.hidden_size, generator=generator) * std
     load_weights(model, state, str(folder), origins)
-    return model.to(device=device, dtype=dtype or default_dtype(device)).eval()
+    return model.cast(device, dtype or default_dtype(device), float_head).eval()
 
 
 def save_sequence_scorer(model: SequenceScorer, folder: str | Path, **kwargs: Any) -> Path:
