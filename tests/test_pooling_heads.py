@@ -3,8 +3,10 @@ prompt's start (Mistral), the folder's own labels, several labels, and the head'
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from pagedrl.engine.llm import LLM
@@ -94,3 +96,35 @@ def test_a_bf16_model_scores_in_float32(tmp_path) -> None:
     probs = torch.tensor([o.outputs.probs[0] for o in llm.classify(prompts, use_tqdm=False)])
     assert torch.allclose(probs, torch.sigmoid(want), atol=1e-6, rtol=0)
     assert torch.allclose(llm.reward(prompts[:1], use_tqdm=False)[0].outputs.data[:, 0], per_token, atol=1e-6, rtol=0)
+
+
+def test_a_classifier_of_several_labels_is_classified_as_transformers_classifies(tmp_path) -> None:
+    from fastapi.testclient import TestClient
+
+    from pagedrl.model.checkpoint import CheckpointError
+    from pagedrl.model.merge import load_reward_model
+    from pagedrl.server.pooling_app import build_pooling_app, label_of
+
+    names = {0: "negative", 1: "neutral", 2: "positive"}
+    hf = mistral_classifier(tmp_path / "three", num_labels=3, id2label=names,
+                            label2id={v: k for k, v in names.items()})
+    llm = LLM(str(tmp_path / "three"), device="cpu")  # "auto": the pooling runner
+    prompts = [list(range(5, 25)), [7, 8, 9], [40, 41, 42, 43, 44]]
+    logits = torch.stack([hf_logits(hf, p) for p in prompts])
+    want = torch.softmax(logits, dim=-1)  # vLLM's classify over several labels (PoolerClassify)
+    outs = llm.classify(prompts, use_tqdm=False)
+    assert [o.outputs.num_classes for o in outs] == [3, 3, 3]
+    got = torch.tensor([o.outputs.probs for o in outs])
+    assert torch.allclose(got, want, atol=ATOL) and len(set(want.argmax(-1).tolist())) > 1
+    reward = llm.reward(prompts[:1], use_tqdm=False)[0].outputs.data
+    assert reward.shape == (20, 3) and torch.allclose(reward[-1], logits[0], atol=ATOL)
+    assert [label_of(llm, i) for i in range(3)] == ["negative", "neutral", "positive"]  # /classify's labels
+    body = TestClient(build_pooling_app(llm, served_model_name="m")).post("/pooling", json={"input": prompts}).json()
+    assert torch.allclose(torch.tensor(body["data"][0]["data"]), reward, atol=ATOL)
+    with pytest.raises(CheckpointError, match="has 3 labels; a reward model has one"):
+        load_reward_model(tmp_path / "three")  # the trainers and RewardModel take one label, as before
+    cfg = json.loads((tmp_path / "three" / "config.json").read_text())
+    cfg["problem_type"] = "multi_label_classification"
+    (tmp_path / "three" / "config.json").write_text(json.dumps(cfg))
+    multi = LLM(str(tmp_path / "three"), runner="pooling", device="cpu").classify(prompts, use_tqdm=False)
+    assert torch.allclose(torch.tensor([o.outputs.probs for o in multi]), torch.sigmoid(logits), atol=ATOL)

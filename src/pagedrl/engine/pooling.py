@@ -12,7 +12,7 @@ model's head in float32). What comes back is what vLLM's poolers give:
   the token the reward trainer and PPO's reward scorer read), through the activation of vLLM's
   classifier pooler (`PoolerClassify`): a sigmoid for one label (softmax for several), none for
   `problem_type: regression`. `outputs.probs`.
-- `reward`: the raw score (no activation) at every prompt token, `outputs.data` of shape [tokens, 1],
+- `reward`: the raw score (no activation) at every prompt token, `outputs.data` of shape [tokens, num_labels],
   as vLLM 0.10 pools a reward model (ALL tokens, no normalization, no softmax); the row at the scored
   token is `pagedrl rm`'s reward. (Later vLLM runs `reward` as `token_classify`, whose activation is on
   unless `PoolingParams(use_activation=False)`: these raw scores are that call's.)
@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from pagedrl.engine.pooling_outputs import ClassificationRequestOutput, PoolingOutput, PoolingRequestOutput
 from pagedrl.engine.prompt_inputs import Prompt, as_prompt, engine_args_from
 from pagedrl.engine.request_checks import encode_prompt
-from pagedrl.model.heads import SequenceScorer, last_scores, padded_hidden
+from pagedrl.model.heads import SequenceScorer, last_logits, padded_hidden
 from pagedrl.model.merge import load_reward_model, merged_scorer
 from pagedrl.model.precision import resolve_dtype
 from pagedrl.model.resolve import adapter_base, resolve_model_path
@@ -51,11 +51,15 @@ def too_long(num_tokens: int, max_model_len: int) -> str:
 
 
 def classify_activation(network: SequenceScorer) -> Callable[[torch.Tensor], torch.Tensor]:
-    """vLLM's classification activation, as transformers' sequence-classification loss reads the labels:
-    none for a regression head, else a sigmoid for one label (softmax over several)."""
-    if network.config.extra.get("problem_type") == "regression":
+    """vLLM's classification activation, as transformers' sequence-classification loss reads `problem_type`:
+    none for regression, a sigmoid per label for multi_label_classification, else a sigmoid for one label
+    and a softmax over several."""
+    problem_type = network.config.extra.get("problem_type")
+    if problem_type == "regression":
         return lambda x: x
-    return torch.sigmoid if network.score.out_features == 1 else (lambda x: torch.softmax(x, dim=-1))
+    if problem_type == "multi_label_classification" or network.score.out_features == 1:
+        return torch.sigmoid
+    return lambda x: torch.softmax(x, dim=-1)
 
 
 class PoolingLLM:
@@ -80,7 +84,8 @@ class PoolingLLM:
             folders = [adapter, adapter_base(adapter, base)]
         else:
             path = resolve_model_path(args.model, args.revision)
-            self.network = load_reward_model(path, device=device, dtype=self.precision.dtype, float_head=True)
+            self.network = load_reward_model(path, device=device, dtype=self.precision.dtype, float_head=True,
+                                             any_labels=True)
             folders = [path]
         if tokenizer is None:
             found = [f for f in folders if (f / "tokenizer.json").is_file()]
@@ -156,26 +161,27 @@ class PoolingLLM:
         for rows in tqdm(batches, desc=pooling_task, unit="batch", disable=not use_tqdm or len(batches) < 2):
             batch = [encoded[i] for i in rows]
             if pooling_task == "classify":
-                pooled = activate(last_scores(self.network, batch, self.pad_token_id)[:, None])
+                pooled = activate(last_logits(self.network, batch, self.pad_token_id))
                 for i, row in zip(rows, pooled.cpu(), strict=True):
                     data[i] = row
             else:
-                scores = self.network.scores(padded_hidden(self.network, batch, self.pad_token_id)).cpu()
+                scores = self.network.logits(padded_hidden(self.network, batch, self.pad_token_id)).cpu()
                 for k, i in enumerate(rows):
-                    data[i] = scores[k, :len(encoded[i]), None]
+                    data[i] = scores[k, :len(encoded[i])]
         return [PoolingRequestOutput(str(next(self._ids)), PoolingOutput(d), ids) for d, ids in zip(data, encoded,
                                                                                                    strict=True)]
 
     def classify(self, prompts: PromptsArg, *, use_tqdm: bool = True, lora_request: Any = None,
                  truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
-        """vLLM's `LLM.classify`: each prompt's class probabilities (`outputs.probs`; one label: its sigmoid)."""
+        """vLLM's `LLM.classify`: each prompt's class probabilities (`outputs.probs`; one label: its sigmoid,
+        several: their softmax)."""
         return [ClassificationRequestOutput.from_base(out) for out in
                 self.encode(prompts, pooling_task="classify", use_tqdm=use_tqdm, lora_request=lora_request,
                             truncate_prompt_tokens=truncate_prompt_tokens)]
 
     def reward(self, prompts: PromptsArg, *, use_tqdm: bool = True, lora_request: Any = None,
                truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
-        """vLLM's `LLM.reward`: each prompt's raw reward at every token (`outputs.data`, [tokens, 1])."""
+        """vLLM's `LLM.reward`: each prompt's raw reward at every token (`outputs.data`, [tokens, num_labels])."""
         return self.encode(prompts, pooling_task="token_classify", use_tqdm=use_tqdm, lora_request=lora_request,
                            truncate_prompt_tokens=truncate_prompt_tokens)
 

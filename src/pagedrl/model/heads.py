@@ -43,14 +43,17 @@ ONE_LABEL = {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
 def head_labels(extra: dict[str, Any], num_labels: int) -> dict[str, Any]:
     """The folder's `id2label` / `label2id` when they name as many labels as the head has (a classifier
     trained with its own label names: /classify answers with them, as vLLM does), else transformers'
-    defaults for one label (a causal LM's config may carry a two-label default its new head does not have)."""
+    defaults, LABEL_i (a causal LM's config may carry a two-label default its new head does not have)."""
     id2label = extra.get("id2label")
     if isinstance(id2label, dict) and len(id2label) == num_labels:
         label2id = extra.get("label2id")
         if not (isinstance(label2id, dict) and len(label2id) == num_labels):
             label2id = {name: int(i) for i, name in id2label.items()}
         return {"id2label": {str(i): name for i, name in id2label.items()}, "label2id": label2id}
-    return dict(ONE_LABEL)
+    if num_labels == 1:
+        return dict(ONE_LABEL)
+    return {"id2label": {str(i): f"LABEL_{i}" for i in range(num_labels)},
+            "label2id": {f"LABEL_{i}": i for i in range(num_labels)}}
 
 
 def reward_architecture(architecture: str) -> str:
@@ -64,13 +67,14 @@ def reward_architecture(architecture: str) -> str:
 
 class SequenceScorer(nn.Module):
     """Backbone + `score` head. `forward` returns hidden states (as `CausalLM` does), `scores`
-    projects only the rows asked for: one per sequence, not one per token."""
+    projects only the rows asked for: one per sequence, not one per token. A reward model has one label;
+    the pooling runner also loads a classifier of several (`num_labels`), which `logits` reads."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, num_labels: int = 1) -> None:
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.score = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.score = nn.Linear(cfg.hidden_size, num_labels, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 meta: AttentionMetadata | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,10 +87,14 @@ class SequenceScorer(nn.Module):
                                          seq_len=input_ids.shape[1], device=input_ids.device)
         return self.model(input_ids, positions, meta)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] → [..., num_labels] float32, in the head's precision (float32 where `cast` kept it
+        so: the states are raised to it first, as vLLM's pooling head takes them)."""
+        return self.score(hidden.to(self.score.weight.dtype)).float()
+
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] → [...] float32 scores, in the head's precision (float32 where `cast` kept it so:
-        the states are raised to it first, as vLLM's pooling head takes them)."""
-        return self.score(hidden.to(self.score.weight.dtype)).squeeze(-1).float()
+        """[..., hidden] → [...] float32 scores of a one-label head (a reward model's)."""
+        return self.logits(hidden).squeeze(-1)
 
     def cast(self, device: str | torch.device, dtype: torch.dtype, float_head: bool = False) -> SequenceScorer:
         """The backbone in `dtype` on `device`; with `float_head` the score head stays in float32 (vLLM keeps a
@@ -127,20 +135,26 @@ def padded_hidden(model: SequenceScorer, batch: list[list[int]], pad_token_id: i
     return model(ids, positions=default_positions(ids, real), meta=meta)
 
 
-def last_scores(model: SequenceScorer, batch: list[list[int]], pad_token_id: int | None) -> torch.Tensor:
-    """[B] float32: each sequence's score at `score_index`, the token the reward trainer, PPO's reward
-    scorer and transformers read."""
+def last_logits(model: SequenceScorer, batch: list[list[int]], pad_token_id: int | None) -> torch.Tensor:
+    """[B, num_labels] float32: each sequence's head output at `score_index`, the token the reward trainer,
+    PPO's reward scorer and transformers read."""
     hidden = padded_hidden(model, batch, pad_token_id)
     at = torch.tensor([score_index(x, pad_token_id) for x in batch], device=hidden.device)
-    return model.scores(hidden[torch.arange(len(batch), device=hidden.device), at])
+    return model.logits(hidden[torch.arange(len(batch), device=hidden.device), at])
+
+
+def last_scores(model: SequenceScorer, batch: list[list[int]], pad_token_id: int | None) -> torch.Tensor:
+    """[B] float32: each sequence's score (a one-label head's `last_logits`)."""
+    return last_logits(model, batch, pad_token_id).squeeze(-1)
 
 
 def load_sequence_scorer(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                          generator: torch.Generator | None = None, new_head: bool = True,
-                         float_head: bool = False) -> SequenceScorer:
+                         float_head: bool = False, any_labels: bool = False) -> SequenceScorer:
     """A reward model from a Hugging Face folder: a saved classifier (`score.weight` present), or,
     with `new_head`, a causal LM whose LM head is replaced by a `score` head drawn with `generator`.
-    `float_head`: the head kept in float32 whatever `dtype` (`SequenceScorer.cast`)."""
+    `float_head`: the head kept in float32 whatever `dtype` (`SequenceScorer.cast`). `any_labels`: a
+    classifier of several labels is loaded too (the pooling runner's; the trainers take one)."""
     folder = Path(folder)
     cfg = read_folder_config(folder)
     origins: dict[str, str] = {}
@@ -152,14 +166,15 @@ def load_sequence_scorer(folder: str | Path, device: str | torch.device = "cpu",
         raise CheckpointError(f"{folder}: holds no {SCORE_WEIGHT!r}; it is a causal LM, not a trained reward model")
     if fresh_head:
         state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
-    elif state[SCORE_WEIGHT].shape[0] != 1:
+    elif state[SCORE_WEIGHT].shape[0] != 1 and not any_labels:
         raise CheckpointError(f"{origins[SCORE_WEIGHT]}: {SCORE_WEIGHT!r} has {state[SCORE_WEIGHT].shape[0]} labels; "
                               "a reward model has one (num_labels=1)")
     cfg.architecture = reward_architecture(cfg.architecture)
-    cfg.extra.update(dict(ONE_LABEL) if fresh_head else head_labels(cfg.extra, 1))
+    num_labels = 1 if fresh_head else int(state[SCORE_WEIGHT].shape[0])
+    cfg.extra.update(dict(ONE_LABEL) if fresh_head else head_labels(cfg.extra, num_labels))
     cfg.extra.pop("num_labels", None)
     with torch.device("meta"):
-        model = SequenceScorer(cfg)
+        model = SequenceScorer(cfg, num_labels)
     model = model.to_empty(device="cpu")
     model.model.reset_rope()
     if fresh_head:

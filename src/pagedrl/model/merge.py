@@ -91,11 +91,13 @@ def merged_scorer(base: str | Path | None, adapter: str | Path, device: str | to
 
 
 def load_reward_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                      float_head: bool = False) -> SequenceScorer:
-    """A trained reward model: a classifier folder, or a SEQ_CLS adapter merged into the base it names."""
+                      float_head: bool = False, any_labels: bool = False) -> SequenceScorer:
+    """A trained reward model: a classifier folder (of several labels too with `any_labels`), or a SEQ_CLS
+    adapter merged into the base it names."""
     if is_adapter_folder(path):
         return merged_scorer(None, path, device=device, dtype=dtype, float_head=float_head)
-    return load_sequence_scorer(path, device=device, dtype=dtype, new_head=False, float_head=float_head)
+    return load_sequence_scorer(path, device=device, dtype=dtype, new_head=False, float_head=float_head,
+                                any_labels=any_labels)
 
 
 def merge_adapter(base: str | Path | None, adapter: str | Path, out: str | Path, revision: str | None = None,
