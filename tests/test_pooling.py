@@ -106,6 +106,9 @@ def test_each_runner_refuses_the_others_calls(classifier, tiny_train_model) -> N
     assert len(llm.classify([list(range(5, 22))], truncate_prompt_tokens=16)[0].prompt_token_ids) == 16
     with pytest.raises(ValueError, match="pooling_task: 'embed' is not one of classify, token_classify"):
         llm.encode("hi", pooling_task="embed")
+    with pytest.raises(ValueError, match=r"pooling_task: 'encode' \(vLLM 0.10's default\) gives a classifier's hidden "
+                                         r"states, not its scores, .*use one of classify, token_classify"):
+        llm.encode("hi", pooling_task="encode")
     with pytest.raises(ValueError, match="runner: 'embed' is not one of auto, generate, pooling"):
         LLM(str(folder), runner="embed", device="cpu")
     generating = LLM(str(tiny_train_model), device="cpu", kv_cache_tokens=256)

@@ -6,16 +6,18 @@ and `encode`.
 Each call tokenizes its prompts (text as the tokenizer adds special tokens, token ids as given, a chat
 rendered by the caller), then runs the scorer over them in batches, right-padded and masked, the backbone in
 the precision the loader chose, the engine's, the score head and its activation in float32 (vLLM keeps a pooling
-model's head in float32). What comes back is what vLLM's poolers give:
+model's head in float32). What comes back:
 
 - `classify`: the score at the last token that is not the pad token (`model/heads.py` `score_index`,
-  the token the reward trainer and PPO's reward scorer read), through the activation of vLLM's
-  classifier pooler (`PoolerClassify`): a sigmoid for one label (softmax for several), none for
-  `problem_type: regression`. `outputs.probs`.
-- `reward`: the raw score (no activation) at every prompt token, `outputs.data` of shape [tokens, num_labels],
-  as vLLM 0.10 pools a reward model (ALL tokens, no normalization, no softmax); the row at the scored
-  token is `pagedrl rm`'s reward. (Later vLLM runs `reward` as `token_classify`, whose activation is on
-  unless `PoolingParams(use_activation=False)`: these raw scores are that call's.)
+  the token transformers, the reward trainer and PPO's reward scorer read; vLLM reads the prompt's last
+  token, which differs only when the pad token is EOS and the prompt ends in it), through the activation
+  of vLLM's classifier pooler (`PoolerClassify`): a sigmoid for one label, a softmax for several, none
+  for `problem_type: regression`. `outputs.probs`.
+- `reward`: the raw score (no activation) at every prompt token, `outputs.data` of shape [tokens, num_labels];
+  the row at the scored token is `pagedrl rm`'s reward. This is what vLLM gives for a reward-model
+  architecture whose forward scores every token (`Qwen2ForRewardModel`), and later vLLM's `token_classify`
+  with `PoolingParams(use_activation=False)`. vLLM 0.10's `reward` on a `*ForSequenceClassification` runs its
+  `encode` task, which answers with the backbone's hidden states, not scores: that task is refused here.
 
 The KV cache, the scheduler and the sampler take no part: a classifier reads each prompt once."""
 
@@ -41,6 +43,8 @@ from pagedrl.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 POOLING_TASKS = ("classify", "token_classify")
+# vLLM 0.10's `LLM.encode` default: a sequence classifier's hidden states at every token, not its scores
+HIDDEN_STATES_TASK = "encode"
 PromptsArg = Prompt | Mapping[str, Any] | Seq[Prompt | Mapping[str, Any]]
 
 
@@ -147,6 +151,9 @@ class PoolingLLM:
         """vLLM's `LLM.encode`: one PoolingRequestOutput per prompt, in order; `pooling_task` "classify"
         (one score per prompt, through the activation unless `activation` is False: vLLM's PoolingParams
         field of that name, which /classify takes) or "token_classify" (the raw score of every token)."""
+        if pooling_task == HIDDEN_STATES_TASK:
+            raise ValueError("pooling_task: 'encode' (vLLM 0.10's default) gives a classifier's hidden states, not "
+                             f"its scores, and is not served; use one of {', '.join(POOLING_TASKS)}")
         if pooling_task not in POOLING_TASKS:
             raise ValueError(f"pooling_task: {pooling_task!r} is not one of {', '.join(POOLING_TASKS)} (a "
                              "sequence classifier classifies; it has no embeddings)")
