@@ -128,3 +128,21 @@ def test_a_classifier_of_several_labels_is_classified_as_transformers_classifies
     (tmp_path / "three" / "config.json").write_text(json.dumps(cfg))
     multi = LLM(str(tmp_path / "three"), runner="pooling", device="cpu").classify(prompts, use_tqdm=False)
     assert torch.allclose(torch.tensor([o.outputs.probs for o in multi]), torch.sigmoid(logits), atol=ATOL)
+
+
+def test_truncate_prompt_tokens_past_the_context_is_refused(tmp_path) -> None:
+    """vLLM refuses truncate_prompt_tokens greater than max_model_len (a 400), rather than keeping the prompt."""
+    from fastapi.testclient import TestClient
+
+    from pagedrl.server.pooling_app import build_pooling_app
+
+    mistral_classifier(tmp_path / "m")
+    llm = LLM(str(tmp_path / "m"), runner="pooling", device="cpu", max_model_len=32)
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens: 33 is greater than .* \(32 tokens\)"):
+        llm.classify([[5, 6, 7]], truncate_prompt_tokens=33, use_tqdm=False)
+    client = TestClient(build_pooling_app(llm, served_model_name="m"))
+    reply = client.post("/pooling", json={"input": [5, 6, 7], "truncate_prompt_tokens": 100})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "truncate_prompt_tokens"
+    assert "is greater than the model's maximum context length (32 tokens)" in reply.json()["error"]["message"]
+    kept = client.post("/pooling", json={"input": list(range(5, 45)), "truncate_prompt_tokens": 32})
+    assert kept.status_code == 200 and len(kept.json()["data"][0]["data"]) == 32

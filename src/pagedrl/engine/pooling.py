@@ -113,11 +113,16 @@ class PoolingLLM:
 
     def encode_prompts(self, prompts: PromptsArg, truncate_prompt_tokens: int | None = None) -> list[list[int]]:
         """Each prompt's token ids, checked (empty, outside the vocabulary, longer than max_model_len: a
-        ValueError naming it); `truncate_prompt_tokens` keeps the last k (-1: max_model_len) as vLLM's does."""
+        ValueError naming it); `truncate_prompt_tokens` keeps the last k (-1: max_model_len; more than max_model_len
+        is a ValueError) as vLLM's does."""
         if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if truncate_prompt_tokens is not None and (truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1):
             raise ValueError(f"truncate_prompt_tokens: must be a positive integer or -1, got {truncate_prompt_tokens}")
+        if truncate_prompt_tokens is not None and truncate_prompt_tokens > self.max_model_len:
+            # vLLM's check (`_validate_truncation_size`), in words that do not read as a prompt too long
+            raise ValueError(f"truncate_prompt_tokens: {truncate_prompt_tokens} is greater than the model's maximum "
+                             f"context length ({self.max_model_len} tokens); select a smaller truncation size")
         keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
         encoded = []
         for i, prompt in enumerate(prompts):
