@@ -27,13 +27,14 @@ ATOL = 1e-5  # float32 on both sides (on the CPU), one sequence alone there and 
 
 @pytest.fixture(scope="module")
 def classifier(tiny_train_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A `LlamaForSequenceClassification` (one label) saved by transformers, with the tokenizer; its head
-    drawn wide enough that the probabilities spread."""
+    """A `LlamaForSequenceClassification` (one label, named "helpful") saved by transformers, with the
+    tokenizer; its head drawn wide enough that the probabilities spread."""
     import transformers
 
     torch.manual_seed(0)
-    hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(tiny_train_model), num_labels=1,
-                                                                         dtype=torch.float32).eval()
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(
+        str(tiny_train_model), num_labels=1, dtype=torch.float32, id2label={0: "helpful"},
+        label2id={"helpful": 0}).eval()
     with torch.no_grad():
         hf.score.weight.normal_(0.0, 0.5)
     folder = tmp_path_factory.mktemp("classifier") / "rm"
@@ -105,6 +106,9 @@ def test_each_runner_refuses_the_others_calls(classifier, tiny_train_model) -> N
     assert len(llm.classify([list(range(5, 22))], truncate_prompt_tokens=16)[0].prompt_token_ids) == 16
     with pytest.raises(ValueError, match="pooling_task: 'embed' is not one of classify, token_classify"):
         llm.encode("hi", pooling_task="embed")
+    with pytest.raises(ValueError, match=r"pooling_task: 'encode' \(vLLM 0.10's default\) gives a classifier's hidden "
+                                         r"states, not its scores, .*use one of classify, token_classify"):
+        llm.encode("hi", pooling_task="encode")
     with pytest.raises(ValueError, match="runner: 'embed' is not one of auto, generate, pooling"):
         LLM(str(folder), runner="embed", device="cpu")
     generating = LLM(str(tiny_train_model), device="cpu", kv_cache_tokens=256)
@@ -141,7 +145,7 @@ def test_server_classifies_as_transformers_and_refuses_generation(classifier, tm
         assert body["object"] == "list" and body["id"].startswith("classify-") and body["model"] == str(folder)
         llm_ids = LLM(str(folder), runner="pooling", device="cpu").encode_prompts(TEXTS)
         for i, item in enumerate(body["data"]):
-            assert (item["index"], item["label"], item["num_classes"]) == (i, "LABEL_0", 1)
+            assert (item["index"], item["label"], item["num_classes"]) == (i, "helpful", 1)  # the folder's own label
             assert abs(item["probs"][0] - hf_probs(hf, llm_ids[i])) <= ATOL
         assert body["usage"] == {"prompt_tokens": sum(map(len, llm_ids)), "completion_tokens": 0,
                                  "total_tokens": sum(map(len, llm_ids))}

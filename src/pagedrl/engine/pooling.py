@@ -4,17 +4,20 @@ adapter (`pagedrl rm` with use_peft, folded into the base it names), with vLLM's
 and `encode`.
 
 Each call tokenizes its prompts (text as the tokenizer adds special tokens, token ids as given, a chat
-rendered by the caller), then runs the scorer over them in batches, right-padded and masked, in the
-precision the loader chose, the engine's. What comes back is what vLLM's poolers give:
+rendered by the caller), then runs the scorer over them in batches, right-padded and masked, the backbone in
+the precision the loader chose, the engine's, the score head and its activation in float32 (vLLM keeps a pooling
+model's head in float32). What comes back:
 
 - `classify`: the score at the last token that is not the pad token (`model/heads.py` `score_index`,
-  the token the reward trainer and PPO's reward scorer read), through the activation of vLLM's
-  classifier pooler (`PoolerClassify`): a sigmoid for one label (softmax for several), none for
-  `problem_type: regression`. `outputs.probs`.
-- `reward`: the raw score (no activation) at every prompt token, `outputs.data` of shape [tokens, 1],
-  as vLLM 0.10 pools a reward model (ALL tokens, no normalization, no softmax); the row at the scored
-  token is `pagedrl rm`'s reward. (Later vLLM runs `reward` as `token_classify`, whose activation is on
-  unless `PoolingParams(use_activation=False)`: these raw scores are that call's.)
+  the token transformers, the reward trainer and PPO's reward scorer read; vLLM reads the prompt's last
+  token, which differs only when the pad token is EOS and the prompt ends in it), through the activation
+  of vLLM's classifier pooler (`PoolerClassify`): a sigmoid for one label, a softmax for several, none
+  for `problem_type: regression`. `outputs.probs`.
+- `reward`: the raw score (no activation) at every prompt token, `outputs.data` of shape [tokens, num_labels];
+  the row at the scored token is `pagedrl rm`'s reward. This is what vLLM gives for a reward-model
+  architecture whose forward scores every token (`Qwen2ForRewardModel`), and later vLLM's `token_classify`
+  with `PoolingParams(use_activation=False)`. vLLM 0.10's `reward` on a `*ForSequenceClassification` runs its
+  `encode` task, which answers with the backbone's hidden states, not scores: that task is refused here.
 
 The KV cache, the scheduler and the sampler take no part: a classifier reads each prompt once."""
 
@@ -32,7 +35,7 @@ from tqdm.auto import tqdm
 from pagedrl.engine.pooling_outputs import ClassificationRequestOutput, PoolingOutput, PoolingRequestOutput
 from pagedrl.engine.prompt_inputs import Prompt, as_prompt, engine_args_from
 from pagedrl.engine.request_checks import encode_prompt
-from pagedrl.model.heads import SequenceScorer, last_scores, padded_hidden
+from pagedrl.model.heads import SequenceScorer, last_logits, padded_hidden
 from pagedrl.model.merge import load_reward_model, merged_scorer
 from pagedrl.model.precision import resolve_dtype
 from pagedrl.model.resolve import adapter_base, resolve_model_path
@@ -40,6 +43,8 @@ from pagedrl.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 POOLING_TASKS = ("classify", "token_classify")
+# vLLM 0.10's `LLM.encode` default: a sequence classifier's hidden states at every token, not its scores
+HIDDEN_STATES_TASK = "encode"
 PromptsArg = Prompt | Mapping[str, Any] | Seq[Prompt | Mapping[str, Any]]
 
 
@@ -50,11 +55,15 @@ def too_long(num_tokens: int, max_model_len: int) -> str:
 
 
 def classify_activation(network: SequenceScorer) -> Callable[[torch.Tensor], torch.Tensor]:
-    """vLLM's classification activation, as transformers' sequence-classification loss reads the labels:
-    none for a regression head, else a sigmoid for one label (softmax over several)."""
-    if network.config.extra.get("problem_type") == "regression":
+    """vLLM's classification activation, as transformers' sequence-classification loss reads `problem_type`:
+    none for regression, a sigmoid per label for multi_label_classification, else a sigmoid for one label
+    and a softmax over several."""
+    problem_type = network.config.extra.get("problem_type")
+    if problem_type == "regression":
         return lambda x: x
-    return torch.sigmoid if network.score.out_features == 1 else (lambda x: torch.softmax(x, dim=-1))
+    if problem_type == "multi_label_classification" or network.score.out_features == 1:
+        return torch.sigmoid
+    return lambda x: torch.softmax(x, dim=-1)
 
 
 class PoolingLLM:
@@ -75,11 +84,12 @@ class PoolingLLM:
         if args.adapter is not None:
             adapter = resolve_model_path(args.adapter)
             base = None if args.model is None else resolve_model_path(args.model, args.revision)
-            self.network = merged_scorer(base, adapter, device=device, dtype=self.precision.dtype)
+            self.network = merged_scorer(base, adapter, device=device, dtype=self.precision.dtype, float_head=True)
             folders = [adapter, adapter_base(adapter, base)]
         else:
             path = resolve_model_path(args.model, args.revision)
-            self.network = load_reward_model(path, device=device, dtype=self.precision.dtype)
+            self.network = load_reward_model(path, device=device, dtype=self.precision.dtype, float_head=True,
+                                             any_labels=True)
             folders = [path]
         if tokenizer is None:
             found = [f for f in folders if (f / "tokenizer.json").is_file()]
@@ -103,11 +113,16 @@ class PoolingLLM:
 
     def encode_prompts(self, prompts: PromptsArg, truncate_prompt_tokens: int | None = None) -> list[list[int]]:
         """Each prompt's token ids, checked (empty, outside the vocabulary, longer than max_model_len: a
-        ValueError naming it); `truncate_prompt_tokens` keeps the last k (-1: max_model_len) as vLLM's does."""
+        ValueError naming it); `truncate_prompt_tokens` keeps the last k (-1: max_model_len; more than max_model_len
+        is a ValueError) as vLLM's does."""
         if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if truncate_prompt_tokens is not None and (truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1):
             raise ValueError(f"truncate_prompt_tokens: must be a positive integer or -1, got {truncate_prompt_tokens}")
+        if truncate_prompt_tokens is not None and truncate_prompt_tokens > self.max_model_len:
+            # vLLM's check (`_validate_truncation_size`), in words that do not read as a prompt too long
+            raise ValueError(f"truncate_prompt_tokens: {truncate_prompt_tokens} is greater than the model's maximum "
+                             f"context length ({self.max_model_len} tokens); select a smaller truncation size")
         keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
         encoded = []
         for i, prompt in enumerate(prompts):
@@ -141,6 +156,9 @@ class PoolingLLM:
         """vLLM's `LLM.encode`: one PoolingRequestOutput per prompt, in order; `pooling_task` "classify"
         (one score per prompt, through the activation unless `activation` is False: vLLM's PoolingParams
         field of that name, which /classify takes) or "token_classify" (the raw score of every token)."""
+        if pooling_task == HIDDEN_STATES_TASK:
+            raise ValueError("pooling_task: 'encode' (vLLM 0.10's default) gives a classifier's hidden states, not "
+                             f"its scores, and is not served; use one of {', '.join(POOLING_TASKS)}")
         if pooling_task not in POOLING_TASKS:
             raise ValueError(f"pooling_task: {pooling_task!r} is not one of {', '.join(POOLING_TASKS)} (a "
                              "sequence classifier classifies; it has no embeddings)")
@@ -155,26 +173,27 @@ class PoolingLLM:
         for rows in tqdm(batches, desc=pooling_task, unit="batch", disable=not use_tqdm or len(batches) < 2):
             batch = [encoded[i] for i in rows]
             if pooling_task == "classify":
-                pooled = activate(last_scores(self.network, batch, self.pad_token_id)[:, None])
+                pooled = activate(last_logits(self.network, batch, self.pad_token_id))
                 for i, row in zip(rows, pooled.cpu(), strict=True):
                     data[i] = row
             else:
-                scores = self.network.scores(padded_hidden(self.network, batch, self.pad_token_id)).cpu()
+                scores = self.network.logits(padded_hidden(self.network, batch, self.pad_token_id)).cpu()
                 for k, i in enumerate(rows):
-                    data[i] = scores[k, :len(encoded[i]), None]
+                    data[i] = scores[k, :len(encoded[i])]
         return [PoolingRequestOutput(str(next(self._ids)), PoolingOutput(d), ids) for d, ids in zip(data, encoded,
                                                                                                    strict=True)]
 
     def classify(self, prompts: PromptsArg, *, use_tqdm: bool = True, lora_request: Any = None,
                  truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
-        """vLLM's `LLM.classify`: each prompt's class probabilities (`outputs.probs`; one label: its sigmoid)."""
+        """vLLM's `LLM.classify`: each prompt's class probabilities (`outputs.probs`; one label: its sigmoid,
+        several: their softmax)."""
         return [ClassificationRequestOutput.from_base(out) for out in
                 self.encode(prompts, pooling_task="classify", use_tqdm=use_tqdm, lora_request=lora_request,
                             truncate_prompt_tokens=truncate_prompt_tokens)]
 
     def reward(self, prompts: PromptsArg, *, use_tqdm: bool = True, lora_request: Any = None,
                truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
-        """vLLM's `LLM.reward`: each prompt's raw reward at every token (`outputs.data`, [tokens, 1])."""
+        """vLLM's `LLM.reward`: each prompt's raw reward at every token (`outputs.data`, [tokens, num_labels])."""
         return self.encode(prompts, pooling_task="token_classify", use_tqdm=use_tqdm, lora_request=lora_request,
                            truncate_prompt_tokens=truncate_prompt_tokens)
 

@@ -40,6 +40,22 @@ SCORE_WEIGHT = "score.weight"
 ONE_LABEL = {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
 
 
+def head_labels(extra: dict[str, Any], num_labels: int) -> dict[str, Any]:
+    """The folder's `id2label` / `label2id` when they name as many labels as the head has (a classifier
+    trained with its own label names: /classify answers with them, as vLLM does), else transformers'
+    defaults, LABEL_i (a causal LM's config may carry a two-label default its new head does not have)."""
+    id2label = extra.get("id2label")
+    if isinstance(id2label, dict) and len(id2label) == num_labels:
+        label2id = extra.get("label2id")
+        if not (isinstance(label2id, dict) and len(label2id) == num_labels):
+            label2id = {name: int(i) for i, name in id2label.items()}
+        return {"id2label": {str(i): name for i, name in id2label.items()}, "label2id": label2id}
+    if num_labels == 1:
+        return dict(ONE_LABEL)
+    return {"id2label": {str(i): f"LABEL_{i}" for i in range(num_labels)},
+            "label2id": {f"LABEL_{i}": i for i in range(num_labels)}}
+
+
 def reward_architecture(architecture: str) -> str:
     """`LlamaForCausalLM` → `LlamaForSequenceClassification` (unchanged if already a classifier)."""
     if architecture.endswith(REWARD_ARCHITECTURE_SUFFIX):
@@ -51,13 +67,14 @@ def reward_architecture(architecture: str) -> str:
 
 class SequenceScorer(nn.Module):
     """Backbone + `score` head. `forward` returns hidden states (as `CausalLM` does), `scores`
-    projects only the rows asked for: one per sequence, not one per token."""
+    projects only the rows asked for: one per sequence, not one per token. A reward model has one label;
+    the pooling runner also loads a classifier of several (`num_labels`), which `logits` reads."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, num_labels: int = 1) -> None:
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.score = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.score = nn.Linear(cfg.hidden_size, num_labels, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 meta: AttentionMetadata | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,9 +87,21 @@ class SequenceScorer(nn.Module):
                                          seq_len=input_ids.shape[1], device=input_ids.device)
         return self.model(input_ids, positions, meta)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] → [..., num_labels] float32, in the head's precision (float32 where `cast` kept it
+        so: the states are raised to it first, as vLLM's pooling head takes them)."""
+        return self.score(hidden.to(self.score.weight.dtype)).float()
+
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] → [...] float32 scores."""
-        return self.score(hidden).squeeze(-1).float()
+        """[..., hidden] → [...] float32 scores of a one-label head (a reward model's)."""
+        return self.logits(hidden).squeeze(-1)
+
+    def cast(self, device: str | torch.device, dtype: torch.dtype, float_head: bool = False) -> SequenceScorer:
+        """The backbone in `dtype` on `device`; with `float_head` the score head stays in float32 (vLLM keeps a
+        pooling model's head in float32, so a bf16 model's scores are not rounded to bf16)."""
+        self.model.to(device=device, dtype=dtype)
+        self.score.to(device=device, dtype=torch.float32 if float_head else dtype)
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -93,28 +122,39 @@ def score_index(ids: Sequence[int], pad_token_id: int | None) -> int:
 
 def padded_hidden(model: SequenceScorer, batch: list[list[int]], pad_token_id: int | None) -> torch.Tensor:
     """[B, T, hidden] hidden states of `batch` in one forward: right-padded with the pad token (0 without
-    one) and masked, so each sequence's states are those it has alone."""
+    one) and masked, so each sequence's states are those it has alone. The config's sliding window (Mistral
+    v0.1, Qwen2 with `use_sliding_window`) limits every layer's keys, as the reward trainer and transformers
+    apply it; right padding keeps a row's positions its indices, so the window is measured by index."""
     device = model.device
     width = max(len(ids) for ids in batch)
     pad = 0 if pad_token_id is None else pad_token_id
     ids = torch.tensor([x + [pad] * (width - len(x)) for x in batch], device=device)
     real = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in batch], device=device)
-    meta = DenseAttention.causal(real) if bool((real == 0).any()) else DenseAttention(None)
+    meta = DenseAttention.causal(real if bool((real == 0).any()) else None, model.config.sliding_window,
+                                 seq_len=width, device=device)
     return model(ids, positions=default_positions(ids, real), meta=meta)
 
 
-def last_scores(model: SequenceScorer, batch: list[list[int]], pad_token_id: int | None) -> torch.Tensor:
-    """[B] float32: each sequence's score at `score_index`, the token the reward trainer, PPO's reward
-    scorer and transformers read."""
+def last_logits(model: SequenceScorer, batch: list[list[int]], pad_token_id: int | None) -> torch.Tensor:
+    """[B, num_labels] float32: each sequence's head output at `score_index`, the token the reward trainer,
+    PPO's reward scorer and transformers read."""
     hidden = padded_hidden(model, batch, pad_token_id)
     at = torch.tensor([score_index(x, pad_token_id) for x in batch], device=hidden.device)
-    return model.scores(hidden[torch.arange(len(batch), device=hidden.device), at])
+    return model.logits(hidden[torch.arange(len(batch), device=hidden.device), at])
+
+
+def last_scores(model: SequenceScorer, batch: list[list[int]], pad_token_id: int | None) -> torch.Tensor:
+    """[B] float32: each sequence's score (a one-label head's `last_logits`)."""
+    return last_logits(model, batch, pad_token_id).squeeze(-1)
 
 
 def load_sequence_scorer(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                         generator: torch.Generator | None = None, new_head: bool = True) -> SequenceScorer:
+                         generator: torch.Generator | None = None, new_head: bool = True,
+                         float_head: bool = False, any_labels: bool = False) -> SequenceScorer:
     """A reward model from a Hugging Face folder: a saved classifier (`score.weight` present), or,
-    with `new_head`, a causal LM whose LM head is replaced by a `score` head drawn with `generator`."""
+    with `new_head`, a causal LM whose LM head is replaced by a `score` head drawn with `generator`.
+    `float_head`: the head kept in float32 whatever `dtype` (`SequenceScorer.cast`). `any_labels`: a
+    classifier of several labels is loaded too (the pooling runner's; the trainers take one)."""
     folder = Path(folder)
     cfg = read_folder_config(folder)
     origins: dict[str, str] = {}
@@ -126,23 +166,25 @@ def load_sequence_scorer(folder: str | Path, device: str | torch.device = "cpu",
         raise CheckpointError(f"{folder}: holds no {SCORE_WEIGHT!r}; it is a causal LM, not a trained reward model")
     if fresh_head:
         state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
-    elif state[SCORE_WEIGHT].shape[0] != 1:
+    elif state[SCORE_WEIGHT].shape[0] != 1 and not any_labels:
         raise CheckpointError(f"{origins[SCORE_WEIGHT]}: {SCORE_WEIGHT!r} has {state[SCORE_WEIGHT].shape[0]} labels; "
                               "a reward model has one (num_labels=1)")
     cfg.architecture = reward_architecture(cfg.architecture)
-    cfg.extra.update(ONE_LABEL)
+    num_labels = 1 if fresh_head else int(state[SCORE_WEIGHT].shape[0])
+    cfg.extra.update(dict(ONE_LABEL) if fresh_head else head_labels(cfg.extra, num_labels))
     cfg.extra.pop("num_labels", None)
     with torch.device("meta"):
-        model = SequenceScorer(cfg)
+        model = SequenceScorer(cfg, num_labels)
     model = model.to_empty(device="cpu")
     model.model.reset_rope()
     if fresh_head:
         std = float(cfg.extra.get("initializer_range", 0.02))
         state[SCORE_WEIGHT] = torch.randn(1, cfg.hidden_size, generator=generator) * std
     load_weights(model, state, str(folder), origins)
-    return model.to(device=device, dtype=dtype or default_dtype(device)).eval()
+    return model.cast(device, dtype or default_dtype(device), float_head).eval()
 
 
 def save_sequence_scorer(model: SequenceScorer, folder: str | Path, **kwargs: Any) -> Path:
     """Write a Hugging Face folder that `AutoModelForSequenceClassification` loads as this model."""
-    return save_checkpoint(model, folder, extra_config=dict(ONE_LABEL), **kwargs)  # type: ignore[arg-type]
+    return save_checkpoint(model, folder, extra_config=head_labels(model.config.extra, model.score.out_features),
+                           **kwargs)  # type: ignore[arg-type]

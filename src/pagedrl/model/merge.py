@@ -67,8 +67,10 @@ def merged_causal_lm(base: str | Path | None, adapter: str | Path, device: str |
 
 def merged_scorer(base: str | Path | None, adapter: str | Path, device: str | torch.device = "cpu",
                   dtype: torch.dtype | None = None, quantized: QuantizedBase | None = None,
-                  _chain: tuple[Path, ...] = (), source: Source | None = None) -> SequenceScorer:
-    """The base backbone with the adapter folded in and the adapter's `score` head."""
+                  _chain: tuple[Path, ...] = (), source: Source | None = None,
+                  float_head: bool = False) -> SequenceScorer:
+    """The base backbone with the adapter folded in and the adapter's `score` head (kept in float32 with
+    `float_head`, `SequenceScorer.cast`)."""
     adapter = resolve_model_path(adapter)
     config = read_adapter_config(adapter)
     if config.task_type != "SEQ_CLS":
@@ -83,15 +85,19 @@ def merged_scorer(base: str | Path | None, adapter: str | Path, device: str | to
     else:  # the base's own head (if a classifier) or a placeholder one: the adapter's `score` replaces it
         model = load_sequence_scorer(base_path, device=device, dtype=torch.float32,
                                      generator=torch.Generator().manual_seed(0))
-    return _fold(model, adapter, quantized, _source(base, source, adapter)).to(dtype or default_dtype(device)).eval()
+    folded = _fold(model, adapter, quantized, _source(base, source, adapter))
+    assert isinstance(folded, SequenceScorer)
+    return folded.cast(device, dtype or default_dtype(device), float_head).eval()
 
 
-def load_reward_model(path: str | Path, device: str | torch.device = "cpu",
-                      dtype: torch.dtype | None = None) -> SequenceScorer:
-    """A trained reward model: a classifier folder, or a SEQ_CLS adapter merged into the base it names."""
+def load_reward_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                      float_head: bool = False, any_labels: bool = False) -> SequenceScorer:
+    """A trained reward model: a classifier folder (of several labels too with `any_labels`), or a SEQ_CLS
+    adapter merged into the base it names."""
     if is_adapter_folder(path):
-        return merged_scorer(None, path, device=device, dtype=dtype)
-    return load_sequence_scorer(path, device=device, dtype=dtype, new_head=False)
+        return merged_scorer(None, path, device=device, dtype=dtype, float_head=float_head)
+    return load_sequence_scorer(path, device=device, dtype=dtype, new_head=False, float_head=float_head,
+                                any_labels=any_labels)
 
 
 def merge_adapter(base: str | Path | None, adapter: str | Path, out: str | Path, revision: str | None = None,
