@@ -19,7 +19,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedrl
 from pagedrl.engine.async_engine import (
@@ -35,7 +34,7 @@ from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedrl.server.beam_search import FinishedGroup, answer_params, beam_search_params, run_beam_search
 from pagedrl.server.chat_template_flags import ChatRendering
 from pagedrl.server.delivery import EventStreamResponse, final_outputs_unless_disconnected, json_response
-from pagedrl.server.errors import ApiError, from_value_error, read_json
+from pagedrl.server.errors import ApiError, from_value_error, install_error_handlers, read_json
 from pagedrl.server.inputs import DEFAULT_MAX_N, chat_inputs, completion_inputs
 from pagedrl.server.logprobs import TokenText
 from pagedrl.server.lora_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, lora_router
@@ -178,18 +177,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
     app.state.metrics = metrics
     app.state.served = served
 
-    @app.exception_handler(ApiError)
-    async def on_api_error(request: Request, e: ApiError) -> Response:
-        return e.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, e: StarletteHTTPException) -> Response:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return ApiError(e.status_code, str(e.detail), kind, headers=getattr(e, "headers", None)).response()
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, e: Exception) -> Response:
-        return ApiError(500, f"internal error: {e!r}", "server_error").response()
+    install_error_handlers(app)
 
     def authorized(request: Request) -> bool:
         """Whether the request may do what the API key guards (always, on a server without one)."""

@@ -12,9 +12,10 @@ import json
 import re
 from typing import TypeVar
 
-from fastapi import Request
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedrl.server.response_bodies import ErrorInfo, ErrorResponse
 
@@ -158,3 +159,22 @@ async def read_json(request: Request, model: type[T], max_bytes: int) -> T:
         return model.model_validate(obj)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error of `app` answered in OpenAI's error shape: an `ApiError` as it says, Starlette's own
+    (404 route, 405 method, with their headers) by status, anything else a 500 naming it; one set for
+    the generating server and the pooling one."""
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, e: ApiError) -> Response:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, e: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return ApiError(e.status_code, str(e.detail), kind, headers=getattr(e, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, e: Exception) -> Response:
+        return ApiError(500, f"internal error: {e!r}", "server_error").response()

@@ -18,13 +18,12 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 from pydantic import Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedrl
 from pagedrl.engine.pooling import PoolingLLM
 from pagedrl.engine.pooling_outputs import PoolingRequestOutput
 from pagedrl.server.delivery import json_response
-from pagedrl.server.errors import ApiError, bad_request, from_value_error, read_json
+from pagedrl.server.errors import ApiError, bad_request, from_value_error, install_error_handlers, read_json
 from pagedrl.server.protocol import OpenAIBase
 from pagedrl.server.request_ids import base_request_id
 from pagedrl.server.response_bodies import ModelCard, ModelList, UsageInfo, VersionResponse, now_s
@@ -102,18 +101,7 @@ def build_pooling_app(llm: PoolingLLM, *, served_model_name: str | Sequence[str]
     app.state.served = served
     busy = asyncio.Lock()
 
-    @app.exception_handler(ApiError)
-    async def on_api_error(request: Request, e: ApiError) -> Response:
-        return e.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, e: StarletteHTTPException) -> Response:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return ApiError(e.status_code, str(e.detail), kind).response()
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, e: Exception) -> Response:
-        return ApiError(500, f"internal error: {e!r}", "server_error").response()
+    install_error_handlers(app)
 
     async def check_api_key(request: Request) -> None:
         given = request.headers.get("authorization", "")
