@@ -57,9 +57,9 @@ def as_qlora_base(model: nn.Module, spec: QuantizedBase) -> None:
     if isinstance(embed, GGUFEmbedding):
         table = embed.table
         weight = nn.Parameter(table.dequantized(), requires_grad=False)
-        model.model.embed_tokens = _meta(nn.Embedding(embed.num_embeddings, embed.embedding_dim, device="meta"), weight)
+        model.model.embed_tokens = _with_weight(nn.Embedding(embed.num_embeddings, embed.embedding_dim, device="meta"), weight)
         if isinstance(model.lm_head, GGUFLinear) and model.lm_head.qweight is table.qweight:  # tied
-            model.lm_head = _meta(nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False, device="meta"), weight)
+            model.lm_head = _with_weight(nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False, device="meta"), weight)
     if isinstance(model.lm_head, GGUFLinear):
         model.lm_head = _float_linear(model.lm_head)
     for name, module in list(model.named_modules()):
@@ -71,7 +71,8 @@ def as_qlora_base(model: nn.Module, spec: QuantizedBase) -> None:
                 module.compute_dtype = spec.compute_dtype
 
 
-def _meta(module: nn.Module, weight: nn.Parameter) -> nn.Module:
+def _with_weight(module: nn.Module, weight: nn.Parameter) -> nn.Module:
+    """`module` (made on the meta device: nothing allocated) holding `weight`."""
     module.weight = weight
     return module
 
