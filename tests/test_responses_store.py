@@ -54,3 +54,13 @@ def test_a_background_streams_events_are_kept_and_count_in_its_size() -> None:
     store.put(response, TURN, events)
     assert store.get(response.id).events == tuple(events)
     assert store.size == size_of(response) + sum(map(len, events))
+
+
+def test_events_that_would_pass_the_bound_are_dropped_and_the_response_kept() -> None:
+    """A background stream's events larger than the whole store: the response a client polls for is kept,
+    without them."""
+    response = ResponseObject(model="m")
+    one = size_of(response)
+    store = ResponseStore(one + 10)
+    store.put(response, TURN, [b"x" * 100])
+    assert store.get(response.id).events is None and store.size == one

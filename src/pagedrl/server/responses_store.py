@@ -13,6 +13,7 @@ never depends on an earlier one still being kept. A background stream's response
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from typing import Any
 
 from pagedrl.server.env_flags import env_flag
 from pagedrl.server.responses_bodies import ResponseObject
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 64 << 20
 RESPONSES_STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"  # vLLM's switch, read as it reads it
@@ -47,10 +50,18 @@ class ResponseStore:
 
     def put(self, response: ResponseObject, conversation: list[dict[str, Any]],
             events: Sequence[bytes] | None = None) -> None:
-        """Keep `response`, forgetting the oldest past the bound (one larger than it is not kept)."""
+        """Keep `response`, forgetting the oldest past the bound (one larger than it is not kept, a warning
+        says so). A background stream's `events` that would take it past the bound alone are dropped and
+        the response kept without them: what a client polling it asks for is the response."""
         size = len(response.model_dump_json().encode()) + len(json.dumps(conversation, ensure_ascii=False).encode())
+        if events and size + sum(len(e) for e in events) > self.max_bytes:
+            logger.warning("response %s: its %d stream events would pass --responses-store-bytes %d; kept "
+                           "without them (a GET can no longer stream it again)", response.id, len(events), self.max_bytes)
+            events = None
         size += sum(len(e) for e in events or ())
         if size > self.max_bytes:
+            logger.warning("response %s: %d bytes, more than --responses-store-bytes %d; not kept",
+                           response.id, size, self.max_bytes)
             return
         self.delete(response.id)
         self.entries[response.id] = StoredResponse(response, conversation, size,
