@@ -266,3 +266,28 @@ def test_a_products_weight_is_written_into_one_buffer_per_shape(mixed_gguf: Path
     first = product_weight(q0, torch.float32)
     assert product_weight(q1, torch.float32).data_ptr() == first.data_ptr()
     assert torch.equal(first, q1.dequantized()) and not torch.equal(q0.dequantized(), q1.dequantized())
+
+
+def test_a_buffer_made_in_an_engine_step_is_not_the_trainers(tmp_path: Path) -> None:
+    """An engine step runs in inference mode, a trainer's forward outside it: torch refuses to write an
+    inference tensor outside inference mode, so each has a buffer of its own (a fresh thread: fresh buffers,
+    the engine's made first as in a GRPO run)."""
+    import threading
+
+    from pagedrl.model.quantized_linear import QuantizedBase, product_weight
+
+    layer = QuantizedBase(4).layer(torch.nn.Linear(128, 64, bias=False))
+    errors: list[BaseException] = []
+
+    def engine_then_trainer() -> None:
+        try:
+            with torch.inference_mode():
+                product_weight(layer, torch.float32)
+            assert torch.equal(product_weight(layer, torch.float32), layer.dequantized())
+        except BaseException as e:  # noqa: BLE001 - reported by the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=engine_then_trainer)
+    thread.start()
+    thread.join()
+    assert not errors, errors

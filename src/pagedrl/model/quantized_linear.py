@@ -45,9 +45,11 @@ _scratch = threading.local()
 
 
 def _buffer(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """This thread's reusable buffer of `shape` and `dtype` (one per kind of projection)."""
+    """This thread's reusable buffer of `shape` and `dtype` (one per kind of projection), one made in
+    inference mode (an engine step's) and one outside it (a trainer's): torch refuses to write an
+    inference tensor outside inference mode."""
     buffers = _scratch.__dict__.setdefault("buffers", {})
-    key = (shape, dtype, device)
+    key = (shape, dtype, device, torch.is_inference_mode_enabled())
     if key not in buffers:
         buffers[key] = torch.empty(shape, dtype=dtype, device=device)
     return buffers[key]
