@@ -9,7 +9,6 @@ import pytest
 import torch
 from float_bounds import EXP_ERROR, U, gamma, sum_bound
 
-from pagedrl.train.dpo_losses import dpo_loss
 from pagedrl.train.logprobs import entropy_from_logits, entropy_from_logprobs
 from pagedrl.train.losses import (
     aggregate,
@@ -223,74 +222,6 @@ def test_reward_model_loss_rejects_mismatched_shapes() -> None:
         reward_model_loss(torch.zeros(3), torch.zeros(4))
 
 
-# --------------------------------------------------------------------------------------------- DPO
-
-
-def hand_dpo(pc, pr, rc, rr, beta, loss_type, ls, lc, lr) -> list[float]:
-    out = []
-    for i in range(len(pc)):
-        delta = (pc[i] - rc[i]) - (pr[i] - rr[i])
-        if loss_type == "sigmoid":
-            out.append(-(1 - ls) * log_sigmoid(beta * delta) - ls * log_sigmoid(-beta * delta))
-        elif loss_type == "hinge":
-            out.append(max(0.0, 1 - beta * delta))
-        elif loss_type == "ipo":
-            avg = (pc[i] - rc[i]) / max(lc[i], 1) - (pr[i] - rr[i]) / max(lr[i], 1)
-            out.append((avg - 1 / (2 * beta)) ** 2)
-        else:
-            clean = -(1 - ls) * log_sigmoid(beta * delta)
-            flipped = -ls * log_sigmoid(-beta * delta)
-            out.append((clean - flipped) / (1 - 2 * ls))
-    return out
-
-
-@pytest.mark.parametrize(
-    ("loss_type", "label_smoothing"),
-    [("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0), ("hinge", 0.0), ("robust", 0.0), ("robust", 0.3)],
-)
-def test_dpo_loss_matches_hand_computation(loss_type: str, label_smoothing: float) -> None:
-    g = torch.Generator().manual_seed(11)
-    pc, pr, rc, rr = (-torch.rand(7, generator=g, dtype=torch.float64) * 40 for _ in range(4))
-    lc = torch.randint(0, 30, (7,), generator=g)
-    lr = torch.randint(1, 30, (7,), generator=g)
-    lc[0] = 0  # an empty completion: its length counts as 1, as in TRL
-    beta = 0.2
-    out = dpo_loss(pc, pr, rc, rr, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
-                   chosen_lengths=lc, rejected_lengths=lr)
-    expected = hand_dpo(pc.tolist(), pr.tolist(), rc.tolist(), rr.tolist(), beta, loss_type, label_smoothing,
-                        lc.tolist(), lr.tolist())
-    assert out.losses.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-15)
-    pairs_c = zip(pc.tolist(), rc.tolist(), strict=True)
-    pairs_r = zip(pr.tolist(), rr.tolist(), strict=True)
-    assert out.chosen_rewards.tolist() == pytest.approx([beta * (a - b) for a, b in pairs_c], rel=1e-12)
-    assert out.rejected_rewards.tolist() == pytest.approx([beta * (a - b) for a, b in pairs_r], rel=1e-12)
-
-
-def test_dpo_rewards_are_detached() -> None:
-    pc = torch.tensor([-3.0, -5.0], requires_grad=True)
-    pr = torch.tensor([-4.0, -4.0], requires_grad=True)
-    out = dpo_loss(pc, pr, torch.tensor([-3.5, -5.0]), torch.tensor([-3.0, -4.5]), beta=0.5)
-    assert not out.chosen_rewards.requires_grad and out.losses.requires_grad
-    assert out.chosen_rewards.tolist() == pytest.approx([0.25, 0.0])
-    assert out.rejected_rewards.tolist() == pytest.approx([-0.5, 0.25])
-
-
-def test_dpo_loss_rejects_bad_settings() -> None:
-    x = torch.zeros(3)
-    with pytest.raises(ValueError, match="chosen_lengths"):
-        dpo_loss(x, x, x, x, loss_type="ipo")
-    with pytest.raises(ValueError, match="label_smoothing"):
-        dpo_loss(x, x, x, x, loss_type="robust", label_smoothing=0.5)
-    with pytest.raises(ValueError, match="label_smoothing"):
-        dpo_loss(x, x, x, x, loss_type="hinge", label_smoothing=0.1)
-    with pytest.raises(ValueError, match="loss_type"):
-        dpo_loss(x, x, x, x, loss_type="kto")
-    with pytest.raises(ValueError, match="beta"):
-        dpo_loss(x, x, x, x, beta=0.0)
-    with pytest.raises(ValueError, match="ref_chosen_logps"):
-        dpo_loss(x, x, torch.zeros(2), x)
-
-
 # ---------------------------------------------------------------------------------- policy gradient
 
 
@@ -344,6 +275,58 @@ def test_clipped_surrogate_matches_hand_computation(eps_high, delta, per_token_a
                                                                                                          strict=True)]
     assert any(any(row) for row in low) and any(any(row) for row in high)
     torch.testing.assert_close(out.ratio, torch.exp(lp - old))
+
+
+def hand_weighted(kind, lp, old, adv, phi, eps_high, tau):
+    """Per-token loss and d loss / d logp of the surrogates with no clip region, token by token: cispo
+    -min(r, ε_high)·A·logp (the weight no gradient), sapo -σ(τ(r-1))·4/τ·A (τ by A's sign; its slope in logp
+    is -4A·σ(1-σ)·r), vespo -φ·A·logp (φ one per completion, no gradient). SAPO's τ is a float32 number, as
+    TRL's `torch.where` over two Python floats makes it (1.05 is 1.0499999523...), in a float64 loss too."""
+    loss, grad = [], []
+    for b in range(len(lp)):
+        row_l, row_g = [], []
+        for t in range(len(lp[b])):
+            a, r = adv[b][t], math.exp(lp[b][t] - old[b][t])
+            if kind == "cispo":
+                w = min(r, eps_high)
+                row_l.append(-w * a * lp[b][t])
+                row_g.append(-w * a)
+            elif kind == "sapo":
+                temp = float(torch.tensor(tau[0] if a > 0 else tau[1], dtype=torch.float32))
+                s = 1 / (1 + math.exp(-temp * (r - 1)))
+                row_l.append(-s * 4 / temp * a)
+                row_g.append(-4 * a * s * (1 - s) * r)
+            else:
+                row_l.append(-phi[b] * a * lp[b][t])
+                row_g.append(-phi[b] * a)
+        loss.append(row_l)
+        grad.append(row_g)
+    return loss, grad
+
+
+@pytest.mark.parametrize("kind", ["cispo", "sapo", "vespo"])
+def test_soft_surrogates_match_hand_computation(kind: str) -> None:
+    """CISPO's, SAPO's and VESPO's per-token losses and gradients (TRL's `cispo`, `sapo`, `vespo`), 0 off the
+    mask; only cispo flags tokens, those whose ratio passes its cap ε_high where A > 0."""
+    g = torch.Generator().manual_seed(14)
+    lp, keep = random_batch(rows=6, cols=5, seed=15)
+    lp = -lp.abs()
+    old = lp + torch.randn(6, 5, generator=g, dtype=torch.float64) * 0.4
+    adv = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    phi = torch.rand(6, 1, generator=g, dtype=torch.float64) * 2
+    lp = lp.requires_grad_(True)
+    out = clipped_surrogate(lp, old, adv, keep, epsilon_high=1.1, cispo=kind == "cispo",
+                            sapo=(1.0, 1.05) if kind == "sapo" else None, vespo=phi if kind == "vespo" else None)
+    out.loss.sum().backward()
+    loss, grad = hand_weighted(kind, lp.tolist(), old.tolist(), adv.tolist(), phi.flatten().tolist(), 1.1, (1.0, 1.05))
+    mask = keep.tolist()
+    loss = [[v if m else 0.0 for v, m in zip(row, k, strict=True)] for row, k in zip(loss, mask, strict=True)]
+    grad = [[v if m else 0.0 for v, m in zip(row, k, strict=True)] for row, k in zip(grad, mask, strict=True)]
+    assert out.loss.tolist() == [pytest.approx(row, rel=1e-12, abs=1e-15) for row in loss]
+    assert lp.grad.tolist() == [pytest.approx(row, rel=1e-12, abs=1e-15) for row in grad]
+    capped = (out.ratio > 1.1) & (adv > 0) & keep if kind == "cispo" else torch.zeros_like(keep)
+    assert out.is_high_clipped.tolist() == capped.tolist() and out.is_region_clipped.tolist() == capped.tolist()
+    assert not out.is_low_clipped.any() and (capped.any() or kind != "cispo")
 
 
 def test_clipped_surrogate_rejects_bad_shapes() -> None:
