@@ -46,6 +46,9 @@ def test_accumulated_gradient_equals_one_batch(tiny_train_model, other_model, tm
     assert_grads_close(grads, grads4)
     for name in DPO_METRICS:
         assert metrics4[name] == pytest.approx(metrics[name], abs=1e-5), name
+    smoothed = any("trains conservative DPO (cDPO); TRL 1.16's sigmoid ignores" in line
+                   for line in one.algorithm.summary_lines())
+    assert smoothed == ("label_smoothing" in fields)  # the one loss that differs from TRL's says so at start-up
 
 
 def test_dpo_learns_a_held_out_preference(tiny_train_model, tmp_path) -> None:

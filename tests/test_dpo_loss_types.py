@@ -10,7 +10,7 @@ import torch
 from test_losses_trl import assert_dpo_equals_trl
 
 from pagedrl.train.config import TrainConfigError, load_config
-from pagedrl.train.dpo_losses import DPO_LOSS_TYPES, dpo_loss
+from pagedrl.train.dpo_losses import DPO_LOSS_TYPES, dpo_loss, trl_differences
 from pagedrl.train.offline_config import DPOConfig
 
 
@@ -102,3 +102,15 @@ def test_a_loss_list_reads_from_yaml_and_the_command_line(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"loss_type: expected one of 'sigmoid', .* 'sigmoid_norm', or a list of "
                                          r"them, got \['sigmoid', 'kto'\]$"):
         load_config(DPOConfig, None, ["loss_type=[sigmoid, kto]"])
+
+
+def test_sigmoid_with_label_smoothing_says_it_is_not_trl_s_loss() -> None:
+    """TRL 1.16 takes label_smoothing beside sigmoid and ignores it; here it is conservative DPO, so a start-up
+    line says the loss differs from TRL's. The losses that read it as TRL does (robust, exo_pair, aot) say
+    nothing."""
+    for loss_type in ("sigmoid", ["sigmoid", "bco_pair"]):
+        (line,) = trl_differences(loss_type, 0.1)
+        assert line.startswith("sigmoid with label_smoothing 0.1 trains conservative DPO") and "ignores" in line
+    assert trl_differences("sigmoid", 0.0) == []
+    for loss_type in ("robust", "exo_pair", "aot", "aot_unpaired"):
+        assert trl_differences(loss_type, 0.1) == []

@@ -95,6 +95,17 @@ def dpo_settings_problem(loss_type: str | Sequence[str], loss_weights: Sequence[
     return _f_divergence_problem(types, f_divergence_type, f_alpha_divergence_coef)
 
 
+def trl_differences(loss_type: str | Sequence[str], label_smoothing: float) -> list[str]:
+    """Start-up lines for the settings TRL 1.16 takes whose loss differs here: sigmoid with `label_smoothing`
+    is conservative DPO, where TRL's sigmoid ignores the key, so a TRL recipe that sets both would train
+    plain sigmoid there; the user learns it before the first step rather than from a loss curve."""
+    if "sigmoid" in loss_types_of(loss_type) and label_smoothing:
+        return [f"sigmoid with label_smoothing {label_smoothing:g} trains conservative DPO (cDPO); TRL 1.16's "
+                "sigmoid ignores label_smoothing, so a TRL run of this config trains plain sigmoid (set it to 0 "
+                "for TRL's loss)"]
+    return []
+
+
 def _f_divergence_problem(types: Sequence[str], f_divergence: str, alpha: float) -> tuple[str, str] | None:
     if f_divergence not in F_DIVERGENCES:
         return "f_divergence_type", f"unknown {f_divergence!r}; expected one of {', '.join(F_DIVERGENCES)}"

@@ -52,7 +52,7 @@ from pagedrl.train.algorithm import OfflineAlgorithm
 from pagedrl.train.algorithms.pair_batch import PairBatch, collate_pairs
 from pagedrl.train.data import load_train_and_eval
 from pagedrl.train.distributed import DistInfo, all_reduce_sum
-from pagedrl.train.dpo_losses import dpo_loss, loss_types_of
+from pagedrl.train.dpo_losses import dpo_loss, loss_types_of, trl_differences
 from pagedrl.train.examples import Preference, PreferenceRows
 from pagedrl.train.logprobs import target_logprobs
 from pagedrl.train.metrics import Metric
@@ -312,7 +312,8 @@ class DPO(OfflineAlgorithm):
         if c.sync_ref_model:
             ref += f", mixed toward the policy (alpha {c.ref_model_mixup_alpha:g}) every {c.ref_model_sync_steps} steps"
         return super().summary_lines() + [f"dpo: loss {' + '.join(types)}{weights}, beta {c.beta:g}{smoothing}{tau}"
-                                          f"{f_div}{ld}; {ref}"]
+                                          f"{f_div}{ld}; {ref}"] + \
+            [f"dpo: {line}" for line in trl_differences(c.loss_type, c.label_smoothing)]
 
 
 def run_dpo(config: DPOConfig, dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
