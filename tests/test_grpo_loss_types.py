@@ -90,6 +90,11 @@ def test_vespo_weight_by_hand() -> None:
     w = math.exp(0.25 - 0.5) * 2.0  # the first row's ratio; the second's is 1
     expected = [math.exp(2.0) * w**3 * math.exp(-2.0 * w), 1.0]  # A < 0: k = 3, λ = 2
     assert phi.flatten().tolist() == pytest.approx(expected, rel=1e-12)
+    # k and λ are float32 numbers, as TRL's torch.where over two Python floats makes them, in a float64 loss too
+    phi = vespo_weights(logp[:1], old[:1], torch.tensor([1.0]), mask[:1], None, (2.1, 3.0), (0.3, 2.0))
+    k, lam = (float(torch.tensor(v, dtype=torch.float32)) for v in (2.1, 0.3))
+    w = math.exp(0.25 - 0.5)
+    assert phi.item() == pytest.approx(math.exp(lam + k * math.log(w) - lam * w), rel=1e-14)
 
 
 def test_vespo_trains_on_policy_as_dapo_and_weighs_in_the_rollout_s_importance_weights(tiny_train_model,
