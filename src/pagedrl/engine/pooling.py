@@ -19,6 +19,9 @@ model's head in float32). What comes back:
   with `PoolingParams(use_activation=False)`. vLLM 0.10's `reward` on a `*ForSequenceClassification` runs its
   `encode` task, which answers with the backbone's hidden states, not scores: that task is refused here.
 
+Either takes vLLM's `pooling_params` (`engine/pooling_params.py`): `use_activation` turns the activation off
+for `classify` or on for `reward`, `truncate_prompt_tokens` keeps a prompt's last tokens.
+
 The KV cache, the scheduler and the sampler take no part: a classifier reads each prompt once."""
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedrl.engine.pooling_outputs import ClassificationRequestOutput, PoolingOutput, PoolingRequestOutput
+from pagedrl.engine.pooling_params import PoolingParams, params_per_prompt
 from pagedrl.engine.prompt_inputs import Prompt, as_prompt, engine_args_from
 from pagedrl.engine.request_checks import encode_prompt
 from pagedrl.model.heads import SequenceScorer, last_logits, padded_hidden
@@ -46,6 +50,14 @@ POOLING_TASKS = ("classify", "token_classify")
 # vLLM 0.10's `LLM.encode` default: a sequence classifier's hidden states at every token, not its scores
 HIDDEN_STATES_TASK = "encode"
 PromptsArg = Prompt | Mapping[str, Any] | Seq[Prompt | Mapping[str, Any]]
+PoolingParamsArg = PoolingParams | Seq[PoolingParams] | None
+
+
+def prompt_list(prompts: PromptsArg) -> list[Prompt | Mapping[str, Any]]:
+    """vLLM's prompts argument as a list: one prompt (text, token ids, a prompt dict) or several."""
+    if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
 
 
 def too_long(num_tokens: int, max_model_len: int) -> str:
@@ -111,22 +123,18 @@ class PoolingLLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
-    def encode_prompts(self, prompts: PromptsArg, truncate_prompt_tokens: int | None = None) -> list[list[int]]:
+    def encode_prompts(self, prompts: PromptsArg,
+                       truncate_prompt_tokens: int | None | Seq[int | None] = None) -> list[list[int]]:
         """Each prompt's token ids, checked (empty, outside the vocabulary, longer than max_model_len: a
-        ValueError naming it); `truncate_prompt_tokens` keeps the last k (-1: max_model_len; more than max_model_len
-        is a ValueError) as vLLM's does."""
-        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if truncate_prompt_tokens is not None and (truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1):
-            raise ValueError(f"truncate_prompt_tokens: must be a positive integer or -1, got {truncate_prompt_tokens}")
-        if truncate_prompt_tokens is not None and truncate_prompt_tokens > self.max_model_len:
-            # vLLM's check (`_validate_truncation_size`), in words that do not read as a prompt too long
-            raise ValueError(f"truncate_prompt_tokens: {truncate_prompt_tokens} is greater than the model's maximum "
-                             f"context length ({self.max_model_len} tokens); select a smaller truncation size")
-        keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        ValueError naming it); `truncate_prompt_tokens` (one for all, or one per prompt) keeps the last k
+        (-1: max_model_len; more than max_model_len is a ValueError) as vLLM's does."""
+        prompts = prompt_list(prompts)
+        per_prompt = list(truncate_prompt_tokens) if isinstance(truncate_prompt_tokens, Seq) else \
+            [truncate_prompt_tokens] * len(prompts)
         encoded = []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, truncate) in enumerate(zip(prompts, per_prompt, strict=True)):
             text_or_ids, _ = as_prompt(prompt, i)
+            keep = self._kept(truncate)
             try:
                 ids = encode_prompt(text_or_ids, self.tokenizer, self.network.config.vocab_size, keep)
             except ValueError as e:
@@ -135,6 +143,19 @@ class PoolingLLM:
                 raise ValueError(f"prompts[{i}]: {too_long(len(ids), self.max_model_len)}")
             encoded.append(ids)
         return encoded
+
+    def _kept(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many of a prompt's last tokens `truncate_prompt_tokens` keeps (None: all), checked as vLLM's
+        `_validate_truncation_size` checks it."""
+        if truncate_prompt_tokens is None:
+            return None
+        if type(truncate_prompt_tokens) is not int or truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1:
+            raise ValueError(f"truncate_prompt_tokens: must be a positive integer or -1, got {truncate_prompt_tokens!r}")
+        if truncate_prompt_tokens > self.max_model_len:
+            # vLLM's check, in words that do not read as a prompt too long
+            raise ValueError(f"truncate_prompt_tokens: {truncate_prompt_tokens} is greater than the model's maximum "
+                             f"context length ({self.max_model_len} tokens); select a smaller truncation size")
+        return self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
     def _batches(self, encoded: list[list[int]]) -> list[list[int]]:
         """The prompts' indices per forward: at most max_num_seqs, padded to at most max_num_batched_tokens
@@ -150,12 +171,12 @@ class PoolingLLM:
         return out
 
     @torch.no_grad()
-    def encode(self, prompts: PromptsArg, *, pooling_task: str = "token_classify", use_tqdm: bool = True,
-               lora_request: Any = None, truncate_prompt_tokens: int | None = None,
-               activation: bool = True) -> list[PoolingRequestOutput]:
+    def encode(self, prompts: PromptsArg, pooling_params: PoolingParamsArg = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, lora_request: Any = None,
+               pooling_task: str = "token_classify") -> list[PoolingRequestOutput]:
         """vLLM's `LLM.encode`: one PoolingRequestOutput per prompt, in order; `pooling_task` "classify"
-        (one score per prompt, through the activation unless `activation` is False: vLLM's PoolingParams
-        field of that name, which /classify takes) or "token_classify" (the raw score of every token)."""
+        (one score per prompt) or "token_classify" (the score of every token), each through the activation
+        as `pooling_params` (one, or one per prompt) asks (`engine/pooling_params.py`)."""
         if pooling_task == HIDDEN_STATES_TASK:
             raise ValueError("pooling_task: 'encode' (vLLM 0.10's default) gives a classifier's hidden states, not "
                              f"its scores, and is not served; use one of {', '.join(POOLING_TASKS)}")
@@ -165,37 +186,43 @@ class PoolingLLM:
         if lora_request is not None:
             raise ValueError("lora_request: not supported with runner='pooling'; load the SEQ_CLS adapter as the "
                              "model, LLM(adapter_folder, runner='pooling')")
-        encoded = self.encode_prompts(prompts, truncate_prompt_tokens)
+        prompts = prompt_list(prompts)
+        params = params_per_prompt(pooling_params, len(prompts), truncate_prompt_tokens)
+        activated = [p.activation_for(pooling_task) for p in params]
+        encoded = self.encode_prompts(prompts, [p.truncate_prompt_tokens for p in params])
         data: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
-        activate = classify_activation(self.network) if activation else (lambda x: x)
+        activate = classify_activation(self.network)
         self.network.eval()
         batches = self._batches(encoded)
         for rows in tqdm(batches, desc=pooling_task, unit="batch", disable=not use_tqdm or len(batches) < 2):
             batch = [encoded[i] for i in rows]
             if pooling_task == "classify":
-                pooled = activate(last_logits(self.network, batch, self.pad_token_id))
-                for i, row in zip(rows, pooled.cpu(), strict=True):
-                    data[i] = row
+                scores = last_logits(self.network, batch, self.pad_token_id).cpu()
+                pooled = [scores[k] for k in range(len(rows))]
             else:
                 scores = self.network.logits(padded_hidden(self.network, batch, self.pad_token_id)).cpu()
-                for k, i in enumerate(rows):
-                    data[i] = scores[k, :len(encoded[i])]
+                pooled = [scores[k, :len(encoded[i])] for k, i in enumerate(rows)]
+            for i, row in zip(rows, pooled, strict=True):
+                data[i] = activate(row) if activated[i] else row
         return [PoolingRequestOutput(str(next(self._ids)), PoolingOutput(d), ids) for d, ids in zip(data, encoded,
                                                                                                    strict=True)]
 
-    def classify(self, prompts: PromptsArg, *, use_tqdm: bool = True, lora_request: Any = None,
-                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+    def classify(self, prompts: PromptsArg, *, pooling_params: PoolingParamsArg = None,
+                 truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+                 lora_request: Any = None) -> list[ClassificationRequestOutput]:
         """vLLM's `LLM.classify`: each prompt's class probabilities (`outputs.probs`; one label: its sigmoid,
-        several: their softmax)."""
+        several: their softmax; the raw scores with `PoolingParams(use_activation=False)`)."""
         return [ClassificationRequestOutput.from_base(out) for out in
-                self.encode(prompts, pooling_task="classify", use_tqdm=use_tqdm, lora_request=lora_request,
-                            truncate_prompt_tokens=truncate_prompt_tokens)]
+                self.encode(prompts, pooling_params, pooling_task="classify", use_tqdm=use_tqdm,
+                            lora_request=lora_request, truncate_prompt_tokens=truncate_prompt_tokens)]
 
-    def reward(self, prompts: PromptsArg, *, use_tqdm: bool = True, lora_request: Any = None,
-               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
-        """vLLM's `LLM.reward`: each prompt's raw reward at every token (`outputs.data`, [tokens, num_labels])."""
-        return self.encode(prompts, pooling_task="token_classify", use_tqdm=use_tqdm, lora_request=lora_request,
-                           truncate_prompt_tokens=truncate_prompt_tokens)
+    def reward(self, prompts: PromptsArg, *, pooling_params: PoolingParamsArg = None,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+               lora_request: Any = None) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.reward`: each prompt's raw reward at every token (`outputs.data`, [tokens, num_labels];
+        through the activation with `PoolingParams(use_activation=True)`)."""
+        return self.encode(prompts, pooling_params, pooling_task="token_classify", use_tqdm=use_tqdm,
+                           lora_request=lora_request, truncate_prompt_tokens=truncate_prompt_tokens)
 
     def _generate_only(self, name: str) -> NoReturn:
         raise ValueError(f"LLM.{name}() is only supported for generative models; this LLM runs runner='pooling' "

@@ -1,6 +1,7 @@
 """`pagedrl serve REWARD_FOLDER --runner pooling`: the pooling runner (`engine/pooling.py`) over HTTP, in
-vLLM's shapes: `POST /classify` (ClassificationRequest / ClassificationResponse) and `POST /pooling` (the
-raw reward of every token, PoolingResponse), `/v1/models`, `/health`, `/version`. The generating routes
+vLLM's shapes (`server/pooling_protocol.py`): `POST /classify` (ClassificationRequest / ClassificationResponse)
+and `POST /pooling` (the raw reward of every token, or its `task`'s output, PoolingResponse), each taking
+vLLM's PoolingParams fields, `/v1/models`, `/health`, `/version`. The generating routes
 answer 400 in vLLM's words ("The model does not support Completions API"), naming the runner.
 
 One request's prompts run as one batch (split by max_num_seqs and max_num_batched_tokens) on a worker
@@ -13,73 +14,34 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
-from pydantic import Field
 
 import pagedrl
 from pagedrl.engine.pooling import PoolingLLM
 from pagedrl.engine.pooling_outputs import PoolingRequestOutput
 from pagedrl.server.delivery import json_response
 from pagedrl.server.errors import ApiError, bad_request, from_value_error, install_error_handlers, read_json
-from pagedrl.server.protocol import OpenAIBase
+from pagedrl.server.pooling_protocol import (
+    ClassificationData,
+    ClassificationRequest,
+    ClassificationResponse,
+    PoolingParamsFields,
+    PoolingRequest,
+    PoolingResponse,
+    PoolingResponseData,
+    encoded_data,
+)
 from pagedrl.server.request_ids import base_request_id
-from pagedrl.server.response_bodies import ModelCard, ModelList, UsageInfo, VersionResponse, now_s
+from pagedrl.server.response_bodies import ModelCard, ModelList, UsageInfo, VersionResponse
 from pagedrl.server.served_models import ServedModels
 
 logger = logging.getLogger("pagedrl.server")
 # vLLM's answers on a server whose model does not generate, with the runner named
 NOT_GENERATING = {"completions": "Completions API", "chat/completions": "Chat Completions API",
                   "responses": "Responses API"}
-
-
-class ClassificationRequest(OpenAIBase):
-    model: str | None = None
-    input: list[str] | str
-    truncate_prompt_tokens: int | None = None
-    user: str | None = None
-    activation: bool | None = None  # False: the raw scores (vLLM's PoolingParams field)
-
-
-class ClassificationData(OpenAIBase):
-    index: int
-    label: str | None
-    probs: list[float]
-    num_classes: int
-
-
-class ClassificationResponse(OpenAIBase):
-    id: str
-    object: str = "list"
-    created: int = Field(default_factory=now_s)
-    model: str
-    data: list[ClassificationData]
-    usage: UsageInfo
-
-
-class PoolingRequest(OpenAIBase):
-    model: str | None = None
-    input: list[int] | list[list[int]] | str | list[str]
-    encoding_format: Literal["float"] = "float"
-    truncate_prompt_tokens: int | None = None
-    user: str | None = None
-
-
-class PoolingResponseData(OpenAIBase):
-    index: int
-    object: str = "pooling"
-    data: list[list[float]] | list[float]
-
-
-class PoolingResponse(OpenAIBase):
-    id: str
-    object: str = "list"
-    created: int = Field(default_factory=now_s)
-    model: str
-    data: list[PoolingResponseData]
-    usage: UsageInfo
 
 
 def label_of(llm: PoolingLLM, index: int) -> str | None:
@@ -109,13 +71,13 @@ def build_pooling_app(llm: PoolingLLM, *, served_model_name: str | Sequence[str]
             raise ApiError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    async def run(prompts: Any, task: str, truncate: int | None, activation: bool = True) -> list:
+    async def run(prompts: Any, task: str, fields: PoolingParamsFields) -> list:
         try:
+            params = fields.to_pooling_params()
             async with busy:
-                return await asyncio.to_thread(llm.encode, prompts, pooling_task=task, use_tqdm=False,
-                                               truncate_prompt_tokens=truncate, activation=activation)
+                return await asyncio.to_thread(llm.encode, prompts, params, pooling_task=task, use_tqdm=False)
         except ValueError as e:
-            raise from_value_error(e) from None
+            raise from_value_error(e, {"pooling_task": "task"}) from None
 
     guarded = APIRouter(dependencies=[Depends(check_api_key)])
 
@@ -130,8 +92,7 @@ def build_pooling_app(llm: PoolingLLM, *, served_model_name: str | Sequence[str]
         served.resolve(req.model)
         if req.input == "" or (isinstance(req.input, list) and "" in req.input):
             raise bad_request("Input cannot be empty for classification", param="input")
-        outputs = await run(req.input, "classify", req.truncate_prompt_tokens, req.activation is not False) \
-            if req.input else []
+        outputs = await run(req.input, "classify", req) if req.input else []
         data = []
         for i, out in enumerate(outputs):
             probs = out.outputs.data.tolist()
@@ -147,8 +108,9 @@ def build_pooling_app(llm: PoolingLLM, *, served_model_name: str | Sequence[str]
         served.resolve(req.model)
         if not req.input:
             raise bad_request("Input cannot be empty", param="input")
-        outputs = await run(req.input, "token_classify", req.truncate_prompt_tokens)
-        data = [PoolingResponseData(index=i, data=out.outputs.data.tolist()) for i, out in enumerate(outputs)]
+        outputs = await run(req.input, req.task or "token_classify", req)
+        data = [PoolingResponseData(index=i, data=encoded_data(out.outputs.data, req.encoding_format, req.endianness))
+                for i, out in enumerate(outputs)]
         return json_response(PoolingResponse(id=f"pool-{base_request_id(request, None)}",
                                              model=req.model or served.base_name, data=data,
                                              usage=usage_of(outputs)))
