@@ -35,11 +35,14 @@ from typing import Any, NoReturn
 import torch
 from tqdm.auto import tqdm
 
+from pagedrl.engine.lora_request import LoRARequest
+from pagedrl.engine.pooling_loras import PoolingAdapters, loras_per_prompt
 from pagedrl.engine.pooling_outputs import ClassificationRequestOutput, PoolingOutput, PoolingRequestOutput
 from pagedrl.engine.pooling_params import PoolingParams, params_per_prompt
+from pagedrl.engine.pooling_runner import is_classifier_folder
 from pagedrl.engine.prompt_inputs import Prompt, as_prompt, engine_args_from
 from pagedrl.engine.request_checks import encode_prompt
-from pagedrl.model.heads import SequenceScorer, last_logits, padded_hidden
+from pagedrl.model.heads import SequenceScorer, last_logits, load_sequence_scorer, padded_hidden
 from pagedrl.model.merge import load_reward_model, merged_scorer
 from pagedrl.model.precision import resolve_dtype
 from pagedrl.model.resolve import adapter_base, resolve_model_path
@@ -51,6 +54,7 @@ POOLING_TASKS = ("classify", "token_classify")
 HIDDEN_STATES_TASK = "encode"
 PromptsArg = Prompt | Mapping[str, Any] | Seq[Prompt | Mapping[str, Any]]
 PoolingParamsArg = PoolingParams | Seq[PoolingParams] | None
+LoRAArg = LoRARequest | Seq[LoRARequest | None] | None
 
 
 def prompt_list(prompts: PromptsArg) -> list[Prompt | Mapping[str, Any]]:
@@ -80,19 +84,25 @@ def classify_activation(network: SequenceScorer) -> Callable[[torch.Tensor], tor
 
 class PoolingLLM:
     """What `LLM(model, runner="pooling")` returns (`engine/llm.py` `LLM.__new__`). Of EngineArgs it reads
-    the model's fields (model, adapter, revision, device, dtype), max_model_len, and max_num_seqs and
-    max_num_batched_tokens as the size of one forward's batch."""
+    the model's fields (model, adapter, revision, device, dtype), max_model_len, max_num_seqs and
+    max_num_batched_tokens as the size of one forward's batch, and enable_lora, max_loras, max_lora_rank and
+    max_cpu_loras for SEQ_CLS adapters chosen per request (`engine/pooling_loras.py`; the model then may be
+    the causal LM they were trained on, which scores only through them)."""
 
     def __init__(self, model: str | None = None, *, tokenizer: Any = None, **engine_args: Any) -> None:
         args = self.engine_args = engine_args_from(model, engine_args)
         config = args.engine_config()
         config.validate()
-        for name, value, why in (("quantization", args.quantization, "the classifier's float weights are loaded"),
-                                 ("enable_lora", args.enable_lora, "serve the SEQ_CLS adapter itself as the model")):
-            if value:
-                raise ValueError(f"{name}: not supported with runner='pooling' ({why})")
+        if args.quantization:
+            raise ValueError("quantization: not supported with runner='pooling' (the classifier's float weights are "
+                             "loaded)")
+        if args.enable_lora and args.adapter is not None:
+            raise ValueError("enable_lora: adapters per request apply to the model itself; name the base as the model "
+                             "and each SEQ_CLS adapter per request (lora_request), without adapter")
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.precision = resolve_dtype(args.dtype, device)
+        self.adapters: PoolingAdapters | None = None
+        self.base_scores = True  # False: a causal LM base with adapters, whose placeholder head is never read
         if args.adapter is not None:
             adapter = resolve_model_path(args.adapter)
             base = None if args.model is None else resolve_model_path(args.model, args.revision)
@@ -100,8 +110,14 @@ class PoolingLLM:
             folders = [adapter, adapter_base(adapter, base)]
         else:
             path = resolve_model_path(args.model, args.revision)
+            if args.enable_lora:
+                self.adapters = PoolingAdapters(path, device, self.precision.dtype, config.max_loras,
+                                                config.max_lora_rank, config.max_cpu_loras)
+                self.base_scores = is_classifier_folder(path)
             self.network = load_reward_model(path, device=device, dtype=self.precision.dtype, float_head=True,
-                                             any_labels=True)
+                                             any_labels=True) if self.base_scores else \
+                load_sequence_scorer(path, device=device, dtype=self.precision.dtype, float_head=True,
+                                     generator=torch.Generator().manual_seed(0))
             folders = [path]
         if tokenizer is None:
             found = [f for f in folders if (f / "tokenizer.json").is_file()]
@@ -172,7 +188,7 @@ class PoolingLLM:
 
     @torch.no_grad()
     def encode(self, prompts: PromptsArg, pooling_params: PoolingParamsArg = None, *,
-               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, lora_request: Any = None,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, lora_request: LoRAArg = None,
                pooling_task: str = "token_classify") -> list[PoolingRequestOutput]:
         """vLLM's `LLM.encode`: one PoolingRequestOutput per prompt, in order; `pooling_task` "classify"
         (one score per prompt) or "token_classify" (the score of every token), each through the activation
@@ -183,33 +199,47 @@ class PoolingLLM:
         if pooling_task not in POOLING_TASKS:
             raise ValueError(f"pooling_task: {pooling_task!r} is not one of {', '.join(POOLING_TASKS)} (a "
                              "sequence classifier classifies; it has no embeddings)")
-        if lora_request is not None:
-            raise ValueError("lora_request: not supported with runner='pooling'; load the SEQ_CLS adapter as the "
-                             "model, LLM(adapter_folder, runner='pooling')")
         prompts = prompt_list(prompts)
         params = params_per_prompt(pooling_params, len(prompts), truncate_prompt_tokens)
         activated = [p.activation_for(pooling_task) for p in params]
+        loras = loras_per_prompt(lora_request, len(prompts))
+        networks = {lora: self.network_for(lora) for lora in dict.fromkeys(loras)}
         encoded = self.encode_prompts(prompts, [p.truncate_prompt_tokens for p in params])
         data: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
-        activate = classify_activation(self.network)
-        self.network.eval()
-        batches = self._batches(encoded)
-        for rows in tqdm(batches, desc=pooling_task, unit="batch", disable=not use_tqdm or len(batches) < 2):
-            batch = [encoded[i] for i in rows]
+        # each adapter's prompts batched apart, in the order the adapters first come
+        batches = [(lora, [rows[i] for i in batch]) for lora in networks
+                   for rows in [[i for i, x in enumerate(loras) if x == lora]]
+                   for batch in self._batches([encoded[i] for i in rows])]
+        for lora, rows in tqdm(batches, desc=pooling_task, unit="batch", disable=not use_tqdm or len(batches) < 2):
+            network, batch = networks[lora], [encoded[i] for i in rows]
+            network.eval()
             if pooling_task == "classify":
-                scores = last_logits(self.network, batch, self.pad_token_id).cpu()
+                scores = last_logits(network, batch, self.pad_token_id).cpu()
                 pooled = [scores[k] for k in range(len(rows))]
             else:
-                scores = self.network.logits(padded_hidden(self.network, batch, self.pad_token_id)).cpu()
+                scores = network.logits(padded_hidden(network, batch, self.pad_token_id)).cpu()
                 pooled = [scores[k, :len(encoded[i])] for k, i in enumerate(rows)]
+            activate = classify_activation(network)
             for i, row in zip(rows, pooled, strict=True):
                 data[i] = activate(row) if activated[i] else row
         return [PoolingRequestOutput(str(next(self._ids)), PoolingOutput(d), ids) for d, ids in zip(data, encoded,
                                                                                                    strict=True)]
 
+    def network_for(self, lora_request: LoRARequest | None) -> SequenceScorer:
+        """The scorer a request runs on: the model's, or with `enable_lora` the adapter's (`engine/pooling_loras.py`)."""
+        if lora_request is None:
+            if not self.base_scores:
+                raise ValueError("lora_request: the model is a causal LM, whose head scores nothing; name one of its "
+                                 "SEQ_CLS adapters (lora_request, or the request's model)")
+            return self.network
+        if self.adapters is None:
+            raise ValueError("lora_request: adapters per request need LLM(..., runner='pooling', enable_lora=True) "
+                             "(or load the SEQ_CLS adapter itself as the model)")
+        return self.adapters.scorer(lora_request)
+
     def classify(self, prompts: PromptsArg, *, pooling_params: PoolingParamsArg = None,
                  truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-                 lora_request: Any = None) -> list[ClassificationRequestOutput]:
+                 lora_request: LoRAArg = None) -> list[ClassificationRequestOutput]:
         """vLLM's `LLM.classify`: each prompt's class probabilities (`outputs.probs`; one label: its sigmoid,
         several: their softmax; the raw scores with `PoolingParams(use_activation=False)`)."""
         return [ClassificationRequestOutput.from_base(out) for out in
@@ -218,7 +248,7 @@ class PoolingLLM:
 
     def reward(self, prompts: PromptsArg, *, pooling_params: PoolingParamsArg = None,
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-               lora_request: Any = None) -> list[PoolingRequestOutput]:
+               lora_request: LoRAArg = None) -> list[PoolingRequestOutput]:
         """vLLM's `LLM.reward`: each prompt's raw reward at every token (`outputs.data`, [tokens, num_labels];
         through the activation with `PoolingParams(use_activation=True)`)."""
         return self.encode(prompts, pooling_params, pooling_task="token_classify", use_tqdm=use_tqdm,

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 
 import pagedrl
+from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.pooling import PoolingLLM
 from pagedrl.engine.pooling_outputs import PoolingRequestOutput
 from pagedrl.server.delivery import json_response
@@ -36,7 +37,7 @@ from pagedrl.server.pooling_protocol import (
 )
 from pagedrl.server.request_ids import base_request_id
 from pagedrl.server.response_bodies import ModelCard, ModelList, UsageInfo, VersionResponse
-from pagedrl.server.served_models import ServedModels
+from pagedrl.server.served_models import LoRAModule, ServedModels, parse_lora_module
 
 logger = logging.getLogger("pagedrl.server")
 # vLLM's answers on a server whose model does not generate, with the runner named
@@ -44,9 +45,10 @@ NOT_GENERATING = {"completions": "Completions API", "chat/completions": "Chat Co
                   "responses": "Responses API"}
 
 
-def label_of(llm: PoolingLLM, index: int) -> str | None:
-    """The config's id2label name of a class (transformers writes its keys as strings)."""
-    id2label = llm.network.config.extra.get("id2label") or {}
+def label_of(llm: PoolingLLM, index: int, lora: LoRARequest | None = None) -> str | None:
+    """The config's id2label name of a class (transformers writes its keys as strings), of the model or the
+    adapter the request named."""
+    id2label = llm.network_for(lora).config.extra.get("id2label") or {}
     return id2label.get(str(index), id2label.get(index))  # type: ignore[call-overload]
 
 
@@ -56,9 +58,14 @@ def usage_of(outputs: Sequence[PoolingRequestOutput]) -> UsageInfo:
 
 
 def build_pooling_app(llm: PoolingLLM, *, served_model_name: str | Sequence[str], model_root: str | None = None,
-                      api_key: str | None = None, max_request_body_bytes: int = 8 << 20) -> FastAPI:
-    """The app over `llm`; with `api_key`, every route but /health, /ping and /version asks for it."""
-    served = ServedModels(served_model_name)
+                      api_key: str | None = None, max_request_body_bytes: int = 8 << 20,
+                      lora_modules: Sequence[LoRAModule] = ()) -> FastAPI:
+    """The app over `llm`; with `api_key`, every route but /health, /ping and /version asks for it. On an `llm`
+    built with `enable_lora`, each of `lora_modules` (SEQ_CLS adapters) is served under its name, which a
+    request's `model` picks (one that does not fit raises ValueError here)."""
+    served = ServedModels(served_model_name, read=llm.adapters.scorer if llm.adapters is not None else None)
+    for module in lora_modules:
+        served.load(module)
     app = FastAPI(title="pagedrl (pooling)")
     app.state.served = served
     busy = asyncio.Lock()
@@ -71,32 +78,35 @@ def build_pooling_app(llm: PoolingLLM, *, served_model_name: str | Sequence[str]
             raise ApiError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    async def run(prompts: Any, task: str, fields: PoolingParamsFields) -> list:
+    async def run(prompts: Any, task: str, fields: PoolingParamsFields, lora: LoRARequest | None) -> list:
         try:
             params = fields.to_pooling_params()
             async with busy:
-                return await asyncio.to_thread(llm.encode, prompts, params, pooling_task=task, use_tqdm=False)
+                return await asyncio.to_thread(llm.encode, prompts, params, pooling_task=task, use_tqdm=False,
+                                               lora_request=lora)
         except ValueError as e:
-            raise from_value_error(e, {"pooling_task": "task"}) from None
+            raise from_value_error(e, {"pooling_task": "task", "lora_request": "model"}) from None
 
     guarded = APIRouter(dependencies=[Depends(check_api_key)])
 
     @guarded.get("/v1/models", response_model=ModelList)
     async def models() -> Response:
-        return json_response(ModelList(data=[ModelCard(id=name, root=model_root, max_model_len=llm.max_model_len)
-                                             for name in served.base_names]))
+        bases = [ModelCard(id=name, root=model_root, max_model_len=llm.max_model_len) for name in served.base_names]
+        adapters = [ModelCard(id=lora.lora_name, root=lora.lora_path, parent=lora.base_model_name or served.base_name,
+                              max_model_len=llm.max_model_len) for lora in served.adapters.values()]
+        return json_response(ModelList(data=[*bases, *adapters]))
 
     @guarded.post("/classify", response_model=ClassificationResponse)
     async def classify(request: Request) -> Response:
         req = await read_json(request, ClassificationRequest, max_request_body_bytes)
-        served.resolve(req.model)
+        lora = served.resolve(req.model)
         if req.input == "" or (isinstance(req.input, list) and "" in req.input):
             raise bad_request("Input cannot be empty for classification", param="input")
-        outputs = await run(req.input, "classify", req) if req.input else []
+        outputs = await run(req.input, "classify", req, lora) if req.input else []
         data = []
         for i, out in enumerate(outputs):
             probs = out.outputs.data.tolist()
-            data.append(ClassificationData(index=i, label=label_of(llm, max(range(len(probs)), key=probs.__getitem__)),
+            data.append(ClassificationData(index=i, label=label_of(llm, max(range(len(probs)), key=probs.__getitem__), lora),
                                            probs=probs, num_classes=len(probs)))
         return json_response(ClassificationResponse(id=f"classify-{base_request_id(request, None)}",
                                                     model=req.model or served.base_name, data=data,
@@ -105,10 +115,10 @@ def build_pooling_app(llm: PoolingLLM, *, served_model_name: str | Sequence[str]
     @guarded.post("/pooling", response_model=PoolingResponse)
     async def pooling(request: Request) -> Response:
         req = await read_json(request, PoolingRequest, max_request_body_bytes)
-        served.resolve(req.model)
+        lora = served.resolve(req.model)
         if not req.input:
             raise bad_request("Input cannot be empty", param="input")
-        outputs = await run(req.input, req.task or "token_classify", req)
+        outputs = await run(req.input, req.task or "token_classify", req, lora)
         data = [PoolingResponseData(index=i, data=encoded_data(out.outputs.data, req.encoding_format, req.endianness))
                 for i, out in enumerate(outputs)]
         return json_response(PoolingResponse(id=f"pool-{base_request_id(request, None)}",
@@ -144,10 +154,14 @@ def build_pooling_server(args: argparse.Namespace, engine_args: Any) -> Any:
     from pagedrl.engine.pooling import PoolingLLM
     from pagedrl.server.serve import uvicorn_options
 
+    if args.allow_runtime_lora_updating:
+        raise ValueError("--allow-runtime-lora-updating: the pooling runner serves the adapters named at start-up "
+                         "(--lora-modules); /v1/load_lora_adapter is not served")
     llm = PoolingLLM(**vars(engine_args))
     names = args.served_model_name or [args.adapter or args.model]
     app = build_pooling_app(llm, served_model_name=names, model_root=str(args.adapter or args.model),
-                            api_key=args.api_key or None, max_request_body_bytes=args.max_request_body_bytes)
+                            api_key=args.api_key or None, max_request_body_bytes=args.max_request_body_bytes,
+                            lora_modules=[parse_lora_module(m) for m in args.lora_modules])
     logger.info("serving %s with the pooling runner: POST /classify and /pooling (max_model_len %d)", names[0],
                 llm.max_model_len)
     return uvicorn.Server(uvicorn.Config(app, **uvicorn_options(args)))
