@@ -203,16 +203,20 @@ class PoolingLLM:
         params = params_per_prompt(pooling_params, len(prompts), truncate_prompt_tokens)
         activated = [p.activation_for(pooling_task) for p in params]
         loras = loras_per_prompt(lora_request, len(prompts))
-        networks = {lora: self.network_for(lora) for lora in dict.fromkeys(loras)}
+        for lora in dict.fromkeys(loras):
+            self.check_lora(lora)
         encoded = self.encode_prompts(prompts, [p.truncate_prompt_tokens for p in params])
         data: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
-        # each adapter's prompts batched apart, in the order the adapters first come
-        batches = [(lora, [rows[i] for i in batch]) for lora in networks
+        # each adapter's prompts batched apart, in the order the adapters first come: each folded once a call
+        batches = [(lora, [rows[i] for i in batch]) for lora in dict.fromkeys(loras)
                    for rows in [[i for i, x in enumerate(loras) if x == lora]]
                    for batch in self._batches([encoded[i] for i in rows])]
+        network, network_lora = None, None
         for lora, rows in tqdm(batches, desc=pooling_task, unit="batch", disable=not use_tqdm or len(batches) < 2):
-            network, batch = networks[lora], [encoded[i] for i in rows]
-            network.eval()
+            if network is None or lora != network_lora:
+                network, network_lora = self.network_for(lora), lora
+                network.eval()
+            batch = [encoded[i] for i in rows]
             if pooling_task == "classify":
                 scores = last_logits(network, batch, self.pad_token_id).cpu()
                 pooled = [scores[k] for k in range(len(rows))]
@@ -225,17 +229,22 @@ class PoolingLLM:
         return [PoolingRequestOutput(str(next(self._ids)), PoolingOutput(d), ids) for d, ids in zip(data, encoded,
                                                                                                    strict=True)]
 
-    def network_for(self, lora_request: LoRARequest | None) -> SequenceScorer:
-        """The scorer a request runs on: the model's, or with `enable_lora` the adapter's (`engine/pooling_loras.py`)."""
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """Whether a request may run with `lora_request` (None: the model itself), before any weight is read."""
         if lora_request is None:
             if not self.base_scores:
                 raise ValueError("lora_request: the model is a causal LM, whose head scores nothing; name one of its "
                                  "SEQ_CLS adapters (lora_request, or the request's model)")
-            return self.network
-        if self.adapters is None:
+        elif self.adapters is None:
             raise ValueError("lora_request: adapters per request need LLM(..., runner='pooling', enable_lora=True) "
                              "(or load the SEQ_CLS adapter itself as the model)")
-        return self.adapters.scorer(lora_request)
+        else:
+            self.adapters.check(lora_request)
+
+    def network_for(self, lora_request: LoRARequest | None) -> SequenceScorer:
+        """The scorer a request runs on: the model's, or with `enable_lora` the adapter's (`engine/pooling_loras.py`)."""
+        self.check_lora(lora_request)
+        return self.network if lora_request is None else self.adapters.scorer(lora_request)  # type: ignore[union-attr]
 
     def classify(self, prompts: PromptsArg, *, pooling_params: PoolingParamsArg = None,
                  truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
