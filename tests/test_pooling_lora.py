@@ -12,6 +12,7 @@ import httpx
 import pytest
 import torch
 from server_process import running_server
+from test_pooling_heads import mistral_classifier
 from tiny import randomise_adapter
 
 from pagedrl.engine.llm import LLM
@@ -84,6 +85,12 @@ def test_adapters_per_prompt_score_as_their_merged_folders(adapters, tiny_train_
     with pytest.raises(ValueError, match=r"^lora_request: adapter 'c' is a CAUSAL_LM adapter; the pooling runner "
                                          r"serves SEQ_CLS"):
         llm.classify(TEXTS, lora_request=LoRARequest("c", 3, str(causal)), use_tqdm=False)
+    mistral_classifier(tmp_path / "other")  # a 128-wide MLP, where the tiny model's is 96 wide
+    other = load_sequence_scorer(tmp_path / "other")
+    apply_lora(other, LoRAConfig(r=4, task_type="SEQ_CLS", target_modules=["up_proj"], modules_to_save=["score"]))
+    save_adapter(other, tmp_path / "other-adapter")
+    with pytest.raises(ValueError, match=r"^lora_request: adapter 'o' does not fit the base .*up_proj"):
+        llm.classify(TEXTS, lora_request=LoRARequest("o", 4, str(tmp_path / "other-adapter")), use_tqdm=False)
     narrow = LLM(str(tiny_train_model), runner="pooling", device="cpu", enable_lora=True, max_lora_rank=2)
     with pytest.raises(ValueError, match=r"^lora_request: adapter 'a1' has rank 4, above max_lora_rank 2"):
         narrow.classify(TEXTS, lora_request=r1, use_tqdm=False)
