@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from pagedrl.engine.llm import LLM
+from pagedrl.engine.pooling_params import PoolingParams
 from pagedrl.model.heads import last_scores
 
 ATOL = 1e-5  # float32 on both sides, on the CPU
+RAW = PoolingParams(use_activation=False)  # the scores themselves, no activation
 
 
 def mistral_classifier(folder: Path, num_labels: int = 1, **config) -> torch.nn.Module:
@@ -45,7 +47,7 @@ def test_a_sliding_window_is_applied_as_transformers_applies_it(tmp_path) -> Non
     want = torch.stack([hf_logits(hf, p)[0] for p in prompts])
     for alone in (True, False):  # unpadded (one prompt a batch) and right-padded batches
         runner = LLM(str(tmp_path / "mistral"), runner="pooling", device="cpu", max_num_seqs=1) if alone else llm
-        raw = [o.outputs.data[0] for o in runner.encode(prompts, pooling_task="classify", activation=False,
+        raw = [o.outputs.data[0] for o in runner.encode(prompts, RAW, pooling_task="classify",
                                                         use_tqdm=False)]
         assert torch.allclose(torch.stack(raw), want, atol=ATOL), (alone, raw, want)
     assert torch.allclose(last_scores(llm.network, prompts, 0), want, atol=ATOL)  # RewardModel.score's read
@@ -89,7 +91,7 @@ def test_a_bf16_model_scores_in_float32(tmp_path) -> None:
         at = [score_index(p, 0) for p in prompts]
         want = F.linear(hidden[torch.arange(2), at].float(), head)[:, 0]
         per_token = F.linear(hidden[0].float(), head)[:, 0]
-    raw = torch.stack([o.outputs.data[0] for o in llm.encode(prompts, pooling_task="classify", activation=False,
+    raw = torch.stack([o.outputs.data[0] for o in llm.encode(prompts, RAW, pooling_task="classify",
                                                              use_tqdm=False)])
     assert raw.dtype == torch.float32 and torch.allclose(raw, want, atol=1e-6, rtol=0)
     assert not torch.equal(raw, raw.bfloat16().float())  # not rounded to bf16 anywhere

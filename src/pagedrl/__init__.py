@@ -12,20 +12,22 @@ _EXPORTS = {
     "LoRARequest": "pagedrl.engine.lora_request",
     "BeamSearchParams": "pagedrl.engine.beam_search",
     "SamplingParams": "pagedrl.engine.sampling_params",
+    "PoolingParams": "pagedrl.engine.pooling_params",
     "RequestOutputKind": "pagedrl.engine.sampling_params",
     "RequestOutput": "pagedrl.engine.outputs",
     "CompletionOutput": "pagedrl.engine.outputs",
     "StructuredOutputsParams": "pagedrl.engine.structured_outputs",
     "GuidedDecodingParams": "pagedrl.engine.structured_outputs",
 }
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "GuidedDecodingParams", "LoRARequest", "RequestOutput", "RequestOutputKind",
-           "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "GuidedDecodingParams", "LoRARequest", "PoolingParams", "RequestOutput",
+           "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
 
 if TYPE_CHECKING:
     from pagedrl.engine.beam_search import BeamSearchParams
     from pagedrl.engine.llm import LLM
     from pagedrl.engine.lora_request import LoRARequest
     from pagedrl.engine.outputs import CompletionOutput, RequestOutput
+    from pagedrl.engine.pooling_params import PoolingParams
     from pagedrl.engine.sampling_params import RequestOutputKind, SamplingParams
     from pagedrl.engine.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 

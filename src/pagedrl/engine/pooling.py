@@ -19,6 +19,9 @@ model's head in float32). What comes back:
   with `PoolingParams(use_activation=False)`. vLLM 0.10's `reward` on a `*ForSequenceClassification` runs its
   `encode` task, which answers with the backbone's hidden states, not scores: that task is refused here.
 
+Either takes vLLM's `pooling_params` (`engine/pooling_params.py`): `use_activation` turns the activation off
+for `classify` or on for `reward`, `truncate_prompt_tokens` keeps a prompt's last tokens.
+
 The KV cache, the scheduler and the sampler take no part: a classifier reads each prompt once."""
 
 from __future__ import annotations
@@ -32,10 +35,14 @@ from typing import Any, NoReturn
 import torch
 from tqdm.auto import tqdm
 
+from pagedrl.engine.lora_request import LoRARequest
+from pagedrl.engine.pooling_loras import PoolingAdapters, loras_per_prompt
 from pagedrl.engine.pooling_outputs import ClassificationRequestOutput, PoolingOutput, PoolingRequestOutput
+from pagedrl.engine.pooling_params import PoolingParams, params_per_prompt
+from pagedrl.engine.pooling_runner import is_classifier_folder
 from pagedrl.engine.prompt_inputs import Prompt, as_prompt, engine_args_from
 from pagedrl.engine.request_checks import encode_prompt
-from pagedrl.model.heads import SequenceScorer, last_logits, padded_hidden
+from pagedrl.model.heads import SequenceScorer, last_logits, load_sequence_scorer, padded_hidden
 from pagedrl.model.merge import load_reward_model, merged_scorer
 from pagedrl.model.precision import resolve_dtype
 from pagedrl.model.resolve import adapter_base, resolve_model_path
@@ -46,6 +53,15 @@ POOLING_TASKS = ("classify", "token_classify")
 # vLLM 0.10's `LLM.encode` default: a sequence classifier's hidden states at every token, not its scores
 HIDDEN_STATES_TASK = "encode"
 PromptsArg = Prompt | Mapping[str, Any] | Seq[Prompt | Mapping[str, Any]]
+PoolingParamsArg = PoolingParams | Seq[PoolingParams] | None
+LoRAArg = LoRARequest | Seq[LoRARequest | None] | None
+
+
+def prompt_list(prompts: PromptsArg) -> list[Prompt | Mapping[str, Any]]:
+    """vLLM's prompts argument as a list: one prompt (text, token ids, a prompt dict) or several."""
+    if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
 
 
 def too_long(num_tokens: int, max_model_len: int) -> str:
@@ -68,19 +84,25 @@ def classify_activation(network: SequenceScorer) -> Callable[[torch.Tensor], tor
 
 class PoolingLLM:
     """What `LLM(model, runner="pooling")` returns (`engine/llm.py` `LLM.__new__`). Of EngineArgs it reads
-    the model's fields (model, adapter, revision, device, dtype), max_model_len, and max_num_seqs and
-    max_num_batched_tokens as the size of one forward's batch."""
+    the model's fields (model, adapter, revision, device, dtype), max_model_len, max_num_seqs and
+    max_num_batched_tokens as the size of one forward's batch, and enable_lora, max_loras, max_lora_rank and
+    max_cpu_loras for SEQ_CLS adapters chosen per request (`engine/pooling_loras.py`; the model then may be
+    the causal LM they were trained on, which scores only through them)."""
 
     def __init__(self, model: str | None = None, *, tokenizer: Any = None, **engine_args: Any) -> None:
         args = self.engine_args = engine_args_from(model, engine_args)
         config = args.engine_config()
         config.validate()
-        for name, value, why in (("quantization", args.quantization, "the classifier's float weights are loaded"),
-                                 ("enable_lora", args.enable_lora, "serve the SEQ_CLS adapter itself as the model")):
-            if value:
-                raise ValueError(f"{name}: not supported with runner='pooling' ({why})")
+        if args.quantization:
+            raise ValueError("quantization: not supported with runner='pooling' (the classifier's float weights are "
+                             "loaded)")
+        if args.enable_lora and args.adapter is not None:
+            raise ValueError("enable_lora: adapters per request apply to the model itself; name the base as the model "
+                             "and each SEQ_CLS adapter per request (lora_request), without adapter")
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.precision = resolve_dtype(args.dtype, device)
+        self.adapters: PoolingAdapters | None = None
+        self.base_scores = True  # False: a causal LM base with adapters, whose placeholder head is never read
         if args.adapter is not None:
             adapter = resolve_model_path(args.adapter)
             base = None if args.model is None else resolve_model_path(args.model, args.revision)
@@ -88,8 +110,14 @@ class PoolingLLM:
             folders = [adapter, adapter_base(adapter, base)]
         else:
             path = resolve_model_path(args.model, args.revision)
+            if args.enable_lora:
+                self.adapters = PoolingAdapters(path, device, self.precision.dtype, config.max_loras,
+                                                config.max_lora_rank, config.max_cpu_loras)
+                self.base_scores = is_classifier_folder(path)
             self.network = load_reward_model(path, device=device, dtype=self.precision.dtype, float_head=True,
-                                             any_labels=True)
+                                             any_labels=True) if self.base_scores else \
+                load_sequence_scorer(path, device=device, dtype=self.precision.dtype, float_head=True,
+                                     generator=torch.Generator().manual_seed(0))
             folders = [path]
         if tokenizer is None:
             found = [f for f in folders if (f / "tokenizer.json").is_file()]
@@ -111,22 +139,18 @@ class PoolingLLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
-    def encode_prompts(self, prompts: PromptsArg, truncate_prompt_tokens: int | None = None) -> list[list[int]]:
+    def encode_prompts(self, prompts: PromptsArg,
+                       truncate_prompt_tokens: int | None | Seq[int | None] = None) -> list[list[int]]:
         """Each prompt's token ids, checked (empty, outside the vocabulary, longer than max_model_len: a
-        ValueError naming it); `truncate_prompt_tokens` keeps the last k (-1: max_model_len; more than max_model_len
-        is a ValueError) as vLLM's does."""
-        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if truncate_prompt_tokens is not None and (truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1):
-            raise ValueError(f"truncate_prompt_tokens: must be a positive integer or -1, got {truncate_prompt_tokens}")
-        if truncate_prompt_tokens is not None and truncate_prompt_tokens > self.max_model_len:
-            # vLLM's check (`_validate_truncation_size`), in words that do not read as a prompt too long
-            raise ValueError(f"truncate_prompt_tokens: {truncate_prompt_tokens} is greater than the model's maximum "
-                             f"context length ({self.max_model_len} tokens); select a smaller truncation size")
-        keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        ValueError naming it); `truncate_prompt_tokens` (one for all, or one per prompt) keeps the last k
+        (-1: max_model_len; more than max_model_len is a ValueError) as vLLM's does."""
+        prompts = prompt_list(prompts)
+        per_prompt = list(truncate_prompt_tokens) if isinstance(truncate_prompt_tokens, Seq) else \
+            [truncate_prompt_tokens] * len(prompts)
         encoded = []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, truncate) in enumerate(zip(prompts, per_prompt, strict=True)):
             text_or_ids, _ = as_prompt(prompt, i)
+            keep = self._kept(truncate)
             try:
                 ids = encode_prompt(text_or_ids, self.tokenizer, self.network.config.vocab_size, keep)
             except ValueError as e:
@@ -135,6 +159,19 @@ class PoolingLLM:
                 raise ValueError(f"prompts[{i}]: {too_long(len(ids), self.max_model_len)}")
             encoded.append(ids)
         return encoded
+
+    def _kept(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many of a prompt's last tokens `truncate_prompt_tokens` keeps (None: all), checked as vLLM's
+        `_validate_truncation_size` checks it."""
+        if truncate_prompt_tokens is None:
+            return None
+        if type(truncate_prompt_tokens) is not int or truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1:
+            raise ValueError(f"truncate_prompt_tokens: must be a positive integer or -1, got {truncate_prompt_tokens!r}")
+        if truncate_prompt_tokens > self.max_model_len:
+            # vLLM's check, in words that do not read as a prompt too long
+            raise ValueError(f"truncate_prompt_tokens: {truncate_prompt_tokens} is greater than the model's maximum "
+                             f"context length ({self.max_model_len} tokens); select a smaller truncation size")
+        return self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
     def _batches(self, encoded: list[list[int]]) -> list[list[int]]:
         """The prompts' indices per forward: at most max_num_seqs, padded to at most max_num_batched_tokens
@@ -150,52 +187,81 @@ class PoolingLLM:
         return out
 
     @torch.no_grad()
-    def encode(self, prompts: PromptsArg, *, pooling_task: str = "token_classify", use_tqdm: bool = True,
-               lora_request: Any = None, truncate_prompt_tokens: int | None = None,
-               activation: bool = True) -> list[PoolingRequestOutput]:
+    def encode(self, prompts: PromptsArg, pooling_params: PoolingParamsArg = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, lora_request: LoRAArg = None,
+               pooling_task: str = "token_classify") -> list[PoolingRequestOutput]:
         """vLLM's `LLM.encode`: one PoolingRequestOutput per prompt, in order; `pooling_task` "classify"
-        (one score per prompt, through the activation unless `activation` is False: vLLM's PoolingParams
-        field of that name, which /classify takes) or "token_classify" (the raw score of every token)."""
+        (one score per prompt) or "token_classify" (the score of every token), each through the activation
+        as `pooling_params` (one, or one per prompt) asks (`engine/pooling_params.py`)."""
         if pooling_task == HIDDEN_STATES_TASK:
             raise ValueError("pooling_task: 'encode' (vLLM 0.10's default) gives a classifier's hidden states, not "
                              f"its scores, and is not served; use one of {', '.join(POOLING_TASKS)}")
         if pooling_task not in POOLING_TASKS:
             raise ValueError(f"pooling_task: {pooling_task!r} is not one of {', '.join(POOLING_TASKS)} (a "
                              "sequence classifier classifies; it has no embeddings)")
-        if lora_request is not None:
-            raise ValueError("lora_request: not supported with runner='pooling'; load the SEQ_CLS adapter as the "
-                             "model, LLM(adapter_folder, runner='pooling')")
-        encoded = self.encode_prompts(prompts, truncate_prompt_tokens)
+        prompts = prompt_list(prompts)
+        params = params_per_prompt(pooling_params, len(prompts), truncate_prompt_tokens)
+        activated = [p.activation_for(pooling_task) for p in params]
+        loras = loras_per_prompt(lora_request, len(prompts))
+        for lora in dict.fromkeys(loras):
+            self.check_lora(lora)
+        encoded = self.encode_prompts(prompts, [p.truncate_prompt_tokens for p in params])
         data: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
-        activate = classify_activation(self.network) if activation else (lambda x: x)
-        self.network.eval()
-        batches = self._batches(encoded)
-        for rows in tqdm(batches, desc=pooling_task, unit="batch", disable=not use_tqdm or len(batches) < 2):
+        # each adapter's prompts batched apart, in the order the adapters first come: each folded once a call
+        batches = [(lora, [rows[i] for i in batch]) for lora in dict.fromkeys(loras)
+                   for rows in [[i for i, x in enumerate(loras) if x == lora]]
+                   for batch in self._batches([encoded[i] for i in rows])]
+        network, network_lora = None, None
+        for lora, rows in tqdm(batches, desc=pooling_task, unit="batch", disable=not use_tqdm or len(batches) < 2):
+            if network is None or lora != network_lora:
+                network, network_lora = self.network_for(lora), lora
+                network.eval()
             batch = [encoded[i] for i in rows]
             if pooling_task == "classify":
-                pooled = activate(last_logits(self.network, batch, self.pad_token_id))
-                for i, row in zip(rows, pooled.cpu(), strict=True):
-                    data[i] = row
+                scores = last_logits(network, batch, self.pad_token_id).cpu()
+                pooled = [scores[k] for k in range(len(rows))]
             else:
-                scores = self.network.logits(padded_hidden(self.network, batch, self.pad_token_id)).cpu()
-                for k, i in enumerate(rows):
-                    data[i] = scores[k, :len(encoded[i])]
+                scores = network.logits(padded_hidden(network, batch, self.pad_token_id)).cpu()
+                pooled = [scores[k, :len(encoded[i])] for k, i in enumerate(rows)]
+            activate = classify_activation(network)
+            for i, row in zip(rows, pooled, strict=True):
+                data[i] = activate(row) if activated[i] else row
         return [PoolingRequestOutput(str(next(self._ids)), PoolingOutput(d), ids) for d, ids in zip(data, encoded,
                                                                                                    strict=True)]
 
-    def classify(self, prompts: PromptsArg, *, use_tqdm: bool = True, lora_request: Any = None,
-                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
-        """vLLM's `LLM.classify`: each prompt's class probabilities (`outputs.probs`; one label: its sigmoid,
-        several: their softmax)."""
-        return [ClassificationRequestOutput.from_base(out) for out in
-                self.encode(prompts, pooling_task="classify", use_tqdm=use_tqdm, lora_request=lora_request,
-                            truncate_prompt_tokens=truncate_prompt_tokens)]
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """Whether a request may run with `lora_request` (None: the model itself), before any weight is read."""
+        if lora_request is None:
+            if not self.base_scores:
+                raise ValueError("lora_request: the model is a causal LM, whose head scores nothing; name one of its "
+                                 "SEQ_CLS adapters (lora_request, or the request's model)")
+        elif self.adapters is None:
+            raise ValueError("lora_request: adapters per request need LLM(..., runner='pooling', enable_lora=True) "
+                             "(or load the SEQ_CLS adapter itself as the model)")
+        else:
+            self.adapters.check(lora_request)
 
-    def reward(self, prompts: PromptsArg, *, use_tqdm: bool = True, lora_request: Any = None,
-               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
-        """vLLM's `LLM.reward`: each prompt's raw reward at every token (`outputs.data`, [tokens, num_labels])."""
-        return self.encode(prompts, pooling_task="token_classify", use_tqdm=use_tqdm, lora_request=lora_request,
-                           truncate_prompt_tokens=truncate_prompt_tokens)
+    def network_for(self, lora_request: LoRARequest | None) -> SequenceScorer:
+        """The scorer a request runs on: the model's, or with `enable_lora` the adapter's (`engine/pooling_loras.py`)."""
+        self.check_lora(lora_request)
+        return self.network if lora_request is None else self.adapters.scorer(lora_request)  # type: ignore[union-attr]
+
+    def classify(self, prompts: PromptsArg, *, pooling_params: PoolingParamsArg = None,
+                 truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+                 lora_request: LoRAArg = None) -> list[ClassificationRequestOutput]:
+        """vLLM's `LLM.classify`: each prompt's class probabilities (`outputs.probs`; one label: its sigmoid,
+        several: their softmax; the raw scores with `PoolingParams(use_activation=False)`)."""
+        return [ClassificationRequestOutput.from_base(out) for out in
+                self.encode(prompts, pooling_params, pooling_task="classify", use_tqdm=use_tqdm,
+                            lora_request=lora_request, truncate_prompt_tokens=truncate_prompt_tokens)]
+
+    def reward(self, prompts: PromptsArg, *, pooling_params: PoolingParamsArg = None,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+               lora_request: LoRAArg = None) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.reward`: each prompt's raw reward at every token (`outputs.data`, [tokens, num_labels];
+        through the activation with `PoolingParams(use_activation=True)`)."""
+        return self.encode(prompts, pooling_params, pooling_task="token_classify", use_tqdm=use_tqdm,
+                           lora_request=lora_request, truncate_prompt_tokens=truncate_prompt_tokens)
 
     def _generate_only(self, name: str) -> NoReturn:
         raise ValueError(f"LLM.{name}() is only supported for generative models; this LLM runs runner='pooling' "

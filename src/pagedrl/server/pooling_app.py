@@ -1,6 +1,7 @@
 """`pagedrl serve REWARD_FOLDER --runner pooling`: the pooling runner (`engine/pooling.py`) over HTTP, in
-vLLM's shapes: `POST /classify` (ClassificationRequest / ClassificationResponse) and `POST /pooling` (the
-raw reward of every token, PoolingResponse), `/v1/models`, `/health`, `/version`. The generating routes
+vLLM's shapes (`server/pooling_protocol.py`): `POST /classify` (ClassificationRequest / ClassificationResponse)
+and `POST /pooling` (the raw reward of every token, or its `task`'s output, PoolingResponse), each taking
+vLLM's PoolingParams fields, `/v1/models`, `/health`, `/version`. The generating routes
 answer 400 in vLLM's words ("The model does not support Completions API"), naming the runner.
 
 One request's prompts run as one batch (split by max_num_seqs and max_num_batched_tokens) on a worker
@@ -13,21 +14,30 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
-from pydantic import Field
 
 import pagedrl
+from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.pooling import PoolingLLM
 from pagedrl.engine.pooling_outputs import PoolingRequestOutput
 from pagedrl.server.delivery import json_response
 from pagedrl.server.errors import ApiError, bad_request, from_value_error, install_error_handlers, read_json
-from pagedrl.server.protocol import OpenAIBase
+from pagedrl.server.pooling_protocol import (
+    ClassificationData,
+    ClassificationRequest,
+    ClassificationResponse,
+    PoolingParamsFields,
+    PoolingRequest,
+    PoolingResponse,
+    PoolingResponseData,
+    encoded_data,
+)
 from pagedrl.server.request_ids import base_request_id
-from pagedrl.server.response_bodies import ModelCard, ModelList, UsageInfo, VersionResponse, now_s
-from pagedrl.server.served_models import ServedModels
+from pagedrl.server.response_bodies import ModelCard, ModelList, UsageInfo, VersionResponse
+from pagedrl.server.served_models import LoRAModule, ServedModels, parse_lora_module
 
 logger = logging.getLogger("pagedrl.server")
 # vLLM's answers on a server whose model does not generate, with the runner named
@@ -35,56 +45,10 @@ NOT_GENERATING = {"completions": "Completions API", "chat/completions": "Chat Co
                   "responses": "Responses API"}
 
 
-class ClassificationRequest(OpenAIBase):
-    model: str | None = None
-    input: list[str] | str
-    truncate_prompt_tokens: int | None = None
-    user: str | None = None
-    activation: bool | None = None  # False: the raw scores (vLLM's PoolingParams field)
-
-
-class ClassificationData(OpenAIBase):
-    index: int
-    label: str | None
-    probs: list[float]
-    num_classes: int
-
-
-class ClassificationResponse(OpenAIBase):
-    id: str
-    object: str = "list"
-    created: int = Field(default_factory=now_s)
-    model: str
-    data: list[ClassificationData]
-    usage: UsageInfo
-
-
-class PoolingRequest(OpenAIBase):
-    model: str | None = None
-    input: list[int] | list[list[int]] | str | list[str]
-    encoding_format: Literal["float"] = "float"
-    truncate_prompt_tokens: int | None = None
-    user: str | None = None
-
-
-class PoolingResponseData(OpenAIBase):
-    index: int
-    object: str = "pooling"
-    data: list[list[float]] | list[float]
-
-
-class PoolingResponse(OpenAIBase):
-    id: str
-    object: str = "list"
-    created: int = Field(default_factory=now_s)
-    model: str
-    data: list[PoolingResponseData]
-    usage: UsageInfo
-
-
-def label_of(llm: PoolingLLM, index: int) -> str | None:
-    """The config's id2label name of a class (transformers writes its keys as strings)."""
-    id2label = llm.network.config.extra.get("id2label") or {}
+def label_of(llm: PoolingLLM, index: int, lora: LoRARequest | None = None) -> str | None:
+    """The config's id2label name of a class (transformers writes its keys as strings), of the model or the
+    adapter the request named."""
+    id2label = llm.network_for(lora).config.extra.get("id2label") or {}
     return id2label.get(str(index), id2label.get(index))  # type: ignore[call-overload]
 
 
@@ -94,9 +58,14 @@ def usage_of(outputs: Sequence[PoolingRequestOutput]) -> UsageInfo:
 
 
 def build_pooling_app(llm: PoolingLLM, *, served_model_name: str | Sequence[str], model_root: str | None = None,
-                      api_key: str | None = None, max_request_body_bytes: int = 8 << 20) -> FastAPI:
-    """The app over `llm`; with `api_key`, every route but /health, /ping and /version asks for it."""
-    served = ServedModels(served_model_name)
+                      api_key: str | None = None, max_request_body_bytes: int = 8 << 20,
+                      lora_modules: Sequence[LoRAModule] = ()) -> FastAPI:
+    """The app over `llm`; with `api_key`, every route but /health, /ping and /version asks for it. On an `llm`
+    built with `enable_lora`, each of `lora_modules` (SEQ_CLS adapters) is served under its name, which a
+    request's `model` picks (one that does not fit raises ValueError here)."""
+    served = ServedModels(served_model_name, read=llm.adapters.scorer if llm.adapters is not None else None)
+    for module in lora_modules:
+        served.load(module)
     app = FastAPI(title="pagedrl (pooling)")
     app.state.served = served
     busy = asyncio.Lock()
@@ -109,33 +78,35 @@ def build_pooling_app(llm: PoolingLLM, *, served_model_name: str | Sequence[str]
             raise ApiError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    async def run(prompts: Any, task: str, truncate: int | None, activation: bool = True) -> list:
+    async def run(prompts: Any, task: str, fields: PoolingParamsFields, lora: LoRARequest | None) -> list:
         try:
+            params = fields.to_pooling_params()
             async with busy:
-                return await asyncio.to_thread(llm.encode, prompts, pooling_task=task, use_tqdm=False,
-                                               truncate_prompt_tokens=truncate, activation=activation)
+                return await asyncio.to_thread(llm.encode, prompts, params, pooling_task=task, use_tqdm=False,
+                                               lora_request=lora)
         except ValueError as e:
-            raise from_value_error(e) from None
+            raise from_value_error(e, {"pooling_task": "task", "lora_request": "model"}) from None
 
     guarded = APIRouter(dependencies=[Depends(check_api_key)])
 
     @guarded.get("/v1/models", response_model=ModelList)
     async def models() -> Response:
-        return json_response(ModelList(data=[ModelCard(id=name, root=model_root, max_model_len=llm.max_model_len)
-                                             for name in served.base_names]))
+        bases = [ModelCard(id=name, root=model_root, max_model_len=llm.max_model_len) for name in served.base_names]
+        adapters = [ModelCard(id=lora.lora_name, root=lora.lora_path, parent=lora.base_model_name or served.base_name,
+                              max_model_len=llm.max_model_len) for lora in served.adapters.values()]
+        return json_response(ModelList(data=[*bases, *adapters]))
 
     @guarded.post("/classify", response_model=ClassificationResponse)
     async def classify(request: Request) -> Response:
         req = await read_json(request, ClassificationRequest, max_request_body_bytes)
-        served.resolve(req.model)
+        lora = served.resolve(req.model)
         if req.input == "" or (isinstance(req.input, list) and "" in req.input):
             raise bad_request("Input cannot be empty for classification", param="input")
-        outputs = await run(req.input, "classify", req.truncate_prompt_tokens, req.activation is not False) \
-            if req.input else []
+        outputs = await run(req.input, "classify", req, lora) if req.input else []
         data = []
         for i, out in enumerate(outputs):
             probs = out.outputs.data.tolist()
-            data.append(ClassificationData(index=i, label=label_of(llm, max(range(len(probs)), key=probs.__getitem__)),
+            data.append(ClassificationData(index=i, label=label_of(llm, max(range(len(probs)), key=probs.__getitem__), lora),
                                            probs=probs, num_classes=len(probs)))
         return json_response(ClassificationResponse(id=f"classify-{base_request_id(request, None)}",
                                                     model=req.model or served.base_name, data=data,
@@ -144,11 +115,12 @@ def build_pooling_app(llm: PoolingLLM, *, served_model_name: str | Sequence[str]
     @guarded.post("/pooling", response_model=PoolingResponse)
     async def pooling(request: Request) -> Response:
         req = await read_json(request, PoolingRequest, max_request_body_bytes)
-        served.resolve(req.model)
+        lora = served.resolve(req.model)
         if not req.input:
             raise bad_request("Input cannot be empty", param="input")
-        outputs = await run(req.input, "token_classify", req.truncate_prompt_tokens)
-        data = [PoolingResponseData(index=i, data=out.outputs.data.tolist()) for i, out in enumerate(outputs)]
+        outputs = await run(req.input, req.task or "token_classify", req, lora)
+        data = [PoolingResponseData(index=i, data=encoded_data(out.outputs.data, req.encoding_format, req.endianness))
+                for i, out in enumerate(outputs)]
         return json_response(PoolingResponse(id=f"pool-{base_request_id(request, None)}",
                                              model=req.model or served.base_name, data=data,
                                              usage=usage_of(outputs)))
@@ -182,10 +154,14 @@ def build_pooling_server(args: argparse.Namespace, engine_args: Any) -> Any:
     from pagedrl.engine.pooling import PoolingLLM
     from pagedrl.server.serve import uvicorn_options
 
+    if args.allow_runtime_lora_updating:
+        raise ValueError("--allow-runtime-lora-updating: the pooling runner serves the adapters named at start-up "
+                         "(--lora-modules); /v1/load_lora_adapter is not served")
     llm = PoolingLLM(**vars(engine_args))
     names = args.served_model_name or [args.adapter or args.model]
     app = build_pooling_app(llm, served_model_name=names, model_root=str(args.adapter or args.model),
-                            api_key=args.api_key or None, max_request_body_bytes=args.max_request_body_bytes)
+                            api_key=args.api_key or None, max_request_body_bytes=args.max_request_body_bytes,
+                            lora_modules=[parse_lora_module(m) for m in args.lora_modules])
     logger.info("serving %s with the pooling runner: POST /classify and /pooling (max_model_len %d)", names[0],
                 llm.max_model_len)
     return uvicorn.Server(uvicorn.Config(app, **uvicorn_options(args)))
