@@ -43,6 +43,7 @@ M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -2, -3, -4  # ma
 MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for it on 64-bit: larger values are refused
 NEVER_TRIM = -1  # "disables trimming completely" (mallopt(3))
 TOP_PAD = 64 << 20  # the heap grows 64 MB beyond a request: fewer brk calls
+POOL_THRESHOLD = 256 << 10  # a trainer's tensors of this size or more live in the large-block pool
 
 
 @functools.cache
@@ -64,4 +65,21 @@ def keep_freed_memory(every_block: bool = False) -> bool:
     done = all(mallopt(param, value) == 1 for param, value in settings)
     if not done:
         logger.warning("glibc refused the allocator settings; freed memory goes back to the kernel")
+    elif every_block:
+        pool_large_blocks()
     return done
+
+
+def pool_large_blocks() -> bool:
+    """Whether a trainer's blocks of `POOL_THRESHOLD` bytes or more now come from a heap of their own
+    (`csrc/block_pool.cpp`, within address space of twice the machine's memory); needs the C++
+    kernels (otherwise glibc's heap serves them as before); `PAGEDRL_BLOCK_POOL=0` leaves them there."""
+    from pagedrl.kernels import ops
+
+    if os.environ.get("PAGEDRL_BLOCK_POOL", "").strip().lower() in {"0", "false", "no", "off"} or not ops.available():
+        return False
+    reserve = 2 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if not ops.install_block_pool(POOL_THRESHOLD, reserve):
+        logger.warning("no address space for the large-block pool; large tensors share glibc's heap")
+        return False
+    return True

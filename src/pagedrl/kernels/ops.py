@@ -52,7 +52,7 @@ _OPS = torch.ops.pagedrl_cpu
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in (
     "paged_attention.cpp", "prefill_tiles.cpp", "decode_linear.cpp", "pair_linear.cpp", "rowwise.cpp", "float_linear.cpp",
-    "float_gemm.cpp", "gguf_linear.cpp", "gguf_int8_dot.cpp", "threads.cpp", "decode_layers.cpp")]
+    "float_gemm.cpp", "gguf_linear.cpp", "gguf_int8_dot.cpp", "threads.cpp", "decode_layers.cpp", "block_pool.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_math.h", "attention_rows.h", "attention_f32.h",
                                                      "prefill_tiles_f32.h", "float_lanes.h", "gguf_blocks.h", "gguf_int8_groups.h", "gguf_int8_row.h",
                                                      "gguf_int8_rows8.h", "gguf_int8_types.h",
@@ -355,3 +355,16 @@ def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def bind_threads(cores: list[int]) -> list[bool]:
     """Pin the intra-op pool's thread i to cores[i] (`csrc/threads.cpp`); whether each one took."""
     return [bool(done) for done in _OPS.bind_threads(cores)]
+
+
+def install_block_pool(threshold: int, reserve: int) -> bool:
+    """Torch's CPU allocator serves blocks of `threshold` bytes or more from a heap of their own
+    (`csrc/block_pool.cpp`), within `reserve` bytes of address space; whether it is installed."""
+    return bool(_OPS.install_block_pool(threshold, reserve))
+
+
+def block_pool_stats() -> dict[str, int]:
+    """The pool's bytes handed out, free below its top, up to its top and its highest top (what the
+    process touched), and made writable; empty when not installed."""
+    values = list(_OPS.block_pool_stats()) if available() else []
+    return dict(zip(("in_use", "free", "top", "peak", "writable"), values, strict=True)) if values else {}
