@@ -60,6 +60,9 @@ class BlockPool final : public c10::Allocator {
 
   void copy_data(void* dest, const void* src, size_t count) const override { default_copy_data(dest, src, count); }
 
+  // For `raw_allocate`'s callers (oneDNN's scratch space among them): a pointer from either heap.
+  c10::DeleterFnPtr raw_deleter() const override { return &BlockPool::release; }
+
   // bytes in blocks handed out, bytes free below the top, the top's offset and its highest, bytes made
   // writable
   std::vector<int64_t> stats() {
@@ -73,7 +76,14 @@ class BlockPool final : public c10::Allocator {
   static BlockPool* instance;
 
  private:
-  static void release(void* p) { instance->give_back(reinterpret_cast<uintptr_t>(p)); }
+  static void release(void* p) {
+    const auto addr = reinterpret_cast<uintptr_t>(p);
+    if (addr >= instance->base_ && addr < instance->end_) {
+      instance->give_back(addr);
+    } else if (p != nullptr) {
+      instance->fallback_->raw_deleter()(p);  // one the allocator before handed out
+    }
+  }
 
   // The smallest free block that holds `size` (the lowest address among equals), split; else the top.
   void* take(size_t size) {
