@@ -22,6 +22,7 @@ from pagedrl.model.heads import load_sequence_scorer
 from pagedrl.model.lora import LoRAConfig, apply_lora
 from pagedrl.model.merge import merge_adapter
 from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.server.serve import build_parser, build_server
 
 TEXTS = ["the cat sat", "hello there, world", "a"]
 ATOL = 1e-5  # float32 on both sides, on the CPU
@@ -147,9 +148,14 @@ def test_the_server_serves_adapters_by_model_name(adapters, tiny_train_model, tm
         assert missing.status_code == 404 and "'a1', 'a2'" in missing.json()["error"]["message"]
 
 
-def test_runtime_adapter_loading_is_refused_at_start_up(tiny_train_model, tmp_path) -> None:
-    with pytest.raises(RuntimeError, match=r"--allow-runtime-lora-updating: the pooling runner serves the adapters "
-                                           r"named at start-up"):
-        with running_server(tiny_train_model, tmp_path, "--runner", "pooling", "--device", "cpu", "--enable-lora",
-                            "--allow-runtime-lora-updating"):
-            pass
+def test_runtime_adapter_loading_is_refused_only_with_lora(adapters, tiny_train_model, monkeypatch) -> None:
+    """$VLLM_ALLOW_RUNTIME_LORA_UPDATING (the default of --allow-runtime-lora-updating) set for another
+    server does not stop one without --enable-lora; with LoRA the flag is refused by name."""
+    (a1, _), _ = adapters
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    options = ["--runner", "pooling", "--device", "cpu", "--max-model-len", "32"]
+    server = build_server(build_parser().parse_args([str(a1), *options]))
+    assert server.config.app.state.served.lora_enabled is False
+    with pytest.raises(ValueError, match=r"^--allow-runtime-lora-updating: the pooling runner serves the adapters "
+                                         r"named at start-up"):
+        build_server(build_parser().parse_args([str(tiny_train_model), *options, "--enable-lora"]))

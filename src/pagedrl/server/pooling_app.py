@@ -154,7 +154,9 @@ def build_pooling_server(args: argparse.Namespace, engine_args: Any) -> Any:
     from pagedrl.engine.pooling import PoolingLLM
     from pagedrl.server.serve import uvicorn_options
 
-    if args.allow_runtime_lora_updating:
+    # Without --enable-lora the flag (or $VLLM_ALLOW_RUNTIME_LORA_UPDATING, its default) serves nothing, as on
+    # the generating server; with it, the adapters are the start-up ones only
+    if args.allow_runtime_lora_updating and engine_args.enable_lora:
         raise ValueError("--allow-runtime-lora-updating: the pooling runner serves the adapters named at start-up "
                          "(--lora-modules); /v1/load_lora_adapter is not served")
     llm = PoolingLLM(**vars(engine_args))
