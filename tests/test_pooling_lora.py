@@ -4,8 +4,10 @@ writes of base and adapter."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
+import weakref
 from pathlib import Path
 
 import httpx
@@ -15,6 +17,7 @@ from server_process import running_server
 from test_pooling_heads import mistral_classifier
 from tiny import randomise_adapter
 
+from pagedrl.engine import pooling_loras
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.model.adapter import save_adapter
@@ -100,6 +103,46 @@ def test_adapters_per_prompt_score_as_their_merged_folders(adapters, tiny_train_
                           want["a1"], atol=ATOL)
     with pytest.raises(ValueError, match=r"^lora_request: adapters per request need LLM\(.*enable_lora=True\)"):
         plain.classify(TEXTS, lora_request=r1, use_tqdm=False)
+
+
+def counted_folds(monkeypatch: pytest.MonkeyPatch) -> tuple[list[weakref.ref], list[int]]:
+    """Each folded copy (a weak reference) and, at each fold, how many earlier copies were alive."""
+    made: list[weakref.ref] = []
+    alive_at_fold: list[int] = []
+    fold = pooling_loras.merged_scorer
+
+    def counting(*args, **kwargs):
+        gc.collect()
+        alive_at_fold.append(sum(ref() is not None for ref in made))
+        assert kwargs["device"] == "cpu"  # folded on the CPU, only the result moved to the engine's device
+        scorer = fold(*args, **kwargs)
+        made.append(weakref.ref(scorer))
+        return scorer
+
+    monkeypatch.setattr(pooling_loras, "merged_scorer", counting)
+    return made, alive_at_fold
+
+
+def test_the_least_recently_used_copy_is_dropped_before_a_fold(adapters, tiny_train_model, monkeypatch) -> None:
+    """With max_loras=1 the device holds one merged copy at most, even while the next is folded (the cache
+    and encode's own reference both let the old one go first); max_cpu_loras keeps more."""
+    (a1, _), (a2, _) = adapters
+    r1, r2 = LoRARequest("a1", 1, str(a1)), LoRARequest("a2", 2, str(a2))
+    made, alive_at_fold = counted_folds(monkeypatch)
+    llm = LLM(str(tiny_train_model), runner="pooling", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8)
+    assert all(p.is_meta for p in llm.network.parameters())  # the causal LM base: its config read, no weights
+    llm.classify(TEXTS, lora_request=r1, use_tqdm=False)
+    llm.classify(TEXTS, lora_request=[r1, r2, r1], use_tqdm=False)  # a1 held by the call when a2 comes
+    assert len(made) == 2 and alive_at_fold == [0, 0]
+    gc.collect()
+    assert [ref() is not None for ref in made] == [False, True]  # the evicted copy is freed
+
+    made.clear(), alive_at_fold.clear()
+    kept = LLM(str(tiny_train_model), runner="pooling", device="cpu", enable_lora=True, max_loras=1,
+               max_cpu_loras=2, max_lora_rank=8)
+    for lora in (r1, r2, r1, r2):
+        kept.classify(TEXTS, lora_request=lora, use_tqdm=False)
+    assert len(made) == 2 and alive_at_fold == [0, 1]  # both kept: each folded once
 
 
 def test_a_classifier_base_answers_beside_its_adapters(tiny_train_model, adapters, tmp_path) -> None:

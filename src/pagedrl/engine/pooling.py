@@ -42,10 +42,11 @@ from pagedrl.engine.pooling_params import PoolingParams, params_per_prompt
 from pagedrl.engine.pooling_runner import is_classifier_folder
 from pagedrl.engine.prompt_inputs import Prompt, as_prompt, engine_args_from
 from pagedrl.engine.request_checks import encode_prompt
-from pagedrl.model.heads import SequenceScorer, last_logits, load_sequence_scorer, padded_hidden
+from pagedrl.model.heads import SequenceScorer, last_logits, padded_hidden
 from pagedrl.model.merge import load_reward_model, merged_scorer
 from pagedrl.model.precision import resolve_dtype
 from pagedrl.model.resolve import adapter_base, resolve_model_path
+from pagedrl.model.scorer_skeleton import scorer_skeleton
 from pagedrl.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -114,10 +115,10 @@ class PoolingLLM:
                 self.adapters = PoolingAdapters(path, device, self.precision.dtype, config.max_loras,
                                                 config.max_lora_rank, config.max_cpu_loras)
                 self.base_scores = is_classifier_folder(path)
+            # a causal LM base scores only through its adapters' copies: of it only the config is read (a
+            # skeleton on the meta device, holding no weights)
             self.network = load_reward_model(path, device=device, dtype=self.precision.dtype, float_head=True,
-                                             any_labels=True) if self.base_scores else \
-                load_sequence_scorer(path, device=device, dtype=self.precision.dtype, float_head=True,
-                                     generator=torch.Generator().manual_seed(0))
+                                             any_labels=True) if self.base_scores else scorer_skeleton(path)
             folders = [path]
         if tokenizer is None:
             found = [f for f in folders if (f / "tokenizer.json").is_file()]
@@ -214,6 +215,7 @@ class PoolingLLM:
         network, network_lora = None, None
         for lora, rows in tqdm(batches, desc=pooling_task, unit="batch", disable=not use_tqdm or len(batches) < 2):
             if network is None or lora != network_lora:
+                network = None  # the last adapter's copy may be dropped before this one is folded
                 network, network_lora = self.network_for(lora), lora
                 network.eval()
             batch = [encoded[i] for i in rows]
