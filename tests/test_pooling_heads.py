@@ -120,7 +120,7 @@ def test_a_classifier_of_several_labels_is_classified_as_transformers_classifies
     assert torch.allclose(got, want, atol=ATOL) and len(set(want.argmax(-1).tolist())) > 1
     reward = llm.reward(prompts[:1], use_tqdm=False)[0].outputs.data
     assert reward.shape == (20, 3) and torch.allclose(reward[-1], logits[0], atol=ATOL)
-    assert [label_of(llm, i) for i in range(3)] == ["negative", "neutral", "positive"]  # /classify's labels
+    assert [label_of(llm.id2label(), i) for i in range(3)] == ["negative", "neutral", "positive"]  # /classify's labels
     body = TestClient(build_pooling_app(llm, served_model_name="m")).post("/pooling", json={"input": prompts}).json()
     assert torch.allclose(torch.tensor(body["data"][0]["data"]), reward, atol=ATOL)
     with pytest.raises(CheckpointError, match="has 3 labels; a reward model has one"):

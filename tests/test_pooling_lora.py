@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import shutil
 import weakref
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from fastapi.testclient import TestClient
 from server_process import running_server
 from test_pooling_heads import mistral_classifier
 from tiny import randomise_adapter
@@ -25,7 +27,9 @@ from pagedrl.model.heads import load_sequence_scorer
 from pagedrl.model.lora import LoRAConfig, apply_lora
 from pagedrl.model.merge import merge_adapter
 from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.server.pooling_app import build_pooling_app
 from pagedrl.server.serve import build_parser, build_server
+from pagedrl.server.served_models import LoRAModule
 
 TEXTS = ["the cat sat", "hello there, world", "a"]
 ATOL = 1e-5  # float32 on both sides, on the CPU
@@ -46,6 +50,14 @@ def seq_cls_adapter(base: Path, folder: Path, seed: int) -> tuple[Path, torch.nn
     merged = merge_adapter(base, folder / "adapter", folder / "merged")
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(merged), dtype=torch.float32).eval()
     return folder / "adapter", hf
+
+
+def misfit_adapter(tmp_path: Path) -> Path:
+    """A SEQ_CLS adapter on `up_proj` of a 128-wide MLP, where the tiny model's is 96 wide."""
+    mistral_classifier(tmp_path / "other")
+    other = load_sequence_scorer(tmp_path / "other")
+    apply_lora(other, LoRAConfig(r=4, task_type="SEQ_CLS", target_modules=["up_proj"], modules_to_save=["score"]))
+    return save_adapter(other, tmp_path / "other-adapter")
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +101,9 @@ def test_adapters_per_prompt_score_as_their_merged_folders(adapters, tiny_train_
     with pytest.raises(ValueError, match=r"^lora_request: adapter 'c' is a CAUSAL_LM adapter; the pooling runner "
                                          r"serves SEQ_CLS"):
         llm.classify(TEXTS, lora_request=LoRARequest("c", 3, str(causal)), use_tqdm=False)
-    mistral_classifier(tmp_path / "other")  # a 128-wide MLP, where the tiny model's is 96 wide
-    other = load_sequence_scorer(tmp_path / "other")
-    apply_lora(other, LoRAConfig(r=4, task_type="SEQ_CLS", target_modules=["up_proj"], modules_to_save=["score"]))
-    save_adapter(other, tmp_path / "other-adapter")
+    misfit = misfit_adapter(tmp_path)
     with pytest.raises(ValueError, match=r"^lora_request: adapter 'o' does not fit the base .*up_proj"):
-        llm.classify(TEXTS, lora_request=LoRARequest("o", 4, str(tmp_path / "other-adapter")), use_tqdm=False)
+        llm.classify(TEXTS, lora_request=LoRARequest("o", 4, str(misfit)), use_tqdm=False)
     narrow = LLM(str(tiny_train_model), runner="pooling", device="cpu", enable_lora=True, max_lora_rank=2)
     with pytest.raises(ValueError, match=r"^lora_request: adapter 'a1' has rank 4, above max_lora_rank 2"):
         narrow.classify(TEXTS, lora_request=r1, use_tqdm=False)
@@ -143,6 +152,39 @@ def test_the_least_recently_used_copy_is_dropped_before_a_fold(adapters, tiny_tr
     for lora in (r1, r2, r1, r2):
         kept.classify(TEXTS, lora_request=lora, use_tqdm=False)
     assert len(made) == 2 and alive_at_fold == [0, 1]  # both kept: each folded once
+
+
+def test_start_up_checks_adapters_without_folding_them(adapters, tiny_train_model, tmp_path, monkeypatch,
+                                                      caplog) -> None:
+    """`--lora-modules` are checked (config, tensor shapes) at start-up, not folded; more of them than the
+    copies kept is a warning. A /classify response's labels then read no adapter config per prompt."""
+    (a1, _), (a2, _) = adapters
+    made, _ = counted_folds(monkeypatch)
+    llm = LLM(str(tiny_train_model), runner="pooling", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8)
+    with caplog.at_level(logging.WARNING, logger="pagedrl.server"):
+        build_pooling_app(llm, served_model_name="base", lora_modules=[LoRAModule("a1", str(a1)),
+                                                                       LoRAModule("a2", str(a2))])
+    assert made == []
+    assert "2 --lora-modules and 1 folded copies kept" in caplog.text
+    misfit = misfit_adapter(tmp_path)
+    with pytest.raises(ValueError, match=r"^lora_request: adapter 'o' does not fit the base .*up_proj"):
+        build_pooling_app(llm, served_model_name="base", lora_modules=[LoRAModule("o", str(misfit))])
+    assert made == []
+
+    # a response's labels come from memory: as many adapter configs read for three prompts as for one
+    app = build_pooling_app(llm, served_model_name="base", lora_modules=[LoRAModule("a1", str(a1))])
+    reads = []
+    read = pooling_loras.read_adapter_config
+    monkeypatch.setattr(pooling_loras, "read_adapter_config", lambda folder: reads.append(folder) or read(folder))
+    with TestClient(app) as client:
+        def reads_of(body: dict) -> int:
+            reads.clear()
+            data = client.post("/classify", json=body).json()["data"]
+            assert [d["label"] for d in data] == ["LABEL_0"] * len(body["input"])
+            return len(reads)
+
+        reads_of({"model": "a1", "input": TEXTS[:1]})  # folds a1
+        assert reads_of({"model": "a1", "input": TEXTS}) == reads_of({"model": "a1", "input": TEXTS[:1]})
 
 
 def test_a_classifier_base_answers_beside_its_adapters(tiny_train_model, adapters, tmp_path) -> None:

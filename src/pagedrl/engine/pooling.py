@@ -248,6 +248,13 @@ class PoolingLLM:
         self.check_lora(lora_request)
         return self.network if lora_request is None else self.adapters.scorer(lora_request)  # type: ignore[union-attr]
 
+    def id2label(self, lora_request: LoRARequest | None = None) -> dict:
+        """The config's id2label of the model or of the adapter (transformers writes its keys as strings),
+        held in memory: a response names its labels without reading a file."""
+        if lora_request is None or self.adapters is None:
+            return self.network.config.extra.get("id2label") or {}
+        return self.adapters.id2label(lora_request)
+
     def classify(self, prompts: PromptsArg, *, pooling_params: PoolingParamsArg = None,
                  truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
                  lora_request: LoRAArg = None) -> list[ClassificationRequestOutput]:

@@ -41,6 +41,8 @@ class PoolingAdapters:
         self.base, self.device, self.dtype, self.max_lora_rank = base, device, dtype, max_lora_rank
         self.capacity = max(max_loras, max_cpu_loras or 0)
         self._scorers: OrderedDict[int, SequenceScorer] = OrderedDict()
+        # each folded adapter's id2label, kept after its copy is dropped: a response's labels read no file
+        self._labels: dict[int, dict] = {}
 
     def check(self, lora: LoRARequest) -> None:
         """Read the adapter's config: a SEQ_CLS adapter within max_lora_rank, or a ValueError naming it and
@@ -82,7 +84,15 @@ class PoolingAdapters:
             raise ValueError(f"lora_request: adapter {lora.lora_name!r} does not fit the base {self.base}: {e}") \
                 from None
         self._scorers[lora.lora_int_id] = scorer
+        self._labels[lora.lora_int_id] = dict(scorer.config.extra.get("id2label") or {})
         return scorer
+
+    def id2label(self, lora: LoRARequest) -> dict:
+        """The adapter's config's id2label (its keys as transformers writes them, strings), read when it was
+        folded; folded now if it never was."""
+        if lora.lora_int_id not in self._labels:
+            self.scorer(lora)
+        return self._labels[lora.lora_int_id]
 
 def loras_per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
                      num_prompts: int) -> list[LoRARequest | None]:
