@@ -228,7 +228,7 @@ def test_the_server_serves_adapters_by_model_name(adapters, tiny_train_model, tm
             assert torch.allclose(torch.tensor(pooled), hf_scores(hf, ids[1]), atol=ATOL)
         base = post("/classify", {"input": TEXTS})
         assert base.status_code == 400 and base.json()["error"]["param"] == "model"
-        assert "causal LM, whose head scores nothing" in base.json()["error"]["message"]
+        assert base.json()["error"]["message"].startswith("model: the model is a causal LM, whose head scores nothing")
         missing = post("/pooling", {"model": "a3", "input": TEXTS})
         assert missing.status_code == 404 and "'a1', 'a2'" in missing.json()["error"]["message"]
 

@@ -99,7 +99,7 @@ def test_pooling_params_that_do_not_apply_are_refused_by_name(three_labels) -> N
         llm.classify(PROMPTS, pooling_params={"use_activation": False}, use_tqdm=False)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^truncate_prompt_tokens: given as 4 and as pooling_params.truncate_prompt"):
         llm.classify(PROMPTS, pooling_params=PoolingParams(truncate_prompt_tokens=3), truncate_prompt_tokens=4)
-    with pytest.raises(ValueError, match=r"truncate_prompt_tokens: 33 is greater than .* \(32 tokens\)"):
+    with pytest.raises(ValueError, match=r"^truncate_prompt_tokens: 33 is greater than .* \(32 tokens\)"):
         llm.classify(PROMPTS, pooling_params=PoolingParams(truncate_prompt_tokens=33), use_tqdm=False)
     with pytest.raises(TypeError):
         PoolingParams(False)  # type: ignore[misc]  # keywords only, as vLLM's

@@ -167,7 +167,8 @@ class PoolingLLM:
         if truncate_prompt_tokens is None:
             return None
         if type(truncate_prompt_tokens) is not int or truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1:
-            raise ValueError(f"truncate_prompt_tokens: must be a positive integer or -1, got {truncate_prompt_tokens!r}")
+            raise ValueError("truncate_prompt_tokens: must be a positive integer or -1, got "
+                             f"{truncate_prompt_tokens!r}")
         if truncate_prompt_tokens > self.max_model_len:
             # vLLM's check, in words that do not read as a prompt too long
             raise ValueError(f"truncate_prompt_tokens: {truncate_prompt_tokens} is greater than the model's maximum "
@@ -244,7 +245,8 @@ class PoolingLLM:
             self.adapters.check(lora_request)
 
     def network_for(self, lora_request: LoRARequest | None) -> SequenceScorer:
-        """The scorer a request runs on: the model's, or with `enable_lora` the adapter's (`engine/pooling_loras.py`)."""
+        """The scorer a request runs on: the model's, or with `enable_lora` the adapter's
+        (`engine/pooling_loras.py`)."""
         self.check_lora(lora_request)
         return self.network if lora_request is None else self.adapters.scorer(lora_request)  # type: ignore[union-attr]
 

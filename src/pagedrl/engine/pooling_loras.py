@@ -34,7 +34,8 @@ from pagedrl.model.scorer_skeleton import check_adapter_fits
 
 
 class PoolingAdapters:
-    """The folded scorers of the adapters in use, by `lora_int_id`, least recently used dropped first."""
+    """The folded scorers of the adapters in use, by `lora_int_id`, least recently used dropped first. It holds
+    no lock: the server calls it from one request at a time (its busy lock), an offline LLM from its caller."""
 
     def __init__(self, base: Path, device: torch.device, dtype: torch.dtype, max_loras: int, max_lora_rank: int,
                  max_cpu_loras: int | None = None) -> None:

@@ -85,7 +85,7 @@ def build_pooling_app(llm: PoolingLLM, *, served_model_name: str | Sequence[str]
                        len(lora_modules), llm.adapters.capacity)
     app = FastAPI(title="pagedrl (pooling)")
     app.state.served = served
-    busy = asyncio.Lock()
+    busy = asyncio.Lock()  # one request at a time: the runner and its adapters' copies hold no lock of their own
 
     install_error_handlers(app)
 
