@@ -169,6 +169,11 @@ def test_start_up_checks_adapters_without_folding_them(adapters, tiny_train_mode
     misfit = misfit_adapter(tmp_path)
     with pytest.raises(ValueError, match=r"^lora_request: adapter 'o' does not fit the base .*up_proj"):
         build_pooling_app(llm, served_model_name="base", lora_modules=[LoRAModule("o", str(misfit))])
+    mistral_classifier(tmp_path / "three", num_labels=3)  # the adapter's shapes, a head of three labels
+    three = LLM(str(tmp_path / "three"), runner="pooling", device="cpu", enable_lora=True, max_lora_rank=8)
+    with pytest.raises(ValueError, match=r"^lora_request: adapter 'o' does not fit the base .*has 3 labels; a reward "
+                                         r"model has one"):
+        build_pooling_app(three, served_model_name="three", lora_modules=[LoRAModule("o", str(misfit))])
     assert made == []
 
     # a response's labels come from memory: as many adapter configs read for three prompts as for one

@@ -44,5 +44,10 @@ def check_adapter_fits(base: str | Path | None, adapter: str | Path) -> None:
     (a LoRA critic's reward model) is checked when it is folded."""
     adapter = resolve_model_path(adapter)
     base_path = adapter_base(adapter, base)
-    if not is_adapter_folder(base_path):
-        load_adapter(scorer_skeleton(base_path), adapter)
+    if is_adapter_folder(base_path):
+        return
+    skeleton = scorer_skeleton(base_path)
+    if skeleton.score.out_features != 1:  # `merged_scorer` loads a base of one label, as the trainers do
+        raise CheckpointError(f"{base_path}: {SCORE_WEIGHT!r} has {skeleton.score.out_features} labels; a reward "
+                              "model has one (num_labels=1)")
+    load_adapter(skeleton, adapter)
