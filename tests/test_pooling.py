@@ -97,23 +97,26 @@ def test_each_runner_refuses_the_others_calls(classifier, tiny_train_model) -> N
     folder, _ = classifier
     llm = LLM(str(folder), runner="pooling", device="cpu", max_model_len=16)
     for call in (lambda: llm.generate("hi"), lambda: llm.chat([{"role": "user", "content": "hi"}])):
-        with pytest.raises(ValueError, match=r"only supported for generative models; .*use classify\(\) or reward"):
+        with pytest.raises(ValueError, match=r"^LLM\.\w+\(\) is only supported for generative models; "
+                                             r".*use classify\(\) or reward"):
             call()
-    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt is empty"):
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: prompt is empty"):
         llm.classify(["ok", ""])
-    with pytest.raises(ValueError, match=r"maximum context length is 16 tokens \(max_model_len\)"):
+    with pytest.raises(ValueError, match=r"^prompts\[0\]: This model's maximum context length is 16 tokens "
+                                         r"\(max_model_len\)"):
         llm.classify([list(range(5, 22))])
     assert len(llm.classify([list(range(5, 22))], truncate_prompt_tokens=16)[0].prompt_token_ids) == 16
-    with pytest.raises(ValueError, match="pooling_task: 'embed' is not one of classify, token_classify"):
+    with pytest.raises(ValueError, match="^pooling_task: 'embed' is not one of classify, token_classify"):
         llm.encode("hi", pooling_task="embed")
-    with pytest.raises(ValueError, match=r"pooling_task: 'encode' \(vLLM 0.10's default\) gives a classifier's hidden "
+    with pytest.raises(ValueError, match=r"^pooling_task: 'encode' \(vLLM 0.10's default\) gives a classifier's hidden "
                                          r"states, not its scores, .*use one of classify, token_classify"):
         llm.encode("hi", pooling_task="encode")
-    with pytest.raises(ValueError, match="runner: 'embed' is not one of auto, generate, pooling"):
+    with pytest.raises(ValueError, match="^runner: 'embed' is not one of auto, generate, pooling"):
         LLM(str(folder), runner="embed", device="cpu")
     generating = LLM(str(tiny_train_model), device="cpu", kv_cache_tokens=256)
     for name in ("classify", "reward", "encode"):
-        with pytest.raises(ValueError, match=rf"LLM.{name}\(\) is only supported for pooling models.*runner='pooling'"):
+        with pytest.raises(ValueError, match=rf"^LLM.{name}\(\) is only supported for pooling models.*"
+                                             r"runner='pooling'"):
             getattr(generating, name)(["hi"])
 
 
@@ -158,7 +161,8 @@ def test_server_classifies_as_transformers_and_refuses_generation(classifier, tm
         empty = post(server, "/classify", {"input": ""})
         assert empty.status_code == 400 and "cannot be empty" in empty.json()["error"]["message"]
         long = post(server, "/classify", {"input": "word " * 40})
-        assert long.status_code == 400 and "max_model_len" in long.json()["error"]["message"]
+        assert long.status_code == 400 and long.json()["error"]["param"] == "input"
+        assert long.json()["error"]["message"].startswith("input[0]: This model's maximum context length is 32 tokens")
         for path in ("/v1/completions", "/v1/chat/completions"):
             refused = post(server, path, {"model": str(folder), "prompt": "hi", "messages": []})
             assert refused.status_code == 400

@@ -4,17 +4,22 @@ writes of base and adapter."""
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import shutil
+import weakref
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from fastapi.testclient import TestClient
 from server_process import running_server
 from test_pooling_heads import mistral_classifier
 from tiny import randomise_adapter
 
+from pagedrl.engine import pooling_loras
 from pagedrl.engine.llm import LLM
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.model.adapter import save_adapter
@@ -22,6 +27,9 @@ from pagedrl.model.heads import load_sequence_scorer
 from pagedrl.model.lora import LoRAConfig, apply_lora
 from pagedrl.model.merge import merge_adapter
 from pagedrl.model.tokenizer import Tokenizer
+from pagedrl.server.pooling_app import build_pooling_app
+from pagedrl.server.serve import build_parser, build_server
+from pagedrl.server.served_models import LoRAModule
 
 TEXTS = ["the cat sat", "hello there, world", "a"]
 ATOL = 1e-5  # float32 on both sides, on the CPU
@@ -42,6 +50,14 @@ def seq_cls_adapter(base: Path, folder: Path, seed: int) -> tuple[Path, torch.nn
     merged = merge_adapter(base, folder / "adapter", folder / "merged")
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(merged), dtype=torch.float32).eval()
     return folder / "adapter", hf
+
+
+def misfit_adapter(tmp_path: Path) -> Path:
+    """A SEQ_CLS adapter on `up_proj` of a 128-wide MLP, where the tiny model's is 96 wide."""
+    mistral_classifier(tmp_path / "other")
+    other = load_sequence_scorer(tmp_path / "other")
+    apply_lora(other, LoRAConfig(r=4, task_type="SEQ_CLS", target_modules=["up_proj"], modules_to_save=["score"]))
+    return save_adapter(other, tmp_path / "other-adapter")
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +101,9 @@ def test_adapters_per_prompt_score_as_their_merged_folders(adapters, tiny_train_
     with pytest.raises(ValueError, match=r"^lora_request: adapter 'c' is a CAUSAL_LM adapter; the pooling runner "
                                          r"serves SEQ_CLS"):
         llm.classify(TEXTS, lora_request=LoRARequest("c", 3, str(causal)), use_tqdm=False)
-    mistral_classifier(tmp_path / "other")  # a 128-wide MLP, where the tiny model's is 96 wide
-    other = load_sequence_scorer(tmp_path / "other")
-    apply_lora(other, LoRAConfig(r=4, task_type="SEQ_CLS", target_modules=["up_proj"], modules_to_save=["score"]))
-    save_adapter(other, tmp_path / "other-adapter")
+    misfit = misfit_adapter(tmp_path)
     with pytest.raises(ValueError, match=r"^lora_request: adapter 'o' does not fit the base .*up_proj"):
-        llm.classify(TEXTS, lora_request=LoRARequest("o", 4, str(tmp_path / "other-adapter")), use_tqdm=False)
+        llm.classify(TEXTS, lora_request=LoRARequest("o", 4, str(misfit)), use_tqdm=False)
     narrow = LLM(str(tiny_train_model), runner="pooling", device="cpu", enable_lora=True, max_lora_rank=2)
     with pytest.raises(ValueError, match=r"^lora_request: adapter 'a1' has rank 4, above max_lora_rank 2"):
         narrow.classify(TEXTS, lora_request=r1, use_tqdm=False)
@@ -99,6 +112,84 @@ def test_adapters_per_prompt_score_as_their_merged_folders(adapters, tiny_train_
                           want["a1"], atol=ATOL)
     with pytest.raises(ValueError, match=r"^lora_request: adapters per request need LLM\(.*enable_lora=True\)"):
         plain.classify(TEXTS, lora_request=r1, use_tqdm=False)
+
+
+def counted_folds(monkeypatch: pytest.MonkeyPatch) -> tuple[list[weakref.ref], list[int]]:
+    """Each folded copy (a weak reference) and, at each fold, how many earlier copies were alive."""
+    made: list[weakref.ref] = []
+    alive_at_fold: list[int] = []
+    fold = pooling_loras.merged_scorer
+
+    def counting(*args, **kwargs):
+        gc.collect()
+        alive_at_fold.append(sum(ref() is not None for ref in made))
+        assert kwargs["device"] == "cpu"  # folded on the CPU, only the result moved to the engine's device
+        scorer = fold(*args, **kwargs)
+        made.append(weakref.ref(scorer))
+        return scorer
+
+    monkeypatch.setattr(pooling_loras, "merged_scorer", counting)
+    return made, alive_at_fold
+
+
+def test_the_least_recently_used_copy_is_dropped_before_a_fold(adapters, tiny_train_model, monkeypatch) -> None:
+    """With max_loras=1 the device holds one merged copy at most, even while the next is folded (the cache
+    and encode's own reference both let the old one go first); max_cpu_loras keeps more."""
+    (a1, _), (a2, _) = adapters
+    r1, r2 = LoRARequest("a1", 1, str(a1)), LoRARequest("a2", 2, str(a2))
+    made, alive_at_fold = counted_folds(monkeypatch)
+    llm = LLM(str(tiny_train_model), runner="pooling", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8)
+    assert all(p.is_meta for p in llm.network.parameters())  # the causal LM base: its config read, no weights
+    llm.classify(TEXTS, lora_request=r1, use_tqdm=False)
+    llm.classify(TEXTS, lora_request=[r1, r2, r1], use_tqdm=False)  # a1 held by the call when a2 comes
+    assert len(made) == 2 and alive_at_fold == [0, 0]
+    gc.collect()
+    assert [ref() is not None for ref in made] == [False, True]  # the evicted copy is freed
+
+    made.clear(), alive_at_fold.clear()
+    kept = LLM(str(tiny_train_model), runner="pooling", device="cpu", enable_lora=True, max_loras=1,
+               max_cpu_loras=2, max_lora_rank=8)
+    for lora in (r1, r2, r1, r2):
+        kept.classify(TEXTS, lora_request=lora, use_tqdm=False)
+    assert len(made) == 2 and alive_at_fold == [0, 1]  # both kept: each folded once
+
+
+def test_start_up_checks_adapters_without_folding_them(adapters, tiny_train_model, tmp_path, monkeypatch,
+                                                      caplog) -> None:
+    """`--lora-modules` are checked (config, tensor shapes) at start-up, not folded; more of them than the
+    copies kept is a warning. A /classify response's labels then read no adapter config per prompt."""
+    (a1, _), (a2, _) = adapters
+    made, _ = counted_folds(monkeypatch)
+    llm = LLM(str(tiny_train_model), runner="pooling", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8)
+    with caplog.at_level(logging.WARNING, logger="pagedrl.server"):
+        build_pooling_app(llm, served_model_name="base", lora_modules=[LoRAModule("a1", str(a1)),
+                                                                       LoRAModule("a2", str(a2))])
+    assert made == []
+    assert "2 --lora-modules and 1 folded copies kept" in caplog.text
+    misfit = misfit_adapter(tmp_path)
+    with pytest.raises(ValueError, match=r"^lora_request: adapter 'o' does not fit the base .*up_proj"):
+        build_pooling_app(llm, served_model_name="base", lora_modules=[LoRAModule("o", str(misfit))])
+    mistral_classifier(tmp_path / "three", num_labels=3)  # the adapter's shapes, a head of three labels
+    three = LLM(str(tmp_path / "three"), runner="pooling", device="cpu", enable_lora=True, max_lora_rank=8)
+    with pytest.raises(ValueError, match=r"^lora_request: adapter 'o' does not fit the base .*has 3 labels; a reward "
+                                         r"model has one"):
+        build_pooling_app(three, served_model_name="three", lora_modules=[LoRAModule("o", str(misfit))])
+    assert made == []
+
+    # a response's labels come from memory: as many adapter configs read for three prompts as for one
+    app = build_pooling_app(llm, served_model_name="base", lora_modules=[LoRAModule("a1", str(a1))])
+    reads = []
+    read = pooling_loras.read_adapter_config
+    monkeypatch.setattr(pooling_loras, "read_adapter_config", lambda folder: reads.append(folder) or read(folder))
+    with TestClient(app) as client:
+        def reads_of(body: dict) -> int:
+            reads.clear()
+            data = client.post("/classify", json=body).json()["data"]
+            assert [d["label"] for d in data] == ["LABEL_0"] * len(body["input"])
+            return len(reads)
+
+        reads_of({"model": "a1", "input": TEXTS[:1]})  # folds a1
+        assert reads_of({"model": "a1", "input": TEXTS}) == reads_of({"model": "a1", "input": TEXTS[:1]})
 
 
 def test_a_classifier_base_answers_beside_its_adapters(tiny_train_model, adapters, tmp_path) -> None:
@@ -142,14 +233,19 @@ def test_the_server_serves_adapters_by_model_name(adapters, tiny_train_model, tm
             assert torch.allclose(torch.tensor(pooled), hf_scores(hf, ids[1]), atol=ATOL)
         base = post("/classify", {"input": TEXTS})
         assert base.status_code == 400 and base.json()["error"]["param"] == "model"
-        assert "causal LM, whose head scores nothing" in base.json()["error"]["message"]
+        assert base.json()["error"]["message"].startswith("model: the model is a causal LM, whose head scores nothing")
         missing = post("/pooling", {"model": "a3", "input": TEXTS})
         assert missing.status_code == 404 and "'a1', 'a2'" in missing.json()["error"]["message"]
 
 
-def test_runtime_adapter_loading_is_refused_at_start_up(tiny_train_model, tmp_path) -> None:
-    with pytest.raises(RuntimeError, match=r"--allow-runtime-lora-updating: the pooling runner serves the adapters "
-                                           r"named at start-up"):
-        with running_server(tiny_train_model, tmp_path, "--runner", "pooling", "--device", "cpu", "--enable-lora",
-                            "--allow-runtime-lora-updating"):
-            pass
+def test_runtime_adapter_loading_is_refused_only_with_lora(adapters, tiny_train_model, monkeypatch) -> None:
+    """$VLLM_ALLOW_RUNTIME_LORA_UPDATING (the default of --allow-runtime-lora-updating) set for another
+    server does not stop one without --enable-lora; with LoRA the flag is refused by name."""
+    (a1, _), _ = adapters
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    options = ["--runner", "pooling", "--device", "cpu", "--max-model-len", "32"]
+    server = build_server(build_parser().parse_args([str(a1), *options]))
+    assert server.config.app.state.served.lora_enabled is False
+    with pytest.raises(ValueError, match=r"^--allow-runtime-lora-updating: the pooling runner serves the adapters "
+                                         r"named at start-up"):
+        build_server(build_parser().parse_args([str(tiny_train_model), *options, "--enable-lora"]))

@@ -42,10 +42,11 @@ from pagedrl.engine.pooling_params import PoolingParams, params_per_prompt
 from pagedrl.engine.pooling_runner import is_classifier_folder
 from pagedrl.engine.prompt_inputs import Prompt, as_prompt, engine_args_from
 from pagedrl.engine.request_checks import encode_prompt
-from pagedrl.model.heads import SequenceScorer, last_logits, load_sequence_scorer, padded_hidden
+from pagedrl.model.heads import SequenceScorer, last_logits, padded_hidden
 from pagedrl.model.merge import load_reward_model, merged_scorer
 from pagedrl.model.precision import resolve_dtype
 from pagedrl.model.resolve import adapter_base, resolve_model_path
+from pagedrl.model.scorer_skeleton import scorer_skeleton
 from pagedrl.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -114,10 +115,10 @@ class PoolingLLM:
                 self.adapters = PoolingAdapters(path, device, self.precision.dtype, config.max_loras,
                                                 config.max_lora_rank, config.max_cpu_loras)
                 self.base_scores = is_classifier_folder(path)
+            # a causal LM base scores only through its adapters' copies: of it only the config is read (a
+            # skeleton on the meta device, holding no weights)
             self.network = load_reward_model(path, device=device, dtype=self.precision.dtype, float_head=True,
-                                             any_labels=True) if self.base_scores else \
-                load_sequence_scorer(path, device=device, dtype=self.precision.dtype, float_head=True,
-                                     generator=torch.Generator().manual_seed(0))
+                                             any_labels=True) if self.base_scores else scorer_skeleton(path)
             folders = [path]
         if tokenizer is None:
             found = [f for f in folders if (f / "tokenizer.json").is_file()]
@@ -166,7 +167,8 @@ class PoolingLLM:
         if truncate_prompt_tokens is None:
             return None
         if type(truncate_prompt_tokens) is not int or truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1:
-            raise ValueError(f"truncate_prompt_tokens: must be a positive integer or -1, got {truncate_prompt_tokens!r}")
+            raise ValueError("truncate_prompt_tokens: must be a positive integer or -1, got "
+                             f"{truncate_prompt_tokens!r}")
         if truncate_prompt_tokens > self.max_model_len:
             # vLLM's check, in words that do not read as a prompt too long
             raise ValueError(f"truncate_prompt_tokens: {truncate_prompt_tokens} is greater than the model's maximum "
@@ -214,6 +216,7 @@ class PoolingLLM:
         network, network_lora = None, None
         for lora, rows in tqdm(batches, desc=pooling_task, unit="batch", disable=not use_tqdm or len(batches) < 2):
             if network is None or lora != network_lora:
+                network = None  # the last adapter's copy may be dropped before this one is folded
                 network, network_lora = self.network_for(lora), lora
                 network.eval()
             batch = [encoded[i] for i in rows]
@@ -242,9 +245,17 @@ class PoolingLLM:
             self.adapters.check(lora_request)
 
     def network_for(self, lora_request: LoRARequest | None) -> SequenceScorer:
-        """The scorer a request runs on: the model's, or with `enable_lora` the adapter's (`engine/pooling_loras.py`)."""
+        """The scorer a request runs on: the model's, or with `enable_lora` the adapter's
+        (`engine/pooling_loras.py`)."""
         self.check_lora(lora_request)
         return self.network if lora_request is None else self.adapters.scorer(lora_request)  # type: ignore[union-attr]
+
+    def id2label(self, lora_request: LoRARequest | None = None) -> dict:
+        """The config's id2label of the model or of the adapter (transformers writes its keys as strings),
+        held in memory: a response names its labels without reading a file."""
+        if lora_request is None or self.adapters is None:
+            return self.network.config.extra.get("id2label") or {}
+        return self.adapters.id2label(lora_request)
 
     def classify(self, prompts: PromptsArg, *, pooling_params: PoolingParamsArg = None,
                  truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,

@@ -1,7 +1,9 @@
 """vLLM's `PoolingParams`: what a pooling request asks of the classifier beyond its prompt, offline
 (`LLM.classify(..., pooling_params=...)`) and in /classify and /pooling bodies.
 
-Of vLLM's fields a sequence classifier takes `truncate_prompt_tokens` (keep the prompt's last k tokens) and
+The fields are spelt as vLLM's PoolingParams spells them in the releases that have `use_activation` and
+still read `softmax` and `activation` (deprecated there, removed in vLLM 0.15). Of vLLM's fields a sequence
+classifier takes `truncate_prompt_tokens` (keep the prompt's last k tokens) and
 `use_activation` (the classifier pooler's activation; `activation` and `softmax` are its older spellings,
 read first as vLLM's `get_use_activation` reads them). `dimensions` and `normalize` are an embedding
 model's: on a classify or token_classify task they are refused naming the field, as vLLM's

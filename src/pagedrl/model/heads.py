@@ -148,6 +148,16 @@ def last_scores(model: SequenceScorer, batch: list[list[int]], pad_token_id: int
     return last_logits(model, batch, pad_token_id).squeeze(-1)
 
 
+def scorer_on_meta(cfg: ModelConfig, saved_labels: int | None) -> SequenceScorer:
+    """The scorer of a folder's config on the meta device (no memory): its head of `saved_labels` rows
+    (a classifier's, with their id2label), or None for a causal LM's placeholder head of one label."""
+    cfg.architecture = reward_architecture(cfg.architecture)
+    cfg.extra.update(dict(ONE_LABEL) if saved_labels is None else head_labels(cfg.extra, saved_labels))
+    cfg.extra.pop("num_labels", None)
+    with torch.device("meta"):
+        return SequenceScorer(cfg, 1 if saved_labels is None else saved_labels)
+
+
 def load_sequence_scorer(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                          generator: torch.Generator | None = None, new_head: bool = True,
                          float_head: bool = False, any_labels: bool = False) -> SequenceScorer:
@@ -169,13 +179,7 @@ def load_sequence_scorer(folder: str | Path, device: str | torch.device = "cpu",
     elif state[SCORE_WEIGHT].shape[0] != 1 and not any_labels:
         raise CheckpointError(f"{origins[SCORE_WEIGHT]}: {SCORE_WEIGHT!r} has {state[SCORE_WEIGHT].shape[0]} labels; "
                               "a reward model has one (num_labels=1)")
-    cfg.architecture = reward_architecture(cfg.architecture)
-    num_labels = 1 if fresh_head else int(state[SCORE_WEIGHT].shape[0])
-    cfg.extra.update(dict(ONE_LABEL) if fresh_head else head_labels(cfg.extra, num_labels))
-    cfg.extra.pop("num_labels", None)
-    with torch.device("meta"):
-        model = SequenceScorer(cfg, num_labels)
-    model = model.to_empty(device="cpu")
+    model = scorer_on_meta(cfg, None if fresh_head else int(state[SCORE_WEIGHT].shape[0])).to_empty(device="cpu")
     model.model.reset_rope()
     if fresh_head:
         std = float(cfg.extra.get("initializer_range", 0.02))

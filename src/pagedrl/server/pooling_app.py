@@ -41,15 +41,27 @@ from pagedrl.server.served_models import LoRAModule, ServedModels, parse_lora_mo
 
 logger = logging.getLogger("pagedrl.server")
 # vLLM's answers on a server whose model does not generate, with the runner named
+# how the runner's errors name a prompt (`engine/pooling.py` `encode_prompts`): "prompts[2]: ..."
+PROMPT_ITEM = "prompts["
 NOT_GENERATING = {"completions": "Completions API", "chat/completions": "Chat Completions API",
                   "responses": "Responses API"}
 
 
-def label_of(llm: PoolingLLM, index: int, lora: LoRARequest | None = None) -> str | None:
-    """The config's id2label name of a class (transformers writes its keys as strings), of the model or the
-    adapter the request named."""
-    id2label = llm.network_for(lora).config.extra.get("id2label") or {}
-    return id2label.get(str(index), id2label.get(index))  # type: ignore[call-overload]
+def label_of(id2label: dict, index: int) -> str | None:
+    """A class's name in a config's id2label (transformers writes its keys as strings)."""
+    return id2label.get(str(index), id2label.get(index))
+
+
+def request_error(e: ValueError) -> ApiError:
+    """The runner's ValueError as a 400 naming the body's field: a prompt's problem (empty, a token outside
+    the vocabulary, longer than max_model_len) names `input` and the item, the task `task`, the adapter
+    `model`."""
+    message = str(e)
+    if message.startswith(PROMPT_ITEM):
+        message = "input" + message[len("prompts"):]
+        return bad_request(message, param="input",
+                           code="context_length_exceeded" if "max_model_len" in message else None)
+    return from_value_error(e, {"pooling_task": "task", "lora_request": "model"})
 
 
 def usage_of(outputs: Sequence[PoolingRequestOutput]) -> UsageInfo:
@@ -62,13 +74,18 @@ def build_pooling_app(llm: PoolingLLM, *, served_model_name: str | Sequence[str]
                       lora_modules: Sequence[LoRAModule] = ()) -> FastAPI:
     """The app over `llm`; with `api_key`, every route but /health, /ping and /version asks for it. On an `llm`
     built with `enable_lora`, each of `lora_modules` (SEQ_CLS adapters) is served under its name, which a
-    request's `model` picks (one that does not fit raises ValueError here)."""
-    served = ServedModels(served_model_name, read=llm.adapters.scorer if llm.adapters is not None else None)
+    request's `model` picks (one that does not fit raises ValueError here: its config and tensor shapes are
+    checked, and each is folded when a request first names it)."""
+    served = ServedModels(served_model_name, read=llm.adapters.check_fits if llm.adapters is not None else None)
     for module in lora_modules:
         served.load(module)
+    if llm.adapters is not None and len(lora_modules) > llm.adapters.capacity:
+        logger.warning("%d --lora-modules and %d folded copies kept (max(max_loras, max_cpu_loras)): requests that "
+                       "go from one adapter to another fold them again, each a full model's work",
+                       len(lora_modules), llm.adapters.capacity)
     app = FastAPI(title="pagedrl (pooling)")
     app.state.served = served
-    busy = asyncio.Lock()
+    busy = asyncio.Lock()  # one request at a time: the runner and its adapters' copies hold no lock of their own
 
     install_error_handlers(app)
 
@@ -85,7 +102,7 @@ def build_pooling_app(llm: PoolingLLM, *, served_model_name: str | Sequence[str]
                 return await asyncio.to_thread(llm.encode, prompts, params, pooling_task=task, use_tqdm=False,
                                                lora_request=lora)
         except ValueError as e:
-            raise from_value_error(e, {"pooling_task": "task", "lora_request": "model"}) from None
+            raise request_error(e) from None
 
     guarded = APIRouter(dependencies=[Depends(check_api_key)])
 
@@ -103,11 +120,13 @@ def build_pooling_app(llm: PoolingLLM, *, served_model_name: str | Sequence[str]
         if req.input == "" or (isinstance(req.input, list) and "" in req.input):
             raise bad_request("Input cannot be empty for classification", param="input")
         outputs = await run(req.input, "classify", req, lora) if req.input else []
+        id2label = llm.id2label(lora) if outputs else {}  # once a request, from memory
         data = []
         for i, out in enumerate(outputs):
             probs = out.outputs.data.tolist()
-            data.append(ClassificationData(index=i, label=label_of(llm, max(range(len(probs)), key=probs.__getitem__), lora),
-                                           probs=probs, num_classes=len(probs)))
+            best = max(range(len(probs)), key=probs.__getitem__)
+            data.append(ClassificationData(index=i, label=label_of(id2label, best), probs=probs,
+                                           num_classes=len(probs)))
         return json_response(ClassificationResponse(id=f"classify-{base_request_id(request, None)}",
                                                     model=req.model or served.base_name, data=data,
                                                     usage=usage_of(outputs)))
@@ -118,7 +137,7 @@ def build_pooling_app(llm: PoolingLLM, *, served_model_name: str | Sequence[str]
         lora = served.resolve(req.model)
         if not req.input:
             raise bad_request("Input cannot be empty", param="input")
-        outputs = await run(req.input, req.task or "token_classify", req, lora)
+        outputs = await run(req.input, "token_classify" if req.task is None else req.task, req, lora)
         data = [PoolingResponseData(index=i, data=encoded_data(out.outputs.data, req.encoding_format, req.endianness))
                 for i, out in enumerate(outputs)]
         return json_response(PoolingResponse(id=f"pool-{base_request_id(request, None)}",
@@ -154,7 +173,9 @@ def build_pooling_server(args: argparse.Namespace, engine_args: Any) -> Any:
     from pagedrl.engine.pooling import PoolingLLM
     from pagedrl.server.serve import uvicorn_options
 
-    if args.allow_runtime_lora_updating:
+    # Without --enable-lora the flag (or $VLLM_ALLOW_RUNTIME_LORA_UPDATING, its default) serves nothing, as on
+    # the generating server; with it, the adapters are the start-up ones only
+    if args.allow_runtime_lora_updating and engine_args.enable_lora:
         raise ValueError("--allow-runtime-lora-updating: the pooling runner serves the adapters named at start-up "
                          "(--lora-modules); /v1/load_lora_adapter is not served")
     llm = PoolingLLM(**vars(engine_args))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import sys
+from dataclasses import fields
 from typing import Literal
 
 import torch
@@ -22,18 +23,19 @@ from pagedrl.server.response_bodies import UsageInfo, now_s
 
 
 class PoolingParamsFields(OpenAIBase):
-    """vLLM's PoolingParams fields a request body holds. `dimensions` and `normalize` (an embedding
-    model's) are read so they are refused by name rather than ignored."""
+    """vLLM's PoolingParams fields that both bodies hold (vLLM's ClassificationRequest has no `dimensions` or
+    `normalize`: sent to /classify they are ignored, as any field it does not know)."""
 
     truncate_prompt_tokens: int | None = None
     use_activation: bool | None = None
     activation: bool | None = None  # vLLM's older spellings of use_activation, read before it
     softmax: bool | None = None
-    dimensions: int | None = None
-    normalize: bool | None = None
 
     def to_pooling_params(self) -> PoolingParams:
-        return PoolingParams(**{name: getattr(self, name) for name in PoolingParamsFields.model_fields})
+        """The body's PoolingParams fields as the runner takes them (`engine/pooling_params.py`), which checks
+        them for the request's task: one body's fields then name the same problems as an offline call's."""
+        names = {f.name for f in fields(PoolingParams)}
+        return PoolingParams(**{name: getattr(self, name) for name in type(self).model_fields if name in names})
 
 
 class ClassificationRequest(PoolingParamsFields):
@@ -59,6 +61,9 @@ class ClassificationResponse(OpenAIBase):
 
 
 class PoolingRequest(PoolingParamsFields):
+    # vLLM's PoolingRequest holds an embedding model's fields too: read so they are refused by name
+    dimensions: int | None = None
+    normalize: bool | None = None
     model: str | None = None
     input: list[int] | list[list[int]] | str | list[str]
     # vLLM's pooling task; unset: the reward of every token ("token_classify")
