@@ -26,6 +26,8 @@ from pagedrl.train.offline_config import DPOConfig
     ("aot", dict(label_smoothing=0.1)),
     ("aot_unpaired", {}),
     ("aot_unpaired", dict(label_smoothing=0.25)),
+    ("aot", dict(label_smoothing=0.8)),  # TRL takes any ε for aot, without a word
+    ("aot_unpaired", dict(label_smoothing=-0.3)),
     ("discopop", {}),  # TRL's τ, 0.05
     ("discopop", dict(discopop_tau=0.4)),
     ("sigmoid_norm", {}),
@@ -80,7 +82,9 @@ def test_sft_is_the_chosen_answers_token_mean_and_aot_sorts_the_micro_batch() ->
     (dict(loss_type="exo_pair", label_smoothing=-0.1), "label_smoothing", r"in \(0, 1\), got -0.1"),
     (dict(loss_type="robust", label_smoothing=0.5), "label_smoothing", r"divides by 1 - 2·label_smoothing"),
     (dict(loss_type="robust", label_smoothing=float("nan")), "label_smoothing", "must be finite"),
-    (dict(loss_type="aot", label_smoothing=0.6), "label_smoothing", r"aot loss needs label_smoothing in \[0, 0.5\]"),
+    (dict(loss_type="sigmoid", label_smoothing=0.6), "label_smoothing", r"sigmoid loss needs label_smoothing in "
+                                                                         r"\[0, 0.5\]"),
+    (dict(loss_type="aot", label_smoothing=float("inf")), "label_smoothing", "must be finite"),
     (dict(loss_type=["hinge", "bco_pair"], label_smoothing=0.1), "label_smoothing", "hinge\\+bco_pair loss does not"),
     (dict(loss_type=["sigmoid", "robust"], label_smoothing=0.1), "label_smoothing", "TRL 1.16's sigmoid ignores"),
     (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0]), "loss_weights", "1 weights for 2 loss types"),

@@ -84,7 +84,7 @@ CASES = [("sigmoid", 0.0, {}), ("sigmoid", 0.1, {}), ("ipo", 0.0, {}), ("hinge",
          ("robust", 0.3, {}), ("robust", 0.7, {}), ("robust", -0.2, {}),  # TRL takes these with a warning
          ("sigmoid_norm", 0.0, {}), ("exo_pair", 1e-3, {}), ("exo_pair", 0.5, {}), ("exo_pair", 0.9, {}),
          ("nca_pair", 0.0, {}), ("bco_pair", 0.0, {}), ("sppo_hard", 0.0, {}), ("apo_zero", 0.0, {}),
-         ("apo_down", 0.0, {}), ("aot", 0.0, {}), ("aot", 0.2, {}), ("aot_unpaired", 0.0, {}),
+         ("apo_down", 0.0, {}), ("aot", 0.0, {}), ("aot", 0.2, {}), ("aot", 0.75, {}), ("aot_unpaired", 0.0, {}),
          ("aot_unpaired", 0.35, {}), ("discopop", 0.0, {}), ("discopop", 0.0, dict(discopop_tau=0.7)),
          ("sft", 0.0, {})]
 

@@ -29,12 +29,14 @@ F_ALPHA_COEF = 0.5  # TRL's default α of alpha_divergence
 # the losses built on it take another f-divergence, the others (TRL refuses them too) only reverse_kl's.
 F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 # The losses that read `label_smoothing`, and the values each takes: (low, high, low included, high included).
-# sigmoid's is conservative DPO's ε (TRL 1.16's sigmoid ignores it). exo_pair takes log ε and log(1 - ε): TRL
+# sigmoid's is conservative DPO's ε (TRL 1.16's sigmoid ignores it); aot's any ε, as TRL's (above 0.5 it
+# favours the rejected answers' margins). exo_pair takes log ε and log(1 - ε): TRL
 # refuses 0 and its loss is NaN or infinite outside (0, 1). robust takes any ε but 0.5 (TRL warns outside
 # [0, 0.5): `trl_warnings`), where its 1/(1 - 2ε) is infinite (`ROBUST_POLE`).
 SMOOTHING_RANGES: dict[str, tuple[float, float, bool, bool]] = {
-    "sigmoid": (0.0, 0.5, True, True), "robust": (-math.inf, math.inf, False, False), "aot": (0.0, 0.5, True, True),
-    "aot_unpaired": (0.0, 0.5, True, True), "exo_pair": (0.0, 1.0, False, False),
+    "sigmoid": (0.0, 0.5, True, True), "robust": (-math.inf, math.inf, False, False),
+    "aot": (-math.inf, math.inf, False, False), "aot_unpaired": (-math.inf, math.inf, False, False),
+    "exo_pair": (0.0, 1.0, False, False),
 }
 SMOOTHING_WHY = {"exo_pair": " (EXO takes log ε and log(1 - ε): TRL 1.16 refuses 0, and its loss is NaN or "
                              "infinite at 1 and beyond or below 0)"}
