@@ -105,3 +105,19 @@ def test_example_config_runs(tiny_train_model, tmp_path) -> None:
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert set(DPO_METRICS) <= set(rows[-1])
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_padding_free_trains_as_padded_and_says_so(tiny_train_model, other_model, tmp_path) -> None:
+    """TRL 1.16's DPOTrainer takes `padding_free: true`, warns, and pads as with false; here too the pair rows
+    are padded either way, so the first step's loss and gradients are the same, and a start-up line says it."""
+    from pagedrl.model.loader import load_model
+
+    rows = preference_rows(8, seed=3, chat_every=2)
+    runs = [dpo_trainer(tiny_train_model, tmp_path / str(flag), rows, reference=load_model(other_model).model,
+                        padding_free=flag) for flag in (False, True)]
+    (loss, grads, _), (loss_free, grads_free, _) = (step_grads(t) for t in runs)
+    assert loss_free == loss and loss != pytest.approx(0.6931, abs=1e-3)
+    assert_grads_close(grads, grads_free, atol=0.0)
+    said = [[line for line in t.algorithm.summary_lines() if "padding_free" in line] for t in runs]
+    assert said[0] == [] and len(said[1]) == 1
+    assert "padded to the micro-batch's longest pair" in said[1][0] and "falls back to padding" in said[1][0]

@@ -81,9 +81,10 @@ def random_pairs(seed: int, n: int = 7):
 
 
 CASES = [("sigmoid", 0.0, {}), ("sigmoid", 0.1, {}), ("ipo", 0.0, {}), ("hinge", 0.0, {}), ("robust", 0.0, {}),
-         ("robust", 0.3, {}), ("sigmoid_norm", 0.0, {}), ("exo_pair", 1e-3, {}), ("exo_pair", 0.5, {}),
+         ("robust", 0.3, {}), ("robust", 0.7, {}), ("robust", -0.2, {}),  # TRL takes these with a warning
+         ("sigmoid_norm", 0.0, {}), ("exo_pair", 1e-3, {}), ("exo_pair", 0.5, {}), ("exo_pair", 0.9, {}),
          ("nca_pair", 0.0, {}), ("bco_pair", 0.0, {}), ("sppo_hard", 0.0, {}), ("apo_zero", 0.0, {}),
-         ("apo_down", 0.0, {}), ("aot", 0.0, {}), ("aot", 0.2, {}), ("aot_unpaired", 0.0, {}),
+         ("apo_down", 0.0, {}), ("aot", 0.0, {}), ("aot", 0.2, {}), ("aot", 0.75, {}), ("aot_unpaired", 0.0, {}),
          ("aot_unpaired", 0.35, {}), ("discopop", 0.0, {}), ("discopop", 0.0, dict(discopop_tau=0.7)),
          ("sft", 0.0, {})]
 
@@ -112,6 +113,7 @@ def test_dpo_loss_matches_hand_computation(loss_type: str, label_smoothing: floa
     (["sigmoid", "sft"], None, 0.0),  # RPO's NLL at weight 1, TRL's default weights
     (["exo_pair", "aot_unpaired", "discopop", "sigmoid_norm", "sppo_hard"], [0.5, 2.0, 0.25, 1.5, 0.125], 0.05),
     (["apo_zero", "apo_down", "nca_pair", "apo_zero"], [1.0, 3.0, 0.5, 0.25], 0.0),  # a name twice counts twice
+    (["sigmoid", "sft", "bco_pair"], [1.0, -0.5, -2.0], 0.0),  # negative weights, as TRL takes them
 ])
 def test_a_loss_list_is_the_weighted_sum_by_hand(loss_type, loss_weights, label_smoothing) -> None:
     """Each pair's loss is Σ_k w_k · loss_k, so its mean over pairs is TRL's Σ_k w_k · mean(loss_k)."""

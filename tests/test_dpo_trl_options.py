@@ -20,7 +20,7 @@ from pagedrl.train.algorithms.pair_batch import collate_pairs
 from pagedrl.train.config import TrainConfigError, load_config
 from pagedrl.train.dpo_losses import dpo_loss
 from pagedrl.train.examples import Preference
-from pagedrl.train.offline_config import DPOConfig
+from pagedrl.train.offline_config import DPOConfig, RewardConfig
 
 
 def assert_options_equal_trl(settings: dict, options: dict, seed: int, dtype=torch.float64, tol: float = 1e-12) -> None:
@@ -218,15 +218,18 @@ def test_options_that_do_not_fit_are_refused_naming_the_key(fields: dict, key: s
 
 
 def test_trl_dpo_keys_taken_at_what_pagedrl_does_and_refused_otherwise() -> None:
-    """TRL 1.16's DPOConfig keys without a pagedrl field: `padding_free: false` (TRL's DPOTrainer pads even at
-    true) is taken, another value refused naming the key; the older DPO keys TRL 1.16 has dropped are refused
-    saying what bounds the lengths here, never with a guess at a near name (max_prompt_length -> max_length)."""
+    """TRL 1.16's DPOConfig keys: `padding_free` true or false (TRL's DPOTrainer pads either way: so do the pair
+    rows here, `test_dpo.py` holds the two to one loss); the older DPO keys TRL 1.16 has dropped are refused
+    saying what bounds the lengths here, never with a guess at a near name (max_prompt_length -> max_length).
+    A trainer TRL gives no padding_free refuses true naming the key."""
     config = load_config(DPOConfig, None, ["padding_free=false", "precompute_ref_log_probs=true",
                                            "precompute_ref_batch_size=16"])
-    assert config.precompute_ref_batch_size == 16
+    assert config.precompute_ref_batch_size == 16 and not config.padding_free
+    assert load_config(DPOConfig, None, ["padding_free=true"]).padding_free
+    load_config(RewardConfig, None, ["padding_free=false"])  # what it does
     with pytest.raises(ValueError, match=r"^command line: padding_free: only false \(pagedrl's behaviour\), got True: "
-                                         r"DPO's pair rows hold each prompt once"):
-        load_config(DPOConfig, None, ["padding_free=true"])
+                                         r"rows are padded .* only SFT and DPO take padding_free"):
+        load_config(RewardConfig, None, ["padding_free=true"])
     for key in ("max_prompt_length", "max_completion_length"):
         with pytest.raises(ValueError, match=rf"'{key}' is a TRL / transformers option DPOConfig does not have: "
                                              "max_length bounds each prompt \\+ answer"):

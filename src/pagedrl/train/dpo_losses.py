@@ -29,11 +29,18 @@ F_ALPHA_COEF = 0.5  # TRL's default α of alpha_divergence
 # the losses built on it take another f-divergence, the others (TRL refuses them too) only reverse_kl's.
 F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 # The losses that read `label_smoothing`, and the values each takes: (low, high, low included, high included).
-# sigmoid's is conservative DPO's ε (TRL 1.16's sigmoid ignores it); exo_pair's must be above 0 (it takes log ε).
+# sigmoid's is conservative DPO's ε (TRL 1.16's sigmoid ignores it); aot's any ε, as TRL's (above 0.5 it
+# favours the rejected answers' margins). exo_pair takes log ε and log(1 - ε): TRL
+# refuses 0 and its loss is NaN or infinite outside (0, 1). robust takes any ε but 0.5 (TRL warns outside
+# [0, 0.5): `trl_warnings`), where its 1/(1 - 2ε) is infinite (`ROBUST_POLE`).
 SMOOTHING_RANGES: dict[str, tuple[float, float, bool, bool]] = {
-    "sigmoid": (0.0, 0.5, True, True), "robust": (0.0, 0.5, True, False), "aot": (0.0, 0.5, True, True),
-    "aot_unpaired": (0.0, 0.5, True, True), "exo_pair": (0.0, 0.5, False, True),
+    "sigmoid": (0.0, 0.5, True, True), "robust": (-math.inf, math.inf, False, False),
+    "aot": (-math.inf, math.inf, False, False), "aot_unpaired": (-math.inf, math.inf, False, False),
+    "exo_pair": (0.0, 1.0, False, False),
 }
+SMOOTHING_WHY = {"exo_pair": " (EXO takes log ε and log(1 - ε): TRL 1.16 refuses 0, and its loss is NaN or "
+                             "infinite at 1 and beyond or below 0)"}
+ROBUST_POLE = 0.5  # robust divides by 1 - 2ε
 
 
 # The losses TRL 1.16's WPO weighting fails on: it refuses aot's; sft's (an expanded scalar) and hinge's (relu's
@@ -67,15 +74,20 @@ def dpo_settings_problem(loss_type: str | Sequence[str], loss_weights: Sequence[
             f"; expected one or a list of {', '.join(DPO_LOSS_TYPES)}"
     if loss_weights is not None and len(loss_weights) != len(types):
         return "loss_weights", f"{len(loss_weights)} weights for {len(types)} loss types; give one per loss_type"
-    if loss_weights is not None and any(not w >= 0 for w in loss_weights):
-        return "loss_weights", f"must be >= 0, got {list(loss_weights)}"
+    if loss_weights is not None and not all(math.isfinite(w) for w in loss_weights):  # negative ones as TRL
+        return "loss_weights", f"must be finite numbers (the loss would be NaN or infinite), got {list(loss_weights)}"
     ls = label_smoothing
+    if not math.isfinite(ls):
+        return "label_smoothing", f"must be finite, got {ls}"
     readers = [t for t in dict.fromkeys(types) if t in SMOOTHING_RANGES]
     for t in readers:
         low, high, low_in, high_in = SMOOTHING_RANGES[t]
         if not ((low <= ls if low_in else low < ls) and (ls <= high if high_in else ls < high)):
             span = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
-            return "label_smoothing", f"the {t} loss needs label_smoothing in {span}, got {ls}"
+            return "label_smoothing", f"the {t} loss needs label_smoothing in {span}, got {ls}{SMOOTHING_WHY.get(t, '')}"
+    if "robust" in readers and ls == ROBUST_POLE:
+        return "label_smoothing", f"the robust loss divides by 1 - 2·label_smoothing, so {ls} makes it infinite " \
+            "or NaN (TRL 1.16's too); its flip probability should lie in [0, 0.5)"
     if ls != 0.0 and not readers:
         return "label_smoothing", f"the {'+'.join(types)} loss does not use it; got {ls}, expected 0"
     if ls != 0.0 and "sigmoid" in readers and len(readers) > 1:  # TRL would smooth only the other's
@@ -103,6 +115,16 @@ def trl_differences(loss_type: str | Sequence[str], label_smoothing: float) -> l
         return [f"sigmoid with label_smoothing {label_smoothing:g} trains conservative DPO (cDPO); TRL 1.16's "
                 "sigmoid ignores label_smoothing, so a TRL run of this config trains plain sigmoid (set it to 0 "
                 "for TRL's loss)"]
+    return []
+
+
+def trl_warnings(loss_type: str | Sequence[str], label_smoothing: float) -> list[str]:
+    """Start-up lines for the settings TRL 1.16 takes with a warning, and trains as pagedrl does: robust's
+    `label_smoothing` outside [0, 0.5), where it is no longer a flip probability (above 0.5 the loss's sign
+    turns: it favours the rejected answer), said before the first step rather than found in a loss curve."""
+    if "robust" in loss_types_of(loss_type) and not 0.0 <= label_smoothing < 0.5:
+        return [f"label_smoothing should lie in [0, 0.5) for the robust loss, its flip probability; got "
+                f"{label_smoothing:g}, trained as given (TRL 1.16 warns the same)"]
     return []
 
 
@@ -250,9 +272,9 @@ def dpo_loss(
       completion length, as TRL does (the IPO authors' normalisation); `sigmoid_norm`: -logσ(βΔ̄). Both need
       `chosen_lengths` and `rejected_lengths` (completion token counts; clamped to at least 1).
     - `hinge` (SLiC, Zhao et al. 2023): relu(1 - βΔ).
-    - `robust` (Chowdhury et al. 2024), ε = flip probability in [0, 0.5):
-      ((1-ε)·(-logσ(βΔ)) - ε·(-logσ(-βΔ))) / (1 - 2ε).
-    - `exo_pair` (EXO, Ji et al. 2024, Eq. 16), ε in (0, 0.5]: KL from [σ(βΔ), σ(-βΔ)] to [1-ε, ε],
+    - `robust` (Chowdhury et al. 2024), ε = flip probability, meant in [0, 0.5) (any ε but 0.5 is taken,
+      as TRL takes it with a warning): ((1-ε)·(-logσ(βΔ)) - ε·(-logσ(-βΔ))) / (1 - 2ε).
+    - `exo_pair` (EXO, Ji et al. 2024, Eq. 16), ε in (0, 1): KL from [σ(βΔ), σ(-βΔ)] to [1-ε, ε],
       σ(βΔ)·(logσ(βΔ) - log(1-ε)) + σ(-βΔ)·(logσ(-βΔ) - log ε).
     - `nca_pair` (Chen et al. 2024) -logσ(r_c) - ½logσ(-r_c) - ½logσ(-r_r); `bco_pair` -logσ(r_c) - logσ(-r_r);
       `sppo_hard` (Wu et al. 2024) (r_c/β - 1/(2β))² + (r_r/β + 1/(2β))²; `apo_zero` (D'Oosterlinck et al.

@@ -84,6 +84,8 @@ class DPOConfig(TrainConfig):
     # Each of prompt + chosen and prompt + rejected longer than max_length keeps its first max_length tokens,
     # or its last (keep_end, which TRL 1.16 deprecates: the prompt's start is cut first, each answer's apart)
     truncation_mode: TruncationMode = "keep_start"
+    # TRL's key: true trains as false (TRL 1.16's DPOTrainer falls back to padding too), said at start-up
+    padding_free: bool = False
     ref_model: str | None = None  # None: a frozen copy of the starting policy
     precompute_ref_log_probs: bool = False
     precompute_ref_batch_size: int | None = None  # pairs per batch of that pass (None: per_device_train_batch_size)

@@ -98,10 +98,9 @@ FIXED = {
                                            "the shape, never the loss"),
     "activation_offloading": ((False,), "activations stay on the device; gradient_checkpointing trades compute "
                                         "for their memory"),
-    # DPO's pair rows hold the prompt once and pad to the micro-batch's longest pair (TRL 1.16's DPOTrainer
-    # falls back to padding with true); SFT's padding_free is a field of its own
-    "padding_free": ((False,), "DPO's pair rows hold each prompt once, padded to the micro-batch's longest pair "
-                               "(TRL 1.16's DPOTrainer too falls back to padding)"),
+    # SFT's and DPO's padding_free are fields of their own; TRL's other trainers have no such key
+    "padding_free": ((False,), "rows are padded to the micro-batch's longest (padding never changes the loss); "
+                               "only SFT and DPO take padding_free"),
     **TRAINING_FIXED,
 }
 # transformers 5's `*_steps` below 1: a ratio of the run's total steps (`steps_of`).

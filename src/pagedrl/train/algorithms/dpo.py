@@ -52,7 +52,7 @@ from pagedrl.train.algorithm import OfflineAlgorithm
 from pagedrl.train.algorithms.pair_batch import PairBatch, collate_pairs
 from pagedrl.train.data import load_train_and_eval
 from pagedrl.train.distributed import DistInfo, all_reduce_sum
-from pagedrl.train.dpo_losses import dpo_loss, loss_types_of, trl_differences
+from pagedrl.train.dpo_losses import dpo_loss, loss_types_of, trl_differences, trl_warnings
 from pagedrl.train.examples import Preference, PreferenceRows
 from pagedrl.train.logprobs import target_logprobs
 from pagedrl.train.metrics import Metric
@@ -60,6 +60,13 @@ from pagedrl.train.offline_config import DPOConfig
 from pagedrl.train.router_loss import load_balancing_loss, router_loss_coef
 
 Dataset = str | Path | Sequence[Mapping[str, Any]]
+
+
+# `padding_free: true`: TRL 1.16's DPOTrainer warns and pads as with false; here too the pair rows are padded
+# (to the micro-batch's longest pair) and padding never reaches the loss, so true and false train the same.
+PADDING_FREE_LINE = ("padding_free: each pair is one row, its prompt once and both answers after it, padded to "
+                     "the micro-batch's longest pair, as with false (TRL 1.16's DPOTrainer too falls back to "
+                     "padding); padding never changes the loss")
 
 
 @dataclass
@@ -313,7 +320,9 @@ class DPO(OfflineAlgorithm):
             ref += f", mixed toward the policy (alpha {c.ref_model_mixup_alpha:g}) every {c.ref_model_sync_steps} steps"
         return super().summary_lines() + [f"dpo: loss {' + '.join(types)}{weights}, beta {c.beta:g}{smoothing}{tau}"
                                           f"{f_div}{ld}; {ref}"] + \
-            [f"dpo: {line}" for line in trl_differences(c.loss_type, c.label_smoothing)]
+            [f"dpo: {line}" for line in trl_differences(c.loss_type, c.label_smoothing)] + \
+            [f"dpo: {line}" for line in trl_warnings(c.loss_type, c.label_smoothing)] + \
+            ([f"dpo: {PADDING_FREE_LINE}"] if c.padding_free else [])
 
 
 def run_dpo(config: DPOConfig, dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
