@@ -6,10 +6,13 @@ this one's kernels are loaded only there, from the suite's cache)."""
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 from pagedrl.kernels import ops
 
@@ -32,6 +35,21 @@ def run_child(body: str, **env: str) -> str:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def test_a_second_install_keeps_the_first_pool_and_the_profiler_sees_its_blocks() -> None:
+    run_child("""
+    assert ops.install_block_pool(1 << 30, 1 << 30)  # still torch's allocator: the first one's settings
+    x = torch.empty(MB, dtype=torch.uint8)
+    assert stats()["in_use"] == MB
+    del x
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        y = torch.empty(4 * MB, dtype=torch.uint8)
+        del y
+    sizes = [e.cpu_memory_usage for e in prof.events() if e.name == "aten::empty"]
+    assert 4 * MB in sizes, sizes
+    """)
 
 
 def test_freed_neighbours_merge_and_the_top_takes_back_the_last_block() -> None:
@@ -123,6 +141,7 @@ def test_threads_allocate_and_free_at_once() -> None:
     """)
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a trainer keeps freed memory on glibc only")
 def test_a_trainer_process_installs_it_and_the_switch_leaves_it_out() -> None:
     body = """
     from pagedrl.kernels.memory import keep_freed_memory
@@ -130,7 +149,9 @@ def test_a_trainer_process_installs_it_and_the_switch_leaves_it_out() -> None:
     print(bool(ops.block_pool_stats()))
     """
     plain = "import torch\nfrom pagedrl.kernels import ops\n"
-    for env, expected in (({}, "True"), ({"PAGEDRL_BLOCK_POOL": "0"}, "False")):
+    assert ops.available()
+    for env, expected in (({}, "True"), ({"PAGEDRL_BLOCK_POOL": "0"}, "False"), ({"PAGEDRL_KEEP_FREED": "0"}, "False")):
+        env = {"PAGEDRL_KEEP_FREED": "1", "PAGEDRL_BLOCK_POOL": "1", **env}
         out = subprocess.run([sys.executable, "-c", plain + textwrap.dedent(body)], capture_output=True, text=True,
                              env={**os.environ, "PYTHONPATH": SRC, **env}, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]

@@ -81,13 +81,18 @@ def keep_freed_memory(every_block: bool = False) -> bool:
 def pool_large_blocks() -> bool:
     """Whether a trainer's blocks of `POOL_THRESHOLD` bytes or more now come from a heap of their own
     (`csrc/block_pool.cpp`, within address space of twice the machine's memory); needs the C++
-    kernels (otherwise glibc's heap serves them as before); `PAGEDRL_BLOCK_POOL=0` leaves them there."""
+    kernels and no address-space limit (otherwise glibc's heap serves them as before);
+    `PAGEDRL_BLOCK_POOL=0` leaves them there. Each heap keeps its own peak."""
+    import resource
+
     from pagedrl.kernels import ops
 
     if os.environ.get("PAGEDRL_BLOCK_POOL", "").strip().lower() in {"0", "false", "no", "off"} or not ops.available():
         return False
+    if resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY:
+        return False  # its reservation would count against the limit, and other mappings would fail
     reserve = 2 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if not ops.install_block_pool(POOL_THRESHOLD, reserve):
-        logger.warning("no address space for the large-block pool; large tensors share glibc's heap")
+        logger.warning("the large-block pool could not be installed; large tensors share glibc's heap")
         return False
     return True

@@ -19,6 +19,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <torch/library.h>
 
+#include <pthread.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -75,6 +76,10 @@ class BlockPool final : public c10::Allocator {
 
   static BlockPool* instance;
 
+  // A fork while another thread holds the lock would leave the child's copy locked for good.
+  static void before_fork() { instance->mutex_.lock(); }
+  static void after_fork() { instance->mutex_.unlock(); }
+
  private:
   static void release(void* p) {
     const auto addr = reinterpret_cast<uintptr_t>(p);
@@ -97,8 +102,8 @@ class BlockPool final : public c10::Allocator {
       if (block > size) add_free(at + size, block - size);
       addr = at;
     } else {
-      if (top_ + size > end_) return nullptr;
-      if (top_ + size > writable_) {
+      if (size > end_ - top_) return nullptr;
+      if (size > writable_ - top_) {
         const uintptr_t upto = std::min(end_, base_ + round_up(top_ + size - base_, kGrow));
         if (mprotect(reinterpret_cast<void*>(writable_), upto - writable_, PROT_READ | PROT_WRITE) != 0) return nullptr;
         writable_ = upto;
@@ -109,15 +114,18 @@ class BlockPool final : public c10::Allocator {
     }
     used_[addr] = size;
     in_use_ += size;
+    report(addr, static_cast<int64_t>(size));
     return reinterpret_cast<void*>(addr);
   }
 
   void give_back(uintptr_t addr) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = used_.find(addr);
+    TORCH_INTERNAL_ASSERT(it != used_.end(), "block pool: a block freed that it did not hand out");
     size_t size = it->second;
     used_.erase(it);
     in_use_ -= size;
+    report(addr, -static_cast<int64_t>(size));
     auto next = free_by_addr_.find(addr + size);  // merge with the free block above
     if (next != free_by_addr_.end()) {
       size += next->second;
@@ -137,6 +145,12 @@ class BlockPool final : public c10::Allocator {
     } else {
       add_free(addr, size);
     }
+  }
+
+  // As torch's own CPU allocator does: the profiler's memory view sees every block.
+  void report(uintptr_t addr, int64_t delta) const {
+    c10::reportMemoryUsageToProfiler(reinterpret_cast<void*>(addr), delta, in_use_, writable_ - base_,
+                                     c10::Device(c10::DeviceType::CPU));
   }
 
   void add_free(uintptr_t addr, size_t size) {
@@ -162,19 +176,24 @@ class BlockPool final : public c10::Allocator {
 BlockPool* BlockPool::instance = nullptr;
 
 // Installs the pool as torch's CPU allocator (once per process: blocks it handed out must outlive
-// any later change, so it is never removed); returns whether it is installed.
+// any later change, so it is never removed); returns whether it is torch's CPU allocator now. Not
+// over an allocator whose raw pointers cannot be freed alone (the pool's raw deleter passes them on).
 bool install_block_pool(int64_t threshold, int64_t reserve) {
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);
-  if (BlockPool::instance != nullptr) return true;
-  auto* pool = new BlockPool(c10::GetCPUAllocator(), static_cast<size_t>(threshold), static_cast<size_t>(reserve));
-  if (!pool->reserved()) {
-    delete pool;
-    return false;
+  if (BlockPool::instance == nullptr) {
+    c10::Allocator* before = c10::GetCPUAllocator();
+    if (before->raw_deleter() == nullptr) return false;
+    auto* pool = new BlockPool(before, std::max(static_cast<size_t>(threshold), kAlign), static_cast<size_t>(reserve));
+    if (!pool->reserved()) {
+      delete pool;
+      return false;
+    }
+    BlockPool::instance = pool;
+    pthread_atfork(&BlockPool::before_fork, &BlockPool::after_fork, &BlockPool::after_fork);
+    c10::SetCPUAllocator(pool, /*priority=*/1);
   }
-  BlockPool::instance = pool;
-  c10::SetCPUAllocator(pool, /*priority=*/1);
-  return true;
+  return c10::GetCPUAllocator() == BlockPool::instance;
 }
 
 std::vector<int64_t> block_pool_stats() {
