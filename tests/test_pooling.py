@@ -4,12 +4,12 @@ scores it, offline and through a real server."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from classifiers import saved_classifier
 from server_process import running_server
 from tiny import randomise_adapter
 
@@ -29,18 +29,9 @@ ATOL = 1e-5  # float32 on both sides (on the CPU), one sequence alone there and 
 def classifier(tiny_train_model: Path, tmp_path_factory: pytest.TempPathFactory):
     """A `LlamaForSequenceClassification` (one label, named "helpful") saved by transformers, with the
     tokenizer; its head drawn wide enough that the probabilities spread."""
-    import transformers
-
     torch.manual_seed(0)
-    hf = transformers.AutoModelForSequenceClassification.from_pretrained(
-        str(tiny_train_model), num_labels=1, dtype=torch.float32, id2label={0: "helpful"},
-        label2id={"helpful": 0}).eval()
-    with torch.no_grad():
-        hf.score.weight.normal_(0.0, 0.5)
     folder = tmp_path_factory.mktemp("classifier") / "rm"
-    hf.save_pretrained(str(folder))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_train_model / name, folder / name)
+    hf = saved_classifier(tiny_train_model, folder, {0: "helpful"})
     return folder, hf
 
 

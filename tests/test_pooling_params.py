@@ -5,13 +5,13 @@ encoding, held to transformers' logits and to the float response."""
 from __future__ import annotations
 
 import base64
-import shutil
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
+from classifiers import saved_classifier
 from server_process import running_server
 from test_pooling_heads import hf_logits
 
@@ -27,19 +27,9 @@ PROMPTS = [list(range(5, 25)), [7, 8, 9], [40, 41, 42, 43, 44]]
 def three_labels(tiny_train_model: Path, tmp_path_factory: pytest.TempPathFactory):
     """A 3-label LlamaForSequenceClassification saved by transformers with the tokenizer, its head drawn wide
     enough that the probabilities spread, and the model itself."""
-    import transformers
-
     torch.manual_seed(0)
-    names = {0: "neg", 1: "neu", 2: "pos"}
-    hf = transformers.AutoModelForSequenceClassification.from_pretrained(
-        str(tiny_train_model), num_labels=3, dtype=torch.float32, id2label=names,
-        label2id={v: k for k, v in names.items()}).eval()
-    with torch.no_grad():
-        hf.score.weight.normal_(0.0, 0.5)
     folder = tmp_path_factory.mktemp("pooling-params") / "three"
-    hf.save_pretrained(str(folder))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_train_model / name, folder / name)
+    hf = saved_classifier(tiny_train_model, folder, {0: "neg", 1: "neu", 2: "pos"})
     return folder, hf
 
 
