@@ -291,3 +291,23 @@ def test_a_buffer_made_in_an_engine_step_is_not_the_trainers(tmp_path: Path) -> 
     thread.start()
     thread.join()
     assert not errors, errors
+
+
+def test_a_bf16_batch_invariant_engine_step_multiplies_each_layers_own_weight() -> None:
+    """Under a trainer's bf16 autocast the engine's rollouts are batch-invariant, whose products keep a
+    packed copy of a weight that outlives the call, found again by the tensor and its version. Every layer
+    of one shape dequantizes into the same buffer, and an engine step's buffer (an inference tensor) has
+    no version: a packed copy of it would give the first layer's weight to all of them (a QLoRA GRPO run in
+    bf16 sampled "peuticpeutic..." from the default model). Each product must use its own layer's weight."""
+    from pagedrl.model import batch_invariant
+    from pagedrl.model.quantized_linear import QuantizedBase
+
+    torch.manual_seed(0)
+    layers = [QuantizedBase(4).layer(torch.nn.Linear(576, 1536, bias=False)) for _ in range(3)]
+    x = torch.randn(96, 576)
+    with torch.inference_mode(), batch_invariant.scope(), torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = [layer(x).float() for layer in layers]
+    for layer, out in zip(layers, outs, strict=True):
+        reference = x.bfloat16().float() @ layer.dequantized(torch.bfloat16).float().T
+        torch.testing.assert_close(out, reference, rtol=2e-2, atol=5e-2)
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])

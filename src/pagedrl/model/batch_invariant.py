@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -274,6 +275,23 @@ def _packed_call(weight: torch.Tensor, bias: torch.Tensor | None, safe: tuple[in
     return lambda chunk, _: packs.product(chunk, weight, bias)
 
 
+_SCRATCH: dict[int, weakref.ref] = {}
+
+
+def scratch(buffer: torch.Tensor) -> torch.Tensor:
+    """Marks `buffer` as rewritten between products (a quantized layer's dequantized weight, one buffer
+    for every layer of its shape): never packed, since a packed copy, kept by the tensor's identity and
+    version, would go stale, and an engine step's buffer (an inference tensor) keeps no version to tell."""
+    key = id(buffer)
+    _SCRATCH[key] = weakref.ref(buffer, lambda _, key=key: _SCRATCH.pop(key, None))
+    return buffer
+
+
+def _is_scratch(weight: torch.Tensor) -> bool:
+    ref = _SCRATCH.get(id(weight))
+    return ref is not None and ref() is weight
+
+
 def _linear_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  persistent: bool = False) -> torch.Tensor:
     """`persistent`: `weight` outlives the call (not a cast made for it), so a packed copy of it pays."""
@@ -341,7 +359,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (rows, weight, bias)):
         out = _Linear.apply(rows, weight, bias)
     else:  # inference (the engine): no autograd node to build
-        out = _linear_rows(rows, weight, bias, persistent=weight is given)
+        out = _linear_rows(rows, weight, bias, persistent=weight is given and not _is_scratch(given))
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

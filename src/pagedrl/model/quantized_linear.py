@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedrl.model import bnb_quant
+from pagedrl.model import batch_invariant, bnb_quant
 from pagedrl.model.moe import has_sparse_layers
 from pagedrl.model.projections import LAYER_PROJECTIONS
 
@@ -50,8 +50,8 @@ def _buffer(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) ->
     inference tensor outside inference mode."""
     buffers = _scratch.__dict__.setdefault("buffers", {})
     key = (shape, dtype, device, torch.is_inference_mode_enabled())
-    if key not in buffers:
-        buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+    if key not in buffers:  # never packed by a batch-invariant product (it holds every layer of its shape in turn)
+        buffers[key] = batch_invariant.scratch(torch.empty(shape, dtype=dtype, device=device))
     return buffers[key]
 
 
