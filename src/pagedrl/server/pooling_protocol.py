@@ -51,13 +51,19 @@ class ClassificationData(OpenAIBase):
     num_classes: int
 
 
-class ClassificationResponse(OpenAIBase):
+class PooledList(OpenAIBase):
+    """The envelope /classify and /pooling share (vLLM's field order); each route types `data`."""
+
     id: str
     object: str = "list"
     created: int = Field(default_factory=now_s)
     model: str
-    data: list[ClassificationData]
+    data: list
     usage: UsageInfo
+
+
+class ClassificationResponse(PooledList):
+    data: list[ClassificationData]
 
 
 class PoolingRequest(PoolingParamsFields):
@@ -80,13 +86,8 @@ class PoolingResponseData(OpenAIBase):
     data: list[list[float]] | list[float] | str
 
 
-class PoolingResponse(OpenAIBase):
-    id: str
-    object: str = "list"
-    created: int = Field(default_factory=now_s)
-    model: str
+class PoolingResponse(PooledList):
     data: list[PoolingResponseData]
-    usage: UsageInfo
 
 
 def encoded_data(data: torch.Tensor, encoding_format: str, endianness: str = "native") -> list | str:
