@@ -19,9 +19,10 @@ MAX_NEW = 5
 
 
 def reference(hf64: torch.nn.Module, prompt: list[int], width: int, max_tokens: int, length_penalty: float,
-              ignore_eos: bool = False) -> list[tuple[list[int], float]]:
+              ignore_eos: bool = False, allowed: list[int] | None = None) -> list[tuple[list[int], float]]:
     """The best `width` (tokens, cumulative log-prob) of a beam search over float64 log-softmax, each beam's
-    logits from a whole forward of its tokens (no cache)."""
+    logits from a whole forward of its tokens (no cache). With `allowed` (vLLM's rule), the candidates are
+    every allowed token of a list of at most 128, else the allowed ones among the 2 * width most likely."""
     beams: list[tuple[list[int], float]] = [(prompt, 0.0)]
     completed: list[tuple[list[int], float]] = []
 
@@ -34,8 +35,13 @@ def reference(hf64: torch.nn.Module, prompt: list[int], width: int, max_tokens: 
         for tokens, cum in beams:
             with torch.no_grad():
                 logp = hf64(torch.tensor([tokens])).logits[0, -1].log_softmax(-1)
-            top = logp.topk(2 * width)
-            for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            if allowed is not None and len(allowed) <= 128:
+                pairs = [(logp[t].item(), t) for t in allowed]
+            else:
+                top = logp.topk(2 * width)
+                pairs = [(v, t) for v, t in zip(top.values.tolist(), top.indices.tolist(), strict=True)
+                         if allowed is None or t in allowed]
+            for value, token in pairs:
                 new = (tokens + [token], cum + value)
                 (completed if token == EOS and not ignore_eos else candidates).append(new)
         beams = sorted(candidates, key=lambda b: b[1], reverse=True)[:width]
@@ -62,6 +68,26 @@ def test_beam_search_equals_a_float64_reference(models, width, length_penalty):
         assert all(len(s.logprobs) == len(s.tokens) - len(prompt) for s in out.sequences)
         scores = [get_beam_search_score(s.tokens, s.cum_logprob, EOS, length_penalty) for s in out.sequences]
         assert scores == sorted(scores, reverse=True)
+
+
+@pytest.mark.parametrize("width,many", [(2, False), (4, False), (3, True)])
+def test_allowed_token_ids_are_each_beams_only_candidates(models, width, many):
+    """A short list: every allowed token is a candidate, however unlikely (vLLM asks for their log-probs by
+    id); a list over 128: the allowed ones among the 2 * width most likely."""
+    hf, hf64, llm, prompts = models
+    g = torch.Generator().manual_seed(width)
+    vocab = hf.config.vocab_size
+    allowed = torch.randperm(vocab, generator=g)[: 200 if many else 9].tolist()
+    allowed = [EOS] + [t for t in allowed if t != EOS]
+    params = BeamSearchParams(beam_width=width, max_tokens=MAX_NEW, length_penalty=0.5, allowed_token_ids=allowed)
+    for prompt, out in zip(prompts, llm.beam_search(prompts, params), strict=True):
+        ref = reference(hf64, prompt, width, MAX_NEW, 0.5, allowed=allowed)
+        assert [s.tokens for s in out.sequences] == [tokens for tokens, _ in ref]
+        assert [s.cum_logprob for s in out.sequences] == pytest.approx([cum for _, cum in ref], abs=1e-4)
+        assert all(set(s.tokens[len(prompt):]) <= set(allowed) for s in out.sequences)
+    plain = llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=MAX_NEW, length_penalty=0.5))
+    assert [[s.tokens for s in o.sequences] for o in plain] != \
+        [[s.tokens for s in o.sequences] for o in llm.beam_search(prompts, params)]  # the list changed the search
 
 
 def test_eos_ends_beams_inside_the_search(models):
@@ -136,7 +162,8 @@ def test_a_beam_whose_request_fails_fails_the_search(models):
 
 
 @pytest.mark.parametrize("field,value", [("beam_width", 0), ("max_tokens", 0), ("temperature", -1.0),
-                                         ("length_penalty", float("nan")), ("beam_width", 1.5)])
+                                         ("length_penalty", float("nan")), ("beam_width", 1.5),
+                                         ("allowed_token_ids", []), ("allowed_token_ids", [-2])])
 def test_bad_params_name_the_field(field, value):
     kwargs = dict(beam_width=2, max_tokens=4)
     kwargs[field] = value
@@ -148,6 +175,9 @@ def test_a_width_over_max_logprobs_is_refused(models):
     _, _, llm, prompts = models
     with pytest.raises(ValueError, match="beam_width 11"):
         llm.beam_search(prompts, BeamSearchParams(beam_width=11, max_tokens=2))
+    # a short allowed list asks for its ids' log-probs, not 2 * beam_width alternatives
+    out = llm.beam_search(prompts[:1], BeamSearchParams(beam_width=11, max_tokens=2, allowed_token_ids=list(range(3, 40))))
+    assert len(out[0].sequences) == 11
 
 
 @pytest.mark.parametrize("include_stop_str_in_output", [False, True])

@@ -11,6 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pagedrl.engine.async_engine import AsyncEngine
+from pagedrl.engine.beam_search import BeamSearchParams
+from pagedrl.engine.llm import LLM
 from pagedrl.engine.llm_engine import EngineConfig, LLMEngine
 from pagedrl.model.loader import load_model
 from pagedrl.server.app import build_app
@@ -36,7 +38,7 @@ def http(tiny_train_model) -> Iterator[TestClient]:
     ("completions", {"top_k": 5}, "top_k"),
     ("completions", {"min_p": 0.1}, "min_p"),
     ("completions", {"seed": 3}, "seed"),
-    ("completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ("completions", {"logprob_token_ids": [1, 2]}, "logprob_token_ids"),
     ("completions", {"logit_bias": {"1": 5}}, "logit_bias"),
     ("completions", {"stop": ["x"]}, "stop"),
     ("chat/completions", {"logprobs": True}, "logprobs"),
@@ -76,3 +78,20 @@ def test_a_search_is_logged_once_with_its_own_params(http, caplog):
     params = [str(r.args[1]) for r in received]
     assert params[0].startswith("BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True, temperature=0")
     assert params[1].startswith("BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=False")
+
+
+def test_allowed_token_ids_is_applied_as_the_offline_search_applies_it(http, tiny_train_model):
+    """vLLM's beam search applies allowed_token_ids: the server's beams are the offline search's, each token
+    allowed; an id outside the vocabulary is a 400 naming the field."""
+    loaded = load_model(tiny_train_model, device="cpu")
+    llm = LLM.from_module(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, kv_cache_tokens=1024)
+    allowed = [7, 11, 42, 99, 180]
+    r = http.post("/v1/completions", json={**COMPLETION, "allowed_token_ids": allowed, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    prompt = loaded.tokenizer.encode("the cat sat")
+    (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=3, temperature=0,
+                                                        allowed_token_ids=allowed))
+    assert [c["token_ids"] for c in r.json()["choices"]] == [s.tokens[len(prompt):] for s in out.sequences]
+    assert all(set(c["token_ids"]) <= set(allowed) for c in r.json()["choices"])
+    r = http.post("/v1/completions", json={**COMPLETION, "allowed_token_ids": [7, 10**6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text

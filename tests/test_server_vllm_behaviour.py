@@ -98,7 +98,7 @@ def test_max_logprobs_is_the_servers_limit_on_alternatives(http):
 
 
 @pytest.mark.parametrize("field,value,param", [
-    ("logprob_token_ids", [1, 2], "logprob_token_ids"), ("prompt_embeds", "AAAA", "prompt_embeds"),
+    ("prompt_embeds", "AAAA", "prompt_embeds"),
     ("thinking_token_budget", 10, "thinking_token_budget"), ("priority", 1, "priority"),
     ("truncation_side", "right", "truncation_side"), ("repetition_detection", {"min_pattern_size": 2}, None),
     ("cache_salt", "s" * 1025, "cache_salt"),  # vLLM's bound

@@ -39,7 +39,7 @@ from typing import Any
 from pagedrl.engine.lora_request import LoRARequest
 from pagedrl.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrl.engine.request_stream import RequestFailed
-from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.engine.sampling_params import MAX_LOGPROB_TOKEN_IDS, SamplingParams
 
 
 def _bad(name: str, value: Any, requirement: str) -> ValueError:
@@ -58,6 +58,7 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
@@ -73,6 +74,12 @@ class BeamSearchParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "must be a bool")
+        if self.allowed_token_ids is not None:
+            try:  # SamplingParams' own rules for the list, named as this class's field
+                ids = SamplingParams(allowed_token_ids=self.allowed_token_ids).allowed_token_ids
+            except ValueError as e:
+                raise ValueError(str(e).replace("SamplingParams.", "BeamSearchParams.", 1)) from None
+            object.__setattr__(self, "allowed_token_ids", ids)
 
 
 @dataclass
@@ -112,9 +119,16 @@ def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_toke
 
 
 def step_params(params: BeamSearchParams) -> SamplingParams:
-    """What each step asks of every beam: one token and its 2 * beam_width most likely alternatives."""
+    """What each step asks of every beam: one token and its 2 * beam_width most likely alternatives; with
+    `allowed_token_ids`, the token drawn among them and (a list of at most MAX_LOGPROB_TOKEN_IDS, as
+    vLLM's) the log-prob of every allowed id, so that each is a candidate however unlikely; a longer list
+    gets the 2 * beam_width most likely alternatives, the allowed ones among them the candidates."""
+    allowed = params.allowed_token_ids
+    if allowed is not None and len(allowed) <= MAX_LOGPROB_TOKEN_IDS:
+        return SamplingParams(max_tokens=1, temperature=params.temperature, detokenize=False,
+                              allowed_token_ids=allowed, logprob_token_ids=allowed)
     return SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature,
-                          detokenize=False)
+                          detokenize=False, allowed_token_ids=allowed)
 
 
 class BeamSearchInstance:
@@ -127,6 +141,7 @@ class BeamSearchInstance:
         self.prompt_len = len(prompt_tokens)
         self.params = params
         self.eos = set(eos_token_ids)
+        self.allowed = None if params.allowed_token_ids is None else set(params.allowed_token_ids)
         self.beams = [BeamSearchSequence(list(prompt_tokens), lora_request=lora_request, cache_salt=cache_salt)]
         self.completed: list[BeamSearchSequence] = []
         # A beam can grow only while it fits the context: at least one step, so that a prompt too long
@@ -150,6 +165,8 @@ class BeamSearchInstance:
                 continue  # the engine gave it no token (aborted): the beam ends here
             entries = result.logprobs[0]
             for token_id, lp in entries.items():
+                if self.allowed is not None and token_id not in self.allowed:
+                    continue  # an alternative the request does not allow (vLLM's rule)
                 new = BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [entries], beam.lora_request,
                                          beam.cum_logprob + lp.logprob, cache_salt=beam.cache_salt)
                 if token_id in self.eos and not self.params.ignore_eos:
@@ -205,7 +222,10 @@ def advance_all(instances: list[BeamSearchInstance], outputs: list[RequestOutput
 
 
 def check_logprobs_limit(params: BeamSearchParams, max_logprobs: int) -> None:
-    """A step asks for 2 * beam_width log-probs, which the engine's max_logprobs (-1: none) bounds."""
+    """A step asks for 2 * beam_width log-probs, which the engine's max_logprobs (-1: none) bounds (unless
+    it asks for a short allowed list's own, which MAX_LOGPROB_TOKEN_IDS bounds)."""
+    if step_params(params).logprobs is None:
+        return
     if max_logprobs != -1 and 2 * params.beam_width > max_logprobs:
         raise ValueError(f"BeamSearchParams.beam_width {params.beam_width} asks the engine for 2 * beam_width = "
                          f"{2 * params.beam_width} log-probs a step, over max_logprobs ({max_logprobs})")

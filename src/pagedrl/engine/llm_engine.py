@@ -283,11 +283,10 @@ class LLMEngine:
                 self.finish(seq, "error")
                 continue
             entry = None
-            if seq.params.logprobs is not None:
-                processed_mode = seq.params.logprobs_mode == "processed_logprobs"
-                entry = logprob_entry(token, processed[i] if processed_mode else raw[i], out.top_logprobs[i],
-                                      self.decode_one if seq.params.detokenize else None,
-                                      out.sampled_ranks[i] if out.sampled_ranks else None)
+            if seq.params.num_logprobs is not None:
+                chosen = processed[i] if seq.params.logprobs_mode == "processed_logprobs" else raw[i]
+                entry = logprob_entry(token, chosen, out.top_logprobs[i], self.decode_one if seq.params.detokenize
+                                      else None, *out.ranks_of(i))
             seq.append(token, processed[i], raw[i], entry)
             if seq.grammar is not None:
                 seq.grammar.accept(token)

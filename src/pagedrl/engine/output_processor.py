@@ -34,13 +34,18 @@ def _unnamed(token: int) -> None:
 
 
 def logprob_entry(token: int, chosen: float, top: dict[int, float] | None,
-                  name: TokenName | None, rank: int | None = None) -> dict[int, Logprob]:
+                  name: TokenName | None, rank: int | None = None,
+                  top_ranks: list[int] | None = None) -> dict[int, Logprob]:
     """The sampled token's log-prob (and its `rank` in that distribution) and its ranked alternatives,
-    each with its name (built once per token; None: no names)."""
+    each with its name (built once per token; None: no names). `top` holds the most likely tokens, best
+    first, so an alternative's rank is its place there; or, with `top_ranks`, the ids a request named
+    (`logprob_token_ids`), each with its own rank in the whole distribution."""
     name = name or _unnamed
     entry = {token: Logprob(chosen, rank=rank, decoded_token=name(token))}
     if top:
         for r, (t, v) in enumerate(top.items(), start=1):
+            if top_ranks is not None:
+                r = top_ranks[r - 1]
             if t == token:
                 entry[token].rank = r if rank is None else rank
             else:
@@ -88,7 +93,7 @@ def _holdback(seq: Sequence) -> int:
 
 def _cumulative(seq: Sequence) -> float | None:
     """The sampled tokens' summed log-prob where log-probs were asked for; None otherwise, as vLLM."""
-    return seq.cumulative_logprob if seq.params.logprobs is not None else None
+    return seq.cumulative_logprob if seq.params.num_logprobs is not None else None
 
 
 def completion_output(seq: Sequence, delta: bool) -> CompletionOutput | None:
@@ -97,7 +102,7 @@ def completion_output(seq: Sequence, delta: bool) -> CompletionOutput | None:
     Built for every streaming request every step, so it reads each field once and passes them by position."""
     if not delta:
         return CompletionOutput(seq.index, seq.text, seq.token_ids[seq.num_prompt_tokens:], _cumulative(seq),
-                                seq.logprobs[:] if seq.params.logprobs is not None else None, seq.finish_reason,
+                                seq.logprobs[:] if seq.params.num_logprobs is not None else None, seq.finish_reason,
                                 seq.stop_reason, seq.processed_logprobs[:], seq.raw_logprobs[:], seq.error)
     if seq.finish_sent:
         return None
@@ -110,7 +115,7 @@ def completion_output(seq: Sequence, delta: bool) -> CompletionOutput | None:
         return None
     seq.num_chars_sent, seq.num_tokens_sent, seq.finish_sent = end_chars, num_output, finished
     return CompletionOutput(seq.index, text[chars_sent:end_chars], seq.token_ids[num_prompt + start:],
-                            _cumulative(seq), seq.logprobs[start:] if seq.params.logprobs is not None else None,
+                            _cumulative(seq), seq.logprobs[start:] if seq.params.num_logprobs is not None else None,
                             seq.finish_reason, seq.stop_reason, seq.processed_logprobs[start:],
                             seq.raw_logprobs[start:], seq.error)
 

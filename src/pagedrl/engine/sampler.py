@@ -72,7 +72,8 @@ class SamplingRow:
 class SamplerOutput:
     """Per row: the token, its processed and raw log-probs, and the requested alternatives
     (`{token_id: logprob}` in order best first, from the distribution `logprobs_mode` names; in
-    processed mode truncated tokens show -inf), or None when `logprobs` was not asked for."""
+    processed mode truncated tokens show -inf; a row with `logprob_token_ids` gets those ids, in its
+    order), or None when no log-probs were asked for."""
 
     token_ids: Tensor  # [S] long
     processed_logprobs: Tensor  # [S] under the distribution the token was drawn from
@@ -81,6 +82,13 @@ class SamplerOutput:
     # the sampled token's rank (1 = most likely) in the distribution its alternatives come from, for
     # rows that asked for log-probs (vLLM reports it even outside the alternatives); None for the rest
     sampled_ranks: list[int | None] | None = None
+    # for rows with `logprob_token_ids`, each named id's rank in that distribution; None for the rest
+    named_ranks: list[list[int] | None] | None = None
+
+    def ranks_of(self, row: int) -> tuple[int | None, list[int] | None]:
+        """Row `row`'s sampled-token rank and its named ids' ranks (`logprob_entry`'s last arguments)."""
+        return (self.sampled_ranks[row] if self.sampled_ranks else None,
+                self.named_ranks[row] if self.named_ranks else None)
 
 
 class Sampler:
@@ -113,7 +121,7 @@ class Sampler:
                 passed = p
             if p.temperature != 0.0:
                 (shared if row.generator is None else seeded).append(i)
-            if p.logprobs is not None:
+            if p.num_logprobs is not None:
                 wants_top = True
         if unchanged and not (seeded or shared or wants_top):
             picked = _greedy_pick(logits)
@@ -147,14 +155,15 @@ class Sampler:
         processed = logp.gather(1, tokens[:, None]).squeeze(1)
         if dead is not None:
             processed = processed.masked_fill(dead, NEG_INF)
-        top, ranks = _top_logprobs(raw, logp, tokens, [row.params for row in rows], vocab) if wants_top \
-            else ([None] * len(rows), None)
+        top, ranks, named = _top_logprobs(raw, logp, tokens, [row.params for row in rows], vocab) if wants_top \
+            else ([None] * len(rows), None, None)
         return SamplerOutput(
             token_ids=tokens,
             processed_logprobs=processed,
             raw_logprobs=raw.gather(1, tokens[:, None]).squeeze(1),
             top_logprobs=top,
             sampled_ranks=ranks,
+            named_ranks=named,
         )
 
     def _log_softmax(self, logits: Tensor) -> Tensor:
@@ -272,21 +281,32 @@ def _leaves_logits_unchanged(row: SamplingRow, vocab: int) -> bool:
     return p.temperature == 1.0 and (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0
 
 
-def _top_logprobs(raw: Tensor, processed: Tensor, tokens: Tensor, params: Sequence[SamplingParams],
-                  vocab: int) -> tuple[list[dict[int, float] | None], list[int | None]]:
+def _top_logprobs(raw: Tensor, processed: Tensor, tokens: Tensor, params: Sequence[SamplingParams], vocab: int
+                  ) -> tuple[list[dict[int, float] | None], list[int | None], list[list[int] | None] | None]:
     """The `logprobs` best alternatives of each row that asked, from raw or processed log-probs, and
-    the sampled token's rank there (1 + the tokens strictly more likely)."""
-    wanted = [min(p.logprobs, vocab) if p.logprobs else 0 for p in params]
+    the sampled token's rank there (1 + the tokens strictly more likely); a row with `logprob_token_ids`
+    gets those ids' log-probs instead, in its order, each with its rank by the same rule."""
+    named_ids = [p.logprob_token_ids for p in params]
+    wanted = [0 if ids is not None else min(p.logprobs, vocab) if p.logprobs else 0
+              for p, ids in zip(params, named_ids, strict=True)]
     result: list[dict[int, float] | None] = [{} if p.logprobs == 0 else None for p in params]
     use_processed = torch.tensor([p.logprobs_mode == "processed_logprobs" for p in params], device=raw.device)
     source = torch.where(use_processed[:, None], processed, raw)
     above = (source > source.gather(1, tokens[:, None])).sum(dim=-1).tolist()
-    ranks = [None if p.logprobs is None else n + 1 for p, n in zip(params, above, strict=True)]
-    if not any(wanted):
-        return result, ranks
-    values, ids = source.topk(max(wanted), dim=-1)
-    values, ids = values.tolist(), ids.tolist()
-    for i, k in enumerate(wanted):
-        if k:
-            result[i] = dict(zip(ids[i][:k], values[i][:k], strict=True))
-    return result, ranks
+    ranks = [None if p.num_logprobs is None else n + 1 for p, n in zip(params, above, strict=True)]
+    named: list[list[int] | None] | None = None
+    if any(ids is not None for ids in named_ids):
+        named = [None] * len(params)
+        for i, ids in enumerate(named_ids):
+            if ids is not None:
+                values = source[i, ids]
+                higher = (source[i][None, :] > values[:, None]).sum(dim=-1)
+                result[i] = dict(zip(ids, values.tolist(), strict=True))
+                named[i] = (higher + 1).tolist()
+    if any(wanted):
+        values, ids = source.topk(max(wanted), dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+        for i, k in enumerate(wanted):
+            if k:
+                result[i] = dict(zip(ids[i][:k], values[i][:k], strict=True))
+    return result, ranks, named

@@ -25,6 +25,8 @@ LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "processed_logprobs")
 MIN_TEMPERATURE = 1e-2
 # Seeds are 64-bit, as torch's generators (and vLLM's protocol) take them.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# vLLM's bound on `logprob_token_ids`: a short list scored every step, not a vocabulary's worth.
+MAX_LOGPROB_TOKEN_IDS = 128
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,10 @@ class SamplingParams:
     lists, and `bad_words` forbids each word's last token wherever the output already ends with the
     word's other tokens (with and without a leading space, as vLLM tokenizes them). All three act on
     the processed distribution before the penalties; raw log-probs stay the model's own.
+    `logprob_token_ids` (vLLM's) asks for the log-probs of exactly these ids at every output token, in
+    place of the `logprobs` most likely ones: a small label set (A/B/C/D, Yes/No) is scored whether or
+    not it ranks among the top; each entry keeps the id's rank in the whole distribution. At most
+    MAX_LOGPROB_TOKEN_IDS of them; `logprobs`, when also set, must equal their number (as vLLM checks).
     `truncate_prompt_tokens=k` keeps only the prompt's last k tokens (-1: as many as the context holds).
     `detokenize=False` (vLLM's, for callers that read token ids only, such as rollouts) leaves the
     text empty and log-prob entries unnamed, saving the decoding; stop strings then cannot be seen.
@@ -104,6 +110,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    logprob_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True
@@ -177,6 +184,19 @@ class SamplingParams:
         set_(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
         set_(self, "allowed_token_ids", _normalise_allowed_token_ids(self.allowed_token_ids))
         set_(self, "bad_words", _normalise_bad_words(self.bad_words))
+        set_(self, "logprob_token_ids", _normalise_logprob_token_ids(self.logprob_token_ids))
+        if self.logprob_token_ids is not None and self.logprobs is not None \
+                and self.logprobs != len(self.logprob_token_ids):
+            raise _bad("logprobs", self.logprobs, f"must equal len(logprob_token_ids) = {len(self.logprob_token_ids)} "
+                                                  "when both are set (or be None)")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many log-probs each output token's entry carries besides the sampled one's (vLLM's):
+        `logprobs`, else the number of `logprob_token_ids`; None when neither asks for any."""
+        if self.logprobs is not None:
+            return self.logprobs
+        return None if self.logprob_token_ids is None else len(self.logprob_token_ids)
 
     @property
     def is_greedy(self) -> bool:
@@ -277,6 +297,21 @@ def _normalise_allowed_token_ids(ids: Any) -> list[int] | None:
         raise _bad("allowed_token_ids", ids, "must not be empty (None allows every token)")
     if any(i < 0 for i in ids):
         raise _bad("allowed_token_ids", ids, "must hold non-negative token ids")
+    return list(dict.fromkeys(ids))
+
+
+def _normalise_logprob_token_ids(ids: Any) -> list[int] | None:
+    """None or an empty list: the top `logprobs` as usual (vLLM's server passes `ids or None`)."""
+    if ids is None:
+        return None
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise _bad("logprob_token_ids", ids, "must be a list of int or None")
+    if not ids:
+        return None
+    if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+        raise _bad("logprob_token_ids", f"<{len(ids)} ids>", f"must hold at most {MAX_LOGPROB_TOKEN_IDS} ids")
+    if any(i < 0 for i in ids):
+        raise _bad("logprob_token_ids", ids, "must hold non-negative token ids")
     return list(dict.fromkeys(ids))
 
 

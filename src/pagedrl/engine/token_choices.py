@@ -66,7 +66,8 @@ class TokenChoices:
         its allowed set leaves nothing to draw while `min_tokens` bans the stop tokens. Changes nothing
         the engine steps with, so it is safe off the engine thread."""
         for name, ids in (("logit_bias", list(params.logit_bias or ())),
-                          ("allowed_token_ids", params.allowed_token_ids or [])):
+                          ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("logprob_token_ids", params.logprob_token_ids or [])):
             outside = sorted(i for i in ids if i >= self.vocab_size)
             if outside:
                 raise ValueError(f"{name} names token ids outside the vocabulary [0, {self.vocab_size}): "

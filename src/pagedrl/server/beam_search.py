@@ -9,9 +9,9 @@ The fields that would change the candidates or the answer's shape and that beam 
 are refused by name instead, when the request sets them to anything but a value that asks for nothing
 (its default, or an empty list or map, `top_p` 1, `response_format` text, `tool_choice` "none"):
 sampling's truncation and seed, stop strings and ids, penalties, token choices, structured outputs,
-tools, log-probs and echo. vLLM ignores all of them but `allowed_token_ids`, which its beam search
-applies, ranking every allowed token of a short list by its log-prob (`logprob_token_ids`, which this
-engine does not have); rather than rank otherwise, it is refused too.
+tools, log-probs and echo (vLLM ignores them). `allowed_token_ids` is applied, as vLLM's beam search
+applies it: each beam's candidates are the allowed tokens, every one of a list of at most 128 ranked by its
+log-prob (`logprob_token_ids`), a longer list's among the 2 * n most likely.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pagedrl.server.protocol import SamplingRequest
 REFUSED: dict[str, tuple[Any, ...]] = {
     "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "seed": (-1,), "stop": ([],), "stop_token_ids": ([],),
     "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "min_tokens": (),
-    "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],), "response_format": (),
+    "logit_bias": ({},), "bad_words": ([],), "logprob_token_ids": ([],), "response_format": (),
     "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "prompt_logprobs": (), "logprobs": (), "top_logprobs": (), "echo": (), "tools": ([],), "tool_choice": ("none",)}
 _FIELD = re.compile(r"^BeamSearchParams\.(\w+)")
@@ -55,7 +55,8 @@ def beam_search_params(req: SamplingRequest, params: SamplingParams, max_model_l
         beam = BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens or max_model_len,
                                 ignore_eos=req.ignore_eos, temperature=params.temperature,
                                 length_penalty=req.length_penalty,
-                                include_stop_str_in_output=req.include_stop_str_in_output)
+                                include_stop_str_in_output=req.include_stop_str_in_output,
+                                allowed_token_ids=req.allowed_token_ids)
         check_logprobs_limit(beam, max_logprobs)
     except ValueError as e:
         match = _FIELD.match(str(e))

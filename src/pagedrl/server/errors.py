@@ -51,7 +51,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
-_PARAM_IN_MESSAGE = re.compile(r"^SamplingParams\.(\w+)|^(max_tokens|prompt|stop|n|structured_outputs\.\w+|logit_bias|allowed_token_ids|bad_words|prompt_logprobs|logprobs|truncate_prompt_tokens"
+_PARAM_IN_MESSAGE = re.compile(r"^SamplingParams\.(\w+)|^(max_tokens|prompt|stop|n|structured_outputs\.\w+|logit_bias|allowed_token_ids|logprob_token_ids|bad_words|prompt_logprobs|logprobs|truncate_prompt_tokens"
                                r"|pooling_task|pooling_params|lora_request|dimensions|normalize|use_activation|activation|softmax)\b")
 
 

@@ -38,8 +38,7 @@ from pagedrl.server.tools import (
 DEFAULT_MAX_N = 128
 # vLLM's and OpenAI's fields that would change the answer and that this server does not implement:
 # refused by name (as suffix and best_of are) rather than silently ignored.
-UNSUPPORTED_EXTRAS = ("functions", "function_call", "logprob_token_ids",
-                      "prompt_embeds", "repetition_detection", "watermarking")
+UNSUPPORTED_EXTRAS = ("functions", "function_call", "prompt_embeds", "repetition_detection", "watermarking")
 OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -48,7 +47,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
                     defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """SamplingParams for a request; a bad value is a 400 naming the request field. `defaults` (the
     model's generation config, as vLLM takes it) stand in for the sampling settings the request leaves
-    unset."""
+    unset. `logprobs` None (the request's log-probs switch off) leaves `logprob_token_ids` unused, as in
+    vLLM's answer; on, the ids take the place of the top `logprobs`."""
     defaults = defaults or {}
     if not 1 <= req.n <= max_n:
         raise bad_request(f"n must be between 1 and {max_n}, got {req.n}", param="n")
@@ -64,10 +64,14 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
     kwargs: dict[str, Any] = dict(
         n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output, prompt_logprobs=req.prompt_logprobs,
         structured_outputs=structured_outputs(req)[0], logit_bias=req.logit_bias,
         allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
         truncate_prompt_tokens=req.truncate_prompt_tokens)
+    if logprobs is not None and req.logprob_token_ids:
+        kwargs["logprob_token_ids"] = req.logprob_token_ids
+    else:
+        kwargs["logprobs"] = logprobs
     for name in (*OPTIONAL_FLOATS, "top_k"):
         value = getattr(req, name)
         value = defaults.get(name) if value is None else value
@@ -107,6 +111,9 @@ def completion_inputs(req: CompletionRequest, max_n: int = DEFAULT_MAX_N, defaul
         max_tokens = (defaults or {}).get("max_tokens")
     max_tokens = capped(max_tokens, max_tokens_cap)
     if req.echo and max_tokens == 0:
+        if req.logprob_token_ids and req.logprobs is not None:  # as vLLM: the prompt's log-probs are its own
+            raise bad_request("logprob_token_ids scores output tokens, and max_tokens 0 with echo makes none",
+                              param="logprob_token_ids")
         max_tokens = 1  # the prompt alone: the engine still makes a token, which the answer leaves out
     params = sampling_params(req, max_tokens, req.logprobs, max_n=max_n, defaults=defaults)
     if req.echo and req.logprobs is not None:

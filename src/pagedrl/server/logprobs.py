@@ -13,6 +13,7 @@ import codecs
 from typing import Any
 
 from pagedrl.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.server.response_bodies import (
     ChatLogprobs,
     ChatTokenLogprob,
@@ -101,9 +102,9 @@ def _top(token_id: int, lp: Logprob, names: TokenText) -> TopLogprob:
     return TopLogprob(token=names.name(token_id, lp), logprob=finite(lp.logprob), bytes=list(names.raw(token_id, lp)))
 
 
-def chat_logprobs(c: CompletionOutput, start: int, stop: int, names: TokenText, top: int) -> ChatLogprobs:
+def chat_logprobs(c: CompletionOutput, start: int, stop: int, names: TokenText, top: int | None) -> ChatLogprobs:
     """OpenAI's chat log-probs: each token's own, and the `top` most likely tokens in rank order (the
-    sampled one among them only where it ranks in the top)."""
+    sampled one among them only where it ranks in the top); `top` None lists every token of the entry."""
     content = []
     for i in range(start, stop):
         entry = c.logprobs[i]
@@ -112,6 +113,12 @@ def chat_logprobs(c: CompletionOutput, start: int, stop: int, names: TokenText, 
         ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)[:top]
         content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[_top(t, lp, names) for t, lp in ranked]))
     return ChatLogprobs(content=content)
+
+
+def listed_alternatives(params: SamplingParams) -> int | None:
+    """How many of an entry's tokens a chat answer lists as `top_logprobs`: the `logprobs` most likely,
+    or with `logprob_token_ids` all of them, the ids named and the sampled token (as vLLM's answer)."""
+    return None if params.logprob_token_ids is not None else params.logprobs
 
 
 def prompt_logprobs(out: RequestOutput, names: TokenText, offsets: TextOffsets) -> CompletionLogprobs:

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
+from pagedrl.engine.sampling_params import MAX_LOGPROB_TOKEN_IDS
+
 
 class OpenAIBase(BaseModel):
     # Python's JSON reader accepts Infinity and NaN; no field of a request may hold them.
@@ -151,8 +153,10 @@ class SamplingRequest(OpenAIBase):
     # and n is bounded by max_logprobs / 2, rules between fields the schema does not state
     use_beam_search: SkipJsonSchema[bool] = False
     length_penalty: float = 1.0
+    # vLLM's: with logprobs on, the log-probs of exactly these ids (and the sampled one's) at every output token,
+    # in place of the top ones; empty: the top ones
+    logprob_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LOGPROB_TOKEN_IDS)] | None = None
     # vLLM's fields that would change the answer and are not built: refused when set (inputs.UNSUPPORTED_EXTRAS)
-    logprob_token_ids: SkipJsonSchema[Any] = None
     prompt_embeds: SkipJsonSchema[Any] = None
     repetition_detection: SkipJsonSchema[Any] = None
     thinking_token_budget: SkipJsonSchema[Any] = None

@@ -36,6 +36,7 @@ from pagedrl.server.logprobs import (
     chat_logprobs,
     completion_logprobs,
     extend,
+    listed_alternatives,
     prompt_logprob_entries,
     prompt_logprobs,
 )
@@ -112,7 +113,7 @@ def choice_content(out: RequestOutput, c: CompletionOutput, first: bool, echo: E
                    names: TokenText, offsets: TextOffsets) -> tuple[str, CompletionLogprobs | None]:
     """A choice's text and log-probs (for a stream: of this delta; `first` puts the echoed prompt in)."""
     text = ""
-    lp = CompletionLogprobs() if params.logprobs is not None else None
+    lp = CompletionLogprobs() if params.num_logprobs is not None else None
     if echo.echo and first:
         text = out.prompt if out.prompt is not None else names.decode(out.prompt_token_ids)
         if lp is not None:
@@ -180,7 +181,8 @@ def chat_response(request_id: str, model: str, output: RequestOutput, params: Sa
     for c in output.outputs:
         message, finish_reason = chat_message(c, plan, thinking)
         message.role = role
-        lp = chat_logprobs(c, 0, len(c.token_ids), names, params.logprobs) if params.logprobs is not None else None
+        lp = chat_logprobs(c, 0, len(c.token_ids), names, listed_alternatives(params)) \
+            if params.num_logprobs is not None else None
         choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason, logprobs=lp,
                                   stop_reason=c.stop_reason, token_ids=list(c.token_ids) if with_ids else None))
     details = extras is not None and extras.prompt_tokens_details
@@ -321,7 +323,8 @@ async def chat_stream(group: RequestGroup, request_id: str, model: str, params: 
                     if not has_news(c):
                         continue
                     made[c.index] += len(c.token_ids)
-                    lp = chat_logprobs(c, 0, len(c.token_ids), names, params.logprobs) if params.logprobs is not None else None
+                    lp = chat_logprobs(c, 0, len(c.token_ids), names, listed_alternatives(params)) \
+                        if params.num_logprobs is not None else None
                     reader, thinker = readers[c.index], thinkers[c.index]
                     reasoning, text = split_delta(thinker, c.text, c.finish_reason is not None)
                     delta = DeltaMessage(content=text) if reader is None else tool_deltas(reader, c, text)
