@@ -22,6 +22,7 @@ FORMATS = {
     "hermes": r'<tool_call>\{"name": "get_weather", "arguments": \{"city": ' + CITY + r"\}\}</tool_call>",
     "llama3_json": r'<\|python_tag\|>\{"name": "get_weather", "parameters": \{"city": ' + CITY + r"\}\}",
     "pythonic": r"\[get_weather\(city=" + CITY + r"\)\]",
+    "llama4_pythonic": r"<\|python_start\|>\[get_weather\(city=" + CITY + r"\)\]<\|python_end\|>",
     "mistral": r"\[TOOL_CALLS\]get_weather\[ARGS\]\{\"city\": " + CITY + r"\}",
     "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
                    r'\{"city": ' + CITY + r"\}" + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",

@@ -81,6 +81,17 @@ CASES = [
     ("pythonic", "[foo(x=1])]", "[foo(x=1])]", []),
     ("pythonic", "Let me check. [f(x=-1, t=(1, 2))]", "Let me check.", [("f", {"x": -1, "t": [1, 2]})]),  # vLLM: text
     ("pythonic", "[1, 2] is a [link](url); [f(1)]", "[1, 2] is a [link](url); [f(1)]", []),
+    # llama4_pythonic (vLLM: test_llama4_pythonic_tool_parser.py)
+    ("llama4_pythonic", "How can I help you today?", "How can I help you today?", []),
+    ("llama4_pythonic", "<|python_start|>[get_weather(city='LA', metric='C')]<|python_end|>", None,
+     [("get_weather", {"city": "LA", "metric": "C"})]),
+    ("llama4_pythonic", "<|python_start|>[get_weather(city='LA', metric='C'),register_user(name='Doe', age=9)]", None,
+     [("get_weather", {"city": "LA", "metric": "C"}), ("register_user", {"name": "Doe", "age": 9})]),
+    ("llama4_pythonic", "[get_weather(city='LA',metric='C'),register_user(name='Doe',age=9)]", None,
+     [("get_weather", {"city": "LA", "metric": "C"}), ("register_user", {"name": "Doe", "age": 9})]),
+    ("llama4_pythonic", "<|python_start|>[bad(x=b'z'), get_weather(city='LA', metric='C')]<|python_end|>", None,
+     [("get_weather", {"city": "LA", "metric": "C"})]),
+    ("llama4_pythonic", "<|python_start|>[foo(x=1])]<|python_end|>", "<|python_start|>[foo(x=1])]<|python_end|>", []),
     # mistral (vLLM: test_mistral_tool_parser.py), before v11
     ("mistral", "This is a test", "This is a test", []),
     ("mistral", '[TOOL_CALLS][{"name": "add", "arguments":{"a": 3.5, "b": 4}}]', None, [("add", {"a": 3.5, "b": 4})]),
@@ -173,6 +184,8 @@ PIECES = {
     "pythonic": [st.builds(lambda n, a: f"[{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})]", NAMES, ARGS),
                  st.just("[f(x='a)b'), g(y=[1, {'k': None}])]"), st.just("[f(1)]"), st.just("[f(x="),
                  st.just("'''"), st.just("[link](u)")],
+    "llama4_pythonic": [st.builds(lambda n, a: f"[{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})]", NAMES, ARGS),
+                        st.just("<|python_start|>"), st.just("<|python_end|>"), st.just("<|python_"), st.just("[f(1)]")],
     "mistral": [st.builds(lambda n, a: f"[TOOL_CALLS]{n}{json.dumps(a)}", NAMES, ARGS),
                 st.builds(lambda n, a: f"[TOOL_CALLS][{json_call(n, a, 'arguments')}]", NAMES, ARGS),
                 st.builds(lambda n, a: f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}", NAMES, ARGS),

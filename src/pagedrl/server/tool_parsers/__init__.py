@@ -16,11 +16,11 @@ from pagedrl.server.tool_parsers.deepseek import DeepSeekV3Reader
 from pagedrl.server.tool_parsers.hermes import HermesReader
 from pagedrl.server.tool_parsers.llama import Llama3JsonReader
 from pagedrl.server.tool_parsers.mistral import MistralReader
-from pagedrl.server.tool_parsers.pythonic import PythonicReader
+from pagedrl.server.tool_parsers.pythonic import Llama4PythonicReader, PythonicReader
 from pagedrl.server.tool_parsers.reader import CallReader, ParsedCall, call_from_object
 
 __all__ = ["TOOL_PARSERS", "CallReader", "ChoiceToolReader", "DeepSeekV3Reader", "HermesReader", "Llama3JsonReader",
-           "MistralReader", "ParsedCall", "PythonicReader", "parse_required", "parse_tool_calls"]
+           "Llama4PythonicReader", "MistralReader", "ParsedCall", "PythonicReader", "parse_required", "parse_tool_calls"]
 
 
 def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ParsedCall]]:
@@ -49,6 +49,7 @@ TOOL_PARSERS: dict[str, type[CallReader]] = {  # --tool-call-parser NAME: its re
     "llama3_json": Llama3JsonReader,
     "llama4_json": Llama3JsonReader,
     "pythonic": PythonicReader,
+    "llama4_pythonic": Llama4PythonicReader,
     "mistral": MistralReader,
     "deepseek_v3": DeepSeekV3Reader,
 }

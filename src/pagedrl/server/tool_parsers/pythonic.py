@@ -1,4 +1,4 @@
-"""`pythonic`: the Python call lists of Llama 3.2 and Llama 4 (and ToolACE-style models),
+"""`pythonic` (and `llama4_pythonic`): the Python call lists of Llama 3.2 and Llama 4 (and ToolACE-style models),
 `[get_weather(city="Paris"), f(x=1)]`, each argument a keyword and each value a Python literal (strings,
 numbers, True/False/None, lists, dicts, tuples read as lists), given as JSON.
 
@@ -14,8 +14,9 @@ import ast
 import json
 import re
 
-from pagedrl.server.tool_parsers.reader import WAIT, CallReader, Step, called, content_until, fail
+from pagedrl.server.tool_parsers.reader import WAIT, CallReader, Step, called, content_until, fail, hold, skip
 
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 CALL_START = re.compile(r"\[\s*(?:[A-Za-z_]\w*\s*(\()?)?")
 
 
@@ -53,3 +54,19 @@ class PythonicReader(CallReader):
             return WAIT
         calls = python_calls(text[:end])
         return fail(end) if calls is None else called(end, *calls)
+
+
+class Llama4PythonicReader(PythonicReader):
+    """`llama4_pythonic`: Llama 4's call lists, which it may wrap in `<|python_start|>` and `<|python_end|>`
+    (special tokens: decoded with them, the markers are dropped around calls and kept elsewhere)."""
+
+    keeps_special_tokens = True
+
+    def scan(self, text: str, final: bool) -> Step:
+        if text.startswith(PYTHON_START):
+            return hold(len(PYTHON_START))
+        if text.startswith(PYTHON_END) and self.after_call:
+            return skip(len(PYTHON_END))
+        if text.startswith("["):
+            return super().scan(text, final)
+        return content_until(text, final, "[", PYTHON_START, PYTHON_END)

@@ -107,9 +107,10 @@ def partial_marker(text: str, marker: str) -> int:
 
 
 def content_until(text: str, final: bool, *markers: str) -> Step:
-    """Text before the first of `markers` is content, as is all of it but a suffix that may begin one."""
-    found = [i for i in (text.find(m) for m in markers) if i >= 0]
-    if found and min(found) > 0:
+    """Text before the next of `markers` is content, as is all of it but a suffix that may begin one (a
+    marker the text opens with is the caller's to read, or here plain text)."""
+    found = [i for i in (text.find(m, 1) for m in markers) if i >= 0]
+    if found:
         return Step("text", min(found))
     keep = 0 if final else max(partial_marker(text, m) for m in markers)
     return Step("text", len(text) - keep) if len(text) > keep else WAIT
