@@ -209,3 +209,12 @@ def test_streamed_reading_equals_the_whole_reading(parser: str, data) -> None:
 def test_every_parser_is_tested() -> None:
     assert set(PIECES) | {"llama4_json"} == set(TOOL_PARSERS)
     assert {case[0] for case in CASES} == set(PIECES) - {"hermes"}  # hermes' cases: tests/test_tool_calls.py
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"),
+    ("llama3_json", '{"name": "f", "parameters": {"a": ' + "[" * 5000 + "]" * 5000 + "}}"),
+    ("mistral", "[TOOL_CALLS][" + "[" * 5000 + "]" * 5000 + "]"),
+    ("pythonic", "[f(x=" + "[" * 5000 + "]" * 5000 + ")]")])
+def test_a_call_nested_too_deep_to_read_is_content_not_an_error(parser: str, text: str) -> None:
+    assert parse_tool_calls(parser, text) == (text, [])

@@ -39,7 +39,7 @@ class DeepSeekV3Reader(CallReader):
                 return skip(len(marker)) if marker == CALLS_END and self.after_call else hold(len(marker))
         if not text.startswith(CALL_BEGIN):
             return content_until(text, final, CALLS_BEGIN, CALLS_END, CALL_BEGIN)
-        end = text.find(CALL_END, len(CALL_BEGIN))
+        end = self.find_end(text, CALL_END, len(CALL_BEGIN))
         if end < 0:
             return WAIT
         size = end + len(CALL_END)

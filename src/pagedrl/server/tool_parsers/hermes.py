@@ -17,7 +17,7 @@ class HermesReader(CallReader):
     def scan(self, text: str, final: bool) -> Step:
         if not text.startswith(TOOL_CALL_START):
             return content_until(text, final, TOOL_CALL_START)
-        end = text.find(TOOL_CALL_END, len(TOOL_CALL_START))
+        end = self.find_end(text, TOOL_CALL_END, len(TOOL_CALL_START))
         if end < 0 and not final:
             return WAIT
         size = len(text) if end < 0 else end + len(TOOL_CALL_END)

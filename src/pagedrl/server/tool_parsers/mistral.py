@@ -14,7 +14,6 @@ digits, as Mistral's chat templates and mistral-common require (vLLM's rule).
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import string
@@ -27,6 +26,7 @@ from pagedrl.server.tool_parsers.reader import (
     called,
     content_until,
     fail,
+    loads,
     object_text,
 )
 
@@ -42,10 +42,7 @@ def mistral_call_id() -> str:
 
 def listed_calls(text: str) -> tuple[tuple[str, str], ...] | None:
     """The calls of a pre-v11 JSON list of `{"name", "arguments"}`; None if it is not one."""
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        return None
+    items = loads(text)
     if not isinstance(items, list) or not items:
         return None
     calls = tuple(call_from_object(item, needs_arguments=True) for item in items)

@@ -26,7 +26,7 @@ def python_calls(text: str) -> tuple[tuple[str, str], ...] | None:
     and its siblings kept, as vLLM does; a list left with none is not a call list."""
     try:
         tree = ast.parse(text.strip(), mode="eval").body
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
     if not isinstance(tree, ast.List) or not tree.elts or not all(
             isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args

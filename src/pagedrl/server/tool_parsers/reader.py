@@ -28,6 +28,17 @@ class ParsedCall:
     id: str = field(default_factory=openai_call_id)
 
 
+NOT_JSON = object()
+
+
+def loads(text: str) -> Any:
+    """`json.loads`, or NOT_JSON for text that is not JSON (or nests too deep to read)."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return NOT_JSON
+
+
 def call_from_object(obj: Any, needs_arguments: bool = False) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of a `{"name": ..., "arguments" (or "parameters"): {...}}`
     object; None when it is not one. Arguments written as JSON text are read as the object they hold.
@@ -38,10 +49,7 @@ def call_from_object(obj: Any, needs_arguments: bool = False) -> tuple[str, str]
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as JSON text
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
+        arguments = loads(arguments)
     if not isinstance(arguments, dict):
         return None
     return obj["name"], json.dumps(arguments, ensure_ascii=False)
@@ -49,18 +57,12 @@ def call_from_object(obj: Any, needs_arguments: bool = False) -> tuple[str, str]
 
 def json_call(text: str, needs_arguments: bool = False) -> tuple[str, str] | None:
     """`call_from_object` of JSON text; None when the text is not JSON."""
-    try:
-        return call_from_object(json.loads(text), needs_arguments)
-    except json.JSONDecodeError:
-        return None
+    return call_from_object(loads(text), needs_arguments)
 
 
 def object_text(text: str) -> str | None:
     """JSON text of an object, written again as `json.dumps` writes it; None if it is not one."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
+    value = loads(text)
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
@@ -175,6 +177,7 @@ class CallReader:
         self.space = ""  # trailing whitespace (and separators) held back
         self.after_call = False  # the last thing read was a call
         self.brackets: Brackets | None = None  # the open call's bracket scanner, while it is written
+        self.searched = 0  # how far the open call's text was searched for its end marker
 
     def scan(self, text: str, final: bool) -> Step:
         raise NotImplementedError
@@ -188,6 +191,12 @@ class CallReader:
             self.brackets = Brackets(python)
         end = self.brackets.close(text[start:])
         return None if end is None else start + end
+
+    def find_end(self, text: str, marker: str, start: int) -> int:
+        """`text.find(marker, start)`, resumed across feeds where the last search stopped."""
+        at = text.find(marker, max(start, self.searched - len(marker) + 1))
+        self.searched = len(text) if at < 0 else 0
+        return at
 
     def _text(self, text: str) -> str:
         if not text.strip():  # whitespace alone waits, behind what is held back already
@@ -222,7 +231,7 @@ class CallReader:
                 step = fail(len(self.pending))  # cut short: what was written is content
             assert step.size > 0, f"{type(self).__name__}.scan made no progress"
             piece, self.pending = self.pending[:step.size], self.pending[step.size:]
-            self.brackets = None
+            self.brackets, self.searched = None, 0
             if step.kind in ("text", "fail"):
                 content += self._text(piece)
             elif step.kind == "call":
