@@ -24,6 +24,8 @@ FORMATS = {
     "pythonic": r"\[get_weather\(city=" + CITY + r"\)\]",
     "llama4_pythonic": r"<\|python_start\|>\[get_weather\(city=" + CITY + r"\)\]<\|python_end\|>",
     "mistral": r"\[TOOL_CALLS\]get_weather\[ARGS\]\{\"city\": " + CITY + r"\}",
+    "deepseek_v31": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+                    r'\{"city": ' + CITY + r"\}" + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
     "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
                    r'\{"city": ' + CITY + r"\}" + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
 }

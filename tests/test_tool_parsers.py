@@ -143,6 +143,14 @@ CASES = [
     *[("deepseek_v3", bad, bad, []) for bad in (  # malformed: vLLM reports no call
         CALLS[0] + deepseek_call("get_weather", '{"city": "Tokyo"') + CALLS[1],
         CALLS[0] + 'function<｜tool▁sep｜>get_weather\n```json\n{"city": "Tokyo"}\n```' + CALLS[1])],
+    # deepseek_v31 (vLLM: test_deepseekv31_tool_parser.py)
+    ("deepseek_v31", "normal text" + CALLS[0] + CALL[0] + 'foo<｜tool▁sep｜>{"x":1}' + CALL[1] + CALLS[1], "normal text",
+     [("foo", {"x": 1})]),
+    ("deepseek_v31", "some prefix text" + CALLS[0] + CALL[0] + 'foo<｜tool▁sep｜>{"x":1}' + CALL[1] + CALL[0]
+     + 'bar<｜tool▁sep｜>{"y":2}' + CALL[1] + CALLS[1] + " some suffix text", "some prefix text some suffix text",
+     [("foo", {"x": 1}), ("bar", {"y": 2})]),  # vLLM: the suffix dropped
+    *[("deepseek_v31", bad, bad, []) for bad in ("Let me look that up." + CALLS[0] + "get_weather",
+                                                  CALLS[0] + 'foo<｜tool▁sep｜>{"x":1}' + CALLS[1])],
 ]
 
 
@@ -192,6 +200,8 @@ PIECES = {
                 st.just("[TOOL_CALLS]"), st.just("[TOOL_"), st.just("[ARGS]"), st.just("[CALL_ID]ab")],
     "deepseek_v3": [st.builds(lambda n, a: deepseek_call(n, json.dumps(a)), NAMES, ARGS), st.sampled_from(CALLS + CALL),
                     st.just("<｜tool▁"), st.just("function<｜tool▁sep｜>f\n```json\n{}\n```")],
+    "deepseek_v31": [st.builds(lambda n, a: f"{CALL[0]}{n}<｜tool▁sep｜>{json.dumps(a)}{CALL[1]}", NAMES, ARGS),
+                     st.sampled_from(CALLS + CALL), st.just("<｜tool▁"), st.just("f<｜tool▁sep｜>{")],
 }
 FILLER = st.text(alphabet=st.sampled_from(list("ab <>/_\n{}[]()\"';=,|")), max_size=12)
 

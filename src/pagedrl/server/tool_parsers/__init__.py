@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import json
 
-from pagedrl.server.tool_parsers.deepseek import DeepSeekV3Reader
+from pagedrl.server.tool_parsers.deepseek import DeepSeekV3Reader, DeepSeekV31Reader
 from pagedrl.server.tool_parsers.hermes import HermesReader
 from pagedrl.server.tool_parsers.llama import Llama3JsonReader
 from pagedrl.server.tool_parsers.mistral import MistralReader
 from pagedrl.server.tool_parsers.pythonic import Llama4PythonicReader, PythonicReader
 from pagedrl.server.tool_parsers.reader import CallReader, ParsedCall, call_from_object
 
-__all__ = ["TOOL_PARSERS", "CallReader", "ChoiceToolReader", "DeepSeekV3Reader", "HermesReader", "Llama3JsonReader",
-           "Llama4PythonicReader", "MistralReader", "ParsedCall", "PythonicReader", "parse_required", "parse_tool_calls"]
+__all__ = ["TOOL_PARSERS", "CallReader", "ChoiceToolReader", "DeepSeekV3Reader", "DeepSeekV31Reader", "HermesReader",
+           "Llama3JsonReader", "Llama4PythonicReader", "MistralReader", "ParsedCall", "PythonicReader",
+           "parse_required", "parse_tool_calls"]
 
 
 def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ParsedCall]]:
@@ -52,6 +53,7 @@ TOOL_PARSERS: dict[str, type[CallReader]] = {  # --tool-call-parser NAME: its re
     "llama4_pythonic": Llama4PythonicReader,
     "mistral": MistralReader,
     "deepseek_v3": DeepSeekV3Reader,
+    "deepseek_v31": DeepSeekV31Reader,
 }
 
 

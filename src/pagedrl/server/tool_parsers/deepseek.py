@@ -5,6 +5,9 @@
     {...}
     ```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
 
+and `deepseek_v31`: DeepSeek-V3.1's, `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` between
+the same two markers.
+
 Text before the calls is the content, as in vLLM. Each call is given out once its
 `<｜tool▁call▁end｜>` is written; a call block that does not parse stays in the content as written.
 """
@@ -27,11 +30,13 @@ from pagedrl.server.tool_parsers.reader import (
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
-CALL = re.compile(r"[^\n]*?<｜tool▁sep｜>([^\n]+)\n```json\n(.*)\n```", re.DOTALL)
+CALL = re.compile(r"[^\n]*?<｜tool▁sep｜>([^\n]+)\n```json\n(.*)\n```", re.DOTALL)  # type, name, arguments
+CALL_V31 = re.compile(r"([^\n<]+)<｜tool▁sep｜>(.*)", re.DOTALL)  # name, arguments
 
 
 class DeepSeekV3Reader(CallReader):
     keeps_special_tokens = True  # the markers are added tokens; decoded with them, whatever their flags
+    call = CALL
 
     def scan(self, text: str, final: bool) -> Step:
         for marker in (CALLS_BEGIN, CALLS_END):  # kept back: gone when calls come, content otherwise
@@ -43,6 +48,10 @@ class DeepSeekV3Reader(CallReader):
         if end < 0:
             return WAIT
         size = end + len(CALL_END)
-        block = CALL.fullmatch(text, len(CALL_BEGIN), end)
+        block = self.call.fullmatch(text, len(CALL_BEGIN), end)
         arguments = None if block is None else object_text(block.group(2))
         return fail(size) if arguments is None else called(size, (block.group(1).strip(), arguments))
+
+
+class DeepSeekV31Reader(DeepSeekV3Reader):
+    call = CALL_V31
