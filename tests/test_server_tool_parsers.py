@@ -1,6 +1,6 @@
 """Each `--tool-call-parser` through the chat route, on the app in process: a regex constraint makes the
 random model write a call in the parser's format after some text, and the answer must come back as
-that call with the text as its content (Mistral's call ids 9 letters and digits), streamed and not alike."""
+that call with the text as its content (its id as vLLM makes it), streamed and not alike."""
 
 from __future__ import annotations
 
@@ -26,9 +26,12 @@ FORMATS = {
     "mistral": r"\[TOOL_CALLS\]get_weather\[ARGS\]\{\"city\": " + CITY + r"\}",
     "deepseek_v31": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
                     r'\{"city": ' + CITY + r"\}" + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "kimi_k2": r"<\|tool_calls_section_begin\|><\|tool_call_begin\|>functions\.get_weather:0"
+               r'<\|tool_call_argument_begin\|>\{"city": ' + CITY + r"\}<\|tool_call_end\|><\|tool_calls_section_end\|>",
     "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
                    r'\{"city": ' + CITY + r"\}" + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
 }
+ID = {"mistral": "[A-Za-z0-9]{9}", "kimi_k2": r"functions\.get_weather:0"}  # vLLM's ids; else OpenAI's
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 # a template that reads `tools` (so they are not written into the prompt in Hermes' words): a short prompt
@@ -83,8 +86,8 @@ def test_each_parser_reads_its_format_streamed_and_not(engine, parser) -> None:
         (call,) = choice["message"]["tool_calls"]
         assert call["function"]["name"] == "get_weather"
         assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
-        assert re.fullmatch("[A-Za-z0-9]{9}" if parser == "mistral" else "call_[0-9a-f]{24}", call["id"])
+        assert re.fullmatch(ID.get(parser, "call_[0-9a-f]{24}"), call["id"])
         content, calls, finish = reassembled(http.post("/v1/chat/completions", json={**body, "stream": True}).text)
         assert (content, [c[1:] for c in calls], finish) == (
             "Checking.", [("get_weather", call["function"]["arguments"])], "tool_calls")
-        assert re.fullmatch("[A-Za-z0-9]{9}" if parser == "mistral" else "call_[0-9a-f]{24}", calls[0][0])
+        assert re.fullmatch(ID.get(parser, "call_[0-9a-f]{24}"), calls[0][0])

@@ -89,7 +89,7 @@ def test_required_keeps_each_tools_defs_apart(default_tokenizer) -> None:
 
 @pytest.mark.parametrize(("parser", "choice", "skips"), [
     ("mistral", "auto", False), ("llama3_json", "auto", False), ("hermes", "auto", False), ("deepseek_v3", "auto", False),
-    ("deepseek_v31", "auto", False),
+    ("deepseek_v31", "auto", False), ("kimi_k2", "auto", False),
     ("llama4_pythonic", "auto", False), ("pythonic", "auto", True), ("mistral", "none", True), ("mistral", "required", True)])
 def test_a_parser_whose_markers_are_special_tokens_keeps_them(default_tokenizer, parser, choice, skips) -> None:
     """`[TOOL_CALLS]`, `<|python_tag|>`, `<tool_call>` are special tokens in the tokenizers of the models

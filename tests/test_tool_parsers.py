@@ -6,6 +6,7 @@ delta). Where pagedrl departs from vLLM on purpose the case says so (docs/servin
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -15,6 +16,13 @@ from pagedrl.server.tool_parsers import TOOL_PARSERS, parse_tool_calls
 
 CALLS = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+
+
+SECTION = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+
+
+def kimi_call(call_id: str, arguments: str) -> str:
+    return f"<|tool_call_begin|>{call_id} <|tool_call_argument_begin|>{arguments}<|tool_call_end|>"
 
 
 def deepseek_call(name: str, arguments: str) -> str:
@@ -151,6 +159,24 @@ CASES = [
      [("foo", {"x": 1}), ("bar", {"y": 2})]),  # vLLM: the suffix dropped
     *[("deepseek_v31", bad, bad, []) for bad in ("Let me look that up." + CALLS[0] + "get_weather",
                                                   CALLS[0] + 'foo<｜tool▁sep｜>{"x":1}' + CALLS[1])],
+    # kimi_k2 (vLLM: test_kimi_k2_tool_parser.py); vLLM keeps the space before the calls in the content
+    ("kimi_k2", "This is a test", "This is a test", []),
+    ("kimi_k2", "I'll check. " + SECTION[0] + kimi_call("functions.get_weather:0", '{"city": "Beijing"}') + SECTION[1],
+     "I'll check.", [("get_weather", {"city": "Beijing"})]),
+    ("kimi_k2", "Multiple tasks. " + SECTION[0] + kimi_call("functions.get_weather:0", '{"city": "New York"}')
+     + kimi_call("functions.get_news:1", '{"topic": "technology"}') + kimi_call(
+         "functions.send_email:2", '{"to": "user@example.com", "subject": "Daily Update"}') + SECTION[1],
+     "Multiple tasks.", [("get_weather", {"city": "New York"}), ("get_news", {"topic": "technology"}),
+                         ("send_email", {"to": "user@example.com", "subject": "Daily Update"})]),
+    ("kimi_k2", "Process HTML. " + SECTION[0] + kimi_call("functions.process_html:0", '{"html": "<div>content</div>"}')
+     + SECTION[1], "Process HTML.", [("process_html", {"html": "<div>content</div>"})]),
+    ("kimi_k2", "Formatted. " + SECTION[0] + kimi_call("functions.process_data:0", '{\n  "name": "test",\n  "value": 123\n}')
+     + SECTION[1], "Formatted.", [("process_data", {"name": "test", "value": 123})]),
+    ("kimi_k2", "No prefix. " + SECTION[0] + kimi_call("get_weather:0", '{"city": "Tokyo"}') + SECTION[1], "No prefix.",
+     [("get_weather", {"city": "Tokyo"})]),
+    ("kimi_k2", "Help. " + SECTION[0] + kimi_call("functions.invalid.0", '{"city": "Beijing"}')
+     + kimi_call("functions.valid:1", '{"city": "Shanghai"}') + SECTION[1],  # vLLM drops the first block
+     "Help. " + SECTION[0] + kimi_call("functions.invalid.0", '{"city": "Beijing"}'), [("valid", {"city": "Shanghai"})]),
 ]
 
 
@@ -171,8 +197,11 @@ def test_vllms_cases_whole_and_streamed(parser, text, content, calls) -> None:
     whole_content, whole_calls = parse_tool_calls(parser, text)
     assert whole_content == content
     assert [(c.name, json.loads(c.arguments)) for c in whole_calls] == calls
-    for c in whole_calls:  # vLLM's ids: Mistral's are 9 letters and digits
-        assert (c.id.isalnum() and len(c.id) == 9) if parser == "mistral" else c.id.startswith("call_")
+    for c in whole_calls:  # vLLM's ids: Mistral's are 9 letters and digits, Kimi's its own `functions.NAME:i`
+        if parser == "mistral":
+            assert c.id.isalnum() and len(c.id) == 9
+        else:
+            assert c.id.startswith("call_") if parser != "kimi_k2" else re.fullmatch(rf"(functions\.)?{c.name}:\d", c.id)
     whole = (whole_content, [(c.name, c.arguments) for c in whole_calls])
     for size in range(1, 9):  # every delta size, up to one character at a time
         assert streamed(parser, text, [size] * (len(text) // size)) == whole
@@ -200,6 +229,8 @@ PIECES = {
                 st.just("[TOOL_CALLS]"), st.just("[TOOL_"), st.just("[ARGS]"), st.just("[CALL_ID]ab")],
     "deepseek_v3": [st.builds(lambda n, a: deepseek_call(n, json.dumps(a)), NAMES, ARGS), st.sampled_from(CALLS + CALL),
                     st.just("<｜tool▁"), st.just("function<｜tool▁sep｜>f\n```json\n{}\n```")],
+    "kimi_k2": [st.builds(lambda n, a: kimi_call(f"functions.{n}:0", json.dumps(a)), NAMES, ARGS),
+                st.sampled_from(SECTION), st.just("<|tool_call_begin|>"), st.just("<|tool_call_end|>"), st.just("<|tool_")],
     "deepseek_v31": [st.builds(lambda n, a: f"{CALL[0]}{n}<｜tool▁sep｜>{json.dumps(a)}{CALL[1]}", NAMES, ARGS),
                      st.sampled_from(CALLS + CALL), st.just("<｜tool▁"), st.just("f<｜tool▁sep｜>{")],
 }

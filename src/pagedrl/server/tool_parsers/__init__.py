@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from pagedrl.server.tool_parsers.deepseek import DeepSeekV3Reader, DeepSeekV31Reader
+from pagedrl.server.tool_parsers.deepseek import DeepSeekV3Reader, DeepSeekV31Reader, KimiK2Reader
 from pagedrl.server.tool_parsers.hermes import HermesReader
 from pagedrl.server.tool_parsers.llama import Llama3JsonReader
 from pagedrl.server.tool_parsers.mistral import MistralReader
@@ -20,7 +20,7 @@ from pagedrl.server.tool_parsers.pythonic import Llama4PythonicReader, PythonicR
 from pagedrl.server.tool_parsers.reader import CallReader, ParsedCall, call_from_object
 
 __all__ = ["TOOL_PARSERS", "CallReader", "ChoiceToolReader", "DeepSeekV3Reader", "DeepSeekV31Reader", "HermesReader",
-           "Llama3JsonReader", "Llama4PythonicReader", "MistralReader", "ParsedCall", "PythonicReader",
+           "KimiK2Reader", "Llama3JsonReader", "Llama4PythonicReader", "MistralReader", "ParsedCall", "PythonicReader",
            "parse_required", "parse_tool_calls"]
 
 
@@ -54,6 +54,7 @@ TOOL_PARSERS: dict[str, type[CallReader]] = {  # --tool-call-parser NAME: its re
     "mistral": MistralReader,
     "deepseek_v3": DeepSeekV3Reader,
     "deepseek_v31": DeepSeekV31Reader,
+    "kimi_k2": KimiK2Reader,
 }
 
 

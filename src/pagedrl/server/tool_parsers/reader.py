@@ -74,7 +74,7 @@ class Step:
 
     kind: str
     size: int = 0
-    calls: tuple[tuple[str, str], ...] = ()
+    calls: tuple[tuple[str, ...], ...] = ()  # (name, arguments as JSON text), and the call's id where it says
 
 
 WAIT = Step("wait")
@@ -96,7 +96,7 @@ def skip(size: int) -> Step:
     return Step("skip", size)
 
 
-def called(size: int, *calls: tuple[str, str]) -> Step:
+def called(size: int, *calls: tuple[str, ...]) -> Step:
     return Step("call", size, calls)
 
 
@@ -235,7 +235,8 @@ class CallReader:
             if step.kind in ("text", "fail"):
                 content += self._text(piece)
             elif step.kind == "call":
-                calls += [ParsedCall(name, arguments, self.new_id()) for name, arguments in step.calls]
+                calls += [ParsedCall(name, arguments, given[0] if given else self.new_id())
+                          for name, arguments, *given in step.calls]
                 self.space, self.after_call = "", True  # whitespace between text and a call is not content
             elif step.kind == "hold":
                 self.space += piece
