@@ -157,8 +157,11 @@ class Brackets:
             self.at += 1
             if c in "([{":
                 self.open.append(c)
-            elif c in pairs and (not self.open or self.open.pop() != pairs[c] or not self.open):
-                return self.at
+            elif c in pairs:
+                if not self.open or self.open.pop() != pairs[c]:
+                    return self.at  # closes the wrong bracket: the text up to here does not parse
+                if not self.open:
+                    return self.at
         return None
 
 
