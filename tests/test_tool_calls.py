@@ -1,21 +1,19 @@
-"""Tool calling without a server: the Hermes parser on whole answers and on any split of them into
-stream deltas (hypothesis: the streamed reading always equals the whole one), the constrained
-encodings of `required` and a named function, and what the chat template is given."""
+"""Tool calling without a server: the Hermes parser on whole answers (every parser, streamed and not:
+tests/test_tool_parsers.py), the constrained encodings of `required` and a named function, what the
+chat template is given, and the answers decoded with their special tokens where a parser's markers are."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from pagedrl.engine.grammar import GrammarCompiler
 from pagedrl.server.errors import ApiError
-from pagedrl.server.inputs import chat_prompt_ids
+from pagedrl.server.inputs import chat_inputs, chat_prompt_ids
 from pagedrl.server.protocol import ChatCompletionRequest, ChatMessage
-from pagedrl.server.tool_parsers import ChoiceToolReader, HermesReader, parse_required, parse_tool_calls
+from pagedrl.server.tool_parsers import ChoiceToolReader, parse_required, parse_tool_calls
 from pagedrl.server.tools import tool_constraint, tool_plan
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
@@ -38,28 +36,6 @@ def test_hermes_reads_content_and_calls() -> None:
     assert parse_tool_calls("hermes", "<tool_call>{oops}</tool_call> ok") == ("<tool_call>{oops}</tool_call> ok", [])
     content, calls = parse_tool_calls("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}')
     assert content is None and [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}')]
-
-
-TEXTS = st.lists(st.one_of(
-    st.text(alphabet=st.sampled_from(list("ab <>/_\n{}\"")), max_size=12),
-    st.builds(call_block, st.sampled_from(["f", "get_weather"]),
-              st.dictionaries(st.sampled_from(["x", "y"]), st.integers(-5, 5), max_size=2)),
-    st.just("<tool_call>{not json}</tool_call>"), st.just("<tool_"), st.just("</tool_call>")), max_size=6).map("".join)
-
-
-@settings(max_examples=300, deadline=None)
-@given(TEXTS, st.lists(st.integers(1, 8), max_size=40))
-def test_streamed_reading_equals_the_whole_reading(text: str, cuts: list[int]) -> None:
-    whole_content, whole_calls = parse_tool_calls("hermes", text)
-    reader, content, calls, at = HermesReader(), "", [], 0
-    for n in cuts:
-        got, new = reader.feed(text[at:at + n])
-        content, calls, at = content + got, calls + new, at + n
-    got, new = reader.feed(text[at:])
-    rest, more = reader.finish()
-    content, calls = content + got + rest, calls + new + more
-    assert (content or None) == whole_content
-    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
 
 
 def test_required_and_named_constraints_and_their_readers() -> None:
@@ -109,6 +85,20 @@ def test_required_keeps_each_tools_defs_apart(default_tokenizer) -> None:
     for token in default_tokenizer.encode(text):
         matcher.accept(token)
     assert matcher.is_accepting
+
+
+@pytest.mark.parametrize(("parser", "choice", "skips"), [
+    ("mistral", "auto", False), ("llama3_json", "auto", False), ("hermes", "auto", False), ("deepseek_v3", "auto", False),
+    ("deepseek_v31", "auto", False), ("kimi_k2", "auto", False),
+    ("llama4_pythonic", "auto", False), ("pythonic", "auto", True), ("mistral", "none", True), ("mistral", "required", True)])
+def test_a_parser_whose_markers_are_special_tokens_keeps_them(default_tokenizer, parser, choice, skips) -> None:
+    """`[TOOL_CALLS]`, `<|python_tag|>`, `<tool_call>` are special tokens in the tokenizers of the models
+    that write them: under `auto` the answer is decoded with them, as vLLM's parsers ask
+    (`skip_special_tokens=False`); otherwise the request's setting stands."""
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
+                                                "tool_choice": choice})
+    _, params = chat_inputs(req, default_tokenizer, plan=tool_plan(req, parser, True))
+    assert params.skip_special_tokens is skips
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -26,6 +26,7 @@ from pagedrl.server.protocol import (
     SamplingRequest,
 )
 from pagedrl.server.structured import structured_outputs
+from pagedrl.server.tool_parsers import TOOL_PARSERS
 from pagedrl.server.tools import (
     ToolPlan,
     arguments_object,
@@ -202,6 +203,8 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Any, max_n: int = DEFAULT
             raise bad_request(f'tool_choice {plan.mode!r} constrains the output to tool calls; it cannot be combined '
                               "with response_format or structured outputs", param="tool_choice")
         params = params.clone(structured_outputs=constraint)
+    if plan is not None and plan.mode == "auto" and TOOL_PARSERS[plan.parser].keeps_special_tokens:
+        params = params.clone(skip_special_tokens=False)  # the calls' markers are special tokens (as vLLM)
     tools = plan.tool_dicts() if plan is not None else None
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request(CONTINUE_NEEDS_NO_GENERATION_PROMPT, param="continue_final_message")

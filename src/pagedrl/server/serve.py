@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help='answer tool_choice "auto" (the default when a request has tools), reading the '
                              "model's calls with --tool-call-parser")
     server.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
-                        help="the format the model writes its tool calls in (default: hermes, <tool_call> JSON "
-                             "blocks)")
+                        help="the format the model writes its tool calls in, by vLLM's names: hermes (the default, "
+                             "<tool_call> JSON blocks), llama3_json, pythonic, llama4_pythonic, mistral, deepseek_v3, "
+                             "deepseek_v31, kimi_k2")
     server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                         help="split a thinking model's <think> reasoning from its chat answers into the message's "
                              "reasoning field (vLLM's flag: deepseek_r1 for DeepSeek-R1 and QwQ, qwen3 for Qwen3); "
