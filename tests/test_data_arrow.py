@@ -132,6 +132,41 @@ def test_a_folder_of_shards_is_split_as_datasets_splits_it(layout, tmp_path) -> 
         rows_of(root, split("nope", "dataset_test_split"))
 
 
+CARDS = {  # README.md headers as the Hub writes them: several configurations (gsm8k's), a default among them
+    "named": "configs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main/train-*\n"
+             "  - split: test\n    path: main/test-*\n- config_name: socratic\n  data_files:\n"
+             "  - split: train\n    path: socratic/train-*\n",
+    "default": "configs:\n- config_name: all\n  data_dir: main\n  default: true\n- config_name: other\n"
+               "  data_files: socratic/*.parquet\n",
+}
+
+
+@pytest.mark.parametrize("card", CARDS)
+def test_the_configurations_of_a_dataset_card_are_read_as_datasets_reads_them(card, tmp_path) -> None:
+    root = tmp_path / "gsm8k"
+    for name in ("main/train-00000-of-00001.parquet", "main/test-00000-of-00001.parquet",
+                 "socratic/train-00000-of-00001.parquet"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        datasets.Dataset.from_list([{"prompt": f"{name} {i}", "answer": i} for i in range(3)]).to_parquet(str(root / name))
+    (root / "README.md").write_text(f"---\n{CARDS[card]}---\n# a dataset card\n")
+    names = list(data_arrow.card_configs(root))
+    for config in names:
+        want = datasets.load_dataset(str(root), config, cache_dir=str(tmp_path / "c"))
+        for name, ds in want.items():
+            assert rows_of(root, Split("dataset_train_split", name, config)) == ds.to_list()
+    with pytest.raises(DataError, match=rf"^dataset: {root} has no configuration 'nope' \(its README.md declares "
+                                        rf"{', '.join(names)}\): set dataset_config to one of them$"):
+        rows_of(root, Split("dataset_train_split", "train", "nope"))
+    if card == "default":
+        assert rows_of(root) == datasets.load_dataset(str(root), split="train", cache_dir=str(tmp_path / "c")).to_list()
+        return
+    with pytest.raises(ValueError, match="Config name is missing"):  # datasets refuses too
+        datasets.load_dataset(str(root), cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError, match=rf"^dataset: {root} holds the configurations main, socratic \(its README.md\): "
+                                        r"set dataset_config to one of them$"):
+        rows_of(root)
+
+
 def test_a_save_to_disk_dataset_dict_gives_the_configs_split(tmp_path, tiny_train_model) -> None:
     rows = preference_rows(6)
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:4]),

@@ -335,9 +335,9 @@ def load_train_and_eval(config: Any, dataset: Any, eval_dataset: Any, convert: C
 
 def config_splits(config: Any) -> tuple[Split, Split]:
     """The splits a config reads from a folder of splits: TRL's `dataset_train_split` for `dataset`,
-    `dataset_test_split` for `eval_dataset`."""
-    return (Split("dataset_train_split", config.dataset_train_split),
-            Split("dataset_test_split", config.dataset_test_split))
+    `dataset_test_split` for `eval_dataset`, both of the configuration `dataset_config`."""
+    return (Split("dataset_train_split", config.dataset_train_split, config.dataset_config),
+            Split("dataset_test_split", config.dataset_test_split, config.dataset_config))
 
 
 def _bad(report: DataReport, policy: BadRowPolicy, where: str, error: BadRow) -> None:

@@ -5,8 +5,8 @@ and a `save_to_disk` folder (a Dataset, or a DatasetDict's split folders).
 
 A folder may hold several splits; the one read is the config's `dataset_train_split` for `dataset`
 and `dataset_test_split` for `eval_dataset` (TRL's names and defaults, "train" and "test"). A
-folder's files are put in splits by their names, as `datasets.load_dataset(folder)` puts them when no
-README declares `configs` (`_SHARDED`, `_KEYWORDS`). Files are read a record batch at a time, each
+folder's files are put in splits as `datasets.load_dataset(folder)` puts them: by the `configs` its
+README.md declares (`dataset_config` picks one), else by their names (`_SHARDED`, `_KEYWORDS`). Files are read a record batch at a time, each
 row the dict JSON would give: a struct is a dict, a list a list, a null None, and a column of
 `datasets`' `Json` feature (Arrow's `arrow.json` type) its decoded JSON value. pyarrow is imported
 only when a file is read: `pagedrl serve` and a JSONL run never load it."""
@@ -27,10 +27,12 @@ BATCH_ROWS = 1024  # rows converted to Python at a time: a large file is never h
 
 
 class Split(NamedTuple):
-    """Which split of a folder to read, and the config key that names it (for the refusal)."""
+    """Which split of a folder to read, the config key that names it (for the refusal), and which of the
+    configurations a dataset card declares (TRL's `dataset_config`; None: the card's default)."""
 
     key: str
     name: str
+    config: str | None = None
 
 
 TRAIN = Split("dataset_train_split", "train")
@@ -51,7 +53,8 @@ def arrow_files(path: Path, split: Split) -> list[Path] | None:
         return _dataset_dict_files(path, split)
     if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
         return _saved_dataset_files(path)
-    splits = folder_splits(path)
+    configs = card_configs(path)
+    splits = folder_splits(path) if configs is None else _config_splits(path, configs, split.config)
     if not splits:
         return None
     return _pick(path, splits, split, "holds the splits")
@@ -137,6 +140,66 @@ def folder_splits(path: Path) -> dict[str, list[Path]]:
         if any(found.values()):
             return {s: [path / n for n in names] for s, names in found.items() if names}
     return {"train": [path / n for n in files]}
+
+
+def card_configs(path: Path) -> dict[str, dict[str, Any]] | None:
+    """The configurations a Hub dataset's README.md declares in its YAML header (`configs:`), by name;
+    None when it declares none."""
+    import yaml
+
+    readme = path / "README.md"
+    text = readme.read_text(encoding="utf-8", errors="replace") if readme.is_file() else ""
+    end = text.find("\n---", 3) if text.startswith("---") else -1
+    if end < 0:
+        return None
+    try:
+        card = yaml.safe_load(text[3:end])
+    except yaml.YAMLError as e:
+        raise ArrowDataError(f"dataset: {readme}: its YAML header does not parse ({e})".replace("\n", " ")) from None
+    configs = card.get("configs") if isinstance(card, dict) else None
+    if not configs:
+        return None
+    if not (isinstance(configs, list) and all(isinstance(c, dict) and "config_name" in c for c in configs)):
+        raise ArrowDataError(f"dataset: {readme}: `configs` is not a list of entries with a config_name")
+    return {str(c["config_name"]): c for c in configs}
+
+
+def _config_splits(path: Path, configs: dict[str, dict[str, Any]], name: str | None) -> dict[str, list[Path]]:
+    """A card configuration's files by split, as `datasets` resolves them: its `data_files` (a pattern or
+    list of them, all `train`; or `{split, path}` entries) under its `data_dir`, else its `data_dir`'s
+    files split by name. The configuration is `name`, else the only one, the one named `default`, or the
+    one marked `default: true`."""
+    if name is None:
+        defaults = [c for c, entry in configs.items() if len(configs) == 1 or c == "default" or entry.get("default")]
+        if len(defaults) != 1:
+            raise ArrowDataError(f"dataset: {path} holds the configurations {', '.join(configs)} (its README.md): set "
+                                 "dataset_config to one of them")
+        name = defaults[0]
+    if name not in configs:
+        raise ArrowDataError(f"dataset: {path} has no configuration {name!r} (its README.md declares "
+                             f"{', '.join(configs)}): set dataset_config to one of them")
+    entry = configs[name]
+    base = path / str(entry.get("data_dir") or "")
+    if entry.get("data_files") is None:
+        return folder_splits(base)
+    patterns = entry["data_files"]
+    if isinstance(patterns, dict):  # {split: pattern(s)}
+        patterns = [{"split": split, "path": globs} for split, globs in patterns.items()]
+    elif not (isinstance(patterns, list) and any(isinstance(p, dict) for p in patterns)):  # pattern(s) of `train`
+        patterns = [{"split": "train", "path": patterns}]
+    splits: dict[str, list[Path]] = {}
+    for item in patterns:
+        globs = item["path"] if isinstance(item.get("path"), list) else [item.get("path")]
+        files = splits.setdefault(str(item.get("split", "train")), [])
+        for glob in globs:
+            for file in sorted(base.glob(str(glob))):
+                if file.is_file() and file not in files and not _hidden(file.relative_to(base)):
+                    files.append(file)
+    for file in (f for files in splits.values() for f in files):
+        if file.suffix.lower() not in ARROW_SUFFIXES:
+            raise ArrowDataError(f"dataset: {file}, a data file of configuration {name!r} of {path}, is not a Parquet "
+                                 "or Arrow file")
+    return {s: files for s, files in splits.items() if files}
 
 
 def _hidden(relative: Path) -> bool:
