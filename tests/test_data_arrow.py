@@ -186,6 +186,21 @@ def test_a_save_to_disk_dataset_dict_gives_the_configs_split(tmp_path, tiny_trai
         rows_of(tmp_path / "prefs")
 
 
+def test_grpo_prompts_and_their_columns_come_from_the_configs_splits(tmp_path, tok) -> None:
+    from pagedrl.train.distributed import DistInfo
+    from pagedrl.train.rl.config import GRPOConfig
+    from pagedrl.train.rl.prompts import PromptSource
+
+    rows = [{"prompt": [{**USER, "content": f"what is {i} plus {i}"}], "answer": 2 * i, "note": None} for i in range(5)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:3]),
+                          "dev": datasets.Dataset.from_list(rows[3:])}).save_to_disk(str(tmp_path / "math"))
+    config = GRPOConfig(dataset=str(tmp_path / "math"), eval_dataset=str(tmp_path / "math"), dataset_test_split="dev")
+    source = PromptSource(config, tok, DistInfo())
+    for got, want in ((source.rows, rows[:3]), (source.eval_rows(), rows[3:])):
+        assert [(p.prompt, p.columns) for p in got] == [(r["prompt"], {"answer": r["answer"], "note": None}) for r in want]
+    assert source.rows[2].where == f"{tmp_path / 'math' / 'train' / 'data-00000-of-00001.arrow'} (row 2)"
+
+
 def test_csv_stays_refused_and_a_folder_without_data_is_named(tmp_path) -> None:
     (tmp_path / "rows.csv").write_text("prompt,completion\na,b\n")
     with pytest.raises(DataError, match=r"rows.csv is a CSV file; pagedrl reads JSONL, JSON, Parquet or Arrow files: "

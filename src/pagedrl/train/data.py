@@ -335,9 +335,11 @@ def load_train_and_eval(config: Any, dataset: Any, eval_dataset: Any, convert: C
 
 def config_splits(config: Any) -> tuple[Split, Split]:
     """The splits a config reads from a folder of splits: TRL's `dataset_train_split` for `dataset`,
-    `dataset_test_split` for `eval_dataset`, both of the configuration `dataset_config`."""
-    return (Split("dataset_train_split", config.dataset_train_split, config.dataset_config),
-            Split("dataset_test_split", config.dataset_test_split, config.dataset_config))
+    `dataset_test_split` for `eval_dataset`, both of the configuration `dataset_config` (TRL's defaults
+    for a config object without them)."""
+    chosen = getattr(config, "dataset_config", None)
+    return (Split("dataset_train_split", getattr(config, "dataset_train_split", "train"), chosen),
+            Split("dataset_test_split", getattr(config, "dataset_test_split", "test"), chosen))
 
 
 def _bad(report: DataReport, policy: BadRowPolicy, where: str, error: BadRow) -> None:
