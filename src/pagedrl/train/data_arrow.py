@@ -6,10 +6,12 @@ and a `save_to_disk` folder (a Dataset, or a DatasetDict's split folders).
 A folder may hold several splits; the one read is the config's `dataset_train_split` for `dataset`
 and `dataset_test_split` for `eval_dataset` (TRL's names and defaults, "train" and "test"). A
 folder's files are put in splits as `datasets.load_dataset(folder)` puts them: by the `configs` its
-README.md declares (`dataset_config` picks one), else by their names (`_SHARDED`, `_KEYWORDS`). Files are read a record batch at a time, each
-row the dict JSON would give: a struct is a dict, a list a list, a null None, and a column of
-`datasets`' `Json` feature (Arrow's `arrow.json` type) its decoded JSON value. pyarrow is imported
-only when a file is read: `pagedrl serve` and a JSONL run never load it."""
+README.md declares (`dataset_config` picks one), else by their names (`_SHARDED`, `_KEYWORDS`).
+
+Files are read a record batch at a time, each row the dict `datasets` gives back: a struct is a dict,
+a list a list, a null None, and a column of `datasets`' `Json` feature (Arrow's `arrow.json` type) its
+decoded JSON value. pyarrow is imported only when a file is read: `pagedrl serve` and a JSONL run
+never load it."""
 
 from __future__ import annotations
 
