@@ -167,6 +167,19 @@ def test_the_configurations_of_a_dataset_card_are_read_as_datasets_reads_them(ca
         rows_of(root)
 
 
+def test_the_dataset_keys_are_trls_script_arguments_at_trls_defaults() -> None:
+    import trl
+
+    from pagedrl.train.config import load_config
+
+    script, config = trl.ScriptArguments(), DPOConfig()
+    for key in ("dataset_config", "dataset_train_split", "dataset_test_split"):
+        assert getattr(config, key) == getattr(script, key)
+    assert load_config(DPOConfig, None, ["dataset_streaming=false", "dataset_config=main"]).dataset_config == "main"
+    with pytest.raises(ValueError, match="dataset_streaming: .*nothing is streamed from the Hub"):
+        load_config(DPOConfig, None, ["dataset_streaming=true"])
+
+
 def test_a_save_to_disk_dataset_dict_gives_the_configs_split(tmp_path, tiny_train_model) -> None:
     rows = preference_rows(6)
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:4]),
