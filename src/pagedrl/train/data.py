@@ -228,7 +228,7 @@ def _skip_space(text: str, pos: int) -> int:
     return pos
 
 
-# Formats pagedrl does not read, by suffix: what each is, and how to turn it into JSON lines once.
+# Formats pagedrl does not read, by suffix: what each is, and the `datasets` reader that converts it once.
 OTHER_FORMATS = {".csv": ("a CSV file", "Dataset.from_csv"), ".tsv": ("a TSV file", "Dataset.from_csv")}
 DATA_SUFFIXES = {".json", ".jsonl", ".gz", ".txt", ".parquet", ".arrow", *OTHER_FORMATS}
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the Hub spells a dataset
@@ -319,7 +319,8 @@ def load_train_and_eval(config: Any, dataset: Any, eval_dataset: Any, convert: C
     read otherwise (SFT's eval set packed or not as the train set)."""
     dataset = dataset if dataset is not None else config.dataset
     if dataset is None:
-        raise ValueError(f"dataset: {needs} (a JSONL path, or a list of rows through the API)")
+        raise ValueError(f"dataset: {needs} (a JSONL, JSON, Parquet or Arrow file or folder, or a list of rows "
+                         "through the API)")
     train_split, test_split = config_splits(config)
     examples, report = load_examples(dataset, convert, config.on_bad_row, train_split)
     eval_source = eval_dataset if eval_dataset is not None else config.eval_dataset

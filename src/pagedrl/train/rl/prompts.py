@@ -41,7 +41,8 @@ class PromptSource:
                                                   enumerate(self.task.train_rows()))
         else:
             if config.dataset is None:
-                raise ValueError("dataset: an online algorithm needs prompts: a JSONL path or 'arithmetic'")
+                raise ValueError("dataset: an online algorithm needs prompts: a JSONL, JSON, Parquet or Arrow file or "
+                                 "folder, or 'arithmetic'")
             self.rows, self.report = load_examples(config.dataset, self.convert, config.on_bad_row, self.splits[0])
             self.order = EpochStream(len(self.rows), config.seed)
         self.eval_dataset = config.eval_dataset
