@@ -1,7 +1,6 @@
 """Where training rows come from: JSONL, a `.json` array of objects (as `datasets.load_dataset("json")`
-reads it), a Python sequence of dicts such as a `datasets.Dataset`, and a clear refusal, naming the
-format and the one-line conversion, for what pagedrl does not read (Parquet, save_to_disk folders,
-Hub ids: nothing is downloaded at run time)."""
+reads it), a Python sequence of dicts such as a `datasets.Dataset`, and a clear refusal for Hub ids
+(nothing is downloaded at run time). Parquet, Arrow and save_to_disk folders: tests/test_data_arrow.py."""
 
 from __future__ import annotations
 
@@ -75,26 +74,6 @@ def test_a_datasets_dataset_is_read_row_by_row() -> None:
         rows_of(ds.to_pandas())
     with pytest.raises(DataError, match="expected a JSONL path or a list of dicts, got int"):
         rows_of(7)
-
-
-def test_parquet_and_save_to_disk_are_refused_with_the_conversion(tmp_path) -> None:
-    import datasets
-
-    ds = datasets.Dataset.from_list(ROWS[:1])
-    ds.to_parquet(str(tmp_path / "rows.parquet"))
-    (tmp_path / "rows.bin").write_bytes((tmp_path / "rows.parquet").read_bytes())  # known by its first bytes
-    for name in ("rows.parquet", "rows.bin"):
-        with pytest.raises(DataError, match=rf"^dataset: {tmp_path / name} is a Parquet file; pagedrl reads JSONL or "
-                                            r"JSON files \(it does not depend on pyarrow\): convert it once with "
-                                            r"python -c \"import datasets; datasets.Dataset.from_parquet\("):
-            rows_of(tmp_path / name)
-    ds.save_to_disk(str(tmp_path / "saved"))
-    with pytest.raises(DataError, match=r"saved is a folder written by save_to_disk; pagedrl reads JSONL or JSON files: "
-                                        r"write one once with .*load_from_disk"):
-        rows_of(tmp_path / "saved")
-    datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "splits"))
-    with pytest.raises(DataError, match=r"splits is a DatasetDict folder written by save_to_disk; .*\['train'\]"):
-        rows_of(tmp_path / "splits")
 
 
 def test_a_hub_dataset_id_is_refused_saying_nothing_is_downloaded(tmp_path, monkeypatch) -> None:

@@ -280,7 +280,7 @@ def test_non_utf8_dataset_row_is_named_and_skippable(tmp_path) -> None:
 
 
 def test_a_folder_as_dataset_is_named_as_such(tmp_path) -> None:
-    with pytest.raises(DataError, match=rf"^dataset: {tmp_path} is a folder; expected a JSONL file$"):
+    with pytest.raises(DataError, match=rf"^dataset: {tmp_path} is a folder without Parquet or Arrow files; expected a JSONL"):
         list(read_rows(tmp_path, DataReport(str(tmp_path))))
 
 

@@ -65,8 +65,13 @@ class TrainConfig:
     # What to train, on what, and where to write it.
     model: str = "smollm2-135m-instruct"  # the default's name, a Hugging Face folder or Hub id, or a .gguf file
     revision: str | None = None  # of `model`, when it is a Hub id: a branch, tag or commit
-    dataset: str | None = None  # JSONL path or built-in dataset name
+    dataset: str | None = None  # JSONL, JSON, Parquet or Arrow file, a folder of them, or a built-in dataset name
     eval_dataset: str | None = None
+    # TRL's: the split read from a folder of splits (Parquet shards, a save_to_disk DatasetDict), and the
+    # configuration, of those a downloaded Hub dataset's README.md declares (None: its default).
+    dataset_train_split: str = "train"  # of `dataset`
+    dataset_test_split: str = "test"  # of `eval_dataset`
+    dataset_config: str | None = None
     output_dir: str = "trainer_output"
 
     # Optimizer and schedule. optim: transformers' names of torch's AdamW (adamw_torch_fused its fused

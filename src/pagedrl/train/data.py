@@ -1,8 +1,8 @@
-"""Training data in TRL's formats: JSONL files, `.json` files holding an array of rows, or Python
-sequences of rows (a list of dicts, a `datasets.Dataset`), read and checked row by row, each row
-turned into an example by its format's converter (`train/examples.py`). Parquet, save_to_disk
-folders and Hub ids are refused with the one line that converts them: nothing is downloaded or
-converted at run time.
+"""Training data in TRL's formats: JSONL files, `.json` files holding an array of rows, Parquet and
+Arrow files, folders of them and `save_to_disk` folders (`train/data_arrow.py`, one split of them), or
+Python sequences of rows (a list of dicts, a `datasets.Dataset`), read and checked row by row, each
+row turned into an example by its format's converter (`train/examples.py`). CSV files and Hub ids
+are refused with the one line that converts them: nothing is downloaded or converted at run time.
 
 Formats (each text field a plain string or a list of chat messages `{"role", "content"}`):
 `{"prompt", "completion"}` (SFT), `{"prompt", "chosen", "rejected"}` with an optional numeric
@@ -11,9 +11,9 @@ Formats (each text field a plain string or a list of chat messages `{"role", "co
 chat row's `tools` and `chat_template_kwargs` go to the chat template. Other columns are kept as
 `columns`, for reward functions.
 
-A bad row never disappears quietly: it is a `DataError` naming the file, the 1-based line and
-the field, or, with `on_bad_row="skip"`, it is counted under its reason in a `DataReport` that
-the trainer prints at start.
+A bad row never disappears quietly: it is a `DataError` naming the file, the 1-based line (a
+Parquet or Arrow file's 0-based row) and the field, or, with `on_bad_row="skip"`, it is counted
+under its reason in a `DataReport` that the trainer prints at start.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pagedrl.model.chat_template import ChatTemplateError, UnusableTemplate
+from pagedrl.train.data_arrow import TRAIN, ArrowDataError, Split, arrow_files, arrow_rows
 
 BadRowPolicy = Literal["error", "skip"]
 Truncation = Literal["truncate", "skip", "error"]
@@ -50,7 +51,7 @@ class BadRow(Exception):
 
 @dataclass
 class Row:
-    where: str  # "path:line" (1-based) for files, "dataset[i]" for lists
+    where: str  # "path:line" (1-based) for JSON files, "path (row i)" for Arrow's, "dataset[i]" for lists
     values: dict[str, Any]
 
 
@@ -83,12 +84,17 @@ class DataReport:
 
 
 def read_rows(dataset: str | Path | Sequence[Mapping[str, Any]], report: DataReport,
-              on_bad_row: BadRowPolicy = "error") -> Iterator[Row]:
+              on_bad_row: BadRowPolicy = "error", split: Split = TRAIN) -> Iterator[Row]:
     """Rows of a JSONL file (blank lines ignored), of a `.json` file holding one JSON array of objects,
-    or of a Python sequence of dicts (a list, a `datasets.Dataset`), in order, so the first bad row is
-    the one an error names. Other formats are refused by name, with the one-line conversion."""
+    of Parquet or Arrow files (`split` of a folder holding several), or of a Python sequence of dicts
+    (a list, a `datasets.Dataset`), in order, so the first bad row is the one an error names. Other
+    formats are refused by name, with the one-line conversion."""
     _check_policy(on_bad_row)
     if isinstance(dataset, (str, Path)):
+        files = _arrow(lambda: arrow_files(Path(dataset), split))
+        if files is not None:
+            yield from _checked(_arrow_rows(files), report, on_bad_row)
+            return
         path = _data_file(dataset)
         if path.suffix.lower() == ".json":
             raw = path.read_bytes()
@@ -101,6 +107,20 @@ def read_rows(dataset: str | Path | Sequence[Mapping[str, Any]], report: DataRep
         return
     _check_source(dataset)
     yield from _checked(((f"dataset[{i}]", value) for i, value in enumerate(dataset)), report, on_bad_row)
+
+
+def _arrow(call: Callable[[], T]) -> T:
+    try:
+        return call()
+    except ArrowDataError as e:
+        raise DataError(str(e)) from None
+
+
+def _arrow_rows(files: list[Path]) -> Iterator[tuple[str, Any]]:
+    try:
+        yield from arrow_rows(files)
+    except ArrowDataError as e:
+        raise DataError(str(e)) from None
 
 
 def _jsonl_rows(path: Path, report: DataReport, on_bad_row: BadRowPolicy) -> Iterator[Row]:
@@ -208,12 +228,9 @@ def _skip_space(text: str, pos: int) -> int:
     return pos
 
 
-# Formats pagedrl does not read, by suffix and by their first bytes: what each is, and how to turn it
-# into JSON lines once (`datasets` writes JSON lines; pagedrl reads without it or pyarrow installed).
-OTHER_FORMATS = {".parquet": ("a Parquet file", "Dataset.from_parquet"), ".csv": ("a CSV file", "Dataset.from_csv"),
-                 ".tsv": ("a TSV file", "Dataset.from_csv"), ".arrow": ("an Arrow file", "Dataset.from_file")}
-MAGIC = {b"PAR1": ".parquet", b"ARROW1": ".arrow"}
-DATA_SUFFIXES = {".json", ".jsonl", ".gz", ".txt", *OTHER_FORMATS}
+# Formats pagedrl does not read, by suffix: what each is, and the `datasets` reader that converts it once.
+OTHER_FORMATS = {".csv": ("a CSV file", "Dataset.from_csv"), ".tsv": ("a TSV file", "Dataset.from_csv")}
+DATA_SUFFIXES = {".json", ".jsonl", ".gz", ".txt", ".parquet", ".arrow", *OTHER_FORMATS}
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the Hub spells a dataset
 BARE_NAME = re.compile(r"[A-Za-z0-9][\w-]*")  # a canonical Hub dataset (`imdb`, `gsm8k`): no owner, no suffix
 
@@ -223,15 +240,8 @@ def _data_file(dataset: str | Path) -> Path:
     turn it into one; nothing is downloaded or converted at run time."""
     path = Path(dataset)
     if path.is_dir():
-        if (path / "dataset_dict.json").is_file():
-            raise DataError(f"dataset: {path} is a DatasetDict folder written by save_to_disk; pagedrl reads JSONL "
-                            "or JSON files: write one split once with python -c \"import datasets; "
-                            f"datasets.load_from_disk('{path}')['train'].to_json('{path.name}.jsonl')\"")
-        if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
-            raise DataError(f"dataset: {path} is a folder written by save_to_disk; pagedrl reads JSONL or JSON "
-                            "files: write one once with python -c \"import datasets; "
-                            f"datasets.load_from_disk('{path}').to_json('{path.name}.jsonl')\"")
-        raise DataError(f"dataset: {path} is a folder; expected a JSONL file")
+        raise DataError(f"dataset: {path} is a folder without Parquet or Arrow files; expected a JSONL, JSON, Parquet "
+                        "or Arrow file, a folder of Parquet or Arrow files, or a save_to_disk folder")
     if not path.is_file():
         save_once = ("nothing is downloaded at run time, so save it once with python -c \"import datasets; "
                      f"datasets.load_dataset('{dataset}', split='train').to_json('train.jsonl')\" and pass train.jsonl")
@@ -242,12 +252,11 @@ def _data_file(dataset: str | Path) -> Path:
         raise DataError(f"dataset: file {path} does not exist")
     with path.open("rb") as f:
         head = f.read(8)
-    suffix = next((s for magic, s in MAGIC.items() if head.startswith(magic)), path.suffix.lower())
-    if suffix in OTHER_FORMATS:
-        name, reader = OTHER_FORMATS[suffix]
-        raise DataError(f"dataset: {path} is {name}; pagedrl reads JSONL or JSON files (it does not depend on "
-                        f"pyarrow): convert it once with python -c \"import datasets; datasets.{reader}('{path}')"
-                        f".to_json('{path.with_suffix('.jsonl').name}')\"")
+    if path.suffix.lower() in OTHER_FORMATS:
+        name, reader = OTHER_FORMATS[path.suffix.lower()]
+        raise DataError(f"dataset: {path} is {name}; pagedrl reads JSONL, JSON, Parquet or Arrow files: convert it "
+                        f"once with python -c \"import datasets; datasets.{reader}('{path}')"
+                        f".to_parquet('{path.with_suffix('.parquet').name}')\"")
     if head.startswith(b"\x1f\x8b"):
         raise DataError(f"dataset: {path} is gzip-compressed; pagedrl reads uncompressed JSONL or JSON files: "
                         f"decompress it once (gunzip -k {path})")
@@ -272,16 +281,16 @@ def _check_source(dataset: Any) -> None:
 
 def load_examples(dataset: str | Path | Sequence[Mapping[str, Any]],
                   convert: Callable[[Row, DataReport], T | None],
-                  on_bad_row: BadRowPolicy = "error") -> tuple[list[T], DataReport]:
-    """Read and convert every row. A `BadRow` from reading or from `convert` becomes a DataError
-    naming the row, or a counted skip; `convert` returning None means skipped by policy (it
-    records its own reason in the report)."""
+                  on_bad_row: BadRowPolicy = "error", split: Split = TRAIN) -> tuple[list[T], DataReport]:
+    """Read and convert every row (of `split`, where the dataset is a folder of splits). A `BadRow`
+    from reading or from `convert` becomes a DataError naming the row, or a counted skip; `convert`
+    returning None means skipped by policy (it records its own reason in the report)."""
     if not isinstance(dataset, (str, Path)):
         _check_source(dataset)
     source = str(dataset) if isinstance(dataset, (str, Path)) else f"<{type(dataset).__name__} of {len(dataset)} rows>"
     report = DataReport(source)
     examples: list[T] = []
-    for row in read_rows(dataset, report, on_bad_row):
+    for row in read_rows(dataset, report, on_bad_row, split):
         try:
             out = convert(row, report)
         except BadRow as e:
@@ -305,20 +314,33 @@ def load_train_and_eval(config: Any, dataset: Any, eval_dataset: Any, convert: C
                         needs: str, eval_convert: Callable[[Row, DataReport], T | None] | None = None,
                         ) -> tuple[list[T], DataReport, list[T] | None]:
     """The training rows (`dataset`, else `config.dataset`) and the evaluation rows (`eval_dataset`,
-    else `config.eval_dataset`, else none), both under the config's bad-row policy; the evaluation rows
-    through `eval_convert` where they are read otherwise (SFT's eval set packed or not as the train set)."""
+    else `config.eval_dataset`, else none), both under the config's bad-row policy, each the split of a
+    folder of splits the config names for it; the evaluation rows through `eval_convert` where they are
+    read otherwise (SFT's eval set packed or not as the train set)."""
     dataset = dataset if dataset is not None else config.dataset
     if dataset is None:
-        raise ValueError(f"dataset: {needs} (a JSONL path, or a list of rows through the API)")
-    examples, report = load_examples(dataset, convert, config.on_bad_row)
+        raise ValueError(f"dataset: {needs} (a JSONL, JSON, Parquet or Arrow file or folder, or a list of rows "
+                         "through the API)")
+    train_split, test_split = config_splits(config)
+    examples, report = load_examples(dataset, convert, config.on_bad_row, train_split)
     eval_source = eval_dataset if eval_dataset is not None else config.eval_dataset
     if eval_source is None:
         return examples, report, None
-    eval_examples, eval_report = load_examples(eval_source, eval_convert or convert, config.on_bad_row)
+    eval_examples, eval_report = load_examples(eval_source, eval_convert or convert, config.on_bad_row,
+                                               test_split)
     for reason, n in eval_report.skipped.items():  # skipped evaluation rows are reported with the others
         report.skipped[f"eval_dataset: {reason}"] += n
         report.first_skipped[f"eval_dataset: {reason}"] = eval_report.first_skipped[reason]
     return examples, report, eval_examples
+
+
+def config_splits(config: Any) -> tuple[Split, Split]:
+    """The splits a config reads from a folder of splits: TRL's `dataset_train_split` for `dataset`,
+    `dataset_test_split` for `eval_dataset`, both of the configuration `dataset_config` (TRL's defaults
+    for a config object without them)."""
+    chosen = getattr(config, "dataset_config", None)
+    return (Split("dataset_train_split", getattr(config, "dataset_train_split", "train"), chosen),
+            Split("dataset_test_split", getattr(config, "dataset_test_split", "test"), chosen))
 
 
 def _bad(report: DataReport, policy: BadRowPolicy, where: str, error: BadRow) -> None:

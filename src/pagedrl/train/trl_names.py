@@ -76,6 +76,9 @@ FIXED = {
     "bnb_4bit_quant_storage": ((None,), "4-bit weights are stored as pagedrl packs them (load_in_4bit)"),
     # TRL's SFT and GRPO keys, at their defaults what pagedrl does
     "model_init_kwargs": ((None,), "the model is loaded by `model`, `revision` and the precision keys"),
+    # TRL's ScriptArguments (its other data keys are fields: dataset_config, dataset_train_split, ...)
+    "dataset_streaming": ((False,), "a dataset is a local file or folder, read a record batch at a time (a "
+                                    "Parquet or Arrow one); nothing is streamed from the Hub"),
     "dataset_num_proc": ((None,), "rows are read and tokenized once, in the training process (TRL's packing "
                                   "would pack each process's shard apart)"),
     # to_dict() writes every *_token key as <KEY>, whatever its value: read as TRL's default, unset

@@ -11,7 +11,7 @@ from typing import Any
 
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import EpochStream
-from pagedrl.train.data import DataReport, Row, load_examples
+from pagedrl.train.data import DataReport, Row, config_splits, load_examples
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.examples import PromptOnly, PromptRows
 from pagedrl.train.rl.arithmetic import ArithmeticTask
@@ -20,7 +20,7 @@ from pagedrl.train.rl.arithmetic import ArithmeticTask
 class PromptSource:
     """Prompts in order. Its position is one integer, so a checkpoint can resume it exactly.
 
-    `config` needs: dataset, eval_dataset, max_prompt_length, seed, on_bad_row and the `task_*`
+    `config` needs: dataset, eval_dataset (and their splits), max_prompt_length, seed, on_bad_row and the `task_*`
     fields of the arithmetic task (GRPOConfig and PPOConfig both have them)."""
 
     def __init__(self, config: Any, tokenizer: Tokenizer, dist: DistInfo, context: int | None = None) -> None:
@@ -33,6 +33,7 @@ class PromptSource:
         self.convert = PromptRows(tokenizer, limit, "error", limit_name=name)
         self.report: DataReport | None = None
         self.on_bad_row = config.on_bad_row
+        self.splits = config_splits(config)
         if config.dataset == "arithmetic":
             self.task = ArithmeticTask(tuple(config.task_operations), config.task_low, config.task_high,
                                        config.task_num_eval, seed=config.seed)
@@ -40,8 +41,9 @@ class PromptSource:
                                                   enumerate(self.task.train_rows()))
         else:
             if config.dataset is None:
-                raise ValueError("dataset: an online algorithm needs prompts: a JSONL path or 'arithmetic'")
-            self.rows, self.report = load_examples(config.dataset, self.convert, config.on_bad_row)
+                raise ValueError("dataset: an online algorithm needs prompts: a JSONL, JSON, Parquet or Arrow file or "
+                                 "folder, or 'arithmetic'")
+            self.rows, self.report = load_examples(config.dataset, self.convert, config.on_bad_row, self.splits[0])
             self.order = EpochStream(len(self.rows), config.seed)
         self.eval_dataset = config.eval_dataset
         self.rank, self.world = dist.rank, dist.world_size
@@ -70,7 +72,7 @@ class PromptSource:
 
     def eval_rows(self) -> list[PromptOnly]:
         if self.eval_dataset is not None:
-            return load_examples(self.eval_dataset, self.convert, self.on_bad_row)[0]
+            return load_examples(self.eval_dataset, self.convert, self.on_bad_row, self.splits[1])[0]
         if self.task is None:
             return []
         return [self._task_row(i, r) for i, r in enumerate(self.task.eval_rows())]
