@@ -6,6 +6,8 @@ Hermes, Qwen2.5 and SmolLM-style templates (and of the fallback `server/tools.py
 template without tools). Text outside the blocks is the message's content; a block whose JSON does
 not parse stays in the content as written rather than becoming an invented call.
 
+`openai` reads gpt-oss's calls, harmony messages addressed `to=functions.NAME` (`server/harmony.py`).
+
 Streaming: `HermesReader` takes the text deltas and gives back content deltas as soon as
 they cannot be the start of a `<tool_call>` tag, and each call whole once its block closes (or the
 answer ends); a streamed answer therefore reassembles to the non-streamed one.
@@ -17,6 +19,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from pagedrl.server.harmony import HarmonyAnswer
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 
@@ -144,7 +148,27 @@ def _partial_tag(text: str) -> int:
     return 0
 
 
-TOOL_PARSERS = {"hermes": HermesReader}  # --tool-call-parser NAME: its reader class
+class OpenAIReader:
+    """gpt-oss's calls, HermesReader's interface. Alone it reads the answer's harmony messages (the
+    analysis then content, as without a reasoning parser); after the choice's `openai_gptoss` reasoning
+    reader (`answer`), which already sorted the text, it passes on the content that reader gave and
+    takes the calls it found."""
+
+    def __init__(self, answer: HarmonyAnswer | None = None) -> None:
+        self.own = answer is None
+        self.answer = HarmonyAnswer(reasoning=False) if answer is None else answer
+
+    def _calls(self) -> list[ParsedCall]:
+        return [ParsedCall(name, arguments) for name, arguments in self.answer.take_calls()]
+
+    def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
+        return (self.answer.feed(delta)[1] if self.own else delta), self._calls()
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        return (self.answer.finish()[1] if self.own else ""), self._calls()
+
+
+TOOL_PARSERS = {"hermes": HermesReader, "openai": OpenAIReader}  # --tool-call-parser NAME: its reader class
 
 
 class ChoiceToolReader:
@@ -153,9 +177,13 @@ class ChoiceToolReader:
     out at the start, its arguments then streamed as the model writes them; `required` calls come at
     the end, once the array is complete; `auto` calls as each `<tool_call>` block closes."""
 
-    def __init__(self, mode: str, parser: str | None = None, name: str | None = None) -> None:
+    def __init__(self, mode: str, parser: str | None = None, name: str | None = None,
+                 harmony: HarmonyAnswer | None = None) -> None:
+        """`harmony`: the choice's `openai_gptoss` reader, which finds the `openai` parser's calls."""
         self.mode, self.name = mode, name
-        self.reader = TOOL_PARSERS[parser]() if mode == "auto" and parser is not None else None
+        self.reader: Any = None
+        if mode == "auto" and parser is not None:
+            self.reader = OpenAIReader(harmony) if parser == "openai" else TOOL_PARSERS[parser]()
         self.text = ""
         self.num_calls = 0
 
