@@ -156,6 +156,7 @@ def test_headers_name_channel_recipient_and_content_type_in_either_order() -> No
         "commentary", "functions.f", "json")
     assert read_header("<|channel|>final") == Header("final")
     assert read_header("functions.f to=assistant<|channel|>commentary").role == "functions.f"
+    assert read_header("<|channel|><|channel|>analysis") == Header("analysis")
 
 
 def test_without_the_tool_parser_a_call_is_content_and_without_the_reasoning_parser_so_is_the_analysis() -> None:

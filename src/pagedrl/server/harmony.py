@@ -65,8 +65,9 @@ def read_header(text: str) -> Header:
     `assistant to=functions.f<|channel|>commentary json` or `<|channel|>commentary to=functions.f
     <|constrain|>json`."""
     recipient = RECIPIENT.search(text)
-    head, has_channel, rest = text.partition(CHANNEL)
-    role = head.split()[0] if head.split() and not head.split()[0].startswith("to=") else "assistant"
+    head = text.partition(CHANNEL)[0].split()
+    role = head[0] if head and not head[0].startswith("to=") else "assistant"
+    _, has_channel, rest = text.rpartition(CHANNEL)  # a channel named twice: the last one
     words = [w for w in rest.replace(CONSTRAIN, " ").split() if not w.startswith("to=")]
     channel = words.pop(0) if has_channel and words else None
     return Header(channel, recipient.group(1) if recipient else None, " ".join(words) or None, role)

@@ -91,10 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "model's calls with --tool-call-parser")
     server.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
                         help="the format the model writes its tool calls in (default: hermes, <tool_call> JSON "
-                             "blocks)")
+                             "blocks; openai: gpt-oss's harmony messages to functions.NAME)")
     server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                         help="split a thinking model's <think> reasoning from its chat answers into the message's "
-                             "reasoning field (vLLM's flag: deepseek_r1 for DeepSeek-R1 and QwQ, qwen3 for Qwen3); "
+                             "reasoning field (vLLM's flag: deepseek_r1 for DeepSeek-R1 and QwQ, qwen3 for Qwen3, "
+                             "openai_gptoss for gpt-oss's analysis channel); "
                              "default: none, the reasoning stays in the content")
     server.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="name log-probs' tokens token_id:<id> unless a request says otherwise (vLLM's flag)")
