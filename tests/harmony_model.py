@@ -82,7 +82,11 @@ def build_harmony_tokenizer(folder: Path) -> None:
 
 
 def build_harmony_model_dir(folder: Path) -> Path:
-    """The tiny gpt-oss model with the harmony tokenizer; <|return|> and <|call|> end its answers."""
-    ends = [HARMONY_SPECIALS.index("<|return|>"), HARMONY_SPECIALS.index("<|call|>")]  # the trainer's first ids
-    return build_model_dir(folder, tokenizer=build_harmony_tokenizer, max_position_embeddings=1024,
-                           eos_token_id=ends, **MOE["gpt-oss"])
+    """The tiny gpt-oss model with the harmony tokenizer. As in the published gpt-oss folders, config.json's
+    eos_token_id is <|return|> alone and generation_config.json's adds <|endoftext|> and <|call|>."""
+    ids = {token: HARMONY_SPECIALS.index(token) for token in HARMONY_SPECIALS}  # the trainer's first ids
+    build_model_dir(folder, tokenizer=build_harmony_tokenizer, max_position_embeddings=1024,
+                    eos_token_id=ids["<|return|>"], **MOE["gpt-oss"])
+    ends = [ids["<|return|>"], ids["<|endoftext|>"], ids["<|call|>"]]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+    return folder
