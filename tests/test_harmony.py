@@ -23,7 +23,10 @@ END = "<|end|>"
 ASSISTANT_START = "<|start|>assistant"
 CONTENT_PREFIX = END + ASSISTANT_START + "<|channel|>final"
 CONTENT_START = CONTENT_PREFIX + "<|message|>"
-# (answer, reasoning, content): vLLM's answers; the split is what its parse_chat_output gives of their tokens
+# (answer, reasoning, content): vLLM's test answers, split by channel as vLLM's openai tool parser and its
+# Responses API read messages (analysis: reasoning, final: content, another role's message: neither); its
+# parse_chat_output, which counts every message but the last as reasoning, agrees where the answer is the
+# assistant's alone
 REASONING_CASES = [
     (REASONING_SECTION_START + "This is reasoning" + CONTENT_START + "This is the rest", "This is reasoning",
      "This is the rest"),
