@@ -233,6 +233,11 @@ PIECES = {
                 st.sampled_from(SECTION), st.just("<|tool_call_begin|>"), st.just("<|tool_call_end|>"), st.just("<|tool_")],
     "deepseek_v31": [st.builds(lambda n, a: f"{CALL[0]}{n}<｜tool▁sep｜>{json.dumps(a)}{CALL[1]}", NAMES, ARGS),
                      st.sampled_from(CALLS + CALL), st.just("<｜tool▁"), st.just("f<｜tool▁sep｜>{")],
+    # gpt-oss's harmony messages (their own cases: tests/test_harmony.py)
+    "openai": [st.builds(lambda n, a: f"<|start|>assistant<|channel|>commentary to=functions.{n} <|constrain|>json"
+                                      f"<|message|>{json.dumps(a)}<|call|>", NAMES, ARGS),
+               st.sampled_from(["<|channel|>analysis<|message|>", "<|channel|>final<|message|>", "<|end|>",
+                                "<|start|>assistant", "<|return|>", "<|chan", " to=functions.f", "<|message|>"])],
 }
 FILLER = st.text(alphabet=st.sampled_from(list("ab <>/_\n{}[]()\"';=,|")), max_size=12)
 
@@ -249,7 +254,8 @@ def test_streamed_reading_equals_the_whole_reading(parser: str, data) -> None:
 
 def test_every_parser_is_tested() -> None:
     assert set(PIECES) | {"llama4_json"} == set(TOOL_PARSERS)
-    assert {case[0] for case in CASES} == set(PIECES) - {"hermes"}  # hermes' cases: tests/test_tool_calls.py
+    # hermes' cases: tests/test_tool_calls.py; openai's: tests/test_harmony.py
+    assert {case[0] for case in CASES} == set(PIECES) - {"hermes", "openai"}
 
 
 @pytest.mark.parametrize(("parser", "text"), [

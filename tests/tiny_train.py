@@ -4,6 +4,7 @@ random Llama-family decoder sized to its vocabulary, saved in Hugging Face layou
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 CHAT_TEMPLATE = (
@@ -42,9 +43,10 @@ def build_tokenizer(folder: Path) -> None:
 
 def build_model_dir(folder: Path, seed: int = 0, tied: bool = True, max_position_embeddings: int = 256,
                     hidden_size: int = 64, intermediate_size: int = 96, num_attention_heads: int = 4,
-                    std: float = 0.02, **config: object) -> Path:
+                    std: float = 0.02, tokenizer: Callable[[Path], None] | None = None, **config: object) -> Path:
     """Tokenizer + a random 2-layer decoder (HF-style init: normal(0, std), norms at 1); `config`:
-    config.json fields over the Llama defaults (another architecture's, e.g. a mixture of experts)."""
+    config.json fields over the Llama defaults (another architecture's, e.g. a mixture of experts);
+    `tokenizer` writes another tokenizer into the folder than `build_tokenizer`'s."""
     import torch
 
     from pagedrl.model.checkpoint import save_checkpoint
@@ -52,7 +54,7 @@ def build_model_dir(folder: Path, seed: int = 0, tied: bool = True, max_position
     from pagedrl.model.decoder import CausalLM
     from pagedrl.model.tokenizer import Tokenizer
 
-    build_tokenizer(folder)
+    (tokenizer or build_tokenizer)(folder)
     tok = Tokenizer.from_folder(folder)
     raw = dict(architectures=["LlamaForCausalLM"], vocab_size=tok.vocab_size, hidden_size=hidden_size,
                intermediate_size=intermediate_size, num_hidden_layers=2, num_attention_heads=num_attention_heads,

@@ -35,6 +35,7 @@ from pagedrl.server.beam_search import FinishedGroup, answer_params, beam_search
 from pagedrl.server.chat_template_flags import ChatRendering
 from pagedrl.server.delivery import EventStreamResponse, final_outputs_unless_disconnected, json_response
 from pagedrl.server.errors import ApiError, from_value_error, install_error_handlers, read_json
+from pagedrl.server.harmony import harmony_decoding
 from pagedrl.server.inputs import DEFAULT_MAX_N, chat_inputs, completion_inputs
 from pagedrl.server.logprobs import TokenText
 from pagedrl.server.lora_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, lora_router
@@ -233,9 +234,11 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         if plan is not None:  # schemas compile off the event loop (cached: a repeated tool costs nothing)
             await asyncio.to_thread(check_tool_schemas, plan, engine.check_structured_output)
         prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan, sampling_defaults, max_tokens_cap, rendering)
-        group = await submit([prompt_ids], params, {"logprobs": "top_logprobs", **structured_outputs(req)[1]}, lora,
+        thinking = chat_reasoning(req, prompt_ids, params.structured_outputs is not None)
+        plan, decoding = harmony_decoding(plan, thinking, params)
+        group = await submit([prompt_ids], decoding, {"logprobs": "top_logprobs", **structured_outputs(req)[1]}, lora,
                              log_id, req.cache_salt)
-        return group, params, plan, chat_reasoning(req, prompt_ids, params.structured_outputs is not None)
+        return group, params, plan, thinking
 
     def chat_reasoning(req: ChatCompletionRequest, prompt_ids: list[int], constrained: bool) -> ReasoningPlan | None:
         """How a chat answer's reasoning is told from its content (None without `--reasoning-parser`):

@@ -164,8 +164,9 @@ def message_dict(i: int, m: ChatMessage, content_format: ContentFormat = "string
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
     reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
-    if reasoning is not None and m.role == "assistant":  # Qwen3's templates render it after the last user turn
-        out["reasoning"] = out["reasoning_content"] = reasoning
+    if reasoning is not None and m.role == "assistant":  # Qwen3's templates render it after the last user turn,
+        # gpt-oss's (as `thinking`) before a tool call no final answer follows, as vLLM's harmony rendering keeps it
+        out["reasoning"] = out["reasoning_content"] = out["thinking"] = reasoning
     if m.tool_calls:
         if m.role != "assistant":
             raise bad_request(f"messages.{i}.tool_calls: only an assistant message makes tool calls",

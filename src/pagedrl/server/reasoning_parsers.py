@@ -28,6 +28,9 @@ Streaming: `ReasoningReader` gives each delta's reasoning and content as soon as
 holding back only text that may still turn into a tag (a partial `<think>` or `</think>`,
 `<tool_call>` before its `<function`), so no part of a tag reaches either field and the deltas join
 to the whole split.
+
+`openai_gptoss` reads gpt-oss's harmony messages instead: its analysis channel is the reasoning, its
+final channel the content (`server/harmony.py`, which also reads its tool calls).
 """
 
 from __future__ import annotations
@@ -35,11 +38,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from pagedrl.server.harmony import HarmonyAnswer, split_harmony
+
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_CALL = "<tool_call>"
 FUNCTION_OPEN = re.compile(r"<function[\s=]")
 FUNCTION_PREFIX = "<function"
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # --reasoning-parser NAME
+HARMONY = "openai_gptoss"
+REASONING_PARSERS = ("deepseek_r1", "qwen3", HARMONY)  # --reasoning-parser NAME
 
 
 def split_reasoning(parser: str, text: str, thinking: bool = True) -> tuple[str | None, str | None]:
@@ -136,10 +142,19 @@ class ReasoningPlan:
     prompt_ended: bool = False  # the prompt closed the reasoning: all of the answer is content
     include: bool = True  # vLLM's include_reasoning: false leaves the reasoning out of the answer
 
+    @property
+    def harmony(self) -> bool:
+        """Whether the answers are read as harmony messages (not those a grammar writes: plain text)."""
+        return self.parser == HARMONY and self.thinking
+
     def split(self, text: str) -> tuple[str | None, str | None]:
+        if self.harmony:
+            return split_harmony(text, calls=False)[:2]
         return split_reasoning(self.parser, text, self.thinking and not self.prompt_ended)
 
-    def reader(self) -> ReasoningReader:
+    def reader(self) -> ReasoningReader | HarmonyAnswer:
+        if self.harmony:
+            return HarmonyAnswer(calls=False)
         return ReasoningReader(self.parser, self.thinking, self.prompt_ended)
 
 
@@ -153,4 +168,4 @@ def reasoning_plan(parser: str | None, template_kwargs: dict | None, constrained
     if parser is None:
         return None
     thinking = not constrained and (parser != "qwen3" or bool((template_kwargs or {}).get("enable_thinking", True)))
-    return ReasoningPlan(parser, thinking, prompt_ends_reasoning(prompt), include)
+    return ReasoningPlan(parser, thinking, parser != HARMONY and prompt_ends_reasoning(prompt), include)

@@ -30,6 +30,7 @@ from typing import Any
 from pagedrl.engine.outputs import CompletionOutput, RequestOutput
 from pagedrl.engine.request_stream import RequestAborted, RequestFailed, RequestGroup
 from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.server.harmony import HarmonyAnswer
 from pagedrl.server.logprobs import (
     TextOffsets,
     TokenText,
@@ -149,8 +150,22 @@ def completion_response(request_id: str, model: str, outputs: list[RequestOutput
                                                                                       extras.prompt_tokens_details))
 
 
-def tool_reader(plan: ToolPlan | None) -> ChoiceToolReader | None:
-    return None if plan is None or plan.mode == "none" else ChoiceToolReader(plan.mode, plan.parser, plan.name)
+def tool_reader(plan: ToolPlan | None, harmony: HarmonyAnswer | None = None) -> ChoiceToolReader | None:
+    if plan is None or plan.mode == "none":
+        return None
+    return ChoiceToolReader(plan.mode, plan.parser, plan.name, harmony)
+
+
+def answer_readers(plan: ToolPlan | None, thinking: ReasoningPlan | None
+                   ) -> tuple[ReasoningReader | HarmonyAnswer | None, ChoiceToolReader | None]:
+    """One choice's reasoning reader and tool reader. gpt-oss's (`openai_gptoss`, `openai`) read the
+    answer once: the reasoning reader sorts its harmony messages and finds the calls the tool reader
+    gives out."""
+    thinker = thinking.reader() if thinking is not None else None
+    if isinstance(thinker, HarmonyAnswer) and plan is not None and plan.mode == "auto" and plan.parser == "openai":
+        thinker.calls = True
+        return thinker, tool_reader(plan, thinker)
+    return thinker, tool_reader(plan)
 
 
 def chat_message(c: CompletionOutput, plan: ToolPlan | None,
@@ -158,10 +173,15 @@ def chat_message(c: CompletionOutput, plan: ToolPlan | None,
     """A whole choice's message and finish reason: its reasoning split off first (`--reasoning-parser`),
     then its tool calls read out of what is left, as the plan asks (vLLM parses tools from the content
     after the reasoning, never from the reasoning)."""
-    reasoning, text = (None, c.text) if thinking is None else thinking.split(c.text)
+    thinker, reader = answer_readers(plan, thinking)
+    if isinstance(thinker, HarmonyAnswer):
+        reasoning, text = split_delta(thinker, c.text, True)
+        reasoning = reasoning if "reasoning" in thinker.used else None
+        text = text if "content" in thinker.used else None
+    else:
+        reasoning, text = (None, c.text) if thinking is None else thinking.split(c.text)
     if thinking is not None and not thinking.include:
         reasoning = None
-    reader = tool_reader(plan)
     if reader is None:
         return AssistantMessage(content=text, reasoning=reasoning), c.finish_reason
     content, calls, arguments = reader.feed(text or "", finished=True)
@@ -263,7 +283,7 @@ async def completion_stream(group: RequestGroup, request_id: str, model: str, pa
     yield DONE
 
 
-def split_delta(thinking: ReasoningReader | None, text: str, finished: bool) -> tuple[str, str]:
+def split_delta(thinking: ReasoningReader | HarmonyAnswer | None, text: str, finished: bool) -> tuple[str, str]:
     """A delta's (reasoning, content): all content without a reasoning parser."""
     if thinking is None:
         return "", text
@@ -299,8 +319,9 @@ async def chat_stream(group: RequestGroup, request_id: str, model: str, params: 
     extras = extras or Extras()
     log = log if log is not None and log.logs_outputs else None  # no text kept nor delta joined for a log that is off
     created = now_s()
-    readers = {i: tool_reader(plan) for i in range(params.n)}
-    thinkers = {i: thinking.reader() if thinking is not None else None for i in range(params.n)}
+    thinkers, readers = {}, {}
+    for i in range(params.n):
+        thinkers[i], readers[i] = answer_readers(plan, thinking)
     show_reasoning = thinking is None or thinking.include
     prompt_ids = list(group.streams[0].prompt_token_ids)
     made = [0] * params.n  # completion tokens of each choice so far

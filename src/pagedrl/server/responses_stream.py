@@ -32,7 +32,7 @@ from pagedrl.engine.outputs import CompletionOutput
 from pagedrl.engine.request_stream import RequestAborted, RequestFailed, RequestGroup
 from pagedrl.server.reasoning_parsers import ReasoningPlan
 from pagedrl.server.response_bodies import ChatTokenLogprob
-from pagedrl.server.responses import split_delta, tool_reader
+from pagedrl.server.responses import answer_readers, split_delta
 from pagedrl.server.responses_bodies import (
     OutputFunctionCall,
     OutputItem,
@@ -171,8 +171,7 @@ async def response_stream(group: RequestGroup, base: ResponseObject, plan: ToolP
     them (a background stream's writes each to its log)."""
     emit = emit or EventWriter()
     items = StreamedItems(emit)
-    reader = tool_reader(plan)
-    thinker = thinking.reader() if thinking is not None else None
+    thinker, reader = answer_readers(plan, thinking)
     show_reasoning = thinking is None or thinking.include
     finish_reason, error, cached = None, None, 0
     pending: list[ChatTokenLogprob] = []  # log-probs of tokens whose text is not out yet

@@ -92,10 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
                         help="the format the model writes its tool calls in, by vLLM's names: hermes (the default, "
                              "<tool_call> JSON blocks), llama3_json, pythonic, llama4_pythonic, mistral, deepseek_v3, "
-                             "deepseek_v31, kimi_k2")
+                             "deepseek_v31, kimi_k2, openai (gpt-oss's harmony messages to functions.NAME)")
     server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                         help="split a thinking model's <think> reasoning from its chat answers into the message's "
-                             "reasoning field (vLLM's flag: deepseek_r1 for DeepSeek-R1 and QwQ, qwen3 for Qwen3); "
+                             "reasoning field (vLLM's flag: deepseek_r1 for DeepSeek-R1 and QwQ, qwen3 for Qwen3, "
+                             "openai_gptoss for gpt-oss's analysis channel); "
                              "default: none, the reasoning stays in the content")
     server.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="name log-probs' tokens token_id:<id> unless a request says otherwise (vLLM's flag)")

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import json
 
+from pagedrl.server.harmony import HarmonyAnswer
 from pagedrl.server.tool_parsers.deepseek import DeepSeekV3Reader, DeepSeekV31Reader, KimiK2Reader
 from pagedrl.server.tool_parsers.hermes import HermesReader
 from pagedrl.server.tool_parsers.llama import Llama3JsonReader
 from pagedrl.server.tool_parsers.mistral import MistralReader
+from pagedrl.server.tool_parsers.openai import OpenAIReader
 from pagedrl.server.tool_parsers.pythonic import Llama4PythonicReader, PythonicReader
 from pagedrl.server.tool_parsers.reader import CallReader, ParsedCall, call_from_object
 
 __all__ = ["TOOL_PARSERS", "CallReader", "ChoiceToolReader", "DeepSeekV3Reader", "DeepSeekV31Reader", "HermesReader",
-           "KimiK2Reader", "Llama3JsonReader", "Llama4PythonicReader", "MistralReader", "ParsedCall", "PythonicReader",
+           "KimiK2Reader", "Llama3JsonReader", "Llama4PythonicReader", "MistralReader", "OpenAIReader", "ParsedCall",
+           "PythonicReader",
            "parse_required", "parse_tool_calls"]
 
 
@@ -45,7 +48,7 @@ def parse_required(text: str) -> list[ParsedCall] | None:
     return [ParsedCall(name, arguments) for name, arguments in calls]  # type: ignore[misc]
 
 
-TOOL_PARSERS: dict[str, type[CallReader]] = {  # --tool-call-parser NAME: its reader class (vLLM's names)
+TOOL_PARSERS: dict[str, type[CallReader] | type[OpenAIReader]] = {  # --tool-call-parser NAME: its reader class (vLLM's names)
     "hermes": HermesReader,
     "llama3_json": Llama3JsonReader,
     "llama4_json": Llama3JsonReader,
@@ -55,6 +58,7 @@ TOOL_PARSERS: dict[str, type[CallReader]] = {  # --tool-call-parser NAME: its re
     "deepseek_v3": DeepSeekV3Reader,
     "deepseek_v31": DeepSeekV31Reader,
     "kimi_k2": KimiK2Reader,
+    "openai": OpenAIReader,
 }
 
 
@@ -64,9 +68,13 @@ class ChoiceToolReader:
     out at the start, its arguments then streamed as the model writes them; `required` calls come at
     the end, once the array is complete; `auto` calls as the parser completes each."""
 
-    def __init__(self, mode: str, parser: str | None = None, name: str | None = None) -> None:
+    def __init__(self, mode: str, parser: str | None = None, name: str | None = None,
+                 harmony: HarmonyAnswer | None = None) -> None:
+        """`harmony`: the choice's `openai_gptoss` reader, which finds the `openai` parser's calls."""
         self.mode, self.name = mode, name
-        self.reader = TOOL_PARSERS[parser]() if mode == "auto" and parser is not None else None
+        self.reader: CallReader | OpenAIReader | None = None
+        if mode == "auto" and parser is not None:
+            self.reader = OpenAIReader(harmony) if parser == "openai" else TOOL_PARSERS[parser]()
         self.text = ""
         self.num_calls = 0
 
