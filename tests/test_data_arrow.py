@@ -242,3 +242,20 @@ def test_dpo_on_a_parquet_snapshot_trains_as_on_its_rows_in_jsonl(tiny_train_mod
                                        f"output_dir={tmp_path / 'b'}"]) == 0
     logged = metric_rows(tmp_path / "a")
     assert any("eval/loss" in r for r in logged) and logged == metric_rows(tmp_path / "b")
+
+
+def test_a_config_named_where_none_is_declared_is_refused_as_datasets_refuses_it(tmp_path) -> None:
+    rows = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(2)]
+    file = tmp_path / "one.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(file))
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(rows).save_to_disk(str(saved))
+    shards = tmp_path / "shards" / "data"
+    shards.mkdir(parents=True)
+    datasets.Dataset.from_list(rows).to_parquet(str(shards / "train-00000-of-00001.parquet"))
+    with pytest.raises(ValueError, match="BuilderConfig 'main' not found"):  # datasets refuses too
+        datasets.load_dataset(str(shards.parent), "main", cache_dir=str(tmp_path / "c"))
+    for path in (file, saved, shards.parent):
+        with pytest.raises(DataError, match=rf"^dataset: {path} declares no configurations .*dataset_config 'main'"):
+            rows_of(path, Split("dataset_train_split", "train", "main"))
+        assert rows_of(path, Split("dataset_train_split", "train", "default")) == rows

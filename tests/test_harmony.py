@@ -195,3 +195,11 @@ def test_only_answers_read_as_harmony_are_decoded_with_their_special_tokens() ->
     assert got_plan.parser is None and decoding is constrained
     reader = ChoiceToolReader(got_plan.mode, got_plan.parser)
     assert reader.feed('{"a": 1}', finished=True) == ('{"a": 1}', [], "")
+
+
+def test_gpt_oss_is_read_as_harmony_unless_the_server_names_another_parser():
+    from pagedrl.server.reasoning_parsers import served_reasoning_parser
+
+    assert served_reasoning_parser(None, "gpt_oss") == "openai_gptoss"
+    assert served_reasoning_parser("deepseek_r1", "gpt_oss") == "deepseek_r1"
+    assert served_reasoning_parser(None, "llama") is None and served_reasoning_parser("qwen3", "qwen3") == "qwen3"

@@ -44,6 +44,7 @@ def test_the_named_ids_log_probs_and_ranks_are_the_whole_distributions(llm, mode
 
 def test_logprobs_must_equal_the_number_of_named_ids():
     assert SamplingParams(logprob_token_ids=[1, 2], logprobs=2).num_logprobs == 2
+    assert SamplingParams(logprob_token_ids=[1, 1], logprobs=2).logprob_token_ids == [1]  # vLLM counts as sent
     assert SamplingParams(logprob_token_ids=[4, 1, 2]).num_logprobs == 3
     assert SamplingParams(logprob_token_ids=[]).logprob_token_ids is None  # empty: the usual top-k
     assert SamplingParams(logprobs=0).num_logprobs == 0 and SamplingParams().num_logprobs is None
@@ -93,8 +94,8 @@ def test_both_routes_list_the_named_ids_and_the_sampled_token(http, llm):
     assert len(content) == len(ref.outputs[0].token_ids)
     for item, token, entry in zip(content, ref.outputs[0].token_ids, ref.outputs[0].logprobs, strict=True):
         listed = [top["logprob"] for top in item["top_logprobs"]]
-        assert len(listed) == len(set(named) | {token}) and listed == sorted(listed, reverse=True)
-        assert sorted(listed) == sorted(lp.logprob for lp in entry.values())
+        assert listed == [lp.logprob for lp in entry.values()]  # the sampled token, then the ids as named
+        assert [t for t in entry if t != token] == [t for t in named if t != token]
     done = http.post("/v1/completions", json={**body, "prompt": "the cat", "logprobs": 0}).json()
     assert all(len(top) == len(set(named) | {token}) for top, token in zip(
         done["choices"][0]["logprobs"]["top_logprobs"], done["choices"][0]["logprobs"]["tokens"], strict=True))

@@ -220,6 +220,7 @@ PIECES = {
                     st.just('{"name": "f"}'), st.just('{"x": {"y": 1}}'), st.just('{"name": "f", "parameters": ')],
     "pythonic": [st.builds(lambda n, a: f"[{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})]", NAMES, ARGS),
                  st.just("[f(x='a)b'), g(y=[1, {'k': None}])]"), st.just("[f(1)]"), st.just("[f(x="),
+                 st.just("[f(code=\'\'\'x = \"a\"\'\'\')]"), st.just('[f(a="""x""")]'),
                  st.just("'''"), st.just("[link](u)")],
     "llama4_pythonic": [st.builds(lambda n, a: f"[{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})]", NAMES, ARGS),
                         st.just("<|python_start|>"), st.just("<|python_end|>"), st.just("<|python_"), st.just("[f(1)]")],

@@ -184,10 +184,10 @@ class SamplingParams:
         set_(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
         set_(self, "allowed_token_ids", _normalise_allowed_token_ids(self.allowed_token_ids))
         set_(self, "bad_words", _normalise_bad_words(self.bad_words))
-        set_(self, "logprob_token_ids", _normalise_logprob_token_ids(self.logprob_token_ids))
-        if self.logprob_token_ids is not None and self.logprobs is not None \
-                and self.logprobs != len(self.logprob_token_ids):
-            raise _bad("logprobs", self.logprobs, f"must equal len(logprob_token_ids) = {len(self.logprob_token_ids)} "
+        named = self.logprob_token_ids
+        set_(self, "logprob_token_ids", _normalise_logprob_token_ids(named))
+        if self.logprob_token_ids is not None and self.logprobs is not None and self.logprobs != len(named):
+            raise _bad("logprobs", self.logprobs, f"must equal len(logprob_token_ids) = {len(named)} "
                                                   "when both are set (or be None)")
 
     @property

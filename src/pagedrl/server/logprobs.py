@@ -104,13 +104,15 @@ def _top(token_id: int, lp: Logprob, names: TokenText) -> TopLogprob:
 
 def chat_logprobs(c: CompletionOutput, start: int, stop: int, names: TokenText, top: int | None) -> ChatLogprobs:
     """OpenAI's chat log-probs: each token's own, and the `top` most likely tokens in rank order (the
-    sampled one among them only where it ranks in the top); `top` None lists every token of the entry."""
+    sampled one among them only where it ranks in the top); `top` None lists every token of the entry in
+    its order (`logprob_token_ids`: the sampled token, then the ids as the request named them, as vLLM's)."""
     content = []
     for i in range(start, stop):
         entry = c.logprobs[i]
         token_id = c.token_ids[i]
         chosen = _top(token_id, entry[token_id], names)
-        ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)[:top]
+        ranked = list(entry.items()) if top is None else \
+            sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)[:top]
         content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[_top(t, lp, names) for t, lp in ranked]))
     return ChatLogprobs(content=content)
 

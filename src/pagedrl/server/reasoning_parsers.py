@@ -169,3 +169,10 @@ def reasoning_plan(parser: str | None, template_kwargs: dict | None, constrained
         return None
     thinking = not constrained and (parser != "qwen3" or bool((template_kwargs or {}).get("enable_thinking", True)))
     return ReasoningPlan(parser, thinking, parser != HARMONY and prompt_ends_reasoning(prompt), include)
+
+
+def served_reasoning_parser(flag: str | None, model_type: str) -> str | None:
+    """The parser a server reads its chat answers with: `--reasoning-parser`'s, else for gpt-oss
+    `openai_gptoss`: it always answers in harmony messages, whose channel names and roles would otherwise
+    reach the content as text (vLLM reads a gpt-oss answer as harmony whatever its flags)."""
+    return HARMONY if flag is None and model_type == "gpt_oss" else flag

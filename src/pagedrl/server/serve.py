@@ -32,7 +32,7 @@ from pagedrl.server.chat_template_flags import (
     load_chat_template,
 )
 from pagedrl.server.inputs import DEFAULT_MAX_N
-from pagedrl.server.reasoning_parsers import REASONING_PARSERS
+from pagedrl.server.reasoning_parsers import REASONING_PARSERS, served_reasoning_parser
 from pagedrl.server.request_log import add_request_log_arguments
 from pagedrl.server.responses_store import DEFAULT_MAX_BYTES as DEFAULT_STORE_BYTES
 from pagedrl.server.responses_store import RESPONSES_STORE_ENV, responses_store_from_env
@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="split a thinking model's <think> reasoning from its chat answers into the message's "
                              "reasoning field (vLLM's flag: deepseek_r1 for DeepSeek-R1 and QwQ, qwen3 for Qwen3, "
                              "openai_gptoss for gpt-oss's analysis channel); "
-                             "default: none, the reasoning stays in the content")
+                             "default: none, the reasoning stays in the content (gpt-oss: openai_gptoss, as vLLM "
+                             "always reads its harmony answers)")
     server.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="name log-probs' tokens token_id:<id> unless a request says otherwise (vLLM's flag)")
     server.add_argument("--disable-fastapi-docs", action="store_true",
@@ -200,6 +201,9 @@ def build_server(args: argparse.Namespace) -> Any:
     if defaults.params:
         logger.info("default sampling parameters for requests that leave them unset: %s (--generation-config vllm "
                     "turns the model's off)", defaults.describe())
+    reasoning_parser = served_reasoning_parser(args.reasoning_parser, loaded.model.config.model_type)
+    if reasoning_parser != args.reasoning_parser:
+        logger.info("gpt-oss answers in harmony messages: read with --reasoning-parser %s", reasoning_parser)
     names = args.served_model_name or [args.adapter or args.model or DEFAULT_MODEL]
     name = names[0]
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
@@ -219,7 +223,7 @@ def build_server(args: argparse.Namespace) -> Any:
                     trust_request_chat_template=args.trust_request_chat_template,
                     fastapi_docs=not args.disable_fastapi_docs,
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                    reasoning_parser=args.reasoning_parser,
+                    reasoning_parser=reasoning_parser,
                     enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                     enable_force_include_usage=args.enable_force_include_usage,
                     enable_server_load_tracking=args.enable_server_load_tracking)

@@ -48,18 +48,33 @@ def arrow_files(path: Path, split: Split) -> list[Path] | None:
     """The Parquet / Arrow files `path` stands for, in order, or None when it is no such file or folder
     (a JSONL or JSON file, or a folder holding neither)."""
     if path.is_file():
-        return [path] if file_kind(path) is not None else None
+        if file_kind(path) is None:
+            return None
+        _no_configs(path, split)
+        return [path]
     if not path.is_dir():
         return None
     if (path / "dataset_dict.json").is_file():
+        _no_configs(path, split)
         return _dataset_dict_files(path, split)
     if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+        _no_configs(path, split)
         return _saved_dataset_files(path)
     configs = card_configs(path)
+    if configs is None:
+        _no_configs(path, split)
     splits = folder_splits(path) if configs is None else _config_splits(path, configs, split.config)
     if not splits:
         return None
     return _pick(path, splits, split, "holds the splits")
+
+
+def _no_configs(path: Path, split: Split) -> None:
+    """A dataset without a card's `configs` has one configuration, "default" (as `datasets` names it):
+    `dataset_config` naming another is refused, as `load_dataset(path, name)` refuses it."""
+    if split.config not in (None, "default"):
+        raise ArrowDataError(f"dataset: {path} declares no configurations (a dataset card's `configs`), only "
+                             f"'default'; dataset_config {split.config!r} names none of them: leave it unset")
 
 
 def file_kind(path: Path) -> str | None:

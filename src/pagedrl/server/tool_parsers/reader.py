@@ -145,6 +145,8 @@ class Brackets:
                     self.at += len(self.quote)
                     self.quote = ""
                     continue
+                if len(self.quote) == 3 and len(text) - self.at < 3 and self.quote.startswith(text[self.at:]):
+                    return None  # a triple quote's first one or two characters: the next text tells
                 self.at += 1
                 continue
             if c == '"' or (self.python and c == "'"):
