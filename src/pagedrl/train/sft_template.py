@@ -24,6 +24,7 @@ from pagedrl.model.tokenizer import Tokenizer
 
 TEMPLATE_SUFFIXES = (".jinja", ".j2")  # the files TRL reads as a template's text
 
+
 def read_chat_template_path(path: str, tokenizer: Tokenizer) -> tuple[str, Tokenizer | None]:
     """(the template's text, the folder's tokenizer or None for a file), checked: it compiles, and a folder's
     tokens are all in the model's vocabulary."""

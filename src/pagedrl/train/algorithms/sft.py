@@ -211,8 +211,8 @@ class SFT(OfflineAlgorithm):
                          "(not prefix-preserving), so rows with a message after an assistant's will be refused; "
                          "set chat_template_path to a template with {% generation %} blocks to train on them")
         if not self.stops_trained:
-            lines.append("sft: the chat template leaves the assistant's end-of-turn token outside its generation "
-                         "block, so the model may not learn to stop (TRL warns of the same)")
+            lines.append("sft: the chat template leaves the assistant's end-of-turn token outside the assistant's "
+                         "tokens, so the model may not learn to stop (TRL warns of the same)")
         return super().summary_lines() + lines
 
 
