@@ -141,14 +141,60 @@ def test_chat_template_path_folder_brings_its_template_and_eos_as_trl(tiny_train
         assert ours == want != json.loads((tiny_train_model / name).read_text())[key], name
 
 
+# SmolLM2's assistant turn, as TRL's training templates mark a ChatML one: content, <|im_end|> and newline.
+SMOLLM2_TURN = "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+SMOLLM2_MARKED_TURN = ("{{'<|im_start|>' + message['role'] + '\n'}}{% if message['role'] == 'assistant' %}"
+                       "{% generation %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endgeneration %}"
+                       "{% else %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endif %}")
+
+
+def test_the_default_models_own_template_trains_on_the_assistants_tokens_as_trl(default_model_dir,
+                                                                                   tmp_path) -> None:
+    """SmolLM2's ChatML has no generation block: the assistant's tokens are found from it, the rows' ids and
+    labels equal to TRL's SFTTrainer's given that template with the assistant's turns marked (as its training
+    templates mark them), the end-of-turn token trained by TRL's probe, and the start-up says how."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import is_chat_template_stop_token_trained
+
+    original = json.loads((default_model_dir / "tokenizer_config.json").read_text()).get("chat_template") or (
+        default_model_dir / "chat_template.jinja").read_text()
+    assert SMOLLM2_TURN in original
+    marked = tmp_path / "marked.jinja"
+    marked.write_text(original.replace(SMOLLM2_TURN, SMOLLM2_MARKED_TURN))
+    rows = chat_rows(4)
+    trl_rows = trl_prepared_rows(default_model_dir, rows, tmp_path / "trl", assistant_only_loss=True,
+                                 chat_template_path=str(marked))
+    algorithm = sft_trainer(default_model_dir, tmp_path / "ours", rows=rows, assistant_only_loss=True).algorithm
+    assert [e.input_ids for e in algorithm.examples] == [r["input_ids"] for r in trl_rows]
+    assert [_labels(e) for e in algorithm.examples] == [r["labels"] for r in trl_rows]
+    labelled = sum(label_mask(e, True).count(True) for e in algorithm.examples)
+    assert 0 < labelled < sum(len(e.input_ids) for e in algorithm.examples) // 2  # the default system message's none
+    batch = algorithm.collate(algorithm.examples)  # the loss's targets: those labels, nothing else
+    assert batch.targets.tolist() == [t for e in algorithm.examples for t in _labels(e)[1:] if t != -100]
+    assert algorithm.stops_trained is is_chat_template_stop_token_trained(
+        AutoTokenizer.from_pretrained(str(default_model_dir)), marked.read_text()) is True
+    assert any("renderings of the conversation's prefixes" in line for line in algorithm.summary_lines())
+
+
 # -- refusals ------------------------------------------------------------------------------------
 
 
-def test_a_template_without_generation_blocks_is_refused_naming_chat_template_path(tiny_train_model,
-                                                                                  tmp_path) -> None:
-    with pytest.raises(ValueError, match=r"assistant_only_loss: the chat template has no \{% generation %\} block.*"
-                                         r"set chat_template_path"):
-        sft_trainer(tiny_train_model, tmp_path, rows=chat_rows(4), assistant_only_loss=True)
+# A template closing the conversation with EOS (as Phi-3's): no turn followed by another is found from it.
+CLOSED_WITH_EOS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% else %}{{ eos_token }}{% endif %}")
+
+
+def test_a_template_not_prefix_preserving_refuses_the_rows_it_cannot_read(tiny_train_model, tmp_path) -> None:
+    path = tmp_path / "t.jinja"
+    path.write_text(CLOSED_WITH_EOS)
+    with pytest.raises(DataError, match=r"^dataset\[1\]: row: chat_template_path: .*messages\[1\] cannot be found.*"
+                                        r"not prefix-preserving"):
+        sft_trainer(tiny_train_model, tmp_path / "a", rows=chat_rows(4), assistant_only_loss=True,
+                    chat_template_path=str(path))
+    single = [r for r in chat_rows(8) if len(r["messages"]) <= 3]  # one exchange: the turn ends the rendering
+    algorithm = sft_trainer(tiny_train_model, tmp_path / "b", rows=single, assistant_only_loss=True,
+                            chat_template_path=str(path)).algorithm
+    assert algorithm.probe_refused and any("not prefix-preserving" in line for line in algorithm.summary_lines())
 
 
 def test_a_row_with_no_assistant_tokens_is_refused_in_trls_words(tiny_train_model, template_file, tmp_path) -> None:

@@ -19,10 +19,12 @@ import tokenizers
 from pagedrl.model.chat_template import (
     ChatTemplates,
     assistant_token_mask,
+    has_generation_block,
     render_chat_template,
     render_chat_template_spans,
     select_chat_template,
 )
+from pagedrl.model.chat_turns import assistant_spans_from_prefixes
 from pagedrl.model.token_bytes import TokenBytes, token_name
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -234,14 +236,21 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def chat_assistant_mask(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-                            chat_template: str | None = None, **kwargs: Any) -> tuple[list[int], list[int]]:
+                            chat_template: str | None = None, prefix_turns: bool = False,
+                            **kwargs: Any) -> tuple[list[int], list[int]]:
         """The conversation's ids and which of them the assistant wrote (1) — the tokens overlapping what
         the template's `{% generation %}` blocks rendered — as transformers' `apply_chat_template(...,
         tokenize=True, return_dict=True, return_assistant_tokens_mask=True)` returns them; all 0 when the
-        template has no such block."""
+        template has no such block, unless `prefix_turns`: then the tokens each assistant message adds to
+        the renderings of the conversation's prefixes (`assistant_spans_from_prefixes`, which refuses a
+        conversation the template does not render prefix-preserving)."""
         source = select_chat_template(self.chat_template, chat_template, tools)
-        text, spans = render_chat_template_spans(source, messages, tools=tools, special_tokens=self.special_tokens,
-                                                 **kwargs)
+        if prefix_turns and not has_generation_block(source):
+            text, spans = assistant_spans_from_prefixes(source, messages, tools=tools,
+                                                        special_tokens=self.special_tokens, **kwargs)
+        else:
+            text, spans = render_chat_template_spans(source, messages, tools=tools,
+                                                     special_tokens=self.special_tokens, **kwargs)
         encoding = self.backend.encode(text, add_special_tokens=False)
         return list(encoding.ids), assistant_token_mask(encoding.offsets, spans)
 

@@ -167,8 +167,9 @@ NO_ASSISTANT_TOKENS = ("has no assistant tokens (assistant_only_loss: true). Thi
 class PromptCompletionRows:
     """Row converter for SFT: prompt-completion rows, or language-modeling rows (`text_field` or
     `messages`) as a completion with an empty prompt. `assistant_only`: chat rows only, each token
-    marked as the assistant's or not by the chat template's `{% generation %}` blocks. `keep_end`: a
-    row longer than `max_length` keeps its last tokens (TRL's truncation_mode keep_end)."""
+    marked as the assistant's or not by the chat template's `{% generation %}` blocks, or, in a template
+    without them, by what each assistant message adds to the renderings of the conversation's prefixes.
+    `keep_end`: a row longer than `max_length` keeps its last tokens (TRL's truncation_mode keep_end)."""
 
     def __init__(self, tokenizer: Tokenizer, max_length: int | None, truncation: Truncation = "truncate",
                  text_field_name: str = "text", assistant_only: bool = False, keep_end: bool = False) -> None:
@@ -226,7 +227,7 @@ class PromptCompletionRows:
     def _need_chat(self, chat: bool, key: str) -> None:
         if self.assistant_only and not chat:
             raise BadRow(key, "is plain text, and assistant_only_loss: true needs conversational rows (lists of chat "
-                         "messages), whose assistant turns the chat template marks; TRL refuses a dataset that "
+                         "messages), whose assistant turns the chat template renders; TRL refuses a dataset that "
                          "is not conversational too", "plain text with assistant_only_loss")
 
 

@@ -1,5 +1,5 @@
-"""The chat template an SFT run renders its chat rows with: TRL's `chat_template_path`, and the
-`{% generation %}` blocks `assistant_only_loss` needs.
+"""The chat template an SFT run renders its chat rows with: TRL's `chat_template_path`, and how
+`assistant_only_loss` finds the assistant's tokens in it.
 
 `chat_template_path` is what TRL 1.16's SFTTrainer takes: a `.jinja` (or `.j2`) file, whose text becomes
 the tokenizer's chat template, or a tokenizer folder, whose (default) chat template and end-of-sequence
@@ -19,12 +19,10 @@ from pagedrl.model.chat_template import (
     has_generation_block,
     select_chat_template,
 )
+from pagedrl.model.chat_turns import NotPrefixPreserving
 from pagedrl.model.tokenizer import Tokenizer
 
 TEMPLATE_SUFFIXES = (".jinja", ".j2")  # the files TRL reads as a template's text
-# Where to find templates whose assistant turns are marked, for the refusal's message.
-TRAINING_TEMPLATES = ("TRL ships such templates for Qwen3, Llama 3, Gemma, Phi-3 and others as "
-                      "trl/chat_templates/*_training.jinja")
 
 
 def read_chat_template_path(path: str, tokenizer: Tokenizer) -> tuple[str, Tokenizer | None]:
@@ -74,28 +72,35 @@ def use_chat_template_path(path: str, tokenizer: Tokenizer, model_config: Any,
         generation_config["eos_token_id"] = tokenizer.eos_token_id
 
 
-def require_generation_block(tokenizer: Tokenizer) -> None:
-    """`assistant_only_loss` reads the assistant's tokens off the template's `{% generation %}` blocks: a
-    template without one would leave every example without a label, so it is refused up front."""
+# How `assistant_only_loss` finds the assistant's tokens, as the start-up summary says it.
+FROM_GENERATION_BLOCKS = "the chat template's generation blocks"
+FROM_PREFIXES = ("what each assistant message adds to the chat template's renderings of the conversation's "
+                 "prefixes, the template having no generation block")
+
+
+def assistant_mask_source(tokenizer: Tokenizer) -> str:
+    """How `assistant_only_loss` will find the assistant's tokens: the template's `{% generation %}`
+    blocks where it has them, else each assistant message's part of the renderings of the conversation's
+    prefixes (`assistant_spans_from_prefixes`). A tokenizer with no usable template is refused up front."""
     try:
         source = select_chat_template(tokenizer.chat_template)
     except ChatTemplateError as e:
-        raise ValueError(f"assistant_only_loss: {e}; set chat_template_path to a template whose assistant turns "
-                         "are inside {% generation %}...{% endgeneration %}") from None
-    if not has_generation_block(source):
-        raise ValueError("assistant_only_loss: the chat template has no {% generation %} block, so no token would "
-                         "be known as the assistant's: set chat_template_path to a template whose assistant turns "
-                         f"are inside {{% generation %}}...{{% endgeneration %}} ({TRAINING_TEMPLATES})")
+        raise ValueError(f"assistant_only_loss: {e}; set chat_template_path to the chat template to train "
+                         "with") from None
+    return FROM_GENERATION_BLOCKS if has_generation_block(source) else FROM_PREFIXES
 
 
 def stop_token_trained(tokenizer: Tokenizer) -> bool:
-    """Whether the assistant's end-of-turn token is inside its generation block (TRL's probe: a user, an
-    assistant and a user message; the last non-blank assistant token must be an added token, not text).
-    A template that leaves it to the next message trains a model that never learns to stop."""
+    """Whether the assistant's end-of-turn token is among its tokens (TRL's probe: a user, an assistant and
+    a user message; the last non-blank assistant token must be an added token, not text), found as
+    `assistant_only_loss` finds them. A template that leaves it to the next message trains a model that
+    never learns to stop. A template the probe finds not prefix-preserving raises `NotPrefixPreserving`."""
     probe = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"},
              {"role": "user", "content": "dummy"}]
     try:
-        ids, mask = tokenizer.chat_assistant_mask(probe)
+        ids, mask = tokenizer.chat_assistant_mask(probe, prefix_turns=True)
+    except NotPrefixPreserving:
+        raise
     except ChatTemplateError:
         return False
     added = set(tokenizer.backend.get_added_tokens_decoder())

@@ -70,12 +70,14 @@ def tokenize_assistant_masked(tokenizer: Tokenizer, prompt: Text | None, complet
     """A chat row for `assistant_only_loss`: (prompt ids, completion ids, which tokens of prompt +
     completion the assistant wrote). `prompt` None: a `messages` row, all completion. The mask is the
     whole conversation's, rendered at once (`Tokenizer.chat_assistant_mask`), as TRL takes it from
-    the prompt + completion's rendering; the split is `tokenize_prompt_completion`'s."""
+    the prompt + completion's rendering; the split is `tokenize_prompt_completion`'s. A template without
+    `{% generation %}` blocks has each assistant message's tokens found from the renderings of the
+    conversation's prefixes, as TRL's training templates mark them."""
     if prompt is None:
-        ids, mask = tokenizer.chat_assistant_mask(completion, **chat)  # type: ignore[arg-type]
+        ids, mask = tokenizer.chat_assistant_mask(completion, prefix_turns=True, **chat)  # type: ignore[arg-type]
         return [], ids, [bool(m) for m in mask]
     prompt_ids = tokenize_prompt(tokenizer, prompt, chat)
-    full, mask = tokenizer.chat_assistant_mask(list(prompt) + list(completion), **chat)
+    full, mask = tokenizer.chat_assistant_mask(list(prompt) + list(completion), prefix_turns=True, **chat)
     n = common_prefix_length(prompt_ids, full)
     return full[:n], full[n:], [bool(m) for m in mask]
 

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from pagedrl.model.attention import DenseAttention
+from pagedrl.model.chat_turns import NotPrefixPreserving
 from pagedrl.model.decoder import default_positions
 from pagedrl.model.moe import collect_router_logits
 from pagedrl.model.tokenizer import Tokenizer
@@ -53,7 +54,12 @@ from pagedrl.train.losses import dft_loss, sft_loss
 from pagedrl.train.metrics import Metric
 from pagedrl.train.offline_config import SFTConfig
 from pagedrl.train.router_loss import load_balancing_loss, router_loss_coef
-from pagedrl.train.sft_template import require_generation_block, stop_token_trained, use_chat_template_path
+from pagedrl.train.sft_template import (
+    FROM_GENERATION_BLOCKS,
+    assistant_mask_source,
+    stop_token_trained,
+    use_chat_template_path,
+)
 
 
 @dataclass
@@ -114,10 +120,13 @@ class SFT(OfflineAlgorithm):
                  generation_config: dict[str, Any] | None = None) -> None:
         if config.chat_template_path is not None:
             use_chat_template_path(config.chat_template_path, tokenizer, model.config, generation_config)
-        self.stops_trained = True
+        self.stops_trained, self.mask_source, self.probe_refused = True, FROM_GENERATION_BLOCKS, False
         if config.assistant_only_loss:
-            require_generation_block(tokenizer)
-            self.stops_trained = stop_token_trained(tokenizer)
+            self.mask_source = assistant_mask_source(tokenizer)
+            try:
+                self.stops_trained = stop_token_trained(tokenizer)
+            except NotPrefixPreserving:  # rows with a turn after an assistant's are refused, one by one
+                self.probe_refused = True
         eval_packing = config.packing if config.eval_packing is None else config.eval_packing
 
         def convert(packed: bool) -> PromptCompletionRows:
@@ -195,11 +204,15 @@ class SFT(OfflineAlgorithm):
                 + (f", trained {layout}" if self.strategy == "wrapped" else "") if self.packing else layout)
         target = "completion tokens" if self.completion_only else "every token"
         if self.assistant_only:
-            target = "the assistant's tokens (the chat template's generation blocks)"
+            target = f"the assistant's tokens ({self.mask_source})"
         lines = [f"sft: {self.loss_type} loss on {target}; sequences {mode}"]
+        if self.probe_refused:
+            lines.append("sft: the chat template renders an assistant turn otherwise once a user message follows it "
+                         "(not prefix-preserving), so rows with a message after an assistant's will be refused; "
+                         "set chat_template_path to a template with {% generation %} blocks to train on them")
         if not self.stops_trained:
-            lines.append("sft: the chat template leaves the assistant's end-of-turn token outside its generation "
-                         "block, so the model may not learn to stop (TRL warns of the same)")
+            lines.append("sft: the chat template leaves the assistant's end-of-turn token outside the assistant's "
+                         "tokens, so the model may not learn to stop (TRL warns of the same)")
         return super().summary_lines() + lines
 
 
