@@ -1,5 +1,6 @@
 """The reasoning parsers against the cases of vLLM's own tests (tests/reasoning/
-test_deepseekr1_reasoning_parser.py and test_qwen3_reasoning_parser.py): each whole answer splits
+test_deepseekr1_reasoning_parser.py, test_deepseekv3_reasoning_parser.py and
+test_qwen3_reasoning_parser.py; Mistral's in test_mistral_reasoning.py): each whole answer splits
 into vLLM's reasoning and content, and the same answer streamed in pieces of every size (one
 character at a time included, so a tag arrives cut anywhere) joins to the whole split, with no part
 of a tag in either field."""
@@ -12,6 +13,7 @@ from pagedrl.server.reasoning_parsers import (
     ReasoningPlan,
     ReasoningReader,
     prompt_ends_reasoning,
+    reasoning_plan,
     split_reasoning,
 )
 
@@ -61,8 +63,15 @@ QWEN3_NO_THINKING = [
     ("I need to read the file.\n\n" + TOOL_CALL_BODY, None, "I need to read the file.\n\n" + TOOL_CALL_BODY),
     ("thought</think>answer", None, "thought</think>answer"),
 ]
-CASES = ([("deepseek_r1", True, *c) for c in DEEPSEEK_R1] + [("qwen3", True, *c) for c in QWEN3]
-         + [("qwen3", False, *c) for c in QWEN3_NO_THINKING])
+# deepseek_v3 without thinking: vLLM's IdentityReasoningParser, all content as written
+DEEPSEEK_V3_NO_THINKING = [
+    ("This is some output", None, "This is some output"),
+    ("Hello world", None, "Hello world"),
+    ("<think>r</think>c", None, "<think>r</think>c"),
+]
+CASES = ([(parser, True, *c) for parser in ("deepseek_r1", "deepseek_v3") for c in DEEPSEEK_R1]
+         + [("qwen3", True, *c) for c in QWEN3] + [("qwen3", False, *c) for c in QWEN3_NO_THINKING]
+         + [("deepseek_v3", False, *c) for c in DEEPSEEK_V3_NO_THINKING])
 
 
 def streamed(parser: str, text: str, size: int, thinking: bool = True, prompt_ended: bool = False
@@ -127,3 +136,16 @@ def test_a_think_tag_after_text_is_dropped_in_the_stream_as_in_the_whole() -> No
     reader = ReasoningReader("deepseek_r1")
     assert reader.feed("abc<th") == ("abc", "")  # the start of a tag is held
     assert reader.feed("ink>def</think>ghi") == ("def", "ghi")
+
+
+@pytest.mark.parametrize("kwargs,thinking", [
+    ({"thinking": True}, True), ({"enable_thinking": True}, True), ({"thinking": False, "enable_thinking": True}, True),
+    ({"thinking": False}, False), ({}, False), (None, False), ({"enable_thinking": False}, False)])
+def test_deepseek_v3_thinks_only_when_the_request_asks(kwargs, thinking) -> None:
+    """vLLM's DeepSeekV3ReasoningParser: deepseek_r1's reading where `thinking` or `enable_thinking` is true
+    in chat_template_kwargs (DeepSeek-V3.1's template then opens <think> in the prompt), else identity."""
+    plan = reasoning_plan("deepseek_v3", kwargs, False, "<｜Assistant｜><think>" if thinking else "<｜Assistant｜></think>")
+    assert plan.thinking is thinking
+    assert plan.split("Let me see.</think>4") == (("Let me see.", "4") if thinking else (None, "Let me see.</think>4"))
+    assert not plan.keeps_special_tokens
+    assert not reasoning_plan("deepseek_v3", {"thinking": True}, True, "").thinking  # a grammar writes it all
