@@ -185,3 +185,59 @@ def test_the_chat_route_reads_the_tags_the_model_writes(http, seed) -> None:
     assert choice["message"].get("reasoning_content") == choice["message"].get("reasoning")
     streamed_body = http.post("/v1/chat/completions", json={**body, "stream": True}).text
     assert joined(streamed_body) == (reasoning or None, content or None)
+
+
+def test_a_grammar_starts_after_the_reasoning(http) -> None:
+    """vLLM's structured outputs wait for the reasoning to end: the answer is free until the model samples
+    [/THINK], then held to the grammar (here `bbb`, then the end). Sampling among the tags and two letters,
+    every sample that closed its reasoning writes exactly `bbb` after it, and what it wrote before is free."""
+    tok = http.tokenizer
+    allowed = [tok.encode(w, add_special_tokens=False)[0] for w in WORDS]
+    end, eos = allowed[1], allowed[-1]
+    closed, free = 0, 0
+    for seed in range(3):
+        body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 1.0, "seed": seed, "max_tokens": 40,
+                "n": 8, "allowed_token_ids": allowed, "return_token_ids": True, "structured_outputs": {"regex": "bbb"}}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            ids = choice["token_ids"]
+            if end not in ids[:-1] or ids[-1] != eos and len(ids) == 40:
+                continue  # never closed its reasoning (or cut off by max_tokens while thinking)
+            at = ids.index(end)
+            closed += 1
+            free += "a" in tok.decode(ids[:at])
+            assert tok.decode([i for i in ids[at + 1:] if i != eos]) == "bbb" and choice["finish_reason"] == "stop"
+            reasoning, content = split_mistral(tok.decode([i for i in ids if i != eos], skip_special_tokens=False))
+            assert (choice["message"].get("reasoning"), choice["message"]["content"]) == (reasoning, content or None)
+            assert content.endswith("bbb")
+    assert closed and free  # the check is not vacuous: answers closed their reasoning, written freely before
+
+
+class OneTokenTags:
+    """A tokenizer in which both think tags are single tokens, as in DeepSeek's, Qwen3's and Mistral's."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return {"</think>": [7], "[/THINK]": [9]}.get(text, [1, 2])
+
+
+def test_which_requests_start_their_grammar_after_the_reasoning() -> None:
+    from pagedrl.engine.structured_outputs import StructuredOutputsParams
+    from pagedrl.server.reasoning_parsers import grammar_after_reasoning, reasoning_end_token
+
+    tok = OneTokenTags()
+    assert [reasoning_end_token(p, tok) for p in ("deepseek_r1", "deepseek_v3", "qwen3", "mistral", "openai_gptoss")] \
+        == [7, 7, 7, 9, None]
+    assert reasoning_end_token("deepseek_r1", type("T", (), {"encode": lambda self, t, **k: [1, 2]})()) is None
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="a"))
+    gated = grammar_after_reasoning(ReasoningPlan("qwen3"), params, 7)
+    assert gated.structured_outputs.reasoning_end_token_ids == (7,) and params.structured_outputs.reasoning_end_token_ids == ()
+    for plan in (ReasoningPlan("qwen3", thinking=False), ReasoningPlan("qwen3", prompt_ended=True), None):
+        assert grammar_after_reasoning(plan, params, 7) is params  # held from the first token
+    assert grammar_after_reasoning(ReasoningPlan("qwen3"), params, None) is params
+    unconstrained = SamplingParams(max_tokens=8)
+    assert grammar_after_reasoning(ReasoningPlan("qwen3"), unconstrained, 7) is unconstrained
+    with pytest.raises(ValueError, match="structured_outputs.reasoning_end_token_ids"):
+        StructuredOutputsParams(regex="a", reasoning_end_token_ids=("x",))
+    with pytest.raises(ValueError, match="reasoning_end_token_ids is not supported"):  # the server's, not the request's
+        StructuredOutputsParams.from_dict({"regex": "a", "reasoning_end_token_ids": [1]})

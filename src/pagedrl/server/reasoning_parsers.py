@@ -15,8 +15,10 @@
 - an answer not meant to think is all content, as it is written, tags included: qwen3 with
   `enable_thinking: false` in the request's `chat_template_kwargs`, deepseek_v3 without `thinking: true`
   (or `enable_thinking: true`) there (vLLM's `DeepSeekV3ReasoningParser` then reads with its identity
-  parser; with it, with deepseek_r1's), and an answer a grammar writes (see `reasoning_plan`). vLLM would still split at a `</think>` there, which a stream can only do
-  by holding the whole answer back; here such answers stream as they are written;
+  parser; with it, with deepseek_r1's), and an answer a grammar writes from its first token (see
+  `grammar_after_reasoning`: where the reasoning's end is one token, the grammar starts after it, as
+  vLLM's does, and the answer is split as any). vLLM would still split at a `</think>` there, which a
+  stream can only do by holding the whole answer back; here such answers stream as they are written;
 - a prompt that already closed the reasoning (its last `</think>` after its last `<think>`: the
   empty think block Qwen3's template writes for `enable_thinking: false`) leaves the whole answer
   content, as vLLM's streaming code checks the prompt's tokens (here whole answers too, so that a
@@ -37,11 +39,14 @@ the content (`server/harmony.py`, which also reads its tool calls).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from pagedrl.server.harmony import HarmonyAnswer, split_harmony
 from pagedrl.server.mistral_reasoning import (
+    END_THINK,
     MistralReasoningReader,
     held_back,
     prompt_ends_mistral_reasoning,
@@ -186,10 +191,10 @@ def thinks(parser: str, template_kwargs: dict | None) -> bool:
 
 def reasoning_plan(parser: str | None, template_kwargs: dict | None, constrained: bool, prompt: str,
                    include: bool = True) -> ReasoningPlan | None:
-    """A chat request's plan (None without a parser): whether it thinks (`thinks`). A request whose output a
-    grammar constrains (`tool_choice` required or named, `response_format`, structured outputs) is held to
-    it from its first token here (vLLM starts the grammar after the reasoning), so its answer is all
-    content, streamed as it is written."""
+    """A chat request's plan (None without a parser): whether it thinks (`thinks`). `constrained`: a grammar
+    (`tool_choice` required or named, `response_format`, structured outputs) holds the output from its
+    first token (where the reasoning's end is no single token: see `grammar_after_reasoning`), so its
+    answer is all content, streamed as it is written."""
     if parser is None:
         return None
     thinking = not constrained and thinks(parser, template_kwargs)
@@ -198,3 +203,24 @@ def reasoning_plan(parser: str | None, template_kwargs: dict | None, constrained
     else:
         ended = parser != HARMONY and prompt_ends_reasoning(prompt)
     return ReasoningPlan(parser, thinking, ended, include)
+
+
+def reasoning_end_token(parser: str | None, tokenizer: Any) -> int | None:
+    """The id of the token that ends the parser's reasoning (`</think>`, Mistral's `[/THINK]`), where the tag
+    is one token of the tokenizer, as it is in these models' (None otherwise, and for harmony, whose
+    reasoning ends at a channel header rather than a token)."""
+    if parser is None or parser == HARMONY or tokenizer is None:
+        return None
+    ids = tokenizer.encode(END_THINK if parser == MISTRAL else THINK_END, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
+def grammar_after_reasoning(plan: ReasoningPlan | None, params: Any, end_token: int | None) -> Any:
+    """The sampling parameters whose grammar starts after the reasoning, as vLLM's structured outputs do
+    (its manager advances the grammar once the reasoning parser sees the reasoning end): the output is
+    free until the model samples `end_token`, then held to the grammar. A request that does not think
+    (its plan's `thinking` false) or whose prompt ended the reasoning is held from the first token."""
+    constraint = params.structured_outputs
+    if constraint is None or plan is None or end_token is None or not plan.thinking or plan.prompt_ended:
+        return params
+    return params.clone(structured_outputs=dataclasses.replace(constraint, reasoning_end_token_ids=(end_token,)))
