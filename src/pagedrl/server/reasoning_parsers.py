@@ -1,7 +1,8 @@
 """Telling a thinking model's reasoning from its answer: vLLM's `--reasoning-parser`, read from the text.
 
-`deepseek_r1`, `deepseek_v3` and `qwen3` all read `<think>...</think>`, by the rules of vLLM's parsers
-(`vllm/reasoning/basic_parsers.py`, `deepseek_r1_reasoning_parser.py`, `qwen3_reasoning_parser.py`):
+`deepseek_r1`, `deepseek_v3`, `kimi_k2` and `qwen3` all read `<think>...</think>`, by the rules of vLLM's
+parsers (`vllm/reasoning/basic_parsers.py`, `deepseek_r1_reasoning_parser.py`, `deepseek_v3_reasoning_parser.py`,
+`kimi_k2_reasoning_parser.py`, `qwen3_reasoning_parser.py`):
 - the templates of these families usually write `<think>` into the prompt, so the answer opens inside
   the reasoning; a `<think>` the model writes itself is dropped, and text before it stays reasoning
   (`"abc<think>def</think>ghi"` is reasoning `abcdef`, content `ghi`). This is what vLLM's streaming
@@ -11,9 +12,11 @@
   nothing follows);
 - an answer without `</think>` was cut off while thinking: all of it is reasoning;
 - `qwen3` also ends the reasoning at a `<tool_call>` followed by `<function=` or `<function ` (the
-  Qwen3.5 and Qwen3-Coder call format, which a model may open without closing its thinking first);
+  Qwen3.5 and Qwen3-Coder call format, which a model may open without closing its thinking first), and
+  `kimi_k2` at `<|tool_calls_section_begin|>` (Kimi K2's calls), the marker then the content's;
 - an answer not meant to think is all content, as it is written, tags included: qwen3 with
-  `enable_thinking: false` in the request's `chat_template_kwargs`, deepseek_v3 without `thinking: true`
+  `enable_thinking: false` in the request's `chat_template_kwargs`, kimi_k2 with `thinking: false` there
+  (vLLM's identity parser), deepseek_v3 without `thinking: true`
   (or `enable_thinking: true`) there (vLLM's `DeepSeekV3ReasoningParser` then reads with its identity
   parser; with it, with deepseek_r1's), and an answer a grammar writes from its first token (see
   `grammar_after_reasoning`: where the reasoning's end is one token, the grammar starts after it, as
@@ -55,11 +58,12 @@ from pagedrl.server.mistral_reasoning import (
 
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_CALL = "<tool_call>"
+TOOL_SECTION = "<|tool_calls_section_begin|>"  # Kimi K2's calls, which end its reasoning
 FUNCTION_OPEN = re.compile(r"<function[\s=]")
 FUNCTION_PREFIX = "<function"
 HARMONY = "openai_gptoss"
 MISTRAL = "mistral"
-REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", MISTRAL, "qwen3", HARMONY)  # --reasoning-parser NAME
+REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "kimi_k2", MISTRAL, "qwen3", HARMONY)  # --reasoning-parser NAME
 
 
 def split_reasoning(parser: str, text: str, thinking: bool = True) -> tuple[str | None, str | None]:
@@ -67,6 +71,9 @@ def split_reasoning(parser: str, text: str, thinking: bool = True) -> tuple[str 
     (qwen3's `enable_thinking: false`, or a grammar that writes the whole answer) all of it is content."""
     if not thinking:
         return None, text
+    if parser == "kimi_k2" and 0 <= text.find(TOOL_SECTION) < (text + THINK_END).find(THINK_END):
+        at = text.find(TOOL_SECTION)
+        return text[:at].replace(THINK_START, ""), text[at:]
     if THINK_END in text:
         reasoning, _, content = text.partition(THINK_END)
         return reasoning.replace(THINK_START, ""), content or None
@@ -77,9 +84,10 @@ def split_reasoning(parser: str, text: str, thinking: bool = True) -> tuple[str 
     return text.replace(THINK_START, ""), None
 
 
-def prompt_ends_reasoning(prompt: str) -> bool:
-    """Whether the prompt closed the reasoning already (vLLM's `is_reasoning_end` of the prompt's tokens)."""
-    end = prompt.rfind(THINK_END)
+def prompt_ends_reasoning(prompt: str, parser: str = "deepseek_r1") -> bool:
+    """Whether the prompt closed the reasoning already (vLLM's `is_reasoning_end` of the prompt's tokens;
+    kimi_k2's also closes at a tool call section)."""
+    end = max(prompt.rfind(THINK_END), prompt.rfind(TOOL_SECTION) if parser == "kimi_k2" else -1)
     return end >= 0 and end > prompt.rfind(THINK_START)
 
 
@@ -91,6 +99,7 @@ class ReasoningReader:
         self.state = "reasoning" if thinking and not prompt_ended else "content"
         self.pending = ""
         self.tool_checked = parser != "qwen3"  # qwen3 looks at the first <tool_call> once
+        self.tags = (THINK_START, THINK_END, {"qwen3": TOOL_CALL, "kimi_k2": TOOL_SECTION}.get(parser, THINK_END))
 
     def feed(self, delta: str) -> tuple[str, str]:
         self.pending += delta
@@ -99,8 +108,7 @@ class ReasoningReader:
             if self.state == "content":
                 content, self.pending = content + self.pending, ""
                 return reasoning, content
-            found = {tag: self.pending.find(tag) for tag in (THINK_START, THINK_END, TOOL_CALL)
-                     if tag != TOOL_CALL or not self.tool_checked}
+            found = {tag: self.pending.find(tag) for tag in self.tags if tag != TOOL_CALL or not self.tool_checked}
             found = {tag: at for tag, at in found.items() if at >= 0}
             tag = min(found, key=found.get) if found else None
             if tag == THINK_START:  # the tag is dropped, what came before it stays reasoning
@@ -112,6 +120,10 @@ class ReasoningReader:
                 at = found[tag]
                 reasoning += self.pending[:at]
                 self.pending, self.state = self.pending[at + len(THINK_END):], "content"
+                continue
+            if tag == TOOL_SECTION:  # kimi_k2's calls end the reasoning; the marker is the content's
+                reasoning += self.pending[:found[tag]]
+                self.pending, self.state = self.pending[found[tag]:], "content"
                 continue
             if tag == TOOL_CALL:
                 call = found[tag]
@@ -126,7 +138,7 @@ class ReasoningReader:
                     return reasoning, content
                 self.tool_checked = True  # a <tool_call> in the reasoning's text, not a call
                 continue
-            tags = (THINK_START, THINK_END) if self.tool_checked else (THINK_START, THINK_END, TOOL_CALL)
+            tags = tuple(t for t in self.tags if t != TOOL_CALL or not self.tool_checked)
             cut = len(self.pending) - held_back(self.pending, tags)
             reasoning += self.pending[:cut]
             self.pending = self.pending[cut:]
@@ -179,11 +191,13 @@ class ReasoningPlan:
 
 def thinks(parser: str, template_kwargs: dict | None) -> bool:
     """Whether the request's `chat_template_kwargs` leave the model thinking, as vLLM's parser reads them:
-    qwen3 unless `enable_thinking` is false; deepseek_v3 (DeepSeek-V3.1 and V3.2, whose templates think
+    qwen3 unless `enable_thinking` is false, kimi_k2 unless `thinking` is false; deepseek_v3 (DeepSeek-V3.1 and V3.2, whose templates think
     only when asked) only where `thinking` or `enable_thinking` is true; the others always."""
     kwargs = template_kwargs or {}
     if parser == "qwen3":
         return bool(kwargs.get("enable_thinking", True))
+    if parser == "kimi_k2":
+        return bool(kwargs.get("thinking", True))
     if parser == "deepseek_v3":
         return bool(kwargs.get("thinking", False)) or bool(kwargs.get("enable_thinking", False))
     return True
@@ -201,7 +215,7 @@ def reasoning_plan(parser: str | None, template_kwargs: dict | None, constrained
     if parser == MISTRAL:
         ended = prompt_ends_mistral_reasoning(prompt)
     else:
-        ended = parser != HARMONY and prompt_ends_reasoning(prompt)
+        ended = parser != HARMONY and prompt_ends_reasoning(prompt, parser)
     return ReasoningPlan(parser, thinking, ended, include)
 
 
