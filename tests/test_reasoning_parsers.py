@@ -1,5 +1,6 @@
 """The reasoning parsers against the cases of vLLM's own tests (tests/reasoning/
-test_deepseekr1_reasoning_parser.py and test_qwen3_reasoning_parser.py): each whole answer splits
+test_deepseekr1_reasoning_parser.py, test_deepseekv3_reasoning_parser.py,
+test_kimi_k2_reasoning_parser.py and test_qwen3_reasoning_parser.py; Mistral's in test_mistral_reasoning.py): each whole answer splits
 into vLLM's reasoning and content, and the same answer streamed in pieces of every size (one
 character at a time included, so a tag arrives cut anywhere) joins to the whole split, with no part
 of a tag in either field."""
@@ -12,6 +13,7 @@ from pagedrl.server.reasoning_parsers import (
     ReasoningPlan,
     ReasoningReader,
     prompt_ends_reasoning,
+    reasoning_plan,
     split_reasoning,
 )
 
@@ -61,8 +63,28 @@ QWEN3_NO_THINKING = [
     ("I need to read the file.\n\n" + TOOL_CALL_BODY, None, "I need to read the file.\n\n" + TOOL_CALL_BODY),
     ("thought</think>answer", None, "thought</think>answer"),
 ]
-CASES = ([("deepseek_r1", True, *c) for c in DEEPSEEK_R1] + [("qwen3", True, *c) for c in QWEN3]
-         + [("qwen3", False, *c) for c in QWEN3_NO_THINKING])
+# deepseek_v3 without thinking: vLLM's IdentityReasoningParser, all content as written
+DEEPSEEK_V3_NO_THINKING = [
+    ("This is some output", None, "This is some output"),
+    ("Hello world", None, "Hello world"),
+    ("<think>r</think>c", None, "<think>r</think>c"),
+]
+SECTION = "<|tool_calls_section_begin|>"
+KIMI_K2 = [
+    ("<think>step by step reasoning</think>final answer", "step by step reasoning", "final answer"),
+    ("<think></think>final answer", "", "final answer"),
+    ("implicit reasoning with no tags", "implicit reasoning with no tags", None),
+    ("some reasoning" + SECTION + "tool call data", "some reasoning", SECTION + "tool call data"),
+    ("<think>step one</think>answer", "step one", "answer"),
+    ("<think>thinking" + SECTION, "thinking", SECTION),
+    # the stream ends the reasoning at whichever comes first (vLLM's whole answer prefers </think>)
+    ("r" + SECTION + "x</think>y", "r", SECTION + "x</think>y"),
+    ("r</think>x" + SECTION + "y", "r", "x" + SECTION + "y"),
+]
+CASES = ([(parser, True, *c) for parser in ("deepseek_r1", "deepseek_v3") for c in DEEPSEEK_R1]
+         + [("qwen3", True, *c) for c in QWEN3] + [("qwen3", False, *c) for c in QWEN3_NO_THINKING]
+         + [(parser, False, *c) for parser in ("deepseek_v3", "kimi_k2") for c in DEEPSEEK_V3_NO_THINKING]
+         + [("kimi_k2", True, *c) for c in KIMI_K2])
 
 
 def streamed(parser: str, text: str, size: int, thinking: bool = True, prompt_ended: bool = False
@@ -84,9 +106,9 @@ def test_streamed_deltas_join_to_the_whole_split(parser, thinking, text, reasoni
     for size in range(1, max(len(text), 1) + 1):
         r, c, deltas = streamed(parser, text, size, thinking)
         assert (r, c) == (reasoning or None, content or None), size
-        for dr, dc in deltas if thinking else []:  # no piece of a tag is ever sent
-            for piece in (dr, dc):
-                assert "<think>" not in piece and "</think>" not in piece
+        for dr, dc in deltas if thinking else []:  # no piece of a tag is sent (but as text after the reasoning)
+            for piece, whole in ((dr, reasoning or ""), (dc, content or "")):
+                assert all(tag not in piece or tag in whole for tag in ("<think>", "</think>"))
 
 
 def test_reasoning_streams_before_the_answer_ends() -> None:
@@ -127,3 +149,26 @@ def test_a_think_tag_after_text_is_dropped_in_the_stream_as_in_the_whole() -> No
     reader = ReasoningReader("deepseek_r1")
     assert reader.feed("abc<th") == ("abc", "")  # the start of a tag is held
     assert reader.feed("ink>def</think>ghi") == ("def", "ghi")
+
+
+@pytest.mark.parametrize("kwargs,thinking", [
+    ({"thinking": True}, True), ({"enable_thinking": True}, True), ({"thinking": False, "enable_thinking": True}, True),
+    ({"thinking": False}, False), ({}, False), (None, False), ({"enable_thinking": False}, False)])
+def test_deepseek_v3_thinks_only_when_the_request_asks(kwargs, thinking) -> None:
+    """vLLM's DeepSeekV3ReasoningParser: deepseek_r1's reading where `thinking` or `enable_thinking` is true
+    in chat_template_kwargs (DeepSeek-V3.1's template then opens <think> in the prompt), else identity."""
+    plan = reasoning_plan("deepseek_v3", kwargs, False, "<｜Assistant｜><think>" if thinking else "<｜Assistant｜></think>")
+    assert plan.thinking is thinking
+    assert plan.split("Let me see.</think>4") == (("Let me see.", "4") if thinking else (None, "Let me see.</think>4"))
+    assert not plan.keeps_special_tokens
+    assert not reasoning_plan("deepseek_v3", {"thinking": True}, True, "").thinking  # a grammar writes it all
+
+
+def test_kimi_k2_thinks_unless_the_request_says_not_and_its_calls_close_the_prompts_reasoning() -> None:
+    """vLLM's KimiK2ReasoningParser: identity with `thinking: false`; its is_reasoning_end also ends at a
+    tool call section after the last <think>."""
+    assert reasoning_plan("kimi_k2", None, False, "").thinking
+    assert not reasoning_plan("kimi_k2", {"thinking": False}, False, "").thinking
+    assert reasoning_plan("kimi_k2", None, False, "<think>r" + SECTION + "calls").prompt_ended
+    assert not reasoning_plan("deepseek_r1", None, False, "<think>r" + SECTION + "calls").prompt_ended
+    assert not reasoning_plan("kimi_k2", None, False, SECTION + "calls<think>").prompt_ended

@@ -54,8 +54,10 @@ def streamed(stream, pieces: list | None = None) -> tuple[str | None, str | None
 
 
 def test_an_answer_a_grammar_writes_is_content_streamed_as_it_comes(client, model) -> None:
-    """A grammar holds the answer from its first token, so the answer is not a reasoning: all of it is
-    content (a </think> the grammar writes included), sent delta by delta rather than at the end."""
+    """A grammar holds the answer from its first token where `</think>` is no single token (as in this
+    tokenizer; where it is one, the grammar starts after it: test_mistral_reasoning.py), so the answer is
+    not a reasoning: all of it is content (a </think> the grammar writes included), sent delta by delta
+    rather than at the end."""
     base = dict(model=model, messages=CHAT, temperature=0, max_tokens=80)
     args = dict(base, extra_body={"structured_outputs": {"regex": CONSTRAINED}})
     message = client.chat.completions.create(**args).choices[0].message

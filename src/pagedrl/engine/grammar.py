@@ -54,11 +54,20 @@ def bitmask_bias(bits: Tensor, vocab_size: int, dtype: torch.dtype = torch.float
 
 
 class TokenMatcher:
-    """One sequence's place in its grammar."""
+    """One sequence's place in its grammar. With `waits_for` (a thinking model's end-of-reasoning token)
+    the grammar starts only after one of those tokens: until then the sequence is unconstrained (no
+    mask, nothing advanced, never stopped by the grammar), as vLLM's structured outputs wait for the
+    reasoning to end."""
 
-    def __init__(self, matcher: Any, constraint: str) -> None:
+    def __init__(self, matcher: Any, constraint: str, waits_for: frozenset[int] = frozenset()) -> None:
         self._matcher = matcher
         self.constraint = constraint  # for error messages
+        self.waits_for = waits_for
+
+    @property
+    def waiting(self) -> bool:
+        """True while the reasoning before the grammar goes on."""
+        return bool(self.waits_for)
 
     def fill_bitmask(self, row: Tensor) -> None:
         """Write the allowed next tokens into `row`, a contiguous CPU int32 tensor of `bitmask_words`."""
@@ -68,13 +77,17 @@ class TokenMatcher:
 
     def accept(self, token: int) -> None:
         """Advance past a sampled token (which the mask allowed, so a refusal is a bug, not bad input)."""
+        if self.waiting:
+            if token in self.waits_for:
+                self.waits_for = frozenset()
+            return
         if not self._matcher.consume_token(token):
             raise RuntimeError(f"the grammar of {self.constraint} refused token {token}: {self._matcher.get_error()}")
 
     @property
     def is_stopped(self) -> bool:
         """True when the grammar is complete and nothing but EOS may follow."""
-        return self._matcher.is_stopped()
+        return not self.waiting and self._matcher.is_stopped()
 
     @property
     def is_accepting(self) -> bool:
@@ -82,7 +95,7 @@ class TokenMatcher:
         return self._matcher.is_accepting()
 
     def copy(self) -> TokenMatcher:
-        return TokenMatcher(self._matcher.deep_copy(), self.constraint)
+        return TokenMatcher(self._matcher.deep_copy(), self.constraint, self.waits_for)
 
 
 class StepBitmasks:
@@ -96,6 +109,7 @@ class StepBitmasks:
         """Per sequence its allowed next tokens (None when unconstrained), and the sequences whose
         grammar failed (an llguidance limit hit mid-way), by index, with the reason: those are ended
         on their own, so one request's grammar never takes down the step of the others."""
+        grammars = [None if g is None or g.waiting else g for g in grammars]
         picked = sum(g is not None for g in grammars)
         if self._rows.shape[0] < picked:
             self._rows = torch.empty(max(picked, 2 * self._rows.shape[0]), self.words, dtype=torch.int32)
@@ -161,7 +175,8 @@ class GrammarCompiler:
                 if len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
         with self._lock:
-            return TokenMatcher(template.deep_copy(), f"structured_outputs.{params.kind}")
+            return TokenMatcher(template.deep_copy(), f"structured_outputs.{params.kind}",
+                                frozenset(params.reasoning_end_token_ids))
 
     def check(self, params: StructuredOutputsParams) -> None:
         """Raise ValueError if the constraint does not compile (and cache it if it does)."""

@@ -42,6 +42,10 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    # Set by the server, not the request: the grammar starts after the first of these tokens is sampled
+    # (a thinking model's end of reasoning, as vLLM's structured outputs wait for its reasoning parser's
+    # end); until then the output is free. Empty: the grammar holds from the first token.
+    reasoning_end_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -71,6 +75,8 @@ class StructuredOutputsParams:
             raise _bad("json_object", "must be a bool", self.json_object)
         if not isinstance(self.disable_any_whitespace, bool):
             raise _bad("disable_any_whitespace", "must be a bool", self.disable_any_whitespace)
+        if not all(isinstance(t, int) and t >= 0 for t in self.reasoning_end_token_ids):
+            raise _bad("reasoning_end_token_ids", "must be token ids", self.reasoning_end_token_ids)
 
     @property
     def kind(self) -> str:

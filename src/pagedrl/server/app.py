@@ -43,7 +43,12 @@ from pagedrl.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedrl.server.openapi import errors, json_or_events, request_body
 from pagedrl.server.openapi import install as install_openapi
 from pagedrl.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from pagedrl.server.reasoning_parsers import ReasoningPlan, reasoning_plan
+from pagedrl.server.reasoning_parsers import (
+    ReasoningPlan,
+    grammar_after_reasoning,
+    reasoning_end_token,
+    reasoning_plan,
+)
 from pagedrl.server.request_ids import RequestIdHeader, base_request_id
 from pagedrl.server.request_log import RequestLog, answer_text
 from pagedrl.server.response_bodies import (
@@ -160,6 +165,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         served.load(module)
     metrics = ServerMetrics(engine, served_model_name)
     tokenizer = engine.tokenizer
+    reasoning_end = reasoning_end_token(reasoning_parser, tokenizer)  # a grammar starts after it
     max_model_len = engine.max_model_len
     rendering = ChatRendering(chat_template, chat_template_content_format, trust_request_chat_template)
     if (chat_line := rendering.describe(tokenizer)) is not None:
@@ -234,8 +240,8 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
         if plan is not None:  # schemas compile off the event loop (cached: a repeated tool costs nothing)
             await asyncio.to_thread(check_tool_schemas, plan, engine.check_structured_output)
         prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan, sampling_defaults, max_tokens_cap, rendering)
-        thinking = chat_reasoning(req, prompt_ids, params.structured_outputs is not None)
-        plan, decoding = harmony_decoding(plan, thinking, params)
+        thinking = chat_reasoning(req, prompt_ids, params.structured_outputs is not None and reasoning_end is None)
+        plan, decoding = harmony_decoding(plan, thinking, grammar_after_reasoning(thinking, params, reasoning_end))
         group = await submit([prompt_ids], decoding, {"logprobs": "top_logprobs", **structured_outputs(req)[1]}, lora,
                              log_id, req.cache_salt)
         return group, params, plan, thinking

@@ -42,7 +42,7 @@ from pagedrl.server.logprobs import (
     prompt_logprobs,
 )
 from pagedrl.server.protocol import FunctionCall, ToolCall
-from pagedrl.server.reasoning_parsers import ReasoningPlan, ReasoningReader
+from pagedrl.server.reasoning_parsers import ReasoningPlan, ThinkingReader
 from pagedrl.server.request_log import RequestLog, delta_text
 from pagedrl.server.response_bodies import (
     AssistantMessage,
@@ -157,7 +157,7 @@ def tool_reader(plan: ToolPlan | None, harmony: HarmonyAnswer | None = None) -> 
 
 
 def answer_readers(plan: ToolPlan | None, thinking: ReasoningPlan | None
-                   ) -> tuple[ReasoningReader | HarmonyAnswer | None, ChoiceToolReader | None]:
+                   ) -> tuple[ThinkingReader | None, ChoiceToolReader | None]:
     """One choice's reasoning reader and tool reader. gpt-oss's (`openai_gptoss`, `openai`) read the
     answer once: the reasoning reader sorts its harmony messages and finds the calls the tool reader
     gives out."""
@@ -283,7 +283,7 @@ async def completion_stream(group: RequestGroup, request_id: str, model: str, pa
     yield DONE
 
 
-def split_delta(thinking: ReasoningReader | HarmonyAnswer | None, text: str, finished: bool) -> tuple[str, str]:
+def split_delta(thinking: ThinkingReader | None, text: str, finished: bool) -> tuple[str, str]:
     """A delta's (reasoning, content): all content without a reasoning parser."""
     if thinking is None:
         return "", text

@@ -95,8 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "deepseek_v31, kimi_k2, openai (gpt-oss's harmony messages to functions.NAME)")
     server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                         help="split a thinking model's <think> reasoning from its chat answers into the message's "
-                             "reasoning field (vLLM's flag: deepseek_r1 for DeepSeek-R1 and QwQ, qwen3 for Qwen3, "
-                             "openai_gptoss for gpt-oss's analysis channel); "
+                             "reasoning field (vLLM's flag: deepseek_r1 for DeepSeek-R1 and QwQ, deepseek_v3 for "
+                             "DeepSeek-V3.1/V3.2 asked to think with chat_template_kwargs thinking: true, kimi_k2 for "
+                             "Kimi K2 Thinking, mistral for "
+                             "Magistral's [THINK], qwen3 for Qwen3, openai_gptoss for gpt-oss's analysis channel); "
                              "default: none, the reasoning stays in the content (gpt-oss: openai_gptoss, as vLLM "
                              "always reads its harmony answers)")
     server.add_argument("--return-tokens-as-token-ids", action="store_true",
