@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tiny_train import CORPUS, MOE, build_model_dir
+from tiny_train import MOE, build_model_dir, build_tokenizer
 
 HARMONY_SPECIALS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
                     "<|return|>", "<|call|>"]
@@ -65,20 +65,7 @@ GPT_OSS_TEMPLATE = """
 
 
 def build_harmony_tokenizer(folder: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=HARMONY_SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    tok.add_tokens(HEADER_WORDS)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|return|>", "pad_token": "<|endoftext|>",
-              "chat_template": GPT_OSS_TEMPLATE, "clean_up_tokenization_spaces": False}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    build_tokenizer(folder, HARMONY_SPECIALS, GPT_OSS_TEMPLATE, "<|return|>", "<|endoftext|>", tuple(HEADER_WORDS))
 
 
 def build_harmony_model_dir(folder: Path) -> Path:

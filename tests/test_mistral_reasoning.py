@@ -118,21 +118,9 @@ WORDS = ["[THINK]", "[/THINK]", "a", "b", "</s>"]
 
 def build_magistral_tokenizer(folder: Path) -> None:
     """A byte-level BPE whose special tokens are Magistral's (the tags among them), with its template's turns."""
-    from tiny_train import CORPUS
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tiny_train import build_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    template = "{% for m in messages %}[INST]{{ m.content }}[/INST]{% endfor %}"
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "chat_template": template,
-              "clean_up_tokenization_spaces": False}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    build_tokenizer(folder, SPECIALS, "{% for m in messages %}[INST]{{ m.content }}[/INST]{% endfor %}", "</s>", None)
 
 
 @pytest.fixture(scope="module")

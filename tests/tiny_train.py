@@ -25,19 +25,27 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(folder: Path) -> None:
+def build_tokenizer(folder: Path, specials: list[str] = SPECIALS, chat_template: str = CHAT_TEMPLATE,
+                    eos_token: str = "<|im_end|>", pad_token: str | None = "<|pad|>",
+                    added_tokens: tuple[str, ...] = ()) -> None:
+    """A byte-level BPE trained on CORPUS whose first ids are `specials`, then `added_tokens` (plain added
+    tokens), with the template and end and pad tokens given (the defaults: the tiny ChatML model's)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 4, trainer)
+    if added_tokens:
+        tok.add_tokens(list(added_tokens))
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|pad|>",
-              "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token, "chat_template": chat_template,
+              "clean_up_tokenization_spaces": False}
+    if pad_token is not None:
+        config["pad_token"] = pad_token
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
