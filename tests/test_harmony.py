@@ -173,25 +173,25 @@ def test_without_the_tool_parser_a_call_is_content_and_without_the_reasoning_par
     assert not any(m in got for m in MARKERS)
 
 
-def test_only_answers_read_as_harmony_are_decoded_with_their_special_tokens() -> None:
+def test_only_answers_read_for_special_tokens_are_decoded_with_them() -> None:
     """The engine request keeps special tokens in the text where the answer is read as harmony; the
     request's own params (which name its log-probs' tokens) are not changed, and an answer a grammar
     writes is not read as harmony: the `openai` parser then reads nothing of it."""
     from pagedrl.engine.sampling_params import SamplingParams
     from pagedrl.engine.structured_outputs import StructuredOutputsParams
-    from pagedrl.server.harmony import harmony_decoding
+    from pagedrl.server.inputs import answer_decoding
     from pagedrl.server.tools import ToolPlan
 
     params = SamplingParams(max_tokens=8)
     auto = ToolPlan("auto", parser="openai")
     for plan, thinking in [(auto, None), (None, ReasoningPlan("openai_gptoss")), (auto, ReasoningPlan("openai_gptoss"))]:
-        got_plan, decoding = harmony_decoding(plan, thinking, params)
+        got_plan, decoding = answer_decoding(plan, thinking, params)
         assert got_plan is plan and decoding.skip_special_tokens is False and params.skip_special_tokens is True
-    for plan, thinking in [(None, None), (ToolPlan("auto", parser="hermes"), ReasoningPlan("qwen3")),
+    for plan, thinking in [(None, None), (ToolPlan("auto", parser="pythonic"), ReasoningPlan("qwen3")),
                            (None, ReasoningPlan("openai_gptoss", thinking=False))]:
-        assert harmony_decoding(plan, thinking, params) == (plan, params)
+        assert answer_decoding(plan, thinking, params) == (plan, params)
     constrained = params.clone(structured_outputs=StructuredOutputsParams(regex="a"))
-    got_plan, decoding = harmony_decoding(auto, None, constrained)
+    got_plan, decoding = answer_decoding(auto, None, constrained)
     assert got_plan.parser is None and decoding is constrained
     reader = ChoiceToolReader(got_plan.mode, got_plan.parser)
     assert reader.feed('{"a": 1}', finished=True) == ('{"a": 1}', [], "")

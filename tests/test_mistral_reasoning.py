@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.server.harmony import harmony_decoding
+from pagedrl.server.inputs import answer_decoding
 from pagedrl.server.mistral_reasoning import (
     MistralReasoningReader,
     prompt_ends_mistral_reasoning,
@@ -102,11 +102,11 @@ def test_mistral_answers_are_decoded_with_their_special_tokens() -> None:
     answers use), one a grammar writes (all content) and one of a prompt that ended the reasoning do not
     need them; the request's own params are left as they are."""
     params = SamplingParams(max_tokens=8)
-    plan, decoding = harmony_decoding(None, reasoning_plan("mistral", None, False, "[INST]q[/INST]"), params)
+    plan, decoding = answer_decoding(None, reasoning_plan("mistral", None, False, "[INST]q[/INST]"), params)
     assert decoding.skip_special_tokens is False and params.skip_special_tokens is True
     for thinking in (reasoning_plan("mistral", None, True, "[INST]q[/INST]"), ReasoningPlan("mistral", prompt_ended=True),
                      ReasoningPlan("deepseek_r1")):
-        assert harmony_decoding(None, thinking, params) == (None, params)
+        assert answer_decoding(None, thinking, params) == (None, params)
     constrained = ReasoningPlan("mistral", thinking=False)
     assert constrained.split("[THINK]a[/THINK]b") == (None, "[THINK]a[/THINK]b")
 

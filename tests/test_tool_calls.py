@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from pagedrl.engine.grammar import GrammarCompiler
 from pagedrl.server.errors import ApiError
-from pagedrl.server.inputs import chat_inputs, chat_prompt_ids
+from pagedrl.server.inputs import answer_decoding, chat_inputs, chat_prompt_ids
 from pagedrl.server.protocol import ChatCompletionRequest, ChatMessage
 from pagedrl.server.tool_parsers import ChoiceToolReader, parse_required, parse_tool_calls
 from pagedrl.server.tools import tool_constraint, tool_plan
@@ -97,8 +97,10 @@ def test_a_parser_whose_markers_are_special_tokens_keeps_them(default_tokenizer,
     (`skip_special_tokens=False`); otherwise the request's setting stands."""
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
                                                 "tool_choice": choice})
-    _, params = chat_inputs(req, default_tokenizer, plan=tool_plan(req, parser, True))
-    assert params.skip_special_tokens is skips
+    plan = tool_plan(req, parser, True)
+    _, params = chat_inputs(req, default_tokenizer, plan=plan)
+    _, decoding = answer_decoding(plan, None, params)
+    assert decoding.skip_special_tokens is skips
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -35,8 +35,7 @@ from pagedrl.server.beam_search import FinishedGroup, answer_params, beam_search
 from pagedrl.server.chat_template_flags import ChatRendering
 from pagedrl.server.delivery import EventStreamResponse, final_outputs_unless_disconnected, json_response
 from pagedrl.server.errors import ApiError, from_value_error, install_error_handlers, read_json
-from pagedrl.server.harmony import harmony_decoding
-from pagedrl.server.inputs import DEFAULT_MAX_N, chat_inputs, completion_inputs
+from pagedrl.server.inputs import DEFAULT_MAX_N, answer_decoding, chat_inputs, completion_inputs
 from pagedrl.server.logprobs import TokenText
 from pagedrl.server.lora_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, lora_router
 from pagedrl.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -241,7 +240,7 @@ def build_app(engine: AsyncEngine, *, served_model_name: str | Sequence[str], mo
             await asyncio.to_thread(check_tool_schemas, plan, engine.check_structured_output)
         prompt_ids, params = chat_inputs(req, tokenizer, max_n, plan, sampling_defaults, max_tokens_cap, rendering)
         thinking = chat_reasoning(req, prompt_ids, params.structured_outputs is not None and reasoning_end is None)
-        plan, decoding = harmony_decoding(plan, thinking, grammar_after_reasoning(thinking, params, reasoning_end))
+        plan, decoding = answer_decoding(plan, thinking, grammar_after_reasoning(thinking, params, reasoning_end))
         group = await submit([prompt_ids], decoding, {"logprobs": "top_logprobs", **structured_outputs(req)[1]}, lora,
                              log_id, req.cache_salt)
         return group, params, plan, thinking

@@ -36,11 +36,9 @@ once). A call is given out whole when its message ends (or the answer does), as 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
 
 START, END, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>"
 RETURN, CALL = "<|return|>", "<|call|>"
@@ -215,19 +213,3 @@ def split_harmony(text: str, reasoning: bool = True, calls: bool = True
     r2, c2 = answer.finish()
     return (r1 + r2 if "reasoning" in answer.used else None, c1 + c2 if "content" in answer.used else None,
             answer.take_calls())
-
-
-def harmony_decoding(plan: Any, thinking: Any, params: Any) -> tuple[Any, Any]:
-    """A chat request's tool plan and the sampling parameters its engine request decodes with: an answer
-    read as harmony messages (`openai_gptoss`, or the `openai` tool parser's auto choice) keeps its
-    special tokens in its text, where the markers are, as does one whose reasoning parser reads special
-    tokens (`ReasoningPlan.keeps_special_tokens`: Mistral's `[THINK]`); its log-probs, usage and finish are
-    not changed (the request's own `params` name its log-probs' tokens). An answer a grammar writes
-    (structured outputs beside an auto tool choice) is plain text, not harmony: the `openai` parser reads
-    nothing of it, so it is all content, as under `openai_gptoss`."""
-    constrained = params.structured_outputs is not None
-    calls = plan is not None and plan.mode == "auto" and plan.parser == "openai"
-    if calls and constrained:
-        plan = dataclasses.replace(plan, parser=None)
-    reads = calls and not constrained or (thinking is not None and thinking.keeps_special_tokens)
-    return plan, params.clone(skip_special_tokens=False) if reads else params

@@ -8,6 +8,7 @@ Fields the engine does not implement but that would change the answer (`suffix`,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -204,8 +205,6 @@ def chat_inputs(req: ChatCompletionRequest, tokenizer: Any, max_n: int = DEFAULT
             raise bad_request(f'tool_choice {plan.mode!r} constrains the output to tool calls; it cannot be combined '
                               "with response_format or structured outputs", param="tool_choice")
         params = params.clone(structured_outputs=constraint)
-    if plan is not None and plan.mode == "auto" and TOOL_PARSERS[plan.parser].keeps_special_tokens:
-        params = params.clone(skip_special_tokens=False)  # the calls' markers are special tokens (as vLLM)
     tools = plan.tool_dicts() if plan is not None else None
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request(CONTINUE_NEEDS_NO_GENERATION_PROMPT, param="continue_final_message")
@@ -270,3 +269,21 @@ def tokenizer_config(tokenizer: Any, max_model_len: int, rendering: ChatRenderin
     elif templates is not None:
         config["chat_template"] = select_chat_template(templates)
     return config
+
+
+def answer_decoding(plan: ToolPlan | None, thinking: Any, params: SamplingParams
+                    ) -> tuple[ToolPlan | None, SamplingParams]:
+    """A chat request's tool plan and the sampling parameters its engine request decodes with. An answer
+    whose readers look for special tokens keeps them in its text, as vLLM's parsers ask: an `auto` tool
+    choice under a parser whose markers are special tokens in the models that write them (`[TOOL_CALLS]`,
+    `<|python_tag|>`, harmony's), or a reasoning parser that reads them (`ReasoningPlan.keeps_special_tokens`:
+    gpt-oss's harmony, Mistral's `[THINK]`). Only the engine request changes: the answer's log-probs,
+    usage and finish are the request's own (`params` names its log-probs' tokens). An answer a grammar
+    writes beside an auto tool choice is plain text, not harmony: the `openai` parser reads nothing of
+    it, so it is all content, as under `openai_gptoss`."""
+    auto = plan is not None and plan.mode == "auto" and plan.parser is not None
+    if auto and plan.parser == "openai" and params.structured_outputs is not None:
+        plan, auto = dataclasses.replace(plan, parser=None), False
+    reads = (auto and TOOL_PARSERS[plan.parser].keeps_special_tokens) or \
+        (thinking is not None and thinking.keeps_special_tokens)
+    return plan, params.clone(skip_special_tokens=False) if reads else params

@@ -171,7 +171,7 @@ class ReasoningPlan:
     @property
     def keeps_special_tokens(self) -> bool:
         """Whether the answer is decoded with its special tokens, where the markers read are: harmony's,
-        and Mistral's `[THINK]` and `[/THINK]` (`server/harmony.py`'s `harmony_decoding` applies it)."""
+        and Mistral's `[THINK]` and `[/THINK]` (`server/inputs.py`'s `answer_decoding` applies it)."""
         return self.harmony or (self.parser == MISTRAL and self.thinking and not self.prompt_ended)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
