@@ -22,6 +22,7 @@ from pagedrl.model.decoder import CausalLM
 from pagedrl.model.deepseek import ROUTER_FLOAT32
 from pagedrl.model.footprint import check_fits, footprint
 from pagedrl.model.precision import choose_precision
+from pagedrl.model.prequantized_config import PrequantizedError, check_float_load
 from pagedrl.model.staging import staged_folder
 
 WEIGHTS_NAME = "model.safetensors"
@@ -160,6 +161,10 @@ def load_causal_lm(folder: str | Path, device: str | torch.device = "cpu",
     """Build a CausalLM from a Hugging Face folder."""
     folder = Path(folder)
     cfg = read_folder_config(folder)
+    try:
+        check_float_load(folder)
+    except PrequantizedError as e:
+        raise CheckpointError(str(e)) from None
     dtype = dtype or default_dtype(device)
     device = torch.device(device)
     fp = footprint(cfg, dtype)

@@ -20,6 +20,9 @@ from pagedrl.model.gguf_quantized import load_gguf_quantized
 from pagedrl.model.merge import merged_causal_lm
 from pagedrl.model.mxfp4_loading import load_mxfp4_kept
 from pagedrl.model.precision import ACTIVATIONS, QUANTIZATIONS, Precision, resolve_dtype
+from pagedrl.model.prequantized import describe as describe_prequantized
+from pagedrl.model.prequantized import load_prequantized
+from pagedrl.model.prequantized_config import PREQUANTIZED, quant_method
 from pagedrl.model.resolve import adapter_base, resolve_gguf, resolve_model_path
 from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.model.weight_only import WEIGHT_ONLY, describe, quantize_weights
@@ -66,6 +69,9 @@ def load_model(model: str | Path | None = None, device: str | torch.device | Non
         return loaded if activations == "float32" else _int8_activations(loaded)
     precision = resolve_dtype(dtype, device)
     path = None if model is None and adapter is not None else resolve_model_path(model, revision)
+    if path is not None and (method := quant_method(path)) in PREQUANTIZED:  # (as vLLM: the config names it)
+        loaded = _load_quantized(path, device, dtype, load_tokenizer, adapter, revision, method)
+        return loaded if activations == "float32" else _int8_activations(loaded)
     if adapter is None and path is not None and is_adapter_folder(path):
         adapter, path = path, None  # an adapter alone (a LoRA run's final/): on the base it names
     tokenizer_dir = None
@@ -124,7 +130,8 @@ def _load_quantized(model: str | Path | None, device: torch.device, dtype: torch
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r} is not supported; supported: {', '.join(QUANTIZATIONS)} "
                          "(gguf: a GGUF file's own quant types kept quantized; int8, int4: weight-only, made at load; "
-                         "mxfp4: gpt-oss's published MXFP4 experts kept so)")
+                         "mxfp4: gpt-oss's published MXFP4 experts kept so; gptq, awq, compressed-tensors: a "
+                         "pre-quantized folder's packed weights kept quantized)")
     if adapter is not None:
         raise ValueError(f"quantization={quantization!r} with a LoRA adapter folded in is not supported: a quantized "
                          "base cannot hold merged weights (serve the adapter per request on the quantized base with enable_lora / "
@@ -133,8 +140,19 @@ def _load_quantized(model: str | Path | None, device: torch.device, dtype: torch
         raise ValueError(f"quantization={quantization!r} computes in float32 on a CPU (its kernels' products are the "
                          f"float32 model's); dtype={dtype!r} is not supported with it there")
     precision = resolve_dtype("float32" if device.type == "cpu" else dtype, device)
-    if quantization in WEIGHT_ONLY:
+    if quantization in (*WEIGHT_ONLY, *PREQUANTIZED):
         path = resolve_model_path(model, revision)
+        found = quant_method(path)
+        if found is not None and found != quantization and found != "mxfp4":
+            raise ValueError(f"quantization={quantization!r} does not agree with {path / 'config.json'}'s "
+                             f"quantization_config.quant_method {found!r} (drop quantization, or name {found!r})")
+        if found is None and quantization in PREQUANTIZED:
+            raise ValueError(f"quantization={quantization!r} reads a pre-quantized folder; {path / 'config.json'} has "
+                             "no quantization_config (int8 / int4 quantize a float folder at load)")
+    if quantization in PREQUANTIZED:
+        net, scheme, held = load_prequantized(path)
+        reason = describe_prequantized(scheme, held, device)
+    elif quantization in WEIGHT_ONLY:
         if is_adapter_folder(path):
             raise ValueError(f"quantization={quantization!r}: {path} is a LoRA adapter; a quantized base cannot hold "
                              "merged weights (name the base model and serve the adapter per request with enable_lora / --enable-lora, "

@@ -30,7 +30,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 # What `--quantization` takes (`model/loader.py`): a GGUF's blocks kept as they are; int8 / int4 weight-only
 # quantization made at load (`model/weight_only.py`); mxfp4: gpt-oss's published MXFP4 experts kept so
 # (`model/mxfp4_loading.py`).
-QUANTIZATIONS = ("gguf", "int8", "int4", "mxfp4")
+QUANTIZATIONS = ("gguf", "int8", "int4", "mxfp4", "gptq", "awq", "compressed-tensors")
 ACTIVATIONS = ("float32", "int8")  # what a quantized model's engine products multiply the weights by
 DTYPE_HELP = ("auto: bfloat16 on CUDA and on CPUs that compute it natively (AVX512-BF16, AMX, Arm BF16), "
               "float32 elsewhere")
