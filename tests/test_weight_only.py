@@ -115,8 +115,9 @@ def dequantized_twin(model: torch.nn.Module) -> torch.nn.Module:
             setattr(parent, child, linear)
     twin.lm_head = Linear(twin.model.embed_tokens.embedding_dim, twin.model.embed_tokens.num_embeddings,
                                    bias=False)
+    head = model.lm_head.dequantized() if isinstance(model.lm_head, GGUFLinear) else model.lm_head.weight.detach()
     twin.lm_head.weight = twin.model.embed_tokens.weight if twin.config.tie_word_embeddings else \
-        torch.nn.Parameter(model.lm_head.dequantized(), requires_grad=False)
+        torch.nn.Parameter(head.clone(), requires_grad=False)
     return twin
 
 

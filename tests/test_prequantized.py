@@ -1,0 +1,164 @@
+"""Pre-quantized GPTQ, AWQ and compressed-tensors folders (`model/prequantized.py`), written by the
+methods' own packers (tests/prequantized_writers.py): the weights pagedrl holds are the methods' own
+dequantizations bit for bit (compressed-tensors' through transformers, rounded to the half it computes in;
+AWQ's by GPTQModel's `dequantize_gemm`; GPTQ's the float64 arithmetic of the codes GPTQModel packed), the
+engine's tokens and log-probs are those of the float32 model of those weights, and what cannot be held is
+refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from prequantized_writers import packing_utils, projections, write_compressed_tensors, write_packed
+from safetensors import safe_open
+from test_weight_only import assert_engine_equals_twin, dequantized_twin
+
+from pagedrl import LLM
+from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.model.checkpoint import CheckpointError, load_causal_lm
+from pagedrl.model.gguf_modules import GGUFLinear
+from pagedrl.model.loader import load_model
+from pagedrl.model.prequantized_config import PrequantizedError
+
+
+def held(model: torch.nn.Module, name: str) -> torch.Tensor:
+    module = model.get_submodule(name)
+    return module.dequantized() if isinstance(module, GGUFLinear) else module.weight.detach()
+
+
+CT_CASES = [  # (format, bits, symmetric, strategy, group, the layout every projection gets)
+    ("pack-quantized", 4, True, "group", 32, "Q4_1"),
+    ("pack-quantized", 4, False, "group", 32, "Q8_0"),
+    ("pack-quantized", 8, True, "channel", None, "Q8_0"),
+    ("naive-quantized", 8, True, "group", 32, "Q8_0"),
+    ("pack-quantized", 4, True, "group", 16, "float32 (dequantized at load: groups of 16)"),
+]
+
+
+@pytest.mark.parametrize("fmt,bits,symmetric,strategy,group,layout", CT_CASES)
+def test_compressed_tensors_weights_and_logits_are_transformers(tmp_path: Path, fmt: str, bits: int, symmetric: bool,
+                                                                strategy: str, group: int | None, layout: str) -> None:
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    folder = write_compressed_tensors(tmp_path / "ct", fmt, bits, symmetric, strategy, group)
+    loaded = load_model(str(folder), device="cpu", load_tokenizer=False)
+    assert f"compressed-tensors {bits}-bit weight-only, read from the checkpoint: {layout} x 14" \
+        in loaded.precision.describe()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float16,
+                                              quantization_config=CompressedTensorsConfig(dequantize=True))
+    for name, module in projections(hf).items():  # its fp16 product: ours (exact) rounded once to a half
+        assert torch.equal(held(loaded.model, name).half().view(torch.int16), module.weight.view(torch.int16)), name
+    ids = torch.tensor([[3, 40, 7, 99, 12, 5]])
+    with torch.no_grad():
+        ours = loaded.model.logits(loaded.model(ids))
+        theirs = hf.float()(ids).logits
+    assert torch.allclose(ours, theirs, rtol=0, atol=2e-3)  # weights apart by a half's rounding (< 5e-4 relative)
+
+
+PACKED_CASES = [  # (method, bits, symmetric, desc_act, layout)
+    ("awq", 4, False, False, "Q8_0"),
+    ("gptq", 4, False, False, "Q8_0"),
+    ("gptq", 4, True, False, "Q4_1"),
+    ("gptq", 8, True, False, "Q8_0"),
+    ("gptq", 8, False, False, "float32 (dequantized at load: codes beyond an int8)"),
+    ("gptq", 4, True, True, "float32 (dequantized at load: act-order groups)"),
+]
+
+
+@pytest.mark.parametrize("method,bits,symmetric,desc_act,layout", PACKED_CASES)
+def test_gptq_and_awq_weights_are_the_packed_codes(tmp_path: Path, method: str, bits: int, symmetric: bool,
+                                                   desc_act: bool, layout: str) -> None:
+    folder = tmp_path / method
+    expected = write_packed(folder, method, bits, symmetric=symmetric, desc_act=desc_act)
+    loaded = load_model(str(folder), device="cpu", load_tokenizer=False)
+    assert f"{method} {bits}-bit weight-only, read from the checkpoint: {layout} x 14" in loaded.precision.describe()
+    for name, weight in expected.items():
+        assert torch.equal(held(loaded.model, name).double(), weight), name
+    if method == "awq":  # and GPTQModel's own AWQ dequantizer of the file's tensors, in float32 (exact there)
+        dequantize_gemm = packing_utils().dequantize_gemm
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            for name in expected:
+                qweight, qzeros, scales = (f.get_tensor(f"{name}.{leaf}") for leaf in ("qweight", "qzeros", "scales"))
+                theirs = dequantize_gemm(qweight, qzeros, scales.float(), 4, 32).T
+                assert torch.equal(held(loaded.model, name), theirs), name
+
+
+@pytest.mark.parametrize("write", ["compressed-tensors", "gptq-act-order", "awq"])
+def test_engine_computes_the_dequantized_float32_model(tmp_path: Path, write: str) -> None:
+    """Through LLM(folder) with no quantization named: the config names it, as vLLM reads it."""
+    folder = tmp_path / write
+    if write == "compressed-tensors":
+        write_compressed_tensors(folder, "pack-quantized", 4, True, "group", 32)
+    else:
+        write_packed(folder, write[:4], 4, symmetric=True, desc_act=write == "gptq-act-order")
+    llm = LLM(str(folder), dtype="float32")
+    assert llm.engine.decode_path().startswith("decode steps as one program")
+    twin = dequantized_twin(llm.engine.model)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(5, 200, size=n).tolist() for n in (3, 17, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=0, ignore_eos=True)
+    assert_engine_equals_twin(llm, twin, prompts, params)
+
+
+def test_resident_bytes_are_the_blocks(tmp_path: Path) -> None:
+    """Symmetric 4-bit groups of 32 held as Q4_1: 20 bytes per 32 weights; the rest float32."""
+    folder = write_compressed_tensors(tmp_path / "ct", "pack-quantized", 4, True, "group", 32)
+    llm = LLM(str(folder), quantization="compressed-tensors")
+    model = llm.engine.model
+    blocks = sum(m.out_features * m.in_features // 32 * 20 for m in model.modules() if isinstance(m, GGUFLinear))
+    others = [*model.parameters(), *(b for name, b in model.named_buffers() if not name.endswith(".qweight"))]
+    assert blocks and llm.engine.weight_bytes == blocks + sum(t.numel() * t.element_size() for t in others)
+    assert all(t.dtype == torch.float32 for t in others)  # the embedding, the head and the norms
+    llm.close()
+
+
+def rewrite(folder: Path, tmp_path: Path, **changes: object) -> Path:
+    """A copy of `folder` whose quantization_config has `changes` (a value None: the field removed)."""
+    copy = tmp_path / f"edit{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text())
+    quant = config["quantization_config"]
+    for key, value in changes.items():
+        quant.pop(key) if value is None else quant.__setitem__(key, value)
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def test_refusals_are_one_clear_line(tmp_path: Path) -> None:
+    gptq = tmp_path / "gptq"
+    write_packed(gptq, "gptq", 4, symmetric=True)
+    ct = write_compressed_tensors(tmp_path / "ct", "pack-quantized", 4, True, "group", 32)
+    with pytest.raises(ValueError, match=r"quantization='int4' does not agree with .*config.json's "
+                                         r"quantization_config.quant_method 'gptq'"):
+        load_model(str(gptq), quantization="int4")
+    with pytest.raises(ValueError, match=r"quantization='awq' does not agree .*quant_method 'gptq'"):
+        load_model(str(gptq), quantization="awq")
+    group = json.loads((ct / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    supported = r"is not supported; supported: gptq \(4 or 8 bits"
+    for folder, changes, field in [
+        (gptq, dict(bits=3), "bits = 3"),
+        (gptq, dict(checkpoint_format="marlin"), 'checkpoint_format = "marlin"'),
+        (gptq, dict(quant_method="awq", version="gemv"), 'version = "gemv"'),
+        (gptq, dict(quant_method="fp8"), 'quant_method = "fp8"'),
+        (ct, dict(format="float-quantized", config_groups={"g": dict(group, format=None)}), 'format = "float-quantized"'),
+        (ct, dict(config_groups={"g": dict(group, input_activations={"num_bits": 8})}),
+         r'config_groups.g.input_activations = \{"num_bits": 8\}'),
+        (ct, dict(config_groups={"g": dict(group, weights=dict(group["weights"], num_bits=2))}),
+         "config_groups.g.weights.num_bits = 2"),
+    ]:
+        with pytest.raises((PrequantizedError, CheckpointError), match=rf"quantization_config.{field} {supported}"):
+            load_model(str(rewrite(folder, tmp_path, **changes)), device="cpu", load_tokenizer=False)
+    with pytest.raises(CheckpointError, match=r"quant_method 'gptq': pre-quantized weights, served kept quantized"):
+        load_causal_lm(gptq)  # a float load (a trainer's) is refused, never read as garbage
+    float_folder = tmp_path / "float"
+    shutil.copytree(gptq, float_folder)
+    config = json.loads((float_folder / "config.json").read_text())
+    config.pop("quantization_config")
+    (float_folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantization='gptq' reads a pre-quantized folder; .* has no quantization_config"):
+        load_model(str(float_folder), quantization="gptq")
