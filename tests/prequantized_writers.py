@@ -81,11 +81,12 @@ def rtn_codes(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> tuple[
 
 
 def write_packed(folder: Path, method: str, bits: int = 4, group: int = 32, symmetric: bool = False,
-                 desc_act: bool = False, seed: int = 1) -> dict[str, torch.Tensor]:
-    """A folder in AWQ's GEMM or GPTQ's layout, packed by GPTQModel; returns each projection's expected
-    weight [n, k] in float64 (scale * (code - zero), of the codes packed)."""
+                 desc_act: bool = False, seed: int = 1, **family: object) -> dict[str, torch.Tensor]:
+    """A folder in AWQ's GEMM or GPTQ's layout, packed by GPTQModel (`family`: config fields over the tiny
+    model's); returns each projection's expected weight [n, k] in float64 (scale * (code - zero), of the
+    codes packed)."""
     packing = packing_utils()
-    model = hf_model(FAMILIES[FAMILY], seed=seed).half()
+    model = hf_model(dict(FAMILIES[FAMILY], **family), seed=seed).half()
     state = {k: v for k, v in model.state_dict().items()}
     expected: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(seed)

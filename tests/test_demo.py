@@ -272,7 +272,8 @@ def test_the_engine_stage_runs_quantized_and_says_so(tiny_train_model, tmp_path,
     assert "the engine stage runs --quantization int4" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["demo", "--quantization", "nf4"])
-    assert "invalid choice: 'nf4' (choose from 'gguf', 'int8', 'int4', 'mxfp4')" in capsys.readouterr().err
+    assert ("invalid choice: 'nf4' (choose from 'gguf', 'int8', 'int4', 'mxfp4', 'gptq', 'awq', "
+            "'compressed-tensors')") in capsys.readouterr().err
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model's small ops: a second thread of a shared machine only waits

@@ -17,13 +17,16 @@ import torch
 from prequantized_writers import packing_utils, projections, write_compressed_tensors, write_packed
 from safetensors import safe_open
 from test_weight_only import assert_engine_equals_twin, dequantized_twin
+from tiny_train import build_tokenizer
 
 from pagedrl import LLM
+from pagedrl.cli import main
 from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.model.checkpoint import CheckpointError, load_causal_lm
+from pagedrl.model.checkpoint import TOKENIZER_FILES, CheckpointError, load_causal_lm
 from pagedrl.model.gguf_modules import GGUFLinear
 from pagedrl.model.loader import load_model
 from pagedrl.model.prequantized_config import PrequantizedError
+from pagedrl.model.tokenizer import Tokenizer
 
 
 def held(model: torch.nn.Module, name: str) -> torch.Tensor:
@@ -115,6 +118,31 @@ def test_resident_bytes_are_the_blocks(tmp_path: Path) -> None:
     assert blocks and llm.engine.weight_bytes == blocks + sum(t.numel() * t.element_size() for t in others)
     assert all(t.dtype == torch.float32 for t in others)  # the embedding, the head and the norms
     llm.close()
+
+
+def test_generate_and_serve_read_the_method_from_the_config(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from fastapi.testclient import TestClient
+
+    from pagedrl.server.serve import build_parser, build_server
+
+    build_tokenizer(tmp_path / "tokenizer")
+    folder = tmp_path / "gptq"
+    write_packed(folder, "gptq", 4, symmetric=True, vocab_size=Tokenizer.from_folder(tmp_path / "tokenizer").vocab_size)
+    for name in TOKENIZER_FILES:
+        if (tmp_path / "tokenizer" / name).is_file():
+            shutil.copy(tmp_path / "tokenizer" / name, folder / name)
+    llm = LLM(str(folder))
+    (expected,) = llm.generate("what is 1 plus 2", SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    llm.close()
+    assert main(["generate", str(folder), "--prompt", "what is 1 plus 2", "--max-tokens", "6", "--raw"]) == 0
+    out = capsys.readouterr()
+    assert "gptq 4-bit weight-only, read from the checkpoint: Q4_1 x 14" in out.err
+    assert expected.outputs[0].text and expected.outputs[0].text in out.out
+    server = build_server(build_parser().parse_args([str(folder), "--no-ui"]))
+    with TestClient(server.config.app) as client:
+        body = client.post("/v1/completions", json={"model": str(folder), "prompt": "what is 1 plus 2",
+                                                    "max_tokens": 6, "temperature": 0}).json()
+    assert body["choices"][0]["text"] == expected.outputs[0].text
 
 
 def rewrite(folder: Path, tmp_path: Path, **changes: object) -> Path:

@@ -161,8 +161,8 @@ def test_default_model_int4_greedy_and_bytes(default_model_dir: Path) -> None:
 
 
 def test_refusals_are_one_clear_line(tiny_folder: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"quantization='awq' is not supported; supported: gguf, int8, int4, mxfp4"):
-        load_model(str(tiny_folder), quantization="awq")
+    with pytest.raises(ValueError, match=r"quantization='fp8' is not supported; supported: gguf, int8, int4, mxfp4, gptq, awq, "):
+        load_model(str(tiny_folder), quantization="fp8")
     with pytest.raises(ValueError, match=r"quantization='int4' computes in float32 on a CPU.*dtype='bfloat16'"):
         load_model(str(tiny_folder), quantization="int4", dtype="bfloat16")
     with pytest.raises(ValueError, match="quantization='int8' with a LoRA adapter folded in is not supported"):

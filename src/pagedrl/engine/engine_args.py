@@ -70,8 +70,9 @@ class EngineArgs(EngineConfig):
               "the model's dtype); int8 / int4: weight-only quantization made at load of a model that is not "
               "quantized (int8 one scale per output channel, int4 groups of 32 with a scale and a minimum; the "
               "same tokens as the float32 model of the dequantized weights); mxfp4: a gpt-oss checkpoint's MXFP4 experts "
-              "stay quantized (about 4.25 bits a weight); default: none (a GGUF dequantized "
-              "at load)", "model", choices=QUANTIZATIONS)
+              "stay quantized (about 4.25 bits a weight); gptq, awq, compressed-tensors: a pre-quantized folder's "
+              "packed int4 / int8 weights stay quantized (read from its config.json without this flag; naming it, "
+              "it must agree); default: none (a GGUF dequantized at load)", "model", choices=QUANTIZATIONS)
     activations: str = setting(
         "float32", "with quantization on a CPU, what the Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights (gguf; "
                    "int8 and int4 are laid out so) multiply: float32, the float32 model's numbers; int8, each row "
