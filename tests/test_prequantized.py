@@ -16,6 +16,7 @@ import pytest
 import torch
 from prequantized_writers import packing_utils, projections, write_compressed_tensors, write_packed
 from safetensors import safe_open
+from safetensors.torch import save_file
 from test_weight_only import assert_engine_equals_twin, dequantized_twin
 from tiny_train import build_tokenizer
 
@@ -25,6 +26,7 @@ from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.checkpoint import TOKENIZER_FILES, CheckpointError, load_causal_lm
 from pagedrl.model.gguf_modules import GGUFLinear
 from pagedrl.model.loader import load_model
+from pagedrl.model.prequantized import Q8_0_OF_4BIT
 from pagedrl.model.prequantized_config import PrequantizedError
 from pagedrl.model.tokenizer import Tokenizer
 
@@ -36,7 +38,7 @@ def held(model: torch.nn.Module, name: str) -> torch.Tensor:
 
 CT_CASES = [  # (format, bits, symmetric, strategy, group, the layout every projection gets)
     ("pack-quantized", 4, True, "group", 32, "Q4_1"),
-    ("pack-quantized", 4, False, "group", 32, "Q8_0"),
+    ("pack-quantized", 4, False, "group", 32, Q8_0_OF_4BIT),
     ("pack-quantized", 8, True, "channel", None, "Q8_0"),
     ("naive-quantized", 8, True, "group", 32, "Q8_0"),
     ("pack-quantized", 4, True, "group", 16, "float32 (dequantized at load: groups of 16)"),
@@ -64,8 +66,8 @@ def test_compressed_tensors_weights_and_logits_are_transformers(tmp_path: Path, 
 
 
 PACKED_CASES = [  # (method, bits, symmetric, desc_act, layout)
-    ("awq", 4, False, False, "Q8_0"),
-    ("gptq", 4, False, False, "Q8_0"),
+    ("awq", 4, False, False, Q8_0_OF_4BIT),
+    ("gptq", 4, False, False, Q8_0_OF_4BIT),
     ("gptq", 4, True, False, "Q4_1"),
     ("gptq", 8, True, False, "Q8_0"),
     ("gptq", 8, False, False, "float32 (dequantized at load: codes beyond an int8)"),
@@ -89,6 +91,29 @@ def test_gptq_and_awq_weights_are_the_packed_codes(tmp_path: Path, method: str, 
                 qweight, qzeros, scales = (f.get_tensor(f"{name}.{leaf}") for leaf in ("qweight", "qzeros", "scales"))
                 theirs = dequantize_gemm(qweight, qzeros, scales.float(), 4, 32).T
                 assert torch.equal(held(loaded.model, name), theirs), name
+
+
+def test_gptq_v2_repacked_from_awq_is_gptqmodels_awq_dequantization(tmp_path: Path) -> None:
+    """GPTQModel's own AWQ -> GPTQ repacking (`unpack_reorder_pack`: GPTQ's packing, the zero points as
+    they are, i.e. checkpoint_format gptq_v2) read by the GPTQ reader: GPTQModel's AWQ dequantization."""
+    packing = packing_utils()
+    write_packed(tmp_path / "awq", "awq")
+    gptq = tmp_path / "gptq"
+    shutil.copytree(tmp_path / "awq", gptq)
+    with safe_open(str(gptq / "model.safetensors"), "pt") as f:
+        state = {key: f.get_tensor(key) for key in f.keys()}
+    oracle = {}
+    for name in [key.removesuffix(".qweight") for key in state if key.endswith(".qweight")]:
+        qweight, qzeros, scales = (state[f"{name}.{leaf}"] for leaf in ("qweight", "qzeros", "scales"))
+        oracle[name] = packing.dequantize_gemm(qweight, qzeros, scales.float(), 4, 32).T
+        state[f"{name}.qweight"], state[f"{name}.qzeros"] = packing.unpack_reorder_pack(qweight, qzeros, 4)
+    save_file(state, str(gptq / "model.safetensors"), metadata={"format": "pt"})
+    rewrite(gptq, tmp_path, into=gptq, quant_method="gptq", checkpoint_format="gptq_v2", desc_act=False, sym=False,
+            version=None, zero_point=None)
+    loaded = load_model(str(gptq), device="cpu", load_tokenizer=False)
+    assert f"gptq 4-bit weight-only, read from the checkpoint: {Q8_0_OF_4BIT} x 14" in loaded.precision.describe()
+    for name, weight in oracle.items():
+        assert torch.equal(held(loaded.model, name), weight), name
 
 
 @pytest.mark.parametrize("write", ["compressed-tensors", "gptq-act-order", "awq"])
@@ -145,10 +170,12 @@ def test_generate_and_serve_read_the_method_from_the_config(tmp_path: Path, caps
     assert body["choices"][0]["text"] == expected.outputs[0].text
 
 
-def rewrite(folder: Path, tmp_path: Path, **changes: object) -> Path:
-    """A copy of `folder` whose quantization_config has `changes` (a value None: the field removed)."""
-    copy = tmp_path / f"edit{len(list(tmp_path.iterdir()))}"
-    shutil.copytree(folder, copy)
+def rewrite(folder: Path, tmp_path: Path, into: Path | None = None, **changes: object) -> Path:
+    """A copy of `folder` (or `folder` itself, `into` it) whose quantization_config has `changes` (a value
+    None: the field removed)."""
+    copy = into or tmp_path / f"edit{len(list(tmp_path.iterdir()))}"
+    if into is None:
+        shutil.copytree(folder, copy)
     config = json.loads((copy / "config.json").read_text())
     quant = config["quantization_config"]
     for key, value in changes.items():
@@ -178,6 +205,8 @@ def test_refusals_are_one_clear_line(tmp_path: Path) -> None:
          r'config_groups.g.input_activations = \{"num_bits": 8\}'),
         (ct, dict(config_groups={"g": dict(group, weights=dict(group["weights"], num_bits=2))}),
          "config_groups.g.weights.num_bits = 2"),
+        (ct, dict(config_groups={"g": dict(group, weights=dict(group["weights"], actorder="group"))}),
+         'config_groups.g.weights.actorder = "group"'),
     ]:
         with pytest.raises((PrequantizedError, CheckpointError), match=rf"quantization_config.{field} {supported}"):
             load_model(str(rewrite(folder, tmp_path, **changes)), device="cpu", load_tokenizer=False)

@@ -90,9 +90,12 @@ def q8_0_blocks(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | No
     return torch.from_numpy(out.reshape(n, -1))
 
 
+Q8_0_OF_4BIT = "Q8_0 (4-bit codes: zero point x scale not a half, which Q4_1's minimum must be)"
+
+
 def hold(codes: Codes, bias: torch.Tensor | None) -> tuple[nn.Module | torch.Tensor, str]:
     """The projection as exact Q4_1 or Q8_0 blocks (a GGUFLinear), else its float32 weight, with the
-    start-up line's name for what was chosen and why."""
+    start-up line's name for what was chosen and why (4-bit codes held in Q8_0 say so)."""
     values = codes.values
     n, k = values.shape
     group = codes.contiguous_group
@@ -105,7 +108,7 @@ def hold(codes: Codes, bias: torch.Tensor | None) -> tuple[nn.Module | torch.Ten
     if (blocks := q4_1_blocks(values, per_block)) is not None:
         return GGUFLinear(blocks, Q4_1, k, bias), "Q4_1"
     if (blocks := q8_0_blocks(values, per_block)) is not None:
-        return GGUFLinear(blocks, Q8_0, k, bias), "Q8_0"
+        return GGUFLinear(blocks, Q8_0, k, bias), Q8_0_OF_4BIT if codes.bits == 4 else "Q8_0"
     why = "scales not halves" if _halves(codes.scales) is None else "codes beyond an int8"
     return codes.dequantized().float(), f"float32 (dequantized at load: {why})"
 
@@ -172,5 +175,5 @@ def describe(scheme: Scheme, kept: Counter[str], device: torch.device) -> str:
     kinds = ", ".join(f"{name} x {n}" for name, n in sorted(kept.items()))
     how = ("multiplied by the GGUF block kernels in float32" if device.type == "cpu"
            else "dequantized per product in the model's dtype")
-    return (f"{scheme.method} {scheme.bits}-bit weight-only, read from the checkpoint: {kinds} (Q4_1 / Q8_0 hold "
-            f"the stored arithmetic exactly, {how})")
+    return (f"{scheme.method} {scheme.bits}-bit weight-only, read from the checkpoint: {kinds}; Q4_1 / Q8_0 blocks "
+            f"hold the stored arithmetic exactly, {how}")

@@ -13,8 +13,8 @@ dequantizer, never a copy of this file):
   the order 0, 2, 4, 6, 1, 3, 5, 7; `scales` [groups, n]; the zero points are stored as they are.
 - compressed-tensors pack-quantized: `weight_packed` [n, k * bits / 32] along the inputs, each code
   stored plus 2^(bits-1) (signed codes); asymmetric `weight_zero_point` [n * bits / 32, groups] packed
-  along the outputs the same way; `weight_scale` [n, groups]; `weight_shape`; `weight_g_idx` under
-  group act-order. naive-quantized: `weight` int8 [n, k] and `weight_zero_point` [n, groups] as they are.
+  along the outputs the same way; `weight_scale` [n, groups]; `weight_shape` (`weight_g_idx`, group
+  act-order, which compressed-tensors has dropped, is refused). naive-quantized: `weight` int8 [n, k] and `weight_zero_point` [n, groups] as they are.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Codes:
     values: torch.Tensor  # [n, k] int32
     scales: torch.Tensor  # [n, groups] float64, the stored scales exactly
     g_idx: torch.Tensor | None  # [k] int64
+    bits: int  # of the stored codes
 
     @property
     def contiguous_group(self) -> int | None:
@@ -100,7 +101,7 @@ def gptq_codes(tensors: dict[str, torch.Tensor], scheme: Scheme, name: str, k: i
     if g_idx.shape != (k,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
         raise PackingError(f"{name}.g_idx must be [{k}] groups in 0..{groups - 1}")
     values = (q - z[g_idx]).T.contiguous()
-    return Codes(values, scales.double().T.contiguous(), g_idx)
+    return Codes(values, scales.double().T.contiguous(), g_idx, bits)
 
 
 def awq_codes(tensors: dict[str, torch.Tensor], name: str, k: int, n: int) -> Codes:
@@ -121,7 +122,7 @@ def awq_codes(tensors: dict[str, torch.Tensor], name: str, k: int, n: int) -> Co
 
     q, z = natural(qweight), natural(qzeros)
     values = (q - z.repeat_interleave(k // groups, dim=0)).T.contiguous()
-    return Codes(values, scales.double().T.contiguous(), None)
+    return Codes(values, scales.double().T.contiguous(), None, 4)
 
 
 def compressed_tensors_codes(tensors: dict[str, torch.Tensor], name: str, k: int, n: int) -> Codes:
@@ -148,11 +149,12 @@ def compressed_tensors_codes(tensors: dict[str, torch.Tensor], name: str, k: int
         if q.dtype != torch.int8:
             raise PackingError(f"{name}.weight is {q.dtype}, expected int8 codes (naive-quantized)")
         _check(name, "weight", q, (n, k))
-        q = q.to(torch.int32)
+        q, bits = q.to(torch.int32), 8
         z = tensors.get("weight_zero_point")
         if z is not None:
             z = z.reshape(n, groups).to(torch.int32)
-    g_idx = tensors.get("weight_g_idx")
-    g_idx = torch.arange(k) // (k // groups) if g_idx is None else g_idx.long()
-    values = q if z is None else q - z[:, g_idx]
-    return Codes(values.contiguous(), scales.double(), g_idx)
+    if "weight_g_idx" in tensors:  # (compressed-tensors itself no longer reads or writes it)
+        raise PackingError(f"{name}.weight_g_idx: group act-order is not supported in compressed-tensors "
+                           "checkpoints (GPTQ's desc_act is)")
+    values = q if z is None else q - z.repeat_interleave(k // groups, dim=1)
+    return Codes(values.contiguous(), scales.double(), None, bits)

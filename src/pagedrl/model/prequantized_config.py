@@ -8,7 +8,8 @@ Supported (weight-only integers; the packed tensors are read by `model/prequanti
   "gptq_v2" (stored as they are).
 - awq: 4 bits, `version` "gemm" (AutoAWQ's GEMM layout), `zero_point` true.
 - compressed-tensors: `format` "pack-quantized" or "naive-quantized", integer weights of 4 or 8 bits,
-  strategy "group" or "channel", symmetric or not, no activation quantization.
+  strategy "group" or "channel", symmetric or not, no activation quantization, no group act-order
+  (`actorder` "group": compressed-tensors itself has dropped it; "weight" reorders at calibration only).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 PREQUANTIZED = ("gptq", "awq", "compressed-tensors")  # the `quantization` names a folder's config.json gives
 SUPPORTED = ("supported: gptq (4 or 8 bits, checkpoint_format gptq or gptq_v2), awq (4 bits, version gemm, "
              "zero_point true), compressed-tensors (format pack-quantized or naive-quantized; int weights of 4 or "
-             "8 bits, strategy group or channel, no input_activations)")
+             "8 bits, strategy group or channel, actorder none or weight, no input_activations)")
 CT_FORMATS = ("pack-quantized", "naive-quantized")
 
 
@@ -121,7 +122,7 @@ def _compressed_tensors(quant: dict[str, Any], source: str) -> Scheme:
         if not isinstance(weights, dict):
             raise _refuse(source, f"{field}.weights", weights)
         for key, allowed in (("type", ("int",)), ("num_bits", (4, 8)), ("strategy", ("group", "channel")),
-                             ("dynamic", (False, None))):
+                             ("dynamic", (False, None)), ("actorder", (None, "weight", "static"))):
             if weights.get(key) not in allowed:
                 raise _refuse(source, f"{field}.weights.{key}", weights.get(key))
         bits = max(bits, weights["num_bits"])
