@@ -14,16 +14,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from prequantized_writers import packing_utils, projections, write_compressed_tensors, write_packed
+from prequantized_writers import FAMILY, packing_utils, projections, write_compressed_tensors, write_packed
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_multi_lora_quantized import LORA, assert_each_request_as_on_the_twin, two_adapters
 from test_weight_only import assert_engine_equals_twin, dequantized_twin
+from tiny import FAMILIES, hf_model
 from tiny_train import build_tokenizer
 
 from pagedrl import LLM
 from pagedrl.cli import main
 from pagedrl.engine.sampling_params import SamplingParams
-from pagedrl.model.checkpoint import TOKENIZER_FILES, CheckpointError, load_causal_lm
+from pagedrl.model.checkpoint import TOKENIZER_FILES, CheckpointError, load_causal_lm, save_checkpoint
 from pagedrl.model.gguf_modules import GGUFLinear
 from pagedrl.model.loader import load_model
 from pagedrl.model.prequantized import Q8_0_OF_4BIT
@@ -219,3 +221,18 @@ def test_refusals_are_one_clear_line(tmp_path: Path) -> None:
     (float_folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"quantization='gptq' reads a pre-quantized folder; .* has no quantization_config"):
         load_model(str(float_folder), quantization="gptq")
+
+
+def test_adapters_per_request_on_a_gptq_base(tmp_path: Path) -> None:
+    """enable_lora on a base kept in its checkpoint's blocks: each request's tokens and log-probs are those
+    of the same adapters on the float32 model of the held weights (saved: a float folder, no
+    quantization_config)."""
+    folder = tmp_path / "gptq"
+    write_packed(folder, "gptq", 4, symmetric=True)
+    float_base = tmp_path / "float"
+    hf_model(FAMILIES[FAMILY]).save_pretrained(float_base)  # the same shapes: the adapters' base
+    quantized = LLM(str(folder), **LORA)
+    twin = save_checkpoint(dequantized_twin(load_model(str(folder), load_tokenizer=False).model), tmp_path / "twin")
+    assert "quantization_config" not in json.loads((twin / "config.json").read_text())
+    assert_each_request_as_on_the_twin(quantized, LLM(str(twin), **LORA), two_adapters(float_base, tmp_path),
+                                       quantized.engine.model.config.vocab_size)

@@ -204,6 +204,7 @@ def save_checkpoint(model: CausalLM, folder: str | Path, *, tokenizer_dir: str |
                    if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
         cfg = model.config.to_dict()
         cfg.pop("torch_dtype", None)  # transformers 5's name is `dtype`; one field, never two that disagree
+        cfg.pop("quantization_config", None)  # the tensors written are float, whatever the source held
         cfg["dtype"] = saved_dtype(tensors) or cfg.get("dtype")
         cfg.update(extra_config or {})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
