@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
 from prequantized_writers import FAMILY, packing_utils, projections, write_compressed_tensors, write_packed
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -28,7 +30,8 @@ from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.model.checkpoint import TOKENIZER_FILES, CheckpointError, load_causal_lm, save_checkpoint
 from pagedrl.model.gguf_modules import GGUFLinear
 from pagedrl.model.loader import load_model
-from pagedrl.model.prequantized import Q8_0_OF_4BIT
+from pagedrl.model.prequantized import Q8_0_OF_4BIT, hold
+from pagedrl.model.prequantized_codes import Codes
 from pagedrl.model.prequantized_config import PrequantizedError
 from pagedrl.model.tokenizer import Tokenizer
 
@@ -36,6 +39,24 @@ from pagedrl.model.tokenizer import Tokenizer
 def held(model: torch.nn.Module, name: str) -> torch.Tensor:
     module = model.get_submodule(name)
     return module.dequantized() if isinstance(module, GGUFLinear) else module.weight.detach()
+
+
+def test_q4_1_takes_asymmetric_codes_where_a_shift_is_exact() -> None:
+    """Codes less per-group zero points in 0..15, scales of few significant bits: every block finds a
+    shift c with c * s a half and is held in Q4_1, which gguf's own decoder reads back as s * v exactly;
+    one scale of 11 significant bits and an odd zero point leave only Q8_0."""
+    g = torch.Generator().manual_seed(5)
+    zeros = torch.randint(0, 16, (6, 4, 1), generator=g)
+    values = (torch.randint(0, 16, (6, 4, 32), generator=g) - zeros).reshape(6, 128).int()
+    scales = (torch.randint(1, 8, (6, 4), generator=g) * 2.0 ** -torch.randint(6, 12, (6, 4), generator=g)).double()
+    module, layout = hold(Codes(values, scales, None, 4), None)
+    assert layout == "Q4_1"
+    exact = (scales.repeat_interleave(32, dim=1) * values.double()).float().numpy()
+    assert np.array_equal(gguf_dequantize(module.qweight.numpy(), Q.Q4_1).reshape(6, 128), exact)
+    minimums = module.qweight.numpy().reshape(6, 4, 20)[:, :, 2:4].copy().view(np.float16)[..., 0]  # -c * s
+    assert len(set((-minimums / scales.numpy()).ravel().tolist())) > 2  # shifts c other than 0 and 8
+    scales[0, 0], values[0, :32] = 1 + 2.0 ** -10, torch.arange(32).int() % 16 - 7  # z = 7: 7 * s needs 14 bits
+    assert hold(Codes(values, scales, None, 4), None)[1] == Q8_0_OF_4BIT
 
 
 CT_CASES = [  # (format, bits, symmetric, strategy, group, the layout every projection gets)
