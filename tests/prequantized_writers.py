@@ -40,7 +40,7 @@ def projections(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
 
 
 def write_compressed_tensors(folder: Path, fmt: str, bits: int, symmetric: bool, strategy: str,
-                             group: int | None = None, seed: int = 1) -> Path:
+                             group: int | None = None, seed: int = 1, base: str = FAMILY) -> Path:
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -50,7 +50,7 @@ def write_compressed_tensors(folder: Path, fmt: str, bits: int, symmetric: bool,
     )
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    model = hf_model(FAMILIES[FAMILY], seed=seed).half()
+    model = hf_model(FAMILIES[base], seed=seed).half()
     args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group)
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
                                 ignore=["lm_head"])
@@ -86,13 +86,16 @@ def rtn_codes(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> tuple[
 
 
 def write_packed(folder: Path, method: str, bits: int = 4, group: int = 32, symmetric: bool = False,
-                 desc_act: bool = False, seed: int = 1, **family: object) -> dict[str, torch.Tensor]:
-    """A folder in AWQ's GEMM or GPTQ's layout, packed by GPTQModel (`family`: config fields over the tiny
-    model's); returns each projection's expected weight [n, k] in float64 (scale * (code - zero), of the
+                 desc_act: bool = False, seed: int = 1, base: str = FAMILY,
+                 **family: object) -> dict[str, torch.Tensor]:
+    """A folder in AWQ's GEMM or GPTQ's layout, packed by GPTQModel (`base`: the tiny family, `family`:
+    config fields over its own); returns each projection's expected weight [n, k] in float64 (scale * (code - zero), of the
     codes packed)."""
     packing = packing_utils()
-    model = hf_model(dict(FAMILIES[FAMILY], **family), seed=seed).half()
-    state = {k: v for k, v in model.state_dict().items()}
+    model = hf_model(dict(FAMILIES[base], **family), seed=seed).half()
+    state = dict(model.state_dict())
+    if model.config.tie_word_embeddings:
+        del state["lm_head.weight"]  # (the embedding's, as save_pretrained leaves it)
     expected: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(seed)
     for name, module in projections(model).items():

@@ -139,16 +139,23 @@ def test_gptq_v2_repacked_from_awq_is_gptqmodels_awq_dequantization(tmp_path: Pa
         assert torch.equal(held(loaded.model, name), weight), name
 
 
-@pytest.mark.parametrize("write", ["compressed-tensors", "gptq-act-order", "awq"])
+@pytest.mark.parametrize("write", ["compressed-tensors", "gptq-act-order", "awq", "gptq-qwen2"])
 def test_engine_computes_the_dequantized_float32_model(tmp_path: Path, write: str) -> None:
-    """Through LLM(folder) with no quantization named: the config names it, as vLLM reads it."""
+    """Through LLM(folder) with no quantization named: the config names it, as vLLM reads it. Qwen2: the
+    projections' biases beside the packed weights, and the head tied to the embedding."""
     folder = tmp_path / write
     if write == "compressed-tensors":
         write_compressed_tensors(folder, "pack-quantized", 4, True, "group", 32)
     else:
-        write_packed(folder, write[:4], 4, symmetric=True, desc_act=write == "gptq-act-order")
+        base = "qwen2-bias-tied" if write == "gptq-qwen2" else FAMILY
+        write_packed(folder, write[:4], 4, symmetric=True, desc_act=write == "gptq-act-order", base=base)
     llm = LLM(str(folder), dtype="float32")
     assert llm.engine.decode_path().startswith("decode steps as one program")
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:  # the biases beside the blocks: the file's
+        biases = {key: f.get_tensor(key) for key in f.keys() if key.endswith("proj.bias")}
+    assert len(biases) == (6 if write == "gptq-qwen2" else 0)
+    for key, bias in biases.items():
+        assert torch.equal(llm.engine.model.get_submodule(key.removesuffix(".bias")).bias, bias.float())
     twin = dequantized_twin(llm.engine.model)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(5, 200, size=n).tolist() for n in (3, 17, 40)]
