@@ -89,3 +89,19 @@ def kto_metrics(out: KTOOutput, policy_logps: Tensor, desirable: Tensor, kl: Ten
     if len(means) == 2:
         metrics["rewards/margins"] = Metric.mean(means["chosen"] - means["rejected"])
     return metrics
+
+
+def weight_advice(desirable: int, undesirable: int, desirable_weight: float, undesirable_weight: float) -> str | None:
+    """TRL 1.16's start-up warning, where the two sides' row counts differ and neither weight is in the range
+    Eq. (8) of the KTO paper suggests (desirable_weight·n_D / (undesirable_weight·n_U) in [1, 4/3]); None
+    otherwise."""
+    n_d, n_u = max(desirable, 1), max(undesirable, 1)
+    if n_d == n_u:
+        return None
+    d_low, d_high = round(n_u * undesirable_weight / n_d, 2), round(n_u * undesirable_weight / n_d * 1.33, 2)
+    u_low, u_high = round(n_d * desirable_weight / n_u / 1.33, 2), round(n_d * desirable_weight / n_u, 2)
+    if d_low <= desirable_weight <= d_high or u_low <= undesirable_weight <= u_high:
+        return None
+    return (f"{desirable} desirable and {undesirable} undesirable rows, and neither weight in the range the KTO "
+            f"paper suggests: set EITHER desirable_weight in [{d_low}, {d_high}] or undesirable_weight in "
+            f"[{u_low}, {u_high}] (but not both); trained as given (TRL 1.16 warns the same)")

@@ -40,7 +40,7 @@ from pagedrl.train.algorithms.pair_batch import PairBatch
 from pagedrl.train.data import load_train_and_eval
 from pagedrl.train.distributed import all_reduce_sum
 from pagedrl.train.examples import Preference
-from pagedrl.train.kto_losses import kl_estimate, kto_loss, kto_metrics, uses_kl
+from pagedrl.train.kto_losses import kl_estimate, kto_loss, kto_metrics, uses_kl, weight_advice
 from pagedrl.train.metrics import Metric
 from pagedrl.train.offline_config import KTOConfig
 from pagedrl.train.unpaired import Unpaired, UnpairedRows, pair_kl
@@ -131,10 +131,12 @@ class KTO(DPO):
         kl = (f"KL term from each block of {c.per_device_train_batch_size} rows' completions shifted by one, rows "
               "in dataset order" if uses_kl(c.loss_type) else "no KL term")
         desirable = sum(1 for e in self.examples if (e.pair if isinstance(e, ReferencedPair) else e).desirable)
+        undesirable = len(self.examples) - desirable
+        advice = weight_advice(desirable, undesirable, c.desirable_weight, c.undesirable_weight)
         return OfflineAlgorithm.summary_lines(self) + [
             f"kto: loss {c.loss_type}, beta {c.beta:g}, desirable_weight {c.desirable_weight:g}, undesirable_weight "
-            f"{c.undesirable_weight:g}; {desirable} desirable and {len(self.examples) - desirable} undesirable rows; "
-            f"{kl}; {ref}"]
+            f"{c.undesirable_weight:g}; {desirable} desirable and {undesirable} undesirable rows; {kl}; {ref}"] + \
+            ([f"kto: {advice}"] if advice else [])
 
 
 def run_kto(config: KTOConfig, dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
