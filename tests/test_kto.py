@@ -104,3 +104,22 @@ def test_settings_trl_refuses_or_pagedrl_lacks_are_refused_naming_the_key(tmp_pa
     assert train_main("kto", [f"output_dir={tmp_path}", "dataset=x.jsonl", setting]) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1, err
+
+
+def test_lora_takes_the_base_as_reference(tiny_train_model, tmp_path) -> None:
+    """With LoRA the reference is the base model (the adapters off, no copy): at the first step the adapters
+    are zero, so the policy is the reference and the loss is the full model's, β·0 rewards and KL 0."""
+    data = tmp_path / "feedback.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in unpaired_rows(8, seed=4)))
+    runs = {}
+    for name, extra in (("full", []), ("lora", ["use_peft=true", "lora_target_modules=[all-linear]", "lora_r=4"])):
+        out = tmp_path / name
+        assert train_main("kto", [f"model={tiny_train_model}", f"dataset={data}", f"output_dir={out}", "max_steps=2",
+                                  "per_device_train_batch_size=4", "learning_rate=1e-3", "logging_steps=1",
+                                  *extra]) == 0
+        runs[name] = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    first = runs["lora"][0]
+    assert first["loss"] == pytest.approx(runs["full"][0]["loss"], abs=1e-6)
+    assert (first["kl"], first["rewards/chosen"], first["rewards/rejected"]) == (0.0, 0.0, 0.0)
+    assert runs["lora"][1]["rewards/margins"] != 0.0  # the adapters moved the policy off the base
+    assert (tmp_path / "lora" / "final" / "adapter_model.safetensors").is_file()
