@@ -30,7 +30,7 @@ def trl_blocks(model_dir, ref_dir, rows, tmp_path, **settings) -> list[tuple[lis
     policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32) if ref_dir else None
     args = KTOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=PER, bf16=False, use_cpu=True,
-                     report_to="none", max_length=None, seed=0, **settings)
+                     report_to="none", seed=0, **{"max_length": None, **settings})
     trainer = KTOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
                          processing_class=AutoTokenizer.from_pretrained(str(model_dir)))
     trainer.model.train()
@@ -48,6 +48,8 @@ def trl_blocks(model_dir, ref_dir, rows, tmp_path, **settings) -> list[tuple[lis
     (dict(loss_type="kto", desirable_weight=1.5, undesirable_weight=0.7), True, True, True, False),
     (dict(loss_type="apo_zero_unpaired", desirable_weight=0.5), False, False, False, False),
     (dict(loss_type="kto", undesirable_weight=2.0), True, False, False, True),
+    # sequences cut to max_length by TRL's collator, the KL ones too
+    (dict(loss_type="kto", max_length=14), False, True, False, True),
 ])
 def test_first_batches_equal_trl_kto_trainer(tiny_train_model, other_model, tmp_path, settings, precompute,
                                              other_ref, chat, second) -> None:
@@ -67,12 +69,16 @@ def test_first_batches_equal_trl_kto_trainer(tiny_train_model, other_model, tmp_
     assert (algorithm.reference is None) == precompute
     model = algorithm.model.train()
     tokens = 0.0  # num_tokens: since the start
+    truncated = 0
     for k, (features, trl_loss, trl_metrics) in enumerate(theirs):
         examples = algorithm.examples[k * PER:(k + 1) * PER]
+        cut = settings.get("max_length")
         for row, feature in zip((getattr(e, "pair", e) for e in examples), features, strict=True):
-            assert (row.prompt_ids, row.completion_ids, row.desirable) == (
-                feature["prompt_ids"], feature["completion_ids"], feature["label"])
-            assert row.kl_completion_ids == feature.get("KL_completion_ids", [])
+            prompt = feature["prompt_ids"]
+            assert (row.prompt_ids, row.prompt_ids + row.completion_ids, row.desirable) == (
+                prompt, (prompt + feature["completion_ids"])[:cut], feature["label"])
+            assert row.prompt_ids + row.kl_completion_ids == (prompt + feature.get("KL_completion_ids", []))[:cut]
+            truncated += len(row.completion_ids) < len(feature["completion_ids"])
         loss, metrics = algorithm.loss(model, algorithm.collate(examples), torch.tensor(float(PER)))
         assert float(loss.detach()) == pytest.approx(trl_loss, **TOLERANCE)
         assert set(metrics) == set(trl_metrics), k
@@ -82,3 +88,4 @@ def test_first_batches_equal_trl_kto_trainer(tiny_train_model, other_model, tmp_
             assert got == pytest.approx(trl_metrics[name], **TOLERANCE), (k, name)
         if other_ref and k == 0:
             assert abs(trl_metrics["rewards/margins"]) > 1e-3  # a reference that differs, so the rewards count
+    assert (truncated > 0) == ("max_length" in settings)
