@@ -14,7 +14,7 @@ from test_trainer_resume import Interrupted, interrupt_at, metric_rows
 
 from pagedrl.train.cli import train_main
 from pagedrl.train.logging import read_metrics
-from pagedrl.train.unpaired import Unpaired, pair_kl
+from pagedrl.train.unpaired import UNPAIR_BLOCK, Unpaired, pair_kl, unpair
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 KTO_METRICS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
@@ -73,12 +73,24 @@ def test_kl_completions_are_the_blocks_completions_shifted_by_one() -> None:
     assert [r.kl_completion_ids for r in rows] == [[11] * 3, [10] * 3, [13] * 2, [12], []]
 
 
+def test_paired_rows_are_unpaired_in_trls_order() -> None:
+    """TRL's unpair_preference_dataset maps blocks of 1000 pairs: each block's chosen answers, then its rejected."""
+    def row(i: int, good: bool) -> Unpaired:
+        return Unpaired([1], [2], good, f"{i}{'+' if good else '-'}", [2])
+    out = unpair([(row(i, True), row(i, False)) for i in range(UNPAIR_BLOCK + 2)], "dataset")
+    expected = [f"{i}+" for i in range(UNPAIR_BLOCK)] + [f"{i}-" for i in range(UNPAIR_BLOCK)] + \
+        ["1000+", "1001+", "1000-", "1001-"]
+    assert [r.where for r in out] == expected
+
+
 @pytest.mark.parametrize(("row", "says"), [
     ({"prompt": "hi", "completion": " yes"}, "label: missing"),
     ({"prompt": "hi", "completion": " yes", "label": "true"}, "label: expected true or false, got a string 'true'"),
     ({"prompt": "hi", "completion": " yes", "label": 1}, "label: expected true or false, got a number 1"),
     ({"prompt": "hi", "completion": "", "label": True}, "completion: empty string"),
-    ({"prompt": "hi", "chosen": " a", "rejected": " b"}, "completion: missing: KTO reads unpaired rows"),
+    ({"prompt": "hi", "chosen": " a", "rejected": " b"},
+     "a paired {prompt, chosen, rejected} row in a dataset of {prompt, completion, label} rows"),
+    ({"prompt": "hi", "chosen": " a", "rejected": " b", "label": True}, "label: a paired row's answers"),
 ])
 def test_command_line_names_the_bad_row(tiny_train_model, tmp_path, capsys, row, says) -> None:
     data = tmp_path / "feedback.jsonl"

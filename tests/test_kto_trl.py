@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from preference_data import dpo_trainer, unpaired_rows
+from preference_data import dpo_trainer, preference_rows, unpaired_rows
 from tiny_train import build_model_dir
 
 PER = 4  # rows per micro-batch, TRL's and ours
@@ -44,6 +44,8 @@ def trl_blocks(model_dir, ref_dir, rows, tmp_path, **settings) -> list[tuple[lis
 
 
 @pytest.mark.parametrize(("settings", "precompute", "other_ref", "chat", "second"), [
+    # paired rows, unpaired as TRL does: the chosen answers (a block of desirable rows), then the rejected ones
+    (dict(loss_type="kto"), False, True, True, "paired"),
     (dict(loss_type="kto"), False, True, False, True),
     (dict(loss_type="kto", desirable_weight=1.5, undesirable_weight=0.7), True, True, True, False),
     (dict(loss_type="apo_zero_unpaired", desirable_weight=0.5), False, False, False, False),
@@ -53,9 +55,12 @@ def trl_blocks(model_dir, ref_dir, rows, tmp_path, **settings) -> list[tuple[lis
 ])
 def test_first_batches_equal_trl_kto_trainer(tiny_train_model, other_model, tmp_path, settings, precompute,
                                              other_ref, chat, second) -> None:
-    rows = unpaired_rows(2 * PER, seed=5, chat_every=1 if chat else 0)
-    for i, row in enumerate(rows):  # a mixed block, then one of `second`'s label only
-        row["label"] = i % 2 == 0 if i < PER else second
+    if second == "paired":
+        rows = preference_rows(PER, seed=6, chat_every=1 if chat else 0)
+    else:
+        rows = unpaired_rows(2 * PER, seed=5, chat_every=1 if chat else 0)
+        for i, row in enumerate(rows):  # a mixed block, then one of `second`'s label only
+            row["label"] = i % 2 == 0 if i < PER else second
     ref_dir = other_model if other_ref else None
     theirs = trl_blocks(tiny_train_model, ref_dir, rows, tmp_path, beta=0.3, precompute_ref_log_probs=precompute,
                         **settings)
@@ -87,5 +92,5 @@ def test_first_batches_equal_trl_kto_trainer(tiny_train_model, other_model, tmp_
             got = float(m.total) / float(m.weight) if m.reduce == "mean" else tokens
             assert got == pytest.approx(trl_metrics[name], **TOLERANCE), (k, name)
         if other_ref and k == 0:
-            assert abs(trl_metrics["rewards/margins"]) > 1e-3  # a reference that differs, so the rewards count
+            assert abs(trl_metrics.get("rewards/chosen", 0.0)) > 1e-3  # a reference that differs: rewards count
     assert (truncated > 0) == ("max_length" in settings)

@@ -43,7 +43,7 @@ from pagedrl.train.examples import Preference
 from pagedrl.train.kto_losses import kl_estimate, kto_loss, kto_metrics, uses_kl, weight_advice
 from pagedrl.train.metrics import Metric
 from pagedrl.train.offline_config import KTOConfig
-from pagedrl.train.unpaired import Unpaired, UnpairedRows, pair_kl
+from pagedrl.train.unpaired import Unpaired, UnpairedRows, pair_kl, unpair
 
 
 class KTO(DPO):
@@ -56,8 +56,11 @@ class KTO(DPO):
         """The rows, and with a KL loss each row's KL completion from its block of per_device_train_batch_size
         rows (the evaluation rows' too, as TRL's), before any reference log-prob is computed."""
         convert = UnpairedRows(tokenizer, config.max_length, config.truncation)
-        examples, report, eval_examples = load_train_and_eval(
-            config, dataset, eval_dataset, convert, "KTO needs a dataset of {prompt, completion, label} rows")
+        items, report, eval_items = load_train_and_eval(
+            config, dataset, eval_dataset, convert, "KTO needs a dataset of {prompt, completion, label} rows "
+            "(or {prompt, chosen, rejected} pairs)")
+        examples = unpair(items, "dataset")
+        eval_examples = None if eval_items is None else unpair(eval_items, "eval_dataset")
         if uses_kl(config.loss_type):
             for rows in (examples, eval_examples or []):
                 pair_kl(rows, config.per_device_train_batch_size, config.max_length)
