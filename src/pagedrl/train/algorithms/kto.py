@@ -88,9 +88,6 @@ class KTO(DPO):
             batch.token_weights = weights
         return batch
 
-    def count(self, batch: PairBatch) -> float:
-        return float(batch.num_pairs)
-
     def mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         total = all_reduce_sum([float(value)], self.dist)[0].item()
         return value.new_tensor(total / self.dist.world_size)
