@@ -45,6 +45,10 @@ from pagedrl.train.metrics import Metric
 from pagedrl.train.offline_config import KTOConfig
 from pagedrl.train.unpaired import Unpaired, UnpairedRows, pair_kl, unpair
 
+# Metrics of a side (or both) a micro-batch may lack: TRL logs nothing for it then, not a 0.
+ONE_SIDED = ("rewards/chosen", "logps/chosen", "logits/chosen", "rewards/rejected", "logps/rejected", "logits/rejected",
+             "rewards/margins")
+
 
 class KTO(DPO):
     name = "kto"
@@ -115,6 +119,8 @@ class KTO(DPO):
             for side, mask in (("chosen", good), ("rejected", completion & ~good)):
                 if bool(mask.any()):
                     metrics[f"logits/{side}"] = Metric.mean(policy.mean_logits[mask].sum(), mask.sum())
+            if self.dist.distributed:  # every rank reports the same names: a side it lacks weighs 0
+                metrics.update({k: Metric.mean(0.0, 0.0) for k in ONE_SIDED if k not in metrics})
             assert policy.entropy is not None
             metrics["entropy"] = Metric.mean(policy.entropy[completion].sum(), completion.sum())
             metrics["num_tokens"] = Metric.cumulative(batch.num_tokens)
