@@ -129,13 +129,14 @@ def assert_first_dpo_batch_equals_transformers(folder: str | Path, reference: st
 
 def trl_first_batch(kind: str, folder: str | Path, rows: list[dict], out: Path, size: int = 4,
                     **settings: object) -> tuple[list[dict], float, dict[str, torch.Tensor], dict[str, float]]:
-    """TRL 1.16's own SFTTrainer or DPOTrainer (`kind`) on the first `size` rows of `rows` as one micro-batch
+    """TRL 1.16's own SFTTrainer, DPOTrainer or KTOTrainer (`kind`) on the first `size` rows of `rows` as one micro-batch
     of a one-micro-batch step: its tokenized rows, loss, every parameter's gradient and its metrics."""
     from datasets import Dataset
     from transformers import AutoTokenizer
-    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer
 
-    config, trainer_class = (SFTConfig, SFTTrainer) if kind == "sft" else (DPOConfig, DPOTrainer)
+    config, trainer_class = {"sft": (SFTConfig, SFTTrainer), "dpo": (DPOConfig, DPOTrainer),
+                             "kto": (KTOConfig, KTOTrainer)}[kind]
     args = config(output_dir=str(out), per_device_train_batch_size=size, bf16=False, use_cpu=True, report_to="none",
                   **{"max_length": None, "seed": 0, **settings})
     trainer = trainer_class(model=theirs(folder), args=args, train_dataset=Dataset.from_list(rows),
@@ -155,7 +156,7 @@ def trl_first_batch(kind: str, folder: str | Path, rows: list[dict], out: Path, 
 
 def ours_first_batch(algorithm: Any, size: int = 4) -> tuple[list[object], float, dict[str, torch.Tensor],
                                                                  dict[str, float]]:
-    """pagedrl's SFT or DPO algorithm on its first `size` examples as one micro-batch of a one-micro-batch
+    """pagedrl's SFT, DPO or KTO algorithm on its first `size` examples as one micro-batch of a one-micro-batch
     step: the examples, the loss, every parameter's gradient and the metrics."""
     examples = algorithm.examples[:size]
     batch = algorithm.collate(examples)

@@ -19,12 +19,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from preference_data import preference_rows  # noqa: E402
+from preference_data import preference_rows, unpaired_rows  # noqa: E402
 from tiny_train import arithmetic_rows  # noqa: E402
 
 # dpo_precomputed: DPO with the reference's log-probs computed before training, a strided share per rank.
 ALGORITHMS = ("sft", "rm", "dpo", "dpo_precomputed", "grpo", "ppo")
-GLOBAL_MICRO_BATCH = {"sft": 4, "rm": 4, "dpo": 4, "dpo_precomputed": 4, "grpo": 16, "ppo": 8}  # rows, pairs or completions (one process)
+GLOBAL_MICRO_BATCH = {"sft": 4, "rm": 4, "dpo": 4, "dpo_precomputed": 4, "grpo": 16, "ppo": 8,  # rows, pairs or completions
+                      "kto": 4}  # (one process); KTO keeps 2 rows per micro-batch under any world size
 TIMINGS = ("seconds", "tokens_per_second", "prefix_blocks_shared", "num_tokens")
 
 
@@ -73,6 +74,16 @@ def build(algorithm: str, model_dir: Path, out: Path, dist: Any, fsdp: str | Non
         config = DPOConfig(**common, learning_rate=1e-3, precompute_ref_log_probs=algorithm == "dpo_precomputed")
         attach_lora(config, loaded.model)
         algo = DPO(config, loaded.model, loaded.tokenizer, dist, preference_rows(16), preference_rows(5, seed=1))
+    elif algorithm == "kto":  # its KL term is averaged over the ranks, so two processes are not one: see the test
+        from pagedrl.train.algorithms.kto import KTO
+        from pagedrl.train.offline_config import KTOConfig
+
+        config = KTOConfig(**{**common, "per_device_train_batch_size": 2, "learning_rate": 1e-3})
+        reference = load_model(str(model_dir), device="cpu", dtype=torch.float32).model
+        with torch.no_grad():  # a reference other than the policy, so that rewards and the KL term are not 0
+            for p in reference.parameters():
+                p.mul_(1.25)
+        algo = KTO(config, loaded.model, loaded.tokenizer, dist, unpaired_rows(16, seed=8), ref_model=reference)
     elif algorithm == "grpo":
         from pagedrl.train.algorithms.grpo import GRPO
         from pagedrl.train.rl.config import GRPOConfig

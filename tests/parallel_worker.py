@@ -28,6 +28,7 @@ if __name__ == "__main__":
     for algorithm in ALGORITHMS:  # LoRA adapters on a frozen base, under DDP
         results[f"{algorithm}-lora"] = run_steps(build(algorithm, model_dir, out / f"{algorithm}-lora", dist, None,
                                                        **LORA))
+    results["kto-ddp"] = run_steps(build("kto", model_dir, out / "kto-ddp", dist, None), steps=1)
     results["full-weights"] = full_weights_states(build("grpo", model_dir, out / "full-weights", dist, "full_shard"))
     # PPO's checkpoint under FSDP2: the policy and the critic (its own backbone, or the policy's).
     for critic in ("policy", "shared"):

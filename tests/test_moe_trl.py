@@ -1,8 +1,9 @@
-"""The router load-balancing loss of a mixture of experts in SFT and DPO against TRL 1.16's own
-SFTTrainer and DPOTrainer on the same saved model and rows: the first batch's loss, every parameter's
+"""The router load-balancing loss of a mixture of experts in SFT, DPO and KTO against TRL 1.16's own
+SFTTrainer, DPOTrainer and KTOTrainer on the same saved model and rows: the first batch's loss, every parameter's
 gradient (the router's included) and `aux_loss`, with the loss on (the model config's coefficient,
 0.5 here so that the term shows) and off (`router_aux_loss_coef=0`). TRL runs DPO's answers as two
-padded rows, each with its own prompt; pagedrl computes the prompt once and counts its tokens twice.
+padded rows, each with its own prompt; pagedrl computes the prompt once and counts its tokens twice (KTO's
+KL completion, a second forward in TRL without the term, not at all).
 GRPO's term against transformers' over the rows TRL's GRPO trainer builds; which models have it; the eval loss
 with the term, as TRL's."""
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from first_batches import TOLERANCE, ours_first_batch, trl_first_batch
-from preference_data import dpo_trainer, preference_rows
+from preference_data import dpo_trainer, preference_rows, unpaired_rows
 from test_grpo import grpo, write_prompts
 from tiny import DEEPSEEK_FAMILIES, FAMILIES
 from tiny_train import MOE, arithmetic_rows, build_model_dir, sft_trainer
@@ -25,25 +26,29 @@ from pagedrl.train.router_loss import load_balancing_loss, router_loss_coef
 COEF = 0.5  # the model config's `router_aux_loss_coef`
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo"])
+@pytest.mark.parametrize("kind", ["sft", "dpo", "kto"])
 @pytest.mark.parametrize(("family", "coef"), [("mixtral", None), ("mixtral", 0.0), ("qwen3-moe", None),
                                               ("qwen3-moe", 0.0), ("gpt-oss", None)])
 def test_first_batch_equals_trl(tmp_path, family: str, coef: float | None, kind: str) -> None:
     folder = build_model_dir(tmp_path / "model", num_experts_per_tok=2, router_aux_loss_coef=COEF, **MOE[family])
     # Plain-text rows (a dataset of TRL's holds one kind).
     plain = [r for r in arithmetic_rows() if isinstance(r["prompt"], str)]
-    rows = plain if kind == "sft" else preference_rows(8, seed=3)
+    rows = {"sft": plain, "dpo": preference_rows(8, seed=3), "kto": unpaired_rows(8, seed=3)}[kind]
     settings = {} if coef is None else {"router_aux_loss_coef": coef}
     features, trl_loss, trl_grads, trl_metrics = trl_first_batch(kind, folder, rows, tmp_path / "trl", **settings)
     if kind == "sft":
         trainer = sft_trainer(folder, tmp_path / "ours", rows=rows, per_device_train_batch_size=4, **settings)
     else:
-        trainer = dpo_trainer(folder, tmp_path / "ours", rows, per_device_train_batch_size=4, **settings)
+        trainer = dpo_trainer(folder, tmp_path / "ours", rows, per_device_train_batch_size=4, kto=kind == "kto",
+                              **settings)
     examples, loss, grads, metrics = ours_first_batch(trainer.algorithm)
     for example, feature in zip(examples, features, strict=True):  # the same tokens
         if kind == "sft":
             assert example.input_ids == feature["input_ids"]
             assert example.completion_ids == [t for t in feature["labels"] if t != -100]
+        elif kind == "kto":
+            assert (example.prompt_ids, example.completion_ids, example.kl_completion_ids) == (
+                feature["prompt_ids"], feature["completion_ids"], feature["KL_completion_ids"])
         else:
             assert (example.prompt_ids, example.chosen_ids, example.rejected_ids) == (
                 feature["prompt_ids"], feature["chosen_ids"], feature["rejected_ids"])

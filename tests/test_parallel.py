@@ -121,6 +121,30 @@ def test_lora_under_ddp_equals_one_process(algorithm, two_processes, tiny_train_
             assert torch.allclose(two["grads"][name], g, rtol=0, atol=TOL), f"{where}: gradient of {name}"
 
 
+def test_kto_averages_its_kl_term_over_the_ranks(two_processes, tiny_train_model, tmp_path) -> None:
+    """TRL gathers each process's KL estimate and takes their mean: the two ranks' micro-batch k (rows 2k, 2k+1
+    and 4+2k, 5+2k of the first step's 8) share one z₀, computed here from one process's log-probs."""
+    from pagedrl.train.algorithms.dpo import answer_logps
+    from pagedrl.train.kto_losses import kto_loss
+
+    two = two_processes[0]["kto-ddp"][0]
+    algorithm = build("kto", tiny_train_model, tmp_path, DistInfo(), None).algorithm
+    c, losses, kls = algorithm.config, [], []
+    for k in range(2):
+        batches = [algorithm.collate(algorithm.examples[start:start + 2]) for start in (2 * k, 4 + 2 * k)]
+        with torch.no_grad():
+            logps = [(answer_logps(algorithm.model, b).logps, algorithm.reference_logps(b)) for b in batches]
+        means = torch.stack([(pi[2:] - ref[2:]).mean() for pi, ref in logps])
+        assert abs(float(means[0] - means[1])) > 0.1  # each rank's own would give another loss: the check can fail
+        kl = means.mean().clamp(min=0)
+        kls.append(float(kl))
+        for b, (pi, ref) in zip(batches, logps, strict=True):
+            losses.append(kto_loss(pi[:2], ref[:2], b.desirable, kl, c.beta, c.loss_type).losses.sum())
+    assert min(kls) > 0.01  # the term is there to be checked
+    assert two["loss"] == pytest.approx(float(sum(losses)) / 8, abs=TOL)
+    assert two["metrics"]["kl"] == pytest.approx(sum(kls) / 2, abs=TOL)
+
+
 @pytest.mark.parametrize(("dynamic_sampling", "scale_rewards"), [(False, "batch"), (True, "batch"), (True, "group")])
 def test_grpo_batch_statistics_are_gathered_across_ranks(dynamic_sampling, scale_rewards, two_processes) -> None:
     """TRL gathers every process's rewards before its advantages; so do the ranks here: the

@@ -14,10 +14,10 @@ import trl
 import yaml
 
 from pagedrl.train.config import TrainConfig, load_config
-from pagedrl.train.offline_config import DPOConfig, RewardConfig, SFTConfig
+from pagedrl.train.offline_config import DPOConfig, KTOConfig, RewardConfig, SFTConfig
 from pagedrl.train.rl.config import GRPOConfig
 
-CONFIGS = {"SFTConfig": SFTConfig, "DPOConfig": DPOConfig, "GRPOConfig": GRPOConfig, "RewardConfig": RewardConfig}
+CONFIGS = {"SFTConfig": SFTConfig, "DPOConfig": DPOConfig, "KTOConfig": KTOConfig, "GRPOConfig": GRPOConfig, "RewardConfig": RewardConfig}
 RECIPE = dict(learning_rate=1e-4, num_train_epochs=2, max_steps=100, per_device_train_batch_size=4,
               gradient_accumulation_steps=2, warmup_steps=0.1, lr_scheduler_type="cosine", logging_steps=5,
               save_steps=50, seed=7, bf16=True)
@@ -63,6 +63,11 @@ def test_a_whole_trl_config_loads_with_trls_defaults_read_as_pagedrls(name: str,
         assert (ours.tis_mode, ours.tis_cap, ours.num_completions_to_print) == ("sequence_mask", 3.0, None)
     if name == "DPOConfig":
         assert (ours.beta, ours.loss_type, ours.max_length, ours.disable_dropout) == (0.1, "sigmoid", 1024, True)
+    if name == "KTOConfig":
+        assert (ours.beta, ours.loss_type, ours.desirable_weight, ours.undesirable_weight, ours.max_length,
+                ours.disable_dropout, ours.train_sampling_strategy, ours.precompute_ref_log_probs) == (
+            theirs.beta, theirs.loss_type, theirs.desirable_weight, theirs.undesirable_weight, theirs.max_length,
+            True, theirs.train_sampling_strategy, False) == (0.1, "kto", 1.0, 1.0, 1024, True, "sequential", False)
     if name == "SFTConfig":
         assert (ours.max_length, ours.packing, ours.assistant_only_loss) == (theirs.max_length, False, False)
     if name == "RewardConfig":
@@ -88,11 +93,15 @@ COMMON_CHANGES = [("fp16", True), ("tf32", True), ("optim_args", "momentum=0.9")
 GRPO_CHANGES = [("steps_per_generation", 4), ("generation_batch_size", 16), ("use_vllm", True),
                 ("vllm_gpu_memory_utilization", 0.9), ("repetition_penalty", 1.1), ("entropy_coef", 0.01),
                 ("multi_objective_aggregation", "normalize_then_sum"), ("top_entropy_quantile", 0.2)]
+# KTOConfig's keys pagedrl does not build
+KTO_CHANGES = [("activation_offloading", True), ("pad_to_multiple_of", 8), ("dataset_num_proc", 4),
+               ("model_init_kwargs", {"revision": "main"}), ("trust_remote_code", True)]
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_another_value_of_a_key_pagedrl_does_not_read_is_refused_naming_it(name: str, tmp_path: Path) -> None:
-    for key, value in COMMON_CHANGES + (GRPO_CHANGES if name == "GRPOConfig" else []):
+    own = {"GRPOConfig": GRPO_CHANGES, "KTOConfig": KTO_CHANGES}.get(name, [])
+    for key, value in COMMON_CHANGES + own:
         path = trl_dump(tmp_path, name, {key: value})
         with pytest.raises(ValueError, match=rf"^config file {path}: {key}: only ") as e:
             load_config(CONFIGS[name], path)

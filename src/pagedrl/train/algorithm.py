@@ -184,14 +184,14 @@ class OfflineAlgorithm(Algorithm):
 
     def __init__(self, examples: Sequence[Any], report: DataReport | None, per_device_batch_size: int,
                  gradient_accumulation_steps: int, dist: DistInfo, seed: int,
-                 eval_examples: Sequence[Any] | None = None) -> None:
+                 eval_examples: Sequence[Any] | None = None, shuffle: bool = True) -> None:
         self.examples = list(examples)
         self.report = report
         self.eval_examples = list(eval_examples) if eval_examples is not None else None
         self.per_device, self.accumulation, self.dist = per_device_batch_size, gradient_accumulation_steps, dist
         self.num_examples = len(self.examples)
         self.examples_per_step = per_device_batch_size * gradient_accumulation_steps * dist.world_size
-        self.stream = EpochStream(self.num_examples, seed)
+        self.stream = EpochStream(self.num_examples, seed, shuffle)  # shuffle False: dataset order every epoch
         self.eval_batches = 1  # the eval set's micro-batches over all ranks, while `evaluate` runs
 
     def collate(self, examples: Sequence[Any]) -> Any:

@@ -1,9 +1,10 @@
-"""The offline trainers' configs (SFT, reward model, DPO): `TrainConfig` and each algorithm's own fields,
+"""The offline trainers' configs (SFT, reward model, DPO, KTO): `TrainConfig` and each algorithm's own fields,
 under TRL's names. Kept beside `config.py`, which holds the shared fields and the loading, so that each
 file stays one idea; the online trainers' configs are in `rl/config.py`."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,6 +17,7 @@ from pagedrl.train.dpo_losses import (
     FDivergence,
     dpo_settings_problem,
 )
+from pagedrl.train.kto_losses import KTOLossType, uses_kl
 
 TruncationMode = Literal["keep_start", "keep_end"]  # TRL's SFT and DPO truncation_mode
 
@@ -66,29 +68,15 @@ class RewardConfig(TrainConfig):
 
 
 @dataclass
-class DPOConfig(TrainConfig):
+class ReferenceConfig(TrainConfig):
+    """The fields of the offline preference trainers that train against a frozen reference (DPO, KTO),
+    under TRL's names and defaults, which both of TRL's configs share."""
+
     learning_rate: float = 1e-6
     beta: float = 0.1
-    # One of TRL's losses, or a list of them summed with loss_weights (MPO: [sigmoid, bco_pair, sft], [0.8, 0.2, 1])
-    loss_type: DPOLossType | list[DPOLossType] = "sigmoid"
-    loss_weights: list[float] | None = None  # None: 1 each
-    label_smoothing: float = 0.0  # sigmoid, aot: conservative DPO; robust: label flip probability; exo_pair: EXO's ε
-    discopop_tau: float = DISCOPOP_TAU  # the discopop loss's temperature
-    # f-DPO: the divergence from the reference each answer's score follows (reverse_kl: DPO's log-ratio)
-    f_divergence_type: FDivergence = "reverse_kl"
-    f_alpha_divergence_coef: float = F_ALPHA_COEF  # alpha_divergence's α
-    # LD-DPO: the tokens of the longer answer past the shorter one's length count α times (None: once)
-    ld_alpha: float | None = None
-    # WPO: each pair's losses times its answers' weights, exp of their mean log p - log Σ_v p_v² (the policy's)
-    use_weighting: bool = False
-    # Each of prompt + chosen and prompt + rejected longer than max_length keeps its first max_length tokens,
-    # or its last (keep_end, which TRL 1.16 deprecates: the prompt's start is cut first, each answer's apart)
-    truncation_mode: TruncationMode = "keep_start"
-    # TRL's key: true trains as false (TRL 1.16's DPOTrainer falls back to padding too), said at start-up
-    padding_free: bool = False
     ref_model: str | None = None  # None: a frozen copy of the starting policy
     precompute_ref_log_probs: bool = False
-    precompute_ref_batch_size: int | None = None  # pairs per batch of that pass (None: per_device_train_batch_size)
+    precompute_ref_batch_size: int | None = None  # rows per batch of that pass (None: per_device_train_batch_size)
     # TR-DPO: every ref_model_sync_steps optimizer steps the reference becomes α·policy + (1-α)·reference
     sync_ref_model: bool = False
     ref_model_mixup_alpha: float = 0.6  # α
@@ -106,13 +94,6 @@ class DPOConfig(TrainConfig):
                  f"must be >= 1, got {size}" if size is not None and size < 1 else
                  f"sizes the precompute_ref_log_probs pass, which is off; got {size}, expected null")
         self.validate_sync()
-        _require(self.ld_alpha is None or 0.0 <= self.ld_alpha <= 1.0, "ld_alpha",
-                 f"must be null or in [0, 1] (1 weighs the verbose tokens as the others, 0 drops them), "
-                 f"got {self.ld_alpha}")
-        problem = dpo_settings_problem(self.loss_type, self.loss_weights, self.label_smoothing, self.discopop_tau,
-                                       self.f_divergence_type, self.f_alpha_divergence_coef, self.use_weighting)
-        if problem is not None:
-            raise TrainConfigError(*problem)
 
     def validate_sync(self) -> None:
         """TR-DPO's keys: the reference it mixes must be a full model of the policy's own (not precomputed, not
@@ -131,3 +112,60 @@ class DPOConfig(TrainConfig):
                  "adapters switched off), no model of its own to mix, as in TRL: train without use_peft")
         _require(self.fsdp is None, "sync_ref_model", "not built with FSDP2 (fsdp), whose policy weights are "
                  "shards: use DDP or one process")
+
+
+@dataclass
+class DPOConfig(ReferenceConfig):
+    # One of TRL's losses, or a list of them summed with loss_weights (MPO: [sigmoid, bco_pair, sft], [0.8, 0.2, 1])
+    loss_type: DPOLossType | list[DPOLossType] = "sigmoid"
+    loss_weights: list[float] | None = None  # None: 1 each
+    label_smoothing: float = 0.0  # sigmoid, aot: conservative DPO; robust: label flip probability; exo_pair: EXO's ε
+    discopop_tau: float = DISCOPOP_TAU  # the discopop loss's temperature
+    # f-DPO: the divergence from the reference each answer's score follows (reverse_kl: DPO's log-ratio)
+    f_divergence_type: FDivergence = "reverse_kl"
+    f_alpha_divergence_coef: float = F_ALPHA_COEF  # alpha_divergence's α
+    # LD-DPO: the tokens of the longer answer past the shorter one's length count α times (None: once)
+    ld_alpha: float | None = None
+    # WPO: each pair's losses times its answers' weights, exp of their mean log p - log Σ_v p_v² (the policy's)
+    use_weighting: bool = False
+    # Each of prompt + chosen and prompt + rejected longer than max_length keeps its first max_length tokens,
+    # or its last (keep_end, which TRL 1.16 deprecates: the prompt's start is cut first, each answer's apart)
+    truncation_mode: TruncationMode = "keep_start"
+    # TRL's key: true trains as false (TRL 1.16's DPOTrainer falls back to padding too), said at start-up
+    padding_free: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        _require(self.ld_alpha is None or 0.0 <= self.ld_alpha <= 1.0, "ld_alpha",
+                 f"must be null or in [0, 1] (1 weighs the verbose tokens as the others, 0 drops them), "
+                 f"got {self.ld_alpha}")
+        problem = dpo_settings_problem(self.loss_type, self.loss_weights, self.label_smoothing, self.discopop_tau,
+                                       self.f_divergence_type, self.f_alpha_divergence_coef, self.use_weighting)
+        if problem is not None:
+            raise TrainConfigError(*problem)
+
+
+@dataclass
+class KTOConfig(ReferenceConfig):
+    loss_type: KTOLossType = "kto"
+    # Each side's losses times its weight, to counter unequal numbers of desirable and undesirable rows
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+    # TRL's KTO default: rows in dataset order, so that each micro-batch is the block of rows its KL
+    # completions were drawn from; random (each epoch shuffled from seed) only for apo_zero_unpaired
+    train_sampling_strategy: Literal["sequential", "random"] = "sequential"
+
+    def validate(self) -> None:
+        super().validate()
+        for key in ("desirable_weight", "undesirable_weight"):
+            value = getattr(self, key)
+            _require(math.isfinite(value) and value >= 0, key, f"must be a finite number >= 0, got {value}")
+        if uses_kl(self.loss_type):
+            _require(self.train_sampling_strategy == "sequential", "train_sampling_strategy",
+                     f"the {self.loss_type} loss estimates its KL term from each row's neighbours in a fixed-order "
+                     f"batch, which any other order breaks (TRL 1.16 refuses it too); got "
+                     f"{self.train_sampling_strategy!r}, expected 'sequential' (or loss_type apo_zero_unpaired)")
+            _require(self.per_device_train_batch_size > 1, "per_device_train_batch_size",
+                     f"the {self.loss_type} loss estimates its KL term from the micro-batch's mismatched prompt and "
+                     "completion pairs, which one row does not have (the term would equal the reward; TRL 1.16 "
+                     f"refuses it too); got {self.per_device_train_batch_size}, expected > 1")

@@ -84,6 +84,7 @@ class AnswerLogps:
     mean_logits: torch.Tensor  # [N] vocabulary-mean logit at each answer token (no gradient)
     full: torch.Tensor  # [2B] the plain sums (`logps` itself without ld_alpha): the sft loss's NLL reads them
     weights: torch.Tensor | None = None  # [2B] WPO's weights (`wpo_weights`), when asked for
+    entropy: torch.Tensor | None = None  # [N] entropy of the distribution at each answer token, when asked for
 
 
 def answer_sums(token_logps: torch.Tensor, batch: PairBatch, ld_alpha: float | None = None) -> torch.Tensor:
@@ -124,16 +125,16 @@ def wpo_weights(token_logps: torch.Tensor, log_sum_sq: torch.Tensor, batch: Pair
 
 
 def answer_logps(model: Any, batch: PairBatch, with_logits: bool = False, ld_alpha: float | None = None,
-                 weights: bool = False) -> AnswerLogps:
+                 weights: bool = False, entropy: bool = False) -> AnswerLogps:
     """Σ log p(answer token | prompt, earlier answer tokens) per answer (`answer_sums`), from one forward, and
-    on request WPO's `weights`. `model` is the policy (through the loop's handle) or a plain CausalLM (the
-    reference)."""
+    on request WPO's `weights` and each answer token's `entropy`. `model` is the policy (through the loop's
+    handle) or a plain CausalLM (the reference)."""
     out = target_logprobs(model, batch.input_ids, batch.positions, batch.meta, batch.predict_at, batch.targets,
-                          mean_logit=with_logits, log_sum_sq=weights)
+                          mean_logit=with_logits, log_sum_sq=weights, entropy=entropy)
     logps = answer_sums(out.logps, batch, ld_alpha)
     full = logps if ld_alpha is None else answer_sums(out.logps, batch)
     wpo = None if out.log_sum_sq is None else wpo_weights(out.logps, out.log_sum_sq, batch)
-    return AnswerLogps(logps, out.mean_logit if with_logits else out.logps.new_zeros(0), full, wpo)
+    return AnswerLogps(logps, out.mean_logit if with_logits else out.logps.new_zeros(0), full, wpo, out.entropy)
 
 
 def frozen(model: torch.nn.Module) -> torch.nn.Module:
@@ -148,11 +149,9 @@ class DPO(OfflineAlgorithm):
     def __init__(self, config: DPOConfig, model: CausalLM, tokenizer: Tokenizer, dist: DistInfo,
                  dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
                  generation_config: dict[str, Any] | None = None, ref_model: CausalLM | None = None) -> None:
-        convert = PreferenceRows(tokenizer, config.max_length, config.truncation, config.truncation_mode == "keep_end")
-        examples, report, eval_examples = load_train_and_eval(
-            config, dataset, eval_dataset, convert, "DPO needs a dataset of {prompt, chosen, rejected} rows")
+        examples, report, eval_examples = self.read_examples(config, tokenizer, dataset, eval_dataset)
         super().__init__(examples, report, config.per_device_train_batch_size, config.gradient_accumulation_steps,
-                         dist, config.seed, eval_examples)
+                         dist, config.seed, eval_examples, shuffle=self.shuffled(config))
         self.model, self.tokenizer, self.generation_config = model, tokenizer, generation_config
         self.config = config
         pad = tokenizer.pad_token_id
@@ -183,6 +182,22 @@ class DPO(OfflineAlgorithm):
 
         if config.sync_ref_model:
             self.check_mixable(self.reference)
+
+    def read_examples(self, config: Any, tokenizer: Tokenizer, dataset: Dataset | None,
+                      eval_dataset: Dataset | None) -> tuple[list[Any], Any, list[Any] | None]:
+        """The training and evaluation examples (KTO reads its own rows)."""
+        convert = PreferenceRows(tokenizer, config.max_length, config.truncation, config.truncation_mode == "keep_end")
+        return load_train_and_eval(config, dataset, eval_dataset, convert,
+                                   "DPO needs a dataset of {prompt, chosen, rejected} rows")
+
+    def shuffled(self, config: Any) -> bool:
+        """Whether each epoch's rows are shuffled (KTO's KL term needs them in dataset order)."""
+        return True
+
+    @property
+    def ld_alpha(self) -> float | None:
+        """LD-DPO's weight of the verbose tokens in an answer's sum, which the reference's sums take too."""
+        return self.config.ld_alpha
 
     # -- TR-DPO: the reference mixed toward the policy -------------------------------------------
 
@@ -235,8 +250,7 @@ class DPO(OfflineAlgorithm):
             size = self.config.precompute_ref_batch_size or self.per_device
             for start in range(0, len(mine), size):
                 chunk = mine[start:start + size]
-                logps = answer_logps(source, self.collate([pairs[i] for i in chunk]),
-                                     ld_alpha=self.config.ld_alpha).logps
+                logps = answer_logps(source, self.collate([pairs[i] for i in chunk]), ld_alpha=self.ld_alpha).logps
                 table[chunk] = logps.view(2, -1).t().to("cpu", torch.float64)
         source.train(was_training)
         table = all_reduce_sum(table.reshape(-1), self.dist).view(-1, 2)
@@ -247,11 +261,11 @@ class DPO(OfflineAlgorithm):
             return batch.ref_logps
         if self.base_is_reference:
             with reference_forward(self.model):
-                return answer_logps(self.model, batch, ld_alpha=self.config.ld_alpha).logps
+                return answer_logps(self.model, batch, ld_alpha=self.ld_alpha).logps
         if self.reference is None:
             raise RuntimeError("reference log-probs were not precomputed for this batch")
         with torch.no_grad():
-            return answer_logps(self.reference, batch, ld_alpha=self.config.ld_alpha).logps
+            return answer_logps(self.reference, batch, ld_alpha=self.ld_alpha).logps
 
     # -- the loop's interface -------------------------------------------------------------------
 
@@ -297,11 +311,17 @@ class DPO(OfflineAlgorithm):
                 "num_tokens": Metric.cumulative(batch.num_tokens),
             }
         if balance and router_logits:
-            cfg = self.model.config
-            aux = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, batch.token_weights)
-            loss = loss + self.router_coef * aux * self.micro_batch_share()
-            metrics["aux_loss"] = Metric.mean(aux.detach())
+            loss = self.add_router_loss(loss, router_logits, batch.token_weights, metrics)
         return loss, metrics
+
+    def add_router_loss(self, loss: torch.Tensor, router_logits: Any, token_weights: torch.Tensor | None,
+                        metrics: dict[str, Any]) -> torch.Tensor:
+        """`loss` plus the micro-batch's load-balancing term over the tokens `token_weights` counts (how many
+        of TRL's rows hold each), logged as `aux_loss`."""
+        cfg = self.model.config
+        aux = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, token_weights)
+        metrics["aux_loss"] = Metric.mean(aux.detach())
+        return loss + self.router_coef * aux * self.micro_batch_share()
 
     def summary_lines(self) -> list[str]:
         c = self.config
@@ -328,15 +348,21 @@ class DPO(OfflineAlgorithm):
 def run_dpo(config: DPOConfig, dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
             progress: bool = True) -> Path:
     """Train `config.model` with DPO on `dataset` (default: `config.dataset`); returns `output_dir/final`."""
+    return run_with_reference(DPO, config, dataset, eval_dataset, progress)
+
+
+def run_with_reference(cls: type[DPO], config: Any, dataset: Dataset | None, eval_dataset: Dataset | None,
+                       progress: bool) -> Path:
+    """Load the policy (and `ref_model`, if given), build `cls` (DPO or KTO) and train it."""
     from pagedrl.model.loader import load_model
     from pagedrl.train.start import start_run
     from pagedrl.train.trainer import Trainer
 
-    dist, loaded = start_run(config, "DPO needs")
+    dist, loaded = start_run(config, f"{cls.name.upper()} needs")
     reference = None
     if config.ref_model is not None:
         reference = load_model(config.ref_model, device=dist.device, dtype=torch.float32, load_tokenizer=False).model
-    algorithm = DPO(config, loaded.model, loaded.tokenizer, dist, dataset, eval_dataset,
+    algorithm = cls(config, loaded.model, loaded.tokenizer, dist, dataset, eval_dataset,
                     loaded.generation_config or None, ref_model=reference)
     del reference  # with precomputed log-probs the algorithm no longer holds it either
     return Trainer(config, algorithm, dist, progress=progress).train()

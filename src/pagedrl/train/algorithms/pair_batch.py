@@ -63,6 +63,7 @@ class PairBatch:
     score_at: torch.Tensor | None = None
     margins: torch.Tensor | None = None  # [B], None when no pair has a margin
     ref_logps: torch.Tensor | None = None  # [2B] reference log-probs, when precomputed
+    desirable: torch.Tensor | None = None  # [B] bool, KTO's labels (its rows: [prompt, completion, KL completion])
 
 
 def collate_pairs(pairs: Sequence[Preference], pad_id: int, device: torch.device, *, answer_tokens: bool = False,
