@@ -1,4 +1,4 @@
-"""`pagedrl sft|rm|dpo|grpo|ppo [config.yaml] [key=value ...]`: config file plus overrides, then
+"""`pagedrl sft|rm|dpo|grpo|rloo|ppo [config.yaml] [key=value ...]`: config file plus overrides, then
 the algorithm's `run_<name>(config)`.
 
 Each algorithm is named here by module, run function and config class, and imported only when
@@ -21,6 +21,7 @@ ALGORITHMS: dict[str, tuple[str, str, str]] = {
     "rm": ("pagedrl.train.algorithms.rm", "run_rm", "RewardConfig"),
     "dpo": ("pagedrl.train.algorithms.dpo", "run_dpo", "DPOConfig"),
     "grpo": ("pagedrl.train.algorithms.grpo", "run_grpo", "GRPOConfig"),
+    "rloo": ("pagedrl.train.algorithms.rloo", "run_rloo", "RLOOConfig"),
     "ppo": ("pagedrl.train.algorithms.ppo", "run_ppo", "PPOConfig"),
 }
 
