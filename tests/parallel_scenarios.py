@@ -5,7 +5,7 @@ with the same global batch. Imported by the test (the one-process reference) and
 Each scenario takes two optimizer steps through the loop's own `accumulate` and `optimizer_step`
 and records, on rank 0: the step loss, the step metrics (timings left out), the whole gradient
 before and after clipping (gathered from the shards under FSDP2), the gradient norm, and for
-GRPO/PPO the rollout (completion ids, advantages) gathered in rank order and, after the steps, a
+GRPO/RLOO/PPO the rollout (completion ids, advantages) gathered in rank order and, after the steps, a
 held-out evaluation.
 """
 
@@ -23,8 +23,8 @@ from preference_data import preference_rows, unpaired_rows  # noqa: E402
 from tiny_train import arithmetic_rows  # noqa: E402
 
 # dpo_precomputed: DPO with the reference's log-probs computed before training, a strided share per rank.
-ALGORITHMS = ("sft", "rm", "dpo", "dpo_precomputed", "grpo", "ppo")
-GLOBAL_MICRO_BATCH = {"sft": 4, "rm": 4, "dpo": 4, "dpo_precomputed": 4, "grpo": 16, "ppo": 8,  # rows, pairs or completions
+ALGORITHMS = ("sft", "rm", "dpo", "dpo_precomputed", "grpo", "rloo", "ppo")
+GLOBAL_MICRO_BATCH = {"sft": 4, "rm": 4, "dpo": 4, "dpo_precomputed": 4, "grpo": 16, "rloo": 16, "ppo": 8,  # rows, pairs or completions
                       "kto": 4}  # (one process); KTO keeps 2 rows per micro-batch under any world size
 TIMINGS = ("seconds", "tokens_per_second", "prefix_blocks_shared", "num_tokens")
 
@@ -84,16 +84,20 @@ def build(algorithm: str, model_dir: Path, out: Path, dist: Any, fsdp: str | Non
             for p in reference.parameters():
                 p.mul_(1.25)
         algo = KTO(config, loaded.model, loaded.tokenizer, dist, unpaired_rows(16, seed=8), ref_model=reference)
-    elif algorithm == "grpo":
+    elif algorithm in ("grpo", "rloo"):
         from pagedrl.train.algorithms.grpo import GRPO
-        from pagedrl.train.rl.config import GRPOConfig
+        from pagedrl.train.algorithms.rloo import RLOO
+        from pagedrl.train.rl.config import GRPOConfig, RLOOConfig
 
-        config = GRPOConfig(**common, learning_rate=1e-3, dataset="arithmetic", task_low=1, task_high=9,
-                            task_num_eval=5, num_generations=4, max_completion_length=8, beta=0.04,
-                            scale_rewards="batch")
+        task = dict(learning_rate=1e-3, dataset="arithmetic", task_low=1, task_high=9, task_num_eval=5,
+                    num_generations=4, max_completion_length=8, beta=0.04)
+        # batch statistics over every rank: GRPO's batch std, RLOO's normalisation and KL-penalised rewards
+        config = GRPOConfig(**common, **task, scale_rewards="batch") if algorithm == "grpo" else \
+            RLOOConfig(**common, **task, normalize_advantages=True)
         attach_lora(config, loaded.model)
-        algo = GRPO(config, loaded.model.train(), loaded.tokenizer, dist, eos_token_ids=loaded.eos_token_ids,
-                    reward_funcs=[("token_reward", token_reward)])
+        algo = (GRPO if algorithm == "grpo" else RLOO)(config, loaded.model.train(), loaded.tokenizer, dist,
+                                                       eos_token_ids=loaded.eos_token_ids,
+                                                       reward_funcs=[("token_reward", token_reward)])
     else:
         from pagedrl.train.algorithms.ppo import PPO
         from pagedrl.train.rl.config import PPOConfig

@@ -1,5 +1,5 @@
 """Two gloo processes equal one process, under DDP and FSDP2, for SFT, RM, DPO (with the reference
-run alongside, or its log-probs precomputed by strided shares), GRPO and PPO.
+run alongside, or its log-probs precomputed by strided shares), GRPO, RLOO and PPO.
 
 One torchrun launch (`parallel_worker.py`) runs every two-process scenario in sequence; the
 one-process references run here, from the same builders (`parallel_scenarios.py`), with the
@@ -17,7 +17,8 @@ scenarios keep every engine batch at 16 sequences or more (completions of 8 toke
 tiny model rarely ends early) and evaluate only after the steps, so no rollout reads a block
 cached by another batch; the token check makes any such flip fail loudly, not as a loss drift. On
 top of that, every statistic of the batch is taken over all ranks: GRPO's `scale_rewards: batch`
-std (the scenarios use it, with rewards that differ between the ranks' groups), PPO's advantage
+std (the scenarios use it, with rewards that differ between the ranks' groups), RLOO's leave-one-out
+baselines and batch normalisation of KL-penalised rewards, PPO's advantage
 and reward whitening and its adaptive KL coefficient (step 2 uses the coefficient step 1 set).
 Step 2 of GRPO and PPO samples a new rollout from the updated weights, which under FSDP2 the
 engine reads whole, gathered for the rollout and released after.

@@ -15,9 +15,10 @@ import yaml
 
 from pagedrl.train.config import TrainConfig, load_config
 from pagedrl.train.offline_config import DPOConfig, KTOConfig, RewardConfig, SFTConfig
-from pagedrl.train.rl.config import GRPOConfig
+from pagedrl.train.rl.config import GRPOConfig, RLOOConfig
 
-CONFIGS = {"SFTConfig": SFTConfig, "DPOConfig": DPOConfig, "KTOConfig": KTOConfig, "GRPOConfig": GRPOConfig, "RewardConfig": RewardConfig}
+CONFIGS = {"SFTConfig": SFTConfig, "DPOConfig": DPOConfig, "KTOConfig": KTOConfig, "GRPOConfig": GRPOConfig,
+           "RewardConfig": RewardConfig, "RLOOConfig": RLOOConfig}
 RECIPE = dict(learning_rate=1e-4, num_train_epochs=2, max_steps=100, per_device_train_batch_size=4,
               gradient_accumulation_steps=2, warmup_steps=0.1, lr_scheduler_type="cosine", logging_steps=5,
               save_steps=50, seed=7, bf16=True)
@@ -61,6 +62,12 @@ def test_a_whole_trl_config_loads_with_trls_defaults_read_as_pagedrls(name: str,
                     "top_p", "num_iterations", "mask_truncated_completions"):
             assert getattr(ours, key) == getattr(theirs, key) == getattr(mine, key), key
         assert (ours.tis_mode, ours.tis_cap, ours.num_completions_to_print) == ("sequence_mask", 3.0, None)
+    if name == "RLOOConfig":
+        for key in ("num_generations", "epsilon", "epsilon_high", "beta", "temperature", "max_completion_length",
+                    "top_p", "num_iterations", "mask_truncated_completions", "normalize_advantages",
+                    "reward_clip_range"):
+            assert getattr(ours, key) == getattr(theirs, key) == getattr(mine, key), key
+        assert (ours.num_generations, ours.beta, ours.num_completions_to_print) == (2, 0.05, None)
     if name == "DPOConfig":
         assert (ours.beta, ours.loss_type, ours.max_length, ours.disable_dropout) == (0.1, "sigmoid", 1024, True)
     if name == "KTOConfig":
@@ -81,7 +88,7 @@ def test_a_recipes_common_values_map_to_pagedrls_fields(name: str, tmp_path: Pat
     got = {k: getattr(ours, k) for k in RECIPE if k != "warmup_steps"}
     assert got == {k: v for k, v in RECIPE.items() if k != "warmup_steps"}
     assert (ours.warmup_ratio, ours.warmup_steps) == (0.1, 0)
-    if name == "GRPOConfig":  # TRL's resolved steps_per_generation 2 and generation_batch_size 8 are pagedrl's
+    if name in ("GRPOConfig", "RLOOConfig"):  # TRL's resolved steps_per_generation 2 and generation_batch_size 8 are pagedrl's
         assert ours.per_device_train_batch_size * ours.gradient_accumulation_steps == 8
 
 
@@ -100,7 +107,7 @@ KTO_CHANGES = [("activation_offloading", True), ("pad_to_multiple_of", 8), ("dat
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_another_value_of_a_key_pagedrl_does_not_read_is_refused_naming_it(name: str, tmp_path: Path) -> None:
-    own = {"GRPOConfig": GRPO_CHANGES, "KTOConfig": KTO_CHANGES}.get(name, [])
+    own = {"GRPOConfig": GRPO_CHANGES, "RLOOConfig": GRPO_CHANGES, "KTOConfig": KTO_CHANGES}.get(name, [])
     for key, value in COMMON_CHANGES + own:
         path = trl_dump(tmp_path, name, {key: value})
         with pytest.raises(ValueError, match=rf"^config file {path}: {key}: only ") as e:

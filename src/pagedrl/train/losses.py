@@ -262,12 +262,38 @@ def clipped_surrogate(
         capped = ((ratio > eps_high) & (advantages > 0) & counted).detach()
         loss = -torch.clamp(ratio, max=eps_high).detach() * advantages * logp
         return SurrogateOutput(_per_token(loss, keep), ratio, none, capped, capped)
-    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + eps_high)
+    loss, low, high = _ppo_clip(ratio, advantages, epsilon_low, eps_high, delta, counted)
+    return SurrogateOutput(_per_token(loss, keep), ratio, low, high, low | high)
+
+
+def _ppo_clip(ratio: Tensor, advantages: Tensor, epsilon_low: float, epsilon_high: float, delta: float | None,
+              counted: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO-clip's -min(min(r, delta)·A, clamp(r, 1-ε_low, 1+ε_high)·A) and its low / high clip flags (where
+    `counted`), as TRL's GRPO and RLOO trainers test them: on the ratio after the `delta` cap."""
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
     unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
     loss = -torch.min(unclipped * advantages, clipped * advantages)
     low = (unclipped < 1.0 - epsilon_low) & (advantages < 0) & counted
-    high = (unclipped > 1.0 + eps_high) & (advantages > 0) & counted
-    return SurrogateOutput(_per_token(loss, keep), ratio, low.detach(), high.detach(), (low | high).detach())
+    high = (unclipped > 1.0 + epsilon_high) & (advantages > 0) & counted
+    return loss, low.detach(), high.detach()
+
+
+def rloo_surrogate(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, epsilon_low: float = 0.2,
+                   epsilon_high: float | None = None) -> SurrogateOutput:
+    """TRL 1.16's RLOOTrainer loss per completion: one ratio a completion, exp of its summed token log-ratio
+    (the whole completion's likelihood ratio; GSPO's `level="sequence"` takes the mean instead), clipped as
+    PPO clips it against the completion's advantage [B]. Returns `loss`, `ratio` and the flags as [B]: the
+    caller averages them over completions (an empty completion keeps ratio 1 and its -A, as TRL's does)."""
+    if old_logp.shape != logp.shape or logp.dim() != 2:
+        raise ValueError(f"logp, old_logp: expected two [B, T], got {tuple(logp.shape)} and {tuple(old_logp.shape)}")
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(f"advantages: expected [B] for logp {tuple(logp.shape)}, got {tuple(advantages.shape)}")
+    keep = _bool_mask(mask, logp)
+    eps_high = epsilon_low if epsilon_high is None else epsilon_high
+    log_ratio = (logp - old_logp).masked_fill(~keep, 0.0).sum(-1)
+    ratio = torch.exp(log_ratio)
+    loss, low, high = _ppo_clip(ratio, advantages, epsilon_low, eps_high, None, torch.ones_like(keep[:, 0]))
+    return SurrogateOutput(loss, ratio, low, high, low | high)
 
 
 def _per_token(loss: Tensor, keep: Tensor) -> Tensor:

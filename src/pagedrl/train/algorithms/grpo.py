@@ -60,7 +60,7 @@ class GRPO(OnlineAlgorithm):
                              f"must be a multiple of num_generations ({G})")
         self.prompts_per_step = completions_per_step // G  # per rank
         self.examples_per_step = self.prompts_per_step * dist.world_size
-        self.normaliser = "completion tokens" if config.loss_type in TOKEN_MEAN_LOSSES else "completions"
+        self.normaliser = self.count_unit(config)
         super().__init__(config, model, tokenizer, dist, self.prompts_per_step, eos_token_ids, reward_funcs,
                          generation_config)
         self.model = model
@@ -78,18 +78,33 @@ class GRPO(OnlineAlgorithm):
     def step_batches(self, step: int) -> list[PackedBatch]:
         if (step - 1) % self.config.num_iterations == 0:
             with self.full_weights():  # sharded: the engine and the no-grad passes see whole weights
-                self.rollout = collect_rollout(
-                    self.llm, self.next_prompts, self.prompts_per_step, self.sampling, self.reward_funcs,
-                    self.config.reward_weights, self.config.scale_rewards, self.config.dynamic_sampling,
-                    dist=self.dist)
+                self.rollout = self.collect()
                 self.llm.sleep()  # the optimizer runs next: the KV cache gives its memory back until the next rollout
                 units = split_units(self.rollout, self.config.gradient_accumulation_steps)
                 device = next(self.model.parameters()).device
                 self.batches = [pack(self.rollout, u, device, self.config.mask_truncated_completions) for u in units]
-                for b in self.batches:
-                    b.advantages = self.rollout.advantages.to(device)[b.completion_index]
                 self.remember_rollout_logps()
+                self.assign_advantages()
         return self.batches
+
+    def collect(self) -> Rollout:
+        """The step's scored rollout, with GRPO's group advantages (DAPO's dynamic sampling if asked)."""
+        return collect_rollout(self.llm, self.next_prompts, self.prompts_per_step, self.sampling, self.reward_funcs,
+                               self.config.reward_weights, self.config.scale_rewards, self.config.dynamic_sampling,
+                               dist=self.dist)
+
+    def assign_advantages(self) -> None:
+        """Each batch's completions' advantages, from the rollout's (after the rollout's log-probs are
+        known: RLOO's depend on them)."""
+        assert self.rollout is not None
+        device = next(self.model.parameters()).device
+        for b in self.batches:
+            b.advantages = self.rollout.advantages.to(device)[b.completion_index]
+
+    def needs_old_logps(self) -> bool:
+        """Whether the policy's log-probs before the first update are computed apart (μ > 1: the ratio's
+        denominator); otherwise the loss's own, detached, are the same numbers."""
+        return self.config.num_iterations > 1
 
     @torch.no_grad()
     def remember_rollout_logps(self) -> None:
@@ -107,7 +122,7 @@ class GRPO(OnlineAlgorithm):
             elif self.base_is_reference:
                 with reference_forward(self.model):
                     b.ref_logps = b.to_padded(self.token_logps(self.model, b).logps)
-            if self.config.num_iterations > 1:
+            if self.needs_old_logps():
                 b.old_logps = b.to_padded(self.token_logps(self.model, b).logps)
 
     def token_logps(self, model: Any, b: PackedBatch, entropy: bool = False) -> TargetLogprobs:
@@ -118,6 +133,11 @@ class GRPO(OnlineAlgorithm):
 
     # -- the loss --------------------------------------------------------------------------------
 
+    @staticmethod
+    def count_unit(config: Any) -> str:
+        """What `count` counts, for the start-up summary."""
+        return "completion tokens" if config.loss_type in TOKEN_MEAN_LOSSES else "completions"
+
     def count(self, batch: PackedBatch) -> float:
         if self.config.loss_type in TOKEN_MEAN_LOSSES:
             return float(batch.mask.sum())
@@ -125,9 +145,7 @@ class GRPO(OnlineAlgorithm):
 
     def loss(self, model: Any, b: PackedBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         c = self.config
-        balance = self.router_coef != 0.0 and self.model.training
-        with collect_router_logits() if balance else contextlib.nullcontext() as router_logits:
-            out_lp = self.token_logps(model, b, entropy=True)
+        out_lp, router_logits = self.policy_logps(model, b)
         logp = b.to_padded(out_lp.logps)
         old = b.old_logps if b.old_logps is not None else logp.detach()
         mask = b.mask
@@ -142,10 +160,7 @@ class GRPO(OnlineAlgorithm):
                                 vespo=phi, level=c.importance_sampling_level)
         per_token = out.loss
         n_tok = mask.sum()
-        metrics: dict[str, Any] = {}
-        diff = (old - b.sampling_logps).abs().masked_fill(~mask, 0.0)
-        metrics["sampling/sampling_logp_difference/mean"] = Metric.mean(diff.sum(), n_tok)
-        metrics["sampling/sampling_logp_difference/max"] = Metric.max(diff.max())
+        metrics = sampling_gap_metrics(old, b)
         if w is not None:
             if phi is None:
                 per_token = per_token * w  # a sequence mode's [B, 1] weight on each of the completion's tokens
@@ -160,9 +175,7 @@ class GRPO(OnlineAlgorithm):
             metrics["kl"] = Metric.mean(kl.detach().masked_fill(~mask, 0).sum(), n_tok)
         loss = aggregate(per_token, mask, c.loss_type, normaliser=global_count,
                          max_completion_length=c.max_completion_length)
-        assert out_lp.entropy is not None
-        ent = b.to_padded(out_lp.entropy).masked_fill(~mask, 0)
-        metrics["entropy"] = Metric.mean(ent.sum(), n_tok)
+        metrics["entropy"] = entropy_metric(out_lp, b)
         # the clip flags: shares of the tokens, or at sequence level (one flag a completion) of the completions
         flags = mask.shape[0] if c.importance_sampling_level == "sequence" else n_tok
         if c.loss_type == "cispo":  # TRL's name for the share of capped weights
@@ -173,15 +186,36 @@ class GRPO(OnlineAlgorithm):
             metrics["clip_ratio/low_mean"] = Metric.mean(out.is_low_clipped.sum().float(), flags)
             metrics["clip_ratio/high_mean"] = Metric.mean(out.is_high_clipped.sum().float(), flags)
             metrics["clip_ratio/region_mean"] = Metric.mean(out.is_region_clipped.sum().float(), flags)
+        return self.with_router_loss(loss, metrics, router_logits, b)
+
+    def policy_logps(self, model: Any, b: PackedBatch) -> tuple[TargetLogprobs, list[torch.Tensor] | None]:
+        """The loss's forward: the completion tokens' log-probs and entropies, and the router's logits when
+        a mixture of experts adds its load-balancing loss (None otherwise)."""
+        balance = self.router_coef != 0.0 and self.model.training
+        with collect_router_logits() if balance else contextlib.nullcontext() as router_logits:
+            out_lp = self.token_logps(model, b, entropy=True)
+        return out_lp, router_logits if balance else None
+
+    def with_router_loss(self, loss: torch.Tensor, metrics: dict[str, Any], router_logits: list[torch.Tensor] | None,
+                         b: PackedBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        """TRL's `num_tokens`, and the router's load-balancing loss added (`aux_loss`) where there is one."""
         metrics["num_tokens"] = Metric.cumulative(float(b.input_ids.numel()))
-        if balance and router_logits:
+        if router_logits:
             cfg = self.model.config
             aux = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, b.token_weights)
-            loss = loss + self.router_coef * aux / (c.gradient_accumulation_steps * self.dist.world_size)
+            loss = loss + self.router_coef * aux / (self.config.gradient_accumulation_steps * self.dist.world_size)
             metrics["aux_loss"] = Metric.mean(aux.detach())
         return loss, metrics
 
     def step_metrics(self, step: int) -> dict[str, Any]:
+        m = self.rollout_metrics()
+        if self.config.dynamic_sampling:
+            assert self.rollout is not None
+            m["dynamic_sampling/rounds"] = Metric.mean(float(self.rollout.rounds))
+        return m
+
+    def rollout_metrics(self) -> dict[str, Any]:
+        """TRL's metrics of the step's rollout: rewards, their spread, completion lengths; and the engine's."""
         r = self.rollout
         assert r is not None
         totals = r.total_rewards.view(-1, r.num_generations)  # [P, G]
@@ -210,8 +244,6 @@ class GRPO(OnlineAlgorithm):
             ok = ~col.isnan()
             m[f"rewards/{name}/mean"] = Metric.mean(col[ok].sum(), ok.sum())
             m[f"rewards/{name}/std"] = Metric.mean(stds[1 + f])
-        if self.config.dynamic_sampling:
-            m["dynamic_sampling/rounds"] = Metric.mean(float(r.rounds))
         return m
 
     def completion_values(self) -> dict[str, torch.Tensor]:
@@ -231,6 +263,20 @@ class GRPO(OnlineAlgorithm):
             f"grpo: rewards {', '.join(n for n, _ in self.reward_funcs)}; {len(self.eval_rows)} held-out prompts",
             f"grpo: {self.rollout_line()}",
         ] + loss_warnings(c)
+
+
+def sampling_gap_metrics(old: torch.Tensor, b: PackedBatch) -> dict[str, Any]:
+    """How far the engine's sampled log-probs lie from the trainer's before the update (pagedrl's
+    `sampling/sampling_logp_difference/mean` and `/max`, TRL's names for the vLLM gap)."""
+    diff = (old - b.sampling_logps).abs().masked_fill(~b.mask, 0.0)
+    return {"sampling/sampling_logp_difference/mean": Metric.mean(diff.sum(), b.mask.sum()),
+            "sampling/sampling_logp_difference/max": Metric.max(diff.max())}
+
+
+def entropy_metric(out_lp: TargetLogprobs, b: PackedBatch) -> Metric:
+    """TRL's `entropy`: the policy's mean entropy over the completion tokens."""
+    assert out_lp.entropy is not None
+    return Metric.mean(b.to_padded(out_lp.entropy).masked_fill(~b.mask, 0).sum(), b.mask.sum())
 
 
 def tis_line(c: GRPOConfig) -> str:

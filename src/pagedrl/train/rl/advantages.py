@@ -1,7 +1,8 @@
 """Advantages: from rewards to the per-sequence (GRPO) or per-token (PPO) signal the loss weighs.
 
 GRPO needs no value model: the G completions of one prompt form a group and each completion's
-advantage is its reward relative to its group. PPO learns a value function and uses generalized
+advantage is its reward relative to its group; RLOO's is relative to the mean of its G - 1 siblings,
+the leave-one-out baseline (its KL to the reference taken out of the reward first). PPO learns a value function and uses generalized
 advantage estimation. Both are pure functions of tensors, like `losses`.
 
 Rewards may be NaN: a reward function that returns None for a completion means "not applicable"
@@ -109,6 +110,35 @@ def group_advantages(
         centred = centred / (std + eps)
     centred = centred.masked_fill(zero_std_groups(grouped).unsqueeze(1), 0.0)
     return torch.nan_to_num(centred, nan=0.0).reshape(rewards.shape)
+
+
+@torch.no_grad()
+def rloo_advantages(rewards: Tensor, num_generations: int, kl: Tensor | None = None, beta: float = 0.0,
+                    clip_range: Sequence[float] | None = None, normalize: bool = False) -> tuple[Tensor, Tensor]:
+    """RLOO's advantages as TRL 1.16's RLOOTrainer computes them from the whole batch's rewards ([P·G], groups
+    contiguous): each reward clamped to `clip_range` (min, max), less `beta` times the completion's KL to the
+    reference (`kl` [P·G], the per-token log-ratio summed over the completion), then less the mean of its
+    siblings' (the leave-one-out baseline, an unbiased one: a completion's own reward is not in it), and with
+    `normalize` (A - mean) / (std + 1e-4) over the batch.
+
+    NaN rewards (unscorable completions) are left out of the siblings' means, the mean and the std, and get
+    advantage 0, as does a completion with no scored sibling. Returns (advantages, the penalised rewards)."""
+    if num_generations < 2:
+        raise ValueError(f"num_generations: the leave-one-out baseline needs >= 2 completions, got {num_generations}")
+    penalised = rewards.clone()
+    if clip_range is not None:
+        penalised = penalised.clamp(min=clip_range[0], max=clip_range[1])
+    if kl is not None and beta != 0.0:
+        if kl.shape != rewards.shape:
+            raise ValueError(f"kl: shape {tuple(kl.shape)} differs from rewards' {tuple(rewards.shape)}")
+        penalised = penalised - beta * kl.to(rewards.dtype)
+    grouped = _grouped(penalised, num_generations)
+    scored = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    baseline = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (scored - 1)
+    advantages = (grouped - baseline).reshape(rewards.shape)
+    if normalize:
+        advantages = (advantages - torch.nanmean(advantages)) / (_nanstd(advantages) + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0), penalised
 
 
 @torch.no_grad()

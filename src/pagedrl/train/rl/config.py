@@ -1,6 +1,7 @@
-"""Configs of the online algorithms, GRPO and PPO: what they share (prompts, generation, rewards,
-the built-in task, evaluation, sample logging) in `OnlineConfig`, each algorithm's own fields in
-its class. Names follow TRL's GRPOConfig and PPOConfig."""
+"""Configs of the online algorithms, GRPO, RLOO and PPO: what they share (prompts, generation, rewards,
+the built-in task, evaluation, sample logging) in `OnlineConfig`, what the two group algorithms share
+(the clipped ratio, the reference's coefficient, the rollout's reuse) in `GroupConfig`, each algorithm's
+own fields in its class. Names follow TRL's GRPOConfig, RLOOConfig and PPOConfig."""
 
 from __future__ import annotations
 
@@ -81,17 +82,56 @@ class OnlineConfig(TrainConfig):
 
 
 @dataclass
-class GRPOConfig(OnlineConfig):
-    """`per_device_train_batch_size` counts completions, as in TRL: each step trains on
-    per_device × accumulation × world completions, i.e. that / num_generations prompts."""
+class GroupConfig(OnlineConfig):
+    """What GRPO and RLOO share: a group of num_generations completions per prompt, each completion's
+    advantage against its siblings, PPO's clipped importance ratio, a KL coefficient to a frozen reference,
+    and num_iterations updates per rollout. `per_device_train_batch_size` counts completions, as in TRL:
+    each step trains on per_device × accumulation × world completions, i.e. that / num_generations prompts."""
 
     trl_checked: ClassVar[tuple[str, ...]] = CHECKED + GRPO_CHECKED  # TRL's steps_per_generation, generation_batch_size
 
-    # Loss.
     epsilon: float = 0.2
     epsilon_high: float | None = None  # None: epsilon; DAPO recommends 0.28
-    delta: float | None = None  # INTELLECT-2 two-sided clipping cap on the ratio
     beta: float = 0.0  # KL coefficient; 0 skips the reference model
+    num_iterations: int = 1
+    mask_truncated_completions: bool = False
+    # Mixture of experts: the router load-balancing loss's weight (None: the model config's; 0: off).
+    router_aux_loss_coef: float | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        validate_router_coef(self.router_aux_loss_coef)
+        _require(self.num_generations >= 2, "num_generations", f"a group needs >= 2 completions, got {self.num_generations}")
+        _require(self.epsilon >= 0, "epsilon", f"must be >= 0, got {self.epsilon}")
+        _require(self.epsilon_high is None or self.epsilon_high >= 0, "epsilon_high", f"must be >= 0, got {self.epsilon_high}")
+        _require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")
+        _require(self.num_iterations >= 1, "num_iterations", f"must be >= 1, got {self.num_iterations}")
+
+
+@dataclass
+class RLOOConfig(GroupConfig):
+    """TRL's RLOOConfig: REINFORCE with the leave-one-out baseline (Ahmadian et al. 2024). TRL's defaults
+    where they differ from GRPO's: G = 2 (leave-one-out needs two), beta 0.05, its KL a penalty in the
+    reward. No rollout importance weights (TRL's RLOO has none)."""
+
+    num_generations: int = 2
+    beta: float = 0.05  # k1 KL to the reference, summed over the completion, subtracted from its reward
+    normalize_advantages: bool = False  # TRL's: over the whole generation batch, (A - mean) / (std + 1e-4)
+    reward_clip_range: list[float] | None = None  # TRL's (min, max), clamped before the KL penalty
+
+    def validate(self) -> None:
+        super().validate()
+        r = self.reward_clip_range
+        _require(r is None or (len(r) == 2 and r[0] <= r[1]), "reward_clip_range",
+                 f"expected null or [min, max] with min <= max, got {r}")
+
+
+@dataclass
+class GRPOConfig(GroupConfig):
+    """GRPO, with DAPO's, Dr. GRPO's and the other TRL loss types; the group's rewards normalised by its mean
+    (and std)."""
+
+    delta: float | None = None  # INTELLECT-2 two-sided clipping cap on the ratio
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     use_bias_correction_kl: bool = True  # TRL's: the KL term times the importance ratio
     # TRL's: "token" ratios, or "sequence" (GSPO): one per completion, exp of its mean token log-ratio; GSPO clips
@@ -109,8 +149,6 @@ class GRPOConfig(OnlineConfig):
     vespo_k_neg: float = VESPO_DEFAULTS["vespo_k_neg"]
     vespo_lambda_neg: float = VESPO_DEFAULTS["vespo_lambda_neg"]
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    num_iterations: int = 1
-    mask_truncated_completions: bool = False
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards all agree, refill from the next prompts
     # The engine/trainer log-prob gap's importance-sampling correction (train/tis.py), TRL's vllm_importance_sampling_*
     # keys: tis_correction (_correction), tis_mode (_mode; TRL's default is sequence_mask, pagedrl's token_truncate:
@@ -120,15 +158,9 @@ class GRPOConfig(OnlineConfig):
     tis_mode: TisMode = "token_truncate"
     tis_cap: float | None = 3.0
     tis_min: float | None = None
-    # Mixture of experts: the router load-balancing loss's weight (None: the model config's; 0: off).
-    router_aux_loss_coef: float | None = None
 
     def validate(self) -> None:
         super().validate()
-        validate_router_coef(self.router_aux_loss_coef)
-        _require(self.num_generations >= 2, "num_generations", f"a group needs >= 2 completions, got {self.num_generations}")
-        _require(self.epsilon >= 0, "epsilon", f"must be >= 0, got {self.epsilon}")
-        _require(self.epsilon_high is None or self.epsilon_high >= 0, "epsilon_high", f"must be >= 0, got {self.epsilon_high}")
         _require(self.delta is None or self.delta > 1.0, "delta", f"must be > 1 (it caps the ratio), got {self.delta}")
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
@@ -142,8 +174,6 @@ class GRPOConfig(OnlineConfig):
                      f"only the vespo loss uses it; got {value}, expected {default} or loss_type vespo")
         _require(self.importance_sampling_level in ("token", "sequence"), "importance_sampling_level",
                  f"expected 'token' or 'sequence', got {self.importance_sampling_level!r}")
-        _require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")
-        _require(self.num_iterations >= 1, "num_iterations", f"must be >= 1, got {self.num_iterations}")
         self.validate_tis()
 
     def validate_tis(self) -> None:
