@@ -13,11 +13,13 @@ import pytest
 import trl
 import yaml
 
+from pagedrl.train.algorithms.distill import DistillationConfig
 from pagedrl.train.config import TrainConfig, load_config
 from pagedrl.train.offline_config import DPOConfig, RewardConfig, SFTConfig
 from pagedrl.train.rl.config import GRPOConfig
 
-CONFIGS = {"SFTConfig": SFTConfig, "DPOConfig": DPOConfig, "GRPOConfig": GRPOConfig, "RewardConfig": RewardConfig}
+CONFIGS = {"SFTConfig": SFTConfig, "DPOConfig": DPOConfig, "GRPOConfig": GRPOConfig, "RewardConfig": RewardConfig,
+           "DistillationConfig": DistillationConfig}
 RECIPE = dict(learning_rate=1e-4, num_train_epochs=2, max_steps=100, per_device_train_batch_size=4,
               gradient_accumulation_steps=2, warmup_steps=0.1, lr_scheduler_type="cosine", logging_steps=5,
               save_steps=50, seed=7, bf16=True)
