@@ -69,6 +69,8 @@ def test_a_whole_trl_config_loads_with_trls_defaults_read_as_pagedrls(name: str,
         assert (ours.max_length, ours.packing, ours.assistant_only_loss) == (theirs.max_length, False, False)
     if name == "RewardConfig":
         assert (ours.center_rewards_coefficient, ours.disable_dropout) == (None, True)
+    if name == "DistillationConfig":
+        assert (ours.beta, ours.temperature, ours.num_generations, ours.log_completions) == (1.0, 1.0, 1, False)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
