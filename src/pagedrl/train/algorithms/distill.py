@@ -9,7 +9,8 @@ generalized JSD; both softened by `temperature`, which also sets the sampling), 
 (`logprobs.divergence_from_hidden`). The loss is the sum over the step's completion tokens divided by their
 number over all micro-batches and ranks, TRL's `num_items_in_batch`.
 
-Metrics under TRL's names: `entropy` (the student's, at `temperature`, per token), `num_tokens`,
+Metrics under TRL's names: `entropy` (the student's, at `temperature`, per token over the whole step, where
+TRL averages its micro-batches' means), `num_tokens`,
 `completions/mean_length`, `/min_length`, `/max_length`, `/clipped_ratio`, `/mean_terminated_length`,
 `/min_terminated_length`, `/max_terminated_length` (over the step's completions on every rank; those of
 the completions that ended with EOS, 0 when none did).
