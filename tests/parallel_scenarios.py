@@ -5,7 +5,7 @@ with the same global batch. Imported by the test (the one-process reference) and
 Each scenario takes two optimizer steps through the loop's own `accumulate` and `optimizer_step`
 and records, on rank 0: the step loss, the step metrics (timings left out), the whole gradient
 before and after clipping (gathered from the shards under FSDP2), the gradient norm, and for
-GRPO/RLOO/PPO the rollout (completion ids, advantages) gathered in rank order and, after the steps, a
+GRPO/RLOO/PPO/distillation the rollout (completion ids, advantages) gathered in rank order and, after the steps, a
 held-out evaluation.
 """
 
@@ -23,9 +23,9 @@ from preference_data import preference_rows, unpaired_rows  # noqa: E402
 from tiny_train import arithmetic_rows  # noqa: E402
 
 # dpo_precomputed: DPO with the reference's log-probs computed before training, a strided share per rank.
-ALGORITHMS = ("sft", "rm", "dpo", "dpo_precomputed", "grpo", "rloo", "ppo")
+ALGORITHMS = ("sft", "rm", "dpo", "dpo_precomputed", "grpo", "rloo", "ppo", "distill")
 GLOBAL_MICRO_BATCH = {"sft": 4, "rm": 4, "dpo": 4, "dpo_precomputed": 4, "grpo": 16, "rloo": 16, "ppo": 8,  # rows, pairs or completions
-                      "kto": 4}  # (one process); KTO keeps 2 rows per micro-batch under any world size
+                      "distill": 8, "kto": 4}  # (one process); KTO keeps 2 rows per micro-batch under any world size
 TIMINGS = ("seconds", "tokens_per_second", "prefix_blocks_shared", "num_tokens")
 
 
@@ -98,6 +98,20 @@ def build(algorithm: str, model_dir: Path, out: Path, dist: Any, fsdp: str | Non
         algo = (GRPO if algorithm == "grpo" else RLOO)(config, loaded.model.train(), loaded.tokenizer, dist,
                                                        eos_token_ids=loaded.eos_token_ids,
                                                        reward_funcs=[("token_reward", token_reward)])
+    elif algorithm == "distill":
+        from pagedrl.train.algorithms.distill import Distillation, DistillationConfig
+
+        config = DistillationConfig(**common, learning_rate=1e-3, dataset="arithmetic", task_low=1, task_high=9,
+                                    task_num_eval=5, max_completion_length=8, beta=0.5, temperature=0.9,
+                                    teacher_model_name_or_path=str(model_dir))
+        teacher = load_model(str(model_dir), device="cpu", dtype=torch.float32).model
+        with torch.no_grad():  # another teacher than the student, the same on every rank
+            g = torch.Generator().manual_seed(1)
+            for p in teacher.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        attach_lora(config, loaded.model)
+        algo = Distillation(config, loaded.model.train(), loaded.tokenizer, dist, teacher,
+                            eos_token_ids=loaded.eos_token_ids)
     else:
         from pagedrl.train.algorithms.ppo import PPO
         from pagedrl.train.rl.config import PPOConfig

@@ -13,12 +13,13 @@ import pytest
 import trl
 import yaml
 
+from pagedrl.train.algorithms.distill import DistillationConfig
 from pagedrl.train.config import TrainConfig, load_config
 from pagedrl.train.offline_config import DPOConfig, KTOConfig, RewardConfig, SFTConfig
 from pagedrl.train.rl.config import GRPOConfig, RLOOConfig
 
 CONFIGS = {"SFTConfig": SFTConfig, "DPOConfig": DPOConfig, "KTOConfig": KTOConfig, "GRPOConfig": GRPOConfig,
-           "RewardConfig": RewardConfig, "RLOOConfig": RLOOConfig}
+           "RewardConfig": RewardConfig, "RLOOConfig": RLOOConfig, "DistillationConfig": DistillationConfig}
 RECIPE = dict(learning_rate=1e-4, num_train_epochs=2, max_steps=100, per_device_train_batch_size=4,
               gradient_accumulation_steps=2, warmup_steps=0.1, lr_scheduler_type="cosine", logging_steps=5,
               save_steps=50, seed=7, bf16=True)
@@ -79,6 +80,8 @@ def test_a_whole_trl_config_loads_with_trls_defaults_read_as_pagedrls(name: str,
         assert (ours.max_length, ours.packing, ours.assistant_only_loss) == (theirs.max_length, False, False)
     if name == "RewardConfig":
         assert (ours.center_rewards_coefficient, ours.disable_dropout) == (None, True)
+    if name == "DistillationConfig":
+        assert (ours.beta, ours.temperature, ours.num_generations, ours.log_completions) == (1.0, 1.0, 1, False)
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = ("demo", "generate", "serve", "eval", "sft", "rm", "dpo", "kto", "grpo", "rloo", "ppo", "rlhf", "merge")
+COMMANDS = ("demo", "generate", "serve", "eval", "sft", "rm", "dpo", "kto", "grpo", "rloo", "ppo", "distill", "rlhf", "merge")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
               "  serve      OpenAI-compatible HTTP server\n"
               "  eval       held-out accuracy of a model on the built-in arithmetic task\n"
               "  sft|rm|dpo|kto|grpo|rloo|ppo   train: pagedrl <algorithm> [config.yaml] [key=value ...]\n"
+              "  distill    on-policy distillation from a teacher: pagedrl distill [config.yaml] [key=value ...]\n"
               "  rlhf       the RLHF recipe: verifier-labelled pairs, a reward model, then PPO\n"
               "  merge      fold a LoRA adapter into its base: pagedrl merge BASE ADAPTER OUT\n")
         return 0 if argv else 2
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         from pagedrl.train.rlhf import rlhf_main
 
         return rlhf_main(rest)
-    if command in ("sft", "rm", "dpo", "kto", "grpo", "rloo", "ppo"):
+    if command in ("sft", "rm", "dpo", "kto", "grpo", "rloo", "ppo", "distill"):
         from pagedrl.train.cli import train_main
 
         return train_main(command, rest)

@@ -1,4 +1,4 @@
-"""`pagedrl sft|rm|dpo|kto|grpo|rloo|ppo [config.yaml] [key=value ...]`: config file plus overrides, then
+"""`pagedrl sft|rm|dpo|kto|grpo|rloo|ppo|distill [config.yaml] [key=value ...]`: config file plus overrides, then
 the algorithm's `run_<name>(config)`.
 
 Each algorithm is named here by module, run function and config class, and imported only when
@@ -24,6 +24,7 @@ ALGORITHMS: dict[str, tuple[str, str, str]] = {
     "grpo": ("pagedrl.train.algorithms.grpo", "run_grpo", "GRPOConfig"),
     "rloo": ("pagedrl.train.algorithms.rloo", "run_rloo", "RLOOConfig"),
     "ppo": ("pagedrl.train.algorithms.ppo", "run_ppo", "PPOConfig"),
+    "distill": ("pagedrl.train.algorithms.distill", "run_distill", "DistillationConfig"),
 }
 
 USAGE = """usage: pagedrl {name} [config.yaml] [key=value ...]

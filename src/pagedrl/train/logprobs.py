@@ -25,6 +25,7 @@ from torch import Tensor
 
 from pagedrl.engine.logits_processing import processed_log_softmax
 from pagedrl.engine.sampling_params import SamplingParams
+from pagedrl.train.losses import generalized_jsd
 
 CHUNK_ROWS = 1024  # 1024 rows × a 49k vocabulary ≈ 200 MB of float32 logits per chunk
 
@@ -118,3 +119,39 @@ def entropy_from_logprobs(logp: Tensor) -> Tensor:
         if ops.available():
             return ops.entropy_from_logprobs(logp.contiguous())
     return -torch.linalg.vecdot(logp.exp(), logp)
+
+
+def divergence_from_hidden(student_head: Callable[[Tensor], Tensor], student_rows: Tensor,
+                           teacher_head: Callable[[Tensor], Tensor], teacher_rows: Tensor, beta: float,
+                           temperature: float = 1.0, chunk_rows: int = CHUNK_ROWS) -> tuple[Tensor, Tensor]:
+    """Distillation's per-token divergence [N] (`losses.generalized_jsd` over the whole vocabulary, with a
+    gradient to the student) and the student's entropy [N] at `temperature` (none), from both models' hidden
+    rows [N, H_s] and [N, H_t] that predict the same tokens. Both heads run on `chunk_rows` rows at a time, and
+    while training each chunk is recomputed in the backward pass rather than kept, so the [rows, vocab] logits
+    and their softmaxes of one chunk are alive at a time, whatever the number of tokens (TRL projects its
+    chunks on the fly for the same reason)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def widened(logits: Tensor) -> Tensor:  # bf16 logits in float32; float64 ones (a check's) kept
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    def chunk(s_rows: Tensor, t_rows: Tensor) -> tuple[Tensor, Tensor]:
+        student = widened(student_head(s_rows))
+        with torch.no_grad():
+            teacher = widened(teacher_head(t_rows))
+            entropy = entropy_from_logits(student.detach() / temperature)
+        return generalized_jsd(student, teacher, beta, temperature), entropy
+
+    divergences, entropies = [], []
+    for start in range(0, student_rows.shape[0], chunk_rows):
+        s_rows, t_rows = student_rows[start:start + chunk_rows], teacher_rows[start:start + chunk_rows]
+        if torch.is_grad_enabled() and s_rows.requires_grad:
+            div, ent = checkpoint(chunk, s_rows, t_rows, use_reentrant=False)
+        else:
+            div, ent = chunk(s_rows, t_rows)
+        divergences.append(div)
+        entropies.append(ent)
+    if not divergences:
+        empty = student_rows.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(divergences), torch.cat(entropies)

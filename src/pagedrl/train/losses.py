@@ -344,6 +344,29 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
     raise ValueError(f"kind: unknown KL estimator {kind!r}; expected 'k1', 'k2' or 'k3'")
 
 
+def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor, beta: float, temperature: float = 1.0) -> Tensor:
+    """Per-row divergence [N] of the student's next-token distribution from the teacher's over the whole
+    vocabulary (logits [N, V], both softened by `temperature`), as TRL 1.16's DistillationTrainer defines it:
+    beta 0 the forward KL(p_t || p_s), beta 1 the reverse KL(p_s || p_t), between them the generalized JSD
+    beta·KL(p_t || m) + (1 − beta)·KL(p_s || m) with m = (1 − beta)·p_s + beta·p_t. The gradient reaches the
+    student only (the teacher's logits are detached)."""
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"teacher_logits: shape {tuple(teacher_logits.shape)} differs from the student's "
+                         f"{tuple(student_logits.shape)}; teacher and student must share a vocabulary")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta: must lie in [0, 1], got {beta}")
+    log_ps = F.log_softmax(student_logits / temperature, dim=-1)
+    log_pt = F.log_softmax(teacher_logits.detach() / temperature, dim=-1)
+    if beta == 0.0:
+        return (log_pt.exp() * (log_pt - log_ps)).sum(-1)
+    if beta == 1.0:
+        return (log_ps.exp() * (log_ps - log_pt)).sum(-1)
+    log_m = torch.logaddexp(log_ps + math.log(1.0 - beta), log_pt + math.log(beta))
+    to_teacher = (log_pt.exp() * (log_pt - log_m)).sum(-1)
+    to_student = (log_ps.exp() * (log_ps - log_m)).sum(-1)
+    return beta * to_teacher + (1.0 - beta) * to_student
+
+
 # ---------------------------------------------------------------------------------------------
 # Value function (PPO's critic)
 # ---------------------------------------------------------------------------------------------
