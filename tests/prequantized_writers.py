@@ -86,11 +86,13 @@ def rtn_codes(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> tuple[
 
 
 def write_packed(folder: Path, method: str, bits: int = 4, group: int = 32, symmetric: bool = False,
-                 desc_act: bool = False, seed: int = 1, base: str = FAMILY,
-                 **family: object) -> dict[str, torch.Tensor]:
+                 desc_act: bool = False, seed: int = 1, base: str = FAMILY, modules: dict[str, dict | None] | None = None,
+                 lm_head: bool = False, config: dict | None = None, **family: object) -> dict[str, torch.Tensor]:
     """A folder in AWQ's GEMM or GPTQ's layout, packed by GPTQModel (`base`: the tiny family, `family`:
     config fields over its own); returns each projection's expected weight [n, k] in float64 (scale * (code - zero), of the
-    codes packed)."""
+    codes packed). GPTQ: `modules` gives a module its own bits / group / symmetric / desc_act (None: left
+    float, as GPTQModel's `dynamic` "-:" rules leave it), `lm_head` packs the head too, and `config` adds
+    quantization_config fields (its `dynamic`: these settings as GPTQModel writes them)."""
     packing = packing_utils()
     model = hf_model(dict(FAMILIES[base], **family), seed=seed).half()
     state = dict(model.state_dict())
@@ -98,29 +100,36 @@ def write_packed(folder: Path, method: str, bits: int = 4, group: int = 32, symm
         del state["lm_head.weight"]  # (the embedding's, as save_pretrained leaves it)
     expected: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(seed)
-    for name, module in projections(model).items():
+    defaults = dict(bits=bits, group=group, symmetric=symmetric, desc_act=desc_act)
+    packed = {**projections(model), **({"lm_head": model.lm_head} if lm_head else {})}
+    for name, module in packed.items():
+        own = (modules or {}).get(name, defaults)
+        if own is None:
+            continue
+        b, g, sym, act = (dict(defaults, **own)[key] for key in ("bits", "group", "symmetric", "desc_act"))
         n, k = module.weight.shape
-        order = torch.randperm(k, generator=gen) if desc_act else torch.arange(k)
-        codes, zeros, scales = rtn_codes(module.weight.detach()[:, order], bits, group, symmetric)
+        order = torch.randperm(k, generator=gen) if act else torch.arange(k)
+        codes, zeros, scales = rtn_codes(module.weight.detach()[:, order], b, g, sym)
         g_idx = torch.empty(k, dtype=torch.int32)
-        g_idx[order] = torch.arange(k, dtype=torch.int32) // group  # input order[i] is in group i // group
+        g_idx[order] = torch.arange(k, dtype=torch.int32) // g  # input order[i] is in group i // g
         codes = codes[torch.argsort(order)]  # back to input order
         expected[name] = (scales.double()[g_idx.long()] * (codes - zeros[g_idx.long()]).double()).T
-        del state[f"{name}.weight"]
+        state.pop(f"{name}.weight", None)  # (a tied head has none)
         if method == "awq":
-            qweight, qzeros = packing.pack_awq(codes, zeros, bits)
+            qweight, qzeros = packing.pack_awq(codes, zeros, b)
         else:  # GPTQ's own format stores each zero point minus one (its kernels add it back)
-            qweight, qzeros = packing.pack_exllama(codes, (zeros - 1) & ((1 << bits) - 1), bits)
+            qweight, qzeros = packing.pack_exllama(codes, (zeros - 1) & ((1 << b) - 1), b)
             state[f"{name}.g_idx"] = g_idx
         state.update({f"{name}.qweight": qweight, f"{name}.qzeros": qzeros, f"{name}.scales": scales})
     quantization = (
         {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"}
         if method == "awq" else
         {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": symmetric,
-         "checkpoint_format": "gptq"})
+         "checkpoint_format": "gptq", "lm_head": lm_head})
     folder.mkdir(parents=True)
     model.config.save_pretrained(folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(dict(config, quantization_config=quantization), indent=2))
+    saved = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(saved, quantization_config=dict(quantization, **(config or {}))),
+                                                   indent=2))
     save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return expected

@@ -175,17 +175,30 @@ def test_resident_bytes_are_the_blocks(tmp_path: Path) -> None:
     llm.close()
 
 
-def test_generate_and_serve_read_the_method_from_the_config(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from fastapi.testclient import TestClient
-
-    from pagedrl.server.serve import build_parser, build_server
-
+def gptq_with_tokenizer(tmp_path: Path) -> Path:
     build_tokenizer(tmp_path / "tokenizer")
     folder = tmp_path / "gptq"
     write_packed(folder, "gptq", 4, symmetric=True, vocab_size=Tokenizer.from_folder(tmp_path / "tokenizer").vocab_size)
     for name in TOKENIZER_FILES:
         if (tmp_path / "tokenizer" / name).is_file():
             shutil.copy(tmp_path / "tokenizer" / name, folder / name)
+    return folder
+
+
+def completion(folder: Path, *flags: str) -> str:
+    from fastapi.testclient import TestClient
+
+    from pagedrl.server.serve import build_parser, build_server
+
+    server = build_server(build_parser().parse_args([str(folder), "--no-ui", *flags]))
+    with TestClient(server.config.app) as client:
+        body = client.post("/v1/completions", json={"model": str(folder), "prompt": "what is 1 plus 2",
+                                                    "max_tokens": 6, "temperature": 0}).json()
+    return body["choices"][0]["text"]
+
+
+def test_generate_and_serve_read_the_method_from_the_config(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    folder = gptq_with_tokenizer(tmp_path)
     llm = LLM(str(folder))
     (expected,) = llm.generate("what is 1 plus 2", SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
     llm.close()
@@ -193,11 +206,26 @@ def test_generate_and_serve_read_the_method_from_the_config(tmp_path: Path, caps
     out = capsys.readouterr()
     assert "gptq 4-bit weight-only, read from the checkpoint: Q4_1 x 14" in out.err
     assert expected.outputs[0].text and expected.outputs[0].text in out.out
-    server = build_server(build_parser().parse_args([str(folder), "--no-ui"]))
-    with TestClient(server.config.app) as client:
-        body = client.post("/v1/completions", json={"model": str(folder), "prompt": "what is 1 plus 2",
-                                                    "max_tokens": 6, "temperature": 0}).json()
-    assert body["choices"][0]["text"] == expected.outputs[0].text
+    assert completion(folder) == expected.outputs[0].text
+
+
+def test_int8_activations_on_a_folder_whose_config_names_the_method(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    """activations='int8' needs no `quantization` where the folder's config names it, as everywhere else: the
+    same model, and the same tokens, as with quantization='gptq' (API, `generate` and `serve` flags)."""
+    folder = gptq_with_tokenizer(tmp_path)
+    named, read = (load_model(str(folder), device="cpu", quantization=q, activations="int8") for q in ("gptq", None))
+    assert "8-bit activations (llama.cpp's arithmetic) for Q4_1 x 14" in read.precision.describe()
+    assert read.precision.describe() == named.precision.describe()
+    llm = LLM(str(folder), quantization="gptq", activations="int8")
+    (expected,) = llm.generate("what is 1 plus 2", SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    llm.close()
+    assert main(["generate", str(folder), "--prompt", "what is 1 plus 2", "--max-tokens", "6", "--raw",
+                 "--activations", "int8"]) == 0
+    out = capsys.readouterr()
+    assert "8-bit activations (llama.cpp's arithmetic) for Q4_1 x 14" in out.err
+    assert expected.outputs[0].text and expected.outputs[0].text in out.out
+    assert completion(folder, "--activations", "int8") == expected.outputs[0].text
 
 
 def rewrite(folder: Path, tmp_path: Path, into: Path | None = None, **changes: object) -> Path:

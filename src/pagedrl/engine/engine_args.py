@@ -74,8 +74,8 @@ class EngineArgs(EngineConfig):
               "packed int4 / int8 weights stay quantized (read from its config.json without this flag; naming it, "
               "it must agree); default: none (a GGUF dequantized at load)", "model", choices=QUANTIZATIONS)
     activations: str = setting(
-        "float32", "with quantization on a CPU, what the Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights (gguf; "
-                   "int8 and int4 are laid out so) multiply: float32, the float32 model's numbers; int8, each row "
+        "float32", "with quantization (or a pre-quantized folder) on a CPU, what the Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, "
+                   "Q5_K and Q6_K weights (gguf; int8, int4 and gptq / awq / compressed-tensors are laid out so) multiply: float32, the float32 model's numbers; int8, each row "
                    "quantized to 8 bits per 32 values (per 256 for the K-quants) and integer dot products, as llama.cpp "
                    "computes them (faster, 1.6-2x per product; the tokens are "
                    "no longer the float32 model's)", "model", choices=ACTIVATIONS)

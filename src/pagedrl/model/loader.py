@@ -60,10 +60,8 @@ def load_model(model: str | Path | None = None, device: str | torch.device | Non
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations={activations!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
-    if activations == "int8" and (quantization is None or device.type != "cpu"):
-        raise ValueError(f"activations='int8' multiplies quantized weights on a CPU's integer dot products; it needs "
-                         f"quantization (gguf, int8 or int4) and a CPU device, got quantization={quantization!r} on "
-                         f"{device.type}")
+    if activations == "int8" and device.type != "cpu":
+        raise _int8_needs(quantization, device)
     if quantization is not None:
         loaded = _load_quantized(model, device, dtype, load_tokenizer, adapter, revision, quantization)
         return loaded if activations == "float32" else _int8_activations(loaded)
@@ -72,6 +70,8 @@ def load_model(model: str | Path | None = None, device: str | torch.device | Non
     if path is not None and (method := quant_method(path)) in PREQUANTIZED:  # (as vLLM: the config names it)
         loaded = _load_quantized(path, device, dtype, load_tokenizer, adapter, revision, method)
         return loaded if activations == "float32" else _int8_activations(loaded)
+    if activations == "int8":  # (only now: a pre-quantized folder's config names its quantization)
+        raise _int8_needs(quantization, device)
     if adapter is None and path is not None and is_adapter_folder(path):
         adapter, path = path, None  # an adapter alone (a LoRA run's final/): on the base it names
     tokenizer_dir = None
@@ -85,6 +85,12 @@ def load_model(model: str | Path | None = None, device: str | torch.device | Non
     tokenizer_dir = tokenizer_dir or path
     tokenizer = _tokenizer(tokenizer_dir) if load_tokenizer else None
     return LoadedModel(net, tokenizer, path, precision, _generation_config(path))
+
+
+def _int8_needs(quantization: str | None, device: torch.device) -> ValueError:
+    return ValueError(f"activations='int8' multiplies quantized weights on a CPU's integer dot products; it needs "
+                      f"quantization (gguf, int8 or int4) and a CPU device, got quantization={quantization!r} on "
+                      f"{device.type} (a pre-quantized folder, gptq / awq / compressed-tensors, names its own)")
 
 
 def _tokenizer(folder: Path) -> Tokenizer | None:

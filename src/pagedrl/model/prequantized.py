@@ -14,12 +14,15 @@ point, s its group's stored scale) and laid out in the first layout that holds e
   beyond a half's precision), 8-bit asymmetric codes. Each is counted in the start-up line.
 Both block layouts need the scale itself as a half: a half scale times an integer of at most 9 bits is
 exact in float32, so the dequantized weight is the stored arithmetic's exact value (the method's own
-fp16 dequantization rounds it once more, to a half). The embedding, the LM head and the norms are the
-checkpoint's float tensors (these methods leave them unquantized).
+fp16 dequantization rounds it once more, to a half). The embedding and the norms are the checkpoint's
+float tensors; so is the LM head unless the folder packs it (GPTQModel's `lm_head: true`, an untied head
+only), then held as a projection is. GPTQ's `dynamic` rules give a module its own bits, groups, sym and
+desc_act, or leave it float (`Scheme.for_module`).
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -127,6 +130,25 @@ def _is_packed(scheme: Scheme, tensors: dict[str, torch.Tensor]) -> bool:
     return "qweight" in tensors
 
 
+def _module_scheme(scheme: Scheme, name: str, packed: bool, tied: bool, folder: Path) -> Scheme | None:
+    """The module's own scheme where its tensors are packed (None: a float module), after gptq's `dynamic`
+    rules and `lm_head` flag: a packed module a "-:" rule leaves float, or a packed head the config does
+    not name (vLLM reads neither), is refused, and so is a packed head tied to the embedding (GPTQModel
+    refuses to write one; vLLM skips lm_head.* on a tied model)."""
+    own = scheme.for_module(name) if scheme.method == "gptq" else scheme
+    source = folder / "config.json"
+    if packed and own is None:
+        rule = next(key for key, _ in scheme.dynamic if key.startswith("-:") and re.match(key[2:], name))
+        raise CheckpointError(f"{source}: quantization_config.dynamic[{rule!r}] leaves {name} unquantized, but the "
+                              f"checkpoint holds it packed ({name}.qweight)")
+    if packed and name == "lm_head" and tied:
+        raise CheckpointError(f"{source}: tie_word_embeddings is true but lm_head is packed: a quantized head tied to "
+                              "the embedding is not supported (GPTQModel quantizes only an untied head)")
+    if packed and name == "lm_head" and scheme.method == "gptq" and not scheme.lm_head:
+        raise CheckpointError(f"{source}: lm_head is packed but quantization_config.lm_head is not true")
+    return own if packed else None
+
+
 def load_prequantized(folder: Path) -> tuple[CausalLM, Scheme, Counter[str]]:
     """The float32 CPU model of a pre-quantized folder with its projections kept in blocks where exact,
     the scheme it read, and how many projections each layout holds."""
@@ -144,12 +166,15 @@ def load_prequantized(folder: Path) -> tuple[CausalLM, Scheme, Counter[str]]:
         prefix = f"{name}."
         tensors = {key[len(prefix):]: state[key] for key in list(state) if key.startswith(prefix)
                    and "." not in key[len(prefix):]}
-        if not isinstance(module, nn.Linear) or not _is_packed(scheme, tensors):
+        if not isinstance(module, nn.Linear):
+            continue
+        own = _module_scheme(scheme, name, _is_packed(scheme, tensors), cfg.tie_word_embeddings, folder)
+        if own is None:
             continue
         for leaf in (*PACKED_LEAVES[scheme.method], "weight"):
             state.pop(prefix + leaf, None)
         try:
-            codes = _codes(scheme, tensors, name, module.in_features, module.out_features)
+            codes = _codes(own, tensors, name, module.in_features, module.out_features)
         except PackingError as e:
             raise CheckpointError(f"{origins.get(prefix + 'weight_scale', origins.get(prefix + 'qweight'))}: {e}") from None
         held, label = hold(codes, tensors.get("bias"))

@@ -86,20 +86,35 @@ def _check(name: str, leaf: str, tensor: torch.Tensor, shape: tuple[int, ...]) -
 
 
 def gptq_codes(tensors: dict[str, torch.Tensor], scheme: Scheme, name: str, k: int, n: int) -> Codes:
+    """`scheme` is this module's (`Scheme.for_module`): its bits, and its group_size, sym and desc_act
+    checked against the tensors (each mismatch refused naming the field, a `dynamic` rule's where one set it)."""
     bits, per = scheme.bits, 32 // scheme.bits
     qweight, qzeros, scales = (_need(tensors, name, leaf) for leaf in ("qweight", "qzeros", "scales"))
     groups = scales.shape[0]
+    if qweight.dim() == 2 and qweight.shape[0] * 32 != k * bits:
+        hint = "" if scheme.rule else "; a module packed otherwise needs a quantization_config.dynamic rule"
+        raise PackingError(f"{name}.qweight has shape {tuple(qweight.shape)}, expected {(k // per, n)}: {bits}-bit "
+                           f"codes of [{k}] inputs ({scheme.where('bits')} = {bits}{hint})")
     _check(name, "qweight", qweight, (k // per, n))
     _check(name, "qzeros", qzeros, (groups, -(-n // per)))
     _check(name, "scales", scales, (groups, n))
+    size = scheme.group_size if scheme.group_size not in (None, -1) else -(-k // groups)
+    if scheme.group_size is not None and groups != -(-k // size):
+        raise PackingError(f"{name}.scales has {groups} groups; {scheme.where('group_size')} = {scheme.group_size} "
+                           f"gives {-(-k // size)} for [{k}] inputs")
     q = _unpack(qweight, bits, 0)  # [k, n]
     z = _unpack(qzeros, bits, 1)[:, :n] + (1 if scheme.variant == "gptq" else 0)  # [groups, n]
+    if scheme.sym and not bool((z == 1 << (bits - 1)).all()):
+        raise PackingError(f"{name}.qzeros: {scheme.where('sym')} is true but the zero points are not all "
+                           f"{1 << (bits - 1)}")
+    contiguous = torch.arange(k) // size
     g_idx = tensors.get("g_idx")
-    if g_idx is None:
-        g_idx = torch.arange(k) // -(-k // groups)
-    g_idx = g_idx.long()
+    g_idx = contiguous if g_idx is None else g_idx.long()
     if g_idx.shape != (k,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
         raise PackingError(f"{name}.g_idx must be [{k}] groups in 0..{groups - 1}")
+    if scheme.desc_act is False and not torch.equal(g_idx, contiguous):
+        raise PackingError(f"{name}.g_idx puts inputs out of order (act-order) but {scheme.where('desc_act')} is "
+                           "false")
     values = (q - z[g_idx]).T.contiguous()
     return Codes(values, scales.double().T.contiguous(), g_idx, bits)
 

@@ -5,7 +5,10 @@ refused in one line that names the field, its value and what is supported.
 Supported (weight-only integers; the packed tensors are read by `model/prequantized.py`):
 - gptq: 4 or 8 bits, any group size (-1: one group a row), `desc_act` (act-order `g_idx`), `sym` either
   way; `checkpoint_format` "gptq" (zero points stored minus one, as GPTQ's CUDA kernels add it back) or
-  "gptq_v2" (stored as they are).
+  "gptq_v2" (stored as they are); `lm_head` true (the head packed too, on an untied head only); GPTQModel's
+  `dynamic`: per-module rules, read as vLLM's `get_dynamic_override` reads them (the first key whose regex
+  `re.match`es the module's name wins; "-:" leaves the module float, "+:" or no prefix overrides `bits`,
+  `group_size`, `sym`, `desc_act`; other keys are calibration settings, unread).
 - awq: 4 bits, `version` "gemm" (AutoAWQ's GEMM layout), `zero_point` true.
 - compressed-tensors: `format` "pack-quantized" or "naive-quantized", integer weights of 4 or 8 bits,
   strategy "group" or "channel", symmetric or not, no activation quantization, no group act-order
@@ -15,7 +18,8 @@ Supported (weight-only integers; the packed tensors are read by `model/prequanti
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,30 @@ class Scheme:
     method: str
     bits: int
     variant: str
+    group_size: int | None = None  # gptq's (-1: a row); None: read from the scales' shape
+    sym: bool | None = None  # gptq's (true: every zero point 2^(bits-1)); None: the stored zero points
+    desc_act: bool | None = None  # gptq's (false: groups in input order); None: the stored g_idx
+    dynamic: tuple[tuple[str, dict[str, Any]], ...] = ()  # gptq's per-module rules, in the config's order
+    rule: str | None = None  # the `dynamic` key this module's settings came from
+    lm_head: bool = False  # gptq's `lm_head`: the head packed too
+
+    def where(self, field: str) -> str:
+        """Where this module's `field` was set (a `dynamic` rule, or the config), for an error to name."""
+        if self.rule is not None and field in dict(self.dynamic)[self.rule]:
+            return f"quantization_config.dynamic[{self.rule!r}].{field}"
+        return f"quantization_config.{field}"
+
+    def for_module(self, name: str) -> Scheme | None:
+        """This module's settings under `dynamic` (None: a "-:" rule leaves it unquantized), as vLLM's
+        `get_dynamic_override`: the first key whose regex matches the start of the name."""
+        for key, overrides in self.dynamic:
+            if key.startswith("-:"):
+                if re.match(key[2:], name):
+                    return None
+            elif re.match(key.removeprefix("+:"), name):
+                fields = {f: overrides[f] for f in ("bits", "group_size", "sym", "desc_act") if f in overrides}
+                return replace(self, rule=key, **fields)
+        return self
 
 
 def quant_method(folder: Path) -> str | None:
@@ -88,7 +116,12 @@ def read_scheme(folder: Path) -> Scheme:
         variant = quant.get("checkpoint_format") or "gptq"
         if variant not in ("gptq", "gptq_v2"):
             raise _refuse(source, "checkpoint_format", variant)
-        return Scheme(method, bits, variant)
+        settings = {f: quant.get(f) for f in ("group_size", "sym", "desc_act")}
+        _check_settings(source, "", settings)
+        if quant.get("lm_head", False) not in (True, False):
+            raise _refuse(source, "lm_head", quant.get("lm_head"))
+        return Scheme(method, bits, variant, **settings, dynamic=_dynamic(source, quant.get("dynamic")),
+                      lm_head=quant.get("lm_head", False))
     if method == "awq":
         if quant.get("bits", 4) != 4:
             raise _refuse(source, "bits", quant.get("bits"))
@@ -99,6 +132,34 @@ def read_scheme(folder: Path) -> Scheme:
             raise _refuse(source, "zero_point", quant.get("zero_point"))
         return Scheme(method, 4, variant)
     return _compressed_tensors(quant, source)
+
+
+def _check_settings(source: str, where: str, settings: dict[str, Any]) -> None:
+    """gptq's per-module fields (the config's, or a `dynamic` rule's at `where`) of the types they must have."""
+    for field, ok in (("bits", lambda v: v in (4, 8)), ("group_size", lambda v: type(v) is int and (v == -1 or v > 0)),
+                      ("sym", lambda v: type(v) is bool), ("desc_act", lambda v: type(v) is bool)):
+        if settings.get(field) is not None and not ok(settings[field]):
+            raise _refuse(source, f"{where}{field}", settings[field])
+
+
+def _dynamic(source: str, dynamic: Any) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """GPTQModel's `dynamic` rules checked: each key a regex ("-:" / "+:" / no prefix), each "+" rule a
+    dict whose bits, group_size, sym and desc_act pagedrl can hold."""
+    if dynamic is None:
+        return ()
+    if not isinstance(dynamic, dict):
+        raise _refuse(source, "dynamic", dynamic)
+    for key, overrides in dynamic.items():
+        try:
+            re.compile(key.removeprefix("-:").removeprefix("+:"))
+        except re.error as e:
+            raise PrequantizedError(f"{source}: quantization_config.dynamic key {key!r} is not a regular expression "
+                                    f"({e})") from None
+        if not isinstance(overrides, dict):
+            raise _refuse(source, f"dynamic[{key!r}]", overrides)
+        if not key.startswith("-:"):
+            _check_settings(source, f"dynamic[{key!r}].", overrides)
+    return tuple(dynamic.items())
 
 
 def _compressed_tensors(quant: dict[str, Any], source: str) -> Scheme:
