@@ -11,8 +11,10 @@ answer's place) gives in one forward the completion's summed log-probs and those
 reference, is KTO's KL reference point (`kto_losses.kl_estimate`; averaged over the ranks in training, as
 TRL gathers it; without gradient, so its tokens add nothing to the backward). Then `kto_losses.kto_loss`
 summed over the completions and divided by the completions of the whole step, so accumulation and DDP
-give the gradient of TRL's mean. The KL term needs the rows in dataset order (TRL's sequential sampler):
-each micro-batch is then the block its KL completions were drawn from.
+give the gradient of TRL's mean. The KL term needs the rows in dataset order (TRL's sequential sampler), and
+each micro-batch is exactly the block its KL completions were drawn from (`block_stream.BlockStream`): every
+epoch ends with its short block and starts again at block 0, in training and in evaluation, under any
+number of processes.
 
 A mixture of experts adds the router load-balancing loss over the prompt and completion tokens (TRL's
 forward of the batch; the KL sequences are a second forward there, without it), as DPO does.
@@ -37,6 +39,7 @@ from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import OfflineAlgorithm
 from pagedrl.train.algorithms.dpo import DPO, Dataset, ReferencedPair, answer_logps, run_with_reference
 from pagedrl.train.algorithms.pair_batch import PairBatch
+from pagedrl.train.block_stream import BlockStream, blocks_of
 from pagedrl.train.data import load_train_and_eval
 from pagedrl.train.distributed import all_reduce_sum
 from pagedrl.train.examples import Preference
@@ -69,6 +72,26 @@ class KTO(DPO):
             for rows in (examples, eval_examples or []):
                 pair_kl(rows, config.per_device_train_batch_size, config.max_length)
         return examples, report, eval_examples
+
+    def __init__(self, config: KTOConfig, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.blocks: BlockStream | None = None
+        if uses_kl(config.loss_type):  # each micro-batch one block of rows, as pair_kl drew the KL completions
+            self.blocks = BlockStream(self.num_examples, self.per_device, self.accumulation, self.dist.world_size)
+            self.stream = self.blocks  # type: ignore[assignment]  # what the checkpoint stores and `epoch` reads
+            self.steps_per_epoch = self.blocks.steps_per_epoch
+
+    def step_batches(self, step: int) -> list[Any]:
+        if self.blocks is None:
+            return super().step_batches(step)
+        return [self.collate([self.examples[i] for i in rows]) for rows in self.blocks.take(self.dist.rank)]
+
+    def eval_shares(self) -> list[list[Any]]:
+        """With a KL term, the eval rows' blocks (as pair_kl drew them) dealt out to the ranks in turn."""
+        if self.blocks is None or self.eval_examples is None:
+            return super().eval_shares()
+        blocks = blocks_of(len(self.eval_examples), self.per_device)[self.dist.rank::self.dist.world_size]
+        return [[self.eval_examples[i] for i in rows] for rows in blocks]
 
     def shuffled(self, config: Any) -> bool:
         return config.train_sampling_strategy == "random"
