@@ -22,7 +22,9 @@ forward of the batch; the KL sequences are a second forward there, without it), 
 Metrics under TRL's names: `kl`, `rewards/chosen` and `rewards/rejected` (β·log-ratio, mean over the
 desirable and the undesirable completions), `rewards/margins`, `logps/chosen`, `logps/rejected`,
 `logits/chosen`, `logits/rejected` (the vocabulary-mean logit, mean over each side's completion tokens),
-`entropy` (mean over completion tokens), `num_tokens` (prompt + completion tokens since the start).
+`entropy` (mean over completion tokens), `num_tokens` (prompt + completion tokens since the start). Each but
+`num_tokens` is one value per micro-batch (its rows pooled over the ranks in training) counting 1 in the logged
+mean, as TRL appends one per micro-batch and its `log()` averages them (`kto_losses.kto_metrics`).
 """
 
 from __future__ import annotations
@@ -119,6 +121,9 @@ class KTO(DPO):
         total = all_reduce_sum([float(value)], self.dist)[0].item()
         return value.new_tensor(total / self.dist.world_size)
 
+    def sum_over_ranks(self, totals: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(totals, self.dist).to(totals.device)
+
     def loss(self, model: Any, batch: PairBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         c, n = self.config, batch.num_pairs
         assert batch.desirable is not None and batch.answer_of is not None
@@ -136,16 +141,17 @@ class KTO(DPO):
                        c.undesirable_weight)
         loss = out.losses.sum() / global_count
         with torch.no_grad():
-            metrics: dict[str, Any] = dict(kto_metrics(out, logps, batch.desirable, kl))
             completion = batch.answer_of < n
             good = completion & batch.desirable[batch.answer_of.clamp(max=n - 1)]
-            for side, mask in (("chosen", good), ("rejected", completion & ~good)):
-                if bool(mask.any()):
-                    metrics[f"logits/{side}"] = Metric.mean(policy.mean_logits[mask].sum(), mask.sum())
+            assert policy.entropy is not None
+            more = {f"logits/{side}": (policy.mean_logits[mask].sum(), mask.sum())
+                    for side, mask in (("chosen", good), ("rejected", completion & ~good))}
+            more["entropy"] = (policy.entropy[completion].sum(), completion.sum())
+            # Training: each micro-batch's totals over all ranks, as TRL gathers them (every rank runs as many).
+            pool = self.sum_over_ranks if self.dist.distributed and self.model.training else None
+            metrics: dict[str, Any] = dict(kto_metrics(out, logps, batch.desirable, kl, more, pool))
             if self.dist.distributed:  # every rank reports the same names: a side it lacks weighs 0
                 metrics.update({k: Metric.mean(0.0, 0.0) for k in ONE_SIDED if k not in metrics})
-            assert policy.entropy is not None
-            metrics["entropy"] = Metric.mean(policy.entropy[completion].sum(), completion.sum())
             metrics["num_tokens"] = Metric.cumulative(batch.num_tokens)
         if balance and router_logits:
             loss = self.add_router_loss(loss, router_logits, batch.token_weights, metrics)
