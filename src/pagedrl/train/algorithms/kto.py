@@ -122,7 +122,7 @@ class KTO(DPO):
         return value.new_tensor(total / self.dist.world_size)
 
     def sum_over_ranks(self, totals: torch.Tensor) -> torch.Tensor:
-        return all_reduce_sum(totals, self.dist).to(totals.device)
+        return all_reduce_sum(totals, self.dist).reshape(totals.shape).to(totals.device)
 
     def loss(self, model: Any, batch: PairBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         c, n = self.config, batch.num_pairs
