@@ -9,6 +9,8 @@ import torch
 from preference_data import dpo_trainer, preference_rows, unpaired_rows
 from tiny_train import build_model_dir
 
+from pagedrl.train.metrics import MetricTotals
+
 PER = 4  # rows per micro-batch, TRL's and ours
 # Float32 forwards in a different order (ours: one packed row per completion and its KL completion; TRL's:
 # two padded batches) round differently: summed log-probs of ~30 agree to ~1e-5 of their size.
@@ -74,6 +76,7 @@ def test_first_batches_equal_trl_kto_trainer(tiny_train_model, other_model, tmp_
     assert (algorithm.reference is None) == precompute
     model = algorithm.model.train()
     tokens = 0.0  # num_tokens: since the start
+    window = MetricTotals()  # both micro-batches logged as one step: TRL's log() averages their values
     truncated = 0
     for k, (features, trl_loss, trl_metrics) in enumerate(theirs):
         examples = algorithm.examples[k * PER:(k + 1) * PER]
@@ -91,6 +94,11 @@ def test_first_batches_equal_trl_kto_trainer(tiny_train_model, other_model, tmp_
         for name, m in metrics.items():
             got = float(m.total) / float(m.weight) if m.reduce == "mean" else tokens
             assert got == pytest.approx(trl_metrics[name], **TOLERANCE), (k, name)
+            window.add(name, m)
         if other_ref and k == 0:
             assert abs(trl_metrics.get("rewards/chosen", 0.0)) > 1e-3  # a reference that differs: rewards count
     assert (truncated > 0) == ("max_length" in settings)
+    logged = window.values()
+    for name in set(logged) - {"num_tokens"}:
+        values = [m[name] for _, _, m in theirs if name in m]
+        assert logged[name] == pytest.approx(sum(values) / len(values), **TOLERANCE), name

@@ -131,6 +131,8 @@ def test_kto_averages_its_kl_term_over_the_ranks(two_processes, tiny_train_model
     two = two_processes[0]["kto-ddp"][0]
     algorithm = build("kto", tiny_train_model, tmp_path, DistInfo(), None).algorithm
     c, losses, kls = algorithm.config, [], []
+    rewards: dict[str, list] = {"chosen": [], "rejected": []}
+    per_rank: dict[str, list] = {"chosen": [], "rejected": []}  # each rank's own micro-batch means instead
     for k in range(2):
         batches = [algorithm.collate(algorithm.examples[start:start + 2]) for start in (2 * k, 4 + 2 * k)]
         with torch.no_grad():
@@ -141,9 +143,22 @@ def test_kto_averages_its_kl_term_over_the_ranks(two_processes, tiny_train_model
         kls.append(float(kl))
         for b, (pi, ref) in zip(batches, logps, strict=True):
             losses.append(kto_loss(pi[:2], ref[:2], b.desirable, kl, c.beta, c.loss_type).losses.sum())
+        # TRL's metric of micro-batch k: its rows on both ranks pooled, one value counting 1 in the step's mean
+        both = torch.cat([c.beta * (pi[:2] - ref[:2]) for pi, ref in logps])
+        good = torch.cat([b.desirable for b in batches])
+        for side, mask in (("chosen", good), ("rejected", ~good)):
+            if bool(mask.any()):
+                rewards[side].append((float(both[mask].sum()), int(mask.sum())))
+            per_rank[side] += [float(r[m].mean()) for r, m in zip(both.split(2), mask.split(2), strict=True) if m.any()]
     assert min(kls) > 0.01  # the term is there to be checked
     assert two["loss"] == pytest.approx(float(sum(losses)) / 8, abs=TOL)
     assert two["metrics"]["kl"] == pytest.approx(sum(kls) / 2, abs=TOL)
+    gaps = []
+    for side, sums in rewards.items():
+        expected = sum(t / n for t, n in sums) / len(sums)
+        assert two["metrics"][f"rewards/{side}"] == pytest.approx(expected, abs=TOL), side
+        gaps.append(abs(sum(per_rank[side]) / len(per_rank[side]) - expected))
+    assert max(gaps) > 1e-4  # the ranks' means unpooled would log another number: the check can fail
 
 
 @pytest.mark.parametrize(("dynamic_sampling", "scale_rewards"), [(False, "batch"), (True, "batch"), (True, "group")])

@@ -99,6 +99,7 @@ class Algorithm:
     generation_config: dict[str, Any] | None = None  # written beside the weights (sampling defaults)
     num_examples: int | None = None  # rows of an offline dataset; None for online algorithms
     examples_per_step: int = 0  # global rows (or prompts) one optimizer step consumes
+    steps_per_epoch: int | None = None  # where epochs end on a step of their own (KTO's blocks); else rows / step
     find_unused_parameters: bool = False  # for DDP: True if some trained parameters may get no gradient
     # Set by the loop: the trained weights whole on this rank inside it (see the module docstring).
     full_weights: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
@@ -224,8 +225,7 @@ class OfflineAlgorithm(Algorithm):
         """`loss` and the metrics over the whole eval set, normalised as one big step."""
         if not self.eval_examples:
             return None
-        share = self.eval_examples[self.dist.rank::self.dist.world_size]
-        batches = [self.collate(share[i:i + self.per_device]) for i in range(0, len(share), self.per_device)]
+        batches = [self.collate(rows) for rows in self.eval_shares()]
         local = sum(float(self.count(b)) for b in batches)
         global_count, global_batches = all_reduce_op([local, len(batches)], self.dist, "sum").tolist()
         self.eval_batches = max(int(global_batches), 1)
@@ -244,6 +244,12 @@ class OfflineAlgorithm(Algorithm):
         self.model.train(was_training)
         totals.add("loss", Metric.sum(loss_sum))
         return totals.all_reduce(self.dist).values()
+
+    def eval_shares(self) -> list[list[Any]]:
+        """This rank's evaluation micro-batches: every world_size-th eval row, per_device at a time."""
+        assert self.eval_examples is not None
+        share = self.eval_examples[self.dist.rank::self.dist.world_size]
+        return [share[i:i + self.per_device] for i in range(0, len(share), self.per_device)]
 
     def micro_batch_share(self) -> float:
         """What one micro-batch's mean term (the router's load-balancing loss) counts for in the loss:

@@ -71,23 +71,36 @@ def kto_loss(policy_logps: Tensor, ref_logps: Tensor, desirable: Tensor, kl: Ten
     return KTOOutput(losses, beta * logratios.detach())
 
 
-def kto_metrics(out: KTOOutput, policy_logps: Tensor, desirable: Tensor, kl: Tensor | float) -> dict[str, Metric]:
+Sums = dict[str, tuple[Tensor, Tensor]]  # metric name -> (total, count) of one micro-batch
+
+
+def kto_metrics(out: KTOOutput, policy_logps: Tensor, desirable: Tensor, kl: Tensor | float, more: Sums | None = None,
+                pool: Callable[[Tensor], Tensor] | None = None) -> dict[str, Metric]:
     """One micro-batch's metrics under TRL's names: `kl` (z₀), `rewards/chosen` and `logps/chosen` (mean
-    over the desirable completions), `rewards/rejected` and `logps/rejected` (the undesirable ones),
-    `rewards/margins` (the two reward means' difference). As TRL, a side the micro-batch has none of logs
-    nothing (not a 0), and the margin only a micro-batch with both."""
+    over the desirable completions), `rewards/rejected` and `logps/rejected` (the undesirable ones), `more`'s
+    totals over their counts (the trainer's logits and entropy per token), and `rewards/margins` (the two
+    reward means' difference). As TRL, each is this micro-batch's mean, counting 1 when a logged window's
+    micro-batches are averaged (TRL's `log()` averages the means it appended, however many rows each had);
+    totals and counts pooled first by `pool` (their sums over the ranks, as TRL gathers them) where given;
+    and a metric without a row or token of its side logs nothing (not a 0), the margin only with both."""
     desirable = desirable.to(torch.bool)
     logps = policy_logps.detach()
-    metrics = {"kl": Metric.mean(torch.as_tensor(kl, dtype=logps.dtype).detach().reshape(()))}
-    means = {}
+    sums: Sums = {}
     for side, mask in (("chosen", desirable), ("rejected", ~desirable)):
-        n = int(mask.sum())
-        if n:
-            metrics[f"rewards/{side}"] = Metric.mean(out.rewards[mask].sum(), n)
-            metrics[f"logps/{side}"] = Metric.mean(logps[mask].sum(), n)
-            means[side] = out.rewards[mask].sum() / n
-    if len(means) == 2:
-        metrics["rewards/margins"] = Metric.mean(means["chosen"] - means["rejected"])
+        count = mask.sum()
+        sums[f"rewards/{side}"] = (out.rewards[mask].sum(), count)
+        sums[f"logps/{side}"] = (logps[mask].sum(), count)
+    sums.update(more or {})
+    totals = torch.stack([torch.stack([torch.as_tensor(v, dtype=torch.float64, device=logps.device).detach()
+                                       for v in pair]) for pair in sums.values()])  # [metrics, 2]
+    if pool is not None:
+        totals = pool(totals)
+    metrics = {"kl": Metric.mean(torch.as_tensor(kl, dtype=logps.dtype).detach().reshape(()))}
+    for name, (total, count) in zip(sums, totals.tolist(), strict=True):
+        if count > 0:
+            metrics[name] = Metric.mean(total / count)
+    if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
+        metrics["rewards/margins"] = Metric.mean(metrics["rewards/chosen"].total - metrics["rewards/rejected"].total)
     return metrics
 
 

@@ -37,6 +37,8 @@ def total_steps(config: TrainConfig, algorithm: Algorithm) -> int:
     if not algorithm.num_examples or not algorithm.examples_per_step:
         raise ValueError("max_steps: this algorithm has no dataset size to derive steps from num_train_epochs; "
                          "set max_steps")
+    if algorithm.steps_per_epoch:
+        return max(1, math.ceil(config.num_train_epochs * algorithm.steps_per_epoch))
     return max(1, math.ceil(config.num_train_epochs * algorithm.num_examples / algorithm.examples_per_step))
 
 

@@ -11,8 +11,10 @@ answer's place) gives in one forward the completion's summed log-probs and those
 reference, is KTO's KL reference point (`kto_losses.kl_estimate`; averaged over the ranks in training, as
 TRL gathers it; without gradient, so its tokens add nothing to the backward). Then `kto_losses.kto_loss`
 summed over the completions and divided by the completions of the whole step, so accumulation and DDP
-give the gradient of TRL's mean. The KL term needs the rows in dataset order (TRL's sequential sampler):
-each micro-batch is then the block its KL completions were drawn from.
+give the gradient of TRL's mean. The KL term needs the rows in dataset order (TRL's sequential sampler), and
+each micro-batch is exactly the block its KL completions were drawn from (`block_stream.BlockStream`): every
+epoch ends with its short block and starts again at block 0, in training and in evaluation, under any
+number of processes.
 
 A mixture of experts adds the router load-balancing loss over the prompt and completion tokens (TRL's
 forward of the batch; the KL sequences are a second forward there, without it), as DPO does.
@@ -20,7 +22,9 @@ forward of the batch; the KL sequences are a second forward there, without it), 
 Metrics under TRL's names: `kl`, `rewards/chosen` and `rewards/rejected` (β·log-ratio, mean over the
 desirable and the undesirable completions), `rewards/margins`, `logps/chosen`, `logps/rejected`,
 `logits/chosen`, `logits/rejected` (the vocabulary-mean logit, mean over each side's completion tokens),
-`entropy` (mean over completion tokens), `num_tokens` (prompt + completion tokens since the start).
+`entropy` (mean over completion tokens), `num_tokens` (prompt + completion tokens since the start). Each but
+`num_tokens` is one value per micro-batch (its rows pooled over the ranks in training) counting 1 in the logged
+mean, as TRL appends one per micro-batch and its `log()` averages them (`kto_losses.kto_metrics`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pagedrl.model.tokenizer import Tokenizer
 from pagedrl.train.algorithm import OfflineAlgorithm
 from pagedrl.train.algorithms.dpo import DPO, Dataset, ReferencedPair, answer_logps, run_with_reference
 from pagedrl.train.algorithms.pair_batch import PairBatch
+from pagedrl.train.block_stream import BlockStream, blocks_of
 from pagedrl.train.data import load_train_and_eval
 from pagedrl.train.distributed import all_reduce_sum
 from pagedrl.train.examples import Preference
@@ -70,6 +75,26 @@ class KTO(DPO):
                 pair_kl(rows, config.per_device_train_batch_size, config.max_length)
         return examples, report, eval_examples
 
+    def __init__(self, config: KTOConfig, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.blocks: BlockStream | None = None
+        if uses_kl(config.loss_type):  # each micro-batch one block of rows, as pair_kl drew the KL completions
+            self.blocks = BlockStream(self.num_examples, self.per_device, self.accumulation, self.dist.world_size)
+            self.stream = self.blocks  # type: ignore[assignment]  # what the checkpoint stores and `epoch` reads
+            self.steps_per_epoch = self.blocks.steps_per_epoch
+
+    def step_batches(self, step: int) -> list[Any]:
+        if self.blocks is None:
+            return super().step_batches(step)
+        return [self.collate([self.examples[i] for i in rows]) for rows in self.blocks.take(self.dist.rank)]
+
+    def eval_shares(self) -> list[list[Any]]:
+        """With a KL term, the eval rows' blocks (as pair_kl drew them) dealt out to the ranks in turn."""
+        if self.blocks is None or self.eval_examples is None:
+            return super().eval_shares()
+        blocks = blocks_of(len(self.eval_examples), self.per_device)[self.dist.rank::self.dist.world_size]
+        return [[self.eval_examples[i] for i in rows] for rows in blocks]
+
     def shuffled(self, config: Any) -> bool:
         return config.train_sampling_strategy == "random"
 
@@ -96,6 +121,9 @@ class KTO(DPO):
         total = all_reduce_sum([float(value)], self.dist)[0].item()
         return value.new_tensor(total / self.dist.world_size)
 
+    def sum_over_ranks(self, totals: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(totals, self.dist).reshape(totals.shape).to(totals.device)
+
     def loss(self, model: Any, batch: PairBatch, global_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         c, n = self.config, batch.num_pairs
         assert batch.desirable is not None and batch.answer_of is not None
@@ -113,16 +141,17 @@ class KTO(DPO):
                        c.undesirable_weight)
         loss = out.losses.sum() / global_count
         with torch.no_grad():
-            metrics: dict[str, Any] = dict(kto_metrics(out, logps, batch.desirable, kl))
             completion = batch.answer_of < n
             good = completion & batch.desirable[batch.answer_of.clamp(max=n - 1)]
-            for side, mask in (("chosen", good), ("rejected", completion & ~good)):
-                if bool(mask.any()):
-                    metrics[f"logits/{side}"] = Metric.mean(policy.mean_logits[mask].sum(), mask.sum())
+            assert policy.entropy is not None
+            more = {f"logits/{side}": (policy.mean_logits[mask].sum(), mask.sum())
+                    for side, mask in (("chosen", good), ("rejected", completion & ~good))}
+            more["entropy"] = (policy.entropy[completion].sum(), completion.sum())
+            # Training: each micro-batch's totals over all ranks, as TRL gathers them (every rank runs as many).
+            pool = self.sum_over_ranks if self.dist.distributed and self.model.training else None
+            metrics: dict[str, Any] = dict(kto_metrics(out, logps, batch.desirable, kl, more, pool))
             if self.dist.distributed:  # every rank reports the same names: a side it lacks weighs 0
                 metrics.update({k: Metric.mean(0.0, 0.0) for k in ONE_SIDED if k not in metrics})
-            assert policy.entropy is not None
-            metrics["entropy"] = Metric.mean(policy.entropy[completion].sum(), completion.sum())
             metrics["num_tokens"] = Metric.cumulative(batch.num_tokens)
         if balance and router_logits:
             loss = self.add_router_loss(loss, router_logits, batch.token_weights, metrics)
