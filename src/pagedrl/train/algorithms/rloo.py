@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from pagedrl.train.algorithms.grpo import GRPO, entropy_metric, sampling_gap_metrics
-from pagedrl.train.distributed import gather_objects
+from pagedrl.train.distributed import all_reduce_sum, gather_objects
 from pagedrl.train.losses import rloo_surrogate
 from pagedrl.train.metrics import Metric
 from pagedrl.train.rl.advantages import _nanstd, rloo_advantages
@@ -109,8 +109,9 @@ class RLOO(GRPO):
         std = _nanstd(self.penalised_rewards.view(-1, r.num_generations), dim=1)
         zero = torch.isclose(std, torch.zeros_like(std))
         m["frac_reward_zero_std"] = Metric.mean(float(zero.sum()), r.num_prompts)
-        if self.kl_sums is not None:
-            m["kl"] = Metric.mean(*self.kl_sums)
+        if self.kl_sums is not None:  # every rank's tokens; TRL counts at least 1: 0, not NaN, when all are masked
+            total, tokens = all_reduce_sum([float(v) for v in self.kl_sums], self.dist).tolist()
+            m["kl"] = Metric.mean(total / max(tokens, 1.0))
         return m
 
     def summary_lines(self) -> list[str]:
