@@ -76,7 +76,9 @@ class GRPO(OnlineAlgorithm):
     # -- prompts and rollouts -------------------------------------------------------------------
 
     def step_batches(self, step: int) -> list[PackedBatch]:
-        if (step - 1) % self.config.num_iterations == 0:
+        # A new rollout every num_iterations steps, and whenever this process has none: a run resumed from a
+        # checkpoint saved between the steps of one rollout makes a fresh one, as TRL's emptied buffer does
+        if self.rollout is None or (step - 1) % self.config.num_iterations == 0:
             with self.full_weights():  # sharded: the engine and the no-grad passes see whole weights
                 self.rollout = self.collect()
                 self.llm.sleep()  # the optimizer runs next: the KV cache gives its memory back until the next rollout
