@@ -20,9 +20,11 @@ import trl.trainer.rloo_trainer as rloo_module
 from test_losses_trl import _Accelerator, _metrics
 from trl.trainer.rloo_trainer import RLOOTrainer
 
+from pagedrl.train.algorithms.grpo import clip_extremes
 from pagedrl.train.algorithms.rloo import RLOO
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.losses import rloo_surrogate
+from pagedrl.train.metrics import MetricTotals
 from pagedrl.train.rl.advantages import combine_rewards, rloo_advantages
 from pagedrl.train.rl.config import RLOOConfig
 
@@ -149,6 +151,29 @@ def test_loss_gradient_and_clip_ratios_equal_trls() -> None:
         assert flags.double().mean().item() == pytest.approx(logged[f"clip_ratio/{name}_mean"][0], abs=1e-15)
     assert out.is_low_clipped.double().min().item() == logged["clip_ratio/low_min"][0]
     assert out.is_high_clipped.double().max().item() == logged["clip_ratio/high_max"][0]
+
+
+def test_clip_extremes_are_trls_means_over_micro_batches() -> None:
+    """TRL appends each micro-batch's min (max) clip flag and logs their mean: two micro-batches, one with
+    both completions low-clipped and one with one of them, log a `low_min` of 0.5 (the step's min is 0)."""
+    mask, old = torch.ones(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.float64)
+    logp = torch.full((2, 3), -0.2, dtype=torch.float64)  # ratio exp(-0.6): low-clipped where A < 0
+    trainer = SimpleNamespace(model=SimpleNamespace(training=True), accelerator=_Accelerator(), aux_loss_enabled=False,
+                              epsilon_low=0.2, epsilon_high=0.2, _metrics=_metrics(),
+                              _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.ones_like(logp), None))
+    totals = MetricTotals()
+    for advantages in ([-1.0, -1.0], [-1.0, 1.0]):
+        adv = torch.tensor(advantages, dtype=torch.float64)
+        RLOOTrainer._compute_loss(trainer, None, {
+            "prompt_ids": torch.ones(2, 1, dtype=torch.long), "prompt_mask": torch.ones(2, 1, dtype=torch.long),
+            "completion_ids": mask, "completion_mask": mask, "old_logps": old.sum(1), "advantages": adv})
+        out = rloo_surrogate(logp, old, adv, mask.bool())
+        for name, metric in clip_extremes(out.is_low_clipped, out.is_high_clipped, mask.bool()).items():
+            totals.add(name, metric)
+    ours, logged = totals.all_reduce(DistInfo()).values(), trainer._metrics["train"]
+    for name in ("clip_ratio/low_min", "clip_ratio/high_max"):
+        assert ours[name] == statistics.fmean(logged[name]), name
+    assert ours["clip_ratio/low_min"] == 0.5
 
 
 def test_leave_one_out_baseline_and_kl_in_reward_by_hand() -> None:

@@ -188,6 +188,7 @@ class GRPO(OnlineAlgorithm):
             metrics["clip_ratio/low_mean"] = Metric.mean(out.is_low_clipped.sum().float(), flags)
             metrics["clip_ratio/high_mean"] = Metric.mean(out.is_high_clipped.sum().float(), flags)
             metrics["clip_ratio/region_mean"] = Metric.mean(out.is_region_clipped.sum().float(), flags)
+            metrics.update(clip_extremes(out.is_low_clipped, out.is_high_clipped, mask))
         return self.with_router_loss(loss, metrics, router_logits, b)
 
     def policy_logps(self, model: Any, b: PackedBatch) -> tuple[TargetLogprobs, list[torch.Tensor] | None]:
@@ -273,6 +274,23 @@ def sampling_gap_metrics(old: torch.Tensor, b: PackedBatch) -> dict[str, Any]:
     diff = (old - b.sampling_logps).abs().masked_fill(~b.mask, 0.0)
     return {"sampling/sampling_logp_difference/mean": Metric.mean(diff.sum(), b.mask.sum()),
             "sampling/sampling_logp_difference/max": Metric.max(diff.max())}
+
+
+def clip_extremes(low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> dict[str, Metric]:
+    """TRL's `clip_ratio/low_min` and `/high_max`: the least (greatest) share of a completion's tokens clipped
+    (its one flag at sequence level, or RLOO's [B]) in this micro-batch, over every rank's completions, then
+    averaged over the micro-batches (`Metric.micro_min`). A completion with no token left is skipped (NaN),
+    as TRL's `nanmin` skips it; NaN where the micro-batch has none, as in TRL."""
+    def per_completion(flags: torch.Tensor) -> torch.Tensor:
+        if flags.dim() == 1 or flags.shape[1] == 1:
+            return flags.reshape(-1).double()
+        return (flags.double() * mask).sum(-1) / mask.sum(-1)
+
+    lo, hi = per_completion(low), per_completion(high)
+    least = torch.where(lo.isnan(), math.inf, lo).min() if lo.numel() else lo.new_tensor(math.inf)
+    most = torch.where(hi.isnan(), -math.inf, hi).max() if hi.numel() else hi.new_tensor(-math.inf)
+    return {"clip_ratio/low_min": Metric.micro_min(torch.where(least.isinf(), math.nan, least)),
+            "clip_ratio/high_max": Metric.micro_max(torch.where(most.isinf(), math.nan, most))}
 
 
 def entropy_metric(out_lp: TargetLogprobs, b: PackedBatch) -> Metric:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pagedrl.train.algorithms.grpo import GRPO, entropy_metric, sampling_gap_metrics
+from pagedrl.train.algorithms.grpo import GRPO, clip_extremes, entropy_metric, sampling_gap_metrics
 from pagedrl.train.distributed import all_reduce_sum, gather_objects
 from pagedrl.train.losses import rloo_surrogate
 from pagedrl.train.metrics import Metric
@@ -96,9 +96,7 @@ class RLOO(GRPO):
         for name, flags in (("low", out.is_low_clipped), ("high", out.is_high_clipped),
                             ("region", out.is_region_clipped)):
             metrics[f"clip_ratio/{name}_mean"] = Metric.mean(flags.sum().float(), n)
-        # TRL's min / max of a micro-batch's flags; here over the step's micro-batches and ranks
-        metrics["clip_ratio/low_min"] = Metric.min(out.is_low_clipped.float().min())
-        metrics["clip_ratio/high_max"] = Metric.max(out.is_high_clipped.float().max())
+        metrics.update(clip_extremes(out.is_low_clipped, out.is_high_clipped, b.mask))  # a micro-batch's, as TRL's
         return self.with_router_loss(loss, metrics, router_logits, b)
 
     def step_metrics(self, step: int) -> dict[str, Any]:
