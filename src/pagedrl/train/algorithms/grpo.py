@@ -35,6 +35,7 @@ from pagedrl.train.distributed import DistInfo, all_reduce_sum
 from pagedrl.train.logprobs import TargetLogprobs, target_logprobs
 from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, vespo_weights
 from pagedrl.train.metrics import Metric
+from pagedrl.train.rl.advantages import nanstd
 from pagedrl.train.rl.config import GRPOConfig
 from pagedrl.train.rl.online import OnlineAlgorithm
 from pagedrl.train.rl.packing import PackedBatch, pack, split_units
@@ -225,7 +226,8 @@ class GRPO(OnlineAlgorithm):
         lengths = r.lengths.to(torch.float64)
         truncated = r.truncated.to(torch.float64)
         finite = torch.nan_to_num(totals, nan=0.0)
-        std = torch.stack([_nanstd(t) for t in totals])
+        # a group with fewer than two scored completions (nanstd NaN) counts as zero-std: no signal in it
+        std = torch.nan_to_num(nanstd(totals, dim=1), nan=0.0)
         m: dict[str, Any] = {
             "reward": Metric.mean(finite.sum(), (~totals.isnan()).sum()),
             "frac_reward_zero_std": Metric.mean(float((std < 1e-6).sum()), r.num_prompts),
@@ -365,9 +367,3 @@ def _batch_stds(columns: Sequence[torch.Tensor], dist: DistInfo) -> list[float]:
         variance = (squares - total * total / n) / (n - 1) if n > 1 else 0.0
         stds.append(math.sqrt(max(variance, 0.0)))
     return stds
-
-
-def _nanstd(values: torch.Tensor) -> torch.Tensor:
-    """The standard deviation (Bessel's) of the values that are not NaN, 0 for fewer than two (TRL's nanstd)."""
-    kept = values[~values.isnan()]
-    return kept.std() if kept.numel() > 1 else values.new_zeros(())
