@@ -10,11 +10,11 @@ import torch
 from trl.trainer.utils import nanstd as trl_nanstd
 
 from pagedrl.train.rl.advantages import (
-    _nanstd,
     combine_rewards,
     gae,
     group_advantages,
     masked_whiten,
+    nanstd,
     zero_std_groups,
 )
 
@@ -81,8 +81,8 @@ def test_group_advantages_use_the_unbiased_std_as_trl() -> None:
     # mean 0.25; unbiased std sqrt(0.75 / 3) = 0.5
     assert group_advantages(rewards, eps=1e-4)[0, 0].item() == pytest.approx(0.75 / 0.5001, rel=1e-12)
     x = torch.tensor(reward_table(1))
-    torch.testing.assert_close(_nanstd(x, dim=1), trl_nanstd(x, dim=1), equal_nan=True)
-    torch.testing.assert_close(_nanstd(x), trl_nanstd(x))
+    torch.testing.assert_close(nanstd(x, dim=1), trl_nanstd(x, dim=1), equal_nan=True)
+    torch.testing.assert_close(nanstd(x), trl_nanstd(x))
 
 
 def test_group_advantages_reject_bad_arguments() -> None:

@@ -8,6 +8,7 @@ line for line, and what it computes must equal the composition of pagedrl's pure
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -17,8 +18,11 @@ from float_bounds import U
 from trl.trainer.dpo_trainer import DPOTrainer
 from trl.trainer.grpo_trainer import GRPOTrainer
 
+from pagedrl.train.algorithms.grpo import clip_extremes
+from pagedrl.train.distributed import DistInfo
 from pagedrl.train.dpo_losses import dpo_loss
 from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, vespo_weights
+from pagedrl.train.metrics import MetricTotals
 
 # --------------------------------------------------------------------------------------------- DPO
 
@@ -237,6 +241,28 @@ def test_grpo_loss_composed_from_pieces_equals_trl_grpo_trainer(loss_type, beta,
     assert metrics["clip_ratio/high_mean"][0] == pytest.approx(out.is_high_clipped.sum().item() / n, rel=U)
     assert metrics["clip_ratio/region_mean"][0] == pytest.approx(out.is_region_clipped.sum().item() / n, rel=U)
     assert 0 < out.is_region_clipped.sum() < n  # the batch exercises both clipped and unclipped tokens
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_grpo_clip_extremes_are_trls_micro_batch_means(level) -> None:
+    """`clip_ratio/low_min` and `/high_max`: TRL appends each micro-batch's min (max) over its completions'
+    clipped shares (a completion with no token skipped) and logs their mean, not the step's min (max)."""
+    totals, logged, step_max = MetricTotals(), defaultdict(list), 0.0
+    for seed in (3, 5):
+        mask, logp, old, ref, sampling, adv = _grpo_batch(seed=seed)
+        mask[1] = 0  # no token: NaN, skipped
+        _, _, metrics = _trl_grpo("grpo", 0.0, 0.05, 0.05, None, 10, mask, logp, old, ref, torch.exp(old - sampling),
+                                  adv, level=level)
+        out = clipped_surrogate(logp, old, adv, mask, epsilon_low=0.05, epsilon_high=0.05, level=level)
+        for name, metric in clip_extremes(out.is_low_clipped, out.is_high_clipped, mask).items():
+            totals.add(name, metric)
+            logged[name] += metrics[name]
+        step_max = max(step_max, float(out.is_high_clipped.double().max()))
+    values = totals.all_reduce(DistInfo()).values()
+    for name in ("clip_ratio/low_min", "clip_ratio/high_max"):
+        assert values[name] == pytest.approx(statistics.fmean(logged[name]), rel=U), name
+    if level == "token":  # (at sequence level the flags are 0 or 1; RLOO's test has micro-batches that differ)
+        assert 0 < values["clip_ratio/high_max"] != step_max  # the mean of two micro-batches' maxima
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])

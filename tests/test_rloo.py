@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import trl
-from test_grpo import write_prompts
+from test_grpo import grpo, write_prompts
 from test_trainer_resume import Interrupted, interrupt_at, metric_rows
 
 from pagedrl.model.loader import load_model
@@ -100,6 +100,31 @@ def test_a_resumed_run_equals_the_run_it_interrupted(tiny_train_model, prompts_f
     assert [r["kl"] == 0.0 for r in got] == [True, True, False, False]
     for (n, p), (_, q) in zip(straight.module.named_parameters(), resumed.module.named_parameters(), strict=True):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_a_resume_between_the_steps_of_one_rollout_makes_a_fresh_one(tiny_train_model, prompts_file, tmp_path,
+                                                                      algorithm) -> None:
+    """num_iterations 2, a checkpoint at step 1: the resumed step 2 would reuse a rollout the new process never
+    made; it makes a fresh one (TRL's buffer is empty after a resume), and step 3 its own."""
+    fields = dict(max_steps=3, save_steps=1, num_iterations=2)
+    first = _trainer(algorithm, tiny_train_model, prompts_file, tmp_path, **fields)
+    interrupt_at(first, 2)
+    with pytest.raises(Interrupted):
+        first.train()
+    resumed = _trainer(algorithm, tiny_train_model, prompts_file, tmp_path, resume_from_checkpoint=True, **fields)
+    made, collect = [], resumed.algorithm.collect
+    resumed.algorithm.collect = lambda: made.append(1) or collect()  # type: ignore[method-assign]
+    resumed.train()
+    assert len(made) == 2 and [r["step"] for r in metric_rows(tmp_path) if "reward" in r] == [1, 2, 3]
+
+
+def _trainer(algorithm: str, model_dir: Path, prompts_file: Path, output_dir: Path, **fields) -> Trainer:
+    if algorithm == "rloo":
+        return rloo_trainer(model_dir, prompts_file, output_dir, **fields)
+    algo = grpo(model_dir, prompts_file, output_dir=str(output_dir), per_device_train_batch_size=4,
+                max_completion_length=8, report_to=["jsonl"], **fields)
+    return Trainer(algo.config, algo, DistInfo(), progress=False)
 
 
 def test_config_has_trls_names_and_defaults_and_refuses_what_rloo_lacks() -> None:

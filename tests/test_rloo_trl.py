@@ -20,8 +20,11 @@ import trl.trainer.rloo_trainer as rloo_module
 from test_losses_trl import _Accelerator, _metrics
 from trl.trainer.rloo_trainer import RLOOTrainer
 
+from pagedrl.train.algorithms.grpo import clip_extremes
 from pagedrl.train.algorithms.rloo import RLOO
+from pagedrl.train.distributed import DistInfo
 from pagedrl.train.losses import rloo_surrogate
+from pagedrl.train.metrics import MetricTotals
 from pagedrl.train.rl.advantages import combine_rewards, rloo_advantages
 from pagedrl.train.rl.config import RLOOConfig
 
@@ -52,16 +55,17 @@ class _Gathers(_Accelerator):
     process_index = 0
 
 
-def _trl_scored(monkeypatch, mask, old, ref, rewards, beta, normalize, clip):
-    """TRL's `_generate_and_score_completions` output and metrics for this batch, on one process."""
+def _trl_scored(monkeypatch, mask, old, ref, rewards, beta, normalize, clip, truncated, mask_truncated):
+    """TRL's `_generate_and_score_completions` output and metrics for this batch, on one process; a
+    completion not `truncated` ends with the EOS token (1)."""
     monkeypatch.setattr(rloo_module, "gather", lambda t: t)
     monkeypatch.setattr(rloo_module, "gather_object", lambda o: o)
     rows = mask.shape[0]
     model, ref_model = SimpleNamespace(training=True, is_gradient_checkpointing=False), object()
-    completion_ids = [[7] * int(n) for n in mask.sum(1)]
+    completion_ids = [[7] * (int(n) - 1) + [7 if cut else 1] for n, cut in zip(mask.sum(1), truncated, strict=True)]
     trainer = SimpleNamespace(
         accelerator=_Gathers(), model=model, ref_model=ref_model, _tokenizer=SimpleNamespace(pad_token_id=0),
-        pad_to_multiple_of=None, mask_truncated_completions=False, eos_token_ids=[1],
+        pad_to_multiple_of=None, mask_truncated_completions=mask_truncated, eos_token_ids=[1],
         args=SimpleNamespace(per_device_train_batch_size=rows, gradient_checkpointing_kwargs=None), beta=beta,
         num_generations=G, reward_weights=torch.tensor(WEIGHTS, dtype=torch.float64), reward_clip_range=clip,
         normalize_advantages=normalize, reward_func_names=["a", "b"], _metrics=_metrics(),
@@ -83,7 +87,7 @@ def _ours(mask, old, ref, rewards, beta, normalize, clip):
     """pagedrl's advantages, and the RLOO algorithm's KL and frac_reward_zero_std metrics on a stand-in."""
     config = RLOOConfig(beta=beta, normalize_advantages=normalize, reward_clip_range=clip, num_generations=G)
     batch = SimpleNamespace(old_logps=old, ref_logps=ref, mask=mask.bool(), completion_index=torch.arange(len(mask)))
-    algo = SimpleNamespace(config=config, batches=[batch], rollout=[None] * len(mask))
+    algo = SimpleNamespace(config=config, batches=[batch], rollout=[None] * len(mask), dist=DistInfo())
     kls = RLOO.sequence_kls(algo)  # type: ignore[arg-type]
     totals = combine_rewards(rewards, WEIGHTS)
     advantages, penalised = rloo_advantages(totals, G, kls, beta, clip, normalize)
@@ -92,22 +96,29 @@ def _ours(mask, old, ref, rewards, beta, normalize, clip):
     return advantages, RLOO.step_metrics(algo, 1)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("beta", "normalize", "clip"), [(0.05, False, None), (0.2, True, None),
-                                                         (0.0, False, None), (0.1, True, [0.2, 0.7])])
-def test_advantages_and_rollout_metrics_equal_trls(monkeypatch, beta, normalize, clip) -> None:
+@pytest.mark.parametrize(("beta", "normalize", "clip", "cut"), [
+    (0.05, False, None, None), (0.2, True, None, None), (0.0, False, None, None), (0.1, True, [0.2, 0.7], None),
+    (0.1, False, None, "some"), (0.05, True, None, "all")])
+def test_advantages_and_rollout_metrics_equal_trls(monkeypatch, beta, normalize, clip, cut) -> None:
+    """`cut`: mask_truncated_completions, with every third completion cut by the length limit ("some") or
+    every one ("all": no token left, where TRL logs a KL of 0)."""
     mask, old, ref, _, rewards = _batch(seed=int(beta * 100))
-    out, metrics = _trl_scored(monkeypatch, mask, old, ref, rewards, beta, normalize, clip)
-    advantages, ours = _ours(mask, old, ref, rewards, beta, normalize, clip)
+    rows = torch.arange(mask.shape[0])
+    truncated = rows % 3 == 0 if cut == "some" else torch.full_like(rows, cut == "all", dtype=torch.bool)
+    out, metrics = _trl_scored(monkeypatch, mask, old, ref, rewards, beta, normalize, clip, truncated, cut is not None)
+    kept = mask * ~truncated[:, None] if cut else mask  # what `pack` leaves of a cut completion's mask
+    advantages, ours = _ours(kept, old, ref, rewards, beta, normalize, clip)
     torch.testing.assert_close(advantages, out["advantages"], rtol=0, atol=1e-10)
     assert advantages[5] == 0 and advantages[G * 2] == 0  # unscorable; no scored sibling
     assert (advantages[:G] != 0).all()
     frac = ours["frac_reward_zero_std"].total / ours["frac_reward_zero_std"].weight
-    # TRL's: the agreeing group without a KL penalty; never the group of one scored reward (its nanstd is NaN)
-    # (TRL takes that share's mean in float32: 1/3 to 1e-8)
-    assert frac == pytest.approx(metrics["frac_reward_zero_std"][0], abs=3e-8) and frac == (0 if beta else 1 / 3)
+    # TRL's: the agreeing group without a KL penalty (none, or none left unmasked); never the group of one scored
+    # reward (its nanstd is NaN) (TRL takes that share's mean in float32: 1/3 to 1e-8)
+    penalty = beta and cut != "all"
+    assert frac == pytest.approx(metrics["frac_reward_zero_std"][0], abs=3e-8) and frac == (0 if penalty else 1 / 3)
     if beta:
         assert float(ours["kl"].total / ours["kl"].weight) == pytest.approx(metrics["kl"][0], rel=1e-10)
-        assert abs(metrics["kl"][0]) > 1e-3
+        assert metrics["kl"][0] == 0 if cut == "all" else abs(metrics["kl"][0]) > 1e-3
     else:
         assert "kl" not in ours and "kl" not in metrics
 
@@ -140,6 +151,29 @@ def test_loss_gradient_and_clip_ratios_equal_trls() -> None:
         assert flags.double().mean().item() == pytest.approx(logged[f"clip_ratio/{name}_mean"][0], abs=1e-15)
     assert out.is_low_clipped.double().min().item() == logged["clip_ratio/low_min"][0]
     assert out.is_high_clipped.double().max().item() == logged["clip_ratio/high_max"][0]
+
+
+def test_clip_extremes_are_trls_means_over_micro_batches() -> None:
+    """TRL appends each micro-batch's min (max) clip flag and logs their mean: two micro-batches, one with
+    both completions low-clipped and one with one of them, log a `low_min` of 0.5 (the step's min is 0)."""
+    mask, old = torch.ones(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.float64)
+    logp = torch.full((2, 3), -0.2, dtype=torch.float64)  # ratio exp(-0.6): low-clipped where A < 0
+    trainer = SimpleNamespace(model=SimpleNamespace(training=True), accelerator=_Accelerator(), aux_loss_enabled=False,
+                              epsilon_low=0.2, epsilon_high=0.2, _metrics=_metrics(),
+                              _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.ones_like(logp), None))
+    totals = MetricTotals()
+    for advantages in ([-1.0, -1.0], [-1.0, 1.0]):
+        adv = torch.tensor(advantages, dtype=torch.float64)
+        RLOOTrainer._compute_loss(trainer, None, {
+            "prompt_ids": torch.ones(2, 1, dtype=torch.long), "prompt_mask": torch.ones(2, 1, dtype=torch.long),
+            "completion_ids": mask, "completion_mask": mask, "old_logps": old.sum(1), "advantages": adv})
+        out = rloo_surrogate(logp, old, adv, mask.bool())
+        for name, metric in clip_extremes(out.is_low_clipped, out.is_high_clipped, mask.bool()).items():
+            totals.add(name, metric)
+    ours, logged = totals.all_reduce(DistInfo()).values(), trainer._metrics["train"]
+    for name in ("clip_ratio/low_min", "clip_ratio/high_max"):
+        assert ours[name] == statistics.fmean(logged[name]), name
+    assert ours["clip_ratio/low_min"] == 0.5
 
 
 def test_leave_one_out_baseline_and_kl_in_reward_by_hand() -> None:

@@ -35,6 +35,7 @@ from pagedrl.train.distributed import DistInfo, all_reduce_sum
 from pagedrl.train.logprobs import TargetLogprobs, target_logprobs
 from pagedrl.train.losses import aggregate, clipped_surrogate, kl_estimate, vespo_weights
 from pagedrl.train.metrics import Metric
+from pagedrl.train.rl.advantages import nanstd
 from pagedrl.train.rl.config import GRPOConfig
 from pagedrl.train.rl.online import OnlineAlgorithm
 from pagedrl.train.rl.packing import PackedBatch, pack, split_units
@@ -76,7 +77,9 @@ class GRPO(OnlineAlgorithm):
     # -- prompts and rollouts -------------------------------------------------------------------
 
     def step_batches(self, step: int) -> list[PackedBatch]:
-        if (step - 1) % self.config.num_iterations == 0:
+        # A new rollout every num_iterations steps, and whenever this process has none: a run resumed from a
+        # checkpoint saved between the steps of one rollout makes a fresh one, as TRL's emptied buffer does
+        if self.rollout is None or (step - 1) % self.config.num_iterations == 0:
             with self.full_weights():  # sharded: the engine and the no-grad passes see whole weights
                 self.rollout = self.collect()
                 self.llm.sleep()  # the optimizer runs next: the KV cache gives its memory back until the next rollout
@@ -186,6 +189,7 @@ class GRPO(OnlineAlgorithm):
             metrics["clip_ratio/low_mean"] = Metric.mean(out.is_low_clipped.sum().float(), flags)
             metrics["clip_ratio/high_mean"] = Metric.mean(out.is_high_clipped.sum().float(), flags)
             metrics["clip_ratio/region_mean"] = Metric.mean(out.is_region_clipped.sum().float(), flags)
+            metrics.update(clip_extremes(out.is_low_clipped, out.is_high_clipped, mask))
         return self.with_router_loss(loss, metrics, router_logits, b)
 
     def policy_logps(self, model: Any, b: PackedBatch) -> tuple[TargetLogprobs, list[torch.Tensor] | None]:
@@ -222,7 +226,8 @@ class GRPO(OnlineAlgorithm):
         lengths = r.lengths.to(torch.float64)
         truncated = r.truncated.to(torch.float64)
         finite = torch.nan_to_num(totals, nan=0.0)
-        std = torch.stack([_nanstd(t) for t in totals])
+        # a group with fewer than two scored completions (nanstd NaN) counts as zero-std: no signal in it
+        std = torch.nan_to_num(nanstd(totals, dim=1), nan=0.0)
         m: dict[str, Any] = {
             "reward": Metric.mean(finite.sum(), (~totals.isnan()).sum()),
             "frac_reward_zero_std": Metric.mean(float((std < 1e-6).sum()), r.num_prompts),
@@ -271,6 +276,23 @@ def sampling_gap_metrics(old: torch.Tensor, b: PackedBatch) -> dict[str, Any]:
     diff = (old - b.sampling_logps).abs().masked_fill(~b.mask, 0.0)
     return {"sampling/sampling_logp_difference/mean": Metric.mean(diff.sum(), b.mask.sum()),
             "sampling/sampling_logp_difference/max": Metric.max(diff.max())}
+
+
+def clip_extremes(low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> dict[str, Metric]:
+    """TRL's `clip_ratio/low_min` and `/high_max`: the least (greatest) share of a completion's tokens clipped
+    (its one flag at sequence level, or RLOO's [B]) in this micro-batch, over every rank's completions, then
+    averaged over the micro-batches (`Metric.micro_min`). A completion with no token left is skipped (NaN),
+    as TRL's `nanmin` skips it; NaN where the micro-batch has none, as in TRL."""
+    def per_completion(flags: torch.Tensor) -> torch.Tensor:
+        if flags.dim() == 1 or flags.shape[1] == 1:
+            return flags.reshape(-1).double()
+        return (flags.double() * mask).sum(-1) / mask.sum(-1)
+
+    lo, hi = per_completion(low), per_completion(high)
+    least = torch.where(lo.isnan(), math.inf, lo).min() if lo.numel() else lo.new_tensor(math.inf)
+    most = torch.where(hi.isnan(), -math.inf, hi).max() if hi.numel() else hi.new_tensor(-math.inf)
+    return {"clip_ratio/low_min": Metric.micro_min(torch.where(least.isinf(), math.nan, least)),
+            "clip_ratio/high_max": Metric.micro_max(torch.where(most.isinf(), math.nan, most))}
 
 
 def entropy_metric(out_lp: TargetLogprobs, b: PackedBatch) -> Metric:
@@ -345,9 +367,3 @@ def _batch_stds(columns: Sequence[torch.Tensor], dist: DistInfo) -> list[float]:
         variance = (squares - total * total / n) / (n - 1) if n > 1 else 0.0
         stds.append(math.sqrt(max(variance, 0.0)))
     return stds
-
-
-def _nanstd(values: torch.Tensor) -> torch.Tensor:
-    """The standard deviation (Bessel's) of the values that are not NaN, 0 for fewer than two (TRL's nanstd)."""
-    kept = values[~values.isnan()]
-    return kept.std() if kept.numel() > 1 else values.new_zeros(())

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from pagedrl.train.algorithms.grpo import GRPO, entropy_metric, sampling_gap_metrics
-from pagedrl.train.distributed import gather_objects
+from pagedrl.train.algorithms.grpo import GRPO, clip_extremes, entropy_metric, sampling_gap_metrics
+from pagedrl.train.distributed import all_reduce_sum, gather_objects
 from pagedrl.train.losses import rloo_surrogate
 from pagedrl.train.metrics import Metric
-from pagedrl.train.rl.advantages import _nanstd, rloo_advantages
+from pagedrl.train.rl.advantages import nanstd, rloo_advantages
 from pagedrl.train.rl.config import RLOOConfig
 from pagedrl.train.rl.packing import PackedBatch
 from pagedrl.train.rl.rollout import Rollout, collect_rollout
@@ -40,9 +40,10 @@ class RLOO(GRPO):
         return "completions"  # TRL: the mean over completions of each one's loss
 
     def collect(self) -> Rollout:
-        """The scored rollout; its advantages are set once the KLs are known (`assign_advantages`)."""
+        """The scored rollout, without GRPO's group advantages: RLOO's are set once the KLs are known
+        (`assign_advantages`), from the whole batch's rewards the rollout gathered."""
         return collect_rollout(self.llm, self.next_prompts, self.prompts_per_step, self.sampling, self.reward_funcs,
-                               self.config.reward_weights, "none", False, dist=self.dist)
+                               self.config.reward_weights, None, False, dist=self.dist)
 
     def needs_old_logps(self) -> bool:
         # beta > 0: the KL in the reward is the policy's before the update (TRL's old_per_token_logps)
@@ -68,10 +69,10 @@ class RLOO(GRPO):
     def assign_advantages(self) -> None:
         r = self.rollout
         assert r is not None
-        rewards, kls = r.total_rewards, self.sequence_kls()
+        rewards, kls = r.batch_rewards, self.sequence_kls()  # the whole batch's, every rank's in rank order
         world, G = self.dist.world_size, r.num_generations
-        if world > 1:  # the whole batch's, every rank's groups in rank order (TRL's gather)
-            rewards, kls = (torch.cat(gather_objects(t, self.dist)) for t in (rewards, kls))
+        if world > 1:  # TRL's gather: the KLs are known only now
+            kls = torch.cat(gather_objects(kls, self.dist))
         c = self.config
         advantages, penalised = rloo_advantages(rewards, G, kls, c.beta, c.reward_clip_range, c.normalize_advantages)
         mine = slice(self.dist.rank * len(r), (self.dist.rank + 1) * len(r)) if world > 1 else slice(None)
@@ -96,9 +97,7 @@ class RLOO(GRPO):
         for name, flags in (("low", out.is_low_clipped), ("high", out.is_high_clipped),
                             ("region", out.is_region_clipped)):
             metrics[f"clip_ratio/{name}_mean"] = Metric.mean(flags.sum().float(), n)
-        # TRL's min / max of a micro-batch's flags; here over the step's micro-batches and ranks
-        metrics["clip_ratio/low_min"] = Metric.min(out.is_low_clipped.float().min())
-        metrics["clip_ratio/high_max"] = Metric.max(out.is_high_clipped.float().max())
+        metrics.update(clip_extremes(out.is_low_clipped, out.is_high_clipped, b.mask))  # a micro-batch's, as TRL's
         return self.with_router_loss(loss, metrics, router_logits, b)
 
     def step_metrics(self, step: int) -> dict[str, Any]:
@@ -106,11 +105,12 @@ class RLOO(GRPO):
         r = self.rollout
         assert r is not None
         # TRL's share of groups whose rewards, the KL penalty in them, all agree (nanstd close to 0)
-        std = _nanstd(self.penalised_rewards.view(-1, r.num_generations), dim=1)
+        std = nanstd(self.penalised_rewards.view(-1, r.num_generations), dim=1)
         zero = torch.isclose(std, torch.zeros_like(std))
         m["frac_reward_zero_std"] = Metric.mean(float(zero.sum()), r.num_prompts)
-        if self.kl_sums is not None:
-            m["kl"] = Metric.mean(*self.kl_sums)
+        if self.kl_sums is not None:  # every rank's tokens; TRL counts at least 1: 0, not NaN, when all are masked
+            total, tokens = all_reduce_sum([float(v) for v in self.kl_sums], self.dist).tolist()
+            m["kl"] = Metric.mean(total / max(tokens, 1.0))
         return m
 
     def summary_lines(self) -> list[str]:

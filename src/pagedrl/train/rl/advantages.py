@@ -55,9 +55,10 @@ def _grouped(rewards: Tensor, num_generations: int | None) -> Tensor:
     return rewards.view(-1, num_generations)
 
 
-def _nanstd(x: Tensor, dim: int | None = None) -> Tensor:
+def nanstd(x: Tensor, dim: int | None = None) -> Tensor:
     """Unbiased (Bessel-corrected) standard deviation ignoring NaN, TRL's `nanstd`: NaN when fewer
-    than two values are present."""
+    than two values are present (RLOO's `frac_reward_zero_std` then does not count the group, as TRL's
+    does not; GRPO's metric reads it as 0, see `GRPO.rollout_metrics`)."""
     mean = torch.nanmean(x, dim=dim, keepdim=True)
     count = (~torch.isnan(x)).sum(dim=dim, keepdim=True).to(x.dtype)
     sq = torch.nansum((x - mean) ** 2, dim=dim, keepdim=True)
@@ -103,10 +104,10 @@ def group_advantages(
     grouped = _grouped(rewards, num_generations)
     centred = grouped - torch.nanmean(grouped, dim=1, keepdim=True)
     if scale_rewards == "group":
-        std = _nanstd(grouped, dim=1).unsqueeze(1) if grouped.shape[1] > 1 else torch.zeros_like(grouped[:, :1])
+        std = nanstd(grouped, dim=1).unsqueeze(1) if grouped.shape[1] > 1 else torch.zeros_like(grouped[:, :1])
         centred = centred / (std + eps)
     elif scale_rewards == "batch":
-        std = _nanstd(grouped) if grouped.numel() > 1 else torch.zeros((), dtype=grouped.dtype)
+        std = nanstd(grouped) if grouped.numel() > 1 else torch.zeros((), dtype=grouped.dtype)
         centred = centred / (std + eps)
     centred = centred.masked_fill(zero_std_groups(grouped).unsqueeze(1), 0.0)
     return torch.nan_to_num(centred, nan=0.0).reshape(rewards.shape)
@@ -137,7 +138,7 @@ def rloo_advantages(rewards: Tensor, num_generations: int, kl: Tensor | None = N
     baseline = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (scored - 1)
     advantages = (grouped - baseline).reshape(rewards.shape)
     if normalize:
-        advantages = (advantages - torch.nanmean(advantages)) / (_nanstd(advantages) + 1e-4)
+        advantages = (advantages - torch.nanmean(advantages)) / (nanstd(advantages) + 1e-4)
     return torch.nan_to_num(advantages, nan=0.0), penalised
 
 

@@ -50,6 +50,7 @@ class Rollout:
     rewards: torch.Tensor = field(default_factory=_empty)  # [P·G, F] float64, NaN = not applicable
     total_rewards: torch.Tensor = field(default_factory=_empty)  # [P·G] float64, weighted sum
     advantages: torch.Tensor = field(default_factory=_empty)  # [P·G] float32 (GRPO's group baseline)
+    batch_rewards: torch.Tensor = field(default_factory=_empty)  # [world·P·G] every rank's total_rewards, rank order
     seconds: float = 0.0
     prefix_blocks_shared: int = 0
     rounds: int = 1
@@ -106,7 +107,7 @@ class Rollout:
                        completion_ids=[self.completion_ids[r] for r in rows], texts=[self.texts[r] for r in rows],
                        sampling_logps=[self.sampling_logps[r] for r in rows], truncated=pick(self.truncated),
                        rewards=pick(self.rewards), total_rewards=pick(self.total_rewards),
-                       advantages=pick(self.advantages))
+                       advantages=pick(self.advantages), batch_rewards=_empty())  # not the selection's batch
 
     @staticmethod
     def cat(parts: Sequence[Rollout]) -> Rollout:
@@ -189,9 +190,10 @@ def gather_rollout(part: Rollout, dist: DistInfo) -> Rollout:
 
 def collect_rollout(llm: LLM, next_rows: NextRows, num_prompts: int, params: SamplingParams,
                     funcs: Sequence[tuple[str, RewardFunc]], weights: Sequence[float] | None,
-                    scale_rewards: str, dynamic_sampling: bool, max_rounds: int = 4,
+                    scale_rewards: str | None, dynamic_sampling: bool, max_rounds: int = 4,
                     dist: DistInfo | None = None) -> Rollout:
-    """`num_prompts` scored groups per rank with GRPO's group advantages. `next_rows(k)` gives this
+    """`num_prompts` scored groups per rank with GRPO's group advantages (`scale_rewards` None: none, for
+    a caller that sets its own from `batch_rewards`, the whole batch's rewards gathered once here). `next_rows(k)` gives this
     rank's share of the run's next k prompts (over all ranks) and their seeds. With dynamic
     sampling, groups whose rewards all agree are dropped and replaced from the next prompts, for
     up to `max_rounds` rounds; if still short, dropped groups fill the gap (they add nothing to
@@ -242,14 +244,19 @@ def collect_rollout(llm: LLM, next_rows: NextRows, num_prompts: int, params: Sam
     totals = rollout.total_rewards
     if world > 1 and not dynamic_sampling:  # each rank holds its own groups: gather their rewards
         totals = torch.cat(gather_objects(totals, dist))
-    advantages = group_advantages(totals.view(-1, rollout.num_generations), scale_rewards=scale_rewards)
-    advantages = advantages.reshape(-1).to(torch.float32)
+    advantages = None
+    if scale_rewards is not None:
+        advantages = group_advantages(totals.view(-1, rollout.num_generations), scale_rewards=scale_rewards)
+        advantages = advantages.reshape(-1).to(torch.float32)
     if world > 1:
         rank, G = dist.rank, rollout.num_generations
         if dynamic_sampling:  # every rank holds all kept groups: keep this rank's slice
             rollout = rollout.select(range(rank * num_prompts, (rank + 1) * num_prompts))
-        advantages = advantages[rank * num_prompts * G:(rank + 1) * num_prompts * G]
-    rollout.advantages = advantages
+        if advantages is not None:
+            advantages = advantages[rank * num_prompts * G:(rank + 1) * num_prompts * G]
+    if advantages is not None:
+        rollout.advantages = advantages
+    rollout.batch_rewards = totals
     rollout.rounds, rollout.prefix_blocks_shared, rollout.seconds = rounds, shared, time.perf_counter() - t0
     rollout.sampled_completions, rollout.sampled_tokens = drawn, tokens
     return rollout
