@@ -113,7 +113,7 @@ def test_a_run_logs_trls_metrics_and_resumes_to_the_same_result(tiny_train_model
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_example_config_runs(tiny_train_model, teacher, tmp_path, monkeypatch) -> None:
+def test_example_config_runs(tiny_train_model, teacher, tmp_path, monkeypatch, capsys) -> None:
     """examples/distill_arithmetic.yaml as shipped, its teacher the folder `pagedrl grpo
     examples/grpo_arithmetic.yaml` writes (a tiny model in its place, and the tiny student, for speed): refused
     naming that command while the folder is missing, then run with its held-out evaluation."""
@@ -122,9 +122,9 @@ def test_example_config_runs(tiny_train_model, teacher, tmp_path, monkeypatch) -
     args = ["examples/distill_arithmetic.yaml", f"model={tiny_train_model}", "max_steps=1",
             "per_device_train_batch_size=2", "gradient_accumulation_steps=1", "max_completion_length=4",
             "task_num_eval=2", "eval_steps=1"]
-    with pytest.raises(ValueError, match=r"^teacher_model_name_or_path: runs/grpo_arithmetic/final is not a folder "
-                                         r"or file; `pagedrl grpo examples/grpo_arithmetic.yaml` writes it$"):
-        train_main("distill", args)
+    assert train_main("distill", args) == 1
+    assert capsys.readouterr().err == ("pagedrl distill: error: teacher_model_name_or_path: runs/grpo_arithmetic/final "
+                                       "is not a folder or file; `pagedrl grpo examples/grpo_arithmetic.yaml` writes it\n")
     shutil.copytree(teacher, tmp_path / "runs" / "grpo_arithmetic" / "final")
     assert train_main("distill", args) == 0
     rows = read_metrics(tmp_path / "runs" / "distill_arithmetic" / "metrics.jsonl")
