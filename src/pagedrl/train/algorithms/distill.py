@@ -161,7 +161,8 @@ class Distillation(OnlineAlgorithm):
         return [
             f"distill: {self.prompts_per_step} prompts per rank per step, one completion each, "
             f"{c.max_completion_length} tokens max, temperature {c.temperature}",
-            f"distill: teacher {c.teacher_model_name_or_path} (frozen), {kind} over the whole vocabulary at "
+            f"distill: teacher {c.teacher_model_name_or_path} (frozen, "
+            f"{str(next(self.teacher.parameters()).dtype).removeprefix('torch.')}), {kind} over the whole vocabulary at "
             f"each completion token; {len(self.eval_rows)} held-out prompts",
             f"distill: {self.rollout_line()}",
         ]
