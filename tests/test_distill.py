@@ -13,11 +13,12 @@ from test_grpo import write_prompts
 from tiny_train import build_model_dir
 
 from pagedrl.model.loader import load_model
-from pagedrl.train.algorithms.distill import Distillation, DistillationConfig, run_distill
+from pagedrl.train.algorithms.distill import Distillation, DistillationConfig, run_distill, teacher_dtype
 from pagedrl.train.cli import train_main
 from pagedrl.train.config import load_config
 from pagedrl.train.distributed import DistInfo
 from pagedrl.train.logging import read_metrics
+from pagedrl.train.metrics import MetricTotals
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TIME_KEYS = {"wall_time", "train_time", "step_time"}
@@ -58,7 +59,9 @@ def test_first_batch_loss_and_gradient_are_trls_on_the_same_completions(tiny_tra
     ours = [algo.loss(algo.model, b, count) for b in batches]
     loss = sum(float(lo) for lo, _ in ours)
     sum(lo for lo, _ in ours).backward()
-    entropy = sum(float(m["entropy"].total) for _, m in ours) / float(count)
+    totals = MetricTotals()
+    for _, m in ours:
+        totals.add("entropy", m["entropy"])
     rollout = algo.rollout
     assert rollout is not None and len(rollout) == 6 and int(count) == rollout.generated_tokens
 
@@ -66,17 +69,21 @@ def test_first_batch_loss_and_gradient_are_trls_on_the_same_completions(tiny_tra
                      gradient_checkpointing=False, temperature=0.9, beta=0.5)
     trl = DistillationTrainer(model=str(tiny_train_model), teacher_model=str(teacher), args=args,
                               train_dataset=Dataset.from_list([{"prompt": "unused"}]))
-    theirs = entropy_sum = 0.0
+    theirs, entropy_of, tokens_of = 0.0, {}, {}
     for i in range(len(rollout)):  # one completion at a time: no padding, the step's token count as TRL's divisor
         p, c = torch.tensor([rollout.prompt_of(i).prompt_ids]), torch.tensor([rollout.completion_ids[i]])
         inputs = dict(prompt_ids=p, prompt_mask=torch.ones_like(p), completion_ids=c, completion_mask=torch.ones_like(c))
         part, ent, _ = trl._compute_loss(trl.model, inputs, count)
         part.backward()
         theirs += float(part)
-        entropy_sum += float(ent)
+        entropy_of[i], tokens_of[i] = float(ent), c.numel()
     # two float32 forwards of each model (transformers' and pagedrl's) and TRL's float32 kernel
     assert loss == pytest.approx(theirs, rel=1e-5) and loss > 1e-3
-    assert entropy == pytest.approx(entropy_sum / float(count), rel=1e-5)
+    # TRL's `entropy`: each micro-batch's token mean, averaged over the micro-batches (of unequal token counts)
+    means = [sum(entropy_of[int(i)] for i in b.completion_index) / sum(tokens_of[int(i)] for i in b.completion_index)
+             for b in batches]
+    assert len({int(b.mask.sum()) for b in batches}) == 2
+    assert totals.values()["entropy"] == pytest.approx(sum(means) / len(means), rel=1e-5)
     # the gradients too, tensor by tensor (the same names): ~5e-7 of each tensor's largest entry here
     trl_grads = {n: p.grad for n, p in trl.model.named_parameters()}
     for name, p in algo.model.named_parameters():
@@ -106,15 +113,22 @@ def test_a_run_logs_trls_metrics_and_resumes_to_the_same_result(tiny_train_model
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_example_config_runs(tiny_train_model, teacher, tmp_path) -> None:
-    """examples/distill_arithmetic.yaml on the tiny models for speed, with its held-out evaluation."""
-    out = tmp_path / "run"
-    assert train_main("distill", [str(EXAMPLES / "distill_arithmetic.yaml"), f"model={tiny_train_model}",
-                                  f"teacher_model_name_or_path={teacher}", f"output_dir={out}", "max_steps=1",
-                                  "per_device_train_batch_size=2", "gradient_accumulation_steps=1",
-                                  "max_completion_length=4", "task_num_eval=2", "eval_steps=1"]) == 0
-    rows = read_metrics(out / "metrics.jsonl")
-    assert any("eval/accuracy" in r for r in rows) and any("loss" in r for r in rows)
+def test_example_config_runs(tiny_train_model, teacher, tmp_path, monkeypatch, capsys) -> None:
+    """examples/distill_arithmetic.yaml as shipped, its teacher the folder `pagedrl grpo
+    examples/grpo_arithmetic.yaml` writes (a tiny model in its place, and the tiny student, for speed): refused
+    naming that command while the folder is missing, then run with its held-out evaluation."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").symlink_to(EXAMPLES)
+    args = ["examples/distill_arithmetic.yaml", f"model={tiny_train_model}", "max_steps=1",
+            "per_device_train_batch_size=2", "gradient_accumulation_steps=1", "max_completion_length=4",
+            "task_num_eval=2", "eval_steps=1"]
+    assert train_main("distill", args) == 1
+    assert capsys.readouterr().err == ("pagedrl distill: error: teacher_model_name_or_path: runs/grpo_arithmetic/final "
+                                       "is not a folder or file; `pagedrl grpo examples/grpo_arithmetic.yaml` writes it\n")
+    shutil.copytree(teacher, tmp_path / "runs" / "grpo_arithmetic" / "final")
+    assert train_main("distill", args) == 0
+    rows = read_metrics(tmp_path / "runs" / "distill_arithmetic" / "metrics.jsonl")
+    assert any("eval/accuracy" in r for r in rows) and any(r.get("loss", 0) > 0 for r in rows)
 
 
 def test_a_teacher_of_another_vocabulary_is_refused(tiny_train_model, prompts, tmp_path) -> None:
@@ -132,8 +146,10 @@ def test_a_teacher_of_another_vocabulary_is_refused(tiny_train_model, prompts, t
     (["teacher_model_name_or_path=t", "beta=1.5"], r"beta: must be in \[0.0, 1.0\], got 1.5"),
     (["teacher_model_name_or_path=t", "num_generations=4"], "num_generations: TRL's DistillationTrainer samples "
                                                             "one completion per prompt"),
-    (["teacher_model_name_or_path=t", "teacher_model_init_kwargs={dtype: bfloat16}"],
-     "teacher_model_init_kwargs: only None"),
+    (["teacher_model_name_or_path=t", "teacher_model_init_kwargs={device_map: auto}"],
+     "teacher_model_init_kwargs: only `dtype` is read"),
+    (["teacher_model_name_or_path=t", "teacher_model_init_kwargs={dtype: auto}"],
+     r"teacher_model_init_kwargs: dtype must be one of \['bfloat16', 'float16', 'float32'\] or unset"),
     (["teacher_model_name_or_path=t", "use_vllm=true"], "use_vllm: only false"),
 ])
 def test_config_refusals_name_the_key(overrides, message) -> None:
@@ -149,3 +165,13 @@ def test_trls_names_and_defaults() -> None:
                 "log_completions", "num_completions_to_print", "teacher_model_name_or_path",
                 "teacher_model_revision"):
         assert getattr(ours, key) == getattr(theirs, key), key
+
+
+@pytest.mark.parametrize(("overrides", "dtype"), [
+    (["bf16=true"], torch.bfloat16), (["bf16=false"], torch.float32),
+    (["bf16=false", "teacher_model_init_kwargs={dtype: bfloat16}"], torch.bfloat16),
+    (["bf16=true", "teacher_model_init_kwargs={dtype: float16}"], torch.float16),
+])
+def test_the_teacher_loads_in_the_runs_precision_or_the_named_dtype(overrides, dtype) -> None:
+    config = load_config(DistillationConfig, None, ["teacher_model_name_or_path=t", *overrides])
+    assert teacher_dtype(config, torch.device("cpu")) == dtype

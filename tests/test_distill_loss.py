@@ -11,13 +11,20 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
 import torch
 import trl.kernels.chunked_divergence as kernel
 from trl.trainer.distillation_trainer import _chunked_divergence_loss
 
-from pagedrl.train.logprobs import divergence_from_hidden
+from pagedrl.model.loader import load_model
+from pagedrl.train.logprobs import (
+    DIVERGENCE_CHUNK_BYTES,
+    DIVERGENCE_TENSORS,
+    divergence_chunk_rows,
+    divergence_from_hidden,
+)
 from pagedrl.train.losses import aggregate, generalized_jsd
 
 BETAS = (0.0, 0.5, 0.3, 1.0)
@@ -157,3 +164,45 @@ def test_bad_input_is_named() -> None:
         generalized_jsd(torch.zeros(2, 3), torch.zeros(2, 3), 1.5)
     with pytest.raises(ValueError, match=r"teacher_logits: shape \(2, 4\) differs from the student's \(2, 3\)"):
         generalized_jsd(torch.zeros(2, 3), torch.zeros(2, 4), 0.5)
+
+
+@pytest.mark.parametrize("beta", (0.0, 0.5, 1.0))
+def test_bf16_heads_give_float32_logits_as_trls_projection(tiny_train_model, beta: float) -> None:
+    """Under bf16 autocast both heads multiply bf16 operands into float32 logits, as TRL's `_project` does:
+    the divergence is TRL's on the same hidden rows to float32's rounding, where logits rounded to bf16 first
+    (the plain head) are off by far more."""
+    g = torch.Generator().manual_seed(4)
+    student, teacher = (load_model(tiny_train_model, dtype=torch.float32).model for _ in range(2))
+    with torch.no_grad():
+        student.lm_head.weight.copy_(torch.randn(student.lm_head.weight.shape, generator=g) * 0.5)
+        teacher.lm_head.weight.copy_(student.lm_head.weight + 0.01 * torch.randn(student.lm_head.weight.shape,
+                                                                              generator=g))
+    n, h = 48, student.config.hidden_size
+    hs = torch.nn.functional.normalize(torch.randn(n, h, generator=g), dim=-1) * h ** 0.5
+    ht = hs + 0.05 * torch.randn(n, h, generator=g)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs, entropy_sum, _ = _chunked_divergence_loss(hs[None], ht[None], student.lm_head.weight,
+                                                          teacher.lm_head.weight, torch.ones(1, n), beta,
+                                                          num_items_in_batch=n)
+        div, ent = divergence_from_hidden(partial(student.logits, float32_out=True), hs,
+                                          partial(teacher.logits, float32_out=True), ht, beta)
+        rounded, _ = divergence_from_hidden(student.logits, hs, teacher.logits, ht, beta)
+    assert float(theirs) > 1e-3
+    assert float(div.mean()) == pytest.approx(float(theirs), rel=2e-5)
+    assert float(ent.sum()) == pytest.approx(float(entropy_sum), rel=2e-5)
+    assert abs(float(rounded.mean()) / float(theirs) - 1) > 1e-3  # what bf16 logits did before
+
+
+@pytest.mark.parametrize("beta", (0.0, 0.5, 1.0))
+def test_a_chunks_tensors_stay_within_the_stated_budget(beta: float) -> None:
+    """What autograd keeps for `generalized_jsd`'s backward, counted, plus both heads' logits and the backward's
+    gradients: at most DIVERGENCE_TENSORS [rows, vocab] float32 tensors, within budget at a 152k vocabulary."""
+    saved: list[int] = []
+    rows, vocab = 8, 1000
+    student = torch.randn(rows, vocab, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel() * x.element_size()) or x,
+                                                  lambda x: x):
+        generalized_jsd(student, torch.randn(rows, vocab), beta, 0.9)
+    assert sum(saved) / (rows * vocab * 4) + 2 + 2 <= DIVERGENCE_TENSORS  # + both logits + the backward's grads
+    assert divergence_chunk_rows(151936) * 151936 * 4 * DIVERGENCE_TENSORS <= DIVERGENCE_CHUNK_BYTES
+    assert divergence_chunk_rows(151936) == 160

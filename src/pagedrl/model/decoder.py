@@ -239,9 +239,15 @@ class CausalLM(nn.Module):
                                          seq_len=input_ids.shape[1], device=input_ids.device)
         return self.model(input_ids, positions, meta)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, float32_out: bool = False) -> torch.Tensor:
+        """The LM head's logits in float32. `float32_out`: under autocast the product's operands are rounded
+        to the autocast dtype but the product itself is accumulated and returned in float32 (TRL's
+        `_project`), where the plain path returns the autocast dtype's rounded logits, widened after."""
         with batch_invariant.scope(self.model.batch_invariant):
-            logits = self.lm_head(hidden).float()
+            if float32_out and type(self.lm_head) is Linear and self.lm_head.weight.is_floating_point():
+                logits = float32_product(hidden, self.lm_head.weight)
+            else:
+                logits = self.lm_head(hidden).float()
         return gemma.soft_cap(logits, self.config.gemma.final_logit_softcapping) if self.config.gemma else logits
 
     @property
@@ -253,6 +259,16 @@ class CausalLM(nn.Module):
         """The precision the model computes in: its final norm's (a quantized model's projections hold
         GGUF blocks, not floats)."""
         return self.model.norm.weight.dtype
+
+
+def float32_product(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden @ weightᵀ with float32 output from operands in the precision the run computes in (the autocast
+    dtype when autocast is on, else the weight's): no rounding of the result to bfloat16."""
+    kind = hidden.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
+    wide = torch.promote_types(dtype, torch.float32)  # float64 stays float64
+    with torch.autocast(kind, enabled=False):
+        return F.linear(hidden.to(dtype).to(wide), weight.to(dtype).to(wide))
 
 
 def default_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:

@@ -28,6 +28,18 @@ from pagedrl.engine.sampling_params import SamplingParams
 from pagedrl.train.losses import generalized_jsd
 
 CHUNK_ROWS = 1024  # 1024 rows × a 49k vocabulary ≈ 200 MB of float32 logits per chunk
+# Distillation's chunk: at 0 < beta < 1 the backward of `generalized_jsd` keeps 7 [rows, vocab] float32 tensors
+# (2 at beta 0, 4 at 1; counted in tests/test_distill_loss.py) beside both heads' logits, and the backward's
+# gradients add about 2 more: a 512 × 32768 chunk's forward and backward peaked at 10.3 such tensors at beta 0.5.
+# Its rows are sized from the vocabulary to keep 11 of them within this budget (160 rows at a 152k vocabulary,
+# 496 at 49k).
+DIVERGENCE_CHUNK_BYTES = 1 << 30
+DIVERGENCE_TENSORS = 11
+
+
+def divergence_chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk of `divergence_from_hidden` whose [rows, vocab] float32 tensors fit DIVERGENCE_CHUNK_BYTES."""
+    return max(1, DIVERGENCE_CHUNK_BYTES // (DIVERGENCE_TENSORS * 4 * vocab_size))
 
 
 @dataclass
@@ -123,13 +135,15 @@ def entropy_from_logprobs(logp: Tensor) -> Tensor:
 
 def divergence_from_hidden(student_head: Callable[[Tensor], Tensor], student_rows: Tensor,
                            teacher_head: Callable[[Tensor], Tensor], teacher_rows: Tensor, beta: float,
-                           temperature: float = 1.0, chunk_rows: int = CHUNK_ROWS) -> tuple[Tensor, Tensor]:
+                           temperature: float = 1.0, chunk_rows: int | None = None) -> tuple[Tensor, Tensor]:
     """Distillation's per-token divergence [N] (`losses.generalized_jsd` over the whole vocabulary, with a
     gradient to the student) and the student's entropy [N] at `temperature` (none), from both models' hidden
-    rows [N, H_s] and [N, H_t] that predict the same tokens. Both heads run on `chunk_rows` rows at a time, and
-    while training each chunk is recomputed in the backward pass rather than kept, so the [rows, vocab] logits
-    and their softmaxes of one chunk are alive at a time, whatever the number of tokens (TRL projects its
-    chunks on the fly for the same reason)."""
+    rows [N, H_s] and [N, H_t] that predict the same tokens. Each head must return logits in float32 computed
+    from its operands without rounding the product (`Decoder.logits(..., float32_out=True)`, TRL's `_project`):
+    bfloat16 logits would put their rounding into the divergence. Both heads run on `chunk_rows` rows at a time
+    (None: `divergence_chunk_rows` of the vocabulary), and while training each chunk is recomputed in the
+    backward pass rather than kept, so only one chunk's [rows, vocab] tensors (both logits and what the
+    divergence's backward keeps) are alive at a time, whatever the number of tokens."""
     from torch.utils.checkpoint import checkpoint
 
     def widened(logits: Tensor) -> Tensor:  # bf16 logits in float32; float64 ones (a check's) kept
@@ -143,7 +157,10 @@ def divergence_from_hidden(student_head: Callable[[Tensor], Tensor], student_row
         return generalized_jsd(student, teacher, beta, temperature), entropy
 
     divergences, entropies = [], []
-    for start in range(0, student_rows.shape[0], chunk_rows):
+    if chunk_rows is None and student_rows.shape[0]:
+        with torch.no_grad():
+            chunk_rows = divergence_chunk_rows(teacher_head(teacher_rows[:1]).shape[-1])
+    for start in range(0, student_rows.shape[0], chunk_rows or 1):
         s_rows, t_rows = student_rows[start:start + chunk_rows], teacher_rows[start:start + chunk_rows]
         if torch.is_grad_enabled() and s_rows.requires_grad:
             div, ent = checkpoint(chunk, s_rows, t_rows, use_reentrant=False)

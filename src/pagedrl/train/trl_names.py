@@ -76,8 +76,6 @@ FIXED = {
     "bnb_4bit_quant_storage": ((None,), "4-bit weights are stored as pagedrl packs them (load_in_4bit)"),
     # TRL's SFT and GRPO keys, at their defaults what pagedrl does
     "model_init_kwargs": ((None,), "the model is loaded by `model`, `revision` and the precision keys"),
-    "teacher_model_init_kwargs": ((None,), "the teacher is loaded by teacher_model_name_or_path and "
-                                           "teacher_model_revision, in float32 as the student's master weights"),
     # TRL's ScriptArguments (its other data keys are fields: dataset_config, dataset_train_split, ...)
     "dataset_streaming": ((False,), "a dataset is a local file or folder, read a record batch at a time (a "
                                     "Parquet or Arrow one); nothing is streamed from the Hub"),

@@ -9,8 +9,9 @@ generalized JSD; both softened by `temperature`, which also sets the sampling), 
 (`logprobs.divergence_from_hidden`). The loss is the sum over the step's completion tokens divided by their
 number over all micro-batches and ranks, TRL's `num_items_in_batch`.
 
-Metrics under TRL's names: `entropy` (the student's, at `temperature`, per token over the whole step, where
-TRL averages its micro-batches' means), `num_tokens`,
+Metrics under TRL's names: `entropy` (the student's, at `temperature`: each micro-batch's per-token mean,
+averaged over the micro-batches of the logging window as TRL does; across processes the processes' means are
+averaged, where TRL pools each micro-batch's tokens over processes first), `num_tokens`,
 `completions/mean_length`, `/min_length`, `/max_length`, `/clipped_ratio`, `/mean_terminated_length`,
 `/min_terminated_length`, `/max_terminated_length` (over the step's completions on every rank; those of
 the completions that ended with EOS, 0 when none did).
@@ -19,13 +20,14 @@ the completions that ended with EOS, 0 when none did).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from pagedrl.model.tokenizer import Tokenizer
-from pagedrl.train.algorithms.dpo import frozen
+from pagedrl.train.algorithms.dpo import frozen, load_frozen
 from pagedrl.train.config import _require
 from pagedrl.train.distributed import DistInfo, gather_objects
 from pagedrl.train.logprobs import divergence_from_hidden
@@ -46,18 +48,36 @@ class DistillationConfig(OnlineConfig):
 
     trl_checked: ClassVar[tuple[str, ...]] = CHECKED
 
-    num_generations: int = 1
+    num_generations: int = 1  # pagedrl's own key (TRL's DistillationConfig has none): only 1 is accepted
     log_completions: bool = False  # TRL's default
     num_completions_to_print: int | None = None
     teacher_model_name_or_path: str | None = None  # a model folder, GGUF file or Hub id of the student's vocabulary
     teacher_model_revision: str | None = None
     beta: float = 1.0  # 0: forward KL, 0.5: JSD, 1: reverse KL (TRL's default)
+    teacher_model_init_kwargs: dict[str, Any] | None = None  # only `dtype`: bfloat16, float16 or float32
 
     def validate(self) -> None:
         super().validate()
         _require(0.0 <= self.beta <= 1.0, "beta", f"must be in [0.0, 1.0], got {self.beta}")
+        kwargs = self.teacher_model_init_kwargs or {}
+        _require(isinstance(kwargs, dict) and set(kwargs) <= {"dtype"}, "teacher_model_init_kwargs",
+                 f"only `dtype` is read (the teacher is loaded by teacher_model_name_or_path and "
+                 f"teacher_model_revision), got {kwargs!r}")
+        _require(kwargs.get("dtype") in tuple(TEACHER_DTYPES), "teacher_model_init_kwargs",
+                 f"dtype must be one of {sorted(k for k in TEACHER_DTYPES if k)} or unset (the precision the run "
+                 f"computes in), got {kwargs.get('dtype')!r}; 'auto' is not read from the checkpoint")
         _require(self.num_generations == 1, "num_generations", f"TRL's DistillationTrainer samples one completion "
                  f"per prompt (per_device_train_batch_size sets how many prompts), got {self.num_generations}")
+
+
+TEACHER_DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def teacher_dtype(config: DistillationConfig, device: torch.device) -> torch.dtype:
+    """`teacher_model_init_kwargs`' dtype, else the precision the run computes in (bfloat16 under `bf16`, else
+    float32): a frozen model's forwards run in that precision anyway, so its float32 copy would only cost memory."""
+    named = TEACHER_DTYPES[(config.teacher_model_init_kwargs or {}).get("dtype")]
+    return named or (torch.bfloat16 if config.use_bf16(device) else torch.float32)
 
 
 class Distillation(OnlineAlgorithm):
@@ -79,7 +99,7 @@ class Distillation(OnlineAlgorithm):
                          generation_config=generation_config, needs_reward_funcs=False)
         self.model = model
         device = next(model.parameters()).device
-        self.teacher = frozen(teacher.to(device=device, dtype=torch.float32))
+        self.teacher = frozen(teacher.to(device=device))  # in the dtype it was loaded in (`teacher_dtype`)
         self.rollout: Rollout | None = None
         self.batches: list[PackedBatch] = []
 
@@ -104,10 +124,13 @@ class Distillation(OnlineAlgorithm):
         with torch.no_grad():
             t_hidden = self.teacher(b.input_ids, positions=b.positions, meta=b.meta)
             t_rows = t_hidden.reshape(-1, t_hidden.shape[-1]).index_select(0, b.predict_at)
-        div, entropy = divergence_from_hidden(model.logits, rows, self.teacher.logits, t_rows, c.beta, c.temperature)
+        div, entropy = divergence_from_hidden(partial(model.logits, float32_out=True), rows,
+                                              partial(self.teacher.logits, float32_out=True), t_rows, c.beta,
+                                              c.temperature)
         loss = aggregate(b.to_padded(div), b.mask, "token_mean", normaliser=global_count)
         n_tok = b.mask.sum()
-        return loss, {"entropy": Metric.mean(entropy.sum(), n_tok),
+        # TRL logs each micro-batch's mean (0 without tokens) and averages those over the logging window
+        return loss, {"entropy": Metric.mean(entropy.sum() / n_tok.clamp(min=1)),
                       "num_tokens": Metric.cumulative(float(b.input_ids.numel()))}
 
     def step_metrics(self, step: int) -> dict[str, Any]:
@@ -138,7 +161,8 @@ class Distillation(OnlineAlgorithm):
         return [
             f"distill: {self.prompts_per_step} prompts per rank per step, one completion each, "
             f"{c.max_completion_length} tokens max, temperature {c.temperature}",
-            f"distill: teacher {c.teacher_model_name_or_path} (frozen), {kind} over the whole vocabulary at "
+            f"distill: teacher {c.teacher_model_name_or_path} (frozen, "
+            f"{str(next(self.teacher.parameters()).dtype).removeprefix('torch.')}), {kind} over the whole vocabulary at "
             f"each completion token; {len(self.eval_rows)} held-out prompts",
             f"distill: {self.rollout_line()}",
         ]
@@ -146,16 +170,29 @@ class Distillation(OnlineAlgorithm):
 
 def run_distill(config: DistillationConfig, progress: bool = True) -> Path:
     """Distil `config.teacher_model_name_or_path` into `config.model`; returns `output_dir/final`."""
-    from pagedrl.model.loader import load_model
     from pagedrl.train.start import start_run
     from pagedrl.train.trainer import Trainer
 
     if config.teacher_model_name_or_path is None:  # (TRL's config has none either; its trainer takes one)
         raise ValueError("teacher_model_name_or_path: distillation needs a teacher: a model folder, GGUF file or Hub "
                          "id with the student's vocabulary")
+    check_teacher_folder(config.teacher_model_name_or_path)
     dist, loaded = start_run(config, "distillation needs")
-    teacher = load_model(config.teacher_model_name_or_path, device=dist.device, dtype=torch.float32,
-                         load_tokenizer=False, revision=config.teacher_model_revision).model
+    teacher = load_frozen(config.teacher_model_name_or_path, dist.device, teacher_dtype(config, dist.device),
+                          config.teacher_model_revision)
     algorithm = Distillation(config, loaded.model, loaded.tokenizer, dist, teacher,
                              eos_token_ids=loaded.eos_token_ids, generation_config=loaded.generation_config or None)
     return Trainer(config, algorithm, dist, progress=progress).train()
+
+
+def check_teacher_folder(teacher: str) -> None:
+    """A local teacher path (not a Hub id: two slashes or more, or rooted) must exist, before the student loads;
+    a run's `<output_dir>/final` whose config is under examples/ is named with the command that writes it."""
+    path = Path(teacher).expanduser()
+    if path.exists() or not (teacher.count("/") >= 2 or teacher.startswith(("/", ".", "~"))):
+        return
+    run = path.parent.name if path.name == "final" else ""
+    example = Path("examples") / f"{run}.yaml"
+    how = (f"`pagedrl {run.split('_')[0]} {example}` writes it" if run and example.is_file()
+           else "train the teacher first or name another")
+    raise ValueError(f"teacher_model_name_or_path: {teacher} is not a folder or file; {how}")

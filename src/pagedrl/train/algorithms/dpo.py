@@ -142,6 +142,16 @@ def frozen(model: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
+def load_frozen(path: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                revision: str | None = None) -> torch.nn.Module:
+    """A frozen model beside the trained one (DPO's and KTO's `ref_model`, distillation's teacher), in `dtype`,
+    whole on every process: under FSDP2 too, since only the trained model is sharded (a frozen one has no
+    gradients or optimizer state to split, and runs its forwards outside the sharded module's)."""
+    from pagedrl.model.loader import load_model
+
+    return frozen(load_model(path, device=device, dtype=dtype, load_tokenizer=False, revision=revision).model)
+
+
 class DPO(OfflineAlgorithm):
     name = "dpo"
     normaliser = "preference pairs"
@@ -354,14 +364,13 @@ def run_dpo(config: DPOConfig, dataset: Dataset | None = None, eval_dataset: Dat
 def run_with_reference(cls: type[DPO], config: Any, dataset: Dataset | None, eval_dataset: Dataset | None,
                        progress: bool) -> Path:
     """Load the policy (and `ref_model`, if given), build `cls` (DPO or KTO) and train it."""
-    from pagedrl.model.loader import load_model
     from pagedrl.train.start import start_run
     from pagedrl.train.trainer import Trainer
 
     dist, loaded = start_run(config, f"{cls.name.upper()} needs")
     reference = None
     if config.ref_model is not None:
-        reference = load_model(config.ref_model, device=dist.device, dtype=torch.float32, load_tokenizer=False).model
+        reference = load_frozen(config.ref_model, dist.device)
     algorithm = cls(config, loaded.model, loaded.tokenizer, dist, dataset, eval_dataset,
                     loaded.generation_config or None, ref_model=reference)
     del reference  # with precomputed log-probs the algorithm no longer holds it either
