@@ -246,6 +246,22 @@ class Preference:
     rejected_prompt_ids: list[int] | None = None
 
 
+def preference_texts(row: Row) -> dict[str, Text]:
+    """A `{prompt, chosen, rejected}` row's three texts (or message lists), the prompt split off the answers'
+    shared start where the row has none, as TRL's `extract_prompt` does: read once for DPO and reward models,
+    and for KTO's unpairing of such rows."""
+    values = {k: text_field(row, k, allow_empty=k == "prompt") for k in ("prompt", "chosen", "rejected")
+              if k != "prompt" or "prompt" in row.values}
+    chat = samekind_of(row, values)
+    if "prompt" not in values:
+        values = dict(zip(("prompt", "chosen", "rejected"), extract_prompt(values["chosen"], values["rejected"]),
+                          strict=True))
+        if chat and not values["prompt"]:  # a template renders no conversation from no messages
+            raise BadRow("chosen", "shares no first message with 'rejected', so there is no prompt to take "
+                         "from their start (give the row a 'prompt')", "no shared prompt")
+    return values
+
+
 class PreferenceRows:
     """Row converter for `{"prompt", "chosen", "rejected"}` (+ optional numeric `margin`), or
     `{"chosen", "rejected"}` with the prompt implicit: the start both share, split off as TRL's
@@ -264,15 +280,7 @@ class PreferenceRows:
     def __call__(self, row: Row, report: DataReport) -> Preference | None:
         refuse_media(row)
         template = template_kwargs(row)
-        values = {k: text_field(row, k, allow_empty=k == "prompt") for k in ("prompt", "chosen", "rejected")
-                  if k != "prompt" or "prompt" in row.values}
-        chat = samekind_of(row, values)
-        if "prompt" not in values:
-            values = dict(zip(("prompt", "chosen", "rejected"), extract_prompt(values["chosen"], values["rejected"]),
-                              strict=True))
-            if chat and not values["prompt"]:  # a template renders no conversation from no messages
-                raise BadRow("chosen", "shares no first message with 'rejected', so there is no prompt to take "
-                             "from their start (give the row a 'prompt')", "no shared prompt")
+        values = preference_texts(row)
         margin = row.values.get("margin")
         if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))):
             raise BadRow("margin", f"expected a number, got {kind_of(margin)}", "wrong type of 'margin'")

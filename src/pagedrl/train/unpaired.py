@@ -21,12 +21,13 @@ from pagedrl.train.examples import (
     TEMPLATE_COLUMNS,
     extra_columns,
     fit_length,
+    preference_texts,
     refuse_media,
     samekind_of,
     template_kwargs,
     text_field,
 )
-from pagedrl.train.tokenization import Text, extract_prompt, tokenize_prompt_completion
+from pagedrl.train.tokenization import Text, tokenize_prompt_completion
 
 UNPAIR_BLOCK = 1000  # the rows of one `datasets.map` batch, in which TRL's unpair_preference_dataset orders them
 
@@ -74,15 +75,7 @@ class UnpairedRows:
         if "label" in row.values:
             raise BadRow("label", "a paired row's answers are labelled by being chosen or rejected; give either "
                          "{prompt, completion, label} or {prompt, chosen, rejected}", "paired row with a label")
-        values = {k: text_field(row, k, allow_empty=k == "prompt") for k in ("prompt", "chosen", "rejected")
-                  if k != "prompt" or "prompt" in row.values}
-        chat = samekind_of(row, values)
-        if "prompt" not in values:
-            values = dict(zip(("prompt", "chosen", "rejected"), extract_prompt(values["chosen"], values["rejected"]),
-                              strict=True))
-            if chat and not values["prompt"]:
-                raise BadRow("chosen", "shares no first message with 'rejected', so there is no prompt to take "
-                             "from their start (give the row a 'prompt')", "no shared prompt")
+        values = preference_texts(row)
         out = (self.example(row, values["prompt"], values[key], key == "chosen", key, template, report)
                for key in ("chosen", "rejected"))
         return tuple(e for e in out if e is not None) or None
