@@ -114,8 +114,8 @@ def test_without_the_kernels_the_torch_dequantizer_gives_the_same_model(every_ty
 
 
 def test_refusals_are_one_clear_line(every_type_gguf: Path, default_model_dir: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"quantization='awq' is not supported; supported: gguf"):
-        load_model(quantization="awq")
+    with pytest.raises(ValueError, match=r"quantization='fp8' is not supported; supported: gguf"):
+        load_model(quantization="fp8")
     with pytest.raises(ValueError, match="needs a GGUF file; .* is a folder"):
         load_model(str(default_model_dir), quantization="gguf")
     with pytest.raises(ValueError, match="computes in float32 on a CPU"):
